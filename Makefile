@@ -1,0 +1,36 @@
+# Every target sets up .venv on first use. On a machine without CUDA the CPU wheel torch==2.13.0 is
+# installed (it lies on the local disk); where the system Python already has a CUDA build of torch,
+# the venv sees it (--system-site-packages) and it is kept.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		echo "using the system's CUDA build of torch"; $(PY) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PY) -m venv $(VENV) && $(BIN)/pip install -q torch==2.13.0; \
+	fi
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/zeroshard train --nproc 2 --config examples/demo.toml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
