@@ -1,0 +1,1 @@
+"""The ``zeroshard`` command line: one module per subcommand, ``main`` only dispatches."""

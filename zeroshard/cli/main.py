@@ -1,0 +1,46 @@
+"""Entry point of the ``zeroshard`` command: builds the parser from the subcommand modules and
+dispatches. Each subcommand module has ``add_parser(subparsers)`` and ``run(args) -> int``.
+
+A user mistake (``ValueError``/``UsageError`` from a subcommand) prints one line naming the problem
+and the fix and exits with status 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommands, in the order ``--help`` lists them; each is ``zeroshard.cli.<name>``.
+SUBCOMMANDS = ("train",)
+
+
+class UsageError(ValueError):
+    """A mistake in what the user asked for; the message says what to change."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeroshard",
+        description="ZeRO / fully sharded data parallel training on torch.distributed.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"zeroshard.cli.{name}")
+        sub = module.add_parser(subparsers)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except (UsageError, ValueError, FileNotFoundError, PermissionError) as exc:
+        print(f"zeroshard {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
