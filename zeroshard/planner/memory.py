@@ -1,0 +1,368 @@
+"""Memory per device, as the ZeRO papers count it, in bytes by category and memory tier.
+
+Model states (§3, §4): parameters, gradients, optimizer states; each is replicated or split 1/Nd
+across data-parallel ranks as ``zeroshard.stages`` says, split 1/Nm across model-parallel ranks,
+and lives on the device, in CPU memory or on NVMe (ZeRO-Offload / ZeRO-Infinity).
+
+Residual states (§5, §8): activation checkpoints, the activation working memory of one checkpoint
+span, the model-state working memory of the largest operator, stage 3's gathered units, the
+communication buckets, the logits and an allowance for fragmentation.
+
+Every function is pure arithmetic on numbers. A ``MemoryBreakdown`` names every category on every
+tier (zeros included), so a calibration can hold it category by category against measured bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from zeroshard.planner.describe import ModelDescription
+from zeroshard.stages import partition
+
+MODEL_STATES = ("params", "grads", "optimizer_states")
+"""Model-state categories, in the order the papers list them."""
+RESIDUAL_STATES = (
+    "activation_checkpoints",
+    "activation_working",
+    "model_state_working",
+    "gathered_units",
+    "comm_buckets",
+    "logits",
+    "fragmentation",
+)
+"""Residual-state categories (see ``residual_states`` for what each counts)."""
+
+ACTIVATION_BYTES = 2
+"""Bytes per activation element: the papers' fp16/bf16."""
+LOGIT_BYTES_PER_ELEMENT = 2 + 4 + 4
+"""Half-precision logits, their fp32 copy for the loss, and that copy's gradient."""
+
+
+class Tier(str, enum.Enum):
+    """Where a model state lives between uses."""
+
+    DEVICE = "device"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+TIERS = tuple(Tier)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BytesPerParam:
+    """Bytes each parameter costs, per model state (mixed-precision Adam by default)."""
+
+    params: int = 2
+    """Low-precision parameters used by forward and backward (fp16/bf16: 2)."""
+    grads: int = 2
+    """Low-precision gradients (2)."""
+    optimizer_states: int = 12
+    """K: fp32 master weights, momentum and variance (12); ZeRO-Infinity adds fp32 grads (16)."""
+
+    def __post_init__(self) -> None:
+        for name in ("params", "grads", "optimizer_states"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"BytesPerParam.{name} must be an int >= 0, got {value!r}")
+        if self.total == 0:
+            raise ValueError("BytesPerParam: all three are 0; give at least one a size")
+
+    @property
+    def total(self) -> int:
+        """2 + 2 + K: 16 for ZeRO, 20 for ZeRO-Infinity."""
+        return self.params + self.grads + self.optimizer_states
+
+
+ZERO = BytesPerParam()
+"""The ZeRO paper's 2 + 2 + 12 = 16 bytes per parameter."""
+ZERO_INFINITY = BytesPerParam(params=2, grads=2, optimizer_states=16)
+"""The ZeRO-Infinity paper's 20 bytes per parameter (fp32 gradients counted with the optimizer)."""
+BYTES_PER_PARAM_PRESETS = {"zero": ZERO, "infinity": ZERO_INFINITY}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Which tier holds each model state between uses."""
+
+    params: Tier = Tier.DEVICE
+    """Where the parameter shards live (off the device only at stage 3: streamed per unit)."""
+    grads: Tier = Tier.DEVICE
+    """Where gradient shards land after reduce-scatter (with the optimizer when it is offloaded)."""
+    optimizer_states: Tier = Tier.DEVICE
+    """Where the optimizer states live and the optimizer step runs (CPU for NVMe too)."""
+
+    def __post_init__(self) -> None:
+        for name in MODEL_STATES:
+            object.__setattr__(self, name, Tier(getattr(self, name)))
+
+    def tier(self, category: str) -> Tier:
+        return getattr(self, category)
+
+
+OFFLOADS: dict[str, Placement] = {
+    "none": Placement(),
+    "cpu-optimizer": Placement(grads=Tier.CPU, optimizer_states=Tier.CPU),  # ZeRO-Offload
+    "nvme-optimizer": Placement(grads=Tier.CPU, optimizer_states=Tier.NVME),
+    "cpu-all": Placement(params=Tier.CPU, grads=Tier.CPU, optimizer_states=Tier.CPU),
+    "nvme-all": Placement(params=Tier.NVME, grads=Tier.CPU, optimizer_states=Tier.NVME),
+}
+"""The placements ``zeroshard plan`` and the advisor consider, by name."""
+
+
+def offload_name(placement: Placement) -> str:
+    """The ``OFFLOADS`` name of ``placement``, or a spelled-out one."""
+    for name, known in OFFLOADS.items():
+        if known == placement:
+            return name
+    return "/".join(f"{c}={placement.tier(c).value}" for c in MODEL_STATES)
+
+
+def placement_problem(stage: int, placement: Placement) -> str | None:
+    """Why ``placement`` is not offered at ``stage`` (None when it is)."""
+    part = partition(stage)
+    offloaded = [c for c in MODEL_STATES if placement.tier(c) is not Tier.DEVICE]
+    if offloaded and not part.optimizer_states:
+        return "offloading needs the optimizer states partitioned (stage >= 1)"
+    if placement.params is not Tier.DEVICE and not part.parameters:
+        return "parameters are streamed from CPU/NVMe per unit only when partitioned (stage 3)"
+    if Tier.NVME in (placement.params, placement.optimizer_states) and not part.parameters:
+        return "NVMe offload (ZeRO-Infinity) needs stage 3"
+    if placement.optimizer_states is not Tier.DEVICE and placement.grads is Tier.DEVICE:
+        return "an offloaded optimizer steps on the CPU, so gradients must go to the CPU too"
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """A training configuration, as far as memory is concerned."""
+
+    stage: int
+    """ZeRO-DP stage, 0-3 (``zeroshard.stages``)."""
+    num_dp_ranks: int = 1
+    """Data-parallel degree Nd."""
+    num_mp_ranks: int = 1
+    """Model (tensor) parallel degree Nm: model states are split 1/Nm."""
+    bytes_per_param: BytesPerParam = ZERO
+    """Bytes per parameter for each model state."""
+    placement: Placement = field(default_factory=Placement)
+    """Where each model state lives."""
+    micro_batch_size: int = 1
+    """Samples per device per forward (bsz)."""
+    seq_len: int = 1024
+    """Tokens per sample (seq)."""
+    num_layers_per_checkpoint: int = 1
+    """ci: blocks between activation checkpoints (ci = nl is close to no checkpointing)."""
+    partition_activations: bool = False
+    """Split checkpoints 1/Nm across model-parallel ranks (ZeRO-R's Pa)."""
+    offload_activations: bool = False
+    """Keep checkpoints in CPU memory (Pa+cpu)."""
+    num_units_prefetch: int = 1
+    """Stage 3: units gathered ahead of the one computing."""
+    bucket_bytes: int = 25 * 2**20
+    """Size of one gradient communication bucket (constant-size buffers)."""
+    num_buckets: int = 2
+    """Buckets alive at once (one filling while one is reduced)."""
+    fragmentation_fraction: float = 0.1
+    """Allowance for fragmentation, as a fraction of everything else on the device."""
+
+    def __post_init__(self) -> None:
+        partition(self.stage)  # ValueError for anything but 0-3
+        for name in ("num_dp_ranks", "num_mp_ranks", "micro_batch_size", "seq_len"):
+            _at_least(name, getattr(self, name), 1)
+        _at_least("num_layers_per_checkpoint", self.num_layers_per_checkpoint, 1)
+        for name in ("num_units_prefetch", "bucket_bytes", "num_buckets"):
+            _at_least(name, getattr(self, name), 0)
+        if not 0 <= self.fragmentation_fraction < 1:
+            raise ValueError(
+                f"fragmentation_fraction must be in [0, 1), got {self.fragmentation_fraction}"
+            )
+        problem = placement_problem(self.stage, self.placement)
+        if problem:
+            raise ValueError(f"{offload_name(self.placement)} at stage {self.stage}: {problem}")
+
+
+def _at_least(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes per category on each tier, for one device (one rank). Every tier maps every
+    category of ``MODEL_STATES + RESIDUAL_STATES`` to bytes, zeros included."""
+
+    device: dict[str, int]
+    """Accelerator memory."""
+    cpu: dict[str, int]
+    """Host memory this rank uses (a node holds that times its devices per node)."""
+    nvme: dict[str, int]
+    """NVMe bytes this rank uses."""
+    notes: tuple[str, ...] = ()
+    """What the estimate could not count, and why."""
+
+    def on(self, tier: Tier | str) -> dict[str, int]:
+        return getattr(self, Tier(tier).value)
+
+    def model_states_bytes(self, tier: Tier | str = Tier.DEVICE) -> int:
+        return sum(self.on(tier)[c] for c in MODEL_STATES)
+
+    def residual_states_bytes(self, tier: Tier | str = Tier.DEVICE) -> int:
+        return sum(self.on(tier)[c] for c in RESIDUAL_STATES)
+
+    def total_bytes(self, tier: Tier | str = Tier.DEVICE) -> int:
+        return sum(self.on(tier).values())
+
+    def to_dict(self) -> dict:
+        return {t.value: dict(self.on(t)) for t in TIERS} | {"notes": list(self.notes)}
+
+
+# ---- the formulas, one function per term -------------------------------------------------------
+
+
+def model_states(
+    num_params: int,
+    *,
+    stage: int,
+    num_dp_ranks: int,
+    num_mp_ranks: int = 1,
+    bytes_per_param: BytesPerParam = ZERO,
+    placement: Placement | None = None,
+) -> dict[Tier, dict[str, int]]:
+    """Model-state bytes per device and tier: ``bytes_per_param * Psi / Nm``, divided by Nd for the
+    states the stage partitions. Psi = 7.5e9, Nd = 64 gives 120, 31.4, 16.6 and 1.88 GB."""
+    _at_least("num_params", num_params, 1)
+    _at_least("num_dp_ranks", num_dp_ranks, 1)
+    _at_least("num_mp_ranks", num_mp_ranks, 1)
+    part = partition(stage)
+    placement = placement or Placement()
+    split = {
+        "params": part.parameters,
+        "grads": part.gradients,
+        "optimizer_states": part.optimizer_states,
+    }
+    out = {t: dict.fromkeys(MODEL_STATES, 0) for t in TIERS}
+    for category in MODEL_STATES:
+        num_bytes = getattr(bytes_per_param, category) * num_params
+        ways = num_mp_ranks * (num_dp_ranks if split[category] else 1)
+        out[placement.tier(category)][category] = math.ceil(num_bytes / ways)
+    return out
+
+
+def activation_checkpoint_bytes(
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    hidden_size: int,
+    num_layers: int,
+    num_layers_per_checkpoint: int,
+    num_mp_ranks: int = 1,
+    partitioned: bool = False,
+) -> int:
+    """2 * bsz * seq * hd * nl / ci: one fp16 (bsz, seq, hd) input per checkpoint span, with
+    ceil(nl / ci) spans; divided by Nm when partitioned across model-parallel ranks."""
+    num_checkpoints = math.ceil(num_layers / num_layers_per_checkpoint)
+    num_bytes = ACTIVATION_BYTES * micro_batch_size * seq_len * hidden_size * num_checkpoints
+    return math.ceil(num_bytes / num_mp_ranks) if partitioned else num_bytes
+
+
+def activation_working_bytes(
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    hidden_size: int,
+    num_heads: int,
+    num_layers_per_checkpoint: int,
+) -> int:
+    """AWM = bsz * seq * ci * (16 * hd + 2 * heads * seq): the activations of one checkpoint span
+    recomputed in backward (the ZeRO-Infinity paper's count)."""
+    per_token_layer = 16 * hidden_size + 2 * num_heads * seq_len
+    return micro_batch_size * seq_len * num_layers_per_checkpoint * per_token_layer
+
+
+def model_state_working_bytes(*, hidden_size: int) -> int:
+    """MSWM = 4 * hd * 4hd: fp16 parameters and gradients of the largest operator (hd x 4hd)."""
+    return 4 * hidden_size * 4 * hidden_size
+
+
+def logits_bytes(*, micro_batch_size: int, seq_len: int, vocab_size: int) -> int:
+    """bsz * seq * vocab * ``LOGIT_BYTES_PER_ELEMENT``: the logits and the loss's fp32 copies."""
+    return micro_batch_size * seq_len * vocab_size * LOGIT_BYTES_PER_ELEMENT
+
+
+def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdown:
+    """Residual-state bytes per device, fragmentation excluded (``plan_memory`` adds it)."""
+    c, bpp = config, config.bytes_per_param
+    part = partition(c.stage)
+    out = {t: dict.fromkeys(RESIDUAL_STATES, 0) for t in TIERS}
+    notes = []
+    shape = model.shape
+    if shape is not None:
+        ci = min(c.num_layers_per_checkpoint, shape.num_layers)
+        tier = Tier.CPU if c.offload_activations else Tier.DEVICE
+        out[tier]["activation_checkpoints"] = activation_checkpoint_bytes(
+            micro_batch_size=c.micro_batch_size,
+            seq_len=c.seq_len,
+            hidden_size=shape.hidden_size,
+            num_layers=shape.num_layers,
+            num_layers_per_checkpoint=ci,
+            num_mp_ranks=c.num_mp_ranks,
+            partitioned=c.partition_activations,
+        )
+        out[Tier.DEVICE]["activation_working"] = activation_working_bytes(
+            micro_batch_size=c.micro_batch_size,
+            seq_len=c.seq_len,
+            hidden_size=shape.hidden_size,
+            num_heads=shape.num_heads,
+            num_layers_per_checkpoint=ci,
+        )
+        if c.placement.params is not Tier.DEVICE:
+            # Streamed parameters: the largest operator must fit on the device at once.
+            out[Tier.DEVICE]["model_state_working"] = model_state_working_bytes(
+                hidden_size=shape.hidden_size
+            )
+        out[Tier.DEVICE]["logits"] = logits_bytes(
+            micro_batch_size=c.micro_batch_size, seq_len=c.seq_len, vocab_size=shape.vocab_size
+        )
+    else:
+        notes.append("no transformer shape: activations and logits not counted")
+    if part.parameters:
+        unit = model.unit_numel
+        if unit is None:
+            notes.append("largest unit unknown: stage-3 gathered units not counted")
+        else:
+            # The computing unit and the prefetched ones, gathered in full; plus the computing
+            # unit's unsharded gradients before they are reduce-scattered.
+            gathered = (1 + c.num_units_prefetch) * unit * bpp.params + unit * bpp.grads
+            out[Tier.DEVICE]["gathered_units"] = math.ceil(gathered / c.num_mp_ranks)
+    grads_bytes = math.ceil(bpp.grads * model.num_params / c.num_mp_ranks)
+    out[Tier.DEVICE]["comm_buckets"] = min(c.num_buckets * c.bucket_bytes, grads_bytes)
+    return MemoryBreakdown(
+        device=out[Tier.DEVICE], cpu=out[Tier.CPU], nvme=out[Tier.NVME], notes=tuple(notes)
+    )
+
+
+def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdown:
+    """Model and residual states per device for ``config``, fragmentation allowance included."""
+    states = model_states(
+        model.num_params,
+        stage=config.stage,
+        num_dp_ranks=config.num_dp_ranks,
+        num_mp_ranks=config.num_mp_ranks,
+        bytes_per_param=config.bytes_per_param,
+        placement=config.placement,
+    )
+    residual = residual_states(model, config)
+    tiers = {t: states[t] | residual.on(t) for t in TIERS}
+    others = sum(tiers[Tier.DEVICE].values())
+    tiers[Tier.DEVICE]["fragmentation"] = math.ceil(config.fragmentation_fraction * others)
+    return MemoryBreakdown(
+        device=tiers[Tier.DEVICE],
+        cpu=tiers[Tier.CPU],
+        nvme=tiers[Tier.NVME],
+        notes=residual.notes,
+    )
