@@ -26,6 +26,10 @@ class Collective:
     """Elements each device sends (and receives)."""
     num_bytes: int
     """``numel`` times the bytes of its dtype."""
+    every_micro_batch: bool
+    """True when it runs in every micro-batch (gathered parameters, gradients reduce-scattered to
+    sharded owners); False when once per optimizer step (replicated gradients accumulate
+    locally and are reduced once)."""
 
 
 def dp_communication(
@@ -52,19 +56,25 @@ def dp_communication(
     psi = math.ceil(num_params / num_mp_ranks)
 
     def grads(name: str, numel: int) -> Collective:
-        return Collective(name=name, numel=numel, num_bytes=numel * reduce_dtype_bytes)
+        nbytes = numel * reduce_dtype_bytes
+        return Collective(
+            name=name, numel=numel, num_bytes=nbytes, every_micro_batch=part.gradients
+        )
 
-    def params(name: str) -> Collective:
-        return Collective(name=name, numel=psi, num_bytes=psi * param_dtype_bytes)
+    def params(name: str, every_micro_batch: bool) -> Collective:
+        nbytes = psi * param_dtype_bytes
+        return Collective(
+            name=name, numel=psi, num_bytes=nbytes, every_micro_batch=every_micro_batch
+        )
 
     if part.parameters:
         return (
-            params("all_gather params (forward)"),
-            params("all_gather params (backward)"),
+            params("all_gather params (forward)", True),
+            params("all_gather params (backward)", True),
             grads("reduce_scatter grads", psi),
         )
     if part.optimizer_states:
-        return grads("reduce_scatter grads", psi), params("all_gather params (after step)")
+        return grads("reduce_scatter grads", psi), params("all_gather params (after step)", False)
     return (grads("all_reduce grads", 2 * psi),)
 
 

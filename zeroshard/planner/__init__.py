@@ -1,0 +1,86 @@
+"""The planner: will a model fit, and how fast can it go, per stage and offload placement?
+
+Pure functions of numbers returning breakdowns in bytes by category (DESIGN.md §3, §4, §8):
+
+- ``describe``: a model as a parameter count, a transformer shape, a GPT preset, an ``nn.Module``
+  (counted on the meta device) or a Hugging Face config;
+- ``memory``: model states and residual states per device, by category and tier;
+- ``comm``: data-parallel communication per step, per collective;
+- ``bandwidth``: ZeRO-Infinity's arithmetic intensity, efficiency and required bandwidth;
+- ``advise``: feasible configurations ranked by estimated step time, and why the rest fail;
+- ``units``: "80GB" / "80GiB" / "70GB/s" / "70TFLOP/s" / "7.5B" parsing for the CLI edge.
+"""
+
+from zeroshard.planner.advise import Advice, Candidate, Cluster, Workload, advise
+from zeroshard.planner.bandwidth import (
+    Intensity,
+    efficiency,
+    flops_per_iteration,
+    intensity,
+    required_bandwidth,
+)
+from zeroshard.planner.comm import Collective, comm_seconds, dp_communication
+from zeroshard.planner.describe import (
+    ModelDescription,
+    TransformerShape,
+    from_gpt,
+    from_hf_config,
+    from_module,
+    from_params,
+    from_transformer,
+)
+from zeroshard.planner.memory import (
+    MODEL_STATES,
+    OFFLOADS,
+    RESIDUAL_STATES,
+    ZERO,
+    ZERO_INFINITY,
+    BytesPerParam,
+    MemoryBreakdown,
+    MemoryConfig,
+    Placement,
+    Tier,
+    activation_checkpoint_bytes,
+    activation_working_bytes,
+    model_state_working_bytes,
+    model_states,
+    plan_memory,
+)
+
+__all__ = [
+    "MODEL_STATES",
+    "OFFLOADS",
+    "RESIDUAL_STATES",
+    "ZERO",
+    "ZERO_INFINITY",
+    "Advice",
+    "BytesPerParam",
+    "Candidate",
+    "Cluster",
+    "Collective",
+    "Intensity",
+    "MemoryBreakdown",
+    "MemoryConfig",
+    "ModelDescription",
+    "Placement",
+    "Tier",
+    "TransformerShape",
+    "Workload",
+    "activation_checkpoint_bytes",
+    "activation_working_bytes",
+    "advise",
+    "comm_seconds",
+    "dp_communication",
+    "efficiency",
+    "flops_per_iteration",
+    "from_gpt",
+    "from_hf_config",
+    "from_module",
+    "from_params",
+    "from_transformer",
+    "intensity",
+    "model_state_working_bytes",
+    "model_states",
+    "plan_memory",
+    "required_bandwidth",
+]

@@ -1,0 +1,264 @@
+"""The advisor: given a model, a cluster and a workload, try every stage, offload placement,
+checkpoint span and micro-batch size, keep those that fit, rank them by estimated step time and
+say why the others do not fit.
+
+Step time is the sum, without overlap (the same assumption as §8's efficiency), of
+- compute: 8 * Psi * bsz * seq / Nm FLOPs per micro-batch (2 * 4 * 12 * bsz * seq * nl * hd^2 for
+  a transformer) at the device's peak;
+- data-parallel collectives (``comm.dp_communication``) at the network bandwidth, every
+  micro-batch where gradients are sharded or parameters gathered, else once per step;
+- offload traffic at the CPU or NVMe bandwidth, from the per-device bytes the memory breakdown
+  puts on that tier: streamed parameters are read three times (forward, backward, recomputation)
+  and their gradients written once per micro-batch; offloaded gradients go down every micro-batch
+  and updated parameters come back once per step; optimizer states on NVMe are read and written
+  once per step (a CPU optimizer step is not timed); CPU activation checkpoints are written and
+  read once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from zeroshard.planner.bandwidth import flops_per_iteration, flops_per_iteration_params
+from zeroshard.planner.comm import dp_communication
+from zeroshard.planner.describe import ModelDescription
+from zeroshard.planner.memory import (
+    OFFLOADS,
+    MemoryBreakdown,
+    MemoryConfig,
+    Tier,
+    placement_problem,
+    plan_memory,
+)
+from zeroshard.planner.units import format_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """The machines: device count, memory per tier and bandwidths."""
+
+    num_devices: int
+    """Accelerators in total (Nd * Nm)."""
+    device_memory_bytes: int
+    """Memory of one accelerator."""
+    peak_flops: float
+    """Achievable FLOP/s of one accelerator (the papers use 70e12 for a V100)."""
+    net_bandwidth_bytes_per_s: float
+    """Bandwidth of data-parallel collectives per device."""
+    cpu_bandwidth_bytes_per_s: float | None = None
+    """CPU memory to one device (ZeRO-Infinity's bw); None: CPU offload is not considered."""
+    nvme_bandwidth_bytes_per_s: float | None = None
+    """NVMe to one device, effective; None: NVMe offload is not considered."""
+    num_devices_per_node: int | None = None
+    """Devices sharing one node's CPU memory and NVMe; default: all (one node)."""
+    cpu_memory_bytes: int | None = None
+    """CPU memory of one node; None: not checked."""
+    nvme_bytes: int | None = None
+    """NVMe capacity of one node; None: not checked."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_devices", "device_memory_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Cluster.{name} must be a positive int, got {value!r}")
+        for name in ("peak_flops", "net_bandwidth_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Cluster.{name} must be positive, got {getattr(self, name)!r}")
+        for name in (
+            "cpu_bandwidth_bytes_per_s",
+            "nvme_bandwidth_bytes_per_s",
+            "num_devices_per_node",
+            "cpu_memory_bytes",
+            "nvme_bytes",
+        ):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"Cluster.{name} must be positive or None, got {value!r}")
+
+    @property
+    def devices_per_node(self) -> int:
+        return min(self.num_devices_per_node or self.num_devices, self.num_devices)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What to train and which choices the advisor may make."""
+
+    seq_len: int
+    """Tokens per sample."""
+    global_batch_size: int
+    """Samples per optimizer step, over all data-parallel ranks."""
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    """Samples per device per forward to try."""
+    checkpoint_spans: tuple[int, ...] = (1,)
+    """ci values to try (blocks per activation checkpoint)."""
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    """Stages to try."""
+    offloads: tuple[str, ...] = tuple(OFFLOADS)
+    """Names of ``memory.OFFLOADS`` placements to try."""
+    memory: MemoryConfig = field(default_factory=lambda: MemoryConfig(stage=0))
+    """Everything else (Nm, bytes per parameter, prefetch, buckets, fragmentation, activation
+    partitioning and offload); its stage, Nd, micro-batch, seq and ci are set per candidate."""
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Workload.{name} must be a positive int, got {value!r}")
+        for name in ("micro_batch_sizes", "checkpoint_spans", "stages", "offloads"):
+            if not getattr(self, name):
+                raise ValueError(f"Workload.{name} is empty; give at least one value")
+        unknown = [o for o in self.offloads if o not in OFFLOADS]
+        if unknown:
+            raise ValueError(f"unknown offload {unknown[0]!r}; choose from {', '.join(OFFLOADS)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One configuration the advisor tried."""
+
+    stage: int
+    offload: str
+    num_layers_per_checkpoint: int
+    micro_batch_size: int
+    num_micro_batches: int
+    """Gradient-accumulation steps per optimizer step (0 when the batch does not divide)."""
+    memory: MemoryBreakdown | None
+    step_seconds: float | None
+    """Estimated time per optimizer step (None when it does not fit)."""
+    time_seconds: dict[str, float]
+    """``step_seconds`` split into compute, collectives and offload."""
+    problem: str | None
+    """Why it does not fit (None when it does)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Advice:
+    feasible: tuple[Candidate, ...]
+    """Configurations that fit, fastest first."""
+    rejected: tuple[Candidate, ...]
+    """The rest, each with its ``problem``."""
+
+    def why_not(self) -> dict[tuple[int, str], str]:
+        """For each (stage, offload) with nothing feasible, why its smallest candidate fails."""
+        fits = {(c.stage, c.offload) for c in self.feasible}
+        out: dict[tuple[int, str], str] = {}
+        for c in sorted(
+            self.rejected, key=lambda c: (c.micro_batch_size, -c.num_layers_per_checkpoint)
+        ):
+            key = (c.stage, c.offload)
+            if key not in fits and key not in out:
+                out[key] = c.problem or ""
+        return out
+
+
+def advise(model: ModelDescription, cluster: Cluster, workload: Workload) -> Advice:
+    """Every candidate of ``workload`` on ``cluster``, feasible ones ranked by step time."""
+    num_mp = workload.memory.num_mp_ranks
+    if cluster.num_devices % num_mp:
+        raise ValueError(
+            f"{cluster.num_devices} devices cannot be split into model-parallel groups of "
+            f"{num_mp}; pick a model-parallel degree that divides the device count"
+        )
+    num_dp = cluster.num_devices // num_mp
+    feasible, rejected = [], []
+    for stage in workload.stages:
+        for offload in workload.offloads:
+            for ci in workload.checkpoint_spans:
+                for mb in workload.micro_batch_sizes:
+                    c = _try(model, cluster, workload, stage, offload, ci, mb, num_dp)
+                    (rejected if c.problem else feasible).append(c)
+    feasible.sort(key=lambda c: (c.step_seconds, c.memory.total_bytes()))
+    return Advice(feasible=tuple(feasible), rejected=tuple(rejected))
+
+
+def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
+    def reject(problem: str, memory=None, num_micro=0) -> Candidate:
+        return Candidate(
+            stage=stage, offload=offload, num_layers_per_checkpoint=ci, micro_batch_size=mb,
+            num_micro_batches=num_micro, memory=memory, step_seconds=None, time_seconds={},
+            problem=problem,
+        )  # fmt: skip
+
+    placement = OFFLOADS[offload]
+    problem = placement_problem(stage, placement)
+    if problem:
+        return reject(problem)
+    tiers = {placement.params, placement.grads, placement.optimizer_states}
+    for tier, bw in ((Tier.CPU, cluster.cpu_bandwidth_bytes_per_s),
+                     (Tier.NVME, cluster.nvme_bandwidth_bytes_per_s)):  # fmt: skip
+        if tier in tiers and bw is None:
+            return reject(f"no {tier.value} bandwidth given for the cluster")
+    if workload.global_batch_size % (num_dp * mb):
+        return reject(
+            f"global batch {workload.global_batch_size} is not a multiple of "
+            f"Nd * micro-batch = {num_dp} * {mb}"
+        )
+    num_micro = workload.global_batch_size // (num_dp * mb)
+    config = replace(
+        workload.memory, stage=stage, num_dp_ranks=num_dp, placement=placement,
+        micro_batch_size=mb, seq_len=workload.seq_len, num_layers_per_checkpoint=ci,
+    )  # fmt: skip
+    memory = plan_memory(model, config)
+    need, have = memory.total_bytes(Tier.DEVICE), cluster.device_memory_bytes
+    if need > have:
+        return reject(
+            f"needs {format_bytes(need)} per device, has {format_bytes(have)}", memory, num_micro
+        )
+    per_node = cluster.devices_per_node
+    for tier, have in ((Tier.CPU, cluster.cpu_memory_bytes), (Tier.NVME, cluster.nvme_bytes)):
+        need = memory.total_bytes(tier) * per_node
+        if have is not None and need > have:
+            return reject(
+                f"needs {format_bytes(need)} of {tier.value} per node, has {format_bytes(have)}",
+                memory, num_micro,
+            )  # fmt: skip
+    times = _step_times(model, cluster, config, memory, num_micro)
+    return Candidate(
+        stage=stage, offload=offload, num_layers_per_checkpoint=ci, micro_batch_size=mb,
+        num_micro_batches=num_micro, memory=memory, step_seconds=sum(times.values()),
+        time_seconds=times, problem=None,
+    )  # fmt: skip
+
+
+def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
+    """Seconds per optimizer step for compute, collectives and offload (see the module doc)."""
+    mb, seq, num_mp = config.micro_batch_size, config.seq_len, config.num_mp_ranks
+    if model.shape is not None:
+        s = model.shape
+        flops = flops_per_iteration(
+            micro_batch_size=mb, seq_len=seq, num_layers=s.num_layers, hidden_size=s.hidden_size
+        )
+    else:
+        flops = flops_per_iteration_params(
+            num_params=model.num_params, micro_batch_size=mb, seq_len=seq
+        )
+    compute = num_micro * flops / num_mp / cluster.peak_flops
+
+    collectives = dp_communication(
+        model.num_params, stage=config.stage, num_mp_ranks=num_mp,
+        param_dtype_bytes=config.bytes_per_param.params or 2,
+        reduce_dtype_bytes=config.bytes_per_param.grads or 2,
+    )  # fmt: skip
+    comm_bytes = sum(c.num_bytes * (num_micro if c.every_micro_batch else 1) for c in collectives)
+    comm = 0.0 if config.num_dp_ranks == 1 else comm_bytes / cluster.net_bandwidth_bytes_per_s
+
+    bandwidth = {Tier.CPU: cluster.cpu_bandwidth_bytes_per_s,
+                 Tier.NVME: cluster.nvme_bandwidth_bytes_per_s}  # fmt: skip
+    p = config.placement
+    traffic: dict[Tier, float] = {Tier.CPU: 0.0, Tier.NVME: 0.0}
+    shard_params_bytes = math.ceil(
+        config.bytes_per_param.params * model.num_params / (num_mp * config.num_dp_ranks)
+    )
+    if p.params is not Tier.DEVICE:
+        traffic[p.params] += num_micro * 3 * memory.on(p.params)["params"]
+    if p.grads is not Tier.DEVICE:
+        traffic[p.grads] += num_micro * memory.on(p.grads)["grads"]
+        if p.params is Tier.DEVICE:
+            traffic[p.grads] += shard_params_bytes  # updated parameters come back
+    if p.optimizer_states is Tier.NVME:
+        traffic[Tier.NVME] += 2 * memory.nvme["optimizer_states"]
+    traffic[Tier.CPU] += num_micro * 2 * memory.cpu["activation_checkpoints"]
+    offload = sum(b / bandwidth[t] for t, b in traffic.items() if b)
+    return {"compute": compute, "collectives": comm, "offload": offload}
