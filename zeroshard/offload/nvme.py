@@ -1,0 +1,512 @@
+"""The NVMe tier: one swap file per tensor, aligned direct I/O, a checksum per block.
+
+Layout of a folder owned by a store:
+
+    LOCK                  flock'ed by the live store; a crashed run's lock is free again
+    index.json            name -> file, dtype, shape, xxh3-64 of each block; rewritten atomically
+    <name>-<hash>.swp     the tensor's bytes, padded to ALIGN_BYTES; block i at i * block_bytes
+
+Every block goes through a buffer of the pool: the tensor's bytes are copied in, hashed and written
+with os.pwritev; a read is os.preadv into a buffer, a hash check, then a copy out. os.preadv and
+os.pwritev release the GIL, so the store's threads keep several requests in flight on the disk.
+With O_DIRECT the page cache is bypassed: bytes swapped out really leave RAM, and a read really
+comes from the disk. A file that is missing, short, or whose bytes fail their checksum is a
+SwapIntegrityError naming the file and the tensor; nothing unverified is ever copied out.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import mmap
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from .cpu import copy_bytes
+from .pool import BufferPool
+from .tiers import (
+    OffloadError,
+    SwapIntegrityError,
+    SwapSpaceError,
+    TensorMeta,
+    dtype_from_str,
+    dtype_to_str,
+)
+
+__all__ = [
+    "ALIGN_BYTES",
+    "INDEX_NAME",
+    "NvmeBackend",
+    "discard_folder",
+    "free_bytes",
+    "padded_bytes",
+]
+
+logger = logging.getLogger("zeroshard.offload")
+
+# O_DIRECT needs offsets, lengths and memory aligned to the device's logical block (512 or 4096);
+# 4096 satisfies both and is the page size, so mmap'ed and sliced buffers meet it.
+ALIGN_BYTES = 4096
+INDEX_NAME = "index.json"
+LOCK_NAME = "LOCK"
+SUFFIX = ".swp"
+FORMAT = "zeroshard.offload/1"
+
+
+def padded_bytes(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes an unprivileged writer may still use on the folder's filesystem."""
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def file_name(name: str) -> str:
+    """A readable, collision-free file name for a tensor name (which may hold '/' or '..')."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80].lstrip(".")
+    return f"{readable}-{xxhash.xxh64_hexdigest(name.encode())[:12]}{SUFFIX}"
+
+
+def _hash(view: memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(view)
+
+
+def prepare_folder(folder: Path, direct_io: bool | None) -> tuple[bool, bool]:
+    """Create and test the folder now, so a bad one fails at construction, not mid-step.
+
+    Returns (created, use_direct): whether the folder was made here, and whether O_DIRECT works.
+    """
+    created = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe-{os.getpid()}-{threading.get_ident()}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+    except OSError as e:
+        raise OffloadError(
+            f"swap folder {folder} is not usable ({e.strerror or e}); pass folder= a writable "
+            "directory on the disk that should hold the swap files"
+        ) from e
+    try:
+        if direct_io is False:
+            return created, False
+        buf = mmap.mmap(-1, ALIGN_BYTES)  # page-aligned, as O_DIRECT wants
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+            try:
+                os.pwritev(fd, [buf], 0)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            if direct_io:
+                raise OffloadError(
+                    f"direct_io=True but {folder} does not support O_DIRECT ({e.strerror}); "
+                    "use a folder on a real disk (not tmpfs) or direct_io=None"
+                ) from e
+            return created, False
+        return created, True
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+@dataclass
+class _FileEntry:
+    meta: TensorMeta
+    path: Path
+    file_bytes: int  # size of the file on disk, padded (0 before the first write)
+    checksums: list[int] | None  # xxh3-64 per block; None while unwritten or after a failure
+    error: BaseException | None = None  # why the last swap_out failed, if it did
+
+
+@dataclass
+class _WriteCtx:
+    entry: _FileEntry
+    fd: int
+    checksums: list[int]
+    reserved_bytes: int  # growth of the file, counted against the free space until done
+
+
+@dataclass
+class _ReadCtx:
+    entry: _FileEntry
+    fd: int
+    checksums: list[int]
+
+
+def discard_folder(folder: Path) -> None:
+    """Delete what a store left in `folder` (a crashed run), refusing if a live store holds it."""
+    if not (folder / LOCK_NAME).exists() and not (folder / INDEX_NAME).exists():
+        raise OffloadError(f"{folder} holds no store (no {LOCK_NAME} or {INDEX_NAME})")
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OffloadError(f"{folder} is in use by a live store; close that store") from None
+        for path in folder.glob("*" + SUFFIX):
+            path.unlink()
+        for name in (INDEX_NAME, INDEX_NAME + ".tmp", LOCK_NAME):
+            (folder / name).unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+    try:
+        folder.rmdir()
+    except OSError:
+        logger.warning("left %s in place: it holds files the store did not write", folder)
+
+
+class NvmeBackend:
+    """Swap files in one folder, read and written block by block through a BufferPool."""
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        block_bytes: int,
+        pool: BufferPool,
+        direct_io: bool | None,
+        warn_once: Callable[[str, str], None],
+        resume: bool,
+    ) -> None:
+        self.folder = folder
+        self.block_bytes = block_bytes
+        self.pool = pool
+        self._warn_once = warn_once
+        self.created_folder, self.direct_io = prepare_folder(folder, direct_io)
+        if not self.direct_io and direct_io is None:
+            warn_once(
+                "buffered",
+                f"{folder} does not support O_DIRECT: falling back to buffered I/O, so swapped "
+                "tensors also sit in the page cache (RAM) until the kernel evicts them",
+            )
+        self._lock_fd = self._take_lock()
+        self._entries: dict[str, _FileEntry] = {}
+        self._dirty: set[str] = set()  # written since the last flush: fsync before the index
+        self._mutex = threading.Lock()  # guards _reserved_bytes and _dirty
+        self._reserved_bytes = 0
+        if resume:
+            self._load_index()
+        elif (folder / INDEX_NAME).exists() or any(folder.glob("*" + SUFFIX)):
+            os.close(self._lock_fd)
+            raise OffloadError(
+                f"{folder} holds swap files of an earlier run; resume them with "
+                f"TensorStore.reopen({str(folder)!r}) or delete them with "
+                f"TensorStore.discard({str(folder)!r})"
+            )
+
+    # -- the folder ------------------------------------------------------------------------------
+    def _take_lock(self) -> int:
+        fd = os.open(self.folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise OffloadError(
+                f"{self.folder} is in use by a live store (pid {holder}); give each store, e.g. "
+                "each rank, its own folder"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return fd
+
+    def _open_flags(self, write: bool) -> int:
+        flags = os.O_CLOEXEC | (os.O_RDWR | os.O_CREAT if write else os.O_RDONLY)
+        return flags | (os.O_DIRECT if self.direct_io else 0)
+
+    def names(self) -> list[str]:
+        return [n for n, e in self._entries.items() if e.checksums is not None]
+
+    def stored_bytes(self) -> int:
+        return sum(e.file_bytes for e in self._entries.values())
+
+    def entry(self, name: str) -> _FileEntry:
+        return self._entries[name]
+
+    # -- writes ----------------------------------------------------------------------------------
+    def check_space(self, meta: TensorMeta) -> None:
+        """Raise SwapSpaceError now if the file cannot fit (runs in the caller's thread)."""
+        old = self._entries.get(meta.name)
+        need = padded_bytes(meta.nbytes) - (old.file_bytes if old else 0)
+        if need <= 0:
+            return
+        with self._mutex:
+            free = free_bytes(self.folder) - self._reserved_bytes
+        if need > free:
+            raise SwapSpaceError(
+                f"swap_out({meta.name!r}) needs {need} bytes ({_mib(need)}) more in {self.folder} "
+                f"but only {max(free, 0)} bytes ({_mib(max(free, 0))}) are free after pending "
+                "writes; free disk space or point folder= at a bigger disk"
+            )
+
+    def begin_write(self, meta: TensorMeta, src: torch.Tensor) -> _WriteCtx:
+        del src  # the NVMe tier stages every block through the pool
+        entry = self._entries.get(meta.name)
+        if entry is None:
+            entry = _FileEntry(meta, self.folder / file_name(meta.name), 0, None)
+            self._entries[meta.name] = entry
+        entry.meta, entry.checksums, entry.error = meta, None, None  # unreadable until complete
+        self.pool.drop_cached(meta.name)
+        size = padded_bytes(meta.nbytes)
+        grow = max(size - entry.file_bytes, 0)
+        try:
+            fd = os.open(entry.path, self._open_flags(write=True), 0o600)
+        except OSError as e:
+            entry.error = self._os_error("open", entry, e)
+            raise entry.error from e
+        try:
+            if size > entry.file_bytes:
+                # reserve the blocks now: a full disk fails here, before any byte is written
+                os.posix_fallocate(fd, 0, size)
+            elif size < entry.file_bytes:
+                os.ftruncate(fd, size)
+        except OSError as e:
+            os.close(fd)
+            entry.error = self._os_error("allocate", entry, e, need=grow)
+            raise entry.error from e
+        entry.file_bytes = size
+        with self._mutex:
+            self._reserved_bytes += grow
+        num_blocks = -(-meta.nbytes // self.block_bytes)
+        return _WriteCtx(entry, fd, [0] * num_blocks, grow)
+
+    def write_block(self, ctx: _WriteCtx, start: int, src: torch.Tensor, ready) -> None:
+        nbytes = src.numel()
+        io_bytes = padded_bytes(nbytes)
+        index = self.pool.acquire()
+        try:
+            buf = self.pool.view(index)
+            copy_bytes(buf[:nbytes], src, ready)
+            buf[nbytes:io_bytes].zero_()  # the padding of the last block: keep files reproducible
+            view = self.pool.memoryview(index, io_bytes)
+            ctx.checksums[start // self.block_bytes] = _hash(view[:nbytes])
+            try:
+                written = os.pwritev(ctx.fd, [view], start)
+            except OSError as e:
+                raise self._os_error("write", ctx.entry, e, need=io_bytes) from e
+            if written != io_bytes:
+                raise OffloadError(
+                    f"short write to {ctx.entry.path} for tensor {ctx.entry.meta.name!r}: "
+                    f"{written} of {io_bytes} bytes at offset {start}"
+                )
+        finally:
+            self.pool.release(index)
+
+    def end_write(self, ctx: _WriteCtx, error: BaseException | None) -> BaseException | None:
+        os.close(ctx.fd)
+        with self._mutex:
+            self._reserved_bytes -= ctx.reserved_bytes
+            self._dirty.add(ctx.entry.meta.name)
+        if error is None:
+            ctx.entry.checksums = ctx.checksums  # only a complete, hashed file becomes readable
+            return None
+        ctx.entry.error = error
+        if not isinstance(error, OffloadError):
+            error = OffloadError(
+                f"swap_out({ctx.entry.meta.name!r}) to {ctx.entry.path} failed: {error!r}"
+            )
+            error.__cause__ = ctx.entry.error
+        return error
+
+    def _os_error(
+        self, what: str, entry: _FileEntry, e: OSError, need: int | None = None
+    ) -> OffloadError:
+        name = entry.meta.name
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return SwapSpaceError(
+                f"no space left on the device to {what} swap file {entry.path} of tensor {name!r}"
+                f" (needs {need} more bytes, {_mib(need or 0)}; {free_bytes(self.folder)} free): "
+                "free disk space or point folder= at a bigger disk"
+            )
+        return OffloadError(f"cannot {what} swap file {entry.path} of tensor {name!r}: {e}")
+
+    # -- reads -----------------------------------------------------------------------------------
+    def begin_read(self, name: str) -> _ReadCtx:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise OffloadError(f"tensor {name!r} is not in the NVMe tier at {self.folder}")
+        if entry.checksums is None:
+            raise OffloadError(
+                f"tensor {name!r} has no valid copy in {entry.path}: its last swap_out failed "
+                f"({entry.error!r})"
+            )
+        try:
+            fd = os.open(entry.path, self._open_flags(write=False))
+        except FileNotFoundError as e:
+            raise SwapIntegrityError(f"swap file {entry.path} of tensor {name!r} is missing") from e
+        except OSError as e:
+            raise self._os_error("open", entry, e) from e
+        size = os.fstat(fd).st_size
+        if size < padded_bytes(entry.meta.nbytes):
+            os.close(fd)
+            raise SwapIntegrityError(
+                f"swap file {entry.path} of tensor {name!r} is truncated: {size} bytes on disk, "
+                f"{padded_bytes(entry.meta.nbytes)} expected"
+            )
+        return _ReadCtx(entry, fd, entry.checksums)
+
+    def _read_into(self, ctx: _ReadCtx, start: int, nbytes: int, index: int) -> None:
+        """Read and check one block into held buffer `index`; release it if that fails."""
+        io_bytes = padded_bytes(nbytes)
+        try:
+            view = self.pool.memoryview(index, io_bytes)
+            try:
+                got = os.preadv(ctx.fd, [view], start)
+            except OSError as e:
+                raise self._os_error("read", ctx.entry, e) from e
+            self._verify(ctx, start, nbytes, view, got)
+        except BaseException:
+            self.pool.release(index)
+            raise
+
+    def _verify(self, ctx: _ReadCtx, start: int, nbytes: int, view: memoryview, got: int) -> None:
+        entry, block = ctx.entry, start // self.block_bytes
+        if got < nbytes:
+            raise SwapIntegrityError(
+                f"swap file {entry.path} of tensor {entry.meta.name!r} is truncated: block "
+                f"{block} at offset {start} returned {got} of {nbytes} bytes"
+            )
+        if _hash(view[:nbytes]) != ctx.checksums[block]:
+            raise SwapIntegrityError(
+                f"checksum mismatch in swap file {entry.path} of tensor {entry.meta.name!r}, "
+                f"block {block} (bytes {start}..{start + nbytes}): the file was corrupted or "
+                "changed after it was written"
+            )
+
+    def read_block(self, ctx: _ReadCtx, start: int, dst: torch.Tensor, ready) -> None:
+        nbytes = dst.numel()
+        index = self.pool.take_cached(ctx.entry.meta.name, start // self.block_bytes)
+        if index is None:
+            index = self.pool.acquire()
+            self._read_into(ctx, start, nbytes, index)
+        try:
+            copy_bytes(dst, self.pool.view(index)[:nbytes], ready)
+        finally:
+            self.pool.release(index)
+
+    def prefetch_block(self, ctx: _ReadCtx, start: int, nbytes: int) -> None:
+        """Read a block into a free buffer and park it there; do nothing if none is free.
+
+        A prefetch is a hint bounded by the pool: it never evicts and never waits, so prefetching
+        more than the pool holds cannot stall the reads and writes that need buffers now.
+        """
+        index = self.pool.try_acquire()
+        if index is None:
+            return
+        self._read_into(ctx, start, nbytes, index)
+        self.pool.put_cached(ctx.entry.meta.name, start // self.block_bytes, index)
+
+    def end_read(self, ctx: _ReadCtx) -> None:
+        os.close(ctx.fd)
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def release(self, name: str) -> None:
+        self.pool.drop_cached(name)
+        entry = self._entries.pop(name, None)
+        if entry is not None:
+            entry.path.unlink(missing_ok=True)
+            with self._mutex:
+                self._dirty.discard(name)
+
+    def flush(self) -> None:
+        """Make the files written so far durable, then atomically replace the index."""
+        with self._mutex:
+            dirty, self._dirty = self._dirty, set()
+        for name in dirty:
+            entry = self._entries.get(name)
+            if entry is not None and entry.path.exists():
+                fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        tensors = {
+            name: {
+                "file": e.path.name,
+                "dtype": dtype_to_str(e.meta.dtype),
+                "shape": list(e.meta.shape),
+                "checksums": e.checksums,
+            }
+            for name, e in self._entries.items()
+            if e.checksums is not None
+        }
+        index = {"format": FORMAT, "block_bytes": self.block_bytes, "tensors": tensors}
+        tmp = self.folder / (INDEX_NAME + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(index, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.folder / INDEX_NAME)  # atomic: readers see the old or the new index
+        dir_fd = os.open(self.folder, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
+
+    def _load_index(self) -> None:
+        path = self.folder / INDEX_NAME
+        try:
+            index = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise OffloadError(
+                f"{self.folder} has no {INDEX_NAME}: nothing to resume (the run never flushed); "
+                f"delete it with TensorStore.discard({str(self.folder)!r})"
+            ) from None
+        except json.JSONDecodeError as e:
+            raise SwapIntegrityError(f"{path} is not valid JSON: {e}") from e
+        if index.get("format") != FORMAT:
+            raise OffloadError(f"{path} has format {index.get('format')!r}, expected {FORMAT!r}")
+        if index["block_bytes"] != self.block_bytes:
+            raise ValueError(
+                f"{path} was written with block_bytes={index['block_bytes']}; reopen it with "
+                f"OffloadConfig(block_bytes={index['block_bytes']})"
+            )
+        for name, t in index["tensors"].items():
+            meta = TensorMeta(name=name, dtype=dtype_from_str(t["dtype"]), shape=tuple(t["shape"]))
+            file = self.folder / t["file"]
+            size = file.stat().st_size if file.exists() else 0
+            self._entries[name] = _FileEntry(meta, file, size, list(t["checksums"]))
+        known = {e.path for e in self._entries.values()}
+        for orphan in self.folder.glob("*" + SUFFIX):
+            if orphan not in known:
+                # written after the last flush, so no checksum vouches for it: it cannot be used
+                logger.warning("deleting %s: not in %s, written after the last flush", orphan, path)
+                orphan.unlink()
+
+    def close(self, keep: bool) -> None:
+        """Flush the index and keep the files (to reopen later), or delete everything."""
+        if keep:
+            self.flush()
+        else:
+            for entry in self._entries.values():
+                entry.path.unlink(missing_ok=True)
+            for name in (INDEX_NAME, INDEX_NAME + ".tmp"):
+                (self.folder / name).unlink(missing_ok=True)
+        self._entries.clear()
+        self.pool.close()
+        (self.folder / LOCK_NAME).unlink(missing_ok=True)
+        os.close(self._lock_fd)
+        if not keep and self.created_folder:
+            try:
+                self.folder.rmdir()
+            except OSError:
+                logger.warning(
+                    "left %s in place: it holds files the store did not write", self.folder
+                )

@@ -1,0 +1,398 @@
+"""TensorStore: named flat tensors kept on a memory tier, swapped asynchronously.
+
+    store = TensorStore(OffloadConfig(tier=Tier.NVME, folder="/nvme/run/rank0"))
+    h = store.swap_out("layers.0.w", w)        # returns at once; do not modify w until h.wait()
+    store.prefetch(["layers.0.w"])             # hint: read ahead into the buffer pool
+    w2 = store.swap_in("layers.0.w", into=buf).wait()
+    store.release("layers.0.w")
+    store.close()                              # deletes the files (also at normal exit)
+
+Scheduling. Each operation is cut into blocks of `block_bytes` that the `num_io_threads` workers
+run in parallel, so one large tensor keeps every worker and the disk's queue busy. Operations on
+the same name run in call order (a swap_in after a swap_out reads the new bytes); operations on
+different names overlap freely. Nothing blocks the caller except a free-space shortfall, which is
+raised by swap_out itself before anything is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .cpu import MemoryBackend, cuda_present, flat_bytes, ready_event
+from .nvme import ALIGN_BYTES, NvmeBackend, discard_folder
+from .pool import BufferPool
+from .tiers import OffloadError, SwapHandle, TensorMeta, Tier
+
+__all__ = ["OffloadConfig", "TensorStore"]
+
+logger = logging.getLogger("zeroshard.offload")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """How a TensorStore keeps its tensors. Defaults were measured on a 2-core VM's virtio disk
+    (bench/bench_offload.py); rerun the benchmark on a new machine before tuning them."""
+
+    tier: Tier = Tier.NVME
+    """Where the tensors live: Tier.DEVICE, Tier.CPU or Tier.NVME (or their names as strings)."""
+
+    folder: str | os.PathLike | None = None
+    """NVMe only: the directory of the swap files, on the fast disk, one per store (per rank).
+    Created if missing and tested at construction."""
+
+    block_bytes: int = 4 << 20
+    """Bytes per I/O request and per pool buffer; a multiple of 4096. Tensors larger than this
+    are split so they use every I/O thread."""
+
+    num_buffers: int = 8
+    """Number of pool buffers (NVMe staging memory = num_buffers * block_bytes). Bounds how many
+    blocks are in flight or prefetched at once."""
+
+    num_io_threads: int = 4
+    """Worker threads issuing I/O and copies; requests in flight on the disk at once."""
+
+    direct_io: bool | None = None
+    """NVMe only: O_DIRECT. None tries it and falls back to buffered I/O with a warning, True
+    makes its absence an error, False uses the page cache."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tier, str):
+            names = [t.value for t in Tier]
+            if self.tier not in names:
+                raise ValueError(f"tier={self.tier!r} is not one of {names}")
+            object.__setattr__(self, "tier", Tier(self.tier))
+        if not isinstance(self.tier, Tier):
+            raise ValueError(f"tier={self.tier!r}: pass Tier.DEVICE, Tier.CPU or Tier.NVME")
+        if self.tier is Tier.NVME and self.folder is None:
+            raise ValueError("tier=NVME needs folder=, a directory on the disk for the swap files")
+        if self.tier is not Tier.NVME and self.folder is not None:
+            raise ValueError("folder= is only used by Tier.NVME; drop it or set tier=Tier.NVME")
+        if self.block_bytes < ALIGN_BYTES or self.block_bytes % ALIGN_BYTES:
+            raise ValueError(
+                f"block_bytes={self.block_bytes} must be a positive multiple of {ALIGN_BYTES} "
+                "(O_DIRECT alignment), e.g. 4 << 20"
+            )
+        if self.num_buffers < 1:
+            raise ValueError(f"num_buffers={self.num_buffers} must be >= 1 (2 or more overlap I/O)")
+        if self.num_io_threads < 1:
+            raise ValueError(f"num_io_threads={self.num_io_threads} must be >= 1")
+        if self.direct_io is not None and self.tier is not Tier.NVME:
+            raise ValueError("direct_io= is only used by Tier.NVME; leave it None")
+
+
+def _close_at_exit(backend: Any, executors: list[ThreadPoolExecutor | None]) -> None:
+    """The finalizer of a store nobody closed: at interpreter exit or when garbage-collected."""
+    try:
+        if executors[0] is not None:
+            executors[0].shutdown(wait=True)  # finish the queued blocks before deleting files
+        backend.close(keep=False)
+    except Exception:  # at exit there is nobody left to raise to
+        logger.exception("cleaning up an unclosed offload store failed")
+
+
+class TensorStore:
+    """Named flat tensors on one tier, with asynchronous swap_out / swap_in / prefetch / release.
+
+    Tensors of any supported dtype and shape round-trip bit for bit. The caller must not modify a
+    tensor being swapped out, nor read an `into` buffer being swapped in, before the handle's
+    wait(). Thread safety: call the store from one thread (the training loop); its own workers
+    are internal.
+    """
+
+    def __init__(self, config: OffloadConfig, *, _resume: bool = False) -> None:
+        if not isinstance(config, OffloadConfig):
+            raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
+        self.config = config
+        self._warned: set[str] = set()
+        self.pool: BufferPool | None = None
+        if config.tier is Tier.NVME:
+            self.pool = BufferPool(
+                num_buffers=config.num_buffers,
+                buffer_bytes=config.block_bytes,
+                align_bytes=ALIGN_BYTES,
+                pin_memory=cuda_present(),
+            )
+            self._backend: Any = NvmeBackend(
+                Path(config.folder),
+                block_bytes=config.block_bytes,
+                pool=self.pool,
+                direct_io=config.direct_io,
+                warn_once=self._warn_once,
+                resume=_resume,
+            )
+        else:
+            self._backend = MemoryBackend(config.tier)
+        # what callers may ask for, updated in call order (operations themselves may lag behind)
+        self._metas: dict[str, TensorMeta] = {}
+        if _resume:
+            self._metas = {n: self._backend.entry(n).meta for n in self._backend.names()}
+        self._lock = threading.Lock()  # guards _tails and _pending (worker callbacks touch them)
+        self._tails: dict[str, SwapHandle] = {}  # the last operation issued per name
+        self._pending: set[SwapHandle] = set()
+        self._executors: list[ThreadPoolExecutor | None] = [None]  # created on first use
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_at_exit, self._backend, self._executors)
+
+    @classmethod
+    def reopen(cls, folder: str | os.PathLike, config: OffloadConfig | None = None) -> TensorStore:
+        """Resume the tensors a crashed or closed(keep=True) run left in `folder`.
+
+        The store comes back as of that run's last flush(): tensors written after it either
+        fail their checksum on swap_in (SwapIntegrityError) or, if new, were never indexed.
+        """
+        config = config or OffloadConfig(tier=Tier.NVME, folder=folder)
+        if config.tier is not Tier.NVME or Path(config.folder) != Path(folder):
+            raise ValueError("reopen needs an NVMe config whose folder= is the folder reopened")
+        return cls(config, _resume=True)
+
+    @staticmethod
+    def discard(folder: str | os.PathLike) -> None:
+        """Delete the swap files a crashed run left in `folder` (refused while a store holds it)."""
+        discard_folder(Path(folder))
+
+    # -- public operations -----------------------------------------------------------------------
+    def swap_out(self, name: str, tensor: torch.Tensor) -> SwapHandle:
+        """Start copying `tensor` into the tier under `name` (replacing any previous tensor)."""
+        self._check_open()
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names are str, got {type(name).__name__}")
+        if not tensor.is_contiguous():
+            self._warn_once(
+                "contiguous",
+                "swap_out got a non-contiguous tensor: it is copied to a contiguous one first, "
+                "which costs memory of its size; swap out contiguous (flat) tensors",
+            )
+            tensor = tensor.contiguous()
+        meta = TensorMeta.of(name, tensor)
+        if isinstance(self._backend, NvmeBackend):
+            self._backend.check_space(meta)  # a shortfall raises here, before anything is written
+        src = flat_bytes(tensor)  # 1D uint8 [nbytes], shares the caller's storage
+        ready = ready_event(tensor)
+        self._metas[name] = meta
+        handle = SwapHandle("swap_out", name)
+
+        def start() -> None:
+            ctx = self._backend.begin_write(meta, src)
+            handle.start(
+                len(spans := self._spans(meta.nbytes)),
+                lambda error: self._backend.end_write(ctx, error),
+            )
+            for begin, nbytes in spans:
+                piece = src[begin : begin + nbytes]
+                self._submit(handle, self._backend.write_block, ctx, begin, piece, ready)
+
+        return self._chain(name, handle, start)
+
+    def swap_in(self, name: str, into: torch.Tensor | None = None) -> SwapHandle:
+        """Start copying tensor `name` into `into` (a new CPU tensor if None); wait() returns it.
+
+        `into` must be contiguous with the stored dtype and number of elements; it may live on
+        any device (a CUDA `into` is filled from the pinned pool by DMA).
+        """
+        self._check_open()
+        meta = self.meta(name)
+        if into is None:
+            into = torch.empty(meta.shape, dtype=meta.dtype)
+        if into.dtype != meta.dtype or into.numel() != meta.numel or not into.is_contiguous():
+            raise ValueError(
+                f"swap_in({name!r}, into=...) needs a contiguous {meta.dtype} tensor of "
+                f"{meta.numel} elements; got {into.dtype} {tuple(into.shape)}"
+                f"{'' if into.is_contiguous() else ', not contiguous'}"
+            )
+        dst = flat_bytes(into)  # 1D uint8 [nbytes], shares into's storage
+        ready = ready_event(into)
+        handle = SwapHandle("swap_in", name, result=into)
+
+        def start() -> None:
+            ctx = self._backend.begin_read(name)
+            handle.start(len(spans := self._spans(meta.nbytes)), self._end_read(ctx))
+            for begin, nbytes in spans:
+                piece = dst[begin : begin + nbytes]
+                self._submit(handle, self._backend.read_block, ctx, begin, piece, ready)
+
+        return self._chain(name, handle, start)
+
+    def prefetch(self, names: Iterable[str]) -> list[SwapHandle]:
+        """Read tensors ahead into free pool buffers, so a later swap_in only copies out.
+
+        A hint: at most `num_buffers` blocks are held, a prefetch never waits for a buffer, and a
+        block that found none is simply read by the swap_in. Memory tiers need no prefetch.
+        """
+        self._check_open()
+        handles = []
+        for name in names:
+            meta = self.meta(name)
+            if not isinstance(self._backend, NvmeBackend):
+                continue
+            handle = SwapHandle("prefetch", name)
+
+            def start(handle=handle, name=name, meta=meta) -> None:
+                ctx = self._backend.begin_read(name)
+                handle.start(len(spans := self._spans(meta.nbytes)), self._end_read(ctx))
+                for begin, nbytes in spans:
+                    self._submit(handle, self._backend.prefetch_block, ctx, begin, nbytes)
+
+            handles.append(self._chain(name, handle, start))
+        return handles
+
+    def release(self, name: str) -> SwapHandle:
+        """Forget tensor `name` and free its memory or file once earlier operations are done."""
+        self._check_open()
+        self.meta(name)
+        del self._metas[name]
+        handle = SwapHandle("release", name)
+
+        def start() -> None:
+            self._backend.release(name)
+            handle.start(0)
+
+        return self._chain(name, handle, start)
+
+    def synchronize(self) -> None:
+        """Wait for every operation issued so far (their errors stay with their handles)."""
+        while True:
+            with self._lock:
+                pending = list(self._pending)
+            if not pending:
+                return
+            for handle in pending:
+                handle._event.wait()
+
+    def flush(self) -> None:
+        """Wait for all operations, fsync the swap files and atomically rewrite the index.
+
+        What reopen() resumes after a crash is the state of the last flush (NVMe only).
+        """
+        self._check_open()
+        if not isinstance(self._backend, NvmeBackend):
+            raise ValueError(f"flush() needs the NVMe tier; {self.config.tier.value} is volatile")
+        self.synchronize()
+        self._backend.flush()
+
+    def close(self, keep: bool = False) -> None:
+        """Finish pending operations, then delete the swap files, or keep them for reopen()."""
+        if self._closed:
+            return
+        self.synchronize()
+        self._closed = True
+        self._finalizer.detach()
+        if self._executors[0] is not None:
+            self._executors[0].shutdown(wait=True)
+        self._backend.close(keep)
+
+    def __enter__(self) -> TensorStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- inspection ------------------------------------------------------------------------------
+    def meta(self, name: str) -> TensorMeta:
+        """Dtype and shape of stored tensor `name`."""
+        if name not in self._metas:
+            raise KeyError(f"no tensor {name!r} in the store; swap_out it first")
+        return self._metas[name]
+
+    def names(self) -> list[str]:
+        return list(self._metas)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._metas
+
+    def stats(self) -> dict[str, Any]:
+        """Byte counts and pool usage, for logs, tests and tuning."""
+        out: dict[str, Any] = {
+            "tier": self.config.tier.value,
+            "num_tensors": len(self._metas),
+            "stored_bytes": self._backend.stored_bytes(),
+        }
+        if self.pool is not None:
+            out |= {
+                "direct_io": self._backend.direct_io,
+                "pool_bytes": self.pool.allocated_bytes,
+                "max_buffers_in_use": self.pool.max_in_use,
+                "num_prefetch_evictions": self.pool.num_evictions,
+            }
+        return out
+
+    # -- scheduling ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OffloadError("the store is closed")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    def _spans(self, nbytes: int) -> list[tuple[int, int]]:
+        """(offset, length) of each block of a tensor of `nbytes` bytes."""
+        step = self.config.block_bytes
+        return [(begin, min(step, nbytes - begin)) for begin in range(0, nbytes, step)]
+
+    def _end_read(self, ctx: Any) -> Callable[[BaseException | None], BaseException | None]:
+        def finalize(error: BaseException | None) -> BaseException | None:
+            self._backend.end_read(ctx)
+            return error
+
+        return finalize
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executors[0] is None:
+                self._executors[0] = ThreadPoolExecutor(
+                    self.config.num_io_threads, thread_name_prefix="zeroshard-io"
+                )
+            return self._executors[0]
+
+    def _submit(self, handle: SwapHandle, fn: Callable[..., None], *args: Any) -> None:
+        self._executor().submit(self._run_part, handle, fn, args)
+
+    @staticmethod
+    def _run_part(handle: SwapHandle, fn: Callable[..., None], args: tuple) -> None:
+        if handle.failed():
+            handle.part_done()  # a sibling block failed: the operation is lost anyway
+            return
+        try:
+            with torch.profiler.record_function(f"zeroshard::offload::{handle.kind}"):
+                fn(*args)
+        except BaseException as e:  # reported through the handle, never swallowed
+            handle.part_done(e)
+        else:
+            handle.part_done()
+
+    def _chain(self, name: str, handle: SwapHandle, start: Callable[[], None]) -> SwapHandle:
+        """Run `start` once the previous operation on `name` is done; track the handle."""
+
+        def run(_previous: SwapHandle | None = None) -> None:
+            try:
+                start()
+            except BaseException as e:  # start raises only before handle.start()
+                handle.fail(e)
+
+        def forget(_: SwapHandle) -> None:
+            with self._lock:
+                self._pending.discard(handle)
+                if self._tails.get(name) is handle:
+                    del self._tails[name]
+
+        with self._lock:
+            previous = self._tails.get(name)
+            self._tails[name] = handle
+            self._pending.add(handle)
+        handle.add_done_callback(forget)
+        if previous is None:
+            run()
+        else:
+            previous.add_done_callback(run)  # runs at once if it is already done
+        return handle
