@@ -169,25 +169,37 @@ def advise(model: ModelDescription, cluster: Cluster, workload: Workload) -> Adv
                 for mb in workload.micro_batch_sizes:
                     c = _try(model, cluster, workload, stage, offload, ci, mb, num_dp)
                     (rejected if c.problem else feasible).append(c)
-    feasible.sort(key=lambda c: (c.step_seconds, c.memory.total_bytes()))
+    # Fastest first; on a tie (to 6 digits) the larger micro-batch, which uses a device better
+    # than this model counts, then the smaller footprint.
+    feasible.sort(
+        key=lambda c: (float(f"{c.step_seconds:.6g}"), -c.micro_batch_size, c.memory.total_bytes())
+    )
     return Advice(feasible=tuple(feasible), rejected=tuple(rejected))
 
 
 def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
     def reject(problem: str, memory=None, num_micro=0) -> Candidate:
         return Candidate(
-            stage=stage, offload=offload, num_layers_per_checkpoint=ci, micro_batch_size=mb,
-            num_micro_batches=num_micro, memory=memory, step_seconds=None, time_seconds={},
+            stage=stage,
+            offload=offload,
+            num_layers_per_checkpoint=ci,
+            micro_batch_size=mb,
+            num_micro_batches=num_micro,
+            memory=memory,
+            step_seconds=None,
+            time_seconds={},
             problem=problem,
-        )  # fmt: skip
+        )
 
     placement = OFFLOADS[offload]
     problem = placement_problem(stage, placement)
     if problem:
         return reject(problem)
     tiers = {placement.params, placement.grads, placement.optimizer_states}
-    for tier, bw in ((Tier.CPU, cluster.cpu_bandwidth_bytes_per_s),
-                     (Tier.NVME, cluster.nvme_bandwidth_bytes_per_s)):  # fmt: skip
+    for tier, bw in (
+        (Tier.CPU, cluster.cpu_bandwidth_bytes_per_s),
+        (Tier.NVME, cluster.nvme_bandwidth_bytes_per_s),
+    ):
         if tier in tiers and bw is None:
             return reject(f"no {tier.value} bandwidth given for the cluster")
     if workload.global_batch_size % (num_dp * mb):
@@ -197,9 +209,14 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
         )
     num_micro = workload.global_batch_size // (num_dp * mb)
     config = replace(
-        workload.memory, stage=stage, num_dp_ranks=num_dp, placement=placement,
-        micro_batch_size=mb, seq_len=workload.seq_len, num_layers_per_checkpoint=ci,
-    )  # fmt: skip
+        workload.memory,
+        stage=stage,
+        num_dp_ranks=num_dp,
+        placement=placement,
+        micro_batch_size=mb,
+        seq_len=workload.seq_len,
+        num_layers_per_checkpoint=ci,
+    )
     memory = plan_memory(model, config)
     need, have = memory.total_bytes(Tier.DEVICE), cluster.device_memory_bytes
     if need > have:
@@ -212,14 +229,21 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
         if have is not None and need > have:
             return reject(
                 f"needs {format_bytes(need)} of {tier.value} per node, has {format_bytes(have)}",
-                memory, num_micro,
-            )  # fmt: skip
+                memory,
+                num_micro,
+            )
     times = _step_times(model, cluster, config, memory, num_micro)
     return Candidate(
-        stage=stage, offload=offload, num_layers_per_checkpoint=ci, micro_batch_size=mb,
-        num_micro_batches=num_micro, memory=memory, step_seconds=sum(times.values()),
-        time_seconds=times, problem=None,
-    )  # fmt: skip
+        stage=stage,
+        offload=offload,
+        num_layers_per_checkpoint=ci,
+        micro_batch_size=mb,
+        num_micro_batches=num_micro,
+        memory=memory,
+        step_seconds=sum(times.values()),
+        time_seconds=times,
+        problem=None,
+    )
 
 
 def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
@@ -237,15 +261,19 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
     compute = num_micro * flops / num_mp / cluster.peak_flops
 
     collectives = dp_communication(
-        model.num_params, stage=config.stage, num_mp_ranks=num_mp,
+        model.num_params,
+        stage=config.stage,
+        num_mp_ranks=num_mp,
         param_dtype_bytes=config.bytes_per_param.params or 2,
         reduce_dtype_bytes=config.bytes_per_param.grads or 2,
-    )  # fmt: skip
+    )
     comm_bytes = sum(c.num_bytes * (num_micro if c.every_micro_batch else 1) for c in collectives)
     comm = 0.0 if config.num_dp_ranks == 1 else comm_bytes / cluster.net_bandwidth_bytes_per_s
 
-    bandwidth = {Tier.CPU: cluster.cpu_bandwidth_bytes_per_s,
-                 Tier.NVME: cluster.nvme_bandwidth_bytes_per_s}  # fmt: skip
+    bandwidth = {
+        Tier.CPU: cluster.cpu_bandwidth_bytes_per_s,
+        Tier.NVME: cluster.nvme_bandwidth_bytes_per_s,
+    }
     p = config.placement
     traffic: dict[Tier, float] = {Tier.CPU: 0.0, Tier.NVME: 0.0}
     shard_params_bytes = math.ceil(

@@ -90,7 +90,7 @@ def from_params(num_params: int, *, name: str | None = None) -> ModelDescription
     """A model known only by its parameter count (model states and communication only)."""
     if isinstance(num_params, float) and num_params.is_integer():
         num_params = int(num_params)
-    return ModelDescription(num_params=num_params, name=name or f"{num_params:.3g} params")
+    return ModelDescription(num_params=num_params, name=name or "model")
 
 
 def from_transformer(
