@@ -1,0 +1,131 @@
+"""Model descriptions: counts from every source agree with what the model builds."""
+
+import json
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from zeroshard.models.gpt import GPT, PRESETS, GPTConfig
+from zeroshard.planner import describe as d
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_gpt_preset_counts(name):
+    model = d.from_gpt(name)
+    assert model.num_params == PRESETS[name].num_params()
+    assert model.shape.num_layers == PRESETS[name].n_layer
+    assert model.shape.hidden_size == PRESETS[name].n_embd
+
+
+def test_transformer_count_is_the_gpt_count():
+    cfg = GPTConfig(n_layer=3, n_embd=48, n_head=6, vocab_size=100, block_size=40)
+    model = d.from_transformer(
+        num_layers=3, hidden_size=48, num_heads=6, vocab_size=100, max_seq_len=40
+    )
+    assert model.num_params == cfg.num_params()
+    # 12 hd^2 + 13 hd per block, by hand for hd = 48.
+    assert model.shape.block_numel == 12 * 48 * 48 + 13 * 48
+
+
+def test_module_counted_on_meta_without_memory():
+    built = []
+
+    def factory():
+        m = GPT(PRESETS["1b"])
+        built.append(m)
+        return m
+
+    model = d.from_module(factory)
+    assert model.num_params == PRESETS["1b"].num_params()  # tied embedding counted once
+    assert all(p.device.type == "meta" for p in built[0].parameters())
+    # The largest unit is one block (the blocks ModuleList is opened), not the whole model.
+    assert model.largest_unit_numel == 12 * 2048**2 + 13 * 2048
+
+
+def test_module_instance():
+    model = d.from_module(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2, bias=False)))
+    assert model.num_params == 3 * 4 + 4 + 4 * 2
+    assert model.shape is None
+
+
+def test_module_errors():
+    with pytest.raises(TypeError):
+        d.from_module(42)
+    with pytest.raises(ValueError, match="no parameters"):
+        d.from_module(nn.ReLU())
+    with pytest.raises(TypeError, match="not an nn.Module"):
+        d.from_module(lambda: torch.zeros(1))
+
+
+GPT2 = {
+    "model_type": "gpt2",
+    "n_layer": 12,
+    "n_embd": 768,
+    "n_head": 12,
+    "vocab_size": 50257,
+    "n_positions": 1024,
+}
+
+
+def test_hf_config_dict_object_and_file(tmp_path):
+    expected = 124_439_808  # GPT-2 small as Hugging Face counts it
+    assert d.from_hf_config(GPT2).num_params == expected
+    assert d.from_hf_config(types.SimpleNamespace(**GPT2)).num_params == expected
+    (tmp_path / "config.json").write_text(json.dumps(GPT2))
+    assert d.from_hf_config(tmp_path).num_params == expected
+    llama_like = {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "vocab_size": 10,
+        "max_position_embeddings": 8,
+    }
+    assert d.from_hf_config(llama_like).shape.num_layers == 2
+
+
+def test_hf_config_missing_keys():
+    with pytest.raises(ValueError, match="--layers"):
+        d.from_hf_config({"vocab_size": 3})
+
+
+def test_hf_hub_name_without_transformers():
+    pytest.importorskip  # noqa: B018 (documentation: only meaningful without transformers)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="pip install"):
+            d.from_hf_config("no-such-org/no-such-model")
+    else:
+        pytest.skip("transformers installed: a hub name would be fetched")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_layers=0, hidden_size=64, num_heads=4, vocab_size=10),
+        dict(num_layers=2, hidden_size=-64, num_heads=4, vocab_size=10),
+        dict(num_layers=2, hidden_size=64, num_heads=0, vocab_size=10),
+        dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=0),
+    ],
+)
+def test_bad_shapes(kwargs):
+    with pytest.raises(ValueError, match="positive"):
+        d.TransformerShape(**kwargs)
+
+
+def test_heads_must_divide_hidden():
+    with pytest.raises(ValueError, match="does not divide"):
+        d.from_transformer(num_layers=2, hidden_size=100, num_heads=3, vocab_size=10)
+
+
+def test_bad_counts():
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match="positive"):
+            d.from_params(bad)
+    with pytest.raises(TypeError):
+        d.from_params("7.5B")
+    assert d.from_params(7.5e9).num_params == 7_500_000_000
+    with pytest.raises(ValueError, match="exceeds"):
+        d.ModelDescription(num_params=10, largest_unit_numel=11)

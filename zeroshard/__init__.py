@@ -1,0 +1,61 @@
+"""zeroshard: ZeRO / fully sharded data parallel training on top of torch.distributed.
+
+    model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(Block))
+    optimizer = zeroshard.optimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
+    loss = loss_fn(model(x), y)
+    optimizer.backward(loss); optimizer.clip_grad_norm(1.0); optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from zeroshard import wrap
+from zeroshard.collectives import Ledger
+from zeroshard.engine import ShardConfig, engine_of, shard
+from zeroshard.mesh import Mesh
+from zeroshard.model_states.optimizer import ShardedOptimizer
+from zeroshard.precision import MixedPrecision
+from zeroshard.stages import STAGES, Partition
+
+__version__ = "0.1.0"
+
+
+def optimizer(model, optimizer_cls, params=None, **defaults) -> ShardedOptimizer:
+    """A sharded ``optimizer_cls`` (any element-wise torch.optim class) over a sharded model.
+
+    ``params`` is what torch.optim takes (parameters or groups of them, e.g. no weight decay for
+    biases); it defaults to ``model.parameters()``. ``defaults`` go to ``optimizer_cls``.
+    """
+    return ShardedOptimizer(model, optimizer_cls, params, **defaults)
+
+
+def ledger(model) -> Ledger:
+    """The communication ledger of a sharded model (elements and bytes per collective)."""
+    return engine_of(model).ledger
+
+
+def summon_full_params(model):
+    """Context manager: every parameter of a sharded model gathered (read-only use)."""
+    return engine_of(model).summon_full_params()
+
+
+def no_sync(model):
+    """Context manager: backward passes inside accumulate gradients without communicating."""
+    return engine_of(model).no_sync()
+
+
+__all__ = [
+    "STAGES",
+    "Ledger",
+    "Mesh",
+    "MixedPrecision",
+    "Partition",
+    "ShardConfig",
+    "ShardedOptimizer",
+    "engine_of",
+    "ledger",
+    "no_sync",
+    "optimizer",
+    "shard",
+    "summon_full_params",
+    "wrap",
+]

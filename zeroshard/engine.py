@@ -1,0 +1,412 @@
+"""The stage-agnostic schedule: gather / free around each unit's forward and backward, gradient
+reduction as soon as a unit's backward is done, and prefetch of the next unit.
+
+``shard(model, stage=..., wrap=...)`` cuts the model into units (``zeroshard.wrap``), moves each
+unit's parameters into ``FlatParam`` storage and installs hooks. What a stage does comes from
+``zeroshard.stages`` (which model states it partitions); nothing here branches on the stage number.
+
+Per training step, for a unit U:
+
+    forward:   pre-forward   gather U (wait for the prefetch), prefetch the next unit
+               post-forward  free U (if parameters are partitioned; the root may keep its own)
+    backward:  pre-backward  gather U again, point grads into its flat gradient, prefetch
+               post-backward start U's gradient reduction, free U
+    end of backward          reduce units whose backward never fired, wait for all reductions
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from zeroshard import collectives as C
+from zeroshard.mesh import Mesh
+from zeroshard.model_states.flat_param import FlatParam, ShardState
+from zeroshard.precision import FP32, MixedPrecision
+from zeroshard.stages import Partition, partition
+from zeroshard.wrap import WrapPolicy, units
+
+_ATTR = "_zeroshard_engine"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardConfig:
+    """How the schedule trades memory for overlap."""
+
+    num_prefetch: int = 1
+    """Units gathered ahead of the one computing (forward and backward; partitioned parameters
+    only). At most ``1 + num_prefetch`` non-root units are gathered at once."""
+    reshard_root_after_forward: bool = False
+    """Free the root unit's parameters after forward too (saves memory, costs one more
+    all-gather of the root per step)."""
+    reduce_every_micro_step: bool = False
+    """With partitioned gradients: reduce-scatter on every micro-step of gradient accumulation
+    and accumulate into the shard (saves the full gradient's memory, costs communication)."""
+    max_inflight_reductions: int = 2
+    """Gradient reductions in flight before the oldest is waited for (bounds the full-gradient
+    buffers alive at stage 2/3)."""
+    sync_module_states: bool = True
+    """Broadcast rank 0's parameters at shard time so every rank starts identical."""
+
+    def __post_init__(self) -> None:
+        if self.num_prefetch < 0:
+            raise ValueError(f"num_prefetch must be >= 0, got {self.num_prefetch}")
+        if self.max_inflight_reductions < 1:
+            raise ValueError(
+                f"max_inflight_reductions must be >= 1, got {self.max_inflight_reductions}"
+            )
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Unit:
+    """One wrapped module and the flat storage of the parameters it owns."""
+
+    def __init__(self, name: str, module: nn.Module, flat_params: list[FlatParam], is_root: bool):
+        self.name, self.module, self.flat_params, self.is_root = name, module, flat_params, is_root
+        self.pre_backward_done = False
+        self.post_backward_done = False
+
+    @property
+    def trainable(self) -> list[FlatParam]:
+        return [f for f in self.flat_params if f.requires_grad]
+
+    def unshard(self, *, async_op: bool = True) -> None:
+        for f in self.flat_params:
+            f.unshard(async_op=async_op)
+
+    def wait_unshard(self) -> None:
+        for f in self.flat_params:
+            f.wait_unshard()
+
+    def reshard(self) -> None:
+        for f in self.flat_params:
+            f.reshard()
+
+    @property
+    def is_sharded(self) -> bool:
+        return any(f.state is ShardState.SHARDED for f in self.flat_params)
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs whose backward announces that the unit's backward begins."""
+
+    @staticmethod
+    def forward(ctx, hook, *tensors):  # type: ignore[override]
+        ctx.hook = hook
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.hook()
+        return (None, *grads)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, hook, *tensors):  # type: ignore[override]
+        ctx.hook = hook
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.hook()
+        return (None, *grads)
+
+
+def _apply_to_grad_tensors(fn: type[torch.autograd.Function], hook, tree: Any) -> Any:
+    """Run ``fn`` over the tensors in ``tree`` that require grad; other leaves pass through."""
+    leaves, spec = tree_flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
+    if not idx:
+        return tree
+    outs = fn.apply(hook, *(leaves[i] for i in idx))
+    for i, out in zip(idx, outs):
+        leaves[i] = out
+    return tree_unflatten(leaves, spec)
+
+
+class Engine:
+    """Per-model state of zeroshard: the units, the stage's partition and the schedule."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        unit_list: list[Unit],
+        *,
+        mesh: Mesh,
+        stage: int,
+        config: ShardConfig,
+        mixed_precision: MixedPrecision,
+        ledger: C.Ledger,
+    ) -> None:
+        self.model, self.units, self.mesh = model, unit_list, mesh
+        self.stage, self.partition = stage, partition(stage)
+        self.config, self.mixed_precision, self.ledger = config, mixed_precision, ledger
+        self.phase = Phase.IDLE
+        self.sync_grads = True
+        self.forward_order: list[Unit] = []
+        self._order_frozen = False
+        self._pending: deque[FlatParam] = deque()
+        self._handles: list[Any] = []
+        for unit in unit_list:
+            self._install_hooks(unit)
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def flat_params(self) -> list[FlatParam]:
+        return [f for u in self.units for f in u.flat_params]
+
+    @property
+    def root(self) -> Unit:
+        return self.units[0]
+
+    # ----------------------------------------------------------------- hooks
+    def _install_hooks(self, unit: Unit) -> None:
+        self._handles.append(
+            unit.module.register_forward_pre_hook(
+                lambda m, args, kwargs: self._pre_forward(unit, args, kwargs),
+                with_kwargs=True,
+                prepend=True,
+            )
+        )
+        self._handles.append(
+            unit.module.register_forward_hook(
+                lambda m, args, output: self._post_forward(unit, output)
+            )
+        )
+
+    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if unit.is_root and self.phase is not Phase.FORWARD:
+            self._begin_forward()
+        if not self._order_frozen:
+            self.forward_order.append(unit)
+        unit.unshard(async_op=False)
+        unit.wait_unshard()
+        if self.partition.parameters and self._order_frozen:
+            self._prefetch(self.forward_order, unit)
+        if unit.is_root and self.mixed_precision.cast_root_inputs:
+            args, kwargs = _cast_floats((args, kwargs), unit.flat_params)
+        if torch.is_grad_enabled():
+            args, kwargs = _apply_to_grad_tensors(
+                _PostBackward, lambda: self._post_backward(unit), (args, kwargs)
+            )
+        return args, kwargs
+
+    def _post_forward(self, unit: Unit, output: Any) -> Any:
+        keep = unit.is_root and not self.config.reshard_root_after_forward
+        if not torch.is_grad_enabled() or not keep:
+            unit.reshard()
+        if unit.is_root:
+            self.phase = Phase.IDLE
+            self._order_frozen = True
+            if self.mixed_precision.output_dtype is not None:
+                output = _cast_floats(output, None, self.mixed_precision.output_dtype)
+        if torch.is_grad_enabled():
+            output = _apply_to_grad_tensors(_PreBackward, lambda: self._pre_backward(unit), output)
+        return output
+
+    def _begin_forward(self) -> None:
+        self.phase = Phase.FORWARD
+        self._finish_reductions(keep=0)  # a backward not followed by a step left some in flight
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if self.phase is not Phase.BACKWARD:
+            self.phase = Phase.BACKWARD
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if unit.pre_backward_done:
+            return
+        unit.pre_backward_done = True
+        unit.unshard(async_op=False)
+        unit.wait_unshard()
+        for f in unit.trainable:
+            f.bind_grads()
+        if self.partition.parameters:
+            backward_order = self.forward_order[::-1]
+            self._prefetch(backward_order, None if unit.is_root else unit)
+
+    def _post_backward(self, unit: Unit) -> None:
+        if unit.post_backward_done:
+            return
+        unit.post_backward_done = True
+        reduce_now = self.sync_grads or (
+            self.partition.gradients and self.config.reduce_every_micro_step
+        )
+        if reduce_now:
+            for f in unit.trainable:
+                # Every rank reduces every unit, used or not, so the collectives always match.
+                f.bind_grads()
+                f.reduce_grads()
+                self._pending.append(f)
+            self._finish_reductions(keep=self.config.max_inflight_reductions)
+        unit.reshard()
+
+    def _end_backward(self) -> None:
+        """Autograd's final callback: reduce what no hook reduced, then wait for everything."""
+        for unit in reversed(self.forward_order or self.units):
+            self._post_backward(unit)
+        for unit in self.units:
+            self._post_backward(unit)
+            unit.pre_backward_done = unit.post_backward_done = False
+        self._finish_reductions(keep=0)
+        self.phase = Phase.IDLE
+
+    def _finish_reductions(self, *, keep: int) -> None:
+        while len(self._pending) > keep:
+            self._pending.popleft().finish_reduce()
+
+    def _prefetch(self, order: list[Unit], current: Unit | None) -> None:
+        """Start gathering the next ``num_prefetch`` sharded units after ``current`` in
+        ``order`` (from the start when ``current`` is None)."""
+        start = order.index(current) + 1 if current is not None and current in order else 0
+        budget = self.config.num_prefetch
+        for nxt in order[start:]:
+            if budget == 0:
+                break
+            if nxt.is_root or nxt.pre_backward_done and self.phase is Phase.BACKWARD:
+                continue
+            if nxt.is_sharded:
+                nxt.unshard(async_op=True)
+            budget -= 1
+
+    # ----------------------------------------------------------------- user controls
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate local gradients without communicating."""
+        previous, self.sync_grads = self.sync_grads, False
+        try:
+            yield
+        finally:
+            self.sync_grads = previous
+
+    @contextlib.contextmanager
+    def summon_full_params(self) -> Iterator[None]:
+        """Every parameter gathered (read-only use: tests, evaluation, export)."""
+        sharded = [u for u in self.units if u.is_sharded]
+        for u in sharded:
+            u.unshard(async_op=False)
+            u.wait_unshard()
+        try:
+            yield
+        finally:
+            for u in sharded:
+                u.reshard()
+
+
+def _cast_floats(tree: Any, flat_params: list[FlatParam] | None, dtype=None) -> Any:
+    """Cast floating-point tensors in ``tree`` to ``dtype`` (default: the params' dtype)."""
+    if dtype is None:
+        if not flat_params:
+            return tree
+        dtype = flat_params[0].param_dtype
+    leaves, spec = tree_flatten(tree)
+    leaves = [
+        x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype else x
+        for x in leaves
+    ]
+    return tree_unflatten(leaves, spec)
+
+
+def engine_of(model: nn.Module) -> Engine:
+    """The engine of a model passed through ``shard``; a ValueError otherwise."""
+    engine = getattr(model, _ATTR, None)
+    if engine is None:
+        raise ValueError(
+            f"{type(model).__name__} is not sharded; call zeroshard.shard(model, ...) first"
+        )
+    return engine
+
+
+def shard(
+    model: nn.Module,
+    *,
+    stage: int = 3,
+    wrap: WrapPolicy | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    config: ShardConfig | None = None,
+    mesh: Mesh | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place over the data-parallel ranks and return it.
+
+    ``stage`` 0-3 picks which model states are partitioned (``zeroshard.stages``); ``wrap``
+    (``zeroshard.wrap.by_class(Block)`` ...) cuts the model into units, the root always being one.
+    Parameters keep their names and objects; their data move into per-unit flat buffers on
+    ``mesh.device``. Every rank must call it with the same model structure.
+    """
+    part: Partition = partition(stage)
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError(
+            f"{type(model).__name__} is already sharded; shard a model once (build a new one "
+            "to change the stage or wrap policy)"
+        )
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ValueError(
+            f"parameters are on different devices {sorted(map(str, devices))}; move the model "
+            "to one device (or leave it on CPU: shard moves it to the rank's device)"
+        )
+    mesh = mesh or Mesh.current()
+    config = config or ShardConfig()
+    mixed_precision = mixed_precision or FP32
+    ledger = C.Ledger()
+    unit_list: list[Unit] = []
+    for i, spec in enumerate(units(model, wrap)):
+        groups: dict[tuple[bool, torch.dtype], list[tuple[nn.Parameter, list[str]]]] = {}
+        for regs, p, name in spec.params:
+            if p.numel() == 0:
+                continue  # nothing to shard; it stays a plain parameter
+            names = [name] + [f"{type(m).__name__}.{a}" for m, a in regs[1:]]
+            groups.setdefault((p.requires_grad, p.dtype), []).append((p, names))
+        flats = []
+        for (_, dtype), params in groups.items():
+            param_dtype, reduce_dtype = (
+                mixed_precision.resolved(dtype) if dtype.is_floating_point else (dtype, dtype)
+            )
+            flats.append(
+                FlatParam(
+                    params,
+                    mesh=mesh,
+                    partition=part,
+                    param_dtype=param_dtype,
+                    reduce_dtype=reduce_dtype,
+                    ledger=ledger,
+                    sync_module_states=config.sync_module_states,
+                )
+            )
+        unit_list.append(Unit(spec.name, spec.module, flats, is_root=i == 0))
+    _move_buffers(model, mesh, mixed_precision)
+    engine = Engine(
+        model,
+        unit_list,
+        mesh=mesh,
+        stage=stage,
+        config=config,
+        mixed_precision=mixed_precision,
+        ledger=ledger,
+    )
+    setattr(model, _ATTR, engine)
+    return model
+
+
+def _move_buffers(model: nn.Module, mesh: Mesh, mp: MixedPrecision) -> None:
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            dtype = mp.buffer_dtype if buf.is_floating_point() and mp.buffer_dtype else buf.dtype
+            new = buf.to(device=mesh.device, dtype=dtype)
+            if mesh.world_size > 1:
+                C.broadcast(new, src=0, group=mesh.group)
+            module._buffers[name] = new

@@ -1,0 +1,1 @@
+"""What ZeRO-DP partitions: parameters, gradients and optimizer states."""

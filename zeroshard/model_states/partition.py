@@ -1,0 +1,34 @@
+"""Pure arithmetic of flat, padded, sharded buffers (no tensors, no process groups).
+
+A unit's parameters are concatenated into one 1D buffer of ``numel`` elements, padded to
+``padded_numel``, a multiple of the world size N; rank r owns the contiguous range
+``[r * shard_numel, (r + 1) * shard_numel)``.
+"""
+
+from __future__ import annotations
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """Smallest multiple of ``world_size`` that is >= ``numel`` (and >= world_size: every rank
+    gets at least one element, so a collective never sees an empty shard)."""
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    return max(1, -(-numel // world_size)) * world_size
+
+
+def shard_range(rank: int, padded: int, num_shards: int) -> tuple[int, int]:
+    """``[start, end)`` of shard ``rank`` of a buffer of ``padded`` elements cut in ``num_shards``."""
+    if padded % num_shards:
+        raise ValueError(f"padded size {padded} is not a multiple of {num_shards} shards")
+    if not 0 <= rank < num_shards:
+        raise ValueError(f"rank {rank} outside [0, {num_shards})")
+    size = padded // num_shards
+    return rank * size, (rank + 1) * size
+
+
+def intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """The overlap of two half-open ranges; ``(x, x)`` (empty) when they do not overlap."""
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else (lo, lo)

@@ -1,0 +1,134 @@
+"""The multi-rank test harness: run a function on N real gloo processes, reuse them across tests.
+
+    with Workers(2) as workers:
+        results = workers.run(fn, *args)   # fn(*args) on every rank; list of per-rank results
+
+``fn`` must be importable (a module-level function). Each worker initializes the default gloo
+group once, with torchrun's variables set, so ``Mesh.from_env()`` and ``zeroshard.shard`` see a
+normal job. If any rank raises, ``run`` raises ``WorkerError`` with that rank's traceback at once
+and kills the pool (its peers may be stuck in a collective); the next ``run`` starts a new pool.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+
+class WorkerError(AssertionError):
+    """A rank raised (or died, or timed out); the message carries its traceback."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on localhost."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+
+    from zeroshard.mesh import Mesh
+
+    torch.set_num_threads(1)
+    Mesh.from_env(backend="gloo", timeout_s=120.0, device="cpu")
+    torch.set_num_threads(1)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # report everything, including assertion failures
+            conn.send(("error", traceback.format_exc()))
+
+
+class Workers:
+    """A pool of ``world_size`` processes forming one gloo job (see the module docstring)."""
+
+    def __init__(self, world_size: int, *, timeout_s: float = 300.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self._procs: list[mp.Process] = []
+        self._conns: list[Connection] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker_main, args=(rank, self.world_size, port, child), daemon=True
+            )
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; the per-rank results, rank 0 first."""
+        if not self._procs:
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout_s
+        pending = dict(enumerate(self._conns))
+        while pending:
+            ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.close()
+                raise WorkerError(
+                    f"{fn.__name__} timed out after {self.timeout_s:.0f}s on ranks "
+                    f"{sorted(pending)} (a deadlock: ranks issuing different collectives?)"
+                )
+            for rank, conn in list(pending.items()):
+                if conn not in ready:
+                    continue
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    self.close()
+                    raise WorkerError(f"rank {rank} died while running {fn.__name__}") from None
+                if status == "error":
+                    self.close()
+                    raise WorkerError(f"rank {rank} failed in {fn.__name__}:\n{value}")
+                results[rank] = value
+                del pending[rank]
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,155 @@
+"""Auto-wrap policies: which submodules become units (the granularity of gather, free and reduce).
+
+A policy is a pure function ``model -> list of submodule names`` (the root is always a unit and
+never needs listing). ``units(model, policy)`` returns the ordered units with the parameters each
+owns: a unit owns the parameters of its subtree that no inner unit owns, and a parameter registered
+in several units (tied embeddings) is owned by their deepest common ancestor unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+WrapPolicy = Callable[[nn.Module], list[str]]
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def by_class(*classes: type[nn.Module] | str) -> WrapPolicy:
+    """Every submodule that is an instance of one of ``classes`` (types or class names), like
+    ``transformer_layer_cls={T5Block}``. Matching nothing is an error that lists the classes."""
+    if not classes:
+        raise ValueError("by_class needs at least one module class, e.g. by_class(Block)")
+
+    def matches(module: nn.Module) -> bool:
+        return any(
+            type(module).__name__ == c if isinstance(c, str) else isinstance(module, c)
+            for c in classes
+        )
+
+    def policy(model: nn.Module) -> list[str]:
+        names = [name for name, m in model.named_modules() if name and matches(m)]
+        if not names:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            wanted = ", ".join(c if isinstance(c, str) else c.__name__ for c in classes)
+            raise ValueError(
+                f"wrap policy by_class({wanted}) matches no submodule of "
+                f"{type(model).__name__}; classes present: {', '.join(present)}"
+            )
+        return names
+
+    return policy
+
+
+def by_size(min_num_params: int) -> WrapPolicy:
+    """Bottom-up: a submodule becomes a unit once its subtree holds at least ``min_num_params``
+    parameter elements not already owned by a unit below it."""
+    if min_num_params <= 0:
+        raise ValueError(f"by_size needs a positive parameter count, got {min_num_params}")
+
+    def policy(model: nn.Module) -> list[str]:
+        chosen: list[str] = []
+
+        def visit(name: str, module: nn.Module) -> int:
+            remaining = sum(p.numel() for p in module.parameters(recurse=False))
+            for child_name, child in module.named_children():
+                remaining += visit(f"{name}.{child_name}" if name else child_name, child)
+            # Containers have no forward of their own, so their hooks would never fire.
+            if name and remaining >= min_num_params and not isinstance(module, _CONTAINERS):
+                chosen.append(name)
+                return 0
+            return remaining
+
+        visit("", model)
+        return chosen
+
+    return policy
+
+
+def by_predicate(predicate: Callable[[str, nn.Module], bool]) -> WrapPolicy:
+    """Every submodule ``(name, module)`` for which ``predicate`` is true."""
+
+    def policy(model: nn.Module) -> list[str]:
+        return [name for name, m in model.named_modules() if name and predicate(name, m)]
+
+    return policy
+
+
+def from_hf(model: nn.Module) -> WrapPolicy:
+    """The blocks a Hugging Face model declares unsplittable (``model._no_split_modules``)."""
+    names = getattr(model, "_no_split_modules", None)
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} has no _no_split_modules; use by_class(...) or by_size(...)"
+        )
+    return by_class(*names)
+
+
+@dataclass
+class UnitSpec:
+    """One unit: its module and the parameters it owns, in registration order."""
+
+    name: str
+    """Module name in the model ("" for the root)."""
+    module: nn.Module
+    params: list[tuple[list[tuple[nn.Module, str]], nn.Parameter, str]] = field(
+        default_factory=list
+    )
+    """(every (module, attribute) that registers it, the parameter, its first full name)."""
+
+
+def units(model: nn.Module, policy: WrapPolicy | None) -> list[UnitSpec]:
+    """The root unit first, then the policy's units in module (pre-)order, with their params."""
+    wanted = set(policy(model)) if policy is not None else set()
+    modules = dict(model.named_modules(remove_duplicate=False))
+    missing = wanted - modules.keys()
+    if missing:
+        raise ValueError(f"wrap policy named modules that do not exist: {sorted(missing)}")
+    containers = sorted(n for n in wanted if isinstance(modules[n], _CONTAINERS))
+    if containers:
+        raise ValueError(
+            f"cannot wrap containers {containers}: a ModuleList/ModuleDict has no forward; "
+            "wrap the modules inside it instead"
+        )
+    specs = [UnitSpec("", model)]
+    specs += [UnitSpec(n, m) for n, m in model.named_modules() if n in wanted]
+    index = {id(s.module): i for i, s in enumerate(specs)}
+
+    def unit_path(module_name: str) -> list[int]:
+        """Indices of the units enclosing ``module_name``, outermost (root) first."""
+        path, prefix = [0], ""
+        for part in module_name.split(".") if module_name else []:
+            prefix = f"{prefix}.{part}" if prefix else part
+            i = index.get(id(modules[prefix]))
+            if i is not None and i != path[-1]:
+                path.append(i)
+        return path
+
+    registrations: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module.named_parameters(recurse=False):
+            _, regs, names = registrations.setdefault(id(p), (p, [], []))
+            if (module, attr) not in [(m, a) for m, a in regs]:
+                regs.append((module, attr))
+                names.append(f"{mod_name}.{attr}" if mod_name else attr)
+    module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    for p, regs, names in registrations.values():
+        paths = [unit_path(module_names[id(m)]) for m, _ in regs]
+        owner = _common_prefix(paths)[-1]
+        specs[owner].params.append((regs, p, names[0]))
+    # A unit left with no parameters (all shared upward) would only add hook overhead.
+    return [s for i, s in enumerate(specs) if i == 0 or s.params]
+
+
+def _common_prefix(paths: Iterable[list[int]]) -> list[int]:
+    paths = list(paths)
+    prefix = paths[0]
+    for path in paths[1:]:
+        n = 0
+        while n < min(len(prefix), len(path)) and prefix[n] == path[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
