@@ -91,7 +91,6 @@ def test_hf_config_missing_keys():
 
 
 def test_hf_hub_name_without_transformers():
-    pytest.importorskip  # noqa: B018 (documentation: only meaningful without transformers)
     try:
         import transformers  # noqa: F401
     except ImportError:

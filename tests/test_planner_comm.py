@@ -1,0 +1,61 @@
+"""Data-parallel communication per step: 2 Psi, 2 Psi, 2 Psi, 3 Psi elements (§4)."""
+
+import pytest
+
+from zeroshard.planner.comm import comm_seconds, dp_communication, total_bytes, total_numel
+
+
+@pytest.mark.parametrize("stage, psi_multiple", [(0, 2), (1, 2), (2, 2), (3, 3)])
+def test_volume_per_stage(stage, psi_multiple):
+    collectives = dp_communication(1000, stage=stage)
+    assert total_numel(collectives) == psi_multiple * 1000
+    assert total_bytes(collectives) == psi_multiple * 1000 * 2  # fp16
+
+
+def test_stage3_is_one_and_a_half_times_data_parallel():
+    psi = 7_500_000_000
+    assert total_bytes(dp_communication(psi, stage=3)) == 1.5 * total_bytes(
+        dp_communication(psi, stage=0)
+    )
+
+
+def test_which_collectives_and_when():
+    names = [c.name for c in dp_communication(10, stage=3)]
+    assert names == [
+        "all_gather params (forward)",
+        "all_gather params (backward)",
+        "reduce_scatter grads",
+    ]
+    assert all(c.every_micro_batch for c in dp_communication(10, stage=3))
+    (all_reduce,) = dp_communication(10, stage=0)
+    assert all_reduce.name == "all_reduce grads" and not all_reduce.every_micro_batch
+    rs1, ag1 = dp_communication(10, stage=1)
+    assert not rs1.every_micro_batch and not ag1.every_micro_batch  # reduced once per step
+    rs2, ag2 = dp_communication(10, stage=2)
+    assert rs2.every_micro_batch and not ag2.every_micro_batch  # sharded grads each backward
+
+
+def test_dtypes_priced_separately():
+    # fp32 gradient reduction, bf16 parameters: Psi * 4 + Psi * 2 at stage 2.
+    collectives = dp_communication(100, stage=2, reduce_dtype_bytes=4, param_dtype_bytes=2)
+    assert [c.num_bytes for c in collectives] == [400, 200]
+
+
+def test_model_parallel_splits_volume():
+    assert total_numel(dp_communication(1000, stage=0, num_mp_ranks=4)) == 500
+
+
+def test_time_at_bandwidth():
+    # 2 Psi fp16 for 7.5B parameters = 30 GB; at 100 GB/s: 0.3 s.
+    assert comm_seconds(total_bytes(dp_communication(7_500_000_000, stage=0)), 100e9) == 0.3
+    with pytest.raises(ValueError):
+        comm_seconds(1, 0)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+        dp_communication(100, stage=5)
+    with pytest.raises(ValueError, match="num_params"):
+        dp_communication(0, stage=0)
+    with pytest.raises(ValueError, match="reduce_dtype_bytes"):
+        dp_communication(10, stage=0, reduce_dtype_bytes=3)

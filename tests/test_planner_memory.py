@@ -1,0 +1,203 @@
+"""Memory per device: the ZeRO paper's worked example, hand-computed cases, and the breakdown's
+shape that a calibration compares with measured bytes."""
+
+import math
+
+import pytest
+
+from zeroshard.planner import describe as d
+from zeroshard.planner import memory as m
+from zeroshard.planner.memory import OFFLOADS, MemoryConfig, Tier
+from zeroshard.planner.units import format_bytes
+
+PSI = 7_500_000_000
+
+
+def _device_states(stage, **kw):
+    states = m.model_states(PSI, stage=stage, num_dp_ranks=64, **kw)
+    return sum(states[Tier.DEVICE].values())
+
+
+def test_zero_paper_table_1():
+    # Psi = 7.5B, K = 12, Nd = 64: 120, 31.4, 16.6 and 1.88 GB (GB = 1e9 bytes).
+    assert _device_states(0) == 120_000_000_000
+    assert _device_states(1) == 31_406_250_000
+    assert _device_states(2) == 16_640_625_000
+    assert _device_states(3) == 1_875_000_000
+    printed = [format_bytes(_device_states(s)) for s in range(4)]
+    assert printed == ["120 GB", "31.4 GB", "16.6 GB", "1.88 GB"]
+
+
+def test_per_category_by_hand():
+    # Psi = 6400, Nd = 64: stage 2 partitions grads and optimizer states, not parameters.
+    states = m.model_states(6400, stage=2, num_dp_ranks=64)[Tier.DEVICE]
+    assert states == {"params": 12800, "grads": 200, "optimizer_states": 1200}
+    states = m.model_states(6400, stage=1, num_dp_ranks=64)[Tier.DEVICE]
+    assert states == {"params": 12800, "grads": 12800, "optimizer_states": 1200}
+
+
+def test_model_parallel_divides_everything():
+    s3 = m.model_states(8000, stage=3, num_dp_ranks=4, num_mp_ranks=2)[Tier.DEVICE]
+    assert s3 == {"params": 2000, "grads": 2000, "optimizer_states": 12000}
+    s0 = m.model_states(8000, stage=0, num_dp_ranks=4, num_mp_ranks=2)[Tier.DEVICE]
+    assert sum(s0.values()) == 16 * 8000 // 2
+
+
+def test_zero_infinity_twenty_bytes():
+    assert m.ZERO.total == 16 and m.ZERO_INFINITY.total == 20
+    s3 = m.model_states(1000, stage=3, num_dp_ranks=4, bytes_per_param=m.ZERO_INFINITY)
+    assert sum(s3[Tier.DEVICE].values()) == 20 * 1000 // 4
+    custom = m.BytesPerParam(params=4, grads=4, optimizer_states=8)  # fp32 training, Adam
+    s0 = m.model_states(10, stage=0, num_dp_ranks=1, bytes_per_param=custom)
+    assert sum(s0[Tier.DEVICE].values()) == 160
+
+
+def test_placement_moves_bytes_between_tiers():
+    states = m.model_states(1000, stage=2, num_dp_ranks=4, placement=OFFLOADS["cpu-optimizer"])
+    assert states[Tier.DEVICE] == {"params": 2000, "grads": 0, "optimizer_states": 0}
+    assert states[Tier.CPU] == {"params": 0, "grads": 500, "optimizer_states": 3000}
+    states = m.model_states(1000, stage=3, num_dp_ranks=4, placement=OFFLOADS["nvme-all"])
+    assert sum(states[Tier.DEVICE].values()) == 0
+    assert states[Tier.NVME] == {"params": 500, "grads": 0, "optimizer_states": 3000}
+    assert states[Tier.CPU]["grads"] == 500
+
+
+def test_placement_problems():
+    assert m.placement_problem(0, OFFLOADS["none"]) is None
+    assert "stage >= 1" in m.placement_problem(0, OFFLOADS["cpu-optimizer"])
+    assert "stage 3" in m.placement_problem(2, OFFLOADS["cpu-all"])
+    assert "stage 3" in m.placement_problem(2, OFFLOADS["nvme-optimizer"])
+    odd = m.Placement(optimizer_states=Tier.CPU)  # gradients left on the device
+    assert "gradients" in m.placement_problem(2, odd)
+    with pytest.raises(ValueError, match="stage 3"):
+        MemoryConfig(stage=2, placement=OFFLOADS["cpu-all"])
+
+
+def test_activation_checkpoints_by_hand():
+    kw = dict(micro_batch_size=2, seq_len=1024, hidden_size=8192, num_layers=96)
+    assert m.activation_checkpoint_bytes(**kw, num_layers_per_checkpoint=1) == (
+        2 * 2 * 1024 * 8192 * 96
+    )
+    assert m.activation_checkpoint_bytes(**kw, num_layers_per_checkpoint=4) == (
+        2 * 2 * 1024 * 8192 * 96 // 4
+    )
+    # Partitioned over Nm = 16 (ZeRO-R Pa); not partitioned, Nm does not divide.
+    full = m.activation_checkpoint_bytes(**kw, num_layers_per_checkpoint=1, num_mp_ranks=16)
+    part = m.activation_checkpoint_bytes(
+        **kw, num_layers_per_checkpoint=1, num_mp_ranks=16, partitioned=True
+    )
+    assert full == 16 * part
+    # nl = 10, ci = 4: three spans start a checkpoint, not 2.5.
+    assert (
+        m.activation_checkpoint_bytes(
+            micro_batch_size=1, seq_len=1, hidden_size=1, num_layers=10, num_layers_per_checkpoint=4
+        )
+        == 2 * 3
+    )
+
+
+def test_working_memory_by_hand():
+    awm = m.activation_working_bytes(
+        micro_batch_size=1,
+        seq_len=1024,
+        hidden_size=8192,
+        num_heads=64,
+        num_layers_per_checkpoint=1,
+    )
+    assert awm == 1024 * (16 * 8192 + 2 * 64 * 1024) == 2**28
+    assert m.model_state_working_bytes(hidden_size=8192) == 4 * 8192 * 4 * 8192 == 2**30
+
+
+SMALL = d.from_transformer(num_layers=4, hidden_size=64, num_heads=4, vocab_size=100)
+
+
+def test_residual_states_by_hand():
+    cfg = MemoryConfig(
+        stage=3,
+        num_dp_ranks=2,
+        micro_batch_size=2,
+        seq_len=16,
+        num_layers_per_checkpoint=2,
+        num_units_prefetch=1,
+        bucket_bytes=1000,
+        num_buckets=2,
+        fragmentation_fraction=0.0,
+    )
+    dev = m.plan_memory(SMALL, cfg).device
+    assert dev["activation_checkpoints"] == 2 * 2 * 16 * 64 * (4 // 2)
+    assert dev["activation_working"] == 2 * 16 * 2 * (16 * 64 + 2 * 4 * 16)
+    assert dev["model_state_working"] == 0  # parameters on the device: no streaming buffer
+    unit = 12 * 64 * 64 + 13 * 64  # one block is larger than the 100 x 64 embedding
+    assert dev["gathered_units"] == (1 + 1) * unit * 2 + unit * 2
+    assert dev["comm_buckets"] == 2000
+    assert dev["logits"] == 2 * 16 * 100 * (2 + 4 + 4)
+    assert dev["fragmentation"] == 0
+
+
+def test_fragmentation_is_a_fraction_of_the_rest():
+    cfg = MemoryConfig(stage=2, num_dp_ranks=4, fragmentation_fraction=0.25)
+    b = m.plan_memory(SMALL, cfg)
+    rest = b.total_bytes() - b.device["fragmentation"]
+    assert b.device["fragmentation"] == math.ceil(0.25 * rest)
+
+
+def test_offloaded_params_need_model_state_working_memory():
+    cfg = MemoryConfig(stage=3, num_dp_ranks=2, placement=OFFLOADS["cpu-all"])
+    b = m.plan_memory(SMALL, cfg)
+    assert b.device["model_state_working"] == 16 * 64 * 64
+    assert b.model_states_bytes(Tier.DEVICE) == 0
+    assert b.model_states_bytes(Tier.CPU) == 16 * SMALL.num_params // 2
+
+
+def test_offloaded_activations_go_to_cpu():
+    cfg = MemoryConfig(stage=0, offload_activations=True)
+    b = m.plan_memory(SMALL, cfg)
+    assert b.device["activation_checkpoints"] == 0
+    assert b.cpu["activation_checkpoints"] == 2 * 1 * 1024 * 64 * 4
+
+
+def test_stage3_without_unit_size_says_so():
+    b = m.plan_memory(d.from_params(10**6), MemoryConfig(stage=3, num_dp_ranks=8))
+    assert b.device["gathered_units"] == 0
+    assert any("largest unit unknown" in n for n in b.notes)
+    assert any("no transformer shape" in n for n in b.notes)
+
+
+def test_breakdown_names_every_category_on_every_tier():
+    # What a calibration relies on: the same keys everywhere, model + residual = total.
+    b = m.plan_memory(SMALL, MemoryConfig(stage=3, num_dp_ranks=2))
+    for tier in m.TIERS:
+        assert list(b.on(tier)) == [*m.MODEL_STATES, *m.RESIDUAL_STATES]
+        assert b.model_states_bytes(tier) + b.residual_states_bytes(tier) == b.total_bytes(tier)
+    assert set(b.to_dict()) == {"device", "cpu", "nvme", "notes"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(stage=4), "stage must be 0, 1, 2 or 3"),
+        (dict(stage=0, num_dp_ranks=0), "num_dp_ranks must be >= 1"),
+        (dict(stage=0, num_mp_ranks=-1), "num_mp_ranks must be >= 1"),
+        (dict(stage=0, micro_batch_size=0), "micro_batch_size"),
+        (dict(stage=0, seq_len=0), "seq_len"),
+        (dict(stage=0, num_layers_per_checkpoint=0), "num_layers_per_checkpoint"),
+        (dict(stage=0, bucket_bytes=-1), "bucket_bytes"),
+        (dict(stage=0, fragmentation_fraction=1.0), "fragmentation_fraction"),
+    ],
+)
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MemoryConfig(**kwargs)
+
+
+def test_model_states_errors():
+    with pytest.raises(ValueError, match="num_dp_ranks"):
+        m.model_states(100, stage=0, num_dp_ranks=0)
+    with pytest.raises(ValueError, match="num_params"):
+        m.model_states(0, stage=0, num_dp_ranks=1)
+    with pytest.raises(ValueError, match="optimizer_states"):
+        m.BytesPerParam(optimizer_states=-12)
+    with pytest.raises(ValueError, match="all three are 0"):
+        m.BytesPerParam(params=0, grads=0, optimizer_states=0)
+    with pytest.raises(ValueError):
+        m.Placement(params="tape")
