@@ -104,3 +104,10 @@ class Mesh:
             local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
             device=torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"),
         )
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is a rank of a torchrun (``torch.distributed.run``) job."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "MASTER_ADDR" in os.environ
+    )

@@ -11,6 +11,7 @@ and kills the pool (its peers may be stuck in a collective); the next ``run`` st
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -116,10 +117,8 @@ class Workers:
 
     def close(self) -> None:
         for conn in self._conns:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
         for p in self._procs:
             p.join(timeout=2)
             if p.is_alive():

@@ -19,7 +19,7 @@ def padded_numel(numel: int, world_size: int) -> int:
 
 
 def shard_range(rank: int, padded: int, num_shards: int) -> tuple[int, int]:
-    """``[start, end)`` of shard ``rank`` of a buffer of ``padded`` elements cut in ``num_shards``."""
+    """``[start, end)`` of shard ``rank`` of ``padded`` elements cut in ``num_shards`` shards."""
     if padded % num_shards:
         raise ValueError(f"padded size {padded} is not a multiple of {num_shards} shards")
     if not 0 <= rank < num_shards:

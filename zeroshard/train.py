@@ -1,0 +1,221 @@
+"""The reference training loop behind ``zeroshard train``: a GPT on the standard library's source.
+
+It uses only zeroshard's public API. Ways to run it:
+
+    zeroshard train --preset tiny --steps 200                 # 1 process (CPU or one GPU)
+    zeroshard train --nproc 2 --stage 3                       # 2 local ranks via torchrun (gloo)
+    torchrun --nproc-per-node 8 -m zeroshard.cli.main train --stage 3 --preset 1b   # 8 GPUs, nccl
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 -m zeroshard.cli.main train --stage 3       # several nodes
+
+Outputs in ``out_dir``: ``config.json``, ``metrics.jsonl`` (one JSON object per logged step and
+evaluation) and ``loss.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import zeroshard
+from zeroshard.data import BatchLoader, Corpus
+from zeroshard.models.gpt import GPT, Block, preset
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Every knob of the reference run; CLI flags and config-file keys map one-to-one."""
+
+    preset: str = "tiny"
+    """GPT preset (zeroshard.models.gpt.PRESETS)."""
+    stage: int = 3
+    """ZeRO stage 0-3."""
+    steps: int = 200
+    """Optimizer steps."""
+    batch_size: int = 16
+    """Global batch (sequences per step, summed over ranks); must divide by the rank count."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    lr: float = 3e-3
+    """Peak learning rate (linear warm-up, then cosine decay to lr / 10)."""
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to biases and norms)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    seed: int = 0
+    eval_every: int = 50
+    """Steps between validation evaluations (and one at the end)."""
+    eval_batches: int = 8
+    """Global validation batches per evaluation."""
+    log_every: int = 10
+    out_dir: str = "runs/train"
+    """Output folder (created if missing)."""
+    data_dir: str | None = None
+    """Corpus cache folder (default ~/.cache/zeroshard)."""
+
+    def __post_init__(self) -> None:
+        preset(self.preset)  # a ValueError listing the presets
+        if self.stage not in zeroshard.STAGES:
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage}")
+        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of ``step``: linear warm-up then cosine decay to a tenth of the peak."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def rank_memory_bytes(device: torch.device) -> int:
+    """This rank's memory now: allocated CUDA bytes, or the process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def evaluate(model, batches, device) -> float:
+    """Mean validation loss over ``batches`` (this rank's share), averaged over ranks."""
+    model.eval()
+    total = torch.zeros(1, device=device)
+    with torch.no_grad():
+        for x, y in batches:
+            total += model(x.to(device), y.to(device)).float()
+    model.train()
+    dist.all_reduce(total)
+    return total.item() / (len(batches) * dist.get_world_size())
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
+    val = [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(*zip(*train), label="train") if train else None
+    ax.plot(*zip(*val), marker="o", label="validation") if val else None
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run the job described by ``cfg`` on the current torchrun job (or alone); returns the
+    summary on every rank."""
+    mesh = zeroshard.Mesh.from_env()
+    rank, world, device = mesh.rank, mesh.world_size, mesh.device
+    out = Path(cfg.out_dir)
+    if cfg.batch_size % world:
+        raise ValueError(
+            f"global batch {cfg.batch_size} does not divide across {world} ranks; "
+            f"use a multiple of {world}"
+        )
+    corpus = Corpus.build(cache_dir=cfg.data_dir)
+    loader = BatchLoader.from_global_batch(
+        corpus.train, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+        rank=rank, world_size=world, seed=cfg.seed,
+    )  # fmt: skip
+    val_batches = BatchLoader.from_global_batch(
+        corpus.val, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+        rank=rank, world_size=world, seed=cfg.seed,
+    ).eval_batches(cfg.eval_batches)  # fmt: skip
+
+    torch.manual_seed(cfg.seed)
+    model = GPT(preset(cfg.preset))
+    num_params = sum(p.numel() for p in model.parameters())
+    model = zeroshard.shard(model, stage=cfg.stage, wrap=zeroshard.wrap.by_class(Block))
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = zeroshard.optimizer(
+        model, torch.optim.AdamW, groups, lr=cfg.lr, betas=(0.9, 0.95),
+        weight_decay=cfg.weight_decay,
+    )  # fmt: skip
+
+    records: list[dict] = []
+    metrics_path = out / "metrics.jsonl"
+    if rank == 0:
+        metrics_path.write_text("")
+
+    def log(record: dict) -> None:
+        records.append(record)
+        if rank == 0:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    bar = tqdm(total=cfg.steps, disable=rank != 0, desc=f"stage {cfg.stage} x{world}")
+    first_val = evaluate(model, val_batches, device)
+    log({"kind": "eval", "step": 0, "val_loss": first_val})
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    t_start = t_log = time.perf_counter()
+    for step, (x, y) in enumerate(loader.iter(num_steps=cfg.steps), start=1):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step - 1, cfg)
+        loss = model(x.to(device), y.to(device))
+        opt.backward(loss)
+        norm = opt.clip_grad_norm(cfg.grad_clip) if cfg.grad_clip > 0 else None
+        opt.step()
+        opt.zero_grad()
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            mem = torch.tensor([rank_memory_bytes(device)], dtype=torch.float64, device=device)
+            mems = [torch.zeros_like(mem) for _ in range(world)]
+            dist.all_gather(mems, mem)
+            now = time.perf_counter()
+            tok_s = tokens_per_step * (step - (records[-1]["step"] if records else 0))
+            tok_s /= max(now - t_log, 1e-9)
+            t_log = now
+            rec = {
+                "kind": "train", "step": step, "loss": loss.item(), "lr": lr_at(step - 1, cfg),
+                "grad_norm": None if norm is None else norm.item(), "tokens_per_s": tok_s,
+                "rank_mem_mib": [round(m.item() / 2**20, 1) for m in mems],
+            }  # fmt: skip
+            log(rec)
+            bar.set_postfix(
+                loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
+                mem_mib="/".join(f"{m:.0f}" for m in rec["rank_mem_mib"]),
+            )  # fmt: skip
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            log({"kind": "eval", "step": step, "val_loss": evaluate(model, val_batches, device)})
+        bar.update(1)
+    bar.close()
+    elapsed = time.perf_counter() - t_start
+    last_val = records[-1]["val_loss"]
+    summary = {
+        "preset": cfg.preset, "num_params": num_params, "stage": cfg.stage, "ranks": world,
+        "steps": cfg.steps, "seconds": round(elapsed, 1),
+        "tokens_per_s": round(tokens_per_step * cfg.steps / elapsed),
+        "val_loss_first": round(first_val, 4), "val_loss_last": round(last_val, 4),
+        "comm_bytes_per_step": sum(e.bytes for e in zeroshard.ledger(model).steps[-1].values()),
+    }  # fmt: skip
+    if rank == 0:
+        plot(records, out / "loss.png")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def save_config(cfg: TrainConfig, path: Path) -> None:
+    """Write ``cfg`` as JSON atomically (the torchrun workers read it back)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    os.replace(tmp, path)
