@@ -26,11 +26,6 @@ class Partition:
     parameters: bool
     """Parameters: all-gathered just before a unit's forward and backward, freed right after."""
 
-    @property
-    def gradient_collective(self) -> str:
-        """``"reduce_scatter"`` when each rank keeps only its optimizer shard, else ``"all_reduce"``."""
-        return "reduce_scatter" if self.optimizer_states else "all_reduce"
-
 
 STAGES: dict[int, Partition] = {
     0: Partition(optimizer_states=False, gradients=False, parameters=False),
