@@ -1,0 +1,198 @@
+"""``zeroshard plan``: the table, the JSON keys the README documents, and user mistakes."""
+
+import argparse
+import json
+
+import pytest
+
+from zeroshard.cli import plan
+from zeroshard.models.gpt import GPT, PRESETS
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="zeroshard")
+    plan.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["plan", *argv])
+
+
+def _run(argv, capsys):
+    assert plan.run(_parse(argv)) == 0
+    return capsys.readouterr().out
+
+
+def _json(argv, capsys):
+    return json.loads(_run([*argv, "--json"], capsys))
+
+
+def tiny_gpt():
+    """A factory for --module (built on the meta device by the planner)."""
+    return GPT(PRESETS["tiny"])
+
+
+def _rows(text):
+    """The table's data rows, split on runs of two or more spaces."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("stage")) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.strip() or line.startswith("note"):
+            break
+        rows.append([c.strip() for c in line.split("  ") if c.strip()])
+    return rows
+
+
+def test_worked_example_table(capsys):
+    text = _run(["--params", "7.5B", "--dp", "64"], capsys)
+    rows = _rows(text)
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    assert [r[2] for r in rows] == ["120 GB", "31.4 GB", "16.6 GB", "1.88 GB"]
+    assert [r[-1] for r in rows] == ["2 Psi = 30 GB"] * 3 + ["3 Psi = 45 GB"]
+    assert "Psi = 7.5e9 parameters, Nd = 64" in text
+    assert "2 + 2 + 12 = 16 bytes per parameter" in text
+
+
+def test_worked_example_json(capsys):
+    out = _json(["--params", "7.5e9", "--dp", "64"], capsys)
+    got = {s["stage"]: s["model_states_bytes"] for s in out["stages"]}
+    assert got == {0: 120_000_000_000, 1: 31_406_250_000, 2: 16_640_625_000, 3: 1_875_000_000}
+    row = out["stages"][3]
+    assert row["communication"]["numel"] == 3 * 7_500_000_000
+    assert set(row["memory"]["device"]) >= {"params", "grads", "optimizer_states"}
+    assert row["device_bytes"] == row["model_states_bytes"] + row["residual_states_bytes"]
+
+
+def test_transformer_json_keys(capsys):
+    argv = ["--layers", "96", "--hidden", "8192", "--heads", "64", "--seq", "1024"]
+    out = _json([*argv, "--batch", "2", "--ci", "1", "--dp", "1024"], capsys)
+    assert out["activation_checkpoint_bytes"] == 2 * 2 * 1024 * 8192 * 96
+    assert out["activation_working_bytes"] == 2 * 1024 * 1 * (16 * 8192 + 2 * 64 * 1024)
+    assert out["model_state_working_bytes"] == 4 * 8192 * 4 * 8192
+    assert out["model"]["shape"]["num_heads"] == 64
+
+
+def test_efficiency_json(capsys):
+    argv = ["--layers", "24", "--hidden", "2048", "--heads", "16", "--seq", "1024", "--batch", "1"]
+    out = _json([*argv, "--bandwidth", "70GB/s", "--peak-flops", "70TFLOP/s"], capsys)
+    eff = out["efficiency"]
+    assert set(eff) == {"params_grads", "optimizer_states", "activation_checkpoints"}
+    assert round(eff["params_grads"], 3) == 0.506
+    assert eff["activation_checkpoints"] > eff["params_grads"] > eff["optimizer_states"]
+
+
+def test_required_bandwidth_printed(capsys):
+    argv = ["--params", "1B", "--seq", "1024", "--batch", "2", "--peak-flops", "70T"]
+    text = _run([*argv, "--target-efficiency", "0.9"], capsys)
+    assert "needs 1.23 TB/s for efficiency 0.9" in text
+
+
+def test_offload_rows_and_efficiency(capsys):
+    argv = ["--preset", "1b", "--dp", "8", "--offload", "all", "--stage", "2,3"]
+    out = _json([*argv, "--bandwidth", "25GB/s", "--peak-flops", "70TFLOP/s"], capsys)
+    offloads = [(r["stage"], r["offload"]) for r in out["stages"]]
+    assert offloads == [
+        (2, "none"),
+        (2, "cpu-optimizer"),
+        (3, "none"),
+        (3, "cpu-optimizer"),
+        (3, "nvme-optimizer"),
+        (3, "cpu-all"),
+        (3, "nvme-all"),
+    ]
+    by = {(r["stage"], r["offload"]): r for r in out["stages"]}
+    assert by[(3, "none")]["efficiency"] is None
+    assert by[(3, "cpu-optimizer")]["efficiency"] == pytest.approx(
+        out["efficiency"]["optimizer_states"]
+    )
+    assert (
+        by[(3, "nvme-all")]["nvme_bytes"] > 0
+        and by[(3, "nvme-all")]["memory"]["device"]["params"] == 0
+    )
+
+
+def test_memory_gb_and_gib_told_apart(capsys):
+    # Stage 0, no residual shape, no fragmentation: 16 Psi + 2 x 25 MiB buckets = 83.25e9 bytes,
+    # more than 80 GB (80e9) and less than 80 GiB (85.9e9).
+    argv = ["--params", "5.2B", "--stage", "0", "--fragmentation", "0"]
+    gb = _json([*argv, "--memory", "80GB"], capsys)
+    gib = _json([*argv, "--memory", "80GiB"], capsys)
+    assert gb["device_memory_bytes"] == 80 * 10**9 and gib["device_memory_bytes"] == 80 * 2**30
+    assert gb["stages"][0]["fits"] is False and gib["stages"][0]["fits"] is True
+    assert _rows(_run([*argv, "--memory", "80GB"], capsys))[0][-1] == "NO"
+
+
+def test_other_model_sources(capsys, tmp_path):
+    tiny = PRESETS["tiny"].num_params()
+    assert _json(["--preset", "tiny"], capsys)["model"]["num_params"] == tiny
+    assert _json(["--module", "test_cli_plan:tiny_gpt"], capsys)["model"]["num_params"] == tiny
+    cfg = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 10, "n_positions": 8}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert _json(["--hf", str(tmp_path)], capsys)["model"]["shape"]["hidden_size"] == 64
+
+
+def test_unit_flag(capsys):
+    rows = _rows(_run(["--params", "1024", "--stage", "0", "--unit", "KiB"], capsys))
+    assert rows[0][2] == "16 KiB"
+
+
+def test_advise(capsys):
+    argv = ["--preset", "1b", "--advise", "--devices", "8", "--memory", "8GB", "--seq", "2048"]
+    argv += ["--global-batch", "256", "--peak-flops", "70TFLOP/s", "--net-bandwidth", "100GB/s"]
+    argv += ["--bandwidth", "25GB/s", "--batch", "1,2,4,8", "--offload", "all"]
+    text = _run(argv, capsys)
+    assert "rank  stage  offload" in text
+    assert "stage 0 none: needs 21.9 GB per device, has 8 GB" in text
+    assert "not offered:" in text
+    out = _json(argv, capsys)
+    assert set(out) >= {"feasible", "rejected", "why_not"}
+    steps = [c["step_seconds"] for c in out["feasible"]]
+    assert steps == sorted(steps) and all(c["device_bytes"] <= 8e9 for c in out["feasible"])
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--params", "0"], "positive"),
+        (["--params", "-5"], "cannot read count"),
+        (["--params", "1B", "--dp", "0"], "--dp must be at least 1"),
+        (["--params", "1B", "--dp", "-4"], "--dp must be at least 1"),
+        (["--params", "1B", "--mp", "0"], "--mp must be at least 1"),
+        (["--params", "1B", "--seq", "0"], "--seq must be at least 1"),
+        (["--params", "1B", "--batch", "0"], "--batch must be at least 1"),
+        (["--params", "1B", "--ci", "-1"], "--ci must be at least 1"),
+        (["--layers", "2", "--hidden", "100", "--heads", "3"], "does not divide"),
+        (["--layers", "0", "--hidden", "64", "--heads", "4"], "--layers must be at least 1"),
+        (["--layers", "2", "--hidden", "64"], "needs --heads"),
+        (["--params", "1B", "--memory", "80GX"], "cannot read memory size"),
+        (["--params", "1B", "--memory", "0GB"], "positive"),
+        (["--params", "1B", "--memory", "80Gb"], "bits"),
+        (["--params", "1B", "--bandwidth", "fast", "--peak-flops", "70T"], "bandwidth"),
+        (["--params", "1B", "--stage", "4"], "--stage takes 0, 1, 2 or 3"),
+        (["--params", "1B", "--offload", "tape"], "unknown --offload"),
+        (["--params", "1B", "--bytes-per-param", "2,2"], "--bytes-per-param"),
+        (["--params", "1B", "--stage", "0", "--offload", "cpu-all"], "no stage"),
+        (["--params", "1B", "--batch", "1,2"], "unless --advise"),
+        (["--params", "1B", "--target-efficiency", "0.9"], "--peak-flops"),
+        (["--params", "1B", "--advise"], "--advise needs --memory"),
+        (["--params", "1B", "--unit", "parsecs"], "cannot read"),
+        ([], "no model given"),
+        (["--preset", "1b", "--params", "1B"], "--params overrides"),
+        (["--preset", "1b", "--layers", "2"], "describe the model once"),
+        (["--preset", "huge"], "unknown model preset"),
+        (["--module", "no_such_module:f"], "--module"),
+    ],
+)
+def test_user_mistakes(argv, match):
+    with pytest.raises(ValueError, match=match):
+        plan.run(_parse(argv))
+
+
+def test_through_main(capsys, monkeypatch):
+    from zeroshard.cli import main
+
+    if "plan" not in main.SUBCOMMANDS:  # until the lead registers it: dispatch to plan alone
+        monkeypatch.setattr(main, "SUBCOMMANDS", ("plan",))
+    assert main.main(["plan", "--params", "7.5B", "--dp", "64"]) == 0
+    assert "1.88 GB" in capsys.readouterr().out
+    assert main.main(["plan", "--params", "7.5B", "--dp", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["zeroshard plan: error: --dp must be at least 1, got 0"]
