@@ -1,0 +1,98 @@
+"""``zeroshard`` CLI: help, a real 2-rank training run, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from zeroshard.cli.main import main
+
+
+def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "zeroshard.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_lists_subcommands():
+    result = _cli("--help")
+    assert result.returncode == 0
+    assert "train" in result.stdout
+
+
+def test_train_two_ranks_writes_metrics_and_plot(tmp_path):
+    out = tmp_path / "run"
+    result = _cli(
+        "train", "--nproc", "2", "--preset", "nano", "--steps", "8", "--batch-size", "4",
+        "--seq-len", "32", "--eval-every", "4", "--eval-batches", "2", "--log-every", "2",
+        "--stage", "3", "--out-dir", str(out), "--data-dir", str(tmp_path / "data"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [2, 4, 6, 8]
+    assert [r["step"] for r in evals] == [0, 4, 8]
+    assert all(len(r["rank_mem_mib"]) == 2 and r["tokens_per_s"] > 0 for r in train)
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks"] == 2 and summary["stage"] == 3
+
+
+def _expect_usage_error(capsys, argv: list[str], *needles: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_unknown_preset(capsys, tmp_path):
+    _expect_usage_error(
+        capsys, ["train", "--preset", "huge", "--out-dir", str(tmp_path)], "huge", "tiny"
+    )
+
+
+def test_nproc_zero(capsys, tmp_path):
+    _expect_usage_error(capsys, ["train", "--nproc", "0", "--out-dir", str(tmp_path)], "--nproc")
+
+
+def test_batch_not_divisible(capsys, tmp_path):
+    argv = ["train", "--nproc", "3", "--batch-size", "16", "--out-dir", str(tmp_path)]
+    _expect_usage_error(capsys, argv, "16", "multiple of 3")
+
+
+def test_output_folder_cannot_be_created(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    _expect_usage_error(capsys, ["train", "--out-dir", str(blocker / "run")], "--out-dir")
+
+
+def test_port_in_use(capsys, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        argv = ["train", "--nproc", "2", "--port", str(port), "--out-dir", str(tmp_path)]
+        _expect_usage_error(capsys, argv, str(port), "--port")
+
+
+def test_unknown_config_key(capsys, tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text('preset = "nano"\nlearning_rate = 0.1\n')
+    _expect_usage_error(
+        capsys, ["train", "--config", str(config), "--out-dir", str(tmp_path)], "learning_rate"
+    )
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--seq-len"])
+def test_non_positive_numbers(capsys, tmp_path, flag):
+    _expect_usage_error(capsys, ["train", flag, "0", "--out-dir", str(tmp_path)], "positive")
