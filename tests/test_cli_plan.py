@@ -152,7 +152,7 @@ def test_advise(capsys):
     "argv, match",
     [
         (["--params", "0"], "positive"),
-        (["--params", "-5"], "cannot read count"),
+        (["--params", "-5"], "positive"),
         (["--params", "1B", "--dp", "0"], "--dp must be at least 1"),
         (["--params", "1B", "--dp", "-4"], "--dp must be at least 1"),
         (["--params", "1B", "--mp", "0"], "--mp must be at least 1"),

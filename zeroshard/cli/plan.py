@@ -17,6 +17,7 @@ import argparse
 import importlib
 import json
 import math
+from dataclasses import replace
 
 from zeroshard import planner
 from zeroshard.planner import bandwidth, comm, memory, units
@@ -128,13 +129,14 @@ def _positive(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be at least 1, got {value}")
 
 
-def _ints(flag: str, text: str) -> tuple[int, ...]:
+def _ints(flag: str, text: str, *, positive: bool = True) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise ValueError(f"{flag} takes integers separated by commas, got {text!r}") from None
     for v in values:
-        _positive(flag, v)
+        if positive:
+            _positive(flag, v)
     return values
 
 
@@ -209,18 +211,11 @@ def _offloads(text: str) -> tuple[str, ...]:
 
 
 def _stages(text: str) -> tuple[int, ...]:
-    stages = _ints_any("--stage", text)
+    stages = _ints("--stage", text, positive=False)
     for s in stages:
         if s not in (0, 1, 2, 3):
             raise ValueError(f"--stage takes 0, 1, 2 or 3 (or a list such as 2,3), got {s}")
     return stages
-
-
-def _ints_any(flag: str, text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag} takes integers separated by commas, got {text!r}") from None
 
 
 def _opt(parse, text):
@@ -233,8 +228,8 @@ def _opt(parse, text):
 def plan(args) -> dict:
     """Everything ``zeroshard plan`` prints, as the JSON-ready dict."""
     model = _model(args)
-    for flag in ("dp", "mp", "seq", "prefetch_units", "devices_per_node", "devices"):
-        _positive("--" + flag.replace("_", "-"), getattr(args, flag, None))
+    for flag in ("dp", "mp", "seq", "devices_per_node"):
+        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0, got {args.prefetch}")
     batches, cis = _ints("--batch", args.batch), _ints("--ci", args.ci)
@@ -305,6 +300,7 @@ def plan(args) -> dict:
     if args.target_efficiency is not None:
         if peak is None:
             raise ValueError("--target-efficiency needs --peak-flops, e.g. --peak-flops 70TFLOP/s")
+        out["target_efficiency"] = args.target_efficiency
         out["required_bandwidth_bytes_per_s"] = ait.required_bandwidths(
             peak, args.target_efficiency
         )
@@ -314,7 +310,7 @@ def plan(args) -> dict:
             placement = OFFLOADS[offload]
             if memory.placement_problem(stage, placement):
                 continue
-            config = _replace(base, stage=stage, placement=placement)
+            config = replace(base, stage=stage, placement=placement)
             rows.append(_row(model, config, offload, ait, bw, net_bw, peak, device_memory))
     if not rows:
         raise ValueError(
@@ -323,12 +319,6 @@ def plan(args) -> dict:
         )
     out["stages"] = rows
     return out
-
-
-def _replace(config, **changes):
-    from dataclasses import replace
-
-    return replace(config, **changes)
 
 
 def _row(model, config, offload, ait, bw, net_bw, peak, device_memory) -> dict:
@@ -539,7 +529,8 @@ def render_plan(out: dict, unit: str = "GB") -> str:
         if eff is not None:
             text += f"efficiency {eff[key]:.3f}"
         if need is not None:
-            text += f"   needs {units.format_rate(need[key])} for {out.get('_target', '')}"
+            target = f"efficiency {out['target_efficiency']:g}"
+            text += f"   needs {units.format_rate(need[key])} for {target}"
         lines.append(text.rstrip())
     return "\n".join(lines)
 
@@ -605,7 +596,7 @@ def _finite(obj):
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items() if not k.startswith("_")}
+        return {k: _finite(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_finite(v) for v in obj]
     return obj
@@ -618,8 +609,6 @@ def run(args) -> int:
         text = render_advice(out, args.unit, args.top)
     else:
         out = plan(args)
-        if args.target_efficiency is not None:
-            out["_target"] = f"efficiency {args.target_efficiency:g}"
         text = render_plan(out, args.unit)
     print(json.dumps(_finite(out), indent=2) if args.json else text)
     return 0

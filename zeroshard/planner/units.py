@@ -29,6 +29,11 @@ def _scale(prefix: str | None) -> int:
     return BINARY[prefix] if prefix.endswith("i") else DECIMAL[prefix]
 
 
+def _not_negative(text: str, what: str) -> None:
+    if text.strip().startswith("-"):
+        raise ValueError(f"{what} must be positive, got {text!r}")
+
+
 def _check(value: float, text: str, what: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{what} must be a positive size, got {text!r}")
@@ -38,8 +43,7 @@ def _check(value: float, text: str, what: str) -> float:
 def _sized(pattern: re.Pattern, text: str, what: str, example: str) -> float:
     if not isinstance(text, str):
         raise TypeError(f"{what} must be a string such as {example!r}, got {type(text).__name__}")
-    if text.strip().startswith("-"):
-        raise ValueError(f"{what} must be a positive size, got {text!r}")
+    _not_negative(text, what)
     match = pattern.fullmatch(text.strip())
     if match is None:
         raise ValueError(
@@ -68,6 +72,7 @@ def parse_flops(text: str) -> float:
     """FLOP/s in ``"70TFLOP/s"``, ``"70TFLOPS"``, ``"70T"`` or ``"7e13"``."""
     if not isinstance(text, str):
         raise TypeError(f"peak FLOP/s must be a string such as '70TFLOP/s', got {text!r}")
+    _not_negative(text, "peak FLOP/s")
     match = _FLOPS.fullmatch(text.strip())
     if match is None:
         raise ValueError(f"cannot read peak FLOP/s {text!r}; write e.g. '70TFLOP/s' or '7e13'")
@@ -78,6 +83,7 @@ def parse_count(text: str) -> int:
     """A count of elements: ``"7.5B"`` or ``"7.5e9"`` (7.5e9), ``"350M"``, ``"1200"``."""
     if not isinstance(text, str):
         raise TypeError(f"a count must be a string such as '7.5B', got {text!r}")
+    _not_negative(text, "a count")
     match = _COUNT.fullmatch(text.strip())
     if match is None:
         raise ValueError(f"cannot read count {text!r}; write e.g. '7.5B', '350M' or '1.2e9'")
