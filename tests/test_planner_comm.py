@@ -24,11 +24,16 @@ def test_which_collectives_and_when():
     assert names == [
         "all_gather params (forward)",
         "all_gather params (backward)",
-        "reduce_scatter grads",
+        "reduce_scatter grads (backward)",
+    ]
+    # The ledger's (op, label) keys in zeroshard.collectives.
+    assert [(c.op, c.label) for c in dp_communication(10, stage=1)] == [
+        ("reduce_scatter", "grads"),
+        ("all_gather", "params"),
     ]
     assert all(c.every_micro_batch for c in dp_communication(10, stage=3))
     (all_reduce,) = dp_communication(10, stage=0)
-    assert all_reduce.name == "all_reduce grads" and not all_reduce.every_micro_batch
+    assert all_reduce.name == "all_reduce grads (backward)" and not all_reduce.every_micro_batch
     rs1, ag1 = dp_communication(10, stage=1)
     assert not rs1.every_micro_batch and not ag1.every_micro_batch  # reduced once per step
     rs2, ag2 = dp_communication(10, stage=2)

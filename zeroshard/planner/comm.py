@@ -20,8 +20,13 @@ from zeroshard.stages import partition
 class Collective:
     """One collective of a training step, as the per-device volume it moves."""
 
-    name: str
-    """``all_reduce``, ``reduce_scatter`` or ``all_gather``, with what it moves."""
+    op: str
+    """``all_reduce``, ``reduce_scatter`` or ``all_gather`` (the ledger's op names)."""
+    label: str
+    """What it moves: ``params`` or ``grads`` (the ledger's labels in ``zeroshard.collectives``,
+    so a calibration compares ``ledger.summary()["all_gather/params"]`` with these)."""
+    when: str
+    """``forward``, ``backward`` or ``after step``."""
     numel: int
     """Elements each device sends (and receives)."""
     num_bytes: int
@@ -30,6 +35,10 @@ class Collective:
     """True when it runs in every micro-batch (gathered parameters, gradients reduce-scattered to
     sharded owners); False when once per optimizer step (replicated gradients accumulate
     locally and are reduced once)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.op} {self.label} ({self.when})"
 
 
 def dp_communication(
@@ -55,27 +64,32 @@ def dp_communication(
     part = partition(stage)
     psi = math.ceil(num_params / num_mp_ranks)
 
-    def grads(name: str, numel: int) -> Collective:
-        nbytes = numel * reduce_dtype_bytes
+    def grads(op: str, numel: int) -> Collective:
         return Collective(
-            name=name, numel=numel, num_bytes=nbytes, every_micro_batch=part.gradients
+            op=op,
+            label="grads",
+            when="backward",
+            numel=numel,
+            num_bytes=numel * reduce_dtype_bytes,
+            every_micro_batch=part.gradients,
         )
 
-    def params(name: str, every_micro_batch: bool) -> Collective:
-        nbytes = psi * param_dtype_bytes
+    def params(when: str) -> Collective:
         return Collective(
-            name=name, numel=psi, num_bytes=nbytes, every_micro_batch=every_micro_batch
+            op="all_gather",
+            label="params",
+            when=when,
+            numel=psi,
+            num_bytes=psi * param_dtype_bytes,
+            every_micro_batch=when != "after step",
         )
 
     if part.parameters:
-        return (
-            params("all_gather params (forward)", True),
-            params("all_gather params (backward)", True),
-            grads("reduce_scatter grads", psi),
-        )
+        return params("forward"), params("backward"), grads("reduce_scatter", psi)
     if part.optimizer_states:
-        return grads("reduce_scatter grads", psi), params("all_gather params (after step)", False)
-    return (grads("all_reduce grads", 2 * psi),)
+        return grads("reduce_scatter", psi), params("after step")
+    # The ring all-reduce: a reduce-scatter and an all-gather of Psi each (the ledger's 2 numel).
+    return (grads("all_reduce", 2 * psi),)
 
 
 def total_bytes(collectives: tuple[Collective, ...]) -> int:
