@@ -178,7 +178,10 @@ def from_hf_config(config) -> ModelDescription:
     (MLP width 4 hd); for exact counts build the model with ``from_module`` on meta."""
     if isinstance(config, (str, os.PathLike)):
         config = _load_hf_config(os.fspath(config))
-    values = config if isinstance(config, Mapping) else vars(config)
+    if isinstance(config, Mapping):
+        values = config
+    else:  # a PretrainedConfig (to_dict) or any object with the attributes
+        values = config.to_dict() if hasattr(config, "to_dict") else vars(config)
     found: dict[str, int] = {}
     for term, keys in _HF_KEYS.items():
         key = next((k for k in keys if values.get(k) is not None), None)
