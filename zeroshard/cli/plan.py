@@ -28,9 +28,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan",
         help="memory, communication and efficiency per ZeRO stage and offload placement",
-        description=__doc__.split("\n\n")[0].split(": ", 1)[1]
-        + " Sizes: 80GB = 80e9 bytes, 80GiB = 80 * 2**30 bytes; rates like 70GB/s; counts like "
-        "7.5B. GB in the output are 1e9 bytes unless --unit says otherwise.",
+        description="Will a model fit, and how fast can it go, per ZeRO stage and offload "
+        "placement. Sizes: 80GB = 80e9 bytes, 80GiB = 80 * 2**30 bytes; rates like 70GB/s; counts "
+        "like 7.5B. GB in the output are 1e9 bytes unless --unit says otherwise.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     m = p.add_argument_group("model (one of --params, --preset, --hf, --module, or a shape)")
