@@ -1,0 +1,175 @@
+"""Swap bandwidth of the NVMe tier against the raw sequential bandwidth of the same disk.
+
+For tensors of 1, 4, 16 and 64 MiB (--size-gib of them in all, 1 GiB by default) it times
+TensorStore.swap_out and swap_in, and, in the same run and alternating with them, plain sequential
+O_DIRECT writes and reads of one file in requests of the same size (min(tensor, block_bytes)) from
+one thread: the disk's raw bandwidth. Each figure is the best of --repeats passes (the machine is
+shared, so the best pass is the one least disturbed). CPU time is the process's (all threads)
+during the store's passes, per GiB moved.
+
+    python bench/bench_offload.py                   # 1 GiB, folder in a temp dir under /tmp
+    python bench/bench_offload.py --size-gib 4 --folder /nvme/tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run standalone from a checkout
+
+from zeroshard.offload import OffloadConfig, TensorStore, Tier  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def filesystem_of(path: Path) -> str:
+    """'ext4 on /dev/vda' for the mount holding `path` (longest matching mount point)."""
+    best = ("?", "?", "")
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mnt, fstype = line.split()[:3]
+            if str(path).startswith(mnt) and len(mnt) >= len(best[2]):
+                best = (fstype, dev, mnt)
+    return f"{best[0]} on {best[1]}"
+
+
+def raw_pass(path: Path, total_bytes: int, request_bytes: int, write: bool) -> float:
+    """Seconds for one sequential O_DIRECT pass over `total_bytes` in `request_bytes` requests."""
+    buf = mmap.mmap(-1, request_bytes)  # page-aligned, as O_DIRECT wants
+    buf.write(os.urandom(min(request_bytes, MiB)) * (request_bytes // min(request_bytes, MiB)))
+    flags = os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    try:
+        begin = time.perf_counter()
+        for offset in range(0, total_bytes, request_bytes):
+            n = (os.pwritev if write else os.preadv)(fd, [buf], offset)
+            assert n == request_bytes, n
+        return time.perf_counter() - begin
+    finally:
+        os.close(fd)
+
+
+def store_pass(
+    store: TensorStore, tensors: dict[str, torch.Tensor], outs: dict[str, torch.Tensor], write: bool
+) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) to swap every tensor out, or in."""
+    cpu, begin = time.process_time(), time.perf_counter()
+    if write:
+        handles = [store.swap_out(name, t) for name, t in tensors.items()]
+    else:
+        handles = [store.swap_in(name, into=outs[name]) for name in tensors]
+    for h in handles:
+        h.wait()
+    return time.perf_counter() - begin, time.process_time() - cpu
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-gib", type=float, default=1.0, help="bytes moved per pass, GiB")
+    parser.add_argument("--folder", type=Path, default=None, help="a directory on the disk")
+    parser.add_argument("--tensor-mib", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--repeats", type=int, default=3, help="passes per figure; best is kept")
+    defaults = OffloadConfig(folder="unused")
+    parser.add_argument("--block-mib", type=int, default=defaults.block_bytes // MiB)
+    parser.add_argument("--num-buffers", type=int, default=defaults.num_buffers)
+    parser.add_argument("--num-io-threads", type=int, default=defaults.num_io_threads)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # copies are spread over the store's threads, not OpenMP's
+    total = int(args.size_gib * GiB)
+    parent = Path(tempfile.mkdtemp(prefix="zeroshard-bench-", dir=args.folder))
+    block_bytes = args.block_mib * MiB
+    print(
+        f"folder {parent} ({filesystem_of(parent)}), {total / GiB:.2f} GiB per pass, "
+        f"block {args.block_mib} MiB, {args.num_buffers} buffers, "
+        f"{args.num_io_threads} I/O threads, best of {args.repeats}"
+    )
+    rows = []
+    try:
+        for tensor_mib in args.tensor_mib:
+            n = max(total // (tensor_mib * MiB), 1)
+            request = min(tensor_mib * MiB, block_bytes)
+            # 1D fp32 tensors of tensor_mib MiB: n * tensor_mib MiB in all, ~= --size-gib
+            tensors = {f"t{i}": torch.empty(tensor_mib * MiB // 4) for i in range(n)}
+            for t in tensors.values():
+                t.uniform_()
+            outs = {k: torch.empty_like(t) for k, t in tensors.items()}
+            nbytes = n * tensor_mib * MiB
+            config = OffloadConfig(
+                tier=Tier.NVME,
+                folder=parent / f"store-{tensor_mib}",
+                block_bytes=block_bytes,
+                num_buffers=args.num_buffers,
+                num_io_threads=args.num_io_threads,
+            )
+            raw_file = parent / "raw.bin"
+            raw_pass(raw_file, nbytes, request, write=True)  # create the file: passes rewrite it
+            best = {"raw_w": 1e9, "raw_r": 1e9, "w": 1e9, "r": 1e9, "cpu_w": 0.0, "cpu_r": 0.0}
+            with TensorStore(config) as store:
+                store_pass(store, tensors, outs, write=True)  # create the files
+                for _ in range(args.repeats):
+                    best["raw_w"] = min(best["raw_w"], raw_pass(raw_file, nbytes, request, True))
+                    wall, cpu = store_pass(store, tensors, outs, write=True)
+                    if wall < best["w"]:
+                        best["w"], best["cpu_w"] = wall, cpu
+                    best["raw_r"] = min(best["raw_r"], raw_pass(raw_file, nbytes, request, False))
+                    wall, cpu = store_pass(store, tensors, outs, write=False)
+                    if wall < best["r"]:
+                        best["r"], best["cpu_r"] = wall, cpu
+                for k in tensors:
+                    if not torch.equal(outs[k], tensors[k]):
+                        raise SystemExit(f"round trip of {k} is not exact")
+                direct = store.stats()["direct_io"]
+            raw_file.unlink()
+            gib = nbytes / GiB
+            rows.append(
+                (
+                    tensor_mib,
+                    n,
+                    gib / best["raw_w"],
+                    gib / best["w"],
+                    gib / best["raw_r"],
+                    gib / best["r"],
+                    best["cpu_w"] / gib,
+                    best["cpu_r"] / gib,
+                    direct,
+                )
+            )
+            del tensors, outs
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+    print()
+    print(
+        "| tensor | count | raw write GiB/s | swap_out GiB/s | out/raw "
+        "| raw read GiB/s | swap_in GiB/s | in/raw | CPU s/GiB out, in |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    worst = 1e9
+    for mib, n, rw, w, rr, r, cw, cr, direct in rows:
+        print(
+            f"| {mib} MiB | {n} | {rw:.2f} | {w:.2f} | {w / rw:.0%} | {rr:.2f} | {r:.2f} "
+            f"| {r / rr:.0%} | {cw:.2f}, {cr:.2f} |"
+        )
+        if mib >= 4:
+            worst = min(worst, w / rw, r / rr)
+        if not direct:
+            print("  (the store fell back to buffered I/O: no O_DIRECT on this filesystem)")
+    if worst < 1e9:
+        verdict = "meets" if worst >= 0.8 else "MISSES"
+        print(f"\nworst ratio for tensors >= 4 MiB: {worst:.0%} ({verdict} the 80% target)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

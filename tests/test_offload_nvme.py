@@ -1,0 +1,167 @@
+"""The NVMe tier's trust: corrupted, truncated and missing files, a full disk, bad folders."""
+
+import errno
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import zeroshard.offload.nvme as nvme_mod
+from zeroshard.offload import (
+    OffloadConfig,
+    OffloadError,
+    SwapIntegrityError,
+    SwapSpaceError,
+    TensorStore,
+    Tier,
+)
+
+BLOCK = 8192
+
+
+def config(folder: Path, **kw) -> OffloadConfig:
+    return OffloadConfig(tier=Tier.NVME, folder=folder, block_bytes=BLOCK, **kw)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with TensorStore(config(tmp_path / "swap", num_buffers=2, num_io_threads=2)) as s:
+        yield s
+
+
+def swap_file(store: TensorStore, name: str) -> Path:
+    return store._backend.entry(name).path
+
+
+def test_files_are_aligned_and_use_direct_io(store):
+    store.swap_out("w", torch.ones(3001)).wait()  # 12004 bytes: two blocks, padded to 12288
+    assert swap_file(store, "w").stat().st_size == 12288
+    assert store.stats()["direct_io"] is True  # /tmp here is ext4; tmpfs would fall back
+
+
+def test_a_corrupted_byte_is_a_checksum_error(store):
+    t = torch.randn(5000)  # 20000 bytes, 3 blocks
+    store.swap_out("layers.0.w", t).wait()
+    path = swap_file(store, "layers.0.w")
+    with open(path, "r+b") as f:  # flip one bit in the second block
+        f.seek(BLOCK + 123)
+        byte = f.read(1)[0]
+        f.seek(BLOCK + 123)
+        f.write(bytes([byte ^ 0x10]))
+    out = torch.zeros(5000)
+    with pytest.raises(SwapIntegrityError, match=r"checksum mismatch.*layers\.0\.w.*block 1"):
+        store.swap_in("layers.0.w", into=out).wait()
+    with pytest.raises(SwapIntegrityError) as failure:
+        store.swap_in("layers.0.w").wait()
+    assert str(path) in str(failure.value)
+    store.swap_out("layers.0.w", t).wait()  # rewriting heals it
+    assert torch.equal(store.swap_in("layers.0.w").wait(), t)
+
+
+def test_a_truncated_file_is_an_error_naming_it(store):
+    store.swap_out("w", torch.randn(5000)).wait()
+    path = swap_file(store, "w")
+    os.truncate(path, BLOCK)
+    with pytest.raises(SwapIntegrityError, match=f"{path}.*'w' is truncated: 8192 bytes"):
+        store.swap_in("w").wait()
+
+
+def test_a_missing_file_is_an_error_naming_it(store):
+    store.swap_out("w", torch.randn(10)).wait()
+    path = swap_file(store, "w")
+    path.unlink()
+    with pytest.raises(SwapIntegrityError, match=f"{path} of tensor 'w' is missing"):
+        store.swap_in("w").wait()
+
+
+def test_a_full_disk_fails_the_write_and_nothing_half_written_is_trusted(store, monkeypatch):
+    old = torch.randn(5000)
+    store.swap_out("w", old).wait()
+    store.flush()
+    calls = []
+
+    def full_after_one_block(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) > 1:  # the first block lands, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwritev(fd, buffers, offset)
+
+    real_pwritev = os.pwritev
+    monkeypatch.setattr(os, "pwritev", full_after_one_block)
+    handle = store.swap_out("w", torch.randn(5000))
+    with pytest.raises(SwapSpaceError, match=r"no space left.*swap file .*'w'"):
+        handle.wait()
+    monkeypatch.undo()
+    # neither the half-written new tensor nor the overwritten old one is served
+    with pytest.raises(OffloadError, match="'w' has no valid copy.*last swap_out failed"):
+        store.swap_in("w").wait()
+    store.flush()  # and the index no longer vouches for it
+    index = json.loads((store._backend.folder / "index.json").read_text())
+    assert "w" not in index["tensors"]
+
+
+def test_free_space_is_checked_before_writing(store, monkeypatch):
+    monkeypatch.setattr(nvme_mod, "free_bytes", lambda folder: 10_000)
+    with pytest.raises(SwapSpaceError, match=r"needs 20480 bytes .* only 10000 bytes"):
+        store.swap_out("w", torch.zeros(5000))  # raised by the call itself, before any I/O
+    assert "w" not in store and not list(store._backend.folder.glob("*.swp"))
+
+
+def test_a_failed_allocation_is_a_space_error(store, monkeypatch):
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(SwapSpaceError, match="needs 20480 more bytes"):
+        store.swap_out("w", torch.zeros(5000)).wait()
+
+
+def test_an_unusable_folder_fails_at_construction(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(OffloadError, match="not usable.*writable directory"):
+        TensorStore(config(not_a_dir / "swap"))
+
+
+def test_without_o_direct_it_falls_back_and_warns_once(tmp_path, monkeypatch, caplog):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with caplog.at_level(logging.WARNING, logger="zeroshard.offload"):
+        with TensorStore(config(tmp_path / "swap")) as store:
+            t = torch.randn(3000)
+            store.swap_out("w", t).wait()
+            assert torch.equal(store.swap_in("w").wait(), t)
+            assert store.stats()["direct_io"] is False
+        with pytest.raises(OffloadError, match="does not support O_DIRECT"):
+            TensorStore(config(tmp_path / "swap2", direct_io=True))
+    warnings = [r for r in caplog.records if "O_DIRECT" in r.getMessage()]
+    assert len(warnings) == 1 and "buffered" in warnings[0].getMessage()
+
+
+def test_the_index_is_replaced_atomically(store, monkeypatch):
+    store.swap_out("a", torch.ones(10)).wait()
+    store.flush()
+    index = store._backend.folder / "index.json"
+    before = index.read_text()
+    store.swap_out("b", torch.ones(10)).wait()
+
+    def crash_midway(obj, f):
+        f.write('{"format": "zeroshard.off')  # a partial write, then the process "dies"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(json, "dump", crash_midway)
+    with pytest.raises(KeyboardInterrupt):
+        store.flush()
+    monkeypatch.undo()
+    assert index.read_text() == before  # readers still see the complete old index
+    store.flush()
+    assert set(json.loads(index.read_text())["tensors"]) == {"a", "b"}

@@ -1,0 +1,198 @@
+"""TensorStore: exact round trips on every tier, ordering, prefetch through a tiny pool, lifetime.
+
+Blocks are 8 KiB here so tensors of a few KiB already span several blocks and every path (split,
+last partial block, padding) runs in milliseconds.
+"""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroshard.offload import (
+    OffloadConfig,
+    OffloadError,
+    SwapIntegrityError,
+    TensorStore,
+    Tier,
+)
+
+BLOCK = 8192
+ODD_SHAPES = [(), (0,), (1,), (7, 13), (4097,), (3, 5, 401)]  # 401*15*8 B spans several blocks
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def sample(shape, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.int64:
+        return torch.randint(-(2**62), 2**62, shape, generator=g, dtype=torch.int64)
+    return (torch.randn(shape, generator=g) * 1e3).to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (torch.equal would call -0.0 == 0.0 and fail on NaN)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = BITS.get(a.dtype)
+    return torch.equal(a.view(bits), b.view(bits)) if bits else torch.equal(a, b)
+
+
+def nvme(folder: Path, **kw) -> OffloadConfig:
+    return OffloadConfig(tier=Tier.NVME, folder=folder, block_bytes=BLOCK, **kw)
+
+
+@pytest.fixture(params=["device", "cpu", "nvme"])
+def store(request, tmp_path):
+    if request.param == "nvme":
+        config = nvme(tmp_path / "swap", num_buffers=3, num_io_threads=3)
+    else:
+        config = OffloadConfig(tier=request.param, block_bytes=BLOCK)
+    with TensorStore(config) as s:
+        yield s
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_is_exact(store, dtype):
+    tensors = {f"w.{i}": sample(shape, dtype, i) for i, shape in enumerate(ODD_SHAPES)}
+    handles = [store.swap_out(name, t) for name, t in tensors.items()]
+    for h in handles:
+        assert h.wait() is None
+    outs = {name: store.swap_in(name) for name in tensors}  # all in flight at once
+    for name, h in outs.items():
+        assert same_bits(h.wait(), tensors[name]), name
+    into = torch.empty_like(tensors["w.5"])
+    assert store.swap_in("w.5", into=into).wait() is into and same_bits(into, tensors["w.5"])
+
+
+def test_same_name_operations_run_in_call_order(store):
+    old, new = sample((5000,), torch.float32, 1), sample((777,), torch.bfloat16, 2)
+    store.swap_out("p", old)
+    store.swap_out("p", new)  # replaces, with another size and dtype, without waiting
+    got = store.swap_in("p").wait()  # must see the second write, whole
+    assert same_bits(got, new)
+    store.release("p")
+    assert "p" not in store
+    with pytest.raises(KeyError, match="swap_out it first"):
+        store.swap_in("p")
+
+
+def test_into_must_match(store):
+    store.swap_out("p", torch.zeros(10)).wait()
+    with pytest.raises(ValueError, match="contiguous torch.float32 tensor of 10 elements"):
+        store.swap_in("p", into=torch.zeros(11))
+    with pytest.raises(ValueError, match="not contiguous"):
+        store.swap_in("p", into=torch.zeros(2, 5).t())
+
+
+def test_many_concurrent_prefetches_through_two_buffers(tmp_path):
+    tensors = {f"layer{i}": sample((3 * BLOCK // 4 + i,), torch.float32, i) for i in range(24)}
+    with TensorStore(nvme(tmp_path / "swap", num_buffers=2, num_io_threads=4)) as store:
+        for name, t in tensors.items():
+            store.swap_out(name, t)
+        prefetches = store.prefetch(list(tensors))  # 24 tensors x 4 blocks into 2 buffers
+        store.swap_out("layer3", tensors["layer3"] + 1)  # a prefetched block must not leak back
+        ins = {name: store.swap_in(name) for name in tensors}
+        for name, h in ins.items():
+            want = tensors[name] + 1 if name == "layer3" else tensors[name]
+            assert same_bits(h.wait(timeout=30), want), name
+        for h in prefetches:
+            h.wait(timeout=30)
+        stats = store.stats()
+        assert stats["pool_bytes"] == 2 * BLOCK  # memory stayed at the pool's size
+        assert stats["max_buffers_in_use"] <= 2
+        assert store.pool.num_free() == 2  # every buffer came back
+
+
+def test_prefetched_blocks_are_used(tmp_path):
+    t = sample((2 * BLOCK // 4,), torch.float32, 0)  # 2 blocks
+    with TensorStore(nvme(tmp_path / "swap", num_buffers=4)) as store:
+        store.swap_out("p", t)
+        store.prefetch(["p"])[0].wait()
+        assert store.pool.num_cached() == 2
+        assert same_bits(store.swap_in("p").wait(), t)
+        assert store.pool.num_cached() == 0
+
+
+def test_config_errors_say_the_fix():
+    with pytest.raises(ValueError, match="needs folder="):
+        OffloadConfig(tier=Tier.NVME)
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        OffloadConfig(tier="cpu", block_bytes=1000)
+    with pytest.raises(ValueError, match="num_buffers"):
+        OffloadConfig(tier="cpu", num_buffers=0)
+    with pytest.raises(ValueError, match="num_io_threads"):
+        OffloadConfig(tier="cpu", num_io_threads=0)
+    with pytest.raises(ValueError, match="not one of"):
+        OffloadConfig(tier="disk")
+    with pytest.raises(ValueError, match="only used by Tier.NVME"):
+        OffloadConfig(tier="cpu", folder="/tmp/x")
+    assert OffloadConfig(tier="cpu").tier is Tier.CPU
+
+
+def test_close_leaves_no_files(tmp_path):
+    folder = tmp_path / "swap"
+    with TensorStore(nvme(folder)) as store:
+        store.swap_out("a", torch.ones(3000))
+        store.swap_out("b/c", torch.ones(5))
+        assert len(list(folder.glob("*.swp"))) == 2
+        store.flush()
+        assert (folder / "index.json").exists()
+    assert not folder.exists()
+    with pytest.raises(OffloadError, match="closed"):
+        store.swap_out("a", torch.ones(1))
+
+
+def test_second_store_on_a_live_folder_is_refused(tmp_path):
+    with TensorStore(nvme(tmp_path / "swap")), pytest.raises(OffloadError, match="in use"):
+        TensorStore(nvme(tmp_path / "swap"))
+
+
+# A child process that swaps out, flushes, writes more, then dies (os._exit skips all cleanup) or
+# exits normally without closing the store.
+CHILD = textwrap.dedent(
+    """
+    import os, sys, torch
+    from zeroshard.offload import OffloadConfig, TensorStore, Tier
+    folder, how = sys.argv[1], sys.argv[2]
+    store = TensorStore(OffloadConfig(tier=Tier.NVME, folder=folder, block_bytes=8192))
+    store.swap_out("kept", torch.arange(5000, dtype=torch.int64))
+    store.swap_out("rewritten", torch.full((3000,), 1.5))
+    store.flush()
+    store.swap_out("rewritten", torch.full((3000,), 2.5)).wait()  # after the flush
+    store.swap_out("new", torch.ones(10)).wait()  # never indexed
+    if how == "crash":
+        os._exit(1)
+    """
+)
+
+
+def run_child(folder: Path, how: str) -> None:
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, "-c", CHILD, str(folder), how], check=how != "crash", cwd=root, timeout=60
+    )
+
+
+def test_reopen_after_crash_then_discard(tmp_path):
+    folder = tmp_path / "swap"
+    run_child(folder, "crash")
+    with pytest.raises(OffloadError, match="reopen"):
+        TensorStore(nvme(folder))  # a plain constructor refuses a leftover folder
+    store = TensorStore.reopen(folder, nvme(folder))
+    assert sorted(store.names()) == ["kept", "rewritten"]  # "new" came after the last flush
+    assert torch.equal(store.swap_in("kept").wait(), torch.arange(5000, dtype=torch.int64))
+    with pytest.raises(SwapIntegrityError, match="checksum mismatch.*'rewritten'"):
+        store.swap_in("rewritten").wait()  # changed after the index: detected, not returned
+    store.close(keep=True)
+    TensorStore.discard(folder)
+    assert not folder.exists()
+
+
+def test_normal_exit_without_close_cleans_up(tmp_path):
+    folder = tmp_path / "swap"
+    run_child(folder, "exit")
+    assert not folder.exists()
