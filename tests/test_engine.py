@@ -90,3 +90,98 @@ def test_parity_two_ranks(workers2, kind, stage):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_parity_four_ranks(workers4, stage):
     _check(workers4.run(_parity, "gpt", stage, steps=10))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradient_accumulation_matches_the_larger_batch(workers2, stage):
+    _check(workers2.run(_parity, "gpt", stage, steps=6, accum=2))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accumulation_reducing_every_micro_step(workers2, stage):
+    config = ShardConfig(reduce_every_micro_step=True)
+    _check(workers2.run(_parity, "gpt", stage, steps=6, accum=2, config=config))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_clipping_matches_torch_on_the_unsharded_model(workers2, stage):
+    # A small max_norm so that clipping is active on every step.
+    _check(workers2.run(_parity, "frozen_mlp", stage, steps=8, clip=0.05))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sgd_with_momentum(workers2, stage):
+    _check(workers2.run(_parity, "odd", stage, steps=8, optim="sgd"))
+
+
+def _ledger_per_step(stage: int, reshard_root: bool) -> tuple[int, int, int]:
+    """(elements moved in the last step, padded parameter count, root's padded count)."""
+    torch.manual_seed(0)
+    model, policy = build("gpt")
+    config = ShardConfig(reshard_root_after_forward=reshard_root)
+    model = zeroshard.shard(model, stage=stage, wrap=policy, config=config)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    for step in range(2):
+        x, y = batch("gpt", step, 2)
+        opt.backward(model(x, y))
+        opt.step()
+        opt.zero_grad()
+    engine = zeroshard.engine_of(model)
+    moved = sum(e.numel for (_, label), e in engine.ledger.steps[-1].items() if label != "norm")
+    psi = sum(f.padded_numel for f in engine.flat_params)
+    return moved, psi, sum(f.padded_numel for f in engine.root.flat_params)
+
+
+@pytest.mark.parametrize("stage,factor", [(0, 2), (1, 2), (2, 2), (3, 3)])
+def test_ledger_matches_the_papers_volumes(workers2, stage, factor):
+    moved, psi, _ = workers2.run(_ledger_per_step, stage, True)[0]
+    assert moved == factor * psi
+    if stage == 3:
+        # Keeping the root gathered between forward and backward saves one gather of it.
+        moved_kept, psi, root = workers2.run(_ledger_per_step, stage, False)[0]
+        assert moved_kept == 3 * psi - root
+
+
+def _model_state_bytes(stage: int) -> tuple[int, int]:
+    """Measured (MemTracker) and predicted model-state bytes on this rank right after a step."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    model, policy = build("gpt")
+    model = zeroshard.shard(model, stage=stage, wrap=policy)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    engine = zeroshard.engine_of(model)
+
+    def step(i: int) -> None:
+        x, y = batch("gpt", i, 2)
+        opt.backward(model(x, y))
+        opt.step()
+
+    step(0)  # optimizer states exist from here on
+    opt.zero_grad()
+    tracker = MemTracker()
+    flat = [(f.full, f.master, f.full_grad) for f in engine.flat_params]
+    tracker.track_external(model, opt.optimizer, *[t for ts in flat for t in ts if t is not None])
+    with tracker:
+        step(1)
+        measured = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
+    n, psi = dist.get_world_size(), sum(f.padded_numel for f in engine.flat_params)
+    part = zeroshard.STAGES[stage]
+    # FP32 AdamW: 4 bytes of parameters, 4 of gradients, 8 of optimizer states (momentum and
+    # variance; the FP32 master is the parameter itself), each divided by N when partitioned.
+    predicted = sum(
+        b * psi / (n if partitioned else 1)
+        for b, partitioned in (
+            (4, part.parameters),
+            (4, part.gradients),
+            (8, part.optimizer_states),
+        )
+    )
+    return measured, int(predicted)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_state_memory_matches_the_stage_formulas(workers2, workers4, stage):
+    for workers in (workers2, workers4):
+        for measured, predicted in workers.run(_model_state_bytes, stage):
+            assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
