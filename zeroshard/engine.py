@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from zeroshard import collectives as C
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam, ShardState
-from zeroshard.precision import FP32, MixedPrecision
+from zeroshard.precision import MixedPrecision, apply_tf32, policy_of
 from zeroshard.stages import Partition, partition
 from zeroshard.wrap import WrapPolicy, units
 
@@ -199,8 +199,9 @@ class Engine:
         unit.wait_unshard()
         if self.partition.parameters and self._order_frozen:
             self._prefetch(self.forward_order, unit)
-        if unit.is_root and self.mixed_precision.cast_root_inputs:
-            args, kwargs = _cast_floats((args, kwargs), unit.flat_params)
+        mp = self.mixed_precision
+        if unit.is_root and mp.cast_root_inputs and mp.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         if torch.is_grad_enabled():
             args, kwargs = _apply_to_grad_tensors(
                 _PostBackward, lambda: self._post_backward(unit), (args, kwargs)
@@ -215,7 +216,7 @@ class Engine:
             self.phase = Phase.IDLE
             self._order_frozen = True
             if self.mixed_precision.output_dtype is not None:
-                output = _cast_floats(output, None, self.mixed_precision.output_dtype)
+                output = _cast_floats(output, self.mixed_precision.output_dtype)
         if torch.is_grad_enabled():
             output = _apply_to_grad_tensors(_PreBackward, lambda: self._pre_backward(unit), output)
         return output
@@ -307,12 +308,8 @@ class Engine:
                 u.reshard()
 
 
-def _cast_floats(tree: Any, flat_params: list[FlatParam] | None, dtype=None) -> Any:
-    """Cast floating-point tensors in ``tree`` to ``dtype`` (default: the params' dtype)."""
-    if dtype is None:
-        if not flat_params:
-            return tree
-        dtype = flat_params[0].param_dtype
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast the floating-point tensors in ``tree`` to ``dtype``; other leaves pass through."""
     leaves, spec = tree_flatten(tree)
     leaves = [
         x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype else x
@@ -336,7 +333,7 @@ def shard(
     *,
     stage: int = 3,
     wrap: WrapPolicy | None = None,
-    mixed_precision: MixedPrecision | None = None,
+    mixed_precision: MixedPrecision | str | None = None,
     config: ShardConfig | None = None,
     mesh: Mesh | None = None,
 ) -> nn.Module:
@@ -344,6 +341,8 @@ def shard(
 
     ``stage`` 0-3 picks which model states are partitioned (``zeroshard.stages``); ``wrap``
     (``zeroshard.wrap.by_class(Block)`` ...) cuts the model into units, the root always being one.
+    ``mixed_precision`` is a ``MixedPrecision`` policy or a name ("fp32", "tf32", "bf16", "fp16",
+    "auto": ``zeroshard.precision.resolve``); master weights stay FP32 under every policy.
     Parameters keep their names and objects; their data move into per-unit flat buffers on
     ``mesh.device``. Every rank must call it with the same model structure.
     """
@@ -361,7 +360,8 @@ def shard(
         )
     mesh = mesh or Mesh.current()
     config = config or ShardConfig()
-    mixed_precision = mixed_precision or FP32
+    mixed_precision = policy_of(mixed_precision, mesh.device)
+    apply_tf32(mixed_precision, mesh.device)
     ledger = C.Ledger()
     unit_list: list[Unit] = []
     for i, spec in enumerate(units(model, wrap)):

@@ -1,33 +1,97 @@
-"""Number formats and the declarative mixed-precision policy.
+"""Number formats, the declarative mixed-precision policy, and loss scalers.
 
-Master weights and optimizer states are always FP32; the policy says in which dtype parameters are
-gathered and computed on (``param_dtype``), gradients are communicated (``reduce_dtype``) and
-buffers are kept (``buffer_dtype``).
+Master weights and optimizer states are always FP32 (``MASTER_DTYPE``). A ``MixedPrecision``
+policy says in which dtype parameters are gathered and computed on (``param_dtype``), gradients
+are communicated (``reduce_dtype``), buffers are kept (``buffer_dtype``) and root outputs are
+returned (``output_dtype``). Reduced gradients are always accumulated into FP32 shard gradients.
+
+    zeroshard.shard(model, mixed_precision="bf16")              # a preset name
+    zeroshard.shard(model, mixed_precision=resolve("auto", device))  # BF16 where native, else FP32
+    zeroshard.optimizer(model, AdamW, lr=3e-4, loss_scaler=DynamicLossScaler(growth_interval=1000))
+
+| name | param / reduce / buffer | loss scaler (default) | note                                 |
+|------|-------------------------|-----------------------|--------------------------------------|
+| fp32 | fp32                    | none (skip on inf)    |                                      |
+| tf32 | fp32                    | none (skip on inf)    | TF32 matmuls on CUDA >= sm80         |
+| bf16 | bf16                    | none (skip on inf)    | FP32's range: no loss scaling needed |
+| fp16 | fp16                    | dynamic, 2**16        | narrow range: gradients underflow    |
+| auto | bf16 where the device has native BF16, else fp32 (logged)                      |
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 MASTER_DTYPE = torch.float32
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+"""Accepted dtype names (config files and the CLI speak in names)."""
+
+
+def dtype_of(value: torch.dtype | str | None, *, what: str = "dtype") -> torch.dtype | None:
+    """``value`` as a floating-point ``torch.dtype``; a ValueError naming the choices otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return DTYPES[value.lower()]
+        except KeyError:
+            raise ValueError(
+                f"unknown {what} {value!r}; choose one of: {', '.join(DTYPES)}"
+            ) from None
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"{what} must be a floating-point torch.dtype or a name, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecision:
-    """Which dtype each kind of tensor uses; ``None`` keeps the model's own dtype."""
+    """Which dtype each kind of tensor uses; ``None`` keeps the model's own dtype.
+
+    Dtype fields accept a ``torch.dtype`` or a name from ``DTYPES`` ("bf16", "float16", ...).
+    """
 
     param_dtype: torch.dtype | None = None
     """Dtype of gathered parameters, forward and backward compute, and the parameter all-gather."""
     reduce_dtype: torch.dtype | None = None
-    """Dtype of gradient reduction (defaults to ``param_dtype``)."""
+    """Dtype of gradient reduction (defaults to ``param_dtype``). Wider than ``param_dtype``
+    (e.g. FP32 with BF16 parameters) sums every rank's gradient without intermediate rounding."""
     buffer_dtype: torch.dtype | None = None
-    """Dtype of module buffers (e.g. running statistics)."""
+    """Dtype of floating-point module buffers (e.g. running statistics)."""
     output_dtype: torch.dtype | None = None
     """Dtype the root's floating-point outputs are cast to (``None``: left as computed)."""
     cast_root_inputs: bool = True
     """Cast the root's floating-point inputs to ``param_dtype``."""
+    allow_tf32: bool = False
+    """FP32 matmuls and convolutions on TF32 tensor cores (CUDA >= sm80; a warning elsewhere).
+    Process-global: ``shard`` sets ``torch.backends.{cuda.matmul,cudnn}.allow_tf32``."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
+            object.__setattr__(self, name, dtype_of(getattr(self, name), what=name))
+        p, r = self.param_dtype, self.reduce_dtype
+        if p is not None and r is not None and r.itemsize < p.itemsize:
+            warnings.warn(
+                f"reduce_dtype={r} is narrower than param_dtype={p}: gradients lose precision "
+                "in communication; use reduce_dtype=None (same as param_dtype) or wider",
+                stacklevel=3,
+            )
 
     def resolved(self, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
         """``(param_dtype, reduce_dtype)`` with defaults filled in from the model's dtype."""
@@ -36,3 +100,239 @@ class MixedPrecision:
 
 
 FP32 = MixedPrecision()
+"""The default policy: everything stays in the model's own dtype."""
+
+_F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
+PRESETS: dict[str, MixedPrecision] = {
+    "fp32": MixedPrecision(param_dtype=_F32, reduce_dtype=_F32, buffer_dtype=_F32),
+    "tf32": MixedPrecision(param_dtype=_F32, reduce_dtype=_F32, buffer_dtype=_F32, allow_tf32=True),
+    "bf16": MixedPrecision(param_dtype=_BF16, reduce_dtype=_BF16, buffer_dtype=_BF16),
+    "fp16": MixedPrecision(param_dtype=_F16, reduce_dtype=_F16, buffer_dtype=_F16),
+}
+"""The named policies; ``resolve`` adds "auto"."""
+
+
+# --------------------------------------------------------------------- what the device can do
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has BF16 arithmetic instructions.
+
+    Rule: a ``flags`` (x86) or ``Features`` (Arm) line of ``/proc/cpuinfo`` lists ``avx512_bf16``,
+    ``amx_bf16`` or ``bf16``. Where ``/proc/cpuinfo`` cannot be read (macOS, Windows), torch's
+    ``get_cpu_capability()`` must name AMX. CPUs without these still run BF16, emulated and slow.
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return "AMX" in torch.backends.cpu.get_cpu_capability().upper()
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def supports(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``device`` computes in ``dtype`` natively (BF16) or at all (FP16)."""
+    if dtype == torch.float32:
+        return True
+    if device.type == "cuda":
+        if dtype == torch.bfloat16:
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        return True
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        return cpu_has_native_bf16()
+    try:  # FP16 elsewhere: a tiny probe of the ops a model needs
+        a = torch.ones(2, 2, dtype=dtype, device=device)
+        torch.nn.functional.layer_norm(a @ a, (2,))
+        return True
+    except RuntimeError:
+        return False
+
+
+def resolve(name: str, device: torch.device | str) -> MixedPrecision:
+    """The policy for ``name`` ("fp32", "tf32", "bf16", "fp16" or "auto") on ``device``.
+
+    "auto" picks BF16 where ``device`` has native BF16 (CUDA with BF16, a CPU with BF16
+    instructions: see ``cpu_has_native_bf16``), else FP32, and logs the choice. "fp16" on a device
+    that cannot compute in FP16 is a ValueError naming "bf16"; "bf16" on a CUDA device without
+    BF16 is a ValueError naming "fp16". "tf32" where TF32 does not exist warns at ``shard`` time.
+    """
+    device = torch.device(device)
+    key = name.lower() if isinstance(name, str) else name
+    if key == "auto":
+        key = "bf16" if supports(torch.bfloat16, device) else "fp32"
+        why = "has" if key == "bf16" else "lacks"
+        log.info("precision 'auto' -> %r: %s %s native BF16", key, device.type, why)
+        return PRESETS[key]
+    if key not in PRESETS:
+        raise ValueError(
+            f"unknown precision {name!r}; choose one of: {', '.join([*PRESETS, 'auto'])}"
+        )
+    if key == "fp16" and not supports(torch.float16, device):
+        raise ValueError(
+            f"this torch build cannot compute in FP16 on {device.type}; use 'bf16' (same memory, "
+            "FP32's range, no loss scaling) or 'fp32'"
+        )
+    if key == "bf16" and device.type == "cuda" and not supports(torch.bfloat16, device):
+        raise ValueError(
+            f"{torch.cuda.get_device_name(device)} has no BF16; use 'fp16' (with loss scaling) "
+            "or 'fp32'"
+        )
+    return PRESETS[key]
+
+
+def policy_of(value: MixedPrecision | str | None, device: torch.device) -> MixedPrecision:
+    """What ``shard(mixed_precision=...)`` accepts: a policy, a name for ``resolve``, or None."""
+    if value is None:
+        return FP32
+    if isinstance(value, str):
+        return resolve(value, device)
+    if not isinstance(value, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision must be a MixedPrecision or a name ({', '.join(PRESETS)}, auto), "
+            f"got {type(value).__name__}"
+        )
+    return value
+
+
+def apply_tf32(policy: MixedPrecision, device: torch.device) -> None:
+    """Turn TF32 on for CUDA matmuls and cuDNN convolutions when ``policy.allow_tf32``.
+
+    This is process-global torch state (it affects every model in the process) and this is the
+    only place zeroshard sets it. It is never turned off again. Where TF32 does not exist (CPU,
+    CUDA before sm80) a warning says the request has no effect.
+    """
+    if not policy.allow_tf32:
+        return
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        return
+    warnings.warn(
+        f"TF32 has no effect on {device}: it needs CUDA tensor cores (sm80 or newer); "
+        "training runs in plain FP32",
+        stacklevel=3,
+    )
+
+
+# --------------------------------------------------------------------- loss scaling
+@dataclass(kw_only=True)
+class LossScaler:
+    """Static loss scaling: ``backward`` multiplies the loss by ``scale``; ``step`` divides the
+    FP32 shard gradients by it. Steps whose gradients hold inf/NaN on any rank are skipped when
+    ``skip_nonfinite`` (master weights and optimizer states untouched)."""
+
+    scale: float = 1.0
+    """Loss multiplier (1.0: none, the default for FP32 and BF16)."""
+    skip_nonfinite: bool = True
+    """Skip a step whose gradients hold inf/NaN (costs one one-element all-reduce per step)."""
+    num_skipped: int = field(default=0, init=False)
+    """Steps skipped so far."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"scale must be a positive finite number, got {self.scale}")
+
+    @property
+    def checks(self) -> bool:
+        """Whether ``step`` must look for inf/NaN gradients."""
+        return self.skip_nonfinite
+
+    def update(self, found_inf: bool) -> None:
+        """Record one step's outcome (the same on every rank)."""
+        self.num_skipped += int(found_inf)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "num_skipped": self.num_skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.num_skipped = int(state.get("num_skipped", 0))
+
+
+@dataclass(kw_only=True)
+class DynamicLossScaler(LossScaler):
+    """Dynamic loss scaling for FP16: start at ``init_scale``; on a step with inf/NaN gradients
+    skip it and multiply the scale by ``backoff_factor``; after ``growth_interval`` clean steps
+    in a row multiply it by ``growth_factor``. A non-finite gradient at ``min_scale`` raises
+    ``FloatingPointError``: the model diverged, no scale can fix it."""
+
+    init_scale: float = 2.0**16
+    """First scale (``scale`` starts here)."""
+    growth_factor: float = 2.0
+    """Multiplier after ``growth_interval`` clean steps."""
+    backoff_factor: float = 0.5
+    """Multiplier on a step with inf/NaN gradients."""
+    growth_interval: int = 2000
+    """Clean steps in a row before the scale grows."""
+    hysteresis: int = 1
+    """Consecutive inf/NaN steps before the scale is lowered (each one is still skipped);
+    1 lowers it at once. A clean step restores the count."""
+    min_scale: float = 1.0
+    """The scale never goes below this; inf/NaN gradients here raise ``FloatingPointError``."""
+    max_scale: float = 2.0**24
+    """The scale never grows above this."""
+    skip_nonfinite: bool = field(default=True, init=False)
+    scale: float = field(default=0.0, init=False)
+    _clean_steps: int = field(default=0, init=False, repr=False)
+    _hysteresis_left: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_scale <= self.init_scale <= self.max_scale:
+            raise ValueError(
+                "need 0 < min_scale <= init_scale <= max_scale, got "
+                f"{self.min_scale}, {self.init_scale}, {self.max_scale}"
+            )
+        if self.growth_factor <= 1 or not 0 < self.backoff_factor < 1:
+            raise ValueError(
+                f"need growth_factor > 1 and 0 < backoff_factor < 1, got {self.growth_factor} "
+                f"and {self.backoff_factor}"
+            )
+        if self.growth_interval < 1 or self.hysteresis < 1:
+            raise ValueError(
+                f"growth_interval and hysteresis must be >= 1, got {self.growth_interval} and "
+                f"{self.hysteresis}"
+            )
+        self.scale = float(self.init_scale)
+        self._hysteresis_left = self.hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        super().update(found_inf)
+        if not found_inf:
+            self._clean_steps += 1
+            self._hysteresis_left = self.hysteresis
+            if self._clean_steps >= self.growth_interval:
+                self.scale = min(self.scale * self.growth_factor, self.max_scale)
+                self._clean_steps = 0
+            return
+        self._clean_steps = 0
+        if self.scale <= self.min_scale:
+            raise FloatingPointError(
+                f"gradients hold inf/NaN at the minimum loss scale {self.min_scale}: training "
+                "diverged (an FP16 range problem would have cleared by now); lower the learning "
+                "rate, clip gradients, or train in bf16"
+            )
+        self._hysteresis_left -= 1
+        if self._hysteresis_left <= 0:
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self._hysteresis_left = self.hysteresis
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(
+            super().state_dict(),
+            clean_steps=self._clean_steps,
+            hysteresis_left=self._hysteresis_left,
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._clean_steps = int(state.get("clean_steps", 0))
+        self._hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))
+
+
+def default_scaler(param_dtypes: set[torch.dtype]) -> LossScaler:
+    """Dynamic scaling when any gradient is computed in FP16; else none (skip on inf/NaN)."""
+    return DynamicLossScaler() if torch.float16 in param_dtypes else LossScaler()
