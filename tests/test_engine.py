@@ -127,7 +127,11 @@ def _ledger_per_step(stage: int, reshard_root: bool) -> tuple[int, int, int]:
         opt.step()
         opt.zero_grad()
     engine = zeroshard.engine_of(model)
-    moved = sum(e.numel for (_, label), e in engine.ledger.steps[-1].items() if label != "norm")
+    moved = sum(
+        e.numel
+        for (_, label), e in engine.ledger.steps[-1].items()
+        if label not in ("norm", "found_inf")
+    )
     psi = sum(f.padded_numel for f in engine.flat_params)
     return moved, psi, sum(f.padded_numel for f in engine.root.flat_params)
 

@@ -1,31 +1,35 @@
 """zeroshard: ZeRO / fully sharded data parallel training on top of torch.distributed.
 
-    model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(Block))
-    optimizer = zeroshard.optimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
-    loss = loss_fn(model(x), y)
-    optimizer.backward(loss); optimizer.clip_grad_norm(1.0); optimizer.step(); optimizer.zero_grad()
+model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(Block))
+optimizer = zeroshard.optimizer(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
+loss = loss_fn(model(x), y)
+optimizer.backward(loss); optimizer.clip_grad_norm(1.0); optimizer.step(); optimizer.zero_grad()
 """
 
 from __future__ import annotations
 
-from zeroshard import wrap
+from zeroshard import precision, wrap
 from zeroshard.collectives import Ledger
 from zeroshard.engine import ShardConfig, engine_of, shard
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.optimizer import ShardedOptimizer
-from zeroshard.precision import MixedPrecision
+from zeroshard.precision import DynamicLossScaler, LossScaler, MixedPrecision
 from zeroshard.stages import STAGES, Partition
 
 __version__ = "0.1.0"
 
 
-def optimizer(model, optimizer_cls, params=None, **defaults) -> ShardedOptimizer:
+def optimizer(
+    model, optimizer_cls, params=None, *, loss_scaler: LossScaler | None = None, **defaults
+) -> ShardedOptimizer:
     """A sharded ``optimizer_cls`` (any element-wise torch.optim class) over a sharded model.
 
     ``params`` is what torch.optim takes (parameters or groups of them, e.g. no weight decay for
     biases); it defaults to ``model.parameters()``. ``defaults`` go to ``optimizer_cls``.
+    ``loss_scaler`` defaults to ``DynamicLossScaler()`` when the model computes in FP16, else to
+    ``LossScaler()`` (no scaling; steps with inf/NaN gradients are skipped).
     """
-    return ShardedOptimizer(model, optimizer_cls, params, **defaults)
+    return ShardedOptimizer(model, optimizer_cls, params, loss_scaler=loss_scaler, **defaults)
 
 
 def ledger(model) -> Ledger:
@@ -45,7 +49,9 @@ def no_sync(model):
 
 __all__ = [
     "STAGES",
+    "DynamicLossScaler",
     "Ledger",
+    "LossScaler",
     "Mesh",
     "MixedPrecision",
     "Partition",
@@ -55,6 +61,7 @@ __all__ = [
     "ledger",
     "no_sync",
     "optimizer",
+    "precision",
     "shard",
     "summon_full_params",
     "wrap",

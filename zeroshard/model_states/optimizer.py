@@ -5,6 +5,11 @@ of consecutive parameters that share a param group. Optimizer states are created
 for those pieces only, so they are partitioned exactly as the master is (stage >= 1) or replicated
 (stage 0). After the step, replicated parameters are refreshed from the updated shards.
 
+Loss scaling lives here too (``zeroshard.precision``): ``backward`` multiplies the loss by the
+scaler's scale; ``step`` unscales this rank's FP32 shard gradients and checks them for inf/NaN in
+one fused pass, agrees on the outcome with one one-element all-reduce ("found_inf"), and either
+steps or skips (master weights, optimizer states and step counters untouched).
+
 Element-wise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) give the same result as
 unsharded training; optimizers with per-tensor statistics (LAMB, Adafactor) would not.
 """
@@ -16,11 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard import collectives as C
 from zeroshard.engine import Engine, engine_of
 from zeroshard.model_states.flat_param import FlatParam
+from zeroshard.precision import LossScaler, default_scaler
 
 
 @dataclass
@@ -32,9 +39,7 @@ class _Piece:
     tensor: torch.Tensor  # 1D view of flat.master[span], this rank only
 
 
-def _param_groups(
-    model: nn.Module, params: Iterable[Any] | None
-) -> list[dict[str, Any]]:
+def _param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
     """Normalize ``params`` as torch.optim accepts it (tensors, or dicts with "params") ."""
     if params is None:
         return [{"params": list(model.parameters())}]
@@ -49,6 +54,8 @@ class ShardedOptimizer:
 
     Call ``backward(loss)``, optionally ``clip_grad_norm(max_norm)``, then ``step()`` and
     ``zero_grad()``. ``.optimizer`` is the inner torch optimizer (for LR schedulers).
+    ``loss_scaler`` defaults to a ``DynamicLossScaler`` when gradients are computed in FP16 and
+    to no scaling (steps with inf/NaN gradients skipped) otherwise.
     """
 
     def __init__(
@@ -56,9 +63,20 @@ class ShardedOptimizer:
         model: nn.Module,
         optimizer_cls: type[torch.optim.Optimizer],
         params: Iterable[Any] | None = None,
+        *,
+        loss_scaler: LossScaler | None = None,
         **defaults: Any,
     ) -> None:
         self.engine: Engine = engine_of(model)
+        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+            raise TypeError(
+                "loss_scaler must be a zeroshard LossScaler or DynamicLossScaler, got "
+                f"{type(loss_scaler).__name__}"
+            )
+        self.loss_scaler = loss_scaler or default_scaler(
+            {f.param_dtype for f in self.engine.flat_params if f.requires_grad}
+        )
+        self._found_inf: torch.Tensor | None = None  # (1,) FP32: set once gradients are unscaled
         where = {}  # id(original parameter) -> (flat, its slice of master)
         for flat in self.engine.flat_params:
             if flat.requires_grad:
@@ -110,8 +128,13 @@ class ShardedOptimizer:
         return [f for f in self.engine.flat_params if f.requires_grad]
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
-        """``loss.backward()``; with ``sync=False`` gradients only accumulate locally (a
-        gradient-accumulation micro-step), communicated by the next synchronized backward."""
+        """``loss.backward()`` (times the loss scale); with ``sync=False`` gradients only
+        accumulate locally (a gradient-accumulation micro-step), communicated by the next
+        synchronized backward."""
+        self._found_inf = None  # new gradients arrive scaled
+        scale = self.loss_scaler.scale
+        if scale != 1.0:
+            loss = loss.float() * scale  # in FP32: an FP16 loss times 2**16 would overflow
         if sync:
             loss.backward()
         else:
@@ -123,6 +146,7 @@ class ShardedOptimizer:
         ``max_norm``; returns the norm before clipping, as ``torch.nn.utils.clip_grad_norm_``."""
         if norm_type != 2.0:
             raise ValueError("clip_grad_norm supports the 2-norm (norm_type=2.0) only")
+        self._unscale()  # clip the true gradient, not the scaled one
         grads = [f.shard_grad for f in self._trainable if f.shard_grad is not None]
         device = self.engine.mesh.device
         sq = torch.zeros(1, dtype=torch.float32, device=device)
@@ -142,8 +166,49 @@ class ShardedOptimizer:
             g.mul_(coef)
         return norm
 
-    def step(self) -> None:
-        """One optimizer step on this rank's shard, then refresh replicated parameters."""
+    def _unscale(self) -> None:
+        """Divide this rank's shard gradients by the loss scale and look for inf/NaN, in one
+        fused pass; idempotent until the next ``backward``."""
+        if self._found_inf is not None:
+            return
+        device = self.engine.mesh.device
+        self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        grads = [f.shard_grad for f in self._trainable if f.shard_grad is not None]
+        scaler = self.loss_scaler
+        if not grads or (scaler.scale == 1.0 and not scaler.checks):
+            return
+        inv_scale = torch.full((1,), 1.0 / scaler.scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, inv_scale)
+
+    def _agree_found_inf(self) -> bool:
+        """Whether any rank's shard gradients hold inf/NaN: one one-element all-reduce (MAX),
+        so every rank skips or steps together (a shard's overflow is seen only by its owner)."""
+        assert self._found_inf is not None
+        if self.engine.mesh.world_size > 1:
+            C.all_reduce(
+                self._found_inf,
+                group=self.engine.mesh.group,
+                ledger=self.engine.ledger,
+                label="found_inf",
+                op=dist.ReduceOp.MAX,
+                async_op=False,
+            )
+        return bool(self._found_inf.item())  # a host sync: the decision is made on the host
+
+    def step(self) -> bool:
+        """One optimizer step on this rank's shard, then refresh replicated parameters.
+
+        Returns False when the step was skipped because some rank's gradients hold inf/NaN
+        (the loss scaler then lowers its scale); master weights and optimizer states are left
+        untouched. ``zero_grad`` as usual either way.
+        """
+        self._unscale()
+        found_inf = self.loss_scaler.checks and self._agree_found_inf()
+        self._found_inf = None
+        self.loss_scaler.update(found_inf)
+        if found_inf:
+            self.engine.ledger.end_step()
+            return False
         for pieces in self._groups:
             for piece in pieces:
                 g = piece.flat.shard_grad
@@ -154,8 +219,10 @@ class ShardedOptimizer:
             if h is not None:
                 h.wait()
         self.engine.ledger.end_step()
+        return True
 
     def zero_grad(self) -> None:
+        self._found_inf = None
         for f in self._trainable:
             f.zero_grad()
         for pieces in self._groups:
@@ -163,8 +230,13 @@ class ShardedOptimizer:
                 piece.tensor.grad = None
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (as torch's ``state_dict``)."""
-        return self.optimizer.state_dict()
+        """This rank's shard of the optimizer state (as torch's ``state_dict``), plus the loss
+        scaler's state under ``"loss_scaler"``."""
+        return dict(self.optimizer.state_dict(), loss_scaler=self.loss_scaler.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        scaler = state.pop("loss_scaler", None)
         self.optimizer.load_state_dict(state)
+        if scaler is not None:
+            self.loss_scaler.load_state_dict(scaler)
