@@ -93,10 +93,10 @@ class MemoryBackend:
         self._slots: dict[str, _Slot] = {}
 
     def stored_bytes(self) -> int:
-        return sum(s.data.numel() for s in self._slots.values() if s.data is not None)
+        return sum(s.data.numel() for s in list(self._slots.values()) if s.data is not None)
 
     def names(self) -> list[str]:
-        return [n for n, s in self._slots.items() if s.data is not None]
+        return [n for n, s in list(self._slots.items()) if s.data is not None]
 
     # -- writes ----------------------------------------------------------------------------------
     def begin_write(self, meta: TensorMeta, src: torch.Tensor) -> _Slot:

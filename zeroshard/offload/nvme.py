@@ -232,10 +232,10 @@ class NvmeBackend:
         return flags | (os.O_DIRECT if self.direct_io else 0)
 
     def names(self) -> list[str]:
-        return [n for n, e in self._entries.items() if e.checksums is not None]
+        return [n for n, e in list(self._entries.items()) if e.checksums is not None]
 
     def stored_bytes(self) -> int:
-        return sum(e.file_bytes for e in self._entries.values())
+        return sum(e.file_bytes for e in list(self._entries.values()))  # list(): workers insert
 
     def entry(self, name: str) -> _FileEntry:
         return self._entries[name]

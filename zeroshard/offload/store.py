@@ -356,7 +356,10 @@ class TensorStore:
             return self._executors[0]
 
     def _submit(self, handle: SwapHandle, fn: Callable[..., None], *args: Any) -> None:
-        self._executor().submit(self._run_part, handle, fn, args)
+        try:
+            self._executor().submit(self._run_part, handle, fn, args)
+        except RuntimeError as e:  # the interpreter is shutting down: the part fails, visibly
+            handle.part_done(e)
 
     @staticmethod
     def _run_part(handle: SwapHandle, fn: Callable[..., None], args: tuple) -> None:
