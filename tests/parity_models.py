@@ -59,6 +59,9 @@ def build(kind: str) -> tuple[nn.Module, wrap.WrapPolicy | None]:
         return FrozenMLP(), wrap.by_class(nn.Linear)
     if kind == "odd":
         return OddModel(), wrap.by_class(OddLayer)
+    if kind == "tiny_units":  # a 1-element unit: fewer elements than ranks
+        model = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Tanh(), nn.Linear(1, 2))
+        return model, wrap.by_class(nn.Linear)
     raise ValueError(kind)
 
 
@@ -68,8 +71,10 @@ def batch(kind: str, step: int, global_batch: int) -> tuple[torch.Tensor, torch.
     if kind == "gpt":
         x = torch.randint(0, 256, (global_batch, 16), generator=g)
         return x, torch.roll(x, -1, dims=1)
-    n_in, n_out = {"frozen_mlp": (13, 7), "odd": (7, 3)}[kind]
-    return torch.randn(global_batch, n_in, generator=g), torch.randn(global_batch, n_out, generator=g)
+    n_in, n_out = {"frozen_mlp": (13, 7), "odd": (7, 3), "tiny_units": (1, 2)}[kind]
+    return torch.randn(global_batch, n_in, generator=g), torch.randn(
+        global_batch, n_out, generator=g
+    )
 
 
 def loss_of(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -82,4 +87,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """No weight decay on biases and norms (tensors with fewer than 2 dims), as usual."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0},
+    ]

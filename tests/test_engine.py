@@ -189,3 +189,74 @@ def test_model_state_memory_matches_the_stage_formulas(workers2, workers4, stage
     for workers in (workers2, workers4):
         for measured, predicted in workers.run(_model_state_bytes, stage):
             assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
+
+
+def test_units_smaller_than_the_world_still_train(workers4):
+    _check(workers4.run(_parity, "tiny_units", 3, steps=5))
+
+
+def _bad_inputs() -> bool:
+    from torch import nn
+
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+        zeroshard.shard(nn.Linear(2, 2), stage=4)
+    model = zeroshard.shard(nn.Linear(2, 2), stage=3)
+    with pytest.raises(ValueError, match="already sharded"):
+        zeroshard.shard(model, stage=2)
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match="different devices"):
+        zeroshard.shard(mixed, stage=3)
+    with pytest.raises(ValueError, match="not sharded"):
+        zeroshard.optimizer(nn.Linear(2, 2), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="num_prefetch"):
+        ShardConfig(num_prefetch=-1)
+    return True
+
+
+def test_bad_input_is_a_clear_error(workers2):
+    assert all(workers2.run(_bad_inputs))
+
+
+def _live_units_during_training(num_prefetch: int) -> tuple[int, int]:
+    """Most non-root units gathered (or being gathered) at once, in forward and in backward."""
+    from zeroshard.models.gpt import GPT, Block, GPTConfig
+    from zeroshard.model_states.flat_param import ShardState
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=5, n_embd=32, n_head=2, block_size=32))
+    config = ShardConfig(num_prefetch=num_prefetch)
+    model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(Block), config=config)
+    engine = zeroshard.engine_of(model)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    peaks = {"forward": 0, "backward": 0}
+
+    def live() -> int:
+        return sum(
+            any(f.state is ShardState.UNSHARDED or f._gather is not None for f in u.flat_params)
+            for u in engine.units[1:]
+        )
+
+    def note(phase: str) -> None:
+        peaks[phase] = max(peaks[phase], live())
+
+    def inside_block(module, args, output):
+        # Runs in the middle of a block's forward; the tensor hook in the middle of its backward.
+        note("forward")
+        output.register_hook(lambda grad: note("backward"))
+
+    for block in model.blocks:
+        block.mlp.register_forward_hook(inside_block)
+    for step in range(3):
+        x, y = batch("gpt", step, 2)
+        opt.backward(model(x[:, :8], y[:, :8]))
+        opt.step()
+        opt.zero_grad()
+    return peaks["forward"], peaks["backward"]
+
+
+@pytest.mark.parametrize("num_prefetch", [0, 1, 2])
+def test_prefetch_keeps_a_bounded_number_of_units_gathered(workers2, num_prefetch):
+    forward, backward = workers2.run(_live_units_during_training, num_prefetch)[0]
+    # The unit computing plus the ones prefetched: prefetch happens, and no more than asked.
+    assert forward == 1 + num_prefetch
+    assert backward == 1 + num_prefetch

@@ -52,9 +52,12 @@ def by_size(min_num_params: int) -> WrapPolicy:
 
     def policy(model: nn.Module) -> list[str]:
         chosen: list[str] = []
+        seen: set[int] = set()  # a tied parameter counts once, where it is first registered
 
         def visit(name: str, module: nn.Module) -> int:
-            remaining = sum(p.numel() for p in module.parameters(recurse=False))
+            own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            remaining = sum(p.numel() for p in own)
             for child_name, child in module.named_children():
                 remaining += visit(f"{name}.{child_name}" if name else child_name, child)
             # Containers have no forward of their own, so their hooks would never fire.

@@ -1,0 +1,99 @@
+"""Auto-wrap policies and parameter ownership (pure: no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity_models import FrozenMLP, OddLayer, OddModel
+from torch import nn
+
+from zeroshard import wrap
+from zeroshard.models.gpt import GPT, PRESETS, Block
+
+
+def _names(specs):
+    return {s.name: sorted(name for _, _, name in s.params) for s in specs}
+
+
+def test_by_class_units_and_tied_embedding_owned_by_root():
+    model = GPT(PRESETS["nano"])
+    specs = wrap.units(model, wrap.by_class(Block))
+    assert [s.name for s in specs] == ["", "blocks.0", "blocks.1"]
+    root = _names(specs)[""]
+    # wte.weight is registered by wte and lm_head, both outside any block: the root owns it once.
+    assert root == ["ln_f.bias", "ln_f.weight", "wpe.weight", "wte.weight"]
+    assert all(name.startswith("blocks.0.") for name in _names(specs)["blocks.0"])
+
+
+def test_by_class_accepts_class_names_like_the_articles_T5Block():
+    model = GPT(PRESETS["nano"])
+    assert wrap.by_class("Block")(model) == ["blocks.0", "blocks.1"]
+
+
+def test_class_matching_nothing_lists_the_classes_present():
+    with pytest.raises(ValueError, match=r"T5Block.*classes present: Block, CausalSelfAttention"):
+        wrap.by_class("T5Block")(GPT(PRESETS["nano"]))
+
+
+def test_shared_parameter_across_units_goes_to_common_ancestor():
+    class Twin(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    outer = nn.Sequential(Twin(), nn.Linear(4, 2))
+    specs = wrap.units(outer, wrap.by_class(nn.Linear, Twin))
+    names = _names(specs)
+    assert names["0"] == ["0.a.weight"]  # Twin, the common ancestor of a and b
+    assert names["0.a"] == ["0.a.bias"] and names["0.b"] == ["0.b.bias"]
+
+
+def test_by_size_wraps_bottom_up_and_skips_containers():
+    model = GPT(PRESETS["nano"])
+    # Each MLP holds 8,352 elements; what is left of a block (4,352) stays below the threshold,
+    # and the two leftovers together (8,704) sit in a ModuleList, which has no forward.
+    # The tied embedding (8,192) is counted once; its unit is empty since the root owns it.
+    assert sorted(wrap.by_size(8_000)(model)) == ["blocks.0.mlp", "blocks.1.mlp", "wte"]
+    assert [s.name for s in wrap.units(model, wrap.by_size(8_000))] == [
+        "",
+        "blocks.0.mlp",
+        "blocks.1.mlp",
+    ]
+    with pytest.raises(ValueError, match="positive"):
+        wrap.by_size(0)
+
+
+def test_wrapping_a_container_is_an_error():
+    with pytest.raises(ValueError, match="ModuleList"):
+        wrap.units(FrozenMLP(), wrap.by_predicate(lambda name, m: name == "layers"))
+
+
+def test_by_predicate_and_frozen_and_odd_parameters_are_kept():
+    specs = wrap.units(OddModel(), wrap.by_predicate(lambda n, m: isinstance(m, OddLayer)))
+    owned = [name for s in specs for _, _, name in s.params]
+    assert sorted(owned) == sorted(n for n, _ in OddModel().named_parameters())
+
+
+def test_from_hf_uses_no_split_modules():
+    model = GPT(PRESETS["nano"])
+    model._no_split_modules = ["Block"]
+    assert wrap.from_hf(model)(model) == ["blocks.0", "blocks.1"]
+    with pytest.raises(ValueError, match="_no_split_modules"):
+        wrap.from_hf(nn.Linear(2, 2))
+
+
+def test_from_hf_on_a_real_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    model = transformers.GPT2LMHeadModel(config)
+    names = wrap.from_hf(model)(model)
+    assert names == ["transformer.h.0", "transformer.h.1"]
+    specs = wrap.units(model, wrap.from_hf(model))
+    assert sum(p.numel() for s in specs for _, p, _ in s.params) == sum(
+        p.numel() for p in model.parameters()
+    )
+    assert torch.is_tensor(next(model.parameters()))
