@@ -219,8 +219,8 @@ def test_bad_input_is_a_clear_error(workers2):
 
 def _live_units_during_training(num_prefetch: int) -> tuple[int, int]:
     """Most non-root units gathered (or being gathered) at once, in forward and in backward."""
-    from zeroshard.models.gpt import GPT, Block, GPTConfig
     from zeroshard.model_states.flat_param import ShardState
+    from zeroshard.models.gpt import GPT, Block, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=5, n_embd=32, n_head=2, block_size=32))
