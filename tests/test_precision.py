@@ -1,0 +1,374 @@
+"""Mixed precision policies and loss scaling: pure unit tests, then 2-rank gloo runs."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from parity_models import batch, build, loss_of
+from torch import nn
+
+import zeroshard
+from zeroshard.models.gpt import GPT, PRESETS, Block
+from zeroshard.precision import PRESETS as POLICIES
+from zeroshard.precision import (
+    DynamicLossScaler,
+    LossScaler,
+    MixedPrecision,
+    apply_tf32,
+    cpu_has_native_bf16,
+    resolve,
+)
+
+# --------------------------------------------------------------------- policies (one process)
+
+
+def test_presets_keep_master_fp32_and_name_their_dtypes():
+    assert POLICIES["bf16"].param_dtype == POLICIES["bf16"].reduce_dtype == torch.bfloat16
+    assert POLICIES["fp16"].buffer_dtype == torch.float16
+    assert POLICIES["tf32"].param_dtype == torch.float32 and POLICIES["tf32"].allow_tf32
+    assert MixedPrecision(param_dtype="bf16", reduce_dtype="float32").reduce_dtype == torch.float32
+    with pytest.raises(AttributeError):
+        POLICIES["bf16"].param_dtype = torch.float32  # type: ignore[misc]  (frozen)
+
+
+@pytest.mark.parametrize("bad", ["fp8", "int8", torch.int32])
+def test_unknown_dtype_is_a_value_error_listing_the_names(bad):
+    with pytest.raises(ValueError, match="bf16" if isinstance(bad, str) else "floating-point"):
+        MixedPrecision(param_dtype=bad)
+
+
+def test_unknown_precision_name_lists_the_choices():
+    with pytest.raises(ValueError, match="fp32, tf32, bf16, fp16, auto"):
+        resolve("fp64", "cpu")
+
+
+def test_reduce_narrower_than_param_warns():
+    with pytest.warns(UserWarning, match="narrower than param_dtype"):
+        MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # wider: fine
+
+
+def test_tf32_on_cpu_warns_that_it_has_no_effect():
+    with pytest.warns(UserWarning, match="TF32 has no effect"):
+        apply_tf32(resolve("tf32", "cpu"), torch.device("cpu"))
+
+
+def test_fp16_on_cpu_works_with_this_torch():
+    # torch computes FP16 on CPU (slowly), so "fp16" is allowed there rather than refused.
+    assert resolve("fp16", "cpu").param_dtype == torch.float16
+
+
+def test_cpu_bf16_rule_reads_the_instruction_flags():
+    assert cpu_has_native_bf16("flags\t: fpu sse avx512f avx512_bf16\n")
+    assert cpu_has_native_bf16("flags\t: fpu amx_bf16 amx_tile\n")
+    assert cpu_has_native_bf16("Features\t: fp asimd bf16 i8mm\n")  # Arm
+    assert not cpu_has_native_bf16("flags\t: fpu sse avx2 avx512f\n")
+
+
+def test_auto_picks_bf16_where_native_and_logs_it(caplog):
+    with caplog.at_level(logging.INFO, logger="zeroshard.precision"):
+        policy = resolve("auto", "cpu")
+    expected = "bf16" if cpu_has_native_bf16() else "fp32"
+    assert policy == POLICIES[expected]
+    assert f"-> {expected!r}" in caplog.text
+
+
+# --------------------------------------------------------------------- scalers (one process)
+
+
+def test_dynamic_scaler_halves_on_inf_and_doubles_after_growth_interval():
+    s = DynamicLossScaler(growth_interval=3)
+    assert s.scale == 2.0**16
+    s.update(True)
+    assert s.scale == 2.0**15 and s.num_skipped == 1
+    for _ in range(2):
+        s.update(False)
+    assert s.scale == 2.0**15
+    s.update(False)
+    assert s.scale == 2.0**16
+
+
+def test_hysteresis_tolerates_consecutive_overflows():
+    s = DynamicLossScaler(init_scale=64.0, hysteresis=2)
+    s.update(True)
+    assert s.scale == 64.0  # skipped, not lowered yet
+    s.update(False)  # a clean step restores the count
+    s.update(True)
+    assert s.scale == 64.0
+    s.update(True)
+    assert s.scale == 32.0
+
+
+def test_minimum_scale_is_a_clear_error():
+    s = DynamicLossScaler(init_scale=4.0, min_scale=2.0)
+    s.update(True)
+    assert s.scale == 2.0
+    with pytest.raises(FloatingPointError, match="minimum loss scale 2.0"):
+        s.update(True)
+
+
+def test_scaler_state_round_trips_and_config_errors():
+    s = DynamicLossScaler(growth_interval=5)
+    s.update(True)
+    s.update(False)
+    t = DynamicLossScaler(growth_interval=5)
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict() == s.state_dict()
+    for bad in (dict(min_scale=0.0), dict(growth_factor=1.0), dict(growth_interval=0)):
+        with pytest.raises(ValueError):
+            DynamicLossScaler(**bad)
+    with pytest.raises(ValueError):
+        LossScaler(scale=float("inf"))
+
+
+# --------------------------------------------------------------------- 2 ranks
+
+
+def _grid_trains(steps: int) -> dict:
+    """Every stage x {fp32, bf16, fp16}: the GPT trains, ranks agree, model states stay FP32."""
+    out = {}
+    for name in ("fp32", "bf16", "fp16"):
+        for stage in (0, 1, 2, 3):
+            torch.manual_seed(0)
+            model, policy = build("gpt")
+            model = zeroshard.shard(model, stage=stage, wrap=policy, mixed_precision=name)
+            scaler = DynamicLossScaler(init_scale=2.0**8) if name == "fp16" else None
+            opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2, loss_scaler=scaler)
+            engine = zeroshard.engine_of(model)
+            losses, stepped = [], 0
+            for step in range(steps):
+                x, y = batch("gpt", step % 2, 8)  # two batches in turn: loss must fall
+                mine = slice(dist.get_rank() * 4, dist.get_rank() * 4 + 4)
+                loss = loss_of("gpt", model, x[mine], y[mine])
+                opt.backward(loss)
+                stepped += opt.step()
+                opt.zero_grad()
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                losses.append(total.item() / 2)
+            states = [t for st in opt.optimizer.state.values() for t in st.values() if t.ndim]
+            out[(name, stage)] = {
+                "first": losses[0],
+                "last": losses[-1],
+                "stepped": stepped,
+                "param_dtypes": {str(f.param_dtype) for f in engine.flat_params},
+                "master_fp32": all(f.master.dtype == torch.float32 for f in engine.flat_params),
+                "states_fp32": bool(states) and all(t.dtype == torch.float32 for t in states),
+                "found_inf_calls": engine.ledger.steps[-1][("all_reduce", "found_inf")].calls,
+            }
+    return out
+
+
+def test_every_stage_and_precision_trains_on_two_ranks(workers2):
+    r0, r1 = workers2.run(_grid_trains, 8)
+    want = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
+    for (name, stage), r in r0.items():
+        assert r == r1[(name, stage)], (name, stage)  # ranks agree bit for bit
+        assert r["last"] < 0.9 * r["first"], (name, stage, r)
+        assert r["stepped"] == 8, (name, stage, r)
+        assert r["param_dtypes"] == {want[name]}, (name, stage, r)
+        assert r["master_fp32"] and r["states_fp32"], (name, stage, r)
+        assert r["found_inf_calls"] == 1, (name, stage, r)  # one small all-reduce per step
+
+
+def _strides_batch(step: int, rows: int, seq: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Learnable bytes: each row counts from a random start in a random stride (1, 2, 3 or 5)."""
+    g = torch.Generator().manual_seed(5000 + step)
+    start = torch.randint(0, 256, (rows, 1), generator=g)
+    stride = torch.tensor([1, 2, 3, 5])[torch.randint(0, 4, (rows, 1), generator=g)]
+    seq_ = (start + stride * torch.arange(seq + 1)) % 256
+    return seq_[:, :-1], seq_[:, 1:]
+
+
+def _tiny_gpt_losses(name: str, steps: int) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        GPT(PRESETS["tiny"]), stage=3, wrap=zeroshard.wrap.by_class(Block), mixed_precision=name
+    )
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=3e-3)
+    losses = []
+    for step in range(steps):
+        x, y = _strides_batch(step, 4 * world)
+        loss = model(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4])
+        opt.backward(loss)
+        opt.clip_grad_norm(1.0)
+        assert opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def test_bf16_tracks_fp32_on_the_tiny_gpt(workers2):
+    fp32 = workers2.run(_tiny_gpt_losses, "fp32", 50)[0]
+    bf16 = workers2.run(_tiny_gpt_losses, "bf16", 50)[0]
+    assert fp32[-1] < 0.6 * fp32[0]  # it learned something, so the comparison means something
+    # The loss after 50 steps, read as the mean of steps 46-50: it still falls by ~1% a step, so
+    # a single batch's loss measures the step's noise more than the precision.
+    end32, end16 = sum(fp32[-5:]) / 5, sum(bf16[-5:]) / 5
+    assert abs(end16 - end32) <= 0.02 * end32, (end32, end16)
+
+
+def _inject_inf(name: str, stage: int) -> dict:
+    """Rank 1 puts an inf into its own shard gradient: every rank must skip."""
+    torch.manual_seed(0)
+    model, policy = build("gpt")
+    model = zeroshard.shard(model, stage=stage, wrap=policy, mixed_precision=name)
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=3) if name == "fp16" else None
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3, loss_scaler=scaler)
+    engine = zeroshard.engine_of(model)
+    rank = dist.get_rank()
+
+    def step(i: int, inject: bool = False) -> bool:
+        x, y = batch("gpt", i, 8)
+        opt.backward(loss_of("gpt", model, x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4]))
+        if inject and rank == 1:
+            engine.flat_params[-1].shard_grad[0] = float("inf")
+        stepped = opt.step()
+        opt.zero_grad()
+        return stepped
+
+    assert step(0)  # optimizer states exist from here on
+    masters = [f.master.clone() for f in engine.flat_params]
+    states = copy.deepcopy(opt.optimizer.state_dict())
+    with zeroshard.summon_full_params(model):
+        params = [p.detach().clone() for p in model.parameters()]
+    scale_before = opt.loss_scaler.scale
+    skipped = not step(1, inject=True)
+    out = {
+        "skipped": skipped,
+        "scale": (scale_before, opt.loss_scaler.scale),
+        "masters_equal": all(torch.equal(a, f.master) for a, f in zip(masters, engine.flat_params)),
+        "states_equal": _same_state(states, opt.optimizer.state_dict()),
+    }
+    with zeroshard.summon_full_params(model):
+        out["params_equal"] = all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    scales = [opt.loss_scaler.scale]
+    for i in range(2, 8):  # clean steps: the scale grows every growth_interval (3) of them
+        assert step(i)
+        scales.append(opt.loss_scaler.scale)
+    out["scales"] = scales
+    saved = opt.state_dict()
+    out["saved_scaler"] = saved["loss_scaler"]
+    opt.loss_scaler.scale = 1.0
+    opt.load_state_dict(saved)
+    out["restored_scale"] = opt.loss_scaler.scale
+    return out
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    for k, st in a["state"].items():
+        for key, t in st.items():
+            if not torch.equal(torch.as_tensor(t), torch.as_tensor(b["state"][k][key])):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_inf_on_one_rank_skips_everywhere_and_halves_the_scale(workers2, stage):
+    for r in workers2.run(_inject_inf, "fp16", stage):
+        assert r["skipped"] and r["scale"] == (2.0**10, 2.0**9), r
+        assert r["masters_equal"] and r["states_equal"] and r["params_equal"], r
+        # 6 clean steps after the skip: doubled after the 3rd and the 6th.
+        assert r["scales"] == [2.0**9, 2.0**9, 2.0**9, 2.0**10, 2.0**10, 2.0**10, 2.0**11], r
+        assert r["saved_scaler"]["scale"] == r["restored_scale"] == 2.0**11, r
+
+
+def test_bf16_also_skips_a_step_with_inf_gradients(workers2):
+    for r in workers2.run(_inject_inf, "bf16", 3):
+        assert r["skipped"] and r["scale"] == (1.0, 1.0), r
+        assert r["masters_equal"] and r["states_equal"] and r["params_equal"], r
+
+
+class _Gain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _reduced_grad(stage: int, reduce_dtype: str) -> list[float]:
+    """Rank 0's gradient is 1, rank 1's is 2**-8 (both exact in BF16). Their sum 1 + 2**-8 is
+    exact in FP32 but a tie in BF16 (8 significant bits), which rounds to even: 1."""
+    model = zeroshard.shard(
+        _Gain(),
+        stage=stage,
+        mixed_precision=MixedPrecision(param_dtype="bf16", reduce_dtype=reduce_dtype),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1.0)
+    x = torch.full((2,), 1.0 if dist.get_rank() == 0 else 2.0**-8)
+    opt.backward(model(x))
+    return zeroshard.engine_of(model).flat_params[0].shard_grad.tolist()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_reduce_in_fp32_keeps_what_bf16_rounds_away(workers2, stage):
+    fp32 = workers2.run(_reduced_grad, stage, "fp32")
+    bf16 = workers2.run(_reduced_grad, stage, "bf16")
+    assert fp32[0][0] == (1 + 2.0**-8) / 2  # the exact mean
+    assert bf16[0][0] == 0.5  # (1 + 2**-8) rounded to 1 in BF16, then halved
+
+
+def _clip_unscaled(scale: float) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model, policy = build("odd")
+    model = zeroshard.shard(model, stage=1, wrap=policy)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, loss_scaler=LossScaler(scale=scale))
+    x, y = batch("odd", 0, 8)
+    opt.backward(loss_of("odd", model, x, y))
+    first = opt.clip_grad_norm(1e-3).item()
+    second = opt.clip_grad_norm(1e6).item()  # unscaling is idempotent: the clipped norm is kept
+    assert opt.step()
+    return first, second
+
+
+def test_clipping_sees_the_unscaled_gradient(workers2):
+    plain = workers2.run(_clip_unscaled, 1.0)[0]
+    scaled = workers2.run(_clip_unscaled, 1024.0)[0]
+    assert scaled[0] == pytest.approx(plain[0], rel=1e-5)
+    assert scaled[1] == pytest.approx(1e-3, rel=1e-3)
+
+
+def _buffers_and_casts() -> dict:
+    torch.manual_seed(0)
+    model, policy = build("odd")  # a float buffer; float inputs
+    mp = MixedPrecision(param_dtype="bf16", buffer_dtype="bf16", output_dtype="fp32")
+    model = zeroshard.shard(model, stage=3, wrap=policy, mixed_precision=mp)
+    x, _ = batch("odd", 0, 4)
+    out = model(x)  # an FP32 input: cast at the root
+    mlp, mlp_policy = build("frozen_mlp")  # the root owns no parameters of its own
+    mlp = zeroshard.shard(mlp, stage=2, wrap=mlp_policy, mixed_precision="bf16")
+    out_mlp = mlp(torch.randn(2, 13))
+    return {
+        "buffer": str(model.a.shift.dtype),
+        "out": str(out.dtype),
+        "out_mlp": str(out_mlp.dtype),
+    }
+
+
+def test_buffers_inputs_and_outputs_follow_the_policy(workers2):
+    r = workers2.run(_buffers_and_casts)[0]
+    assert r == {"buffer": "torch.bfloat16", "out": "torch.float32", "out_mlp": "torch.bfloat16"}
+
+
+def test_fp16_where_the_device_cannot_names_bf16(monkeypatch):
+    monkeypatch.setattr("zeroshard.precision.supports", lambda dtype, device: False)
+    with pytest.raises(ValueError, match="use 'bf16'"):
+        resolve("fp16", "cpu")
+    assert resolve("auto", "cpu") == POLICIES["fp32"]
+
+
+def test_shard_rejects_a_policy_of_the_wrong_type():
+    with pytest.raises(TypeError, match="MixedPrecision or a name"):
+        zeroshard.precision.policy_of(torch.bfloat16, torch.device("cpu"))  # type: ignore[arg-type]
