@@ -27,12 +27,13 @@ def test_help_lists_subcommands():
     assert "train" in result.stdout
 
 
-def test_train_two_ranks_writes_metrics_and_plot(tmp_path):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_train_two_ranks_writes_metrics_and_plot(tmp_path, stage):
     out = tmp_path / "run"
     result = _cli(
         "train", "--nproc", "2", "--preset", "nano", "--steps", "8", "--batch-size", "4",
         "--seq-len", "32", "--eval-every", "4", "--eval-batches", "2", "--log-every", "2",
-        "--stage", "3", "--out-dir", str(out), "--data-dir", str(tmp_path / "data"),
+        "--stage", str(stage), "--out-dir", str(out), "--data-dir", str(tmp_path / "data"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -44,7 +45,7 @@ def test_train_two_ranks_writes_metrics_and_plot(tmp_path):
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ranks"] == 2 and summary["stage"] == 3
+    assert summary["ranks"] == 2 and summary["stage"] == stage
 
 
 def _expect_usage_error(capsys, argv: list[str], *needles: str) -> None:

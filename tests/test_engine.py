@@ -39,6 +39,9 @@ def _parity(
         # (the attention key bias) into steps of size lr, in any data-parallel implementation.
         make = lambda m: dict(params=param_groups(m, 0.1), lr=1e-3)  # noqa: E731
         cls = torch.optim.AdamW
+    elif optim in ("foreach", "fused"):
+        make = lambda m: dict(params=param_groups(m, 0.1), lr=1e-3, **{optim: True})  # noqa: E731
+        cls = torch.optim.AdamW
     else:
         make = lambda m: dict(params=m.parameters(), lr=1e-2, momentum=0.9)  # noqa: E731
         cls = torch.optim.SGD
@@ -110,8 +113,9 @@ def test_clipping_matches_torch_on_the_unsharded_model(workers2, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_sgd_with_momentum(workers2, stage):
-    _check(workers2.run(_parity, "odd", stage, steps=8, optim="sgd"))
+@pytest.mark.parametrize("optim", ["sgd", "foreach", "fused"])
+def test_other_optimizers_and_implementations(workers2, stage, optim):
+    _check(workers2.run(_parity, "odd", stage, steps=8, optim=optim))
 
 
 def _ledger_per_step(stage: int, reshard_root: bool) -> tuple[int, int, int]:
