@@ -1,6 +1,7 @@
 """Model descriptions: counts from every source agree with what the model builds."""
 
 import json
+import sys
 import types
 
 import pytest
@@ -90,14 +91,18 @@ def test_hf_config_missing_keys():
         d.from_hf_config({"vocab_size": 3})
 
 
-def test_hf_hub_name_without_transformers():
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        with pytest.raises(ValueError, match="pip install"):
-            d.from_hf_config("no-such-org/no-such-model")
-    else:
-        pytest.skip("transformers installed: a hub name would be fetched")
+def test_hf_hub_name_without_transformers(monkeypatch):
+    # Hide transformers (installed or not) so that a hub name is a clear error, never a download.
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ValueError, match="pip install"):
+        d.from_hf_config("no-such-org/no-such-model")
+
+
+def test_hf_config_object_from_transformers():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100)
+    model = d.from_hf_config(config)
+    assert model.shape.num_layers == 2 and model.shape.hidden_size == 64
 
 
 @pytest.mark.parametrize(
