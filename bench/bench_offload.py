@@ -3,8 +3,8 @@
 For tensors of 1, 4, 16 and 64 MiB (--size-gib of them in all, 1 GiB by default) it times
 TensorStore.swap_out and swap_in, and, in the same run and alternating with them, plain sequential
 O_DIRECT writes and reads of one file in requests of the same size (min(tensor, block_bytes)) from
-one thread: the disk's raw bandwidth. Each figure is the best of --repeats passes (the machine is
-shared, so the best pass is the one least disturbed). CPU time is the process's (all threads)
+one thread: the disk's raw bandwidth. Each figure is the best of --repeats (5) passes (the machine
+is shared: the best pass is the least disturbed). CPU time is the process's (all threads)
 during the store's passes, per GiB moved.
 
     python bench/bench_offload.py                   # 1 GiB, folder in a temp dir under /tmp
@@ -78,7 +78,7 @@ def main() -> int:
     parser.add_argument("--size-gib", type=float, default=1.0, help="bytes moved per pass, GiB")
     parser.add_argument("--folder", type=Path, default=None, help="a directory on the disk")
     parser.add_argument("--tensor-mib", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--repeats", type=int, default=3, help="passes per figure; best is kept")
+    parser.add_argument("--repeats", type=int, default=5, help="passes per figure; best is kept")
     defaults = OffloadConfig(folder="unused")
     parser.add_argument("--block-mib", type=int, default=defaults.block_bytes // MiB)
     parser.add_argument("--num-buffers", type=int, default=defaults.num_buffers)
@@ -89,6 +89,7 @@ def main() -> int:
     total = int(args.size_gib * GiB)
     parent = Path(tempfile.mkdtemp(prefix="zeroshard-bench-", dir=args.folder))
     block_bytes = args.block_mib * MiB
+    load_before = os.getloadavg()[0]
     print(
         f"folder {parent} ({filesystem_of(parent)}), {total / GiB:.2f} GiB per pass, "
         f"block {args.block_mib} MiB, {args.num_buffers} buffers, "
@@ -149,6 +150,10 @@ def main() -> int:
     finally:
         shutil.rmtree(parent, ignore_errors=True)
 
+    print(
+        f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
+        f"{os.cpu_count()} CPUs: the store needs CPU for hashing and copying, the raw pass not"
+    )
     print()
     print(
         "| tensor | count | raw write GiB/s | swap_out GiB/s | out/raw "

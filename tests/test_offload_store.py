@@ -182,7 +182,8 @@ def test_reopen_after_crash_then_discard(tmp_path):
     run_child(folder, "crash")
     with pytest.raises(OffloadError, match="reopen"):
         TensorStore(nvme(folder))  # a plain constructor refuses a leftover folder
-    store = TensorStore.reopen(folder, nvme(folder))
+    store = TensorStore.reopen(folder)  # the block size comes from the index
+    assert store.config.block_bytes == BLOCK
     assert sorted(store.names()) == ["kept", "rewritten"]  # "new" came after the last flush
     assert torch.equal(store.swap_in("kept").wait(), torch.arange(5000, dtype=torch.int64))
     with pytest.raises(SwapIntegrityError, match="checksum mismatch.*'rewritten'"):

@@ -48,6 +48,7 @@ __all__ = [
     "NvmeBackend",
     "discard_folder",
     "free_bytes",
+    "index_block_bytes",
     "padded_bytes",
 ]
 
@@ -148,6 +149,14 @@ class _ReadCtx:
     entry: _FileEntry
     fd: int
     checksums: list[int]
+
+
+def index_block_bytes(folder: Path) -> int | None:
+    """The block size recorded in a folder's index, or None if there is no readable index."""
+    try:
+        return int(json.loads((folder / INDEX_NAME).read_text())["block_bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # reopen reports the precise problem
 
 
 def discard_folder(folder: Path) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .cpu import MemoryBackend, cuda_present, flat_bytes, ready_event
-from .nvme import ALIGN_BYTES, NvmeBackend, discard_folder
+from .nvme import ALIGN_BYTES, NvmeBackend, discard_folder, index_block_bytes
 from .pool import BufferPool
 from .tiers import OffloadError, SwapHandle, TensorMeta, Tier
 
@@ -40,8 +40,12 @@ logger = logging.getLogger("zeroshard.offload")
 
 @dataclass(frozen=True, kw_only=True)
 class OffloadConfig:
-    """How a TensorStore keeps its tensors. Defaults were measured on a 2-core VM's virtio disk
-    (bench/bench_offload.py); rerun the benchmark on a new machine before tuning them."""
+    """How a TensorStore keeps its tensors.
+
+    The defaults were measured with bench/bench_offload.py on the team's 2-core VM (ext4 on a
+    virtio disk, ~2.5 GiB/s): 8 threads and 16 buffers of 4 MiB beat 2, 4 and 6 threads, because
+    each thread alternates a system call (the disk works) with a hash and a copy (the CPU works),
+    so more threads keep more requests queued. Rerun the benchmark on a new machine."""
 
     tier: Tier = Tier.NVME
     """Where the tensors live: Tier.DEVICE, Tier.CPU or Tier.NVME (or their names as strings)."""
@@ -54,11 +58,11 @@ class OffloadConfig:
     """Bytes per I/O request and per pool buffer; a multiple of 4096. Tensors larger than this
     are split so they use every I/O thread."""
 
-    num_buffers: int = 8
+    num_buffers: int = 16
     """Number of pool buffers (NVMe staging memory = num_buffers * block_bytes). Bounds how many
     blocks are in flight or prefetched at once."""
 
-    num_io_threads: int = 4
+    num_io_threads: int = 8
     """Worker threads issuing I/O and copies; requests in flight on the disk at once."""
 
     direct_io: bool | None = None
@@ -150,7 +154,9 @@ class TensorStore:
         The store comes back as of that run's last flush(): tensors written after it either
         fail their checksum on swap_in (SwapIntegrityError) or, if new, were never indexed.
         """
-        config = config or OffloadConfig(tier=Tier.NVME, folder=folder)
+        if config is None:  # take the block size the files were written with
+            block_bytes = index_block_bytes(Path(folder)) or OffloadConfig.block_bytes
+            config = OffloadConfig(tier=Tier.NVME, folder=folder, block_bytes=block_bytes)
         if config.tier is not Tier.NVME or Path(config.folder) != Path(folder):
             raise ValueError("reopen needs an NVMe config whose folder= is the folder reopened")
         return cls(config, _resume=True)
