@@ -100,7 +100,12 @@ def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun() or nproc == 1:
         summary = train(cfg)
         if not launched_by_torchrun() or _is_rank0():
-            print(json.dumps(summary))
+            print(
+                f"done: {summary['preset']} ({summary['num_params']:,} parameters), stage "
+                f"{summary['stage']} on {summary['ranks']} rank(s), {summary['steps']} steps in "
+                f"{summary['seconds']} s ({summary['tokens_per_s']:,} tokens/s); validation loss "
+                f"{summary['val_loss_first']} -> {summary['val_loss_last']}; outputs in {out}"
+            )
         return 0
     if args.port:
         _check_port(args.port)
