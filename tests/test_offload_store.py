@@ -4,9 +4,11 @@ Blocks are 8 KiB here so tensors of a few KiB already span several blocks and ev
 last partial block, padding) runs in milliseconds.
 """
 
+import gc
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -196,4 +198,16 @@ def test_reopen_after_crash_then_discard(tmp_path):
 def test_normal_exit_without_close_cleans_up(tmp_path):
     folder = tmp_path / "swap"
     run_child(folder, "exit")
+    assert not folder.exists()
+
+
+def test_an_unclosed_store_cleans_up_when_collected(tmp_path):
+    folder = tmp_path / "swap"
+    store = TensorStore(nvme(folder))
+    store.swap_out("a", torch.ones(3000)).wait()
+    del store  # the last reference may die on an I/O thread: its finalizer must not join itself
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while folder.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not folder.exists()

@@ -16,6 +16,7 @@ raised by swap_out itself before anything is written.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -94,11 +95,20 @@ class OffloadConfig:
             raise ValueError("direct_io= is only used by Tier.NVME; leave it None")
 
 
+def _warn_once(warned: set[str], key: str, message: str) -> None:
+    """Log `message` the first time `key` is seen in `warned` (one set per store)."""
+    if key not in warned:
+        warned.add(key)
+        logger.warning(message)
+
+
 def _close_at_exit(backend: Any, executors: list[ThreadPoolExecutor | None]) -> None:
     """The finalizer of a store nobody closed: at interpreter exit or when garbage-collected."""
     try:
         if executors[0] is not None:
-            executors[0].shutdown(wait=True)  # finish the queued blocks before deleting files
+            # No block is queued: queued blocks hold the store, which is unreachable now (or the
+            # interpreter's exit already joined the workers). Do not join: this may be a worker.
+            executors[0].shutdown(wait=False)
         backend.close(keep=False)
     except Exception:  # at exit there is nobody left to raise to
         logger.exception("cleaning up an unclosed offload store failed")
@@ -117,7 +127,8 @@ class TensorStore:
         if not isinstance(config, OffloadConfig):
             raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
         self.config = config
-        self._warned: set[str] = set()
+        # not a bound method: the backend must not keep the store alive (see the finalizer)
+        self._warn_once = functools.partial(_warn_once, set())
         self.pool: BufferPool | None = None
         if config.tier is Tier.NVME:
             self.pool = BufferPool(
@@ -335,11 +346,6 @@ class TensorStore:
     def _check_open(self) -> None:
         if self._closed:
             raise OffloadError("the store is closed")
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message)
 
     def _spans(self, nbytes: int) -> list[tuple[int, int]]:
         """(offset, length) of each block of a tensor of `nbytes` bytes."""
