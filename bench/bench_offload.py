@@ -27,20 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run standalone from a checkout
 
 from zeroshard.offload import OffloadConfig, TensorStore, Tier  # noqa: E402
+from zeroshard.offload.nvme import filesystem_type  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
-
-
-def filesystem_of(path: Path) -> str:
-    """'ext4 on /dev/vda' for the mount holding `path` (longest matching mount point)."""
-    best = ("?", "?", "")
-    with open("/proc/mounts") as f:
-        for line in f:
-            dev, mnt, fstype = line.split()[:3]
-            if str(path).startswith(mnt) and len(mnt) >= len(best[2]):
-                best = (fstype, dev, mnt)
-    return f"{best[0]} on {best[1]}"
 
 
 def raw_pass(path: Path, total_bytes: int, request_bytes: int, write: bool) -> float:
@@ -91,7 +81,7 @@ def main() -> int:
     block_bytes = args.block_mib * MiB
     load_before = os.getloadavg()[0]
     print(
-        f"folder {parent} ({filesystem_of(parent)}), {total / GiB:.2f} GiB per pass, "
+        f"folder {parent} ({filesystem_type(parent)}), {total / GiB:.2f} GiB per pass, "
         f"block {args.block_mib} MiB, {args.num_buffers} buffers, "
         f"{args.num_io_threads} I/O threads, best of {args.repeats}"
     )

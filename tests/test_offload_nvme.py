@@ -165,3 +165,14 @@ def test_the_index_is_replaced_atomically(store, monkeypatch):
     assert index.read_text() == before  # readers still see the complete old index
     store.flush()
     assert set(json.loads(index.read_text())["tensors"]) == {"a", "b"}
+
+
+def test_a_folder_in_ram_is_reported_once(tmp_path, monkeypatch, caplog):
+    assert nvme_mod.filesystem_type(tmp_path) not in ("", "?")
+    monkeypatch.setattr(nvme_mod, "filesystem_type", lambda path: "tmpfs")
+    logs = caplog.at_level(logging.WARNING, logger="zeroshard.offload")
+    with logs, TensorStore(config(tmp_path / "swap")) as store:
+        store.swap_out("w", torch.ones(10)).wait()
+        assert store.stats()["filesystem"] == "tmpfs"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "tmpfs, which is RAM" in warnings[0]

@@ -47,6 +47,7 @@ __all__ = [
     "INDEX_NAME",
     "NvmeBackend",
     "discard_folder",
+    "filesystem_type",
     "free_bytes",
     "index_block_bytes",
     "padded_bytes",
@@ -71,6 +72,27 @@ def free_bytes(folder: Path) -> int:
     """Bytes an unprivileged writer may still use on the folder's filesystem."""
     st = os.statvfs(folder)
     return st.f_bavail * st.f_frsize
+
+
+# filesystems whose "files" are RAM: swapping to them moves nothing off the faster tier
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding `path` ('ext4', 'xfs', 'tmpfs'...), '?' if unknown."""
+    path = path.resolve()
+    best_mount, best_type = "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                mount, fstype = line.split()[1:3]
+                mount = mount.replace("\\040", " ")  # /proc/mounts escapes spaces
+                inside = path == Path(mount) or Path(mount) in path.parents
+                if inside and len(mount) >= len(best_mount):
+                    best_mount, best_type = mount, fstype
+    except OSError:
+        pass
+    return best_type
 
 
 def _mib(nbytes: int) -> str:
@@ -199,6 +221,13 @@ class NvmeBackend:
         self.pool = pool
         self._warn_once = warn_once
         self.created_folder, self.direct_io = prepare_folder(folder, direct_io)
+        self.filesystem = filesystem_type(folder)
+        if self.filesystem in MEMORY_FILESYSTEMS:
+            warn_once(
+                "memory-fs",
+                f"{folder} is on {self.filesystem}, which is RAM: the NVMe tier's files stay in "
+                "memory; point folder= at a directory on a disk",
+            )
         if not self.direct_io and direct_io is None:
             warn_once(
                 "buffered",

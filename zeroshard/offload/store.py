@@ -335,6 +335,7 @@ class TensorStore:
         }
         if self.pool is not None:
             out |= {
+                "filesystem": self._backend.filesystem,
                 "direct_io": self._backend.direct_io,
                 "pool_bytes": self.pool.allocated_bytes,
                 "max_buffers_in_use": self.pool.max_in_use,
