@@ -27,13 +27,14 @@ def test_help_lists_subcommands():
     assert "train" in result.stdout
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_train_two_ranks_writes_metrics_and_plot(tmp_path, stage):
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "bf16"), (3, "fp32")])
+def test_train_two_ranks_writes_metrics_and_plot(tmp_path, stage, precision):
     out = tmp_path / "run"
     result = _cli(
         "train", "--nproc", "2", "--preset", "nano", "--steps", "8", "--batch-size", "4",
         "--seq-len", "32", "--eval-every", "4", "--eval-batches", "2", "--log-every", "2",
-        "--stage", str(stage), "--out-dir", str(out), "--data-dir", str(tmp_path / "data"),
+        "--stage", str(stage), "--precision", precision, "--out-dir", str(out),
+        "--data-dir", str(tmp_path / "data"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -46,6 +47,7 @@ def test_train_two_ranks_writes_metrics_and_plot(tmp_path, stage):
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ranks"] == 2 and summary["stage"] == stage
+    assert summary["precision"] == precision and summary["skipped_steps"] == 0
 
 
 def _expect_usage_error(capsys, argv: list[str], *needles: str) -> None:
@@ -92,6 +94,11 @@ def test_unknown_config_key(capsys, tmp_path):
     _expect_usage_error(
         capsys, ["train", "--config", str(config), "--out-dir", str(tmp_path)], "learning_rate"
     )
+
+
+def test_unknown_precision(capsys, tmp_path):
+    argv = ["train", "--precision", "fp8", "--out-dir", str(tmp_path)]
+    _expect_usage_error(capsys, argv, "fp8", "bf16")
 
 
 @pytest.mark.parametrize("flag", ["--steps", "--seq-len"])

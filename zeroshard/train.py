@@ -38,6 +38,8 @@ class TrainConfig:
     """GPT preset (zeroshard.models.gpt.PRESETS)."""
     stage: int = 3
     """ZeRO stage 0-3."""
+    precision: str = "fp32"
+    """fp32, tf32, bf16, fp16 or auto (BF16 where the device supports it, else FP32)."""
     steps: int = 200
     """Optimizer steps."""
     batch_size: int = 16
@@ -69,6 +71,10 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.precision not in ("fp32", "tf32", "bf16", "fp16", "auto"):
+            raise ValueError(
+                f"unknown precision {self.precision!r}; choose fp32, tf32, bf16, fp16 or auto"
+            )
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
 
@@ -144,7 +150,10 @@ def train(cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
     model = GPT(preset(cfg.preset))
     num_params = sum(p.numel() for p in model.parameters())
-    model = zeroshard.shard(model, stage=cfg.stage, wrap=zeroshard.wrap.by_class(Block))
+    policy = zeroshard.precision.resolve(cfg.precision, device)
+    model = zeroshard.shard(
+        model, stage=cfg.stage, wrap=zeroshard.wrap.by_class(Block), mixed_precision=policy
+    )
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -169,13 +178,14 @@ def train(cfg: TrainConfig) -> dict:
     log({"kind": "eval", "step": 0, "val_loss": first_val})
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t_start = t_log = time.perf_counter()
+    skipped = 0
     for step, (x, y) in enumerate(loader.iter(num_steps=cfg.steps), start=1):
         for group in opt.param_groups:
             group["lr"] = lr_at(step - 1, cfg)
         loss = model(x.to(device), y.to(device))
         opt.backward(loss)
         norm = opt.clip_grad_norm(cfg.grad_clip) if cfg.grad_clip > 0 else None
-        opt.step()
+        skipped += not opt.step()  # False when inf/NaN gradients made every rank skip it
         opt.zero_grad()
         if step % cfg.log_every == 0 or step == cfg.steps:
             mem = torch.tensor([rank_memory_bytes(device)], dtype=torch.float64, device=device)
@@ -203,6 +213,7 @@ def train(cfg: TrainConfig) -> dict:
     last_val = records[-1]["val_loss"]
     summary = {
         "preset": cfg.preset, "num_params": num_params, "stage": cfg.stage, "ranks": world,
+        "precision": cfg.precision, "skipped_steps": skipped,
         "steps": cfg.steps, "seconds": round(elapsed, 1),
         "tokens_per_s": round(tokens_per_step * cfg.steps / elapsed),
         "val_loss_first": round(first_val, 4), "val_loss_last": round(last_val, 4),

@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         if not launched_by_torchrun() or _is_rank0():
             print(
                 f"done: {summary['preset']} ({summary['num_params']:,} parameters), stage "
-                f"{summary['stage']} on {summary['ranks']} rank(s), {summary['steps']} steps in "
+                f"{summary['stage']} {summary['precision']} on {summary['ranks']} rank(s), "
+                f"{summary['steps']} steps ({summary['skipped_steps']} skipped) in "
                 f"{summary['seconds']} s ({summary['tokens_per_s']:,} tokens/s); validation loss "
                 f"{summary['val_loss_first']} -> {summary['val_loss_last']}; outputs in {out}"
             )
