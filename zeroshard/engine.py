@@ -100,8 +100,9 @@ class Unit:
         return any(f.state is ShardState.SHARDED for f in self.flat_params)
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a unit's outputs whose backward announces that the unit's backward begins."""
+class _BackwardHook(torch.autograd.Function):
+    """Identity whose backward calls ``hook``: on a unit's outputs it fires as the unit's backward
+    begins (gather again); on its inputs, once the unit's backward is done (reduce, free)."""
 
     @staticmethod
     def forward(ctx, hook, *tensors):  # type: ignore[override]
@@ -114,27 +115,13 @@ class _PreBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
-
-    @staticmethod
-    def forward(ctx, hook, *tensors):  # type: ignore[override]
-        ctx.hook = hook
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
-        ctx.hook()
-        return (None, *grads)
-
-
-def _apply_to_grad_tensors(fn: type[torch.autograd.Function], hook, tree: Any) -> Any:
-    """Run ``fn`` over the tensors in ``tree`` that require grad; other leaves pass through."""
+def _on_backward(hook, tree: Any) -> Any:
+    """``tree`` with its tensors that require grad passed through one ``_BackwardHook(hook)``."""
     leaves, spec = tree_flatten(tree)
     idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
     if not idx:
         return tree
-    outs = fn.apply(hook, *(leaves[i] for i in idx))
+    outs = _BackwardHook.apply(hook, *(leaves[i] for i in idx))
     for i, out in zip(idx, outs):
         leaves[i] = out
     return tree_unflatten(leaves, spec)
@@ -203,9 +190,7 @@ class Engine:
         if unit.is_root and mp.cast_root_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         if torch.is_grad_enabled():
-            args, kwargs = _apply_to_grad_tensors(
-                _PostBackward, lambda: self._post_backward(unit), (args, kwargs)
-            )
+            args, kwargs = _on_backward(lambda: self._post_backward(unit), (args, kwargs))
         return args, kwargs
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
@@ -218,7 +203,7 @@ class Engine:
             if self.mixed_precision.output_dtype is not None:
                 output = _cast_floats(output, self.mixed_precision.output_dtype)
         if torch.is_grad_enabled():
-            output = _apply_to_grad_tensors(_PreBackward, lambda: self._pre_backward(unit), output)
+            output = _on_backward(lambda: self._pre_backward(unit), output)
         return output
 
     def _begin_forward(self) -> None:
@@ -278,7 +263,7 @@ class Engine:
         for nxt in order[start:]:
             if budget == 0:
                 break
-            if nxt.is_root or nxt.pre_backward_done and self.phase is Phase.BACKWARD:
+            if nxt.is_root or (nxt.pre_backward_done and self.phase is Phase.BACKWARD):
                 continue
             if nxt.is_sharded:
                 nxt.unshard(async_op=True)
