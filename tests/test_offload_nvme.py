@@ -4,6 +4,7 @@ import errno
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,21 @@ def test_a_folder_in_ram_is_reported_once(tmp_path, monkeypatch, caplog):
         assert store.stats()["filesystem"] == "tmpfs"
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "tmpfs, which is RAM" in warnings[0]
+
+
+def test_pending_writes_reserve_their_space(store, monkeypatch):
+    monkeypatch.setattr(nvme_mod, "free_bytes", lambda folder: 30_000)  # a constant probe
+    gate = threading.Event()
+    real_open_for_write = store._backend._open_for_write
+
+    def slow_open(meta):
+        gate.wait(10)  # hold the first write before it allocates
+        return real_open_for_write(meta)
+
+    monkeypatch.setattr(store._backend, "_open_for_write", slow_open)
+    first = store.swap_out("a", torch.zeros(5000))  # 20480 bytes, reserved, not yet allocated
+    with pytest.raises(SwapSpaceError, match="only 9520 bytes"):
+        store.swap_out("b", torch.zeros(5000))  # fits the disk alone, not with "a" pending
+    gate.set()
+    first.wait()
+    assert store._backend._reserved_bytes == 0  # released once allocated

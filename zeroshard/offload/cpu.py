@@ -99,7 +99,10 @@ class MemoryBackend:
         return [n for n, s in list(self._slots.items()) if s.data is not None]
 
     # -- writes ----------------------------------------------------------------------------------
-    def begin_write(self, meta: TensorMeta, src: torch.Tensor) -> _Slot:
+    def reserve(self, meta: TensorMeta) -> int:
+        return 0  # memory tiers allocate in begin_write; an out-of-memory error names itself
+
+    def begin_write(self, meta: TensorMeta, src: torch.Tensor, reserved_bytes: int) -> _WriteCtx:
         slot = self._slots.get(meta.name)
         device = src.device if self.tier is Tier.DEVICE else torch.device("cpu")
         data = None if slot is None else slot.data

@@ -163,7 +163,6 @@ class _WriteCtx:
     entry: _FileEntry
     fd: int
     checksums: list[int]
-    reserved_bytes: int  # growth of the file, counted against the free space until done
 
 
 @dataclass
@@ -238,6 +237,7 @@ class NvmeBackend:
         self._entries: dict[str, _FileEntry] = {}
         self._dirty: set[str] = set()  # written since the last flush: fsync before the index
         self._mutex = threading.Lock()  # guards _reserved_bytes and _dirty
+        # promised to swap_outs that passed the free-space check but have not allocated yet
         self._reserved_bytes = 0
         if resume:
             self._load_index()
@@ -279,23 +279,37 @@ class NvmeBackend:
         return self._entries[name]
 
     # -- writes ----------------------------------------------------------------------------------
-    def check_space(self, meta: TensorMeta) -> None:
-        """Raise SwapSpaceError now if the file cannot fit (runs in the caller's thread)."""
+    def reserve(self, meta: TensorMeta) -> int:
+        """Check the free space for the tensor's file and reserve it; return the bytes reserved.
+
+        Runs in the caller's thread, so a shortfall is raised by swap_out itself. The reservation
+        ends in begin_write once posix_fallocate has taken the blocks (then statvfs shows them).
+        """
         old = self._entries.get(meta.name)
         need = padded_bytes(meta.nbytes) - (old.file_bytes if old else 0)
         if need <= 0:
-            return
+            return 0
         with self._mutex:
             free = free_bytes(self.folder) - self._reserved_bytes
-        if need > free:
-            raise SwapSpaceError(
-                f"swap_out({meta.name!r}) needs {need} bytes ({_mib(need)}) more in {self.folder} "
-                f"but only {max(free, 0)} bytes ({_mib(max(free, 0))}) are free after pending "
-                "writes; free disk space or point folder= at a bigger disk"
-            )
+            if need <= free:
+                self._reserved_bytes += need
+                return need
+        free = max(free, 0)
+        raise SwapSpaceError(
+            f"swap_out({meta.name!r}) needs {need} bytes ({_mib(need)}) more in {self.folder} "
+            f"but only {free} bytes ({_mib(free)}) are free after pending writes; free disk "
+            "space or point folder= at a bigger disk"
+        )
 
-    def begin_write(self, meta: TensorMeta, src: torch.Tensor) -> _WriteCtx:
+    def begin_write(self, meta: TensorMeta, src: torch.Tensor, reserved_bytes: int) -> _WriteCtx:
         del src  # the NVMe tier stages every block through the pool
+        try:
+            return self._open_for_write(meta)
+        finally:
+            with self._mutex:
+                self._reserved_bytes -= reserved_bytes  # allocated now, or failed
+
+    def _open_for_write(self, meta: TensorMeta) -> _WriteCtx:
         entry = self._entries.get(meta.name)
         if entry is None:
             entry = _FileEntry(meta, self.folder / file_name(meta.name), 0, None)
@@ -320,10 +334,8 @@ class NvmeBackend:
             entry.error = self._os_error("allocate", entry, e, need=grow)
             raise entry.error from e
         entry.file_bytes = size
-        with self._mutex:
-            self._reserved_bytes += grow
         num_blocks = -(-meta.nbytes // self.block_bytes)
-        return _WriteCtx(entry, fd, [0] * num_blocks, grow)
+        return _WriteCtx(entry, fd, [0] * num_blocks)
 
     def write_block(self, ctx: _WriteCtx, start: int, src: torch.Tensor, ready) -> None:
         nbytes = src.numel()
@@ -350,7 +362,6 @@ class NvmeBackend:
     def end_write(self, ctx: _WriteCtx, error: BaseException | None) -> BaseException | None:
         os.close(ctx.fd)
         with self._mutex:
-            self._reserved_bytes -= ctx.reserved_bytes
             self._dirty.add(ctx.entry.meta.name)
         if error is None:
             ctx.entry.checksums = ctx.checksums  # only a complete, hashed file becomes readable

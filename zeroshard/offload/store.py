@@ -191,15 +191,14 @@ class TensorStore:
             )
             tensor = tensor.contiguous()
         meta = TensorMeta.of(name, tensor)
-        if isinstance(self._backend, NvmeBackend):
-            self._backend.check_space(meta)  # a shortfall raises here, before anything is written
+        reserved_bytes = self._backend.reserve(meta)  # a disk shortfall raises here, at once
         src = flat_bytes(tensor)  # 1D uint8 [nbytes], shares the caller's storage
         ready = ready_event(tensor)
         self._metas[name] = meta
         handle = SwapHandle("swap_out", name)
 
         def start() -> None:
-            ctx = self._backend.begin_write(meta, src)
+            ctx = self._backend.begin_write(meta, src, reserved_bytes)
             handle.start(
                 len(spans := self._spans(meta.nbytes)),
                 lambda error: self._backend.end_write(ctx, error),
@@ -408,7 +407,9 @@ class TensorStore:
             self._pending.add(handle)
         handle.add_done_callback(forget)
         if previous is None:
-            run()
+            # opening and allocating the file happen on a worker too: posix_fallocate writes
+            # zeros on filesystems without native support, which must not stall the caller
+            self._executor().submit(run)
         else:
             previous.add_done_callback(run)  # runs at once if it is already done
         return handle
