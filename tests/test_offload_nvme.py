@@ -195,3 +195,14 @@ def test_pending_writes_reserve_their_space(store, monkeypatch):
     gate.set()
     first.wait()
     assert store._backend._reserved_bytes == 0  # released once allocated
+
+
+def test_corruption_is_caught_when_reading_in_place(store):
+    t = store.empty_host((2 * BLOCK // 4,), torch.float32)  # aligned: read with no staging
+    t.copy_(torch.randn(t.numel()))
+    store.swap_out("w", t).wait()
+    with open(swap_file(store, "w"), "r+b") as f:
+        f.seek(5)
+        f.write(b"\x00\x01")
+    with pytest.raises(SwapIntegrityError, match="checksum mismatch.*'w', block 0"):
+        store.swap_in("w", into=store.empty_host(t.shape, t.dtype)).wait()

@@ -3,8 +3,9 @@
 import threading
 
 import pytest
+import torch
 
-from zeroshard.offload.pool import BufferPool
+from zeroshard.offload.pool import BufferPool, aligned_empty
 
 BLOCK = 8192
 
@@ -68,3 +69,9 @@ def test_acquire_waits_for_a_release():
     pool.release(held)
     waiter.join(5)
     assert got == [held]
+
+
+def test_aligned_empty():
+    t = aligned_empty((3, 5), torch.bfloat16, align_bytes=4096, pin_memory=False)
+    assert t.shape == (3, 5) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % 4096 == 0

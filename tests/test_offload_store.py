@@ -139,7 +139,8 @@ def test_close_leaves_no_files(tmp_path):
     folder = tmp_path / "swap"
     with TensorStore(nvme(folder)) as store:
         store.swap_out("a", torch.ones(3000))
-        store.swap_out("b/c", torch.ones(5))
+        store.swap_out("b/c", torch.ones(5)).wait()
+        store.synchronize()
         assert len(list(folder.glob("*.swp"))) == 2
         store.flush()
         assert (folder / "index.json").exists()
@@ -211,3 +212,20 @@ def test_an_unclosed_store_cleans_up_when_collected(tmp_path):
     while folder.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not folder.exists()
+
+
+def test_empty_host_tensors_swap_without_staging(tmp_path):
+    with TensorStore(nvme(tmp_path / "swap", num_buffers=2)) as store:
+        full = store.empty_host((3, 4096), torch.float32)  # 48 KiB: six full 8 KiB blocks
+        full.copy_(sample((3, 4096), torch.float32, 0))
+        store.swap_out("full", full).wait()
+        back = store.swap_in("full", into=store.empty_host((3, 4096), torch.float32)).wait()
+        assert same_bits(back, full)
+        assert store.pool.allocated_bytes == 0  # the disk read and wrote the tensors' own pages
+        odd = store.empty_host((4097,), torch.bfloat16)  # a partial last block: staged
+        odd.copy_(sample((4097,), torch.bfloat16, 1))
+        store.swap_out("odd", odd).wait()
+        assert same_bits(
+            store.swap_in("odd", into=store.empty_host((4097,), torch.bfloat16)).wait(), odd
+        )
+        assert store.pool.allocated_bytes == 2 * BLOCK

@@ -337,8 +337,37 @@ class NvmeBackend:
         num_blocks = -(-meta.nbytes // self.block_bytes)
         return _WriteCtx(entry, fd, [0] * num_blocks)
 
+    def _direct_view(self, tensor: torch.Tensor) -> memoryview | None:
+        """A 1D uint8 host tensor as an I/O buffer, if O_DIRECT can use it as it is.
+
+        Tensors from TensorStore.empty_host are page-aligned, so their full blocks go between the
+        disk and their own pages with no staging copy: the CPU only hashes them. Other tensors
+        (torch aligns to 64 bytes) and partial last blocks go through the pool.
+        """
+        if tensor.device.type != "cpu" or tensor.data_ptr() % ALIGN_BYTES:
+            return None
+        if tensor.numel() % ALIGN_BYTES:
+            return None
+        return memoryview(tensor.numpy())
+
+    def _pwrite(self, ctx: _WriteCtx, view: memoryview, start: int) -> None:
+        try:
+            written = os.pwritev(ctx.fd, [view], start)
+        except OSError as e:
+            raise self._os_error("write", ctx.entry, e, need=len(view)) from e
+        if written != len(view):
+            raise OffloadError(
+                f"short write to {ctx.entry.path} for tensor {ctx.entry.meta.name!r}: "
+                f"{written} of {len(view)} bytes at offset {start}"
+            )
+
     def write_block(self, ctx: _WriteCtx, start: int, src: torch.Tensor, ready) -> None:
-        nbytes = src.numel()
+        nbytes, block = src.numel(), start // self.block_bytes
+        view = self._direct_view(src)
+        if view is not None:
+            ctx.checksums[block] = _hash(view)
+            self._pwrite(ctx, view, start)
+            return
         io_bytes = padded_bytes(nbytes)
         index = self.pool.acquire()
         try:
@@ -346,16 +375,8 @@ class NvmeBackend:
             copy_bytes(buf[:nbytes], src, ready)
             buf[nbytes:io_bytes].zero_()  # the padding of the last block: keep files reproducible
             view = self.pool.memoryview(index, io_bytes)
-            ctx.checksums[start // self.block_bytes] = _hash(view[:nbytes])
-            try:
-                written = os.pwritev(ctx.fd, [view], start)
-            except OSError as e:
-                raise self._os_error("write", ctx.entry, e, need=io_bytes) from e
-            if written != io_bytes:
-                raise OffloadError(
-                    f"short write to {ctx.entry.path} for tensor {ctx.entry.meta.name!r}: "
-                    f"{written} of {io_bytes} bytes at offset {start}"
-                )
+            ctx.checksums[block] = _hash(view[:nbytes])
+            self._pwrite(ctx, view, start)
         finally:
             self.pool.release(index)
 
@@ -411,16 +432,17 @@ class NvmeBackend:
             )
         return _ReadCtx(entry, fd, entry.checksums)
 
+    def _pread(self, ctx: _ReadCtx, view: memoryview, start: int) -> int:
+        try:
+            return os.preadv(ctx.fd, [view], start)
+        except OSError as e:
+            raise self._os_error("read", ctx.entry, e) from e
+
     def _read_into(self, ctx: _ReadCtx, start: int, nbytes: int, index: int) -> None:
         """Read and check one block into held buffer `index`; release it if that fails."""
-        io_bytes = padded_bytes(nbytes)
         try:
-            view = self.pool.memoryview(index, io_bytes)
-            try:
-                got = os.preadv(ctx.fd, [view], start)
-            except OSError as e:
-                raise self._os_error("read", ctx.entry, e) from e
-            self._verify(ctx, start, nbytes, view, got)
+            view = self.pool.memoryview(index, padded_bytes(nbytes))
+            self._verify(ctx, start, nbytes, view, self._pread(ctx, view, start))
         except BaseException:
             self.pool.release(index)
             raise
@@ -442,6 +464,10 @@ class NvmeBackend:
     def read_block(self, ctx: _ReadCtx, start: int, dst: torch.Tensor, ready) -> None:
         nbytes = dst.numel()
         index = self.pool.take_cached(ctx.entry.meta.name, start // self.block_bytes)
+        if index is None and (view := self._direct_view(dst)) is not None:
+            # zero-copy: if the check fails, `into` holds unverified bytes and the handle raises
+            self._verify(ctx, start, nbytes, view, self._pread(ctx, view, start))
+            return
         if index is None:
             index = self.pool.acquire()
             self._read_into(ctx, start, nbytes, index)

@@ -21,7 +21,20 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["BufferPool"]
+__all__ = ["BufferPool", "aligned_empty"]
+
+
+def aligned_empty(
+    shape: tuple[int, ...], dtype: torch.dtype, *, align_bytes: int, pin_memory: bool
+) -> torch.Tensor:
+    """An uninitialized host tensor whose first byte is `align_bytes`-aligned."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * dtype.itemsize
+    raw = torch.empty(nbytes + align_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+    skip = -raw.data_ptr() % align_bytes
+    return raw[skip : skip + nbytes].view(dtype).view(shape)
 
 
 class BufferPool:

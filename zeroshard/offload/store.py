@@ -31,7 +31,7 @@ import torch
 
 from .cpu import MemoryBackend, cuda_present, flat_bytes, ready_event
 from .nvme import ALIGN_BYTES, NvmeBackend, discard_folder, index_block_bytes
-from .pool import BufferPool
+from .pool import BufferPool, aligned_empty
 from .tiers import OffloadError, SwapHandle, TensorMeta, Tier
 
 __all__ = ["OffloadConfig", "TensorStore"]
@@ -311,6 +311,17 @@ class TensorStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def empty_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor that swaps to and from NVMe without a staging copy.
+
+        Page-aligned (and pinned when CUDA is present): the full blocks of such a tensor are read
+        and written by the disk in place, so the CPU only hashes them. Allocate the host copies
+        of model states this way (e.g. CPU optimizer states swapped to NVMe).
+        """
+        return aligned_empty(
+            tuple(shape), dtype, align_bytes=ALIGN_BYTES, pin_memory=cuda_present()
+        )
 
     # -- inspection ------------------------------------------------------------------------------
     def meta(self, name: str) -> TensorMeta:
