@@ -6,12 +6,14 @@ Layout of a folder owned by a store:
     index.json            name -> file, dtype, shape, xxh3-64 of each block; rewritten atomically
     <name>-<hash>.swp     the tensor's bytes, padded to ALIGN_BYTES; block i at i * block_bytes
 
-Every block goes through a buffer of the pool: the tensor's bytes are copied in, hashed and written
-with os.pwritev; a read is os.preadv into a buffer, a hash check, then a copy out. os.preadv and
-os.pwritev release the GIL, so the store's threads keep several requests in flight on the disk.
-With O_DIRECT the page cache is bypassed: bytes swapped out really leave RAM, and a read really
-comes from the disk. A file that is missing, short, or whose bytes fail their checksum is a
-SwapIntegrityError naming the file and the tensor; nothing unverified is ever copied out.
+A block goes through a buffer of the pool: the tensor's bytes are copied in, hashed and written
+with os.pwritev; a read is os.preadv into a buffer, a hash check, then a copy out. Full blocks of
+page-aligned host tensors (TensorStore.empty_host) skip the copy: the disk uses their own pages.
+os.preadv and os.pwritev release the GIL, so the store's threads keep several requests in flight
+on the disk. With O_DIRECT the page cache is bypassed: bytes swapped out really leave RAM, and a
+read really comes from the disk. A file that is missing, short, or whose bytes fail their checksum
+is a SwapIntegrityError naming the file and the tensor; nothing unverified is copied out of the
+pool (a block read in place is checked where it landed, and its swap_in fails).
 """
 
 from __future__ import annotations
@@ -302,7 +304,7 @@ class NvmeBackend:
         )
 
     def begin_write(self, meta: TensorMeta, src: torch.Tensor, reserved_bytes: int) -> _WriteCtx:
-        del src  # the NVMe tier stages every block through the pool
+        del src  # write_block reads it, block by block
         try:
             return self._open_for_write(meta)
         finally:
