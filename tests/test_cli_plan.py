@@ -196,3 +196,31 @@ def test_through_main(capsys, monkeypatch):
     assert main.main(["plan", "--params", "7.5B", "--dp", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["zeroshard plan: error: --dp must be at least 1, got 0"]
+
+
+def test_measure_prints_the_calibration_table(capsys, monkeypatch):
+    from zeroshard.planner import calibrate
+
+    seen = {}
+
+    def fake_grid(**kw):
+        seen.update(kw)
+        row = {
+            "case": {"preset": "nano", "stage": 3, "micro_batch_size": 4, "seq_len": 64},
+            "num_ranks": 2,
+            "rank": 0,
+            "predicted": calibrate.predict(calibrate.Case(preset="nano", stage=3), 2),
+        }
+        return [row | {"measured": dict(row["predicted"])}]
+
+    monkeypatch.setattr(calibrate, "run_grid", fake_grid)
+    text = _run(["--measure", "--stage", "3", "--measure-ranks", "2"], capsys)
+    assert seen["stages"] == (3,) and seen["ranks"] == (2,) and seen["presets"] == ("nano", "tiny")
+    assert "| nano | 4x64 | 3 | 2 |" in text and "1 of 1 configurations within tolerance" in text
+
+
+def test_measure_mistakes():
+    with pytest.raises(ValueError, match="unknown --measure-presets"):
+        plan.run(_parse(["--measure", "--measure-presets", "huge"]))
+    with pytest.raises(ValueError, match="--measure-steps"):
+        plan.run(_parse(["--measure", "--measure-steps", "1"]))

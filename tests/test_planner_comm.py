@@ -64,3 +64,11 @@ def test_errors():
         dp_communication(0, stage=0)
     with pytest.raises(ValueError, match="reduce_dtype_bytes"):
         dp_communication(10, stage=0, reduce_dtype_bytes=3)
+
+
+def test_stage3_root_kept_gathered_is_not_gathered_again():
+    collectives = dp_communication(1000, stage=3, num_params_kept_gathered=100)
+    assert [c.numel for c in collectives] == [1000, 900, 1000]
+    assert total_numel(collectives) == 3 * 1000 - 100
+    with pytest.raises(ValueError, match="num_params_kept_gathered"):
+        dp_communication(1000, stage=3, num_params_kept_gathered=1001)

@@ -130,8 +130,98 @@ def test_residual_states_by_hand():
     unit = 12 * 64 * 64 + 13 * 64  # one block is larger than the 100 x 64 embedding
     assert dev["gathered_units"] == (1 + 1) * unit * 2 + unit * 2
     assert dev["comm_buckets"] == 2000
-    assert dev["logits"] == 2 * 16 * 100 * (2 + 4 + 4)
+    # fp32 log-probabilities saved by the loss, the gradient into log_softmax and out of it.
+    assert dev["logits"] == 2 * 16 * 100 * (4 + 4 + 4)
     assert dev["fragmentation"] == 0
+
+
+def test_saved_activations_per_layer_by_hand():
+    kw = dict(micro_batch_size=2, seq_len=16, hidden_size=64, num_heads=4)
+    # 16 hd activations, a log-sum-exp per head (fp32), 2 LayerNorms x (mean, rstd) in fp32.
+    flash = m.saved_activation_bytes_per_layer(**kw, activation_bytes=4, flash_attention=True)
+    assert flash == 2 * 16 * (4 * 16 * 64 + 4 * 4 + 4 * 4)
+    # Materialized attention keeps the heads x seq probabilities in the activation dtype.
+    eager = m.saved_activation_bytes_per_layer(**kw, activation_bytes=2)
+    assert eager == 2 * 16 * (2 * 16 * 64 + 2 * 4 * 16 + 4 * 4)
+
+
+def _engine(stage, **kw):
+    """zeroshard's engine in FP32 (what ``zeroshard.planner.calibrate`` measures)."""
+    engine = dict(
+        num_dp_ranks=2,
+        micro_batch_size=2,
+        seq_len=16,
+        bytes_per_param=m.BytesPerParam(params=4, grads=4, optimizer_states=8),
+        activation_checkpointing=False,
+        activation_bytes=4,
+        flash_attention=True,
+        bucket_per_unit=True,
+        num_buckets=2,
+        fragmentation_fraction=0.0,
+    )
+    return MemoryConfig(stage=stage, **(engine | kw))
+
+
+def test_engine_timeline_at_the_loss_by_hand():
+    # A wide vocabulary puts the peak at the loss's backward.
+    model = d.from_transformer(num_layers=2, hidden_size=32, num_heads=2, vocab_size=4096)
+    b = m.plan_memory(model, _engine(3))
+    assert b.peak_moment == "loss backward"
+    tokens, hd = 2 * 16, 32
+    block, root = model.shape.block_numel, model.root_numel
+    assert root == model.num_params - 2 * block
+    per_layer = tokens * (4 * 16 * hd + 4 * 2 + 16)
+    assert b.peak["activation_working"] == 2 * per_layer + tokens * (8 * hd + 8 + 16) + 16 * 8
+    assert b.peak["logits"] == tokens * 4096 * 12
+    assert b.peak["comm_buckets"] == 4 * root  # the root's full gradient, reduced last
+    assert b.peak["gathered_units"] == 4 * (root + block)  # the root and one prefetched block
+    assert b.peak["grads"] == 0  # no shard reduced yet
+    assert b.peak["params"] == b.device["params"] == 4 * model.num_params // 2
+
+
+WIDE = d.from_transformer(num_layers=4, hidden_size=128, num_heads=4, vocab_size=64)
+
+
+def test_engine_timeline_in_a_units_backward():
+    # A narrow vocabulary and a wide model: the peak moves into the last block's backward.
+    model = WIDE
+    b = m.plan_memory(model, _engine(2, micro_batch_size=4, seq_len=64))
+    assert b.peak_moment == "unit backward 0"
+    block, root, hd = model.shape.block_numel, model.root_numel, 128
+    assert b.peak["comm_buckets"] == 4 * (root + block)
+    assert b.peak["gathered_units"] == 0  # stage 2 keeps parameters replicated
+    assert b.peak["model_state_working"] == 4 * (4 * hd * hd + hd) + 4 * 64 * hd
+    assert b.peak["logits"] == 0
+
+
+def test_engine_timeline_with_few_tokens_peaks_in_reductions_or_the_step():
+    # 32 tokens: model states dominate. Stage 2 peaks at the first block's post-backward, where
+    # the oldest of three reductions in flight is waited for (gloo staging a copy of its input).
+    block, root = WIDE.shape.block_numel, WIDE.root_numel
+    b = m.plan_memory(WIDE, _engine(2, reduce_stages_input=True))
+    assert b.peak_moment == "unit post-backward 3"
+    assert b.peak["comm_buckets"] == 4 * (root + 3 * block) + 4 * block
+    assert b.peak["model_state_working"] == 4 * 64 * 128  # the tied embedding's gradient
+    shards = 4 * block * 4 // 2  # four units' gradient shards: 4 bytes over 2 ranks
+    assert abs(b.peak["grads"] - shards) <= 4
+    # Stage 0 peaks in AdamW's loop: three temporaries of the largest piece (one block).
+    b = m.plan_memory(WIDE, _engine(0))
+    assert b.peak_moment == "optimizer step"
+    assert b.peak["model_state_working"] == 3 * 4 * block
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_engine_timeline_is_bounded_by_the_allowance(stage):
+    model = d.from_gpt("tiny")
+    b = m.plan_memory(model, _engine(stage, fragmentation_fraction=0.1))
+    for category, num_bytes in b.peak.items():
+        if category != "fragmentation":
+            assert num_bytes <= b.device[category], category
+    assert b.peak_bytes() <= b.total_bytes()
+    assert b.peak["fragmentation"] > 0
+    assert set(b.to_dict()) >= {"peak", "peak_moment"}
+    # The papers' allowance has no timeline.
+    assert m.plan_memory(model, MemoryConfig(stage=stage)).peak is None
 
 
 def test_fragmentation_is_a_fraction_of_the_rest():
@@ -183,6 +273,7 @@ def test_breakdown_names_every_category_on_every_tier():
         (dict(stage=0, num_layers_per_checkpoint=0), "num_layers_per_checkpoint"),
         (dict(stage=0, bucket_bytes=-1), "bucket_bytes"),
         (dict(stage=0, fragmentation_fraction=1.0), "fragmentation_fraction"),
+        (dict(stage=0, activation_bytes=3), "activation_bytes"),
     ],
 )
 def test_config_errors(kwargs, match):

@@ -6,6 +6,7 @@
         --bandwidth 70GB/s --peak-flops 70TFLOP/s --target-efficiency 0.9 --json
     zeroshard plan --preset 1b --advise --devices 8 --memory 16GB --global-batch 256 \\
         --peak-flops 70TFLOP/s --net-bandwidth 100GB/s --bandwidth 25GB/s --batch 1,2,4,8
+    zeroshard plan --measure                  # calibration: nano and tiny, stages 0-3, 1/2/4 ranks
 
 Sizes take units: "80GB" is 80e9 bytes, "80GiB" 80 * 2**30; rates "70GB/s"; counts "7.5B".
 All arithmetic lives in ``zeroshard.planner``; this file only parses, calls and prints.
@@ -109,6 +110,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--devices", type=int, help="devices in the cluster (default dp * mp)")
     a.add_argument("--global-batch", type=int, help="samples per optimizer step (--advise)")
     a.add_argument("--top", type=int, default=10, help="feasible configurations to list")
+
+    c = p.add_argument_group("calibration (run it for real on this machine)")
+    c.add_argument(
+        "--measure",
+        action="store_true",
+        help="train GPT presets for a few steps through torchrun (gloo, CPU) per stage and rank "
+        "count; print predicted against measured model states, per-rank peak (MemTracker) and "
+        "communication (the ledger); exit 1 if a tolerance is missed",
+    )
+    c.add_argument("--measure-presets", default="nano,tiny", help="GPT presets to measure")
+    c.add_argument("--measure-ranks", default="1,2,4", help="rank counts, one torchrun job each")
+    c.add_argument("--measure-batch", type=int, default=4, help="micro-batch per rank")
+    c.add_argument("--measure-steps", type=int, default=2, help="steps; the last is measured")
 
     p.add_argument("--unit", default="GB", help="unit of the table: GB (1e9 bytes), GiB, MB...")
     p.add_argument("--json", action="store_true", help="print JSON for machines instead")
@@ -602,8 +616,36 @@ def _finite(obj):
     return obj
 
 
+def measure(args) -> tuple[list[dict], str]:
+    """The calibration grid's rows (one per configuration and rank) and its Markdown table."""
+    from zeroshard.planner import calibrate
+
+    presets = tuple(p.strip() for p in args.measure_presets.split(","))
+    known = _gpt_presets()
+    for name in presets:
+        if name not in known:
+            raise ValueError(f"unknown --measure-presets {name!r}; choose from {', '.join(known)}")
+    _positive("--measure-batch", args.measure_batch)
+    if args.measure_steps < 2:
+        raise ValueError("--measure-steps must be >= 2: the first step creates optimizer states")
+    rows = calibrate.run_grid(
+        presets=presets,
+        stages=_stages(args.stage),
+        ranks=_ints("--measure-ranks", args.measure_ranks),
+        micro_batch_size=args.measure_batch,
+        num_steps=args.measure_steps,
+    )
+    return rows, calibrate.render(rows)
+
+
 def run(args) -> int:
     units.format_bytes(1, args.unit)  # a bad --unit fails before any work
+    if args.measure:
+        from zeroshard.planner.calibrate import within_tolerance
+
+        rows, text = measure(args)
+        print(json.dumps(rows, indent=2) if args.json else text)
+        return 0 if all(within_tolerance(r) for r in rows) else 1
     if args.advise:
         out = advice(args)
         text = render_advice(out, args.unit, args.top)

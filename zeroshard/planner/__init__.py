@@ -8,7 +8,10 @@ Pure functions of numbers returning breakdowns in bytes by category (DESIGN.md Â
 - ``comm``: data-parallel communication per step, per collective;
 - ``bandwidth``: ZeRO-Infinity's arithmetic intensity, efficiency and required bandwidth;
 - ``advise``: feasible configurations ranked by estimated step time, and why the rest fail;
-- ``units``: "80GB" / "80GiB" / "70GB/s" / "70TFLOP/s" / "7.5B" parsing for the CLI edge.
+- ``units``: "80GB" / "80GiB" / "70GB/s" / "70TFLOP/s" / "7.5B" parsing for the CLI edge;
+- ``calibrate``: the one module that runs torch: trains a GPT preset for real on the current
+  process group and holds the prediction against MemTracker and the ledger (``zeroshard plan
+  --measure``); not imported here.
 """
 
 from zeroshard.planner.advise import Advice, Candidate, Cluster, Workload, advise
@@ -45,6 +48,7 @@ from zeroshard.planner.memory import (
     model_state_working_bytes,
     model_states,
     plan_memory,
+    saved_activation_bytes_per_layer,
 )
 
 __all__ = [
@@ -83,4 +87,5 @@ __all__ = [
     "model_states",
     "plan_memory",
     "required_bandwidth",
+    "saved_activation_bytes_per_layer",
 ]

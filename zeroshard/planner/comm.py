@@ -48,10 +48,13 @@ def dp_communication(
     num_mp_ranks: int = 1,
     param_dtype_bytes: int = 2,
     reduce_dtype_bytes: int = 2,
+    num_params_kept_gathered: int = 0,
 ) -> tuple[Collective, ...]:
     """The collectives of one step and their per-device volume: 2 Psi elements for stages 0-2,
     3 Psi for stage 3 (Psi / Nm each with model parallelism). Gradients travel in
-    ``reduce_dtype_bytes``, parameters in ``param_dtype_bytes``."""
+    ``reduce_dtype_bytes``, parameters in ``param_dtype_bytes``. ``num_params_kept_gathered``:
+    stage 3 parameters that stay gathered from forward to backward and are not gathered again
+    (zeroshard keeps the root unit unless ``ShardConfig.reshard_root_after_forward``)."""
     for name, value in (("num_params", num_params), ("num_mp_ranks", num_mp_ranks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -61,8 +64,13 @@ def dp_communication(
     ):
         if value not in (1, 2, 4, 8):
             raise ValueError(f"{name} must be 1, 2, 4 or 8, got {value!r}")
+    if not 0 <= num_params_kept_gathered <= num_params:
+        raise ValueError(
+            f"num_params_kept_gathered must be in [0, num_params], got {num_params_kept_gathered}"
+        )
     part = partition(stage)
     psi = math.ceil(num_params / num_mp_ranks)
+    kept = math.ceil(num_params_kept_gathered / num_mp_ranks)
 
     def grads(op: str, numel: int) -> Collective:
         return Collective(
@@ -75,12 +83,13 @@ def dp_communication(
         )
 
     def params(when: str) -> Collective:
+        numel = psi - kept if when == "backward" else psi
         return Collective(
             op="all_gather",
             label="params",
             when=when,
-            numel=psi,
-            num_bytes=psi * param_dtype_bytes,
+            numel=numel,
+            num_bytes=numel * param_dtype_bytes,
             every_micro_batch=when != "after step",
         )
 

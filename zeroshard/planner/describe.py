@@ -28,6 +28,9 @@ class TransformerShape:
     """Attention heads; must divide ``hidden_size``."""
     vocab_size: int
     """Vocabulary size: the width of the logits."""
+    tied_embeddings: bool = True
+    """The output projection is the token embedding (GPT-2, the zeroshard GPT): its gradient from
+    the logits waits in autograd until the embedding's own gradient joins it."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size"):
@@ -77,6 +80,22 @@ class ModelDescription:
             return None
         embedding_numel = self.shape.vocab_size * self.shape.hidden_size
         return min(self.num_params, max(self.shape.block_numel, embedding_numel))
+
+    @property
+    def block_unit_numel(self) -> int | None:
+        """Parameters of the largest unit other than the root: ``largest_unit_numel`` when given,
+        else one transformer block (a model wrapped per block), else ``None``."""
+        if self.largest_unit_numel is not None:
+            return self.largest_unit_numel
+        return None if self.shape is None else min(self.num_params, self.shape.block_numel)
+
+    @property
+    def root_numel(self) -> int | None:
+        """Parameters outside the transformer blocks (embeddings, final norm): what the root unit
+        owns when the model is wrapped per block; ``None`` without a shape."""
+        if self.shape is None:
+            return None
+        return max(0, self.num_params - self.shape.num_layers * self.shape.block_numel)
 
 
 def _positive_int(name: str, value: object) -> None:

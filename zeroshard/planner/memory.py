@@ -8,6 +8,15 @@ Residual states (§5, §8): activation checkpoints, the activation working memor
 span, the model-state working memory of the largest operator, stage 3's gathered units, the
 communication buckets, the logits and an allowance for fragmentation.
 
+Two ways to count them:
+
+- the papers' allowance (``activation_checkpointing=True``, the default): every residual category
+  at its largest, summed, as ZeRO and ZeRO-Infinity size a device;
+- the engine's timeline (``activation_checkpointing=False``): what zeroshard's engine keeps alive,
+  moment by moment through a step (the loss's backward, each unit's backward, the optimizer
+  step), for a GPT wrapped one unit per block. ``MemoryBreakdown.peak`` is the composition at the
+  largest moment; ``zeroshard.planner.calibrate`` holds it against MemTracker's per-rank peak.
+
 Every function is pure arithmetic on numbers. A ``MemoryBreakdown`` names every category on every
 tier (zeros included), so a calibration can hold it category by category against measured bytes.
 """
@@ -35,9 +44,16 @@ RESIDUAL_STATES = (
 """Residual-state categories (see ``residual_states`` for what each counts)."""
 
 ACTIVATION_BYTES = 2
-"""Bytes per activation element: the papers' fp16/bf16."""
-LOGIT_BYTES_PER_ELEMENT = 2 + 4 + 4
-"""Half-precision logits, their fp32 copy for the loss, and that copy's gradient."""
+"""Bytes per activation element: the papers' fp16/bf16 (``MemoryConfig.activation_bytes``)."""
+LOGIT_BYTES_PER_ELEMENT = 4 + 4 + 4
+"""Per logit at the loss's backward, all fp32 whatever the compute dtype (the reference GPT takes
+the cross-entropy of ``logits.float()``): the log-probabilities ``log_softmax`` saved, the
+gradient coming into it from the loss and the gradient it hands back. The logits themselves are
+not saved (the output matmul saves its input), so they are gone by then (measured on CPU)."""
+STAT_BYTES = 4
+"""A LayerNorm saves its per-token mean and reciprocal standard deviation in fp32."""
+INDEX_BYTES = 8
+"""Token ids, targets and positions are int64."""
 
 
 class Tier(str, enum.Enum):
@@ -164,7 +180,23 @@ class MemoryConfig:
     bucket_bytes: int = 25 * 2**20
     """Size of one gradient communication bucket (constant-size buffers)."""
     num_buckets: int = 2
-    """Buckets alive at once (one filling while one is reduced)."""
+    """Buckets alive at once (one filling while one is reduced); with ``bucket_per_unit``, the
+    reductions in flight (zeroshard's ``ShardConfig.max_inflight_reductions``)."""
+    bucket_per_unit: bool = False
+    """Gradients are reduced a whole wrap unit at a time, as zeroshard's engine does, instead of
+    through fixed-size buckets: with partitioned gradients the buffers are units' full gradients
+    (the root's, the computing unit's and ``num_buckets`` in flight); ``bucket_bytes`` unused."""
+    activation_checkpointing: bool = True
+    """False: no checkpoints; every block keeps what autograd saves from its forward to its
+    backward, and the device is counted along the engine's timeline (module docstring)."""
+    activation_bytes: int = ACTIVATION_BYTES
+    """Bytes per activation element: 2 for fp16/bf16 compute, 4 for fp32."""
+    flash_attention: bool = False
+    """Attention saves one fp32 log-sum-exp per head and token (a fused kernel:
+    ``scaled_dot_product_attention``, on CPU too) instead of the heads x seq probabilities."""
+    reduce_stages_input: bool = False
+    """The backend allocates a copy of a reduce-scatter's input while it is waited for (gloo
+    does, measured on CPU; NCCL reduces in place): one more unit gradient at that moment."""
     fragmentation_fraction: float = 0.1
     """Allowance for fragmentation, as a fraction of everything else on the device."""
 
@@ -175,6 +207,8 @@ class MemoryConfig:
         _at_least("num_layers_per_checkpoint", self.num_layers_per_checkpoint, 1)
         for name in ("num_units_prefetch", "bucket_bytes", "num_buckets"):
             _at_least(name, getattr(self, name), 0)
+        if self.activation_bytes not in (1, 2, 4, 8):
+            raise ValueError(f"activation_bytes must be 1, 2, 4 or 8, got {self.activation_bytes}")
         if not 0 <= self.fragmentation_fraction < 1:
             raise ValueError(
                 f"fragmentation_fraction must be in [0, 1), got {self.fragmentation_fraction}"
@@ -204,9 +238,19 @@ class MemoryBreakdown:
     """NVMe bytes this rank uses."""
     notes: tuple[str, ...] = ()
     """What the estimate could not count, and why."""
+    peak: dict[str, int] | None = None
+    """Device bytes per category at the largest moment of a step, along the engine's timeline
+    (``activation_checkpointing=False`` with a transformer shape); ``None`` otherwise. ``device``
+    holds every category at its own largest, so its total bounds this one from above."""
+    peak_moment: str | None = None
+    """When ``peak`` happens: ``"loss backward"``, ``"unit backward k"``, ``"optimizer step"``."""
 
     def on(self, tier: Tier | str) -> dict[str, int]:
         return getattr(self, Tier(tier).value)
+
+    def peak_bytes(self) -> int:
+        """The device's peak: ``peak`` summed, or every device category summed without one."""
+        return sum((self.peak or self.device).values())
 
     def model_states_bytes(self, tier: Tier | str = Tier.DEVICE) -> int:
         return sum(self.on(tier)[c] for c in MODEL_STATES)
@@ -218,7 +262,10 @@ class MemoryBreakdown:
         return sum(self.on(tier).values())
 
     def to_dict(self) -> dict:
-        return {t.value: dict(self.on(t)) for t in TIERS} | {"notes": list(self.notes)}
+        out = {t.value: dict(self.on(t)) for t in TIERS} | {"notes": list(self.notes)}
+        if self.peak is not None:
+            out |= {"peak": dict(self.peak), "peak_moment": self.peak_moment}
+        return out
 
 
 # ---- the formulas, one function per term -------------------------------------------------------
@@ -294,13 +341,203 @@ def logits_bytes(*, micro_batch_size: int, seq_len: int, vocab_size: int) -> int
     return micro_batch_size * seq_len * vocab_size * LOGIT_BYTES_PER_ELEMENT
 
 
+# ---- the engine's timeline (no activation checkpointing) ----------------------------------------
+
+
+def saved_activation_bytes_per_layer(
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    hidden_size: int,
+    num_heads: int,
+    activation_bytes: int = ACTIVATION_BYTES,
+    flash_attention: bool = False,
+) -> int:
+    """What autograd keeps from one pre-LN block's forward to its backward (the reference GPT):
+    ``bsz * seq * (16 * hd * a + attention + 4 * 4)`` bytes, ``a`` bytes per activation.
+
+    The 16 hd elements per token: ln_1's input and output (2 hd), the fused qkv output (3 hd;
+    q, k and v are views of it), the attention output (hd; its transpose-reshape is a view), the
+    residual after attention (hd), ln_2's output (hd), the MLP's hidden before and after GELU
+    (4 hd + 4 hd). Attention adds one fp32 log-sum-exp per head with ``flash_attention``, else the
+    heads x seq probabilities (the papers' ``2 * heads * seq`` bytes in fp16). Each LayerNorm
+    saves a mean and a reciprocal deviation in fp32. Measured on CPU (``saved_tensors_hooks``):
+    exactly 16 hd + heads + 4 fp32 elements per token. The ZeRO-Infinity paper's AWM counts
+    16 hd *bytes* (8 fp16 elements), half of this; Megatron-LM's count (34 hd bytes in fp16 with
+    dropout masks) agrees with ours."""
+    attention = num_heads * (STAT_BYTES if flash_attention else seq_len * activation_bytes)
+    per_token = 16 * hidden_size * activation_bytes + attention + 2 * 2 * STAT_BYTES
+    return micro_batch_size * seq_len * per_token
+
+
+def _timeline(
+    model: ModelDescription, config: MemoryConfig, states: dict[str, int]
+) -> list[tuple[str, dict[str, int]]]:
+    """Device bytes per category at each moment of a step that can be the peak, as zeroshard's
+    engine runs a GPT wrapped one unit per block (the root unit owns the embeddings and the final
+    norm). ``states`` are the device's model states at rest after a step.
+
+    - ``loss backward`` (the cross-entropy's backward, before any block's): every block's saved
+      activations, the head's (ln_f's input and output), the logits at the loss; partitioned
+      gradients: the root's full gradient (bound at its pre-backward, reduced last); stage 3:
+      the root (kept gathered after forward, or gathered again) and the prefetched units.
+    - ``unit backward k`` (the k-th block in backward order, at its first operator): blocks
+      k.. still hold their activations; the gradients of the MLP hidden (4 hd) and of the
+      residual stream (hd); the largest operator's weight gradient before it is added to the
+      flat gradient; the tied embedding's gradient from the logits, held by autograd until the
+      embedding's own joins it; partitioned gradients: the root's, this unit's and up to
+      ``num_buckets`` earlier units' full gradients in flight, and k units' shards reduced;
+      stage 3: the root, this unit and the prefetched ones gathered.
+    - ``unit post-backward k``: block k's activations are freed (the residual stream's gradient
+      remains), its reduction has started (its shard exists beside its full gradient) and, once
+      more than ``num_buckets`` are in flight, the oldest is waited for; with
+      ``reduce_stages_input`` the backend holds a copy of that unit's gradient meanwhile.
+    - ``optimizer step``: all model states and the element-wise optimizer's temporaries: AdamW's
+      ``sqrt(v)`` and its quotient for one piece while the previous piece's denominator is still
+      bound to the loop variable, three fp32 temporaries of the largest piece (a unit's shard).
+
+    Not counted: the optimizer's step counters (4 bytes per piece) and the scalar loss.
+    """
+    c, bpp, shape = config, config.bytes_per_param, model.shape
+    assert shape is not None
+    part = partition(c.stage)
+    nl, hd, a = shape.num_layers, shape.hidden_size, c.activation_bytes
+    mp, tokens = c.num_mp_ranks, c.micro_batch_size * c.seq_len
+    unit, root = model.block_unit_numel or 0, model.root_numel or 0
+    layer = saved_activation_bytes_per_layer(
+        micro_batch_size=c.micro_batch_size,
+        seq_len=c.seq_len,
+        hidden_size=hd,
+        num_heads=shape.num_heads,
+        activation_bytes=a,
+        flash_attention=c.flash_attention,
+    )
+    # Token ids (saved by the embedding), targets (by the loss), positions (one row, shared).
+    ids = 2 * tokens * INDEX_BYTES + c.seq_len * INDEX_BYTES
+    head = tokens * (2 * hd * a + 2 * STAT_BYTES)  # ln_f's input and output, its statistics
+    logits = logits_bytes(
+        micro_batch_size=c.micro_batch_size, seq_len=c.seq_len, vocab_size=shape.vocab_size
+    )
+    on_device = {m: c.placement.tier(m) is Tier.DEVICE for m in MODEL_STATES}
+    grad_working = (4 * hd * hd + hd) * bpp.grads + (
+        shape.vocab_size * hd * bpp.grads if shape.tied_embeddings else 0
+    )
+    grads_total = math.ceil(bpp.grads * model.num_params / mp)
+
+    def full_grads(num_units: int) -> int:
+        """Unreduced gradients alive: the root's and ``num_units`` units' (partitioned only)."""
+        if not part.gradients or not on_device["grads"]:
+            return 0
+        if c.bucket_per_unit:
+            return math.ceil(bpp.grads * (root + num_units * unit) / mp)
+        return min(c.num_buckets * c.bucket_bytes, grads_total)
+
+    def gathered(num_units: int) -> int:
+        if not part.parameters:
+            return 0
+        return math.ceil(bpp.params * (root + min(num_units, nl) * unit) / mp)
+
+    def model_states_now(num_reduced: int) -> dict[str, int]:
+        now = dict(states)
+        if part.gradients:  # shards appear as units are reduced
+            now["grads"] = math.ceil(
+                states["grads"] * min(1.0, num_reduced * unit / model.num_params)
+            )
+        return now
+
+    def moment(num_reduced: int, **residual: int) -> dict[str, int]:
+        return model_states_now(num_reduced) | dict.fromkeys(RESIDUAL_STATES, 0) | residual
+
+    moments = [
+        (
+            "loss backward",
+            moment(
+                0,
+                activation_working=nl * layer + head + ids,
+                logits=logits,
+                comm_buckets=full_grads(0),
+                gathered_units=gathered(c.num_units_prefetch),
+            ),
+        )
+    ]
+    staging = unit * bpp.grads if c.reduce_stages_input else 0
+    for k in range(nl):
+        moments.append(
+            (
+                f"unit backward {k}",
+                moment(
+                    k,
+                    activation_working=(nl - k) * layer + ids + tokens * 5 * hd * a,
+                    model_state_working=grad_working,
+                    comm_buckets=full_grads(1 + min(k, c.num_buckets)),
+                    gathered_units=gathered(1 + min(c.num_units_prefetch, nl - 1 - k)),
+                ),
+            )
+        )
+        # Its post-backward: its activations are gone, its reduction has started (its shard
+        # exists) and the oldest reduction in flight is waited for once more than
+        # ``num_buckets`` are (the backend may stage a copy of that unit's gradient meanwhile).
+        waits = k >= c.num_buckets
+        moments.append(
+            (
+                f"unit post-backward {k}",
+                moment(
+                    k + 1,
+                    activation_working=(nl - k - 1) * layer + ids + tokens * hd * a,
+                    model_state_working=grad_working - (4 * hd * hd + hd) * bpp.grads,
+                    comm_buckets=full_grads(1 + min(k, c.num_buckets))
+                    + (staging if waits and part.optimizer_states else 0),
+                    gathered_units=gathered(1 + min(c.num_units_prefetch, nl - 1 - k)),
+                ),
+            )
+        )
+    # AdamW's loop: sqrt(v) and its quotient for this piece while the previous piece's
+    # denominator is still bound to the loop variable: three temporaries of the largest piece.
+    shard_ways = mp * (c.num_dp_ranks if part.optimizer_states else 1)
+    opt_working = 3 * 4 * math.ceil(max(root, unit) / shard_ways)
+    moments.append(
+        (
+            "optimizer step",
+            moment(nl + 1, model_state_working=opt_working if on_device["optimizer_states"] else 0),
+        )
+    )
+    return moments
+
+
 def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdown:
-    """Residual-state bytes per device, fragmentation excluded (``plan_memory`` adds it)."""
+    """Residual-state bytes per device, fragmentation excluded (``plan_memory`` adds it).
+
+    Along the engine's timeline (``activation_checkpointing=False``), each device category is its
+    largest over the step and ``peak`` the composition of the largest moment, model states
+    included (partitioned gradient shards only as far as they exist by then)."""
     c, bpp = config, config.bytes_per_param
     part = partition(c.stage)
     out = {t: dict.fromkeys(RESIDUAL_STATES, 0) for t in TIERS}
     notes = []
     shape = model.shape
+    if shape is not None and not c.activation_checkpointing:
+        states = model_states(
+            model.num_params,
+            stage=c.stage,
+            num_dp_ranks=c.num_dp_ranks,
+            num_mp_ranks=c.num_mp_ranks,
+            bytes_per_param=bpp,
+            placement=c.placement,
+        )[Tier.DEVICE]
+        moments = _timeline(model, c, states)
+        for category in RESIDUAL_STATES:
+            out[Tier.DEVICE][category] = max(m[category] for _, m in moments)
+        when, peak = max(moments, key=lambda m: sum(m[1].values()))
+        if c.offload_activations or c.partition_activations:
+            notes.append("no checkpoints: partitioned or offloaded activations not modelled")
+        return MemoryBreakdown(
+            device=out[Tier.DEVICE],
+            cpu=out[Tier.CPU],
+            nvme=out[Tier.NVME],
+            notes=tuple(notes),
+            peak=peak,
+            peak_moment=when,
+        )
     if shape is not None:
         ci = min(c.num_layers_per_checkpoint, shape.num_layers)
         tier = Tier.CPU if c.offload_activations else Tier.DEVICE
@@ -360,9 +597,15 @@ def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdow
     tiers = {t: states[t] | residual.on(t) for t in TIERS}
     others = sum(tiers[Tier.DEVICE].values())
     tiers[Tier.DEVICE]["fragmentation"] = math.ceil(config.fragmentation_fraction * others)
+    peak = residual.peak
+    if peak is not None:
+        peak = dict(peak)
+        peak["fragmentation"] = math.ceil(config.fragmentation_fraction * sum(peak.values()))
     return MemoryBreakdown(
         device=tiers[Tier.DEVICE],
         cpu=tiers[Tier.CPU],
         nvme=tiers[Tier.NVME],
         notes=residual.notes,
+        peak=peak,
+        peak_moment=residual.peak_moment,
     )

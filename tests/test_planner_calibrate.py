@@ -1,0 +1,130 @@
+"""Calibration: the planner's prediction against the engine run for real (nano GPT, 2 and 4 gloo
+ranks), and the per-layer activation formula against what autograd actually saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeroshard.models.gpt import GPT, PRESETS
+from zeroshard.planner import calibrate, describe
+from zeroshard.planner import memory as m
+from zeroshard.planner.calibrate import MODEL_STATES_TOLERANCE, Case
+
+
+def _saved_bytes(cfg, batch: int) -> dict[str, int]:
+    """Bytes of the distinct activation storages autograd saves, inside each block ("block i")
+    and outside them ("head"), for one forward of the reference GPT with the loss."""
+    model = GPT(cfg)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    where, saved = ["head"], {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved.setdefault(where[0], {})[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda mod, a, i=i: where.__setitem__(0, f"block {i}"))
+        block.register_forward_hook(lambda mod, a, o: where.__setitem__(0, "head"))
+    x, y = (torch.randint(0, cfg.vocab_size, (batch, cfg.block_size)) for _ in range(2))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, y)
+    return {k: sum(v.values()) for k, v in saved.items()}
+
+
+@pytest.mark.parametrize("name", ["nano", "tiny"])
+def test_autograd_saves_what_the_planner_counts(name):
+    cfg, batch = PRESETS[name], 2
+    saved = _saved_bytes(cfg, batch)
+    tokens = batch * cfg.block_size
+    per_layer = m.saved_activation_bytes_per_layer(
+        micro_batch_size=batch,
+        seq_len=cfg.block_size,
+        hidden_size=cfg.n_embd,
+        num_heads=cfg.n_head,
+        activation_bytes=4,
+        flash_attention=True,  # scaled_dot_product_attention's fused kernel, on CPU too
+    )
+    assert per_layer == tokens * (4 * (16 * cfg.n_embd + cfg.n_head) + 16)
+    for i in range(cfg.n_layer):
+        assert saved[f"block {i}"] == per_layer
+    # Outside the blocks: ln_f's input and output and statistics, token ids, targets and
+    # positions (int64), the loss's fp32 log-probabilities, and the scalar loss itself.
+    head = tokens * (2 * 4 * cfg.n_embd + 8) + 16 * tokens + 8 * cfg.block_size
+    assert saved["head"] == head + 4 * tokens * cfg.vocab_size + 4
+
+
+def test_engine_config_is_the_engines():
+    from zeroshard.engine import ShardConfig
+
+    cfg = calibrate.engine_config(Case(preset="tiny", stage=3), 4)
+    assert cfg.num_units_prefetch == ShardConfig().num_prefetch
+    assert cfg.num_buckets == ShardConfig().max_inflight_reductions
+    assert cfg.bucket_per_unit and not cfg.activation_checkpointing
+    assert cfg.seq_len == PRESETS["tiny"].block_size
+    assert cfg.bytes_per_param.total == 16 and cfg.fragmentation_fraction == 0
+
+
+def _check(rows: list[dict]) -> None:
+    for row in rows:
+        p, meas = row["predicted"], row["measured"]
+        assert calibrate.within_tolerance(row), calibrate.render([row])
+        for category in m.MODEL_STATES:
+            got, want = meas["model_states"][category], p["model_states"][category]
+            assert abs(got - want) <= MODEL_STATES_TOLERANCE * want, (category, got, want)
+        # After the step, nothing but model states is alive: the tracker and the storages agree.
+        assert sum(meas["model_states"].values()) == meas["model_states_bytes"]
+        # The ledger against dp_communication, collective by collective; zeroshard pads each
+        # flat buffer to a multiple of the rank count (at most N - 1 elements per unit).
+        n, num_units = row["num_ranks"], PRESETS[row["case"]["preset"]].n_layer + 1
+        assert set(meas["comm_numel"]) == set(p["comm_numel"])
+        for key, want in p["comm_numel"].items():
+            assert 0 <= meas["comm_numel"][key] - want <= 2 * (n - 1) * num_units, key
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_calibration_nano_two_ranks(workers2, stage):
+    _check(workers2.run(calibrate.calibrate, Case(preset="nano", stage=stage)))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_calibration_nano_four_ranks(workers4, stage):
+    _check(workers4.run(calibrate.calibrate, Case(preset="nano", stage=stage)))
+
+
+@pytest.mark.parametrize(
+    "stage, batch, seq, moment",
+    [
+        # The last block's backward: its full gradient, the root's, two gathered blocks.
+        (3, 2, None, "unit backward 0"),
+        # 8 tokens, model states dominate: a reduction waited for (gloo staging its input), or
+        # AdamW's temporaries.
+        (2, 1, 8, "unit post-backward 3"),
+        (1, 1, 8, "optimizer step"),
+    ],
+)
+def test_calibration_tiny_peaks_where_the_timeline_says(workers2, stage, batch, seq, moment):
+    case = Case(preset="tiny", stage=stage, micro_batch_size=batch, seq_len=seq)
+    rows = workers2.run(calibrate.calibrate, case)
+    _check(rows)
+    assert rows[0]["predicted"]["peak_moment"] == moment
+
+
+def test_render_names_every_configuration():
+    model = describe.from_gpt("nano")
+    row = {
+        "case": {"preset": "nano", "stage": 2, "micro_batch_size": 4, "seq_len": 64},
+        "num_ranks": 2,
+        "rank": 0,
+        "predicted": calibrate.predict(Case(preset="nano", stage=2), 2),
+    }
+    row["measured"] = dict(row["predicted"])
+    text = calibrate.render([row])
+    assert "| nano | 4x64 | 2 | 2 |" in text and "+0.000%" in text
+    assert "1 of 1 configurations within tolerance" in text
+    assert row["predicted"]["comm_numel"] == {
+        "reduce_scatter/grads": model.num_params,
+        "all_gather/params": model.num_params,
+    }

@@ -1,0 +1,380 @@
+"""Calibration: run a configuration for real and hold the planner's prediction against it.
+
+On the current process group, ``calibrate(case)`` builds a zeroshard GPT preset, shards it one
+unit per ``Block`` at the case's stage, trains it a couple of steps with FP32 AdamW and measures
+on this rank (DESIGN.md "Measuring"):
+
+- model states right after ``opt.step()`` (before ``zero_grad``): MemTracker's live bytes, and per
+  category from the engine's own storages (parameters: ``full`` and a separate ``master``;
+  gradients: ``full_grad`` and ``shard_grad``; optimizer states: the inner optimizer's state);
+- the per-rank peak over one whole step (forward, backward, step, ``zero_grad``), MemTracker;
+- the elements each collective moved in that step (the ledger: all-gather / reduce-scatter n,
+  all-reduce 2n).
+
+The prediction comes from ``plan_memory`` and ``dp_communication`` with the engine's real
+settings (``engine_config``): 4 + 4 + 8 bytes per parameter (FP32 AdamW whose master is the
+parameter itself), the engine's prefetch depth and in-flight reductions, per-unit gradient
+reduction, no activation checkpointing, FP32 activations, fused attention, no fragmentation (the
+tracker counts live tensor bytes, not an allocator's reservations).
+
+``run_grid`` launches the grid through torchrun, one job per rank count, and ``render`` prints the
+Markdown table; ``zeroshard plan --measure`` and ``bench/bench_calibration.py`` call them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass
+
+from zeroshard.planner import comm, describe
+from zeroshard.planner.memory import MODEL_STATES, BytesPerParam, MemoryConfig, plan_memory
+
+FP32_ADAMW = BytesPerParam(params=4, grads=4, optimizer_states=8)
+"""FP32 AdamW: the FP32 parameter is the master (4), its gradient (4), momentum and variance (8)."""
+MODEL_STATES_TOLERANCE = 0.02
+"""Relative error allowed on model states (the ZeRO formulas; padding aside they are exact)."""
+PEAK_TOLERANCE = 0.10
+"""Relative error allowed on the per-rank peak."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One configuration of the grid (the rank count is the process group's)."""
+
+    preset: str = "nano"
+    """A zeroshard GPT preset (``zeroshard.models.gpt.PRESETS``)."""
+    stage: int = 3
+    """ZeRO-DP stage, 0-3."""
+    micro_batch_size: int = 4
+    """Samples per rank per step."""
+    seq_len: int | None = None
+    """Tokens per sample; default the preset's ``block_size``."""
+    num_steps: int = 2
+    """Steps in all; the last one is measured (the first creates the optimizer states)."""
+
+
+def _gpt_config(case: Case):
+    from zeroshard.models.gpt import preset
+
+    return preset(case.preset)
+
+
+def _seq_len(case: Case) -> int:
+    return case.seq_len or _gpt_config(case).block_size
+
+
+def engine_config(case: Case, num_ranks: int) -> MemoryConfig:
+    """The planner's inputs that describe what the engine does for ``case`` on ``num_ranks``."""
+    from zeroshard.engine import ShardConfig
+
+    engine = ShardConfig()
+    return MemoryConfig(
+        stage=case.stage,
+        num_dp_ranks=num_ranks,
+        bytes_per_param=FP32_ADAMW,
+        micro_batch_size=case.micro_batch_size,
+        seq_len=_seq_len(case),
+        # Prefetch depth, and reductions in flight before the oldest is waited for.
+        num_units_prefetch=engine.num_prefetch,
+        bucket_per_unit=True,
+        num_buckets=engine.max_inflight_reductions,
+        # No checkpointing in the engine; FP32 compute; scaled_dot_product_attention's fused
+        # kernel saves a log-sum-exp per head, not the probabilities (on CPU too: measured).
+        activation_checkpointing=False,
+        activation_bytes=4,
+        flash_attention=True,
+        # gloo stages a copy of a reduce-scatter's input when it is waited for.
+        reduce_stages_input=True,
+        fragmentation_fraction=0.0,
+    )
+
+
+def predict(case: Case, num_ranks: int) -> dict:
+    """Model states per category, the peak and the step's communication, from the planner."""
+    from zeroshard.engine import ShardConfig
+
+    model = describe.from_gpt(case.preset)
+    plan = plan_memory(model, engine_config(case, num_ranks))
+    kept = 0 if ShardConfig().reshard_root_after_forward else model.root_numel or 0
+    collectives = comm.dp_communication(
+        model.num_params,
+        stage=case.stage,
+        param_dtype_bytes=4,
+        reduce_dtype_bytes=4,
+        num_params_kept_gathered=kept,
+    )
+    comm_numel: dict[str, int] = {}
+    for c in collectives:
+        key = f"{c.op}/{c.label}"
+        comm_numel[key] = comm_numel.get(key, 0) + c.numel
+    return {
+        "model_states": {c: plan.device[c] for c in MODEL_STATES},
+        "model_states_bytes": plan.model_states_bytes(),
+        "peak_bytes": plan.peak_bytes(),
+        "peak": plan.peak,
+        "peak_moment": plan.peak_moment,
+        "comm_numel": comm_numel,
+    }
+
+
+def measure(case: Case) -> dict:
+    """Run ``case`` on the current process group; this rank's measurements (see the module)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import zeroshard
+    from zeroshard.models.gpt import GPT, Block
+
+    cfg, seq_len = _gpt_config(case), _seq_len(case)
+    torch.manual_seed(0)
+    model = zeroshard.shard(GPT(cfg), stage=case.stage, wrap=zeroshard.wrap.by_class(Block))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    engine = zeroshard.engine_of(model)
+    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+
+    def forward_backward() -> None:
+        # Inside a function: the batch and the loss are gone before model states are measured.
+        shape = (case.micro_batch_size, seq_len)
+        x = torch.randint(0, cfg.vocab_size, shape, generator=gen)
+        y = torch.randint(0, cfg.vocab_size, shape, generator=gen)
+        opt.backward(model(x, y))
+
+    for _ in range(case.num_steps - 1):
+        forward_backward()
+        opt.step()
+        opt.zero_grad()
+    flat = [t for f in engine.flat_params for t in (f.full, f.master, f.full_grad) if t is not None]
+    tracker = MemTracker()
+    tracker.track_external(model, opt.optimizer, *flat)
+    with tracker:
+        forward_backward()
+        opt.step()
+        after_step = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
+        states = _model_state_storages(engine, opt.optimizer)
+        opt.zero_grad()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    last = engine.ledger.steps[-1]
+    comm_numel: dict[str, int] = {}
+    for (op, label), entry in last.items():
+        if label in ("params", "grads"):
+            comm_numel[f"{op}/{label}"] = comm_numel.get(f"{op}/{label}", 0) + entry.numel
+    return {
+        "model_states": states,
+        "model_states_bytes": after_step,
+        "peak_bytes": peak,
+        "comm_numel": comm_numel,
+    }
+
+
+def _model_state_storages(engine, optimizer) -> dict[str, int]:
+    """Bytes of the distinct storages behind each model state (aliases counted once)."""
+    seen: set[int] = set()
+
+    def size(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    flats = engine.flat_params
+    return {
+        "params": size(t for f in flats for t in (f.full, f.master)),
+        "grads": size(t for f in flats for t in (f.full_grad, f.shard_grad)),
+        "optimizer_states": size(
+            t for state in optimizer.state.values() for t in state.values() if hasattr(t, "shape")
+        ),
+    }
+
+
+def calibrate(case: Case) -> dict:
+    """Measure ``case`` on this rank and predict it; one row (this rank's)."""
+    import torch.distributed as dist
+
+    num_ranks = dist.get_world_size()
+    return {
+        "case": asdict(case) | {"seq_len": _seq_len(case)},
+        "num_ranks": num_ranks,
+        "rank": dist.get_rank(),
+        "measured": measure(case),
+        "predicted": predict(case, num_ranks),
+    }
+
+
+def error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured."""
+    return (predicted - measured) / measured if measured else float(predicted != 0)
+
+
+def within_tolerance(row: dict) -> bool:
+    p, m = row["predicted"], row["measured"]
+    return (
+        abs(error(p["model_states_bytes"], m["model_states_bytes"])) <= MODEL_STATES_TOLERANCE
+        and abs(error(p["peak_bytes"], m["peak_bytes"])) <= PEAK_TOLERANCE
+    )
+
+
+# ---- the grid through torchrun -------------------------------------------------------------------
+
+
+def _worker(argv: list[str]) -> int:
+    """A torchrun rank: calibrate every case, rank 0 writes every rank's rows to ``--out``."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    from zeroshard.mesh import Mesh
+
+    p = argparse.ArgumentParser(prog="python -m zeroshard.planner.calibrate")
+    p.add_argument("--presets", default="nano,tiny")
+    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=0, help="tokens per sample (0: block_size)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    Mesh.from_env(backend="gloo", device="cpu")
+    torch.set_num_threads(1)  # ranks share the machine's cores
+    rows = []
+    for name in args.presets.split(","):
+        for stage in (int(s) for s in args.stages.split(",")):
+            case = Case(
+                preset=name,
+                stage=stage,
+                micro_batch_size=args.batch,
+                seq_len=args.seq or None,
+                num_steps=args.steps,
+            )
+            mine = calibrate(case)
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            rows.extend(everyone)
+    if dist.get_rank() == 0:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(rows, f)
+    dist.barrier()  # nobody tears gloo down while a peer is still in a collective
+    dist.destroy_process_group()
+    return 0
+
+
+def run_grid(
+    *,
+    presets: tuple[str, ...] = ("nano", "tiny"),
+    stages: tuple[int, ...] = (0, 1, 2, 3),
+    ranks: tuple[int, ...] = (1, 2, 4),
+    micro_batch_size: int = 4,
+    seq_len: int | None = None,
+    num_steps: int = 2,
+    timeout_s: float = 600.0,
+) -> list[dict]:
+    """Every (preset, stage) on every rank count, each rank count one torchrun job on this
+    machine (gloo, one thread per rank). One row per configuration and rank."""
+    rows: list[dict] = []
+    for n in ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                "-m",
+                "zeroshard.planner.calibrate",
+                f"--presets={','.join(presets)}",
+                f"--stages={','.join(map(str, stages))}",
+                f"--batch={micro_batch_size}",
+                f"--seq={seq_len or 0}",
+                f"--steps={num_steps}",
+                f"--out={out}",
+            ]
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+            if done.returncode != 0 and os.path.exists(out):
+                # Every case finished (rank 0 writes the rows last); a rank died tearing down.
+                warnings.warn(
+                    f"calibration on {n} ranks exited {done.returncode} after writing its rows: "
+                    + done.stderr.strip().splitlines()[0],
+                    stacklevel=2,
+                )
+            elif done.returncode != 0:
+                raise RuntimeError(
+                    f"calibration on {n} ranks failed (exit {done.returncode}):\n"
+                    + done.stderr[-4000:]
+                )
+            with open(out, encoding="utf-8") as f:
+                rows.extend(json.load(f))
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One line per configuration: the worst rank's errors (ranks are symmetric here)."""
+    by_config: dict[tuple, list[dict]] = {}
+    for r in rows:
+        case = r["case"]
+        key = (case["preset"], case["stage"], r["num_ranks"], case.get("micro_batch_size", 0))
+        key += (case.get("seq_len", 0),)
+        by_config.setdefault(key, []).append(r)
+    lines = []
+    for (name, stage, n, batch, seq), group in sorted(by_config.items()):
+        worst = max(
+            group,
+            key=lambda r: abs(error(r["predicted"]["peak_bytes"], r["measured"]["peak_bytes"])),
+        )
+        p, m = worst["predicted"], worst["measured"]
+        lines.append(
+            {
+                "preset": name,
+                "stage": stage,
+                "num_ranks": n,
+                "tokens": f"{batch}x{seq}",
+                "model_states": (p["model_states_bytes"], m["model_states_bytes"]),
+                "peak": (p["peak_bytes"], m["peak_bytes"]),
+                "peak_moment": p["peak_moment"],
+                "comm": (sum(p["comm_numel"].values()), sum(m["comm_numel"].values())),
+                "ok": all(within_tolerance(r) for r in group),
+            }
+        )
+    return lines
+
+
+def render(rows: list[dict]) -> str:
+    """The Markdown table: predicted / measured / error per configuration (worst rank)."""
+
+    head = (
+        "| model | batch x seq | stage | ranks | model states B predicted / measured | error "
+        "| peak B predicted / measured | error | peak at | comm elements predicted / measured "
+        "| error |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    summary = summarize(rows)
+    for s in summary:
+        (ps, ms), (pp, mp), (pc, mc) = s["model_states"], s["peak"], s["comm"]
+        lines.append(
+            f"| {s['preset']} | {s['tokens']} | {s['stage']} | {s['num_ranks']} | {ps:,} / {ms:,} "
+            f"| {error(ps, ms):+.3%} | {pp:,} / {mp:,} | {error(pp, mp):+.3%} "
+            f"| {s['peak_moment']} | {pc:,} / {mc:,} | {error(pc, mc):+.3%} |"
+        )
+    ok = sum(s["ok"] for s in summary)
+    lines.append("")
+    lines.append(
+        f"{ok} of {len(summary)} configurations within tolerance (model states "
+        f"{MODEL_STATES_TOLERANCE:.0%}, peak {PEAK_TOLERANCE:.0%}, on every rank); the worst "
+        "rank shown; error = (predicted - measured) / measured."
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1:]))
