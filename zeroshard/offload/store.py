@@ -7,6 +7,9 @@
     store.release("layers.0.w")
     store.close()                              # deletes the files (also at normal exit)
 
+Host tensors made by `store.empty_host(shape, dtype)` are page-aligned (and pinned with CUDA):
+their full blocks are written and read by the disk in place, skipping the staging copy.
+
 Scheduling. Each operation is cut into blocks of `block_bytes` that the `num_io_threads` workers
 run in parallel, so one large tensor keeps every worker and the disk's queue busy. Operations on
 the same name run in call order (a swap_in after a swap_out reads the new bytes); operations on
