@@ -194,6 +194,9 @@ def test_reopen_after_crash_then_discard(tmp_path):
     store.close(keep=True)
     TensorStore.discard(folder)
     assert not folder.exists()
+    run_child(folder, "crash")
+    TensorStore.reopen(folder).close()  # resumed, then closed: the folder goes as well
+    assert not folder.exists()
 
 
 def test_normal_exit_without_close_cleans_up(tmp_path):

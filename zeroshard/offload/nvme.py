@@ -524,7 +524,12 @@ class NvmeBackend:
             for name, e in self._entries.items()
             if e.checksums is not None
         }
-        index = {"format": FORMAT, "block_bytes": self.block_bytes, "tensors": tensors}
+        index = {
+            "format": FORMAT,
+            "block_bytes": self.block_bytes,
+            "created_folder": self.created_folder,  # so a reopened store removes it too
+            "tensors": tensors,
+        }
         tmp = self.folder / (INDEX_NAME + ".tmp")
         with open(tmp, "w") as f:
             json.dump(index, f)
@@ -555,6 +560,7 @@ class NvmeBackend:
                 f"{path} was written with block_bytes={index['block_bytes']}; reopen it with "
                 f"OffloadConfig(block_bytes={index['block_bytes']})"
             )
+        self.created_folder = bool(index.get("created_folder", False))
         for name, t in index["tensors"].items():
             meta = TensorMeta(name=name, dtype=dtype_from_str(t["dtype"]), shape=tuple(t["shape"]))
             file = self.folder / t["file"]
