@@ -75,7 +75,8 @@ def _check(rows: list[dict]) -> None:
             got, want = meas["model_states"][category], p["model_states"][category]
             assert abs(got - want) <= MODEL_STATES_TOLERANCE * want, (category, got, want)
         # After the step, nothing but model states is alive: the tracker and the storages agree.
-        assert sum(meas["model_states"].values()) == meas["model_states_bytes"]
+        # (up to a few scalars: step counters, the loss, a found-inf flag).
+        assert abs(sum(meas["model_states"].values()) - meas["model_states_bytes"]) <= 64
         # The ledger against dp_communication, collective by collective; zeroshard pads each
         # flat buffer to a multiple of the rank count (at most N - 1 elements per unit).
         n, num_units = row["num_ranks"], PRESETS[row["case"]["preset"]].n_layer + 1
@@ -99,10 +100,10 @@ def test_calibration_nano_four_ranks(workers4, stage):
     [
         # The last block's backward: its full gradient, the root's, two gathered blocks.
         (3, 2, None, "unit backward 0"),
-        # 8 tokens, model states dominate: a reduction waited for (gloo staging its input), or
-        # AdamW's temporaries.
-        (2, 1, 8, "unit post-backward 3"),
-        (1, 1, 8, "optimizer step"),
+        # 8 tokens, model states dominate: with replicated parameters the tiny model is one
+        # gradient bucket, reduced after the last unit's backward (gloo staging its input).
+        (2, 1, 8, "bucket reduction"),
+        (1, 1, 8, "bucket reduction"),
     ],
 )
 def test_calibration_tiny_peaks_where_the_timeline_says(workers2, stage, batch, seq, moment):

@@ -32,7 +32,7 @@ from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam, ShardState
 from zeroshard.precision import MixedPrecision, apply_tf32, policy_of
 from zeroshard.stages import Partition, partition
-from zeroshard.wrap import WrapPolicy, units
+from zeroshard.wrap import UnitSpec, WrapPolicy, units
 
 _ATTR = "_zeroshard_engine"
 
@@ -50,6 +50,10 @@ class ShardConfig:
     reduce_every_micro_step: bool = False
     """With partitioned gradients: reduce-scatter on every micro-step of gradient accumulation
     and accumulate into the shard (saves the full gradient's memory, costs communication)."""
+    bucket_bytes: int = 25 * 2**20
+    """With replicated parameters (stages 0-2): consecutive units share one flat buffer of up to
+    this many bytes, reduced in one collective once all its units' backward is done (0: one
+    buffer per unit). Stage 3 always gathers and reduces per unit."""
     max_inflight_reductions: int = 2
     """Gradient reductions in flight before the oldest is waited for (bounds the full-gradient
     buffers alive at stage 2/3)."""
@@ -57,6 +61,8 @@ class ShardConfig:
     """Broadcast rank 0's parameters at shard time so every rank starts identical."""
 
     def __post_init__(self) -> None:
+        if self.bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0, got {self.bucket_bytes}")
         if self.num_prefetch < 0:
             raise ValueError(f"num_prefetch must be >= 0, got {self.num_prefetch}")
         if self.max_inflight_reductions < 1:
@@ -149,6 +155,7 @@ class Engine:
         self.forward_order: list[Unit] = []
         self._order_frozen = False
         self._pending: deque[FlatParam] = deque()
+        self._units_left: dict[FlatParam, int] = {}  # per backward: units yet to finish, per buffer
         self._handles: list[Any] = []
         for unit in unit_list:
             self._install_hooks(unit)
@@ -156,7 +163,8 @@ class Engine:
     # ----------------------------------------------------------------- queries
     @property
     def flat_params(self) -> list[FlatParam]:
-        return [f for u in self.units for f in u.flat_params]
+        """Every FlatParam once, in unit order (units may share a bucket)."""
+        return list(dict.fromkeys(f for u in self.units for f in u.flat_params))
 
     @property
     def root(self) -> Unit:
@@ -232,13 +240,14 @@ class Engine:
         reduce_now = self.sync_grads or (
             self.partition.gradients and self.config.reduce_every_micro_step
         )
-        if reduce_now:
-            for f in unit.trainable:
-                # Every rank reduces every unit, used or not, so the collectives always match.
+        for f in unit.trainable:
+            self._units_left[f] = self._units_left.get(f, f.num_units) - 1
+            if reduce_now and self._units_left[f] == 0:
+                # Every rank reduces every buffer, used or not, so the collectives always match.
                 f.bind_grads()
                 f.reduce_grads()
                 self._pending.append(f)
-            self._finish_reductions(keep=self.config.max_inflight_reductions)
+        self._finish_reductions(keep=self.config.max_inflight_reductions)
         unit.reshard()
 
     def _end_backward(self) -> None:
@@ -249,6 +258,7 @@ class Engine:
             self._post_backward(unit)
             unit.pre_backward_done = unit.post_backward_done = False
         self._finish_reductions(keep=0)
+        self._units_left.clear()
         self.phase = Phase.IDLE
 
     def _finish_reductions(self, *, keep: int) -> None:
@@ -348,31 +358,21 @@ def shard(
     mixed_precision = policy_of(mixed_precision, mesh.device)
     apply_tf32(mixed_precision, mesh.device)
     ledger = C.Ledger()
-    unit_list: list[Unit] = []
-    for i, spec in enumerate(units(model, wrap)):
-        groups: dict[tuple[bool, torch.dtype], list[tuple[nn.Parameter, list[str]]]] = {}
-        for regs, p, name in spec.params:
-            if p.numel() == 0:
-                continue  # nothing to shard; it stays a plain parameter
-            names = [name] + [f"{type(m).__name__}.{a}" for m, a in regs[1:]]
-            groups.setdefault((p.requires_grad, p.dtype), []).append((p, names))
-        flats = []
-        for (_, dtype), params in groups.items():
-            param_dtype, reduce_dtype = (
-                mixed_precision.resolved(dtype) if dtype.is_floating_point else (dtype, dtype)
-            )
-            flats.append(
-                FlatParam(
-                    params,
-                    mesh=mesh,
-                    partition=part,
-                    param_dtype=param_dtype,
-                    reduce_dtype=reduce_dtype,
-                    ledger=ledger,
-                    sync_module_states=config.sync_module_states,
-                )
-            )
-        unit_list.append(Unit(spec.name, spec.module, flats, is_root=i == 0))
+    specs = units(model, wrap)
+    make = lambda params, dtype: FlatParam(  # noqa: E731
+        params,
+        mesh=mesh,
+        partition=part,
+        param_dtype=_dtypes(mixed_precision, dtype)[0],
+        reduce_dtype=_dtypes(mixed_precision, dtype)[1],
+        ledger=ledger,
+        sync_module_states=config.sync_module_states,
+    )
+    bucket_bytes = 0 if part.parameters else config.bucket_bytes
+    flats = _flat_params(specs, bucket_bytes, make, mixed_precision)
+    unit_list = [
+        Unit(s.name, s.module, f, is_root=i == 0) for i, (s, f) in enumerate(zip(specs, flats))
+    ]
     _move_buffers(model, mesh, mixed_precision)
     engine = Engine(
         model,
@@ -385,6 +385,53 @@ def shard(
     )
     setattr(model, _ATTR, engine)
     return model
+
+
+def _dtypes(policy: MixedPrecision, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(param_dtype, reduce_dtype) of parameters stored as ``dtype`` (integers stay as they are)."""
+    return policy.resolved(dtype) if dtype.is_floating_point else (dtype, dtype)
+
+
+def _flat_params(
+    specs: list[UnitSpec], bucket_bytes: int, make, policy: MixedPrecision
+) -> list[list[FlatParam]]:
+    """The FlatParams each unit uses: one per (requires_grad, dtype) group of its parameters.
+
+    Partitioned parameters are gathered per unit, so each unit gets its own (``bucket_bytes`` 0).
+    Replicated parameters are never gathered: consecutive units then share one flat buffer of up
+    to ``bucket_bytes``, so that gradients are reduced in few, large collectives (DDP's buckets,
+    ZeRO-R's constant-size buffers) and the buffer is reduced once all its units' backward is done.
+    """
+    per_unit: list[list[FlatParam]] = [[] for _ in specs]
+    open_buckets: dict[tuple[bool, torch.dtype], tuple[list, list[int]]] = {}
+
+    def close(key: tuple[bool, torch.dtype]) -> None:
+        params, owners = open_buckets.pop(key)
+        flat = make(params, key[1])
+        flat.num_units = len(owners)
+        for i in owners:
+            per_unit[i].append(flat)
+
+    for i, spec in enumerate(specs):
+        groups: dict[tuple[bool, torch.dtype], list[tuple[nn.Parameter, list[str]]]] = {}
+        for regs, p, name in spec.params:
+            if p.numel() == 0:
+                continue  # nothing to shard; it stays a plain parameter
+            names = [name] + [f"{type(m).__name__}.{a}" for m, a in regs[1:]]
+            groups.setdefault((p.requires_grad, p.dtype), []).append((p, names))
+        for key, params in groups.items():
+            elem_bytes = _dtypes(policy, key[1])[0].itemsize
+            numel = sum(p.numel() for p, _ in params)
+            if key in open_buckets:
+                held = sum(p.numel() for p, _ in open_buckets[key][0])
+                if (held + numel) * elem_bytes > bucket_bytes:
+                    close(key)
+            bucket = open_buckets.setdefault(key, ([], []))
+            bucket[0].extend(params)
+            bucket[1].append(i)
+    for key in list(open_buckets):
+        close(key)
+    return per_unit
 
 
 def _move_buffers(model: nn.Module, mesh: Mesh, mp: MixedPrecision) -> None:

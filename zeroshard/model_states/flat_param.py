@@ -85,6 +85,7 @@ class FlatParam:
         self.range = shard_range(
             mesh.rank if partition.optimizer_states else 0, self.padded_numel, num_opt_shards
         )
+        self.num_units = 1  # units sharing this buffer (a bucket of replicated parameters)
         self.state = ShardState.UNSHARDED
         self.full_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None

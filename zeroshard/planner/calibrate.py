@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 
 from zeroshard.planner import comm, describe
 from zeroshard.planner.memory import MODEL_STATES, BytesPerParam, MemoryConfig, plan_memory
+from zeroshard.stages import partition
 
 FP32_ADAMW = BytesPerParam(params=4, grads=4, optimizer_states=8)
 """FP32 AdamW: the FP32 parameter is the master (4), its gradient (4), momentum and variance (8)."""
@@ -79,10 +80,13 @@ def engine_config(case: Case, num_ranks: int) -> MemoryConfig:
         bytes_per_param=FP32_ADAMW,
         micro_batch_size=case.micro_batch_size,
         seq_len=_seq_len(case),
-        # Prefetch depth, and reductions in flight before the oldest is waited for.
+        # Prefetch depth. Stage 3 reduces unit by unit, up to max_inflight_reductions in flight;
+        # with replicated parameters consecutive units share one gradient bucket of up to
+        # bucket_bytes, allocated at its first unit's backward and reduced after its last.
         num_units_prefetch=engine.num_prefetch,
-        bucket_per_unit=True,
-        num_buckets=engine.max_inflight_reductions,
+        bucket_per_unit=partition(case.stage).parameters,
+        bucket_bytes=engine.bucket_bytes,
+        num_buckets=(engine.max_inflight_reductions if partition(case.stage).parameters else 1),
         # No checkpointing in the engine; FP32 compute; scaled_dot_product_attention's fused
         # kernel saves a log-sum-exp per head, not the probabilities (on CPU too: measured).
         activation_checkpointing=False,

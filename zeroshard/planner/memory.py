@@ -460,13 +460,19 @@ def _timeline(
             ),
         )
     ]
-    staging = unit * bpp.grads if c.reduce_stages_input else 0
+    # With bucket_per_unit each unit's gradient is reduced at its post-backward; otherwise
+    # (replicated parameters) consecutive units share buckets of up to bucket_bytes, and with a
+    # single bucket the whole gradient is reduced once, after the last unit's backward.
+    bucket_numel = min(model.num_params, c.bucket_bytes // max(1, bpp.params))
+    single_bucket = not c.bucket_per_unit and bucket_numel == model.num_params
+    largest = bucket_numel if single_bucket else max(root, unit)
+    staging = largest * bpp.grads if c.reduce_stages_input else 0
     for k in range(nl):
         moments.append(
             (
                 f"unit backward {k}",
                 moment(
-                    k,
+                    0 if single_bucket else k,
                     activation_working=(nl - k) * layer + ids + tokens * 5 * hd * a,
                     model_state_working=grad_working,
                     comm_buckets=full_grads(1 + min(k, c.num_buckets)),
@@ -477,12 +483,12 @@ def _timeline(
         # Its post-backward: its activations are gone, its reduction has started (its shard
         # exists) and the oldest reduction in flight is waited for once more than
         # ``num_buckets`` are (the backend may stage a copy of that unit's gradient meanwhile).
-        waits = k >= c.num_buckets
+        waits = k >= c.num_buckets and not single_bucket
         moments.append(
             (
                 f"unit post-backward {k}",
                 moment(
-                    k + 1,
+                    0 if single_bucket else k + 1,
                     activation_working=(nl - k - 1) * layer + ids + tokens * hd * a,
                     model_state_working=grad_working - (4 * hd * hd + hd) * bpp.grads,
                     comm_buckets=full_grads(1 + min(k, c.num_buckets))
@@ -494,7 +500,21 @@ def _timeline(
     # AdamW's loop: sqrt(v) and its quotient for this piece while the previous piece's
     # denominator is still bound to the loop variable: three temporaries of the largest piece.
     shard_ways = mp * (c.num_dp_ranks if part.optimizer_states else 1)
-    opt_working = 3 * 4 * math.ceil(max(root, unit) / shard_ways)
+    # With a single bucket there is one piece per group and no previous denominator: two.
+    opt_working = (2 if single_bucket else 3) * 4 * math.ceil(largest / shard_ways)
+    if single_bucket and part.optimizer_states:
+        # The bucket's reduction, after the last unit's backward: its full gradient, the shard
+        # being written and the backend's staging copy of the input.
+        moments.append(
+            (
+                "bucket reduction",
+                moment(
+                    nl + 1,
+                    activation_working=ids,
+                    comm_buckets=full_grads(0) + staging,
+                ),
+            )
+        )
     moments.append(
         (
             "optimizer step",
