@@ -264,3 +264,33 @@ def test_prefetch_keeps_a_bounded_number_of_units_gathered(workers2, num_prefetc
     # The unit computing plus the ones prefetched: prefetch happens, and no more than asked.
     assert forward == 1 + num_prefetch
     assert backward == 1 + num_prefetch
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("bucket_bytes", [0, 40_000])
+def test_parity_with_unit_and_mid_size_buckets(workers2, stage, bucket_bytes):
+    config = ShardConfig(bucket_bytes=bucket_bytes)
+    _check(workers2.run(_parity, "gpt", stage, steps=6, accum=2, clip=0.5, config=config))
+
+
+def _gradient_collectives(stage: int, bucket_bytes: int) -> int:
+    torch.manual_seed(0)
+    model, policy = build("gpt")
+    config = ShardConfig(bucket_bytes=bucket_bytes)
+    model = zeroshard.shard(model, stage=stage, wrap=policy, config=config)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    x, y = batch("gpt", 0, 2)
+    opt.backward(model(x, y))
+    opt.step()
+    steps = zeroshard.ledger(model).steps
+    return sum(e.calls for (_, label), e in steps[-1].items() if label == "grads")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_buckets_merge_gradient_collectives(workers2, stage):
+    # The nano GPT (143 KB in FP32) has three units: one bucket by default, one per unit at 0,
+    # and two at 100 KB (the root, 41 KB, and the first block, 51 KB, share one; the second
+    # block would not fit in it).
+    assert workers2.run(_gradient_collectives, stage, 25 * 2**20)[0] == 1
+    assert workers2.run(_gradient_collectives, stage, 0)[0] == 3
+    assert workers2.run(_gradient_collectives, stage, 100_000)[0] == 2
