@@ -8,11 +8,12 @@ optimizer.backward(loss); optimizer.clip_grad_norm(1.0); optimizer.step(); optim
 
 from __future__ import annotations
 
-from zeroshard import precision, wrap
+from zeroshard import offload, precision, wrap
 from zeroshard.collectives import Ledger
 from zeroshard.engine import ShardConfig, engine_of, shard
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.optimizer import ShardedOptimizer
+from zeroshard.offload import OffloadConfig, TensorStore, Tier
 from zeroshard.precision import DynamicLossScaler, LossScaler, MixedPrecision
 from zeroshard.stages import STAGES, Partition
 
@@ -54,12 +55,16 @@ __all__ = [
     "LossScaler",
     "Mesh",
     "MixedPrecision",
+    "OffloadConfig",
     "Partition",
     "ShardConfig",
     "ShardedOptimizer",
+    "TensorStore",
+    "Tier",
     "engine_of",
     "ledger",
     "no_sync",
+    "offload",
     "optimizer",
     "precision",
     "shard",

@@ -24,8 +24,9 @@ __all__ = [
 ]
 
 
-class Tier(enum.Enum):
-    """Where a store keeps its tensors, fastest first."""
+class Tier(str, enum.Enum):
+    """A level of the memory hierarchy, fastest first: where a store keeps its tensors and where
+    the planner places a model state."""
 
     DEVICE = "device"  # a private copy on the tensor's own device (no transfer, no saving)
     CPU = "cpu"  # host RAM, pinned when CUDA is present so copies to the device are DMA

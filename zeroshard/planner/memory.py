@@ -23,10 +23,10 @@ tier (zeros included), so a calibration can hold it category by category against
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 
+from zeroshard.offload.tiers import Tier
 from zeroshard.planner.describe import ModelDescription
 from zeroshard.stages import partition
 
@@ -54,14 +54,6 @@ STAT_BYTES = 4
 """A LayerNorm saves its per-token mean and reciprocal standard deviation in fp32."""
 INDEX_BYTES = 8
 """Token ids, targets and positions are int64."""
-
-
-class Tier(str, enum.Enum):
-    """Where a model state lives between uses."""
-
-    DEVICE = "device"
-    CPU = "cpu"
-    NVME = "nvme"
 
 
 TIERS = tuple(Tier)
