@@ -12,8 +12,9 @@ slice r of the padded buffer when optimizer states are partitioned and the whole
                 #   (resized to 0 otherwise: autograd's saved views stay valid across the refill).
     master      # 1D range numel, FP32, this rank. Aliases full[range] when full is persistent
                 #   FP32; otherwise its own storage (the only persistent copy at stage 3).
-    full_grad   # 1D padded_numel, param_dtype, every rank's local gradient; lives from a unit's
-                #   backward until its reduction when gradients are partitioned, else persistent.
+    full_grad   # 1D padded_numel, every rank's local gradient. With ``grads_as_views`` (see
+                #   there) param_dtype, bound from a unit's backward on (persistent when gradients
+                #   are replicated); otherwise reduce_dtype, collected at the reduction.
     shard_grad  # 1D range numel, FP32, this rank's reduced (mean) gradient, read by the optimizer.
 """
 
@@ -131,7 +132,12 @@ class FlatParam:
         storage = self.full.untyped_storage()
         storage.resize_(self.padded_numel * self.full.element_size())
         assert self.master is not None
-        shard = self.master.to(self.param_dtype)  # 1D shard_numel, param_dtype (no copy in FP32)
+        shard = self.master  # 1D shard_numel, this rank's
+        if shard.dtype != self.param_dtype:
+            # Cast straight into this rank's slot of ``full`` and gather in place: no temporary.
+            lo, hi = shard_range(self.mesh.rank, self.padded_numel, self.mesh.world_size)
+            shard = self.full[lo:hi]
+            shard.copy_(self.master)
         self._gather = C.all_gather(
             self.full, shard, group=self.mesh.group, ledger=self.ledger, async_op=async_op
         )
@@ -165,9 +171,21 @@ class FlatParam:
         return C.all_gather(self.full, shard, group=self.mesh.group, ledger=self.ledger)
 
     # ----------------------------------------------------------------- gradients
+    @property
+    def grads_as_views(self) -> bool:
+        """Whether ``.grad`` are views into ``full_grad`` during backward (autograd accumulates in
+        place) or autograd's own tensors, copied into a fresh ``full_grad`` at reduction.
+
+        Views suit a buffer that outlives one unit's backward: replicated gradients, or a bucket
+        shared by several units. A single unit's partitioned gradient (stage 3) is copied at
+        reduction instead, as FSDP2 does: nothing is allocated (or zero-filled) before the unit's
+        first gradient exists, which keeps the start of backward, the step's peak, lower."""
+        return not self.partition.gradients or self.num_units > 1
+
     def bind_grads(self) -> None:
-        """Point every parameter's ``.grad`` into ``full_grad`` so autograd accumulates there."""
-        if not self.requires_grad:
+        """Point every parameter's ``.grad`` into ``full_grad`` so autograd accumulates there
+        (``grads_as_views`` buffers only; a no-op otherwise)."""
+        if not self.requires_grad or not self.grads_as_views:
             return
         if self.full_grad is None:
             self.full_grad = torch.zeros(
@@ -179,8 +197,30 @@ class FlatParam:
             self.shard_grad = self.shard_grad.clone()
             self.full_grad.zero_()
         for s in self.slots:
-            if s.param.grad is None or s.param.grad.data_ptr() != self._grad_ptr(s):
-                s.param.grad = self.full_grad[s.offset : s.offset + s.numel].view(s.shape)
+            grad = s.param.grad
+            if grad is not None and grad.data_ptr() == self._grad_ptr(s):
+                continue
+            view = self.full_grad[s.offset : s.offset + s.numel].view(s.shape)
+            if grad is not None:
+                view.add_(grad)  # accumulated outside the hooks (e.g. no_sync): keep it
+            s.param.grad = view
+
+    def _collect_grads(self) -> None:
+        """``full_grad`` from autograd's per-parameter gradients (zeros where there are none),
+        which are released: the reduction's input when gradients are not views. It is made in
+        ``reduce_dtype`` directly, so a wider reduction needs no second, cast copy."""
+        self.full_grad = torch.empty(
+            self.padded_numel, dtype=self.reduce_dtype, device=self.mesh.device
+        )
+        with torch.no_grad():
+            for s in self.slots:
+                view = self.full_grad[s.offset : s.offset + s.numel]
+                if s.param.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(s.param.grad.reshape(-1))
+                    s.param.grad = None
+            self.full_grad[self.numel :].zero_()
 
     def _grad_ptr(self, s: Slot) -> int:
         assert self.full_grad is not None
@@ -194,8 +234,11 @@ class FlatParam:
         """Start the gradient collective of the table's kind: all-reduce (replicated optimizer),
         reduce-scatter in place into this rank's slice (replicated gradients), or reduce-scatter
         into a new shard (partitioned gradients, so ``full_grad`` can be freed)."""
-        if not self.requires_grad or self.full_grad is None or self._reduce is not None:
+        if not self.requires_grad or self._reduce is not None:
             return
+        if not self.grads_as_views:
+            self._collect_grads()
+        assert self.full_grad is not None, "bind_grads() precedes the reduction of views"
         n = self.mesh.world_size
         send = self.full_grad.to(self.reduce_dtype)  # 1D padded, every rank (no copy if same)
         if self.reduce_dtype == torch.float16:
@@ -236,6 +279,9 @@ class FlatParam:
 
     def zero_grad(self) -> None:
         self.shard_grad = None
+        if not self.grads_as_views:
+            for s in self.slots:
+                s.param.grad = None  # accumulated by autograd in no_sync micro-steps
         if self.full_grad is None:
             return
         if self.partition.gradients:
