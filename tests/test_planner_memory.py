@@ -173,7 +173,8 @@ def test_engine_timeline_at_the_loss_by_hand():
     per_layer = tokens * (4 * 16 * hd + 4 * 2 + 16)
     assert b.peak["activation_working"] == 2 * per_layer + tokens * (8 * hd + 8 + 16) + 16 * 8
     assert b.peak["logits"] == tokens * 4096 * 12
-    assert b.peak["comm_buckets"] == 4 * root  # the root's full gradient, reduced last
+    # No flat gradient yet: a unit's is collected from autograd's gradients at its reduction.
+    assert b.peak["comm_buckets"] == 0
     assert b.peak["gathered_units"] == 4 * (root + block)  # the root and one prefetched block
     assert b.peak["grads"] == 0  # no shard reduced yet
     assert b.peak["params"] == b.device["params"] == 4 * model.num_params // 2
@@ -187,20 +188,21 @@ def test_engine_timeline_in_a_units_backward():
     model = WIDE
     b = m.plan_memory(model, _engine(2, micro_batch_size=4, seq_len=64))
     assert b.peak_moment == "unit backward 0"
-    block, root, hd = model.shape.block_numel, model.root_numel, 128
-    assert b.peak["comm_buckets"] == 4 * (root + block)
+    hd = 128
+    assert b.peak["comm_buckets"] == 0  # the last block is the first reduced: nothing in flight
     assert b.peak["gathered_units"] == 0  # stage 2 keeps parameters replicated
     assert b.peak["model_state_working"] == 4 * (4 * hd * hd + hd) + 4 * 64 * hd
     assert b.peak["logits"] == 0
 
 
 def test_engine_timeline_with_few_tokens_peaks_in_reductions_or_the_step():
-    # 32 tokens: model states dominate. Stage 2 peaks at the first block's post-backward, where
-    # the oldest of three reductions in flight is waited for (gloo staging a copy of its input).
-    block, root = WIDE.shape.block_numel, WIDE.root_numel
+    # 32 tokens: model states dominate. Stage 2 (one bucket per unit) peaks at the first block's
+    # post-backward: its gradient twice (autograd's and the collected copy), two reductions in
+    # flight, and gloo's staging copy of the one waited for.
+    block = WIDE.shape.block_numel
     b = m.plan_memory(WIDE, _engine(2, reduce_stages_input=True))
     assert b.peak_moment == "unit post-backward 3"
-    assert b.peak["comm_buckets"] == 4 * (root + 3 * block) + 4 * block
+    assert b.peak["comm_buckets"] == 4 * (2 + 2) * block + 4 * block
     assert b.peak["model_state_working"] == 4 * 64 * 128  # the tied embedding's gradient
     shards = 4 * block * 4 // 2  # four units' gradient shards: 4 bytes over 2 ranks
     assert abs(b.peak["grads"] - shards) <= 4

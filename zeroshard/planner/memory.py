@@ -417,11 +417,14 @@ def _timeline(
     grads_total = math.ceil(bpp.grads * model.num_params / mp)
 
     def full_grads(num_units: int) -> int:
-        """Unreduced gradients alive: the root's and ``num_units`` units' (partitioned only)."""
+        """Unreduced flat gradients alive (partitioned gradients only): ``num_units`` units'
+        with ``bucket_per_unit`` (each collected from autograd's gradients at its reduction, so
+        none exists before; the root's is collected last), else the buckets, allocated at their
+        first unit's backward."""
         if not part.gradients or not on_device["grads"]:
             return 0
         if c.bucket_per_unit:
-            return math.ceil(bpp.grads * (root + num_units * unit) / mp)
+            return math.ceil(bpp.grads * num_units * unit / mp)
         return min(c.num_buckets * c.bucket_bytes, grads_total)
 
     def gathered(num_units: int) -> int:
@@ -467,7 +470,7 @@ def _timeline(
                     0 if single_bucket else k,
                     activation_working=(nl - k) * layer + ids + tokens * 5 * hd * a,
                     model_state_working=grad_working,
-                    comm_buckets=full_grads(1 + min(k, c.num_buckets)),
+                    comm_buckets=full_grads(min(k, c.num_buckets)),
                     gathered_units=gathered(1 + min(c.num_units_prefetch, nl - 1 - k)),
                 ),
             )
@@ -483,7 +486,8 @@ def _timeline(
                     0 if single_bucket else k + 1,
                     activation_working=(nl - k - 1) * layer + ids + tokens * hd * a,
                     model_state_working=grad_working - (4 * hd * hd + hd) * bpp.grads,
-                    comm_buckets=full_grads(1 + min(k, c.num_buckets))
+                    # This unit's gradients twice (autograd's, and the copy being collected).
+                    comm_buckets=full_grads(2 + min(k, c.num_buckets))
                     + (staging if waits and part.optimizer_states else 0),
                     gathered_units=gathered(1 + min(c.num_units_prefetch, nl - 1 - k)),
                 ),
