@@ -9,9 +9,14 @@ Per training step, for a unit U:
 
     forward:   pre-forward   gather U (wait for the prefetch), prefetch the next unit
                post-forward  free U (if parameters are partitioned; the root may keep its own)
-    backward:  pre-backward  gather U again, point grads into its flat gradient, prefetch
-               post-backward start U's gradient reduction, free U
+    backward:  pre-backward  gather U again, bind gradient views into a shared bucket, prefetch
+               post-backward start the reduction of U's gradient (of its bucket once all the
+                             bucket's units are done), free U
     end of backward          reduce units whose backward never fired, wait for all reductions
+
+With replicated parameters (stages 0-2) consecutive units share gradient buckets of up to
+``ShardConfig.bucket_bytes``; with partitioned parameters each unit is its own (see
+``FlatParam.grads_as_views`` for how a gradient reaches its flat buffer).
 """
 
 from __future__ import annotations
