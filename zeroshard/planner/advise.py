@@ -178,7 +178,7 @@ def advise(model: ModelDescription, cluster: Cluster, workload: Workload) -> Adv
 
 
 def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
-    def reject(problem: str, memory=None, num_micro=0) -> Candidate:
+    def candidate(memory=None, num_micro=0, times=None, problem=None) -> Candidate:
         return Candidate(
             stage=stage,
             offload=offload,
@@ -186,10 +186,13 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
             micro_batch_size=mb,
             num_micro_batches=num_micro,
             memory=memory,
-            step_seconds=None,
-            time_seconds={},
+            step_seconds=None if times is None else sum(times.values()),
+            time_seconds=times or {},
             problem=problem,
         )
+
+    def reject(problem: str, memory=None, num_micro=0) -> Candidate:
+        return candidate(memory, num_micro, problem=problem)
 
     placement = OFFLOADS[offload]
     problem = placement_problem(stage, placement)
@@ -233,17 +236,7 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
                 num_micro,
             )
     times = _step_times(model, cluster, config, memory, num_micro)
-    return Candidate(
-        stage=stage,
-        offload=offload,
-        num_layers_per_checkpoint=ci,
-        micro_batch_size=mb,
-        num_micro_batches=num_micro,
-        memory=memory,
-        step_seconds=sum(times.values()),
-        time_seconds=times,
-        problem=None,
-    )
+    return candidate(memory, num_micro, times)
 
 
 def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
