@@ -59,6 +59,15 @@ def build(kind: str) -> tuple[nn.Module, wrap.WrapPolicy | None]:
         return FrozenMLP(), wrap.by_class(nn.Linear)
     if kind == "odd":
         return OddModel(), wrap.by_class(OddLayer)
+    if kind == "hf_gpt2":  # a real Hugging Face model, wrapped by its _no_split_modules
+        import transformers
+
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+        return model, wrap.from_hf(model)
     if kind == "tiny_units":  # a 1-element unit: fewer elements than ranks
         model = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Tanh(), nn.Linear(1, 2))
         return model, wrap.by_class(nn.Linear)
@@ -68,8 +77,8 @@ def build(kind: str) -> tuple[nn.Module, wrap.WrapPolicy | None]:
 def batch(kind: str, step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step`` (same on every rank)."""
     g = torch.Generator().manual_seed(1000 + step)
-    if kind == "gpt":
-        x = torch.randint(0, 256, (global_batch, 16), generator=g)
+    if kind in ("gpt", "hf_gpt2"):
+        x = torch.randint(0, 256 if kind == "gpt" else 64, (global_batch, 16), generator=g)
         return x, torch.roll(x, -1, dims=1)
     n_in, n_out = {"frozen_mlp": (13, 7), "odd": (7, 3), "tiny_units": (1, 2)}[kind]
     return torch.randn(global_batch, n_in, generator=g), torch.randn(
@@ -80,6 +89,9 @@ def batch(kind: str, step: int, global_batch: int) -> tuple[torch.Tensor, torch.
 def loss_of(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if kind == "gpt":
         return model(x, y)
+    if kind == "hf_gpt2":
+        logits = model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
     return torch.nn.functional.mse_loss(model(x), y)
 
 

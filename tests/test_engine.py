@@ -90,6 +90,12 @@ def test_parity_two_ranks(workers2, kind, stage):
     _check(workers2.run(_parity, kind, stage))
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_parity_on_a_hugging_face_model(workers2, stage):
+    pytest.importorskip("transformers")
+    _check(workers2.run(_parity, "hf_gpt2", stage, steps=6))
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_parity_four_ranks(workers4, stage):
     _check(workers4.run(_parity, "gpt", stage, steps=10))
