@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -104,3 +107,57 @@ def test_unknown_precision(capsys, tmp_path):
 @pytest.mark.parametrize("flag", ["--steps", "--seq-len"])
 def test_non_positive_numbers(capsys, tmp_path, flag):
     _expect_usage_error(capsys, ["train", flag, "0", "--out-dir", str(tmp_path)], "positive")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc), children first."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
+def test_a_crashed_rank_stops_the_others_with_a_clear_message(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", "--nproc", "2", "--preset", "nano"]
+    cmd += ["--steps", "100000", "--batch-size", "2", "--seq-len", "16", "--log-every", "1"]
+    cmd += ["--out-dir", str(out), "--data-dir", str(tmp_path / "data")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while (
+            not (out / "metrics.jsonl").exists()
+            or "train" not in (out / "metrics.jsonl").read_text()
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        ranks = [p for p in _descendants(proc.pid) if "zeroshard.cli.main" in _cmdline(p)]
+        assert len(ranks) >= 2, ranks
+        os.kill(ranks[-1], signal.SIGKILL)  # one rank dies mid-training
+        _, err = proc.communicate(timeout=90)  # the others must not hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    last = err.strip().splitlines()[-1]
+    assert "failed" in last and "the other ranks were stopped" in last, err[-2000:]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
