@@ -39,6 +39,9 @@ from .tiers import OffloadError, SwapHandle, TensorMeta, Tier
 
 __all__ = ["OffloadConfig", "TensorStore"]
 
+# one block of an operation: a backend method and its arguments, run by an I/O worker
+_Part = tuple[Callable[..., None], tuple]
+
 logger = logging.getLogger("zeroshard.offload")
 
 
@@ -200,15 +203,14 @@ class TensorStore:
         self._metas[name] = meta
         handle = SwapHandle("swap_out", name)
 
-        def start() -> None:
+        def start() -> list[_Part]:
             ctx = self._backend.begin_write(meta, src, reserved_bytes)
             handle.start(
                 len(spans := self._spans(meta.nbytes)),
                 lambda error: self._backend.end_write(ctx, error),
             )
-            for begin, nbytes in spans:
-                piece = src[begin : begin + nbytes]
-                self._submit(handle, self._backend.write_block, ctx, begin, piece, ready)
+            write = self._backend.write_block
+            return [(write, (ctx, begin, src[begin : begin + n], ready)) for begin, n in spans]
 
         return self._chain(name, handle, start)
 
@@ -232,12 +234,11 @@ class TensorStore:
         ready = ready_event(into)
         handle = SwapHandle("swap_in", name, result=into)
 
-        def start() -> None:
+        def start() -> list[_Part]:
             ctx = self._backend.begin_read(name)
             handle.start(len(spans := self._spans(meta.nbytes)), self._end_read(ctx))
-            for begin, nbytes in spans:
-                piece = dst[begin : begin + nbytes]
-                self._submit(handle, self._backend.read_block, ctx, begin, piece, ready)
+            read = self._backend.read_block
+            return [(read, (ctx, begin, dst[begin : begin + n], ready)) for begin, n in spans]
 
         return self._chain(name, handle, start)
 
@@ -255,11 +256,11 @@ class TensorStore:
                 continue
             handle = SwapHandle("prefetch", name)
 
-            def start(handle=handle, name=name, meta=meta) -> None:
+            def start(handle=handle, name=name, meta=meta) -> list[_Part]:
                 ctx = self._backend.begin_read(name)
                 handle.start(len(spans := self._spans(meta.nbytes)), self._end_read(ctx))
-                for begin, nbytes in spans:
-                    self._submit(handle, self._backend.prefetch_block, ctx, begin, nbytes)
+                fetch = self._backend.prefetch_block
+                return [(fetch, (ctx, begin, n)) for begin, n in spans]
 
             handles.append(self._chain(name, handle, start))
         return handles
@@ -271,9 +272,10 @@ class TensorStore:
         del self._metas[name]
         handle = SwapHandle("release", name)
 
-        def start() -> None:
+        def start() -> list[_Part]:
             self._backend.release(name)
             handle.start(0)
+            return []
 
         return self._chain(name, handle, start)
 
@@ -400,13 +402,32 @@ class TensorStore:
         else:
             handle.part_done()
 
-    def _chain(self, name: str, handle: SwapHandle, start: Callable[[], None]) -> SwapHandle:
-        """Run `start` once the previous operation on `name` is done; track the handle."""
+    def _chain(self, name: str, handle: SwapHandle, start: Callable[[], list[_Part]]) -> SwapHandle:
+        """Run `start` on a worker once the previous operation on `name` is done; track the handle.
 
-        def run(_previous: SwapHandle | None = None) -> None:
+        `start` opens the file and returns the operation's blocks. The worker that ran it submits
+        all blocks but the first and runs the first itself: a one-block tensor costs one job, not
+        a job to open the file followed by a job queued behind every other operation's opening.
+        """
+
+        def run() -> None:
             try:
-                start()
+                parts = start()
             except BaseException as e:  # start raises only before handle.start()
+                handle.fail(e)
+                return
+            for fn, args in parts[1:]:
+                self._submit(handle, fn, *args)
+            if parts:
+                self._run_part(handle, *parts[0])
+
+        def submit_run(_previous: SwapHandle | None = None) -> None:
+            # always on a worker: opening and allocating the file (posix_fallocate writes zeros on
+            # filesystems without native support) and the first block must not stall the caller,
+            # who reaches here directly when the previous operation is already done
+            try:
+                self._executor().submit(run)
+            except RuntimeError as e:  # the interpreter is shutting down
                 handle.fail(e)
 
         def forget(_: SwapHandle) -> None:
@@ -421,9 +442,7 @@ class TensorStore:
             self._pending.add(handle)
         handle.add_done_callback(forget)
         if previous is None:
-            # opening and allocating the file happen on a worker too: posix_fallocate writes
-            # zeros on filesystems without native support, which must not stall the caller
-            self._executor().submit(run)
+            submit_run()
         else:
-            previous.add_done_callback(run)  # runs at once if it is already done
+            previous.add_done_callback(submit_run)  # runs at once if it is already done
         return handle
