@@ -50,9 +50,11 @@ class OffloadConfig:
     """How a TensorStore keeps its tensors.
 
     The defaults were measured with bench/bench_offload.py on the team's 2-core VM (ext4 on a
-    virtio disk, ~2.5 GiB/s): 8 threads and 16 buffers of 4 MiB beat 2, 4 and 6 threads, because
-    each thread alternates a system call (the disk works) with a hash and a copy (the CPU works),
-    so more threads keep more requests queued. Rerun the benchmark on a new machine."""
+    virtio disk, ~2.5 GiB/s): each thread alternates a system call (the disk works) with a hash
+    and a copy (the CPU works), so several threads keep requests queued. For 4 MiB tensors 8
+    threads with 16 buffers write best (~89% of raw); 3 to 8 threads with 3 to 16 buffers read
+    alike (79-83% of a raw read into one buffer, which runs ~20% faster on that VM than reads
+    cycling through 8-16 buffers). Rerun the benchmark on a new machine."""
 
     tier: Tier = Tier.NVME
     """Where the tensors live: Tier.DEVICE, Tier.CPU or Tier.NVME (or their names as strings)."""
