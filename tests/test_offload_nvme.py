@@ -206,3 +206,35 @@ def test_corruption_is_caught_when_reading_in_place(store):
         f.write(b"\x00\x01")
     with pytest.raises(SwapIntegrityError, match="checksum mismatch.*'w', block 0"):
         store.swap_in("w", into=store.empty_host(t.shape, t.dtype)).wait()
+
+
+def test_blocks_are_read_in_chunks_and_checked_whole(store, monkeypatch):
+    store._backend.read_chunk_bytes = 4096  # BLOCK is 8192: two requests per full block
+    t = torch.randn(5000)  # 20000 bytes: blocks of 8192, 8192 and 3616 (read as 4096)
+    store.swap_out("w", t).wait()
+    sizes = []
+    real_preadv = os.preadv
+
+    def recording_preadv(fd, buffers, offset):
+        sizes.append((offset, sum(len(b) for b in buffers)))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(nvme_mod.os, "preadv", recording_preadv)
+    out = torch.zeros(5000)
+    store.swap_in("w", into=out).wait()
+    assert torch.equal(out, t)
+    assert sorted(sizes) == [(0, 4096), (4096, 4096), (8192, 4096), (12288, 4096), (16384, 4096)]
+
+
+def test_a_short_chunk_is_a_truncation_error(store, monkeypatch):
+    store._backend.read_chunk_bytes = 4096
+    store.swap_out("w", torch.randn(4096)).wait()  # 16384 bytes: two blocks of two chunks
+    real_preadv = os.preadv
+
+    def short_second_chunk(fd, buffers, offset):
+        n = real_preadv(fd, buffers, offset)
+        return 1000 if offset == BLOCK + 4096 else n  # the file shrank under the read
+
+    monkeypatch.setattr(nvme_mod.os, "preadv", short_second_chunk)
+    with pytest.raises(SwapIntegrityError, match=r"'w' is truncated: block 1 .* 5096 of 8192"):
+        store.swap_in("w", into=torch.zeros(4096)).wait()
