@@ -87,12 +87,9 @@ class Unit:
 
     def __init__(self, name: str, module: nn.Module, flat_params: list[FlatParam], is_root: bool):
         self.name, self.module, self.flat_params, self.is_root = name, module, flat_params, is_root
+        self.trainable = [f for f in flat_params if f.requires_grad]
         self.pre_backward_done = False
         self.post_backward_done = False
-
-    @property
-    def trainable(self) -> list[FlatParam]:
-        return [f for f in self.flat_params if f.requires_grad]
 
     def unshard(self, *, async_op: bool = True) -> None:
         for f in self.flat_params:
@@ -160,17 +157,14 @@ class Engine:
         self.forward_order: list[Unit] = []
         self._order_frozen = False
         self._pending: deque[FlatParam] = deque()
+        # Every FlatParam once, in unit order (units may share a bucket).
+        self.flat_params = list(dict.fromkeys(f for u in unit_list for f in u.flat_params))
         self._units_left: dict[FlatParam, int] = {}  # per backward: units yet to finish, per buffer
         self._handles: list[Any] = []
         for unit in unit_list:
             self._install_hooks(unit)
 
     # ----------------------------------------------------------------- queries
-    @property
-    def flat_params(self) -> list[FlatParam]:
-        """Every FlatParam once, in unit order (units may share a bucket)."""
-        return list(dict.fromkeys(f for u in self.units for f in u.flat_params))
-
     @property
     def root(self) -> Unit:
         return self.units[0]

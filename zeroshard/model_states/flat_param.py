@@ -106,19 +106,21 @@ class FlatParam:
             # Every rank starts from rank 0's values, as DDP does.
             C.broadcast(flat, src=0, group=self.mesh.group)
         lo, hi = self.range
-        alias = not self.partition.parameters and self.param_dtype == MASTER_DTYPE
         if self.partition.parameters:
             self.full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
         else:
             self.full = flat if flat.dtype == self.param_dtype else flat.to(self.param_dtype)
+        # A persistent FP32 ``full`` already is the master: its slice is this rank's shard.
+        self.master_aliases_full = not self.partition.parameters and (
+            self.param_dtype == MASTER_DTYPE
+        )
         self.master: torch.Tensor | None
-        if alias and flat.dtype == MASTER_DTYPE:
+        if self.master_aliases_full:
             self.master = self.full[lo:hi]
         elif self.requires_grad or self.partition.parameters:
             self.master = flat[lo:hi].to(MASTER_DTYPE, copy=True)
         else:
             self.master = None  # frozen and replicated: ``full`` is all there is
-        self.master_aliases_full = alias and flat.dtype == MASTER_DTYPE
         for s in self.slots:
             s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
         if self.partition.parameters:

@@ -73,15 +73,13 @@ class ShardedOptimizer:
                 "loss_scaler must be a zeroshard LossScaler or DynamicLossScaler, got "
                 f"{type(loss_scaler).__name__}"
             )
-        self.loss_scaler = loss_scaler or default_scaler(
-            {f.param_dtype for f in self.engine.flat_params if f.requires_grad}
-        )
+        self._trainable = [f for f in self.engine.flat_params if f.requires_grad]
+        self.loss_scaler = loss_scaler or default_scaler({f.param_dtype for f in self._trainable})
         self._found_inf: torch.Tensor | None = None  # (1,) FP32: set once gradients are unscaled
         where = {}  # id(original parameter) -> (flat, its slice of master)
-        for flat in self.engine.flat_params:
-            if flat.requires_grad:
-                for slot, span in flat.pieces():
-                    where[id(slot.param)] = (flat, span)
+        for flat in self._trainable:
+            for slot, span in flat.pieces():
+                where[id(slot.param)] = (flat, span)
         self._groups: list[list[_Piece]] = []
         torch_groups = []
         for group in _param_groups(model, params):
@@ -123,9 +121,9 @@ class ShardedOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
-    @property
-    def _trainable(self) -> list[FlatParam]:
-        return [f for f in self.engine.flat_params if f.requires_grad]
+    def _shard_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced FP32 gradients (1D, its optimizer range of each buffer)."""
+        return [f.shard_grad for f in self._trainable if f.shard_grad is not None]
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         """``loss.backward()`` (times the loss scale); with ``sync=False`` gradients only
@@ -147,11 +145,11 @@ class ShardedOptimizer:
         if norm_type != 2.0:
             raise ValueError("clip_grad_norm supports the 2-norm (norm_type=2.0) only")
         self._unscale()  # clip the true gradient, not the scaled one
-        grads = [f.shard_grad for f in self._trainable if f.shard_grad is not None]
+        grads = self._shard_grads()
         device = self.engine.mesh.device
         sq = torch.zeros(1, dtype=torch.float32, device=device)
-        for g in grads:
-            sq += g.float().pow(2).sum()
+        if grads:  # one fused norm per buffer: no gradient-sized temporaries
+            sq += torch.stack(torch._foreach_norm(grads)).pow(2).sum()
         if self.engine.partition.optimizer_states and self.engine.mesh.world_size > 1:
             C.all_reduce(
                 sq,
@@ -173,7 +171,7 @@ class ShardedOptimizer:
             return
         device = self.engine.mesh.device
         self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        grads = [f.shard_grad for f in self._trainable if f.shard_grad is not None]
+        grads = self._shard_grads()
         scaler = self.loss_scaler
         if not grads or (scaler.scale == 1.0 and not scaler.checks):
             return
