@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from zeroshard import collectives as C
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam, ShardState
+from zeroshard.model_states.grads import GradBucket
+from zeroshard.model_states.init import Materializer, check_same_model
 from zeroshard.precision import MixedPrecision, apply_tf32, policy_of
 from zeroshard.stages import Partition, partition
 from zeroshard.wrap import UnitSpec, WrapPolicy, units
@@ -77,19 +80,68 @@ class ShardConfig:
 
 
 class Phase(enum.Enum):
+    """Where the whole model is in a training step (the engine's own state)."""
+
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
 
 
-class Unit:
-    """One wrapped module and the flat storage of the parameters it owns."""
+class TrainingState(enum.Enum):
+    """Where one unit is in a training step; checked at every transition.
 
-    def __init__(self, name: str, module: nn.Module, flat_params: list[FlatParam], is_root: bool):
+    What is alive in each state (partitioned parameters; replicated ones are always gathered):
+
+        IDLE           gathered storage freed (the root may keep it between forward and
+                       backward); parameters are views of this rank's master piece; gradients,
+                       if any, are reduced shards (or local ones inside ``no_sync``).
+        FORWARD        gathered; parameters are views into it.
+        PRE_BACKWARD   gathered; autograd is accumulating the unit's gradients (into the bucket's
+                       ``full_grad`` views, or its own per-parameter tensors at stage 3).
+        POST_BACKWARD  autograd is done with the unit for this backward: its gradient reduction
+                       is issued (or finished), gathered storage freed.
+    """
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+_TRANSITIONS: dict[TrainingState, set[TrainingState]] = {
+    TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.PRE_BACKWARD},
+    TrainingState.FORWARD: {TrainingState.IDLE},
+    TrainingState.PRE_BACKWARD: {TrainingState.POST_BACKWARD},
+    TrainingState.POST_BACKWARD: {TrainingState.IDLE, TrainingState.PRE_BACKWARD},
+}
+
+
+class Unit:
+    """One wrapped module, the flat storage of the parameters it owns and its training state."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        flat_params: list[FlatParam],
+        buckets: list[GradBucket],
+        is_root: bool,
+        owners: list[nn.Module] | None = None,
+    ):
         self.name, self.module, self.flat_params, self.is_root = name, module, flat_params, is_root
-        self.trainable = [f for f in flat_params if f.requires_grad]
-        self.pre_backward_done = False
-        self.post_backward_done = False
+        self.buckets = buckets
+        self.owners = owners or []
+        """Submodules (other than ``module``) that register the unit's parameters."""
+        self.lender: nn.Module | None = None  # the owner whose call gathered the unit
+        self.state = TrainingState.IDLE
+        self.pending_uses = 0
+        """Forward uses (with grad) whose backward has not reached the unit's inputs yet."""
+
+    def to(self, state: TrainingState) -> None:
+        assert state in _TRANSITIONS[self.state], (
+            f"unit {self.name or '<root>'}: {self.state.value} -> {state.value}"
+        )
+        self.state = state
 
     def unshard(self, *, async_op: bool = True) -> None:
         for f in self.flat_params:
@@ -107,6 +159,14 @@ class Unit:
     def is_sharded(self) -> bool:
         return any(f.state is ShardState.SHARDED for f in self.flat_params)
 
+    @property
+    def is_gathered(self) -> bool:
+        """Partitioned parameters gathered or being gathered."""
+        return any(
+            f.partition.parameters and (f.state is ShardState.UNSHARDED or f.gathering)
+            for f in self.flat_params
+        )
+
 
 class _BackwardHook(torch.autograd.Function):
     """Identity whose backward calls ``hook``: on a unit's outputs it fires as the unit's backward
@@ -123,16 +183,23 @@ class _BackwardHook(torch.autograd.Function):
         return (None, *grads)
 
 
-def _on_backward(hook, tree: Any) -> Any:
-    """``tree`` with its tensors that require grad passed through one ``_BackwardHook(hook)``."""
+def _on_backward(hook, tree: Any) -> tuple[Any, bool]:
+    """``tree`` with its tensors that require grad passed through one ``_BackwardHook(hook)``,
+    and whether there was any (if not, ``hook`` will never fire)."""
     leaves, spec = tree_flatten(tree)
     idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
     if not idx:
-        return tree
+        return tree, False
     outs = _BackwardHook.apply(hook, *(leaves[i] for i in idx))
     for i, out in zip(idx, outs):
         leaves[i] = out
-    return tree_unflatten(leaves, spec)
+    return tree_unflatten(leaves, spec), True
+
+
+def _in_backward() -> bool:
+    """Whether autograd is executing a backward on this thread: a forward then is a
+    recomputation (activation checkpointing), not a new use."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class Engine:
@@ -154,12 +221,15 @@ class Engine:
         self.config, self.mixed_precision, self.ledger = config, mixed_precision, ledger
         self.phase = Phase.IDLE
         self.sync_grads = True
-        self.forward_order: list[Unit] = []
-        self._order_frozen = False
-        self._pending: deque[FlatParam] = deque()
-        # Every FlatParam once, in unit order (units may share a bucket).
+        self.forward_order: list[Unit] = []  # last forward's units, first use first
+        self._recording: list[Unit] | None = None
+        self._pending: deque[GradBucket] = deque()  # reductions in flight, oldest first
+        # Every FlatParam and bucket once, in unit order (units may share them at stages 0-2).
         self.flat_params = list(dict.fromkeys(f for u in unit_list for f in u.flat_params))
-        self._units_left: dict[FlatParam, int] = {}  # per backward: units yet to finish, per buffer
+        self.buckets = list(dict.fromkeys(b for u in unit_list for b in u.buckets))
+        self._units_left: dict[GradBucket, int] = {}  # per backward: units yet to finish
+        self._refresh: dict[FlatParam, C.Handle] = {}  # post-step gathers in flight
+        self._summoned = 0  # depth of summon_full_params
         self._handles: list[Any] = []
         for unit in unit_list:
             self._install_hooks(unit)
@@ -171,98 +241,167 @@ class Engine:
 
     # ----------------------------------------------------------------- hooks
     def _install_hooks(self, unit: Unit) -> None:
-        self._handles.append(
-            unit.module.register_forward_pre_hook(
-                lambda m, args, kwargs: self._pre_forward(unit, args, kwargs),
-                with_kwargs=True,
-                prepend=True,
-            )
+        # Dynamo runs the hooks eagerly (graph breaks): they swap storage and parameter data,
+        # which compiled code must not trace (torch.compile of a block compiles its forward).
+        pre = torch._dynamo.disable(
+            lambda m, args, kwargs: self._pre_forward(unit, args, kwargs), recursive=True
+        )
+        post = torch._dynamo.disable(
+            lambda m, args, output: self._post_forward(unit, output), recursive=True
         )
         self._handles.append(
-            unit.module.register_forward_hook(
-                lambda m, args, output: self._post_forward(unit, output)
-            )
+            unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
         )
+        self._handles.append(unit.module.register_forward_hook(post))
+        if not self.partition.parameters:
+            return
+        # A submodule holding the unit's parameters may be called on its own (T5's encoder in
+        # generate(), a head applied outside the model's forward): that call is a use of the
+        # unit, gathered for it and freed after.
+        for owner in unit.owners:
+            lend = torch._dynamo.disable(
+                lambda m, args, kwargs: self._pre_lend(unit, m, args, kwargs), recursive=True
+            )
+            give_back = torch._dynamo.disable(
+                lambda m, args, output: self._post_lend(unit, m, output), recursive=True
+            )
+            self._handles.append(owner.register_forward_pre_hook(lend, with_kwargs=True))
+            self._handles.append(owner.register_forward_hook(give_back))
 
-    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if unit.is_root and self.phase is not Phase.FORWARD:
+    def _pre_lend(self, unit: Unit, owner: nn.Module, args: tuple, kwargs: dict):
+        if unit.lender is not None or unit.state is not TrainingState.IDLE or not unit.is_sharded:
+            return None  # inside the unit's own forward or backward, or gathered already
+        unit.lender = owner
+        return self._pre_forward(unit, args, kwargs, entry=False)
+
+    def _post_lend(self, unit: Unit, owner: nn.Module, output: Any) -> Any:
+        if unit.lender is not owner:
+            return None
+        unit.lender = None
+        return self._post_forward(unit, output, entry=False)
+
+    def _pre_forward(
+        self, unit: Unit, args: tuple, kwargs: dict, *, entry: bool = True
+    ) -> tuple[tuple, dict]:
+        """Before a use of ``unit``: its module's own call (``entry``) or an owner's (a lend)."""
+        recompute = _in_backward()
+        root_entry = unit.is_root and entry
+        if root_entry and not recompute:
             self._begin_forward()
-        if not self._order_frozen:
-            self.forward_order.append(unit)
+        if self._recording is not None and not recompute and unit not in self._recording:
+            self._recording.append(unit)
+        self._wait_refresh(unit)
         unit.unshard(async_op=False)
         unit.wait_unshard()
-        if self.partition.parameters and self._order_frozen:
+        if self.partition.parameters and not recompute:
             self._prefetch(self.forward_order, unit)
+        if unit.state is TrainingState.IDLE and not recompute:
+            unit.to(TrainingState.FORWARD)
         mp = self.mixed_precision
-        if unit.is_root and mp.cast_root_inputs and mp.param_dtype is not None:
+        if root_entry and mp.cast_root_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
-        if torch.is_grad_enabled():
-            args, kwargs = _on_backward(lambda: self._post_backward(unit), (args, kwargs))
+        if torch.is_grad_enabled() and not recompute:
+            # A use whose inputs need no gradient cannot report its end: the count then stays
+            # above 0 and the end-of-backward callback finishes the unit.
+            unit.pending_uses += 1
+            (args, kwargs), _ = _on_backward(lambda: self._post_backward(unit), (args, kwargs))
         return args, kwargs
 
-    def _post_forward(self, unit: Unit, output: Any) -> Any:
-        keep = unit.is_root and not self.config.reshard_root_after_forward
-        if not torch.is_grad_enabled() or not keep:
+    def _post_forward(self, unit: Unit, output: Any, *, entry: bool = True) -> Any:
+        if _in_backward():
+            # A recomputation: the backward that needs these parameters comes right after.
+            return output
+        if unit.state is TrainingState.FORWARD:
+            unit.to(TrainingState.IDLE)
+        grad = torch.is_grad_enabled()
+        root_entry = unit.is_root and entry
+        keep = root_entry and grad and not self.config.reshard_root_after_forward
+        if not keep and not self._summoned:
             unit.reshard()
-        if unit.is_root:
+        if root_entry:
             self.phase = Phase.IDLE
-            self._order_frozen = True
+            if self._recording is not None:
+                self.forward_order, self._recording = self._recording, None
             if self.mixed_precision.output_dtype is not None:
                 output = _cast_floats(output, self.mixed_precision.output_dtype)
-        if torch.is_grad_enabled():
-            output = _on_backward(lambda: self._pre_backward(unit), output)
+        if grad:
+            output, _ = _on_backward(lambda: self._pre_backward(unit), output)
         return output
 
     def _begin_forward(self) -> None:
         self.phase = Phase.FORWARD
+        self._recording = []
         self._finish_reductions(keep=0)  # a backward not followed by a step left some in flight
+        stale = [u for u in self.units if u.state is not TrainingState.IDLE]
+        if stale:
+            # A backward that never finished (an exception inside it): start clean.
+            warnings.warn(
+                f"units {[u.name or '<root>' for u in stale]} were left in "
+                f"{sorted({u.state.value for u in stale})} by a backward that did not finish; "
+                "their gradients for it are discarded",
+                stacklevel=4,
+            )
+            for u in stale:
+                u.state, u.pending_uses = TrainingState.IDLE, 0
+                if not self._summoned:
+                    u.reshard()
 
     def _pre_backward(self, unit: Unit) -> None:
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if unit.pre_backward_done:
-            return
-        unit.pre_backward_done = True
+        if unit.state is TrainingState.PRE_BACKWARD:
+            return  # another use of the unit got here first
+        unit.to(TrainingState.PRE_BACKWARD)
         unit.unshard(async_op=False)
         unit.wait_unshard()
-        for f in unit.trainable:
-            f.bind_grads()
+        for b in unit.buckets:
+            b.bind()
         if self.partition.parameters:
             backward_order = self.forward_order[::-1]
             self._prefetch(backward_order, None if unit.is_root else unit)
 
     def _post_backward(self, unit: Unit) -> None:
-        if unit.post_backward_done:
+        """One use of ``unit`` is done with its backward; the last one finishes the unit."""
+        unit.pending_uses -= 1
+        if unit.pending_uses <= 0:
+            self._finish_unit(unit)
+
+    def _finish_unit(self, unit: Unit) -> None:
+        """Autograd is done with ``unit`` for this backward: reduce its gradient (once every
+        unit of its bucket is done), free its gathered parameters."""
+        if unit.state is TrainingState.POST_BACKWARD:
             return
-        unit.post_backward_done = True
+        if unit.state is not TrainingState.PRE_BACKWARD:
+            unit.to(TrainingState.PRE_BACKWARD)  # no hook saw its backward begin
+        unit.to(TrainingState.POST_BACKWARD)
+        unit.pending_uses = 0
         reduce_now = self.sync_grads or (
             self.partition.gradients and self.config.reduce_every_micro_step
         )
-        for f in unit.trainable:
-            self._units_left[f] = self._units_left.get(f, f.num_units) - 1
-            if reduce_now and self._units_left[f] == 0:
-                # Every rank reduces every buffer, used or not, so the collectives always match.
-                f.bind_grads()
-                f.reduce_grads()
-                self._pending.append(f)
+        for b in unit.buckets:
+            self._units_left[b] = self._units_left.get(b, b.num_units) - 1
+            if reduce_now and self._units_left[b] == 0:
+                b.reduce()
+                self._pending.append(b)
         self._finish_reductions(keep=self.config.max_inflight_reductions)
-        unit.reshard()
+        if not self._summoned:
+            unit.reshard()
 
     def _end_backward(self) -> None:
-        """Autograd's final callback: reduce what no hook reduced, then wait for everything."""
-        for unit in reversed(self.forward_order or self.units):
-            self._post_backward(unit)
+        """Autograd's final callback: finish the units no hook finished, in the same order on
+        every rank (every rank reduces every bucket, so the collectives match), then wait."""
+        for unit in [*reversed(self.forward_order), *self.units]:
+            self._finish_unit(unit)
         for unit in self.units:
-            self._post_backward(unit)
-            unit.pre_backward_done = unit.post_backward_done = False
+            unit.to(TrainingState.IDLE)
         self._finish_reductions(keep=0)
         self._units_left.clear()
         self.phase = Phase.IDLE
 
     def _finish_reductions(self, *, keep: int) -> None:
         while len(self._pending) > keep:
-            self._pending.popleft().finish_reduce()
+            self._pending.popleft().finish()
 
     def _prefetch(self, order: list[Unit], current: Unit | None) -> None:
         """Start gathering the next ``num_prefetch`` sharded units after ``current`` in
@@ -272,11 +411,37 @@ class Engine:
         for nxt in order[start:]:
             if budget == 0:
                 break
-            if nxt.is_root or (nxt.pre_backward_done and self.phase is Phase.BACKWARD):
+            if nxt.is_root or (
+                self.phase is Phase.BACKWARD and nxt.state is not TrainingState.IDLE
+            ):
                 continue
             if nxt.is_sharded:
                 nxt.unshard(async_op=True)
             budget -= 1
+
+    # ----------------------------------------------------------------- after a step
+    def params_changed(self) -> None:
+        """The FP32 masters changed (an optimizer step, a load): refresh replicated parameters.
+
+        The all-gathers are started here and waited for by each unit's next pre-forward, so they
+        overlap the forward (and anything before it); ``wait_params`` waits for all of them."""
+        for f in self.flat_params:
+            handle = f.refresh_full(async_op=True)
+            if handle is not None:
+                self._refresh[f] = handle
+
+    def _wait_refresh(self, unit: Unit) -> None:
+        if self._refresh:
+            for f in unit.flat_params:
+                handle = self._refresh.pop(f, None)
+                if handle is not None:
+                    handle.wait()
+
+    def wait_params(self) -> None:
+        """Wait for every parameter refresh in flight (values read directly are then current)."""
+        for handle in self._refresh.values():
+            handle.wait()
+        self._refresh.clear()
 
     # ----------------------------------------------------------------- user controls
     @contextlib.contextmanager
@@ -289,17 +454,44 @@ class Engine:
             self.sync_grads = previous
 
     @contextlib.contextmanager
-    def summon_full_params(self) -> Iterator[None]:
-        """Every parameter gathered (read-only use: tests, evaluation, export)."""
-        sharded = [u for u in self.units if u.is_sharded]
-        for u in sharded:
+    def summon_full_params(self, *, writeback: bool = True) -> Iterator[None]:
+        """Every parameter gathered, as views in ``param_dtype`` with their own shapes.
+
+        Forward (and backward) inside work and keep everything gathered. With ``writeback``,
+        elements written inside are copied into the FP32 masters on exit (unchanged elements
+        keep their full-precision master values), so the next step and gather see them."""
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError("summon_full_params cannot be entered inside forward or backward")
+        self.wait_params()
+        gathered = [u for u in self.units if u.is_sharded]
+        for u in gathered:
             u.unshard(async_op=False)
             u.wait_unshard()
+        self._summoned += 1
         try:
             yield
         finally:
-            for u in sharded:
-                u.reshard()
+            self._summoned -= 1
+            if writeback:
+                with torch.no_grad():
+                    for f in self.flat_params:
+                        _write_back(f)
+            if not self._summoned:
+                for u in self.units:
+                    u.reshard()
+            if writeback:
+                self.params_changed()
+
+
+def _write_back(flat: FlatParam) -> None:
+    """Copy elements of ``flat.full`` that differ from the (cast) master into the master."""
+    if flat.master is None or flat.master_aliases_full:
+        return
+    lo, hi = flat.range
+    seen = flat.full[lo:hi]  # 1D range numel, param_dtype
+    changed = seen != flat.master.to(seen.dtype)
+    if bool(changed.any()):
+        flat.master[changed] = seen[changed].to(flat.master.dtype)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -330,6 +522,7 @@ def shard(
     mixed_precision: MixedPrecision | str | None = None,
     config: ShardConfig | None = None,
     mesh: Mesh | None = None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over the data-parallel ranks and return it.
 
@@ -338,7 +531,12 @@ def shard(
     ``mixed_precision`` is a ``MixedPrecision`` policy or a name ("fp32", "tf32", "bf16", "fp16",
     "auto": ``zeroshard.precision.resolve``); master weights stay FP32 under every policy.
     Parameters keep their names and objects; their data move into per-unit flat buffers on
-    ``mesh.device``. Every rank must call it with the same model structure.
+    ``mesh.device``. Every rank must call it with the same model structure (checked).
+
+    A model built under ``torch.device("meta")`` is materialized one unit at a time: each module
+    holding the unit's parameters gets ``param_init_fn(module)`` (default: its own
+    ``reset_parameters()``), the unit keeps this rank's shard and frees the rest, so the peak is
+    the shards plus one unit.
     """
     part: Partition = partition(stage)
     if getattr(model, _ATTR, None) is not None:
@@ -346,7 +544,7 @@ def shard(
             f"{type(model).__name__} is already sharded; shard a model once (build a new one "
             "to change the stage or wrap policy)"
         )
-    devices = {p.device for p in model.parameters()}
+    devices = {p.device for p in model.parameters()} - {torch.device("meta")}
     if len(devices) > 1:
         raise ValueError(
             f"parameters are on different devices {sorted(map(str, devices))}; move the model "
@@ -356,22 +554,48 @@ def shard(
     config = config or ShardConfig()
     mixed_precision = policy_of(mixed_precision, mesh.device)
     apply_tf32(mixed_precision, mesh.device)
-    ledger = C.Ledger()
     specs = units(model, wrap)
-    make = lambda params, dtype: FlatParam(  # noqa: E731
-        params,
-        mesh=mesh,
-        partition=part,
-        param_dtype=_dtypes(mixed_precision, dtype)[0],
-        reduce_dtype=_dtypes(mixed_precision, dtype)[1],
-        ledger=ledger,
-        sync_module_states=config.sync_module_states,
-    )
+    check_same_model(model, mesh)
+    ledger = C.Ledger()
+    materialize = Materializer(mesh.device, param_init_fn).bind(model)
+
+    def make(params: list[tuple[nn.Parameter, list[str]]], dtype: torch.dtype) -> FlatParam:
+        materialize([p for p, _ in params])
+        return FlatParam(
+            params,
+            mesh=mesh,
+            partition=part,
+            param_dtype=_dtypes(mixed_precision, dtype)[0],
+            ledger=ledger,
+            sync_module_states=config.sync_module_states,
+        )
+
     bucket_bytes = 0 if part.parameters else config.bucket_bytes
     flats = _flat_params(specs, bucket_bytes, make, mixed_precision)
+    buckets: dict[FlatParam, GradBucket] = {}
+    for unit_flats in flats:
+        for f in unit_flats:
+            if f.requires_grad and f not in buckets:
+                buckets[f] = GradBucket(
+                    f,
+                    partition=part,
+                    reduce_dtype=_dtypes(mixed_precision, f.orig_dtype)[1],
+                    num_units=sum(f in fs for fs in flats),
+                )
     unit_list = [
-        Unit(s.name, s.module, f, is_root=i == 0) for i, (s, f) in enumerate(zip(specs, flats))
+        Unit(
+            s.name,
+            s.module,
+            f,
+            [buckets[x] for x in f if x in buckets],
+            is_root=i == 0,
+            owners=list(
+                dict.fromkeys(m for regs, _, _ in s.params for m, _ in regs if m is not s.module)
+            ),
+        )
+        for i, (s, f) in enumerate(zip(specs, flats))
     ]
+    materialize.leftovers(model)
     _move_buffers(model, mesh, mixed_precision)
     engine = Engine(
         model,
@@ -407,7 +631,6 @@ def _flat_params(
     def close(key: tuple[bool, torch.dtype]) -> None:
         params, owners = open_buckets.pop(key)
         flat = make(params, key[1])
-        flat.num_units = len(owners)
         for i in owners:
             per_unit[i].append(flat)
 

@@ -1,21 +1,32 @@
-"""A unit's parameters as one flat, padded, sharded buffer behind the original parameter objects.
+"""Parameter storage: a group of parameters as one flat, padded, sharded buffer behind the
+original parameter objects.
 
-The module keeps its own ``nn.Parameter`` objects (names, shapes, optimizer groups and state dicts
-keep working); their ``.data`` are views into ``full``, and their ``.grad`` views into
-``full_grad``, so autograd accumulates straight into the flat buffer that is communicated.
+The module keeps its own ``nn.Parameter`` objects (names, optimizer groups and hooks keep
+working); what their ``.data`` is depends on the storage state (``ShardState``):
 
-Buffers and who holds them (N ranks, rank r, ``range`` = this rank's optimizer range, which is
-slice r of the padded buffer when optimizer states are partitioned and the whole buffer otherwise):
+    UNSHARDED  every parameter is a view into ``full`` with its own shape, in ``param_dtype``.
+               Always so when parameters are replicated (stages 0-2).
+    SHARDED    (partitioned parameters, stage 3, at rest) every parameter keeps its shape, dtype
+               and device, but its data is one placeholder element broadcast to that shape
+               (stride 0): NaN for floating point. Reading it never touches freed memory and
+               gives NaN, not a silently wrong number; writing it raises (torch refuses writes
+               to overlapping memory). Shape-based code (``p.ndim >= 2`` for weight decay,
+               ``sum(p.numel())``) keeps working. The values are reached through
+               ``summon_full_params``, ``model.state_dict()`` or ``load_state_dict``.
 
-    full        # 1D padded_numel, param_dtype, every rank. Persistent when parameters are
-                #   replicated; when they are partitioned its storage exists only while UNSHARDED
-                #   (resized to 0 otherwise: autograd's saved views stay valid across the refill).
-    master      # 1D range numel, FP32, this rank. Aliases full[range] when full is persistent
-                #   FP32; otherwise its own storage (the only persistent copy at stage 3).
-    full_grad   # 1D padded_numel, every rank's local gradient. With ``grads_as_views`` (see
-                #   there) param_dtype, bound from a unit's backward on (persistent when gradients
-                #   are replicated); otherwise reduce_dtype, collected at the reduction.
-    shard_grad  # 1D range numel, FP32, this rank's reduced (mean) gradient, read by the optimizer.
+Tensors and who holds them (N ranks, rank r, ``range`` = this rank's optimizer range: slice r
+of the padded buffer when optimizer states are partitioned, the whole buffer otherwise):
+
+    full    # 1D padded_numel, param_dtype, every rank. Persistent when parameters are
+            #   replicated; when they are partitioned its storage exists only while UNSHARDED
+            #   (resized to 0 otherwise: autograd's saved views stay valid across the refill).
+    master  # 1D range numel, master dtype (FP32 for floating point), this rank. Its own tensor,
+            #   apart from what is gathered; it aliases full[range] only when ``full`` is a
+            #   persistent buffer of the same dtype (nothing to keep in sync then).
+
+The gather source of a partitioned ``full`` is ``master`` (cast into this rank's slot of ``full``
+when the dtypes differ): the one seam a tier below the device (ZeRO-Offload) replaces.
+Gradients are not here: ``zeroshard.model_states.grads``.
 """
 
 from __future__ import annotations
@@ -35,9 +46,9 @@ from zeroshard.stages import Partition
 
 class ShardState(enum.Enum):
     SHARDED = "sharded"
-    """Only ``master`` holds values; ``full``'s storage is empty (stage 3 at rest)."""
+    """``full``'s storage is empty; parameters are placeholders of their own shape."""
     UNSHARDED = "unsharded"
-    """``full`` holds every parameter (always so when parameters are replicated)."""
+    """``full`` holds every parameter; parameters are views into it."""
 
 
 @dataclass
@@ -56,8 +67,30 @@ class Slot:
         return self.shape.numel()
 
 
+_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One element (NaN for floats, the minimum for integers) shared by every parameter at rest."""
+    key = (dtype, device)
+    if key not in _PLACEHOLDERS:
+        if dtype.is_floating_point or dtype.is_complex:
+            fill: float | int | bool = float("nan")
+        else:
+            fill = False if dtype == torch.bool else torch.iinfo(dtype).min
+        _PLACEHOLDERS[key] = torch.full((1,), fill, dtype=dtype, device=device)
+    return _PLACEHOLDERS[key]
+
+
+def master_dtype_of(dtype: torch.dtype) -> torch.dtype:
+    """FP32 for the 16- and 32-bit float formats; wider floats and integers keep their dtype."""
+    if dtype.is_floating_point and dtype.itemsize <= MASTER_DTYPE.itemsize:
+        return MASTER_DTYPE
+    return dtype
+
+
 class FlatParam:
-    """One unit's parameters that share ``requires_grad``; see the module docstring."""
+    """Parameters sharing ``requires_grad`` and dtype, as one flat buffer (module docstring)."""
 
     def __init__(
         self,
@@ -66,15 +99,14 @@ class FlatParam:
         mesh: Mesh,
         partition: Partition,
         param_dtype: torch.dtype | None,
-        reduce_dtype: torch.dtype | None,
         ledger: C.Ledger,
         sync_module_states: bool = True,
     ) -> None:
         self.mesh, self.partition, self.ledger = mesh, partition, ledger
         self.requires_grad = params[0][0].requires_grad
-        orig_dtype = params[0][0].dtype
-        self.param_dtype = param_dtype or orig_dtype
-        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.orig_dtype = params[0][0].dtype
+        self.param_dtype = param_dtype or self.orig_dtype
+        self.master_dtype = master_dtype_of(self.orig_dtype)
         self.slots: list[Slot] = []
         offset = 0
         for p, names in params:
@@ -82,23 +114,20 @@ class FlatParam:
             offset += p.numel()
         self.numel = offset
         self.padded_numel = padded_numel(self.numel, mesh.world_size)
+        self.shard_numel = self.padded_numel // mesh.world_size
         num_opt_shards = mesh.world_size if partition.optimizer_states else 1
         self.range = shard_range(
             mesh.rank if partition.optimizer_states else 0, self.padded_numel, num_opt_shards
         )
-        self.num_units = 1  # units sharing this buffer (a bucket of replicated parameters)
         self.state = ShardState.UNSHARDED
-        self.full_grad: torch.Tensor | None = None
-        self.shard_grad: torch.Tensor | None = None
         self._gather: C.Handle | None = None
-        self._reduce: tuple[C.Handle, torch.Tensor] | None = None
-        self._init_storage(sync_module_states, orig_dtype)
+        self._init_storage(sync_module_states)
 
     # ----------------------------------------------------------------- construction
-    def _init_storage(self, sync_module_states: bool, orig_dtype: torch.dtype) -> None:
+    def _init_storage(self, sync_module_states: bool) -> None:
         device = self.mesh.device
-        # 1D padded_numel, model dtype, every rank: the values as the model was built.
-        flat = torch.zeros(self.padded_numel, dtype=orig_dtype, device=device)
+        # 1D padded_numel, model dtype, every rank, transient: the values as the model was built.
+        flat = torch.zeros(self.padded_numel, dtype=self.orig_dtype, device=device)
         with torch.no_grad():
             for s in self.slots:
                 flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
@@ -110,194 +139,110 @@ class FlatParam:
             self.full = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
         else:
             self.full = flat if flat.dtype == self.param_dtype else flat.to(self.param_dtype)
-        # A persistent FP32 ``full`` already is the master: its slice is this rank's shard.
-        self.master_aliases_full = not self.partition.parameters and (
-            self.param_dtype == MASTER_DTYPE
+        self.master_aliases_full = (
+            not self.partition.parameters and self.param_dtype == self.master_dtype
         )
         self.master: torch.Tensor | None
         if self.master_aliases_full:
             self.master = self.full[lo:hi]
-        elif self.requires_grad or self.partition.parameters:
-            self.master = flat[lo:hi].to(MASTER_DTYPE, copy=True)
+        elif self.requires_grad or self.partition.parameters or self.param_dtype != flat.dtype:
+            # Frozen replicated parameters keep one too when computing in a narrower dtype, so
+            # that state dicts return the values as built, not rounded.
+            self.master = flat[lo:hi].to(self.master_dtype, copy=True)
         else:
-            self.master = None  # frozen and replicated: ``full`` is all there is
-        for s in self.slots:
-            s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
+            self.master = None  # frozen, replicated, same dtype: ``full`` is all there is
+        self._pieces = self._master_pieces()
+        self._use_full_views()
         if self.partition.parameters:
             self.reshard()
 
+    def _master_pieces(self) -> list[slice]:
+        """For each slot, the slice of ``master`` this rank holds of it (possibly empty)."""
+        lo, hi = self.range
+        out = []
+        for s in self.slots:
+            a, b = intersect((s.offset, s.offset + s.numel), (lo, hi))
+            out.append(slice(a - lo, b - lo))
+        return out
+
+    # ----------------------------------------------------------------- views
+    def _use_full_views(self) -> None:
+        for s in self.slots:
+            s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
+
+    def _use_rest_views(self) -> None:
+        for s in self.slots:
+            s.param.data = _placeholder(self.orig_dtype, self.mesh.device).expand(s.shape)
+
     # ----------------------------------------------------------------- parameters
     def unshard(self, *, async_op: bool = True) -> None:
-        """Start gathering ``full`` from every rank's ``master`` (no-op if already unsharded)."""
+        """Start gathering ``full`` from every rank's ``master`` (no-op if already unsharded or
+        under way). Parameters become views into ``full`` at ``wait_unshard``."""
         if self.state is ShardState.UNSHARDED or self._gather is not None:
             return
-        storage = self.full.untyped_storage()
-        storage.resize_(self.padded_numel * self.full.element_size())
-        assert self.master is not None
-        shard = self.master  # 1D shard_numel, this rank's
-        if shard.dtype != self.param_dtype:
-            # Cast straight into this rank's slot of ``full`` and gather in place: no temporary.
-            lo, hi = shard_range(self.mesh.rank, self.padded_numel, self.mesh.world_size)
-            shard = self.full[lo:hi]
-            shard.copy_(self.master)
-        self._gather = C.all_gather(
-            self.full, shard, group=self.mesh.group, ledger=self.ledger, async_op=async_op
-        )
+        # Refill the same storage object: views that autograd saved in forward see the refill.
+        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        self._gather = self._gather_from_master(async_op=async_op)
 
     def wait_unshard(self) -> None:
         if self._gather is not None:
             self._gather.wait()
             self._gather = None
-            self.state = ShardState.UNSHARDED
+            if self.state is ShardState.SHARDED:
+                self.state = ShardState.UNSHARDED
+                self._use_full_views()
 
     def reshard(self) -> None:
-        """Free ``full``'s storage; only meaningful when parameters are partitioned."""
+        """Free ``full``'s storage; parameters become placeholders (partitioned only)."""
         if not self.partition.parameters:
             return
         self.wait_unshard()
+        self._use_rest_views()
         self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
-    def sync_after_step(self) -> C.Handle | None:
-        """Bring a replicated ``full`` up to date with the updated ``master``: a copy when this
-        rank owns all of it, else an all-gather of every rank's shard (in place when ``master``
-        aliases ``full``). Partitioned parameters are gathered afresh before their next use."""
-        if self.partition.parameters or not self.requires_grad:
+    @property
+    def gathering(self) -> bool:
+        return self._gather is not None
+
+    def _gather_from_master(self, *, async_op: bool) -> C.Handle:
+        """All-gather every rank's master shard into ``full``, in place: the local shard is cast
+        into this rank's slot first when the dtypes differ, so no temporary is allocated."""
+        assert self.master is not None and self.partition.optimizer_states
+        shard = self.master  # 1D shard_numel, this rank's (in place when it aliases full)
+        if shard.dtype != self.param_dtype:
+            lo, hi = shard_range(self.mesh.rank, self.padded_numel, self.mesh.world_size)
+            shard = self.full[lo:hi]
+            shard.copy_(self.master)
+        return C.all_gather(
+            self.full, shard, group=self.mesh.group, ledger=self.ledger, async_op=async_op
+        )
+
+    def refresh_full(self, *, async_op: bool = True) -> C.Handle | None:
+        """Bring a replicated ``full`` up to date with ``master`` after the master changed (an
+        optimizer step, a load): a copy when this rank holds all of it, else an all-gather of
+        every rank's shard. Partitioned parameters are gathered afresh at their next use."""
+        if self.partition.parameters or self.master is None:
             return None
-        assert self.master is not None
         if not self.partition.optimizer_states:
             if not self.master_aliases_full:
                 self.full.copy_(self.master)
             return None
-        shard = self.master.to(self.param_dtype)  # 1D shard_numel (no copy in FP32)
-        return C.all_gather(self.full, shard, group=self.mesh.group, ledger=self.ledger)
+        return self._gather_from_master(async_op=async_op)
 
-    # ----------------------------------------------------------------- gradients
-    @property
-    def grads_as_views(self) -> bool:
-        """Whether ``.grad`` are views into ``full_grad`` during backward (autograd accumulates in
-        place) or autograd's own tensors, copied into a fresh ``full_grad`` at reduction.
+    # ----------------------------------------------------------------- per-parameter access
+    def master_piece(self, index: int) -> torch.Tensor:
+        """1D view of ``master`` for slot ``index``: the elements of that parameter this rank
+        holds (possibly empty)."""
+        assert self.master is not None
+        return self.master[self._pieces[index]]
 
-        Views suit a buffer that outlives one unit's backward: replicated gradients, or a bucket
-        shared by several units. A single unit's partitioned gradient (stage 3) is copied at
-        reduction instead, as FSDP2 does: nothing is allocated (or zero-filled) before the unit's
-        first gradient exists, which keeps the start of backward, the step's peak, lower."""
-        return not self.partition.gradients or self.num_units > 1
+    def piece_range(self, index: int) -> tuple[int, int]:
+        """``[start, end)`` inside slot ``index``'s flattened parameter of ``master_piece``."""
+        s, piece = self.slots[index], self._pieces[index]
+        start = self.range[0] + piece.start - s.offset
+        return start, start + (piece.stop - piece.start)
 
-    def bind_grads(self) -> None:
-        """Point every parameter's ``.grad`` into ``full_grad`` so autograd accumulates there
-        (``grads_as_views`` buffers only; a no-op otherwise)."""
-        if not self.requires_grad or not self.grads_as_views:
-            return
-        if self.full_grad is None:
-            self.full_grad = torch.zeros(
-                self.padded_numel, dtype=self.param_dtype, device=self.mesh.device
-            )
-        elif self.shard_grad is not None and self._shard_grad_aliases_full():
-            # A second reduction before zero_grad would mix reduced and unreduced slices in
-            # place: keep what was reduced apart and start the local gradient afresh.
-            self.shard_grad = self.shard_grad.clone()
-            self.full_grad.zero_()
-        for s in self.slots:
-            grad = s.param.grad
-            if grad is not None and grad.data_ptr() == self._grad_ptr(s):
-                continue
-            view = self.full_grad[s.offset : s.offset + s.numel].view(s.shape)
-            if grad is not None:
-                view.add_(grad)  # accumulated outside the hooks (e.g. no_sync): keep it
-            s.param.grad = view
-
-    def _collect_grads(self) -> None:
-        """``full_grad`` from autograd's per-parameter gradients (zeros where there are none),
-        which are released: the reduction's input when gradients are not views. It is made in
-        ``reduce_dtype`` directly, so a wider reduction needs no second, cast copy."""
-        self.full_grad = torch.empty(
-            self.padded_numel, dtype=self.reduce_dtype, device=self.mesh.device
-        )
-        with torch.no_grad():
-            for s in self.slots:
-                view = self.full_grad[s.offset : s.offset + s.numel]
-                if s.param.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(s.param.grad.reshape(-1))
-                    s.param.grad = None
-            self.full_grad[self.numel :].zero_()
-
-    def _grad_ptr(self, s: Slot) -> int:
-        assert self.full_grad is not None
-        return self.full_grad.data_ptr() + s.offset * self.full_grad.element_size()
-
-    def _shard_grad_aliases_full(self) -> bool:
-        assert self.shard_grad is not None and self.full_grad is not None
-        return self.shard_grad.untyped_storage().data_ptr() == self.full_grad.data_ptr()
-
-    def reduce_grads(self) -> None:
-        """Start the gradient collective of the table's kind: all-reduce (replicated optimizer),
-        reduce-scatter in place into this rank's slice (replicated gradients), or reduce-scatter
-        into a new shard (partitioned gradients, so ``full_grad`` can be freed)."""
-        if not self.requires_grad or self._reduce is not None:
-            return
-        if not self.grads_as_views:
-            self._collect_grads()
-        assert self.full_grad is not None, "bind_grads() precedes the reduction of views"
-        n = self.mesh.world_size
-        send = self.full_grad.to(self.reduce_dtype)  # 1D padded, every rank (no copy if same)
-        if self.reduce_dtype == torch.float16:
-            send.div_(n)  # FP16 overflows easily: average before summing
-        group, ledger = self.mesh.group, self.ledger
-        if not self.partition.optimizer_states:
-            handle = C.all_reduce(send, group=group, ledger=ledger, label="grads")
-        else:
-            lo, hi = shard_range(self.mesh.rank, self.padded_numel, n)
-            out = send[lo:hi] if not self.partition.gradients else send.new_empty(hi - lo)
-            handle = C.reduce_scatter(out, send, group=group, ledger=ledger)
-        self._reduce = (handle, send)
-
-    def finish_reduce(self) -> None:
-        """Wait for the gradient collective, average, accumulate into ``shard_grad`` (FP32), and
-        free ``full_grad`` when gradients are partitioned."""
-        if self._reduce is None:
-            return
-        handle, _send = self._reduce
-        self._reduce = None
-        out = handle.wait()
-        if self.reduce_dtype != torch.float16:
-            out.div_(self.mesh.world_size)
-        if not self.partition.optimizer_states:
-            out = out[self.range[0] : self.range[1]]
-        reduced = out.to(MASTER_DTYPE)  # 1D range numel (alias when FP32)
-        if self.shard_grad is None:
-            self.shard_grad = reduced
-        else:
-            self.shard_grad.add_(reduced)
-        if self.partition.gradients:
-            self.free_full_grad()
-
-    def free_full_grad(self) -> None:
-        for s in self.slots:
-            s.param.grad = None
-        self.full_grad = None
-
-    def zero_grad(self) -> None:
-        self.shard_grad = None
-        if not self.grads_as_views:
-            for s in self.slots:
-                s.param.grad = None  # accumulated by autograd in no_sync micro-steps
-        if self.full_grad is None:
-            return
-        if self.partition.gradients:
-            self.free_full_grad()
-        else:
-            self.full_grad.zero_()  # persistent and bound: keep the allocation
-
-    # ----------------------------------------------------------------- optimizer view
     def pieces(self) -> list[tuple[Slot, slice]]:
-        """For each slot, the slice of ``master`` / ``shard_grad`` that this rank owns (possibly
-        empty)."""
-        lo, hi = self.range
-        out = []
-        for s in self.slots:
-            a, b = intersect((s.offset, s.offset + s.numel), (lo, hi))
-            out.append((s, slice(a - lo, b - lo)))
-        return out
+        """For each slot, the slice of ``master`` that this rank owns (possibly empty)."""
+        return list(zip(self.slots, self._pieces))

@@ -1,22 +1,28 @@
 """The sharded optimizer: any element-wise ``torch.optim`` class over this rank's FP32 master shard.
 
-Each rank builds the user's optimizer over *pieces*: views into its ``master`` shard, one per run
-of consecutive parameters that share a param group. Optimizer states are created lazily by torch
-for those pieces only, so they are partitioned exactly as the master is (stage >= 1) or replicated
-(stage 0). After the step, replicated parameters are refreshed from the updated shards.
+Each rank builds the user's optimizer class once per *sub-group*: the trainable ``FlatParam`` of a
+unit (or of a bucket of units at stages 0-2). A sub-group's optimizer sees *pieces*: views into
+that FlatParam's ``master``, one per run of consecutive parameters that share a param group.
+Optimizer states are created lazily by torch for those pieces only, so they are partitioned
+exactly as the master is (stage >= 1) or replicated (stage 0), and ``step`` runs sub-group by
+sub-group: the seam through which a lower memory tier can stream them (ZeRO-Offload).
+
+``ShardedOptimizer`` is itself a ``torch.optim.Optimizer``: its ``param_groups`` hold the model's
+original parameters and the hyperparameters, which LR schedulers change and ``step`` hands on to
+every sub-group. After the step, the engine refreshes replicated parameters (its own schedule).
 
 Loss scaling lives here too (``zeroshard.precision``): ``backward`` multiplies the loss by the
 scaler's scale; ``step`` unscales this rank's FP32 shard gradients and checks them for inf/NaN in
 one fused pass, agrees on the outcome with one one-element all-reduce ("found_inf"), and either
 steps or skips (master weights, optimizer states and step counters untouched).
 
-Element-wise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) give the same result as
-unsharded training; optimizers with per-tensor statistics (LAMB, Adafactor) would not.
+Element-wise optimizers (``ELEMENTWISE``: SGD, Adam, AdamW, Adagrad, RMSprop, ...) give the same
+result as unsharded training; others (LBFGS, Adafactor, LAMB, Muon) are refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,16 +33,61 @@ from torch import nn
 from zeroshard import collectives as C
 from zeroshard.engine import Engine, engine_of
 from zeroshard.model_states.flat_param import FlatParam
+from zeroshard.model_states.grads import GradBucket
 from zeroshard.precision import LossScaler, default_scaler
+
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop",
+        "Rprop", "ASGD",
+    )
+    if hasattr(torch.optim, name)
+)  # fmt: skip
+"""Optimizer classes whose update of an element depends on that element alone (and on scalar
+hyperparameters), so that stepping each rank's shard equals stepping the whole tensor."""
+
+_FUSED = ("Adam", "AdamW")
+"""Classes whose fused implementation zeroshard turns on by default where the device has it."""
 
 
 @dataclass
 class _Piece:
     """A contiguous slice of one FlatParam's master and shard gradient given to the optimizer."""
 
-    flat: FlatParam
     span: slice
     tensor: torch.Tensor  # 1D view of flat.master[span], this rank only
+
+
+@dataclass
+class _SubGroup:
+    """One trainable FlatParam's pieces and the torch optimizer that steps them."""
+
+    bucket: GradBucket
+    groups: list[int]  # index into the user's param groups, per torch param group below
+    pieces: list[list[_Piece]]  # per torch param group
+    optimizer: torch.optim.Optimizer
+
+
+class _States(Mapping):
+    """The sub-groups' optimizer states as one read-only mapping (piece tensor -> its state):
+    what ``torch.optim.Optimizer.state`` is to tools that walk it (memory trackers)."""
+
+    def __init__(self, maps: list[dict]) -> None:
+        self._maps = maps
+
+    def __getitem__(self, key: Any) -> Any:
+        for m in self._maps:
+            if key in m:  # never m[key]: torch's states are defaultdicts
+                return m[key]
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        for m in self._maps:
+            yield from m
+
+    def __len__(self) -> int:
+        return sum(len(m) for m in self._maps)
 
 
 def _param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
@@ -49,13 +100,43 @@ def _param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[s
     return [{"params": params}]
 
 
-class ShardedOptimizer:
-    """Wraps ``optimizer_cls`` so that it steps only this rank's shard of the master weights.
+def check_elementwise(optimizer_cls: type) -> None:
+    """A ValueError for optimizer classes not known to be element-wise."""
+    if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, ELEMENTWISE):
+        return
+    name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
+    raise ValueError(
+        f"{name} is not a known element-wise optimizer: a sharded optimizer steps each rank's "
+        "slice of a parameter on its own, which changes the result of optimizers with "
+        "per-tensor statistics or closures (LBFGS, Adafactor, LAMB, Muon). Known to be safe: "
+        f"{', '.join(c.__name__ for c in ELEMENTWISE)}. If {name} is element-wise, pass "
+        "elementwise=True"
+    )
+
+
+def _with_default_impl(
+    optimizer_cls: type, defaults: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """``defaults`` with ``fused=True`` for Adam/AdamW where the device has fused kernels and the
+    caller chose no implementation (measured on CPU: several times the for-loop path)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    if any(k in defaults for k in ("fused", "foreach", "capturable", "differentiable")):
+        return defaults
+    if optimizer_cls.__name__ not in _FUSED or not isinstance(optimizer_cls, type):
+        return defaults
+    if device.type not in _get_fused_kernels_supported_devices():
+        return defaults
+    return dict(defaults, fused=True)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Steps only this rank's shard of the master weights with ``optimizer_cls``.
 
     Call ``backward(loss)``, optionally ``clip_grad_norm(max_norm)``, then ``step()`` and
-    ``zero_grad()``. ``.optimizer`` is the inner torch optimizer (for LR schedulers).
-    ``loss_scaler`` defaults to a ``DynamicLossScaler`` when gradients are computed in FP16 and
-    to no scaling (steps with inf/NaN gradients skipped) otherwise.
+    ``zero_grad()``. LR schedulers take this object itself. ``loss_scaler`` defaults to a
+    ``DynamicLossScaler`` when gradients are computed in FP16 and to no scaling (steps with
+    inf/NaN gradients skipped) otherwise.
     """
 
     def __init__(
@@ -65,65 +146,55 @@ class ShardedOptimizer:
         params: Iterable[Any] | None = None,
         *,
         loss_scaler: LossScaler | None = None,
+        elementwise: bool = False,
         **defaults: Any,
     ) -> None:
         self.engine: Engine = engine_of(model)
+        if not elementwise:
+            check_elementwise(optimizer_cls)
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(
                 "loss_scaler must be a zeroshard LossScaler or DynamicLossScaler, got "
                 f"{type(loss_scaler).__name__}"
             )
-        self._trainable = [f for f in self.engine.flat_params if f.requires_grad]
-        self.loss_scaler = loss_scaler or default_scaler({f.param_dtype for f in self._trainable})
+        buckets = list(self.engine.buckets)
+        self.loss_scaler = loss_scaler or default_scaler({b.flat.param_dtype for b in buckets})
         self._found_inf: torch.Tensor | None = None  # (1,) FP32: set once gradients are unscaled
-        where = {}  # id(original parameter) -> (flat, its slice of master)
-        for flat in self._trainable:
-            for slot, span in flat.pieces():
-                where[id(slot.param)] = (flat, span)
-        self._groups: list[list[_Piece]] = []
-        torch_groups = []
-        for group in _param_groups(model, params):
-            pieces = self._pieces_for(group["params"], where)
-            self._groups.append(pieces)
-            torch_groups.append(dict(group, params=[p.tensor for p in pieces]))
-        self.optimizer = optimizer_cls(torch_groups, **defaults)
+        user_groups = _param_groups(model, params)
+        defaults = _with_default_impl(optimizer_cls, defaults, self.engine.mesh.device)
+        self._subgroups = _build_subgroups(buckets, user_groups, optimizer_cls, defaults)
+        class_defaults = (
+            self._subgroups[0].optimizer.defaults
+            if self._subgroups
+            else optimizer_cls([torch.zeros(1, requires_grad=True)], **defaults).defaults
+        )
+        super().__init__(user_groups, class_defaults)
+        self.optimizer_cls = optimizer_cls
+        self.state = _States([sg.optimizer.state for sg in self._subgroups])  # type: ignore[assignment]
+        self._groups_fixed = True
 
-    @staticmethod
-    def _pieces_for(params: list[nn.Parameter], where: dict) -> list[_Piece]:
-        """Merge consecutive slices of the same FlatParam into one piece (fewer, larger tensors
-        make the optimizer's kernels faster)."""
-        pieces: list[_Piece] = []
-        spans = []
-        for p in params:
-            if not p.requires_grad or p.numel() == 0:
-                continue  # nothing to update (zero-element parameters stay unsharded)
-            if id(p) not in where:
-                raise ValueError(
-                    "a parameter given to the optimizer is not part of the sharded model; pass "
-                    "model.parameters() (or groups of them) of the model given to shard()"
-                )
-            flat, span = where[id(p)]
-            if span.start < span.stop:
-                spans.append((flat, span))
-        for flat, span in spans:
-            last = pieces[-1] if pieces else None
-            if last is not None and last.flat is flat and last.span.stop == span.start:
-                last.span = slice(last.span.start, span.stop)
-            else:
-                pieces.append(_Piece(flat, span, torch.empty(0)))
-        for piece in pieces:
-            assert piece.flat.master is not None
-            piece.tensor = piece.flat.master[piece.span]
-        return pieces
+    @property
+    def optimizer(self) -> ShardedOptimizer:
+        """This object (kept for code written when the inner optimizer was separate)."""
+        return self
+
+    @property
+    def sub_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers, one per sub-group (trainable FlatParam), in step order."""
+        return [sg.optimizer for sg in self._subgroups]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_groups_fixed", False):
+            raise ValueError(
+                "a sharded optimizer's parameters are fixed at construction; pass every group "
+                "to zeroshard.optimizer(model, cls, groups)"
+            )
+        super().add_param_group(param_group)
 
     # ----------------------------------------------------------------- the step
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
     def _shard_grads(self) -> list[torch.Tensor]:
         """This rank's reduced FP32 gradients (1D, its optimizer range of each buffer)."""
-        return [f.shard_grad for f in self._trainable if f.shard_grad is not None]
+        return [b.shard_grad for b in self.engine.buckets if b.shard_grad is not None]
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         """``loss.backward()`` (times the loss scale); with ``sync=False`` gradients only
@@ -141,7 +212,8 @@ class ShardedOptimizer:
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so that their global norm (over every rank's shard) is at most
-        ``max_norm``; returns the norm before clipping, as ``torch.nn.utils.clip_grad_norm_``."""
+        ``max_norm``; returns the norm before clipping, as ``torch.nn.utils.clip_grad_norm_``
+        returns it for the unsharded model."""
         if norm_type != 2.0:
             raise ValueError("clip_grad_norm supports the 2-norm (norm_type=2.0) only")
         self._unscale()  # clip the true gradient, not the scaled one
@@ -160,8 +232,8 @@ class ShardedOptimizer:
             )
         norm = sq.sqrt()[0]
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
+        if grads:
+            torch._foreach_mul_(grads, coef)
         return norm
 
     def _unscale(self) -> None:
@@ -193,13 +265,17 @@ class ShardedOptimizer:
             )
         return bool(self._found_inf.item())  # a host sync: the decision is made on the host
 
-    def step(self) -> bool:
-        """One optimizer step on this rank's shard, then refresh replicated parameters.
+    @torch.no_grad()
+    def step(self, closure: None = None) -> bool:  # type: ignore[override]
+        """One optimizer step on this rank's shard, sub-group by sub-group; the engine then
+        refreshes replicated parameters (overlapping the next forward).
 
         Returns False when the step was skipped because some rank's gradients hold inf/NaN
         (the loss scaler then lowers its scale); master weights and optimizer states are left
         untouched. ``zero_grad`` as usual either way.
         """
+        if closure is not None:
+            raise ValueError("a sharded optimizer takes no closure (LBFGS-style re-evaluation)")
         self._unscale()
         found_inf = self.loss_scaler.checks and self._agree_found_inf()
         self._found_inf = None
@@ -207,34 +283,97 @@ class ShardedOptimizer:
         if found_inf:
             self.engine.ledger.end_step()
             return False
-        for pieces in self._groups:
-            for piece in pieces:
-                g = piece.flat.shard_grad
-                piece.tensor.grad = None if g is None else g[piece.span]
-        self.optimizer.step()
-        handles = [f.sync_after_step() for f in self._trainable]
-        for h in handles:
-            if h is not None:
-                h.wait()
+        for sg in self._subgroups:
+            self._step_subgroup(sg)
+        self.engine.params_changed()
         self.engine.ledger.end_step()
         return True
 
-    def zero_grad(self) -> None:
-        self._found_inf = None
-        for f in self._trainable:
-            f.zero_grad()
-        for pieces in self._groups:
+    def _step_subgroup(self, sg: _SubGroup) -> None:
+        g = sg.bucket.shard_grad  # 1D range numel, FP32, or None (no gradient this step)
+        for torch_group, user_index, pieces in zip(sg.optimizer.param_groups, sg.groups, sg.pieces):
+            for key, value in self.param_groups[user_index].items():
+                if key != "params":
+                    torch_group[key] = value  # what an LR scheduler changed
+            for piece in pieces:
+                piece.tensor.grad = None if g is None else g[piece.span]
+        sg.optimizer.step()
+        for pieces in sg.pieces:
             for piece in pieces:
                 piece.tensor.grad = None
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (as torch's ``state_dict``), plus the loss
-        scaler's state under ``"loss_scaler"``."""
-        return dict(self.optimizer.state_dict(), loss_scaler=self.loss_scaler.state_dict())
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._found_inf = None
+        for b in self.engine.buckets:
+            b.zero()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        scaler = state.pop("loss_scaler", None)
-        self.optimizer.load_state_dict(state)
-        if scaler is not None:
-            self.loss_scaler.load_state_dict(scaler)
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state keyed by parameter name (``zeroshard.state_dict``)."""
+        from zeroshard.state_dict import optimizer_state_dict
+
+        return optimizer_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what ``state_dict`` returns (at any world size or stage, e.g. through DCP)."""
+        from zeroshard.state_dict import load_optimizer_state_dict
+
+        load_optimizer_state_dict(self, state_dict)
+
+
+def _build_subgroups(
+    buckets: list[GradBucket],
+    user_groups: list[dict[str, Any]],
+    optimizer_cls: type[torch.optim.Optimizer],
+    defaults: dict[str, Any],
+) -> list[_SubGroup]:
+    """One torch optimizer per trainable FlatParam over the pieces of each user group in it.
+
+    Consecutive slots of one FlatParam in one group merge into one piece: fewer, larger tensors
+    make the optimizer's kernels faster."""
+    where: dict[int, tuple[GradBucket, slice]] = {}
+    for b in buckets:
+        for slot, span in b.flat.pieces():
+            where[id(slot.param)] = (b, span)
+    spans: dict[GradBucket, list[tuple[int, slice]]] = {b: [] for b in buckets}
+    for gi, group in enumerate(user_groups):
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param groups hold tensors, got {type(p).__name__}")
+            if not p.requires_grad or p.numel() == 0 and id(p) not in where:
+                continue  # nothing to update (zero-element parameters stay unsharded)
+            if id(p) not in where:
+                raise ValueError(
+                    "a parameter given to the optimizer is not part of the sharded model; pass "
+                    "model.parameters() (or groups of them) of the model given to shard()"
+                )
+            b, span = where[id(p)]
+            if span.start < span.stop:
+                spans[b].append((gi, span))
+    out = []
+    for b in buckets:
+        flat: FlatParam = b.flat
+        assert flat.master is not None
+        by_group: dict[int, list[_Piece]] = {}
+        for gi, span in sorted(spans[b], key=lambda x: (x[0], x[1].start)):
+            pieces = by_group.setdefault(gi, [])
+            if pieces and pieces[-1].span.stop == span.start:
+                pieces[-1].span = slice(pieces[-1].span.start, span.stop)
+            else:
+                pieces.append(_Piece(span, torch.empty(0)))
+        if not by_group:
+            continue
+        for pieces in by_group.values():
+            for piece in pieces:
+                piece.tensor = flat.master[piece.span]
+        groups = sorted(by_group)
+        torch_groups = [
+            dict(
+                {k: v for k, v in user_groups[gi].items() if k != "params"},
+                params=[p.tensor for p in by_group[gi]],
+            )
+            for gi in groups
+        ]
+        opt = optimizer_cls(torch_groups, **defaults)
+        out.append(_SubGroup(b, groups, [by_group[gi] for gi in groups], opt))
+    return out

@@ -153,7 +153,8 @@ def measure(case: Case) -> dict:
         forward_backward()
         opt.step()
         opt.zero_grad()
-    flat = [t for f in engine.flat_params for t in (f.full, f.master, f.full_grad) if t is not None]
+    flat = [t for f in engine.flat_params for t in (f.full, f.master)]
+    flat = [t for t in flat + [b.full_grad for b in engine.buckets] if t is not None]
     tracker = MemTracker()
     tracker.track_external(model, opt.optimizer, *flat)
     with tracker:
@@ -194,7 +195,7 @@ def _model_state_storages(engine, optimizer) -> dict[str, int]:
     flats = engine.flat_params
     return {
         "params": size(t for f in flats for t in (f.full, f.master)),
-        "grads": size(t for f in flats for t in (f.full_grad, f.shard_grad)),
+        "grads": size(t for b in engine.buckets for t in (b.full_grad, b.shard_grad)),
         "optimizer_states": size(
             t for state in optimizer.state.values() for t in state.values() if hasattr(t, "shape")
         ),

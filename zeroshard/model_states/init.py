@@ -1,0 +1,113 @@
+"""Model states at ``shard()`` time: deferred (meta-device) initialization, one unit at a time, and
+the check that every rank built the same model.
+
+A model built under ``torch.device("meta")`` has parameters without storage. ``shard`` calls the
+``Materializer`` for each FlatParam just before building it: the modules that register those
+parameters get real, empty storage on the rank's device (``torch.utils.swap_tensors``, so tied
+parameters stay one object) and are initialized by ``param_init_fn(module)`` or their own
+``reset_parameters()``. The FlatParam then keeps this rank's shard and the module's tensors are
+replaced by views, so at most one unit (or one bucket) is ever materialized in full.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from zeroshard import collectives as C
+from zeroshard.mesh import Mesh
+
+META = torch.device("meta")
+
+
+class Materializer:
+    """Gives meta-device parameters real storage and initial values, module by module."""
+
+    def __init__(
+        self, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None
+    ) -> None:
+        self.device, self.param_init_fn = device, param_init_fn
+        self._owners: dict[int, nn.Module] | None = None  # id(param) -> first registering module
+
+    def _owner_map(self, model: nn.Module) -> dict[int, nn.Module]:
+        owners: dict[int, nn.Module] = {}
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), module)
+        return owners
+
+    def bind(self, model: nn.Module) -> Materializer:
+        self._owners = self._owner_map(model)
+        return self
+
+    def __call__(self, params: list[nn.Parameter]) -> None:
+        """Materialize and initialize every module registering one of ``params`` on meta."""
+        if not any(p.device == META for p in params):
+            return
+        assert self._owners is not None, "bind(model) first"
+        modules = list(dict.fromkeys(self._owners[id(p)] for p in params if p.device == META))
+        for module in modules:
+            self._init_module(module)
+
+    def _init_module(self, module: nn.Module) -> None:
+        for p in module.parameters(recurse=False):
+            if p.device == META:
+                new = nn.Parameter(torch.empty_like(p, device=self.device), p.requires_grad)
+                torch.utils.swap_tensors(p, new)  # same object: ties and optimizer refs hold
+        for name, b in module.named_buffers(recurse=False):
+            if b.device == META:
+                module._buffers[name] = torch.empty_like(b, device=self.device)
+        with torch.no_grad():
+            if self.param_init_fn is not None:
+                self.param_init_fn(module)
+            elif callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+            else:
+                raise ValueError(
+                    f"{type(module).__name__} was built on the meta device and has no "
+                    "reset_parameters(); pass shard(..., param_init_fn=fn), fn(module) "
+                    "initializing a module's own parameters and buffers in place (e.g. a "
+                    "Hugging Face model's _init_weights)"
+                )
+
+    def leftovers(self, model: nn.Module) -> None:
+        """Materialize what no FlatParam took: zero-element parameters, buffers of modules
+        without parameters."""
+        for module in model.modules():
+            on_meta = any(t.device == META for t in module.parameters(recurse=False)) or any(
+                t.device == META for t in module.buffers(recurse=False)
+            )
+            if on_meta:
+                self._init_module(module)
+
+
+def fingerprint(model: nn.Module) -> int:
+    """A 63-bit hash of every parameter's and buffer's name, shape, dtype and requires_grad."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        h.update(f"p {name} {tuple(p.shape)} {p.dtype} {p.requires_grad};".encode())
+    for name, b in model.named_buffers(remove_duplicate=False):
+        h.update(f"b {name} {tuple(b.shape)} {b.dtype};".encode())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+def check_same_model(model: nn.Module, mesh: Mesh) -> None:
+    """A ValueError, on every rank, when the ranks' models differ in structure (names, shapes,
+    dtypes, requires_grad): sharding them would hang or mix unrelated tensors."""
+    if mesh.world_size == 1:
+        return
+    mine = torch.tensor([fingerprint(model)], dtype=torch.int64, device=mesh.device)
+    every = torch.empty(mesh.world_size, dtype=torch.int64, device=mesh.device)
+    C.all_gather(
+        every, mine, group=mesh.group, ledger=C.Ledger(), label="fingerprint", async_op=False
+    )
+    differ = [r for r, v in enumerate(every.tolist()) if v != every[0].item()]
+    if differ:
+        raise ValueError(
+            f"the model differs across ranks: ranks {differ} have other parameter names, shapes, "
+            "dtypes or requires_grad than rank 0; build the same model on every rank before "
+            "zeroshard.shard()"
+        )
