@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from zeroshard import wrap
-from zeroshard.models.gpt import GPT, PRESETS, Block
+from zeroshard.models.gpt import GPT, PRESETS, Block, GPTConfig
 
 
 class FrozenMLP(nn.Module):
@@ -103,3 +103,123 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0},
     ]
+
+
+# ----------------------------------------------------------------------------- engine-use models
+# Models whose forward uses units in unusual ways (tests/test_engine_use.py). Each is the nano GPT
+# with another forward; its parameters (and so the initialization from a seed) are the nano GPT's.
+
+
+class BlockTwiceGPT(GPT):
+    """The nano GPT whose forward applies ``blocks[0]`` twice: a unit used twice per forward."""
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None):
+        T = idx_BT.shape[1]
+        x_BTC = self.wte(idx_BT) + self.wpe(torch.arange(T, device=idx_BT.device))
+        x_BTC = self.blocks[0](self.blocks[0](x_BTC))
+        for block in self.blocks[1:]:
+            x_BTC = block(x_BTC)
+        logits_BTV = self.lm_head(self.ln_f(x_BTC))
+        if targets_BT is None:
+            return logits_BTV
+        return nn.functional.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
+
+
+class CheckpointedBlock(Block):
+    """A block whose attention and MLP are recomputed in backward (checkpoint inside a unit)."""
+
+    use_reentrant = False
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        def attn(x):
+            return self.attn(self.ln_1(x))
+
+        def mlp(x):
+            return self.mlp(self.ln_2(x))
+
+        x_BTC = x_BTC + checkpoint(attn, x_BTC, use_reentrant=self.use_reentrant)
+        return x_BTC + checkpoint(mlp, x_BTC, use_reentrant=self.use_reentrant)
+
+
+class CheckpointedGPT(GPT):
+    """The nano GPT with activation checkpointing ``where``:
+
+    "inside"  inside each block (a unit): its attention and MLP are checkpointed separately
+    "around"  around each block: ``checkpoint(block, x)``, the unit's hooks run inside it
+    "pair"    around both blocks at once: one checkpoint recomputes two consecutive units
+
+    ``use_reentrant`` picks torch's implementation; ``early_stop`` False runs the forward under
+    ``set_checkpoint_early_stop(False)`` (non-reentrant: recompute the whole function).
+    """
+
+    def __init__(self, where: str, use_reentrant: bool, early_stop: bool = True) -> None:
+        super().__init__(PRESETS["nano"])
+        if where not in ("inside", "around", "pair"):
+            raise ValueError(where)
+        self.where, self.use_reentrant, self.early_stop = where, use_reentrant, early_stop
+        if where == "inside":
+            for block in self.blocks:
+                block.__class__ = CheckpointedBlock
+                block.use_reentrant = use_reentrant
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None):
+        import contextlib
+
+        from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+        early = contextlib.nullcontext() if self.early_stop else set_checkpoint_early_stop(False)
+        with early:
+            T = idx_BT.shape[1]
+            x_BTC = self.wte(idx_BT) + self.wpe(torch.arange(T, device=idx_BT.device))
+            if self.where == "inside":
+                for block in self.blocks:
+                    x_BTC = block(x_BTC)
+            elif self.where == "around":
+                for block in self.blocks:
+                    x_BTC = checkpoint(block, x_BTC, use_reentrant=self.use_reentrant)
+            else:
+
+                def both(x):
+                    for block in self.blocks:
+                        x = block(x)
+                    return x
+
+                x_BTC = checkpoint(both, x_BTC, use_reentrant=self.use_reentrant)
+            logits_BTV = self.lm_head(self.ln_f(x_BTC))
+        if targets_BT is None:
+            return logits_BTV
+        return nn.functional.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
+
+
+class SkippingGPT(GPT):
+    """The nano GPT with three blocks, of which ``skip`` (a set of block indices, changed by the
+    caller between steps) are left out of the forward: the order of units changes."""
+
+    def __init__(self) -> None:
+        super().__init__(GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=64))
+        self.skip: set[int] = set()
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None):
+        T = idx_BT.shape[1]
+        x_BTC = self.wte(idx_BT) + self.wpe(torch.arange(T, device=idx_BT.device))
+        for i, block in enumerate(self.blocks):
+            if i not in self.skip:
+                x_BTC = block(x_BTC)
+        logits_BTV = self.lm_head(self.ln_f(x_BTC))
+        if targets_BT is None:
+            return logits_BTV
+        return nn.functional.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
+
+
+def hf_t5():
+    """A tiny real Hugging Face T5 (encoder-decoder, tied embeddings) and its wrap policy."""
+    import transformers
+
+    config = transformers.T5Config(
+        d_model=16, d_ff=32, num_layers=2, num_heads=2, vocab_size=64, d_kv=8, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    return model, wrap.from_hf(model)

@@ -39,6 +39,7 @@ from zeroshard.model_states.flat_param import FlatParam, ShardState
 from zeroshard.model_states.grads import GradBucket
 from zeroshard.model_states.init import Materializer, check_same_model
 from zeroshard.precision import MixedPrecision, apply_tf32, policy_of
+from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.stages import Partition, partition
 from zeroshard.wrap import UnitSpec, WrapPolicy, units
 
@@ -67,12 +68,21 @@ class ShardConfig:
     buffers alive at stage 2/3)."""
     sync_module_states: bool = True
     """Broadcast rank 0's parameters at shard time so every rank starts identical."""
+    checkpoint_every: int = 0
+    """Activation checkpointing (ZeRO-R, the article's ``ci``): spans of this many chained units
+    keep only their inputs for backward and recompute the rest (0: off; 1: every unit on its
+    own). See ``zeroshard.residual_states.activations``."""
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0, got {self.bucket_bytes}")
         if self.num_prefetch < 0:
             raise ValueError(f"num_prefetch must be >= 0, got {self.num_prefetch}")
+        if self.checkpoint_every < 0:
+            raise ValueError(
+                f"checkpoint_every must be >= 0 (0: off, k: units per span), got "
+                f"{self.checkpoint_every}"
+            )
         if self.max_inflight_reductions < 1:
             raise ValueError(
                 f"max_inflight_reductions must be >= 1, got {self.max_inflight_reductions}"
@@ -230,6 +240,18 @@ class Engine:
         self._units_left: dict[GradBucket, int] = {}  # per backward: units yet to finish
         self._refresh: dict[FlatParam, C.Handle] = {}  # post-step gathers in flight
         self._summoned = 0  # depth of summon_full_params
+        self.checkpointing = (
+            SpanCheckpointing(config.checkpoint_every, mesh.device)
+            if config.checkpoint_every
+            else None
+        )
+        inner = [u for u in unit_list if not u.is_root]
+        # Outermost non-root units only: a unit inside another is covered by the outer one.
+        self._checkpointed = {
+            u
+            for u in inner
+            if not any(u.name.startswith(o.name + ".") for o in inner if o is not u)
+        }
         self._handles: list[Any] = []
         for unit in unit_list:
             self._install_hooks(unit)
@@ -252,6 +274,10 @@ class Engine:
         self._handles.append(
             unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
         )
+        if self.checkpointing is not None and unit in self._checkpointed:
+            # Runs first, and also when the forward raised: the saved-tensor hooks must pop.
+            stop = torch._dynamo.disable(lambda m, a, o: self._stop_dropping(), recursive=True)
+            self._handles.append(unit.module.register_forward_hook(stop, always_call=True))
         self._handles.append(unit.module.register_forward_hook(post))
         if not self.partition.parameters:
             return
@@ -286,6 +312,7 @@ class Engine:
         """Before a use of ``unit``: its module's own call (``entry``) or an owner's (a lend)."""
         recompute = _in_backward()
         root_entry = unit.is_root and entry
+        raw_args, raw_kwargs = args, kwargs
         if root_entry and not recompute:
             self._begin_forward()
         if self._recording is not None and not recompute and unit not in self._recording:
@@ -305,7 +332,13 @@ class Engine:
             # above 0 and the end-of-backward callback finishes the unit.
             unit.pending_uses += 1
             (args, kwargs), _ = _on_backward(lambda: self._post_backward(unit), (args, kwargs))
+            if self.checkpointing is not None and entry and unit in self._checkpointed:
+                self.checkpointing.enter(unit.module, raw_args, raw_kwargs)
         return args, kwargs
+
+    def _stop_dropping(self) -> None:
+        if self.checkpointing is not None and not _in_backward():
+            self.checkpointing.exit()
 
     def _post_forward(self, unit: Unit, output: Any, *, entry: bool = True) -> Any:
         if _in_backward():
@@ -326,10 +359,17 @@ class Engine:
                 output = _cast_floats(output, self.mixed_precision.output_dtype)
         if grad:
             output, _ = _on_backward(lambda: self._pre_backward(unit), output)
+        if self.checkpointing is not None:
+            if root_entry:
+                self.checkpointing.close()
+            elif entry and unit in self._checkpointed:
+                self.checkpointing.note_output(output)
         return output
 
     def _begin_forward(self) -> None:
         self.phase = Phase.FORWARD
+        if self.checkpointing is not None:
+            self.checkpointing.close()
         self._recording = []
         self._finish_reductions(keep=0)  # a backward not followed by a step left some in flight
         stale = [u for u in self.units if u.state is not TrainingState.IDLE]

@@ -40,6 +40,8 @@ class TrainConfig:
     """ZeRO stage 0-3."""
     precision: str = "fp32"
     """fp32, tf32, bf16, fp16 or auto (BF16 where the device supports it, else FP32)."""
+    checkpoint_every: int = 0
+    """Activation checkpointing: spans of this many blocks keep only their input (0: off)."""
     steps: int = 200
     """Optimizer steps."""
     batch_size: int = 16
@@ -66,6 +68,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         preset(self.preset)  # a ValueError listing the presets
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.stage not in zeroshard.STAGES:
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage}")
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every"):
@@ -152,8 +156,9 @@ def train(cfg: TrainConfig) -> dict:
     num_params = sum(p.numel() for p in model.parameters())
     policy = zeroshard.precision.resolve(cfg.precision, device)
     model = zeroshard.shard(
-        model, stage=cfg.stage, wrap=zeroshard.wrap.by_class(Block), mixed_precision=policy
-    )
+        model, stage=cfg.stage, wrap=zeroshard.wrap.by_class(Block), mixed_precision=policy,
+        config=zeroshard.ShardConfig(checkpoint_every=cfg.checkpoint_every),
+    )  # fmt: skip
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -8,6 +8,7 @@ in several units (tied embeddings) is owned by their deepest common ancestor uni
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -67,6 +68,8 @@ def by_size(min_num_params: int) -> WrapPolicy:
             return remaining
 
         visit("", model)
+        if not chosen:
+            _warn_one_unit(model, f"by_size({min_num_params:,})")
         return chosen
 
     return policy
@@ -76,9 +79,21 @@ def by_predicate(predicate: Callable[[str, nn.Module], bool]) -> WrapPolicy:
     """Every submodule ``(name, module)`` for which ``predicate`` is true."""
 
     def policy(model: nn.Module) -> list[str]:
-        return [name for name, m in model.named_modules() if name and predicate(name, m)]
+        names = [name for name, m in model.named_modules() if name and predicate(name, m)]
+        if not names:
+            _warn_one_unit(model, "by_predicate")
+        return names
 
     return policy
+
+
+def _warn_one_unit(model: nn.Module, policy: str) -> None:
+    warnings.warn(
+        f"wrap policy {policy} matches no submodule of {type(model).__name__}: the whole model "
+        "is one unit (stage 3 then gathers every parameter at once); lower the size or use "
+        "by_class(...)",
+        stacklevel=3,
+    )
 
 
 def from_hf(model: nn.Module) -> WrapPolicy:

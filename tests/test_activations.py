@@ -1,0 +1,118 @@
+"""Activation checkpointing every k units (ZeRO-R): parity with unsharded training, spans formed
+from chained units, and what is saved for backward."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from parity_models import batch
+
+import zeroshard
+from zeroshard.engine import ShardConfig
+from zeroshard.models.gpt import GPT, Block, GPTConfig
+
+CFG = GPTConfig(n_layer=5, n_embd=32, n_head=2, block_size=16, vocab_size=256)
+
+
+def _train(stage: int, every: int, steps: int = 4) -> dict:
+    """Sharded training with checkpoint_every against an unsharded reference, same batches."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = zeroshard.shard(
+        copy.deepcopy(ref),
+        stage=stage,
+        wrap=zeroshard.wrap.by_class(Block),
+        config=ShardConfig(checkpoint_every=every, bucket_bytes=0),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    worst = 0.0
+    for step in range(steps):
+        x, y = batch("gpt", step, 2 * world)
+        mine = slice(2 * rank, 2 * rank + 2)
+        loss = model(x[mine], y[mine])
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        worst = max(worst, abs(total.item() / world - ref_loss.item()))
+    with zeroshard.summon_full_params(model):
+        param = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    spans = zeroshard.engine_of(model).checkpointing.num_spans
+    return {"loss": worst, "param": param, "spans_per_step": spans / steps}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("every", [1, 2, 5])
+def test_checkpoint_every_k_units_matches_unsharded_training(workers2, stage, every):
+    for r in workers2.run(_train, stage, every):
+        assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
+        assert r["spans_per_step"] == math.ceil(CFG.n_layer / every), r
+
+
+def _saved_bytes(every: int) -> int:
+    """Bytes autograd keeps for backward outside checkpoint spans, for one forward."""
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        GPT(CFG),
+        stage=3,
+        wrap=zeroshard.wrap.by_class(Block),
+        config=ShardConfig(checkpoint_every=every),
+    )
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x, y = batch("gpt", 0, 2)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, y)
+    loss.backward()
+    return sum(saved.values())
+
+
+def test_longer_spans_save_less(workers2):
+    sizes = {k: workers2.run(_saved_bytes, k)[0] for k in (0, 1, 5)}
+    assert sizes[0] > sizes[1] > sizes[5], sizes
+
+
+def _broken_chain() -> int:
+    """A model that feeds every block the embedding, not the previous block: no chain."""
+
+    class Fan(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            return sum(b(x) for b in self.blocks).square().mean()
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        Fan(),
+        stage=3,
+        wrap=zeroshard.wrap.by_class(torch.nn.Linear),
+        config=ShardConfig(checkpoint_every=4),
+    )
+    model(torch.randn(3, 8, requires_grad=True)).backward()
+    return zeroshard.engine_of(model).checkpointing.num_spans
+
+
+def test_units_not_chained_get_a_span_each(workers2):
+    assert workers2.run(_broken_chain) == [4, 4]
+
+
+def test_checkpoint_every_must_not_be_negative():
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        ShardConfig(checkpoint_every=-1)

@@ -1,0 +1,137 @@
+"""Activation checkpointing every ``k`` units (the article's ``ci``): ZeRO-R's first lever.
+
+Consecutive units form a *span* of up to ``k`` units while each one's first positional input is
+the previous one's first output (the usual ``for block in blocks: x = block(x, ...)`` chain).
+Inside a span nothing is saved for backward but the span's inputs: every tensor autograd would
+save is dropped and recomputed in backward by replaying the span's units in order from its
+inputs (with the RNG state and autocast of the forward). That is ``ceil(nl / k)`` saved inputs
+instead of every block's activations, for one extra forward of each span.
+
+The mechanism is PyTorch's non-reentrant checkpoint (``torch.utils.checkpoint``): one checkpoint
+frame per span, its saved-tensor hooks entered around each unit's forward only, so that code the
+model runs between units (not replayed) saves its tensors normally. A chain that breaks (a unit
+fed something else, a unit used twice) closes the span; the next unit opens a new one. Units
+nested inside another unit are not checkpointed on their own (the outer one covers them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as ckpt
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+
+def _first_tensor(tree: Any) -> torch.Tensor | None:
+    for leaf in tree_flatten(tree)[0]:
+        if torch.is_tensor(leaf):
+            return leaf
+    return None
+
+
+@dataclass
+class _Span:
+    frame: Any  # torch.utils.checkpoint._CheckpointFrame
+    calls: list[tuple[nn.Module, tuple, dict]] = field(default_factory=list)
+    """(module, positional args after the first, kwargs) per unit; the first call's args whole."""
+    last_output: torch.Tensor | None = None
+    hooks: Any = None  # the saved-tensor hooks while a unit of the span computes
+
+
+class SpanCheckpointing:
+    """Checkpoints spans of up to ``every`` chained units (module docstring)."""
+
+    def __init__(self, every: int, device: torch.device) -> None:
+        if every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1 (blocks per span), got {every}")
+        self.every, self.device = every, device
+        self._span: _Span | None = None
+        self.num_spans = 0
+        """Spans opened since construction (for tests and the planner's ``nl / ci``)."""
+
+    # ----------------------------------------------------------------- forward
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before a unit's forward (grad enabled, not a recomputation): join or open a span and
+        start dropping what autograd saves."""
+        span = self._span
+        first = args[0] if args else None
+        joins = (
+            span is not None
+            and len(span.calls) < self.every
+            and first is not None
+            and first is span.last_output
+            and all(m is not module for m, _, _ in span.calls)
+        )
+        if not joins:
+            self.close()
+            span = self._span = self._open(args)
+            span.calls.append((module, args, kwargs))
+        else:
+            assert span is not None
+            span.calls.append((module, args[1:], kwargs))
+        span.hooks = ckpt._checkpoint_hook(span.frame)
+        span.hooks.__enter__()
+
+    def exit(self) -> None:
+        """After a unit's forward (also when it raised): stop dropping saved tensors."""
+        span = self._span
+        if span is not None and span.hooks is not None:
+            hooks, span.hooks = span.hooks, None
+            hooks.__exit__(None, None, None)
+
+    def note_output(self, output: Any) -> None:
+        """The unit's output as the model receives it: the next unit continues the chain if its
+        first input is this tensor."""
+        if self._span is not None:
+            self._span.last_output = _first_tensor(output)
+
+    def close(self) -> None:
+        """End the open span (end of forward, or a broken chain)."""
+        if self._span is not None:
+            self.exit()
+            self._span.frame.forward_completed = True
+            self._span = None
+
+    # ----------------------------------------------------------------- recomputation
+    def _open(self, args: tuple) -> _Span:
+        """A checkpoint frame whose recomputation replays the span's units in order."""
+        calls: list[tuple[nn.Module, tuple, dict]] = []
+        device_type = self.device.type
+        cpu_rng = torch.get_rng_state()
+        devices: list[int] = []
+        device_states: list[torch.Tensor] = []
+        device_module = getattr(torch, device_type, None)
+        if device_type != "cpu" and getattr(device_module, "_initialized", False):
+            devices, device_states = ckpt.get_device_states(*args)
+        device_autocast, cpu_autocast = ckpt._get_autocast_kwargs(device_type=device_type)
+
+        def recompute(*inputs: Any) -> None:
+            with torch.random.fork_rng(devices=devices, device_type=device_type):
+                torch.set_rng_state(cpu_rng)
+                if devices:
+                    ckpt.set_device_states(devices, device_states, device_type=device_type)
+                autocast = (
+                    torch.amp.autocast(device_type=device_type, **device_autocast)
+                    if device_type != "cpu" and torch.amp.is_autocast_available(device_type)
+                    else contextlib.nullcontext()
+                )
+                with autocast, torch.amp.autocast("cpu", **cpu_autocast):
+                    out: Any = None
+                    for i, (module, rest, kwargs) in enumerate(calls):
+                        call_args = inputs if i == 0 else (_first_tensor(out), *rest)
+                        out = module(*call_args, **kwargs)
+
+        early_stop = ckpt._enable_checkpoint_early_stop
+        frame = ckpt._CheckpointFrame(
+            recompute,
+            True if early_stop is None else early_stop,
+            None,
+            ckpt._allowed_determinism_checks_to_fns[ckpt._DEFAULT_DETERMINISM_MODE],
+        )
+        frame.save_inputs(*args)
+        self.num_spans += 1
+        return _Span(frame, calls)
