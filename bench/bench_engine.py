@@ -6,6 +6,11 @@ random tokens) is trained by
     zeroshard stage 3        vs  FSDP2 ``fully_shard`` on each Block then the root (fp32, and bf16:
                                  param bf16 / reduce fp32 on both sides)
     zeroshard stages 0, 1, 2 vs  ``DistributedDataParallel`` (gradient_as_bucket_view=True)
+    zeroshard stage 3        vs  the no-communication floor: each rank training the plain model
+                                 alone on its own batch (what sharding cannot beat)
+
+Every contender uses the same AdamW implementation (--optimizer; fused by default, zeroshard's
+default where the device has it).
 
 Timing: after --warmup steps each, the contenders alternate in blocks of --steps steps for
 --rounds rounds (the starting contender rotates every round); a step is forward + backward +
@@ -81,6 +86,10 @@ def _seeded_gpt(preset: str) -> GPT:
     return GPT(PRESETS[preset])
 
 
+OPTIM: dict = {}
+"""The AdamW implementation every contender uses (set from --optimizer)."""
+
+
 def zeroshard_contender(preset: str, stage: int, bf16: bool) -> Contender:
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -92,14 +101,13 @@ def zeroshard_contender(preset: str, stage: int, bf16: bool) -> Contender:
         mixed_precision=mp if bf16 else None,
         config=zeroshard.ShardConfig(),
     )
-    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=LR)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=LR, **OPTIM)
 
     def tracker() -> MemTracker:
         t = MemTracker()
-        flats = zeroshard.engine_of(model).flat_params
-        extra = [
-            getattr(f, a) for f in flats for a in ("full", "master", "full_grad", "shard_grad")
-        ]
+        engine = zeroshard.engine_of(model)
+        extra = [t for f in engine.flat_params for t in (f.full, f.master)]
+        extra += [t for b in engine.buckets for t in (b.full_grad, b.shard_grad)]
         # Engine tensors first, then the model (re-tags parameter storage as Parameter).
         t.track_external(*[x for x in extra if x is not None], model, opt.optimizer)
         return t
@@ -130,7 +138,7 @@ def fsdp2_contender(preset: str, bf16: bool) -> Contender:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, **OPTIM)
     return Contender(
         name="fsdp2" + ("-bf16" if bf16 else ""),
         model=model,
@@ -149,7 +157,7 @@ def ddp_contender(preset: str) -> Contender:
     # Bucket views: gradients live in the communication buckets (no second copy), so the
     # baseline holds 16 Psi like stage 0 rather than DDP's default 20 Psi.
     model = DDP(_seeded_gpt(preset), gradient_as_bucket_view=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, **OPTIM)
 
     def tracker() -> MemTracker:
         t = MemTracker()
@@ -158,6 +166,29 @@ def ddp_contender(preset: str) -> Contender:
 
     return Contender(
         name="ddp",
+        model=model,
+        forward=lambda x, y: model(x, y),
+        backward=lambda loss: loss.backward(),
+        opt_step=opt.step,
+        zero_grad=opt.zero_grad,
+        tracker=tracker,
+    )
+
+
+def floor_contender(preset: str) -> Contender:
+    """The plain model on one rank's batch, no communication at all."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = _seeded_gpt(preset)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, **OPTIM)
+
+    def tracker() -> MemTracker:
+        t = MemTracker()
+        t.track_external(model, opt)
+        return t
+
+    return Contender(
+        name="alone",
         model=model,
         forward=lambda x, y: model(x, y),
         backward=lambda loss: loss.backward(),
@@ -227,6 +258,9 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = PRESETS[args.preset]
+    OPTIM.update({"fused": {"fused": True}, "foreach": {"foreach": True}}.get(args.optimizer, {}))
+    if args.optimizer == "forloop":
+        OPTIM.update(foreach=False, fused=False)
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
     contenders: list[Contender] = []
     if "fp32" in precisions:
@@ -237,6 +271,7 @@ def worker(args: argparse.Namespace) -> None:
         # DDP between stages 1 and 2, so that each pair of contenders runs back to back.
         contenders += [zeroshard_contender(args.preset, 1, False), ddp_contender(args.preset)]
         contenders += [zeroshard_contender(args.preset, s, False) for s in (2, 0)]
+        contenders += [floor_contender(args.preset)]
     if "bf16" in precisions:
         contenders += [
             zeroshard_contender(args.preset, 3, True),
@@ -321,9 +356,10 @@ def report(args, psi: int, n: int, names: list[str], gathered: list[dict]) -> No
     pairs = [
         ("zeroshard-3", "fsdp2", 3, "fp32", 0.9, 1.0),
         ("zeroshard-3-bf16", "fsdp2-bf16", 3, "bf16", 0.9, 1.0),
+        ("zeroshard-3", "alone", 3, "fp32", 1.10, None),
         ("zeroshard-0", "ddp", 0, "fp32", 1.05, None),
-        ("zeroshard-1", "ddp", 1, "fp32", 1.05, None),
-        ("zeroshard-2", "ddp", 2, "fp32", 1.05, None),
+        ("zeroshard-1", "ddp", 1, "fp32", 1.00, None),
+        ("zeroshard-2", "ddp", 2, "fp32", 1.00, None),
     ]
     for ours, base, stage, prec, time_target, mem_target in pairs:
         if ours not in s:
@@ -336,6 +372,8 @@ def report(args, psi: int, n: int, names: list[str], gathered: list[dict]) -> No
             statistics.quantiles(per_round, n=4) if len(per_round) > 1 else [per_round[0]] * 3
         )
         m_ratio = a["peak_bytes"] / b["peak_bytes"]
+        if base == "alone":
+            mem_target = None  # the floor holds the whole model: memory is compared elsewhere
         formula = formula_bytes(stage, psi, n)
         ms_ratio = a["model_state_bytes"] / formula
         rows.append(
@@ -359,6 +397,7 @@ def report(args, psi: int, n: int, names: list[str], gathered: list[dict]) -> No
                 # Stages 0-2: the target is the model state the formula predicts (within 5%,
                 # the padding and the tiny scalars aside).
                 "memory_met": m_ratio <= mem_target if mem_target else abs(ms_ratio - 1) <= 0.05,
+                "runs": 1,
                 "ours_model_state_bytes": a["model_state_bytes"],
                 "base_model_state_bytes": b["model_state_bytes"],
                 "formula_bytes": formula,
@@ -367,7 +406,8 @@ def report(args, psi: int, n: int, names: list[str], gathered: list[dict]) -> No
     print()
     print(
         f"preset {args.preset} (Psi = {psi:,} parameters), {n} gloo ranks x 1 thread, batch "
-        f"{args.batch} x seq {args.seq} per rank, AdamW; {args.rounds} rounds x {args.steps} "
+        f"{args.batch} x seq {args.seq} per rank, AdamW ({args.optimizer}); {args.rounds} rounds "
+        f"x {args.steps} "
         f"steps after {args.warmup} warm-up, median of the slowest rank; memory: peak per rank "
         f"(MiB) over {args.mem_steps} tracked steps"
     )
@@ -421,6 +461,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
     p.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
     p.add_argument("--json", default=None, help="also write the results to this path")
+    p.add_argument(
+        "--optimizer", choices=["fused", "foreach", "forloop"], default="fused",
+        help="AdamW implementation, the same for every contender",
+    )  # fmt: skip
+    p.add_argument("--runs", type=int, default=1, help="whole runs; >1 adds a median/range table")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.seq > PRESETS[args.preset].block_size:
@@ -432,15 +477,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _launch(argv: list[str]) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(NPROC), __file__, "--worker", *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.call(cmd, env=env)
+
+
+def _across_runs(paths: list[str]) -> None:
+    """Median and range over whole runs of each comparison's paired time ratio and peak ratio."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    print(f"\nacross {len(runs)} runs (median [min-max] of each run's paired median ratio)")
+    print("| comparison | time ratio | target | met (median) | peak ratio |")
+    print("|---|---|---|---|---|")
+    for i, row in enumerate(runs[0]["rows"]):
+        t = [r["rows"][i]["time_ratio"] for r in runs]
+        m = [r["rows"][i]["peak_ratio"] for r in runs]
+        med = statistics.median(t)
+        print(
+            f"| {row['comparison']} ({row['precision']}) | {med:.3f} [{min(t):.3f}-{max(t):.3f}] "
+            f"| <= {row['time_target']:.2f} | {'yes' if med <= row['time_target'] else 'NO'} "
+            f"| {statistics.median(m):.3f} [{min(m):.3f}-{max(m):.3f}] |"
+        )
+
+
 def main() -> int:
     args = parse_args()
     if args.worker:
         worker(args)
         return 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(NPROC), __file__, "--worker", *sys.argv[1:]]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.call(cmd, env=env)
+    if args.runs <= 1:
+        return _launch(sys.argv[1:])
+    import tempfile
+
+    argv, skip = [], False
+    for a in sys.argv[1:]:  # the same flags, less --runs and --json (each run writes its own)
+        if skip or a.startswith(("--runs", "--json")):
+            skip = not skip and "=" not in a
+            continue
+        argv.append(a)
+    paths = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            path = f"{tmp}/run{i}.json"
+            print(f"== run {i + 1}/{args.runs}", flush=True)
+            if rc := _launch([*argv, "--json", path]):
+                return rc
+            paths.append(path)
+        _across_runs(paths)
+    return 0
 
 
 if __name__ == "__main__":

@@ -138,6 +138,17 @@ class GPT(nn.Module):
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
+    def init_module(self, module: nn.Module) -> None:
+        """Initialize ``module``'s own parameters in place, as ``__init__`` does (same
+        distributions): for a model built on the meta device and materialized one module at a
+        time, e.g. ``zeroshard.shard(model, param_init_fn=model.init_module)``."""
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        self._init_weights(module)
+        residual = any(module is b.attn.proj or module is b.mlp.proj for b in self.blocks)
+        if residual and isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):

@@ -1,0 +1,537 @@
+"""How a sharded model may be used, on real gloo ranks against an unsharded reference trained in
+the same test: units used several times per forward, several forwards per backward, activation
+checkpointing inside and around units, parameters at rest and ``summon_full_params``, submodules
+called on their own (Hugging Face T5's ``generate``), ``torch.compile`` per block, forwards whose
+path changes, and misuse that must be a clear error.
+
+Every parity test runs at each stage with the default ``ShardConfig`` and with
+``bucket_bytes=0`` (one gradient bucket per unit). Losses and parameters must agree within 1e-5
+(FP32; 1e-4 for compiled code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from parity_models import (
+    BlockTwiceGPT,
+    CheckpointedGPT,
+    SkippingGPT,
+    batch,
+    build,
+    hf_t5,
+    loss_of,
+    param_groups,
+)
+
+import zeroshard
+from zeroshard import wrap
+from zeroshard.engine import ShardConfig
+from zeroshard.models.gpt import PRESETS, Block
+
+PER_RANK_BATCH = 4
+STAGES = [0, 1, 2, 3]
+CONFIGS = pytest.mark.parametrize("bucket_bytes", [None, 0], ids=["default", "unit_buckets"])
+TOL = 1e-5
+
+
+# ----------------------------------------------------------------------------- harness
+def _config(bucket_bytes: int | None, **kw) -> ShardConfig | None:
+    if bucket_bytes is None and not kw:
+        return None
+    return ShardConfig(**kw) if bucket_bytes is None else ShardConfig(bucket_bytes=bucket_bytes, **kw)
+
+
+def _make(name: str):
+    """(model, wrap policy, data kind) of a named model; seed before calling."""
+    by_block = wrap.by_class(Block)
+    if name == "gpt":
+        return *build("gpt"), "gpt"
+    if name == "twice":
+        return BlockTwiceGPT(PRESETS["nano"]), by_block, "gpt"
+    if name == "skip":
+        return SkippingGPT(), by_block, "gpt"
+    if name.startswith("ckpt:"):  # ckpt:<where>:<reentrant|nonreentrant|nonreentrant_full>
+        _, where, mode = name.split(":")
+        model = CheckpointedGPT(
+            where, use_reentrant=mode == "reentrant", early_stop=mode != "nonreentrant_full"
+        )
+        return model, by_block, "gpt"
+    if name.startswith("hf_gpt2"):  # hf_gpt2[:reentrant|:nonreentrant]: HF's own checkpointing
+        model, policy = build("hf_gpt2")
+        if ":" in name:
+            kwargs = {"use_reentrant": name.endswith(":reentrant")}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable()
+        model.train()
+        return model, policy, "hf_gpt2"
+    if name == "t5":
+        return *hf_t5(), "t5"
+    raise ValueError(name)
+
+
+def _pair(name: str, stage: int, config: ShardConfig | None, optim: str = "adamw"):
+    """An unsharded reference and a sharded copy of it, with their optimizers."""
+    torch.manual_seed(0)
+    ref, policy, kind = _make(name)
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=policy, config=config)
+    if optim == "adamw":
+        make = lambda m: dict(params=param_groups(m, 0.1), lr=1e-3)  # noqa: E731
+        cls = torch.optim.AdamW
+    else:  # plain SGD: an unused parameter's zero gradient and no gradient are the same step
+        make = lambda m: dict(params=m.parameters(), lr=0.1)  # noqa: E731
+        cls = torch.optim.SGD
+    opt = zeroshard.optimizer(model, cls, **make(model))
+    return model, ref, opt, cls(**make(ref)), kind
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a global batch."""
+    rank = dist.get_rank()
+    return t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH]
+
+
+def _global_batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = PER_RANK_BATCH * dist.get_world_size()
+    if kind == "t5":
+        g = torch.Generator().manual_seed(2000 + step)
+        return torch.randint(2, 64, (n, 9), generator=g), torch.randint(2, 64, (n, 6), generator=g)
+    return batch(kind, step, n)
+
+
+def _loss(kind: str, model, x, y) -> torch.Tensor:
+    if kind == "gpt":
+        return model(x, y)
+    if kind == "t5":
+        return model(input_ids=x, labels=y).loss
+    return loss_of(kind, model, x, y)
+
+
+def _param_diff(model, ref) -> float:
+    with zeroshard.summon_full_params(model):
+        return max(
+            (a - b).abs().max().item() if a.numel() else 0.0
+            for a, b in zip(model.parameters(), ref.parameters())
+        )
+
+
+def _mean_over_ranks(x: torch.Tensor) -> float:
+    x = x.detach().clone()
+    dist.all_reduce(x)
+    return x.item() / dist.get_world_size()
+
+
+def _use_step(use: str, kind: str, model, micro: list, no_sync=None) -> torch.Tensor:
+    """One step's forwards and backwards in the pattern ``use``; the summed loss (detached)."""
+    f = lambda i: _loss(kind, model, *micro[i])  # noqa: E731
+    if use == "one":
+        loss = f(0)
+        loss.backward()
+        return loss.detach()
+    if use == "fwd2_bwd1":  # two forwards, then one backward through both
+        loss = f(0) + f(1)
+        loss.backward()
+        return loss.detach()
+    if use == "fwd_bwd_x2":  # forward, backward, forward, backward: gradients accumulate
+        l0 = f(0)
+        l0.backward()
+        l1 = f(1)
+        l1.backward()
+        return (l0 + l1).detach()
+    if use == "fwd2_bwd2":  # both forwards first, then the two backwards one after the other
+        l0, l1 = f(0), f(1)
+        l0.backward()
+        l1.backward()
+        return (l0 + l1).detach()
+    if use == "no_sync":  # the first backward accumulates locally, the second communicates
+        with no_sync() if no_sync is not None else contextlib.nullcontext():
+            l0 = f(0)
+            l0.backward()
+        l1 = f(1)
+        l1.backward()
+        return (l0 + l1).detach()
+    raise ValueError(use)
+
+
+def _uses(name: str, stage: int, bucket_bytes: int | None, use: str, steps: int = 4, **kw) -> dict:
+    """Train ``name`` sharded and unsharded with the forward/backward pattern ``use``; the
+    largest loss and parameter differences."""
+    model, ref, opt, ref_opt, kind = _pair(name, stage, _config(bucket_bytes, **kw))
+    max_loss = 0.0
+    for step in range(steps):
+        full = [_global_batch(kind, 2 * step), _global_batch(kind, 2 * step + 1)]
+        mine = [(_rows(x), _rows(y)) for x, y in full]
+        loss = _use_step(use, kind, model, mine, lambda: zeroshard.no_sync(model))
+        ref_loss = _use_step(use, kind, ref, full)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        max_loss = max(max_loss, abs(_mean_over_ranks(loss) - ref_loss.item()))
+    return {"loss": max_loss, "param": _param_diff(model, ref)}
+
+
+def _check(results: list[dict], tol: float = TOL) -> None:
+    for rank, r in enumerate(results):
+        assert all(v < tol for v in r.values()), (rank, r)
+
+
+# ----------------------------------------------------------------------------- 1, 2: uses
+@CONFIGS
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_block_applied_twice_in_one_forward(workers2, stage, bucket_bytes):
+    _check(workers2.run(_uses, "twice", stage, bucket_bytes, "one"))
+
+
+@CONFIGS
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("use", ["fwd2_bwd1", "fwd_bwd_x2", "fwd2_bwd2", "no_sync"])
+def test_several_forwards_per_step(workers2, stage, bucket_bytes, use):
+    _check(workers2.run(_uses, "gpt", stage, bucket_bytes, use))
+
+
+@CONFIGS
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_block_applied_twice_over_two_forwards(workers2, stage, bucket_bytes):
+    # Four uses of blocks[0] before one backward.
+    _check(workers2.run(_uses, "twice", stage, bucket_bytes, "fwd2_bwd1", steps=3))
+
+
+# ----------------------------------------------------------------------------- 3: checkpointing
+CHECKPOINT_MODES = ["nonreentrant", "nonreentrant_full", "reentrant"]
+
+
+@CONFIGS
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("mode", CHECKPOINT_MODES)
+@pytest.mark.parametrize("where", ["inside", "around", "pair"])
+def test_activation_checkpointing(workers2, where, mode, stage, bucket_bytes):
+    _check(workers2.run(_uses, f"ckpt:{where}:{mode}", stage, bucket_bytes, "one", steps=3))
+
+
+@CONFIGS
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("mode", ["nonreentrant", "reentrant"])
+def test_checkpointing_with_two_forwards_per_backward(workers2, mode, stage, bucket_bytes):
+    _check(workers2.run(_uses, f"ckpt:around:{mode}", stage, bucket_bytes, "fwd2_bwd1", steps=3))
+
+
+@CONFIGS
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("how", ["", ":nonreentrant", ":reentrant"], ids=["hf_default", "nr", "r"])
+def test_hugging_face_gradient_checkpointing(workers2, how, stage, bucket_bytes):
+    pytest.importorskip("transformers")
+    _check(workers2.run(_uses, f"hf_gpt2{how}", stage, bucket_bytes, "one", steps=3))
+
+
+# ----------------------------------------------------------------------------- 4: at rest, summon
+def _placeholders(model, ref, where: str, *, except_root: bool = False) -> None:
+    """Stage 3 at rest: own shapes, NaN values, readable, the unsharded element count."""
+    engine = zeroshard.engine_of(model)
+    root = {id(s.param) for f in engine.root.flat_params for s in f.slots}
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.shape == r.shape, (where, name, p.shape, r.shape)
+        total, norm = p.sum(), p.norm()  # reading does not crash: NaN, documented
+        if except_root and id(p) in root:
+            continue
+        assert torch.isnan(total) and torch.isnan(norm), (where, name)
+    count = sum(p.numel() for p in model.parameters())
+    assert count == sum(p.numel() for p in ref.parameters()), (where, count)
+
+
+def _at_rest(bucket_bytes: int | None, reshard_root: bool) -> bool:
+    config = _config(bucket_bytes, reshard_root_after_forward=reshard_root)
+    model, ref, opt, ref_opt, kind = _pair("gpt", 3, config)
+    _placeholders(model, ref, "after shard")
+    for step in range(2):
+        x, y = _global_batch(kind, step)
+        loss = model(_rows(x), _rows(y))
+        _placeholders(model, ref, "between forward and backward", except_root=not reshard_root)
+        loss.backward()
+        _placeholders(model, ref, "after backward")
+        opt.step()
+        _placeholders(model, ref, "after a step")
+        opt.zero_grad()
+        ref.forward(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with torch.no_grad():
+        model(_rows(x))
+    _placeholders(model, ref, "after a forward without grad")
+    assert _param_diff(model, ref) < TOL
+    _placeholders(model, ref, "after summon_full_params")
+    return True
+
+
+@CONFIGS
+@pytest.mark.parametrize("reshard_root", [False, True])
+def test_parameters_at_rest_are_placeholders_of_their_own_shape(
+    workers2, bucket_bytes, reshard_root
+):
+    assert all(workers2.run(_at_rest, bucket_bytes, reshard_root))
+
+
+def _train_both(model, ref, opt, ref_opt, kind: str, steps: range) -> float:
+    max_loss = 0.0
+    for step in steps:
+        x, y = _global_batch(kind, step)
+        loss = _loss(kind, model, _rows(x), _rows(y))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = _loss(kind, ref, x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        max_loss = max(max_loss, abs(_mean_over_ranks(loss) - ref_loss.item()))
+    return max_loss
+
+
+def _write(m) -> None:
+    """The same edit on either model: a block's weight, a bias of the root, a tied row."""
+    with torch.no_grad():
+        m.blocks[0].mlp.fc.weight.mul_(0.5)
+        m.blocks[1].attn.qkv.bias.add_(0.25)
+        m.ln_f.bias.fill_(0.125)
+        m.wte.weight[3].fill_(0.1)  # also lm_head.weight[3]: tied
+
+
+def _summon(stage: int, bucket_bytes: int | None) -> dict:
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, _config(bucket_bytes))
+    out = {"train": _train_both(model, ref, opt, ref_opt, kind, range(2))}
+    # The gathered values are the reference's.
+    out["summoned"] = _param_diff(model, ref)
+    # Writes inside persist (writeback is the default).
+    with zeroshard.summon_full_params(model):
+        _write(model)
+    _write(ref)
+    out["summoned_after_write"] = _param_diff(model, ref)
+    x, y = _global_batch(kind, 10)
+    with torch.no_grad():
+        out["forward_after_write"] = (model(_rows(x)) - ref(_rows(x))).abs().max().item()
+    # A forward inside summon_full_params, with grad, and the parameters put back after it.
+    with zeroshard.summon_full_params(model):
+        logits = model(_rows(x))
+        loss = model(_rows(x), _rows(y))
+    out["forward_inside"] = (logits - ref(_rows(x))).abs().max().item()
+    out["loss_inside"] = abs(loss.item() - ref(_rows(x), _rows(y)).item())
+    if stage == 3:
+        _placeholders(model, ref, "after a forward inside summon_full_params")
+    # Training goes on as the reference's (the forwards inside took no backward).
+    out["train_after"] = _train_both(model, ref, opt, ref_opt, kind, range(2, 4))
+    out["param"] = _param_diff(model, ref)
+    return out
+
+
+@CONFIGS
+@pytest.mark.parametrize("stage", STAGES)
+def test_summon_full_params_reads_writes_and_runs_forward(workers2, stage, bucket_bytes):
+    _check(workers2.run(_summon, stage, bucket_bytes))
+
+
+def _backward_inside_summon(stage: int, bucket_bytes: int | None, step_inside: bool) -> dict:
+    """A whole training step (forward, backward, and optionally the optimizer step) inside
+    ``summon_full_params``: the step must not be undone by the writeback on exit."""
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, _config(bucket_bytes))
+    max_loss = 0.0
+    for step in range(3):
+        x, y = _global_batch(kind, step)
+        with zeroshard.summon_full_params(model):
+            loss = model(_rows(x), _rows(y))
+            loss.backward()
+            if step_inside:
+                opt.step()
+                opt.zero_grad()
+        if not step_inside:
+            opt.step()
+            opt.zero_grad()
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        max_loss = max(max_loss, abs(_mean_over_ranks(loss) - ref_loss.item()))
+    return {"loss": max_loss, "param": _param_diff(model, ref)}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("step_inside", [False, True], ids=["step_after", "step_inside"])
+def test_training_inside_summon_full_params(workers2, stage, step_inside):
+    _check(workers2.run(_backward_inside_summon, stage, None, step_inside))
+
+
+# ----------------------------------------------------------------------------- 5: own calls
+def _submodules_alone(stage: int, bucket_bytes: int | None) -> dict:
+    """Submodules called outside the model's forward (parts of a unit, a whole non-root unit,
+    root-owned leaves incl. the tied head) give the reference's outputs, and the gradient of a
+    call with grad is reduced as the reference accumulates it."""
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, _config(bucket_bytes))
+    out = {"train": _train_both(model, ref, opt, ref_opt, kind, range(2))}
+    x, y = _global_batch(kind, 5)
+    h = (ref.wte(x) + ref.wpe(torch.arange(x.shape[1]))).detach()  # same on every rank
+
+    def calls(m):
+        return {
+            "attn": m.blocks[0].attn(h),
+            "mlp_fc": m.blocks[1].mlp.fc(h),
+            "block": m.blocks[1](h),
+            "head": m.lm_head(m.ln_f(h)),
+            "embedding": m.wte(x),
+        }
+
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            mine, theirs = calls(model), calls(ref)
+        for k in mine:
+            out[f"{k}_grad{int(grad)}"] = (mine[k] - theirs[k]).abs().max().item()
+        if stage == 3:
+            _placeholders(model, ref, f"after own calls (grad={grad})")
+    # The gradient of the calls with grad, then one training step on top (no zero_grad between).
+    sum(v.square().mean() for v in mine.values()).backward()
+    sum(v.square().mean() for v in theirs.values()).backward()
+    out["train_after"] = _train_both(model, ref, opt, ref_opt, kind, range(2, 4))
+    out["param"] = _param_diff(model, ref)
+    return out
+
+
+@CONFIGS
+@pytest.mark.parametrize("stage", STAGES)
+def test_submodules_called_on_their_own(workers2, stage, bucket_bytes):
+    _check(workers2.run(_submodules_alone, stage, bucket_bytes))
+
+
+def _t5_generate(stage: int, bucket_bytes: int | None) -> dict:
+    model, ref, opt, ref_opt, kind = _pair("t5", stage, _config(bucket_bytes))
+    out = {"train": _train_both(model, ref, opt, ref_opt, kind, range(3))}
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(2, 64, (3, 8), generator=g)  # the same on every rank
+    model.eval()
+    ref.eval()
+    mine = model.generate(ids, max_new_tokens=5, do_sample=False)
+    theirs = ref.generate(ids, max_new_tokens=5, do_sample=False)
+    out["generate"] = 0.0 if torch.equal(mine, theirs) else 1.0
+    with torch.no_grad():  # the encoder alone, as generate() calls it
+        enc = model.get_encoder()(input_ids=ids).last_hidden_state
+        ref_enc = ref.get_encoder()(input_ids=ids).last_hidden_state
+    out["encoder"] = (enc - ref_enc).abs().max().item()
+    if stage == 3:
+        _placeholders(model, ref, "after generate")
+    model.train()
+    ref.train()
+    out["train_after"] = _train_both(model, ref, opt, ref_opt, kind, range(3, 5))
+    out["param"] = _param_diff(model, ref)
+    return out
+
+
+@CONFIGS
+@pytest.mark.parametrize("stage", STAGES)
+def test_hugging_face_t5_trains_and_generates(workers2, stage, bucket_bytes):
+    pytest.importorskip("transformers")
+    _check(workers2.run(_t5_generate, stage, bucket_bytes))
+
+
+# ----------------------------------------------------------------------------- 6: torch.compile
+def _compiled(how: str, steps: int = 3) -> dict:
+    """Stage 3 with compiled code, against the eager reference."""
+    torch._dynamo.reset()
+    model, ref, opt, ref_opt, kind = _pair("gpt", 3, None)
+    if how == "module_compile":  # nn.Module.compile(): the module object stays in place
+        for block in model.blocks:
+            block.compile()
+    elif how == "torch_compile_block":  # torch.compile(block): an OptimizedModule in its place
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
+    elif how == "whole_model":
+        model = torch.compile(model)
+    else:
+        raise ValueError(how)
+    out = {"loss": _train_both(model, ref, opt, ref_opt, kind, range(steps))}
+    out["param"] = _param_diff(getattr(model, "_orig_mod", model), ref)
+    return out
+
+
+@pytest.mark.parametrize("how", ["module_compile", "torch_compile_block", "whole_model"])
+def test_torch_compile_at_stage_3(workers2, how):
+    _check(workers2.run(_compiled, how), tol=1e-4)
+
+
+# ----------------------------------------------------------------------------- 7: changing paths
+def _changing_path(stage: int, bucket_bytes: int | None, optim: str, num_prefetch: int) -> dict:
+    config = _config(bucket_bytes, num_prefetch=num_prefetch)
+    model, ref, opt, ref_opt, kind = _pair("skip", stage, config, optim)
+    skips = [set(), {1}, set(), {0, 2}, {2}, set()]  # the order of units changes every step
+    max_loss = 0.0
+    for step, skip in enumerate(skips):
+        model.skip = ref.skip = skip
+        max_loss = max(max_loss, _train_both(model, ref, opt, ref_opt, kind, range(step, step + 1)))
+    return {"loss": max_loss, "param": _param_diff(model, ref)}
+
+
+@CONFIGS
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("num_prefetch", [1, 2])
+def test_a_forward_whose_path_changes_between_steps(workers2, stage, bucket_bytes, num_prefetch):
+    # Plain SGD: a block left out of a step gets no update, whether its gradient is zero or None.
+    _check(workers2.run(_changing_path, stage, bucket_bytes, "sgd", num_prefetch))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_block_left_out_is_not_updated_by_adamw(workers2, stage):
+    # torch.optim skips a parameter whose .grad is None (no weight decay, no moment update):
+    # a unit no rank used in a step must get no gradient, not a zero one (as DDP does).
+    _check(workers2.run(_changing_path, stage, None, "adamw", 1))
+
+
+# ----------------------------------------------------------------------------- 4 ranks
+@pytest.mark.parametrize("stage", STAGES)
+def test_four_ranks_block_twice_unit_buckets(workers4, stage):
+    _check(workers4.run(_uses, "twice", stage, 0, "fwd2_bwd1", steps=3))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_four_ranks_checkpointing(workers4, stage):
+    _check(workers4.run(_uses, "ckpt:around:nonreentrant", stage, 0, "fwd2_bwd2", steps=3))
+    _check(workers4.run(_uses, "ckpt:pair:reentrant", stage, None, "one", steps=3))
+
+
+def test_four_ranks_changing_path_and_own_calls(workers4):
+    _check(workers4.run(_changing_path, 3, None, "sgd", 1))
+    _check(workers4.run(_submodules_alone, 3, 0))
+
+
+# ----------------------------------------------------------------------------- 8: misuse
+def _refuses_non_elementwise_optimizers() -> bool:
+    model, _, _ = _make("gpt")
+    model = zeroshard.shard(model, stage=2, wrap=wrap.by_class(Block))
+    known = r"Known to be safe: .*SGD.*AdamW"
+    with pytest.raises(ValueError, match=rf"LBFGS is not a known element-wise optimizer.*{known}"):
+        zeroshard.optimizer(model, torch.optim.LBFGS, lr=1.0)
+    adafactor = getattr(torch.optim, "Adafactor", None)
+    if adafactor is not None:
+        with pytest.raises(ValueError, match=rf"Adafactor is not a known element-wise.*{known}"):
+            zeroshard.optimizer(model, adafactor, lr=1e-2)
+    return True
+
+
+def test_non_elementwise_optimizers_are_refused(workers2):
+    assert all(workers2.run(_refuses_non_elementwise_optimizers))
+
+
+def _rank_dependent_model() -> str:
+    from zeroshard.models.gpt import GPT, GPTConfig
+
+    width = 32 if dist.get_rank() == 0 else 48  # a rank-dependent hidden size
+    model = GPT(GPTConfig(n_layer=2, n_embd=width, n_head=2, block_size=16))
+    with pytest.raises(ValueError, match="the model differs across ranks") as err:
+        zeroshard.shard(model, stage=3, wrap=wrap.by_class(Block))
+    return str(err.value)
+
+
+def test_a_model_that_differs_across_ranks_is_an_error_on_every_rank(workers2, workers4):
+    for workers in (workers2, workers4):
+        messages = workers.run(_rank_dependent_model)
+        assert len(messages) == workers.world_size

@@ -1,0 +1,103 @@
+"""Deferred (meta-device) initialization at shard() time, and the same-model check across ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from parity_models import batch
+from torch import nn
+
+import zeroshard
+from zeroshard.models.gpt import GPT, Block, GPTConfig
+
+CFG = GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=256)
+
+
+def _meta_then_train(stage: int) -> dict:
+    """A GPT built on meta, materialized unit by unit, then trained against an eager reference
+    that starts from the same (gathered) weights."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = GPT(CFG)
+    model = zeroshard.shard(
+        meta, stage=stage, wrap=zeroshard.wrap.by_class(Block), param_init_fn=meta.init_module
+    )
+    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    on_meta += [n for n, b in model.named_buffers() if b.is_meta]
+    torch.manual_seed(1)
+    ref = GPT(CFG)
+    with zeroshard.summon_full_params(model):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            q.data.copy_(p)
+        stats = {
+            "wte_std": model.wte.weight.std().item(),
+            "ln_ones": bool((model.blocks[0].ln_1.weight == 1).all()),
+            "tied": model.lm_head.weight is model.wte.weight,
+        }
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    worst = 0.0
+    for step in range(3):
+        x, y = batch("gpt", step, 2 * world)
+        loss = model(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        dist.all_reduce(total := loss.detach().clone())
+        worst = max(worst, abs(total.item() / world - ref_loss.item()))
+    with zeroshard.summon_full_params(model):
+        param = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return dict(stats, on_meta=on_meta, loss=worst, param=param)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_meta_model_is_materialized_and_trains(workers2, stage):
+    for r in workers2.run(_meta_then_train, stage):
+        assert r["on_meta"] == [], r
+        assert abs(r["wte_std"] - 0.02) < 0.005 and r["ln_ones"] and r["tied"], r
+        assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
+
+
+def _meta_without_init() -> None:
+    class Bare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 4))
+
+        def forward(self, x):
+            return x @ self.w
+
+    with torch.device("meta"):
+        model = Bare()
+    with pytest.raises(ValueError, match="param_init_fn"):
+        zeroshard.shard(model, stage=3)
+
+
+def test_a_meta_module_without_reset_parameters_needs_an_init_fn(workers2):
+    workers2.run(_meta_without_init)
+
+
+def _different_models() -> None:
+    width = 8 if dist.get_rank() == 0 else 9
+    with pytest.raises(ValueError, match="the model differs across ranks"):
+        zeroshard.shard(nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2)), stage=3)
+
+
+def test_models_that_differ_across_ranks_are_refused_on_every_rank(workers2):
+    workers2.run(_different_models)
+
+
+def test_fingerprint_tells_shapes_apart():
+    model = copy.deepcopy(nn.Linear(2, 2))
+    from zeroshard.model_states.init import fingerprint
+
+    assert fingerprint(model) == fingerprint(copy.deepcopy(model))
+    assert fingerprint(model) != fingerprint(nn.Linear(2, 3))
