@@ -16,6 +16,12 @@ from zeroshard.model_states.optimizer import ShardedOptimizer
 from zeroshard.offload import OffloadConfig, TensorStore, Tier
 from zeroshard.precision import DynamicLossScaler, LossScaler, MixedPrecision
 from zeroshard.stages import STAGES, Partition
+from zeroshard.state_dict import (
+    device_mesh,
+    full_state_dict,
+    load_optimizer_state_dict,
+    optimizer_state_dict,
+)
 
 __version__ = "0.1.0"
 
@@ -61,11 +67,15 @@ __all__ = [
     "ShardedOptimizer",
     "TensorStore",
     "Tier",
+    "device_mesh",
     "engine_of",
+    "full_state_dict",
     "ledger",
+    "load_optimizer_state_dict",
     "no_sync",
     "offload",
     "optimizer",
+    "optimizer_state_dict",
     "precision",
     "shard",
     "summon_full_params",

@@ -646,6 +646,9 @@ def shard(
         mixed_precision=mixed_precision,
         ledger=ledger,
     )
+    from zeroshard.state_dict import install_state_dict_hooks
+
+    install_state_dict_hooks(model, engine)
     setattr(model, _ATTR, engine)
     return model
 

@@ -42,6 +42,7 @@ from zeroshard.mesh import Mesh
 from zeroshard.model_states.partition import intersect, padded_numel, shard_range
 from zeroshard.precision import MASTER_DTYPE
 from zeroshard.stages import Partition
+from zeroshard.streams import on_side_stream
 
 
 class ShardState(enum.Enum):
@@ -209,14 +210,16 @@ class FlatParam:
         """All-gather every rank's master shard into ``full``, in place: the local shard is cast
         into this rank's slot first when the dtypes differ, so no temporary is allocated."""
         assert self.master is not None and self.partition.optimizer_states
-        shard = self.master  # 1D shard_numel, this rank's (in place when it aliases full)
-        if shard.dtype != self.param_dtype:
-            lo, hi = shard_range(self.mesh.rank, self.padded_numel, self.mesh.world_size)
-            shard = self.full[lo:hi]
-            shard.copy_(self.master)
-        return C.all_gather(
-            self.full, shard, group=self.mesh.group, ledger=self.ledger, async_op=async_op
-        )
+        # On a GPU the cast and the collective run on the all-gather stream, off the compute one.
+        with on_side_stream(self.mesh.device, "all_gather"):
+            shard = self.master  # 1D shard_numel, this rank's (in place when it aliases full)
+            if shard.dtype != self.param_dtype:
+                lo, hi = shard_range(self.mesh.rank, self.padded_numel, self.mesh.world_size)
+                shard = self.full[lo:hi]
+                shard.copy_(self.master)
+            return C.all_gather(
+                self.full, shard, group=self.mesh.group, ledger=self.ledger, async_op=async_op
+            )
 
     def refresh_full(self, *, async_op: bool = True) -> C.Handle | None:
         """Bring a replicated ``full`` up to date with ``master`` after the master changed (an

@@ -26,6 +26,7 @@ from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.partition import shard_range
 from zeroshard.precision import MASTER_DTYPE
 from zeroshard.stages import Partition
+from zeroshard.streams import on_side_stream
 
 
 class Reduction(enum.Enum):
@@ -132,24 +133,26 @@ class GradBucket:
         """Start the gradient collective of this bucket's ``Reduction`` (async)."""
         if self._reduce is not None:
             return
-        if not self.as_views:
-            self._collect()
-        elif self.full_grad is None:
-            self.bind()  # every rank reduces every bucket, used or not: collectives must match
-        assert self.full_grad is not None
-        flat = self.flat
-        n = flat.mesh.world_size
-        send = self.full_grad.to(self.reduce_dtype)  # 1D padded, every rank (no copy if same)
-        if self.reduce_dtype == torch.float16:
-            send.div_(n)  # FP16 overflows easily: average before summing
-        group, ledger = flat.mesh.group, flat.ledger
-        if self.reduction is Reduction.ALL_REDUCE:
-            handle = C.all_reduce(send, group=group, ledger=ledger, label="grads")
-        else:
-            lo, hi = shard_range(flat.mesh.rank, flat.padded_numel, n)
-            in_place = self.reduction is Reduction.SCATTER_IN_PLACE
-            out = send[lo:hi] if in_place else send.new_empty(hi - lo)
-            handle = C.reduce_scatter(out, send, group=group, ledger=ledger)
+        # On a GPU the collect, the cast and the collective run on the reduce-scatter stream.
+        with on_side_stream(self.flat.mesh.device, "reduce_scatter"):
+            if not self.as_views:
+                self._collect()
+            elif self.full_grad is None:
+                self.bind()  # every rank reduces every bucket, used or not: collectives must match
+            assert self.full_grad is not None
+            flat = self.flat
+            n = flat.mesh.world_size
+            send = self.full_grad.to(self.reduce_dtype)  # 1D padded, every rank (no copy if same)
+            if self.reduce_dtype == torch.float16:
+                send.div_(n)  # FP16 overflows easily: average before summing
+            group, ledger = flat.mesh.group, flat.ledger
+            if self.reduction is Reduction.ALL_REDUCE:
+                handle = C.all_reduce(send, group=group, ledger=ledger, label="grads")
+            else:
+                lo, hi = shard_range(flat.mesh.rank, flat.padded_numel, n)
+                in_place = self.reduction is Reduction.SCATTER_IN_PLACE
+                out = send[lo:hi] if in_place else send.new_empty(hi - lo)
+                handle = C.reduce_scatter(out, send, group=group, ledger=ledger)
         self._reduce = (handle, send)
 
     def finish(self) -> None:
