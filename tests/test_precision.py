@@ -264,10 +264,13 @@ def _inject_inf(name: str, stage: int) -> dict:
         assert step(i)
         scales.append(opt.loss_scaler.scale)
     out["scales"] = scales
+    # The loss scaler is saved apart from the optimizer's (FSDP2-format) state dict.
     saved = opt.state_dict()
-    out["saved_scaler"] = saved["loss_scaler"]
+    saved_scaler = opt.loss_scaler.state_dict()
+    out["saved_scaler"] = saved_scaler
     opt.loss_scaler.scale = 1.0
     opt.load_state_dict(saved)
+    opt.loss_scaler.load_state_dict(saved_scaler)
     out["restored_scale"] = opt.loss_scaler.scale
     return out
 

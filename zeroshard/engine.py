@@ -669,6 +669,7 @@ def _flat_params(
     ZeRO-R's constant-size buffers) and the buffer is reduced once all its units' backward is done.
     """
     per_unit: list[list[FlatParam]] = [[] for _ in specs]
+    module_names = {id(m): n for n, m in specs[0].module.named_modules(remove_duplicate=False)}
     open_buckets: dict[tuple[bool, torch.dtype], tuple[list, list[int]]] = {}
 
     def close(key: tuple[bool, torch.dtype]) -> None:
@@ -682,7 +683,7 @@ def _flat_params(
         for regs, p, name in spec.params:
             if p.numel() == 0:
                 continue  # nothing to shard; it stays a plain parameter
-            names = [name] + [f"{type(m).__name__}.{a}" for m, a in regs[1:]]
+            names = [name] + [f"{module_names[id(m)]}.{a}".lstrip(".") for m, a in regs[1:]]
             groups.setdefault((p.requires_grad, p.dtype), []).append((p, names))
         for key, params in groups.items():
             elem_bytes = _dtypes(policy, key[1])[0].itemsize

@@ -32,6 +32,10 @@ right now), so the next forward and the next optimizer step both continue from i
 parameters are consumed by a pre-hook of the root module and taken off ``missing_keys`` by its
 post-hook; ``assign=True`` does not replace sharded parameters (their storage is the engine's).
 
+The hooks live on the model passed to ``shard`` (the root): a submodule's own ``state_dict()``
+is torch's default (at stage 3 its parameters are placeholders at rest). Call the root's, which
+may itself sit inside a larger module (prefixes are honoured).
+
 ``full_state_dict(model)`` gives plain full tensors instead (rank 0 only and on the CPU by
 default): for export.
 
@@ -45,25 +49,32 @@ default): for export.
      "param_groups": [{"lr": ..., "betas": ..., ..., "params": [fqn, ...]}]}
 
 A tied parameter's state is keyed by its first name in ``model.named_parameters()``. The loss
-scaler is not part of it: ``opt.loss_scaler.state_dict()`` is saved apart.
+scaler is not part of it: ``opt.loss_scaler.state_dict()`` is saved apart. Before the first
+step the sub-optimizers are first given their states as torch's ``get_optimizer_state_dict``
+does (a zero-gradient step at learning rate 0: zeros, ``step`` 1), so that a fresh optimizer's
+dict is a complete template for ``dcp.load``; like torch's, this counts as a step for the bias
+correction of Adam if training then starts without loading anything.
+
+``keep_vars=True`` changes nothing here: entries are new DTensors, not the parameters.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from zeroshard import collectives as C
 from zeroshard.model_states.flat_param import FlatParam, ShardState
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # DTensor is imported when first used: it costs `import zeroshard` ~0.5 s
+    from torch.distributed.device_mesh import DeviceMesh
+
     from zeroshard.engine import Engine
     from zeroshard.model_states.optimizer import ShardedOptimizer, _SubGroup
 
@@ -88,6 +99,8 @@ the running optimizer when a state dict is loaded (the rest of a saved group is 
 
 def device_mesh(engine: Engine) -> DeviceMesh:
     """The 1-D ``DeviceMesh`` of ``engine``'s data-parallel group (built once, cached)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     mesh = getattr(engine, _MESH_ATTR, None)
     if mesh is None:
         group = engine.mesh.group if engine.mesh.group is not None else dist.group.WORLD
@@ -114,6 +127,8 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 def _as_sharded(full: torch.Tensor, mesh: DeviceMesh, dtype: torch.dtype) -> torch.Tensor:
     """This rank's row chunk of ``full`` (a copy in ``dtype``) as a ``(Shard(0),)`` DTensor of
     ``full``'s shape; a 0-dim ``full`` comes back as a plain copy (FSDP2 has no scalar shards)."""
+    from torch.distributed.tensor import DTensor, Shard
+
     if full.ndim == 0:
         return full.to(dtype, copy=True)
     lo, hi = _row_chunk(full.shape[0], mesh.get_local_rank(), mesh.size())
@@ -130,9 +145,15 @@ def _as_sharded(full: torch.Tensor, mesh: DeviceMesh, dtype: torch.dtype) -> tor
 
 def _full_value(value: Any) -> torch.Tensor:
     """A state dict value as one whole tensor (a DTensor is gathered: a collective)."""
-    if isinstance(value, DTensor):
+    if _is_dtensor(value):
         return value.full_tensor()
     return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _is_dtensor(value: Any) -> bool:
+    """Without importing DTensor: none exists before its module is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def _all_names(model: nn.Module) -> dict[int, list[str]]:
@@ -184,9 +205,10 @@ class _Hooks:
         """(rank0_only, cpu_offload) while ``full_state_dict`` runs; None: sharded entries."""
         self.consumed: set[str] = set()
         """Keys the last load's pre-hook consumed (not missing, whatever the default says)."""
-        model.register_state_dict_post_hook(self.state_dict_post_hook)
-        model.register_load_state_dict_pre_hook(self.load_pre_hook)
-        model.register_load_state_dict_post_hook(self.load_post_hook)
+        # Functions, not bound methods: torch marks a state-dict post-hook with an attribute.
+        model.register_state_dict_post_hook(lambda *a: self.state_dict_post_hook(*a))
+        model.register_load_state_dict_pre_hook(lambda *a: self.load_pre_hook(*a))
+        model.register_load_state_dict_post_hook(lambda *a: self.load_post_hook(*a))
 
     # ------------------------------------------------------------- state_dict
     @torch.no_grad()
@@ -214,7 +236,9 @@ class _Hooks:
                 keys = [k for k in keys if k in state_dict]
                 if not keys or not keep:
                     continue  # (the other ranks' collectives still need this rank's shard)
-                value = convert(source[s.offset : s.offset + s.numel].view(s.shape), flat.orig_dtype)
+                value = convert(
+                    source[s.offset : s.offset + s.numel].view(s.shape), flat.orig_dtype
+                )
                 for k in keys:
                     state_dict[k] = value
             del source  # a gathered buffer is freed before the next flat's
@@ -245,12 +269,10 @@ class _Hooks:
         engine.wait_params()
         names = _all_names(module)
         self.consumed = set()
-        in_flats: set[int] = set()
         for flat in engine.flat_params:
             if flat.gathering:
                 flat.wait_unshard()
             for i, s in enumerate(flat.slots):
-                in_flats.add(id(s.param))
                 keys = [prefix + n for n in names.get(id(s.param), [])]
                 keys = [k for k in keys if k in state_dict]
                 if not keys:
@@ -276,7 +298,7 @@ class _Hooks:
         # Other entries (zero-element parameters, buffers) the default loader copies: as whole
         # tensors, in the same order on every rank (gathering DTensors is a collective).
         for key in list(state_dict):
-            if key.startswith(prefix) and isinstance(state_dict[key], DTensor):
+            if key.startswith(prefix) and _is_dtensor(state_dict[key]):
                 state_dict[key] = state_dict[key].full_tensor()
 
     def load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
@@ -486,7 +508,10 @@ def optimizer_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
             if id(p) in per_param and first[id(p)] not in state:
                 state[first[id(p)]] = per_param[id(p)]
     param_groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [first[id(p)] for p in g["params"]]}
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [first[id(p)] for p in g["params"]],
+        }
         for g in opt.param_groups
     ]
     return {"state": state, "param_groups": param_groups}
@@ -529,11 +554,16 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
         for k, v in saved.items():
             if k not in ("params", "param_names") and k not in _IMPL_KEYS:
                 g[k] = v
+    # Which keys are element-wise, per bucket and group: from the running optimizer's own
+    # states (a 0-dim parameter's ``exp_avg`` has the shape of ``step``), made if none yet.
+    _init_states(opt)
+    layout = _state_layout(opt)
+    group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     subgroups = _subgroup_of(opt)
-    for bucket in engine.buckets:
+    for bi, bucket in enumerate(engine.buckets):
         flat: FlatParam = bucket.flat
         sg = subgroups.get(id(bucket))
-        # Per torch group, per piece: the state being assembled (key -> tensor or value).
+        # Per piece of the sub-group (torch's parameter order): key -> state being assembled.
         pieces = [p for ps in sg.pieces for p in ps] if sg is not None else []
         assembled: list[dict[str, Any]] = [{} for _ in pieces]
         for i, (s, span) in enumerate(flat.pieces()):
@@ -541,6 +571,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
             if not names:
                 continue
             st = saved_state[names[0]]
+            kinds = layout[bi].get(group_of.get(id(s.param), -1), {})
             owner = next(
                 (
                     j
@@ -552,23 +583,31 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
                 None,
             )
             for k in sorted(st):
-                v = st[k]
-                elementwise = torch.is_tensor(v) and v.ndim >= 1 and v.shape == s.shape
-                if elementwise:
-                    v = _full_value(v)  # every rank, in the same order (a collective)
+                v = _full_value(st[k])  # on every rank, in the same order (a collective)
+                if k in kinds:
+                    elementwise = kinds[k][0] == "elementwise"
+                else:
+                    elementwise = torch.is_tensor(v) and v.ndim >= 1 and v.shape == s.shape
                 if owner is None:
                     continue
                 piece = pieces[owner]
                 if elementwise:
+                    if v.numel() != s.numel:
+                        raise ValueError(
+                            f"optimizer state {k!r} of {names[0]} has shape {tuple(v.shape)}, "
+                            f"the parameter {tuple(s.shape)}"
+                        )
                     buf = assembled[owner].get(k)
-                    if buf is None or not torch.is_tensor(buf) or buf.shape != piece.tensor.shape:
-                        buf = torch.zeros(piece.tensor.numel(), dtype=v.dtype)
+                    if buf is None:
+                        buf = torch.zeros(
+                            piece.tensor.numel(), dtype=v.dtype, device=flat.mesh.device
+                        )
                         assembled[owner][k] = buf
                     a, b = flat.piece_range(i)
                     lo = span.start - piece.span.start
                     buf[lo : lo + (b - a)].copy_(v.reshape(-1)[a:b])
                 else:
-                    assembled[owner].setdefault(k, _copy_value(_full_value(v)))
+                    assembled[owner].setdefault(k, _copy_value(v))
         if sg is None:
             continue
         packed = sg.optimizer.state_dict()

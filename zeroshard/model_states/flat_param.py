@@ -79,7 +79,7 @@ def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             fill: float | int | bool = float("nan")
         else:
             fill = False if dtype == torch.bool else torch.iinfo(dtype).min
-        _PLACEHOLDERS[key] = torch.full((1,), fill, dtype=dtype, device=device)
+        _PLACEHOLDERS[key] = torch.full((), fill, dtype=dtype, device=device)  # 0-dim
     return _PLACEHOLDERS[key]
 
 

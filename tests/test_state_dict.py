@@ -1,0 +1,451 @@
+"""State dicts in FSDP2's format: round trips at every stage and precision, plain and DTensor
+inputs, files, FSDP2 itself as the reference for the structure, and DCP resharding."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from parity_models import batch, build, loss_of, param_groups
+from torch import nn
+
+import zeroshard
+from zeroshard.testing import Workers
+
+GLOBAL_BATCH = 8
+
+
+def _full(v):
+    """A state dict entry as one whole tensor (DTensors are gathered)."""
+    return v.full_tensor() if hasattr(v, "full_tensor") else v
+
+
+def _train(model, opt, kind: str, steps: range) -> list[float]:
+    """Train on the global batches of ``steps``, this rank taking its rows; the mean losses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = GLOBAL_BATCH // world
+    losses = []
+    for step in steps:
+        x, y = batch(kind, step, GLOBAL_BATCH)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss = loss_of(kind, model, x[mine], y[mine])
+        if isinstance(opt, zeroshard.ShardedOptimizer):
+            opt.backward(loss)
+        else:
+            loss.backward()  # FSDP2
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def _train_ref(ref, ref_opt, kind: str, steps: range) -> None:
+    for step in steps:
+        x, y = batch(kind, step, GLOBAL_BATCH)
+        loss_of(kind, ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+
+def _fresh(kind: str, stage: int, precision: str, seed: int = 1):
+    """A sharded model of ``kind`` initialized differently from seed 0's."""
+    torch.manual_seed(seed)
+    model, policy = build(kind)
+    return zeroshard.shard(model, stage=stage, wrap=policy, mixed_precision=precision)
+
+
+def _summoned(model) -> dict[str, torch.Tensor]:
+    with zeroshard.summon_full_params(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+# --------------------------------------------------------------------- model round trips
+
+
+def _round_trip(stage: int, precision: str) -> bool:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for kind in ("gpt", "odd"):  # tied embeddings; odd sizes, zero-element params, buffers
+        torch.manual_seed(0)
+        ref, policy = build(kind)
+        model = zeroshard.shard(
+            copy.deepcopy(ref), stage=stage, wrap=policy, mixed_precision=precision
+        )
+        opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        _train(model, opt, kind, range(3))
+        _train_ref(ref, ref_opt, kind, range(3))
+        sd = model.state_dict()
+        ref_sd = ref.state_dict()
+        assert list(sd) == list(ref_sd), (list(sd), list(ref_sd))
+        params = dict(ref.named_parameters(remove_duplicate=False))
+        summoned = _summoned(model)
+        for key, value in sd.items():
+            want = ref_sd[key]
+            if key not in params:  # a buffer: plain, as the model holds it (buffer_dtype)
+                assert type(value) is torch.Tensor, key
+                assert torch.equal(value, want.to(value.dtype)), key
+                continue
+            assert isinstance(value, torch.distributed.tensor.DTensor), key
+            assert value.placements == (torch.distributed.tensor.Shard(0),), key
+            assert value.shape == want.shape and value.dtype == torch.float32, key
+            full = value.full_tensor()
+            chunks = list(torch.chunk(full, world, dim=0))
+            local = chunks[rank] if rank < len(chunks) else full[:0]
+            assert torch.equal(value.to_local(), local), key
+            if precision == "fp32":
+                assert torch.allclose(full, want, atol=1e-5, rtol=0), key
+            # The compute copy is the master's rounding: the state dict holds the master.
+            assert torch.equal(full.to(summoned[key].dtype), summoned[key]), key
+        if kind == "gpt":  # tied: both names, the same values
+            assert torch.equal(sd["wte.weight"].to_local(), sd["lm_head.weight"].to_local())
+        if precision == "bf16":
+            w = sd["blocks.0.mlp.fc.weight" if kind == "gpt" else "a.lin.weight"].full_tensor()
+            assert not torch.equal(w, w.bfloat16().float())  # more than bf16 holds
+        # Into a freshly sharded model (other initial values): every value arrives.
+        fresh = _fresh(kind, stage, precision)
+        result = fresh.load_state_dict(sd)
+        assert not result.missing_keys and not result.unexpected_keys, result
+        again = fresh.state_dict()
+        for key, value in sd.items():
+            assert torch.equal(_full(again[key]), _full(value)), key
+        for name, p in _summoned(fresh).items():
+            assert torch.equal(p, sd[name].full_tensor().to(p.dtype)), name
+    return True
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_state_dict_round_trip(workers2, stage, precision):
+    assert all(workers2.run(_round_trip, stage, precision))
+
+
+def _files_and_plain_dicts(stage: int, path: str) -> bool:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref, policy = build("odd")
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=policy, mixed_precision="bf16")
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    _train(model, opt, "odd", range(2))
+    sd = model.state_dict()
+    # torch.save of the DTensor state dict, torch.load with the default weights_only=True.
+    file = os.path.join(path, f"odd_stage{stage}_rank{rank}.pt")
+    torch.save(sd, file)
+    loaded = torch.load(file)
+    fresh = _fresh("odd", stage, "bf16")
+    fresh.load_state_dict(loaded)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(_full(value), _full(sd[key])), key
+    # A plain unsharded state dict, in memory and from a file: strict, every name.
+    torch.manual_seed(5)
+    plain_model, _ = build("gpt")
+    plain = plain_model.state_dict()
+    gpt = _fresh("gpt", stage, "bf16")
+    assert not gpt.load_state_dict(plain).missing_keys
+    for key, value in gpt.state_dict().items():
+        assert torch.equal(_full(value), plain[key]), key
+    file = os.path.join(path, f"plain_stage{stage}_rank{rank}.pt")
+    torch.save(plain, file)
+    gpt = _fresh("gpt", stage, "fp32")
+    gpt.load_state_dict(torch.load(file))
+    for name, p in _summoned(gpt).items():
+        assert torch.equal(p, plain[name]), name
+    # full_state_dict: plain FP32 tensors, every key, on the CPU, rank 0 only by default.
+    full = zeroshard.full_state_dict(model)
+    everywhere = zeroshard.full_state_dict(model, rank0_only=False, cpu_offload=False)
+    assert list(everywhere) == list(sd)
+    for key, value in everywhere.items():
+        assert type(value) is torch.Tensor and torch.equal(value, _full(sd[key])), key
+    if rank == 0:
+        assert list(full) == list(sd)
+        assert all(
+            t.device.type == "cpu" and torch.equal(t, everywhere[k]) for k, t in full.items()
+        )
+    else:
+        assert full == {}
+    return True
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_torch_save_load_and_plain_state_dicts(workers2, stage, tmp_path):
+    assert all(workers2.run(_files_and_plain_dicts, stage, str(tmp_path)))
+
+
+def _strictness(stage: int) -> bool:
+    torch.manual_seed(0)
+    ref, _ = build("gpt")
+    plain = ref.state_dict()
+    model = _fresh("gpt", stage, "fp32")
+    before = _summoned(model)
+    sd = model.state_dict()
+    # Missing: a tied parameter loaded through one of its names, the other reported missing.
+    partial = {k: v for k, v in plain.items() if k not in ("lm_head.weight", "ln_f.bias")}
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "ln_f.bias"'):
+        model.load_state_dict(partial)
+    result = model.load_state_dict(partial, strict=False)
+    assert sorted(result.missing_keys) == ["lm_head.weight", "ln_f.bias"], result
+    assert not result.unexpected_keys
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "extra.weight"'):
+        model.load_state_dict({**sd, "extra.weight": torch.zeros(2)})
+    bad = dict(sd, **{"blocks.0.mlp.fc.weight": torch.zeros(3, 5)})
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict(bad)
+    message = str(info.value)
+    assert "size mismatch for blocks.0.mlp.fc.weight" in message
+    assert "(3, 5)" in message and "(128, 32)" in message, message
+    # Nothing but the failed loads above: the model still holds its own values where the
+    # partial load did not write.
+    after = _summoned(model)
+    assert torch.equal(after["ln_f.bias"], before["ln_f.bias"])
+    return True
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_strict_loading_reports_keys_and_shapes(workers2, stage):
+    assert all(workers2.run(_strictness, stage))
+
+
+class _Scalars(nn.Module):
+    """A 0-dim parameter next to a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 5)
+        self.temperature = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.lin(x) * self.temperature
+
+
+def _zero_dim(stage: int) -> bool:
+    torch.manual_seed(0)
+    model = zeroshard.shard(_Scalars(), stage=stage)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    for i in range(2):
+        opt.backward(model(torch.randn(4, 3, generator=torch.Generator().manual_seed(i))).sum())
+        opt.step()
+        opt.zero_grad()
+    sd = model.state_dict()
+    assert type(sd["temperature"]) is torch.Tensor and sd["temperature"].shape == ()
+    osd = opt.state_dict()
+    assert osd["state"]["temperature"]["exp_avg"].shape == ()
+    torch.manual_seed(1)
+    fresh = zeroshard.shard(_Scalars(), stage=stage)
+    fresh.load_state_dict(sd)
+    fresh_opt = zeroshard.optimizer(fresh, torch.optim.AdamW, lr=1e-2)
+    fresh_opt.load_state_dict(osd)
+    assert torch.equal(_summoned(fresh)["temperature"], sd["temperature"])
+    again = fresh_opt.state_dict()
+    for k, v in osd["state"]["temperature"].items():
+        assert torch.equal(again["state"]["temperature"][k], v), k
+    return True
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_zero_dim_parameters_are_plain_tensors(workers2, stage):
+    assert all(r is True for r in workers2.run(_zero_dim, stage))
+
+
+def _lr0_step_after_load(stage: int, precision: str) -> bool:
+    """Load, then one AdamW step at learning rate 0: the loaded values stay (the masters were
+    written, not only the compute copy)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    source = _fresh("gpt", stage, precision, seed=0)
+    source_opt = zeroshard.optimizer(source, torch.optim.AdamW, lr=1e-2)
+    _train(source, source_opt, "gpt", range(2))
+    loaded = zeroshard.full_state_dict(source, rank0_only=False)  # plain FP32
+    model = _fresh("gpt", stage, precision)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.0)
+    _train(model, opt, "gpt", range(5, 7))  # optimizer states exist, masters moved
+    model.load_state_dict(loaded)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    x, y = batch("gpt", 9, GLOBAL_BATCH)
+    mine = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    opt.backward(loss_of("gpt", model, x[mine], y[mine]))
+    assert opt.step()
+    opt.zero_grad()
+    for name, p in _summoned(model).items():
+        assert torch.equal(p, loaded[name].to(p.dtype)), name
+    for key, value in model.state_dict().items():
+        assert torch.equal(_full(value), loaded[key]), key  # the FP32 values themselves
+    return True
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_at_lr0_after_load_keeps_the_loaded_weights(workers2, stage, precision):
+    assert all(workers2.run(_lr0_step_after_load, stage, precision))
+
+
+# --------------------------------------------------------------------- FSDP2 as the reference
+
+
+def _fsdp2(kind: str):
+    """The same model (seed 0) under torch's fully_shard, one FSDP unit per wrapped module."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model, policy = build(kind)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for name in policy(model):
+        fully_shard(model.get_submodule(name), mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _same_entry(ours, theirs, where: str, exact: bool) -> None:
+    from torch.distributed.tensor import DTensor
+
+    assert type(ours) is type(theirs), (where, type(ours), type(theirs))
+    if not isinstance(ours, torch.Tensor):
+        assert ours == theirs, (where, ours, theirs)
+        return
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype, where
+    if isinstance(ours, DTensor):
+        assert ours.placements == theirs.placements, where
+        assert ours.device_mesh.mesh.tolist() == theirs.device_mesh.mesh.tolist(), where
+        ours, theirs = ours.to_local(), theirs.to_local()
+        assert ours.shape == theirs.shape, (where, ours.shape, theirs.shape)
+    if exact:
+        assert torch.equal(ours, theirs), where
+    else:
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5, msg=where)
+
+
+def _same_as_fsdp2(kind: str, stage: int) -> bool:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    theirs = _fsdp2(kind)
+    torch.manual_seed(0)
+    ours, policy = build(kind)
+    ours = zeroshard.shard(ours, stage=stage, wrap=policy)
+    groups = lambda m: param_groups(m, 0.1)  # noqa: E731
+    their_opt = torch.optim.AdamW(groups(theirs), lr=1e-3)
+    our_opt = zeroshard.optimizer(ours, torch.optim.AdamW, groups(ours), lr=1e-3)
+
+    def compare(exact: bool) -> None:
+        a, b = ours.state_dict(), get_model_state_dict(theirs)
+        assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+        for k in a:
+            _same_entry(a[k], b[k], k, exact)
+        assert sorted(get_model_state_dict(ours)) == sorted(b)
+        a, b = our_opt.state_dict(), get_optimizer_state_dict(theirs, their_opt)
+        assert sorted(a["state"]) == sorted(b["state"])
+        sizes = {n: p.numel() for n, p in ours.named_parameters()}
+        for fqn in a["state"]:
+            assert sorted(a["state"][fqn]) == sorted(b["state"][fqn]), fqn
+            for k in a["state"][fqn]:
+                ours_v, theirs_v = a["state"][fqn][k], b["state"][fqn][k]
+                if sizes[fqn] == 0 and k == "step":
+                    # A zero-element parameter gets no gradient in FSDP2, so it never steps;
+                    # here it is not stepped at all and shows its group's count.
+                    ours_v, theirs_v = theirs_v.shape, ours_v.shape
+                _same_entry(ours_v, theirs_v, f"{fqn}.{k}", exact)
+        assert len(a["param_groups"]) == len(b["param_groups"])
+        for ga, gb in zip(a["param_groups"], b["param_groups"]):
+            assert sorted(ga) == sorted(gb), (sorted(ga), sorted(gb))
+            assert ga["params"] == gb["params"]
+            for k in ("lr", "betas", "eps", "weight_decay"):
+                assert ga[k] == gb[k], k
+
+    compare(exact=True)  # the same weights, and templates (torch's zero-gradient lr-0 step)
+    _train(ours, our_opt, kind, range(2))
+    _train(theirs, their_opt, kind, range(2))
+    compare(exact=False)
+    # FSDP2's state dicts load here as they are: afterwards ours give back the same values.
+    their_sd = get_model_state_dict(theirs)
+    their_osd = get_optimizer_state_dict(theirs, their_opt)
+    torch.manual_seed(3)
+    ours, policy = build(kind)
+    ours = zeroshard.shard(ours, stage=stage, wrap=policy)
+    our_opt = zeroshard.optimizer(ours, torch.optim.AdamW, groups(ours), lr=0.5)
+    ours.load_state_dict(their_sd)
+    our_opt.load_state_dict(their_osd)
+    for k, v in ours.state_dict().items():
+        _same_entry(v, their_sd[k], k, exact=True)
+    loaded = our_opt.state_dict()
+    for fqn, st in loaded["state"].items():
+        if dict(ours.named_parameters())[fqn].numel():
+            for k, v in st.items():
+                _same_entry(v, their_osd["state"][fqn][k], f"{fqn}.{k}", exact=True)
+    assert [g["lr"] for g in loaded["param_groups"]] == [1e-3, 1e-3]
+    return True
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("kind", ["gpt", "odd"])
+def test_state_dicts_match_fsdp2(workers2, kind, stage):
+    assert all(workers2.run(_same_as_fsdp2, kind, stage))
+
+
+def test_empty_chunks_match_fsdp2_on_four_ranks(workers4):
+    # A (1, 1) weight on 4 ranks: ranks 1-3 hold empty (0, 1) chunks, as in FSDP2.
+    assert all(workers4.run(_same_as_fsdp2, "tiny_units", 3))
+
+
+# --------------------------------------------------------------------- DCP
+
+
+def _groups(model):
+    return param_groups(model, 0.1)
+
+
+def _dcp_save(path: str, stage: int) -> dict:
+    """Train 3 steps, save through DCP, then continue 3 more: the reference continuation."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _fresh("gpt", stage, "fp32", seed=0)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, _groups(model), lr=1e-3)
+    _train(model, opt, "gpt", range(3))
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    losses = _train(model, opt, "gpt", range(3, 6))
+    return {"losses": losses, "params": zeroshard.full_state_dict(model, rank0_only=False)}
+
+
+def _dcp_load(path: str, stage: int) -> dict:
+    """A fresh model and optimizer (other initial values, no step yet) loaded from ``path``,
+    then the same 3 steps."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _fresh("gpt", stage, "fp32", seed=7)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, _groups(model), lr=0.5)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 1e-3]  # the saved hyperparameters
+    losses = _train(model, opt, "gpt", range(3, 6))
+    return {"losses": losses, "params": zeroshard.full_state_dict(model, rank0_only=False)}
+
+
+def _same_run(a: dict, b: dict, tol: float = 1e-5) -> None:
+    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < tol, (a["losses"], b)
+    for k, v in a["params"].items():
+        assert (v - b["params"][k]).abs().max().item() < tol, k
+
+
+def test_dcp_reshards_to_other_world_sizes_and_stages(workers2, workers4, tmp_path):
+    path = str(tmp_path / "ckpt")
+    reference = workers2.run(_dcp_save, path, 3)[0]
+    with Workers(1) as one:
+        _same_run(reference, one.run(_dcp_load, path, 3)[0])
+    for r in workers4.run(_dcp_load, path, 3):
+        _same_run(reference, r)
+    for r in workers2.run(_dcp_load, path, 1):  # saved at stage 3, loaded at stage 1
+        _same_run(reference, r)
+
+
+def test_dcp_from_stage_1_to_stage_3_on_four_ranks(workers2, workers4, tmp_path):
+    path = str(tmp_path / "ckpt")
+    reference = workers2.run(_dcp_save, path, 1)[0]
+    for r in workers4.run(_dcp_load, path, 3):
+        _same_run(reference, r)
