@@ -148,14 +148,17 @@ class CheckpointedGPT(GPT):
 
     "inside"  inside each block (a unit): its attention and MLP are checkpointed separately
     "around"  around each block: ``checkpoint(block, x)``, the unit's hooks run inside it
-    "pair"    around both blocks at once: one checkpoint recomputes two consecutive units
+    "pair"    around all blocks at once (two in the nano GPT): one checkpoint recomputes
+              consecutive units
 
     ``use_reentrant`` picks torch's implementation; ``early_stop`` False runs the forward under
     ``set_checkpoint_early_stop(False)`` (non-reentrant: recompute the whole function).
     """
 
-    def __init__(self, where: str, use_reentrant: bool, early_stop: bool = True) -> None:
-        super().__init__(PRESETS["nano"])
+    def __init__(
+        self, where: str, use_reentrant: bool, early_stop: bool = True, cfg: GPTConfig | None = None
+    ) -> None:
+        super().__init__(cfg or PRESETS["nano"])
         if where not in ("inside", "around", "pair"):
             raise ValueError(where)
         self.where, self.use_reentrant, self.early_stop = where, use_reentrant, early_stop

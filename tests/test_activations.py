@@ -47,7 +47,8 @@ def _train(stage: int, every: int, steps: int = 4) -> dict:
         dist.all_reduce(total)
         worst = max(worst, abs(total.item() / world - ref_loss.item()))
     with zeroshard.summon_full_params(model):
-        param = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+        pairs = zip(model.parameters(), ref.parameters())
+        param = max((a - b).abs().max().item() for a, b in pairs)
     spans = zeroshard.engine_of(model).checkpointing.num_spans
     return {"loss": worst, "param": param, "spans_per_step": spans / steps}
 

@@ -41,9 +41,9 @@ TOL = 1e-5
 
 # ----------------------------------------------------------------------------- harness
 def _config(bucket_bytes: int | None, **kw) -> ShardConfig | None:
-    if bucket_bytes is None and not kw:
-        return None
-    return ShardConfig(**kw) if bucket_bytes is None else ShardConfig(bucket_bytes=bucket_bytes, **kw)
+    if bucket_bytes is not None:
+        kw["bucket_bytes"] = bucket_bytes
+    return ShardConfig(**kw) if kw else None
 
 
 def _make(name: str):
@@ -361,7 +361,25 @@ def _backward_inside_summon(stage: int, bucket_bytes: int | None, step_inside: b
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("step_inside", [False, True], ids=["step_after", "step_inside"])
 def test_training_inside_summon_full_params(workers2, stage, step_inside):
+    # Inside, the parameters are gathered views; an optimizer step taken there must survive the
+    # writeback on exit (which must not take the stale gathered values for user writes).
     _check(workers2.run(_backward_inside_summon, stage, None, step_inside))
+
+
+def _summon_without_writeback() -> dict:
+    model, ref, opt, ref_opt, kind = _pair("gpt", 3, None)
+    out = {"train": _train_both(model, ref, opt, ref_opt, kind, range(2))}
+    with zeroshard.summon_full_params(model, writeback=False):
+        _write(model)  # seen inside, dropped on exit
+        inside = model.blocks[0].mlp.fc.weight.clone()
+    out["seen_inside"] = (inside - 0.5 * ref.blocks[0].mlp.fc.weight).abs().max().item()
+    out["param"] = _param_diff(model, ref)  # the reference was not written
+    return out
+
+
+def test_summon_full_params_without_writeback_discards_writes(workers2):
+    # At stage 3 (at stages 0-2 the gathered parameters are the FP32 masters themselves).
+    _check(workers2.run(_summon_without_writeback))
 
 
 # ----------------------------------------------------------------------------- 5: own calls
@@ -449,13 +467,21 @@ def _compiled(how: str, steps: int = 3) -> dict:
         model = torch.compile(model)
     else:
         raise ValueError(how)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     out = {"loss": _train_both(model, ref, opt, ref_opt, kind, range(steps))}
     out["param"] = _param_diff(getattr(model, "_orig_mod", model), ref)
+    # Something was compiled (the engine's hooks are graph breaks; the blocks' bodies are not).
+    out["nothing_compiled"] = float(counters["stats"]["unique_graphs"] == 0)
     return out
 
 
+@pytest.mark.slow  # Inductor: ~30 s from a cold compile cache, ~5 s warm (2 CPU cores)
 @pytest.mark.parametrize("how", ["module_compile", "torch_compile_block", "whole_model"])
 def test_torch_compile_at_stage_3(workers2, how):
+    # All three work: the engine's hooks are graph breaks (torch._dynamo.disable), the blocks'
+    # bodies compile, and nothing recompiles between steps.
     _check(workers2.run(_compiled, how), tol=1e-4)
 
 
@@ -484,6 +510,65 @@ def test_a_block_left_out_is_not_updated_by_adamw(workers2, stage):
     # torch.optim skips a parameter whose .grad is None (no weight decay, no moment update):
     # a unit no rank used in a step must get no gradient, not a zero one (as DDP does).
     _check(workers2.run(_changing_path, stage, None, "adamw", 1))
+
+
+# ----------------------------------------------------------------------------- stage 3 memory
+def _peak_gathered_in_backward(name: str, num_prefetch: int, discard_a_forward: bool) -> int:
+    """Most blocks (of 5) gathered at once during backward, at stage 3, in the second step."""
+    from zeroshard.model_states.flat_param import ShardState
+    from zeroshard.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=5, n_embd=32, n_head=2, block_size=32)
+    torch.manual_seed(0)
+    if name == "plain":
+        model = GPT(cfg)
+    else:  # ckpt:<where>:<mode>
+        _, where, mode = name.split(":")
+        model = CheckpointedGPT(where, use_reentrant=mode == "reentrant", cfg=cfg)
+    config = ShardConfig(num_prefetch=num_prefetch)
+    model = zeroshard.shard(model, stage=3, wrap=wrap.by_class(Block), config=config)
+    engine = zeroshard.engine_of(model)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    peak = [0]
+
+    def note(*_):
+        live = sum(
+            any(f.state is ShardState.UNSHARDED or f.gathering for f in u.flat_params)
+            for u in engine.units[1:]
+        )
+        peak[0] = max(peak[0], live)
+
+    for block in model.blocks:  # runs in the middle of each block's backward
+        block.mlp.fc.register_full_backward_hook(note)
+    x, y = batch("gpt", 0, 2)
+    for step in range(2):
+        if step == 1:
+            peak[0] = 0
+            if discard_a_forward:  # e.g. an evaluation forward run without torch.no_grad()
+                model(x[:, :8], y[:, :8])
+        opt.backward(model(x[:, :8], y[:, :8]))
+        opt.step()
+        opt.zero_grad()
+    return peak[0]
+
+
+@pytest.mark.parametrize("num_prefetch", [0, 1])
+@pytest.mark.parametrize(
+    "name", ["plain", "ckpt:inside:reentrant", "ckpt:around:nonreentrant", "ckpt:around:reentrant"]
+)
+def test_checkpointed_units_are_freed_during_backward(workers2, name, num_prefetch):
+    # The unit computing plus the ones prefetched, as without checkpointing. (A checkpoint
+    # around several units recomputes them together: those are gathered together.)
+    peak = workers2.run(_peak_gathered_in_backward, name, num_prefetch, False)[0]
+    assert peak <= 1 + num_prefetch, peak
+
+
+@pytest.mark.parametrize("num_prefetch", [0, 1])
+def test_a_forward_without_backward_does_not_keep_units_gathered(workers2, num_prefetch):
+    # A forward with grad whose graph is dropped never runs its backward hooks; the next
+    # step's backward must still free each unit when done with it.
+    peak = workers2.run(_peak_gathered_in_backward, "plain", num_prefetch, True)[0]
+    assert peak <= 1 + num_prefetch, peak
 
 
 # ----------------------------------------------------------------------------- 4 ranks

@@ -31,7 +31,7 @@ def _meta_then_train(stage: int) -> dict:
     torch.manual_seed(1)
     ref = GPT(CFG)
     with zeroshard.summon_full_params(model):
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        for p, q in zip(model.parameters(), ref.parameters()):
             q.data.copy_(p)
         stats = {
             "wte_std": model.wte.weight.std().item(),
@@ -54,7 +54,8 @@ def _meta_then_train(stage: int) -> dict:
         dist.all_reduce(total := loss.detach().clone())
         worst = max(worst, abs(total.item() / world - ref_loss.item()))
     with zeroshard.summon_full_params(model):
-        param = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+        pairs = zip(model.parameters(), ref.parameters())
+        param = max((a - b).abs().max().item() for a, b in pairs)
     return dict(stats, on_meta=on_meta, loss=worst, param=param)
 
 

@@ -44,9 +44,11 @@ def ledger(model) -> Ledger:
     return engine_of(model).ledger
 
 
-def summon_full_params(model):
-    """Context manager: every parameter of a sharded model gathered (read-only use)."""
-    return engine_of(model).summon_full_params()
+def summon_full_params(model, *, writeback: bool = True):
+    """Context manager: every parameter of a sharded model gathered, as views of its own shape
+    in the compute dtype. Forward (and backward) inside work; with ``writeback`` the values
+    written inside reach the FP32 masters on exit (unchanged ones keep full precision)."""
+    return engine_of(model).summon_full_params(writeback=writeback)
 
 
 def no_sync(model):

@@ -146,6 +146,10 @@ class Unit:
         self.state = TrainingState.IDLE
         self.pending_uses = 0
         """Forward uses (with grad) whose backward has not reached the unit's inputs yet."""
+        self.generation = 0
+        """Bumped whenever ``pending_uses`` is reset: older uses no longer count."""
+        self.recompute_use = False  # the current recomputation is a use (reentrant checkpoint)
+        self.unreported: list[_Use] = []  # uses whose inputs need no grad: no hook reports them
 
     def to(self, state: TrainingState) -> None:
         assert state in _TRANSITIONS[self.state], (
@@ -206,6 +210,29 @@ def _on_backward(hook, tree: Any) -> tuple[Any, bool]:
     return tree_unflatten(leaves, spec), True
 
 
+class _Use:
+    """One forward use of a unit, as the hook on its inputs: called when backward reaches them.
+
+    Counted in ``unit.pending_uses`` while alive; a use whose graph is freed without a backward
+    (a forward with grad never backpropagated) uncounts itself, so that later backwards still
+    finish the unit as soon as its last real use is done."""
+
+    __slots__ = ("engine", "unit", "generation", "fired")
+
+    def __init__(self, engine: Engine, unit: Unit) -> None:
+        self.engine, self.unit, self.generation, self.fired = engine, unit, unit.generation, False
+        unit.pending_uses += 1
+
+    def __call__(self) -> None:
+        self.fired = True
+        if self.generation == self.unit.generation:
+            self.engine._post_backward(self.unit)
+
+    def __del__(self) -> None:
+        if not self.fired and self.generation == self.unit.generation:
+            self.unit.pending_uses -= 1
+
+
 def _in_backward() -> bool:
     """Whether autograd is executing a backward on this thread: a forward then is a
     recomputation (activation checkpointing), not a new use."""
@@ -238,8 +265,13 @@ class Engine:
         self.flat_params = list(dict.fromkeys(f for u in unit_list for f in u.flat_params))
         self.buckets = list(dict.fromkeys(b for u in unit_list for b in u.buckets))
         self._units_left: dict[GradBucket, int] = {}  # per backward: units yet to finish
+        self._again: set[Unit] = set()  # per backward: units finished, then reached again
+        self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
         self._refresh: dict[FlatParam, C.Handle] = {}  # post-step gathers in flight
         self._summoned = 0  # depth of summon_full_params
+        # 1D num_units, this rank: which units' backward ran since the last zero_grad.
+        self.units_used = torch.zeros(len(unit_list), dtype=torch.float32, device=mesh.device)
+        self._index = {u: i for i, u in enumerate(unit_list)}
         self.checkpointing = (
             SpanCheckpointing(config.checkpoint_every, mesh.device)
             if config.checkpoint_every
@@ -327,12 +359,23 @@ class Engine:
         mp = self.mixed_precision
         if root_entry and mp.cast_root_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
-        if torch.is_grad_enabled() and not recompute:
+        # A recomputation is a use of its own only when the first forward counted none: the
+        # reentrant checkpoint runs that one without grad, then backward through the recomputed
+        # graph (a non-reentrant one only refills saved tensors of the first forward's graph).
+        unit.recompute_use = (
+            recompute
+            and unit.pending_uses == 0
+            and unit.state in (TrainingState.IDLE, TrainingState.POST_BACKWARD)
+        )
+        if torch.is_grad_enabled() and (not recompute or unit.recompute_use):
             # A use whose inputs need no gradient cannot report its end: the count then stays
             # above 0 and the end-of-backward callback finishes the unit.
-            unit.pending_uses += 1
-            (args, kwargs), _ = _on_backward(lambda: self._post_backward(unit), (args, kwargs))
-            if self.checkpointing is not None and entry and unit in self._checkpointed:
+            use = _Use(self, unit)
+            (args, kwargs), hooked = _on_backward(use, (args, kwargs))
+            if not hooked:
+                unit.unreported.append(use)  # stays counted until the end of the backward
+            ckpt = self.checkpointing is not None and entry and unit in self._checkpointed
+            if ckpt and not recompute:
                 self.checkpointing.enter(unit.module, raw_args, raw_kwargs)
         return args, kwargs
 
@@ -343,6 +386,9 @@ class Engine:
     def _post_forward(self, unit: Unit, output: Any, *, entry: bool = True) -> Any:
         if _in_backward():
             # A recomputation: the backward that needs these parameters comes right after.
+            if unit.recompute_use and torch.is_grad_enabled():
+                unit.recompute_use = False
+                output, _ = _on_backward(lambda: self._pre_backward(unit), output)
             return output
         if unit.state is TrainingState.FORWARD:
             unit.to(TrainingState.IDLE)
@@ -383,6 +429,8 @@ class Engine:
             )
             for u in stale:
                 u.state, u.pending_uses = TrainingState.IDLE, 0
+                u.generation += 1
+                u.unreported.clear()
                 if not self._summoned:
                     u.reshard()
 
@@ -392,7 +440,12 @@ class Engine:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # another use of the unit got here first
+        if unit.state is TrainingState.POST_BACKWARD:
+            # Finished already in this backward, and reached again (a reentrant checkpoint's
+            # backward of another forward): its buckets are reduced once more at the end.
+            self._again.add(unit)
         unit.to(TrainingState.PRE_BACKWARD)
+        self.units_used[self._index[unit]] = 1
         unit.unshard(async_op=False)
         unit.wait_unshard()
         for b in unit.buckets:
@@ -415,13 +468,20 @@ class Engine:
         if unit.state is not TrainingState.PRE_BACKWARD:
             unit.to(TrainingState.PRE_BACKWARD)  # no hook saw its backward begin
         unit.to(TrainingState.POST_BACKWARD)
+        if any(
+            s.param.grad is not None for b in unit.buckets if not b.as_views for s in b.flat.slots
+        ):
+            self.units_used[self._index[unit]] = 1  # gradients that reached it another way
         unit.pending_uses = 0
-        reduce_now = self.sync_grads or (
-            self.partition.gradients and self.config.reduce_every_micro_step
-        )
+        unit.generation += 1
+        unit.unreported.clear()
         for b in unit.buckets:
+            if unit in self._again:
+                if self._units_left.get(b, 1) <= 0:
+                    self._dirty[b] = None  # reduced already: reduce what came since at the end
+                continue
             self._units_left[b] = self._units_left.get(b, b.num_units) - 1
-            if reduce_now and self._units_left[b] == 0:
+            if self._reduce_now and self._units_left[b] == 0:
                 b.reduce()
                 self._pending.append(b)
         self._finish_reductions(keep=self.config.max_inflight_reductions)
@@ -433,11 +493,22 @@ class Engine:
         every rank (every rank reduces every bucket, so the collectives match), then wait."""
         for unit in [*reversed(self.forward_order), *self.units]:
             self._finish_unit(unit)
+        self._finish_reductions(keep=0)
+        if self._reduce_now:
+            for b in self.buckets:  # every rank's set: the model ran alike on every rank
+                if b in self._dirty:
+                    b.reduce()
+                    b.finish()
         for unit in self.units:
             unit.to(TrainingState.IDLE)
-        self._finish_reductions(keep=0)
         self._units_left.clear()
+        self._again.clear()
+        self._dirty.clear()
         self.phase = Phase.IDLE
+
+    @property
+    def _reduce_now(self) -> bool:
+        return self.sync_grads or (self.partition.gradients and self.config.reduce_every_micro_step)
 
     def _finish_reductions(self, *, keep: int) -> None:
         while len(self._pending) > keep:
@@ -465,10 +536,13 @@ class Engine:
 
         The all-gathers are started here and waited for by each unit's next pre-forward, so they
         overlap the forward (and anything before it); ``wait_params`` waits for all of them."""
+        self.wait_params()  # a refresh still in flight would land after this one
         for f in self.flat_params:
             handle = f.refresh_full(async_op=True)
             if handle is not None:
                 self._refresh[f] = handle
+            elif self._summoned:
+                f.regather()  # held gathered by summon_full_params: keep its views current
 
     def _wait_refresh(self, unit: Unit) -> None:
         if self._refresh:
@@ -635,6 +709,10 @@ def shard(
         )
         for i, (s, f) in enumerate(zip(specs, flats))
     ]
+    owner = {id(p): i for i, spec in enumerate(specs) for _, p, _ in spec.params}
+    for f in dict.fromkeys(f for fs in flats for f in fs):
+        for slot in f.slots:
+            slot.unit = owner[id(slot.param)]
     materialize.leftovers(model)
     _move_buffers(model, mesh, mixed_precision)
     engine = Engine(

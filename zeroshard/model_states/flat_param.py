@@ -62,6 +62,8 @@ class Slot:
     shape: torch.Size
     offset: int
     """First element in the flat buffer."""
+    unit: int = 0
+    """Index of the unit that owns the parameter (the engine's unit order)."""
 
     @property
     def numel(self) -> int:
@@ -232,6 +234,12 @@ class FlatParam:
                 self.full.copy_(self.master)
             return None
         return self._gather_from_master(async_op=async_op)
+
+    def regather(self) -> None:
+        """Refill a gathered ``full`` from the (changed) masters: partitioned parameters held
+        gathered across an optimizer step (inside ``summon_full_params``)."""
+        if self.partition.parameters and self.state is ShardState.UNSHARDED:
+            self._gather_from_master(async_op=False)
 
     # ----------------------------------------------------------------- per-parameter access
     def master_piece(self, index: int) -> torch.Tensor:

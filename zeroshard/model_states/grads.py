@@ -86,6 +86,8 @@ class GradBucket:
         if not self.as_views:
             return
         flat = self.flat
+        if self._reduce is not None:
+            self.finish()  # reduced earlier in this backward; new gradients come after it
         if self.full_grad is None:
             self.full_grad = torch.zeros(
                 flat.padded_numel, dtype=flat.param_dtype, device=flat.mesh.device
@@ -176,8 +178,9 @@ class GradBucket:
             self._free_full()
 
     def _free_full(self) -> None:
-        for s in self.flat.slots:
-            s.param.grad = None
+        if self.as_views:  # otherwise .grad are autograd's own, released at collection already
+            for s in self.flat.slots:
+                s.param.grad = None
         self.full_grad = None
 
     def zero(self) -> None:

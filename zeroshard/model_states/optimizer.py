@@ -13,7 +13,7 @@ every sub-group. After the step, the engine refreshes replicated parameters (its
 
 Loss scaling lives here too (``zeroshard.precision``): ``backward`` multiplies the loss by the
 scaler's scale; ``step`` unscales this rank's FP32 shard gradients and checks them for inf/NaN in
-one fused pass, agrees on the outcome with one one-element all-reduce ("found_inf"), and either
+one fused pass, agrees on the outcome with one small all-reduce ("found_inf"), and either
 steps or skips (master weights, optimizer states and step counters untouched).
 
 Element-wise optimizers (``ELEMENTWISE``: SGD, Adam, AdamW, Adagrad, RMSprop, ...) give the same
@@ -57,6 +57,7 @@ class _Piece:
 
     span: slice
     tensor: torch.Tensor  # 1D view of flat.master[span], this rank only
+    unit: int = 0  # the unit owning every parameter of the piece
 
 
 @dataclass
@@ -250,20 +251,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         inv_scale = torch.full((1,), 1.0 / scaler.scale, dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, inv_scale)
 
-    def _agree_found_inf(self) -> bool:
-        """Whether any rank's shard gradients hold inf/NaN: one one-element all-reduce (MAX),
-        so every rank skips or steps together (a shard's overflow is seen only by its owner)."""
+    def _agree(self) -> tuple[bool, set[int]]:
+        """Whether any rank's shard gradients hold inf/NaN, and which units no rank's backward
+        reached since ``zero_grad``: one small all-reduce (MAX) of both, so every rank skips or
+        steps together (a shard's overflow is seen only by its owner) and leaves the same
+        parameters without a gradient (as unsharded training and DDP do: an optimizer skips
+        them instead of decaying them)."""
         assert self._found_inf is not None
+        flags = torch.cat([self._found_inf, self.engine.units_used])
         if self.engine.mesh.world_size > 1:
             C.all_reduce(
-                self._found_inf,
+                flags,
                 group=self.engine.mesh.group,
                 ledger=self.engine.ledger,
                 label="found_inf",
                 op=dist.ReduceOp.MAX,
                 async_op=False,
             )
-        return bool(self._found_inf.item())  # a host sync: the decision is made on the host
+        values = flags.tolist()  # a host sync: the decision is made on the host
+        found_inf = self.loss_scaler.checks and values[0] > 0
+        return found_inf, {i for i, used in enumerate(values[1:]) if not used}
 
     @torch.no_grad()
     def step(self, closure: None = None) -> bool:  # type: ignore[override]
@@ -276,27 +283,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError("a sharded optimizer takes no closure (LBFGS-style re-evaluation)")
+        self.engine.wait_params()  # a refresh in flight reads the masters this step writes
         self._unscale()
-        found_inf = self.loss_scaler.checks and self._agree_found_inf()
+        found_inf, unused = self._agree()
         self._found_inf = None
         self.loss_scaler.update(found_inf)
         if found_inf:
             self.engine.ledger.end_step()
             return False
         for sg in self._subgroups:
-            self._step_subgroup(sg)
+            self._step_subgroup(sg, unused)
         self.engine.params_changed()
         self.engine.ledger.end_step()
         return True
 
-    def _step_subgroup(self, sg: _SubGroup) -> None:
+    def _step_subgroup(self, sg: _SubGroup, unused: set[int]) -> None:
         g = sg.bucket.shard_grad  # 1D range numel, FP32, or None (no gradient this step)
         for torch_group, user_index, pieces in zip(sg.optimizer.param_groups, sg.groups, sg.pieces):
             for key, value in self.param_groups[user_index].items():
                 if key != "params":
                     torch_group[key] = value  # what an LR scheduler changed
             for piece in pieces:
-                piece.tensor.grad = None if g is None else g[piece.span]
+                skip = g is None or piece.unit in unused
+                piece.tensor.grad = None if skip else g[piece.span]
         sg.optimizer.step()
         for pieces in sg.pieces:
             for piece in pieces:
@@ -304,6 +313,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._found_inf = None
+        self.engine.units_used.zero_()
         for b in self.engine.buckets:
             b.zero()
 
@@ -331,11 +341,11 @@ def _build_subgroups(
 
     Consecutive slots of one FlatParam in one group merge into one piece: fewer, larger tensors
     make the optimizer's kernels faster."""
-    where: dict[int, tuple[GradBucket, slice]] = {}
+    where: dict[int, tuple[GradBucket, slice, int]] = {}
     for b in buckets:
         for slot, span in b.flat.pieces():
-            where[id(slot.param)] = (b, span)
-    spans: dict[GradBucket, list[tuple[int, slice]]] = {b: [] for b in buckets}
+            where[id(slot.param)] = (b, span, slot.unit)
+    spans: dict[GradBucket, list[tuple[int, slice, int]]] = {b: [] for b in buckets}
     for gi, group in enumerate(user_groups):
         for p in group["params"]:
             if not isinstance(p, torch.Tensor):
@@ -347,20 +357,20 @@ def _build_subgroups(
                     "a parameter given to the optimizer is not part of the sharded model; pass "
                     "model.parameters() (or groups of them) of the model given to shard()"
                 )
-            b, span = where[id(p)]
+            b, span, unit = where[id(p)]
             if span.start < span.stop:
-                spans[b].append((gi, span))
+                spans[b].append((gi, span, unit))
     out = []
     for b in buckets:
         flat: FlatParam = b.flat
         assert flat.master is not None
         by_group: dict[int, list[_Piece]] = {}
-        for gi, span in sorted(spans[b], key=lambda x: (x[0], x[1].start)):
+        for gi, span, unit in sorted(spans[b], key=lambda x: (x[0], x[1].start)):
             pieces = by_group.setdefault(gi, [])
-            if pieces and pieces[-1].span.stop == span.start:
+            if pieces and pieces[-1].span.stop == span.start and pieces[-1].unit == unit:
                 pieces[-1].span = slice(pieces[-1].span.start, span.stop)
             else:
-                pieces.append(_Piece(span, torch.empty(0)))
+                pieces.append(_Piece(span, torch.empty(0), unit))
         if not by_group:
             continue
         for pieces in by_group.values():
