@@ -224,7 +224,8 @@ def test_bf16_tracks_fp32_on_the_tiny_gpt(workers2):
 
 
 def _inject_inf(name: str, stage: int) -> dict:
-    """Rank 1 puts an inf into its own shard gradient: every rank must skip."""
+    """Rank 1's gradient gets an inf in the last rank's shard only (before the reduction, so
+    with sharded gradients only that rank sees it): every rank must skip."""
     torch.manual_seed(0)
     model, policy = build("gpt")
     model = zeroshard.shard(model, stage=stage, wrap=policy, mixed_precision=name)
@@ -233,11 +234,18 @@ def _inject_inf(name: str, stage: int) -> dict:
     engine = zeroshard.engine_of(model)
     rank = dist.get_rank()
 
+    def poison(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone().reshape(-1)
+        g[-1] = float("inf")  # the flat buffer's last element: the last rank's shard
+        return g.view(engine.buckets[-1].flat.slots[-1].shape)
+
     def step(i: int, inject: bool = False) -> bool:
         x, y = batch("gpt", i, 8)
+        last = engine.buckets[-1].flat.slots[-1].param
+        hook = last.register_hook(poison) if inject and rank == 1 else None
         opt.backward(loss_of("gpt", model, x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4]))
-        if inject and rank == 1:
-            engine.buckets[-1].shard_grad[0] = float("inf")
+        if hook is not None:
+            hook.remove()
         stepped = opt.step()
         opt.zero_grad()
         return stepped

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from zeroshard import collectives as C
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam, ShardState
-from zeroshard.model_states.grads import GradBucket
+from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.model_states.init import Materializer, check_same_model
 from zeroshard.precision import MixedPrecision, apply_tf32, policy_of
 from zeroshard.residual_states.activations import SpanCheckpointing
@@ -264,6 +264,11 @@ class Engine:
         # Every FlatParam and bucket once, in unit order (units may share them at stages 0-2).
         self.flat_params = list(dict.fromkeys(f for u in unit_list for f in u.flat_params))
         self.buckets = list(dict.fromkeys(b for u in unit_list for b in u.buckets))
+        self.scaling = (
+            self.buckets[0].scaling
+            if self.buckets
+            else GradScaling(torch.zeros(1, dtype=torch.float32, device=mesh.device))
+        )
         self._units_left: dict[GradBucket, int] = {}  # per backward: units yet to finish
         self._again: set[Unit] = set()  # per backward: units finished, then reached again
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
@@ -686,6 +691,7 @@ def shard(
 
     bucket_bytes = 0 if part.parameters else config.bucket_bytes
     flats = _flat_params(specs, bucket_bytes, make, mixed_precision)
+    scaling = GradScaling(torch.zeros(1, dtype=torch.float32, device=mesh.device))
     buckets: dict[FlatParam, GradBucket] = {}
     for unit_flats in flats:
         for f in unit_flats:
@@ -694,6 +700,7 @@ def shard(
                     f,
                     partition=part,
                     reduce_dtype=_dtypes(mixed_precision, f.orig_dtype)[1],
+                    scaling=scaling,
                     num_units=sum(f in fs for fs in flats),
                 )
     unit_list = [

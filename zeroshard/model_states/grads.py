@@ -11,13 +11,15 @@ Tensors and who holds them (N ranks, ``range`` = the FlatParam's optimizer range
                 #   (see there) in param_dtype, bound at the unit's pre-backward and persistent
                 #   when gradients are replicated; otherwise in reduce_dtype, made at the
                 #   reduction from autograd's own per-parameter tensors.
-    shard_grad  # 1D range numel, FP32, this rank's reduced (mean) gradient, read by the optimizer;
-                #   accumulates over reductions until ``zero``.
+    shard_grad  # 1D range numel, FP32, this rank's reduced (mean, unscaled) gradient, read by
+                #   the optimizer; accumulates over reductions until ``zero``.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +46,21 @@ class Reduction(enum.Enum):
         return cls.SCATTER_AND_FREE if partition.gradients else cls.SCATTER_IN_PLACE
 
 
+@dataclass
+class GradScaling:
+    """Applied by every bucket to its reduced gradient in the one pass that averages it: the
+    loss scale to remove, and a flag raised when any value is inf/NaN. One per engine, shared by
+    its buckets, so the optimizer's skip decision costs no extra pass over the gradients."""
+
+    found_inf: torch.Tensor
+    """(1,) FP32, this rank: > 0 once a reduced gradient held inf/NaN since ``reset``."""
+    loss_scale: float = 1.0
+    """The scale the loss was multiplied by before the backward that made these gradients."""
+
+    def reset(self) -> None:
+        self.found_inf.zero_()
+
+
 class GradBucket:
     """The gradient of one trainable ``FlatParam`` (module docstring)."""
 
@@ -53,10 +70,11 @@ class GradBucket:
         *,
         partition: Partition,
         reduce_dtype: torch.dtype | None,
+        scaling: GradScaling,
         num_units: int = 1,
     ) -> None:
         assert flat.requires_grad
-        self.flat = flat
+        self.flat, self.scaling = flat, scaling
         self.reduction = Reduction.of(partition)
         self.reduce_dtype = reduce_dtype or flat.param_dtype
         self.num_units = num_units
@@ -64,6 +82,11 @@ class GradBucket:
         self.full_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None
         self._reduce: tuple[C.Handle, torch.Tensor] | None = None
+        self._bound = [False] * len(flat.slots)  # per slot: .grad is its region, holding data
+        self._reduced = False  # reduced since zero, and the buffer kept (not yet bound again)
+        if self.as_views:
+            for i, s in enumerate(flat.slots):
+                s.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
 
     @property
     def as_views(self) -> bool:
@@ -81,32 +104,69 @@ class GradBucket:
         return self._reduce is not None
 
     def bind(self) -> None:
-        """Point every parameter's ``.grad`` into ``full_grad`` so autograd accumulates there
-        (``as_views`` buckets only; a no-op otherwise)."""
+        """Make ``full_grad`` ready for this backward's gradients (``as_views`` buckets only; a
+        no-op otherwise).
+
+        The buffer is never zero-filled: a slot's first gradient since the last reduction or
+        ``zero`` is copied into its region by a post-accumulate hook, which then points the
+        parameter's ``.grad`` at that region, where autograd adds later ones in place (DDP's
+        trick: one copy instead of a memset and an add). Regions no gradient reached are
+        zeroed at reduction."""
         if not self.as_views:
             return
-        flat = self.flat
         if self._reduce is not None:
             self.finish()  # reduced earlier in this backward; new gradients come after it
+        flat = self.flat
         if self.full_grad is None:
-            self.full_grad = torch.zeros(
+            self.full_grad = torch.empty(
                 flat.padded_numel, dtype=flat.param_dtype, device=flat.mesh.device
             )
-        elif self.shard_grad is not None and self._shard_grad_aliases_full():
-            # A second reduction before zero_grad would mix reduced and unreduced slices in
-            # place: keep what was reduced apart and start the local gradient afresh.
-            self.shard_grad = self.shard_grad.clone()
-            self.full_grad.zero_()
-        base = self.full_grad.data_ptr()
-        item = self.full_grad.element_size()
-        for s in flat.slots:
-            grad = s.param.grad
-            if grad is not None and grad.data_ptr() == base + s.offset * item:
-                continue
-            view = self.full_grad[s.offset : s.offset + s.numel].view(s.shape)
-            if grad is not None:
-                view.add_(grad)  # accumulated outside the hooks (e.g. no_sync): keep it
-            s.param.grad = view
+            self.full_grad[flat.numel :].zero_()  # padding: part of every reduction
+            self._unbind()
+        elif self._reduced:
+            # A second reduction before zero_grad: what was reduced stays apart, the local
+            # gradient starts afresh.
+            if self.shard_grad is not None and self._shard_grad_aliases_full():
+                self.shard_grad = self.shard_grad.clone()
+            self._unbind()
+        self._reduced = False
+        for i, s in enumerate(flat.slots):
+            if not self._bound[i] and s.param.grad is not None:
+                self._take(i)  # accumulated before the buffer existed (e.g. outside the hooks)
+
+    def _unbind(self) -> None:
+        """Every region free for a first gradient; ``.grad`` that are not views of it (fresh
+        gradients, to be taken) stay."""
+        for i, s in enumerate(self.flat.slots):
+            if self._bound[i] or self.full_grad is None:
+                s.param.grad = None
+        self._bound = [False] * len(self.flat.slots)
+
+    def _view(self, i: int) -> torch.Tensor:
+        assert self.full_grad is not None
+        s = self.flat.slots[i]
+        return self.full_grad[s.offset : s.offset + s.numel].view(s.shape)
+
+    def _take(self, i: int) -> None:
+        """Move slot ``i``'s gradient into its region of ``full_grad`` and bind it there."""
+        param, view = self.flat.slots[i].param, self._view(i)
+        grad = param.grad
+        if self._bound[i]:
+            if grad is not None and grad.data_ptr() != view.data_ptr():
+                view.add_(grad)  # .grad was replaced from outside: keep both
+        elif grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad)
+        param.grad = view
+        self._bound[i] = True
+
+    def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        """Post-accumulate hook of slot ``i``: a fresh gradient goes into the bucket."""
+        if self.full_grad is None or self._reduce is not None:
+            return  # before bind (taken there) or while reducing (taken at the next bind)
+        if not self._bound[i] or param.grad.data_ptr() != self._view(i).data_ptr():
+            self._take(i)
 
     def _collect(self) -> None:
         """``full_grad`` from autograd's per-parameter gradients (zeros where there are none),
@@ -139,8 +199,12 @@ class GradBucket:
         with on_side_stream(self.flat.mesh.device, "reduce_scatter"):
             if not self.as_views:
                 self._collect()
-            elif self.full_grad is None:
-                self.bind()  # every rank reduces every bucket, used or not: collectives must match
+            else:
+                if self.full_grad is None or self._reduced:
+                    self.bind()  # every rank reduces every bucket, used or not
+                for i in range(len(self.flat.slots)):
+                    if not self._bound[i]:
+                        self._take(i)  # no gradient reached it here: zeros
             assert self.full_grad is not None
             flat = self.flat
             n = flat.mesh.world_size
@@ -165,8 +229,13 @@ class GradBucket:
         handle, _send = self._reduce
         self._reduce = None
         out = handle.wait()
+        # Average (FP16 was divided before summing), remove the loss scale and look for inf/NaN
+        # in one fused pass over the reduced values.
+        divisor = self.scaling.loss_scale
         if self.reduce_dtype != torch.float16:
-            out.div_(self.flat.mesh.world_size)
+            divisor *= self.flat.mesh.world_size
+        inv = torch.full((1,), 1.0 / divisor, dtype=torch.float32, device=out.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([out], self.scaling.found_inf, inv)
         if self.reduction is Reduction.ALL_REDUCE:
             out = out[self.flat.range[0] : self.flat.range[1]]
         reduced = out.to(MASTER_DTYPE)  # 1D range numel (alias when FP32)
@@ -176,11 +245,12 @@ class GradBucket:
             self.shard_grad.add_(reduced)
         if self.reduction is Reduction.SCATTER_AND_FREE:
             self._free_full()
+        else:
+            self._reduced = True
 
     def _free_full(self) -> None:
         if self.as_views:  # otherwise .grad are autograd's own, released at collection already
-            for s in self.flat.slots:
-                s.param.grad = None
+            self._unbind()
         self.full_grad = None
 
     def zero(self) -> None:
@@ -189,9 +259,12 @@ class GradBucket:
         if not self.as_views:
             for s in self.flat.slots:
                 s.param.grad = None  # accumulated by autograd in no_sync micro-steps
+        self._reduced = False
         if self.full_grad is None:
             return
         if self.reduction is Reduction.SCATTER_AND_FREE:
             self._free_full()
-        else:
-            self.full_grad.zero_()  # persistent and bound: keep the allocation
+        else:  # persistent: keep the allocation; the next gradients overwrite it
+            for slot in self.flat.slots:
+                slot.param.grad = None
+            self._bound = [False] * len(self.flat.slots)

@@ -12,9 +12,10 @@ original parameters and the hyperparameters, which LR schedulers change and ``st
 every sub-group. After the step, the engine refreshes replicated parameters (its own schedule).
 
 Loss scaling lives here too (``zeroshard.precision``): ``backward`` multiplies the loss by the
-scaler's scale; ``step`` unscales this rank's FP32 shard gradients and checks them for inf/NaN in
-one fused pass, agrees on the outcome with one small all-reduce ("found_inf"), and either
-steps or skips (master weights, optimizer states and step counters untouched).
+scaler's scale; each gradient reduction removes it and looks for inf/NaN in the pass that
+averages the reduced values (``GradScaling``); ``step`` agrees on the outcome with one small
+all-reduce ("found_inf") and either steps or skips (master weights, optimizer states and step
+counters untouched).
 
 Element-wise optimizers (``ELEMENTWISE``: SGD, Adam, AdamW, Adagrad, RMSprop, ...) give the same
 result as unsharded training; others (LBFGS, Adafactor, LAMB, Muon) are refused.
@@ -160,7 +161,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         buckets = list(self.engine.buckets)
         self.loss_scaler = loss_scaler or default_scaler({b.flat.param_dtype for b in buckets})
-        self._found_inf: torch.Tensor | None = None  # (1,) FP32: set once gradients are unscaled
         user_groups = _param_groups(model, params)
         defaults = _with_default_impl(optimizer_cls, defaults, self.engine.mesh.device)
         self._subgroups = _build_subgroups(buckets, user_groups, optimizer_cls, defaults)
@@ -201,8 +201,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``loss.backward()`` (times the loss scale); with ``sync=False`` gradients only
         accumulate locally (a gradient-accumulation micro-step), communicated by the next
         synchronized backward."""
-        self._found_inf = None  # new gradients arrive scaled
         scale = self.loss_scaler.scale
+        self.engine.scaling.loss_scale = scale  # each reduction removes it (GradScaling)
         if scale != 1.0:
             loss = loss.float() * scale  # in FP32: an FP16 loss times 2**16 would overflow
         if sync:
@@ -217,7 +217,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         returns it for the unsharded model."""
         if norm_type != 2.0:
             raise ValueError("clip_grad_norm supports the 2-norm (norm_type=2.0) only")
-        self._unscale()  # clip the true gradient, not the scaled one
         grads = self._shard_grads()
         device = self.engine.mesh.device
         sq = torch.zeros(1, dtype=torch.float32, device=device)
@@ -237,28 +236,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             torch._foreach_mul_(grads, coef)
         return norm
 
-    def _unscale(self) -> None:
-        """Divide this rank's shard gradients by the loss scale and look for inf/NaN, in one
-        fused pass; idempotent until the next ``backward``."""
-        if self._found_inf is not None:
-            return
-        device = self.engine.mesh.device
-        self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        grads = self._shard_grads()
-        scaler = self.loss_scaler
-        if not grads or (scaler.scale == 1.0 and not scaler.checks):
-            return
-        inv_scale = torch.full((1,), 1.0 / scaler.scale, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, inv_scale)
-
     def _agree(self) -> tuple[bool, set[int]]:
         """Whether any rank's shard gradients hold inf/NaN, and which units no rank's backward
         reached since ``zero_grad``: one small all-reduce (MAX) of both, so every rank skips or
         steps together (a shard's overflow is seen only by its owner) and leaves the same
         parameters without a gradient (as unsharded training and DDP do: an optimizer skips
         them instead of decaying them)."""
-        assert self._found_inf is not None
-        flags = torch.cat([self._found_inf, self.engine.units_used])
+        flags = torch.cat([self.engine.scaling.found_inf, self.engine.units_used])
         if self.engine.mesh.world_size > 1:
             C.all_reduce(
                 flags,
@@ -284,9 +268,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("a sharded optimizer takes no closure (LBFGS-style re-evaluation)")
         self.engine.wait_params()  # a refresh in flight reads the masters this step writes
-        self._unscale()
         found_inf, unused = self._agree()
-        self._found_inf = None
         self.loss_scaler.update(found_inf)
         if found_inf:
             self.engine.ledger.end_step()
@@ -312,8 +294,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 piece.tensor.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._found_inf = None
         self.engine.units_used.zero_()
+        self.engine.scaling.reset()
         for b in self.engine.buckets:
             b.zero()
 
