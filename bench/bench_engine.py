@@ -150,52 +150,39 @@ def fsdp2_contender(preset: str, bf16: bool) -> Contender:
     )
 
 
-def ddp_contender(preset: str) -> Contender:
+def _plain_contender(name: str, model: nn.Module) -> Contender:
+    """``model`` (plain, or wrapped by DDP) trained with torch's AdamW and ``loss.backward()``."""
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, **OPTIM)
+
+    def tracker() -> MemTracker:
+        t = MemTracker()
+        t.track_external(model, opt)
+        return t
+
+    return Contender(
+        name=name,
+        model=model,
+        forward=lambda x, y: model(x, y),
+        backward=lambda loss: loss.backward(),
+        opt_step=opt.step,
+        zero_grad=opt.zero_grad,
+        tracker=tracker,
+    )
+
+
+def ddp_contender(preset: str) -> Contender:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # Bucket views: gradients live in the communication buckets (no second copy), so the
     # baseline holds 16 Psi like stage 0 rather than DDP's default 20 Psi.
-    model = DDP(_seeded_gpt(preset), gradient_as_bucket_view=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, **OPTIM)
-
-    def tracker() -> MemTracker:
-        t = MemTracker()
-        t.track_external(model, opt)
-        return t
-
-    return Contender(
-        name="ddp",
-        model=model,
-        forward=lambda x, y: model(x, y),
-        backward=lambda loss: loss.backward(),
-        opt_step=opt.step,
-        zero_grad=opt.zero_grad,
-        tracker=tracker,
-    )
+    return _plain_contender("ddp", DDP(_seeded_gpt(preset), gradient_as_bucket_view=True))
 
 
 def floor_contender(preset: str) -> Contender:
     """The plain model on one rank's batch, no communication at all."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    model = _seeded_gpt(preset)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, **OPTIM)
-
-    def tracker() -> MemTracker:
-        t = MemTracker()
-        t.track_external(model, opt)
-        return t
-
-    return Contender(
-        name="alone",
-        model=model,
-        forward=lambda x, y: model(x, y),
-        backward=lambda loss: loss.backward(),
-        opt_step=opt.step,
-        zero_grad=opt.zero_grad,
-        tracker=tracker,
-    )
+    return _plain_contender("alone", _seeded_gpt(preset))
 
 
 # --------------------------------------------------------------------------------- measuring

@@ -226,3 +226,32 @@ def hf_t5():
     )  # fmt: skip
     model = transformers.T5ForConditionalGeneration(config)
     return model, wrap.from_hf(model)
+
+
+def train_gpt_both(model, ref, opt, ref_opt, steps: int, per_rank: int = 2) -> dict:
+    """``steps`` GPT steps of a sharded model (this rank's rows) and its unsharded reference (the
+    whole global batch): the largest loss difference and the final parameter difference."""
+    import torch.distributed as dist
+
+    import zeroshard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    worst = 0.0
+    for step in range(steps):
+        x, y = batch("gpt", step, per_rank * world)
+        mine = slice(per_rank * rank, per_rank * (rank + 1))
+        loss = model(x[mine], y[mine])
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        worst = max(worst, abs(total.item() / world - ref_loss.item()))
+    with zeroshard.summon_full_params(model):
+        pairs = zip(model.parameters(), ref.parameters())
+        param = max((a - b).abs().max().item() for a, b in pairs)
+    return {"loss": worst, "param": param}

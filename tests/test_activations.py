@@ -8,8 +8,7 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
-from parity_models import batch
+from parity_models import batch, train_gpt_both
 
 import zeroshard
 from zeroshard.engine import ShardConfig
@@ -20,7 +19,6 @@ CFG = GPTConfig(n_layer=5, n_embd=32, n_head=2, block_size=16, vocab_size=256)
 
 def _train(stage: int, every: int, steps: int = 4) -> dict:
     """Sharded training with checkpoint_every against an unsharded reference, same batches."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = GPT(CFG)
     model = zeroshard.shard(
@@ -31,26 +29,9 @@ def _train(stage: int, every: int, steps: int = 4) -> dict:
     )
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    worst = 0.0
-    for step in range(steps):
-        x, y = batch("gpt", step, 2 * world)
-        mine = slice(2 * rank, 2 * rank + 2)
-        loss = model(x[mine], y[mine])
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        worst = max(worst, abs(total.item() / world - ref_loss.item()))
-    with zeroshard.summon_full_params(model):
-        pairs = zip(model.parameters(), ref.parameters())
-        param = max((a - b).abs().max().item() for a, b in pairs)
+    result = train_gpt_both(model, ref, opt, ref_opt, steps)
     spans = zeroshard.engine_of(model).checkpointing.num_spans
-    return {"loss": worst, "param": param, "spans_per_step": spans / steps}
+    return dict(result, spans_per_step=spans / steps)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from parity_models import batch
+from parity_models import train_gpt_both
 from torch import nn
 
 import zeroshard
@@ -19,7 +19,6 @@ CFG = GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=256)
 def _meta_then_train(stage: int) -> dict:
     """A GPT built on meta, materialized unit by unit, then trained against an eager reference
     that starts from the same (gathered) weights."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     with torch.device("meta"):
         meta = GPT(CFG)
@@ -40,23 +39,8 @@ def _meta_then_train(stage: int) -> dict:
         }
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    worst = 0.0
-    for step in range(3):
-        x, y = batch("gpt", step, 2 * world)
-        loss = model(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        dist.all_reduce(total := loss.detach().clone())
-        worst = max(worst, abs(total.item() / world - ref_loss.item()))
-    with zeroshard.summon_full_params(model):
-        pairs = zip(model.parameters(), ref.parameters())
-        param = max((a - b).abs().max().item() for a, b in pairs)
-    return dict(stats, on_meta=on_meta, loss=worst, param=param)
+    result = train_gpt_both(model, ref, opt, ref_opt, 3)
+    return dict(stats, on_meta=on_meta, **result)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
