@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from zeroshard import offload, precision, wrap
 from zeroshard.collectives import Ledger
-from zeroshard.engine import ShardConfig, engine_of, shard
+from zeroshard.engine import ShardConfig, engine_of
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.optimizer import ShardedOptimizer
 from zeroshard.offload import OffloadConfig, TensorStore, Tier
 from zeroshard.precision import DynamicLossScaler, LossScaler, MixedPrecision
+from zeroshard.sharding import shard
 from zeroshard.stages import STAGES, Partition
 from zeroshard.state_dict import (
     device_mesh,

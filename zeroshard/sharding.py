@@ -1,0 +1,187 @@
+"""``shard()``: a model cut into units, their parameters moved into flat storage, the engine
+installed.
+
+The steps, in order: check the model is the same on every rank, cut it into units
+(``zeroshard.wrap``), give each unit its ``FlatParam`` storage (materialized from the meta device
+one unit at a time when needed; stages 0-2 pack consecutive units into buckets of up to
+``ShardConfig.bucket_bytes``), a ``GradBucket`` per trainable one, then the ``Engine`` with its
+hooks. Every rank must call it with the same model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from zeroshard import collectives as C
+from zeroshard.engine import _ATTR, Engine, ShardConfig, Unit
+from zeroshard.mesh import Mesh
+from zeroshard.model_states.flat_param import FlatParam
+from zeroshard.model_states.grads import GradBucket, GradScaling
+from zeroshard.model_states.init import Materializer, check_same_model
+from zeroshard.precision import MixedPrecision, apply_tf32, policy_of
+from zeroshard.stages import Partition, partition
+from zeroshard.state_dict import install_state_dict_hooks
+from zeroshard.wrap import UnitSpec, WrapPolicy, units
+
+
+def shard(
+    model: nn.Module,
+    *,
+    stage: int = 3,
+    wrap: WrapPolicy | None = None,
+    mixed_precision: MixedPrecision | str | None = None,
+    config: ShardConfig | None = None,
+    mesh: Mesh | None = None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place over the data-parallel ranks and return it.
+
+    ``stage`` 0-3 picks which model states are partitioned (``zeroshard.stages``); ``wrap``
+    (``zeroshard.wrap.by_class(Block)`` ...) cuts the model into units, the root always being one.
+    ``mixed_precision`` is a ``MixedPrecision`` policy or a name ("fp32", "tf32", "bf16", "fp16",
+    "auto": ``zeroshard.precision.resolve``); master weights stay FP32 under every policy.
+    Parameters keep their names and objects; their data move into per-unit flat buffers on
+    ``mesh.device``. Every rank must call it with the same model structure (checked).
+
+    A model built under ``torch.device("meta")`` is materialized one unit at a time: each module
+    holding the unit's parameters gets ``param_init_fn(module)`` (default: its own
+    ``reset_parameters()``), the unit keeps this rank's shard and frees the rest, so the peak is
+    the shards plus one unit.
+    """
+    part: Partition = partition(stage)
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError(
+            f"{type(model).__name__} is already sharded; shard a model once (build a new one "
+            "to change the stage or wrap policy)"
+        )
+    devices = {p.device for p in model.parameters()} - {torch.device("meta")}
+    if len(devices) > 1:
+        raise ValueError(
+            f"parameters are on different devices {sorted(map(str, devices))}; move the model "
+            "to one device (or leave it on CPU: shard moves it to the rank's device)"
+        )
+    mesh = mesh or Mesh.current()
+    config = config or ShardConfig()
+    mixed_precision = policy_of(mixed_precision, mesh.device)
+    apply_tf32(mixed_precision, mesh.device)
+    specs = units(model, wrap)
+    check_same_model(model, mesh)
+    ledger = C.Ledger()
+    materialize = Materializer(mesh.device, param_init_fn).bind(model)
+
+    def make(params: list[tuple[nn.Parameter, list[str]]], dtype: torch.dtype) -> FlatParam:
+        materialize([p for p, _ in params])
+        return FlatParam(
+            params,
+            mesh=mesh,
+            partition=part,
+            param_dtype=_dtypes(mixed_precision, dtype)[0],
+            ledger=ledger,
+            sync_module_states=config.sync_module_states,
+        )
+
+    bucket_bytes = 0 if part.parameters else config.bucket_bytes
+    flats = _flat_params(specs, bucket_bytes, make, mixed_precision)
+    scaling = GradScaling(torch.zeros(1, dtype=torch.float32, device=mesh.device))
+    buckets: dict[FlatParam, GradBucket] = {}
+    for unit_flats in flats:
+        for f in unit_flats:
+            if f.requires_grad and f not in buckets:
+                buckets[f] = GradBucket(
+                    f,
+                    partition=part,
+                    reduce_dtype=_dtypes(mixed_precision, f.orig_dtype)[1],
+                    scaling=scaling,
+                    num_units=sum(f in fs for fs in flats),
+                )
+    unit_list = [
+        Unit(
+            s.name,
+            s.module,
+            f,
+            [buckets[x] for x in f if x in buckets],
+            is_root=i == 0,
+            owners=list(
+                dict.fromkeys(m for regs, _, _ in s.params for m, _ in regs if m is not s.module)
+            ),
+        )
+        for i, (s, f) in enumerate(zip(specs, flats))
+    ]
+    owner = {id(p): i for i, spec in enumerate(specs) for _, p, _ in spec.params}
+    for f in dict.fromkeys(f for fs in flats for f in fs):
+        for slot in f.slots:
+            slot.unit = owner[id(slot.param)]
+    materialize.leftovers(model)
+    _move_buffers(model, mesh, mixed_precision)
+    engine = Engine(
+        model,
+        unit_list,
+        mesh=mesh,
+        stage=stage,
+        config=config,
+        mixed_precision=mixed_precision,
+        ledger=ledger,
+    )
+    install_state_dict_hooks(model, engine)
+    setattr(model, _ATTR, engine)
+    return model
+
+
+def _dtypes(policy: MixedPrecision, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(param_dtype, reduce_dtype) of parameters stored as ``dtype`` (integers stay as they are)."""
+    return policy.resolved(dtype) if dtype.is_floating_point else (dtype, dtype)
+
+
+def _flat_params(
+    specs: list[UnitSpec], bucket_bytes: int, make, policy: MixedPrecision
+) -> list[list[FlatParam]]:
+    """The FlatParams each unit uses: one per (requires_grad, dtype) group of its parameters.
+
+    Partitioned parameters are gathered per unit, so each unit gets its own (``bucket_bytes`` 0).
+    Replicated parameters are never gathered: consecutive units then share one flat buffer of up
+    to ``bucket_bytes``, so that gradients are reduced in few, large collectives (DDP's buckets,
+    ZeRO-R's constant-size buffers) and the buffer is reduced once all its units' backward is done.
+    """
+    per_unit: list[list[FlatParam]] = [[] for _ in specs]
+    module_names = {id(m): n for n, m in specs[0].module.named_modules(remove_duplicate=False)}
+    open_buckets: dict[tuple[bool, torch.dtype], tuple[list, list[int]]] = {}
+
+    def close(key: tuple[bool, torch.dtype]) -> None:
+        params, owners = open_buckets.pop(key)
+        flat = make(params, key[1])
+        for i in owners:
+            per_unit[i].append(flat)
+
+    for i, spec in enumerate(specs):
+        groups: dict[tuple[bool, torch.dtype], list[tuple[nn.Parameter, list[str]]]] = {}
+        for regs, p, name in spec.params:
+            if p.numel() == 0:
+                continue  # nothing to shard; it stays a plain parameter
+            names = [name] + [f"{module_names[id(m)]}.{a}".lstrip(".") for m, a in regs[1:]]
+            groups.setdefault((p.requires_grad, p.dtype), []).append((p, names))
+        for key, params in groups.items():
+            elem_bytes = _dtypes(policy, key[1])[0].itemsize
+            numel = sum(p.numel() for p, _ in params)
+            if key in open_buckets:
+                held = sum(p.numel() for p, _ in open_buckets[key][0])
+                if (held + numel) * elem_bytes > bucket_bytes:
+                    close(key)
+            bucket = open_buckets.setdefault(key, ([], []))
+            bucket[0].extend(params)
+            bucket[1].append(i)
+    for key in list(open_buckets):
+        close(key)
+    return per_unit
+
+
+def _move_buffers(model: nn.Module, mesh: Mesh, mp: MixedPrecision) -> None:
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            dtype = mp.buffer_dtype if buf.is_floating_point() and mp.buffer_dtype else buf.dtype
+            new = buf.to(device=mesh.device, dtype=dtype)
+            if mesh.world_size > 1:
+                C.broadcast(new, src=0, group=mesh.group)
+            module._buffers[name] = new
