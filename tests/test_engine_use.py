@@ -27,6 +27,7 @@ from parity_models import (
     loss_of,
     param_groups,
 )
+from torch import nn
 
 import zeroshard
 from zeroshard import wrap
@@ -620,3 +621,96 @@ def test_a_model_that_differs_across_ranks_is_an_error_on_every_rank(workers2, w
     for workers in (workers2, workers4):
         messages = workers.run(_rank_dependent_model)
         assert len(messages) == workers.world_size
+
+
+# ----------------------------------------------------------------------------- 9: review cases
+class _Expert(nn.Module):
+    """A block with a Linear its forward never calls (an MoE expert that got no tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.expert = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(x))
+
+
+class _ExpertNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Expert(), _Expert()])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, scale_between: bool = False):
+        x = self.blocks[0](x)
+        if scale_between:
+            x.mul_(0.5)  # in place on a unit's output (a Linear's output is not saved)
+        return self.head(self.blocks[1](x))
+
+
+def _review_cases(stage: int, case: str) -> float:
+    """The largest parameter difference from unsharded training after 3 SGD/AdamW steps."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = _ExpertNet()
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_Expert))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+        mine = slice(rank * 4, rank * 4 + 4)
+        if case == "create_graph":  # accumulation out of place: .grad = .grad + new
+            halves = list(zip(x[mine].chunk(2), y[mine].chunk(2)))
+            for i, (xm, ym) in enumerate(halves):
+                loss = nn.functional.mse_loss(model(xm), ym) / 2
+                with zeroshard.no_sync(model) if i == 0 else contextlib.nullcontext():
+                    loss.backward(create_graph=True)
+        else:
+            out = model(x[mine], scale_between=case == "inplace")
+            if case == "inplace":
+                out.div_(2.0)  # in place on the model's output
+            nn.functional.mse_loss(out, y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+        out = ref(x, scale_between=case == "inplace")
+        if case == "inplace":
+            out.div_(2.0)
+        nn.functional.mse_loss(out, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return _param_diff(model, ref)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("case", ["unused_parameter", "inplace", "create_graph"])
+def test_review_cases_match_unsharded_training(workers2, stage, case):
+    # unused_parameter: AdamW leaves a parameter without gradient alone (no weight decay).
+    assert max(workers2.run(_review_cases, stage, case)) < TOL
+
+
+def _skipped_prefetch_and_idle_uses() -> dict:
+    """A forward that skips a block the last forward used frees its prefetch; forwards with
+    grad that are never backpropagated leave no pending uses behind."""
+    model, _ref, opt, _ref_opt, kind = _pair("skip", 3, None)
+    x, y = _global_batch(kind, 0)
+    opt.backward(_loss(kind, model, _rows(x), _rows(y)))
+    opt.step()
+    opt.zero_grad()
+    model.skip = {1}
+    with torch.no_grad():
+        model(_rows(x))
+    engine = zeroshard.engine_of(model)
+    gathered = [u.name for u in engine.units if not u.is_root and u.is_gathered]
+    model.skip = set()
+    for _ in range(5):
+        model(_rows(x), _rows(y))  # with grad, never backpropagated
+    pending = {u.name: u.pending_uses for u in engine.units if not u.is_root}
+    return {"gathered": gathered, "pending": pending}
+
+
+def test_skipped_prefetches_are_freed_and_dropped_graphs_leave_no_uses(workers2):
+    for r in workers2.run(_skipped_prefetch_and_idle_uses):
+        assert r["gathered"] == [], r
+        assert all(v == 0 for v in r["pending"].values()), r

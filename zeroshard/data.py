@@ -200,8 +200,11 @@ class Corpus:
         try:
             path.mkdir(parents=True, exist_ok=True)
             # Probe before reading 30 MiB, so an unwritable folder fails fast and clearly.
-            _write_atomic(path / ".probe", lambda f: None)
-            os.unlink(path / ".probe")
+            # One probe name per process: ranks building the same cache at once must not
+            # remove each other's probe.
+            probe = path / f".probe-{os.getpid()}"
+            _write_atomic(probe, lambda f: None)
+            os.unlink(probe)
         except OSError as exc:
             raise ValueError(
                 f"cannot write the corpus cache folder {path} ({exc.strerror or exc}); "

@@ -24,7 +24,7 @@ import contextlib
 import enum
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,7 +146,6 @@ class Unit:
         self.generation = 0
         """Bumped whenever ``pending_uses`` is reset: older uses no longer count."""
         self.recompute_use = False  # the current recomputation is a use (reentrant checkpoint)
-        self.unreported: list[_Use] = []  # uses whose inputs need no grad: no hook reports them
 
     def to(self, state: TrainingState) -> None:
         assert state in _TRANSITIONS[self.state], (
@@ -180,8 +179,9 @@ class Unit:
 
 
 class _BackwardHook(torch.autograd.Function):
-    """Identity whose backward calls ``hook``: on a unit's outputs it fires as the unit's backward
-    begins (gather again); on its inputs, once the unit's backward is done (reduce, free)."""
+    """Identity whose backward calls ``hook``: on a unit's inputs, it fires once the unit's
+    backward for that use is done (reduce, free). (Its outputs are views: an in-place op on a
+    unit's input inside the unit's own forward is refused by autograd.)"""
 
     @staticmethod
     def forward(ctx, hook, *tensors):  # type: ignore[override]
@@ -192,6 +192,15 @@ class _BackwardHook(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         ctx.hook()
         return (None, *grads)
+
+
+def _when_backward_reaches(hook: Callable[[], None], tree: Any) -> None:
+    """Call ``hook`` when backward first reaches one of ``tree``'s tensors that require grad: on
+    a unit's outputs, as the unit's backward begins (gather again). A hook, not a wrapping
+    Function, so the outputs stay what the unit returned (in-place ops on them are fine)."""
+    tensors = [x for x in tree_flatten(tree)[0] if torch.is_tensor(x) and x.requires_grad]
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: hook(), mode="any")
 
 
 def _on_backward(hook, tree: Any) -> tuple[Any, bool]:
@@ -214,11 +223,12 @@ class _Use:
     (a forward with grad never backpropagated) uncounts itself, so that later backwards still
     finish the unit as soon as its last real use is done."""
 
-    __slots__ = ("engine", "unit", "generation", "fired")
+    __slots__ = ("engine", "unit", "generation", "fired", "counted")
 
     def __init__(self, engine: Engine, unit: Unit) -> None:
-        self.engine, self.unit, self.generation, self.fired = engine, unit, unit.generation, False
-        unit.pending_uses += 1
+        self.engine, self.unit, self.generation = engine, unit, unit.generation
+        self.fired = False
+        self.counted = False  # set once it is a hook on the use's inputs
 
     def __call__(self) -> None:
         self.fired = True
@@ -226,7 +236,7 @@ class _Use:
             self.engine._post_backward(self.unit)
 
     def __del__(self) -> None:
-        if not self.fired and self.generation == self.unit.generation:
+        if self.counted and not self.fired and self.generation == self.unit.generation:
             self.unit.pending_uses -= 1
 
 
@@ -271,9 +281,6 @@ class Engine:
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
         self._refresh: dict[FlatParam, C.Handle] = {}  # post-step gathers in flight
         self._summoned = 0  # depth of summon_full_params
-        # 1D num_units, this rank: which units' backward ran since the last zero_grad.
-        self.units_used = torch.zeros(len(unit_list), dtype=torch.float32, device=mesh.device)
-        self._index = {u: i for i, u in enumerate(unit_list)}
         self.checkpointing = (
             SpanCheckpointing(config.checkpoint_every, mesh.device)
             if config.checkpoint_every
@@ -374,8 +381,8 @@ class Engine:
             # above 0 and the end-of-backward callback finishes the unit.
             use = _Use(self, unit)
             (args, kwargs), hooked = _on_backward(use, (args, kwargs))
-            if not hooked:
-                unit.unreported.append(use)  # stays counted until the end of the backward
+            use.counted = hooked
+            unit.pending_uses += 1  # an unhooked use stays counted until the end of backward
             ckpt = self.checkpointing is not None and entry and unit in self._checkpointed
             if ckpt and not recompute:
                 self.checkpointing.enter(unit.module, raw_args, raw_kwargs)
@@ -390,7 +397,7 @@ class Engine:
             # A recomputation: the backward that needs these parameters comes right after.
             if unit.recompute_use and torch.is_grad_enabled():
                 unit.recompute_use = False
-                output, _ = _on_backward(lambda: self._pre_backward(unit), output)
+                _when_backward_reaches(lambda: self._pre_backward(unit), output)
             return output
         if unit.state is TrainingState.FORWARD:
             unit.to(TrainingState.IDLE)
@@ -403,16 +410,28 @@ class Engine:
             self.phase = Phase.IDLE
             if self._recording is not None:
                 self.forward_order, self._recording = self._recording, None
+                self._free_unused_prefetches()
             if self.mixed_precision.output_dtype is not None:
                 output = _cast_floats(output, self.mixed_precision.output_dtype)
         if grad:
-            output, _ = _on_backward(lambda: self._pre_backward(unit), output)
+            _when_backward_reaches(lambda: self._pre_backward(unit), output)
         if self.checkpointing is not None:
             if root_entry:
                 self.checkpointing.close()
             elif entry and unit in self._checkpointed:
                 self.checkpointing.note_output(output)
         return output
+
+    def _free_unused_prefetches(self) -> None:
+        """Units prefetched from the last forward's order that this forward skipped (layer drop,
+        early exit): wait for their gather and free them, not hold them until the backward."""
+        if not self.partition.parameters or self._summoned:
+            return
+        used = set(self.forward_order)
+        for u in self.units:
+            skipped = not u.is_root and u not in used and u.state is TrainingState.IDLE
+            if skipped and u.is_gathered:
+                u.reshard()
 
     def _begin_forward(self) -> None:
         self.phase = Phase.FORWARD
@@ -432,7 +451,6 @@ class Engine:
             for u in stale:
                 u.state, u.pending_uses = TrainingState.IDLE, 0
                 u.generation += 1
-                u.unreported.clear()
                 if not self._summoned:
                     u.reshard()
 
@@ -447,7 +465,6 @@ class Engine:
             # backward of another forward): its buckets are reduced once more at the end.
             self._again.add(unit)
         unit.to(TrainingState.PRE_BACKWARD)
-        self.units_used[self._index[unit]] = 1
         unit.unshard(async_op=False)
         unit.wait_unshard()
         for b in unit.buckets:
@@ -470,13 +487,8 @@ class Engine:
         if unit.state is not TrainingState.PRE_BACKWARD:
             unit.to(TrainingState.PRE_BACKWARD)  # no hook saw its backward begin
         unit.to(TrainingState.POST_BACKWARD)
-        if any(
-            s.param.grad is not None for b in unit.buckets if not b.as_views for s in b.flat.slots
-        ):
-            self.units_used[self._index[unit]] = 1  # gradients that reached it another way
         unit.pending_uses = 0
         unit.generation += 1
-        unit.unreported.clear()
         for b in unit.buckets:
             if unit in self._again:
                 if self._units_left.get(b, 1) <= 0:
@@ -552,6 +564,12 @@ class Engine:
                 handle = self._refresh.pop(f, None)
                 if handle is not None:
                     handle.wait()
+
+    def slots_touched(self) -> torch.Tensor:
+        """1D, one FP32 flag per trainable parameter (buckets in order, slots in order): 1 where
+        a gradient reached it on this rank since the last ``zero_grad``."""
+        flags = [t for b in self.buckets for t in b.touched]
+        return torch.tensor(flags, dtype=torch.float32, device=self.mesh.device)
 
     def wait_params(self) -> None:
         """Wait for every parameter refresh in flight (values read directly are then current)."""

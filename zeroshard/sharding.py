@@ -110,10 +110,6 @@ def shard(
         )
         for i, (s, f) in enumerate(zip(specs, flats))
     ]
-    owner = {id(p): i for i, spec in enumerate(specs) for _, p, _ in spec.params}
-    for f in dict.fromkeys(f for fs in flats for f in fs):
-        for slot in f.slots:
-            slot.unit = owner[id(slot.param)]
     materialize.leftovers(model)
     _move_buffers(model, mesh, mixed_precision)
     engine = Engine(

@@ -62,8 +62,6 @@ class Slot:
     shape: torch.Size
     offset: int
     """First element in the flat buffer."""
-    unit: int = 0
-    """Index of the unit that owns the parameter (the engine's unit order)."""
 
     @property
     def numel(self) -> int:

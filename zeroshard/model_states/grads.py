@@ -83,6 +83,9 @@ class GradBucket:
         self.shard_grad: torch.Tensor | None = None
         self._reduce: tuple[C.Handle, torch.Tensor] | None = None
         self._bound = [False] * len(flat.slots)  # per slot: .grad is its region, holding data
+        self.touched = [False] * len(flat.slots)
+        """Per slot: a gradient reached it on this rank since ``zero`` (else the optimizer may
+        leave the parameter alone, as torch does with a ``None`` gradient)."""
         self._reduced = False  # reduced since zero, and the buffer kept (not yet bound again)
         if self.as_views:
             for i, s in enumerate(flat.slots):
@@ -151,18 +154,21 @@ class GradBucket:
         """Move slot ``i``'s gradient into its region of ``full_grad`` and bind it there."""
         param, view = self.flat.slots[i].param, self._view(i)
         grad = param.grad
-        if self._bound[i]:
-            if grad is not None and grad.data_ptr() != view.data_ptr():
-                view.add_(grad)  # .grad was replaced from outside: keep both
-        elif grad is None:
-            view.zero_()
-        else:
+        if grad is None:
+            if not self._bound[i]:
+                view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            # A first gradient, or .grad replaced out of place (create_graph accumulation,
+            # p.grad = f(p.grad)): either way the current .grad is the whole gradient.
             view.copy_(grad)
+            self.touched[i] = True
         param.grad = view
         self._bound[i] = True
 
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
         """Post-accumulate hook of slot ``i``: a fresh gradient goes into the bucket."""
+        if param.grad is not None:
+            self.touched[i] = True
         if self.full_grad is None or self._reduce is not None:
             return  # before bind (taken there) or while reducing (taken at the next bind)
         if not self._bound[i] or param.grad.data_ptr() != self._view(i).data_ptr():
@@ -177,13 +183,14 @@ class GradBucket:
             flat.padded_numel, dtype=self.reduce_dtype, device=flat.mesh.device
         )
         with torch.no_grad():
-            for s in flat.slots:
+            for i, s in enumerate(flat.slots):
                 view = self.full_grad[s.offset : s.offset + s.numel]
                 grad = s.param.grad
                 if grad is None:
                     view.zero_()
                     continue
                 view.copy_(grad.reshape(-1))
+                self.touched[i] = True
                 s.param.grad = None
             self.full_grad[flat.numel :].zero_()
 
@@ -256,6 +263,7 @@ class GradBucket:
     def zero(self) -> None:
         """Drop the reduced shard and the local gradient (keeping a persistent buffer)."""
         self.shard_grad = None
+        self.touched = [False] * len(self.flat.slots)
         if not self.as_views:
             for s in self.flat.slots:
                 s.param.grad = None  # accumulated by autograd in no_sync micro-steps

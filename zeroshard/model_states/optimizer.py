@@ -58,7 +58,7 @@ class _Piece:
 
     span: slice
     tensor: torch.Tensor  # 1D view of flat.master[span], this rank only
-    unit: int = 0  # the unit owning every parameter of the piece
+    slot: int = 0  # the parameter's index among the engine's trainable slots
 
 
 @dataclass
@@ -237,12 +237,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return norm
 
     def _agree(self) -> tuple[bool, set[int]]:
-        """Whether any rank's shard gradients hold inf/NaN, and which units no rank's backward
-        reached since ``zero_grad``: one small all-reduce (MAX) of both, so every rank skips or
-        steps together (a shard's overflow is seen only by its owner) and leaves the same
-        parameters without a gradient (as unsharded training and DDP do: an optimizer skips
-        them instead of decaying them)."""
-        flags = torch.cat([self.engine.scaling.found_inf, self.engine.units_used])
+        """Whether any rank's shard gradients hold inf/NaN, and which parameters no rank's
+        backward reached since ``zero_grad``: one small all-reduce (MAX) of both, so every rank
+        skips or steps together (a shard's overflow is seen only by its owner) and leaves the
+        same parameters without a gradient (as unsharded training and DDP do: an optimizer
+        skips them instead of decaying them)."""
+        flags = torch.cat([self.engine.scaling.found_inf, self.engine.slots_touched()])
         if self.engine.mesh.world_size > 1:
             C.all_reduce(
                 flags,
@@ -286,7 +286,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     torch_group[key] = value  # what an LR scheduler changed
             for piece in pieces:
-                skip = g is None or piece.unit in unused
+                skip = g is None or piece.slot in unused
                 piece.tensor.grad = None if skip else g[piece.span]
         sg.optimizer.step()
         for pieces in sg.pieces:
@@ -294,7 +294,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 piece.tensor.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.units_used.zero_()
         self.engine.scaling.reset()
         for b in self.engine.buckets:
             b.zero()
@@ -319,14 +318,14 @@ def _build_subgroups(
     optimizer_cls: type[torch.optim.Optimizer],
     defaults: dict[str, Any],
 ) -> list[_SubGroup]:
-    """One torch optimizer per trainable FlatParam over the pieces of each user group in it.
-
-    Consecutive slots of one FlatParam in one group merge into one piece: fewer, larger tensors
-    make the optimizer's kernels faster."""
+    """One torch optimizer per trainable FlatParam over the pieces of each user group in it
+    (one piece per parameter: this rank's part of it)."""
     where: dict[int, tuple[GradBucket, slice, int]] = {}
+    index = 0  # slots in the order of Engine.slots_touched
     for b in buckets:
         for slot, span in b.flat.pieces():
-            where[id(slot.param)] = (b, span, slot.unit)
+            where[id(slot.param)] = (b, span, index)
+            index += 1
     spans: dict[GradBucket, list[tuple[int, slice, int]]] = {b: [] for b in buckets}
     for gi, group in enumerate(user_groups):
         for p in group["params"]:
@@ -339,20 +338,18 @@ def _build_subgroups(
                     "a parameter given to the optimizer is not part of the sharded model; pass "
                     "model.parameters() (or groups of them) of the model given to shard()"
                 )
-            b, span, unit = where[id(p)]
+            b, span, slot_index = where[id(p)]
             if span.start < span.stop:
-                spans[b].append((gi, span, unit))
+                spans[b].append((gi, span, slot_index))
     out = []
     for b in buckets:
         flat: FlatParam = b.flat
         assert flat.master is not None
         by_group: dict[int, list[_Piece]] = {}
-        for gi, span, unit in sorted(spans[b], key=lambda x: (x[0], x[1].start)):
-            pieces = by_group.setdefault(gi, [])
-            if pieces and pieces[-1].span.stop == span.start and pieces[-1].unit == unit:
-                pieces[-1].span = slice(pieces[-1].span.start, span.stop)
-            else:
-                pieces.append(_Piece(span, torch.empty(0), unit))
+        for gi, span, slot_index in sorted(spans[b], key=lambda x: (x[0], x[1].start)):
+            # One piece per parameter: a parameter no rank's backward reached is left out of
+            # the step, exactly as torch leaves out a parameter whose .grad is None.
+            by_group.setdefault(gi, []).append(_Piece(span, torch.empty(0), slot_index))
         if not by_group:
             continue
         for pieces in by_group.values():
