@@ -161,3 +161,59 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+# --------------------------------------------------------------------- checkpoints and resume
+
+
+def _final_train_loss(out) -> float:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "train"][-1]["loss"]
+
+
+def test_resume_continues_the_same_curve(tmp_path, capsys):
+    # Warm-up longer than the run: the learning rate of a step does not depend on --steps.
+    common = ["--nproc", "2", "--preset", "nano", "--batch-size", "4", "--seq-len", "32"]
+    common += ["--eval-every", "4", "--eval-batches", "2", "--log-every", "2", "--stage", "3"]
+    common += ["--warmup-steps", "10", "--data-dir", str(tmp_path / "data")]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    result = _cli("train", *common, "--steps", "8", "--out-dir", str(whole))
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = _cli(
+        "train", *common, "--steps", "4", "--save-every", "2", "--keep", "1",
+        "--out-dir", str(split),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (split / "ckpt").iterdir()) == ["step-000004"]
+    result = _cli("train", *common, "--steps", "8", "--resume", "auto", "--out-dir", str(split))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming from {split / 'ckpt' / 'step-000004'} (step 4)" in result.stdout
+    assert _final_train_loss(split) == _final_train_loss(whole)
+    steps = [
+        json.loads(line)["step"] for line in (split / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [0, 2, 4, 4, 6, 8, 8]  # evals at 0, 4, 8; no duplicated records
+    assert main(["checkpoint", "info", str(split / "ckpt" / "step-000004"), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "complete" in out and "step 4, world size 2, stage 3" in out, out
+    assert "param dtype float32" in out and "parameters" in out and "bytes" in out, out
+
+
+def test_resume_auto_without_checkpoints(capsys, tmp_path):
+    argv = ["train", "--resume", "auto", "--out-dir", str(tmp_path)]
+    _expect_usage_error(capsys, argv, "no complete checkpoint", "drop --resume")
+
+
+def test_resume_from_a_missing_path(capsys, tmp_path):
+    argv = ["train", "--resume", str(tmp_path / "nope"), "--out-dir", str(tmp_path)]
+    _expect_usage_error(capsys, argv, "nope", "checkpoint folder")
+
+
+def test_checkpoint_info_of_an_incomplete_save(capsys, tmp_path):
+    folder = tmp_path / "step-000010.tmp-1a2b"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"x" * 10)
+    assert main(["checkpoint", "info", str(folder)]) == 1
+    out = capsys.readouterr().out
+    assert "incomplete" in out and "10 bytes" in out, out
+    _expect_usage_error(capsys, ["checkpoint", "info", str(tmp_path / "none")], "none")

@@ -8,7 +8,7 @@ optimizer.backward(loss); optimizer.clip_grad_norm(1.0); optimizer.step(); optim
 
 from __future__ import annotations
 
-from zeroshard import offload, precision, wrap
+from zeroshard import checkpoint, offload, precision, wrap
 from zeroshard.collectives import Ledger
 from zeroshard.engine import ShardConfig, engine_of
 from zeroshard.mesh import Mesh
@@ -58,6 +58,7 @@ def no_sync(model):
 
 
 __all__ = [
+    "checkpoint",
     "STAGES",
     "DynamicLossScaler",
     "Ledger",

@@ -9,7 +9,9 @@ It uses only zeroshard's public API. Ways to run it:
         --rdzv-endpoint HOST:29500 -m zeroshard.cli.main train --stage 3       # several nodes
 
 Outputs in ``out_dir``: ``config.json``, ``metrics.jsonl`` (one JSON object per logged step and
-evaluation) and ``loss.png``.
+evaluation) and ``loss.png``; with ``--save-every N`` checkpoints in ``out_dir/ckpt/step-NNNNNN``
+(``zeroshard.checkpoint``), of which ``--keep K`` stay. ``--resume auto`` (or a checkpoint folder)
+continues a run: the same batches, RNGs, loss scale and learning rates as if it had not stopped.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import zeroshard
+from zeroshard import checkpoint
 from zeroshard.data import BatchLoader, Corpus
 from zeroshard.models.gpt import GPT, Block, preset
 
@@ -65,9 +68,19 @@ class TrainConfig:
     """Output folder (created if missing)."""
     data_dir: str | None = None
     """Corpus cache folder (default ~/.cache/zeroshard)."""
+    save_every: int = 0
+    """Steps between checkpoints in ``out_dir/ckpt`` (and one at the end); 0: no checkpoints."""
+    keep: int = 3
+    """Checkpoints kept in ``out_dir/ckpt`` (the oldest are removed)."""
+    resume: str | None = None
+    """A checkpoint folder to continue from, or "auto": the newest complete one in out_dir/ckpt."""
 
     def __post_init__(self) -> None:
         preset(self.preset)  # a ValueError listing the presets
+        if self.save_every < 0 or self.keep < 1:
+            raise ValueError(
+                f"need save_every >= 0 and keep >= 1, got {self.save_every} and {self.keep}"
+            )
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.stage not in zeroshard.STAGES:
@@ -89,6 +102,27 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def resume_path(cfg: TrainConfig) -> Path | None:
+    """The checkpoint ``cfg.resume`` names ("auto": the newest complete one in out_dir/ckpt)."""
+    if not cfg.resume:
+        return None
+    if cfg.resume != "auto":
+        return Path(cfg.resume)
+    found = checkpoint.latest(Path(cfg.out_dir) / "ckpt")
+    if found is None:
+        raise FileNotFoundError(
+            f"--resume auto found no complete checkpoint in {Path(cfg.out_dir) / 'ckpt'}; "
+            "drop --resume to start afresh, or pass a checkpoint folder"
+        )
+    return found
+
+
+def _records_until(path: Path, step: int) -> list[dict]:
+    """The metrics of a run being resumed, up to and including ``step``."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [r for r in map(json.loads, lines) if r["step"] <= step]
 
 
 def rank_memory_bytes(device: torch.device) -> int:
@@ -167,10 +201,16 @@ def train(cfg: TrainConfig) -> dict:
         weight_decay=cfg.weight_decay,
     )  # fmt: skip
 
-    records: list[dict] = []
     metrics_path = out / "metrics.jsonl"
+    start, skipped, resume = 0, 0, resume_path(cfg)
+    if resume is not None:
+        extra = checkpoint.load(resume, model, opt)  # restores RNGs and the loss scale too
+        start = int(extra.get("step", checkpoint.info(resume).step))
+        skipped = int(extra.get("skipped", 0))
+    records = _records_until(metrics_path, start) if start else []
+    dist.barrier()  # every rank has read the old metrics before rank 0 rewrites them
     if rank == 0:
-        metrics_path.write_text("")
+        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
     def log(record: dict) -> None:
         records.append(record)
@@ -178,13 +218,18 @@ def train(cfg: TrainConfig) -> dict:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    bar = tqdm(total=cfg.steps, disable=rank != 0, desc=f"stage {cfg.stage} x{world}")
-    first_val = evaluate(model, val_batches, device)
-    log({"kind": "eval", "step": 0, "val_loss": first_val})
+    bar = tqdm(
+        total=cfg.steps, initial=start, disable=rank != 0, desc=f"stage {cfg.stage} x{world}"
+    )
+    if start and records and records[0]["kind"] == "eval":
+        first_val = records[0]["val_loss"]
+    else:
+        first_val = evaluate(model, val_batches, device)
+        log({"kind": "eval", "step": start, "val_loss": first_val})
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t_start = t_log = time.perf_counter()
-    skipped = 0
-    for step, (x, y) in enumerate(loader.iter(num_steps=cfg.steps), start=1):
+    batches = loader.iter(start_step=start, num_steps=max(0, cfg.steps - start))
+    for step, (x, y) in enumerate(batches, start=start + 1):
         for group in opt.param_groups:
             group["lr"] = lr_at(step - 1, cfg)
         loss = model(x.to(device), y.to(device))
@@ -212,6 +257,9 @@ def train(cfg: TrainConfig) -> dict:
             )  # fmt: skip
         if step % cfg.eval_every == 0 or step == cfg.steps:
             log({"kind": "eval", "step": step, "val_loss": evaluate(model, val_batches, device)})
+        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+            where = checkpoint.step_path(out / "ckpt", step)
+            checkpoint.save(where, model, opt, {"step": step, "skipped": skipped}, keep=cfg.keep)
         bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - t_start
@@ -220,7 +268,7 @@ def train(cfg: TrainConfig) -> dict:
         "preset": cfg.preset, "num_params": num_params, "stage": cfg.stage, "ranks": world,
         "precision": cfg.precision, "skipped_steps": skipped,
         "steps": cfg.steps, "seconds": round(elapsed, 1),
-        "tokens_per_s": round(tokens_per_step * cfg.steps / elapsed),
+        "tokens_per_s": round(tokens_per_step * max(1, cfg.steps - start) / elapsed),
         "val_loss_first": round(first_val, 4), "val_loss_last": round(last_val, 4),
         "comm_bytes_per_step": sum(e.bytes for e in zeroshard.ledger(model).steps[-1].values()),
     }  # fmt: skip

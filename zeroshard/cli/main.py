@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # Subcommands, in the order ``--help`` lists them; each is ``zeroshard.cli.<name>``.
-SUBCOMMANDS = ("train", "plan")
+SUBCOMMANDS = ("train", "plan", "checkpoint")
 
 
 class UsageError(ValueError):

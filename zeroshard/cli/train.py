@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from zeroshard import checkpoint
 from zeroshard.cli.main import UsageError
 from zeroshard.mesh import launched_by_torchrun
-from zeroshard.train import TrainConfig, save_config, train
+from zeroshard.train import TrainConfig, resume_path, save_config, train
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             f"use a --batch-size that is a multiple of {nproc}"
         )
     out = _make_out_dir(cfg.out_dir)
+    cfg = _pin_resume(cfg)
     if launched_by_torchrun() or nproc == 1:
         summary = train(cfg)
         if not launched_by_torchrun() or _is_rank0():
@@ -112,6 +114,18 @@ def run(args: argparse.Namespace) -> int:
         _check_port(args.port)
     save_config(cfg, out / "config.json")
     return _launch(nproc, args.port, out / "config.json")
+
+
+def _pin_resume(cfg: TrainConfig) -> TrainConfig:
+    """``--resume``: the checkpoint it names (``auto``: the newest), checked and printed."""
+    path = resume_path(cfg)
+    if path is None or launched_by_torchrun():
+        return cfg  # under torchrun every rank resolves it in train()
+    found = checkpoint.info(path)  # FileNotFoundError when missing
+    if not found.complete:
+        raise UsageError(f"--resume {path}: {found.problem}")
+    print(f"resuming from {path} (step {found.step})")
+    return dataclasses.replace(cfg, resume=str(path))
 
 
 def _is_rank0() -> bool:

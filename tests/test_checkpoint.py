@@ -1,0 +1,338 @@
+"""zeroshard.checkpoint: exact resume in every precision, resharding to other world sizes and
+stages, FSDP2 reading and writing the same DCP checkpoints, atomic publishing, keep, and
+one-line errors for bad checkpoints."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from parity_models import batch, build, loss_of, param_groups
+
+import zeroshard
+from zeroshard import checkpoint
+from zeroshard.models.gpt import GPT, GPTConfig
+from zeroshard.testing import Workers
+
+GLOBAL_BATCH = 12  # divides across 1, 2, 3 and 4 ranks
+
+
+def _model(stage: int, precision: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model, policy = build("gpt")
+    return zeroshard.shard(model, stage=stage, wrap=policy, mixed_precision=precision)
+
+
+def _opt(model, precision: str):
+    scaler = None
+    if precision == "fp16":  # grows every 2 clean steps: its state changes during the test
+        scaler = zeroshard.DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
+    return zeroshard.optimizer(
+        model, torch.optim.AdamW, param_groups(model, 0.1), lr=3e-3, loss_scaler=scaler
+    )
+
+
+def _train(model, opt, steps: range) -> list[float]:
+    """Global-batch steps, this rank taking its rows; the mean losses over ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = GLOBAL_BATCH // world
+    losses = []
+    for step in steps:
+        x, y = batch("gpt", step, GLOBAL_BATCH)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.backward(loss_of("gpt", model, x[mine], y[mine]))
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
+        # the loss after the step, on the batch of the step: every rank's rows
+        with torch.no_grad():
+            loss = loss_of("gpt", model, x[mine], y[mine]).float()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return losses
+
+
+def _draws() -> tuple:
+    """One draw from every RNG a checkpoint restores."""
+    return torch.rand(3).tolist(), float(np.random.rand()), random.random()
+
+
+def _path(base: str, name: str) -> str:
+    return os.path.join(base, name)
+
+
+# --------------------------------------------------------------------- exact resume
+
+
+def _exact_resume(base: str, stage: int, precision: str, n: int) -> bool:
+    path = _path(base, f"resume-{stage}-{precision}/step-{n:06d}")
+    model = _model(stage, precision)
+    opt = _opt(model, precision)
+    first = _train(model, opt, range(n))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    checkpoint.save(path, model, opt, {"step": n, "sched": sched, "note": "hi"})
+    scaler_then = opt.loss_scaler.state_dict()
+    draws = _draws()
+    reference = _train(model, opt, range(n, 2 * n))
+    ref_params = zeroshard.full_state_dict(model, rank0_only=False)
+
+    fresh = _model(stage, precision, seed=7)
+    fresh_opt = _opt(fresh, precision)
+    extra = checkpoint.load(path, fresh, fresh_opt)
+    assert extra["step"] == n and extra["note"] == "hi", extra
+    assert extra["sched"] == sched.state_dict()
+    assert fresh_opt.loss_scaler.state_dict() == scaler_then
+    if precision == "fp16":
+        assert scaler_then["scale"] != 2.0**10  # it moved: restoring it mattered
+    assert _draws() == draws  # torch, numpy and python RNGs restored
+    resumed = _train(fresh, fresh_opt, range(extra["step"], 2 * n))
+    assert resumed == reference, (first, reference, resumed)
+    for k, v in zeroshard.full_state_dict(fresh, rank0_only=False).items():
+        assert torch.equal(v, ref_params[k]), k
+    return True
+
+
+@pytest.mark.parametrize(
+    "stage,precision", [(3, "fp32"), (1, "fp32"), (3, "bf16"), (2, "bf16"), (3, "fp16")]
+)
+def test_exact_resume_is_bit_identical(workers2, tmp_path, stage, precision):
+    assert all(workers2.run(_exact_resume, str(tmp_path), stage, precision, 3))
+
+
+# --------------------------------------------------------------------- resharding
+
+
+def _save_then_continue(path: str, stage: int) -> dict:
+    model = _model(stage, "fp32")
+    opt = _opt(model, "fp32")
+    _train(model, opt, range(3))
+    checkpoint.save(path, model, opt, {"step": 3})
+    losses = _train(model, opt, range(3, 6))
+    return {"losses": losses, "params": zeroshard.full_state_dict(model, rank0_only=False)}
+
+
+def _load_then_continue(path: str, stage: int) -> dict:
+    model = _model(stage, "fp32", seed=9)
+    opt = _opt(model, "fp32")
+    step = checkpoint.load(path, model, opt)["step"]
+    losses = _train(model, opt, range(step, 6))
+    return {"losses": losses, "params": zeroshard.full_state_dict(model, rank0_only=False)}
+
+
+def _close(a: dict, b: dict) -> None:
+    """Losses within 1e-6; parameters within 1e-5: another world size sums gradients in another
+    order, and Adam divides such last-bit differences of tiny gradients by their own size."""
+    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)) < 1e-6, (a, b)
+    for k, v in a["params"].items():
+        assert (v - b["params"][k]).abs().max().item() < 1e-5, k
+
+
+def test_reshards_to_one_three_and_four_ranks(workers2, workers4, tmp_path):
+    path = str(tmp_path / "ckpt")
+    reference = workers2.run(_save_then_continue, path, 3)[0]
+    for pool in (Workers(1), Workers(3)):
+        with pool:
+            for r in pool.run(_load_then_continue, path, 3):
+                _close(reference, r)
+    for r in workers4.run(_load_then_continue, path, 3):
+        _close(reference, r)
+
+
+def test_reshards_across_stages(workers2, workers4, tmp_path):
+    reference = workers2.run(_save_then_continue, str(tmp_path / "s3"), 3)[0]
+    for r in workers2.run(_load_then_continue, str(tmp_path / "s3"), 1):  # 3 -> 1
+        _close(reference, r)
+    reference = workers2.run(_save_then_continue, str(tmp_path / "s1"), 1)[0]
+    for r in workers4.run(_load_then_continue, str(tmp_path / "s1"), 3):  # 1 -> 3, 2 -> 4 ranks
+        _close(reference, r)
+
+
+# --------------------------------------------------------------------- FSDP2 interop
+
+
+def _fsdp2_gpt():
+    """The seed-0 nano GPT under torch's fully_shard: one unit per Block, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from zeroshard.models.gpt import Block
+
+    torch.manual_seed(0)
+    model, _ = build("gpt")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for module in model.modules():
+        if isinstance(module, Block):
+            fully_shard(module, mesh=mesh)
+    model = fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
+
+
+def _train_fsdp2(model, opt, steps: range) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = GLOBAL_BATCH // world
+    losses = []
+    for step in steps:
+        x, y = batch("gpt", step, GLOBAL_BATCH)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss_of("gpt", model, x[mine], y[mine]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            loss = loss_of("gpt", model, x[mine], y[mine]).float()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return losses
+
+
+def _ours_to_fsdp2(path: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    reference = _save_then_continue(path, 3)
+    model, opt = _fsdp2_gpt()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses = _train_fsdp2(model, opt, range(3, 6))
+    assert max(abs(a - b) for a, b in zip(losses, reference["losses"])) < 1e-5
+    return True
+
+
+def _fsdp2_to_ours(path: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _fsdp2_gpt()
+    _train_fsdp2(model, opt, range(3))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    reference = _train_fsdp2(model, opt, range(3, 6))
+    ours = _model(3, "fp32", seed=5)
+    our_opt = _opt(ours, "fp32")
+    state = {"model": ours.state_dict(), "optim": our_opt.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    ours.load_state_dict(state["model"])
+    our_opt.load_state_dict(state["optim"])
+    losses = _train(ours, our_opt, range(3, 6))
+    assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-5, (losses, reference)
+    return True
+
+
+def test_fsdp2_reads_our_checkpoints(workers2, tmp_path):
+    assert all(workers2.run(_ours_to_fsdp2, str(tmp_path / "ours")))
+
+
+def test_we_read_fsdp2_checkpoints(workers2, tmp_path):
+    assert all(workers2.run(_fsdp2_to_ours, str(tmp_path / "theirs")))
+
+
+# --------------------------------------------------------------------- publishing and keep
+
+
+def _publishing(base: str) -> bool:
+    model = _model(3, "fp32")
+    opt = _opt(model, "fp32")
+    folder = Path(base) / "ckpt"
+    for step in range(1, 5):
+        _train(model, opt, range(step - 1, step))
+        checkpoint.save(checkpoint.step_path(folder, step), model, opt, {"step": step}, keep=2)
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["step-000003", "step-000004"], names  # no temp or old folders left
+    assert checkpoint.latest(folder) == folder / "step-000004"
+    found = checkpoint.info(folder / "step-000004")
+    assert found.complete and found.step == 4 and found.world_size == 2 and found.stage == 3
+    assert found.param_dtype == "float32" and found.size_bytes > 0
+    assert found.num_params == sum(p.numel() for p in model.parameters())
+    files = sorted(os.listdir(folder / "step-000004"))
+    assert {"zeroshard.json", ".metadata", "rank-00000.pt", "rank-00001.pt"} <= set(files)
+    # Saving again at an existing path replaces it whole.
+    _train(model, opt, range(4, 5))
+    again = str(folder / "step-000004")
+    checkpoint.save(again, model, opt, {"step": 5})
+    assert checkpoint.info(again).step == 5
+    assert sorted(p.name for p in folder.iterdir()) == names
+    fresh = _model(3, "fp32", seed=3)
+    assert checkpoint.load(again, fresh, _opt(fresh, "fp32"))["step"] == 5
+    for k, v in zeroshard.full_state_dict(fresh, rank0_only=False).items():
+        assert torch.equal(v, zeroshard.full_state_dict(model, rank0_only=False)[k]), k
+    # Too little space: nothing is written, the shortfall is in bytes.
+    tiny_disk = mock.patch.object(checkpoint.shutil, "disk_usage", return_value=mock.Mock(free=1e3))
+    with tiny_disk, pytest.raises(checkpoint.CheckpointError, match=r"bytes short"):
+        checkpoint.save(str(folder / "step-000009"), model, opt, {"step": 9})
+    dist.barrier()
+    assert not any("000009" in p.name for p in folder.iterdir())
+    return True
+
+
+def test_publishing_keep_overwrite_and_space(workers2, tmp_path):
+    assert all(workers2.run(_publishing, str(tmp_path)))
+
+
+# --------------------------------------------------------------------- bad input
+
+
+def _bad_input(base: str) -> bool:
+    rank = dist.get_rank()
+    good = _path(base, "good")
+    model = _model(3, "fp32")
+    opt = _opt(model, "fp32")
+    _train(model, opt, range(1))
+    checkpoint.save(good, model, opt, {"step": 1})
+    # Another model: wider (mis-shaped), and deeper (unexpected names when loading the smaller).
+    torch.manual_seed(0)
+    wide = zeroshard.shard(GPT(GPTConfig(n_layer=2, n_embd=48, n_head=2, block_size=64)), stage=3)
+    with pytest.raises(checkpoint.CheckpointError, match=r"another model.*mis-shaped: wte.weight"):
+        checkpoint.load(good, wide, _opt(wide, "fp32"))
+    deep = zeroshard.shard(GPT(GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=64)), stage=3)
+    with pytest.raises(checkpoint.CheckpointError, match=r"missing: blocks\.2\.") as info:
+        checkpoint.load(good, deep, _opt(deep, "fp32"))
+    assert "(+" in str(info.value) and "\n" not in str(info.value)
+    # Missing path, and a save that stopped between its two renames.
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*nowhere"):
+        checkpoint.load(_path(base, "nowhere"), model, opt)
+    dist.barrier()
+    if rank == 0:
+        os.rename(good, good + ".old-abcd")
+    dist.barrier()
+    with pytest.raises(FileNotFoundError, match=r"good\.old-abcd .*rename it back"):
+        checkpoint.load(good, model, opt)
+    dist.barrier()
+    if rank == 0:
+        os.rename(good + ".old-abcd", good)
+    dist.barrier()
+    # Incomplete saves: a temporary folder, and a folder without zeroshard.json.
+    with pytest.raises(checkpoint.CheckpointError, match=r"incomplete save"):
+        checkpoint.load(good + ".tmp-1234", model, opt)
+    assert not checkpoint.info(good).problem
+    # A corrupted data file: named.
+    dist.barrier()
+    if rank == 0:
+        data = Path(good) / "__1_0.distcp"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    dist.barrier()
+    with pytest.raises(checkpoint.CheckpointError, match=r"__1_0\.distcp is corrupted"):
+        checkpoint.load(good, model, opt)
+    dist.barrier()
+    if rank == 0:
+        os.remove(Path(good) / "zeroshard.json")
+    dist.barrier()
+    with pytest.raises(checkpoint.CheckpointError, match=r"is incomplete"):
+        checkpoint.load(good, model, opt)
+    assert not checkpoint.info(good).complete
+    with pytest.raises(ValueError, match="keep"):
+        checkpoint.save(good, model, opt, keep=0)
+    return True
+
+
+def test_bad_checkpoints_are_one_line_errors(workers2, tmp_path):
+    assert all(workers2.run(_bad_input, str(tmp_path)))

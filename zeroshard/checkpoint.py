@@ -1,0 +1,487 @@
+"""Training checkpoints: model, optimizer, loss scaler, RNGs and your own state, saved atomically.
+
+    zeroshard.checkpoint.save("out/ckpt/step-000100", model, opt, {"step": 100}, keep=3)
+    extra = zeroshard.checkpoint.load("out/ckpt/step-000100", model, opt)   # {"step": 100}
+
+Every rank of the model's group calls both (they are collectives). A checkpoint is one folder:
+
+    .metadata, __<rank>_<i>.distcp   ``torch.distributed.checkpoint`` (DCP, FileSystemWriter) of
+                                     ``{"model": model.state_dict(), "optim": opt.state_dict()}``:
+                                     FSDP2's format, so it loads at any world size and stage, and
+                                     FSDP2's ``get_state_dict`` / ``set_state_dict`` read it too.
+    rank-<r>.pt                      rank r's own state, ``torch.save``-d: its RNGs (torch CPU,
+                                     CUDA if initialized, numpy's global, python ``random``), the
+                                     loss scaler's ``state_dict()`` and ``extra``.
+    zeroshard.json                   written last, by rank 0: step, world size, stage, dtypes,
+                                     parameter count, versions, and every other file's size in
+                                     bytes and xxh3_64 checksum. A folder without it is incomplete.
+
+``extra`` is a dict of your own values (tensors, numbers, strings, lists, tuples, dicts: it is
+read back with ``torch.load(weights_only=True)``); a value with a ``state_dict()`` method (an LR
+scheduler) is stored as that state dict. ``extra["step"]`` (an int) is the step recorded in the
+metadata, and the data position: resume a ``BatchLoader`` with ``iter(start_step=step)``; without
+it the optimizer's step count is recorded. ``load`` returns ``extra`` as saved (schedulers as
+their state dicts: ``sched.load_state_dict(extra["sched"])``).
+
+Safety. ``save`` first checks the free space of the target's file system against an estimate
+(the bytes of every rank's state dict tensors, plus 5%). It writes into
+``<path>.tmp-<random>`` (one random suffix, broadcast from rank 0), fsyncs every file and the
+folder, waits for every rank, computes the checksums (each rank hashes a share of the files),
+then rank 0 writes ``zeroshard.json`` and renames the folder to ``path``, fsyncing the parent. An
+existing checkpoint at ``path`` is first renamed to ``<path>.old-<random>`` and removed only
+after the new one is in place: a crash leaves either the old or the new checkpoint whole (or,
+between the two renames, the old one under its ``.old-`` name, which ``load`` points to).
+``keep=K``: when ``path``'s name ends in digits (``step-000100``), complete sibling checkpoints
+of the same prefix beyond the newest K (by number) are removed; ``keep=None`` keeps all.
+
+``load`` verifies every file's checksum (``verify=False`` skips it), compares the checkpoint's
+parameter names and shapes with the model's, loads through DCP (resharding to the current world
+size and stage), then restores the loss scaler and the RNGs of rank ``r``'s file (of rank
+``r % saved_world_size`` when the world size changed: RNG streams do not reshard). Mistakes are
+one-line ``CheckpointError`` (a ``ValueError``) or ``FileNotFoundError`` messages naming the fix.
+
+The folder must be on a file system every rank sees (one node, or a shared mount).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import xxhash
+
+from zeroshard.engine import engine_of
+
+META_FILE = "zeroshard.json"
+FORMAT_VERSION = 1
+_TMP, _OLD = ".tmp-", ".old-"
+_CHUNK_BYTES = 8 * 2**20  # read size when hashing
+_SPACE_MARGIN = 1.05  # free space wanted over the estimate (DCP metadata, pickled extras)
+_NUMBERED = re.compile(r"^(?P<prefix>.*?)(?P<num>\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read as asked; the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """What ``info(path)`` reads from a checkpoint folder without loading it."""
+
+    path: str
+    complete: bool
+    """``zeroshard.json`` present and every file it lists present with its recorded size."""
+    problem: str | None = None
+    """Why it is not complete (None when it is)."""
+    step: int | None = None
+    world_size: int | None = None
+    stage: int | None = None
+    param_dtype: str | None = None
+    """Compute dtype(s) of the parameters, e.g. ``bfloat16`` (masters are always FP32)."""
+    reduce_dtype: str | None = None
+    num_params: int | None = None
+    zeroshard_version: str | None = None
+    size_bytes: int = 0
+    """Bytes of every file in the folder."""
+
+
+# --------------------------------------------------------------------- collectives on objects
+
+
+def _group(model) -> dist.ProcessGroup | None:
+    return engine_of(model).mesh.group
+
+
+def _broadcast(obj: Any, group) -> Any:
+    """Rank 0's ``obj`` on every rank of ``group``."""
+    box = [obj]
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    return box[0]
+
+
+def _gather(obj: Any, group) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _agree(error: str | None, group) -> None:
+    """Raise the first rank's error on every rank (no rank left waiting in a collective)."""
+    errors = [e for e in _gather(error, group) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+
+
+# --------------------------------------------------------------------- files
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    _fsync_file(path)  # a directory opened read-only can be fsynced on POSIX
+
+
+def _hash_file(path: Path) -> str:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _data_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != META_FILE)
+
+
+def _hash_share(folder: Path, names: list[str], group) -> dict[str, dict[str, Any]]:
+    """``{name: {"bytes", "xxh3_64"}}`` of ``names``: each rank fsyncs and hashes every
+    world_size-th file, the results are gathered on every rank."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = {}
+    for name in names[rank::world]:
+        _fsync_file(folder / name)
+        mine[name] = {"bytes": (folder / name).stat().st_size, "xxh3_64": _hash_file(folder / name)}
+    merged: dict[str, dict[str, Any]] = {}
+    for part in _gather(mine, group):
+        merged.update(part)
+    return {name: merged[name] for name in names}
+
+
+def _verify_share(folder: Path, files: dict[str, dict[str, Any]], group) -> None:
+    """Every rank checks every world_size-th listed file; a mismatch raises on all ranks."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    error = None
+    for name in sorted(files)[rank::world]:
+        path, want = folder / name, files[name]
+        if not path.is_file():
+            error = f"checkpoint {folder} lacks its file {name}; it is damaged: use another one"
+        elif path.stat().st_size != want["bytes"] or _hash_file(path) != want["xxh3_64"]:
+            error = (
+                f"checkpoint file {path} is corrupted (its xxh3_64 checksum differs from the one "
+                "recorded at save); use another checkpoint"
+            )
+        if error:
+            break
+    _agree(error, group)
+
+
+# --------------------------------------------------------------------- state
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's RNG states, in types ``torch.load(weights_only=True)`` reads back."""
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "python": random.getstate(),
+        "cuda": None,
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), *rest))
+    random.setstate(state["python"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _local_bytes(tree: Any) -> int:
+    """Bytes this rank holds in the tensors of a (nested) state dict."""
+    if isinstance(tree, dict):
+        return sum(_local_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(_local_bytes(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _optimizer_step(optimizer) -> int:
+    """The step count held by the optimizer's state (0 before any step)."""
+    for sub in getattr(optimizer, "sub_optimizers", [optimizer]):
+        for st in sub.state.values():
+            if "step" in st:
+                return int(st["step"])
+    return 0
+
+
+def _metadata(model, step: int, world: int) -> dict[str, Any]:
+    import zeroshard
+
+    engine = engine_of(model)
+    param_dtypes = sorted({str(f.param_dtype).removeprefix("torch.") for f in engine.flat_params})
+    reduce_dtypes = sorted({str(b.reduce_dtype).removeprefix("torch.") for b in engine.buckets})
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world,
+        "stage": engine.stage,
+        "param_dtype": ",".join(param_dtypes),
+        "reduce_dtype": ",".join(reduce_dtypes),
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "zeroshard_version": zeroshard.__version__,
+        "torch_version": torch.__version__,
+        "created_unix_s": round(time.time(), 3),
+    }
+
+
+# --------------------------------------------------------------------- save
+
+
+def save(
+    path: str | os.PathLike, model, optimizer, extra: dict | None = None, *, keep: int | None = 3
+) -> Path:
+    """Save a checkpoint folder at ``path`` (see the module docstring); returns its path.
+
+    A collective: every rank of the model's group calls it with the same ``path``.
+    """
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be a positive int or None (keep all), got {keep!r}")
+    extra = dict(extra or {})
+    for key, value in extra.items():  # schedulers and other stateful objects: their state
+        if callable(getattr(value, "state_dict", None)):
+            extra[key] = value.state_dict()
+    group = _group(model)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    own = {
+        "rank": rank,
+        "world_size": world,
+        "rng": _rng_state(),  # first: nothing below may have drawn from them yet
+        "loss_scaler": optimizer.loss_scaler.state_dict(),
+        "extra": extra,
+    }
+    path = Path(path).absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    step = int(extra.get("step", _optimizer_step(optimizer)))
+    _check_space(path.parent, _local_bytes(state), group)
+    tmp = path.with_name(path.name + _TMP + _broadcast(secrets.token_hex(4), group))
+    tmp.mkdir(parents=True, exist_ok=True)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
+    torch.save(own, tmp / f"rank-{rank:05d}.pt")
+    _gather(None, group)  # barrier: every rank's files are written
+    files = _hash_share(tmp, _data_files(tmp), group)
+    error = None
+    if rank == 0:
+        try:
+            meta = dict(_metadata(model, step, world), files=files)
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            _fsync_file(tmp / META_FILE)
+            _fsync_dir(tmp)
+            _publish(tmp, path)
+            if keep is not None:
+                _prune(path, keep)
+        except OSError as exc:
+            error = f"could not publish checkpoint {path}: {exc}"
+    _agree(error, group)
+    return path
+
+
+def _check_space(parent: Path, local_bytes: int, group) -> None:
+    """Raise on every rank when the file system of ``parent`` lacks room for the estimate."""
+    need = int(sum(_gather(local_bytes, group)) * _SPACE_MARGIN)
+    error = None
+    if dist.get_rank(group) == 0:
+        free = shutil.disk_usage(parent).free
+        if free < need:
+            error = (
+                f"not enough free space for a checkpoint in {parent}: about {need:,} bytes needed, "
+                f"{free:,} free ({need - free:,} bytes short); free space, lower keep, or save "
+                "elsewhere"
+            )
+    _agree(error, group)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rank 0: rename ``tmp`` to ``path``; an existing ``path`` is moved aside, then removed."""
+    old = None
+    if path.exists():
+        old = path.with_name(path.name + _OLD + tmp.name.rsplit(_TMP, 1)[1])
+        os.replace(path, old)
+        _fsync_dir(path.parent)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _prune(path: Path, keep: int) -> None:
+    """Remove complete numbered siblings of ``path`` beyond the newest ``keep`` (never ``path``)."""
+    match = _NUMBERED.match(path.name)
+    if match is None:
+        return
+    numbered = []
+    for sibling in path.parent.iterdir():
+        m = _NUMBERED.match(sibling.name)
+        if m and m["prefix"] == match["prefix"] and (sibling / META_FILE).is_file():
+            numbered.append((int(m["num"]), sibling))
+    numbered.sort()
+    for _, sibling in numbered[: max(0, len(numbered) - keep)]:
+        if sibling != path:
+            shutil.rmtree(sibling)
+
+
+# --------------------------------------------------------------------- load
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """The metadata of a complete checkpoint; a one-line error for anything else."""
+    if _TMP in path.name:
+        raise CheckpointError(
+            f"{path} is an incomplete save (a temporary folder never published: the job stopped "
+            "while saving); load an earlier checkpoint and delete this folder"
+        )
+    if not path.exists():
+        aside = sorted(path.parent.glob(path.name + _OLD + "*")) if path.parent.is_dir() else []
+        if aside:
+            raise FileNotFoundError(
+                f"no checkpoint at {path}, but {aside[0].name} holds the one a save was replacing "
+                f"when it stopped; rename it back to {path.name}"
+            )
+        raise FileNotFoundError(
+            f"no checkpoint at {path}; pass a folder written by zeroshard.checkpoint.save "
+            "(zeroshard checkpoint info PATH checks one)"
+        )
+    if not (path / META_FILE).is_file():
+        raise CheckpointError(
+            f"{path} is incomplete (no {META_FILE}: the save did not finish, or it is not a "
+            "zeroshard checkpoint); load an earlier checkpoint"
+        )
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format {meta.get('format_version')}, this zeroshard reads "
+            f"{FORMAT_VERSION}; load it with the zeroshard version that wrote it "
+            f"({meta.get('zeroshard_version')})"
+        )
+    return meta
+
+
+def _check_names(path: Path, reader, template: dict[str, Any]) -> None:
+    """Compare the checkpoint's model entries with the model's: names and shapes."""
+    saved = {
+        k.removeprefix("model."): getattr(v, "size", None)
+        for k, v in reader.read_metadata().state_dict_metadata.items()
+        if k.startswith("model.")
+    }
+    ours = {k: getattr(v, "shape", None) for k, v in template["model"].items()}
+    missing = [k for k in ours if k not in saved]
+    unexpected = [k for k in saved if k not in ours]
+    misshaped = [
+        f"{k} (saved {tuple(saved[k])}, model {tuple(ours[k])})"
+        for k in ours
+        if k in saved and saved[k] is not None and ours[k] is not None
+        and tuple(saved[k]) != tuple(ours[k])
+    ]  # fmt: skip
+    parts = []
+    for what, names in (
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("mis-shaped", misshaped),
+    ):
+        if names:
+            more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
+            parts.append(f"{len(names)} {what}: {', '.join(names[:3])}{more}")
+    if parts:
+        raise CheckpointError(
+            f"checkpoint {path} is of another model ({'; '.join(parts)}); build the model it was "
+            "saved from (same preset and configuration)"
+        )
+
+
+def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> dict:
+    """Load the checkpoint at ``path`` into ``model`` and ``optimizer`` (at any world size and
+    stage) and restore the loss scaler and RNGs; returns the ``extra`` dict saved with it.
+
+    A collective: every rank of the model's group calls it.
+    """
+    group = _group(model)
+    rank = dist.get_rank(group)
+    path = Path(path).absolute()
+    meta = _read_meta(path)
+    if verify:
+        _verify_share(path, meta["files"], group)
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    reader = dcp.FileSystemReader(path)
+    _check_names(path, reader, state)
+    dcp.load(state, storage_reader=reader, process_group=group)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+    own = torch.load(path / f"rank-{rank % meta['world_size']:05d}.pt", weights_only=True)
+    optimizer.loss_scaler.load_state_dict(own["loss_scaler"])
+    _set_rng_state(own["rng"])
+    return own["extra"]
+
+
+# --------------------------------------------------------------------- inspection
+
+
+def info(path: str | os.PathLike) -> CheckpointInfo:
+    """What a checkpoint folder holds and whether it is complete (file sizes; no checksums).
+    Not a collective. ``FileNotFoundError`` when ``path`` does not exist."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint folder at {path}; pass a checkpoint folder")
+    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    try:
+        meta = _read_meta(path)
+    except CheckpointError as exc:
+        return CheckpointInfo(path=str(path), complete=False, problem=str(exc), size_bytes=size)
+    problem = None
+    for name, want in meta["files"].items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != want["bytes"]:
+            problem = f"file {name} is missing or has the wrong size"
+            break
+    fields = {f.name for f in dataclasses.fields(CheckpointInfo)}
+    return CheckpointInfo(
+        **{k: v for k, v in meta.items() if k in fields},
+        path=str(path), complete=problem is None, problem=problem, size_bytes=size,
+    )  # fmt: skip
+
+
+def step_path(folder: str | os.PathLike, step: int) -> Path:
+    """Where a run keeps the checkpoint of ``step``: ``folder/step-000100``."""
+    return Path(folder) / f"step-{step:06d}"
+
+
+def latest(folder: str | os.PathLike) -> Path | None:
+    """The complete numbered checkpoint (``step-*``) with the highest number in ``folder``."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    found = []
+    for child in folder.iterdir():
+        m = _NUMBERED.match(child.name)
+        if m and m["prefix"] == "step-" and (child / META_FILE).is_file():
+            found.append((int(m["num"]), child))
+    return max(found)[1] if found else None

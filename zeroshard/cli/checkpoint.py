@@ -1,0 +1,62 @@
+"""``zeroshard checkpoint info PATH``: what a checkpoint folder holds, and whether it is complete.
+
+It reads ``zeroshard.json`` and the file sizes (``--verify`` also recomputes every file's
+checksum); it loads nothing and needs no process group. Exit status 0 for a complete
+checkpoint, 1 for an incomplete or damaged one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from zeroshard import checkpoint
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "checkpoint",
+        help="inspect checkpoints written by zeroshard.checkpoint.save",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    info = actions.add_parser("info", help="step, world size, stage, precision, size, complete?")
+    info.add_argument("path", type=Path, help="a checkpoint folder")
+    info.add_argument("--verify", action="store_true", help="recompute every file's checksum")
+    info.add_argument("--json", action="store_true", help="print the fields as JSON")
+    return p
+
+
+def _verify(path: Path) -> str | None:
+    """The first file whose checksum differs from the recorded one, as a sentence."""
+    meta = json.loads((path / checkpoint.META_FILE).read_text())
+    for name, want in sorted(meta["files"].items()):
+        if checkpoint._hash_file(path / name) != want["xxh3_64"]:
+            return f"file {path / name} is corrupted (checksum differs)"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    found = checkpoint.info(args.path)
+    if found.complete and args.verify:
+        problem = _verify(args.path)
+        if problem:
+            found = dataclasses.replace(found, complete=False, problem=problem)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(found), indent=2))
+        return 0 if found.complete else 1
+    if not found.complete:
+        print(f"{found.path}: incomplete ({found.problem}); {found.size_bytes:,} bytes on disk")
+        return 1
+    print(
+        f"{found.path}: complete\n"
+        f"  step {found.step}, world size {found.world_size}, stage {found.stage}, "
+        f"param dtype {found.param_dtype} (reduce {found.reduce_dtype})\n"
+        f"  {found.num_params:,} parameters, {found.size_bytes / 2**20:.1f} MiB on disk "
+        f"({found.size_bytes:,} bytes), zeroshard {found.zeroshard_version}"
+    )
+    return 0
