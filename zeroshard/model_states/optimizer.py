@@ -171,10 +171,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )
         super().__init__(user_groups, class_defaults)
         self.optimizer_cls = optimizer_cls
-        # 1D FP32, this rank: found_inf, then one flag per trainable parameter. Persistent: a
-        # collective's input may stay referenced by the backend a moment after it completes.
-        num_slots = sum(len(b.touched) for b in buckets)
-        self._flags = torch.zeros(1 + num_slots, device=self.engine.mesh.device)
         self.state = _States([sg.optimizer.state for sg in self._subgroups])  # type: ignore[assignment]
         self._groups_fixed = True
 
@@ -246,9 +242,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         skips or steps together (a shard's overflow is seen only by its owner) and leaves the
         same parameters without a gradient (as unsharded training and DDP do: an optimizer
         skips them instead of decaying them)."""
-        flags = self._flags
-        flags[:1].copy_(self.engine.scaling.found_inf)
-        flags[1:].copy_(self.engine.slots_touched())
+        # 1D FP32, this rank: found_inf, then one flag per trainable parameter; made at the step,
+        # after backward's peak, and dropped with it.
+        flags = torch.cat([self.engine.scaling.found_inf, self.engine.slots_touched()])
         if self.engine.mesh.world_size > 1:
             C.all_reduce(
                 flags,
