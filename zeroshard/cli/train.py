@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import json
 import socket
 import sys
@@ -66,7 +67,7 @@ def _make_out_dir(path: str) -> Path:
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
+        probe = out / f".write-test-{os.getpid()}"  # per process: every rank probes at once
         probe.touch()
         probe.unlink()
     except OSError as exc:
