@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import json
+import os
 import socket
 import sys
 from pathlib import Path
