@@ -262,6 +262,7 @@ def train(cfg: TrainConfig) -> dict:
             checkpoint.save(where, model, opt, {"step": step, "skipped": skipped}, keep=cfg.keep)
         bar.update(1)
     bar.close()
+    zeroshard.engine_of(model).wait_params()  # the last step's parameter refresh, if in flight
     elapsed = time.perf_counter() - t_start
     last_val = records[-1]["val_loss"]
     summary = {

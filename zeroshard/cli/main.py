@@ -12,7 +12,7 @@ import importlib
 import sys
 
 # Subcommands, in the order ``--help`` lists them; each is ``zeroshard.cli.<name>``.
-SUBCOMMANDS = ("train", "plan", "checkpoint")
+SUBCOMMANDS = ("train", "plan", "checkpoint", "export")
 
 
 class UsageError(ValueError):

@@ -102,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = _pin_resume(cfg)
     if launched_by_torchrun() or nproc == 1:
         summary = train(cfg)
-        if not launched_by_torchrun() or _is_rank0():
+        report = not launched_by_torchrun() or _is_rank0()
+        _end_job()
+        if report:
             print(
                 f"done: {summary['preset']} ({summary['num_params']:,} parameters), stage "
                 f"{summary['stage']} {summary['precision']} on {summary['ranks']} rank(s), "
@@ -127,6 +129,16 @@ def _pin_resume(cfg: TrainConfig) -> TrainConfig:
         raise UsageError(f"--resume {path}: {found.problem}")
     print(f"resuming from {path} (step {found.step})")
     return dataclasses.replace(cfg, resume=str(path))
+
+
+def _end_job() -> None:
+    """Every rank done, then the process group torn down before the interpreter exits (gloo's
+    threads destroyed during interpreter teardown can abort the process)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _is_rank0() -> bool:

@@ -1,0 +1,185 @@
+"""zeroshard.export: a stage-3 checkpoint of a real transformers GPT-2 exported to safetensors
+loads with ``from_pretrained`` and gives the trained model's logits; shards and index, tied
+weights, dtype casts, one-line errors and the ``zeroshard export`` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from parity_models import batch, build, loss_of, param_groups
+
+import zeroshard
+from zeroshard import checkpoint
+from zeroshard.cli import main as cli_main
+from zeroshard.export import INDEX_FILE, SINGLE_FILE, ExportError, export_safetensors
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+from safetensors import safe_open  # noqa: E402
+
+TIED = {"lm_head.weight": "transformer.wte.weight"}
+
+
+def _train_and_save(path: str) -> dict:
+    """Stage 3 on every rank, 2 AdamW steps, saved; rank 0 returns the full weights."""
+    torch.manual_seed(0)
+    model, policy = build("hf_gpt2")
+    model = zeroshard.shard(model, stage=3, wrap=policy)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, param_groups(model, 0.1), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = 4 // world
+    for step in range(2):
+        x, y = batch("hf_gpt2", step, 4)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.backward(loss_of("hf_gpt2", model, x[mine], y[mine]))
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(path, model, opt, {"step": 2})
+    return zeroshard.full_state_dict(model)
+
+
+@pytest.fixture(scope="module")
+def trained(workers2, tmp_path_factory):
+    """(checkpoint folder, the trained model's full state dict)."""
+    path = tmp_path_factory.mktemp("export") / "step-000002"
+    full = workers2.run(_train_and_save, str(path))[0]
+    return path, full
+
+
+def _config():
+    config = build("hf_gpt2")[0].config
+    config.architectures = ["GPT2LMHeadModel"]
+    return config
+
+
+def _reference_logits(full: dict) -> torch.Tensor:
+    model = transformers.GPT2LMHeadModel(_config())
+    model.load_state_dict(full)
+    return _logits(model)
+
+
+def _logits(model) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=batch("hf_gpt2", 7, 3)[0]).logits
+
+
+def _stored(out, files) -> dict[str, tuple[str, torch.Tensor]]:
+    """Every tensor in the safetensors files: {name: (file, tensor)}; checks their metadata."""
+    found = {}
+    for file in files:
+        with safe_open(str(out / file), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}, file
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                assert name not in found, name
+                found[name] = (file, f.get_tensor(name))
+    return found
+
+
+def test_single_file_loads_with_from_pretrained(trained, tmp_path):
+    path, full = trained
+    out = tmp_path / "hf"
+    result = export_safetensors(path, out, config=_config())
+    assert result.files == [SINGLE_FILE] and result.index is None
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", SINGLE_FILE]
+    assert result.tied == TIED
+    stored = _stored(out, [SINGLE_FILE])
+    assert set(stored) == set(full) - {"lm_head.weight"}  # tied: stored once
+    for name, (_, t) in stored.items():
+        assert t.dtype == torch.float32 and torch.equal(t, full[name]), name
+    assert result.total_size == sum(t.numel() * 4 for _, t in stored.values())
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out)
+    assert torch.equal(hf.lm_head.weight, full["lm_head.weight"])  # re-tied on load
+    assert (_logits(hf) - _reference_logits(full)).abs().max().item() <= 1e-6
+
+
+def test_small_shards_write_an_index(trained, tmp_path):
+    path, full = trained
+    out = tmp_path / "hf"
+    result = export_safetensors(path, out, config=_config(), max_shard_bytes=20_000)
+    n = len(result.files)
+    assert n > 2 and result.index == INDEX_FILE
+    assert result.files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert not (out / SINGLE_FILE).exists()
+    index = json.loads((out / INDEX_FILE).read_text())
+    stored = _stored(out, result.files)
+    assert index["weight_map"] == {name: file for name, (file, _) in stored.items()}
+    assert set(index["weight_map"]) == set(full) - {"lm_head.weight"}
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for _, t in stored.values())
+    for file in result.files:  # no file over the limit unless it holds one bigger tensor
+        tensors = [t for f, t in stored.values() if f == file]
+        assert len(tensors) == 1 or sum(t.numel() * 4 for t in tensors) <= 20_000, file
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out)
+    assert (_logits(hf) - _reference_logits(full)).abs().max().item() <= 1e-6
+    # exporting again as one file removes the shards and the index of the earlier export
+    export_safetensors(path, out, config=_config())
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", SINGLE_FILE]
+
+
+def test_bf16_cast(trained, tmp_path):
+    path, full = trained
+    out = tmp_path / "hf"
+    result = export_safetensors(path, out, dtype="bf16", config=_config())
+    assert result.dtype == "bfloat16"
+    stored = _stored(out, result.files)
+    for name, (_, t) in stored.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, full[name].bfloat16()), name
+    assert result.total_size == sum(t.numel() * 2 for _, t in stored.values())
+
+
+def test_without_config_every_name_is_stored(trained, tmp_path):
+    path, full = trained
+    result = export_safetensors(path, tmp_path / "hf", dtype=torch.float16)
+    stored = _stored(tmp_path / "hf", result.files)
+    assert set(stored) == set(full) and result.tied == {}
+    assert all(t.dtype == torch.float16 for _, t in stored.values())
+    explicit = export_safetensors(path, tmp_path / "tied", tied=TIED)
+    assert set(explicit.weight_map) == set(full) - {"lm_head.weight"}
+
+
+def test_declared_ties_are_checked(trained, tmp_path):
+    path, _ = trained
+    with pytest.raises(ExportError, match="shapes differ"):
+        export_safetensors(path, tmp_path / "a", tied={"transformer.wpe.weight": "lm_head.weight"})
+    h0, h1 = "transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"
+    with pytest.raises(ExportError, match="values differ"):
+        export_safetensors(path, tmp_path / "b", tied={h1: h0})
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing written
+
+
+def test_mistakes_are_one_line(trained, tmp_path, capsys):
+    path, _ = trained
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        export_safetensors(tmp_path / "missing", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(checkpoint.CheckpointError, match="incomplete"):
+        export_safetensors(tmp_path / "empty", tmp_path / "out")
+    with pytest.raises(ExportError, match="dtype"):
+        export_safetensors(path, tmp_path / "out", dtype="int3")
+    with pytest.raises(ExportError, match="positive"):
+        export_safetensors(path, tmp_path / "out", max_shard_bytes=0)
+    assert cli_main.main(["export", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zeroshard export: error: no checkpoint at") and err.count("\n") == 1
+
+
+def test_cli_subprocess(trained, tmp_path):
+    path, full = trained
+    out = tmp_path / "hf"
+    cmd = [sys.executable, "-m", "zeroshard.cli.main", "export", str(path), str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == [SINGLE_FILE]
+    assert f"{len(full)} tensors" in done.stdout
+    more = [*cmd[:-1], str(tmp_path / "sharded"), "--format", "safetensors", "--dtype", "bf16"]
+    more += ["--max-shard-size", "20kB", "--tie", "lm_head.weight=transformer.wte.weight"]
+    done = subprocess.run(more, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    index = json.loads((tmp_path / "sharded" / INDEX_FILE).read_text())
+    assert set(index["weight_map"]) == set(full) - {"lm_head.weight"}
+    assert "lm_head.weight: tied to transformer.wte.weight" in done.stdout

@@ -1,0 +1,78 @@
+"""``zeroshard export CHECKPOINT OUT``: a checkpoint's model weights as Hugging Face safetensors.
+
+    zeroshard export out/ckpt/step-000100 out/hf --dtype bf16 --max-shard-size 5GB \\
+        --config path/to/hf_model_folder
+
+Writes ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` and
+``model.safetensors.index.json`` when the weights exceed ``--max-shard-size``), one output
+shard in memory at a time, in one process with no process group. Every name is stored unless
+declared tied: by ``--tie ALIAS=SOURCE`` (repeatable), or by the ``--config`` (a folder with a
+``config.json``, or the file) through ``tie_word_embeddings`` and its architecture's tied
+weights; ``--config`` is copied to OUT too, so OUT loads with ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from zeroshard import export
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "export",
+        help="write a checkpoint's model weights as Hugging Face safetensors",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", type=Path, help="a folder written by zeroshard.checkpoint.save")
+    p.add_argument("out", type=Path, help="the output folder (created if missing)")
+    p.add_argument("--format", choices=["safetensors"], default="safetensors")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors")
+    p.add_argument(
+        "--max-shard-size", default="2GiB", help="largest output file, e.g. 2GB, 500MiB (2GiB)"
+    )
+    p.add_argument("--config", type=Path, help="a transformers config.json or its folder")
+    p.add_argument(
+        "--tie",
+        action="append",
+        default=None,
+        metavar="ALIAS=SOURCE",
+        help="store ALIAS only as SOURCE (equal tied weights); repeatable",
+    )
+    return p
+
+
+def _ties(values: list[str] | None) -> dict[str, str] | None:
+    if values is None:
+        return None
+    pairs = {}
+    for value in values:
+        alias, sep, source = value.partition("=")
+        if not sep or not alias or not source:
+            raise ValueError(
+                f"--tie {value!r} must be ALIAS=SOURCE, e.g. lm_head.weight=wte.weight"
+            )
+        pairs[alias] = source
+    return pairs
+
+
+def run(args: argparse.Namespace) -> int:
+    result = export.export_safetensors(
+        args.checkpoint,
+        args.out,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_size,
+        tied=_ties(args.tie),
+        config=args.config,
+    )
+    what = f"{len(result.weight_map)} tensors, {result.total_size:,} bytes"
+    if result.dtype:
+        what += f" as {result.dtype}"
+    files = result.files if result.index is None else [*result.files, result.index]
+    print(f"{result.out_dir}: {what} in {', '.join(files)}")
+    for alias, source in result.tied.items():
+        print(f"  {alias}: tied to {source}, not stored")
+    return 0

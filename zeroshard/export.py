@@ -1,0 +1,283 @@
+"""Export a checkpoint's model weights to Hugging Face safetensors files.
+
+    zeroshard.export.export_safetensors("out/ckpt/step-000100", "out/hf", dtype="bf16",
+                                        config=model.config)
+    transformers.AutoModelForCausalLM.from_pretrained("out/hf")
+
+Single process, no process group: the checkpoint's DCP ``.metadata`` lists the ``model.*``
+entries (global shapes and dtypes; the optimizer's entries are never read), the names are split
+into output shards of at most ``max_shard_bytes`` (in key order, as ``transformers`` does; a
+tensor larger than the limit gets a shard of its own), and each shard's tensors are read with
+``torch.distributed.checkpoint.load(..., no_dist=True)`` into freshly allocated full tensors,
+written and dropped before the next shard is read: at most one output shard's tensors are held.
+
+Files, as ``save_pretrained`` writes them: ``model.safetensors`` when everything fits one shard,
+else ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json``
+(``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``). Every file carries the
+metadata ``{"format": "pt"}``. Names are the unsharded model's (the checkpoint already uses them).
+Files are written under temporary names and renamed; the index is written last, and
+``model*.safetensors`` files of an earlier export in ``out_dir`` that are not part of this one are
+removed.
+
+Tied weights. A zeroshard checkpoint stores tied parameters under every name (``lm_head.weight``
+and ``transformer.wte.weight`` of GPT-2 hold equal values), and neither the checkpoint nor
+``zeroshard.json`` records which names are tied, so by default every name is stored. A name is
+left out (stored once, under its source's name) only when it is declared tied:
+
+* ``tied={"lm_head.weight": "transformer.wte.weight"}``: explicit ``{alias: source}`` pairs;
+* otherwise ``config``, a ``transformers`` config (or a folder / ``config.json`` holding one)
+  with ``tie_word_embeddings`` true whose ``architectures`` names a ``transformers`` model
+  class: that class's ``_tied_weights_keys`` (``{alias: source}`` in transformers >= 5).
+
+A declared pair is checked before anything is written: same shape and ``torch.equal`` values
+(else a one-line ``ExportError``: dropping the alias would change the model); the check reads
+the two tensors of each pair once more, on their own. ``from_pretrained``
+re-ties the alias to its source. ``config`` is also written to ``out_dir`` (``config.json``), so
+the folder loads with ``from_pretrained`` as it is.
+
+``dtype`` casts floating-point tensors (integer and boolean ones are kept as they are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeroshard import checkpoint
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD = "model-{:05d}-of-{:05d}.safetensors"
+_OURS = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+_PREFIX = "model."
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported as asked; the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportResult:
+    """What ``export_safetensors`` wrote."""
+
+    out_dir: str
+    files: list[str]
+    """The safetensors files written, in order (names relative to ``out_dir``)."""
+    index: str | None
+    """The index file's name, or None for a single ``model.safetensors``."""
+    weight_map: dict[str, str]
+    """Every stored name and the file holding it."""
+    total_size: int
+    """Bytes of the stored tensors (as in the index's ``metadata.total_size``)."""
+    tied: dict[str, str]
+    """``{alias: source}`` names left out as tied to their source."""
+    dtype: str | None
+    """The dtype floating-point tensors were cast to (None: as saved)."""
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose bf16, fp16 or fp32")
+    return DTYPES[key]
+
+
+def _shard_bytes(max_shard_bytes: int | str) -> int:
+    if isinstance(max_shard_bytes, str):
+        from zeroshard.planner.units import parse_bytes
+
+        max_shard_bytes = parse_bytes(max_shard_bytes)
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int):
+        raise ExportError(
+            f"max_shard_bytes must be an int or a size like '2GB', got {max_shard_bytes!r}"
+        )
+    if max_shard_bytes < 1:
+        raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    return max_shard_bytes
+
+
+def _load_config(config: Any) -> Any:
+    """A ``transformers`` config from a config object, a folder or a ``config.json`` file."""
+    if config is None or not isinstance(config, str | os.PathLike):
+        return config
+    import transformers
+
+    path = Path(config)
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if "model_type" not in data:
+            raise ExportError(f"{path} has no model_type; pass a transformers config.json")
+        return transformers.AutoConfig.for_model(**data)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}; pass a transformers config or folder")
+    return transformers.AutoConfig.from_pretrained(path)
+
+
+def _config_tied(config: Any) -> dict[str, str]:
+    """``{alias: source}`` that a transformers config declares tied (see the module docstring)."""
+    if config is None or not getattr(config, "tie_word_embeddings", False):
+        return {}
+    import transformers
+
+    pairs: dict[str, str] = {}
+    for arch in getattr(config, "architectures", None) or []:
+        keys = getattr(getattr(transformers, arch, None), "_tied_weights_keys", None)
+        if isinstance(keys, Mapping):
+            pairs.update({str(k): str(v) for k, v in keys.items()})
+    return pairs
+
+
+def _tensor_entries(reader) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """``{name: (global shape, dtype)}`` of the checkpoint's model tensors, in saved order."""
+    entries = {}
+    for key, md in reader.read_metadata().state_dict_metadata.items():
+        if key.startswith(_PREFIX) and hasattr(md, "size") and hasattr(md, "properties"):
+            entries[key.removeprefix(_PREFIX)] = (torch.Size(md.size), md.properties.dtype)
+    return entries
+
+
+def _read(reader_path: Path, names: list[str], entries) -> dict[str, torch.Tensor]:
+    """Full tensors of ``names`` read from the checkpoint (single process)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = {n: torch.empty(entries[n][0], dtype=entries[n][1]) for n in names}
+    if model:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            reader = dcp.FileSystemReader(reader_path)
+            dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+    return model
+
+
+def _check_tied(path: Path, pairs: dict[str, str], entries) -> dict[str, str]:
+    """The declared pairs present in the checkpoint, each checked equal to its source."""
+    found = {}
+    for alias, source in pairs.items():
+        if alias not in entries or source not in entries or alias == source:
+            continue
+        if entries[alias][0] != entries[source][0]:
+            raise ExportError(
+                f"{alias} {tuple(entries[alias][0])} is declared tied to {source} "
+                f"{tuple(entries[source][0])} but their shapes differ in {path}; do not tie them "
+                "(set tie_word_embeddings=False or pass tied={})"
+            )
+        both = _read(path, [alias, source], entries)
+        if not torch.equal(both[alias], both[source].to(both[alias].dtype)):
+            raise ExportError(
+                f"{alias} is declared tied to {source} but their values differ in {path}; "
+                "storing one would change the model: do not tie them (set "
+                "tie_word_embeddings=False or pass tied={})"
+            )
+        found[alias] = source
+    return found
+
+
+def _plan_shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def export_safetensors(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int | str = 2 * 2**30,
+    tied: Mapping[str, str] | None = None,
+    config: Any = None,
+) -> ExportResult:
+    """Write the model weights of the checkpoint at ``checkpoint_dir`` as safetensors files in
+    ``out_dir`` (see the module docstring). Not a collective: one process, no process group."""
+    from safetensors.torch import save_file
+
+    path = Path(checkpoint_dir).absolute()
+    out = Path(out_dir).absolute()
+    cast = _dtype(dtype)
+    limit = _shard_bytes(max_shard_bytes)
+    checkpoint._read_meta(path)  # one-line errors for a missing or incomplete checkpoint
+    if out == path:
+        raise ExportError(f"export into {out} would write into the checkpoint; pick another OUT")
+    if not (path / ".metadata").is_file():
+        raise ExportError(f"{path} has no DCP .metadata file; it is damaged: use another one")
+    import torch.distributed.checkpoint as dcp
+
+    entries = _tensor_entries(dcp.FileSystemReader(path))
+    if not entries:
+        raise ExportError(f"checkpoint {path} holds no model tensors; nothing to export")
+    config = _load_config(config)
+    declared = dict(tied) if tied is not None else _config_tied(config)
+    dropped = _check_tied(path, declared, entries)
+
+    def out_dtype(saved: torch.dtype) -> torch.dtype:
+        return cast if cast is not None and saved.is_floating_point else saved
+
+    sizes = {
+        name: shape.numel() * out_dtype(saved).itemsize
+        for name, (shape, saved) in entries.items()
+        if name not in dropped
+    }
+    shards = _plan_shards(sizes, limit)
+    n = len(shards)
+    files = [SINGLE_FILE] if n == 1 else [_SHARD.format(i + 1, n) for i in range(n)]
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for file, names in zip(files, shards, strict=True):
+        tensors = _read(path, names, entries)
+        for name in names:
+            t = tensors[name]
+            tensors[name] = t.to(out_dtype(t.dtype)).contiguous()
+        tmp = out / (file + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out / file)
+        del tensors
+        weight_map.update(dict.fromkeys(names, file))
+    total = sum(sizes.values())
+    index = None
+    if n > 1:
+        index = INDEX_FILE
+        tmp = out / (INDEX_FILE + ".tmp")
+        body = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, out / INDEX_FILE)
+    keep = set(files) | ({index} if index else set())
+    for stale in out.iterdir():
+        if stale.is_file() and _OURS.match(stale.name) and stale.name not in keep:
+            stale.unlink()
+    if config is not None:
+        config.save_pretrained(out)
+    return ExportResult(
+        out_dir=str(out),
+        files=files,
+        index=index,
+        weight_map=weight_map,
+        total_size=total,
+        tied=dropped,
+        dtype=None if cast is None else str(cast).removeprefix("torch."),
+    )
