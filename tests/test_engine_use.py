@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -714,3 +715,30 @@ def test_skipped_prefetches_are_freed_and_dropped_graphs_leave_no_uses(workers2)
     for r in workers2.run(_skipped_prefetch_and_idle_uses):
         assert r["gathered"] == [], r
         assert all(v == 0 for v in r["pending"].values()), r
+
+
+def _backward_interrupted(stage: int) -> dict:
+    """An exception in the middle of a backward: the next forward warns, starts clean, and
+    training goes on as the reference's (which never took the interrupted step)."""
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, None)
+    x, y = _global_batch(kind, 0)
+    out = model.blocks[0](model.wte(_rows(x)) + model.wpe(torch.arange(x.shape[1])))
+
+    def boom(grad):
+        raise KeyboardInterrupt  # what Ctrl-C in the middle of backward looks like
+
+    out.register_hook(boom)
+    loss = model(_rows(x), _rows(y)) + out.square().mean()
+    with contextlib.suppress(KeyboardInterrupt):
+        loss.backward()
+    opt.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        diff = _train_both(model, ref, opt, ref_opt, kind, range(1, 4))
+    warned = any("did not finish" in str(w.message) for w in caught)
+    return {"loss": diff, "param": _param_diff(model, ref), "warned": float(not warned)}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_training_goes_on_after_an_interrupted_backward(workers2, stage):
+    _check(workers2.run(_backward_interrupted, stage))

@@ -100,8 +100,9 @@ class TrainingState(enum.Enum):
     What is alive in each state (partitioned parameters; replicated ones are always gathered):
 
         IDLE           gathered storage freed (the root may keep it between forward and
-                       backward); parameters are views of this rank's master piece; gradients,
-                       if any, are reduced shards (or local ones inside ``no_sync``).
+                       backward); parameters are NaN placeholders of their own shape
+                       (``FlatParam``); gradients, if any, are reduced shards (or local ones
+                       inside ``no_sync``).
         FORWARD        gathered; parameters are views into it.
         PRE_BACKWARD   gathered; autograd is accumulating the unit's gradients (into the bucket's
                        ``full_grad`` views, or its own per-parameter tensors at stage 3).
@@ -441,6 +442,9 @@ class Engine:
         self._finish_reductions(keep=0)  # a backward not followed by a step left some in flight
         stale = [u for u in self.units if u.state is not TrainingState.IDLE]
         if stale:
+            self._units_left.clear()
+            self._again.clear()
+            self._dirty.clear()
             # A backward that never finished (an exception inside it): start clean.
             warnings.warn(
                 f"units {[u.name or '<root>' for u in stale]} were left in "

@@ -261,7 +261,11 @@ class GradBucket:
         self.full_grad = None
 
     def zero(self) -> None:
-        """Drop the reduced shard and the local gradient (keeping a persistent buffer)."""
+        """Drop the reduced shard and the local gradient (keeping a persistent buffer), and a
+        reduction still in flight (a backward that was interrupted)."""
+        if self._reduce is not None:
+            self._reduce[0].wait()  # every rank issued it: complete it, then forget the result
+            self._reduce = None
         self.shard_grad = None
         self.touched = [False] * len(self.flat.slots)
         if not self.as_views:
