@@ -336,3 +336,82 @@ def _bad_input(base: str) -> bool:
 
 def test_bad_checkpoints_are_one_line_errors(workers2, tmp_path):
     assert all(workers2.run(_bad_input, str(tmp_path)))
+
+
+# --------------------------------------------------------------------- asynchronous save
+
+
+def _async_save(base: str) -> bool:
+    import threading
+
+    rank = dist.get_rank()
+    folder = Path(base) / "ckpt"
+    model = _model(3, "fp32")
+    opt = _opt(model, "fp32")
+    _train(model, opt, range(2))
+    then = zeroshard.full_state_dict(model, rank0_only=False)
+    go = threading.Event()
+    write = checkpoint._write_bytes
+
+    def held_back(path, data):  # the background thread writes only once training moved on
+        assert go.wait(60)
+        write(path, data)
+
+    with mock.patch.object(checkpoint, "_write_bytes", held_back):
+        handle = checkpoint.save(
+            checkpoint.step_path(folder, 2), model, opt, {"step": 2}, async_save=True
+        )
+        assert not handle.done()
+        draws_then = _draws()  # from the RNG states the save recorded
+        _train(model, opt, range(2, 4))  # changes the parameters and optimizer state
+        now = zeroshard.full_state_dict(model, rank0_only=False)
+        assert any(not torch.equal(then[k], now[k]) for k in then)
+        go.set()
+        assert handle.wait() == folder / "step-000002" and handle.done()
+    # A second save waits for the first: both published, in order.
+    first = checkpoint.save(
+        checkpoint.step_path(folder, 4), model, opt, {"step": 4}, async_save=True
+    )
+    with mock.patch.object(checkpoint, "_write_bytes", held_back):
+        second = checkpoint.save(
+            checkpoint.step_path(folder, 5), model, opt, {"step": 5}, async_save=True
+        )
+        assert first.done() and checkpoint.info(folder / "step-000004").complete
+    assert second.wait() == folder / "step-000005"
+    assert checkpoint.latest(folder) == folder / "step-000005"
+    fresh = _model(3, "fp32", seed=7)
+    fresh_opt = _opt(fresh, "fp32")
+    assert checkpoint.load(folder / "step-000002", fresh, fresh_opt) == {"step": 2}
+    for k, v in zeroshard.full_state_dict(fresh, rank0_only=False).items():
+        assert torch.equal(v, then[k]), k
+    torch.manual_seed(123)
+    checkpoint.load(folder / "step-000002", fresh, fresh_opt)
+    assert _draws() == draws_then  # RNGs as at the call
+    # Resuming from the async snapshot gives the same steps as the run that went on.
+    assert _train(fresh, fresh_opt, range(2, 4)) == _train(*_rerun(), range(2, 4))
+
+    # A failing background write raises at wait(), on every rank.
+    def broken(path, data):
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        write(path, data)
+
+    with mock.patch.object(checkpoint, "_write_bytes", broken):
+        handle = checkpoint.save(folder / "step-000009", model, opt, {"step": 9}, async_save=True)
+        with pytest.raises(checkpoint.CheckpointError, match=r"No space left on device"):
+            handle.wait()
+    assert checkpoint.wait() is None  # nothing in flight any more
+    assert not (folder / "step-000009").exists()
+    return True
+
+
+def _rerun():
+    """A model and optimizer trained the first two steps, as _async_save's."""
+    model = _model(3, "fp32")
+    opt = _opt(model, "fp32")
+    _train(model, opt, range(2))
+    return model, opt
+
+
+def test_async_save_snapshots_then_writes_in_the_background(workers2, tmp_path):
+    assert all(workers2.run(_async_save, str(tmp_path)))

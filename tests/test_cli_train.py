@@ -217,3 +217,42 @@ def test_checkpoint_info_of_an_incomplete_save(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "incomplete" in out and "10 bytes" in out, out
     _expect_usage_error(capsys, ["checkpoint", "info", str(tmp_path / "none")], "none")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_the_step_and_stops(tmp_path, sig):
+    out, data = tmp_path / "run", str(tmp_path / "data")
+    common = ["--nproc", "2", "--preset", "nano", "--batch-size", "2", "--seq-len", "16"]
+    common += ["--log-every", "1", "--save-every", "1000", "--data-dir", data]
+    cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *common, "--steps", "100000"]
+    proc = subprocess.Popen(
+        [*cmd, "--out-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while (
+            not (out / "metrics.jsonl").exists()
+            or "train" not in (out / "metrics.jsonl").read_text()
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        proc.send_signal(sig)  # to the launcher, which forwards it to the ranks
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    saved = [line for line in stdout.splitlines() if line.startswith("saved step ")]
+    assert len(saved) == 1, stdout
+    step = int(saved[0].split()[2])
+    path = out / "ckpt" / f"step-{step:06d}"
+    assert saved[0] == f"saved step {step} to {path}"
+    assert main(["checkpoint", "info", str(path), "--verify"]) == 0
+    result = _cli(
+        "train", *common, "--steps", str(step + 2), "--resume", "auto", "--out-dir", str(out)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming from {path} (step {step})" in result.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"][-2:] == [step + 1, step + 2]

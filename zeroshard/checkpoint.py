@@ -41,17 +41,24 @@ size and stage), then restores the loss scaler and the RNGs of rank ``r``'s file
 one-line ``CheckpointError`` (a ``ValueError``) or ``FileNotFoundError`` messages naming the fix.
 
 The folder must be on a file system every rank sees (one node, or a shared mount).
+
+``save(..., async_save=True)`` returns a ``SaveHandle`` once this rank's state is snapshotted
+to CPU memory; the files are written, hashed and published by a background thread (its
+collectives on a separate gloo group of the same ranks). ``handle.wait()`` (or ``wait()``) returns
+the path or raises the save's error; the next ``save`` or ``load`` waits for it first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import random
 import re
 import secrets
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -254,14 +261,29 @@ def _metadata(model, step: int, world: int) -> dict[str, Any]:
 
 
 def save(
-    path: str | os.PathLike, model, optimizer, extra: dict | None = None, *, keep: int | None = 3
-) -> Path:
+    path: str | os.PathLike,
+    model,
+    optimizer,
+    extra: dict | None = None,
+    *,
+    keep: int | None = 3,
+    async_save: bool = False,
+) -> Path | SaveHandle:
     """Save a checkpoint folder at ``path`` (see the module docstring); returns its path.
 
     A collective: every rank of the model's group calls it with the same ``path``.
+
+    ``async_save=True`` returns a ``SaveHandle`` as soon as this rank's state is copied to CPU
+    memory (a snapshot: training may go on and change the parameters); the writing, checksums
+    and publishing go on in a background thread, whose collectives run on a separate gloo group
+    (created by the first asynchronous save; every rank of the model's group takes part).
+    ``handle.wait()`` returns the path, or raises the save's error. A later ``save`` or ``load``
+    first waits for this process's save in flight (raising its error); call ``wait()`` (or the
+    handle's) before the process exits.
     """
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int or None (keep all), got {keep!r}")
+    wait()  # the previous asynchronous save: published (or its error raised) first
     extra = dict(extra or {})
     for key, value in extra.items():  # schedulers and other stateful objects: their state
         if callable(getattr(value, "state_dict", None)):
@@ -275,24 +297,130 @@ def save(
         "loss_scaler": optimizer.loss_scaler.state_dict(),
         "extra": extra,
     }
+    buffer = io.BytesIO()
+    torch.save(own, buffer)  # a snapshot of this rank's own state, as the bytes of its file
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     step = int(extra.get("step", _optimizer_step(optimizer)))
+    meta = _metadata(model, step, world)
     _check_space(path.parent, _local_bytes(state), group)
     tmp = path.with_name(path.name + _TMP + _broadcast(secrets.token_hex(4), group))
     tmp.mkdir(parents=True, exist_ok=True)
+    job = (tmp, path, state, buffer.getvalue(), meta, keep)
+    if not async_save:
+        _write_and_publish(*job, group)
+        return path
+    background = _background_group(group)
+    job = (tmp, path, _snapshot(state), *job[3:])
+    handle = SaveHandle(path)
+    handle._thread = threading.Thread(
+        target=handle._run, args=(job, background), name=f"zeroshard-save-{path.name}", daemon=True
+    )
+    global _pending
+    _pending = handle
+    handle._thread.start()
+    return handle
+
+
+class SaveHandle:
+    """An asynchronous ``save`` in flight: ``done()`` says whether it has ended, ``wait()``
+    blocks until then and returns the checkpoint's path, or raises the save's error."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _run(self, job: tuple, group) -> None:
+        try:
+            _write_and_publish(*job, group)
+        except BaseException as exc:  # re-raised by wait(), in the caller's thread
+            self._error = exc
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"checkpoint {self.path} is still being saved")
+        global _pending
+        if _pending is self:
+            _pending = None
+        if isinstance(self._error, CheckpointError):
+            raise CheckpointError(str(self._error)) from self._error
+        if self._error is not None:
+            raise CheckpointError(
+                f"asynchronous save of checkpoint {self.path} failed: {self._error}"
+            ) from self._error
+        return self.path
+
+
+_pending: SaveHandle | None = None  # this process's asynchronous save in flight
+_BACKGROUND_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def wait() -> Path | None:
+    """Wait for this process's asynchronous save in flight, if any: its path, or its error."""
+    return None if _pending is None else _pending.wait()
+
+
+def _background_group(group) -> dist.ProcessGroup:
+    """A gloo group of ``group``'s ranks for the background thread's collectives (created once:
+    they must not interleave with the training thread's on the same group)."""
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    if ranks not in _BACKGROUND_GROUPS:
+        _BACKGROUND_GROUPS[ranks] = dist.new_group(
+            list(ranks), backend="gloo", use_local_synchronization=True
+        )
+    return _BACKGROUND_GROUPS[ranks]
+
+
+def _snapshot(tree: Any) -> Any:
+    """A copy of a (nested) state dict whose tensors (DTensors: their local shards) are new
+    CPU tensors: what training does next cannot change it."""
+    if isinstance(tree, dict):
+        return {k: _snapshot(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_snapshot(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    return tree
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _write_and_publish(
+    tmp: Path, path: Path, state: dict, own: bytes, meta: dict, keep: int | None, group
+) -> None:
+    """Write the DCP files and this rank's file into ``tmp``, hash them, then rank 0 writes the
+    metadata and publishes; a collective on ``group``."""
     import torch.distributed.checkpoint as dcp
 
+    rank = dist.get_rank(group)
+    error = None
+    try:
+        _write_bytes(tmp / f"rank-{rank:05d}.pt", own)
+    except OSError as exc:
+        error = f"could not write checkpoint {path}: {exc}"
+    try:
+        _agree(error, group)  # every rank's own file is written
+    except CheckpointError:
+        if rank == 0:  # nothing else writes into it now
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
-    torch.save(own, tmp / f"rank-{rank:05d}.pt")
     _gather(None, group)  # barrier: every rank's files are written
     files = _hash_share(tmp, _data_files(tmp), group)
     error = None
     if rank == 0:
         try:
-            meta = dict(_metadata(model, step, world), files=files)
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            (tmp / META_FILE).write_text(json.dumps(dict(meta, files=files), indent=2) + "\n")
             _fsync_file(tmp / META_FILE)
             _fsync_dir(tmp)
             _publish(tmp, path)
@@ -301,7 +429,6 @@ def save(
         except OSError as exc:
             error = f"could not publish checkpoint {path}: {exc}"
     _agree(error, group)
-    return path
 
 
 def _check_space(parent: Path, local_bytes: int, group) -> None:
@@ -422,6 +549,7 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
 
     A collective: every rank of the model's group calls it.
     """
+    wait()  # this process's asynchronous save in flight, if any
     group = _group(model)
     rank = dist.get_rank(group)
     path = Path(path).absolute()

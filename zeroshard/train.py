@@ -12,6 +12,8 @@ Outputs in ``out_dir``: ``config.json``, ``metrics.jsonl`` (one JSON object per 
 evaluation) and ``loss.png``; with ``--save-every N`` checkpoints in ``out_dir/ckpt/step-NNNNNN``
 (``zeroshard.checkpoint``), of which ``--keep K`` stay. ``--resume auto`` (or a checkpoint folder)
 continues a run: the same batches, RNGs, loss scale and learning rates as if it had not stopped.
+With ``--save-every``, SIGINT or SIGTERM makes every rank finish its step, save it in
+``out_dir/ckpt`` and stop (``train`` raises ``Stopped``; ``zeroshard train`` exits with 130 / 143).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +35,7 @@ import zeroshard
 from zeroshard import checkpoint
 from zeroshard.data import BatchLoader, Corpus
 from zeroshard.models.gpt import GPT, Block, preset
+from zeroshard.signals import StopOnSignal, Stopped
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,6 +223,21 @@ def train(cfg: TrainConfig) -> dict:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    # With checkpoints on, SIGINT/SIGTERM stop the run after a save (in the main thread only).
+    stopper = None
+    if cfg.save_every and threading.current_thread() is threading.main_thread():
+        stopper = StopOnSignal(device)
+    with stopper or nullcontext():
+        return _run(cfg, model, opt, loader, val_batches, records, log, stopper, start, skipped,
+                    num_params=num_params, device=device)  # fmt: skip
+
+
+def _run(cfg, model, opt, loader, val_batches, records, log, stopper, start, skipped, *,
+         num_params: int, device: torch.device) -> dict:  # fmt: skip
+    """``train``'s steps from ``start`` (a signal noted by ``stopper`` ends them with a save
+    and ``Stopped``) and its summary."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(cfg.out_dir)
     bar = tqdm(
         total=cfg.steps, initial=start, disable=rank != 0, desc=f"stage {cfg.stage} x{world}"
     )
@@ -257,9 +277,16 @@ def train(cfg: TrainConfig) -> dict:
             )  # fmt: skip
         if step % cfg.eval_every == 0 or step == cfg.steps:
             log({"kind": "eval", "step": step, "val_loss": evaluate(model, val_batches, device)})
-        if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-            where = checkpoint.step_path(out / "ckpt", step)
-            checkpoint.save(where, model, opt, {"step": step, "skipped": skipped}, keep=cfg.keep)
+        saved = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps)
+        where, state = checkpoint.step_path(out / "ckpt", step), {"step": step, "skipped": skipped}
+        if saved:
+            checkpoint.save(where, model, opt, state, keep=cfg.keep)
+        if stopper is not None and (signum := stopper.agreed()):
+            if not saved:
+                checkpoint.save(where, model, opt, state, keep=cfg.keep)
+            bar.close()
+            zeroshard.engine_of(model).wait_params()
+            raise Stopped(signum, step, where)
         bar.update(1)
     bar.close()
     zeroshard.engine_of(model).wait_params()  # the last step's parameter refresh, if in flight

@@ -3,6 +3,10 @@
 With ``--nproc N`` (N > 1) it launches N local processes through ``torch.distributed.run`` (the
 elastic launcher: a rank that dies makes the others stop at once); under an existing torchrun job
 it simply joins it.
+
+With ``--save-every``, SIGINT or SIGTERM (to this process: torchrun forwards it to the ranks)
+makes every rank finish its step and save it in ``out_dir/ckpt``; rank 0 prints "saved step S to
+PATH" and the command exits with 130 (SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 from zeroshard import checkpoint
 from zeroshard.cli.main import UsageError
 from zeroshard.mesh import launched_by_torchrun
+from zeroshard.signals import Stopped
 from zeroshard.train import TrainConfig, resume_path, save_config, train
 
 
@@ -101,7 +106,14 @@ def run(args: argparse.Namespace) -> int:
     out = _make_out_dir(cfg.out_dir)
     cfg = _pin_resume(cfg)
     if launched_by_torchrun() or nproc == 1:
-        summary = train(cfg)
+        try:
+            summary = train(cfg)
+        except Stopped as stop:  # SIGINT/SIGTERM: every rank saved the step and stops
+            report = not launched_by_torchrun() or _is_rank0()
+            _end_job()
+            if report:
+                print(f"saved step {stop.step} to {stop.path}", flush=True)
+            return stop.exit_code
         report = not launched_by_torchrun() or _is_rank0()
         _end_job()
         if report:
@@ -149,6 +161,7 @@ def _is_rank0() -> bool:
 
 def _launch(nproc: int, port: int, config: Path) -> int:
     """``torchrun --nproc-per-node N -m zeroshard.cli.main train --config CONFIG``."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -165,4 +178,6 @@ def _launch(nproc: int, port: int, config: Path) -> int:
             file=sys.stderr,
         )
         return 1
+    except SignalException as exc:  # forwarded to the ranks, which saved and stopped (or not)
+        return 128 + int(exc.sigval)
     return 0
