@@ -15,6 +15,16 @@ import pytest
 from zeroshard.cli.main import main
 
 
+def _wait_for_first_step(proc: subprocess.Popen, out) -> None:
+    """Until the run in ``out`` has logged a training step (its process still alive)."""
+    deadline = time.monotonic() + 120
+    while (
+        not (out / "metrics.jsonl").exists() or "train" not in (out / "metrics.jsonl").read_text()
+    ):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.2)
+
+
 def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "zeroshard.cli.main", *args],
@@ -136,13 +146,7 @@ def test_a_crashed_rank_stops_the_others_with_a_clear_message(tmp_path):
     cmd += ["--out-dir", str(out), "--data-dir", str(tmp_path / "data")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while (
-            not (out / "metrics.jsonl").exists()
-            or "train" not in (out / "metrics.jsonl").read_text()
-        ):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.2)
+        _wait_for_first_step(proc, out)
         ranks = [p for p in _descendants(proc.pid) if "zeroshard.cli.main" in _cmdline(p)]
         assert len(ranks) >= 2, ranks
         os.kill(ranks[-1], signal.SIGKILL)  # one rank dies mid-training
@@ -229,13 +233,7 @@ def test_a_signal_saves_the_step_and_stops(tmp_path, sig):
         [*cmd, "--out-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        deadline = time.monotonic() + 120
-        while (
-            not (out / "metrics.jsonl").exists()
-            or "train" not in (out / "metrics.jsonl").read_text()
-        ):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.2)
+        _wait_for_first_step(proc, out)
         proc.send_signal(sig)  # to the launcher, which forwards it to the ranks
         stdout, stderr = proc.communicate(timeout=90)
     finally:
