@@ -234,6 +234,49 @@ def test_we_read_fsdp2_checkpoints(workers2, tmp_path):
     assert all(workers2.run(_fsdp2_to_ours, str(tmp_path / "theirs")))
 
 
+def _plain_dcp_reads_ours(base: str) -> bool:
+    """The multi-threaded writer's files (several per rank) load with DCP's default reader, and a
+    flipped byte in any of them fails our checksum check."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(base) / "step-000003"
+    model = _model(3, "fp32")
+    opt = _opt(model, "fp32")
+    _train(model, opt, range(3))
+    checkpoint.save(path, model, opt, {"step": 3})
+    files = json.loads((path / checkpoint.META_FILE).read_text())["files"]
+    for r in range(dist.get_world_size()):
+        mine = [n for n in files if n.startswith(f"__{r}_") and n.endswith(".distcp")]
+        assert len(mine) == checkpoint._WRITE_THREADS, sorted(files)
+    assert sorted(files) == checkpoint._data_files(path)
+    fresh = _model(3, "fp32", seed=7)
+    fresh_opt = _opt(fresh, "fp32")
+    state = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    fresh.load_state_dict(state["model"])
+    fresh_opt.load_state_dict(state["optim"])
+    want = zeroshard.full_state_dict(model, rank0_only=False)
+    got = zeroshard.full_state_dict(fresh, rank0_only=False)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert _train(fresh, fresh_opt, range(3, 5)) == _train(model, opt, range(3, 5))
+    dist.barrier()
+    last = sorted(n for n in files if n.endswith(".distcp"))[-1]
+    if dist.get_rank() == 0:
+        data = bytearray((path / last).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (path / last).write_bytes(bytes(data))
+    dist.barrier()
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{last} is corrupted"):
+        checkpoint.load(path, fresh, fresh_opt)
+    return True
+
+
+def test_plain_dcp_reads_our_multithreaded_checkpoints(workers2, tmp_path):
+    assert all(workers2.run(_plain_dcp_reads_ours, str(tmp_path)))
+
+
 # --------------------------------------------------------------------- publishing and keep
 
 

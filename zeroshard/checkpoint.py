@@ -34,7 +34,8 @@ between the two renames, the old one under its ``.old-`` name, which ``load`` po
 ``keep=K``: when ``path``'s name ends in digits (``step-000100``), complete sibling checkpoints
 of the same prefix beyond the newest K (by number) are removed; ``keep=None`` keeps all.
 
-``load`` verifies every file's checksum (``verify=False`` skips it), compares the checkpoint's
+``load`` verifies every file's checksum (``verify=False`` skips it; in threads, while it
+builds the state dicts to load into), compares the checkpoint's
 parameter names and shapes with the model's, loads through DCP (resharding to the current world
 size and stage), then restores the loss scaler and the RNGs of rank ``r``'s file (of rank
 ``r % saved_world_size`` when the world size changed: RNG streams do not reshard). Mistakes are
@@ -60,6 +61,7 @@ import secrets
 import shutil
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,8 @@ META_FILE = "zeroshard.json"
 FORMAT_VERSION = 1
 _TMP, _OLD = ".tmp-", ".old-"
 _CHUNK_BYTES = 8 * 2**20  # read size when hashing
+_WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap encoding and I/O
+_HASH_THREADS = 4  # files each rank hashes at once (xxhash and file reads release the GIL)
 _SPACE_MARGIN = 1.05  # free space wanted over the estimate (DCP metadata, pickled extras)
 _NUMBERED = re.compile(r"^(?P<prefix>.*?)(?P<num>\d+)$")
 
@@ -161,32 +165,50 @@ def _hash_share(folder: Path, names: list[str], group) -> dict[str, dict[str, An
     """``{name: {"bytes", "xxh3_64"}}`` of ``names``: each rank fsyncs and hashes every
     world_size-th file, the results are gathered on every rank."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    mine = {}
-    for name in names[rank::world]:
+
+    def entry(name: str) -> dict[str, Any]:
         _fsync_file(folder / name)
-        mine[name] = {"bytes": (folder / name).stat().st_size, "xxh3_64": _hash_file(folder / name)}
+        return {"bytes": (folder / name).stat().st_size, "xxh3_64": _hash_file(folder / name)}
+
+    share = names[rank::world]
+    with ThreadPoolExecutor(max_workers=max(1, min(_HASH_THREADS, len(share)))) as pool:
+        mine = dict(zip(share, pool.map(entry, share), strict=True))
     merged: dict[str, dict[str, Any]] = {}
     for part in _gather(mine, group):
         merged.update(part)
     return {name: merged[name] for name in names}
 
 
-def _verify_share(folder: Path, files: dict[str, dict[str, Any]], group) -> None:
-    """Every rank checks every world_size-th listed file; a mismatch raises on all ranks."""
+def _check_file(folder: Path, name: str, want: dict[str, Any]) -> str | None:
+    """Why the file ``name`` of ``folder`` is not as recorded at save (None when it is)."""
+    path = folder / name
+    if not path.is_file():
+        return f"checkpoint {folder} lacks its file {name}; it is damaged: use another one"
+    if path.stat().st_size != want["bytes"] or _hash_file(path) != want["xxh3_64"]:
+        return (
+            f"checkpoint file {path} is corrupted (its xxh3_64 checksum differs from the one "
+            "recorded at save); use another checkpoint"
+        )
+    return None
+
+
+def _start_verify(folder: Path, files: dict[str, dict[str, Any]], group) -> list[Future]:
+    """Start checking this rank's share of the listed files (every world_size-th) in threads;
+    not a collective: ``_finish_verify`` (one) collects the results, the caller goes on
+    meanwhile."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    error = None
-    for name in sorted(files)[rank::world]:
-        path, want = folder / name, files[name]
-        if not path.is_file():
-            error = f"checkpoint {folder} lacks its file {name}; it is damaged: use another one"
-        elif path.stat().st_size != want["bytes"] or _hash_file(path) != want["xxh3_64"]:
-            error = (
-                f"checkpoint file {path} is corrupted (its xxh3_64 checksum differs from the one "
-                "recorded at save); use another checkpoint"
-            )
-        if error:
-            break
-    _agree(error, group)
+    share = sorted(files)[rank::world]
+    pool = ThreadPoolExecutor(max_workers=max(1, min(_HASH_THREADS, len(share))))
+    futures = [pool.submit(_check_file, folder, name, files[name]) for name in share]
+    pool.shutdown(wait=False)  # its threads end with their last file
+    return futures
+
+
+def _finish_verify(futures: list[Future], group) -> None:
+    """Wait for ``_start_verify``'s checks; the first mismatch (in file order) raises on all
+    ranks."""
+    errors = [f.result() for f in futures]
+    _agree(next((e for e in errors if e), None), group)
 
 
 # --------------------------------------------------------------------- state
@@ -414,7 +436,8 @@ def _write_and_publish(
         if rank == 0:  # nothing else writes into it now
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
+    writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=_WRITE_THREADS)
+    dcp.save(state, storage_writer=writer, process_group=group)
     _gather(None, group)  # barrier: every rank's files are written
     files = _hash_share(tmp, _data_files(tmp), group)
     error = None
@@ -554,11 +577,13 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
     rank = dist.get_rank(group)
     path = Path(path).absolute()
     meta = _read_meta(path)
-    if verify:
-        _verify_share(path, meta["files"], group)
+    # the checksums are checked in threads while the state dicts to load into are built
+    checks = _start_verify(path, meta["files"], group) if verify else None
     import torch.distributed.checkpoint as dcp
 
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    if checks is not None:
+        _finish_verify(checks, group)
     reader = dcp.FileSystemReader(path)
     _check_names(path, reader, state)
     dcp.load(state, storage_reader=reader, process_group=group)
