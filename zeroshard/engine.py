@@ -260,23 +260,20 @@ class Engine:
         config: ShardConfig,
         mixed_precision: MixedPrecision,
         ledger: C.Ledger,
+        scaling: GradScaling,
     ) -> None:
         self.model, self.units, self.mesh = model, unit_list, mesh
+        self.scaling = scaling  # shared with every bucket: the loss scale, found inf/NaN
         self.stage, self.partition = stage, partition(stage)
         self.config, self.mixed_precision, self.ledger = config, mixed_precision, ledger
         self.phase = Phase.IDLE
         self.sync_grads = True
         self.forward_order: list[Unit] = []  # last forward's units, first use first
-        self._recording: list[Unit] | None = None
+        self._recording: dict[Unit, None] | None = None  # this forward's units, in order
         self._pending: deque[GradBucket] = deque()  # reductions in flight, oldest first
         # Every FlatParam and bucket once, in unit order (units may share them at stages 0-2).
         self.flat_params = list(dict.fromkeys(f for u in unit_list for f in u.flat_params))
         self.buckets = list(dict.fromkeys(b for u in unit_list for b in u.buckets))
-        self.scaling = (
-            self.buckets[0].scaling
-            if self.buckets
-            else GradScaling(torch.zeros(1, dtype=torch.float32, device=mesh.device))
-        )
         self._units_left: dict[GradBucket, int] = {}  # per backward: units yet to finish
         self._again: set[Unit] = set()  # per backward: units finished, then reached again
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
@@ -357,8 +354,8 @@ class Engine:
         raw_args, raw_kwargs = args, kwargs
         if root_entry and not recompute:
             self._begin_forward()
-        if self._recording is not None and not recompute and unit not in self._recording:
-            self._recording.append(unit)
+        if self._recording is not None and not recompute:
+            self._recording[unit] = None
         self._wait_refresh(unit)
         unit.unshard(async_op=False)
         unit.wait_unshard()
@@ -410,7 +407,7 @@ class Engine:
         if root_entry:
             self.phase = Phase.IDLE
             if self._recording is not None:
-                self.forward_order, self._recording = self._recording, None
+                self.forward_order, self._recording = list(self._recording), None
                 self._free_unused_prefetches()
             if self.mixed_precision.output_dtype is not None:
                 output = _cast_floats(output, self.mixed_precision.output_dtype)
@@ -438,7 +435,7 @@ class Engine:
         self.phase = Phase.FORWARD
         if self.checkpointing is not None:
             self.checkpointing.close()
-        self._recording = []
+        self._recording = {}
         self._finish_reductions(keep=0)  # a backward not followed by a step left some in flight
         stale = [u for u in self.units if u.state is not TrainingState.IDLE]
         if stale:

@@ -120,6 +120,7 @@ def shard(
         config=config,
         mixed_precision=mixed_precision,
         ledger=ledger,
+        scaling=scaling,
     )
     install_state_dict_hooks(model, engine)
     setattr(model, _ATTR, engine)

@@ -115,7 +115,6 @@ class FlatParam:
             offset += p.numel()
         self.numel = offset
         self.padded_numel = padded_numel(self.numel, mesh.world_size)
-        self.shard_numel = self.padded_numel // mesh.world_size
         num_opt_shards = mesh.world_size if partition.optimizer_states else 1
         self.range = shard_range(
             mesh.rank if partition.optimizer_states else 0, self.padded_numel, num_opt_shards
@@ -172,8 +171,9 @@ class FlatParam:
             s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
 
     def _use_rest_views(self) -> None:
+        placeholder = _placeholder(self.orig_dtype, self.mesh.device)
         for s in self.slots:
-            s.param.data = _placeholder(self.orig_dtype, self.mesh.device).expand(s.shape)
+            s.param.data = placeholder.expand(s.shape)
 
     # ----------------------------------------------------------------- parameters
     def unshard(self, *, async_op: bool = True) -> None:

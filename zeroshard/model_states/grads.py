@@ -79,6 +79,14 @@ class GradBucket:
         self.reduce_dtype = reduce_dtype or flat.param_dtype
         self.num_units = num_units
         """Units whose parameters share ``flat`` (consecutive units of replicated parameters)."""
+        self.as_views = self.reduction is not Reduction.SCATTER_AND_FREE or num_units > 1
+        """Whether ``.grad`` are views into ``full_grad`` during backward (autograd accumulates in
+        place) or autograd's own tensors, copied into a fresh ``full_grad`` at reduction.
+
+        Views suit a buffer that outlives one unit's backward: replicated gradients, or a bucket
+        shared by several units. A single unit's partitioned gradient (stage 3) is copied at
+        reduction instead, as FSDP2 does: nothing is allocated (or zero-filled) before the unit's
+        first gradient exists, which keeps the start of backward, the step's peak, lower."""
         self.full_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None
         self._reduce: tuple[C.Handle, torch.Tensor] | None = None
@@ -90,21 +98,6 @@ class GradBucket:
         if self.as_views:
             for i, s in enumerate(flat.slots):
                 s.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
-
-    @property
-    def as_views(self) -> bool:
-        """Whether ``.grad`` are views into ``full_grad`` during backward (autograd accumulates in
-        place) or autograd's own tensors, copied into a fresh ``full_grad`` at reduction.
-
-        Views suit a buffer that outlives one unit's backward: replicated gradients, or a bucket
-        shared by several units. A single unit's partitioned gradient (stage 3) is copied at
-        reduction instead, as FSDP2 does: nothing is allocated (or zero-filled) before the unit's
-        first gradient exists, which keeps the start of backward, the step's peak, lower."""
-        return self.reduction is not Reduction.SCATTER_AND_FREE or self.num_units > 1
-
-    @property
-    def reducing(self) -> bool:
-        return self._reduce is not None
 
     def bind(self) -> None:
         """Make ``full_grad`` ready for this backward's gradients (``as_views`` buckets only; a
@@ -150,6 +143,13 @@ class GradBucket:
         s = self.flat.slots[i]
         return self.full_grad[s.offset : s.offset + s.numel].view(s.shape)
 
+    def _is_region(self, i: int, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is slot ``i``'s region of ``full_grad`` (no view built: this runs
+        once per parameter per backward)."""
+        assert self.full_grad is not None
+        offset = self.flat.slots[i].offset * self.full_grad.element_size()
+        return grad.data_ptr() == self.full_grad.data_ptr() + offset
+
     def _take(self, i: int) -> None:
         """Move slot ``i``'s gradient into its region of ``full_grad`` and bind it there."""
         param, view = self.flat.slots[i].param, self._view(i)
@@ -157,7 +157,7 @@ class GradBucket:
         if grad is None:
             if not self._bound[i]:
                 view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
+        elif not self._is_region(i, grad):
             # A first gradient, or .grad replaced out of place (create_graph accumulation,
             # p.grad = f(p.grad)): either way the current .grad is the whole gradient.
             view.copy_(grad)
@@ -171,7 +171,7 @@ class GradBucket:
             self.touched[i] = True
         if self.full_grad is None or self._reduce is not None:
             return  # before bind (taken there) or while reducing (taken at the next bind)
-        if not self._bound[i] or param.grad.data_ptr() != self._view(i).data_ptr():
+        if not self._bound[i] or not self._is_region(i, param.grad):
             self._take(i)
 
     def _collect(self) -> None:
