@@ -162,12 +162,12 @@ def _data_files(folder: Path) -> list[str]:
 
 
 def _hash_share(folder: Path, names: list[str], group) -> dict[str, dict[str, Any]]:
-    """``{name: {"bytes", "xxh3_64"}}`` of ``names``: each rank fsyncs and hashes every
-    world_size-th file, the results are gathered on every rank."""
+    """``{name: {"bytes", "xxh3_64"}}`` of ``names``: each rank hashes every world_size-th file
+    (each was fsynced by its writer: DCP with ``sync_files``, ``_write_bytes``), the results
+    are gathered on every rank."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
 
     def entry(name: str) -> dict[str, Any]:
-        _fsync_file(folder / name)
         return {"bytes": (folder / name).stat().st_size, "xxh3_64": _hash_file(folder / name)}
 
     share = names[rank::world]
@@ -190,6 +190,14 @@ def _check_file(folder: Path, name: str, want: dict[str, Any]) -> str | None:
             "recorded at save); use another checkpoint"
         )
     return None
+
+
+def verify(path: str | os.PathLike) -> str | None:
+    """In one process, no process group: why ``path``'s files are not as recorded at save (a
+    file missing, resized or with another checksum), or None when every one matches."""
+    folder = Path(path)
+    files = _read_meta(folder)["files"]
+    return next((p for n in sorted(files) if (p := _check_file(folder, n, files[n]))), None)
 
 
 def _start_verify(folder: Path, files: dict[str, dict[str, Any]], group) -> list[Future]:
@@ -415,6 +423,8 @@ def _snapshot(tree: Any) -> Any:
 def _write_bytes(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_and_publish(

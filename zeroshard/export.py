@@ -51,23 +51,13 @@ from typing import Any
 
 import torch
 
-from zeroshard import checkpoint
+from zeroshard import checkpoint, precision
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD = "model-{:05d}-of-{:05d}.safetensors"
 _OURS = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
 _PREFIX = "model."
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
 
 
 class ExportError(ValueError):
@@ -94,12 +84,13 @@ class ExportResult:
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}; choose bf16, fp16 or fp32")
-    return DTYPES[key]
+    """``dtype`` through the one table of dtype names (``zeroshard.precision.DTYPES``)."""
+    if isinstance(dtype, str):
+        dtype = dtype.lower().removeprefix("torch.")
+    try:
+        return precision.dtype_of(dtype, what="export dtype")
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def _shard_bytes(max_shard_bytes: int | str) -> int:

@@ -35,6 +35,7 @@ MASTER_DTYPE = torch.float32
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float32": torch.float32,
+    "float": torch.float32,
     "fp16": torch.float16,
     "float16": torch.float16,
     "half": torch.float16,

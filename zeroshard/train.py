@@ -277,13 +277,13 @@ def _run(cfg, model, opt, loader, val_batches, records, log, stopper, start, ski
             )  # fmt: skip
         if step % cfg.eval_every == 0 or step == cfg.steps:
             log({"kind": "eval", "step": step, "val_loss": evaluate(model, val_batches, device)})
-        saved = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps)
-        where, state = checkpoint.step_path(out / "ckpt", step), {"step": step, "skipped": skipped}
-        if saved:
+        due = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps)
+        signum = stopper.agreed() if stopper is not None else 0
+        if due or signum:  # one save serves both
+            where = checkpoint.step_path(out / "ckpt", step)
+            state = {"step": step, "skipped": skipped}
             checkpoint.save(where, model, opt, state, keep=cfg.keep)
-        if stopper is not None and (signum := stopper.agreed()):
-            if not saved:
-                checkpoint.save(where, model, opt, state, keep=cfg.keep)
+        if signum:
             bar.close()
             zeroshard.engine_of(model).wait_params()
             raise Stopped(signum, step, where)

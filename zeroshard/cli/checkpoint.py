@@ -31,19 +31,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _verify(path: Path) -> str | None:
-    """The first file whose checksum differs from the recorded one, as a sentence."""
-    meta = json.loads((path / checkpoint.META_FILE).read_text())
-    for name, want in sorted(meta["files"].items()):
-        if checkpoint._hash_file(path / name) != want["xxh3_64"]:
-            return f"file {path / name} is corrupted (checksum differs)"
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     found = checkpoint.info(args.path)
     if found.complete and args.verify:
-        problem = _verify(args.path)
+        problem = checkpoint.verify(args.path)
         if problem:
             found = dataclasses.replace(found, complete=False, problem=problem)
     if args.json:
