@@ -307,7 +307,7 @@ def _publishing(base: str) -> bool:
     for k, v in zeroshard.full_state_dict(fresh, rank0_only=False).items():
         assert torch.equal(v, zeroshard.full_state_dict(model, rank0_only=False)[k]), k
     # Too little space: nothing is written, the shortfall is in bytes.
-    tiny_disk = mock.patch.object(checkpoint.shutil, "disk_usage", return_value=mock.Mock(free=1e3))
+    tiny_disk = mock.patch.object(checkpoint, "free_bytes", return_value=1000)
     with tiny_disk, pytest.raises(checkpoint.CheckpointError, match=r"bytes short"):
         checkpoint.save(str(folder / "step-000009"), model, opt, {"step": 9})
     dist.barrier()

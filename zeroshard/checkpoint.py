@@ -71,6 +71,7 @@ import torch.distributed as dist
 import xxhash
 
 from zeroshard.engine import engine_of
+from zeroshard.offload.nvme import free_bytes
 
 META_FILE = "zeroshard.json"
 FORMAT_VERSION = 1
@@ -469,7 +470,7 @@ def _check_space(parent: Path, local_bytes: int, group) -> None:
     need = int(sum(_gather(local_bytes, group)) * _SPACE_MARGIN)
     error = None
     if dist.get_rank(group) == 0:
-        free = shutil.disk_usage(parent).free
+        free = free_bytes(parent)
         if free < need:
             error = (
                 f"not enough free space for a checkpoint in {parent}: about {need:,} bytes needed, "

@@ -178,10 +178,15 @@ def _flat_source(flat: FlatParam) -> torch.Tensor:
         return flat.full  # replicated and current (after wait_params)
     if not flat.partition.optimizer_states:
         return flat.master  # the whole buffer (range is everything)
-    out = torch.empty(flat.padded_numel, dtype=flat.master.dtype, device=flat.mesh.device)
-    shard = flat.master.to(flat.mesh.device)
+    return _gather_flat(flat, flat.master.to(flat.mesh.device))
+
+
+def _gather_flat(flat: FlatParam, local: torch.Tensor) -> torch.Tensor:
+    """1D padded_numel, every rank: every rank's ``local`` (1D, its optimizer range of ``flat``,
+    any dtype) gathered into a new buffer. A collective, kept out of the engine's ledger."""
+    out = torch.empty(flat.padded_numel, dtype=local.dtype, device=flat.mesh.device)
     C.all_gather(
-        out, shard, group=flat.mesh.group, ledger=C.Ledger(), label="state_dict", async_op=False
+        out, local, group=flat.mesh.group, ledger=C.Ledger(), label="state_dict", async_op=False
     ).wait()
     return out
 
@@ -464,15 +469,7 @@ def optimizer_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
                         if v is not None:
                             local[piece.span].copy_(v)
             if flat.partition.optimizer_states and flat.mesh.world_size > 1:
-                full = torch.empty(flat.padded_numel, dtype=dtype, device=flat.mesh.device)
-                C.all_gather(
-                    full,
-                    local,
-                    group=flat.mesh.group,
-                    ledger=C.Ledger(),
-                    label="state_dict",
-                    async_op=False,
-                ).wait()
+                full = _gather_flat(flat, local)
             else:
                 full = local
             for s in flat.slots:

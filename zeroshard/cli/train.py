@@ -106,29 +106,36 @@ def run(args: argparse.Namespace) -> int:
     out = _make_out_dir(cfg.out_dir)
     cfg = _pin_resume(cfg)
     if launched_by_torchrun() or nproc == 1:
-        try:
-            summary = train(cfg)
-        except Stopped as stop:  # SIGINT/SIGTERM: every rank saved the step and stops
-            report = not launched_by_torchrun() or _is_rank0()
-            _end_job()
-            if report:
-                print(f"saved step {stop.step} to {stop.path}", flush=True)
-            return stop.exit_code
-        report = not launched_by_torchrun() or _is_rank0()
-        _end_job()
-        if report:
-            print(
-                f"done: {summary['preset']} ({summary['num_params']:,} parameters), stage "
-                f"{summary['stage']} {summary['precision']} on {summary['ranks']} rank(s), "
-                f"{summary['steps']} steps ({summary['skipped_steps']} skipped) in "
-                f"{summary['seconds']} s ({summary['tokens_per_s']:,} tokens/s); validation loss "
-                f"{summary['val_loss_first']} -> {summary['val_loss_last']}; outputs in {out}"
-            )
-        return 0
+        return _train_here(cfg, out)
     if args.port:
         _check_port(args.port)
     save_config(cfg, out / "config.json")
     return _launch(nproc, args.port, out / "config.json")
+
+
+def _train_here(cfg: TrainConfig, out: Path) -> int:
+    """Train in this process (one rank of a torchrun job, or alone); rank 0 says how it ended."""
+    summary, stop = None, None
+    try:
+        summary = train(cfg)
+    except Stopped as exc:  # SIGINT/SIGTERM: every rank saved the step and stops
+        stop = exc
+    report = not launched_by_torchrun() or _is_rank0()
+    _end_job()
+    if stop is not None:
+        if report:
+            print(f"saved step {stop.step} to {stop.path}", flush=True)
+        return stop.exit_code
+    assert summary is not None
+    if report:
+        print(
+            f"done: {summary['preset']} ({summary['num_params']:,} parameters), stage "
+            f"{summary['stage']} {summary['precision']} on {summary['ranks']} rank(s), "
+            f"{summary['steps']} steps ({summary['skipped_steps']} skipped) in "
+            f"{summary['seconds']} s ({summary['tokens_per_s']:,} tokens/s); validation loss "
+            f"{summary['val_loss_first']} -> {summary['val_loss_last']}; outputs in {out}"
+        )
+    return 0
 
 
 def _pin_resume(cfg: TrainConfig) -> TrainConfig:
