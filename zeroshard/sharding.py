@@ -70,7 +70,7 @@ def shard(
     specs = units(model, wrap)
     check_same_model(model, mesh)
     ledger = C.Ledger()
-    materialize = Materializer(mesh.device, param_init_fn).bind(model)
+    materialize = Materializer(model, mesh.device, param_init_fn)
 
     def make(params: list[tuple[nn.Parameter, list[str]]], dtype: torch.dtype) -> FlatParam:
         materialize([p for p, _ in params])

@@ -27,27 +27,21 @@ class Materializer:
     """Gives meta-device parameters real storage and initial values, module by module."""
 
     def __init__(
-        self, device: torch.device, param_init_fn: Callable[[nn.Module], None] | None
+        self,
+        model: nn.Module,
+        device: torch.device,
+        param_init_fn: Callable[[nn.Module], None] | None,
     ) -> None:
         self.device, self.param_init_fn = device, param_init_fn
-        self._owners: dict[int, nn.Module] | None = None  # id(param) -> first registering module
-
-    def _owner_map(self, model: nn.Module) -> dict[int, nn.Module]:
-        owners: dict[int, nn.Module] = {}
+        self._owners: dict[int, nn.Module] = {}  # id(param) -> first registering module
         for module in model.modules():
             for p in module.parameters(recurse=False):
-                owners.setdefault(id(p), module)
-        return owners
-
-    def bind(self, model: nn.Module) -> Materializer:
-        self._owners = self._owner_map(model)
-        return self
+                self._owners.setdefault(id(p), module)
 
     def __call__(self, params: list[nn.Parameter]) -> None:
         """Materialize and initialize every module registering one of ``params`` on meta."""
         if not any(p.device == META for p in params):
             return
-        assert self._owners is not None, "bind(model) first"
         modules = list(dict.fromkeys(self._owners[id(p)] for p in params if p.device == META))
         for module in modules:
             self._init_module(module)

@@ -125,7 +125,7 @@ def _with_default_impl(
 
     if any(k in defaults for k in ("fused", "foreach", "capturable", "differentiable")):
         return defaults
-    if optimizer_cls.__name__ not in _FUSED or not isinstance(optimizer_cls, type):
+    if not isinstance(optimizer_cls, type) or optimizer_cls.__name__ not in _FUSED:
         return defaults
     if device.type not in _get_fused_kernels_supported_devices():
         return defaults
