@@ -118,16 +118,59 @@ def _save_then_continue(path: str, stage: int) -> dict:
 
 
 def _load_then_continue(path: str, stage: int) -> dict:
+    """Load, save again at once (into ``path-again-<world>-<stage>``: the resharding must be
+    lossless), then train on."""
     model = _model(stage, "fp32", seed=9)
     opt = _opt(model, "fp32")
     step = checkpoint.load(path, model, opt)["step"]
+    checkpoint.save(f"{path}-again-{dist.get_world_size()}-{stage}", model, opt, {"step": step})
     losses = _train(model, opt, range(step, 6))
     return {"losses": losses, "params": zeroshard.full_state_dict(model, rank0_only=False)}
 
 
+def _as_saved(path: str, tmp: Path) -> dict:
+    """A DCP checkpoint as one plain dict of full tensors (torch's own converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / (Path(path).name + ".pt")
+    dcp_to_torch_save(path, out)
+    return torch.load(out, weights_only=False)
+
+
+def _same_state(path: str, tmp: Path) -> None:
+    """Every checkpoint loaded from ``path`` and saved again at once, at any world size and
+    stage, holds ``path``'s tensors bit for bit: model, optimizer states and steps."""
+    want = _as_saved(path, tmp)
+    again = sorted(
+        p for p in Path(path).parent.iterdir() if p.name.startswith(f"{Path(path).name}-again")
+    )
+    assert again
+    for other in again:
+        got = _as_saved(str(other), tmp)
+        assert got.keys() == want.keys()
+        flat_want, flat_got = _flat(want), _flat(got)
+        assert any(k.endswith("exp_avg_sq") for k in flat_want)  # optimizer states compared too
+        assert flat_want.keys() == flat_got.keys(), other.name
+        for k, v in flat_want.items():
+            same = torch.equal(v, flat_got[k]) if torch.is_tensor(v) else v == flat_got[k]
+            assert same, (other.name, k)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def _close(a: dict, b: dict) -> None:
-    """Losses within 1e-6; parameters within 1e-5: another world size sums gradients in another
-    order, and Adam divides such last-bit differences of tiny gradients by their own size."""
+    """Losses within 1e-6; parameters within 1e-5. The state loaded is the saved one bit for bit
+    (``_same_state``); after it, another world size sums gradients in another order, and Adam
+    divides such last-bit differences of tiny gradients by their own size (about 2e-6 on a bias
+    after 3 steps here)."""
     assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)) < 1e-6, (a, b)
     for k, v in a["params"].items():
         assert (v - b["params"][k]).abs().max().item() < 1e-5, k
@@ -142,6 +185,7 @@ def test_reshards_to_one_three_and_four_ranks(workers2, workers4, tmp_path):
                 _close(reference, r)
     for r in workers4.run(_load_then_continue, path, 3):
         _close(reference, r)
+    _same_state(path, tmp_path)
 
 
 def test_reshards_across_stages(workers2, workers4, tmp_path):
@@ -151,6 +195,8 @@ def test_reshards_across_stages(workers2, workers4, tmp_path):
     reference = workers2.run(_save_then_continue, str(tmp_path / "s1"), 1)[0]
     for r in workers4.run(_load_then_continue, str(tmp_path / "s1"), 3):  # 1 -> 3, 2 -> 4 ranks
         _close(reference, r)
+    _same_state(str(tmp_path / "s3"), tmp_path)
+    _same_state(str(tmp_path / "s1"), tmp_path)
 
 
 # --------------------------------------------------------------------- FSDP2 interop
@@ -317,6 +363,67 @@ def _publishing(base: str) -> bool:
 
 def test_publishing_keep_overwrite_and_space(workers2, tmp_path):
     assert all(workers2.run(_publishing, str(tmp_path)))
+
+
+def _disk_fills_up(base: str) -> bool:
+    """ENOSPC in the middle of a save (after the space check passed), on rank 1 only: every rank
+    raises one line, nothing is published, no temporary folder is left, and the previous
+    checkpoint, even at the same path, stays whole and loadable."""
+    import contextlib
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    model = _model(3, "fp32")
+    opt = _opt(model, "fp32")
+    folder = Path(base) / "ckpt"
+    _train(model, opt, range(1))
+    good = checkpoint.step_path(folder, 1)
+    checkpoint.save(good, model, opt, {"step": 1})
+    then = zeroshard.full_state_dict(model, rank0_only=False)
+    _train(model, opt, range(1, 2))
+    real = filesystem.FileSystem.create_stream
+
+    class Full:  # writes 1 KiB, then the disk is full
+        def __init__(self, stream):
+            self.stream, self.left = stream, 1024
+
+        def write(self, data):
+            if len(data) > self.left:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.left -= len(data)
+            return self.stream.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    @contextlib.contextmanager
+    def full_disk(fs, path, mode):
+        with real(fs, path, mode) as stream:
+            yield Full(stream) if "w" in mode else stream
+
+    patch = mock.patch.object(filesystem.FileSystem, "create_stream", full_disk)
+    on_rank_1 = patch if dist.get_rank() == 1 else contextlib.nullcontext()
+    cases = [(checkpoint.step_path(folder, 2), False), (good, False), (good, True)]
+    for target, async_save in cases:  # a new path; over the previous one; in the background
+        with on_rank_1, pytest.raises(checkpoint.CheckpointError) as info:
+            handle = checkpoint.save(target, model, opt, {"step": 2}, async_save=async_save)
+            handle.wait() if async_save else None
+        message = str(info.value)
+        assert "rank 1: OSError" in message and "No space left" in message, message
+        assert "intact" in message and "\n" not in message, message
+        dist.barrier()
+        assert sorted(p.name for p in folder.iterdir()) == ["step-000001"]
+        assert checkpoint.verify(good) is None and checkpoint.latest(folder) == good
+    fresh = _model(3, "fp32", seed=3)
+    assert checkpoint.load(good, fresh, _opt(fresh, "fp32"))["step"] == 1
+    for k, v in zeroshard.full_state_dict(fresh, rank0_only=False).items():
+        assert torch.equal(v, then[k]), k
+    return True
+
+
+def test_a_full_disk_leaves_the_previous_checkpoint_whole(workers2, tmp_path):
+    assert all(workers2.run(_disk_fills_up, str(tmp_path)))
 
 
 # --------------------------------------------------------------------- bad input

@@ -69,6 +69,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
 
 from zeroshard.engine import engine_of
 from zeroshard.offload.nvme import free_bytes
@@ -448,7 +449,15 @@ def _write_and_publish(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=_WRITE_THREADS)
-    dcp.save(state, storage_writer=writer, process_group=group)
+    try:
+        dcp.save(state, storage_writer=writer, process_group=group)
+    except CheckpointException as exc:  # raised on every rank once any rank's write failed
+        if rank == 0:  # every rank's writes have ended: DCP gathered their results
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not write checkpoint {path}: {_first_failure(exc)}; nothing was published "
+            "(the previous checkpoints are intact); free space or save elsewhere"
+        ) from None
     _gather(None, group)  # barrier: every rank's files are written
     files = _hash_share(tmp, _data_files(tmp), group)
     error = None
@@ -463,6 +472,13 @@ def _write_and_publish(
         except OSError as exc:
             error = f"could not publish checkpoint {path}: {exc}"
     _agree(error, group)
+
+
+def _first_failure(exc: CheckpointException) -> str:
+    """``rank R: <the error>`` for the lowest failed rank of a DCP exception (one line)."""
+    rank = min(exc.failures)
+    error = exc.failures[rank][0]
+    return f"rank {rank}: {type(error).__name__}: {error}".replace("\n", " ")
 
 
 def _check_space(parent: Path, local_bytes: int, group) -> None:
