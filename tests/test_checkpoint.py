@@ -16,7 +16,7 @@ import torch.distributed as dist
 from parity_models import batch, build, loss_of, param_groups
 
 import zeroshard
-from zeroshard import checkpoint
+from zeroshard import checkpoint, checkpoint_files
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.testing import Workers
 
@@ -296,7 +296,7 @@ def _plain_dcp_reads_ours(base: str) -> bool:
     for r in range(dist.get_world_size()):
         mine = [n for n in files if n.startswith(f"__{r}_") and n.endswith(".distcp")]
         assert len(mine) == checkpoint._WRITE_THREADS, sorted(files)
-    assert sorted(files) == checkpoint._data_files(path)
+    assert sorted(files) == checkpoint_files.data_files(path)
     fresh = _model(3, "fp32", seed=7)
     fresh_opt = _opt(fresh, "fp32")
     state = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}

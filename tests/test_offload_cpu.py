@@ -1,12 +1,17 @@
-"""Byte views and host/device copies; CUDA round trips run only where CUDA is present."""
+"""Byte views and host/device copies; device round trips run only where an accelerator (CUDA,
+XPU, NPU) is present."""
 
 import pytest
 import torch
 
+from zeroshard.accelerator import current_accelerator_type
 from zeroshard.offload import OffloadConfig, TensorStore
 from zeroshard.offload.cpu import copy_bytes, flat_bytes
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+ACCELERATOR = current_accelerator_type()
+needs_accelerator = pytest.mark.skipif(
+    ACCELERATOR is None or ACCELERATOR == "mps", reason="needs a CUDA, XPU or NPU accelerator"
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
@@ -27,9 +32,9 @@ def test_copy_bytes_host_to_host():
     assert torch.equal(dst, src)
 
 
-@cuda
+@needs_accelerator
 @pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
-def test_cuda_round_trip_is_ordered_with_the_callers_stream(tier, tmp_path):
+def test_device_round_trip_is_ordered_with_the_callers_stream(tier, tmp_path):
     folder = tmp_path / "swap" if tier == "nvme" else None
     config = OffloadConfig(tier=tier, folder=folder, block_bytes=1 << 16, num_buffers=2)
     with TensorStore(config) as store:
@@ -38,7 +43,7 @@ def test_cuda_round_trip_is_ordered_with_the_callers_stream(tier, tmp_path):
         dtypes = [torch.float32, torch.bfloat16, torch.float16]
         # produced by kernels still queued on the caller's stream: the swap must wait for them
         src = {
-            f"p{i}": (torch.randn(50_000 + i, device="cuda") * 3).to(d)
+            f"p{i}": (torch.randn(50_000 + i, device=ACCELERATOR) * 3).to(d)
             for i, d in enumerate(dtypes)
         }
         for h in [store.swap_out(name, t) for name, t in src.items()]:
@@ -47,4 +52,4 @@ def test_cuda_round_trip_is_ordered_with_the_callers_stream(tier, tmp_path):
         handles = {k: store.swap_in(k, into=outs[k]) for k in src}
         for k, h in handles.items():
             got = h.wait()
-            assert got.is_cuda and torch.equal(got, src[k]), k
+            assert got.device.type == ACCELERATOR and torch.equal(got, src[k]), k

@@ -238,3 +238,40 @@ def test_a_short_chunk_is_a_truncation_error(store, monkeypatch):
     monkeypatch.setattr(nvme_mod.os, "preadv", short_second_chunk)
     with pytest.raises(SwapIntegrityError, match=r"'w' is truncated: block 1 .* 5096 of 8192"):
         store.swap_in("w", into=torch.zeros(4096)).wait()
+
+
+# --------------------------------------------------------------------- index and folder modules
+
+
+def test_the_index_round_trips_and_refuses_what_it_cannot_vouch_for(tmp_path):
+    from zeroshard.offload.index import IndexEntry, read_index, write_index
+    from zeroshard.offload.tiers import TensorMeta
+
+    meta = TensorMeta(name="a/b", dtype=torch.bfloat16, shape=(3, 5))
+    entry = IndexEntry(meta=meta, file="a_b-0.swp", checksums=[1, 2**64 - 1])
+    write_index(tmp_path, block_bytes=BLOCK, created_folder=True, entries=[entry])
+    assert not (tmp_path / "index.json.tmp").exists()  # renamed into place
+    assert read_index(tmp_path, block_bytes=BLOCK) == (True, [entry])
+    with pytest.raises(ValueError, match=f"OffloadConfig\\(block_bytes={BLOCK}\\)"):
+        read_index(tmp_path, block_bytes=2 * BLOCK)
+    (tmp_path / "index.json").write_text('{"format": "other/9"}')
+    with pytest.raises(OffloadError, match="format 'other/9'"):
+        read_index(tmp_path, block_bytes=BLOCK)
+    (tmp_path / "index.json").write_text("{")
+    with pytest.raises(SwapIntegrityError, match="not valid JSON"):
+        read_index(tmp_path, block_bytes=BLOCK)
+    (tmp_path / "index.json").unlink()
+    with pytest.raises(OffloadError, match="nothing to resume"):
+        read_index(tmp_path, block_bytes=BLOCK)
+
+
+def test_a_folder_lock_names_its_holder(tmp_path):
+    from zeroshard.offload.folder import take_lock
+
+    fd = take_lock(tmp_path)
+    try:
+        with pytest.raises(OffloadError, match=f"in use by a live store \\(pid {os.getpid()}\\)"):
+            take_lock(tmp_path)
+    finally:
+        os.close(fd)
+    os.close(take_lock(tmp_path))  # free again once the holder closed it

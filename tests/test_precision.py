@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import gc
 import logging
+import os
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,8 +22,8 @@ from zeroshard.precision import (
     DynamicLossScaler,
     LossScaler,
     MixedPrecision,
-    apply_tf32,
     cpu_has_native_bf16,
+    hold_tf32,
     resolve,
 )
 
@@ -56,8 +59,103 @@ def test_reduce_narrower_than_param_warns():
 
 
 def test_tf32_on_cpu_warns_that_it_has_no_effect():
+    before = _tf32_state()
     with pytest.warns(UserWarning, match="TF32 has no effect"):
-        apply_tf32(resolve("tf32", "cpu"), torch.device("cpu"))
+        assert hold_tf32(resolve("tf32", "cpu"), torch.device("cpu")) is None
+    assert _tf32_state() == before
+
+
+def _tf32_state() -> list:
+    return [getattr(obj, attr) for obj, attr, _ in zeroshard.precision._tf32_switches()]
+
+
+def _tf32_on() -> list:
+    return [on for _, _, on in zeroshard.precision._tf32_switches()]
+
+
+@pytest.fixture
+def tf32_device(monkeypatch):
+    """Pretend the device has TF32 tensor cores; put the switches back whatever happens."""
+    monkeypatch.setattr(zeroshard.precision, "cuda_has_tf32", lambda device: True)
+    before = _tf32_state()
+    assert before != _tf32_on(), "TF32 is already on in this process: the test would prove nothing"
+    yield before
+    for (obj, attr, _), old in zip(zeroshard.precision._tf32_switches(), before):
+        setattr(obj, attr, old)
+
+
+def test_tf32_is_restored_when_the_last_holder_releases(tf32_device):
+    policy = resolve("tf32", "cpu")
+    first = hold_tf32(policy, torch.device("cpu"))
+    second = hold_tf32(policy, torch.device("cpu"))
+    assert _tf32_state() == _tf32_on()
+    first()
+    first()  # a release acts once: the second holder still has TF32
+    assert _tf32_state() == _tf32_on()
+    second()
+    assert _tf32_state() == tf32_device
+    assert hold_tf32(resolve("fp32", "cpu"), torch.device("cpu")) is None  # nothing asked
+
+
+@pytest.fixture
+def lone_process():
+    """No process group before the test, none after it (shard starts one in this process)."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    saved = {k: os.environ.pop(k) for k in ("RANK", "MASTER_ADDR") if k in os.environ}
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.update(saved)
+
+
+def test_shard_turns_tf32_off_again_when_its_last_model_is_freed(tf32_device, lone_process):
+    a = zeroshard.shard(nn.Linear(4, 4), mixed_precision="tf32")
+    b = zeroshard.shard(nn.Linear(4, 4), mixed_precision="tf32")
+    assert _tf32_state() == _tf32_on()
+    del a
+    gc.collect()
+    assert _tf32_state() == _tf32_on()  # b still asks for it
+    del b
+    gc.collect()
+    assert _tf32_state() == tf32_device
+
+
+def _fake_device_module(monkeypatch, **attrs) -> None:
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: SimpleNamespace(**attrs))
+
+
+def test_bf16_on_cuda_asks_without_emulation_and_auto_says_so(monkeypatch, caplog):
+    # an sm75-like GPU: BF16 only by emulation
+    _fake_device_module(
+        monkeypatch,
+        is_bf16_supported=lambda including_emulation=True: including_emulation,
+        get_device_name=lambda device: "Tesla T4",
+    )
+    with caplog.at_level(logging.INFO, logger="zeroshard.precision"):
+        assert resolve("auto", "cuda") == POLICIES["fp32"]
+    assert "cuda lacks native BF16" in caplog.text
+    assert "is_bf16_supported(including_emulation=False)" in caplog.text
+    with pytest.raises(ValueError, match=r"cuda \(Tesla T4\) has no native BF16; use 'fp16'"):
+        resolve("bf16", "cuda")
+
+
+def test_bf16_on_a_device_module_without_the_emulation_argument(monkeypatch, caplog):
+    _fake_device_module(monkeypatch, is_bf16_supported=lambda: True)
+    with caplog.at_level(logging.INFO, logger="zeroshard.precision"):
+        assert resolve("auto", "xpu") == POLICIES["bf16"]
+    assert "xpu has native BF16 (torch.xpu.is_bf16_supported())" in caplog.text
+
+
+def test_bf16_elsewhere_is_probed_on_the_device(monkeypatch, caplog):
+    _fake_device_module(monkeypatch)  # no is_bf16_supported (MPS)
+    probed = []
+    monkeypatch.setattr(
+        zeroshard.precision, "_runs", lambda dtype, device: probed.append(device.type) or False
+    )
+    with caplog.at_level(logging.INFO, logger="zeroshard.precision"):
+        assert resolve("auto", "mps") == POLICIES["fp32"]
+    assert probed == ["mps"] and "a BF16 probe on mps" in caplog.text
 
 
 def test_fp16_on_cpu_works_with_this_torch():
@@ -382,6 +480,7 @@ def test_buffers_inputs_and_outputs_follow_the_policy(workers2):
 
 def test_fp16_where_the_device_cannot_names_bf16(monkeypatch):
     monkeypatch.setattr("zeroshard.precision.supports", lambda dtype, device: False)
+    monkeypatch.setattr("zeroshard.precision.bf16_support", lambda device: (False, "mocked"))
     with pytest.raises(ValueError, match="use 'bf16'"):
         resolve("fp16", "cpu")
     assert resolve("auto", "cpu") == POLICIES["fp32"]

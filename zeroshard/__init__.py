@@ -14,15 +14,11 @@ from zeroshard.engine import ShardConfig, engine_of
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.optimizer import ShardedOptimizer
 from zeroshard.offload import OffloadConfig, TensorStore, Tier
+from zeroshard.optimizer_state_dict import load_optimizer_state_dict, optimizer_state_dict
 from zeroshard.precision import DynamicLossScaler, LossScaler, MixedPrecision
 from zeroshard.sharding import shard
 from zeroshard.stages import STAGES, Partition
-from zeroshard.state_dict import (
-    device_mesh,
-    full_state_dict,
-    load_optimizer_state_dict,
-    optimizer_state_dict,
-)
+from zeroshard.state_dict import device_mesh, full_state_dict
 
 __version__ = "0.1.0"
 

@@ -10,8 +10,9 @@ Every rank of the model's group calls both (they are collectives). A checkpoint 
                                      FSDP2's format, so it loads at any world size and stage, and
                                      FSDP2's ``get_state_dict`` / ``set_state_dict`` read it too.
     rank-<r>.pt                      rank r's own state, ``torch.save``-d: its RNGs (torch CPU,
-                                     CUDA if initialized, numpy's global, python ``random``), the
-                                     loss scaler's ``state_dict()`` and ``extra``.
+                                     the accelerator's if initialized, numpy's global, python
+                                     ``random``), the loss scaler's ``state_dict()`` and
+                                     ``extra``.
     zeroshard.json                   written last, by rank 0: step, world size, stage, dtypes,
                                      parameter count, versions, and every other file's size in
                                      bytes and xxh3_64 checksum. A folder without it is incomplete.
@@ -51,41 +52,51 @@ the path or raises the save's error; the next ``save`` or ``load`` waits for it 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import os
 import random
-import re
 import secrets
 import shutil
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import xxhash
-from torch.distributed.checkpoint.api import CheckpointException
 
+from zeroshard.accelerator import current_accelerator_type
+from zeroshard.checkpoint_files import (
+    META_FILE,
+    NUMBERED,
+    OLD,
+    TMP,
+    CheckpointError,
+    agree,
+    broadcast,
+    check_file,
+    data_files,
+    finish_verify,
+    fsync_dir,
+    fsync_file,
+    gather,
+    hash_share,
+    prune,
+    publish,
+    start_verify,
+)
 from zeroshard.engine import engine_of
+from zeroshard.flat_range import FlatRange
 from zeroshard.offload.nvme import free_bytes
 
-META_FILE = "zeroshard.json"
 FORMAT_VERSION = 1
-_TMP, _OLD = ".tmp-", ".old-"
-_CHUNK_BYTES = 8 * 2**20  # read size when hashing
 _WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap encoding and I/O
-_HASH_THREADS = 4  # files each rank hashes at once (xxhash and file reads release the GIL)
 _SPACE_MARGIN = 1.05  # free space wanted over the estimate (DCP metadata, pickled extras)
-_NUMBERED = re.compile(r"^(?P<prefix>.*?)(?P<num>\d+)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be written or read as asked; the message says what to do."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,133 +120,39 @@ class CheckpointInfo:
     """Bytes of every file in the folder."""
 
 
-# --------------------------------------------------------------------- collectives on objects
-
-
 def _group(model) -> dist.ProcessGroup | None:
     return engine_of(model).mesh.group
-
-
-def _broadcast(obj: Any, group) -> Any:
-    """Rank 0's ``obj`` on every rank of ``group``."""
-    box = [obj]
-    dist.broadcast_object_list(box, group_src=0, group=group)
-    return box[0]
-
-
-def _gather(obj: Any, group) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _agree(error: str | None, group) -> None:
-    """Raise the first rank's error on every rank (no rank left waiting in a collective)."""
-    errors = [e for e in _gather(error, group) if e]
-    if errors:
-        raise CheckpointError(errors[0])
-
-
-# --------------------------------------------------------------------- files
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    _fsync_file(path)  # a directory opened read-only can be fsynced on POSIX
-
-
-def _hash_file(path: Path) -> str:
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _data_files(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != META_FILE)
-
-
-def _hash_share(folder: Path, names: list[str], group) -> dict[str, dict[str, Any]]:
-    """``{name: {"bytes", "xxh3_64"}}`` of ``names``: each rank hashes every world_size-th file
-    (each was fsynced by its writer: DCP with ``sync_files``, ``_write_bytes``), the results
-    are gathered on every rank."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-
-    def entry(name: str) -> dict[str, Any]:
-        return {"bytes": (folder / name).stat().st_size, "xxh3_64": _hash_file(folder / name)}
-
-    share = names[rank::world]
-    with ThreadPoolExecutor(max_workers=max(1, min(_HASH_THREADS, len(share)))) as pool:
-        mine = dict(zip(share, pool.map(entry, share), strict=True))
-    merged: dict[str, dict[str, Any]] = {}
-    for part in _gather(mine, group):
-        merged.update(part)
-    return {name: merged[name] for name in names}
-
-
-def _check_file(folder: Path, name: str, want: dict[str, Any]) -> str | None:
-    """Why the file ``name`` of ``folder`` is not as recorded at save (None when it is)."""
-    path = folder / name
-    if not path.is_file():
-        return f"checkpoint {folder} lacks its file {name}; it is damaged: use another one"
-    if path.stat().st_size != want["bytes"] or _hash_file(path) != want["xxh3_64"]:
-        return (
-            f"checkpoint file {path} is corrupted (its xxh3_64 checksum differs from the one "
-            "recorded at save); use another checkpoint"
-        )
-    return None
-
-
-def verify(path: str | os.PathLike) -> str | None:
-    """In one process, no process group: why ``path``'s files are not as recorded at save (a
-    file missing, resized or with another checksum), or None when every one matches."""
-    folder = Path(path)
-    files = _read_meta(folder)["files"]
-    return next((p for n in sorted(files) if (p := _check_file(folder, n, files[n]))), None)
-
-
-def _start_verify(folder: Path, files: dict[str, dict[str, Any]], group) -> list[Future]:
-    """Start checking this rank's share of the listed files (every world_size-th) in threads;
-    not a collective: ``_finish_verify`` (one) collects the results, the caller goes on
-    meanwhile."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    share = sorted(files)[rank::world]
-    pool = ThreadPoolExecutor(max_workers=max(1, min(_HASH_THREADS, len(share))))
-    futures = [pool.submit(_check_file, folder, name, files[name]) for name in share]
-    pool.shutdown(wait=False)  # its threads end with their last file
-    return futures
-
-
-def _finish_verify(futures: list[Future], group) -> None:
-    """Wait for ``_start_verify``'s checks; the first mismatch (in file order) raises on all
-    ranks."""
-    errors = [f.result() for f in futures]
-    _agree(next((e for e in errors if e), None), group)
 
 
 # --------------------------------------------------------------------- state
 
 
 def _rng_state() -> dict[str, Any]:
-    """This process's RNG states, in types ``torch.load(weights_only=True)`` reads back."""
+    """This process's RNG states, in types ``torch.load(weights_only=True)`` reads back: torch's
+    CPU generator, numpy's and python's global ones, and the accelerator's (any type: its device
+    module's ``get_rng_state_all``) once it is initialized."""
     np_state = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
         "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
         "python": random.getstate(),
-        "cuda": None,
+        "accelerator": None,
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    module = _accelerator_module()
+    if module is not None:
+        state["accelerator"] = (current_accelerator_type(), module.get_rng_state_all())
     return state
+
+
+def _accelerator_module():
+    """The device module (``torch.cuda``, ``torch.npu``, ...) of this process's accelerator when
+    it is initialized and has per-device RNG states; else None."""
+    kind = current_accelerator_type()
+    if kind is None:
+        return None
+    module = torch.get_device_module(kind)
+    initialized = getattr(module, "is_initialized", lambda: False)()
+    return module if initialized and hasattr(module, "get_rng_state_all") else None
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
@@ -243,9 +160,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     name, key, *rest = state["numpy"]
     np.random.set_state((name, key.numpy().astype(np.uint32), *rest))
     random.setstate(state["python"])
-    cuda = state.get("cuda")
-    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
+    saved = state.get("accelerator")
+    module = _accelerator_module() if saved is not None else None
+    same_devices = module is not None and saved[0] == current_accelerator_type()
+    if same_devices and len(saved[1]) == module.device_count():  # each device its own stream
+        module.set_rng_state_all(saved[1])
 
 
 def _local_bytes(tree: Any) -> int:
@@ -257,7 +176,18 @@ def _local_bytes(tree: Any) -> int:
     if isinstance(tree, torch.Tensor):
         local = tree.to_local() if hasattr(tree, "to_local") else tree
         return local.numel() * local.element_size()
+    if isinstance(tree, FlatRange):
+        return tree.nbytes
     return 0
+
+
+def _state(model, optimizer) -> dict[str, Any]:
+    """What a checkpoint holds, in FSDP2's structure: every sharded tensor as this rank's own
+    range (``FlatRange``: views, no collective; DCP writes and reads them as chunks)."""
+    from zeroshard.optimizer_state_dict import optimizer_state_dict
+    from zeroshard.state_dict import local_state_dict
+
+    return {"model": local_state_dict(model), "optim": optimizer_state_dict(optimizer, local=True)}
 
 
 def _optimizer_step(optimizer) -> int:
@@ -333,11 +263,11 @@ def save(
     torch.save(own, buffer)  # a snapshot of this rank's own state, as the bytes of its file
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    state = _state(model, optimizer)
     step = int(extra.get("step", _optimizer_step(optimizer)))
     meta = _metadata(model, step, world)
     _check_space(path.parent, _local_bytes(state), group)
-    tmp = path.with_name(path.name + _TMP + _broadcast(secrets.token_hex(4), group))
+    tmp = path.with_name(path.name + TMP + broadcast(secrets.token_hex(4), group))
     tmp.mkdir(parents=True, exist_ok=True)
     job = (tmp, path, state, buffer.getvalue(), meta, keep)
     if not async_save:
@@ -419,6 +349,8 @@ def _snapshot(tree: Any) -> Any:
         return type(tree)(_snapshot(v) for v in tree)
     if isinstance(tree, torch.Tensor):
         return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, FlatRange):
+        return tree.snapshot()
     return tree
 
 
@@ -435,6 +367,9 @@ def _write_and_publish(
     """Write the DCP files and this rank's file into ``tmp``, hash them, then rank 0 writes the
     metadata and publishes; a collective on ``group``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from zeroshard.checkpoint_planner import SavePlanner
 
     rank = dist.get_rank(group)
     error = None
@@ -443,14 +378,15 @@ def _write_and_publish(
     except OSError as exc:
         error = f"could not write checkpoint {path}: {exc}"
     try:
-        _agree(error, group)  # every rank's own file is written
+        agree(error, group)  # every rank's own file is written
     except CheckpointError:
         if rank == 0:  # nothing else writes into it now
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=_WRITE_THREADS)
     try:
-        dcp.save(state, storage_writer=writer, process_group=group)
+        with _without_zip_crc32():
+            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group)
     except CheckpointException as exc:  # raised on every rank once any rank's write failed
         if rank == 0:  # every rank's writes have ended: DCP gathered their results
             shutil.rmtree(tmp, ignore_errors=True)
@@ -458,23 +394,37 @@ def _write_and_publish(
             f"could not write checkpoint {path}: {_first_failure(exc)}; nothing was published "
             "(the previous checkpoints are intact); free space or save elsewhere"
         ) from None
-    _gather(None, group)  # barrier: every rank's files are written
-    files = _hash_share(tmp, _data_files(tmp), group)
+    gather(None, group)  # barrier: every rank's files are written
+    files = hash_share(tmp, data_files(tmp), group)
     error = None
     if rank == 0:
         try:
             (tmp / META_FILE).write_text(json.dumps(dict(meta, files=files), indent=2) + "\n")
-            _fsync_file(tmp / META_FILE)
-            _fsync_dir(tmp)
-            _publish(tmp, path)
+            fsync_file(tmp / META_FILE)
+            fsync_dir(tmp)
+            publish(tmp, path)
             if keep is not None:
-                _prune(path, keep)
+                prune(path, keep)
         except OSError as exc:
             error = f"could not publish checkpoint {path}: {exc}"
-    _agree(error, group)
+    agree(error, group)
 
 
-def _first_failure(exc: CheckpointException) -> str:
+@contextlib.contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    """``torch.save`` (DCP writes every tensor with it) skips its zip CRC-32 inside: it costs a
+    third of the serialization here, and every file gets an xxh3 checksum of its own anyway.
+    The switch is process-wide (a ``torch.save`` in another thread meanwhile skips it too: its
+    files load all the same); it is restored on exit."""
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
+def _first_failure(exc) -> str:
     """``rank R: <the error>`` for the lowest failed rank of a DCP exception (one line)."""
     rank = min(exc.failures)
     error = exc.failures[rank][0]
@@ -483,7 +433,7 @@ def _first_failure(exc: CheckpointException) -> str:
 
 def _check_space(parent: Path, local_bytes: int, group) -> None:
     """Raise on every rank when the file system of ``parent`` lacks room for the estimate."""
-    need = int(sum(_gather(local_bytes, group)) * _SPACE_MARGIN)
+    need = int(sum(gather(local_bytes, group)) * _SPACE_MARGIN)
     error = None
     if dist.get_rank(group) == 0:
         free = free_bytes(parent)
@@ -493,36 +443,7 @@ def _check_space(parent: Path, local_bytes: int, group) -> None:
                 f"{free:,} free ({need - free:,} bytes short); free space, lower keep, or save "
                 "elsewhere"
             )
-    _agree(error, group)
-
-
-def _publish(tmp: Path, path: Path) -> None:
-    """Rank 0: rename ``tmp`` to ``path``; an existing ``path`` is moved aside, then removed."""
-    old = None
-    if path.exists():
-        old = path.with_name(path.name + _OLD + tmp.name.rsplit(_TMP, 1)[1])
-        os.replace(path, old)
-        _fsync_dir(path.parent)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    if old is not None:
-        shutil.rmtree(old)
-
-
-def _prune(path: Path, keep: int) -> None:
-    """Remove complete numbered siblings of ``path`` beyond the newest ``keep`` (never ``path``)."""
-    match = _NUMBERED.match(path.name)
-    if match is None:
-        return
-    numbered = []
-    for sibling in path.parent.iterdir():
-        m = _NUMBERED.match(sibling.name)
-        if m and m["prefix"] == match["prefix"] and (sibling / META_FILE).is_file():
-            numbered.append((int(m["num"]), sibling))
-    numbered.sort()
-    for _, sibling in numbered[: max(0, len(numbered) - keep)]:
-        if sibling != path:
-            shutil.rmtree(sibling)
+    agree(error, group)
 
 
 # --------------------------------------------------------------------- load
@@ -530,13 +451,13 @@ def _prune(path: Path, keep: int) -> None:
 
 def _read_meta(path: Path) -> dict[str, Any]:
     """The metadata of a complete checkpoint; a one-line error for anything else."""
-    if _TMP in path.name:
+    if TMP in path.name:
         raise CheckpointError(
             f"{path} is an incomplete save (a temporary folder never published: the job stopped "
             "while saving); load an earlier checkpoint and delete this folder"
         )
     if not path.exists():
-        aside = sorted(path.parent.glob(path.name + _OLD + "*")) if path.parent.is_dir() else []
+        aside = sorted(path.parent.glob(path.name + OLD + "*")) if path.parent.is_dir() else []
         if aside:
             raise FileNotFoundError(
                 f"no checkpoint at {path}, but {aside[0].name} holds the one a save was replacing "
@@ -605,15 +526,17 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
     path = Path(path).absolute()
     meta = _read_meta(path)
     # the checksums are checked in threads while the state dicts to load into are built
-    checks = _start_verify(path, meta["files"], group) if verify else None
+    checks = start_verify(path, meta["files"], group) if verify else None
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    from zeroshard.checkpoint_planner import LoadPlanner
+
+    state = _state(model, optimizer)
     if checks is not None:
-        _finish_verify(checks, group)
+        finish_verify(checks, group)
     reader = dcp.FileSystemReader(path)
     _check_names(path, reader, state)
-    dcp.load(state, storage_reader=reader, process_group=group)
+    dcp.load(state, storage_reader=reader, planner=LoadPlanner(), process_group=group)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optim"])
     own = torch.load(path / f"rank-{rank % meta['world_size']:05d}.pt", weights_only=True)
@@ -623,6 +546,14 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
 
 
 # --------------------------------------------------------------------- inspection
+
+
+def verify(path: str | os.PathLike) -> str | None:
+    """In one process, no process group: why ``path``'s files are not as recorded at save (a
+    file missing, resized or with another checksum), or None when every one matches."""
+    folder = Path(path)
+    files = _read_meta(folder)["files"]
+    return next((p for n in sorted(files) if (p := check_file(folder, n, files[n]))), None)
 
 
 def info(path: str | os.PathLike) -> CheckpointInfo:
@@ -661,7 +592,7 @@ def latest(folder: str | os.PathLike) -> Path | None:
         return None
     found = []
     for child in folder.iterdir():
-        m = _NUMBERED.match(child.name)
+        m = NUMBERED.match(child.name)
         if m and m["prefix"] == "step-" and (child / META_FILE).is_file():
             found.append((int(m["num"]), child))
     return max(found)[1] if found else None

@@ -15,14 +15,19 @@ returned (``output_dtype``). Reduced gradients are always accumulated into FP32 
 | tf32 | fp32                    | none (skip on inf)    | TF32 matmuls on CUDA >= sm80         |
 | bf16 | bf16                    | none (skip on inf)    | FP32's range: no loss scaling needed |
 | fp16 | fp16                    | dynamic, 2**16        | narrow range: gradients underflow    |
-| auto | bf16 where the device has native BF16, else fp32 (logged)                      |
+| auto | bf16 where the device has native BF16, else fp32 (logged with the reason)      |
+
+BF16 is probed per device type (``bf16_support``): CPU instruction flags, the device module's
+``is_bf16_supported`` (CUDA, XPU, Ascend NPU), or a probe. TF32 exists on CUDA >= sm80 only.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +86,8 @@ class MixedPrecision:
     """Cast the root's floating-point inputs to ``param_dtype``."""
     allow_tf32: bool = False
     """FP32 matmuls and convolutions on TF32 tensor cores (CUDA >= sm80; a warning elsewhere).
-    Process-global: ``shard`` sets ``torch.backends.{cuda.matmul,cudnn}.allow_tf32``."""
+    Process-global torch state: ``shard`` turns it on and restores the previous setting when the
+    last sharded model that asked for it is freed (``hold_tf32``)."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
@@ -135,17 +141,39 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def supports(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``device`` computes in ``dtype`` natively (BF16) or at all (FP16)."""
-    if dtype == torch.float32:
-        return True
-    if device.type == "cuda":
-        if dtype == torch.bfloat16:
-            return torch.cuda.is_bf16_supported(including_emulation=False)
-        return True
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        return cpu_has_native_bf16()
-    try:  # FP16 elsewhere: a tiny probe of the ops a model needs
+def _device_module(device_type: str) -> Any:
+    """torch's module for ``device_type`` (torch.cuda, torch.xpu, torch.npu with torch_npu...)."""
+    try:
+        return torch.get_device_module(device_type)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def bf16_support(device: torch.device) -> tuple[bool, str]:
+    """Whether ``device`` computes in BF16 natively, and how that was found out (for the log).
+
+    Per device type: CPU, the instruction flags (``cpu_has_native_bf16``); an accelerator whose
+    device module has ``is_bf16_supported`` (torch.cuda, torch.xpu, torch_npu's torch.npu), its
+    answer without emulation where it can say so; any other (MPS...), a tiny BF16 matmul and
+    layer norm run on the device.
+    """
+    if device.type == "cpu":
+        native = cpu_has_native_bf16()
+        return native, f"the CPU {'lists' if native else 'lacks'} avx512_bf16/amx_bf16/bf16"
+    check = getattr(_device_module(device.type), "is_bf16_supported", None)
+    if check is not None:
+        try:
+            # CUDA counts sm < 80 as supported by emulation unless told not to
+            native = bool(check(including_emulation=False))
+            return native, f"torch.{device.type}.is_bf16_supported(including_emulation=False)"
+        except TypeError:  # a device module without the emulation argument
+            return bool(check()), f"torch.{device.type}.is_bf16_supported()"
+    return _runs(torch.bfloat16, device), f"a BF16 probe on {device.type}"
+
+
+def _runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """A tiny probe of the ops a model needs, in ``dtype`` on ``device``."""
+    try:
         a = torch.ones(2, 2, dtype=dtype, device=device)
         torch.nn.functional.layer_norm(a @ a, (2,))
         return True
@@ -153,20 +181,46 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
+def supports(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``device`` computes in ``dtype`` natively (BF16) or at all (FP16)."""
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bf16_support(device)[0]
+    if device.type == "cuda":
+        return True  # every CUDA GPU torch supports computes in FP16
+    return _runs(dtype, device)
+
+
+def _device_name(device: torch.device) -> str:
+    name = getattr(_device_module(device.type), "get_device_name", None)
+    try:
+        return f"{device} ({name(device)})" if name is not None else str(device)
+    except (RuntimeError, AssertionError):  # not initialized / no such device
+        return str(device)
+
+
 def resolve(name: str, device: torch.device | str) -> MixedPrecision:
     """The policy for ``name`` ("fp32", "tf32", "bf16", "fp16" or "auto") on ``device``.
 
-    "auto" picks BF16 where ``device`` has native BF16 (CUDA with BF16, a CPU with BF16
-    instructions: see ``cpu_has_native_bf16``), else FP32, and logs the choice. "fp16" on a device
-    that cannot compute in FP16 is a ValueError naming "bf16"; "bf16" on a CUDA device without
-    BF16 is a ValueError naming "fp16". "tf32" where TF32 does not exist warns at ``shard`` time.
+    "auto" picks BF16 where ``device`` has native BF16 (see ``bf16_support``: a CUDA, XPU or NPU
+    device that reports it, a CPU with BF16 instructions), else FP32, and logs the choice and the
+    check it came from. "fp16" on a device that cannot compute in FP16 is a ValueError naming
+    "bf16"; "bf16" on an accelerator without native BF16 is a ValueError naming "fp16" (a CPU
+    still runs BF16, emulated). "tf32" where TF32 does not exist warns at ``shard`` time.
     """
     device = torch.device(device)
     key = name.lower() if isinstance(name, str) else name
     if key == "auto":
-        key = "bf16" if supports(torch.bfloat16, device) else "fp32"
-        why = "has" if key == "bf16" else "lacks"
-        log.info("precision 'auto' -> %r: %s %s native BF16", key, device.type, why)
+        native, how = bf16_support(device)
+        key = "bf16" if native else "fp32"
+        log.info(
+            "precision 'auto' -> %r: %s %s native BF16 (%s)",
+            key,
+            device.type,
+            "has" if native else "lacks",
+            how,
+        )
         return PRESETS[key]
     if key not in PRESETS:
         raise ValueError(
@@ -177,10 +231,9 @@ def resolve(name: str, device: torch.device | str) -> MixedPrecision:
             f"this torch build cannot compute in FP16 on {device.type}; use 'bf16' (same memory, "
             "FP32's range, no loss scaling) or 'fp32'"
         )
-    if key == "bf16" and device.type == "cuda" and not supports(torch.bfloat16, device):
+    if key == "bf16" and device.type != "cpu" and not supports(torch.bfloat16, device):
         raise ValueError(
-            f"{torch.cuda.get_device_name(device)} has no BF16; use 'fp16' (with loss scaling) "
-            "or 'fp32'"
+            f"{_device_name(device)} has no native BF16; use 'fp16' (with loss scaling) or 'fp32'"
         )
     return PRESETS[key]
 
@@ -199,24 +252,76 @@ def policy_of(value: MixedPrecision | str | None, device: torch.device) -> Mixed
     return value
 
 
-def apply_tf32(policy: MixedPrecision, device: torch.device) -> None:
-    """Turn TF32 on for CUDA matmuls and cuDNN convolutions when ``policy.allow_tf32``.
+# --------------------------------------------------------------------- TF32, held and restored
+def cuda_has_tf32(device: torch.device) -> bool:
+    """Whether CUDA ``device`` has TF32 tensor cores (compute capability 8.0, Ampere, or newer).
 
-    This is process-global torch state (it affects every model in the process) and this is the
-    only place zeroshard sets it. It is never turned off again. Where TF32 does not exist (CPU,
-    CUDA before sm80) a warning says the request has no effect.
+    CUDA-only on purpose: TF32 is an NVIDIA tensor-core format, and ``torch.accelerator`` has no
+    generic query for it. (Ascend's similar HF32 is torch_npu's own setting; XPU's TF32 is
+    oneDNN's. Neither is mapped here: "tf32" there warns and runs FP32.)
     """
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _tf32_switches() -> list[tuple[Any, str, Any]]:
+    """(object, attribute, value meaning TF32) for cuBLAS matmuls and cuDNN convolutions.
+
+    torch >= 2.9 has ``fp32_precision`` ("tf32" / "ieee"); mixing it with the older
+    ``allow_tf32`` booleans is an error in torch, so only the newest API present is used.
+    """
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision"):
+        return [(matmul, "fp32_precision", "tf32"), (conv.conv, "fp32_precision", "tf32")]
+    return [(matmul, "allow_tf32", True), (conv, "allow_tf32", True)]
+
+
+_TF32_LOCK = threading.Lock()
+_tf32_holders = 0  # sharded models alive that asked for TF32
+_tf32_saved: list[Any] | None = None  # the switches as they were before the first holder
+
+
+def hold_tf32(policy: MixedPrecision, device: torch.device) -> Callable[[], None] | None:
+    """Turn TF32 on for CUDA matmuls and cuDNN convolutions while the caller holds it.
+
+    TF32 is process-global torch state (``torch.backends.cuda.matmul`` and ``cudnn``); this is
+    the only place zeroshard sets it. Returns the release function, or None when nothing was set
+    (``policy.allow_tf32`` is False, or the device has no TF32: a warning says so). The switches
+    are saved when the first holder arrives and restored when the last one releases: ``shard``
+    releases when its model is freed, so a process leaves TF32 as it found it once its last
+    sharded "tf32" model is gone. Each release function acts once.
+    """
+    global _tf32_holders, _tf32_saved
     if not policy.allow_tf32:
-        return
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        return
-    warnings.warn(
-        f"TF32 has no effect on {device}: it needs CUDA tensor cores (sm80 or newer); "
-        "training runs in plain FP32",
-        stacklevel=3,
-    )
+        return None
+    if not cuda_has_tf32(device):
+        warnings.warn(
+            f"TF32 has no effect on {device}: it needs CUDA tensor cores (sm80 or newer); "
+            "training runs in plain FP32",
+            stacklevel=3,
+        )
+        return None
+    with _TF32_LOCK:
+        if _tf32_holders == 0:
+            switches = _tf32_switches()
+            _tf32_saved = [getattr(obj, attr) for obj, attr, _ in switches]
+            for obj, attr, on in switches:
+                setattr(obj, attr, on)
+        _tf32_holders += 1
+    released = threading.Event()
+
+    def release() -> None:
+        global _tf32_holders, _tf32_saved
+        if released.is_set():
+            return
+        released.set()
+        with _TF32_LOCK:
+            _tf32_holders -= 1
+            if _tf32_holders == 0 and _tf32_saved is not None:
+                for (obj, attr, _), old in zip(_tf32_switches(), _tf32_saved):
+                    setattr(obj, attr, old)
+                _tf32_saved = None
+
+    return release
 
 
 # --------------------------------------------------------------------- loss scaling

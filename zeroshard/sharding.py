@@ -10,9 +10,12 @@ hooks. Every rank must call it with the same model.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard import collectives as C
@@ -21,10 +24,12 @@ from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.model_states.init import Materializer, check_same_model
-from zeroshard.precision import MixedPrecision, apply_tf32, policy_of
+from zeroshard.precision import MixedPrecision, hold_tf32, policy_of
 from zeroshard.stages import Partition, partition
 from zeroshard.state_dict import install_state_dict_hooks
 from zeroshard.wrap import UnitSpec, WrapPolicy, units
+
+log = logging.getLogger(__name__)
 
 
 def shard(
@@ -50,6 +55,12 @@ def shard(
     holding the unit's parameters gets ``param_init_fn(module)`` (default: its own
     ``reset_parameters()``), the unit keeps this rank's shard and frees the rest, so the peak is
     the shards plus one unit.
+
+    Process-wide state, each said once here: without ``mesh`` and with no process group yet,
+    ``shard`` starts the default one (``Mesh.from_env``: a one-rank group outside torchrun) and
+    logs it at INFO on the "zeroshard" logger; pass ``mesh=Mesh.from_env(...)`` or call
+    ``torch.distributed.init_process_group`` first to decide it yourself. A "tf32" policy turns
+    TF32 on (``zeroshard.precision.hold_tf32``) until the last model that asked for it is freed.
     """
     part: Partition = partition(stage)
     if getattr(model, _ATTR, None) is not None:
@@ -63,10 +74,19 @@ def shard(
             f"parameters are on different devices {sorted(map(str, devices))}; move the model "
             "to one device (or leave it on CPU: shard moves it to the rank's device)"
         )
-    mesh = mesh or Mesh.current()
+    if mesh is None:
+        started = not dist.is_initialized()
+        mesh = Mesh.current()
+        if started:
+            log.info(
+                "shard() started the default process group (%s, %d rank(s), %s) because none "
+                "existed; pass mesh= or init_process_group() first to choose it",
+                mesh.backend,
+                mesh.world_size,
+                mesh.device,
+            )
     config = config or ShardConfig()
     mixed_precision = policy_of(mixed_precision, mesh.device)
-    apply_tf32(mixed_precision, mesh.device)
     specs = units(model, wrap)
     check_same_model(model, mesh)
     ledger = C.Ledger()
@@ -124,6 +144,11 @@ def shard(
     )
     install_state_dict_hooks(model, engine)
     setattr(model, _ATTR, engine)
+    # Last, once nothing can fail: TF32 stays on while this model lives (process-global torch
+    # state, restored by the last release; see hold_tf32).
+    release_tf32 = hold_tf32(mixed_precision, mesh.device)
+    if release_tf32 is not None:
+        weakref.finalize(model, release_tf32)
     return model
 
 

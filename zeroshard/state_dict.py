@@ -39,23 +39,15 @@ may itself sit inside a larger module (prefixes are honoured).
 ``full_state_dict(model)`` gives plain full tensors instead (rank 0 only and on the CPU by
 default): for export.
 
-``optimizer_state_dict(opt)`` / ``load_optimizer_state_dict(opt, sd)`` (what
-``ShardedOptimizer.state_dict`` / ``load_state_dict`` call) use the format of
-``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` for an FSDP2 model:
-
-    {"state": {fqn: {"step": tensor(3.),             # plain scalars as the optimizer holds them
-                     "exp_avg": DTensor Shard(0),     # per-element states, like the parameter
-                     "exp_avg_sq": DTensor Shard(0)}},
-     "param_groups": [{"lr": ..., "betas": ..., ..., "params": [fqn, ...]}]}
-
-A tied parameter's state is keyed by its first name in ``model.named_parameters()``. The loss
-scaler is not part of it: ``opt.loss_scaler.state_dict()`` is saved apart. Before the first
-step the sub-optimizers are first given their states as torch's ``get_optimizer_state_dict``
-does (a zero-gradient step at learning rate 0: zeros, ``step`` 1), so that a fresh optimizer's
-dict is a complete template for ``dcp.load``; like torch's, this counts as a step for the bias
-correction of Adam if training then starts without loading anything.
+``local_state_dict(model)`` gives, for every sharded parameter, a ``FlatRange`` (this rank's own
+master range as a view: no collective, no copy) instead of a DTensor: what ``zeroshard.checkpoint``
+saves (DCP writes the range as chunks) and loads into in place; ``load_state_dict`` of such a dict
+then refreshes the compute copies.
 
 ``keep_vars=True`` changes nothing here: entries are new DTensors, not the parameters.
+
+``optimizer_state_dict`` (``zeroshard.optimizer_state_dict``) gives the optimizer's states in
+the same format.
 """
 
 from __future__ import annotations
@@ -70,28 +62,23 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard import collectives as C
+from zeroshard.flat_range import FlatRange
 from zeroshard.model_states.flat_param import FlatParam, ShardState
 
 if TYPE_CHECKING:  # DTensor is imported when first used: it costs `import zeroshard` ~0.5 s
     from torch.distributed.device_mesh import DeviceMesh
 
     from zeroshard.engine import Engine
-    from zeroshard.model_states.optimizer import ShardedOptimizer, _SubGroup
 
 __all__ = [
     "device_mesh",
     "full_state_dict",
     "install_state_dict_hooks",
-    "load_optimizer_state_dict",
-    "optimizer_state_dict",
+    "local_state_dict",
 ]
 
 _MESH_ATTR = "_zeroshard_device_mesh"
 _HOOKS_ATTR = "_zeroshard_state_dict_hooks"
-
-_IMPL_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
-"""Param-group keys that say how this process computes a step, not where training is: kept from
-the running optimizer when a state dict is loaded (the rest of a saved group is taken)."""
 
 
 # --------------------------------------------------------------------- mesh and layout
@@ -208,6 +195,10 @@ class _Hooks:
         self.engine = engine
         self.full: tuple[bool, bool] | None = None
         """(rank0_only, cpu_offload) while ``full_state_dict`` runs; None: sharded entries."""
+        self.local = False
+        """Whether ``local_state_dict`` runs: ``FlatRange`` entries, nothing gathered."""
+        self.ranges_loaded = False
+        """Whether the last load's values were read into the masters in place (FlatRange)."""
         self.consumed: set[str] = set()
         """Keys the last load's pre-hook consumed (not missing, whatever the default says)."""
         # Functions, not bound methods: torch marks a state-dict post-hook with an attribute.
@@ -234,7 +225,16 @@ class _Hooks:
             convert = lambda t, dtype: t.to(device=device, dtype=dtype, copy=True)  # noqa: E731
 
         in_flats: set[int] = set()
-        for flat, source in _gathered_flats(engine):
+        if self.local:  # each rank's own ranges: no collective
+            for flat in engine.flat_params:
+                for i, s in enumerate(flat.slots):
+                    in_flats.add(id(s.param))
+                    keys = [prefix + n for n in names.get(id(s.param), [])]
+                    value = _local_range(flat, i)
+                    for k in keys:
+                        if k in state_dict:
+                            state_dict[k] = value
+        for flat, source in _gathered_flats(engine) if not self.local else ():
             for s in flat.slots:
                 in_flats.add(id(s.param))
                 keys = [prefix + n for n in names.get(id(s.param), [])]
@@ -274,6 +274,7 @@ class _Hooks:
         engine.wait_params()
         names = _all_names(module)
         self.consumed = set()
+        self.ranges_loaded = False
         for flat in engine.flat_params:
             if flat.gathering:
                 flat.wait_unshard()
@@ -286,6 +287,9 @@ class _Hooks:
                 for k in keys:
                     del state_dict[k]
                     self.consumed.add(k)
+                if isinstance(value, FlatRange):  # read into the master in place already
+                    self.ranges_loaded = True
+                    continue
                 if not isinstance(value, torch.Tensor):
                     error_msgs.append(
                         f'While copying the parameter named "{keys[0]}", expected torch.Tensor '
@@ -310,6 +314,19 @@ class _Hooks:
         missing = incompatible_keys.missing_keys
         missing[:] = [k for k in missing if k not in self.consumed]
         self.consumed = set()
+        if self.ranges_loaded:  # the compute copies follow the masters read in place
+            self.ranges_loaded = False
+            self.engine.params_changed()
+
+
+def _local_range(flat: FlatParam, index: int) -> FlatRange:
+    """Slot ``index``'s elements this rank holds, as a view of the master (saved in the
+    parameter's original dtype); of ``full`` for frozen replicated slots without a master."""
+    s = flat.slots[index]
+    if flat.master is None:
+        return FlatRange(s.shape, flat.orig_dtype, 0, flat.full[s.offset : s.offset + s.numel])
+    start, _ = flat.piece_range(index)
+    return FlatRange(s.shape, flat.orig_dtype, start, flat.master_piece(index))
 
 
 def _write_slot(flat: FlatParam, index: int, value: torch.Tensor) -> None:
@@ -338,6 +355,19 @@ def _hooks(model: nn.Module) -> _Hooks:
     return getattr(engine_of(model), _HOOKS_ATTR)
 
 
+def local_state_dict(model: nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` with a ``FlatRange`` (a view of this rank's master range, module
+    ``zeroshard.flat_range``) instead of a DTensor for every sharded parameter: no collective,
+    no copy. What ``zeroshard.checkpoint`` saves and loads into (in place, through DCP);
+    ``model.load_state_dict`` of it then refreshes the compute copies."""
+    hooks = _hooks(model)
+    hooks.local = True
+    try:
+        return model.state_dict()
+    finally:
+        hooks.local = False
+
+
 def full_state_dict(
     model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -355,261 +385,3 @@ def full_state_dict(
     if rank0_only and hooks.engine.mesh.rank != 0:
         return {}
     return sd
-
-
-# --------------------------------------------------------------------- optimizer
-
-
-def _init_states(opt: ShardedOptimizer) -> None:
-    """Give every sub-optimizer without state one, as torch's ``_init_optim_state`` does for
-    ``get_optimizer_state_dict``: a step with zero gradients at learning rate 0, after which
-    the learning rates are restored. States then exist (zeros; ``step`` counts 1), so the state
-    dict is a complete template, e.g. for ``dcp.load`` before training."""
-    for sg in opt._subgroups:
-        o = sg.optimizer
-        if o.state:
-            continue
-        lrs = []
-        for group in o.param_groups:
-            for p in group["params"]:
-                p.grad = torch.zeros_like(p)
-            if "lr" in group:
-                lrs.append(group["lr"])
-                group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
-        o.step()
-        for group in o.param_groups:
-            if "lr" in group:
-                group["lr"] = lrs.pop(0)
-            for p in group["params"]:
-                p.grad = None
-
-
-def _subgroup_of(opt: ShardedOptimizer) -> dict[int, _SubGroup]:
-    """This rank's sub-group of each bucket (by ``id``); a rank holding none of a bucket's
-    trainable elements has none."""
-    return {id(sg.bucket): sg for sg in opt._subgroups}
-
-
-def _is_elementwise_state(value: Any, piece: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and value.ndim >= 1 and value.shape == piece.shape
-
-
-def _state_layout(opt: ShardedOptimizer) -> list[dict[int, dict[str, Any]]]:
-    """Per bucket (engine order) and user group: each state key, either ``("elementwise",
-    dtype)`` (a tensor shaped like the piece) or ``("value", v)`` (anything else, e.g. a 0-dim
-    ``step``), as the first rank holding such a piece has it; the same on every rank (one
-    object all-gather)."""
-    subgroups = _subgroup_of(opt)
-    mine: list[dict[int, dict[str, Any]]] = []
-    for bucket in opt.engine.buckets:
-        entry: dict[int, dict[str, Any]] = {}
-        sg = subgroups.get(id(bucket))
-        if sg is not None:
-            for gi, pieces in zip(sg.groups, sg.pieces):
-                st = sg.optimizer.state.get(pieces[0].tensor) if pieces else None
-                if not st:
-                    continue
-                entry[gi] = {
-                    k: ("elementwise", v.dtype)
-                    if _is_elementwise_state(v, pieces[0].tensor)
-                    else ("value", v.detach().cpu().clone() if torch.is_tensor(v) else v)
-                    for k, v in st.items()
-                }
-        mine.append(entry)
-    mesh = opt.engine.mesh
-    if mesh.world_size == 1:
-        return mine
-    every: list[Any] = [None] * mesh.world_size
-    dist.all_gather_object(every, mine, group=mesh.group)
-    merged: list[dict[int, dict[str, Any]]] = [{} for _ in opt.engine.buckets]
-    for rank_layout in every:
-        for bi, entry in enumerate(rank_layout):
-            for gi, keys in entry.items():
-                merged[bi].setdefault(gi, keys)
-    return merged
-
-
-def _copy_value(v: Any) -> Any:
-    return v.clone() if torch.is_tensor(v) else v
-
-
-@torch.no_grad()
-def optimizer_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
-    """``opt``'s state in the format of ``get_optimizer_state_dict`` for an FSDP2 model (module
-    docstring): per-parameter states keyed by name, element-wise states as ``(Shard(0),)``
-    DTensors cut out of each sub-group's pieces, and the param groups with parameter names.
-
-    Sub-optimizers without state yet are first given one (``_init_states``: a zero-gradient step
-    at learning rate 0, as torch does), so the dict is a complete template. A collective: every
-    rank calls it (one flat buffer per state key is gathered at a time)."""
-    engine = opt.engine
-    model = engine.model
-    mesh = device_mesh(engine)
-    _init_states(opt)
-    first = _first_names(model)
-    group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
-    layout = _state_layout(opt)
-    subgroups = _subgroup_of(opt)
-    per_param: dict[int, dict[str, Any]] = {}
-    for bi, bucket in enumerate(engine.buckets):
-        flat: FlatParam = bucket.flat
-        sg = subgroups.get(id(bucket))
-        keys: dict[str, torch.dtype] = {}
-        for gi_keys in layout[bi].values():
-            for k, (kind, v) in gi_keys.items():
-                if kind == "elementwise":
-                    keys.setdefault(k, v)
-        for k, dtype in keys.items():
-            assert flat.master is not None
-            local = torch.zeros(flat.master.numel(), dtype=dtype, device=flat.mesh.device)
-            if sg is not None:
-                for pieces in sg.pieces:
-                    for piece in pieces:
-                        v = sg.optimizer.state.get(piece.tensor, {}).get(k)
-                        if v is not None:
-                            local[piece.span].copy_(v)
-            if flat.partition.optimizer_states and flat.mesh.world_size > 1:
-                full = _gather_flat(flat, local)
-            else:
-                full = local
-            for s in flat.slots:
-                gi = group_of.get(id(s.param))
-                if gi is None or k not in layout[bi].get(gi, {}):
-                    continue
-                view = full[s.offset : s.offset + s.numel].view(s.shape)
-                per_param.setdefault(id(s.param), {})[k] = _as_sharded(view, mesh, dtype)
-            del full, local
-        for s in flat.slots:
-            gi = group_of.get(id(s.param))
-            for k, (kind, v) in layout[bi].get(gi, {}).items() if gi is not None else ():
-                if kind == "value":
-                    per_param.setdefault(id(s.param), {})[k] = _copy_value(v)
-    # Zero-element parameters are not in any FlatParam; FSDP2 gives them states of their shape.
-    by_group: dict[int, dict[str, Any]] = {}
-    for entry in layout:
-        for gi, keys_ in entry.items():
-            by_group.setdefault(gi, keys_)
-    for gi, group in enumerate(opt.param_groups):
-        for p in group["params"]:
-            if p.numel() or not p.requires_grad or id(p) in per_param or gi not in by_group:
-                continue
-            per_param[id(p)] = {
-                k: _as_sharded(torch.zeros(p.shape, dtype=v, device=p.device), mesh, v)
-                if kind == "elementwise"
-                else _copy_value(v)
-                for k, (kind, v) in by_group[gi].items()
-            }
-    state: dict[str, dict[str, Any]] = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if id(p) in per_param and first[id(p)] not in state:
-                state[first[id(p)]] = per_param[id(p)]
-    param_groups = [
-        {
-            **{k: v for k, v in g.items() if k != "params"},
-            "params": [first[id(p)] for p in g["params"]],
-        }
-        for g in opt.param_groups
-    ]
-    return {"state": state, "param_groups": param_groups}
-
-
-def _match_groups(opt: ShardedOptimizer, saved: list[dict[str, Any]], first: dict[int, str]):
-    """For each of ``opt``'s param groups, the saved group holding its parameters (by name,
-    else by position)."""
-    where = {name: j for j, g in enumerate(saved) for name in g.get("params", [])}
-    out = []
-    for i, g in enumerate(opt.param_groups):
-        hits = [where[first[id(p)]] for p in g["params"] if first.get(id(p)) in where]
-        if hits:
-            out.append(saved[hits[0]])
-        elif len(saved) == len(opt.param_groups):
-            out.append(saved[i])
-        else:
-            raise ValueError(
-                f"cannot match param group {i} of the optimizer to the saved param groups: "
-                f"none of its parameters is named in them and the group counts differ "
-                f"({len(opt.param_groups)} here, {len(saved)} saved)"
-            )
-    return out
-
-
-@torch.no_grad()
-def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
-    """Load what ``optimizer_state_dict`` returns (per parameter name: DTensors of any mesh, e.g.
-    resharded by ``dcp.load``, or plain full tensors) into ``opt``'s sub-groups, at any world
-    size or stage. Param-group hyperparameters are taken from the saved group holding the same
-    parameters (by name, else by position), except the implementation choices ``foreach``,
-    ``fused``, ``capturable``, ``differentiable`` (kept). A collective (DTensors are gathered
-    one parameter and key at a time)."""
-    engine = opt.engine
-    model = engine.model
-    first = _first_names(model)
-    all_names = _all_names(model)
-    saved_state: dict[str, dict[str, Any]] = state_dict.get("state", {})
-    for g, saved in zip(opt.param_groups, _match_groups(opt, state_dict["param_groups"], first)):
-        for k, v in saved.items():
-            if k not in ("params", "param_names") and k not in _IMPL_KEYS:
-                g[k] = v
-    # Which keys are element-wise, per bucket and group: from the running optimizer's own
-    # states (a 0-dim parameter's ``exp_avg`` has the shape of ``step``), made if none yet.
-    _init_states(opt)
-    layout = _state_layout(opt)
-    group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
-    subgroups = _subgroup_of(opt)
-    for bi, bucket in enumerate(engine.buckets):
-        flat: FlatParam = bucket.flat
-        sg = subgroups.get(id(bucket))
-        # Per piece of the sub-group (torch's parameter order): key -> state being assembled.
-        pieces = [p for ps in sg.pieces for p in ps] if sg is not None else []
-        assembled: list[dict[str, Any]] = [{} for _ in pieces]
-        for i, (s, span) in enumerate(flat.pieces()):
-            names = [n for n in all_names.get(id(s.param), []) if n in saved_state]
-            if not names:
-                continue
-            st = saved_state[names[0]]
-            kinds = layout[bi].get(group_of.get(id(s.param), -1), {})
-            owner = next(
-                (
-                    j
-                    for j, piece in enumerate(pieces)
-                    if span.stop > span.start
-                    and piece.span.start <= span.start
-                    and span.stop <= piece.span.stop
-                ),
-                None,
-            )
-            for k in sorted(st):
-                v = _full_value(st[k])  # on every rank, in the same order (a collective)
-                if k in kinds:
-                    elementwise = kinds[k][0] == "elementwise"
-                else:
-                    elementwise = torch.is_tensor(v) and v.ndim >= 1 and v.shape == s.shape
-                if owner is None:
-                    continue
-                piece = pieces[owner]
-                if elementwise:
-                    if v.numel() != s.numel:
-                        raise ValueError(
-                            f"optimizer state {k!r} of {names[0]} has shape {tuple(v.shape)}, "
-                            f"the parameter {tuple(s.shape)}"
-                        )
-                    buf = assembled[owner].get(k)
-                    if buf is None:
-                        buf = torch.zeros(
-                            piece.tensor.numel(), dtype=v.dtype, device=flat.mesh.device
-                        )
-                        assembled[owner][k] = buf
-                    a, b = flat.piece_range(i)
-                    lo = span.start - piece.span.start
-                    buf[lo : lo + (b - a)].copy_(v.reshape(-1)[a:b])
-                else:
-                    assembled[owner].setdefault(k, _copy_value(v))
-        if sg is None:
-            continue
-        packed = sg.optimizer.state_dict()
-        groups = packed["param_groups"]
-        for tg, gi in zip(groups, sg.groups):
-            tg.update({k: v for k, v in opt.param_groups[gi].items() if k != "params"})
-        packed["state"] = {j: st for j, st in enumerate(assembled) if st}
-        sg.optimizer.load_state_dict(packed)

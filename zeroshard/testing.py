@@ -46,9 +46,10 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> Non
 
     from zeroshard.mesh import Mesh
 
+    # One compute thread per rank: the ranks of a test share the machine's cores. Set here, in
+    # the worker, because it is process-wide (Mesh.from_env leaves it alone).
     torch.set_num_threads(1)
     Mesh.from_env(backend="gloo", timeout_s=120.0, device="cpu")
-    torch.set_num_threads(1)
     while True:
         msg = conn.recv()
         if msg is None:

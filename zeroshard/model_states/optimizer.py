@@ -302,14 +302,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer state keyed by parameter name (``zeroshard.state_dict``)."""
-        from zeroshard.state_dict import optimizer_state_dict
+        """Optimizer state keyed by parameter name (``zeroshard.optimizer_state_dict``)."""
+        from zeroshard.optimizer_state_dict import optimizer_state_dict
 
         return optimizer_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what ``state_dict`` returns (at any world size or stage, e.g. through DCP)."""
-        from zeroshard.state_dict import load_optimizer_state_dict
+        from zeroshard.optimizer_state_dict import load_optimizer_state_dict
 
         load_optimizer_state_dict(self, state_dict)
 

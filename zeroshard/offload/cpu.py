@@ -2,8 +2,9 @@
 
 Every tier moves tensors as flat byte ranges: a tensor of any dtype is viewed as a 1D uint8 tensor
 and cut into blocks, so the store's scheduling does not care about dtypes and a round trip is exact
-bit for bit (bf16 and fp16 included). The copies here run on the store's I/O threads; when CUDA is
-involved each thread copies on its own stream, so swaps overlap the compute on the default stream.
+bit for bit (bf16 and fp16 included). The copies here run on the store's I/O threads; when an
+accelerator (CUDA, XPU, Ascend NPU) is involved each thread copies on its own stream, a generic
+``torch.Stream``, so swaps overlap the compute on the caller's stream.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from zeroshard.accelerator import pin_host_memory
+
 from .tiers import OffloadError, TensorMeta, Tier
 
 __all__ = ["MemoryBackend", "copy_bytes", "flat_bytes", "new_host_bytes", "ready_event"]
-
-
-def cuda_present() -> bool:
-    return torch.cuda.is_available()
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -30,46 +29,63 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-def ready_event(*tensors: torch.Tensor) -> torch.cuda.Event | None:
+def _accelerator_device(*tensors: torch.Tensor) -> torch.device | None:
+    """The device of the first tensor not in host memory, or None if all are on the CPU."""
+    return next((t.device for t in tensors if t.device.type != "cpu"), None)
+
+
+def ready_event(*tensors: torch.Tensor) -> torch.Event | None:
     """Mark, on the caller's current stream, the point after which the tensors may be copied.
 
     Recorded in the caller's thread at call time: the I/O thread's stream waits for it, so a swap
     never reads a tensor the caller's kernels are still writing, nor overwrites one still read.
+    None when every tensor is on the CPU (host copies need no ordering).
     """
-    if not any(t.is_cuda for t in tensors):
+    device = _accelerator_device(*tensors)
+    if device is None:
         return None
-    event = torch.cuda.Event()
-    event.record()
+    event = torch.Event(device=device)
+    event.record(torch.accelerator.current_stream(device))
     return event
 
 
-_streams = threading.local()  # one side stream per I/O thread, created on first CUDA copy
+_streams = threading.local()  # per I/O thread: {device: side stream}, made on first device copy
 
 
-def copy_bytes(dst: torch.Tensor, src: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+def _thread_stream(device: torch.device) -> torch.Stream:
+    """This I/O thread's own stream on ``device``: its copies queue behind no other thread's."""
+    streams = getattr(_streams, "by_device", None)
+    if streams is None:
+        streams = _streams.by_device = {}
+    if device not in streams:
+        streams[device] = torch.Stream(device=device)
+    return streams[device]
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor, ready: torch.Event | None = None) -> None:
     """Copy 1D uint8 `src` into `dst` and return once the bytes are there.
 
-    Host-to-host copies are plain (torch releases the GIL while copying). A copy touching a CUDA
-    tensor runs on this thread's side stream after `ready`, and that stream is synchronized before
-    returning because the caller may hand the host buffer to the next block at once.
+    Host-to-host copies are plain (torch releases the GIL while copying). A copy touching an
+    accelerator tensor runs on this thread's side stream after `ready`, and that stream is
+    synchronized before returning because the caller may hand the host buffer to the next block
+    at once.
     """
     assert dst.numel() == src.numel(), (dst.numel(), src.numel())
-    if not (dst.is_cuda or src.is_cuda):
+    device = _accelerator_device(dst, src)
+    if device is None:
         dst.copy_(src)
         return
-    stream = getattr(_streams, "stream", None)
-    if stream is None:
-        stream = _streams.stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
+    stream = _thread_stream(device)
+    with stream:
         if ready is not None:
-            stream.wait_event(ready)
-        dst.copy_(src, non_blocking=True)
-    stream.synchronize()
+            stream.wait_event(ready)  # the caller's kernels on these bytes are done
+        dst.copy_(src, non_blocking=True)  # DMA when the host side is pinned
+    stream.synchronize()  # the host buffer may be reused as soon as we return
 
 
 def new_host_bytes(nbytes: int) -> torch.Tensor:
-    """A 1D uint8 host tensor, pinned when CUDA is present so device copies from it are DMA."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda_present())
+    """A 1D uint8 host tensor, pinned when an accelerator is present so copies from it are DMA."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_host_memory())
 
 
 @dataclass

@@ -1,10 +1,8 @@
 """The NVMe tier: one swap file per tensor, aligned direct I/O, a checksum per block.
 
-Layout of a folder owned by a store:
-
-    LOCK                  flock'ed by the live store; a crashed run's lock is free again
-    index.json            name -> file, dtype, shape, xxh3-64 of each block; rewritten atomically
-    <name>-<hash>.swp     the tensor's bytes, padded to ALIGN_BYTES; block i at i * block_bytes
+The folder (its layout, lock, probes and clean-up) is ``zeroshard.offload.folder``; the index
+that records each tensor's file and checksums is ``zeroshard.offload.index``. This module moves
+the bytes.
 
 A block goes through a buffer of the pool: the tensor's bytes are copied in, hashed and written
 with os.pwritev; a read is os.preadv into a buffer (in requests of READ_CHUNK_BYTES), a hash check
@@ -20,12 +18,8 @@ pool (a block read in place is checked where it landed, and its swap_in fails).
 from __future__ import annotations
 
 import errno
-import fcntl
-import json
 import logging
-import mmap
 import os
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,15 +29,24 @@ import torch
 import xxhash
 
 from .cpu import copy_bytes
-from .pool import BufferPool
-from .tiers import (
-    OffloadError,
-    SwapIntegrityError,
-    SwapSpaceError,
-    TensorMeta,
-    dtype_from_str,
-    dtype_to_str,
+from .folder import (
+    ALIGN_BYTES,
+    LOCK_NAME,
+    MEMORY_FILESYSTEMS,
+    SUFFIX,
+    discard_folder,
+    file_name,
+    filesystem_type,
+    free_bytes,
+    holds_swap_files,
+    padded_bytes,
+    prepare_folder,
+    remove_if_empty,
+    take_lock,
 )
+from .index import INDEX_NAME, IndexEntry, index_block_bytes, read_index, write_index
+from .pool import BufferPool
+from .tiers import OffloadError, SwapIntegrityError, SwapSpaceError, TensorMeta
 
 __all__ = [
     "ALIGN_BYTES",
@@ -58,13 +61,6 @@ __all__ = [
 
 logger = logging.getLogger("zeroshard.offload")
 
-# O_DIRECT needs offsets, lengths and memory aligned to the device's logical block (512 or 4096);
-# 4096 satisfies both and is the page size, so mmap'ed and sliced buffers meet it.
-ALIGN_BYTES = 4096
-INDEX_NAME = "index.json"
-LOCK_NAME = "LOCK"
-SUFFIX = ".swp"
-FORMAT = "zeroshard.offload/1"
 # A block is read in requests of at most this many bytes (a multiple of ALIGN_BYTES), one after
 # the other into its buffer. On the benchmark's virtio disk, 1 MiB requests from 8 threads read
 # 4 MiB tensors at ~90% of a raw single-buffer read where whole 4 MiB requests got ~78%: a 1 MiB
@@ -73,89 +69,12 @@ FORMAT = "zeroshard.offload/1"
 READ_CHUNK_BYTES = 1 << 20
 
 
-def padded_bytes(nbytes: int) -> int:
-    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
-
-
-def free_bytes(folder: Path) -> int:
-    """Bytes an unprivileged writer may still use on the folder's filesystem."""
-    st = os.statvfs(folder)
-    return st.f_bavail * st.f_frsize
-
-
-# filesystems whose "files" are RAM: swapping to them moves nothing off the faster tier
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
-
-
-def filesystem_type(path: Path) -> str:
-    """The type of the filesystem holding `path` ('ext4', 'xfs', 'tmpfs'...), '?' if unknown."""
-    path = path.resolve()
-    best_mount, best_type = "", "?"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                mount, fstype = line.split()[1:3]
-                mount = mount.replace("\\040", " ")  # /proc/mounts escapes spaces
-                inside = path == Path(mount) or Path(mount) in path.parents
-                if inside and len(mount) >= len(best_mount):
-                    best_mount, best_type = mount, fstype
-    except OSError:
-        pass
-    return best_type
-
-
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
-def file_name(name: str) -> str:
-    """A readable, collision-free file name for a tensor name (which may hold '/' or '..')."""
-    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80].lstrip(".")
-    return f"{readable}-{xxhash.xxh64_hexdigest(name.encode())[:12]}{SUFFIX}"
-
-
 def _hash(view: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(view)
-
-
-def prepare_folder(folder: Path, direct_io: bool | None) -> tuple[bool, bool]:
-    """Create and test the folder now, so a bad one fails at construction, not mid-step.
-
-    Returns (created, use_direct): whether the folder was made here, and whether O_DIRECT works.
-    """
-    created = not folder.exists()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".probe-{os.getpid()}-{threading.get_ident()}"
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        os.close(fd)
-    except OSError as e:
-        raise OffloadError(
-            f"swap folder {folder} is not usable ({e.strerror or e}); pass folder= a writable "
-            "directory on the disk that should hold the swap files"
-        ) from e
-    try:
-        if direct_io is False:
-            return created, False
-        buf = mmap.mmap(-1, ALIGN_BYTES)  # page-aligned, as O_DIRECT wants
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
-            try:
-                os.pwritev(fd, [buf], 0)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-            if direct_io:
-                raise OffloadError(
-                    f"direct_io=True but {folder} does not support O_DIRECT ({e.strerror}); "
-                    "use a folder on a real disk (not tmpfs) or direct_io=None"
-                ) from e
-            return created, False
-        return created, True
-    finally:
-        probe.unlink(missing_ok=True)
 
 
 @dataclass
@@ -179,36 +98,6 @@ class _ReadCtx:
     entry: _FileEntry
     fd: int
     checksums: list[int]
-
-
-def index_block_bytes(folder: Path) -> int | None:
-    """The block size recorded in a folder's index, or None if there is no readable index."""
-    try:
-        return int(json.loads((folder / INDEX_NAME).read_text())["block_bytes"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # reopen reports the precise problem
-
-
-def discard_folder(folder: Path) -> None:
-    """Delete what a store left in `folder` (a crashed run), refusing if a live store holds it."""
-    if not (folder / LOCK_NAME).exists() and not (folder / INDEX_NAME).exists():
-        raise OffloadError(f"{folder} holds no store (no {LOCK_NAME} or {INDEX_NAME})")
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise OffloadError(f"{folder} is in use by a live store; close that store") from None
-        for path in folder.glob("*" + SUFFIX):
-            path.unlink()
-        for name in (INDEX_NAME, INDEX_NAME + ".tmp", LOCK_NAME):
-            (folder / name).unlink(missing_ok=True)
-    finally:
-        os.close(fd)
-    try:
-        folder.rmdir()
-    except OSError:
-        logger.warning("left %s in place: it holds files the store did not write", folder)
 
 
 class NvmeBackend:
@@ -243,7 +132,7 @@ class NvmeBackend:
                 f"{folder} does not support O_DIRECT: falling back to buffered I/O, so swapped "
                 "tensors also sit in the page cache (RAM) until the kernel evicts them",
             )
-        self._lock_fd = self._take_lock()
+        self._lock_fd = take_lock(folder)
         self._entries: dict[str, _FileEntry] = {}
         self._dirty: set[str] = set()  # written since the last flush: fsync before the index
         self._mutex = threading.Lock()  # guards _reserved_bytes and _dirty
@@ -251,7 +140,7 @@ class NvmeBackend:
         self._reserved_bytes = 0
         if resume:
             self._load_index()
-        elif (folder / INDEX_NAME).exists() or any(folder.glob("*" + SUFFIX)):
+        elif holds_swap_files(folder):
             os.close(self._lock_fd)
             raise OffloadError(
                 f"{folder} holds swap files of an earlier run; resume them with "
@@ -260,21 +149,6 @@ class NvmeBackend:
             )
 
     # -- the folder ------------------------------------------------------------------------------
-    def _take_lock(self) -> int:
-        fd = os.open(self.folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise OffloadError(
-                f"{self.folder} is in use by a live store (pid {holder}); give each store, e.g. "
-                "each rank, its own folder"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        return fd
-
     def _open_flags(self, write: bool) -> int:
         flags = os.O_CLOEXEC | (os.O_RDWR | os.O_CREAT if write else os.O_RDONLY)
         return flags | (os.O_DIRECT if self.direct_io else 0)
@@ -533,63 +407,33 @@ class NvmeBackend:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-        tensors = {
-            name: {
-                "file": e.path.name,
-                "dtype": dtype_to_str(e.meta.dtype),
-                "shape": list(e.meta.shape),
-                "checksums": e.checksums,
-            }
-            for name, e in self._entries.items()
-            if e.checksums is not None
-        }
-        index = {
-            "format": FORMAT,
-            "block_bytes": self.block_bytes,
-            "created_folder": self.created_folder,  # so a reopened store removes it too
-            "tensors": tensors,
-        }
-        tmp = self.folder / (INDEX_NAME + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(index, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.folder / INDEX_NAME)  # atomic: readers see the old or the new index
-        dir_fd = os.open(self.folder, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
+        write_index(
+            self.folder,
+            block_bytes=self.block_bytes,
+            created_folder=self.created_folder,
+            entries=[
+                IndexEntry(meta=e.meta, file=e.path.name, checksums=e.checksums)
+                for e in list(self._entries.values())
+                if e.checksums is not None
+            ],
+        )
 
     def _load_index(self) -> None:
-        path = self.folder / INDEX_NAME
-        try:
-            index = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise OffloadError(
-                f"{self.folder} has no {INDEX_NAME}: nothing to resume (the run never flushed); "
-                f"delete it with TensorStore.discard({str(self.folder)!r})"
-            ) from None
-        except json.JSONDecodeError as e:
-            raise SwapIntegrityError(f"{path} is not valid JSON: {e}") from e
-        if index.get("format") != FORMAT:
-            raise OffloadError(f"{path} has format {index.get('format')!r}, expected {FORMAT!r}")
-        if index["block_bytes"] != self.block_bytes:
-            raise ValueError(
-                f"{path} was written with block_bytes={index['block_bytes']}; reopen it with "
-                f"OffloadConfig(block_bytes={index['block_bytes']})"
-            )
-        self.created_folder = bool(index.get("created_folder", False))
-        for name, t in index["tensors"].items():
-            meta = TensorMeta(name=name, dtype=dtype_from_str(t["dtype"]), shape=tuple(t["shape"]))
-            file = self.folder / t["file"]
+        """Take the entries of the folder's index; delete swap files it does not vouch for."""
+        self.created_folder, entries = read_index(self.folder, block_bytes=self.block_bytes)
+        for e in entries:
+            file = self.folder / e.file
             size = file.stat().st_size if file.exists() else 0
-            self._entries[name] = _FileEntry(meta, file, size, list(t["checksums"]))
+            self._entries[e.meta.name] = _FileEntry(e.meta, file, size, e.checksums)
         known = {e.path for e in self._entries.values()}
         for orphan in self.folder.glob("*" + SUFFIX):
             if orphan not in known:
                 # written after the last flush, so no checksum vouches for it: it cannot be used
-                logger.warning("deleting %s: not in %s, written after the last flush", orphan, path)
+                logger.warning(
+                    "deleting %s: not in %s, written after the last flush",
+                    orphan,
+                    self.folder / INDEX_NAME,
+                )
                 orphan.unlink()
 
     def close(self, keep: bool) -> None:
@@ -606,9 +450,4 @@ class NvmeBackend:
         (self.folder / LOCK_NAME).unlink(missing_ok=True)
         os.close(self._lock_fd)
         if not keep and self.created_folder:
-            try:
-                self.folder.rmdir()
-            except OSError:
-                logger.warning(
-                    "left %s in place: it holds files the store did not write", self.folder
-                )
+            remove_if_empty(self.folder)

@@ -3,7 +3,8 @@
 Every byte that goes to or comes from a swap file passes through one of `num_buffers` buffers of
 `buffer_bytes` each (the article's constant-size buffers, DESIGN.md §5): the store's memory does
 not grow with the model, only the number of blocks in flight is bounded. The buffers are one slab,
-aligned for O_DIRECT and pinned when CUDA is present so device copies from them are DMA.
+aligned for O_DIRECT and pinned when an accelerator is present, so that device copies from them
+are DMA.
 
 A buffer is in one of three states:
 - free: on the free list;

@@ -7,8 +7,9 @@
     store.release("layers.0.w")
     store.close()                              # deletes the files (also at normal exit)
 
-Host tensors made by `store.empty_host(shape, dtype)` are page-aligned (and pinned with CUDA):
-their full blocks are written and read by the disk in place, skipping the staging copy.
+Host tensors made by `store.empty_host(shape, dtype)` are page-aligned (and pinned when an
+accelerator is present): their full blocks are written and read by the disk in place, skipping
+the staging copy.
 
 Scheduling. Each operation is cut into blocks of `block_bytes` that the `num_io_threads` workers
 run in parallel, so one large tensor keeps every worker and the disk's queue busy. Operations on
@@ -32,8 +33,12 @@ from typing import Any
 
 import torch
 
-from .cpu import MemoryBackend, cuda_present, flat_bytes, ready_event
-from .nvme import ALIGN_BYTES, NvmeBackend, discard_folder, index_block_bytes
+from zeroshard.accelerator import pin_host_memory
+
+from .cpu import MemoryBackend, flat_bytes, ready_event
+from .folder import ALIGN_BYTES, discard_folder
+from .index import index_block_bytes
+from .nvme import NvmeBackend
 from .pool import BufferPool, aligned_empty
 from .tiers import OffloadError, SwapHandle, TensorMeta, Tier
 
@@ -143,7 +148,7 @@ class TensorStore:
                 num_buffers=config.num_buffers,
                 buffer_bytes=config.block_bytes,
                 align_bytes=ALIGN_BYTES,
-                pin_memory=cuda_present(),
+                pin_memory=pin_host_memory(),
             )
             self._backend: Any = NvmeBackend(
                 Path(config.folder),
@@ -220,7 +225,7 @@ class TensorStore:
         """Start copying tensor `name` into `into` (a new CPU tensor if None); wait() returns it.
 
         `into` must be contiguous with the stored dtype and number of elements; it may live on
-        any device (a CUDA `into` is filled from the pinned pool by DMA).
+        any device (an accelerator `into` is filled from the pinned pool by DMA).
         """
         self._check_open()
         meta = self.meta(name)
@@ -322,12 +327,12 @@ class TensorStore:
     def empty_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host tensor that swaps to and from NVMe without a staging copy.
 
-        Page-aligned (and pinned when CUDA is present): the full blocks of such a tensor are read
-        and written by the disk in place, so the CPU only hashes them. Allocate the host copies
-        of model states this way (e.g. CPU optimizer states swapped to NVMe).
+        Page-aligned (and pinned when an accelerator is present): the full blocks of such a
+        tensor are read and written by the disk in place, so the CPU only hashes them. Allocate
+        the host copies of model states this way (e.g. CPU optimizer states swapped to NVMe).
         """
         return aligned_empty(
-            tuple(shape), dtype, align_bytes=ALIGN_BYTES, pin_memory=cuda_present()
+            tuple(shape), dtype, align_bytes=ALIGN_BYTES, pin_memory=pin_host_memory()
         )
 
     # -- inspection ------------------------------------------------------------------------------

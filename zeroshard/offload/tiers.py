@@ -29,7 +29,7 @@ class Tier(str, enum.Enum):
     the planner places a model state."""
 
     DEVICE = "device"  # a private copy on the tensor's own device (no transfer, no saving)
-    CPU = "cpu"  # host RAM, pinned when CUDA is present so copies to the device are DMA
+    CPU = "cpu"  # host RAM, pinned when an accelerator is present so device copies are DMA
     NVME = "nvme"  # files in a folder, written and read through the aligned buffer pool
 
 

@@ -1,0 +1,205 @@
+"""Device and backend choice (``zeroshard.accelerator``) with the accelerator mocked as cuda, npu,
+xpu and mps, and the process-wide settings ``Mesh`` and ``shard`` leave alone or announce."""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zeroshard
+from zeroshard import accelerator
+from zeroshard.accelerator import Placement, device_of_backend, placement
+from zeroshard.mesh import Mesh, cpu_threads_per_rank
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Pretend this machine has ``kind`` accelerators (``count`` of them) and the backends in
+    ``backends``; torch's own backend capability table stays as it is."""
+
+    def setup(kind: str | None, *, count: int = 8, backends: tuple[str, ...] = ("gloo",)) -> None:
+        found = None if kind is None else SimpleNamespace(type=kind)
+        monkeypatch.setattr(
+            torch.accelerator, "current_accelerator", lambda check_available=False: found
+        )
+        monkeypatch.setattr(torch.accelerator, "device_count", lambda: count if kind else 0)
+        monkeypatch.setattr(dist, "is_backend_available", lambda name: name in backends)
+
+    return setup
+
+
+# --------------------------------------------------------------------- found automatically
+
+
+@pytest.mark.parametrize(("kind", "backend"), [("cuda", "nccl"), ("npu", "hccl"), ("xpu", "xccl")])
+def test_the_accelerator_found_gets_its_own_backend(machine, kind, backend):
+    machine(kind, backends=("gloo", backend))
+    where = placement(local_rank=3)
+    assert where == Placement(kind, 3, backend, where.reason)
+    assert "current_accelerator() is " + kind in where.reason
+
+
+def test_no_accelerator_is_cpu_with_gloo(machine):
+    machine(None)
+    where = placement(local_rank=5)
+    assert (where.device_type, where.index, where.backend) == ("cpu", None, "gloo")
+    assert where.device == torch.device("cpu")
+
+
+def test_mps_found_falls_back_to_cpu_and_says_why(machine):
+    machine("mps", backends=("gloo",))
+    with pytest.warns(UserWarning, match="no torch.distributed backend.*device='cpu'"):
+        where = placement()
+    assert (where.device_type, where.backend) == ("cpu", "gloo")
+
+
+def test_mps_asked_for_is_an_error_naming_the_way_out(machine):
+    machine("mps", backends=("gloo",))
+    with pytest.raises(ValueError, match="device='mps'.*no torch.distributed backend.*'cpu'"):
+        placement(device="mps")
+
+
+# --------------------------------------------------------------------- backends missing
+
+
+@pytest.mark.parametrize(
+    ("kind", "backend", "hint"),
+    [("cuda", "nccl", "CUDA build"), ("npu", "hccl", "torch_npu"), ("xpu", "xccl", "XPU build")],
+)
+def test_a_present_accelerator_without_its_backend_names_both(machine, kind, backend, hint):
+    machine(kind, backends=("gloo",))
+    with pytest.raises(RuntimeError) as err:
+        placement()
+    message = str(err.value)
+    assert f"the {kind} accelerator is present" in message
+    assert f"collective backend {backend!r} is not available" in message
+    assert hint in message and "device='cpu'" in message
+    # gloo also moves CUDA tensors (torch's capability table), so only CUDA is offered gloo
+    assert ("backend='gloo'" in message) == (kind == "cuda")
+
+
+def test_an_explicit_backend_that_is_missing_is_a_value_error(machine):
+    machine("cuda", backends=("gloo",))
+    with pytest.raises(ValueError, match="backend='nccl' is not available.*drop backend="):
+        placement(backend="nccl")
+
+
+# --------------------------------------------------------------------- asked for explicitly
+
+
+def test_explicit_device_and_index_win_over_local_rank(machine):
+    machine("cuda", count=2, backends=("gloo", "nccl"))
+    assert placement(device="cuda:1", local_rank=0).index == 1
+    assert placement(device=torch.device("cuda", 0), local_rank=1).index == 0
+    assert placement(device="cpu", local_rank=1) == Placement(
+        "cpu", None, "gloo", "device='cpu' asked for"
+    )
+
+
+def test_gloo_may_serve_cuda_tensors_when_asked(machine):
+    machine("cuda", backends=("gloo", "nccl"))
+    assert placement(backend="gloo").backend == "gloo"
+
+
+def test_a_backend_that_cannot_move_the_devices_tensors_is_refused(machine):
+    machine(None, backends=("gloo", "nccl"))
+    with pytest.raises(ValueError, match="'nccl' does not move cpu tensors.*backend='gloo'"):
+        placement(device="cpu", backend="nccl")
+
+
+def test_asking_for_an_accelerator_that_is_not_there_says_what_is(machine):
+    machine(None)
+    with pytest.raises(ValueError, match="device='cuda'.*finds no accelerator.*device='cpu'"):
+        placement(device="cuda")
+    machine("xpu", backends=("gloo", "xccl"))
+    with pytest.raises(ValueError, match="finds a xpu accelerator.*device='xpu'"):
+        placement(device="npu")
+
+
+def test_more_ranks_than_devices_is_an_error(machine):
+    machine("npu", count=2, backends=("hccl",))
+    with pytest.raises(ValueError, match=r"npu:2 \(LOCAL_RANK=2\) but only 2 npu device"):
+        placement(local_rank=2)
+
+
+@pytest.mark.parametrize("bad", ["cuda:x", ""])
+def test_a_malformed_device_is_a_clear_error(machine, bad):
+    machine("cuda", backends=("nccl",))
+    with pytest.raises((ValueError, TypeError), match="device"):
+        placement(device=bad)
+
+
+def test_an_unknown_accelerator_without_a_backend_asks_for_one(machine):
+    machine("maia", backends=("gloo",))
+    with pytest.raises(ValueError, match="no collective backend is known for device type 'maia'"):
+        placement()
+
+
+def test_an_initialized_groups_backend_gives_its_device():
+    assert device_of_backend("nccl", 3) == torch.device("cuda", 3)
+    assert device_of_backend("xccl", 1) == torch.device("xpu", 1)
+    assert device_of_backend("gloo", 3) == torch.device("cpu")
+    assert device_of_backend("cpu:gloo,cuda:nccl", 2) == torch.device("cuda", 2)
+
+
+def test_host_memory_is_pinned_only_for_an_accelerator_with_its_own_memory(machine):
+    machine(None)
+    assert not accelerator.pin_host_memory()
+    machine("xpu")
+    assert accelerator.pin_host_memory()
+    machine("mps")
+    assert not accelerator.pin_host_memory()
+
+
+# --------------------------------------------------------------------- process-wide settings
+
+
+@pytest.fixture
+def lone_process():
+    """No process group before the test, none after it (the tests start one in this process)."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    saved = {k: os.environ.pop(k) for k in ("RANK", "MASTER_ADDR") if k in os.environ}
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.update(saved)
+
+
+def test_from_env_leaves_the_thread_count_alone_and_logs_the_group(lone_process, caplog):
+    before = torch.get_num_threads()
+    set_by_us = 3 if cpu_threads_per_rank(1) != 3 else 5  # neither 1 nor the cores' count
+    torch.set_num_threads(set_by_us)
+    try:
+        with caplog.at_level(logging.INFO, logger="zeroshard"):
+            mesh = Mesh.from_env(device="cpu")
+        assert torch.get_num_threads() == set_by_us
+        assert "started the default process group: gloo, rank 0 of 1, on cpu" in caplog.text
+        object.__setattr__(mesh, "local_world_size", 2)
+        assert mesh.share_cpu_threads() == cpu_threads_per_rank(2)
+        assert torch.get_num_threads() == cpu_threads_per_rank(2)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_threads_per_rank_divide_the_cores():
+    assert cpu_threads_per_rank(2, cores=16) == 8
+    assert cpu_threads_per_rank(3, cores=16) == 5
+    assert cpu_threads_per_rank(32, cores=16) == 1  # never zero
+    assert cpu_threads_per_rank(0, cores=4) == 4
+
+
+def test_shard_logs_the_process_group_it_starts(lone_process, caplog):
+    with caplog.at_level(logging.INFO, logger="zeroshard"):
+        zeroshard.shard(nn.Linear(4, 4), stage=3)
+    assert "shard() started the default process group (gloo, 1 rank(s), cpu)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="zeroshard"):
+        zeroshard.shard(nn.Linear(4, 4), stage=3)  # the group exists now: nothing to say
+    assert "started" not in caplog.text

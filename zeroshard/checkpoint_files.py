@@ -1,0 +1,156 @@
+"""The files of a checkpoint folder: checksums, fsync, atomic publishing, keeping the last K.
+
+Every rank of a save or load takes part (the object collectives below run on the model's group);
+see ``zeroshard.checkpoint`` for the folder's layout and the order in which it is written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import xxhash
+
+META_FILE = "zeroshard.json"
+TMP, OLD = ".tmp-", ".old-"
+_CHUNK_BYTES = 8 * 2**20  # read size when hashing
+_HASH_THREADS = 4  # files each rank hashes at once (xxhash and file reads release the GIL)
+NUMBERED = re.compile(r"^(?P<prefix>.*?)(?P<num>\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read as asked; the message says what to do."""
+
+
+# --------------------------------------------------------------------- collectives on objects
+
+
+def broadcast(obj: Any, group) -> Any:
+    """Rank 0's ``obj`` on every rank of ``group``."""
+    box = [obj]
+    dist.broadcast_object_list(box, group_src=0, group=group)
+    return box[0]
+
+
+def gather(obj: Any, group) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def agree(error: str | None, group) -> None:
+    """Raise the first rank's error on every rank (no rank left waiting in a collective)."""
+    errors = [e for e in gather(error, group) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+
+
+# --------------------------------------------------------------------- files
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fsync_file(path)  # a directory opened read-only can be fsynced on POSIX
+
+
+def hash_file(path: Path) -> str:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def data_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != META_FILE)
+
+
+def hash_share(folder: Path, names: list[str], group) -> dict[str, dict[str, Any]]:
+    """``{name: {"bytes", "xxh3_64"}}`` of ``names``: each rank hashes every world_size-th file
+    (each was fsynced by its writer: DCP with ``sync_files``, ``_write_bytes``), the results
+    are gathered on every rank."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+
+    def entry(name: str) -> dict[str, Any]:
+        return {"bytes": (folder / name).stat().st_size, "xxh3_64": hash_file(folder / name)}
+
+    share = names[rank::world]
+    with ThreadPoolExecutor(max_workers=max(1, min(_HASH_THREADS, len(share)))) as pool:
+        mine = dict(zip(share, pool.map(entry, share), strict=True))
+    merged: dict[str, dict[str, Any]] = {}
+    for part in gather(mine, group):
+        merged.update(part)
+    return {name: merged[name] for name in names}
+
+
+def check_file(folder: Path, name: str, want: dict[str, Any]) -> str | None:
+    """Why the file ``name`` of ``folder`` is not as recorded at save (None when it is)."""
+    path = folder / name
+    if not path.is_file():
+        return f"checkpoint {folder} lacks its file {name}; it is damaged: use another one"
+    if path.stat().st_size != want["bytes"] or hash_file(path) != want["xxh3_64"]:
+        return (
+            f"checkpoint file {path} is corrupted (its xxh3_64 checksum differs from the one "
+            "recorded at save); use another checkpoint"
+        )
+    return None
+
+
+def start_verify(folder: Path, files: dict[str, dict[str, Any]], group) -> list[Future]:
+    """Start checking this rank's share of the listed files (every world_size-th) in threads;
+    not a collective: ``finish_verify`` (one) collects the results, the caller goes on
+    meanwhile."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    share = sorted(files)[rank::world]
+    pool = ThreadPoolExecutor(max_workers=max(1, min(_HASH_THREADS, len(share))))
+    futures = [pool.submit(check_file, folder, name, files[name]) for name in share]
+    pool.shutdown(wait=False)  # its threads end with their last file
+    return futures
+
+
+def finish_verify(futures: list[Future], group) -> None:
+    """Wait for ``start_verify``'s checks; the first mismatch (in file order) raises on all
+    ranks."""
+    errors = [f.result() for f in futures]
+    agree(next((e for e in errors if e), None), group)
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Rank 0: rename ``tmp`` to ``path``; an existing ``path`` is moved aside, then removed."""
+    old = None
+    if path.exists():
+        old = path.with_name(path.name + OLD + tmp.name.rsplit(TMP, 1)[1])
+        os.replace(path, old)
+        fsync_dir(path.parent)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def prune(path: Path, keep: int) -> None:
+    """Remove complete numbered siblings of ``path`` beyond the newest ``keep`` (never ``path``)."""
+    match = NUMBERED.match(path.name)
+    if match is None:
+        return
+    numbered = []
+    for sibling in path.parent.iterdir():
+        m = NUMBERED.match(sibling.name)
+        if m and m["prefix"] == match["prefix"] and (sibling / META_FILE).is_file():
+            numbered.append((int(m["num"]), sibling))
+    numbered.sort()
+    for _, sibling in numbered[: max(0, len(numbered) - keep)]:
+        if sibling != path:
+            shutil.rmtree(sibling)

@@ -1,0 +1,181 @@
+"""The NVMe tier's folder: what is in it, who owns it, and what the disk under it can do.
+
+Layout of a folder owned by a store:
+
+    LOCK                  flock'ed by the live store (holds its pid); a crashed run's lock is free
+    index.json            name -> file, dtype, shape, checksums (``zeroshard.offload.index``)
+    <name>-<hash>.swp     one tensor's bytes, padded to ALIGN_BYTES
+
+This module creates and probes the folder (writable? O_DIRECT? on a RAM filesystem?), takes and
+frees its lock, names the swap files, reports free space, and deletes what a crashed run left.
+The bytes themselves are read and written by ``zeroshard.offload.nvme``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import threading
+from pathlib import Path
+
+import xxhash
+
+from .index import INDEX_NAME
+from .tiers import OffloadError
+
+__all__ = [
+    "ALIGN_BYTES",
+    "LOCK_NAME",
+    "MEMORY_FILESYSTEMS",
+    "SUFFIX",
+    "discard_folder",
+    "file_name",
+    "filesystem_type",
+    "free_bytes",
+    "holds_swap_files",
+    "padded_bytes",
+    "prepare_folder",
+    "remove_if_empty",
+    "take_lock",
+]
+
+logger = logging.getLogger("zeroshard.offload")
+
+# O_DIRECT needs offsets, lengths and memory aligned to the device's logical block (512 or 4096);
+# 4096 satisfies both and is the page size, so mmap'ed and sliced buffers meet it.
+ALIGN_BYTES = 4096
+LOCK_NAME = "LOCK"
+SUFFIX = ".swp"
+
+# filesystems whose "files" are RAM: swapping to them moves nothing off the faster tier
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
+
+
+def padded_bytes(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of ALIGN_BYTES (a swap file's size on disk)."""
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes an unprivileged writer may still use on the folder's filesystem."""
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding `path` ('ext4', 'xfs', 'tmpfs'...), '?' if unknown."""
+    path = path.resolve()
+    best_mount, best_type = "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                mount, fstype = line.split()[1:3]
+                mount = mount.replace("\\040", " ")  # /proc/mounts escapes spaces
+                inside = path == Path(mount) or Path(mount) in path.parents
+                if inside and len(mount) >= len(best_mount):
+                    best_mount, best_type = mount, fstype
+    except OSError:
+        pass
+    return best_type
+
+
+def file_name(name: str) -> str:
+    """A readable, collision-free file name for a tensor name (which may hold '/' or '..')."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80].lstrip(".")
+    return f"{readable}-{xxhash.xxh64_hexdigest(name.encode())[:12]}{SUFFIX}"
+
+
+def prepare_folder(folder: Path, direct_io: bool | None) -> tuple[bool, bool]:
+    """Create and test the folder now, so a bad one fails at construction, not mid-step.
+
+    Returns (created, use_direct): whether the folder was made here, and whether O_DIRECT works.
+    """
+    created = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe-{os.getpid()}-{threading.get_ident()}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+    except OSError as e:
+        raise OffloadError(
+            f"swap folder {folder} is not usable ({e.strerror or e}); pass folder= a writable "
+            "directory on the disk that should hold the swap files"
+        ) from e
+    try:
+        if direct_io is False:
+            return created, False
+        buf = mmap.mmap(-1, ALIGN_BYTES)  # page-aligned, as O_DIRECT wants
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+            try:
+                os.pwritev(fd, [buf], 0)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            if direct_io:
+                raise OffloadError(
+                    f"direct_io=True but {folder} does not support O_DIRECT ({e.strerror}); "
+                    "use a folder on a real disk (not tmpfs) or direct_io=None"
+                ) from e
+            return created, False
+        return created, True
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def take_lock(folder: Path) -> int:
+    """Lock `folder` for this process (flock, released by the kernel if it dies); the lock's fd.
+
+    The pid written into LOCK names the holder in the error another store gets.
+    """
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise OffloadError(
+            f"{folder} is in use by a live store (pid {holder}); give each store, e.g. "
+            "each rank, its own folder"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def holds_swap_files(folder: Path) -> bool:
+    """Whether `folder` holds an index or swap files (an earlier run's store)."""
+    return (folder / INDEX_NAME).exists() or any(folder.glob("*" + SUFFIX))
+
+
+def discard_folder(folder: Path) -> None:
+    """Delete what a store left in `folder` (a crashed run), refusing if a live store holds it."""
+    if not (folder / LOCK_NAME).exists() and not (folder / INDEX_NAME).exists():
+        raise OffloadError(f"{folder} holds no store (no {LOCK_NAME} or {INDEX_NAME})")
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OffloadError(f"{folder} is in use by a live store; close that store") from None
+        for path in folder.glob("*" + SUFFIX):
+            path.unlink()
+        for name in (INDEX_NAME, INDEX_NAME + ".tmp", LOCK_NAME):
+            (folder / name).unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+    remove_if_empty(folder)
+
+
+def remove_if_empty(folder: Path) -> None:
+    """Remove `folder`; leave it, with a warning, when it holds files the store did not write."""
+    try:
+        folder.rmdir()
+    except OSError:
+        logger.warning("left %s in place: it holds files the store did not write", folder)
