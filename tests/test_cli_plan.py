@@ -29,6 +29,15 @@ def tiny_gpt():
     return GPT(PRESETS["tiny"])
 
 
+def tiny_hf_gpt2():
+    """A Hugging Face GPT-2 for --module: the same model as --hf with its config."""
+    import transformers
+    from test_planner_hf import HF_CONFIGS
+
+    values = {k: v for k, v in HF_CONFIGS["gpt2"].items() if k != "model_type"}
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**values))
+
+
 def _rows(text):
     """The table's data rows, split on runs of two or more spaces."""
     lines = text.splitlines()
@@ -129,6 +138,60 @@ def test_other_model_sources(capsys, tmp_path):
     assert _json(["--hf", str(tmp_path)], capsys)["model"]["shape"]["hidden_size"] == 64
 
 
+def test_hf_and_module_find_the_engines_units(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    from test_planner_hf import HF_CONFIGS
+
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIGS["gpt2"]))
+    argv = ["--stage", "3", "--dp", "2", "--seq", "16"]
+    by_hf = _json(["--hf", str(tmp_path / "config.json"), *argv], capsys)
+    by_module = _json(["--module", "test_cli_plan:tiny_hf_gpt2", *argv], capsys)
+    block = 12 * 64 * 64 + 13 * 64  # one GPT2Block with biases
+    root = 256 * 64 + 64 * 64 + 2 * 64  # token and position embeddings, ln_f (the head is tied)
+    for out in (by_hf, by_module):
+        m = out["model"]
+        assert m["num_params"] == root + 2 * block
+        assert m["wrap_policy"] == "_no_split_modules (GPT2Block)"
+        assert (m["num_units"], m["root_unit_numel"], m["largest_unit_numel"]) == (3, root, block)
+    # Stage 3 gathers the largest unit (here the root), not the whole backbone at once.
+    unit = max(root, block)
+    assert by_hf["stages"][0]["memory"]["device"]["gathered_units"] == 2 * 2 * unit + 2 * unit
+    # --module has no shape (no activations), but the same units and model states.
+    for category in ("params", "grads", "optimizer_states", "gathered_units"):
+        got = by_module["stages"][0]["memory"]["device"][category]
+        assert got == by_hf["stages"][0]["memory"]["device"][category], category
+    text = _run(["--hf", str(tmp_path), *argv], capsys)
+    assert "units (_no_split_modules (GPT2Block)): 3; root unit 20,608 parameters" in text
+    wrapped = _json(["--hf", str(tmp_path), "--wrap", "GPT2Attention,GPT2MLP", *argv], capsys)
+    assert wrapped["model"]["num_units"] == 5
+
+
+def test_hf_without_transformers_warns_on_stderr(capsys, tmp_path, monkeypatch):
+    import sys
+
+    from test_planner_hf import HF_CONFIGS
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIGS["gpt2"]))
+    assert plan.run(_parse(["--hf", str(tmp_path), "--json"])) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)  # the warning stays off stdout
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("zeroshard plan: warning: gpt2: counting with the GPT-shaped formula")
+    assert "transformers is not installed: ModuleNotFoundError" in line
+
+
+def test_plain_numbers_are_bytes_per_second(capsys):
+    argv = ["--layers", "24", "--hidden", "2048", "--heads", "16", "--peak-flops", "7e13"]
+    plain = _json([*argv, "--bandwidth", "70000000000", "--net-bandwidth", "1e11"], capsys)
+    units = _json([*argv, "--bandwidth", "70GB/s", "--net-bandwidth", "100GB/s"], capsys)
+    assert plain["efficiency"] == units["efficiency"]
+    assert round(plain["efficiency"]["params_grads"], 3) == 0.506
+    assert [r["communication"]["seconds"] for r in plain["stages"]] == [
+        r["communication"]["seconds"] for r in units["stages"]
+    ]
+
+
 def test_unit_flag(capsys):
     rows = _rows(_run(["--params", "1024", "--stage", "0", "--unit", "KiB"], capsys))
     assert rows[0][2] == "16 KiB"
@@ -179,6 +242,9 @@ def test_advise(capsys):
         (["--preset", "1b", "--layers", "2"], "describe the model once"),
         (["--preset", "huge"], "unknown model preset"),
         (["--module", "no_such_module:f"], "--module"),
+        (["--params", "1B", "--wrap", "Block"], "--wrap names the units"),
+        (["--preset", "nano", "--wrap", "Block"], "--wrap names the units"),
+        (["--params", "1B", "--bandwidth", "70GB", "--peak-flops", "70T"], "70GB/s"),
     ],
 )
 def test_user_mistakes(argv, match):

@@ -45,6 +45,26 @@ def test_module_counted_on_meta_without_memory():
     assert model.largest_unit_numel == 12 * 2048**2 + 13 * 2048
 
 
+def test_module_units_from_wrap_or_a_guess():
+    import warnings
+
+    block = 12 * 64 * 64 + 13 * 64
+    cfg = GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=100, block_size=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # naming the class: no guess, no warning
+        wrapped = d.from_module(lambda: GPT(cfg), wrap="Block")
+    assert wrapped.wrap_policy == "--wrap Block"
+    assert wrapped.block_unit_numels == (block, block)
+    assert wrapped.root_numel == cfg.num_params() - 2 * block
+    with pytest.warns(UserWarning, match="planning with one unit per Block.*--wrap CLASS"):
+        guessed = d.from_module(lambda: GPT(cfg))
+    assert guessed.wrap_policy == "guessed: Block"
+    assert guessed.block_unit_numels == wrapped.block_unit_numels
+    with pytest.warns(UserWarning, match="as one unit"):
+        one = d.from_module(nn.Linear(3, 4))
+    assert one.root_numel == one.unit_numel == 16 and one.block_unit_numel is None
+
+
 def test_module_instance():
     model = d.from_module(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2, bias=False)))
     assert model.num_params == 3 * 4 + 4 + 4 * 2

@@ -61,15 +61,33 @@ def test_not_a_string():
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("70GB/s", 70e9), ("1.5TB/s", 1.5e12), ("25GiB/s", 25 * 2**30), ("100MBps", 1e8)],
+    [
+        ("70GB/s", 70e9),
+        ("1.5TB/s", 1.5e12),
+        ("25GiB/s", 25 * 2**30),
+        ("100MBps", 1e8),
+        # A plain number is bytes/s: the unit is optional.
+        ("70000000000", 70e9),
+        ("7e10", 70e9),
+        ("1.5", 1.5),
+    ],
 )
 def test_parse_bandwidth(text, expected):
     assert parse_bandwidth(text) == expected
 
 
 def test_bandwidth_needs_per_second():
+    # With a prefix or a unit, "/s" says it is a rate: "70GB" is a size.
     with pytest.raises(ValueError, match="70GB/s"):
         parse_bandwidth("70GB")
+    with pytest.raises(ValueError, match="70GB/s"):
+        parse_bandwidth("70G")
+
+
+@pytest.mark.parametrize("text", ["0", "-7e10", "nan", "inf"])
+def test_plain_bandwidth_must_be_positive(text):
+    with pytest.raises(ValueError, match="bandwidth"):
+        parse_bandwidth(text)
 
 
 @pytest.mark.parametrize("text", ["70TFLOP/s", "70TFLOPS", "70 tflops", "70T", "7e13"])

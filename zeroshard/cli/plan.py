@@ -9,7 +9,8 @@
     zeroshard plan --measure                  # calibration: nano and tiny, stages 0-3, 1/2/4 ranks
 
 Sizes take units: "80GB" is 80e9 bytes, "80GiB" 80 * 2**30; rates "70GB/s"; counts "7.5B".
-All arithmetic lives in ``zeroshard.planner``; this file only parses, calls and prints.
+All arithmetic lives in ``zeroshard.planner`` (the report and its tables in
+``zeroshard.planner.report``); this file only reads the flags, calls and prints.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
-from dataclasses import replace
+import sys
+import warnings
 
 from zeroshard import planner
-from zeroshard.planner import bandwidth, comm, memory, units
-from zeroshard.planner.memory import OFFLOADS, Tier
+from zeroshard.planner import memory, report, units
+from zeroshard.planner.memory import OFFLOADS
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -37,11 +38,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     m = p.add_argument_group("model (one of --params, --preset, --hf, --module, or a shape)")
     m.add_argument("--params", help="parameter count Psi, e.g. 7.5B or 7.5e9 (overrides a shape's)")
     m.add_argument("--preset", help="a zeroshard GPT preset: " + ", ".join(_gpt_presets()))
-    m.add_argument("--hf", metavar="PATH_OR_NAME", help="a Hugging Face config.json or hub name")
+    m.add_argument(
+        "--hf",
+        metavar="PATH_OR_NAME",
+        help="a Hugging Face config.json (or a hub name in the local cache): built on the meta "
+        "device and counted exactly when transformers is installed, else the GPT-shaped formula",
+    )
     m.add_argument(
         "--module",
         metavar="PKG.MOD:FACTORY",
         help="a callable building an nn.Module (built on the meta device)",
+    )
+    m.add_argument(
+        "--wrap",
+        metavar="CLASS[,CLASS]",
+        help="with --module or --hf: the module classes the engine wraps as units (default: the "
+        "model's _no_split_modules, else its repeated block, with a warning)",
     )
     m.add_argument("--layers", "--nl", type=int, help="transformer blocks (nl)")
     m.add_argument("--hidden", "--hd", type=int, help="hidden size (hd)")
@@ -161,6 +173,8 @@ def _model(args) -> planner.ModelDescription:
         sources.append("shape")
     if len(sources) > 1:
         raise ValueError(f"describe the model once; got {' and '.join(sources)}")
+    if args.wrap is not None and sources not in (["hf"], ["module"]):
+        raise ValueError("--wrap names the units of a --module or --hf model; drop it")
     num_params = units.parse_count(args.params) if args.params else None
     if not sources:
         if num_params is None:
@@ -189,9 +203,10 @@ def _model(args) -> planner.ModelDescription:
         )
     if args.preset:
         return planner.from_gpt(args.preset)
+    wrap = None if args.wrap is None else [c.strip() for c in args.wrap.split(",") if c.strip()]
     if args.hf:
-        return planner.from_hf_config(args.hf)
-    return planner.from_module(_import_factory(args.module))
+        return planner.from_hf_config(args.hf, wrap=wrap)
+    return planner.from_module(_import_factory(args.module), wrap=wrap)
 
 
 def _import_factory(spec: str):
@@ -239,8 +254,26 @@ def _opt(parse, text):
 # ---- the plan ------------------------------------------------------------------------------
 
 
+def _memory_config(args, *, micro_batch_size: int = 1, num_layers_per_checkpoint: int = 1):
+    """The training configuration the flags describe, at stage 0 (each row replaces it)."""
+    return memory.MemoryConfig(
+        stage=0,
+        num_dp_ranks=args.dp,
+        num_mp_ranks=args.mp,
+        bytes_per_param=_bytes_per_param(args.bytes_per_param),
+        micro_batch_size=micro_batch_size,
+        seq_len=args.seq,
+        num_layers_per_checkpoint=num_layers_per_checkpoint,
+        partition_activations=args.partition_activations,
+        offload_activations=args.offload_activations,
+        num_units_prefetch=args.prefetch,
+        bucket_bytes=units.parse_bytes(args.bucket),
+        fragmentation_fraction=args.fragmentation,
+    )
+
+
 def plan(args) -> dict:
-    """Everything ``zeroshard plan`` prints, as the JSON-ready dict."""
+    """Everything ``zeroshard plan`` prints, as the JSON-ready dict (``planner.report``)."""
     model = _model(args)
     for flag in ("dp", "mp", "seq", "devices_per_node"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
@@ -249,136 +282,21 @@ def plan(args) -> dict:
     batches, cis = _ints("--batch", args.batch), _ints("--ci", args.ci)
     if len(batches) > 1 or len(cis) > 1:
         raise ValueError("--batch and --ci take one value each unless --advise is given")
-    device_memory = _opt(units.parse_bytes, args.memory)
-    bw = _opt(units.parse_bandwidth, args.bandwidth)
-    net_bw = _opt(units.parse_bandwidth, args.net_bandwidth)
-    peak = _opt(units.parse_flops, args.peak_flops)
-    base = memory.MemoryConfig(
-        stage=0,
-        num_dp_ranks=args.dp,
-        num_mp_ranks=args.mp,
-        bytes_per_param=_bytes_per_param(args.bytes_per_param),
-        micro_batch_size=batches[0],
-        seq_len=args.seq,
-        num_layers_per_checkpoint=cis[0],
-        partition_activations=args.partition_activations,
-        offload_activations=args.offload_activations,
-        num_units_prefetch=args.prefetch,
-        bucket_bytes=units.parse_bytes(args.bucket),
-        fragmentation_fraction=args.fragmentation,
+    return report.plan_report(
+        model,
+        _memory_config(args, micro_batch_size=batches[0], num_layers_per_checkpoint=cis[0]),
+        stages=_stages(args.stage),
+        offloads=_offloads(args.offload),
+        bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.bandwidth),
+        net_bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.net_bandwidth),
+        peak_flops=_opt(units.parse_flops, args.peak_flops),
+        device_memory_bytes=_opt(units.parse_bytes, args.memory),
+        target_efficiency=args.target_efficiency,
     )
-    out: dict = {
-        "model": {
-            "name": model.name,
-            "num_params": model.num_params,
-            "shape": None if model.shape is None else vars(model.shape),
-        },
-        "num_dp_ranks": args.dp,
-        "num_mp_ranks": args.mp,
-        "bytes_per_param": vars(base.bytes_per_param),
-        "micro_batch_size": base.micro_batch_size,
-        "seq_len": base.seq_len,
-        "num_layers_per_checkpoint": base.num_layers_per_checkpoint,
-        "device_memory_bytes": device_memory,
-    }
-    shape = model.shape
-    if shape is not None:
-        ci = min(base.num_layers_per_checkpoint, shape.num_layers)
-        common = dict(micro_batch_size=base.micro_batch_size, seq_len=base.seq_len)
-        out["activation_checkpoint_bytes"] = memory.activation_checkpoint_bytes(
-            **common,
-            hidden_size=shape.hidden_size,
-            num_layers=shape.num_layers,
-            num_layers_per_checkpoint=ci,
-            num_mp_ranks=base.num_mp_ranks,
-            partitioned=base.partition_activations,
-        )
-        out["activation_working_bytes"] = memory.activation_working_bytes(
-            **common,
-            hidden_size=shape.hidden_size,
-            num_heads=shape.num_heads,
-            num_layers_per_checkpoint=ci,
-        )
-        out["model_state_working_bytes"] = memory.model_state_working_bytes(
-            hidden_size=shape.hidden_size
-        )
-    ait = bandwidth.intensity(
-        micro_batch_size=base.micro_batch_size,
-        seq_len=base.seq_len,
-        shape=shape,
-        num_layers_per_checkpoint=base.num_layers_per_checkpoint,
-    )
-    out["intensity"] = ait.as_dict()
-    if bw is not None and peak is not None:
-        out["efficiency"] = ait.efficiencies(bw, peak)
-    if args.target_efficiency is not None:
-        if peak is None:
-            raise ValueError("--target-efficiency needs --peak-flops, e.g. --peak-flops 70TFLOP/s")
-        out["target_efficiency"] = args.target_efficiency
-        out["required_bandwidth_bytes_per_s"] = ait.required_bandwidths(
-            peak, args.target_efficiency
-        )
-    rows = []
-    for stage in _stages(args.stage):
-        for offload in _offloads(args.offload):
-            placement = OFFLOADS[offload]
-            if memory.placement_problem(stage, placement):
-                continue
-            config = replace(base, stage=stage, placement=placement)
-            rows.append(_row(model, config, offload, ait, bw, net_bw, peak, device_memory))
-    if not rows:
-        raise ValueError(
-            f"no stage in --stage {args.stage} supports --offload {args.offload}; offloading "
-            "needs stage >= 1, and parameters or NVMe need stage 3"
-        )
-    out["stages"] = rows
-    return out
-
-
-def _row(model, config, offload, ait, bw, net_bw, peak, device_memory) -> dict:
-    mem = memory.plan_memory(model, config)
-    collectives = comm.dp_communication(
-        model.num_params,
-        stage=config.stage,
-        num_mp_ranks=config.num_mp_ranks,
-        param_dtype_bytes=config.bytes_per_param.params or 2,
-        reduce_dtype_bytes=config.bytes_per_param.grads or 2,
-    )
-    comm_bytes = comm.total_bytes(collectives)
-    # The streams this placement waits on, for its efficiency after ZeRO-Infinity.
-    streams = []
-    if config.placement.params is not Tier.DEVICE:
-        streams.append(ait.params_grads)
-    if config.placement.optimizer_states is not Tier.DEVICE:
-        streams.append(ait.optimizer_states)
-    if config.offload_activations and ait.activation_checkpoints is not None:
-        streams.append(ait.activation_checkpoints)
-    eff = None
-    if streams and bw is not None and peak is not None:
-        eff = bandwidth.combined_efficiency(streams, [bw] * len(streams), peak)
-    device_bytes = mem.total_bytes(Tier.DEVICE)
-    return {
-        "stage": config.stage,
-        "offload": offload,
-        "model_states_bytes": mem.model_states_bytes(Tier.DEVICE),
-        "residual_states_bytes": mem.residual_states_bytes(Tier.DEVICE),
-        "device_bytes": device_bytes,
-        "cpu_bytes": mem.total_bytes(Tier.CPU),
-        "nvme_bytes": mem.total_bytes(Tier.NVME),
-        "memory": mem.to_dict(),
-        "communication": {
-            "numel": comm.total_numel(collectives),
-            "bytes": comm_bytes,
-            "seconds": None if net_bw is None else comm.comm_seconds(comm_bytes, net_bw),
-            "collectives": [vars(c) for c in collectives],
-        },
-        "efficiency": eff,
-        "fits": None if device_memory is None else device_bytes <= device_memory,
-    }
 
 
 def advice(args) -> dict:
-    """The advisor's ranking, as the JSON-ready dict."""
+    """The advisor's ranking, as the JSON-ready dict (``planner.report``)."""
     model = _model(args)
     missing = [
         f
@@ -413,207 +331,9 @@ def advice(args) -> dict:
         checkpoint_spans=_ints("--ci", args.ci),
         stages=_stages(args.stage),
         offloads=_offloads(args.offload),
-        memory=memory.MemoryConfig(
-            stage=0,
-            num_mp_ranks=args.mp,
-            bytes_per_param=_bytes_per_param(args.bytes_per_param),
-            partition_activations=args.partition_activations,
-            offload_activations=args.offload_activations,
-            num_units_prefetch=args.prefetch,
-            bucket_bytes=units.parse_bytes(args.bucket),
-            fragmentation_fraction=args.fragmentation,
-        ),
+        memory=_memory_config(args),  # the advisor sets stage, Nd, bsz, seq and ci per candidate
     )
-    result = planner.advise(model, cluster, workload)
-
-    def candidate(c: planner.Candidate) -> dict:
-        return {
-            "stage": c.stage,
-            "offload": c.offload,
-            "ci": c.num_layers_per_checkpoint,
-            "micro_batch_size": c.micro_batch_size,
-            "num_micro_batches": c.num_micro_batches,
-            "device_bytes": None if c.memory is None else c.memory.total_bytes(Tier.DEVICE),
-            "memory": None if c.memory is None else c.memory.to_dict(),
-            "step_seconds": c.step_seconds,
-            "time_seconds": c.time_seconds,
-            "problem": c.problem,
-        }
-
-    return {
-        "model": {"name": model.name, "num_params": model.num_params},
-        "num_devices": cluster.num_devices,
-        "feasible": [candidate(c) for c in result.feasible],
-        "rejected": [candidate(c) for c in result.rejected],
-        "why_not": [
-            {"stage": s, "offload": o, "problem": why} for (s, o), why in result.why_not().items()
-        ],
-    }
-
-
-# ---- printing ------------------------------------------------------------------------------
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _count(n: int) -> str:
-    """7500000000 -> "7.5e9"; small counts as they are."""
-    if n < 10**6:
-        return f"{n:,}"
-    exp = int(math.floor(math.log10(n)))
-    return f"{n / 10**exp:.4g}e{exp}"
-
-
-def _size(num_bytes: float | None, unit: str) -> str:
-    return "-" if not num_bytes else units.format_bytes(num_bytes, unit)
-
-
-def render_plan(out: dict, unit: str = "GB") -> str:
-    m, bpp = out["model"], out["bytes_per_param"]
-    total = sum(bpp.values())
-    scale = units.parse_bytes("1" + unit)
-    lines = [
-        f"{m['name']}: Psi = {_count(m['num_params'])} parameters, Nd = {out['num_dp_ranks']}, "
-        f"Nm = {out['num_mp_ranks']}, {bpp['params']} + {bpp['grads']} + "
-        f"{bpp['optimizer_states']} = {total} bytes per parameter",
-        f"memory per device; {unit} = {scale:,} bytes",
-        "",
-    ]
-    rows = out["stages"]
-    show_time = any(r["communication"]["seconds"] is not None for r in rows)
-    show_eff = any(r["efficiency"] is not None for r in rows)
-    show_fits = out["device_memory_bytes"] is not None
-    header = ["stage", "offload", "model states", "residual", "device", "cpu", "nvme", "comm/step"]
-    header += ["comm time"] * show_time + ["efficiency"] * show_eff + ["fits"] * show_fits
-    body = []
-    for r in rows:
-        c = r["communication"]
-        psi = c["numel"] / m["num_params"]
-        line = [
-            str(r["stage"]),
-            r["offload"],
-            _size(r["model_states_bytes"], unit),
-            _size(r["residual_states_bytes"], unit),
-            _size(r["device_bytes"], unit),
-            _size(r["cpu_bytes"], unit),
-            _size(r["nvme_bytes"], unit),
-            f"{psi:.3g} Psi = {_size(c['bytes'], unit)}",
-        ]
-        if show_time:
-            line.append("-" if c["seconds"] is None else f"{c['seconds']:.3g} s")
-        if show_eff:
-            line.append("-" if r["efficiency"] is None else f"{r['efficiency']:.3f}")
-        if show_fits:
-            line.append("yes" if r["fits"] else "NO")
-        body.append(line)
-    lines.append(_table(header, body))
-    notes = sorted({n for r in rows for n in r["memory"]["notes"]})
-    lines += [f"note: {n}" for n in notes]
-    if "activation_checkpoint_bytes" in out:
-        terms = [
-            ("activation checkpoints", "2*bsz*seq*hd*nl/ci", "activation_checkpoint_bytes"),
-            ("activation working", "bsz*seq*ci*(16*hd+2*heads*seq)", "activation_working_bytes"),
-            ("model-state working", "4*hd*4hd", "model_state_working_bytes"),
-        ]
-        lines += [
-            "",
-            f"residual states (bsz = {out['micro_batch_size']}, seq = {out['seq_len']}, "
-            f"ci = {out['num_layers_per_checkpoint']}):",
-        ]
-        lines += [
-            f"  {name:<24}{formula:<33}{_size(out[key], unit)}" for name, formula, key in terms
-        ]
-    names = {
-        "params_grads": "params and grads",
-        "optimizer_states": "optimizer states",
-        "activation_checkpoints": "activation checkpoints",
-    }
-    lines += ["", "arithmetic intensity (FLOPs per byte moved, ZeRO-Infinity):"]
-    eff, need = out.get("efficiency"), out.get("required_bandwidth_bytes_per_s")
-    for key, name in names.items():
-        a = out["intensity"][key]
-        if a is None:
-            continue
-        text = f"  {name:<24}ait = {a:<10.4g}"
-        if eff is not None:
-            text += f"efficiency {eff[key]:.3f}"
-        if need is not None:
-            target = f"efficiency {out['target_efficiency']:g}"
-            text += f"   needs {units.format_rate(need[key])} for {target}"
-        lines.append(text.rstrip())
-    return "\n".join(lines)
-
-
-def render_advice(out: dict, unit: str = "GB", top: int = 10) -> str:
-    m = out["model"]
-    lines = [f"{m['name']}: Psi = {_count(m['num_params'])} on {out['num_devices']} devices", ""]
-    header = [
-        "rank",
-        "stage",
-        "offload",
-        "ci",
-        "micro-batch",
-        "accum",
-        "device",
-        "step time",
-        "compute",
-        "collectives",
-        "offload time",
-    ]
-    body = []
-    for i, c in enumerate(out["feasible"][:top], 1):
-        t = c["time_seconds"]
-        body.append(
-            [
-                str(i),
-                str(c["stage"]),
-                c["offload"],
-                str(c["ci"]),
-                str(c["micro_batch_size"]),
-                str(c["num_micro_batches"]),
-                _size(c["device_bytes"], unit),
-                f"{c['step_seconds']:.3g} s",
-                f"{t['compute']:.3g} s",
-                f"{t['collectives']:.3g} s",
-                f"{t['offload']:.3g} s",
-            ]
-        )
-    if body:
-        lines.append(_table(header, body))
-        more = len(out["feasible"]) - len(body)
-        if more > 0:
-            lines.append(f"... and {more} more that fit (--top N to list them)")
-    else:
-        lines.append("nothing fits")
-    offered = {(c["stage"], c["offload"]) for c in out["feasible"] + out["rejected"] if c["memory"]}
-    unfit = [w for w in out["why_not"] if (w["stage"], w["offload"]) in offered]
-    if unfit:
-        lines += ["", "does not fit (smallest micro-batch tried):"]
-        lines += [f"  stage {w['stage']} {w['offload']}: {w['problem']}" for w in unfit]
-    not_offered: dict[tuple[int, str], list[str]] = {}
-    for w in out["why_not"]:
-        if (w["stage"], w["offload"]) not in offered:
-            not_offered.setdefault((w["stage"], w["problem"]), []).append(w["offload"])
-    if not_offered:
-        lines += ["", "not offered:"]
-        lines += [f"  stage {s} {', '.join(o)}: {why}" for (s, why), o in not_offered.items()]
-    return "\n".join(lines)
-
-
-def _finite(obj):
-    """JSON cannot say inf or nan; None says 'not computed'."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
+    return report.advice_report(model, cluster, workload)
 
 
 def measure(args) -> tuple[list[dict], str]:
@@ -646,11 +366,18 @@ def run(args) -> int:
         rows, text = measure(args)
         print(json.dumps(rows, indent=2) if args.json else text)
         return 0 if all(within_tolerance(r) for r in rows) else 1
-    if args.advise:
-        out = advice(args)
-        text = render_advice(out, args.unit, args.top)
+    # The planner warns when it estimates instead of counting (no transformers, a guessed wrap
+    # policy): one line each on stderr, so that --json output stays parseable.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = advice(args) if args.advise else plan(args)
+    for w in caught:
+        print(f"zeroshard plan: warning: {w.message}", file=sys.stderr)
+    if args.json:
+        text = json.dumps(report.finite(out), indent=2)
+    elif args.advise:
+        text = report.render_advice(out, args.unit, args.top)
     else:
-        out = plan(args)
-        text = render_plan(out, args.unit)
-    print(json.dumps(_finite(out), indent=2) if args.json else text)
+        text = report.render_plan(out, args.unit)
+    print(text)
     return 0

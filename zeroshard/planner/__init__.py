@@ -5,6 +5,10 @@ Pure functions of numbers returning breakdowns in bytes by category (DESIGN.md Â
 - ``describe``: a model as a parameter count, a transformer shape, a GPT preset, an ``nn.Module``
   (counted on the meta device) or a Hugging Face config;
 - ``memory``: model states and residual states per device, by category and tier;
+- ``timeline``: the engine's device memory moment by moment through a step (its peak);
+- ``hf``: Hugging Face configs built on the meta device (``transformers`` optional);
+- ``report``: what ``zeroshard plan`` prints: the plan and the advice as JSON-ready dicts, and
+  their tables;
 - ``comm``: data-parallel communication per step, per collective;
 - ``bandwidth``: ZeRO-Infinity's arithmetic intensity, efficiency and required bandwidth;
 - ``advise``: feasible configurations ranked by estimated step time, and why the rest fail;
@@ -48,8 +52,8 @@ from zeroshard.planner.memory import (
     model_state_working_bytes,
     model_states,
     plan_memory,
-    saved_activation_bytes_per_layer,
 )
+from zeroshard.planner.timeline import saved_activation_bytes_per_layer
 
 __all__ = [
     "MODEL_STATES",

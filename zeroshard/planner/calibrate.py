@@ -17,6 +17,9 @@ parameter itself), the engine's prefetch depth and in-flight reductions, per-uni
 reduction, no activation checkpointing, FP32 activations, fused attention, no fragmentation (the
 tracker counts live tensor bytes, not an allocator's reservations).
 
+``HFCase`` does the same for a Hugging Face model built from a config dict (``measure_hf``),
+wrapped as ``describe.from_hf_config`` finds its units; ``measure_module`` is the shared run.
+
 ``run_grid`` launches the grid through torchrun, one job per rank count, and ``render`` prints the
 Markdown table; ``zeroshard plan --measure`` and ``bench/bench_calibration.py`` call them.
 """
@@ -65,11 +68,30 @@ def _gpt_config(case: Case):
     return preset(case.preset)
 
 
-def _seq_len(case: Case) -> int:
+@dataclass(frozen=True, kw_only=True)
+class HFCase:
+    """One Hugging Face model, built from a config dict (no download) and wrapped as
+    ``zeroshard.planner.describe.from_hf_config`` finds its units."""
+
+    config: dict
+    """A config dict with ``model_type`` (what a ``config.json`` holds)."""
+    wrap: tuple[str, ...] = ()
+    """Classes to wrap (``--wrap``); empty: ``_no_split_modules``."""
+    stage: int = 3
+    """ZeRO-DP stage, 0-3."""
+    micro_batch_size: int = 2
+    """Samples per rank per step."""
+    seq_len: int = 16
+    """Tokens per sample (encoder and decoder alike)."""
+    num_steps: int = 2
+    """Steps in all; the last one is measured."""
+
+
+def _seq_len(case: Case | HFCase) -> int:
     return case.seq_len or _gpt_config(case).block_size
 
 
-def engine_config(case: Case, num_ranks: int) -> MemoryConfig:
+def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
     """The planner's inputs that describe what the engine does for ``case`` on ``num_ranks``."""
     from zeroshard.engine import ShardConfig
 
@@ -98,11 +120,18 @@ def engine_config(case: Case, num_ranks: int) -> MemoryConfig:
     )
 
 
-def predict(case: Case, num_ranks: int) -> dict:
+def describe_case(case: Case | HFCase) -> describe.ModelDescription:
+    """The planner's description of the model ``case`` trains."""
+    if isinstance(case, HFCase):
+        return describe.from_hf_config(case.config, wrap=case.wrap or None)
+    return describe.from_gpt(case.preset)
+
+
+def predict(case: Case | HFCase, num_ranks: int) -> dict:
     """Model states per category, the peak and the step's communication, from the planner."""
     from zeroshard.engine import ShardConfig
 
-    model = describe.from_gpt(case.preset)
+    model = describe_case(case)
     plan = plan_memory(model, engine_config(case, num_ranks))
     kept = 0 if ShardConfig().reshard_root_after_forward else model.root_numel or 0
     collectives = comm.dp_communication(
@@ -129,27 +158,72 @@ def predict(case: Case, num_ranks: int) -> dict:
 def measure(case: Case) -> dict:
     """Run ``case`` on the current process group; this rank's measurements (see the module)."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     import zeroshard
     from zeroshard.models.gpt import GPT, Block
 
     cfg, seq_len = _gpt_config(case), _seq_len(case)
+    shape = (case.micro_batch_size, seq_len)
+
+    def loss(model, gen):
+        x = torch.randint(0, cfg.vocab_size, shape, generator=gen)
+        y = torch.randint(0, cfg.vocab_size, shape, generator=gen)
+        return model(x, y)
+
+    return measure_module(
+        lambda: GPT(cfg),
+        loss,
+        stage=case.stage,
+        wrap=zeroshard.wrap.by_class(Block),
+        num_steps=case.num_steps,
+    )
+
+
+def measure_hf(case: HFCase) -> dict:
+    """Run a Hugging Face ``case`` on the current process group (random token ids as inputs and
+    labels; the model's own loss); this rank's measurements."""
+    import torch
+
+    from zeroshard.planner import hf
+
+    vocab, shape = case.config["vocab_size"], (case.micro_batch_size, case.seq_len)
+
+    def build():
+        model = hf.build(case.config, device="cpu")
+        return model.train()
+
+    def loss(model, gen):
+        x = torch.randint(0, vocab, shape, generator=gen)
+        y = torch.randint(0, vocab, shape, generator=gen)
+        return model(input_ids=x, labels=y).loss
+
+    meta = hf.build(case.config)
+    policy, _ = describe.wrap_policy(meta, case.wrap or None)
+    return measure_module(build, loss, stage=case.stage, wrap=policy, num_steps=case.num_steps)
+
+
+def measure_module(build, loss, *, stage: int, wrap, num_steps: int) -> dict:
+    """Shard ``build()`` at ``stage`` with ``wrap``, train it ``num_steps`` steps of FP32 AdamW
+    on the current process group (``loss(model, generator)`` gives each step's loss) and measure
+    the last step on this rank (see the module): model states in bytes, peak bytes, elements
+    moved per collective."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import zeroshard
+
     torch.manual_seed(0)
-    model = zeroshard.shard(GPT(cfg), stage=case.stage, wrap=zeroshard.wrap.by_class(Block))
+    model = zeroshard.shard(build(), stage=stage, wrap=wrap)
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
     engine = zeroshard.engine_of(model)
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
 
     def forward_backward() -> None:
         # Inside a function: the batch and the loss are gone before model states are measured.
-        shape = (case.micro_batch_size, seq_len)
-        x = torch.randint(0, cfg.vocab_size, shape, generator=gen)
-        y = torch.randint(0, cfg.vocab_size, shape, generator=gen)
-        opt.backward(model(x, y))
+        opt.backward(loss(model, gen))
 
-    for _ in range(case.num_steps - 1):
+    for _ in range(num_steps - 1):
         forward_backward()
         opt.step()
         opt.zero_grad()
@@ -202,16 +276,19 @@ def _model_state_storages(engine, optimizer) -> dict[str, int]:
     }
 
 
-def calibrate(case: Case) -> dict:
+def calibrate(case: Case | HFCase) -> dict:
     """Measure ``case`` on this rank and predict it; one row (this rank's)."""
     import torch.distributed as dist
 
     num_ranks = dist.get_world_size()
+    row = asdict(case) | {"seq_len": _seq_len(case)}
+    if isinstance(case, HFCase):
+        row["preset"] = str(case.config.get("model_type", "HF model"))  # the table's model column
     return {
-        "case": asdict(case) | {"seq_len": _seq_len(case)},
+        "case": row,
         "num_ranks": num_ranks,
         "rank": dist.get_rank(),
-        "measured": measure(case),
+        "measured": measure_hf(case) if isinstance(case, HFCase) else measure(case),
         "predicted": predict(case, num_ranks),
     }
 

@@ -8,12 +8,13 @@ bare parameter count plans model states and communication only.
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from zeroshard.models.gpt import GPTConfig, preset
+from zeroshard.planner import hf
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,24 +57,50 @@ class ModelDescription:
     shape: TransformerShape | None = None
     """The transformer shape when known; ``None`` plans model states and communication only."""
     largest_unit_numel: int | None = None
-    """Parameters of the largest wrap unit (what stage 3 gathers at once); default: one block,
+    """Parameters of the largest wrap unit other than the root (a block); default: one block,
     or the embedding if larger, for a transformer."""
+    block_unit_numels: tuple[int, ...] | None = None
+    """Parameters each unit other than the root owns, in forward order, when the units were
+    found on a built model (``from_module``); ``None``: one transformer block each."""
+    root_unit_numel: int | None = None
+    """Parameters the root unit owns (what no wrapped unit owns: embeddings, final norm, a head),
+    when the units were found on a built model; default: what a shape leaves outside its blocks."""
+    wrap_policy: str | None = None
+    """How the units were found (``_no_split_modules (GPT2Block)``, ``--wrap Block``, a guess);
+    ``None`` when they come from a shape or are unknown."""
     name: str = "model"
     """How tables and reports call it."""
 
     def __post_init__(self) -> None:
         _positive_int("num_params", self.num_params)
-        if self.largest_unit_numel is not None:
-            _positive_int("largest_unit_numel", self.largest_unit_numel)
-            if self.largest_unit_numel > self.num_params:
+        for field_name in ("largest_unit_numel", "root_unit_numel"):
+            value = getattr(self, field_name)
+            if value is None:
+                continue
+            if field_name == "largest_unit_numel":
+                _positive_int(field_name, value)
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field_name} must be an int >= 0, got {value!r}")
+            if value > self.num_params:
                 raise ValueError(
-                    f"largest_unit_numel={self.largest_unit_numel} exceeds num_params="
-                    f"{self.num_params}; a unit holds at most the whole model"
+                    f"{field_name}={value} exceeds num_params={self.num_params}; "
+                    "a unit holds at most the whole model"
+                )
+        if self.block_unit_numels is not None:
+            owned = sum(self.block_unit_numels) + (self.root_unit_numel or 0)
+            if self.root_unit_numel is None or owned != self.num_params:
+                raise ValueError(
+                    f"block_unit_numels {self.block_unit_numels} and root_unit_numel="
+                    f"{self.root_unit_numel} own {owned} parameters, not num_params="
+                    f"{self.num_params}; give both, from the same wrapped model"
                 )
 
     @property
     def unit_numel(self) -> int | None:
-        """``largest_unit_numel``, else the transformer default, else ``None`` (unknown)."""
+        """The largest unit stage 3 gathers at once, the root included when its size is known;
+        else the transformer default; else ``None`` (unknown)."""
+        if self.root_unit_numel is not None:
+            return max(self.root_unit_numel, self.largest_unit_numel or 0)
         if self.largest_unit_numel is not None:
             return self.largest_unit_numel
         if self.shape is None:
@@ -83,16 +110,20 @@ class ModelDescription:
 
     @property
     def block_unit_numel(self) -> int | None:
-        """Parameters of the largest unit other than the root: ``largest_unit_numel`` when given,
-        else one transformer block (a model wrapped per block), else ``None``."""
-        if self.largest_unit_numel is not None:
+        """Parameters of the largest unit other than the root: ``largest_unit_numel`` when given
+        (``None`` when a built model has no unit but the root), else one transformer block (a
+        model wrapped per block), else ``None``."""
+        if self.largest_unit_numel is not None or self.root_unit_numel is not None:
             return self.largest_unit_numel
         return None if self.shape is None else min(self.num_params, self.shape.block_numel)
 
     @property
     def root_numel(self) -> int | None:
-        """Parameters outside the transformer blocks (embeddings, final norm): what the root unit
-        owns when the model is wrapped per block; ``None`` without a shape."""
+        """Parameters the root unit owns: ``root_unit_numel``, else what a shape leaves outside
+        its blocks (embeddings, final norm) for a model wrapped per block; ``None`` without
+        either."""
+        if self.root_unit_numel is not None:
+            return self.root_unit_numel
         if self.shape is None:
             return None
         return max(0, self.num_params - self.shape.num_layers * self.shape.block_numel)
@@ -147,11 +178,18 @@ def from_gpt(config: GPTConfig | str) -> ModelDescription:
     )
 
 
-def from_module(module, *, name: str | None = None) -> ModelDescription:
+def from_module(
+    module,
+    *,
+    wrap: str | Sequence[str] | None = None,
+    shape: TransformerShape | None = None,
+    name: str | None = None,
+) -> ModelDescription:
     """Any ``nn.Module``, or a zero-argument callable building one: the callable runs on the meta
-    device, so no parameter memory is allocated. Shared parameters are counted once. The largest
-    unit is a guess: the largest child, looking inside ModuleList/ModuleDict/Sequential (pass
-    ``largest_unit_numel`` to ``ModelDescription`` when the wrap policy is known)."""
+    device, so no parameter memory is allocated. Shared parameters (tied embeddings) are counted
+    once. The units are those the engine would make (``zeroshard.wrap.units``) with ``wrap``
+    (class names, ``--wrap``), else the model's ``_no_split_modules`` (Hugging Face), else a
+    guess with a warning: the class of the longest run of repeated blocks."""
     import torch
     from torch import nn
 
@@ -165,66 +203,130 @@ def from_module(module, *, name: str | None = None) -> ModelDescription:
     num_params = sum(p.numel() for p in module.parameters())  # parameters() deduplicates
     if num_params == 0:
         raise ValueError(f"{type(module).__name__} has no parameters; nothing to plan")
-    # Candidate units: the children, with containers (ModuleList, ModuleDict, Sequential) opened.
-    units, todo = [], list(module.children())
-    while todo:
-        child = todo.pop()
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-            todo.extend(child.children())
-        else:
-            units.append(child)
-    unit = max((sum(p.numel() for p in u.parameters()) for u in units), default=0)
+    policy, how = wrap_policy(module, wrap)
+    from zeroshard.wrap import units
+
+    numels = [sum(p.numel() for _, p, _ in spec.params) for spec in units(module, policy)]
     return ModelDescription(
         num_params=num_params,
-        largest_unit_numel=unit or None,
+        shape=shape,
+        largest_unit_numel=max(numels[1:], default=0) or None,
+        block_unit_numels=tuple(numels[1:]),
+        root_unit_numel=numels[0],
+        wrap_policy=how,
         name=name or type(module).__name__,
     )
 
 
+def wrap_policy(module, wrap: str | Sequence[str] | None):
+    """The engine's wrap policy for ``module`` and how it was chosen (see ``from_module``)."""
+    from torch import nn
+
+    from zeroshard import wrap as policies
+
+    if wrap:
+        names = (wrap,) if isinstance(wrap, str) else tuple(wrap)
+        return policies.by_class(*names), "--wrap " + ",".join(names)
+    declared = getattr(module, "_no_split_modules", None)
+    if declared:
+        return policies.from_hf(module), f"_no_split_modules ({', '.join(sorted(declared))})"
+    runs = [
+        [type(c).__name__ for c in m.children()]
+        for m in module.modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential))
+    ]
+    runs = [r for r in runs if r and len(set(r)) == 1]
+    if runs:
+        guess = max(runs, key=len)[0]
+        warnings.warn(
+            f"{type(module).__name__} names no wrap policy (_no_split_modules); planning with one "
+            f"unit per {guess} (its repeated blocks); pass --wrap CLASS to say which modules the "
+            "engine wraps",
+            stacklevel=2,
+        )
+        return policies.by_class(guess), f"guessed: {guess}"
+    warnings.warn(
+        f"{type(module).__name__} names no wrap policy and has no repeated blocks: planning it as "
+        "one unit (stage 3 gathers every parameter at once); pass --wrap CLASS to split it",
+        stacklevel=2,
+    )
+    return None, "none: the whole model is one unit"
+
+
 # Hugging Face config attribute names, per family, for each shape term.
 _HF_KEYS: Mapping[str, tuple[str, ...]] = {
-    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers"),
     "hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
-    "num_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "num_heads": (
+        "num_attention_heads",
+        "n_head",
+        "num_heads",
+        "n_heads",
+        "encoder_attention_heads",
+    ),
     "vocab_size": ("vocab_size",),
     "max_seq_len": ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"),
 }
+_HF_DECODER_LAYERS = ("num_decoder_layers", "decoder_layers")
+"""An encoder-decoder's decoder blocks (T5, BART), counted with the encoder's as blocks."""
 
 
-def from_hf_config(config) -> ModelDescription:
+def from_hf_config(config, *, wrap: str | Sequence[str] | None = None) -> ModelDescription:
     """A Hugging Face model config: a ``PretrainedConfig``, its ``to_dict()``, a ``config.json``
-    path, or (with ``transformers`` installed) a hub name. The count is the GPT-shaped estimate
-    (MLP width 4 hd); for exact counts build the model with ``from_module`` on meta."""
+    path, or (with ``transformers`` installed) a hub name in the local cache.
+
+    With ``transformers`` the model is built on the meta device and counted exactly, with the
+    engine's units (``from_module``: ``wrap``, else ``_no_split_modules``). Without it, or when
+    building fails, the count is the GPT-shaped estimate (MLP width 4 hd, biases, learned
+    positions), with a warning that gives the reason."""
     if isinstance(config, (str, os.PathLike)):
-        config = _load_hf_config(os.fspath(config))
-    if isinstance(config, Mapping):
-        values = config
-    else:  # a PretrainedConfig (to_dict) or any object with the attributes
-        values = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+        config = hf.load_config(os.fspath(config))
+    values = hf.config_values(config)
+    name = str(values.get("_name_or_path") or values.get("model_type") or "HF model")
+    try:
+        module = hf.build(config)
+    except Exception as exc:  # ImportError without transformers, or anything building raised
+        why = "transformers is not installed" if isinstance(exc, ImportError) else "building"
+        warnings.warn(
+            f"{name}: counting with the GPT-shaped formula, not the built model ({why}: "
+            f"{type(exc).__name__}: {exc}); the count and the units are estimates",
+            stacklevel=2,
+        )
+        found = _hf_shape_terms(values, required=True)
+        return from_transformer(**found, name=name)
+    found = _hf_shape_terms(module.config.to_dict(), required=False)
+    shape = None
+    if found is not None:
+        found.pop("max_seq_len", None)
+        shape = TransformerShape(**found, tied_embeddings=_tied(module))
+    return from_module(module, wrap=wrap, shape=shape, name=name)
+
+
+def _tied(module) -> bool:
+    """Whether the output projection is the input embedding (one parameter)."""
+    inputs = getattr(module, "get_input_embeddings", lambda: None)()
+    outputs = getattr(module, "get_output_embeddings", lambda: None)()
+    if inputs is None or outputs is None:
+        return False
+    return outputs.weight is inputs.weight
+
+
+def _hf_shape_terms(values: Mapping, *, required: bool) -> dict[str, int] | None:
+    """The shape terms a Hugging Face config gives (``_HF_KEYS``); when one is missing, a
+    ``ValueError`` if ``required`` else ``None``."""
     found: dict[str, int] = {}
     for term, keys in _HF_KEYS.items():
         key = next((k for k in keys if values.get(k) is not None), None)
         if key is not None:
             found[term] = int(values[key])
         elif term != "max_seq_len":
+            if not required:
+                return None
             raise ValueError(
                 f"the Hugging Face config has none of {', '.join(keys)}; describe the model "
                 "with --layers/--hidden/--heads/--vocab instead"
             )
-    name = values.get("_name_or_path") or values.get("model_type") or "HF model"
-    return from_transformer(**found, name=str(name))
-
-
-def _load_hf_config(path: str) -> dict:
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if os.path.isfile(file):
-        with open(file, encoding="utf-8") as f:
-            return json.load(f)
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        raise ValueError(
-            f"{path!r} is not a config.json file or folder, and reading a hub name needs "
-            "transformers: pip install 'zeroshard[hf]'"
-        ) from None
-    return AutoConfig.from_pretrained(path).to_dict()
+    if values.get("is_encoder_decoder"):
+        key = next((k for k in _HF_DECODER_LAYERS if values.get(k) is not None), None)
+        found["num_layers"] += int(values[key]) if key else found["num_layers"]
+    return found

@@ -13,9 +13,9 @@ Two ways to count them:
 - the papers' allowance (``activation_checkpointing=True``, the default): every residual category
   at its largest, summed, as ZeRO and ZeRO-Infinity size a device;
 - the engine's timeline (``activation_checkpointing=False``): what zeroshard's engine keeps alive,
-  moment by moment through a step (the loss's backward, each unit's backward, the optimizer
-  step), for a GPT wrapped one unit per block. ``MemoryBreakdown.peak`` is the composition at the
-  largest moment; ``zeroshard.planner.calibrate`` holds it against MemTracker's per-rank peak.
+  moment by moment through a step, for a model wrapped one unit per block
+  (``zeroshard.planner.timeline``). ``MemoryBreakdown.peak`` is the composition at the largest
+  moment; ``zeroshard.planner.calibrate`` holds it against MemTracker's per-rank peak.
 
 Every function is pure arithmetic on numbers. A ``MemoryBreakdown`` names every category on every
 tier (zeros included), so a calibration can hold it category by category against measured bytes.
@@ -50,10 +50,6 @@ LOGIT_BYTES_PER_ELEMENT = 4 + 4 + 4
 the cross-entropy of ``logits.float()``): the log-probabilities ``log_softmax`` saved, the
 gradient coming into it from the loss and the gradient it hands back. The logits themselves are
 not saved (the output matmul saves its input), so they are gone by then (measured on CPU)."""
-STAT_BYTES = 4
-"""A LayerNorm saves its per-token mean and reciprocal standard deviation in fp32."""
-INDEX_BYTES = 8
-"""Token ids, targets and positions are int64."""
 
 
 TIERS = tuple(Tier)
@@ -333,193 +329,6 @@ def logits_bytes(*, micro_batch_size: int, seq_len: int, vocab_size: int) -> int
     return micro_batch_size * seq_len * vocab_size * LOGIT_BYTES_PER_ELEMENT
 
 
-# ---- the engine's timeline (no activation checkpointing) ----------------------------------------
-
-
-def saved_activation_bytes_per_layer(
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    hidden_size: int,
-    num_heads: int,
-    activation_bytes: int = ACTIVATION_BYTES,
-    flash_attention: bool = False,
-) -> int:
-    """What autograd keeps from one pre-LN block's forward to its backward (the reference GPT):
-    ``bsz * seq * (16 * hd * a + attention + 4 * 4)`` bytes, ``a`` bytes per activation.
-
-    The 16 hd elements per token: ln_1's input and output (2 hd), the fused qkv output (3 hd;
-    q, k and v are views of it), the attention output (hd; its transpose-reshape is a view), the
-    residual after attention (hd), ln_2's output (hd), the MLP's hidden before and after GELU
-    (4 hd + 4 hd). Attention adds one fp32 log-sum-exp per head with ``flash_attention``, else the
-    heads x seq probabilities (the papers' ``2 * heads * seq`` bytes in fp16). Each LayerNorm
-    saves a mean and a reciprocal deviation in fp32. Measured on CPU (``saved_tensors_hooks``):
-    exactly 16 hd + heads + 4 fp32 elements per token. The ZeRO-Infinity paper's AWM counts
-    16 hd *bytes* (8 fp16 elements), half of this; Megatron-LM's count (34 hd bytes in fp16 with
-    dropout masks) agrees with ours."""
-    attention = num_heads * (STAT_BYTES if flash_attention else seq_len * activation_bytes)
-    per_token = 16 * hidden_size * activation_bytes + attention + 2 * 2 * STAT_BYTES
-    return micro_batch_size * seq_len * per_token
-
-
-def _timeline(
-    model: ModelDescription, config: MemoryConfig, states: dict[str, int]
-) -> list[tuple[str, dict[str, int]]]:
-    """Device bytes per category at each moment of a step that can be the peak, as zeroshard's
-    engine runs a GPT wrapped one unit per block (the root unit owns the embeddings and the final
-    norm). ``states`` are the device's model states at rest after a step.
-
-    - ``loss backward`` (the cross-entropy's backward, before any block's): every block's saved
-      activations, the head's (ln_f's input and output), the logits at the loss; partitioned
-      gradients: the root's full gradient (bound at its pre-backward, reduced last); stage 3:
-      the root (kept gathered after forward, or gathered again) and the prefetched units.
-    - ``unit backward k`` (the k-th block in backward order, at its first operator): blocks
-      k.. still hold their activations; the gradients of the MLP hidden (4 hd) and of the
-      residual stream (hd); the largest operator's weight gradient before it is added to the
-      flat gradient; the tied embedding's gradient from the logits, held by autograd until the
-      embedding's own joins it; partitioned gradients: the root's, this unit's and up to
-      ``num_buckets`` earlier units' full gradients in flight, and k units' shards reduced;
-      stage 3: the root, this unit and the prefetched ones gathered.
-    - ``unit post-backward k``: block k's activations are freed (the residual stream's gradient
-      remains), its reduction has started (its shard exists beside its full gradient) and, once
-      more than ``num_buckets`` are in flight, the oldest is waited for; with
-      ``reduce_stages_input`` the backend holds a copy of that unit's gradient meanwhile.
-    - ``optimizer step``: all model states and the element-wise optimizer's temporaries: AdamW's
-      ``sqrt(v)`` and its quotient for one piece while the previous piece's denominator is still
-      bound to the loop variable, three fp32 temporaries of the largest piece (a unit's shard).
-
-    Not counted: the optimizer's step counters (4 bytes per piece) and the scalar loss.
-    """
-    c, bpp, shape = config, config.bytes_per_param, model.shape
-    assert shape is not None
-    part = partition(c.stage)
-    nl, hd, a = shape.num_layers, shape.hidden_size, c.activation_bytes
-    mp, tokens = c.num_mp_ranks, c.micro_batch_size * c.seq_len
-    unit, root = model.block_unit_numel or 0, model.root_numel or 0
-    layer = saved_activation_bytes_per_layer(
-        micro_batch_size=c.micro_batch_size,
-        seq_len=c.seq_len,
-        hidden_size=hd,
-        num_heads=shape.num_heads,
-        activation_bytes=a,
-        flash_attention=c.flash_attention,
-    )
-    # Token ids (saved by the embedding), targets (by the loss), positions (one row, shared).
-    ids = 2 * tokens * INDEX_BYTES + c.seq_len * INDEX_BYTES
-    head = tokens * (2 * hd * a + 2 * STAT_BYTES)  # ln_f's input and output, its statistics
-    logits = logits_bytes(
-        micro_batch_size=c.micro_batch_size, seq_len=c.seq_len, vocab_size=shape.vocab_size
-    )
-    on_device = {m: c.placement.tier(m) is Tier.DEVICE for m in MODEL_STATES}
-    grad_working = (4 * hd * hd + hd) * bpp.grads + (
-        shape.vocab_size * hd * bpp.grads if shape.tied_embeddings else 0
-    )
-    grads_total = math.ceil(bpp.grads * model.num_params / mp)
-
-    def full_grads(num_units: int) -> int:
-        """Unreduced flat gradients alive (partitioned gradients only): ``num_units`` units'
-        with ``bucket_per_unit`` (each collected from autograd's gradients at its reduction, so
-        none exists before; the root's is collected last), else the buckets, allocated at their
-        first unit's backward."""
-        if not part.gradients or not on_device["grads"]:
-            return 0
-        if c.bucket_per_unit:
-            return math.ceil(bpp.grads * num_units * unit / mp)
-        return min(c.num_buckets * c.bucket_bytes, grads_total)
-
-    def gathered(num_units: int) -> int:
-        if not part.parameters:
-            return 0
-        return math.ceil(bpp.params * (root + min(num_units, nl) * unit) / mp)
-
-    def model_states_now(num_reduced: int) -> dict[str, int]:
-        now = dict(states)
-        if part.gradients:  # shards appear as units are reduced
-            now["grads"] = math.ceil(
-                states["grads"] * min(1.0, num_reduced * unit / model.num_params)
-            )
-        return now
-
-    def moment(num_reduced: int, **residual: int) -> dict[str, int]:
-        return model_states_now(num_reduced) | dict.fromkeys(RESIDUAL_STATES, 0) | residual
-
-    moments = [
-        (
-            "loss backward",
-            moment(
-                0,
-                activation_working=nl * layer + head + ids,
-                logits=logits,
-                comm_buckets=full_grads(0),
-                gathered_units=gathered(c.num_units_prefetch),
-            ),
-        )
-    ]
-    # With bucket_per_unit each unit's gradient is reduced at its post-backward; otherwise
-    # (replicated parameters) consecutive units share buckets of up to bucket_bytes, and with a
-    # single bucket the whole gradient is reduced once, after the last unit's backward.
-    bucket_numel = min(model.num_params, c.bucket_bytes // max(1, bpp.params))
-    single_bucket = not c.bucket_per_unit and bucket_numel == model.num_params
-    largest = bucket_numel if single_bucket else max(root, unit)
-    staging = largest * bpp.grads if c.reduce_stages_input else 0
-    for k in range(nl):
-        moments.append(
-            (
-                f"unit backward {k}",
-                moment(
-                    0 if single_bucket else k,
-                    activation_working=(nl - k) * layer + ids + tokens * 5 * hd * a,
-                    model_state_working=grad_working,
-                    comm_buckets=full_grads(min(k, c.num_buckets)),
-                    gathered_units=gathered(1 + min(c.num_units_prefetch, nl - 1 - k)),
-                ),
-            )
-        )
-        # Its post-backward: its activations are gone, its reduction has started (its shard
-        # exists) and the oldest reduction in flight is waited for once more than
-        # ``num_buckets`` are (the backend may stage a copy of that unit's gradient meanwhile).
-        waits = k >= c.num_buckets and not single_bucket
-        moments.append(
-            (
-                f"unit post-backward {k}",
-                moment(
-                    0 if single_bucket else k + 1,
-                    activation_working=(nl - k - 1) * layer + ids + tokens * hd * a,
-                    model_state_working=grad_working - (4 * hd * hd + hd) * bpp.grads,
-                    # This unit's gradients twice (autograd's, and the copy being collected).
-                    comm_buckets=full_grads(2 + min(k, c.num_buckets))
-                    + (staging if waits and part.optimizer_states else 0),
-                    gathered_units=gathered(1 + min(c.num_units_prefetch, nl - 1 - k)),
-                ),
-            )
-        )
-    # AdamW's loop: sqrt(v) and its quotient for this piece while the previous piece's
-    # denominator is still bound to the loop variable: three temporaries of the largest piece.
-    shard_ways = mp * (c.num_dp_ranks if part.optimizer_states else 1)
-    # With a single bucket there is one piece per group and no previous denominator: two.
-    opt_working = (2 if single_bucket else 3) * 4 * math.ceil(largest / shard_ways)
-    if single_bucket and part.optimizer_states:
-        # The bucket's reduction, after the last unit's backward: its full gradient, the shard
-        # being written and the backend's staging copy of the input.
-        moments.append(
-            (
-                "bucket reduction",
-                moment(
-                    nl + 1,
-                    activation_working=ids,
-                    comm_buckets=full_grads(0) + staging,
-                ),
-            )
-        )
-    moments.append(
-        (
-            "optimizer step",
-            moment(nl + 1, model_state_working=opt_working if on_device["optimizer_states"] else 0),
-        )
-    )
-    return moments
-
-
 def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdown:
     """Residual-state bytes per device, fragmentation excluded (``plan_memory`` adds it).
 
@@ -532,6 +341,9 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
     notes = []
     shape = model.shape
     if shape is not None and not c.activation_checkpointing:
+        # Imported here: the timeline builds on this module's configurations and formulas.
+        from zeroshard.planner import timeline
+
         states = model_states(
             model.num_params,
             stage=c.stage,
@@ -540,7 +352,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             bytes_per_param=bpp,
             placement=c.placement,
         )[Tier.DEVICE]
-        moments = _timeline(model, c, states)
+        moments = timeline.moments(model, c, states)
         for category in RESIDUAL_STATES:
             out[Tier.DEVICE][category] = max(m[category] for _, m in moments)
         when, peak = max(moments, key=lambda m: sum(m[1].values()))

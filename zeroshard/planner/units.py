@@ -1,6 +1,6 @@
 """Sizes written by people ("80GB", "80GiB", "1.5TB/s", "70TFLOP/s", "7.5B") turned into plain
 numbers, and back. The planner computes in bytes, bytes/s, FLOP/s and element counts; only the CLI
-edge calls these parsers.
+edge calls these parsers. A plain number ("70000000000", "7e10") is in that base unit.
 
 Decimal prefixes are powers of 1000 (GB = 1e9 bytes, as the ZeRO papers count), binary prefixes
 powers of 1024 (GiB = 2**30 bytes): "80GB" and "80GiB" are different sizes. A lowercase "b" means
@@ -21,6 +21,7 @@ _NUMBER = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*"
 _SIZE = re.compile(_NUMBER + r"(?P<prefix>[kKmMgGtTpP]i?)?(?P<unit>[bB])?$")
 _RATE = re.compile(_NUMBER + r"(?P<prefix>[kKmMgGtTpP]i?)?(?P<unit>[bB])?\s*(?:/\s*s|ps)$")
 _FLOPS = re.compile(_NUMBER + r"(?P<prefix>[kKmMgGtTpP])?\s*(?P<unit>flop/s|flops|flop)?$", re.I)
+_PLAIN = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?")
 _COUNT = re.compile(_NUMBER + r"(?P<prefix>[kKmMbBgGtT])?$")
 
 
@@ -64,7 +65,12 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_bandwidth(text: str) -> float:
-    """Bytes per second in ``"70GB/s"``, ``"1.5TB/s"``, ``"25GiB/s"`` (the ``/s`` is required)."""
+    """Bytes per second in ``"70GB/s"``, ``"1.5TB/s"``, ``"25GiB/s"``, or a plain number of
+    bytes/s (``"70000000000"``, ``"7e10"``). With a prefix or a unit the ``/s`` is
+    required: ``"70GB"`` is a size, not a rate."""
+    if isinstance(text, str) and _PLAIN.fullmatch(text.strip()):
+        _not_negative(text, "bandwidth")
+        return _check(float(text), text, "bandwidth")
     return _sized(_RATE, text, "bandwidth", "70GB/s")
 
 

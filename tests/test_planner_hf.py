@@ -1,0 +1,158 @@
+"""Hugging Face configs built on the meta device: exact counts (tied weights once) and the
+engine's units, against the same models built for real by transformers in the test."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from zeroshard.planner import describe as d
+from zeroshard.planner import hf
+
+# Small hand-written configs (no download): each family's own keys, as its config.json has them.
+HF_CONFIGS = {
+    "gpt2": dict(
+        model_type="gpt2",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=256,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),
+    "t5": dict(
+        model_type="t5",
+        num_layers=2,
+        num_decoder_layers=2,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_heads=4,
+        vocab_size=256,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    ),
+    "llama": dict(
+        model_type="llama",
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=172,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+    ),
+    "bert": dict(
+        model_type="bert",
+        architectures=["BertForMaskedLM"],
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=256,
+        num_attention_heads=4,
+        vocab_size=256,
+        max_position_embeddings=64,
+    ),
+}
+# The class transformers builds for each, and the block the engine wraps.
+HF_CLASSES = {
+    "gpt2": ("GPT2LMHeadModel", "GPT2Block"),
+    "t5": ("T5ForConditionalGeneration", "T5Block"),
+    "llama": ("LlamaForCausalLM", "LlamaDecoderLayer"),
+    "bert": ("BertForMaskedLM", "BertLayer"),
+}
+
+
+def _real(name: str):
+    """The model built for real by transformers itself, on the CPU."""
+    transformers = pytest.importorskip("transformers")
+    values = dict(HF_CONFIGS[name])
+    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    return getattr(transformers, HF_CLASSES[name][0])(config)
+
+
+def _distinct_numel(module) -> int:
+    """Elements of the distinct parameter storages (a tied weight once)."""
+    storages = {
+        p.untyped_storage().data_ptr(): p.numel()
+        for _, p in module.named_parameters(remove_duplicate=False)
+    }
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_counts_are_exact(name):
+    real = _real(name)
+    model = d.from_hf_config(HF_CONFIGS[name])
+    assert model.num_params == _distinct_numel(real)
+    assert type(hf.build(HF_CONFIGS[name])).__name__ == HF_CLASSES[name][0]
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_units_are_the_engines_blocks(name):
+    real, block = _real(name), HF_CLASSES[name][1]
+    model = d.from_hf_config(HF_CONFIGS[name])
+    blocks = [m for m in real.modules() if type(m).__name__ == block]
+    # One unit per block (BERT adds its embeddings, which it also declares unsplittable).
+    assert model.largest_unit_numel == max(_distinct_numel(b) for b in blocks)
+    assert len(model.block_unit_numels) == len(blocks) + (name == "bert")
+    assert model.root_numel + sum(model.block_unit_numels) == model.num_params
+    assert model.wrap_policy.startswith("_no_split_modules") and block in model.wrap_policy
+    # The shape counts every block (T5: encoder and decoder).
+    assert model.shape.num_layers == len(blocks)
+
+
+def test_tied_embeddings_counted_once():
+    tied = d.from_hf_config(HF_CONFIGS["gpt2"])
+    untied = d.from_hf_config(HF_CONFIGS["gpt2"] | {"tie_word_embeddings": False})
+    assert untied.num_params - tied.num_params == 256 * 64  # the head's own weight
+    assert tied.shape.tied_embeddings and not untied.shape.tied_embeddings
+    llama = d.from_hf_config(HF_CONFIGS["llama"])  # Llama does not tie by default
+    assert not llama.shape.tied_embeddings
+
+
+def test_wrap_class_overrides_no_split_modules():
+    model = d.from_hf_config(HF_CONFIGS["gpt2"], wrap=["GPT2MLP"])
+    assert model.wrap_policy == "--wrap GPT2MLP"
+    assert model.largest_unit_numel == 2 * 64 * 256 + 256 + 64  # c_fc and c_proj with biases
+    with pytest.raises(ValueError, match="matches no submodule"):
+        d.from_hf_config(HF_CONFIGS["gpt2"], wrap="NoSuchBlock")
+
+
+def test_config_file_and_config_object(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIGS["llama"]))
+    from_file = d.from_hf_config(tmp_path)
+    values = dict(HF_CONFIGS["llama"])
+    config = transformers.LlamaConfig(**{k: v for k, v in values.items() if k != "model_type"})
+    assert from_file.num_params == d.from_hf_config(config).num_params
+    assert from_file.num_params == _distinct_numel(_real("llama"))
+
+
+def test_without_transformers_falls_back_with_the_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    with pytest.warns(UserWarning, match="transformers is not installed: ModuleNotFoundError"):
+        model = d.from_hf_config(HF_CONFIGS["gpt2"])
+    formula = d.from_transformer(
+        num_layers=2, hidden_size=64, num_heads=4, vocab_size=256, max_seq_len=64
+    )
+    assert model.num_params == formula.num_params
+    assert model.wrap_policy is None
+
+
+def test_build_failure_falls_back_with_the_error():
+    pytest.importorskip("transformers")
+    config = HF_CONFIGS["gpt2"] | {"model_type": "no-such-family"}
+    with pytest.warns(UserWarning, match="building: ValueError.*no-such-family"):
+        model = d.from_hf_config(config)
+    assert model.shape.num_layers == 2
+    with pytest.raises(ValueError, match="model_type"):
+        hf.build({"n_layer": 2})
+
+
+def test_meta_build_allocates_nothing():
+    pytest.importorskip("transformers")
+    module = hf.build(HF_CONFIGS["t5"])
+    assert {p.device.type for p in module.parameters()} == {"meta"}

@@ -1,0 +1,52 @@
+"""The report ``zeroshard plan`` prints: built from planner objects and numbers, rendered for
+people, and safe for JSON."""
+
+import math
+
+import pytest
+
+from zeroshard.planner import describe as d
+from zeroshard.planner import report
+from zeroshard.planner.memory import MemoryConfig
+
+
+def test_plan_report_worked_example():
+    out = report.plan_report(
+        d.from_params(7_500_000_000),
+        MemoryConfig(stage=0, num_dp_ranks=64),
+        stages=(0, 3),
+        offloads=("none",),
+    )
+    assert [r["model_states_bytes"] for r in out["stages"]] == [120_000_000_000, 1_875_000_000]
+    text = report.render_plan(out)
+    assert "Psi = 7.5e9 parameters, Nd = 64" in text and "1.88 GB" in text
+    assert "units (" not in text  # a bare count has no units to show
+
+
+def test_units_line_for_a_built_model():
+    model = d.ModelDescription(
+        num_params=1000,
+        root_unit_numel=400,
+        block_unit_numels=(300, 300),
+        largest_unit_numel=300,
+        wrap_policy="--wrap Block",
+        name="toy",
+    )
+    out = report.plan_report(model, MemoryConfig(stage=3), stages=(3,), offloads=("none",))
+    assert out["model"]["num_units"] == 3
+    text = report.render_plan(out)
+    assert "units (--wrap Block): 3; root unit 400 parameters, largest other unit 300" in text
+    # Stage 3 gathers the largest unit, the root here, and its next one, at 2 bytes each.
+    assert out["stages"][0]["memory"]["device"]["gathered_units"] == 2 * 2 * 400 + 2 * 400
+
+
+def test_no_offered_row_is_an_error():
+    with pytest.raises(ValueError, match="no stage in --stage 0 supports --offload cpu-all"):
+        report.plan_report(
+            d.from_params(10**6), MemoryConfig(stage=0), stages=(0,), offloads=("cpu-all",)
+        )
+
+
+def test_finite_replaces_inf_and_nan_with_none():
+    out = report.finite({"a": [1.0, math.inf], "b": {"c": math.nan}, "d": "x"})
+    assert out == {"a": [1.0, None], "b": {"c": None}, "d": "x"}

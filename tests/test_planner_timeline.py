@@ -1,0 +1,139 @@
+"""The engine's timeline: the device moment by moment through a step, by hand, and per unit
+when a built model gives each unit's size."""
+
+import pytest
+
+from zeroshard.planner import describe as d
+from zeroshard.planner import memory as m
+from zeroshard.planner import timeline as t
+from zeroshard.planner.memory import MemoryConfig
+
+
+def test_saved_activations_per_layer_by_hand():
+    kw = dict(micro_batch_size=2, seq_len=16, hidden_size=64, num_heads=4)
+    # 16 hd activations, a log-sum-exp per head (fp32), 2 LayerNorms x (mean, rstd) in fp32.
+    flash = t.saved_activation_bytes_per_layer(**kw, activation_bytes=4, flash_attention=True)
+    assert flash == 2 * 16 * (4 * 16 * 64 + 4 * 4 + 4 * 4)
+    # Materialized attention keeps the heads x seq probabilities in the activation dtype.
+    eager = t.saved_activation_bytes_per_layer(**kw, activation_bytes=2)
+    assert eager == 2 * 16 * (2 * 16 * 64 + 2 * 4 * 16 + 4 * 4)
+
+
+def _engine(stage, **kw):
+    """zeroshard's engine in FP32 (what ``zeroshard.planner.calibrate`` measures)."""
+    engine = dict(
+        num_dp_ranks=2,
+        micro_batch_size=2,
+        seq_len=16,
+        bytes_per_param=m.BytesPerParam(params=4, grads=4, optimizer_states=8),
+        activation_checkpointing=False,
+        activation_bytes=4,
+        flash_attention=True,
+        bucket_per_unit=True,
+        num_buckets=2,
+        fragmentation_fraction=0.0,
+    )
+    return MemoryConfig(stage=stage, **(engine | kw))
+
+
+def test_engine_timeline_at_the_loss_by_hand():
+    # A wide vocabulary puts the peak at the loss's backward.
+    model = d.from_transformer(num_layers=2, hidden_size=32, num_heads=2, vocab_size=4096)
+    b = m.plan_memory(model, _engine(3))
+    assert b.peak_moment == "loss backward"
+    tokens, hd = 2 * 16, 32
+    block, root = model.shape.block_numel, model.root_numel
+    assert root == model.num_params - 2 * block
+    per_layer = tokens * (4 * 16 * hd + 4 * 2 + 16)
+    assert b.peak["activation_working"] == 2 * per_layer + tokens * (8 * hd + 8 + 16) + 16 * 8
+    assert b.peak["logits"] == tokens * 4096 * 12
+    # No flat gradient yet: a unit's is collected from autograd's gradients at its reduction.
+    assert b.peak["comm_buckets"] == 0
+    assert b.peak["gathered_units"] == 4 * (root + block)  # the root and one prefetched block
+    assert b.peak["grads"] == 0  # no shard reduced yet
+    assert b.peak["params"] == b.device["params"] == 4 * model.num_params // 2
+
+
+WIDE = d.from_transformer(num_layers=4, hidden_size=128, num_heads=4, vocab_size=64)
+
+
+def test_engine_timeline_in_a_units_backward():
+    # A narrow vocabulary and a wide model: the peak moves into the last block's backward.
+    model = WIDE
+    b = m.plan_memory(model, _engine(2, micro_batch_size=4, seq_len=64))
+    assert b.peak_moment == "unit backward 0"
+    hd = 128
+    assert b.peak["comm_buckets"] == 0  # the last block is the first reduced: nothing in flight
+    assert b.peak["gathered_units"] == 0  # stage 2 keeps parameters replicated
+    assert b.peak["model_state_working"] == 4 * (4 * hd * hd + hd) + 4 * 64 * hd
+    assert b.peak["logits"] == 0
+
+
+def test_engine_timeline_with_few_tokens_peaks_in_reductions_or_the_step():
+    # 32 tokens: model states dominate. Stage 2 (one bucket per unit) peaks at the first block's
+    # post-backward: its gradient twice (autograd's and the collected copy), two reductions in
+    # flight, and gloo's staging copy of the one waited for.
+    block = WIDE.shape.block_numel
+    b = m.plan_memory(WIDE, _engine(2, reduce_stages_input=True))
+    assert b.peak_moment == "unit post-backward 3"
+    assert b.peak["comm_buckets"] == 4 * (2 + 2) * block + 4 * block
+    assert b.peak["model_state_working"] == 4 * 64 * 128  # the tied embedding's gradient
+    shards = 4 * block * 4 // 2  # four units' gradient shards: 4 bytes over 2 ranks
+    assert abs(b.peak["grads"] - shards) <= 4
+    # Stage 0 peaks in AdamW's loop: three temporaries of the largest piece (one block).
+    b = m.plan_memory(WIDE, _engine(0))
+    assert b.peak_moment == "optimizer step"
+    assert b.peak["model_state_working"] == 3 * 4 * block
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_engine_timeline_is_bounded_by_the_allowance(stage):
+    model = d.from_gpt("tiny")
+    b = m.plan_memory(model, _engine(stage, fragmentation_fraction=0.1))
+    for category, num_bytes in b.peak.items():
+        if category != "fragmentation":
+            assert num_bytes <= b.device[category], category
+    assert b.peak_bytes() <= b.total_bytes()
+    assert b.peak["fragmentation"] > 0
+    assert set(b.to_dict()) >= {"peak", "peak_moment"}
+    # The papers' allowance has no timeline.
+    assert m.plan_memory(model, MemoryConfig(stage=stage)).peak is None
+
+
+def test_units_of_their_own_sizes():
+    # A built model's units, unequal (an encoder-decoder: small encoder blocks, larger decoder
+    # blocks): stage 3 gathers the root and the units backward is at, each of its own size,
+    # in full (4 bytes per element).
+    shape = d.TransformerShape(num_layers=3, hidden_size=32, num_heads=2, vocab_size=64)
+    units = (1000, 1000, 3000)  # forward order: backward visits 3000 first
+    model = d.ModelDescription(
+        num_params=500 + sum(units),
+        shape=shape,
+        root_unit_numel=500,
+        block_unit_numels=units,
+        largest_unit_numel=3000,
+    )
+    assert t.unit_numels(model) == [1000, 1000, 3000]
+    moments = dict(t.moments(model, _engine(3, num_units_prefetch=1), _states(model)))
+    assert moments["unit backward 0"]["gathered_units"] == 4 * (500 + 3000 + 1000)
+    assert moments["unit backward 2"]["gathered_units"] == 4 * (500 + 1000)
+    assert moments["loss backward"]["gathered_units"] == 4 * (500 + 3000)
+    # Its post-backward holds its own gradient twice and the previous unit's in flight.
+    assert moments["unit post-backward 1"]["comm_buckets"] == 4 * (3000 + 2 * 1000)
+    # Every unit and the root reduced by the optimizer step: all gradient shards exist.
+    step = moments["optimizer step"]
+    assert step["grads"] == _states(model)["grads"]
+
+
+def _states(model):
+    return m.model_states(
+        model.num_params,
+        stage=3,
+        num_dp_ranks=2,
+        bytes_per_param=m.BytesPerParam(params=4, grads=4, optimizer_states=8),
+    )[m.Tier.DEVICE]
+
+
+def test_description_units_must_add_up():
+    with pytest.raises(ValueError, match="own 900 parameters, not num_params=1000"):
+        d.ModelDescription(num_params=1000, root_unit_numel=300, block_unit_numels=(300, 300))

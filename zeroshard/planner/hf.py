@@ -1,0 +1,92 @@
+"""Hugging Face models for the planner: read a config, build the model it describes on the meta
+device (no parameter memory, no download), and find its units as the engine would.
+
+``transformers`` is optional: ``build`` raises ``ImportError`` without it, and
+``zeroshard.planner.describe.from_hf_config`` then falls back to the shape formula with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping
+
+# Model heads tried in order when the config names no ``architectures``: a causal LM is what
+# ``zeroshard train --hf`` trains; encoder-decoders (T5) and encoders (BERT) have their own.
+AUTO_CLASSES = (
+    "AutoModelForCausalLM",
+    "AutoModelForSeq2SeqLM",
+    "AutoModelForMaskedLM",
+    "AutoModel",
+)
+
+
+def load_config(path: str) -> dict:
+    """The dict of a ``config.json`` file, a folder holding one, or (with ``transformers``) a hub
+    name already in the local cache."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if os.path.isfile(file):
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ValueError(
+            f"{path!r} is not a config.json file or folder, and reading a hub name needs "
+            "transformers: pip install 'zeroshard[hf]'"
+        ) from None
+    return AutoConfig.from_pretrained(path).to_dict()
+
+
+def config_values(config) -> Mapping:
+    """The key/value view of a config dict, a ``PretrainedConfig`` or any object with attributes."""
+    if isinstance(config, Mapping):
+        return config
+    return config.to_dict() if hasattr(config, "to_dict") else vars(config)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers logs config advice (token ids, ``is_decoder``) while building; the planner
+    has nothing to do with it. The verbosity is restored on the way out."""
+    from transformers.utils import logging
+
+    before = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(before)
+
+
+def build(config, *, device: str = "meta"):
+    """The model ``config`` describes, built on ``device`` (meta: no memory): the class its
+    ``architectures`` names, else the first of ``AUTO_CLASSES`` that accepts it. ``config`` is a
+    ``PretrainedConfig`` or a config dict with ``model_type``. Raises ``ImportError`` without
+    transformers, ``ValueError`` when no class takes the config."""
+    import torch
+    import transformers
+
+    with _quiet_transformers():
+        if not isinstance(config, transformers.PretrainedConfig):
+            values = dict(config_values(config))
+            model_type = values.get("model_type")
+            if not model_type:
+                raise ValueError("the config has no model_type, so transformers cannot read it")
+            from transformers import CONFIG_MAPPING
+
+            if model_type not in CONFIG_MAPPING:
+                raise ValueError(f"transformers {transformers.__version__} has no {model_type!r}")
+            config = CONFIG_MAPPING[model_type].from_dict(values)
+        names = list(getattr(config, "architectures", None) or [])
+        classes = [getattr(transformers, n) for n in names if hasattr(transformers, n)]
+        problems = []
+        for cls in classes or [getattr(transformers, n) for n in AUTO_CLASSES]:
+            make = cls.from_config if cls.__name__.startswith("Auto") else cls
+            try:
+                with torch.device(device):
+                    return make(config)
+            except ValueError as exc:  # an Auto class that does not take this config
+                problems.append(f"{cls.__name__}: {str(exc).splitlines()[0]}")
+    raise ValueError("no model class takes the config: " + "; ".join(problems))

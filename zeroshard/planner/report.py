@@ -1,0 +1,355 @@
+"""What ``zeroshard plan`` reports: the plan (memory, communication and efficiency per stage and
+offload placement) and the advisor's ranking, as JSON-ready dicts whose keys the README
+documents, and the tables that print them.
+
+The builders take numbers (bytes, bytes/s, FLOP/s) and planner objects; reading flags and their
+units happens in ``zeroshard.cli.plan``. All sizes are bytes and all times seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from zeroshard.planner import bandwidth, comm, memory, units
+from zeroshard.planner.advise import Candidate, Cluster, Workload, advise
+from zeroshard.planner.describe import ModelDescription
+from zeroshard.planner.memory import OFFLOADS, MemoryConfig, Tier
+
+
+def model_report(model: ModelDescription) -> dict:
+    """``model`` in the report: its count, shape and units (parameters per unit)."""
+    return {
+        "name": model.name,
+        "num_params": model.num_params,
+        "shape": None if model.shape is None else vars(model.shape),
+        "wrap_policy": model.wrap_policy,
+        "root_unit_numel": model.root_numel,
+        "largest_unit_numel": model.block_unit_numel,
+        "num_units": None if model.block_unit_numels is None else 1 + len(model.block_unit_numels),
+    }
+
+
+def plan_report(
+    model: ModelDescription,
+    base: MemoryConfig,
+    *,
+    stages: tuple[int, ...],
+    offloads: tuple[str, ...],
+    bandwidth_bytes_per_s: float | None = None,
+    net_bandwidth_bytes_per_s: float | None = None,
+    peak_flops: float | None = None,
+    device_memory_bytes: int | None = None,
+    target_efficiency: float | None = None,
+) -> dict:
+    """Everything ``zeroshard plan`` prints for ``model`` trained as ``base`` (its stage and
+    placement replaced by each of ``stages`` x ``offloads`` that is offered), as a dict."""
+    bw, net_bw, peak = bandwidth_bytes_per_s, net_bandwidth_bytes_per_s, peak_flops
+    out: dict = {
+        "model": model_report(model),
+        "num_dp_ranks": base.num_dp_ranks,
+        "num_mp_ranks": base.num_mp_ranks,
+        "bytes_per_param": vars(base.bytes_per_param),
+        "micro_batch_size": base.micro_batch_size,
+        "seq_len": base.seq_len,
+        "num_layers_per_checkpoint": base.num_layers_per_checkpoint,
+        "device_memory_bytes": device_memory_bytes,
+    }
+    shape = model.shape
+    if shape is not None:
+        ci = min(base.num_layers_per_checkpoint, shape.num_layers)
+        common = dict(micro_batch_size=base.micro_batch_size, seq_len=base.seq_len)
+        out["activation_checkpoint_bytes"] = memory.activation_checkpoint_bytes(
+            **common,
+            hidden_size=shape.hidden_size,
+            num_layers=shape.num_layers,
+            num_layers_per_checkpoint=ci,
+            num_mp_ranks=base.num_mp_ranks,
+            partitioned=base.partition_activations,
+        )
+        out["activation_working_bytes"] = memory.activation_working_bytes(
+            **common,
+            hidden_size=shape.hidden_size,
+            num_heads=shape.num_heads,
+            num_layers_per_checkpoint=ci,
+        )
+        out["model_state_working_bytes"] = memory.model_state_working_bytes(
+            hidden_size=shape.hidden_size
+        )
+    ait = bandwidth.intensity(
+        micro_batch_size=base.micro_batch_size,
+        seq_len=base.seq_len,
+        shape=shape,
+        num_layers_per_checkpoint=base.num_layers_per_checkpoint,
+    )
+    out["intensity"] = ait.as_dict()
+    if bw is not None and peak is not None:
+        out["efficiency"] = ait.efficiencies(bw, peak)
+    if target_efficiency is not None:
+        if peak is None:
+            raise ValueError("--target-efficiency needs --peak-flops, e.g. --peak-flops 70TFLOP/s")
+        out["target_efficiency"] = target_efficiency
+        out["required_bandwidth_bytes_per_s"] = ait.required_bandwidths(peak, target_efficiency)
+    rows = []
+    for stage in stages:
+        for offload in offloads:
+            placement = OFFLOADS[offload]
+            if memory.placement_problem(stage, placement):
+                continue
+            config = replace(base, stage=stage, placement=placement)
+            rows.append(_row(model, config, offload, ait, bw, net_bw, peak, device_memory_bytes))
+    if not rows:
+        raise ValueError(
+            f"no stage in --stage {','.join(map(str, stages))} supports --offload "
+            f"{','.join(offloads)}; offloading needs stage >= 1, and parameters or NVMe need "
+            "stage 3"
+        )
+    out["stages"] = rows
+    return out
+
+
+def _row(model, config, offload, ait, bw, net_bw, peak, device_memory) -> dict:
+    mem = memory.plan_memory(model, config)
+    collectives = comm.dp_communication(
+        model.num_params,
+        stage=config.stage,
+        num_mp_ranks=config.num_mp_ranks,
+        param_dtype_bytes=config.bytes_per_param.params or 2,
+        reduce_dtype_bytes=config.bytes_per_param.grads or 2,
+    )
+    comm_bytes = comm.total_bytes(collectives)
+    # The streams this placement waits on, for its efficiency after ZeRO-Infinity.
+    streams = []
+    if config.placement.params is not Tier.DEVICE:
+        streams.append(ait.params_grads)
+    if config.placement.optimizer_states is not Tier.DEVICE:
+        streams.append(ait.optimizer_states)
+    if config.offload_activations and ait.activation_checkpoints is not None:
+        streams.append(ait.activation_checkpoints)
+    eff = None
+    if streams and bw is not None and peak is not None:
+        eff = bandwidth.combined_efficiency(streams, [bw] * len(streams), peak)
+    device_bytes = mem.total_bytes(Tier.DEVICE)
+    return {
+        "stage": config.stage,
+        "offload": offload,
+        "model_states_bytes": mem.model_states_bytes(Tier.DEVICE),
+        "residual_states_bytes": mem.residual_states_bytes(Tier.DEVICE),
+        "device_bytes": device_bytes,
+        "cpu_bytes": mem.total_bytes(Tier.CPU),
+        "nvme_bytes": mem.total_bytes(Tier.NVME),
+        "memory": mem.to_dict(),
+        "communication": {
+            "numel": comm.total_numel(collectives),
+            "bytes": comm_bytes,
+            "seconds": None if net_bw is None else comm.comm_seconds(comm_bytes, net_bw),
+            "collectives": [vars(c) for c in collectives],
+        },
+        "efficiency": eff,
+        "fits": None if device_memory is None else device_bytes <= device_memory,
+    }
+
+
+def advice_report(model: ModelDescription, cluster: Cluster, workload: Workload) -> dict:
+    """The advisor's ranking of every configuration of ``workload`` on ``cluster``, as a dict."""
+    result = advise(model, cluster, workload)
+
+    def candidate(c: Candidate) -> dict:
+        return {
+            "stage": c.stage,
+            "offload": c.offload,
+            "ci": c.num_layers_per_checkpoint,
+            "micro_batch_size": c.micro_batch_size,
+            "num_micro_batches": c.num_micro_batches,
+            "device_bytes": None if c.memory is None else c.memory.total_bytes(Tier.DEVICE),
+            "memory": None if c.memory is None else c.memory.to_dict(),
+            "step_seconds": c.step_seconds,
+            "time_seconds": c.time_seconds,
+            "problem": c.problem,
+        }
+
+    return {
+        "model": model_report(model),
+        "num_devices": cluster.num_devices,
+        "feasible": [candidate(c) for c in result.feasible],
+        "rejected": [candidate(c) for c in result.rejected],
+        "why_not": [
+            {"stage": s, "offload": o, "problem": why} for (s, o), why in result.why_not().items()
+        ],
+    }
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    """7500000000 -> "7.5e9"; small counts as they are."""
+    if n < 10**6:
+        return f"{n:,}"
+    exp = int(math.floor(math.log10(n)))
+    return f"{n / 10**exp:.4g}e{exp}"
+
+
+def _size(num_bytes: float | None, unit: str) -> str:
+    return "-" if not num_bytes else units.format_bytes(num_bytes, unit)
+
+
+def _units_line(m: dict) -> str:
+    """How the model was cut into units, as the engine would cut it."""
+    largest = m["largest_unit_numel"]
+    others = "" if largest is None else f", largest other unit {_count(largest)}"
+    return (
+        f"units ({m['wrap_policy']}): {m['num_units']}; root unit {_count(m['root_unit_numel'])} "
+        f"parameters{others}"
+    )
+
+
+def render_plan(out: dict, unit: str = "GB") -> str:
+    """The plan's table and its notes, residual-state terms and intensities, for people."""
+    m, bpp = out["model"], out["bytes_per_param"]
+    total = sum(bpp.values())
+    scale = units.parse_bytes("1" + unit)
+    lines = [
+        f"{m['name']}: Psi = {_count(m['num_params'])} parameters, Nd = {out['num_dp_ranks']}, "
+        f"Nm = {out['num_mp_ranks']}, {bpp['params']} + {bpp['grads']} + "
+        f"{bpp['optimizer_states']} = {total} bytes per parameter",
+        f"memory per device; {unit} = {scale:,} bytes",
+        "",
+    ]
+    if m["wrap_policy"] is not None:
+        lines.insert(1, _units_line(m))
+    rows = out["stages"]
+    show_time = any(r["communication"]["seconds"] is not None for r in rows)
+    show_eff = any(r["efficiency"] is not None for r in rows)
+    show_fits = out["device_memory_bytes"] is not None
+    header = ["stage", "offload", "model states", "residual", "device", "cpu", "nvme", "comm/step"]
+    header += ["comm time"] * show_time + ["efficiency"] * show_eff + ["fits"] * show_fits
+    body = []
+    for r in rows:
+        c = r["communication"]
+        psi = c["numel"] / m["num_params"]
+        line = [
+            str(r["stage"]),
+            r["offload"],
+            _size(r["model_states_bytes"], unit),
+            _size(r["residual_states_bytes"], unit),
+            _size(r["device_bytes"], unit),
+            _size(r["cpu_bytes"], unit),
+            _size(r["nvme_bytes"], unit),
+            f"{psi:.3g} Psi = {_size(c['bytes'], unit)}",
+        ]
+        if show_time:
+            line.append("-" if c["seconds"] is None else f"{c['seconds']:.3g} s")
+        if show_eff:
+            line.append("-" if r["efficiency"] is None else f"{r['efficiency']:.3f}")
+        if show_fits:
+            line.append("yes" if r["fits"] else "NO")
+        body.append(line)
+    lines.append(_table(header, body))
+    notes = sorted({n for r in rows for n in r["memory"]["notes"]})
+    lines += [f"note: {n}" for n in notes]
+    if "activation_checkpoint_bytes" in out:
+        terms = [
+            ("activation checkpoints", "2*bsz*seq*hd*nl/ci", "activation_checkpoint_bytes"),
+            ("activation working", "bsz*seq*ci*(16*hd+2*heads*seq)", "activation_working_bytes"),
+            ("model-state working", "4*hd*4hd", "model_state_working_bytes"),
+        ]
+        lines += [
+            "",
+            f"residual states (bsz = {out['micro_batch_size']}, seq = {out['seq_len']}, "
+            f"ci = {out['num_layers_per_checkpoint']}):",
+        ]
+        lines += [
+            f"  {name:<24}{formula:<33}{_size(out[key], unit)}" for name, formula, key in terms
+        ]
+    names = {
+        "params_grads": "params and grads",
+        "optimizer_states": "optimizer states",
+        "activation_checkpoints": "activation checkpoints",
+    }
+    lines += ["", "arithmetic intensity (FLOPs per byte moved, ZeRO-Infinity):"]
+    eff, need = out.get("efficiency"), out.get("required_bandwidth_bytes_per_s")
+    for key, name in names.items():
+        a = out["intensity"][key]
+        if a is None:
+            continue
+        text = f"  {name:<24}ait = {a:<10.4g}"
+        if eff is not None:
+            text += f"efficiency {eff[key]:.3f}"
+        if need is not None:
+            target = f"efficiency {out['target_efficiency']:g}"
+            text += f"   needs {units.format_rate(need[key])} for {target}"
+        lines.append(text.rstrip())
+    return "\n".join(lines)
+
+
+def render_advice(out: dict, unit: str = "GB", top: int = 10) -> str:
+    """The ``top`` feasible configurations, fastest first, and why the others are out."""
+    m = out["model"]
+    lines = [f"{m['name']}: Psi = {_count(m['num_params'])} on {out['num_devices']} devices", ""]
+    header = [
+        "rank",
+        "stage",
+        "offload",
+        "ci",
+        "micro-batch",
+        "accum",
+        "device",
+        "step time",
+        "compute",
+        "collectives",
+        "offload time",
+    ]
+    body = []
+    for i, c in enumerate(out["feasible"][:top], 1):
+        t = c["time_seconds"]
+        body.append(
+            [
+                str(i),
+                str(c["stage"]),
+                c["offload"],
+                str(c["ci"]),
+                str(c["micro_batch_size"]),
+                str(c["num_micro_batches"]),
+                _size(c["device_bytes"], unit),
+                f"{c['step_seconds']:.3g} s",
+                f"{t['compute']:.3g} s",
+                f"{t['collectives']:.3g} s",
+                f"{t['offload']:.3g} s",
+            ]
+        )
+    if body:
+        lines.append(_table(header, body))
+        more = len(out["feasible"]) - len(body)
+        if more > 0:
+            lines.append(f"... and {more} more that fit (--top N to list them)")
+    else:
+        lines.append("nothing fits")
+    offered = {(c["stage"], c["offload"]) for c in out["feasible"] + out["rejected"] if c["memory"]}
+    unfit = [w for w in out["why_not"] if (w["stage"], w["offload"]) in offered]
+    if unfit:
+        lines += ["", "does not fit (smallest micro-batch tried):"]
+        lines += [f"  stage {w['stage']} {w['offload']}: {w['problem']}" for w in unfit]
+    not_offered: dict[tuple[int, str], list[str]] = {}
+    for w in out["why_not"]:
+        if (w["stage"], w["offload"]) not in offered:
+            not_offered.setdefault((w["stage"], w["problem"]), []).append(w["offload"])
+    if not_offered:
+        lines += ["", "not offered:"]
+        lines += [f"  stage {s} {', '.join(o)}: {why}" for (s, why), o in not_offered.items()]
+    return "\n".join(lines)
+
+
+def finite(obj):
+    """JSON cannot say inf or nan; None says 'not computed'."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return obj
