@@ -4,6 +4,12 @@ Counting convention (elements per rank, as in the ZeRO paper): an all-gather or 
 an n-element (unsharded) buffer moves n elements; an all-reduce moves 2n (a reduce-scatter plus an
 all-gather). So one step of plain data parallelism moves 2 Psi, stages 1-2 move 2 Psi and stage 3
 moves 3 Psi, Psi being the (padded) parameter count.
+
+Scopes (hybrid sharding, ``zeroshard.mesh``): every collective is also counted under the group it
+ran on, ``SHARD`` (inside a shard group: every rank without hybrid sharding), ``REPLICATE``
+(across shard groups, between the ranks holding the same shard) or ``WORLD`` (every rank: the
+small agreement all-reduce). With shard groups of k ranks inside a node, ``REPLICATE`` is the
+inter-node traffic: per step, the all-reduce of this rank's 1/k gradient shard, 2 Psi / k.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+
+from zeroshard.watchdog import diagnosed
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -27,40 +35,81 @@ class LedgerEntry:
     bytes: int = 0
 
 
+SHARD, REPLICATE, WORLD = "shard", "replicate", "world"
+"""Ledger scopes: the group a collective ran on (module docstring)."""
+
+
 @dataclass
 class Ledger:
     """Elements and bytes moved per (collective, label) since the last ``reset``.
 
     ``label`` says what moved: ``"params"`` (all-gathers of parameters), ``"grads"`` (gradient
-    reduction), ``"norm"`` or ``"found_inf"`` (the small scalar all-reduces).
+    reduction), ``"norm"`` or ``"found_inf"`` (the small scalar all-reduces). ``entries`` and
+    ``steps`` are totals over every group; ``scoped`` and ``scoped_steps`` split the same counts
+    by scope (``SHARD``, ``REPLICATE``, ``WORLD``), keyed ``(scope, op, label)``.
     """
 
     entries: dict[tuple[str, str], LedgerEntry] = field(
         default_factory=lambda: defaultdict(LedgerEntry)
     )
     steps: list[dict[tuple[str, str], LedgerEntry]] = field(default_factory=list)
+    scoped: dict[tuple[str, str, str], LedgerEntry] = field(
+        default_factory=lambda: defaultdict(LedgerEntry)
+    )
+    scoped_steps: list[dict[tuple[str, str, str], LedgerEntry]] = field(default_factory=list)
 
-    def record(self, op: str, label: str, numel: int, element_bytes: int) -> None:
-        entry = self.entries[(op, label)]
-        entry.calls += 1
-        entry.numel += numel
-        entry.bytes += numel * element_bytes
+    def record(
+        self, op: str, label: str, numel: int, element_bytes: int, scope: str = SHARD
+    ) -> None:
+        for entry in (self.entries[(op, label)], self.scoped[(scope, op, label)]):
+            entry.calls += 1
+            entry.numel += numel
+            entry.bytes += numel * element_bytes
 
-    def numel(self, *, labels: tuple[str, ...] = ("params", "grads")) -> int:
-        """Elements moved since the last reset by collectives with one of ``labels``."""
-        return sum(e.numel for (_, label), e in self.entries.items() if label in labels)
+    def numel(
+        self, *, labels: tuple[str, ...] = ("params", "grads"), scope: str | None = None
+    ) -> int:
+        """Elements moved since the last reset by collectives with one of ``labels`` (on
+        ``scope``'s group only, when given)."""
+        return sum(
+            e.numel
+            for (sc, _, label), e in self.scoped.items()
+            if label in labels and scope in (None, sc)
+        )
 
-    def bytes(self, *, labels: tuple[str, ...] = ("params", "grads")) -> int:
-        return sum(e.bytes for (_, label), e in self.entries.items() if label in labels)
+    def bytes(
+        self, *, labels: tuple[str, ...] = ("params", "grads"), scope: str | None = None
+    ) -> int:
+        return sum(
+            e.bytes
+            for (sc, _, label), e in self.scoped.items()
+            if label in labels and scope in (None, sc)
+        )
+
+    def by_scope(self, step: int | None = None) -> dict[str, dict[str, int]]:
+        """Per scope, ``{"calls", "numel", "bytes"}`` summed over collectives and labels: of the
+        closed step ``steps[step]``, or since the last ``end_step`` when ``step`` is None."""
+        entries = self.scoped if step is None else self.scoped_steps[step]
+        out: dict[str, dict[str, int]] = {}
+        for (scope, _, _), e in sorted(entries.items()):
+            total = out.setdefault(scope, {"calls": 0, "numel": 0, "bytes": 0})
+            total["calls"] += e.calls
+            total["numel"] += e.numel
+            total["bytes"] += e.bytes
+        return out
 
     def end_step(self) -> None:
         """Close the current step: its totals go to ``steps`` and the counters restart."""
         self.steps.append(dict(self.entries))
+        self.scoped_steps.append(dict(self.scoped))
         self.entries = defaultdict(LedgerEntry)
+        self.scoped = defaultdict(LedgerEntry)
 
     def reset(self) -> None:
         self.entries = defaultdict(LedgerEntry)
+        self.scoped = defaultdict(LedgerEntry)
         self.steps.clear()
+        self.scoped_steps.clear()
 
     def summary(self) -> dict[str, dict[str, int]]:
         return {
@@ -70,15 +119,30 @@ class Ledger:
 
 
 class Handle:
-    """A collective in flight; ``wait()`` is idempotent and returns its output tensor."""
+    """A collective in flight; ``wait()`` is idempotent and returns its output tensor.
 
-    def __init__(self, work: dist.Work | None, output: torch.Tensor) -> None:
+    ``op``, ``label``, ``group`` and ``unit`` say which collective it is, for the error when it
+    does not complete: ``wait()`` raises ``CollectiveTimeout`` naming them and the ranks that did
+    not arrive (``zeroshard.watchdog``), never a bare backend timeout."""
+
+    def __init__(
+        self,
+        work: dist.Work | None,
+        output: torch.Tensor,
+        *,
+        op: str = "collective",
+        label: str = "",
+        group: dist.ProcessGroup | None = None,
+        unit: str | None = None,
+    ) -> None:
         self._work = work
         self.output = output
+        self.op, self.label, self.group, self.unit = op, label, group, unit
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._work.wait()
+            with diagnosed(self.op, self.label, self.group, unit=self.unit):
+                self._work.wait()
             self._work = None
         return self.output
 
@@ -91,12 +155,14 @@ def all_gather(
     ledger: Ledger,
     label: str = "params",
     async_op: bool = True,
+    unit: str | None = None,
 ) -> Handle:
-    """Gather every rank's ``shard`` (1D, n/N elements) into ``output`` (1D, n, all ranks)."""
+    """Gather every rank's ``shard`` (1D, n/N elements) into ``output`` (1D, n, all ranks).
+    ``unit`` names the wrapped module for ``CollectiveTimeout`` (as do the functions below)."""
     ledger.record("all_gather", label, output.numel(), output.element_size())
-    with record_function("zeroshard::all_gather"):
+    with record_function("zeroshard::all_gather"), diagnosed("all_gather", label, group, unit=unit):
         work = _all_gather_flat(output, shard, group=group, async_op=async_op)
-    return Handle(work, output)
+    return Handle(work, output, op="all_gather", label=label, group=group, unit=unit)
 
 
 def reduce_scatter(
@@ -107,12 +173,16 @@ def reduce_scatter(
     ledger: Ledger,
     label: str = "grads",
     async_op: bool = True,
+    unit: str | None = None,
 ) -> Handle:
     """Sum ``full`` (1D, n, every rank's own) over ranks; rank r receives slice r in ``output``."""
     ledger.record("reduce_scatter", label, full.numel(), full.element_size())
-    with record_function("zeroshard::reduce_scatter"):
+    with (
+        record_function("zeroshard::reduce_scatter"),
+        diagnosed("reduce_scatter", label, group, unit=unit),
+    ):
         work = _reduce_scatter_flat(output, full, group=group, async_op=async_op)
-    return Handle(work, output)
+    return Handle(work, output, op="reduce_scatter", label=label, group=group, unit=unit)
 
 
 def all_reduce(
@@ -123,15 +193,39 @@ def all_reduce(
     label: str,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = True,
+    unit: str | None = None,
 ) -> Handle:
     """Reduce ``tensor`` in place across ranks (sum by default)."""
     ledger.record("all_reduce", label, 2 * tensor.numel(), tensor.element_size())
-    with record_function("zeroshard::all_reduce"):
+    with record_function("zeroshard::all_reduce"), diagnosed("all_reduce", label, group, unit=unit):
         work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    return Handle(work, tensor)
+    return Handle(work, tensor, op="all_reduce", label=label, group=group, unit=unit)
 
 
 def broadcast(tensor: torch.Tensor, *, src: int = 0, group: dist.ProcessGroup | None) -> None:
     """Overwrite ``tensor`` with rank ``src``'s copy (model-state sync at shard time)."""
-    with record_function("zeroshard::broadcast"):
+    with record_function("zeroshard::broadcast"), diagnosed("broadcast", "model states", group):
         dist.broadcast(tensor, src=src, group=group)
+
+
+def scoped_all_reduce(
+    tensor: torch.Tensor,
+    *,
+    scope: str,
+    group: dist.ProcessGroup | None,
+    ledger: Ledger,
+    label: str,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = True,
+    unit: str | None = None,
+) -> Handle:
+    """``all_reduce`` counted under ``scope`` (``REPLICATE``: across shard groups; ``WORLD``:
+    every rank) instead of ``SHARD``; the same collective otherwise."""
+    ledger.record("all_reduce", label, 2 * tensor.numel(), tensor.element_size(), scope)
+    with (
+        record_function(f"zeroshard::all_reduce_{scope}"),
+        diagnosed("all_reduce", f"{label} ({scope} group)", group, unit=unit),
+    ):
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    label = f"{label} ({scope} group)"
+    return Handle(work, tensor, op="all_reduce", label=label, group=group, unit=unit)

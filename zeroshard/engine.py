@@ -25,7 +25,6 @@ import enum
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,52 +37,10 @@ from zeroshard.model_states.flat_param import FlatParam, ShardState
 from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states.activations import SpanCheckpointing
+from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
 
 _ATTR = "_zeroshard_engine"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardConfig:
-    """How the schedule trades memory for overlap."""
-
-    num_prefetch: int = 1
-    """Units gathered ahead of the one computing (forward and backward; partitioned parameters
-    only). At most ``1 + num_prefetch`` non-root units are gathered at once."""
-    reshard_root_after_forward: bool = False
-    """Free the root unit's parameters after forward too (saves memory, costs one more
-    all-gather of the root per step)."""
-    reduce_every_micro_step: bool = False
-    """With partitioned gradients: reduce-scatter on every micro-step of gradient accumulation
-    and accumulate into the shard (saves the full gradient's memory, costs communication)."""
-    bucket_bytes: int = 25 * 2**20
-    """With replicated parameters (stages 0-2): consecutive units share one flat buffer of up to
-    this many bytes, reduced in one collective once all its units' backward is done (0: one
-    buffer per unit). Stage 3 always gathers and reduces per unit."""
-    max_inflight_reductions: int = 2
-    """Gradient reductions in flight before the oldest is waited for (bounds the full-gradient
-    buffers alive at stage 2/3)."""
-    sync_module_states: bool = True
-    """Broadcast rank 0's parameters at shard time so every rank starts identical."""
-    checkpoint_every: int = 0
-    """Activation checkpointing (ZeRO-R, the article's ``ci``): spans of this many chained units
-    keep only their inputs for backward and recompute the rest (0: off; 1: every unit on its
-    own). See ``zeroshard.residual_states.activations``."""
-
-    def __post_init__(self) -> None:
-        if self.bucket_bytes < 0:
-            raise ValueError(f"bucket_bytes must be >= 0, got {self.bucket_bytes}")
-        if self.num_prefetch < 0:
-            raise ValueError(f"num_prefetch must be >= 0, got {self.num_prefetch}")
-        if self.checkpoint_every < 0:
-            raise ValueError(
-                f"checkpoint_every must be >= 0 (0: off, k: units per span), got "
-                f"{self.checkpoint_every}"
-            )
-        if self.max_inflight_reductions < 1:
-            raise ValueError(
-                f"max_inflight_reductions must be >= 1, got {self.max_inflight_reductions}"
-            )
 
 
 class Phase(enum.Enum):
@@ -610,23 +567,12 @@ class Engine:
             if writeback:
                 with torch.no_grad():
                     for f in self.flat_params:
-                        _write_back(f)
+                        f.write_back()
             if not self._summoned:
                 for u in self.units:
                     u.reshard()
             if writeback:
                 self.params_changed()
-
-
-def _write_back(flat: FlatParam) -> None:
-    """Copy elements of ``flat.full`` that differ from the (cast) master into the master."""
-    if flat.master is None or flat.master_aliases_full:
-        return
-    lo, hi = flat.range
-    seen = flat.full[lo:hi]  # 1D range numel, param_dtype
-    changed = seen != flat.master.to(seen.dtype)
-    if bool(changed.any()):
-        flat.master[changed] = seen[changed].to(flat.master.dtype)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

@@ -6,6 +6,13 @@ MASTER_ADDR and MASTER_PORT; ``Mesh.from_env`` reads them, picks this rank's dev
 with nccl, hccl or xccl; else CPU with gloo) and initializes the default process group if nobody
 has, logging that it did.
 
+Hybrid sharding (HSDP, ZeRO++ hpZ): ``mesh.hybrid_sharded(k)`` or ``Mesh.from_device_mesh(dm)``
+(a 2-D ``DeviceMesh`` with dims ("replicate", "shard")) splits the data-parallel ranks into shard
+groups of k consecutive ranks. Model states are partitioned inside a shard group (``shard_group``,
+``shard_rank``, ``shard_size``) and replicated across groups: ranks with the same ``shard_rank``
+hold the same shards and form a ``replicate_group``. ``group``, ``rank`` and ``world_size`` stay
+the whole data-parallel job (gradient averaging, agreement flags, checkpoints).
+
 Nothing here changes process-wide settings behind the caller's back. Sharing the node's CPU cores
 among its ranks is an explicit call, ``mesh.share_cpu_threads()``, that the train command makes.
 """
@@ -15,14 +22,30 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from zeroshard.accelerator import device_of_backend, placement, set_device
+from zeroshard.watchdog import group_timeout_s, inherit_timeout
+
+if TYPE_CHECKING:  # imported when first used: DTensor costs `import zeroshard` ~0.5 s
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+"""How long a collective waits for every rank before ``CollectiveTimeout`` (``Mesh.from_env``)."""
+
+HYBRID_DIMS = ("replicate", "shard")
+"""The dim names of a 2-D ``DeviceMesh`` for hybrid sharding: replicas x ranks of a shard group."""
+
+_HYBRID_MESHES: dict[tuple[tuple[int, ...], int, str], DeviceMesh] = {}
+"""Meshes made by ``Mesh.hybrid_sharded``, per (ranks, shard group size, device type): models
+sharded alike share process groups instead of creating new ones each time."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -38,8 +61,31 @@ def cpu_threads_per_rank(local_world_size: int, cores: int | None = None) -> int
 
 
 @dataclass(frozen=True, kw_only=True)
+class Hybrid:
+    """Hybrid sharding: this rank's shard group and replicate group (``Mesh.hybrid_sharded``)."""
+
+    shard_size: int
+    """Ranks per shard group (k): model states are partitioned 1/k among them."""
+    shard_rank: int
+    """This rank's place in its shard group (which 1/k shard it holds)."""
+    shard_group: dist.ProcessGroup
+    """This rank's shard group: k consecutive ranks (parameter all-gathers, gradient
+    reduce-scatters, the grad-norm sum)."""
+    num_replicas: int
+    """Shard groups (world_size / k): copies of every shard."""
+    replica_rank: int
+    """Which shard group this rank is in."""
+    replicate_group: dist.ProcessGroup
+    """The ranks holding the same shard as this one, one per shard group (the gradient
+    all-reduce of the 1/k shard)."""
+    device_mesh: DeviceMesh
+    """The 2-D ("replicate", "shard") ``DeviceMesh`` of the same ranks (state-dict DTensors)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Mesh:
-    """The data-parallel ranks one sharded model spans (a 1-D mesh)."""
+    """The data-parallel ranks one sharded model spans: a 1-D mesh, or with ``hybrid`` shard
+    groups inside it (module docstring)."""
 
     rank: int
     """This process's rank in ``group`` (0-based)."""
@@ -53,17 +99,144 @@ class Mesh:
     """Where parameters, gradients and collectives live on this rank."""
     group: dist.ProcessGroup | None = None
     """The process group; ``None`` means the default (world) group."""
+    hybrid: Hybrid | None = None
+    """Shard and replicate groups inside ``group`` (None: shard over every rank of it)."""
 
     @property
     def backend(self) -> str:
         return dist.get_backend(self.group) if dist.is_initialized() else "none"
+
+    # ----------------------------------------------------------------- sharding queries
+    @property
+    def shard_size(self) -> int:
+        """Ranks the model states are partitioned over (k with hybrid sharding, else all)."""
+        return self.hybrid.shard_size if self.hybrid else self.world_size
+
+    @property
+    def shard_rank(self) -> int:
+        """Which shard this rank holds (its rank in ``shard_group``)."""
+        return self.hybrid.shard_rank if self.hybrid else self.rank
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """The group of ``shard_size`` ranks sharing the model states (``None``: world)."""
+        return self.hybrid.shard_group if self.hybrid else self.group
+
+    @property
+    def num_replicas(self) -> int:
+        """Copies of every shard: world_size / shard_size (1 without hybrid sharding)."""
+        return self.hybrid.num_replicas if self.hybrid else 1
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding this rank's shard (None without hybrid sharding)."""
+        return self.hybrid.replicate_group if self.hybrid else None
+
+    # ----------------------------------------------------------------- hybrid sharding
+    def hybrid_sharded(self, shard_group_size: int) -> Mesh:
+        """This mesh with shard groups of ``shard_group_size`` consecutive ranks of ``group``
+        (hybrid sharding); the same mesh when the size is the whole world.
+
+        A collective: every rank of ``group`` calls it (it creates the subgroups, through a 2-D
+        ``DeviceMesh``). A ValueError naming the fix when the size does not divide the world."""
+        k, n = shard_group_size, self.world_size
+        divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"shard_group_size must be a positive int, got {k!r}")
+        if k > n:
+            raise ValueError(
+                f"shard_group_size={k} is larger than the world size {n}; use a divisor of "
+                f"{n} ({divisors})"
+            )
+        if n % k:
+            raise ValueError(
+                f"shard_group_size={k} does not divide the world size {n}; use a divisor of "
+                f"{n} ({divisors})"
+            )
+        if self.hybrid is not None:
+            if self.hybrid.shard_size == k:
+                return self
+            raise ValueError(
+                f"the mesh has shard groups of {self.hybrid.shard_size} ranks already, "
+                f"shard_group_size asks for {k}; pass one of the two"
+            )
+        if k == n:
+            return self
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = self.group if self.group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        key = (tuple(ranks), k, self.device.type)
+        if key not in _HYBRID_MESHES:  # every rank makes the same calls: the cache agrees
+            layout = torch.tensor(ranks, dtype=torch.int).view(n // k, k)
+            _HYBRID_MESHES[key] = DeviceMesh(self.device.type, layout, mesh_dim_names=HYBRID_DIMS)
+        return self._with(_HYBRID_MESHES[key])
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh: DeviceMesh, *, device: torch.device | None = None):
+        """The mesh of a ``DeviceMesh``: 1-D, plain sharding over its ranks; 2-D with dims
+        ("replicate", "shard"), hybrid sharding (``init_device_mesh(device_type, (num_replicas,
+        k), mesh_dim_names=("replicate", "shard"))``, as FSDP2's HSDP takes it)."""
+        if device_mesh.ndim == 1:
+            group = device_mesh.get_group()
+            base = cls.current()
+            whole = dist.get_world_size(group) == dist.get_world_size()
+            return replace(
+                base,
+                rank=dist.get_rank(group),
+                world_size=dist.get_world_size(group),
+                group=None if whole else group,
+                device=device or base.device,
+            )
+        names = device_mesh.mesh_dim_names
+        if device_mesh.ndim != 2 or tuple(names or ()) != HYBRID_DIMS:
+            raise ValueError(
+                f"a DeviceMesh for hybrid sharding needs dims {HYBRID_DIMS}, got "
+                f"{tuple(names) if names else 'unnamed'} of shape {tuple(device_mesh.shape)}; "
+                "build it with init_device_mesh(device_type, (num_replicas, shard_group_size), "
+                f"mesh_dim_names={HYBRID_DIMS})"
+            )
+        base = cls.current()
+        ranks = device_mesh.mesh.flatten().tolist()
+        group = None
+        if len(ranks) != dist.get_world_size():  # a part of the world: a group of its ranks
+            group = dist.new_group(sorted(ranks), use_local_synchronization=True)
+            inherit_timeout(group)
+        base = replace(
+            base,
+            rank=dist.get_rank(group),
+            world_size=len(ranks),
+            group=group,
+            device=device or base.device,
+        )
+        return base._with(device_mesh)
+
+    def _with(self, dm: DeviceMesh) -> Mesh:
+        """This mesh with the shard and replicate groups of the 2-D ``dm``."""
+        num_replicas, k = dm.shape
+        hybrid = Hybrid(
+            shard_size=k,
+            shard_rank=dm.get_local_rank("shard"),
+            shard_group=dm.get_group("shard"),
+            num_replicas=num_replicas,
+            replica_rank=dm.get_local_rank("replicate"),
+            replicate_group=dm.get_group("replicate"),
+            device_mesh=dm,
+        )
+        # The job's collective timeout, not the backend's default for new groups (30 min, gloo).
+        inherit_timeout(hybrid.shard_group, hybrid.replicate_group)
+        return replace(self, hybrid=hybrid)
+
+    def without_hybrid(self) -> Mesh:
+        """This mesh sharding over every rank of ``group`` (no shard groups)."""
+        return replace(self, hybrid=None)
 
     @classmethod
     def from_env(
         cls,
         *,
         backend: str | None = None,
-        timeout_s: float = 300.0,
+        timeout_s: float | None = None,
         device: str | torch.device | None = None,
     ) -> Mesh:
         """The mesh of the current job, initializing the default process group if needed.
@@ -73,7 +246,13 @@ class Mesh:
         "xpu" (optionally "cuda:1") or None for the accelerator torch finds; ``backend`` is a
         ``torch.distributed`` backend or None for the device's default (cuda: nccl, npu: hccl,
         xpu: xccl, cpu: gloo); see ``zeroshard.accelerator.placement`` for the rules and errors.
-        ``timeout_s`` bounds how long a collective waits for a dead peer.
+        ``timeout_s`` (default ``DEFAULT_TIMEOUT_S``, 5 minutes) bounds how long a collective
+        waits for a rank that stopped answering; then every waiting rank raises
+        ``zeroshard.watchdog.CollectiveTimeout`` naming the collective, the unit and the rank
+        that did not arrive. It applies to the default group this call starts and to the
+        groups zeroshard makes from it (hybrid sharding's shard and replicate groups); groups
+        you make with ``dist.new_group`` take their own ``timeout=``. Asked for when a group is
+        already running with another timeout, it is ignored with a warning.
 
         It makes the chosen accelerator device current (``torch.accelerator.set_device_index``)
         and leaves torch's CPU thread count alone: call ``share_cpu_threads`` for that.
@@ -85,8 +264,18 @@ class Mesh:
         where = placement(device=device, backend=backend, local_rank=local_rank)
         dev = where.device
         set_device(where)
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if dist.is_initialized() and timeout_s is not None:
+            running = group_timeout_s(None)
+            if running is not None and abs(running - timeout_s) > 1e-3:
+                warnings.warn(
+                    f"timeout_s={timeout_s:g} ignored: the default process group is already "
+                    f"running with a {running:g} s timeout; pass timeout_s where it is started",
+                    stacklevel=2,
+                )
         if not dist.is_initialized():
-            timeout = datetime.timedelta(seconds=timeout_s)
+            timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
             if "MASTER_ADDR" not in os.environ:
                 # A lone process: a one-rank group on a private port-free store.
                 store = dist.HashStore()

@@ -167,7 +167,7 @@ def optimizer_state_dict(opt: ShardedOptimizer, *, local: bool = False) -> dict[
                         v = sg.optimizer.state.get(piece.tensor, {}).get(k)
                         if v is not None:
                             local_[piece.span].copy_(v)
-            if flat.partition.optimizer_states and flat.mesh.world_size > 1:
+            if flat.partition.optimizer_states and flat.mesh.shard_size > 1:
                 full = _gather_flat(flat, local_)
             else:
                 full = local_

@@ -11,8 +11,10 @@ hooks. Every rank must call it with the same model.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,9 @@ from zeroshard.stages import Partition, partition
 from zeroshard.state_dict import install_state_dict_hooks
 from zeroshard.wrap import UnitSpec, WrapPolicy, units
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 log = logging.getLogger(__name__)
 
 
@@ -39,7 +44,7 @@ def shard(
     wrap: WrapPolicy | None = None,
     mixed_precision: MixedPrecision | str | None = None,
     config: ShardConfig | None = None,
-    mesh: Mesh | None = None,
+    mesh: Mesh | DeviceMesh | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over the data-parallel ranks and return it.
@@ -61,6 +66,11 @@ def shard(
     logs it at INFO on the "zeroshard" logger; pass ``mesh=Mesh.from_env(...)`` or call
     ``torch.distributed.init_process_group`` first to decide it yourself. A "tf32" policy turns
     TF32 on (``zeroshard.precision.hold_tf32``) until the last model that asked for it is freed.
+
+    Hybrid sharding (HSDP): ``mesh`` a 2-D ``DeviceMesh`` with dims ("replicate", "shard"), or
+    ``config=ShardConfig(shard_group_size=k)``: stages 1-3 partition inside groups of k
+    consecutive ranks and replicate across groups (``zeroshard.mesh``). Stage 0 partitions
+    nothing: it stays plain data parallelism over every rank, with a warning.
     """
     part: Partition = partition(stage)
     if getattr(model, _ATTR, None) is not None:
@@ -86,6 +96,7 @@ def shard(
                 mesh.device,
             )
     config = config or ShardConfig()
+    mesh = _hybrid_mesh(mesh, config.shard_group_size, part)
     mixed_precision = policy_of(mixed_precision, mesh.device)
     specs = units(model, wrap)
     check_same_model(model, mesh)
@@ -150,6 +161,27 @@ def shard(
     if release_tf32 is not None:
         weakref.finalize(model, release_tf32)
     return model
+
+
+def _hybrid_mesh(mesh: Mesh | DeviceMesh, shard_group_size: int, part: Partition) -> Mesh:
+    """``mesh`` as a ``Mesh``, with shard groups when asked (a collective: it makes groups)."""
+    if not isinstance(mesh, Mesh):
+        if not hasattr(mesh, "mesh_dim_names"):
+            raise TypeError(
+                f"mesh must be a zeroshard Mesh or a torch DeviceMesh, got {type(mesh).__name__}"
+            )
+        mesh = Mesh.from_device_mesh(mesh)
+    if shard_group_size:
+        mesh = mesh.hybrid_sharded(shard_group_size)
+    if mesh.hybrid is not None and not part.optimizer_states:
+        warnings.warn(
+            f"hybrid sharding (shard groups of {mesh.shard_size} ranks) is ignored at stage 0, "
+            "which partitions nothing: gradients are all-reduced over every rank (plain data "
+            "parallel); use stage 1-3 to shard inside groups",
+            stacklevel=3,
+        )
+        mesh = mesh.without_hybrid()
+    return mesh
 
 
 def _dtypes(policy: MixedPrecision, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:

@@ -9,6 +9,12 @@ local tensor, rank r's row chunk ``torch.chunk(param, world_size, dim=0)[r]`` (e
 unsharded model. So ``torch.distributed.checkpoint`` (DCP) saves and reshards it like an FSDP2
 checkpoint, and ``torch.save`` / ``torch.load`` (``weights_only`` included) round trip it.
 
+Hybrid sharding (shard groups of k ranks, ``zeroshard.mesh``): as FSDP2's HSDP, each entry is a
+DTensor placed ``(Replicate(), Shard(0))`` on the 2-D ("replicate", "shard") mesh, its local
+tensor the row chunk ``torch.chunk(param, k, dim=0)[shard_rank]``: the ranks of a replicate group
+hold the same chunk, and DCP writes it once. ``local_state_dict`` ranges likewise repeat across
+replicas (the same fqn and offsets: DCP's save planner keeps one of each).
+
     values      the FP32 masters cast to each parameter's original dtype: a model trained in
                 bf16 saves full-precision weights, not its bf16 compute copy.
     0-dim       parameters without rows (``torch.tensor(1.0)``): FSDP2 refuses them
@@ -85,13 +91,18 @@ _HOOKS_ATTR = "_zeroshard_state_dict_hooks"
 
 
 def device_mesh(engine: Engine) -> DeviceMesh:
-    """The 1-D ``DeviceMesh`` of ``engine``'s data-parallel group (built once, cached)."""
+    """The ``DeviceMesh`` of ``engine``'s state-dict DTensors (built once, cached): the 1-D mesh
+    of its data-parallel group, or with hybrid sharding the 2-D ("replicate", "shard") mesh, as
+    FSDP2's HSDP has it (entries ``(Replicate(), Shard(0))``: replicas hold the same rows)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = getattr(engine, _MESH_ATTR, None)
     if mesh is None:
-        group = engine.mesh.group if engine.mesh.group is not None else dist.group.WORLD
-        mesh = DeviceMesh.from_group(group, engine.mesh.device.type)
+        if engine.mesh.hybrid is not None:
+            mesh = engine.mesh.hybrid.device_mesh
+        else:
+            group = engine.mesh.group if engine.mesh.group is not None else dist.group.WORLD
+            mesh = DeviceMesh.from_group(group, engine.mesh.device.type)
         setattr(engine, _MESH_ATTR, mesh)
     return mesh
 
@@ -112,18 +123,21 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _as_sharded(full: torch.Tensor, mesh: DeviceMesh, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's row chunk of ``full`` (a copy in ``dtype``) as a ``(Shard(0),)`` DTensor of
-    ``full``'s shape; a 0-dim ``full`` comes back as a plain copy (FSDP2 has no scalar shards)."""
-    from torch.distributed.tensor import DTensor, Shard
+    """This rank's row chunk of ``full`` (a copy in ``dtype``) as a DTensor of ``full``'s shape,
+    ``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on the 2-D hybrid one (the chunk
+    of this rank's place in its shard group); a 0-dim ``full`` comes back as a plain copy (FSDP2
+    has no scalar shards)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if full.ndim == 0:
         return full.to(dtype, copy=True)
-    lo, hi = _row_chunk(full.shape[0], mesh.get_local_rank(), mesh.size())
+    shard_dim = mesh.ndim - 1  # the last: "shard" of a hybrid mesh
+    lo, hi = _row_chunk(full.shape[0], mesh.get_local_rank(shard_dim), mesh.size(shard_dim))
     local = full[lo:hi].to(dtype, copy=True).contiguous()
     return DTensor.from_local(
         local,
         mesh,
-        [Shard(0)],
+        [Replicate()] * shard_dim + [Shard(0)],
         run_check=False,
         shape=full.shape,
         stride=_contiguous_stride(full.shape),
@@ -169,11 +183,17 @@ def _flat_source(flat: FlatParam) -> torch.Tensor:
 
 
 def _gather_flat(flat: FlatParam, local: torch.Tensor) -> torch.Tensor:
-    """1D padded_numel, every rank: every rank's ``local`` (1D, its optimizer range of ``flat``,
-    any dtype) gathered into a new buffer. A collective, kept out of the engine's ledger."""
+    """1D padded_numel, every rank: every shard-group rank's ``local`` (1D, its optimizer range
+    of ``flat``, any dtype) gathered into a new buffer. A collective (inside the shard group:
+    the other groups hold the same ranges), kept out of the engine's ledger."""
     out = torch.empty(flat.padded_numel, dtype=local.dtype, device=flat.mesh.device)
     C.all_gather(
-        out, local, group=flat.mesh.group, ledger=C.Ledger(), label="state_dict", async_op=False
+        out,
+        local,
+        group=flat.mesh.shard_group,
+        ledger=C.Ledger(),
+        label="state_dict",
+        async_op=False,
     ).wait()
     return out
 

@@ -33,7 +33,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> None:
+def _worker_main(
+    rank: int, world_size: int, port: int, conn: Connection, collective_timeout_s: float = 120.0
+) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -49,7 +51,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> Non
     # One compute thread per rank: the ranks of a test share the machine's cores. Set here, in
     # the worker, because it is process-wide (Mesh.from_env leaves it alone).
     torch.set_num_threads(1)
-    Mesh.from_env(backend="gloo", timeout_s=120.0, device="cpu")
+    Mesh.from_env(backend="gloo", timeout_s=collective_timeout_s, device="cpu")
     while True:
         msg = conn.recv()
         if msg is None:
@@ -62,12 +64,19 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection) -> Non
 
 
 class Workers:
-    """A pool of ``world_size`` processes forming one gloo job (see the module docstring)."""
+    """A pool of ``world_size`` processes forming one gloo job (see the module docstring).
 
-    def __init__(self, world_size: int, *, timeout_s: float = 300.0) -> None:
+    ``timeout_s`` bounds each ``run`` as seen from this process; ``collective_timeout_s`` is the
+    ranks' own process-group timeout, after which a collective that a rank never joins raises
+    ``CollectiveTimeout`` on the others (``zeroshard.watchdog``)."""
+
+    def __init__(
+        self, world_size: int, *, timeout_s: float = 300.0, collective_timeout_s: float = 120.0
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout_s = world_size, timeout_s
+        self.collective_timeout_s = collective_timeout_s
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
 
@@ -77,7 +86,9 @@ class Workers:
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
-                target=_worker_main, args=(rank, self.world_size, port, child), daemon=True
+                target=_worker_main,
+                args=(rank, self.world_size, port, child, self.collective_timeout_s),
+                daemon=True,
             )
             p.start()
             child.close()

@@ -14,8 +14,11 @@ working); what their ``.data`` is depends on the storage state (``ShardState``):
                ``sum(p.numel())``) keeps working. The values are reached through
                ``summon_full_params``, ``model.state_dict()`` or ``load_state_dict``.
 
-Tensors and who holds them (N ranks, rank r, ``range`` = this rank's optimizer range: slice r
-of the padded buffer when optimizer states are partitioned, the whole buffer otherwise):
+Tensors and who holds them (N = ``mesh.shard_size`` ranks share the states, r = this rank's
+``mesh.shard_rank``; ``range`` = this rank's optimizer range: slice r of the padded buffer when
+optimizer states are partitioned, the whole buffer otherwise). Without hybrid sharding N is every
+rank; with it, N = k ranks of a shard group, and the ranks with the same r in other groups
+(``mesh.replicate_group``) hold identical copies of every shard tensor below:
 
     full    # 1D padded_numel, param_dtype, every rank. Persistent when parameters are
             #   replicated; when they are partitioned its storage exists only while UNSHARDED
@@ -32,6 +35,7 @@ Gradients are not here: ``zeroshard.model_states.grads``.
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +94,12 @@ def master_dtype_of(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def _common_module(names: list[str]) -> str:
+    """The longest dotted prefix of the modules of parameter ``names`` (``<root>`` if none)."""
+    common = os.path.commonprefix([n.split(".")[:-1] for n in names]) if names else []
+    return ".".join(common) or "<root>"
+
+
 class FlatParam:
     """Parameters sharing ``requires_grad`` and dtype, as one flat buffer (module docstring)."""
 
@@ -104,6 +114,9 @@ class FlatParam:
         sync_module_states: bool = True,
     ) -> None:
         self.mesh, self.partition, self.ledger = mesh, partition, ledger
+        self.name = _common_module([s for _, names in params for s in names[:1]])
+        """The module holding every parameter here (the unit's name; ``<root>`` for the root):
+        named in errors, e.g. a collective that timed out."""
         self.requires_grad = params[0][0].requires_grad
         self.orig_dtype = params[0][0].dtype
         self.param_dtype = param_dtype or self.orig_dtype
@@ -114,10 +127,10 @@ class FlatParam:
             self.slots.append(Slot(p, names, p.shape, offset))
             offset += p.numel()
         self.numel = offset
-        self.padded_numel = padded_numel(self.numel, mesh.world_size)
-        num_opt_shards = mesh.world_size if partition.optimizer_states else 1
+        self.padded_numel = padded_numel(self.numel, mesh.shard_size)
+        num_opt_shards = mesh.shard_size if partition.optimizer_states else 1
         self.range = shard_range(
-            mesh.rank if partition.optimizer_states else 0, self.padded_numel, num_opt_shards
+            mesh.shard_rank if partition.optimizer_states else 0, self.padded_numel, num_opt_shards
         )
         self.state = ShardState.UNSHARDED
         self._gather: C.Handle | None = None
@@ -207,18 +220,24 @@ class FlatParam:
         return self._gather is not None
 
     def _gather_from_master(self, *, async_op: bool) -> C.Handle:
-        """All-gather every rank's master shard into ``full``, in place: the local shard is cast
-        into this rank's slot first when the dtypes differ, so no temporary is allocated."""
+        """All-gather the shard group's master shards into ``full``, in place: the local shard
+        is cast into this rank's slot first when the dtypes differ, so no temporary is made."""
         assert self.master is not None and self.partition.optimizer_states
         # On a GPU the cast and the collective run on the all-gather stream, off the compute one.
         with on_side_stream(self.mesh.device, "all_gather"):
             shard = self.master  # 1D shard_numel, this rank's (in place when it aliases full)
             if shard.dtype != self.param_dtype:
-                lo, hi = shard_range(self.mesh.rank, self.padded_numel, self.mesh.world_size)
+                lo, hi = self.range
                 shard = self.full[lo:hi]
                 shard.copy_(self.master)
+            # Inside the shard group only: replicas hold the same shards (hybrid sharding).
             return C.all_gather(
-                self.full, shard, group=self.mesh.group, ledger=self.ledger, async_op=async_op
+                self.full,
+                shard,
+                group=self.mesh.shard_group,
+                ledger=self.ledger,
+                async_op=async_op,
+                unit=self.name,
             )
 
     def refresh_full(self, *, async_op: bool = True) -> C.Handle | None:
@@ -238,6 +257,17 @@ class FlatParam:
         gathered across an optimizer step (inside ``summon_full_params``)."""
         if self.partition.parameters and self.state is ShardState.UNSHARDED:
             self._gather_from_master(async_op=False)
+
+    def write_back(self) -> None:
+        """Copy elements of a gathered ``full`` that differ from the (cast) master into the
+        master: values written while it was held gathered (``summon_full_params``)."""
+        if self.master is None or self.master_aliases_full:
+            return
+        lo, hi = self.range
+        seen = self.full[lo:hi]  # 1D range numel, param_dtype
+        changed = seen != self.master.to(seen.dtype)
+        if bool(changed.any()):
+            self.master[changed] = seen[changed].to(self.master.dtype)
 
     # ----------------------------------------------------------------- per-parameter access
     def master_piece(self, index: int) -> torch.Tensor:

@@ -12,7 +12,13 @@ Tensors and who holds them (N ranks, ``range`` = the FlatParam's optimizer range
                 #   when gradients are replicated; otherwise in reduce_dtype, made at the
                 #   reduction from autograd's own per-parameter tensors.
     shard_grad  # 1D range numel, FP32, this rank's reduced (mean, unscaled) gradient, read by
-                #   the optimizer; accumulates over reductions until ``zero``.
+                #   the optimizer; accumulates over reductions until ``zero``. With hybrid
+                #   sharding, identical on the ranks of a replicate group.
+
+Hybrid sharding (``zeroshard.mesh``, shard groups of k ranks): the reduce-scatter runs inside the
+shard group, then ``finish`` all-reduces the 1/k shard across groups (``REPLICATE`` scope in the
+ledger), so every replica holds the mean over all ranks. That all-reduce starts once the
+reduce-scatter is done (at ``finish``, deferred by ``ShardConfig.max_inflight_reductions``).
 """
 
 from __future__ import annotations
@@ -213,19 +219,22 @@ class GradBucket:
                     if not self._bound[i]:
                         self._take(i)  # no gradient reached it here: zeros
             assert self.full_grad is not None
-            flat = self.flat
-            n = flat.mesh.world_size
+            flat, mesh = self.flat, self.flat.mesh
             send = self.full_grad.to(self.reduce_dtype)  # 1D padded, every rank (no copy if same)
             if self.reduce_dtype == torch.float16:
-                send.div_(n)  # FP16 overflows easily: average before summing
-            group, ledger = flat.mesh.group, flat.ledger
+                send.div_(mesh.world_size)  # FP16 overflows easily: average before summing
             if self.reduction is Reduction.ALL_REDUCE:
-                handle = C.all_reduce(send, group=group, ledger=ledger, label="grads")
+                assert mesh.hybrid is None  # stage 0 drops hybrid sharding (sharding.shard)
+                handle = C.all_reduce(
+                    send, group=mesh.group, ledger=flat.ledger, label="grads", unit=flat.name
+                )
             else:
-                lo, hi = shard_range(flat.mesh.rank, flat.padded_numel, n)
+                lo, hi = shard_range(mesh.shard_rank, flat.padded_numel, mesh.shard_size)
                 in_place = self.reduction is Reduction.SCATTER_IN_PLACE
                 out = send[lo:hi] if in_place else send.new_empty(hi - lo)
-                handle = C.reduce_scatter(out, send, group=group, ledger=ledger)
+                handle = C.reduce_scatter(
+                    out, send, group=mesh.shard_group, ledger=flat.ledger, unit=flat.name
+                )
         self._reduce = (handle, send)
 
     def finish(self) -> None:
@@ -236,6 +245,18 @@ class GradBucket:
         handle, _send = self._reduce
         self._reduce = None
         out = handle.wait()
+        mesh = self.flat.mesh
+        if mesh.hybrid is not None:
+            # The shard group's sum of this 1/k shard, summed over the replicas holding it.
+            C.scoped_all_reduce(
+                out,
+                scope=C.REPLICATE,
+                group=mesh.replicate_group,
+                ledger=self.flat.ledger,
+                label="grads",
+                async_op=False,
+                unit=self.flat.name,
+            )
         # Average (FP16 was divided before summing), remove the loss scale and look for inf/NaN
         # in one fused pass over the reduced values.
         divisor = self.scaling.loss_scale

@@ -212,9 +212,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss.backward()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale gradients so that their global norm (over every rank's shard) is at most
-        ``max_norm``; returns the norm before clipping, as ``torch.nn.utils.clip_grad_norm_``
-        returns it for the unsharded model."""
+        """Scale gradients so that their global norm is at most ``max_norm``; returns the norm
+        before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it for the unsharded
+        model. The norm sums the shard group's shards (every element once; with hybrid
+        sharding the replicas in other groups are not counted again)."""
         if norm_type != 2.0:
             raise ValueError("clip_grad_norm supports the 2-norm (norm_type=2.0) only")
         grads = self._shard_grads()
@@ -222,13 +223,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sq = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:  # one fused norm per buffer: no gradient-sized temporaries
             sq += torch.stack(torch._foreach_norm(grads)).pow(2).sum()
-        if self.engine.partition.optimizer_states and self.engine.mesh.world_size > 1:
+        mesh = self.engine.mesh
+        if self.engine.partition.optimizer_states and mesh.shard_size > 1:
+            # The shard group's ranks hold disjoint shards that together make every gradient;
+            # with hybrid sharding the other groups hold the same ones: summing over them too
+            # would count each element once per replica.
             C.all_reduce(
-                sq,
-                group=self.engine.mesh.group,
-                ledger=self.engine.ledger,
-                label="norm",
-                async_op=False,
+                sq, group=mesh.shard_group, ledger=self.engine.ledger, label="norm", async_op=False
             )
         norm = sq.sqrt()[0]
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -245,10 +246,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # 1D FP32, this rank: found_inf, then one flag per trainable parameter; made at the step,
         # after backward's peak, and dropped with it.
         flags = torch.cat([self.engine.scaling.found_inf, self.engine.slots_touched()])
-        if self.engine.mesh.world_size > 1:
-            C.all_reduce(
+        mesh = self.engine.mesh
+        if mesh.world_size > 1:
+            # Over every rank, also with hybrid sharding: "touched" depends on each rank's data.
+            C.scoped_all_reduce(
                 flags,
-                group=self.engine.mesh.group,
+                scope=C.WORLD if mesh.hybrid is not None else C.SHARD,
+                group=mesh.group,
                 ledger=self.engine.ledger,
                 label="found_inf",
                 op=dist.ReduceOp.MAX,

@@ -1,0 +1,211 @@
+"""A rank that stops answering makes the others fail within the timeout, with one line naming the
+collective, the unit and the rank (``zeroshard.watchdog``), never a silent hang.
+
+Every multi-rank test runs under a 3 s collective timeout and a bound on the whole run from the
+test process (``Workers(timeout_s=...)``, ``Connection.poll``), so that a regression fails the
+test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zeroshard
+from zeroshard import collectives as C
+from zeroshard.mesh import Mesh
+from zeroshard.testing import Workers, free_port
+from zeroshard.watchdog import (
+    CollectiveTimeout,
+    TimeoutReport,
+    _message,
+    group_timeout_s,
+    is_comm_failure,
+)
+
+TIMEOUT_S = 3.0
+# The timeout, then up to the timeout again for the other ranks to check in (grace), plus slack
+# for a loaded 2-core machine.
+DEADLINE_S = 2 * TIMEOUT_S + 6.0
+
+
+def _caught(fn, *args) -> tuple[str, str, float] | str:
+    """``fn(*args)``: ("timeout", message, seconds) if it raised ``CollectiveTimeout``."""
+    start = time.monotonic()
+    try:
+        fn(*args)
+    except CollectiveTimeout as exc:
+        return ("timeout", str(exc), time.monotonic() - start)
+    return "completed"
+
+
+def _gather(unit: str | None) -> None:
+    out = torch.zeros(2 * 4)  # 1D, full, all ranks
+    C.all_gather(out, torch.ones(4), group=None, ledger=C.Ledger(), unit=unit).wait()
+
+
+def _skip_on_rank_1() -> tuple[str, str, float] | str:
+    if dist.get_rank() == 1:
+        return "skipped"  # a deadlock injected in one rank: it never issues the all-gather
+    return _caught(_gather, "blocks.3")
+
+
+def _different_collectives() -> tuple[str, str, float] | str:
+    if dist.get_rank() == 0:
+        return _caught(_gather, None)
+    # Synchronous (async_op=False): the path without a Handle.
+    norm = torch.zeros(1)
+    return _caught(
+        lambda: C.all_reduce(norm, group=None, ledger=C.Ledger(), label="norm", async_op=False)
+    )
+
+
+def _assert_one_line(message: str) -> None:
+    assert "\n" not in message and len(message) < 500, message
+
+
+def test_a_rank_that_skips_a_collective_is_named():
+    with Workers(2, timeout_s=60, collective_timeout_s=TIMEOUT_S) as workers:
+        first, second = workers.run(_skip_on_rank_1)
+    assert second == "skipped"
+    kind, message, seconds = first
+    assert kind == "timeout", first
+    _assert_one_line(message)
+    assert message.startswith("all_gather of params (unit blocks.3) timed out after 3 s on rank 0")
+    assert "rank 1 did not arrive" in message and "Look at rank 1" in message, message
+    assert "--timeout" in message, message
+    assert TIMEOUT_S <= seconds < DEADLINE_S, seconds
+
+
+def test_ranks_in_different_collectives_say_so():
+    with Workers(2, timeout_s=60, collective_timeout_s=TIMEOUT_S) as workers:
+        first, second = workers.run(_different_collectives)
+    for (kind, message, seconds), mine, theirs in (
+        (first, "all_gather of params", "rank 1 was in all_reduce of norm"),
+        (second, "all_reduce of norm", "rank 0 was in all_gather of params"),
+    ):
+        assert kind == "timeout", (first, second)
+        _assert_one_line(message)
+        assert message.startswith(mine) and theirs in message, message
+        assert "different collectives" in message and "did not arrive" not in message, message
+        assert seconds < DEADLINE_S, seconds
+
+
+def _hybrid_group_timeouts() -> tuple[float | None, float | None]:
+    mesh = Mesh.current().hybrid_sharded(1)  # 2 ranks: shard groups of 1, replicated twice
+    return group_timeout_s(mesh.shard_group), group_timeout_s(mesh.replicate_group)
+
+
+def test_groups_made_for_hybrid_sharding_keep_the_job_s_timeout():
+    # dist.new_group and DeviceMesh would give them gloo's default, 30 minutes.
+    with Workers(2, timeout_s=60, collective_timeout_s=TIMEOUT_S) as workers:
+        assert workers.run(_hybrid_group_timeouts) == [(TIMEOUT_S, TIMEOUT_S)] * 2
+
+
+# ------------------------------------------------------------ SIGSTOP inside a sharded model
+
+
+def _stopped_rank_main(rank: int, port: int, conn, stopped: int) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    Mesh.from_env(backend="gloo", device="cpu", timeout_s=TIMEOUT_S)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(nn.Linear))
+    conn.send("sharded")
+    if rank == stopped:
+        os.kill(os.getpid(), signal.SIGSTOP)  # stops answering, as a rank stuck in the kernel
+    conn.send(_caught(lambda: model(torch.randn(2, 8)).sum().backward()))
+
+
+@pytest.mark.parametrize("stopped", [1, 0])
+def test_a_stopped_rank_is_named_by_the_engine_s_collective(stopped):
+    """Rank 1 stopped: rank 0 names it. Rank 0 stopped: outside torchrun it also hosts the
+    rendezvous store, which stops with it; rank 1 still fails within the bound and says so."""
+    ctx = mp.get_context("spawn")
+    alive = 1 - stopped
+    port = free_port()
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [
+        ctx.Process(target=_stopped_rank_main, args=(r, port, pipes[r][1], stopped), daemon=True)
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        conn = pipes[alive][0]
+        assert conn.poll(90) and conn.recv() == "sharded"
+        assert conn.poll(DEADLINE_S + 10), f"rank {alive} hung: no CollectiveTimeout"
+        kind, message, seconds = conn.recv()
+        # The stopped rank really was stopped ('T' in /proc), not finished or dead.
+        if os.path.exists(f"/proc/{procs[stopped].pid}/stat"):
+            with open(f"/proc/{procs[stopped].pid}/stat") as f:
+                assert f.read().rsplit(")", 1)[1].split()[0] == "T"
+    finally:
+        for p in procs:
+            p.kill()  # SIGKILL ends a stopped process too
+            p.join(10)
+    assert kind == "timeout"
+    _assert_one_line(message)
+    head = rf"all_gather of params \(unit [01]\) timed out after 3 s on rank {alive}"
+    assert re.match(head, message), message  # the unit: the engine names its FlatParam
+    if stopped == 1:
+        assert "rank 1 did not arrive" in message, message
+    else:
+        assert "rendezvous store did not answer" in message and "rank 0" in message, message
+    assert TIMEOUT_S <= seconds < DEADLINE_S, seconds
+
+
+# ------------------------------------------------------------ pure: messages and errors
+
+
+def _report(**kw) -> TimeoutReport:
+    base = dict(
+        op="reduce_scatter", label="grads", unit=None, rank=0, group_ranks=(0, 1, 2, 3),
+        missing=(), elsewhere={}, timeout_s=60.0,
+        backend_error="Timed out waiting 60000ms for recv operation to complete",
+    )  # fmt: skip
+    return TimeoutReport(**{**base, **kw})
+
+
+def test_message_names_several_missing_ranks():
+    message = _message(_report(missing=(2, 3)), store_answered=True)
+    assert message.startswith("reduce_scatter of grads timed out after 60 s on rank 0: ranks 2, 3")
+    assert "ranks 0, 1 reached it" in message, message
+    _assert_one_line(message)
+
+
+def test_message_when_every_rank_arrived_or_the_store_is_gone():
+    slow = _message(_report(), store_answered=True)
+    assert "every rank of the group (0, 1, 2, 3) reached it" in slow and "raise the timeout" in slow
+    gone = _message(_report(), store_answered=False)
+    assert "rendezvous store did not answer" in gone and "rank 0" in gone
+    closed = _message(
+        _report(backend_error="Connection closed by peer [127.0.0.1]:1234", missing=(1,)),
+        store_answered=True,
+    )
+    assert "failed on rank 0 (Connection closed by peer" in closed and "rank 1 did not" in closed
+
+
+def test_only_communication_failures_are_diagnosed():
+    assert is_comm_failure(RuntimeError("[x.cc:78] Timed out waiting 3000ms for recv operation"))
+    assert is_comm_failure(RuntimeError("Connection closed by peer [127.0.0.1]:5000"))
+    assert not is_comm_failure(RuntimeError("output tensor size must be equal to world_size"))
+    assert not is_comm_failure(ValueError("timeout"))
+
+
+@pytest.mark.parametrize("bad", [0, -5.0])
+def test_timeout_must_be_positive(bad):
+    with pytest.raises(ValueError, match="timeout_s must be a positive"):
+        Mesh.from_env(timeout_s=bad, device="cpu")

@@ -1,0 +1,59 @@
+"""``ShardConfig``: how the engine's schedule trades memory for overlap and communication (the
+keyword-only options of ``zeroshard.shard(..., config=...)``), validated at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardConfig:
+    """How the schedule trades memory for overlap."""
+
+    num_prefetch: int = 1
+    """Units gathered ahead of the one computing (forward and backward; partitioned parameters
+    only). At most ``1 + num_prefetch`` non-root units are gathered at once."""
+    reshard_root_after_forward: bool = False
+    """Free the root unit's parameters after forward too (saves memory, costs one more
+    all-gather of the root per step)."""
+    reduce_every_micro_step: bool = False
+    """With partitioned gradients: reduce-scatter on every micro-step of gradient accumulation
+    and accumulate into the shard (saves the full gradient's memory, costs communication)."""
+    bucket_bytes: int = 25 * 2**20
+    """With replicated parameters (stages 0-2): consecutive units share one flat buffer of up to
+    this many bytes, reduced in one collective once all its units' backward is done (0: one
+    buffer per unit). Stage 3 always gathers and reduces per unit."""
+    max_inflight_reductions: int = 2
+    """Gradient reductions in flight before the oldest is waited for (bounds the full-gradient
+    buffers alive at stage 2/3)."""
+    sync_module_states: bool = True
+    """Broadcast rank 0's parameters at shard time so every rank starts identical."""
+    checkpoint_every: int = 0
+    """Activation checkpointing (ZeRO-R, the article's ``ci``): spans of this many chained units
+    keep only their inputs for backward and recompute the rest (0: off; 1: every unit on its
+    own). See ``zeroshard.residual_states.activations``."""
+    shard_group_size: int = 0
+    """Hybrid sharding (HSDP, ZeRO++ hpZ): partition model states inside groups of this many
+    consecutive ranks and replicate them across groups (0: over every rank). It must divide the
+    world size; ignored, with a warning, at stage 0. See ``zeroshard.mesh.Mesh.hybrid_sharded``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shard_group_size, bool) or self.shard_group_size < 0:
+            raise ValueError(
+                f"shard_group_size must be >= 0 (0: shard over every rank), got "
+                f"{self.shard_group_size!r}"
+            )
+        if self.bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0, got {self.bucket_bytes}")
+        if self.num_prefetch < 0:
+            raise ValueError(f"num_prefetch must be >= 0, got {self.num_prefetch}")
+        if self.checkpoint_every < 0:
+            raise ValueError(
+                f"checkpoint_every must be >= 0 (0: off, k: units per span), got "
+                f"{self.checkpoint_every}"
+            )
+        if self.max_inflight_reductions < 1:
+            raise ValueError(
+                f"max_inflight_reductions must be >= 1, got {self.max_inflight_reductions}"
+            )

@@ -1,0 +1,264 @@
+"""Collectives that fail with a diagnosis, not a hang: which collective, which unit, which rank.
+
+A rank that stops answering (killed, stopped with SIGSTOP, stuck in other code, or issuing a
+different collective) leaves its peers blocked until the process group's timeout
+(``Mesh.from_env(timeout_s=...)``, 300 s by default; a group from ``dist.new_group`` takes its own
+``timeout=``). The backend then raises an error that names neither the collective nor the rank
+("Timed out waiting 300000ms for recv operation to complete"). ``diagnosed(op, label, group)``,
+wrapped around every collective and every wait in ``zeroshard.collectives``, turns such an error
+into ``CollectiveTimeout``, whose one-line message says what happened and what to do::
+
+    all_gather of params (unit blocks.3) timed out after 60 s on rank 0: rank 1 did not arrive
+    (stopped, hung in other code, or dead); ranks 0, 2 reached it. Look at rank 1 (its log,
+    py-spy dump), or raise the timeout (Mesh.from_env(timeout_s=...), zeroshard train --timeout)
+    if it is only slow
+
+How the missing ranks are found: after a timeout gloo closes the group's connections, so nothing
+more can be asked over the group itself (``dist.monitored_barrier`` on it fails at once with
+"Application timeout caused pair closure"). The ranks that failed check in on the job's
+rendezvous store instead (a TCP key-value store, independent of the backend): each writes the
+collective it was in under ``zeroshard/watchdog/<group>/<rank>`` and waits up to ``grace_s`` (the
+group's timeout, at most 10 s) for the others. A rank that never checks in did not arrive; one
+that checks in from another collective ran a different schedule (a deadlock in the program).
+If the store itself does not answer (outside torchrun rank 0 hosts it, so a stopped rank 0
+stops it too), the check-in gives up after the grace and the message says so. The check-in is
+once per group: the group is unusable after a timeout anyway.
+
+Run on gloo (CPU) in ``tests/test_watchdog.py``. On nccl the same code runs when the timeout
+reaches Python as an exception; with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at its default, nccl's
+own watchdog may end the process first (not run here: no GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Lower-cased fragments of the backends' errors for a peer that is gone or too slow. Anything else
+# (a shape mismatch, a bad argument) is re-raised untouched: asking the store would only delay it.
+_COMM_FAILURES = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "closed by peer",
+    "connection reset",
+    "pair closure",
+    "broken pipe",
+)
+
+MAX_GRACE_S = 10.0
+"""Longest wait for the other ranks to check in after a failure (shorter with short timeouts)."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete: the message names the collective, the unit or label, this
+    rank, and the ranks that did not arrive (or that issued another collective)."""
+
+    exit_code = 4
+    """Exit status for command-line tools (``zeroshard train``: 1 failed, 2 bad input,
+    3 diverged)."""
+
+    def __init__(self, message: str, *, report: TimeoutReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeoutReport:
+    """What the ranks that failed found out together (``CollectiveTimeout.report``)."""
+
+    op: str
+    """The collective: "all_gather", "reduce_scatter", "all_reduce", "broadcast"."""
+    label: str
+    """What moved, as the engine labels it ("params", "grads", "norm", ...)."""
+    unit: str | None
+    """The unit (wrapped module) whose tensors moved, when the caller named it."""
+    rank: int
+    """This rank (global, as torchrun's RANK)."""
+    group_ranks: tuple[int, ...]
+    """Every rank of the collective's group (global ranks)."""
+    missing: tuple[int, ...]
+    """Ranks that never checked in: stopped, hung in other code, or dead."""
+    elsewhere: dict[int, str]
+    """Ranks that checked in from a different collective: rank -> "all_reduce of norm"."""
+    timeout_s: float | None
+    """The group's timeout in seconds (None when the backend does not say)."""
+    backend_error: str
+    """The backend's own message, without its source location."""
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a backend's report of a peer that is gone or did not answer in time."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(f in text for f in _COMM_FAILURES)
+
+
+@contextlib.contextmanager
+def diagnosed(
+    op: str, label: str, group: dist.ProcessGroup | None, *, unit: str | None = None
+) -> Iterator[None]:
+    """Turn a communication failure inside the block into ``CollectiveTimeout`` (see module
+    docstring); other errors pass through unchanged."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, CollectiveTimeout) or not is_comm_failure(exc):
+            raise
+        raise diagnose(exc, op=op, label=label, group=group, unit=unit) from exc
+
+
+def group_timeout_s(group: dist.ProcessGroup | None) -> float | None:
+    """The timeout ``group``'s collectives run under, in seconds (None if the backend hides it)."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        device = torch.device("cpu") if dist.get_backend(pg) == "gloo" else None
+        backend = pg._get_backend(device or dist.distributed_c10d._get_pg_default_device(pg))
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def inherit_timeout(*groups: dist.ProcessGroup | None) -> None:
+    """Give ``groups`` the default group's collective timeout (the one ``Mesh.from_env`` set).
+
+    ``dist.new_group`` and ``DeviceMesh`` make their groups with the backend's own default (30
+    minutes on gloo, 10 on nccl), not the job's: without this, a rank stopped during a
+    shard-group collective would hold the others for half an hour."""
+    world_s = group_timeout_s(None)
+    if world_s is None:
+        return
+    for group in groups:
+        if group is not None and group_timeout_s(group) != world_s:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=world_s), group)
+
+
+def diagnose(
+    exc: BaseException,
+    *,
+    op: str,
+    label: str,
+    group: dist.ProcessGroup | None,
+    unit: str | None = None,
+    grace_s: float | None = None,
+) -> CollectiveTimeout:
+    """Find out with the other ranks which of them did not arrive at ``op`` (module docstring)
+    and return the ``CollectiveTimeout`` to raise. Blocks up to ``grace_s`` (default: the
+    group's timeout, at most ``MAX_GRACE_S``) when a rank does not check in."""
+    pg = group if group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    me = dist.get_rank()
+    timeout_s = group_timeout_s(group)
+    if grace_s is None:
+        grace_s = min(timeout_s or MAX_GRACE_S, MAX_GRACE_S)
+    mine = _describe(op, label, unit)
+    arrived = _check_in(f"zeroshard/watchdog/{pg.group_name}/", me, ranks, mine, grace_s)
+    report = TimeoutReport(
+        op=op,
+        label=label,
+        unit=unit,
+        rank=me,
+        group_ranks=ranks,
+        missing=tuple(r for r in ranks if arrived is not None and r not in arrived),
+        elsewhere={r: w for r, w in (arrived or {}).items() if w != mine},
+        timeout_s=timeout_s,
+        backend_error=re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0]),
+    )
+    return CollectiveTimeout(_message(report, store_answered=arrived is not None), report=report)
+
+
+def _describe(op: str, label: str, unit: str | None) -> str:
+    return f"{op} of {label}" + (f" (unit {unit})" if unit else "")
+
+
+def _check_in(
+    prefix: str, me: int, ranks: tuple[int, ...], mine: str, grace_s: float
+) -> dict[int, str] | None:
+    """Write ``mine`` under ``prefix + me`` and wait up to ``grace_s`` for every rank of
+    ``ranks`` to write theirs; rank -> what it was in, for those that did. None when the store
+    itself does not answer (its host, rank 0 outside torchrun, may be the stopped rank)."""
+    store = dist.distributed_c10d._get_default_store()
+    found: list[dict[int, str] | None] = []
+    # In a thread with a bound on the join: a TCPStore client waits for a stopped (not dead)
+    # server without any timeout on some requests (``add``). The thread is a daemon, left
+    # blocked in that case; the job is failing anyway.
+    worker = threading.Thread(
+        target=lambda: found.append(_ask_store(store, prefix, me, ranks, mine, grace_s)),
+        name="zeroshard-watchdog",
+        daemon=True,
+    )
+    worker.start()
+    worker.join(grace_s + 2.0)
+    return found[0] if found else None
+
+
+def _ask_store(
+    store: dist.Store, prefix: str, me: int, ranks: tuple[int, ...], mine: str, grace_s: float
+) -> dict[int, str] | None:
+    """``_check_in``'s requests (run in its thread)."""
+    # The store's own timeout is the group's (up to minutes): bound the requests that honour it
+    # by the grace, and put it back after (the store outlives this failure: other groups).
+    previous = store.timeout
+    store.set_timeout(datetime.timedelta(seconds=max(grace_s, 1.0)))
+    try:
+        store.set(f"{prefix}{me}", mine)
+        store.add(f"{prefix}count", 1)
+        deadline = time.monotonic() + grace_s
+        while store.add(f"{prefix}count", 0) < len(ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return {
+            r: store.get(f"{prefix}{r}").decode() for r in ranks if store.check([f"{prefix}{r}"])
+        }
+    except (RuntimeError, OSError):  # DistStoreError and connection errors
+        return None
+    finally:
+        store.set_timeout(previous)
+
+
+def _ranks(ranks: tuple[int, ...] | list[int]) -> str:
+    listed = ", ".join(str(r) for r in ranks)
+    return f"rank {listed}" if len(ranks) == 1 else f"ranks {listed}"
+
+
+def _message(r: TimeoutReport, *, store_answered: bool) -> str:
+    """The one line ``CollectiveTimeout`` carries (no newlines: logs keep it whole)."""
+    what = _describe(r.op, r.label, r.unit)
+    timed_out = any(t in r.backend_error.lower() for t in ("timed out", "timeout"))
+    after = f" after {r.timeout_s:g} s" if r.timeout_s is not None else ""
+    head = (
+        f"{what} timed out{after} on rank {r.rank}"
+        if timed_out
+        else f"{what} failed on rank {r.rank} ({r.backend_error})"
+    )
+    raise_it = "raise the timeout (Mesh.from_env(timeout_s=...), zeroshard train --timeout)"
+    if not store_answered:
+        return (
+            f"{head}; the rendezvous store did not answer either, so its host (rank 0 outside "
+            f"torchrun) is stopped, hung or dead; look at rank 0 first, or {raise_it} if it is "
+            "only slow"
+        )
+    if r.missing:
+        reached = [x for x in r.group_ranks if x not in r.missing]
+        return (
+            f"{head}: {_ranks(r.missing)} did not arrive (stopped, hung in other code, or dead); "
+            f"{_ranks(reached)} reached it. Look at {_ranks(r.missing)} (its log, py-spy dump), "
+            f"or {raise_it} if it is only slow"
+        )
+    if r.elsewhere:
+        where = "; ".join(f"rank {x} was in {w}" for x, w in sorted(r.elsewhere.items()))
+        return (
+            f"{head}: {where}. The ranks issued different collectives (one skipped or added "
+            "one, e.g. in a branch taken on some ranks only); compare the ranks' code paths"
+        )
+    return (
+        f"{head}, yet every rank of the group ({', '.join(map(str, r.group_ranks))}) reached "
+        f"it: one collective took longer than the timeout, or another group failed first; "
+        f"{raise_it}"
+    )
