@@ -156,14 +156,37 @@ def test_hf_and_module_find_the_engines_units(capsys, tmp_path):
     # Stage 3 gathers the largest unit (here the root), not the whole backbone at once.
     unit = max(root, block)
     assert by_hf["stages"][0]["memory"]["device"]["gathered_units"] == 2 * 2 * unit + 2 * unit
-    # --module has no shape (no activations), but the same units and model states.
-    for category in ("params", "grads", "optimizer_states", "gathered_units"):
+    # --module has no shape, but the same units and model states, and the same activations:
+    # both measured on the built model (meta device), not taken from a GPT-shaped formula.
+    assert by_hf["model"]["activations_measured"] and by_module["model"]["activations_measured"]
+    assert by_hf["activation_working_bytes"] == by_module["activation_working_bytes"] > 0
+    for category in (
+        "params",
+        "grads",
+        "optimizer_states",
+        "gathered_units",
+        "activation_checkpoints",
+        "activation_working",
+        "logits",
+    ):
         got = by_module["stages"][0]["memory"]["device"][category]
         assert got == by_hf["stages"][0]["memory"]["device"][category], category
     text = _run(["--hf", str(tmp_path), *argv], capsys)
     assert "units (_no_split_modules (GPT2Block)): 3; root unit 20,608 parameters" in text
     wrapped = _json(["--hf", str(tmp_path), "--wrap", "GPT2Attention,GPT2MLP", *argv], capsys)
     assert wrapped["model"]["num_units"] == 5
+
+
+def test_a_forward_that_fails_on_meta_is_a_note(capsys):
+    # The reference GPT refuses more tokens than its block size: the plan says so and keeps the
+    # model states; with a sequence it takes, its activations are measured.
+    refused = _json(["--module", "test_cli_plan:tiny_gpt", "--seq", "1024"], capsys)
+    notes = refused["stages"][0]["memory"]["notes"]
+    assert any("activations not measured" in n and "exceeds block_size" in n for n in notes)
+    assert refused["stages"][0]["memory"]["device"]["activation_working"] == 0
+    taken = _json(["--module", "test_cli_plan:tiny_gpt", "--seq", "128"], capsys)
+    assert taken["model"]["activations_measured"]
+    assert taken["stages"][0]["memory"]["device"]["activation_working"] > 0
 
 
 def test_hf_without_transformers_warns_on_stderr(capsys, tmp_path, monkeypatch):

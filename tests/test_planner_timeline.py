@@ -71,12 +71,19 @@ def test_engine_timeline_in_a_units_backward():
 
 def test_engine_timeline_with_few_tokens_peaks_in_reductions_or_the_step():
     # 32 tokens: model states dominate. Stage 2 (one bucket per unit) peaks at the first block's
-    # post-backward: its gradient twice (autograd's and the collected copy), two reductions in
-    # flight, and gloo's staging copy of the one waited for.
+    # reduction: its gradient (collected, autograd's released), two reductions in flight, and
+    # gloo's staging copy of the one waited for. Just before, at its post-backward, its gradient
+    # was held twice (autograd's and the copy being collected), but no shard or staging yet.
     block = WIDE.shape.block_numel
     b = m.plan_memory(WIDE, _engine(2, reduce_stages_input=True))
-    assert b.peak_moment == "unit post-backward 3"
-    assert b.peak["comm_buckets"] == 4 * (2 + 2) * block + 4 * block
+    assert b.peak_moment == "unit reduction wait 3"
+    assert b.peak["comm_buckets"] == 4 * (2 + 1) * block + 4 * block
+    cfg = _engine(2, reduce_stages_input=True)
+    states = m.model_states(
+        WIDE.num_params, stage=2, num_dp_ranks=2, bytes_per_param=cfg.bytes_per_param
+    )[m.Tier.DEVICE]
+    moments = dict(t.moments(WIDE, cfg, states))
+    assert moments["unit post-backward 3"]["comm_buckets"] == 4 * (2 + 2) * block
     assert b.peak["model_state_working"] == 4 * 64 * 128  # the tied embedding's gradient
     shards = 4 * block * 4 // 2  # four units' gradient shards: 4 bytes over 2 ranks
     assert abs(b.peak["grads"] - shards) <= 4

@@ -2,8 +2,11 @@
 count, a transformer shape, a zeroshard GPT preset, any ``nn.Module`` (counted on the meta device,
 so nothing is allocated) or a Hugging Face config.
 
-Only a transformer shape gives the residual-state terms (activations, working memory, logits); a
-bare parameter count plans model states and communication only.
+A built model (``from_module``, ``from_hf_config``) that takes token ids has its activations
+measured: one forward and loss on the meta device per batch and sequence length planned
+(``zeroshard.planner.saved``). Otherwise a transformer shape gives the reference GPT's
+residual-state terms (activations, working memory, logits); a bare parameter count plans model
+states and communication only.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 from zeroshard.models.gpt import GPTConfig, preset
 from zeroshard.planner import hf
+from zeroshard.planner.saved import ActivationProfile, profile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +74,10 @@ class ModelDescription:
     ``None`` when they come from a shape or are unknown."""
     name: str = "model"
     """How tables and reports call it."""
+    activations: ActivationProfile | None = None
+    """What autograd saves per unit, measured on the built model (meta device) at the batch and
+    sequence length planned (``zeroshard.planner.saved``); ``None``: the reference GPT's
+    formulas from ``shape`` (a shape, a preset, or a model that takes no token ids)."""
 
     def __post_init__(self) -> None:
         _positive_int("num_params", self.num_params)
@@ -189,7 +197,9 @@ def from_module(
     device, so no parameter memory is allocated. Shared parameters (tied embeddings) are counted
     once. The units are those the engine would make (``zeroshard.wrap.units``) with ``wrap``
     (class names, ``--wrap``), else the model's ``_no_split_modules`` (Hugging Face), else a
-    guess with a warning: the class of the longest run of repeated blocks."""
+    guess with a warning: the class of the longest run of repeated blocks. A model that takes token
+    ids (a transformers model, or ``model(x, y)`` returning the loss) gets its activations
+    measured (``ModelDescription.activations``); if its forward fails on meta, a warning."""
     import torch
     from torch import nn
 
@@ -206,7 +216,19 @@ def from_module(
     policy, how = wrap_policy(module, wrap)
     from zeroshard.wrap import units
 
-    numels = [sum(p.numel() for _, p, _ in spec.params) for spec in units(module, policy)]
+    specs = units(module, policy)
+    numels = [sum(p.numel() for _, p, _ in spec.params) for spec in specs]
+    label = name or type(module).__name__
+    try:
+        activations = profile(module, tuple(s.name for s in specs[1:]))
+    except ValueError as exc:  # what the model's forward raised, on every way of calling it
+        warnings.warn(
+            f"{label}: a forward on the meta device failed ({type(exc).__name__}: {exc}); "
+            "activations follow the reference GPT's formulas (needs a shape) instead of being "
+            "measured",
+            stacklevel=2,
+        )
+        activations = None
     return ModelDescription(
         num_params=num_params,
         shape=shape,
@@ -214,7 +236,8 @@ def from_module(
         block_unit_numels=tuple(numels[1:]),
         root_unit_numel=numels[0],
         wrap_policy=how,
-        name=name or type(module).__name__,
+        name=label,
+        activations=activations,
     )
 
 

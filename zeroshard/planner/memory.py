@@ -11,7 +11,8 @@ communication buckets, the logits and an allowance for fragmentation.
 Two ways to count them:
 
 - the papers' allowance (``activation_checkpointing=True``, the default): every residual category
-  at its largest, summed, as ZeRO and ZeRO-Infinity size a device;
+  at its largest, summed, as ZeRO and ZeRO-Infinity size a device (activations from the papers'
+  formulas, or, for a built model, from what autograd saves in it: ``_measured_checkpoints``);
 - the engine's timeline (``activation_checkpointing=False``): what zeroshard's engine keeps alive,
   moment by moment through a step, for a model wrapped one unit per block
   (``zeroshard.planner.timeline``). ``MemoryBreakdown.peak`` is the composition at the largest
@@ -27,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from zeroshard.offload.tiers import Tier
+from zeroshard.planner import saved
 from zeroshard.planner.describe import ModelDescription
 from zeroshard.stages import partition
 
@@ -339,8 +341,12 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
     part = partition(c.stage)
     out = {t: dict.fromkeys(RESIDUAL_STATES, 0) for t in TIERS}
     notes = []
-    shape = model.shape
-    if shape is not None and not c.activation_checkpointing:
+    shape, measured = model.shape, saved.at_config(model, c) is not None
+    why = saved.problem(model, c)
+    if why:
+        fallback = "the reference GPT's formulas" if shape is not None else "not counted"
+        notes.append(f"activations not measured: {why}; {fallback}")
+    if (shape is not None or measured) and not c.activation_checkpointing:
         # Imported here: the timeline builds on this module's configurations and formulas.
         from zeroshard.planner import timeline
 
@@ -366,7 +372,9 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             peak=peak,
             peak_moment=when,
         )
-    if shape is not None:
+    if measured:
+        _measured_checkpoints(model, c, out)
+    elif shape is not None:
         ci = min(c.num_layers_per_checkpoint, shape.num_layers)
         tier = Tier.CPU if c.offload_activations else Tier.DEVICE
         out[tier]["activation_checkpoints"] = activation_checkpoint_bytes(
@@ -409,6 +417,32 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
     return MemoryBreakdown(
         device=out[Tier.DEVICE], cpu=out[Tier.CPU], nvme=out[Tier.NVME], notes=tuple(notes)
     )
+
+
+def _measured_checkpoints(
+    model: ModelDescription, c: MemoryConfig, out: dict[Tier, dict[str, int]]
+) -> None:
+    """The papers' activation terms from what autograd saves in ``model`` (measured on meta,
+    ``zeroshard.planner.saved``), with one checkpoint every ``ci`` units: each span's input is
+    kept; one span is recomputed at a time beside what the root saves (embeddings, head, the
+    loss's log-probabilities); the loss's backward holds two gradients of the log-probabilities'
+    size; streamed parameters need the largest operator's parameter and gradient on the device."""
+    bpp = c.bytes_per_param
+    s = saved.at_config(model, c)
+    num_units = len(s.unit_bytes)
+    ci = max(1, min(c.num_layers_per_checkpoint, num_units))
+    starts = range(0, num_units, ci)
+    checkpoints = sum(s.unit_input_bytes[i] for i in starts)
+    if c.partition_activations:
+        checkpoints = math.ceil(checkpoints / c.num_mp_ranks)
+    out[Tier.CPU if c.offload_activations else Tier.DEVICE]["activation_checkpoints"] = checkpoints
+    span = max((sum(s.unit_bytes[i : i + ci]) for i in starts), default=0)
+    root = sum(s.before_unit_bytes) + s.tail_bytes
+    out[Tier.DEVICE]["activation_working"] = span + root
+    if c.placement.params is not Tier.DEVICE:
+        largest = model.activations.largest_param_numel
+        out[Tier.DEVICE]["model_state_working"] = (bpp.params + bpp.grads) * largest
+    out[Tier.DEVICE]["logits"] = 2 * s.largest_tail_tensor_bytes
 
 
 def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdown:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from zeroshard.planner import bandwidth, comm, memory, units
+from zeroshard.planner import bandwidth, comm, memory, saved, units
 from zeroshard.planner.advise import Candidate, Cluster, Workload, advise
 from zeroshard.planner.describe import ModelDescription
 from zeroshard.planner.memory import OFFLOADS, MemoryConfig, Tier
@@ -24,6 +24,7 @@ def model_report(model: ModelDescription) -> dict:
         "num_params": model.num_params,
         "shape": None if model.shape is None else vars(model.shape),
         "wrap_policy": model.wrap_policy,
+        "activations_measured": model.activations is not None,
         "root_unit_numel": model.root_numel,
         "largest_unit_numel": model.block_unit_numel,
         "num_units": None if model.block_unit_numels is None else 1 + len(model.block_unit_numels),
@@ -76,6 +77,13 @@ def plan_report(
         out["model_state_working_bytes"] = memory.model_state_working_bytes(
             hidden_size=shape.hidden_size
         )
+    if saved.at_config(model, base) is not None:
+        # Measured on the built model (zeroshard.planner.saved), not the GPT-shaped formulas.
+        allowance = memory.plan_memory(model, replace(base, activation_checkpointing=True))
+        out["activation_checkpoint_bytes"] = sum(
+            allowance.on(t)["activation_checkpoints"] for t in Tier
+        )
+        out["activation_working_bytes"] = allowance.device["activation_working"]
     ait = bandwidth.intensity(
         micro_batch_size=base.micro_batch_size,
         seq_len=base.seq_len,
@@ -258,6 +266,12 @@ def render_plan(out: dict, unit: str = "GB") -> str:
             ("activation working", "bsz*seq*ci*(16*hd+2*heads*seq)", "activation_working_bytes"),
             ("model-state working", "4*hd*4hd", "model_state_working_bytes"),
         ]
+        if out["model"]["activations_measured"]:
+            terms[:2] = [
+                ("activation checkpoints", "measured: span inputs", terms[0][2]),
+                ("activation working", "measured: a span + the root", terms[1][2]),
+            ]
+        terms = [t for t in terms if t[2] in out]
         lines += [
             "",
             f"residual states (bsz = {out['micro_batch_size']}, seq = {out['seq_len']}, "

@@ -3,24 +3,29 @@ through one training step without activation checkpointing (the loss's backward,
 backward and post-backward, the gradient reduction, the optimizer step).
 
 ``zeroshard.planner.memory.plan_memory`` counts the device this way when
-``MemoryConfig.activation_checkpointing`` is False and the model has a transformer shape;
-``MemoryBreakdown.peak`` is then the composition of the largest moment, which
+``MemoryConfig.activation_checkpointing`` is False and the model has a transformer shape or
+measured activations; ``MemoryBreakdown.peak`` is then the composition of the largest moment, which
 ``zeroshard.planner.calibrate`` holds against MemTracker's per-rank peak.
 
 Units: the root unit (what no wrapped module owns: embeddings, final norm, an untied head) and the
 model's other units, each of its own size when the description knows them (a model built and
 wrapped as the engine wraps it, ``describe.from_module``/``from_hf_config``), else one
-transformer block each. Activations follow the reference GPT's pre-LN block
-(``saved_activation_bytes_per_layer``), whatever the family; the unit sizes are exact.
+transformer block each. Activations are what autograd saves in each unit and in the root, measured
+on the built model (``zeroshard.planner.saved``, ``ActivationTerms``); a model described by its
+shape alone follows the reference GPT's pre-LN block (``saved_activation_bytes_per_layer``).
 
-Every function is pure arithmetic on numbers; all sizes are bytes.
+Every function is arithmetic on numbers, except that a built model's activations are measured
+once per batch, sequence length and activation width (on meta, then remembered); all sizes are
+bytes.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from zeroshard.offload.tiers import Tier
+from zeroshard.planner import saved
 from zeroshard.planner.describe import ModelDescription
 from zeroshard.planner.memory import (
     ACTIVATION_BYTES,
@@ -75,6 +80,91 @@ def unit_numels(model: ModelDescription) -> list[int]:
     return [model.block_unit_numel or 0] * model.shape.num_layers
 
 
+@dataclass(frozen=True, kw_only=True)
+class ActivationTerms:
+    """The activation bytes alive at each moment of the timeline, and the transient gradients
+    beside them (``activation_terms``)."""
+
+    at_loss: int
+    """Everything saved, at the loss's backward."""
+    logits: int
+    """The loss's backward: the logits' share (the reference GPT: the saved fp32
+    log-probabilities and two gradients of their size; measured: the two gradients, the saved
+    log-probabilities being in ``at_loss``)."""
+    at_unit: tuple[int, ...]
+    """At each unit's backward (backward order): the activations still saved and the residual
+    stream's and the largest intermediate gradients."""
+    at_post: tuple[int, ...]
+    """At each unit's post-backward: that unit's activations freed, the residual stream's
+    gradient held."""
+    after: int
+    """After the last unit's backward (the token ids)."""
+    grad_working: int
+    """Gradients outside the flat buffers during a unit's backward: the largest operator's weight
+    gradient and the head's gradients (a tied embedding's, from the logits; measured: every root
+    parameter the head and the loss use)."""
+    held_grad: int
+    """Of those, what outlives the unit's backward: the head's gradients."""
+
+
+def activation_terms(model: ModelDescription, config: MemoryConfig) -> ActivationTerms:
+    """``ActivationTerms`` for ``model`` trained as ``config``: measured on the model itself when
+    it was built (``model.activations``, ``zeroshard.planner.saved``), else the reference GPT's
+    pre-LN block (``saved_activation_bytes_per_layer``) for ``model.shape``."""
+    c, g = config, config.bytes_per_param.grads
+    num_units = len(unit_numels(model))
+    s = saved.at_config(model, c)
+    if s is not None:
+        assert len(s.unit_bytes) == num_units, (len(s.unit_bytes), num_units)
+        fwd = range(num_units - 1, -1, -1)  # the forward index of each unit in backward order
+
+        def kept(i: int) -> int:
+            """Saved by units before ``i`` and by the root before unit ``i`` (inclusive)."""
+            return sum(s.unit_bytes[:i]) + sum(s.before_unit_bytes[: i + 1])
+
+        held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
+        return ActivationTerms(
+            at_loss=s.total_bytes,
+            logits=2 * s.largest_tail_tensor_bytes,
+            at_unit=tuple(
+                kept(i) + s.unit_bytes[i] + s.unit_input_bytes[i] + s.largest_unit_tensor_bytes[i]
+                for i in fwd
+            ),
+            at_post=tuple(kept(i) + s.unit_input_bytes[i] for i in fwd),
+            after=s.before_unit_bytes[0] if num_units else 0,
+            grad_working=model.activations.largest_param_numel * g + held,
+            held_grad=held,
+        )
+    shape = model.shape
+    assert shape is not None
+    nl, hd, a = shape.num_layers, shape.hidden_size, c.activation_bytes
+    tokens = c.micro_batch_size * c.seq_len
+    layer = saved_activation_bytes_per_layer(
+        micro_batch_size=c.micro_batch_size,
+        seq_len=c.seq_len,
+        hidden_size=hd,
+        num_heads=shape.num_heads,
+        activation_bytes=a,
+        flash_attention=c.flash_attention,
+    )
+    # Token ids (saved by the embedding), targets (by the loss), positions (one row, shared).
+    ids = 2 * tokens * INDEX_BYTES + c.seq_len * INDEX_BYTES
+    head = tokens * (2 * hd * a + 2 * STAT_BYTES)  # ln_f's input and output, its statistics
+    tied = shape.vocab_size * hd * g if shape.tied_embeddings else 0
+    return ActivationTerms(
+        at_loss=nl * layer + head + ids,
+        logits=logits_bytes(
+            micro_batch_size=c.micro_batch_size, seq_len=c.seq_len, vocab_size=shape.vocab_size
+        ),
+        # The gradients of the MLP hidden (4 hd) and of the residual stream (hd).
+        at_unit=tuple(max(0, nl - k) * layer + ids + tokens * 5 * hd * a for k in range(num_units)),
+        at_post=tuple(max(0, nl - k - 1) * layer + ids + tokens * hd * a for k in range(num_units)),
+        after=ids,
+        grad_working=(4 * hd * hd + hd) * g + tied,
+        held_grad=tied,
+    )
+
+
 def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int]) -> list[Moment]:
     """Device bytes per category at each moment of a step that can be the peak, as zeroshard's
     engine runs a model wrapped one unit per block (the root unit owns the rest). ``states`` are
@@ -92,10 +182,12 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
       gradients in flight, and k units' shards reduced; stage 3: the root, this unit and the
       prefetched ones gathered.
     - ``unit post-backward k``: block k's activations are freed (the residual stream's gradient
-      remains), its reduction has started (its shard exists beside its full gradient, held
-      twice: autograd's and the collected copy) and, once more than ``num_buckets`` are in
-      flight, the oldest is waited for; with ``reduce_stages_input`` the backend holds a copy of
-      that unit's gradient meanwhile.
+      remains) and its gradient is collected into one flat buffer: held twice (autograd's
+      per-parameter tensors and the copy), before its shard exists (measured: MemTracker's
+      peak is here for GPT-2, Llama and BERT at 2 x 16 tokens per rank).
+    - ``unit reduction wait k`` (``reduce_stages_input``, more than ``num_buckets`` units
+      reduced): unit k's shard exists, autograd's copy is released, and the oldest reduction in
+      flight is waited for while the backend holds a staging copy of a unit's gradient.
     - ``bucket reduction`` (replicated parameters, one bucket holding every gradient): the
       bucket's full gradient, the shard being written and the backend's staging copy.
     - ``optimizer step``: all model states and the element-wise optimizer's temporaries: AdamW's
@@ -104,31 +196,13 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
 
     Not counted: the optimizer's step counters (4 bytes per piece) and the scalar loss.
     """
-    c, bpp, shape = config, config.bytes_per_param, model.shape
-    assert shape is not None
+    c, bpp = config, config.bytes_per_param
     part = partition(c.stage)
-    nl, hd, a = shape.num_layers, shape.hidden_size, c.activation_bytes
-    mp, tokens = c.num_mp_ranks, c.micro_batch_size * c.seq_len
+    mp = c.num_mp_ranks
     backward = unit_numels(model)[::-1]  # non-root units in the order backward visits them
     num_units, root = len(backward), model.root_numel or 0
-    layer = saved_activation_bytes_per_layer(
-        micro_batch_size=c.micro_batch_size,
-        seq_len=c.seq_len,
-        hidden_size=hd,
-        num_heads=shape.num_heads,
-        activation_bytes=a,
-        flash_attention=c.flash_attention,
-    )
-    # Token ids (saved by the embedding), targets (by the loss), positions (one row, shared).
-    ids = 2 * tokens * INDEX_BYTES + c.seq_len * INDEX_BYTES
-    head = tokens * (2 * hd * a + 2 * STAT_BYTES)  # ln_f's input and output, its statistics
-    logits = logits_bytes(
-        micro_batch_size=c.micro_batch_size, seq_len=c.seq_len, vocab_size=shape.vocab_size
-    )
+    act = activation_terms(model, c)
     on_device = {m: c.placement.tier(m) is Tier.DEVICE for m in MODEL_STATES}
-    grad_working = (4 * hd * hd + hd) * bpp.grads + (
-        shape.vocab_size * hd * bpp.grads if shape.tied_embeddings else 0
-    )
     grads_total = math.ceil(bpp.grads * model.num_params / mp)
 
     def numel(first: int, count: int) -> int:
@@ -167,8 +241,8 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
             "loss backward",
             moment(
                 0,
-                activation_working=nl * layer + head + ids,
-                logits=logits,
+                activation_working=act.at_loss,
+                logits=act.logits,
                 comm_buckets=full_grads(0, 0),
                 gathered_units=gathered(0, c.num_units_prefetch),
             ),
@@ -188,31 +262,45 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 f"unit backward {k}",
                 moment(
                     0 if single_bucket else k,
-                    activation_working=max(0, nl - k) * layer + ids + tokens * 5 * hd * a,
-                    model_state_working=grad_working,
+                    activation_working=act.at_unit[k],
+                    model_state_working=act.grad_working,
                     comm_buckets=full_grads(k - in_flight, in_flight),
                     gathered_units=gathered(k, 1 + c.num_units_prefetch),
                 ),
             )
         )
-        # Its post-backward: its activations are gone, its reduction has started (its shard
-        # exists) and the oldest reduction in flight is waited for once more than
-        # ``num_buckets`` are (the backend may stage a copy of that unit's gradient meanwhile).
-        waits = k >= c.num_buckets and not single_bucket
+        # Its post-backward: its activations are gone and its gradient is collected from
+        # autograd's per-parameter tensors into one flat buffer (held twice until autograd's are
+        # released); its shard comes after, at the reduction.
+        post = dict(
+            activation_working=act.at_post[k],
+            model_state_working=act.held_grad,
+            gathered_units=gathered(k, 1 + c.num_units_prefetch),
+        )
         out.append(
             (
                 f"unit post-backward {k}",
                 moment(
-                    0 if single_bucket else k + 1,
-                    activation_working=max(0, nl - k - 1) * layer + ids + tokens * hd * a,
-                    model_state_working=grad_working - (4 * hd * hd + hd) * bpp.grads,
-                    # This unit's gradients twice (autograd's, and the copy being collected).
-                    comm_buckets=full_grads(k - in_flight, 1 + in_flight, twice=k)
-                    + (staging if waits and part.optimizer_states else 0),
-                    gathered_units=gathered(k, 1 + c.num_units_prefetch),
+                    0 if single_bucket else k,
+                    comm_buckets=full_grads(k - in_flight, 1 + in_flight, twice=k),
+                    **post,
                 ),
             )
         )
+        # Its reduction has started (its shard exists) and the oldest reduction in flight is
+        # waited for once more than ``num_buckets`` are, the backend staging a copy of that
+        # unit's gradient meanwhile.
+        if k >= c.num_buckets and not single_bucket and staging and part.optimizer_states:
+            out.append(
+                (
+                    f"unit reduction wait {k}",
+                    moment(
+                        k + 1,
+                        comm_buckets=full_grads(k - in_flight, 1 + in_flight) + staging,
+                        **post,
+                    ),
+                )
+            )
     # AdamW's loop: sqrt(v) and its quotient for this piece while the previous piece's
     # denominator is still bound to the loop variable: three temporaries of the largest piece.
     shard_ways = mp * (c.num_dp_ranks if part.optimizer_states else 1)
@@ -226,7 +314,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 "bucket reduction",
                 moment(
                     num_units + 1,
-                    activation_working=ids,
+                    activation_working=act.after,
                     comm_buckets=full_grads(0, 0) + staging,
                 ),
             )

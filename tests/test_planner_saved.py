@@ -1,0 +1,134 @@
+"""What autograd saves, measured on the meta device (``zeroshard.planner.saved``), against the
+same models run for real on the CPU in the test: every family's bytes per unit, parameters left
+out, storages counted once, and the checkpointed terms built from them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_planner_hf import HF_CONFIGS
+
+from zeroshard.models.gpt import GPT, PRESETS
+from zeroshard.planner import describe, memory, timeline
+
+
+def _real_saved(model, unit_names, batch: int, seq: int, vocab: int, call: str) -> dict:
+    """Bytes of the distinct non-parameter storages autograd saves in a real CPU forward and
+    loss, by unit (forward index) and "root": the reference the meta measurement must match."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    where, found = ["root"], {}
+    for i, name in enumerate(unit_names):
+        unit = model.get_submodule(name)
+        unit.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, i))
+        unit.register_forward_hook(lambda m, a, o: where.__setitem__(0, "root"))
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in found:
+            found[storage.data_ptr()] = (where[0], storage.nbytes(), t)
+        return t
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(2))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=x, labels=y).loss if call == "hf" else model(x, y)
+    out: dict = {}
+    for w, num_bytes, _ in found.values():
+        out[w] = out.get(w, 0) + num_bytes
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5", "llama", "bert"])
+def test_meta_measurement_is_what_a_real_forward_saves(name):
+    pytest.importorskip("transformers")
+    from zeroshard.planner import hf
+
+    model = describe.from_hf_config(HF_CONFIGS[name])
+    profile = model.activations
+    assert profile is not None and profile.call == "hf"
+    got = profile.at(micro_batch_size=3, seq_len=24)
+    torch.manual_seed(0)
+    real = hf.build(HF_CONFIGS[name], device="cpu").train()
+    want = _real_saved(real, profile.unit_names, 3, 24, HF_CONFIGS[name]["vocab_size"], "hf")
+    assert got.unit_bytes == tuple(want.get(i, 0) for i in range(len(profile.unit_names)))
+    assert sum(got.before_unit_bytes) + got.tail_bytes == want["root"]
+    assert len(got.unit_bytes) == len(model.block_unit_numels)
+    # The loss's fp32 log-probabilities are the root's largest saved tensor after the units.
+    assert got.largest_tail_tensor_bytes == 3 * 24 * HF_CONFIGS[name]["vocab_size"] * 4
+
+
+def test_reference_gpt_measured_as_the_formula_counts():
+    """The reference GPT through ``from_module``: each block saves exactly what the fitted
+    formula says (fused attention: a log-sum-exp per head), measured on meta."""
+    cfg = PRESETS["nano"]
+    model = describe.from_module(lambda: GPT(cfg), wrap="Block")
+    got = model.activations.at(micro_batch_size=2, seq_len=cfg.block_size)
+    per_layer = timeline.saved_activation_bytes_per_layer(
+        micro_batch_size=2,
+        seq_len=cfg.block_size,
+        hidden_size=cfg.n_embd,
+        num_heads=cfg.n_head,
+        activation_bytes=4,
+        flash_attention=True,
+    )
+    assert got.unit_bytes == (per_layer,) * cfg.n_layer
+    # The head's parameters: ln_f (weight and bias) and the tied embedding (lm_head).
+    assert got.tail_param_numel == 2 * cfg.n_embd + cfg.vocab_size * cfg.n_embd
+
+
+def test_parameters_and_shared_storages_are_not_counted():
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x, y):
+            h = self.emb(x)
+            for b in self.blocks:
+                h = b(h) * h  # the product saves h twice: one storage
+            return h.sum()
+
+    model = describe.from_module(Tiny, wrap="Linear")
+    got = model.activations.at(micro_batch_size=2, seq_len=5)
+    tokens_bytes = 2 * 5 * 8 * 4
+    # Block 0 saves its input (the embedding's output) for its weight gradient; the product
+    # after it (in the root) saves h and the block's output: h is that storage already.
+    assert got.unit_bytes == (tokens_bytes, tokens_bytes)
+    assert got.before_unit_bytes[0] == 2 * 5 * 8  # the int64 token ids, saved by the embedding
+    assert got.unit_input_bytes == (tokens_bytes, tokens_bytes)
+    assert model.activations.largest_param_numel == 64
+
+
+def test_bf16_measures_in_bf16():
+    pytest.importorskip("transformers")
+    profile = describe.from_hf_config(HF_CONFIGS["llama"]).activations
+    fp32 = profile.at(micro_batch_size=2, seq_len=16, activation_bytes=4)
+    bf16 = profile.at(micro_batch_size=2, seq_len=16, activation_bytes=2)
+    # Half as much in the blocks, but not less: RMSNorm's fp32 upcasts stay fp32.
+    for a, b in zip(fp32.unit_bytes, bf16.unit_bytes, strict=True):
+        assert a / 2 < b < a
+    # The loss runs on logits.float(): its log-probabilities are fp32 either way.
+    assert bf16.largest_tail_tensor_bytes == fp32.largest_tail_tensor_bytes
+
+
+def test_checkpointing_keeps_span_inputs_and_recomputes_one_span():
+    pytest.importorskip("transformers")
+    model = describe.from_hf_config(HF_CONFIGS["t5"])  # 4 units: 2 encoder, 2 decoder blocks
+    s = model.activations.at(micro_batch_size=2, seq_len=16)
+    root = sum(s.before_unit_bytes) + s.tail_bytes
+    for ci, starts in ((1, (0, 1, 2, 3)), (2, (0, 2)), (4, (0,))):
+        plan = memory.plan_memory(
+            model,
+            memory.MemoryConfig(
+                stage=3,
+                micro_batch_size=2,
+                seq_len=16,
+                activation_bytes=4,
+                num_layers_per_checkpoint=ci,
+            ),
+        )
+        assert plan.device["activation_checkpoints"] == sum(s.unit_input_bytes[i] for i in starts)
+        span = max(sum(s.unit_bytes[i : i + ci]) for i in starts)
+        assert plan.device["activation_working"] == span + root
+        assert plan.device["logits"] == 2 * s.largest_tail_tensor_bytes

@@ -1,0 +1,322 @@
+"""What autograd saves, measured on the model itself: one forward and loss run on the meta device
+(no memory, no data) under ``torch.autograd.graph.saved_tensors_hooks``, at the batch and
+sequence length being planned.
+
+Every tensor autograd saves from a forward to its backward is recorded once per storage (a tensor
+saved twice, or views of one storage, count once, at the storage's full size); parameters and
+their views are model states, not activations, and are left out. Each storage is charged to the
+unit whose forward was running when it was first saved (the units the engine makes,
+``zeroshard.wrap.units``); what the root saves is split by when: before each unit (embeddings,
+an encoder's final norm between an encoder's and a decoder's units) and after the last (the head,
+the loss). Backward frees them in the reverse order, which ``zeroshard.planner.timeline`` follows.
+
+On meta, ``scaled_dot_product_attention`` would always take the math path (saving the attention
+probabilities); the measurement asks the CPU's kernel choice for the same shapes and, where the
+CPU takes its fused kernel, runs that kernel's meta version (saving one log-sum-exp per head).
+
+The model runs in the activation dtype planned (fp32 for 4 bytes, bf16 for 2, fp64 for 8), so the
+model's own upcasts (a loss on ``logits.float()``, fp32 norm statistics) are measured as they are.
+All sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+
+DTYPES = {1: "bfloat16", 2: "bfloat16", 4: "float32", 8: "float64"}
+"""The dtype the model runs in per ``activation_bytes`` (no float8 compute on meta: 1 runs in
+bf16, an over-estimate)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedActivations:
+    """What one forward and loss of a micro-batch leave for backward, per unit, in bytes."""
+
+    micro_batch_size: int
+    """Samples in the measured forward."""
+    seq_len: int
+    """Tokens per sample in the measured forward (encoder and decoder alike)."""
+    unit_bytes: tuple[int, ...]
+    """Saved inside each unit other than the root, in forward order."""
+    before_unit_bytes: tuple[int, ...]
+    """Saved by the root after the previous unit and before each unit (the first: embeddings and
+    token ids), in forward order; freed once backward has passed that unit."""
+    tail_bytes: int
+    """Saved by the root after the last unit: final norm, head, the loss's log-probabilities."""
+    unit_input_bytes: tuple[int, ...]
+    """Each unit's first tensor input: what a checkpoint keeps at a span's start, and the size of
+    the residual stream's gradient flowing through the unit in backward."""
+    largest_unit_tensor_bytes: tuple[int, ...]
+    """Each unit's largest saved storage: the size of the largest intermediate gradient its
+    backward holds beside the residual stream's."""
+    largest_tail_tensor_bytes: int
+    """The root's largest storage saved after the last unit (the loss's log-probabilities in a
+    language model): the loss's backward holds two gradients of that size."""
+    tail_param_numel: int
+    """Elements of the root's parameters that autograd saves after the last unit (the final norm,
+    the output projection, a tied embedding): their gradients exist from the head's backward
+    and are held until the root unit's reduction at the end of backward."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything saved: the units', the root's before them and after them."""
+        return sum(self.unit_bytes) + sum(self.before_unit_bytes) + self.tail_bytes
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class ActivationProfile:
+    """Measures a built model's saved activations on demand (``at``), once per batch, sequence
+    length and activation width; the model stays on the meta device and is never changed."""
+
+    module: object
+    """The model, on the meta device (an ``nn.Module``)."""
+    unit_names: tuple[str, ...]
+    """Submodule names of the units other than the root, as ``zeroshard.wrap.units`` finds
+    them, in forward order."""
+    vocab_size: int
+    """Token ids are drawn below this."""
+    call: str
+    """How a batch goes in: ``"hf"`` (``model(input_ids=x, labels=y).loss``) or ``"xy"``
+    (``model(x, y)`` returns the loss)."""
+    largest_param_numel: int
+    """Elements of the largest parameter a unit owns: its gradient is the largest one backward
+    holds before it joins the unit's flat gradient."""
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def at(
+        self, *, micro_batch_size: int, seq_len: int, activation_bytes: int = 4
+    ) -> SavedActivations:
+        """The saved activations of one forward and loss at ``micro_batch_size x seq_len`` tokens
+        with ``activation_bytes`` per float element (measured once, then remembered)."""
+        key = (micro_batch_size, seq_len, activation_bytes)
+        if key not in self._cache:
+            try:
+                self._cache[key] = measure(
+                    self.module,
+                    self.unit_names,
+                    vocab_size=self.vocab_size,
+                    call=self.call,
+                    micro_batch_size=micro_batch_size,
+                    seq_len=seq_len,
+                    activation_bytes=activation_bytes,
+                )
+            except Exception as exc:  # the model's own error (a sequence it does not take)
+                first = (str(exc).splitlines() or [""])[0][:200]
+                self._cache[key] = ValueError(
+                    f"the forward at {micro_batch_size} x {seq_len} tokens failed on meta "
+                    f"({type(exc).__name__}: {first})"
+                )
+        found = self._cache[key]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+
+def at_config(model, config) -> SavedActivations | None:
+    """``model.activations`` measured at ``config``'s micro-batch, sequence length and activation
+    width (a ``ModelDescription`` and a ``MemoryConfig``); ``None`` without a profile or when the
+    model's forward fails there (``problem`` says why)."""
+    if model.activations is None:
+        return None
+    try:
+        return model.activations.at(
+            micro_batch_size=config.micro_batch_size,
+            seq_len=config.seq_len,
+            activation_bytes=config.activation_bytes,
+        )
+    except ValueError:
+        return None
+
+
+def problem(model, config) -> str | None:
+    """Why ``at_config`` gave ``None`` although the model has a profile (else ``None``)."""
+    if model.activations is None:
+        return None
+    try:
+        model.activations.at(
+            micro_batch_size=config.micro_batch_size,
+            seq_len=config.seq_len,
+            activation_bytes=config.activation_bytes,
+        )
+    except ValueError as exc:  # remembered by the profile: the forward does not run again
+        return str(exc)
+    return None
+
+
+def profile(module, unit_names: tuple[str, ...]) -> ActivationProfile | None:
+    """An ``ActivationProfile`` for ``module`` when a batch of token ids can be fed to it (a
+    transformers model, or ``model(x, y)`` returning a loss), checked by a 1 x 8 token forward
+    on meta; ``None`` when the model takes no token ids (no ``nn.Embedding``). Raises what the
+    forward raised (``ValueError``) when no way of calling it works."""
+    from torch import nn
+
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return None
+    vocab_size = embeddings[0].num_embeddings
+    units = [module.get_submodule(n) for n in unit_names]
+    largest = max((p.numel() for u in units for p in u.parameters()), default=0)
+    calls = ("hf", "xy") if hasattr(module, "config") else ("xy", "hf")
+    problems = []
+    for call in calls:
+        found = ActivationProfile(
+            module=module,
+            unit_names=unit_names,
+            vocab_size=vocab_size,
+            call=call,
+            largest_param_numel=largest,
+        )
+        try:
+            found.at(micro_batch_size=1, seq_len=8)
+        except ValueError as exc:  # ``at`` gives whatever the model raised as a ValueError
+            problems.append(f"{call}: {exc}")
+            continue
+        return found
+    raise ValueError("no way of calling the model with token ids worked: " + "; ".join(problems))
+
+
+def measure(
+    module,
+    unit_names: tuple[str, ...],
+    *,
+    vocab_size: int,
+    call: str,
+    micro_batch_size: int,
+    seq_len: int,
+    activation_bytes: int = 4,
+) -> SavedActivations:
+    """Run one forward and loss of ``module`` (a copy, on meta, in the dtype of
+    ``activation_bytes``) on ``micro_batch_size x seq_len`` random token ids, and sort what
+    autograd saves by unit (module docstring)."""
+    import torch
+
+    model = copy.deepcopy(module).to(device="meta", dtype=getattr(torch, DTYPES[activation_bytes]))
+    model.train()
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    units = [model.get_submodule(n) for n in unit_names]
+    num_units = len(units)
+    # The unit running, or -1 - k for the root after k units (a unit nested in another unit
+    # returns the charge to its parent).
+    where, stack = [-1], []
+    inputs = [0] * num_units
+    saved: dict[int, tuple[int, int, object]] = {}  # storage -> (where, bytes, tensor kept alive)
+    tail_params: dict[int, int] = {}  # parameter storage -> elements, saved after the last unit
+
+    def enter(i: int, args, kwargs) -> None:
+        stack.append(where[0])
+        where[0] = i
+        tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        first = next(tensors, None)
+        if first is not None and not inputs[i]:
+            inputs[i] = first.numel() * first.element_size()
+
+    def leave(i: int) -> None:
+        where[0] = stack.pop()
+        if where[0] < 0:
+            where[0] = -2 - i  # the root, after unit i
+
+    handles = []
+    for i, unit in enumerate(units):
+        handles.append(
+            unit.register_forward_pre_hook(lambda m, a, kw, i=i: enter(i, a, kw), with_kwargs=True)
+        )
+        handles.append(unit.register_forward_hook(lambda m, a, o, i=i: leave(i)))
+
+    def pack(t):
+        storage = t.untyped_storage()
+        key = storage._cdata  # the StorageImpl: distinct per storage, on meta too
+        if key in params:
+            if where[0] == -1 - num_units:  # the root, after the last unit
+                tail_params[key] = storage.nbytes() // t.element_size()
+        elif key not in saved:
+            saved[key] = (where[0], storage.nbytes(), t)
+        return t
+
+    shape = (micro_batch_size, seq_len)
+    x = torch.randint(0, vocab_size, shape, device="meta")
+    y = torch.randint(0, vocab_size, shape, device="meta")
+    try:
+        with _cpu_attention_choice(), torch.autograd.graph.saved_tensors_hooks(pack, _same):
+            loss = model(input_ids=x, labels=y).loss if call == "hf" else model(x, y)
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"the forward returned {type(loss).__name__}, not a scalar loss")
+    unit_bytes, largest = [0] * num_units, [0] * num_units
+    before, tail, tail_largest = [0] * num_units, 0, 0
+    for w, num_bytes, _ in saved.values():
+        if w >= 0:
+            unit_bytes[w] += num_bytes
+            largest[w] = max(largest[w], num_bytes)
+        elif -2 - w < num_units - 1:  # the root before the first unit (-1), or between two
+            before[-1 - w] += num_bytes
+        else:
+            tail += num_bytes
+            tail_largest = max(tail_largest, num_bytes)
+    return SavedActivations(
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        unit_bytes=tuple(unit_bytes),
+        before_unit_bytes=tuple(before),
+        tail_bytes=tail,
+        unit_input_bytes=tuple(inputs),
+        largest_unit_tensor_bytes=tuple(largest),
+        largest_tail_tensor_bytes=tail_largest,
+        tail_param_numel=sum(tail_params.values()),
+    )
+
+
+def _same(t):
+    return t
+
+
+@contextlib.contextmanager
+def _cpu_attention_choice():
+    """On meta, ``scaled_dot_product_attention`` runs the CPU's fused kernel wherever the CPU
+    would choose it for the same shapes and arguments (asked with zero-stride stand-ins, no
+    memory), instead of the math path meta always takes."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is sdpa:
+                out = _fused(*args, **kwargs)
+                if out is not None:
+                    return out
+            return func(*args, **kwargs)
+
+    with Mode():
+        yield
+
+
+def _fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The CPU fused kernel's output on meta, or ``None`` where the CPU would not use it."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    if q.device.type != "meta":
+        return None
+
+    def stand_in(t):
+        if t is None:
+            return None
+        if t.dim() == 0:
+            return torch.empty((), dtype=t.dtype)
+        strides = (0,) * (t.dim() - 1) + (1,)
+        return torch.empty(t.shape[-1], dtype=t.dtype).as_strided(t.shape, strides)
+
+    cpu = [stand_in(t) for t in (q, k, v, attn_mask)]
+    choice = torch._fused_sdp_choice(*cpu, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if choice != int(SDPBackend.FLASH_ATTENTION):
+        return None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device="meta")
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
