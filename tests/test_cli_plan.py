@@ -268,11 +268,80 @@ def test_advise(capsys):
         (["--params", "1B", "--wrap", "Block"], "--wrap names the units"),
         (["--preset", "nano", "--wrap", "Block"], "--wrap names the units"),
         (["--params", "1B", "--bandwidth", "70GB", "--peak-flops", "70T"], "70GB/s"),
+        (
+            ["--params", "1B", "--dp", "8", "--shard-group-size", "3"],
+            "--shard-group-size 3 does not divide the 8 data-parallel ranks; use a divisor of 8 "
+            r"\(1, 2, 4, 8\)",
+        ),
+        (["--params", "1B", "--dp", "8", "--shard-group-size", "16"], "16 is larger than the 8"),
+        (["--params", "1B", "--dp", "8", "--shard-group-size", "0"], "must be at least 1"),
+        (
+            ["--params", "1B", "--dp", "8", "--inter-node-bandwidth", "25GB/s"],
+            "--inter-node-bandwidth prices the all-reduce across shard groups; add "
+            "--shard-group-size K",
+        ),
+        (
+            ["--params", "1B", "--dp", "8", "--shard-group-size", "8"]
+            + ["--inter-node-bandwidth", "1e9"],
+            "add --shard-group-size K with K < 8",
+        ),
     ],
 )
 def test_user_mistakes(argv, match):
     with pytest.raises(ValueError, match=match):
         plan.run(_parse(argv))
+
+
+def test_hybrid_sharding_table_and_json(capsys):
+    argv = ["--params", "7.5B", "--dp", "64", "--shard-group-size", "8"]
+    argv += ["--net-bandwidth", "300GB/s", "--inter-node-bandwidth", "25GB/s"]
+    text = _run(argv, capsys)
+    assert "Nd = 64, sharded in 8 groups of k = 8 (hybrid)" in text
+    assert "intra-group/step  inter-group/step    comm time" in text
+    rows = _rows(text)
+    # Model states with Nd = 8: 2 + 2 + 12/8, 2 + 14/8, 16/8 bytes per parameter.
+    assert [r[2] for r in rows] == ["120 GB", "41.2 GB", "28.1 GB", "15 GB"]
+    assert [r[-3:] for r in rows] == [
+        ["2 Psi = 30 GB", "-", "1.2 s"],  # stage 0: one all-reduce over every rank, 25 GB/s
+        ["2 Psi = 30 GB", "0.25 Psi = 3.75 GB", "0.25 s"],  # 30/300 + 3.75/25
+        ["2 Psi = 30 GB", "0.25 Psi = 3.75 GB", "0.25 s"],
+        ["3 Psi = 45 GB", "0.25 Psi = 3.75 GB", "0.3 s"],
+    ]
+    assert "note: stage 0 shards nothing" in text
+    out = _json(argv, capsys)
+    assert (out["shard_group_size"], out["num_shard_groups"], out["num_dp_ranks"]) == (8, 8, 64)
+    assert out["net_bandwidth_bytes_per_s"] == 300e9
+    assert out["inter_node_bandwidth_bytes_per_s"] == 25e9
+    c = out["stages"][3]["communication"]
+    assert set(c) == {
+        "numel", "bytes", "seconds", "intra_group", "inter_group", "collectives", "notes"
+    }  # fmt: skip
+    assert set(c["inter_group"]) == {"numel", "bytes", "seconds"}
+    assert c["inter_group"]["numel"] == 2 * 7_500_000_000 // 8
+    assert c["intra_group"]["numel"] == 3 * 7_500_000_000
+    assert c["numel"] == c["intra_group"]["numel"] + c["inter_group"]["numel"]
+    assert c["seconds"] == pytest.approx(45 / 300 + 3.75 / 25)
+    assert [x["scope"] for x in c["collectives"]] == ["shard"] * 3 + ["replicate"]
+    # Without hybrid sharding (the default, or k = Nd) nothing crosses groups.
+    for extra in ([], ["--shard-group-size", "64"]):
+        out = _json(["--params", "7.5B", "--dp", "64", *extra], capsys)
+        assert (out["shard_group_size"], out["num_shard_groups"]) == (64, 1)
+        assert all(r["communication"]["inter_group"]["numel"] == 0 for r in out["stages"])
+        assert "comm/step" in _run(["--params", "7.5B", "--dp", "64", *extra], capsys)
+
+
+def test_advise_with_hybrid_sharding(capsys):
+    argv = ["--preset", "1b", "--advise", "--devices", "32", "--memory", "80GB", "--seq", "2048"]
+    argv += ["--global-batch", "256", "--peak-flops", "300TFLOP/s", "--batch", "1,2,4"]
+    argv += ["--net-bandwidth", "300GB/s", "--offload", "none", "--stage", "1,2,3"]
+    hybrid = [*argv, "--shard-group-size", "8", "--inter-node-bandwidth", "25GB/s"]
+    assert "intra-group  inter-group" in _run(hybrid, capsys)
+    out = _json(hybrid, capsys)
+    assert all(c["time_seconds"]["inter_group"] > 0 for c in out["feasible"])
+    flat = _json(argv, capsys)
+    assert all(c["time_seconds"]["inter_group"] == 0 for c in flat["feasible"])
+    with pytest.raises(ValueError, match="--shard-group-size 5 does not divide the 32"):
+        plan.run(_parse([*argv, "--shard-group-size", "5"]))
 
 
 def test_through_main(capsys, monkeypatch):

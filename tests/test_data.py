@@ -257,5 +257,5 @@ def test_loader_bad_step_and_tokens(corpus: Corpus) -> None:
         next(loader.iter(start_step=-2))
     with pytest.raises(ValueError, match="lower num_batches"):
         loader.eval_batches(10**6)
-    with pytest.raises(TypeError, match="1D numpy uint8 array"):
-        BatchLoader(np.zeros(1000, dtype=np.int64), batch_size=1, seq_len=8)
+    with pytest.raises(TypeError, match="1D numpy integer array"):
+        BatchLoader(np.zeros(1000, dtype=np.float32), batch_size=1, seq_len=8)

@@ -239,9 +239,9 @@ def _check_positive_int(name: str, value: object, example: str) -> None:
 
 
 class BatchLoader:
-    """Seeded, resumable batches of byte windows, disjoint across data-parallel ranks.
+    """Seeded, resumable batches of token windows, disjoint across data-parallel ranks.
 
-    The token array is cut into ``num_windows`` non-overlapping windows of ``seq_len + 1`` bytes,
+    The token array is cut into ``num_windows`` non-overlapping windows of ``seq_len + 1`` tokens,
     all shifted by one offset in ``[0, seq_len]`` drawn per step (so window boundaries differ
     between steps). At step ``s`` a generator ``numpy.random.default_rng([seed, s])`` draws the
     shift and then ``world_size * batch_size`` distinct windows without replacement: the global
@@ -256,9 +256,10 @@ class BatchLoader:
       with ``batch_size = world_size * batch_size`` and the same seed.
 
     Args:
-        tokens_N: 1D uint8 token array, e.g. ``Corpus.train`` (a memory map is fine).
+        tokens_N: 1D integer token array, e.g. ``Corpus.train`` (uint8 bytes) or
+            ``zeroshard.tokens.TokenData.train`` (a memory map is fine).
         batch_size: sequences per rank per step (``B``).
-        seq_len: input length in bytes (``T``); each window holds ``T + 1`` bytes.
+        seq_len: input length in tokens (``T``); each window holds ``T + 1`` tokens.
         rank: this rank's index in the data-parallel group, ``0 <= rank < world_size``.
         world_size: number of data-parallel ranks (``W``).
         seed: non-negative int; different seeds give different batches.
@@ -274,9 +275,13 @@ class BatchLoader:
         world_size: int = 1,
         seed: int = 0,
     ) -> None:
-        if not isinstance(tokens_N, np.ndarray) or tokens_N.ndim != 1 or tokens_N.dtype != np.uint8:
+        if (
+            not isinstance(tokens_N, np.ndarray)
+            or tokens_N.ndim != 1
+            or tokens_N.dtype.kind not in "iu"
+        ):
             raise TypeError(
-                "tokens_N must be a 1D numpy uint8 array (e.g. Corpus.train), got "
+                "tokens_N must be a 1D numpy integer array of token ids (e.g. Corpus.train), got "
                 f"{type(tokens_N).__name__} {getattr(tokens_N, 'dtype', '')} "
                 f"{getattr(tokens_N, 'shape', '')}"
             )
@@ -294,19 +299,19 @@ class BatchLoader:
         num_windows = (tokens_N.size - seq_len) // (seq_len + 1)
         if num_windows < 1:
             raise ValueError(
-                f"seq_len={seq_len} is too long for a split of {tokens_N.size} bytes (it needs "
-                f"at least 2 * seq_len + 1 = {2 * seq_len + 1}); lower seq_len or raise "
-                f"max_bytes of the corpus"
+                f"seq_len={seq_len} is too long for a split of {tokens_N.size} tokens (it needs "
+                f"at least 2 * seq_len + 1 = {2 * seq_len + 1}); lower seq_len or use "
+                f"more data (max_bytes of the corpus)"
             )
         global_batch_size = world_size * batch_size
         if global_batch_size > num_windows:
             raise ValueError(
                 f"the global batch of world_size * batch_size = {global_batch_size} sequences "
-                f"needs that many disjoint windows of seq_len + 1 = {seq_len + 1} bytes, but the "
-                f"split of {tokens_N.size} bytes has {num_windows}; lower batch_size or seq_len, "
-                f"or raise max_bytes of the corpus"
+                f"needs that many disjoint windows of seq_len + 1 = {seq_len + 1} tokens, but the "
+                f"split of {tokens_N.size} tokens has {num_windows}; lower batch_size or seq_len, "
+                f"or use more data (max_bytes of the corpus)"
             )
-        self.tokens_N = tokens_N  # 1D uint8, whole split, same on all ranks
+        self.tokens_N = tokens_N  # 1D token ids, whole split, same on all ranks
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.rank = rank
@@ -366,7 +371,7 @@ class BatchLoader:
         return shift + windows.astype(np.int64) * (self.seq_len + 1)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's batch at ``step``: ``(x_BT, y_BT)``, int64 CPU tensors of byte values.
+        """This rank's batch at ``step``: ``(x_BT, y_BT)``, int64 CPU tensors of token ids.
 
         ``y_BT[:, t] == x_BT[:, t + 1]`` and ``y_BT[:, -1]`` is the byte after the window.
         """
@@ -408,7 +413,7 @@ class BatchLoader:
             raise ValueError(
                 f"{num_batches} eval batches of {self.global_batch_size} sequences need "
                 f"{num_rows} disjoint windows, but the split has {self.num_windows}; lower "
-                f"num_batches, batch_size or seq_len, or raise max_bytes of the corpus"
+                f"num_batches, batch_size or seq_len, or use more data (max_bytes of the corpus)"
             )
         windows = np.arange(num_rows, dtype=np.int64) * self.num_windows // num_rows
         offsets = windows * (self.seq_len + 1)  # (num_batches * W * B,), bytes

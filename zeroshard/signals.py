@@ -1,14 +1,19 @@
 """Stopping a training run cleanly on SIGINT/SIGTERM: every rank finishes its step, the caller
-saves it, and ``Stopped`` carries the step, the checkpoint and the shell's exit status.
+saves it when checkpoints are on, and ``Stopped`` carries the step, the checkpoint (or None) and
+the shell's exit status.
 
 The handlers only note the signal (a handler must not run collectives); once per step
 ``StopOnSignal.agreed`` asks every rank with one 1-element all-reduce whether any got one, so all
-ranks stop at the same step. Used by ``zeroshard.train`` when checkpoints are on.
+ranks stop at the same step; a deadline (``StopOnSignal.GRACE_S``) ends a rank that cannot
+reach that agreement. Used by ``zeroshard.train`` for the whole run.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +22,14 @@ import torch.distributed as dist
 
 
 class Stopped(Exception):
-    """Raised by ``train`` on every rank when SIGINT/SIGTERM stopped the run, after ``path``
-    (the checkpoint of ``step``) was saved."""
+    """Raised by ``train`` on every rank when SIGINT/SIGTERM stopped the run after ``step``;
+    ``path`` is the checkpoint of that step (None when checkpoints are off)."""
 
-    def __init__(self, signum: int, step: int, path: Path) -> None:
-        super().__init__(f"stopped by signal {signum} after step {step}, saved to {path}")
+    def __init__(self, signum: int, step: int, path: Path | None) -> None:
+        name = signal.Signals(signum).name
+        saved = f"saved step {step} to {path}" if path is not None else "no checkpoint saved"
+        hint = "" if path is not None else " (--save-every N keeps progress)"
+        super().__init__(f"interrupted at step {step} by {name}; {saved}{hint}")
         self.signum, self.step, self.path = signum, step, path
 
     @property
@@ -32,14 +40,29 @@ class Stopped(Exception):
 
 class StopOnSignal:
     """SIGINT/SIGTERM handlers that only note the signal; ``agreed()`` (a collective, one
-    1-element all-reduce) says on every rank whether any rank got one."""
+    1-element all-reduce) says on every rank whether any rank got one.
+
+    A signal also arms a deadline: if the ranks have not agreed to stop within ``grace_s``
+    seconds (a peer died and this rank waits in a collective that can only fail, or a step is
+    that slow), the process exits at once with 128 + the signal number, saving nothing (rank 0
+    says so when ``announce``). torchrun's agent stops the surviving ranks of a failed job with
+    SIGTERM, so they too are gone within ``grace_s``."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    GRACE_S = 4.0
+    """Deadline when nothing is to be saved: every rank gone within 5 s of a signal."""
+    GRACE_SAVING_S = 30.0
+    """Deadline when the stop saves a checkpoint (slow steps still get their save); torchrun's
+    agent kills its ranks 30 s after its own SIGTERM anyway."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self, device: torch.device, *, grace_s: float = GRACE_S, announce: bool = True
+    ) -> None:
         self.signum = 0
+        self.grace_s, self.announce = grace_s, announce
         self._flag = torch.zeros(1, device=device)
         self._old: dict[int, Any] = {}
+        self._deadline: threading.Timer | None = None
 
     def __enter__(self) -> StopOnSignal:
         for sig in self.SIGNALS:
@@ -47,14 +70,41 @@ class StopOnSignal:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._disarm()
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
     def _note(self, signum: int, frame: object) -> None:
-        self.signum = self.signum or signum
+        if self.signum:
+            return
+        self.signum = signum
+        self._deadline = threading.Timer(self.grace_s, self._give_up)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _give_up(self) -> None:
+        if self.announce:
+            name = signal.Signals(self.signum).name
+            print(
+                f"interrupted by {name}: the ranks did not reach a step boundary together within "
+                f"{self.grace_s:g} s (a rank failed, or a step is that slow); stopped without "
+                "saving",
+                file=sys.stderr,
+                flush=True,
+            )
+        os._exit(128 + self.signum)  # no teardown: a peer may be gone, and nothing to save
 
     def agreed(self) -> int:
-        """The signal number any rank got (the largest), or 0."""
+        """The signal number any rank got (the largest), or 0. Once they agree, the deadline
+        is off: the caller saves and stops in an orderly way."""
         self._flag.fill_(self.signum)
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-        return int(self._flag.item())
+        signum = int(self._flag.item())
+        if signum:
+            self._disarm()
+        return signum

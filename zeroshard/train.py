@@ -1,4 +1,5 @@
-"""The reference training loop behind ``zeroshard train``: a GPT on the standard library's source.
+"""The reference training loop behind ``zeroshard train``: a GPT on the standard library's source,
+or your own model (``--model``, ``--hf``) on your own data (``--data``).
 
 It uses only zeroshard's public API. Ways to run it:
 
@@ -9,104 +10,52 @@ It uses only zeroshard's public API. Ways to run it:
         --rdzv-endpoint HOST:29500 -m zeroshard.cli.main train --stage 3       # several nodes
 
 Outputs in ``out_dir``: ``config.json``, ``metrics.jsonl`` (one JSON object per logged step and
-evaluation) and ``loss.png``; with ``--save-every N`` checkpoints in ``out_dir/ckpt/step-NNNNNN``
-(``zeroshard.checkpoint``), of which ``--keep K`` stay. ``--resume auto`` (or a checkpoint folder)
-continues a run: the same batches, RNGs, loss scale and learning rates as if it had not stopped.
-With ``--save-every``, SIGINT or SIGTERM makes every rank finish its step, save it in
-``out_dir/ckpt`` and stop (``train`` raises ``Stopped``; ``zeroshard train`` exits with 130 / 143).
+evaluation), ``loss.png`` and ``summary.json``; with ``--save-every N`` checkpoints in
+``out_dir/ckpt/step-NNNNNN`` (``zeroshard.checkpoint``), of which ``--keep K`` stay.
+``--resume auto`` (or a checkpoint folder) continues a run: the same batches, RNGs, loss scale and
+learning rates as if it had not stopped.
+
+How a run ends, on every rank at the same step: normally (``train`` returns the summary);
+SIGINT or SIGTERM make every rank finish its step (and save it when checkpoints are on) and
+raise ``Stopped``; divergence (``zeroshard.divergence``) raises ``Diverged``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
+import warnings
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
+import torch.nn.functional as F
 
 import zeroshard
 from zeroshard import checkpoint
 from zeroshard.data import BatchLoader, Corpus
-from zeroshard.models.gpt import GPT, Block, preset
+from zeroshard.divergence import Diverged, DivergenceGuard
+from zeroshard.models.loading import build_model, logits_of
+from zeroshard.run_log import MetricsLog, Progress
+from zeroshard.schedule import lr_at as schedule_lr_at
 from zeroshard.signals import StopOnSignal, Stopped
+from zeroshard.tokens import BYTE_VOCAB_SIZE, TokenData, load_tokens
+from zeroshard.train_config import TrainConfig
 
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Every knob of the reference run; CLI flags and config-file keys map one-to-one."""
-
-    preset: str = "tiny"
-    """GPT preset (zeroshard.models.gpt.PRESETS)."""
-    stage: int = 3
-    """ZeRO stage 0-3."""
-    precision: str = "fp32"
-    """fp32, tf32, bf16, fp16 or auto (BF16 where the device supports it, else FP32)."""
-    checkpoint_every: int = 0
-    """Activation checkpointing: spans of this many blocks keep only their input (0: off)."""
-    steps: int = 200
-    """Optimizer steps."""
-    batch_size: int = 16
-    """Global batch (sequences per step, summed over ranks); must divide by the rank count."""
-    seq_len: int = 128
-    """Tokens per sequence."""
-    lr: float = 3e-3
-    """Peak learning rate (linear warm-up, then cosine decay to lr / 10)."""
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    """AdamW weight decay (not applied to biases and norms)."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
-    seed: int = 0
-    eval_every: int = 50
-    """Steps between validation evaluations (and one at the end)."""
-    eval_batches: int = 8
-    """Global validation batches per evaluation."""
-    log_every: int = 10
-    out_dir: str = "runs/train"
-    """Output folder (created if missing)."""
-    data_dir: str | None = None
-    """Corpus cache folder (default ~/.cache/zeroshard)."""
-    save_every: int = 0
-    """Steps between checkpoints in ``out_dir/ckpt`` (and one at the end); 0: no checkpoints."""
-    keep: int = 3
-    """Checkpoints kept in ``out_dir/ckpt`` (the oldest are removed)."""
-    resume: str | None = None
-    """A checkpoint folder to continue from, or "auto": the newest complete one in out_dir/ckpt."""
-
-    def __post_init__(self) -> None:
-        preset(self.preset)  # a ValueError listing the presets
-        if self.save_every < 0 or self.keep < 1:
-            raise ValueError(
-                f"need save_every >= 0 and keep >= 1, got {self.save_every} and {self.keep}"
-            )
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        if self.stage not in zeroshard.STAGES:
-            raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage}")
-        for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.precision not in ("fp32", "tf32", "bf16", "fp16", "auto"):
-            raise ValueError(
-                f"unknown precision {self.precision!r}; choose fp32, tf32, bf16, fp16 or auto"
-            )
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
+__all__ = ["Diverged", "Stopped", "TrainConfig", "lr_at", "train"]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of ``step``: linear warm-up then cosine decay to a tenth of the peak."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    """Learning rate of optimizer step ``step`` (0-based): ``cfg.lr_schedule`` after a linear
+    warm-up of ``cfg.warmup_steps`` (``zeroshard.schedule.lr_at``)."""
+    return schedule_lr_at(
+        step, peak_lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+        schedule=cfg.lr_schedule,
+    )  # fmt: skip
 
 
 def resume_path(cfg: TrainConfig) -> Path | None:
@@ -130,24 +79,46 @@ def _records_until(path: Path, step: int) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["step"] <= step]
 
 
+def load_data(cfg: TrainConfig) -> TokenData:
+    """``cfg.data`` (``zeroshard.tokens``), else the standard library's source as bytes."""
+    if cfg.data:
+        return load_tokens(cfg.data, tokenizer=cfg.tokenizer)
+    corpus = Corpus.build(cache_dir=cfg.data_dir)
+    return TokenData(corpus.train, corpus.val, BYTE_VOCAB_SIZE, f"stdlib corpus {corpus.path}")
+
+
 def rank_memory_bytes(device: torch.device) -> int:
-    """This rank's memory now: allocated CUDA bytes, or the process's resident set on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
+    """This rank's memory now: bytes allocated on the accelerator (CUDA, XPU, NPU), or the
+    process's resident set on CPU."""
+    if device.type != "cpu":
+        return zeroshard.accelerator.memory_allocated_bytes(device)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def evaluate(model, batches, device) -> float:
-    """Mean validation loss over ``batches`` (this rank's share), averaged over ranks."""
+def next_token_loss(model, x_BT: torch.Tensor, y_BT: torch.Tensor, vocab_size: int):
+    """Mean cross-entropy (nats per token, FP32) of the model's logits against ``y_BT``."""
+    logits_BTV = logits_of(model(x_BT))
+    if logits_BTV.size(-1) < vocab_size:
+        raise ValueError(
+            f"the model's logits have {logits_BTV.size(-1)} entries per token but the data has "
+            f"{vocab_size} token ids; give the model a vocabulary of at least {vocab_size}"
+        )
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())
+
+
+def evaluate(model, batches, device, *, num_chunks: int, vocab_size: int) -> float:
+    """Mean validation loss over ``batches`` (this rank's share, each run as ``num_chunks``
+    equal micro-batches, as training runs them), averaged over ranks."""
     model.eval()
     total = torch.zeros(1, device=device)
     with torch.no_grad():
         for x, y in batches:
-            total += model(x.to(device), y.to(device)).float()
+            for x_i, y_i in zip(x.chunk(num_chunks), y.chunk(num_chunks)):
+                total += next_token_loss(model, x_i.to(device), y_i.to(device), vocab_size)
     model.train()
     dist.all_reduce(total)
-    return total.item() / (len(batches) * dist.get_world_size())
+    return total.item() / (len(batches) * num_chunks * dist.get_world_size())
 
 
 def plot(records: list[dict], path: Path) -> None:
@@ -171,139 +142,200 @@ def plot(records: list[dict], path: Path) -> None:
 
 def train(cfg: TrainConfig) -> dict:
     """Run the job described by ``cfg`` on the current torchrun job (or alone); returns the
-    summary on every rank."""
-    mesh = zeroshard.Mesh.from_env()
+    summary on every rank. Raises ``Stopped`` (SIGINT/SIGTERM) or ``Diverged`` on every rank."""
+    mesh = zeroshard.Mesh.from_env(timeout_s=cfg.timeout)
+    if mesh.device.type == "cpu":
+        mesh.share_cpu_threads()  # process-wide: this node's cores divided among its ranks
     rank, world, device = mesh.rank, mesh.world_size, mesh.device
-    out = Path(cfg.out_dir)
-    if cfg.batch_size % world:
-        raise ValueError(
-            f"global batch {cfg.batch_size} does not divide across {world} ranks; "
-            f"use a multiple of {world}"
-        )
-    corpus = Corpus.build(cache_dir=cfg.data_dir)
-    loader = BatchLoader.from_global_batch(
-        corpus.train, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-        rank=rank, world_size=world, seed=cfg.seed,
-    )  # fmt: skip
-    val_batches = BatchLoader.from_global_batch(
-        corpus.val, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-        rank=rank, world_size=world, seed=cfg.seed,
-    ).eval_batches(cfg.eval_batches)  # fmt: skip
-
-    torch.manual_seed(cfg.seed)
-    model = GPT(preset(cfg.preset))
-    num_params = sum(p.numel() for p in model.parameters())
-    policy = zeroshard.precision.resolve(cfg.precision, device)
-    model = zeroshard.shard(
-        model, stage=cfg.stage, wrap=zeroshard.wrap.by_class(Block), mixed_precision=policy,
-        config=zeroshard.ShardConfig(checkpoint_every=cfg.checkpoint_every),
-    )  # fmt: skip
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = zeroshard.optimizer(
-        model, torch.optim.AdamW, groups, lr=cfg.lr, betas=(0.9, 0.95),
-        weight_decay=cfg.weight_decay,
-    )  # fmt: skip
-
-    metrics_path = out / "metrics.jsonl"
-    start, skipped, resume = 0, 0, resume_path(cfg)
-    if resume is not None:
-        extra = checkpoint.load(resume, model, opt)  # restores RNGs and the loss scale too
-        start = int(extra.get("step", checkpoint.info(resume).step))
-        skipped = int(extra.get("skipped", 0))
-    records = _records_until(metrics_path, start) if start else []
-    dist.barrier()  # every rank has read the old metrics before rank 0 rewrites them
-    if rank == 0:
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
-
-    def log(record: dict) -> None:
-        records.append(record)
-        if rank == 0:
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    # With checkpoints on, SIGINT/SIGTERM stop the run after a save (in the main thread only).
-    stopper = None
-    if cfg.save_every and threading.current_thread() is threading.main_thread():
-        stopper = StopOnSignal(device)
+    # SIGINT/SIGTERM only note the signal; every rank stops at the same step (main thread only).
+    # A rank that cannot agree in time exits: at once (4 s) when there is nothing to save.
+    in_main = threading.current_thread() is threading.main_thread()
+    grace_s = StopOnSignal.GRACE_S if not cfg.save_every else StopOnSignal.GRACE_SAVING_S
+    stopper = StopOnSignal(device, grace_s=grace_s, announce=rank == 0) if in_main else None
     with stopper or nullcontext():
-        return _run(cfg, model, opt, loader, val_batches, records, log, stopper, start, skipped,
-                    num_params=num_params, device=device)  # fmt: skip
+        if cfg.batch_size % (world * cfg.grad_accum):
+            raise ValueError(
+                f"global batch {cfg.batch_size} does not divide across {world} ranks x "
+                f"{cfg.grad_accum} micro-batches; use a multiple of {world * cfg.grad_accum}"
+            )
+        data = load_data(cfg)
+        loader = BatchLoader.from_global_batch(
+            data.train, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+            rank=rank, world_size=world, seed=cfg.seed,
+        )  # fmt: skip
+        val_batches = BatchLoader.from_global_batch(
+            data.val, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+            rank=rank, world_size=world, seed=cfg.seed,
+        ).eval_batches(cfg.eval_batches)  # fmt: skip
+
+        torch.manual_seed(cfg.seed)
+        built = build_model(
+            preset_name=cfg.preset, model=cfg.model, hf=cfg.hf, wrap=cfg.wrap,
+            vocab_size=data.vocab_size,
+        )  # fmt: skip
+        num_params = sum(p.numel() for p in built.module.parameters())
+        wrap = zeroshard.wrap.by_class(*built.unit_classes) if built.unit_classes else None
+        if wrap is None:
+            warnings.warn(
+                f"{built.name} declares no _no_split_modules and no --wrap was given: the whole "
+                "model is one unit (stage 3 gathers every parameter at once); pass --wrap "
+                "ClassName (e.g. its transformer block)",
+                stacklevel=2,
+            )
+        model = zeroshard.shard(
+            built.module, stage=cfg.stage, wrap=wrap,
+            mixed_precision=zeroshard.precision.resolve(cfg.precision, device),
+            config=zeroshard.ShardConfig(checkpoint_every=cfg.checkpoint_every),
+            param_init_fn=built.param_init_fn,
+        )  # fmt: skip
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        opt = zeroshard.optimizer(
+            model, torch.optim.AdamW, groups, lr=cfg.lr, betas=(0.9, 0.95),
+            weight_decay=cfg.weight_decay,
+        )  # fmt: skip
+
+        out = Path(cfg.out_dir)
+        start, skipped, resume = 0, 0, resume_path(cfg)
+        if resume is not None:
+            extra = checkpoint.load(resume, model, opt)  # restores RNGs and the loss scale too
+            start = int(extra.get("step", checkpoint.info(resume).step))
+            skipped = int(extra.get("skipped", 0))
+        records = _records_until(out / "metrics.jsonl", start) if start else []
+        dist.barrier()  # every rank has read the old metrics before rank 0 rewrites them
+        log = MetricsLog(out, records, write=rank == 0, tensorboard=cfg.log == "tensorboard")
+        num_units = len(zeroshard.engine_of(model).units)
+        summary = {
+            "model": built.name, "num_params": num_params, "num_units": num_units,
+            "stage": cfg.stage, "ranks": world, "precision": cfg.precision,
+            "grad_accum": cfg.grad_accum, "steps": cfg.steps, "data": data.source,
+            "vocab_size": data.vocab_size,
+        }  # fmt: skip
+        try:
+            return _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped,
+                        summary=summary, device=device)  # fmt: skip
+        finally:
+            log.close()
 
 
-def _run(cfg, model, opt, loader, val_batches, records, log, stopper, start, skipped, *,
-         num_params: int, device: torch.device) -> dict:  # fmt: skip
-    """``train``'s steps from ``start`` (a signal noted by ``stopper`` ends them with a save
-    and ``Stopped``) and its summary."""
+def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
+         summary: dict, device: torch.device) -> dict:  # fmt: skip
+    """``train``'s steps from ``start`` and its summary (written by rank 0, also when the run
+    diverges)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = Path(cfg.out_dir)
-    bar = tqdm(
-        total=cfg.steps, initial=start, disable=rank != 0, desc=f"stage {cfg.stage} x{world}"
-    )
-    if start and records and records[0]["kind"] == "eval":
-        first_val = records[0]["val_loss"]
-    else:
-        first_val = evaluate(model, val_batches, device)
-        log({"kind": "eval", "step": start, "val_loss": first_val})
+    out, records, vocab = Path(cfg.out_dir), log.records, summary["vocab_size"]
+    bar = Progress(
+        total=cfg.steps, initial=start, desc=f"stage {cfg.stage} x{world}", enabled=rank == 0,
+        every_s=cfg.progress_every,
+    )  # fmt: skip
+    guard = DivergenceGuard(opt, max_skipped_steps=cfg.max_skipped_steps, num_skipped=skipped)
+
+    def evaluate_at(step: int) -> float:
+        val = evaluate(model, val_batches, device, num_chunks=cfg.grad_accum, vocab_size=vocab)
+        log({"kind": "eval", "step": step, "val_loss": val})
+        guard.check_validation(step, val)
+        guard.check_masters(step)
+        return val
+
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t_start = t_log = time.perf_counter()
-    batches = loader.iter(start_step=start, num_steps=max(0, cfg.steps - start))
-    for step, (x, y) in enumerate(batches, start=start + 1):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step - 1, cfg)
-        loss = model(x.to(device), y.to(device))
-        opt.backward(loss)
-        norm = opt.clip_grad_norm(cfg.grad_clip) if cfg.grad_clip > 0 else None
-        skipped += not opt.step()  # False when inf/NaN gradients made every rank skip it
-        opt.zero_grad()
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            mem = torch.tensor([rank_memory_bytes(device)], dtype=torch.float64, device=device)
-            mems = [torch.zeros_like(mem) for _ in range(world)]
-            dist.all_gather(mems, mem)
-            now = time.perf_counter()
-            tok_s = tokens_per_step * (step - (records[-1]["step"] if records else 0))
-            tok_s /= max(now - t_log, 1e-9)
-            t_log = now
-            rec = {
-                "kind": "train", "step": step, "loss": loss.item(), "lr": lr_at(step - 1, cfg),
-                "grad_norm": None if norm is None else norm.item(), "tokens_per_s": tok_s,
-                "rank_mem_mib": [round(m.item() / 2**20, 1) for m in mems],
-            }  # fmt: skip
-            log(rec)
-            bar.set_postfix(
-                loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
-                mem_mib="/".join(f"{m:.0f}" for m in rec["rank_mem_mib"]),
-            )  # fmt: skip
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            log({"kind": "eval", "step": step, "val_loss": evaluate(model, val_batches, device)})
-        due = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps)
-        signum = stopper.agreed() if stopper is not None else 0
-        if due or signum:  # one save serves both
-            where = checkpoint.step_path(out / "ckpt", step)
-            state = {"step": step, "skipped": skipped}
-            checkpoint.save(where, model, opt, state, keep=cfg.keep)
-        if signum:
-            bar.close()
-            zeroshard.engine_of(model).wait_params()
-            raise Stopped(signum, step, where)
-        bar.update(1)
-    bar.close()
-    zeroshard.engine_of(model).wait_params()  # the last step's parameter refresh, if in flight
+    try:
+        if start and records and records[0]["kind"] == "eval":
+            first_val = records[0]["val_loss"]
+        else:
+            first_val = evaluate_at(start)
+        batches = loader.iter(start_step=start, num_steps=max(0, cfg.steps - start))
+        for step, (x, y) in enumerate(batches, start=start + 1):
+            lr = lr_at(step - 1, cfg)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss = _forward_backward(model, opt, x, y, cfg.grad_accum, device, vocab)
+            norm = opt.clip_grad_norm(cfg.grad_clip) if cfg.grad_clip > 0 else None
+            loss_value = loss.item()
+            guard.step(step, loss_value)  # skipped when some rank has inf/NaN gradients
+            opt.zero_grad()
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                rec = _train_record(step, loss_value, lr, norm, records, t_log, tokens_per_step,
+                                    device)  # fmt: skip
+                t_log = time.perf_counter()
+                log(rec)
+                bar.set_postfix(
+                    loss=f"{loss_value:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
+                    mem_mib="/".join(f"{m:.0f}" for m in rec["rank_mem_mib"]),
+                )  # fmt: skip
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                evaluate_at(step)
+            due = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps)
+            signum = stopper.agreed() if stopper is not None else 0
+            where = None
+            if due or (signum and cfg.save_every):  # one save serves both
+                where = checkpoint.step_path(out / "ckpt", step)
+                state = {"step": step, "skipped": guard.num_skipped}
+                checkpoint.save(where, model, opt, state, keep=cfg.keep)
+            if signum:
+                raise Stopped(signum, step, where)
+            bar.update(1)
+    except Diverged as exc:
+        summary.update(status="diverged", error=str(exc), skipped_steps=guard.num_skipped)
+        _write_summary(summary, records, out, rank)
+        raise
+    finally:
+        bar.close()
+        zeroshard.engine_of(model).wait_params()  # the last step's parameter refresh, if any
     elapsed = time.perf_counter() - t_start
-    last_val = records[-1]["val_loss"]
-    summary = {
-        "preset": cfg.preset, "num_params": num_params, "stage": cfg.stage, "ranks": world,
-        "precision": cfg.precision, "skipped_steps": skipped,
-        "steps": cfg.steps, "seconds": round(elapsed, 1),
-        "tokens_per_s": round(tokens_per_step * max(1, cfg.steps - start) / elapsed),
-        "val_loss_first": round(first_val, 4), "val_loss_last": round(last_val, 4),
-        "comm_bytes_per_step": sum(e.bytes for e in zeroshard.ledger(model).steps[-1].values()),
-    }  # fmt: skip
-    if rank == 0:
-        plot(records, out / "loss.png")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary.update(
+        status="done", skipped_steps=guard.num_skipped, seconds=round(elapsed, 1),
+        tokens_per_s=round(tokens_per_step * max(1, cfg.steps - start) / elapsed),
+        val_loss_first=round(first_val, 4), val_loss_last=round(records[-1]["val_loss"], 4),
+        comm_bytes_per_step=sum(e.bytes for e in zeroshard.ledger(model).steps[-1].values()),
+        comm_bytes_per_step_by_label=_bytes_by_label(zeroshard.ledger(model).steps[-1]),
+    )  # fmt: skip
+    _write_summary(summary, records, out, rank)
     return summary
+
+
+def _forward_backward(model, opt, x_BT, y_BT, num_micro: int, device, vocab_size: int):
+    """Forward and backward of this rank's batch as ``num_micro`` equal micro-batches; gradients
+    are reduced once, by the last backward (the others run under ``no_sync``). Returns the mean
+    loss (a detached scalar)."""
+    total = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(zip(x_BT.chunk(num_micro), y_BT.chunk(num_micro))):
+        loss = next_token_loss(model, x.to(device), y.to(device), vocab_size)
+        opt.backward(loss / num_micro, sync=i == num_micro - 1)
+        total += loss.detach()
+    return total / num_micro
+
+
+def _train_record(step, loss, lr, norm, records, t_log, tokens_per_step, device) -> dict:
+    """One ``metrics.jsonl`` training record (gathers every rank's memory: a collective)."""
+    world = dist.get_world_size()
+    mem = torch.tensor([rank_memory_bytes(device)], dtype=torch.float64, device=device)
+    mems = [torch.zeros_like(mem) for _ in range(world)]
+    dist.all_gather(mems, mem)
+    last = next((r["step"] for r in reversed(records) if r["kind"] == "train"), None)
+    steps_since = step - (last if last is not None else (records[0]["step"] if records else 0))
+    tok_s = tokens_per_step * steps_since / max(time.perf_counter() - t_log, 1e-9)
+    return {
+        "kind": "train", "step": step, "loss": loss, "lr": lr,
+        "grad_norm": None if norm is None else norm.item(), "tokens_per_s": tok_s,
+        "rank_mem_mib": [round(m.item() / 2**20, 1) for m in mems],
+    }  # fmt: skip
+
+
+def _bytes_by_label(step: dict) -> dict[str, int]:
+    """Bytes a step moved per ledger label ("params" gathers, "grads" reductions, ...)."""
+    out: dict[str, int] = {}
+    for (_, label), entry in step.items():
+        out[label] = out.get(label, 0) + entry.bytes
+    return out
+
+
+def _write_summary(summary: dict, records: list[dict], out: Path, rank: int) -> None:
+    if rank != 0:
+        return
+    plot(records, out / "loss.png")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def save_config(cfg: TrainConfig, path: Path) -> None:

@@ -2,7 +2,8 @@
 dispatches. Each subcommand module has ``add_parser(subparsers)`` and ``run(args) -> int``.
 
 A user mistake (``ValueError``/``UsageError`` from a subcommand) prints one line naming the problem
-and the fix and exits with status 2, with no traceback.
+and the fix and exits with status 2, with no traceback; Ctrl-C exits with 130.
+``zeroshard --version`` prints the version.
 """
 
 from __future__ import annotations
@@ -19,11 +20,25 @@ class UsageError(ValueError):
     """A mistake in what the user asked for; the message says what to change."""
 
 
+def version() -> str:
+    """The installed distribution's version, else the source tree's ``zeroshard.__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("zeroshard")
+    except PackageNotFoundError:
+        from zeroshard import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zeroshard",
         description="ZeRO / fully sharded data parallel training on torch.distributed.",
     )
+    parser.add_argument("--version", action="version", version=f"zeroshard {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"zeroshard.cli.{name}")
@@ -33,13 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()  # imports torch: seconds in which Ctrl-C may come
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print("zeroshard: interrupted", file=sys.stderr)
+        return 130
     try:
         return int(args._run(args) or 0)
     except (UsageError, ValueError, FileNotFoundError, PermissionError) as exc:
         print(f"zeroshard {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C where no subcommand handles it: no traceback
+        print(f"zeroshard {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
         --bandwidth 70GB/s --peak-flops 70TFLOP/s --target-efficiency 0.9 --json
     zeroshard plan --preset 1b --advise --devices 8 --memory 16GB --global-batch 256 \\
         --peak-flops 70TFLOP/s --net-bandwidth 100GB/s --bandwidth 25GB/s --batch 1,2,4,8
+    zeroshard plan --preset 1b --dp 32 --shard-group-size 8 \\
+        --net-bandwidth 300GB/s --inter-node-bandwidth 25GB/s   # hybrid: 4 nodes of 8
     zeroshard plan --measure                  # calibration: nano and tiny, stages 0-3, 1/2/4 ranks
 
 Sizes take units: "80GB" is 80e9 bytes, "80GiB" 80 * 2**30; rates "70GB/s"; counts "7.5B".
@@ -63,6 +65,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--dp", type=int, default=1, help="data-parallel degree Nd")
     t.add_argument("--mp", type=int, default=1, help="model-parallel degree Nm")
+    t.add_argument(
+        "--shard-group-size",
+        type=int,
+        metavar="K",
+        help="hybrid sharding: shard stages 1-3 inside groups of K ranks (a node), replicate "
+        "across groups; must divide the data-parallel ranks (default: all of them, no hybrid)",
+    )
     t.add_argument("--stage", default="0,1,2,3", help="stages to show, e.g. 3 or 2,3")
     t.add_argument(
         "--offload",
@@ -105,7 +114,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     h.add_argument(
         "--nvme-bandwidth", help="NVMe to each device for --advise (default --bandwidth)"
     )
-    h.add_argument("--net-bandwidth", help="data-parallel collectives per device, e.g. 100GB/s")
+    h.add_argument(
+        "--net-bandwidth",
+        help="data-parallel collectives per device, e.g. 100GB/s (inside a node / shard group)",
+    )
+    h.add_argument(
+        "--inter-node-bandwidth",
+        help="with --shard-group-size: the all-reduce across shard groups per device, e.g. "
+        "25GB/s (default --net-bandwidth)",
+    )
     h.add_argument("--peak-flops", help="achievable FLOP/s of one device, e.g. 70TFLOP/s")
     h.add_argument(
         "--target-efficiency",
@@ -254,11 +271,41 @@ def _opt(parse, text):
 # ---- the plan ------------------------------------------------------------------------------
 
 
-def _memory_config(args, *, micro_batch_size: int = 1, num_layers_per_checkpoint: int = 1):
-    """The training configuration the flags describe, at stage 0 (each row replaces it)."""
+def _shard_group_size(args, num_dp: int) -> int | None:
+    """--shard-group-size checked against the data-parallel ranks (None: no hybrid sharding)."""
+    k = args.shard_group_size
+    if k is None or k == num_dp:
+        if args.inter_node_bandwidth is not None:
+            raise ValueError(
+                "--inter-node-bandwidth prices the all-reduce across shard groups; add "
+                f"--shard-group-size K with K < {num_dp} dividing {num_dp}, or drop it"
+            )
+        return None
+    _positive("--shard-group-size", k)
+    if k > num_dp or num_dp % k:
+        why = "is larger than" if k > num_dp else "does not divide"
+        divisors = ", ".join(str(d) for d in range(1, num_dp + 1) if num_dp % d == 0)
+        raise ValueError(
+            f"--shard-group-size {k} {why} the {num_dp} data-parallel ranks; use a divisor of "
+            f"{num_dp} ({divisors})"
+        )
+    return k
+
+
+def _memory_config(
+    args,
+    *,
+    micro_batch_size: int = 1,
+    num_layers_per_checkpoint: int = 1,
+    num_dp: int | None = None,
+):
+    """The training configuration the flags describe, at stage 0 (each row replaces it), over
+    ``num_dp`` data-parallel ranks (default --dp)."""
+    num_dp = num_dp or args.dp
     return memory.MemoryConfig(
         stage=0,
-        num_dp_ranks=args.dp,
+        num_dp_ranks=num_dp,
+        shard_group_size=_shard_group_size(args, num_dp),
         num_mp_ranks=args.mp,
         bytes_per_param=_bytes_per_param(args.bytes_per_param),
         micro_batch_size=micro_batch_size,
@@ -289,6 +336,7 @@ def plan(args) -> dict:
         offloads=_offloads(args.offload),
         bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.bandwidth),
         net_bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.net_bandwidth),
+        inter_node_bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.inter_node_bandwidth),
         peak_flops=_opt(units.parse_flops, args.peak_flops),
         device_memory_bytes=_opt(units.parse_bytes, args.memory),
         target_efficiency=args.target_efficiency,
@@ -313,11 +361,18 @@ def advice(args) -> dict:
     for flag in ("dp", "mp", "seq", "devices", "global_batch", "top", "devices_per_node"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
     bw = _opt(units.parse_bandwidth, args.bandwidth)
+    num_devices = args.devices or args.dp * args.mp
+    if num_devices % args.mp:
+        raise ValueError(
+            f"--devices {num_devices} is not a multiple of --mp {args.mp}; pick an --mp that "
+            "divides the device count"
+        )
     cluster = planner.Cluster(
-        num_devices=args.devices or args.dp * args.mp,
+        num_devices=num_devices,
         device_memory_bytes=units.parse_bytes(args.memory),
         peak_flops=units.parse_flops(args.peak_flops),
         net_bandwidth_bytes_per_s=units.parse_bandwidth(args.net_bandwidth),
+        inter_node_bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.inter_node_bandwidth),
         cpu_bandwidth_bytes_per_s=bw,
         nvme_bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.nvme_bandwidth) or bw,
         num_devices_per_node=args.devices_per_node,
@@ -331,7 +386,8 @@ def advice(args) -> dict:
         checkpoint_spans=_ints("--ci", args.ci),
         stages=_stages(args.stage),
         offloads=_offloads(args.offload),
-        memory=_memory_config(args),  # the advisor sets stage, Nd, bsz, seq and ci per candidate
+        # The advisor sets stage, bsz, seq and ci per candidate; Nd is the devices over Nm.
+        memory=_memory_config(args, num_dp=num_devices // args.mp),
     )
     return report.advice_report(model, cluster, workload)
 

@@ -9,7 +9,8 @@ Pure functions of numbers returning breakdowns in bytes by category (DESIGN.md Â
 - ``hf``: Hugging Face configs built on the meta device (``transformers`` optional);
 - ``report``: what ``zeroshard plan`` prints: the plan and the advice as JSON-ready dicts, and
   their tables;
-- ``comm``: data-parallel communication per step, per collective;
+- ``comm``: data-parallel communication per step, per collective, inside and across shard
+  groups (hybrid sharding);
 - ``bandwidth``: ZeRO-Infinity's arithmetic intensity, efficiency and required bandwidth;
 - ``advise``: feasible configurations ranked by estimated step time, and why the rest fail;
 - ``units``: "80GB" / "80GiB" / "70GB/s" / "70TFLOP/s" / "7.5B" parsing for the CLI edge;

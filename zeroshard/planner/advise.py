@@ -6,7 +6,10 @@ Step time is the sum, without overlap (the same assumption as §8's efficiency),
 - compute: 8 * Psi * bsz * seq / Nm FLOPs per micro-batch (2 * 4 * 12 * bsz * seq * nl * hd^2 for
   a transformer) at the device's peak;
 - data-parallel collectives (``comm.dp_communication``) at the network bandwidth, every
-  micro-batch where gradients are sharded or parameters gathered, else once per step;
+  micro-batch where gradients are sharded or parameters gathered, else once per step; with hybrid
+  sharding (``MemoryConfig.shard_group_size``) those inside a shard group at that bandwidth and
+  the all-reduce across groups at the inter-node bandwidth (``inter_group``), added: the engine
+  runs it after each reduce-scatter, not overlapped;
 - offload traffic at the CPU or NVMe bandwidth, from the per-device bytes the memory breakdown
   puts on that tier: streamed parameters are read three times (forward, backward, recomputation)
   and their gradients written once per micro-batch; offloaded gradients go down every micro-batch
@@ -21,7 +24,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from zeroshard.planner.bandwidth import flops_per_iteration, flops_per_iteration_params
-from zeroshard.planner.comm import dp_communication
+from zeroshard.planner.comm import REPLICATE, SHARD, dp_communication, scope_seconds
 from zeroshard.planner.describe import ModelDescription
 from zeroshard.planner.memory import (
     OFFLOADS,
@@ -45,7 +48,11 @@ class Cluster:
     peak_flops: float
     """Achievable FLOP/s of one accelerator (the papers use 70e12 for a V100)."""
     net_bandwidth_bytes_per_s: float
-    """Bandwidth of data-parallel collectives per device."""
+    """Bandwidth of data-parallel collectives per device (inside a node: a shard group's)."""
+    inter_node_bandwidth_bytes_per_s: float | None = None
+    """Bandwidth per device across nodes, for hybrid sharding's all-reduce across shard groups
+    (and stage 0's all-reduce over every rank when shard groups are given); None: the network
+    bandwidth."""
     cpu_bandwidth_bytes_per_s: float | None = None
     """CPU memory to one device (ZeRO-Infinity's bw); None: CPU offload is not considered."""
     nvme_bandwidth_bytes_per_s: float | None = None
@@ -66,6 +73,7 @@ class Cluster:
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster.{name} must be positive, got {getattr(self, name)!r}")
         for name in (
+            "inter_node_bandwidth_bytes_per_s",
             "cpu_bandwidth_bytes_per_s",
             "nvme_bandwidth_bytes_per_s",
             "num_devices_per_node",
@@ -128,7 +136,8 @@ class Candidate:
     step_seconds: float | None
     """Estimated time per optimizer step (None when it does not fit)."""
     time_seconds: dict[str, float]
-    """``step_seconds`` split into compute, collectives and offload."""
+    """``step_seconds`` split into compute, collectives (inside shard groups), inter_group
+    (across shard groups: hybrid sharding; 0 otherwise) and offload."""
     problem: str | None
     """Why it does not fit (None when it does)."""
 
@@ -253,15 +262,27 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
         )
     compute = num_micro * flops / num_mp / cluster.peak_flops
 
+    k = config.shard_group_size
     collectives = dp_communication(
         model.num_params,
         stage=config.stage,
         num_mp_ranks=num_mp,
         param_dtype_bytes=config.bytes_per_param.params or 2,
         reduce_dtype_bytes=config.bytes_per_param.grads or 2,
+        num_dp_ranks=None if k is None else config.num_dp_ranks,
+        shard_group_size=k,
     )
-    comm_bytes = sum(c.num_bytes * (num_micro if c.every_micro_batch else 1) for c in collectives)
-    comm = 0.0 if config.num_dp_ranks == 1 else comm_bytes / cluster.net_bandwidth_bytes_per_s
+    net, inter = cluster.net_bandwidth_bytes_per_s, cluster.inter_node_bandwidth_bytes_per_s
+    if config.stage == 0 and k is not None and k < config.num_dp_ranks:
+        net = inter or net  # stage 0 ignores shard groups: its all-reduce spans every node
+    seconds = scope_seconds(
+        collectives,
+        intra_bandwidth_bytes_per_s=net,
+        inter_bandwidth_bytes_per_s=inter,
+        num_micro_batches=num_micro,
+    )
+    if config.num_dp_ranks == 1:
+        seconds = dict.fromkeys(seconds, 0.0)
 
     bandwidth = {
         Tier.CPU: cluster.cpu_bandwidth_bytes_per_s,
@@ -270,7 +291,7 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
     p = config.placement
     traffic: dict[Tier, float] = {Tier.CPU: 0.0, Tier.NVME: 0.0}
     shard_params_bytes = math.ceil(
-        config.bytes_per_param.params * model.num_params / (num_mp * config.num_dp_ranks)
+        config.bytes_per_param.params * model.num_params / (num_mp * config.num_shard_ranks)
     )
     if p.params is not Tier.DEVICE:
         traffic[p.params] += num_micro * 3 * memory.on(p.params)["params"]
@@ -282,4 +303,9 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
         traffic[Tier.NVME] += 2 * memory.nvme["optimizer_states"]
     traffic[Tier.CPU] += num_micro * 2 * memory.cpu["activation_checkpoints"]
     offload = sum(b / bandwidth[t] for t, b in traffic.items() if b)
-    return {"compute": compute, "collectives": comm, "offload": offload}
+    return {
+        "compute": compute,
+        "collectives": seconds[SHARD],
+        "inter_group": seconds[REPLICATE],
+        "offload": offload,
+    }

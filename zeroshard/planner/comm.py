@@ -6,14 +6,24 @@ all-gather the updated parameters (Psi + Psi). Stage 3 all-gathers each unit's p
 its forward and again before its backward, and reduce-scatters the gradients (3 Psi, 1.5x plain
 data parallel). Volumes are the papers' per-device counts; the exact ring moves (Nd - 1) / Nd of
 them, and zeroshard's padding adds at most Nd - 1 elements per unit.
+
+Hybrid sharding (HSDP; ``ShardConfig(shard_group_size=k)``) shards stages 1-3 inside groups of k
+ranks and replicates across the Nd / k groups: inside a group the volumes above (Nd = k), and
+across groups the ring all-reduce of each rank's 1/k gradient shard, 2 Psi / k elements, after
+each reduce-scatter. The two run on different links (inside a node, across nodes), so each
+collective carries the ledger's scope (``zeroshard.collectives``: ``shard`` or ``replicate``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zeroshard.stages import partition
+
+SHARD, REPLICATE = "shard", "replicate"
+"""The ledger's scopes (``zeroshard.collectives``): inside a shard group (every rank without
+hybrid sharding) and across shard groups."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +45,9 @@ class Collective:
     """True when it runs in every micro-batch (gathered parameters, gradients reduce-scattered to
     sharded owners); False when once per optimizer step (replicated gradients accumulate
     locally and are reduced once)."""
+    scope: str = SHARD
+    """Which ranks it spans: ``shard`` (inside a shard group, every rank without hybrid sharding)
+    or ``replicate`` (across shard groups, hybrid sharding only): the ledger's scopes."""
 
     @property
     def name(self) -> str:
@@ -49,12 +62,20 @@ def dp_communication(
     param_dtype_bytes: int = 2,
     reduce_dtype_bytes: int = 2,
     num_params_kept_gathered: int = 0,
+    num_dp_ranks: int | None = None,
+    shard_group_size: int | None = None,
 ) -> tuple[Collective, ...]:
     """The collectives of one step and their per-device volume: 2 Psi elements for stages 0-2,
     3 Psi for stage 3 (Psi / Nm each with model parallelism). Gradients travel in
     ``reduce_dtype_bytes``, parameters in ``param_dtype_bytes``. ``num_params_kept_gathered``:
     stage 3 parameters that stay gathered from forward to backward and are not gathered again
-    (zeroshard keeps the root unit unless ``ShardConfig.reshard_root_after_forward``)."""
+    (zeroshard keeps the root unit unless ``ShardConfig.reshard_root_after_forward``).
+
+    Hybrid sharding: ``num_dp_ranks`` Nd sharded in groups of ``shard_group_size`` k (both or
+    neither; k must divide Nd). With k < Nd, stages 1-3 add the all-reduce of the 1/k gradient
+    shard across groups (scope ``replicate``), 2 * ceil(Psi / k) elements, when the gradients are
+    reduce-scattered (every micro-batch at stages 2-3). Stage 0 shards nothing: its all-reduce
+    spans every rank, as the engine ignores ``shard_group_size`` there."""
     for name, value in (("num_params", num_params), ("num_mp_ranks", num_mp_ranks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -69,6 +90,7 @@ def dp_communication(
             f"num_params_kept_gathered must be in [0, num_params], got {num_params_kept_gathered}"
         )
     part = partition(stage)
+    num_groups = num_shard_groups(num_dp_ranks, shard_group_size)
     psi = math.ceil(num_params / num_mp_ranks)
     kept = math.ceil(num_params_kept_gathered / num_mp_ranks)
 
@@ -93,12 +115,45 @@ def dp_communication(
             every_micro_batch=when != "after step",
         )
 
+    inter: tuple[Collective, ...] = ()
+    if num_groups > 1 and part.optimizer_states:
+        # This rank's 1/k gradient shard, all-reduced with its replicas in the other groups
+        # (the ring's 2n, as the ledger counts it), right after each reduce-scatter.
+        numel = 2 * math.ceil(psi / shard_group_size)
+        inter = (replace(grads("all_reduce", numel), scope=REPLICATE),)
     if part.parameters:
-        return params("forward"), params("backward"), grads("reduce_scatter", psi)
+        return params("forward"), params("backward"), grads("reduce_scatter", psi), *inter
     if part.optimizer_states:
-        return grads("reduce_scatter", psi), params("after step")
+        return grads("reduce_scatter", psi), *inter, params("after step")
     # The ring all-reduce: a reduce-scatter and an all-gather of Psi each (the ledger's 2 numel).
     return (grads("all_reduce", 2 * psi),)
+
+
+def num_shard_groups(num_dp_ranks: int | None, shard_group_size: int | None) -> int:
+    """Nd / k: the shard groups that replicate each other (1 without hybrid sharding); a
+    ``ValueError`` naming the fix when k does not divide Nd."""
+    if (num_dp_ranks is None) != (shard_group_size is None):
+        raise ValueError(
+            "hybrid sharding needs num_dp_ranks and shard_group_size together; give both or neither"
+        )
+    if num_dp_ranks is None:
+        return 1
+    for name, value in (("num_dp_ranks", num_dp_ranks), ("shard_group_size", shard_group_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if shard_group_size > num_dp_ranks or num_dp_ranks % shard_group_size:
+        divisors = ", ".join(str(d) for d in range(1, num_dp_ranks + 1) if num_dp_ranks % d == 0)
+        why = "is larger than" if shard_group_size > num_dp_ranks else "does not divide"
+        raise ValueError(
+            f"shard_group_size {shard_group_size} {why} num_dp_ranks {num_dp_ranks}; use a "
+            f"divisor of {num_dp_ranks} ({divisors})"
+        )
+    return num_dp_ranks // shard_group_size
+
+
+def by_scope(collectives: tuple[Collective, ...]) -> dict[str, tuple[Collective, ...]]:
+    """``collectives`` split into ``shard`` (inside a group) and ``replicate`` (across)."""
+    return {s: tuple(c for c in collectives if c.scope == s) for s in (SHARD, REPLICATE)}
 
 
 def total_bytes(collectives: tuple[Collective, ...]) -> int:
@@ -107,6 +162,30 @@ def total_bytes(collectives: tuple[Collective, ...]) -> int:
 
 def total_numel(collectives: tuple[Collective, ...]) -> int:
     return sum(c.numel for c in collectives)
+
+
+def scope_seconds(
+    collectives: tuple[Collective, ...],
+    *,
+    intra_bandwidth_bytes_per_s: float,
+    inter_bandwidth_bytes_per_s: float | None = None,
+    num_micro_batches: int | None = None,
+) -> dict[str, float]:
+    """Seconds per scope, without overlap: ``shard`` collectives at the intra-group (in-node)
+    bandwidth, ``replicate`` ones at the inter-group (inter-node) bandwidth (default: the
+    intra-group one). The engine runs the inter-group all-reduce after each reduce-scatter,
+    not overlapped with compute, so the two add. With ``num_micro_batches`` a step of that
+    many micro-batches: the collectives that run every micro-batch repeat."""
+    inter = inter_bandwidth_bytes_per_s or intra_bandwidth_bytes_per_s
+    out = {}
+    for scope, bw in ((SHARD, intra_bandwidth_bytes_per_s), (REPLICATE, inter)):
+        num_bytes = sum(
+            c.num_bytes * (num_micro_batches if num_micro_batches and c.every_micro_batch else 1)
+            for c in collectives
+            if c.scope == scope
+        )
+        out[scope] = comm_seconds(num_bytes, bw)
+    return out
 
 
 def comm_seconds(num_bytes: float, bandwidth_bytes_per_s: float) -> float:

@@ -1,7 +1,8 @@
 """Memory per device, as the ZeRO papers count it, in bytes by category and memory tier.
 
 Model states (§3, §4): parameters, gradients, optimizer states; each is replicated or split 1/Nd
-across data-parallel ranks as ``zeroshard.stages`` says, split 1/Nm across model-parallel ranks,
+across data-parallel ranks as ``zeroshard.stages`` says (1/k with hybrid sharding in groups of k
+ranks: ``MemoryConfig.shard_group_size``), split 1/Nm across model-parallel ranks,
 and lives on the device, in CPU memory or on NVMe (ZeRO-Offload / ZeRO-Infinity).
 
 Residual states (§5, §8): activation checkpoints, the activation working memory of one checkpoint
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 from zeroshard.offload.tiers import Tier
 from zeroshard.planner import saved
+from zeroshard.planner.comm import num_shard_groups
 from zeroshard.planner.describe import ModelDescription
 from zeroshard.stages import partition
 
@@ -149,6 +151,9 @@ class MemoryConfig:
     """ZeRO-DP stage, 0-3 (``zeroshard.stages``)."""
     num_dp_ranks: int = 1
     """Data-parallel degree Nd."""
+    shard_group_size: int | None = None
+    """Hybrid sharding (``ShardConfig.shard_group_size``): the ranks k that partition the model
+    states (stages 1-3), replicated across the Nd / k groups; must divide Nd. None: all Nd."""
     num_mp_ranks: int = 1
     """Model (tensor) parallel degree Nm: model states are split 1/Nm."""
     bytes_per_param: BytesPerParam = ZERO
@@ -197,6 +202,8 @@ class MemoryConfig:
         _at_least("num_layers_per_checkpoint", self.num_layers_per_checkpoint, 1)
         for name in ("num_units_prefetch", "bucket_bytes", "num_buckets"):
             _at_least(name, getattr(self, name), 0)
+        if self.shard_group_size is not None:
+            num_shard_groups(self.num_dp_ranks, self.shard_group_size)  # ValueError with the fix
         if self.activation_bytes not in (1, 2, 4, 8):
             raise ValueError(f"activation_bytes must be 1, 2, 4 or 8, got {self.activation_bytes}")
         if not 0 <= self.fragmentation_fraction < 1:
@@ -206,6 +213,12 @@ class MemoryConfig:
         problem = placement_problem(self.stage, self.placement)
         if problem:
             raise ValueError(f"{offload_name(self.placement)} at stage {self.stage}: {problem}")
+
+    @property
+    def num_shard_ranks(self) -> int:
+        """The ranks a partitioned model state is split over: k with hybrid sharding, else Nd
+        (the stage formulas' Nd)."""
+        return self.shard_group_size or self.num_dp_ranks
 
 
 def _at_least(name: str, value: object, low: int) -> None:
@@ -353,7 +366,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
         states = model_states(
             model.num_params,
             stage=c.stage,
-            num_dp_ranks=c.num_dp_ranks,
+            num_dp_ranks=c.num_shard_ranks,
             num_mp_ranks=c.num_mp_ranks,
             bytes_per_param=bpp,
             placement=c.placement,
@@ -450,7 +463,7 @@ def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdow
     states = model_states(
         model.num_params,
         stage=config.stage,
-        num_dp_ranks=config.num_dp_ranks,
+        num_dp_ranks=config.num_shard_ranks,
         num_mp_ranks=config.num_mp_ranks,
         bytes_per_param=config.bytes_per_param,
         placement=config.placement,

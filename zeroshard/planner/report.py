@@ -39,16 +39,31 @@ def plan_report(
     offloads: tuple[str, ...],
     bandwidth_bytes_per_s: float | None = None,
     net_bandwidth_bytes_per_s: float | None = None,
+    inter_node_bandwidth_bytes_per_s: float | None = None,
     peak_flops: float | None = None,
     device_memory_bytes: int | None = None,
     target_efficiency: float | None = None,
 ) -> dict:
     """Everything ``zeroshard plan`` prints for ``model`` trained as ``base`` (its stage and
-    placement replaced by each of ``stages`` x ``offloads`` that is offered), as a dict."""
+    placement replaced by each of ``stages`` x ``offloads`` that is offered), as a dict.
+    With hybrid sharding (``base.shard_group_size``) communication is split into intra-group
+    bytes (at ``net_bandwidth_bytes_per_s``) and inter-group bytes (at
+    ``inter_node_bandwidth_bytes_per_s``, default the network bandwidth); their times add."""
     bw, net_bw, peak = bandwidth_bytes_per_s, net_bandwidth_bytes_per_s, peak_flops
+    num_groups = comm.num_shard_groups(base.num_dp_ranks, base.num_shard_ranks)
+    if inter_node_bandwidth_bytes_per_s is not None and num_groups == 1:
+        raise ValueError(
+            "an inter-node bandwidth prices the traffic across shard groups; give a shard group "
+            f"size smaller than Nd = {base.num_dp_ranks} (hybrid sharding) or drop it"
+        )
+    links = (net_bw, inter_node_bandwidth_bytes_per_s)
     out: dict = {
         "model": model_report(model),
         "num_dp_ranks": base.num_dp_ranks,
+        "shard_group_size": base.num_shard_ranks,
+        "num_shard_groups": num_groups,
+        "net_bandwidth_bytes_per_s": net_bw,
+        "inter_node_bandwidth_bytes_per_s": inter_node_bandwidth_bytes_per_s,
         "num_mp_ranks": base.num_mp_ranks,
         "bytes_per_param": vars(base.bytes_per_param),
         "micro_batch_size": base.micro_batch_size,
@@ -105,7 +120,7 @@ def plan_report(
             if memory.placement_problem(stage, placement):
                 continue
             config = replace(base, stage=stage, placement=placement)
-            rows.append(_row(model, config, offload, ait, bw, net_bw, peak, device_memory_bytes))
+            rows.append(_row(model, config, offload, ait, bw, links, peak, device_memory_bytes))
     if not rows:
         raise ValueError(
             f"no stage in --stage {','.join(map(str, stages))} supports --offload "
@@ -116,16 +131,52 @@ def plan_report(
     return out
 
 
-def _row(model, config, offload, ait, bw, net_bw, peak, device_memory) -> dict:
-    mem = memory.plan_memory(model, config)
+def _communication(model, config, net_bw, inter_bw) -> dict:
+    """A row's collectives, in total and per scope: ``intra_group`` (inside a shard group: every
+    rank without hybrid sharding) and ``inter_group`` (across shard groups), with their seconds
+    (None without a network bandwidth)."""
+    k, nd = config.shard_group_size, config.num_dp_ranks
     collectives = comm.dp_communication(
         model.num_params,
         stage=config.stage,
         num_mp_ranks=config.num_mp_ranks,
         param_dtype_bytes=config.bytes_per_param.params or 2,
         reduce_dtype_bytes=config.bytes_per_param.grads or 2,
+        num_dp_ranks=None if k is None else nd,
+        shard_group_size=k,
     )
-    comm_bytes = comm.total_bytes(collectives)
+    notes = []
+    if config.stage == 0 and k is not None and k < nd:
+        # The engine ignores shard groups at stage 0 (with a warning): one all-reduce over every
+        # rank, whose ring crosses nodes, so the inter-node link bounds it.
+        notes.append(
+            "stage 0 shards nothing: the shard group size is ignored and the gradient all-reduce "
+            "spans every rank (timed at the inter-node bandwidth)"
+        )
+        net_bw = inter_bw or net_bw
+    seconds = None
+    if net_bw is not None:
+        seconds = comm.scope_seconds(
+            collectives, intra_bandwidth_bytes_per_s=net_bw, inter_bandwidth_bytes_per_s=inter_bw
+        )
+    out = {
+        "numel": comm.total_numel(collectives),
+        "bytes": comm.total_bytes(collectives),
+        "seconds": None if seconds is None else sum(seconds.values()),
+    }
+    for key, (scope, group) in zip(
+        ("intra_group", "inter_group"), comm.by_scope(collectives).items()
+    ):
+        out[key] = {
+            "numel": comm.total_numel(group),
+            "bytes": comm.total_bytes(group),
+            "seconds": None if seconds is None else seconds[scope],
+        }
+    return out | {"collectives": [vars(c) for c in collectives], "notes": notes}
+
+
+def _row(model, config, offload, ait, bw, links, peak, device_memory) -> dict:
+    mem = memory.plan_memory(model, config)
     # The streams this placement waits on, for its efficiency after ZeRO-Infinity.
     streams = []
     if config.placement.params is not Tier.DEVICE:
@@ -147,12 +198,7 @@ def _row(model, config, offload, ait, bw, net_bw, peak, device_memory) -> dict:
         "cpu_bytes": mem.total_bytes(Tier.CPU),
         "nvme_bytes": mem.total_bytes(Tier.NVME),
         "memory": mem.to_dict(),
-        "communication": {
-            "numel": comm.total_numel(collectives),
-            "bytes": comm_bytes,
-            "seconds": None if net_bw is None else comm.comm_seconds(comm_bytes, net_bw),
-            "collectives": [vars(c) for c in collectives],
-        },
+        "communication": _communication(model, config, *links),
         "efficiency": eff,
         "fits": None if device_memory is None else device_bytes <= device_memory,
     }
@@ -220,10 +266,14 @@ def render_plan(out: dict, unit: str = "GB") -> str:
     """The plan's table and its notes, residual-state terms and intensities, for people."""
     m, bpp = out["model"], out["bytes_per_param"]
     total = sum(bpp.values())
+    num_groups = out.get("num_shard_groups", 1)
+    hybrid = ""
+    if num_groups > 1:
+        hybrid = f"sharded in {num_groups} groups of k = {out['shard_group_size']} (hybrid), "
     scale = units.parse_bytes("1" + unit)
     lines = [
         f"{m['name']}: Psi = {_count(m['num_params'])} parameters, Nd = {out['num_dp_ranks']}, "
-        f"Nm = {out['num_mp_ranks']}, {bpp['params']} + {bpp['grads']} + "
+        f"{hybrid}Nm = {out['num_mp_ranks']}, {bpp['params']} + {bpp['grads']} + "
         f"{bpp['optimizer_states']} = {total} bytes per parameter",
         f"memory per device; {unit} = {scale:,} bytes",
         "",
@@ -234,12 +284,12 @@ def render_plan(out: dict, unit: str = "GB") -> str:
     show_time = any(r["communication"]["seconds"] is not None for r in rows)
     show_eff = any(r["efficiency"] is not None for r in rows)
     show_fits = out["device_memory_bytes"] is not None
-    header = ["stage", "offload", "model states", "residual", "device", "cpu", "nvme", "comm/step"]
+    header = ["stage", "offload", "model states", "residual", "device", "cpu", "nvme"]
+    header += ["intra-group/step", "inter-group/step"] if num_groups > 1 else ["comm/step"]
     header += ["comm time"] * show_time + ["efficiency"] * show_eff + ["fits"] * show_fits
     body = []
     for r in rows:
         c = r["communication"]
-        psi = c["numel"] / m["num_params"]
         line = [
             str(r["stage"]),
             r["offload"],
@@ -248,8 +298,10 @@ def render_plan(out: dict, unit: str = "GB") -> str:
             _size(r["device_bytes"], unit),
             _size(r["cpu_bytes"], unit),
             _size(r["nvme_bytes"], unit),
-            f"{psi:.3g} Psi = {_size(c['bytes'], unit)}",
         ]
+        for part in (c["intra_group"], c["inter_group"]) if num_groups > 1 else (c,):
+            psi = part["numel"] / m["num_params"]
+            line.append(f"{psi:.3g} Psi = {_size(part['bytes'], unit)}" if psi else "-")
         if show_time:
             line.append("-" if c["seconds"] is None else f"{c['seconds']:.3g} s")
         if show_eff:
@@ -258,7 +310,7 @@ def render_plan(out: dict, unit: str = "GB") -> str:
             line.append("yes" if r["fits"] else "NO")
         body.append(line)
     lines.append(_table(header, body))
-    notes = sorted({n for r in rows for n in r["memory"]["notes"]})
+    notes = sorted({n for r in rows for n in r["memory"]["notes"] + r["communication"]["notes"]})
     lines += [f"note: {n}" for n in notes]
     if "activation_checkpoint_bytes" in out:
         terms = [
@@ -318,8 +370,12 @@ def render_advice(out: dict, unit: str = "GB", top: int = 10) -> str:
         "collectives",
         "offload time",
     ]
+    shown = out["feasible"][:top]
+    inter = any(c["time_seconds"].get("inter_group") for c in shown)
+    if inter:  # hybrid sharding: the all-reduce across shard groups, at the inter-node bandwidth
+        header[-2:-1] = ["intra-group", "inter-group"]
     body = []
-    for i, c in enumerate(out["feasible"][:top], 1):
+    for i, c in enumerate(shown, 1):
         t = c["time_seconds"]
         body.append(
             [
@@ -333,6 +389,7 @@ def render_advice(out: dict, unit: str = "GB", top: int = 10) -> str:
                 f"{c['step_seconds']:.3g} s",
                 f"{t['compute']:.3g} s",
                 f"{t['collectives']:.3g} s",
+                *([f"{t['inter_group']:.3g} s"] if inter else []),
                 f"{t['offload']:.3g} s",
             ]
         )

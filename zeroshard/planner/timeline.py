@@ -303,7 +303,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
             )
     # AdamW's loop: sqrt(v) and its quotient for this piece while the previous piece's
     # denominator is still bound to the loop variable: three temporaries of the largest piece.
-    shard_ways = mp * (c.num_dp_ranks if part.optimizer_states else 1)
+    shard_ways = mp * (c.num_shard_ranks if part.optimizer_states else 1)
     # With a single bucket there is one piece per group and no previous denominator: two.
     opt_working = (2 if single_bucket else 3) * 4 * math.ceil(largest / shard_ways)
     if single_bucket and part.optimizer_states:

@@ -1,0 +1,69 @@
+"""The progress display off a terminal, and the metrics sinks (metrics.jsonl, TensorBoard)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import zeroshard.run_log as run_log
+from zeroshard.run_log import MetricsLog, Progress
+
+
+def test_progress_off_a_terminal_is_plain_lines_at_an_interval(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(run_log.time, "monotonic", lambda: clock[0])
+    stream = io.StringIO()  # not a terminal
+    bar = Progress(total=10, initial=0, desc="stage 3 x2", enabled=True, every_s=5, stream=stream)
+    for _ in range(10):
+        clock[0] += 2.0  # a step every 2 s: a line every third step (>= 5 s apart)
+        bar.set_postfix(loss="1.234")
+        bar.update(1)
+    bar.close()
+    text = stream.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert lines == [
+        "stage 3 x2: step 3/10 (30%) loss 1.234 [6 s]",
+        "stage 3 x2: step 6/10 (60%) loss 1.234 [12 s]",
+        "stage 3 x2: step 9/10 (90%) loss 1.234 [18 s]",
+        "stage 3 x2: step 10/10 (100%) loss 1.234 [20 s]",  # the end, once
+    ]
+
+
+def test_progress_disabled_on_other_ranks():
+    stream = io.StringIO()
+    bar = Progress(total=3, initial=0, desc="x", enabled=False, every_s=0, stream=stream)
+    bar.update(3)
+    bar.close()
+    assert stream.getvalue() == ""
+
+
+class _FakeWriter:
+    """Stands in for torch.utils.tensorboard.SummaryWriter (tensorboard may not be installed)."""
+
+    def __init__(self, folder):
+        self.folder, self.scalars, self.closed = folder, [], False
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+    def close(self):
+        self.closed = True
+
+
+def test_metrics_go_to_jsonl_and_tensorboard(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_log, "_summary_writer", _FakeWriter)
+    kept = [{"kind": "eval", "step": 0, "val_loss": 5.0}]  # from a resumed run
+    log = MetricsLog(tmp_path, kept, write=True, tensorboard=True)
+    log({"kind": "train", "step": 10, "loss": 4.0, "lr": 0.1, "grad_norm": None, "m": [1, 2]})
+    log({"kind": "eval", "step": 10, "val_loss": 4.5})
+    log.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 10, 10] and lines[1]["loss"] == 4.0
+    assert log.writer.folder == tmp_path / "tensorboard" and log.writer.closed
+    assert log.writer.scalars == [
+        ("train/loss", 4.0, 10), ("train/lr", 0.1, 10), ("eval/val_loss", 4.5, 10)
+    ]  # fmt: skip
+    other_rank = MetricsLog(tmp_path / "none", [], write=False, tensorboard=True)
+    other_rank({"kind": "eval", "step": 0, "val_loss": 1.0})
+    assert other_rank.writer is None and not (tmp_path / "none").exists()

@@ -1,0 +1,60 @@
+"""``StopOnSignal``: a signal is only noted; a rank that cannot agree in time exits anyway."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from zeroshard.signals import StopOnSignal, Stopped
+
+STUCK = """
+import sys, time, torch
+from zeroshard.signals import StopOnSignal
+with StopOnSignal(torch.device("cpu"), grace_s=0.5):
+    print("ready", flush=True)
+    time.sleep(30)  # stuck: never reaches agreed()
+print("not reached", flush=True)
+"""
+
+
+def test_a_rank_that_cannot_agree_exits_after_the_grace():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+        waited = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and 0.4 < waited < 5, (proc.returncode, waited, err)
+    assert "not reached" not in out and "Traceback" not in err
+    assert "interrupted by SIGTERM" in err and "stopped without saving" in err, err
+
+
+def test_the_signal_is_noted_and_handlers_restored():
+    before = signal.getsignal(signal.SIGINT)
+    with StopOnSignal(torch.device("cpu"), grace_s=60) as stopper:
+        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: only noted
+        time.sleep(0.05)
+        assert stopper.signum == signal.SIGINT and stopper._deadline is not None
+    assert stopper._deadline is None  # disarmed on exit
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_stopped_says_where_it_saved():
+    assert str(Stopped(signal.SIGINT, 7, None)) == (
+        "interrupted at step 7 by SIGINT; no checkpoint saved (--save-every N keeps progress)"
+    )
+    assert str(Stopped(signal.SIGTERM, 8, "ck/step-000008")).endswith(
+        "by SIGTERM; saved step 8 to ck/step-000008"
+    )
+    assert Stopped(signal.SIGTERM, 8, None).exit_code == 143

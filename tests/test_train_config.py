@@ -1,0 +1,143 @@
+"""``TrainConfig`` and the train command's input checks: every bad value is one line naming the
+field, the value and what is allowed, exit status 2, before any process starts (no torch job)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+
+import pytest
+
+from zeroshard.cli.main import main
+from zeroshard.models.gpt import PRESETS
+from zeroshard.run_log import tensorboard_available
+from zeroshard.train_config import TrainConfig, field_docs
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert captured.out == ""  # nothing ran: no progress, no "done"
+    return err
+
+
+@pytest.mark.parametrize(
+    ("toml", "needles"),
+    [
+        ('steps = "ten"', ["steps = 'ten'", "must be an integer"]),
+        ('lr = "3e-3"', ["lr = '3e-3'", "must be a number", "no quotes"]),
+        ("warmup_steps = -5", ["warmup_steps = -5", ">= 0"]),
+        ("grad_clip = -1", ["grad_clip = -1", ">= 0"]),
+        ("lr = nan", ["lr = nan", "finite"]),
+        ("weight_decay = inf", ["weight_decay = inf", "finite"]),
+        ("steps = 1.5", ["steps = 1.5", "integer"]),
+        ("seed = true", ["seed = True", "integer"]),
+        ('preset = "nano"', ["seq_len = 128", "block size 64", "nano", "--seq-len 64"]),
+        ('lr_schedule = "step"', ["lr_schedule = 'step'", "cosine, linear, constant"]),
+        ("stage = 4", ["stage = 4", "0, 1, 2, 3"]),
+        ("max_skipped_steps = 0", ["max_skipped_steps = 0", ">= 1"]),
+        ("grad_accum = 3", ["batch_size = 16", "grad_accum = 3", "multiple of 3"]),
+        ('model = "no_colon"', ["model = 'no_colon'", "package.module:factory"]),
+        ('tokenizer = "gpt2"', ["tokenizer = 'gpt2'", "--data"]),
+    ],
+)
+def test_bad_config_values_are_one_line(capsys, tmp_path, toml, needles):
+    config = tmp_path / "c.toml"
+    config.write_text(toml + "\n")
+    err = _one_line_error(capsys, ["train", "--config", str(config), "--out-dir", str(tmp_path)])
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "needles"),
+    [
+        (["--steps", "ten"], ["--steps 'ten'", "integer", "--steps 200"]),
+        (["--lr", "inf"], ["lr = inf", "finite"]),
+        (["--port", "70000"], ["--port 70000", "1-65535"]),
+        (["--nproc", "two"], ["--nproc 'two' is not an integer"]),
+        (["--model", "no.such.module:build"], ["no.such.module", "PYTHONPATH"]),
+        (["--model", "json:no_such_factory"], ["no attribute 'no_such_factory'"]),
+        (["--hf", "missing/config.json"], ["hf = 'missing/config.json'", "cannot read"]),
+        (["--data", "missing.txt"], ["data = 'missing.txt' does not exist"]),
+        (["--model", "m:f", "--hf", "c.json"], ["pass one of --model and --hf"]),
+        (["--nproc", "2", "--batch-size", "6", "--grad-accum", "2"], ["multiple of 4"]),
+    ],
+)
+def test_bad_flags_are_one_line(capsys, tmp_path, flags, needles):
+    err = _one_line_error(capsys, ["train", *flags, "--out-dir", str(tmp_path)])
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_hf_config_shorter_than_seq_len(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "gpt2", "n_positions": 32}')
+    argv = ["train", "--hf", str(config), "--seq-len", "64", "--out-dir", str(tmp_path)]
+    err = _one_line_error(capsys, argv)
+    assert "seq_len = 64 exceeds the 32 positions" in err and "--seq-len 32" in err, err
+
+
+def test_data_too_small_for_the_batch(capsys, tmp_path):
+    text = tmp_path / "tiny.txt"
+    text.write_text("hello world " * 20)  # 240 bytes: 216 for training, 24 for validation
+    argv = ["train", "--data", str(text), "--preset", "nano", "--seq-len", "32"]
+    err = _one_line_error(capsys, [*argv, "--out-dir", str(tmp_path)])
+    assert "16 sequences" in err and "216 tokens has 5" in err, err
+    assert "lower batch_size or seq_len" in err, err
+
+
+@pytest.mark.skipif(tensorboard_available(), reason="tensorboard is installed here")
+def test_tensorboard_missing(capsys, tmp_path):
+    argv = ["train", "--log", "tensorboard", "--preset", "nano", "--seq-len", "32"]
+    err = _one_line_error(capsys, [*argv, "--out-dir", str(tmp_path)])
+    assert "pip install tensorboard" in err and "metrics.jsonl" in err, err
+
+
+def test_every_field_has_a_docstring_and_a_checked_type():
+    docs = field_docs()
+    for f in dataclasses.fields(TrainConfig):
+        assert len(docs.get(f.name, "")) > 10, f.name
+        if f.default is not None and not isinstance(f.default, str):
+            with pytest.raises(ValueError, match=f"^{f.name} = "):
+                TrainConfig(**{f.name: "1"})  # a string where a number belongs
+
+
+def test_version():
+    result = subprocess.run(
+        [sys.executable, "-m", "zeroshard.cli.main", "--version"], capture_output=True, text=True
+    )
+    assert result.returncode == 0
+    assert re.fullmatch(r"zeroshard \d+\.\d+\.\d+\S*", result.stdout.strip()), result.stdout
+
+
+def test_help_teaches_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    docs = field_docs()
+    for f in dataclasses.fields(TrainConfig):
+        flag = f"--{f.name.replace('_', '-')}"
+        shown = "none" if f.default is None else f.default
+        first_words = " ".join(docs[f.name].split()[:4])
+        assert flag in text and first_words in text, f.name
+        assert f"(default: {shown}" in text, f.name
+        for choice in TrainConfig.CHOICES.get(f.name, ()):
+            assert str(choice) in text
+    for name, cfg in PRESETS.items():
+        assert re.search(rf"{name} +[\d.]+[KMB] parameters: {cfg.n_layer} blocks", text), name
+
+
+def test_example_configs_are_valid():
+    from pathlib import Path
+
+    from zeroshard.cli.train import load_config
+
+    examples = sorted(Path(__file__).parent.parent.joinpath("examples").glob("*.toml"))
+    assert examples
+    for path in examples:
+        assert isinstance(load_config(path, {}), TrainConfig), path

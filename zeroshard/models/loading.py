@@ -1,0 +1,139 @@
+"""The model of a ``zeroshard train`` run: a built-in GPT preset, your own factory, or a Hugging
+Face causal LM built from its config. Plain PyTorch (and transformers); it never imports zeroshard.
+
+Your own model, ``--model package.module:factory``:
+
+* ``factory()`` is called with no arguments on every rank, after ``torch.manual_seed(seed)``, and
+  returns an ``nn.Module`` (on the CPU, or on the meta device; its buffers and parameters are
+  then materialized by ``reset_parameters()`` unit by unit).
+* ``module(idx_BT)`` takes int64 token ids of shape (B, T) and returns logits (B, T, V), or an
+  output with a ``.logits`` attribute (as transformers models do); V must cover the data's
+  vocabulary (256 for bytes). The loss is the mean cross-entropy against the next token.
+* Units (what stage 3 gathers and frees together, and what gradients are reduced by): the class
+  names in ``--wrap`` (comma-separated), else the model's ``_no_split_modules`` attribute (as
+  transformers models declare), else the whole model is one unit (a warning says so).
+
+``--hf config.json``: ``AutoModelForCausalLM.from_config`` of that config (FP32, randomly
+initialized; nothing is downloaded), wrapped by its ``_no_split_modules``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.models.gpt import GPT, preset
+
+# Config keys under which Hugging Face configs give the longest sequence (tokens).
+_HF_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+
+
+@dataclass(frozen=True, eq=False)
+class BuiltModel:
+    """A model ready to shard, and how to cut it into units."""
+
+    module: nn.Module
+    unit_classes: tuple[str, ...]
+    """Class names whose instances become units (empty: the whole model is one unit)."""
+    name: str
+    """What was built, for the summary (the preset, the factory, or the config's model type)."""
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    """For a model on the meta device: initializes one module's own parameters."""
+
+
+def import_factory(spec: str) -> Callable[[], nn.Module]:
+    """The callable named by ``"package.module:attr"``; a ValueError with the fix otherwise."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"model = {spec!r}: cannot import {module_name} ({exc}); put its folder on "
+            "PYTHONPATH or pip install its package"
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"model = {spec!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"model = {spec!r}: {attr} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def read_hf_config(path: str) -> dict:
+    """The JSON of an ``--hf`` config file, checked to be one; a ValueError otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        config = json.loads(p.read_text())
+    except OSError as exc:
+        raise ValueError(f"hf = {path!r}: cannot read {p} ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"hf = {path!r}: {p} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"hf = {path!r}: {p} has no model_type; pass a Hugging Face config.json")
+    return config
+
+
+def hf_context_len(config: dict) -> int | None:
+    """The longest sequence (tokens) a Hugging Face config declares, if it declares one."""
+    for key in _HF_CONTEXT_KEYS:
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def build_model(
+    *, preset_name: str, model: str | None, hf: str | None, wrap: str | None, vocab_size: int
+) -> BuiltModel:
+    """The run's model (see the module docstring); call after seeding torch. ``vocab_size`` is
+    the data's: the GPT preset is built with it, an ``--hf`` config must cover it."""
+    wrap_names = tuple(n.strip() for n in wrap.split(",") if n.strip()) if wrap else ()
+    if hf:
+        module, name = _build_hf(hf, vocab_size), read_hf_config(hf)["model_type"]
+    elif model:
+        module, name = import_factory(model)(), model
+        if not isinstance(module, nn.Module):
+            raise ValueError(
+                f"model = {model!r} returned a {type(module).__name__}, not an nn.Module"
+            )
+    else:
+        gpt = GPT(dataclasses.replace(preset(preset_name), vocab_size=vocab_size))
+        return BuiltModel(gpt, wrap_names or ("Block",), preset_name, gpt.init_module)
+    declared = tuple(sorted(getattr(module, "_no_split_modules", None) or ()))
+    return BuiltModel(module, wrap_names or declared, name)
+
+
+def _build_hf(path: str, vocab_size: int) -> nn.Module:
+    config = read_hf_config(path)
+    if config.get("vocab_size", vocab_size) < vocab_size:
+        raise ValueError(
+            f"hf = {path!r}: vocab_size {config['vocab_size']} is smaller than the data's "
+            f"{vocab_size}; raise vocab_size in the config or pass a matching --tokenizer"
+        )
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as exc:
+        raise ValueError(f"--hf needs transformers ({exc}); pip install transformers") from None
+    hf_config = AutoConfig.from_pretrained(path)
+    return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits (B, T, V) of a model's output: the tensor itself or its ``.logits``."""
+    logits = getattr(output, "logits", output)
+    if not isinstance(logits, torch.Tensor) or logits.ndim != 3:
+        raise ValueError(
+            f"the model returned {type(output).__name__}; a --model must return logits "
+            "(B, T, V) or an output with .logits"
+        )
+    return logits

@@ -1,0 +1,111 @@
+"""What a ``zeroshard train`` run shows and writes while it trains: the progress display and the
+metrics sinks (``metrics.jsonl``, and TensorBoard event files with ``--log tensorboard``).
+
+Progress goes to stderr on rank 0: a live tqdm bar when stderr is a terminal, else one plain line
+every ``every_s`` seconds (and at the end), so a log file gets lines, not carriage returns.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+
+class Progress:
+    """A progress display with tqdm's ``update`` / ``set_postfix`` / ``close``."""
+
+    def __init__(
+        self,
+        *,
+        total: int,
+        initial: int,
+        desc: str,
+        enabled: bool,
+        every_s: float,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.stream = stream or sys.stderr
+        self.total, self.n, self.desc, self.enabled = total, initial, desc, enabled
+        self.every_s = every_s
+        self.postfix: dict[str, str] = {}
+        self._t_start = self._t_last = time.monotonic()
+        is_tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._bar = (
+            tqdm(total=total, initial=initial, desc=desc, file=self.stream)
+            if enabled and is_tty
+            else None
+        )
+
+    def set_postfix(self, **values: str) -> None:
+        self.postfix = values
+        if self._bar is not None:
+            self._bar.set_postfix(**values)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self._bar is not None:
+            self._bar.update(n)
+        elif self.enabled and time.monotonic() - self._t_last >= self.every_s:
+            self._line()
+
+    def _line(self) -> None:
+        self._t_last = now = time.monotonic()
+        extra = " ".join(f"{k} {v}" for k, v in self.postfix.items())
+        pct = 100 * self.n / max(1, self.total)
+        print(
+            f"{self.desc}: step {self.n}/{self.total} ({pct:.0f}%) {extra} "
+            f"[{now - self._t_start:.0f} s]".replace("  ", " "),
+            file=self.stream,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            self._line()  # the last state, once
+        self.enabled = False
+
+
+def tensorboard_available() -> bool:
+    """Whether ``--log tensorboard`` can work (the ``tensorboard`` package is installed)."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def _summary_writer(folder: Path) -> Any:
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(folder))
+
+
+class MetricsLog:
+    """Rank 0 appends each record to ``metrics.jsonl`` (and TensorBoard scalars); every rank
+    keeps ``records`` in memory."""
+
+    def __init__(self, out: Path, records: list[dict], *, write: bool, tensorboard: bool) -> None:
+        self.path = out / "metrics.jsonl"
+        self.records, self.write = records, write
+        self.writer = _summary_writer(out / "tensorboard") if write and tensorboard else None
+        if write:  # the records kept from a resumed run, then appends
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def __call__(self, record: dict) -> None:
+        self.records.append(record)
+        if not self.write:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key not in ("kind", "step") and isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

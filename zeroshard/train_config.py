@@ -1,0 +1,209 @@
+"""``TrainConfig``: every knob of ``zeroshard train``, checked for type and range before any work.
+
+Each field is a CLI flag (``--batch-size``) and a config-file key (``batch_size``); its docstring
+is the flag's ``--help`` text (``field_docs``). A wrong value raises ``ValueError`` with one line
+naming the field, the value and what is allowed, e.g.
+``lr = '3e-3' is a string; lr must be a number, e.g. lr = 0.003 (no quotes in TOML)``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import math
+import re
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, ClassVar
+
+from zeroshard.models.gpt import PRESETS
+from zeroshard.schedule import SCHEDULES
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "auto")
+LOGS = ("jsonl", "tensorboard")
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")  # pkg.mod:attr
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Every knob of a ``zeroshard train`` run; CLI flags and config-file keys map one-to-one."""
+
+    preset: str = "tiny"
+    """Built-in GPT preset (zeroshard.models.gpt.PRESETS); ignored with --model or --hf."""
+    model: str | None = None
+    """Your own model: "pkg.module:factory", a callable taking no arguments that returns an
+    nn.Module mapping token ids (B, T) int64 to logits (B, T, V) (or an output with .logits)."""
+    hf: str | None = None
+    """A transformers causal LM built (randomly initialized) from this config.json; units are its
+    _no_split_modules blocks."""
+    wrap: str | None = None
+    """Module class name(s), comma-separated, that become units (gathered and freed together);
+    default: the model's _no_split_modules, the GPT's Block, else the whole model is one unit."""
+    data: str | None = None
+    """Training text: a text file, a folder of text files, or a .npy of token ids; the last tenth
+    of the tokens is validation (default: the standard library's Python source, bytes)."""
+    tokenizer: str | None = None
+    """A transformers tokenizer installed locally (a name in the Hugging Face cache, or a folder)
+    for --data text; default byte-level (vocab 256)."""
+    stage: int = 3
+    """ZeRO stage: 0 data parallel, 1 + optimizer states sharded, 2 + gradients, 3 + parameters."""
+    precision: str = "fp32"
+    """Compute precision; auto is BF16 where the device supports it, else FP32."""
+    checkpoint_every: int = 0
+    """Activation checkpointing: spans of this many units keep only their input (0: off)."""
+    steps: int = 200
+    """Optimizer steps."""
+    batch_size: int = 16
+    """Global batch in sequences per optimizer step, summed over ranks and micro-batches; must
+    divide by ranks x grad_accum."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (gradient accumulation): the same batch in grad_accum
+    forward/backward passes of batch_size / (ranks x grad_accum) sequences per rank."""
+    seq_len: int = 128
+    """Tokens per sequence; at most the model's block size."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after the warm-up."""
+    lr_schedule: str = "cosine"
+    """After the warm-up: cosine or linear decay to lr / 10 at the last step, or constant."""
+    warmup_steps: int = 20
+    """Steps of linear learning-rate warm-up from lr / warmup_steps to lr (0: none)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to biases and norms)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    max_skipped_steps: int = 10
+    """Consecutive steps with non-finite gradients after which training stops as diverged (fp32,
+    tf32, bf16); fp16 uses the loss scaler's rule (inf/NaN at the minimum loss scale)."""
+    timeout: float = 300.0
+    """Seconds a collective waits for every rank before failing with one line naming the
+    collective, the unit and the rank that did not arrive (flag: 60, 60s, 5m or 1h)."""
+    seed: int = 0
+    """Seed of the initialization and of the batches."""
+    eval_every: int = 50
+    """Steps between validation evaluations (and one at the end)."""
+    eval_batches: int = 8
+    """Global validation batches per evaluation."""
+    log_every: int = 10
+    """Steps between lines of metrics.jsonl."""
+    log: str = "jsonl"
+    """Metrics sinks: jsonl (out_dir/metrics.jsonl), or tensorboard (also event files in
+    out_dir/tensorboard; needs the tensorboard package)."""
+    progress_every: float = 30.0
+    """Seconds between progress lines when the progress stream (stderr) is not a terminal (a
+    terminal gets a live bar)."""
+    out_dir: str = "runs/train"
+    """Output folder (created if missing)."""
+    data_dir: str | None = None
+    """Cache folder of the standard-library corpus (default ~/.cache/zeroshard)."""
+    save_every: int = 0
+    """Steps between checkpoints in out_dir/ckpt (and one at the end); 0: no checkpoints."""
+    keep: int = 3
+    """Checkpoints kept in out_dir/ckpt (the oldest are removed)."""
+    resume: str | None = None
+    """A checkpoint folder to continue from, or "auto": the newest complete one in out_dir/ckpt."""
+
+    CHOICES: ClassVar[dict[str, tuple]] = {
+        "preset": tuple(PRESETS),
+        "stage": (0, 1, 2, 3),
+        "precision": PRECISIONS,
+        "lr_schedule": SCHEDULES,
+        "log": LOGS,
+    }
+    """The allowed values of the fields that have a fixed set."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_field(f.name, getattr(self, f.name), str(f.type), f.default)
+        if self.model and self.hf:
+            raise ValueError(
+                f"model = {self.model!r} and hf = {self.hf!r}: pass one of --model and --hf"
+            )
+        block = PRESETS[self.preset].block_size
+        if not (self.model or self.hf) and self.seq_len > block:
+            raise ValueError(
+                f"seq_len = {self.seq_len} exceeds the block size {block} of preset "
+                f"{self.preset!r}; pass --seq-len {block} or less, or a larger --preset"
+            )
+        if self.tokenizer and not self.data:
+            raise ValueError(
+                f"tokenizer = {self.tokenizer!r} without data: the built-in corpus is bytes; "
+                "pass --data with your text, or drop --tokenizer"
+            )
+        if self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"batch_size = {self.batch_size} does not split into grad_accum = "
+                f"{self.grad_accum} micro-batches; pass a multiple of {self.grad_accum}"
+            )
+
+
+# Lower bounds of numeric fields: (bound, inclusive). Fields absent here only need their type.
+_AT_LEAST_1 = ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batches")
+_MINIMUM: dict[str, tuple[float, bool]] = {
+    **{name: (1, True) for name in (*_AT_LEAST_1, "log_every", "keep", "max_skipped_steps")},
+    **{name: (0, True) for name in ("checkpoint_every", "warmup_steps", "save_every", "seed")},
+    "weight_decay": (0, True),
+    "grad_clip": (0, True),
+    "lr": (0, False),
+    "progress_every": (0, False),
+    "timeout": (0, False),
+}
+_KIND_WORDS = {
+    "int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean",
+    "list": "a list", "dict": "a table",
+}  # fmt: skip
+
+
+def _check_field(name: str, value: Any, annotation: str, default: Any) -> None:
+    """One field's type, then its range or choices; a ValueError says which value is allowed."""
+    optional = annotation.endswith("| None")
+    kind = annotation.split("|")[0].strip()
+    if value is None and optional:
+        return
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+    }[kind]
+    if not ok:
+        got_word = "a decimal number" if isinstance(value, float) else None
+        got = "is " + (
+            got_word or _KIND_WORDS.get(type(value).__name__, "a " + type(value).__name__)
+        )
+        hint = " (no quotes in TOML)" if isinstance(value, str) else ""
+        raise ValueError(
+            f"{name} = {value!r} {got}; {name} must be {_KIND_WORDS[kind]}, "
+            f"e.g. {name} = {default!r}{hint}"
+        )
+    if kind == "float" and not math.isfinite(value):
+        raise ValueError(f"{name} = {value!r}: {name} must be a finite number")
+    choices = TrainConfig.CHOICES.get(name)
+    if choices is not None and value not in choices:
+        names = ", ".join(map(str, choices))
+        raise ValueError(f"{name} = {value!r} is not allowed; choose one of: {names}")
+    if name in _MINIMUM:
+        bound, inclusive = _MINIMUM[name]
+        if value < bound or (value == bound and not inclusive):
+            relation = ">=" if inclusive else ">"
+            raise ValueError(f"{name} = {value!r}: {name} must be {relation} {bound:g}")
+    if name == "model" and not _FACTORY.match(value):
+        raise ValueError(
+            f"model = {value!r}: expected 'package.module:factory' (a callable returning an "
+            "nn.Module), e.g. --model mypkg.models:build"
+        )
+    if name in ("wrap", "hf", "data", "tokenizer", "out_dir", "resume") and not value.strip():
+        raise ValueError(f"{name} = {value!r}: must not be empty")
+
+
+@cache
+def field_docs() -> dict[str, str]:
+    """Each ``TrainConfig`` field's docstring (the string right below it), whitespace folded."""
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        named = isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) in names
+        if named and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
