@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	else \
 		$(PY) -m venv $(VENV) && $(BIN)/pip install -q torch==2.13.0; \
 	fi
-	$(BIN)/pip install -q -e ".[dev,hf]"
+	$(BIN)/pip install -q -e ".[dev,hf,log]"
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+
 import zeroshard.run_log as run_log
 from zeroshard.run_log import MetricsLog, Progress
 
@@ -67,3 +69,23 @@ def test_metrics_go_to_jsonl_and_tensorboard(tmp_path, monkeypatch):
     other_rank = MetricsLog(tmp_path / "none", [], write=False, tensorboard=True)
     other_rank({"kind": "eval", "step": 0, "val_loss": 1.0})
     assert other_rank.writer is None and not (tmp_path / "none").exists()
+
+
+@pytest.mark.skipif(not run_log.tensorboard_available(), reason="needs tensorboard (.[log])")
+def test_tensorboard_event_files_hold_the_metrics(tmp_path):
+    """The real SummaryWriter: its event files, read back by tensorboard, hold the scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLog(tmp_path, [], write=True, tensorboard=True)
+    log({"kind": "train", "step": 10, "loss": 4.0, "lr": 0.5, "grad_norm": None})
+    log({"kind": "train", "step": 20, "loss": 3.5, "lr": 0.25, "grad_norm": 1.5})
+    log({"kind": "eval", "step": 20, "val_loss": 3.75})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = {
+        tag: [(s.step, s.value) for s in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
+    assert scalars["train/loss"] == [(10, 4.0), (20, 3.5)]
+    assert scalars["train/lr"] == [(10, 0.5), (20, 0.25)]
+    assert scalars["eval/val_loss"] == [(20, 3.75)]
