@@ -13,7 +13,7 @@ from zeroshard.collectives import Ledger
 from zeroshard.engine import ShardConfig, engine_of
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.optimizer import ShardedOptimizer
-from zeroshard.offload import OffloadConfig, TensorStore, Tier
+from zeroshard.offload import Offload, OffloadConfig, TensorStore, Tier
 from zeroshard.optimizer_state_dict import load_optimizer_state_dict, optimizer_state_dict
 from zeroshard.precision import DynamicLossScaler, LossScaler, MixedPrecision
 from zeroshard.sharding import shard
@@ -61,6 +61,7 @@ __all__ = [
     "LossScaler",
     "Mesh",
     "MixedPrecision",
+    "Offload",
     "OffloadConfig",
     "Partition",
     "ShardConfig",

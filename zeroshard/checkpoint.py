@@ -190,6 +190,12 @@ def _state(model, optimizer) -> dict[str, Any]:
     return {"model": local_state_dict(model), "optim": optimizer_state_dict(optimizer, local=True)}
 
 
+def _resident(optimizer) -> contextlib.AbstractContextManager:
+    """The optimizer's states held in memory inside (``states_in_memory``: a no-op unless they
+    are offloaded to NVMe), streamed back out on exit."""
+    return getattr(optimizer, "states_in_memory", contextlib.nullcontext)()
+
+
 def _optimizer_step(optimizer) -> int:
     """The step count held by the optimizer's state (0 before any step)."""
     for sub in getattr(optimizer, "sub_optimizers", [optimizer]):
@@ -263,16 +269,18 @@ def save(
     torch.save(own, buffer)  # a snapshot of this rank's own state, as the bytes of its file
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = _state(model, optimizer)
-    step = int(extra.get("step", _optimizer_step(optimizer)))
-    meta = _metadata(model, step, world)
-    _check_space(path.parent, _local_bytes(state), group)
-    tmp = path.with_name(path.name + TMP + broadcast(secrets.token_hex(4), group))
-    tmp.mkdir(parents=True, exist_ok=True)
-    job = (tmp, path, state, buffer.getvalue(), meta, keep)
-    if not async_save:
-        _write_and_publish(*job, group)
-        return path
+    with _resident(optimizer):  # offloaded optimizer states: in memory until written/copied
+        state = _state(model, optimizer)
+        step = int(extra.get("step", _optimizer_step(optimizer)))
+        meta = _metadata(model, step, world)
+        _check_space(path.parent, _local_bytes(state), group)
+        tmp = path.with_name(path.name + TMP + broadcast(secrets.token_hex(4), group))
+        tmp.mkdir(parents=True, exist_ok=True)
+        job = (tmp, path, state, buffer.getvalue(), meta, keep)
+        if not async_save:
+            _write_and_publish(*job, group)
+            return path
+        job = (tmp, path, _snapshot(state), *job[3:])
     background = _background_group(group)
     job = (tmp, path, _snapshot(state), *job[3:])
     handle = SaveHandle(path)
@@ -531,14 +539,15 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
 
     from zeroshard.checkpoint_planner import LoadPlanner
 
-    state = _state(model, optimizer)
-    if checks is not None:
-        finish_verify(checks, group)
-    reader = dcp.FileSystemReader(path)
-    _check_names(path, reader, state)
-    dcp.load(state, storage_reader=reader, planner=LoadPlanner(), process_group=group)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optim"])
+    with _resident(optimizer):  # offloaded optimizer states: read into, then streamed out
+        state = _state(model, optimizer)
+        if checks is not None:
+            finish_verify(checks, group)
+        reader = dcp.FileSystemReader(path)
+        _check_names(path, reader, state)
+        dcp.load(state, storage_reader=reader, planner=LoadPlanner(), process_group=group)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
     own = torch.load(path / f"rank-{rank % meta['world_size']:05d}.pt", weights_only=True)
     optimizer.loss_scaler.load_state_dict(own["loss_scaler"])
     _set_rng_state(own["rng"])

@@ -26,6 +26,7 @@ from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.model_states.init import Materializer, check_same_model
+from zeroshard.offload.placement import Offload
 from zeroshard.precision import MixedPrecision, hold_tf32, policy_of
 from zeroshard.stages import Partition, partition
 from zeroshard.state_dict import install_state_dict_hooks
@@ -46,6 +47,7 @@ def shard(
     config: ShardConfig | None = None,
     mesh: Mesh | DeviceMesh | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    offload: Offload | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over the data-parallel ranks and return it.
 
@@ -71,8 +73,15 @@ def shard(
     ``config=ShardConfig(shard_group_size=k)``: stages 1-3 partition inside groups of k
     consecutive ranks and replicate across groups (``zeroshard.mesh``). Stage 0 partitions
     nothing: it stays plain data parallelism over every rank, with a warning.
+
+    ``offload=zeroshard.Offload(optimizer="nvme", folder=...)`` places model states on a slower
+    memory tier (ZeRO-Offload / ZeRO-Infinity, ``zeroshard.offload.placement``); a placement the
+    stage or device cannot have is a ValueError here. The optimizer built on the model applies
+    it (its swap files are checked and created then).
     """
     part: Partition = partition(stage)
+    if offload is not None and not isinstance(offload, Offload):
+        raise TypeError(f"offload must be a zeroshard.Offload, got {type(offload).__name__}")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError(
             f"{type(model).__name__} is already sharded; shard a model once (build a new one "
@@ -97,6 +106,8 @@ def shard(
             )
     config = config or ShardConfig()
     mesh = _hybrid_mesh(mesh, config.shard_group_size, part)
+    if offload is not None:
+        offload.check(part, mesh.device)
     mixed_precision = policy_of(mixed_precision, mesh.device)
     specs = units(model, wrap)
     check_same_model(model, mesh)
@@ -153,6 +164,9 @@ def shard(
         ledger=ledger,
         scaling=scaling,
     )
+    engine.offload = offload  # read by the optimizer built on this model (its state tier)
+    if offload is not None and offload.any:
+        log.info("offload placements at stage %d: %s", stage, offload)
     install_state_dict_hooks(model, engine)
     setattr(model, _ATTR, engine)
     # Last, once nothing can fail: TF32 stays on while this model lives (process-global torch

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,10 @@ class GradBucket:
         """Per slot: a gradient reached it on this rank since ``zero`` (else the optimizer may
         leave the parameter alone, as torch does with a ``None`` gradient)."""
         self._reduced = False  # reduced since zero, and the buffer kept (not yet bound again)
+        self.handoff: Callable[[GradBucket], None] | None = None
+        """Called after each reduction of a partitioned gradient, ``shard_grad`` then holding the
+        reduced shard: the hand-off to a lower memory tier (``zeroshard.model_states.grad_swap``),
+        which may take ``shard_grad`` away until the step."""
         if self.as_views:
             for i, s in enumerate(flat.slots):
                 s.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
@@ -273,6 +278,8 @@ class GradBucket:
             self.shard_grad.add_(reduced)
         if self.reduction is Reduction.SCATTER_AND_FREE:
             self._free_full()
+            if self.handoff is not None:
+                self.handoff(self)
         else:
             self._reduced = True
 

@@ -17,12 +17,19 @@ averages the reduced values (``GradScaling``); ``step`` agrees on the outcome wi
 all-reduce ("found_inf") and either steps or skips (master weights, optimizer states and step
 counters untouched).
 
+With ``zeroshard.shard(..., offload=zeroshard.Offload(optimizer="nvme", ...))`` the sub-groups'
+states live in swap files and are streamed around the step (``state_swap``: sub-group i + 1 read
+while i steps and i - 1 is written), and with ``gradients="nvme"`` the reduced gradient shards too
+(``grad_swap``). ``states_in_memory()`` brings every state in, e.g. around a checkpoint.
+
 Element-wise optimizers (``ELEMENTWISE``: SGD, Adam, AdamW, Adagrad, RMSprop, ...) give the same
 result as unsharded training; others (LBFGS, Adafactor, LAMB, Muon) are refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +41,13 @@ from torch import nn
 from zeroshard import collectives as C
 from zeroshard.engine import Engine, engine_of
 from zeroshard.model_states.flat_param import FlatParam
+from zeroshard.model_states.grad_swap import GradSwapper
 from zeroshard.model_states.grads import GradBucket
+from zeroshard.model_states.state_swap import StateSwapper, state_bytes_per_element
+from zeroshard.offload.folder import padded_bytes
 from zeroshard.precision import LossScaler, default_scaler
+
+log = logging.getLogger(__name__)
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name)
@@ -73,10 +85,15 @@ class _SubGroup:
 
 class _States(Mapping):
     """The sub-groups' optimizer states as one read-only mapping (piece tensor -> its state):
-    what ``torch.optim.Optimizer.state`` is to tools that walk it (memory trackers)."""
+    what ``torch.optim.Optimizer.state`` is to tools that walk it (memory trackers). Read
+    through the sub-optimizers each time: torch's ``load_state_dict`` replaces their dicts."""
 
-    def __init__(self, maps: list[dict]) -> None:
-        self._maps = maps
+    def __init__(self, subgroups: list[_SubGroup]) -> None:
+        self._subgroups = subgroups
+
+    @property
+    def _maps(self) -> list[dict]:
+        return [sg.optimizer.state for sg in self._subgroups]
 
     def __getitem__(self, key: Any) -> Any:
         for m in self._maps:
@@ -171,8 +188,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )
         super().__init__(user_groups, class_defaults)
         self.optimizer_cls = optimizer_cls
-        self.state = _States([sg.optimizer.state for sg in self._subgroups])  # type: ignore[assignment]
+        self.state = _States(self._subgroups)  # type: ignore[assignment]
         self._groups_fixed = True
+        offload = getattr(self.engine, "offload", None)
+        self._swap: StateSwapper | None = None
+        """With ``Offload(optimizer="nvme")``: the sub-groups' states in swap files, streamed
+        around each step (``zeroshard.model_states.state_swap``)."""
+        self._grad_swap: GradSwapper | None = None
+        """With ``Offload(gradients="nvme")``: reduced gradient shards written as each
+        reduction finishes and read back at the step (``zeroshard.model_states.grad_swap``)."""
+        if offload is not None and offload.optimizer == "nvme":  # on every rank: a collective
+            grad_bytes = 0
+            if offload.gradients == "nvme":
+                masters = [b.flat.master for b in buckets if b.flat.master is not None]
+                grad_bytes = sum(padded_bytes(m.numel() * 4) for m in masters)  # FP32 shards
+            self._swap = StateSwapper(
+                self._subgroups,
+                offload,
+                self.engine.mesh,
+                optimizer_cls,
+                defaults,
+                grad_bytes=grad_bytes,
+            )
+            if offload.gradients == "nvme":
+                self._grad_swap = GradSwapper(self._swap.store, buckets, self._swap.timed)
+        elif offload is not None and offload.optimizer == "cpu":
+            numel = sum(p.tensor.numel() for sg in self._subgroups for ps in sg.pieces for p in ps)
+            log.info(
+                "optimizer states on the CPU tier: %d bytes (training runs on the CPU: they are "
+                "in host memory already, nothing moves)",
+                numel * state_bytes_per_element(optimizer_cls, defaults),
+            )
 
     @property
     def optimizer(self) -> ShardedOptimizer:
@@ -221,8 +267,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         grads = self._shard_grads()
         device = self.engine.mesh.device
         sq = torch.zeros(1, dtype=torch.float32, device=device)
-        if grads:  # one fused norm per buffer: no gradient-sized temporaries
-            sq += torch.stack(torch._foreach_norm(grads)).pow(2).sum()
+        # one fused norm per buffer: no gradient-sized temporaries (those on NVMe were taken
+        # when they were written, with the same per-tensor kernel)
+        norms = self._grad_swap.norms() if self._grad_swap else torch._foreach_norm(grads)
+        if norms:
+            sq += torch.stack(norms).pow(2).sum()
         mesh = self.engine.mesh
         if self.engine.partition.optimizer_states and mesh.shard_size > 1:
             # The shard group's ranks hold disjoint shards that together make every gradient;
@@ -233,7 +282,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         norm = sq.sqrt()[0]
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        if grads:
+        if self._grad_swap is not None:
+            self._grad_swap.scale(coef)  # stored ones are multiplied when read back
+        elif grads:
             torch._foreach_mul_(grads, coef)
         return norm
 
@@ -279,11 +330,70 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if found_inf:
             self.engine.ledger.end_step()
             return False
-        for sg in self._subgroups:
-            self._step_subgroup(sg, unused)
+        if self._swap is None:
+            for sg in self._subgroups:
+                self._step_subgroup(sg, unused)
+        else:
+            self._step_swapped(self._swap, unused)
         self.engine.params_changed()
         self.engine.ledger.end_step()
         return True
+
+    def _step_swapped(self, swap: StateSwapper, unused: set[int]) -> None:
+        """Sub-group ``i + 1``'s states are read while ``i`` steps and ``i - 1`` is written."""
+        swap.begin_step()
+        grads, subgroups = self._grad_swap, self._subgroups
+        try:
+            for i, sg in enumerate(subgroups):
+                swap.before(i)
+                if grads is not None:
+                    if i + 1 < len(subgroups):
+                        grads.prefetch(subgroups[i + 1].bucket)
+                    grads.restore(sg.bucket)
+                self._step_subgroup(sg, unused)
+                if grads is not None:
+                    grads.consume(sg.bucket)
+                swap.after(i)
+        except BaseException:
+            swap.abort_step()
+            raise
+        swap.end_step()
+
+    @contextlib.contextmanager
+    def states_in_memory(self) -> Iterator[None]:
+        """Every sub-group's optimizer states resident in memory inside (a no-op unless they are
+        offloaded to NVMe), e.g. around ``zeroshard.checkpoint.save`` / ``load``; streamed back
+        out on exit, one slot at a time. Reading states outside it swaps the read sub-groups
+        in too, but they then stay in memory until the next ``step``."""
+        swap = self._swap
+        if swap is not None:
+            for i in range(len(self._subgroups)):
+                swap.touch(i)
+        try:
+            yield
+        finally:
+            if swap is not None:
+                swap.store_all()
+
+    def offload_stats(self) -> dict[str, float]:
+        """I/O of offloaded states and gradients since the last call (bytes read and written,
+        seconds any swap was in flight and seconds the caller blocked on one); empty without
+        NVMe offload. ``1 - wait_s / io_s`` is the fraction of I/O hidden behind compute."""
+        if self._swap is None:
+            return {}
+        out = self._swap.stats()
+        if self._grad_swap is not None:
+            out["grad_read_bytes"] = self._grad_swap.read_bytes
+            out["grad_write_bytes"] = self._grad_swap.write_bytes
+            self._grad_swap.read_bytes = self._grad_swap.write_bytes = 0
+        self._swap.reset_stats()
+        return out
+
+    def close(self) -> None:
+        """Delete the swap files of offloaded optimizer states (also done when this optimizer
+        is garbage-collected and at exit); the optimizer cannot step afterwards."""
+        if self._swap is not None:
+            self._swap.close()
 
     def _step_subgroup(self, sg: _SubGroup, unused: set[int]) -> None:
         g = sg.bucket.shard_grad  # 1D range numel, FP32, or None (no gradient this step)
@@ -301,6 +411,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.scaling.reset()
+        if self._grad_swap is not None:
+            self._grad_swap.zero()
         for b in self.engine.buckets:
             b.zero()
 

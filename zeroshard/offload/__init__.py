@@ -4,10 +4,12 @@ See DESIGN.md §6 and `store.py` for the usage; `bench/bench_offload.py` measure
 raw bandwidth of the disk.
 """
 
+from .placement import Offload
 from .store import OffloadConfig, TensorStore
 from .tiers import OffloadError, SwapHandle, SwapIntegrityError, SwapSpaceError, TensorMeta, Tier
 
 __all__ = [
+    "Offload",
     "OffloadConfig",
     "OffloadError",
     "SwapHandle",

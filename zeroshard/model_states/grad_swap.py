@@ -1,0 +1,157 @@
+"""Reduced gradient shards on NVMe (``Offload(gradients="nvme")``, ZeRO-Infinity).
+
+With partitioned gradients (stages 2-3) each bucket's reduced FP32 shard (``shard_grad``, 1D,
+this rank's range, 4 bytes per owned element) leaves memory as soon as its reduction finishes
+(``GradBucket.handoff``): it is written to the rank's ``TensorStore`` and dropped once written, so
+backward holds the shards of the reductions in flight only. At the step, the optimizer reads the
+shard of sub-group ``i + 1`` ahead while ``i`` steps; the step consumes it (``shard_grad`` is
+dropped again after its sub-group's step).
+
+Clipping needs every shard's norm: each is taken at the hand-off (the same per-tensor kernel as
+``clip_grad_norm``'s ``torch._foreach_norm``, so the global norm has the same bits), and the
+clipping factor is applied when the shard is read back (the same element-wise multiply).
+A reduction after an earlier one since ``zero_grad`` (accumulation that reduces every micro-step)
+reads the stored shard back and adds it (addition commutes exactly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from zeroshard.model_states.grads import GradBucket
+from zeroshard.offload import OffloadError, SwapHandle, TensorStore
+
+
+class GradSwapper:
+    """The reduced gradient shards of ``buckets`` on the NVMe tier of ``store`` (module
+    docstring). ``timed`` wraps every swap handle (the state swapper's I/O accounting)."""
+
+    def __init__(
+        self,
+        store: TensorStore,
+        buckets: list[GradBucket],
+        timed: Callable[[SwapHandle], SwapHandle],
+    ) -> None:
+        self.store, self._buckets, self._timed = store, buckets, timed
+        self._index = {id(b): i for i, b in enumerate(buckets)}
+        self._lock = threading.Lock()  # _writing is also updated by I/O threads when done
+        self._writing: dict[int, tuple[SwapHandle, torch.Tensor]] = {}  # keeps the source alive
+        self._reading: dict[int, SwapHandle] = {}
+        self._stored: set[int] = set()  # buckets whose gradient since zero_grad is in the store
+        self._norms: dict[int, torch.Tensor] = {}  # 0-dim FP32 2-norm of each stored shard
+        self._coefs: list[torch.Tensor] = []  # clipping factors to apply at read-back, in order
+        self.read_bytes = self.write_bytes = 0
+        self._error: str | None = None
+        ref = weakref.ref(self)  # the engine's buckets must not keep the store alive
+
+        def handoff(bucket: GradBucket) -> None:
+            swapper = ref()
+            if swapper is not None:
+                swapper._handoff(bucket)
+
+        for b in buckets:
+            b.handoff = handoff
+
+    def _name(self, i: int) -> str:
+        return f"grad_shard[{i}]:{self._buckets[i].flat.name or '<root>'}"
+
+    def _handoff(self, bucket: GradBucket) -> None:
+        g = bucket.shard_grad  # 1D FP32, this rank's reduced shard
+        if g is None or g.numel() == 0:
+            return
+        i = self._index[id(bucket)]
+        if i in self._stored:  # reduced again since zero_grad: accumulate onto the stored one
+            g.add_(self._read(i))
+        self._norms[i] = torch._foreach_norm([g])[0]
+        handle = self._timed(self.store.swap_out(self._name(i), g))
+        self.write_bytes += g.numel() * g.element_size()
+        with self._lock:
+            self._writing[i] = (handle, g)
+        handle.add_done_callback(lambda h: self._written(i, h))
+        self._stored.add(i)
+        bucket.shard_grad = None  # in the store now; ``g`` lives until written
+
+    def _written(self, i: int, handle: SwapHandle) -> None:
+        """In an I/O thread: drop the source tensor of a finished write (frees its memory)."""
+        with self._lock:
+            if handle.error() is not None and self._error is None:
+                self._error = f"{self._name(i)} could not be written ({handle.error()})"
+            if self._writing.get(i, (None,))[0] is handle:
+                del self._writing[i]
+
+    def _start_read(self, i: int) -> None:
+        if i in self._stored and i not in self._reading:
+            numel = self.store.meta(self._name(i)).numel
+            into = self.store.empty_host((numel,), torch.float32)
+            self._reading[i] = self._timed(self.store.swap_in(self._name(i), into=into))
+            self.read_bytes += numel * 4
+
+    def _read(self, i: int) -> torch.Tensor:
+        """Stored shard ``i``, read back (waiting); it leaves the store's bookkeeping."""
+        self._start_read(i)
+        try:
+            g = self._reading.pop(i).wait()
+        except Exception as e:
+            raise OffloadError(
+                f"the gradient {self._name(i)} could not be read back ({type(e).__name__}: {e}); "
+                "training stopped: it is not trusted. Restart from the last checkpoint"
+            ) from e
+        if self._error is not None:
+            raise OffloadError(f"training stopped: {self._error}")
+        self._stored.discard(i)
+        self._norms.pop(i, None)
+        assert g is not None
+        return g
+
+    # ----------------------------------------------------------------- the optimizer's side
+    def prefetch(self, bucket: GradBucket) -> None:
+        """Start reading ``bucket``'s stored shard (the next sub-group's)."""
+        self._start_read(self._index[id(bucket)])
+
+    def restore(self, bucket: GradBucket) -> None:
+        """Put ``bucket``'s stored shard back in ``shard_grad``, clipped as asked meanwhile."""
+        i = self._index[id(bucket)]
+        if i not in self._stored:
+            return
+        g = self._read(i)
+        for coef in self._coefs:
+            g.mul_(coef)  # what clip_grad_norm's _foreach_mul_ did to the resident ones
+        bucket.shard_grad = g
+
+    def consume(self, bucket: GradBucket) -> None:
+        """``bucket``'s sub-group has stepped: drop its read-back shard."""
+        bucket.shard_grad = None
+
+    def norms(self) -> list[torch.Tensor]:
+        """Per bucket with a gradient, in engine order: the 0-dim 2-norm of its shard (taken at
+        the hand-off for stored ones; now for resident ones)."""
+        out = []
+        for i, b in enumerate(self._buckets):
+            if i in self._stored:
+                out.append(self._norms[i])
+            elif b.shard_grad is not None:
+                out.append(torch._foreach_norm([b.shard_grad])[0])
+        return out
+
+    def scale(self, coef: torch.Tensor) -> None:
+        """Clip: multiply resident shards now and stored ones when they are read back."""
+        resident = [b.shard_grad for b in self._buckets if b.shard_grad is not None]
+        if resident:
+            torch._foreach_mul_(resident, coef)
+        self._coefs.append(coef)
+
+    def zero(self) -> None:
+        """``zero_grad``: forget the stored shards (their files are overwritten next time)."""
+        for handle in self._reading.values():
+            # never leave a read running into memory we drop; its error no longer matters
+            with contextlib.suppress(Exception):
+                handle.wait()
+        self._reading.clear()
+        self._stored.clear()
+        self._norms.clear()
+        self._coefs.clear()

@@ -1,0 +1,114 @@
+"""``Offload``: on which memory tier each model state lives (ZeRO-Offload / ZeRO-Infinity).
+
+    model = zeroshard.shard(model, stage=2, offload=zeroshard.Offload(optimizer="nvme",
+                                                                     folder="/nvme/run"))
+
+One field per model state of the ZeRO paper, each ``None`` (the device), ``"cpu"`` or ``"nvme"``.
+The store's own tuning (block size, I/O threads, buffers) is ``OffloadConfig``; ``Offload`` only
+says where things live and builds the per-rank ``OffloadConfig`` from it.
+
+What is implemented (the rest is refused at ``shard()`` with the fix):
+- optimizer="nvme": the sharded optimizer's states (Adam's momentum and variance, ...) live in
+  swap files and are streamed through a ring of host buffers, one sub-group at a time
+  (``zeroshard.model_states.state_swap``). The FP32 master stays in memory: the engine reads it
+  to refresh the compute parameters after the step.
+- gradients="nvme" (with optimizer="nvme"): each reduced gradient shard is written as its
+  reduction finishes and read back at the step (``zeroshard.model_states.grad_swap``).
+- optimizer="cpu", gradients="cpu", parameters="cpu" on a CPU device: the states already live in
+  host memory; accepted (nothing moves) so that one configuration runs on both kinds of machine.
+  On an accelerator they are not implemented yet.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zeroshard.stages import Partition
+
+from .store import OffloadConfig
+from .tiers import Tier
+
+__all__ = ["Offload"]
+
+_PLACES = (None, "cpu", "nvme")
+
+
+def _tier_name(field: str, value: object) -> str | None:
+    if isinstance(value, Tier):
+        value = None if value is Tier.DEVICE else value.value
+    if value not in _PLACES:
+        raise ValueError(f"{field}={value!r} must be None (the device), 'cpu' or 'nvme'")
+    return value  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Offload:
+    """Where each model state lives; ``None`` keeps it on the training device."""
+
+    optimizer: str | None = None
+    """FP32 optimizer states (Adam: 8 bytes per trainable element this rank owns): None, 'cpu'
+    or 'nvme' (swap files in ``folder``, streamed sub-group by sub-group at the step)."""
+    gradients: str | None = None
+    """The reduced FP32 gradient shard (4 bytes per owned element): None, 'cpu' or 'nvme'
+    (written as each reduction finishes, read back at the step; needs optimizer='nvme').
+    Needs partitioned gradients (stage 2 or 3)."""
+    parameters: str | None = None
+    """The parameter shards: None or 'cpu'. Needs partitioned parameters (stage 3)."""
+    folder: str | os.PathLike | None = None
+    """Directory for the swap files when any state is on 'nvme' (one sub-folder per rank,
+    ``rank00000`` ...), on the fast disk. Checked for writability and free space when the
+    optimizer is built, before step 1."""
+
+    def __post_init__(self) -> None:
+        for field in ("optimizer", "gradients", "parameters"):
+            object.__setattr__(self, field, _tier_name(field, getattr(self, field)))
+        on_disk = [
+            f for f in ("optimizer", "gradients", "parameters") if getattr(self, f) == "nvme"
+        ]
+        if on_disk and self.folder is None:
+            raise ValueError(
+                f"{on_disk[0]}='nvme' needs folder=, a directory on the fast disk for swap files"
+            )
+        if not on_disk and self.folder is not None:
+            raise ValueError("folder= is only used by 'nvme' placements; drop it or use 'nvme'")
+        if self.parameters == "nvme":
+            raise ValueError(
+                "parameters='nvme' is not implemented yet; use parameters=None or 'cpu' (stage 3)"
+            )
+        if self.gradients == "nvme" and self.optimizer != "nvme":
+            raise ValueError(
+                "gradients='nvme' needs optimizer='nvme' (the step reads them back from the "
+                "optimizer's swap files); set both, or gradients='cpu'"
+            )
+
+    def check(self, partition: Partition, device: torch.device) -> None:
+        """A ValueError for a placement this stage or device cannot have (called by shard)."""
+        if self.parameters and not partition.parameters:
+            raise ValueError(
+                f"parameters={self.parameters!r} needs partitioned parameters: use stage=3 or "
+                "parameters=None (below stage 3 every rank keeps all parameters on the device)"
+            )
+        if self.gradients and not partition.gradients:
+            raise ValueError(
+                f"gradients={self.gradients!r} needs partitioned gradients: use stage=2 or 3, or "
+                "gradients=None (below stage 2 the full gradient stays on the device)"
+            )
+        on_host = [f for f in ("optimizer", "gradients", "parameters") if getattr(self, f)]
+        if device.type != "cpu" and on_host:
+            raise ValueError(
+                f"{on_host[0]}={getattr(self, on_host[0])!r} on a {device.type} device is not "
+                "implemented yet (host offload runs only with CPU training); use None there"
+            )
+
+    @property
+    def any(self) -> bool:
+        return bool(self.optimizer or self.gradients or self.parameters)
+
+    def store_config(self, rank: int) -> OffloadConfig:
+        """The NVMe store of ``rank``: its own sub-folder of ``folder``."""
+        assert self.folder is not None
+        return OffloadConfig(tier=Tier.NVME, folder=Path(self.folder) / f"rank{rank:05d}")
