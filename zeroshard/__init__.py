@@ -8,19 +8,54 @@ optimizer.backward(loss); optimizer.clip_grad_norm(1.0); optimizer.step(); optim
 
 from __future__ import annotations
 
-from zeroshard import checkpoint, offload, precision, wrap
-from zeroshard.collectives import Ledger
-from zeroshard.engine import ShardConfig, engine_of
-from zeroshard.mesh import Mesh
-from zeroshard.model_states.optimizer import ShardedOptimizer
-from zeroshard.offload import Offload, OffloadConfig, TensorStore, Tier
-from zeroshard.optimizer_state_dict import load_optimizer_state_dict, optimizer_state_dict
-from zeroshard.precision import DynamicLossScaler, LossScaler, MixedPrecision
-from zeroshard.sharding import shard
-from zeroshard.stages import STAGES, Partition
-from zeroshard.state_dict import device_mesh, full_state_dict
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zeroshard.collectives import Ledger
+    from zeroshard.model_states.optimizer import ShardedOptimizer
+    from zeroshard.precision import LossScaler
 
 __version__ = "0.1.0"
+
+# Names are imported on first use (PEP 562), so that ``import zeroshard`` (and the command line,
+# whose Ctrl-C handler runs only once its module is imported) does not wait for torch.
+_SUBMODULES = ("checkpoint", "offload", "precision", "wrap")
+_EXPORTS = {
+    "Ledger": "zeroshard.collectives",
+    "ShardConfig": "zeroshard.engine",
+    "engine_of": "zeroshard.engine",
+    "Mesh": "zeroshard.mesh",
+    "ShardedOptimizer": "zeroshard.model_states.optimizer",
+    "Offload": "zeroshard.offload",
+    "OffloadConfig": "zeroshard.offload",
+    "TensorStore": "zeroshard.offload",
+    "Tier": "zeroshard.offload",
+    "load_optimizer_state_dict": "zeroshard.optimizer_state_dict",
+    "optimizer_state_dict": "zeroshard.optimizer_state_dict",
+    "DynamicLossScaler": "zeroshard.precision",
+    "LossScaler": "zeroshard.precision",
+    "MixedPrecision": "zeroshard.precision",
+    "shard": "zeroshard.sharding",
+    "STAGES": "zeroshard.stages",
+    "Partition": "zeroshard.stages",
+    "device_mesh": "zeroshard.state_dict",
+    "full_state_dict": "zeroshard.state_dict",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"zeroshard.{name}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBMODULES, *_EXPORTS})
 
 
 def optimizer(
@@ -33,11 +68,15 @@ def optimizer(
     ``loss_scaler`` defaults to ``DynamicLossScaler()`` when the model computes in FP16, else to
     ``LossScaler()`` (no scaling; steps with inf/NaN gradients are skipped).
     """
+    from zeroshard.model_states.optimizer import ShardedOptimizer
+
     return ShardedOptimizer(model, optimizer_cls, params, loss_scaler=loss_scaler, **defaults)
 
 
 def ledger(model) -> Ledger:
     """The communication ledger of a sharded model (elements and bytes per collective)."""
+    from zeroshard.engine import engine_of
+
     return engine_of(model).ledger
 
 
@@ -45,11 +84,15 @@ def summon_full_params(model, *, writeback: bool = True):
     """Context manager: every parameter of a sharded model gathered, as views of its own shape
     in the compute dtype. Forward (and backward) inside work; with ``writeback`` the values
     written inside reach the FP32 masters on exit (unchanged ones keep full precision)."""
+    from zeroshard.engine import engine_of
+
     return engine_of(model).summon_full_params(writeback=writeback)
 
 
 def no_sync(model):
     """Context manager: backward passes inside accumulate gradients without communicating."""
+    from zeroshard.engine import engine_of
+
     return engine_of(model).no_sync()
 
 
