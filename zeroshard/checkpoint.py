@@ -57,7 +57,6 @@ import dataclasses
 import io
 import json
 import os
-import random
 import secrets
 import shutil
 import threading
@@ -66,11 +65,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from zeroshard.accelerator import current_accelerator_type
+from zeroshard import rng
 from zeroshard.checkpoint_files import (
     META_FILE,
     NUMBERED,
@@ -125,46 +123,6 @@ def _group(model) -> dist.ProcessGroup | None:
 
 
 # --------------------------------------------------------------------- state
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's RNG states, in types ``torch.load(weights_only=True)`` reads back: torch's
-    CPU generator, numpy's and python's global ones, and the accelerator's (any type: its device
-    module's ``get_rng_state_all``) once it is initialized."""
-    np_state = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-        "python": random.getstate(),
-        "accelerator": None,
-    }
-    module = _accelerator_module()
-    if module is not None:
-        state["accelerator"] = (current_accelerator_type(), module.get_rng_state_all())
-    return state
-
-
-def _accelerator_module():
-    """The device module (``torch.cuda``, ``torch.npu``, ...) of this process's accelerator when
-    it is initialized and has per-device RNG states; else None."""
-    kind = current_accelerator_type()
-    if kind is None:
-        return None
-    module = torch.get_device_module(kind)
-    initialized = getattr(module, "is_initialized", lambda: False)()
-    return module if initialized and hasattr(module, "get_rng_state_all") else None
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    name, key, *rest = state["numpy"]
-    np.random.set_state((name, key.numpy().astype(np.uint32), *rest))
-    random.setstate(state["python"])
-    saved = state.get("accelerator")
-    module = _accelerator_module() if saved is not None else None
-    same_devices = module is not None and saved[0] == current_accelerator_type()
-    if same_devices and len(saved[1]) == module.device_count():  # each device its own stream
-        module.set_rng_state_all(saved[1])
 
 
 def _local_bytes(tree: Any) -> int:
@@ -261,7 +219,7 @@ def save(
     own = {
         "rank": rank,
         "world_size": world,
-        "rng": _rng_state(),  # first: nothing below may have drawn from them yet
+        "rng": rng.get_state(),  # first: nothing below may have drawn from them yet
         "loss_scaler": optimizer.loss_scaler.state_dict(),
         "extra": extra,
     }
@@ -550,7 +508,7 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
         optimizer.load_state_dict(state["optim"])
     own = torch.load(path / f"rank-{rank % meta['world_size']:05d}.pt", weights_only=True)
     optimizer.loss_scaler.load_state_dict(own["loss_scaler"])
-    _set_rng_state(own["rng"])
+    rng.set_state(own["rng"])
     return own["extra"]
 
 
