@@ -134,6 +134,21 @@ def test_bad_timeouts(capsys, tmp_path, text, shown):
     _expect_usage_error(capsys, ["train", "--timeout", text, "--out-dir", str(tmp_path)], shown)
 
 
+@pytest.mark.parametrize("delay_s", [0.1, 0.5])
+def test_ctrl_c_while_starting_is_one_line(tmp_path, delay_s):
+    """SIGINT while the command imports torch: exit 130, one line, no traceback."""
+    argv = [sys.executable, "-m", "zeroshard.cli.main", "train", "--preset", "nano"]
+    proc = subprocess.Popen(
+        [*argv, "--steps", "3", "--out-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in out, out
+    assert "interrupted" in out.strip().splitlines()[-1], out
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (read from /proc), children first."""
     parents: dict[int, list[int]] = {}

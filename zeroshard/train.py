@@ -320,6 +320,7 @@ def _train_record(step, loss, lr, norm, records, t_log, tokens_per_step, device)
         "kind": "train", "step": step, "loss": loss, "lr": lr,
         "grad_norm": None if norm is None else norm.item(), "tokens_per_s": tok_s,
         "rank_mem_mib": [round(m.item() / 2**20, 1) for m in mems],
+        "time": round(time.time(), 3),  # Unix seconds: the gaps show restarts and stalls
     }  # fmt: skip
 
 

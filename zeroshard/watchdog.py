@@ -57,6 +57,11 @@ _COMM_FAILURES = (
 MAX_GRACE_S = 10.0
 """Longest wait for the other ranks to check in after a failure (shorter with short timeouts)."""
 
+DEAD_PEER_GRACE_S = 2.0
+"""The wait when a peer's connection was reset or closed: its process is gone, and the ranks
+still alive hit the same error at once (a shorter wait, so a restart comes sooner)."""
+_DEAD_PEER = ("closed by peer", "connection reset", "broken pipe")
+
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete: the message names the collective, the unit or label, this
@@ -158,6 +163,8 @@ def diagnose(
     timeout_s = group_timeout_s(group)
     if grace_s is None:
         grace_s = min(timeout_s or MAX_GRACE_S, MAX_GRACE_S)
+        if any(f in str(exc).lower() for f in _DEAD_PEER):
+            grace_s = min(grace_s, DEAD_PEER_GRACE_S)
     mine = _describe(op, label, unit)
     arrived = _check_in(f"zeroshard/watchdog/{pg.group_name}/", me, ranks, mine, grace_s)
     report = TimeoutReport(

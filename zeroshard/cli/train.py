@@ -5,6 +5,12 @@ With --nproc N (N > 1) it launches N local processes through torch.distributed.r
 launcher: a rank that dies makes the others stop at once); under an existing torchrun job it
 joins it. Every value is checked before anything starts.
 
+With --max-restarts N (and --save-every) a failed rank makes the launcher restart every rank, up
+to N times; each restart resumes from the newest complete checkpoint in out_dir/ckpt ("restart 1:
+resuming from PATH (step S)"). --nnodes MIN:MAX --rdzv-endpoint HOST:PORT makes the job elastic
+over nodes (c10d rendezvous): after a node leaves, the others restart and continue at the smaller
+world size from the same checkpoint (it loads at any world size).
+
 SIGINT or SIGTERM (Ctrl-C; torchrun forwards it to the ranks) makes every rank finish its step
 (and save it in out_dir/ckpt with --save-every) and stop; one line says "interrupted at step S;
 ...". Exit status: 0 done, 1 failed, 2 bad input, 3 diverged (non-finite gradients, weights or
@@ -24,6 +30,7 @@ import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +47,9 @@ from zeroshard.tokens import check_data_path, load_tokenizer
 from zeroshard.train import TrainConfig, load_data, resume_path, save_config, train
 from zeroshard.train_config import field_docs
 from zeroshard.watchdog import CollectiveTimeout
+
+SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torchrun's switch that gives each restart of the ranks a store of its own (see ``_launch``)."""
 
 # Errors that mean "the input is wrong" (exit 2) rather than "the run failed" (exit 1).
 USER_ERRORS = (UsageError, ValueError, FileNotFoundError, PermissionError)
@@ -84,6 +94,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--port", metavar="N", default="0", help="rendezvous port, 1-65535 (default: a free one)"
     )
+    p.add_argument(
+        "--max-restarts", metavar="N", default="0",
+        help="times the launcher restarts every rank after one fails (torchrun's elastic agent); "
+        "each restart resumes from the newest checkpoint in out_dir/ckpt, so it needs "
+        "--save-every (default: 0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--nnodes", metavar="N|MIN:MAX",
+        help="nodes of a multi-node job, each running this command with the same "
+        "--rdzv-endpoint (c10d rendezvous); MIN:MAX is elastic: after a node leaves, the others "
+        "continue at the smaller world size (needs --max-restarts) (default: 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT",
+        help="with --nnodes: one node's address and a free port, the same on every node",
+    )  # fmt: skip
     docs = field_docs()
     for f in dataclasses.fields(TrainConfig):
         choices = TrainConfig.CHOICES.get(f.name)
@@ -164,12 +190,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> TrainConfig:
 def check_inputs(cfg: TrainConfig, nproc: int) -> None:
     """What ``TrainConfig`` cannot check alone (files, installed packages, rank count), before
     any process starts; a UsageError with the fix."""
-    if cfg.batch_size % (nproc * cfg.grad_accum):
-        raise UsageError(
-            f"global batch {cfg.batch_size} does not divide across {nproc} ranks x "
-            f"{cfg.grad_accum} micro-batches; use a --batch-size that is a multiple of "
-            f"{nproc * cfg.grad_accum}"
-        )
+    _check_divides(cfg, nproc)
     if cfg.data:
         check_data_path(cfg.data)
     if cfg.tokenizer:
@@ -188,6 +209,15 @@ def check_inputs(cfg: TrainConfig, nproc: int) -> None:
         raise UsageError(
             "log = 'tensorboard' needs the tensorboard package, which is not installed; "
             "pip install tensorboard, or drop --log (metrics.jsonl is always written)"
+        )
+
+
+def _check_divides(cfg: TrainConfig, nproc: int) -> None:
+    if cfg.batch_size % (nproc * cfg.grad_accum):
+        raise UsageError(
+            f"global batch {cfg.batch_size} does not divide across {nproc} ranks x "
+            f"{cfg.grad_accum} micro-batches; use a --batch-size that is a multiple of "
+            f"{nproc * cfg.grad_accum}"
         )
 
 
@@ -240,14 +270,98 @@ def run(args: argparse.Namespace) -> int:
     if nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {nproc}")
     port = _int_flag("--port", args.port)
-    _check_port(port, bind=nproc > 1)
+    launch = _launch_plan(args, cfg, nproc, port)
+    _check_port(port, bind=launch.elastic and not launch.rdzv_endpoint)
     out = _make_out_dir(cfg.out_dir)
-    check_inputs(cfg, nproc)
+    for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
+        _check_divides(cfg, world)
+    check_inputs(cfg, launch.worlds()[0])
     cfg = _pin_resume(cfg)
-    if nproc == 1:
+    if not launch.elastic:
         return _train_here(cfg, out)
     save_config(cfg, out / "config.json")
-    return _launch(nproc, port, out / "config.json")
+    return _launch(launch, out / "config.json")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """How ``zeroshard train`` starts its ranks: here, or through torchrun's elastic agent."""
+
+    nproc: int
+    """Ranks on this node."""
+    port: int
+    """Rendezvous port on this machine (0: a free one); single-node jobs only."""
+    max_restarts: int = 0
+    """Restarts of every rank after one fails; each resumes from the newest checkpoint."""
+    min_nodes: int = 1
+    """Fewest nodes the job runs on (a node leaving below this ends the run)."""
+    max_nodes: int = 1
+    """Most nodes the job runs on."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the c10d rendezvous every node meets at (multi-node jobs)."""
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the ranks run under torchrun's agent (else this process trains alone)."""
+        return self.nproc > 1 or self.max_restarts > 0 or self.max_nodes > 1
+
+    def worlds(self) -> list[int]:
+        """Every world size the job may run at, smallest first."""
+        return [self.nproc * n for n in range(self.min_nodes, self.max_nodes + 1)]
+
+    def torchrun_argv(self, config: Path) -> list[str]:
+        if self.rdzv_endpoint:
+            nodes = f"{self.min_nodes}:{self.max_nodes}"
+            rdzv = ["--nnodes", nodes, "--rdzv-backend", "c10d"]
+            rdzv += ["--rdzv-endpoint", self.rdzv_endpoint]
+        else:
+            rdzv = ["--standalone"] if not self.port else ["--master-port", str(self.port)]
+        argv = [*rdzv, "--nproc-per-node", str(self.nproc)]
+        argv += ["--max-restarts", str(self.max_restarts), "-m", "zeroshard.cli.main"]
+        return [*argv, "train", "--config", str(config)]
+
+
+def _launch_plan(args: argparse.Namespace, cfg: TrainConfig, nproc: int, port: int) -> Launch:
+    """The launcher flags, checked: a UsageError naming the fix."""
+    max_restarts = _int_flag("--max-restarts", args.max_restarts)
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts {max_restarts}: pass 0 or more restarts")
+    if max_restarts and not cfg.save_every:
+        raise UsageError(
+            f"--max-restarts {max_restarts} without --save-every: a restart would train again "
+            "from step 0; pass --save-every N (e.g. 100) so that it resumes from a checkpoint"
+        )
+    min_nodes = max_nodes = 1
+    if args.nnodes is not None:
+        try:
+            low, _, high = args.nnodes.partition(":")
+            min_nodes, max_nodes = int(low), int(high or low)
+        except ValueError:
+            min_nodes = 0
+        if not 1 <= min_nodes <= max_nodes:
+            raise UsageError(
+                f"--nnodes {args.nnodes!r}: pass N or MIN:MAX nodes with 1 <= MIN <= MAX, "
+                "e.g. --nnodes 2 or --nnodes 1:2"
+            )
+    endpoint = args.rdzv_endpoint
+    if max_nodes > 1 and not endpoint:
+        raise UsageError(
+            f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT: one node's address and a "
+            "free port, the same on every node"
+        )
+    if endpoint is not None:
+        host, _, endpoint_port = endpoint.rpartition(":")
+        if not host or not endpoint_port.isdigit() or not 0 < int(endpoint_port) < 65536:
+            raise UsageError(f"--rdzv-endpoint {endpoint!r}: pass HOST:PORT, e.g. 10.0.0.1:29500")
+        if port:
+            raise UsageError(
+                f"--port {port} and --rdzv-endpoint {endpoint}: the rendezvous port is the one "
+                "of --rdzv-endpoint; drop --port"
+            )
+    return Launch(
+        nproc=nproc, port=port, max_restarts=max_restarts, min_nodes=min_nodes,
+        max_nodes=max_nodes, rdzv_endpoint=endpoint,
+    )  # fmt: skip
 
 
 def _run_rank(args: argparse.Namespace) -> int:
@@ -255,6 +369,11 @@ def _run_rank(args: argparse.Namespace) -> int:
     try:
         overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
         cfg = load_config(args.config, overrides)
+        restart = _restart_count()
+        if restart:  # torchrun's agent restarted every rank after one failed
+            cfg, line = resume_after_restart(cfg, restart)
+            if _rank() == 0:
+                print(line, flush=True)
         return _train_here(cfg, _make_out_dir(cfg.out_dir))
     except USER_ERRORS as exc:
         _tear_down(clean=False)
@@ -315,6 +434,27 @@ def _pin_resume(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, resume=str(path))
 
 
+def resume_after_restart(cfg: TrainConfig, restart: int) -> tuple[TrainConfig, str]:
+    """``cfg`` for restart number ``restart`` of the ranks (torchrun's agent restarted them after
+    a failure): resumed from the newest complete checkpoint in out_dir/ckpt, which may have been
+    saved at another world size. Also the line that says so."""
+    folder = Path(cfg.out_dir) / "ckpt"
+    newest = checkpoint.latest(folder) if cfg.save_every else None
+    if newest is not None:
+        step = checkpoint.info(newest).step
+        return dataclasses.replace(cfg, resume=str(newest)), (
+            f"restart {restart}: resuming from {newest} (step {step})"
+        )
+    start = f"from {cfg.resume}" if cfg.resume else "from step 0"
+    why = f"no complete checkpoint in {folder} yet" if cfg.save_every else "save_every = 0"
+    return cfg, f"restart {restart}: {why}; training again {start}"
+
+
+def _restart_count() -> int:
+    """How many times torchrun's agent has restarted this job's ranks (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def _tear_down(*, clean: bool) -> None:
     """Destroy the process groups before the interpreter exits: gloo's threads destroyed during
     interpreter teardown abort the process ("terminate called without an active exception").
@@ -345,9 +485,10 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))  # a torchrun rank before its group exists
 
 
-def _launch(nproc: int, port: int, config: Path) -> int:
-    """``torchrun --nproc-per-node N -m zeroshard.cli.main train --config CONFIG``; the exit
-    status is the ranks' (they reported bad input, divergence or an interrupt themselves)."""
+def _launch(launch: Launch, config: Path) -> int:
+    """``torchrun --nproc-per-node N [--max-restarts R] -m zeroshard.cli.main train --config
+    CONFIG``; the exit status is the ranks' (they reported bad input, divergence or an interrupt
+    themselves)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
@@ -355,21 +496,37 @@ def _launch(nproc: int, port: int, config: Path) -> int:
     # The agent's own reports of forwarded signals and failed ranks would follow ours.
     for name in ("multiprocessing.api", "agent.server.api"):
         logging.getLogger(f"torch.distributed.elastic.{name}").setLevel(logging.CRITICAL)
-    rdzv = ["--standalone"] if not port else ["--master-port", str(port)]
-    argv = [*rdzv, "--nproc-per-node", str(nproc), "-m", "zeroshard.cli.main"]
-    argv += ["train", "--config", str(config)]
+    restarts = launch.max_restarts > 0 or launch.min_nodes < launch.max_nodes
+    previous = os.environ.get(SHARED_STORE_OFF)
+    if restarts:
+        # The agent's store, shared with the ranks by default, keeps the first attempt's keys:
+        # restarted gloo ranks read their dead predecessors' addresses and wait forever in
+        # connectFullMesh (pytorch/pytorch#135712). Unshared, rank 0 hosts a fresh store per
+        # attempt. Read by the agent in this process; put back after (callers of run()).
+        os.environ[SHARED_STORE_OFF] = "1"
     try:
-        torchrun(argv)
+        torchrun(launch.torchrun_argv(config))
     except ChildFailedError as exc:
         _, first = exc.get_first_failure()
         if first.exitcode in (2, Diverged.exit_code, CollectiveTimeout.exit_code, 130, 143):
             return first.exitcode  # the ranks said why
+        after = f" after {launch.max_restarts} restart(s)" if launch.max_restarts else ""
         print(
-            f"zeroshard train: rank {first.local_rank} failed (exit code {first.exitcode}); "
-            f"the other ranks were stopped. {first.message or ''}".rstrip(),
+            f"zeroshard train: rank {first.local_rank} failed (exit code {first.exitcode}){after}"
+            f"; the other ranks were stopped. {first.message or ''}".rstrip(),
             file=sys.stderr,
         )
         return 1
     except SignalException as exc:  # forwarded to the ranks, which stopped and reported
         return 128 + int(exc.sigval)
+    finally:
+        if restarts:
+            _restore_env(SHARED_STORE_OFF, previous)
     return 0
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value

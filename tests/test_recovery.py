@@ -1,0 +1,163 @@
+"""Automatic recovery: ``zeroshard train --max-restarts N`` restarts every rank after one dies
+(torchrun's elastic agent) and each restart resumes from the newest complete checkpoint, so the
+run ends as an uninterrupted one does, loss for loss. Also the launcher flags' bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from test_cli_train import _cmdline, _descendants, _expect_usage_error
+
+from zeroshard.cli.train import load_config, resume_after_restart
+from zeroshard.testing import free_port
+
+# Tiny on purpose (about 0.1 s a step on 2 shared cores): long enough to be killed mid-run.
+STEPS = 30
+RUN = ["--nproc", "2", "--preset", "nano", "--batch-size", "2", "--seq-len", "16"]
+RUN += ["--steps", str(STEPS), "--log-every", "1", "--eval-every", "10", "--eval-batches", "1"]
+RUN += ["--save-every", "2", "--keep", "2", "--max-restarts", "1"]
+BOUND_S = 150
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """One corpus cache for the module's runs (building it reads 32 MiB)."""
+    return tmp_path_factory.mktemp("corpus")
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, data_dir):
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+
+    def start(out):
+        cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *RUN, "--out-dir", str(out)]
+        cmd += ["--data-dir", str(data_dir)]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    proc, reference = start(killed), start(whole)  # the same run, with the same checkpoints
+    try:
+        deadline = time.monotonic() + BOUND_S
+        while not (killed / "ckpt" / "step-000006").is_dir():  # mid-run, checkpoints behind it
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.02)
+        ranks = [p for p in _descendants(proc.pid) if "zeroshard.cli.main" in _cmdline(p)]
+        assert len(ranks) == 2, ranks
+        t_kill = time.time()
+        os.kill(ranks[-1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=BOUND_S)
+        ref_out, ref_err = reference.communicate(timeout=BOUND_S)
+    finally:
+        for p in (proc, reference):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert reference.returncode == 0, ref_err[-3000:]
+    assert proc.returncode == 0, err[-3000:]
+    restarts = [line for line in out.splitlines() if line.startswith("restart ")]
+    assert len(restarts) == 1, out
+    step = int(restarts[0].rsplit("(step ", 1)[1].rstrip(")"))
+    assert restarts[0] == f"restart 1: resuming from {killed / 'ckpt' / f'step-{step:06d}'} " + (
+        f"(step {step})"
+    )
+    assert 6 <= step < STEPS  # a real mid-run restart, not a fresh run nor a finished one
+    got, want = _records(killed), _records(whole)
+    # Every step after the resume, and the final validation, to the last bit.
+    losses = [(r["kind"], r["step"], r.get("loss", r.get("val_loss"))) for r in got]
+    assert losses == [(r["kind"], r["step"], r.get("loss", r.get("val_loss"))) for r in want]
+    assert [r["step"] for r in got if r["kind"] == "train"] == list(range(1, STEPS + 1))
+    assert json.loads((killed / "summary.json").read_text())["ranks"] == 2
+    resumed = next(r for r in got if r["kind"] == "train" and r["step"] == step + 1)
+    lost_s = resumed["time"] - t_kill
+    print(f"\ntime lost: {lost_s:.1f} s from the kill -9 to step {step + 1}, the first resumed")
+    assert 0 < lost_s < 60
+
+
+def test_a_restart_resumes_from_the_newest_checkpoint_or_says_why_not(tmp_path):
+    cfg = load_config(None, {"out_dir": str(tmp_path), "save_every": "2"})
+    same, line = resume_after_restart(cfg, 1)
+    assert same == cfg
+    folder = tmp_path / "ckpt"
+    assert line == f"restart 1: no complete checkpoint in {folder} yet; training again from step 0"
+    unsaved = load_config(None, {"out_dir": str(tmp_path)})
+    assert resume_after_restart(unsaved, 2)[1] == (
+        "restart 2: save_every = 0; training again from step 0"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "needles"),
+    [
+        (["--max-restarts", "-1"], ["--max-restarts -1", "0 or more"]),
+        (["--max-restarts", "two"], ["--max-restarts 'two'", "integer"]),
+        (["--max-restarts", "1"], ["without --save-every", "pass --save-every N"]),
+        (["--nnodes", "2:1"], ["--nnodes '2:1'", "1 <= MIN <= MAX"]),
+        (["--nnodes", "x"], ["--nnodes 'x'", "MIN:MAX"]),
+        (["--nnodes", "1:2"], ["needs --rdzv-endpoint HOST:PORT"]),
+        (["--nnodes", "2", "--rdzv-endpoint", "host"], ["--rdzv-endpoint 'host'", "HOST:PORT"]),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--port", "5"], ["drop --port"]),
+        (
+            ["--nproc", "2", "--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--batch-size", "6"],
+            ["divide across 4 ranks", "multiple of 4"],
+        ),
+    ],
+)
+def test_launcher_flags_bad_input(capsys, tmp_path, flags, needles):
+    _expect_usage_error(capsys, ["train", *flags, "--out-dir", str(tmp_path)], *needles)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")
+def test_a_node_leaves_and_the_other_continues_at_the_smaller_world_size(tmp_path, data_dir):
+    """Two one-rank nodes (``--nnodes 1:2``, c10d rendezvous on 127.0.0.1); node B, agent and
+    rank, is killed mid-run: node A restarts and finishes alone from the newest checkpoint
+    (saved at world size 2, loaded at 1). About 50 s: c10d waits 30 s (its last call) for more
+    nodes before a round of fewer than the most."""
+    out, port = tmp_path / "run", free_port()
+    cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *RUN, "--out-dir", str(out)]
+    cmd += ["--data-dir", str(data_dir), "--nproc", "1", "--nnodes", "1:2"]
+    cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}"]
+    node_a = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    node_b = None
+    try:
+        deadline = time.monotonic() + BOUND_S
+        while not _listening(port):  # node A hosts the rendezvous store: B is the one to go
+            assert node_a.poll() is None and time.monotonic() < deadline, node_a.stdout.read()
+            time.sleep(0.05)
+        node_b = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not (out / "ckpt" / "step-000006").is_dir():
+            assert node_a.poll() is None and time.monotonic() < deadline, node_a.stdout.read()
+            time.sleep(0.02)
+        for pid in [node_b.pid, *_descendants(node_b.pid)]:  # the whole node: agent and rank
+            os.kill(pid, signal.SIGKILL)
+        log = node_a.communicate(timeout=BOUND_S)[0]
+    finally:
+        for p in (node_a, node_b):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert node_a.returncode == 0, log[-3000:]
+    restarts = [line for line in log.splitlines() if line.startswith("restart ")]
+    assert len(restarts) == 1 and restarts[0].startswith("restart 1: resuming from "), log[-3000:]
+    step = int(restarts[0].rsplit("(step ", 1)[1].rstrip(")"))
+    assert 6 <= step < STEPS, restarts
+    records = _records(out)
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, STEPS + 1))
+    assert [len(r["rank_mem_mib"]) for r in records if r["kind"] == "train"][-1] == 1
+    assert json.loads((out / "summary.json").read_text())["ranks"] == 1
+    evals = [r["val_loss"] for r in records if r["kind"] == "eval"]
+    assert evals[-1] < evals[0]
