@@ -12,7 +12,6 @@ import pytest
 
 from zeroshard.cli.main import main
 from zeroshard.models.gpt import PRESETS
-from zeroshard.run_log import tensorboard_available
 from zeroshard.train_config import TrainConfig, field_docs
 
 
@@ -91,8 +90,10 @@ def test_data_too_small_for_the_batch(capsys, tmp_path):
     assert "lower batch_size or seq_len" in err, err
 
 
-@pytest.mark.skipif(tensorboard_available(), reason="tensorboard is installed here")
-def test_tensorboard_missing(capsys, tmp_path):
+def test_tensorboard_missing(capsys, tmp_path, monkeypatch):
+    import zeroshard.cli.train
+
+    monkeypatch.setattr(zeroshard.cli.train, "tensorboard_available", lambda: False)
     argv = ["train", "--log", "tensorboard", "--preset", "nano", "--seq-len", "32"]
     err = _one_line_error(capsys, [*argv, "--out-dir", str(tmp_path)])
     assert "pip install tensorboard" in err and "metrics.jsonl" in err, err
