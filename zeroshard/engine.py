@@ -276,6 +276,10 @@ class Engine:
             self._handles.append(unit.module.register_forward_hook(stop, always_call=True))
         self._handles.append(unit.module.register_forward_hook(post))
         if not self.partition.parameters:
+            # A submodule called on its own waits for the post-step refresh of its parameters.
+            wait = torch._dynamo.disable(lambda m, args: self._wait_refresh(unit), recursive=True)
+            for owner in unit.owners:
+                self._handles.append(owner.register_forward_pre_hook(wait))
             return
         # A submodule holding the unit's parameters may be called on its own (T5's encoder in
         # generate(), a head applied outside the model's forward): that call is a use of the

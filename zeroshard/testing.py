@@ -52,6 +52,7 @@ def _worker_main(
     # the worker, because it is process-wide (Mesh.from_env leaves it alone).
     torch.set_num_threads(1)
     Mesh.from_env(backend="gloo", timeout_s=collective_timeout_s, device="cpu")
+    conn.send(("ready", None))
     while True:
         msg = conn.recv()
         if msg is None:
@@ -81,8 +82,33 @@ class Workers:
         self._conns: list[Connection] = []
 
     def _start(self) -> None:
+        """Start the ranks and wait until every one has joined the group; a start that fails
+        (another process took the free port meanwhile) is retried on a new port, twice."""
+        for _ in range(3):
+            self._spawn(free_port())
+            if self._joined():
+                return
+            self.close()
+        raise WorkerError(f"{self.world_size} worker ranks could not start a gloo group")
+
+    def _joined(self) -> bool:
+        """Whether every rank reported ``ready`` (False as soon as one died)."""
+        deadline = time.monotonic() + self.timeout_s
+        pending = list(self._conns)
+        while pending:
+            ready = wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return False
+            for conn in ready:
+                try:
+                    conn.recv()
+                except EOFError:  # the rank died while joining
+                    return False
+                pending.remove(conn)
+        return True
+
+    def _spawn(self, port: int) -> None:
         ctx = mp.get_context("spawn")
-        port = free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
