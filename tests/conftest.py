@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch.distributed as dist
 
 from zeroshard.testing import Workers
 
@@ -17,3 +20,16 @@ def workers2():
 def workers4():
     with Workers(4) as w:
         yield w
+
+
+@pytest.fixture
+def lone_process():
+    """No process group before the test, none after it (the test starts one in this process,
+    e.g. through ``Mesh.from_env`` or ``shard``)."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    saved = {k: os.environ.pop(k) for k in ("RANK", "MASTER_ADDR") if k in os.environ}
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.update(saved)

@@ -39,15 +39,22 @@ def _opt(model, precision: str):
 
 
 def _train(model, opt, steps: range) -> list[float]:
-    """Global-batch steps, this rank taking its rows; the mean losses over ranks."""
+    """Global-batch steps, this rank taking its rows; the mean losses over ranks. ``opt`` is a
+    zeroshard optimizer, or a plain torch one over an FSDP2 model."""
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = GLOBAL_BATCH // world
+    ours = isinstance(opt, zeroshard.ShardedOptimizer)
     losses = []
     for step in steps:
         x, y = batch("gpt", step, GLOBAL_BATCH)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        opt.backward(loss_of("gpt", model, x[mine], y[mine]))
-        opt.clip_grad_norm(1.0)
+        loss = loss_of("gpt", model, x[mine], y[mine])
+        if ours:
+            opt.backward(loss)
+            opt.clip_grad_norm(1.0)
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         # the loss after the step, on the batch of the step: every rank's rows
@@ -219,24 +226,6 @@ def _fsdp2_gpt():
     return model, torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3)
 
 
-def _train_fsdp2(model, opt, steps: range) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = GLOBAL_BATCH // world
-    losses = []
-    for step in steps:
-        x, y = batch("gpt", step, GLOBAL_BATCH)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        loss_of("gpt", model, x[mine], y[mine]).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            loss = loss_of("gpt", model, x[mine], y[mine]).float()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-    return losses
-
-
 def _ours_to_fsdp2(path: str) -> bool:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -247,7 +236,7 @@ def _ours_to_fsdp2(path: str) -> bool:
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    losses = _train_fsdp2(model, opt, range(3, 6))
+    losses = _train(model, opt, range(3, 6))
     assert max(abs(a - b) for a, b in zip(losses, reference["losses"])) < 1e-5
     return True
 
@@ -257,10 +246,10 @@ def _fsdp2_to_ours(path: str) -> bool:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, opt = _fsdp2_gpt()
-    _train_fsdp2(model, opt, range(3))
+    _train(model, opt, range(3))
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    reference = _train_fsdp2(model, opt, range(3, 6))
+    reference = _train(model, opt, range(3, 6))
     ours = _model(3, "fp32", seed=5)
     our_opt = _opt(ours, "fp32")
     state = {"model": ours.state_dict(), "optim": our_opt.state_dict()}

@@ -4,7 +4,6 @@ xpu and mps, and the process-wide settings ``Mesh`` and ``shard`` leave alone or
 from __future__ import annotations
 
 import logging
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -158,18 +157,6 @@ def test_host_memory_is_pinned_only_for_an_accelerator_with_its_own_memory(machi
 
 
 # --------------------------------------------------------------------- process-wide settings
-
-
-@pytest.fixture
-def lone_process():
-    """No process group before the test, none after it (the tests start one in this process)."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this test process")
-    saved = {k: os.environ.pop(k) for k in ("RANK", "MASTER_ADDR") if k in os.environ}
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.update(saved)
 
 
 def test_from_env_leaves_the_thread_count_alone_and_logs_the_group(lone_process, caplog):

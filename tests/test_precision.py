@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import gc
 import logging
-import os
 import warnings
 from types import SimpleNamespace
 
@@ -95,18 +94,6 @@ def test_tf32_is_restored_when_the_last_holder_releases(tf32_device):
     second()
     assert _tf32_state() == tf32_device
     assert hold_tf32(resolve("fp32", "cpu"), torch.device("cpu")) is None  # nothing asked
-
-
-@pytest.fixture
-def lone_process():
-    """No process group before the test, none after it (shard starts one in this process)."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this test process")
-    saved = {k: os.environ.pop(k) for k in ("RANK", "MASTER_ADDR") if k in os.environ}
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.update(saved)
 
 
 def test_shard_turns_tf32_off_again_when_its_last_model_is_freed(tf32_device, lone_process):

@@ -194,10 +194,15 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = True,
     unit: str | None = None,
+    scope: str = SHARD,
 ) -> Handle:
-    """Reduce ``tensor`` in place across ranks (sum by default)."""
-    ledger.record("all_reduce", label, 2 * tensor.numel(), tensor.element_size())
-    with record_function("zeroshard::all_reduce"), diagnosed("all_reduce", label, group, unit=unit):
+    """Reduce ``tensor`` in place across ranks (sum by default), counted in the ledger under
+    ``scope`` (``REPLICATE``: across shard groups; ``WORLD``: every rank; ``SHARD`` otherwise)."""
+    ledger.record("all_reduce", label, 2 * tensor.numel(), tensor.element_size(), scope)
+    if scope != SHARD:
+        label = f"{label} ({scope} group)"
+    name = "zeroshard::all_reduce" + ("" if scope == SHARD else f"_{scope}")
+    with record_function(name), diagnosed("all_reduce", label, group, unit=unit):
         work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return Handle(work, tensor, op="all_reduce", label=label, group=group, unit=unit)
 
@@ -206,26 +211,3 @@ def broadcast(tensor: torch.Tensor, *, src: int = 0, group: dist.ProcessGroup | 
     """Overwrite ``tensor`` with rank ``src``'s copy (model-state sync at shard time)."""
     with record_function("zeroshard::broadcast"), diagnosed("broadcast", "model states", group):
         dist.broadcast(tensor, src=src, group=group)
-
-
-def scoped_all_reduce(
-    tensor: torch.Tensor,
-    *,
-    scope: str,
-    group: dist.ProcessGroup | None,
-    ledger: Ledger,
-    label: str,
-    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-    async_op: bool = True,
-    unit: str | None = None,
-) -> Handle:
-    """``all_reduce`` counted under ``scope`` (``REPLICATE``: across shard groups; ``WORLD``:
-    every rank) instead of ``SHARD``; the same collective otherwise."""
-    ledger.record("all_reduce", label, 2 * tensor.numel(), tensor.element_size(), scope)
-    with (
-        record_function(f"zeroshard::all_reduce_{scope}"),
-        diagnosed("all_reduce", f"{label} ({scope} group)", group, unit=unit),
-    ):
-        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    label = f"{label} ({scope} group)"
-    return Handle(work, tensor, op="all_reduce", label=label, group=group, unit=unit)

@@ -23,6 +23,7 @@ into, in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +41,8 @@ from zeroshard.state_dict import (
 )
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from zeroshard.model_states.optimizer import ShardedOptimizer, _SubGroup
 
 __all__ = ["load_optimizer_state_dict", "optimizer_state_dict"]
@@ -150,34 +153,13 @@ def optimizer_state_dict(opt: ShardedOptimizer, *, local: bool = False) -> dict[
             for k, (kind, v) in gi_keys.items():
                 if kind == "elementwise":
                     keys.setdefault(k, v)
-        if local:
-            for k, dtype in keys.items():
-                for i, s in enumerate(flat.slots):
-                    gi = group_of.get(id(s.param))
-                    if gi is not None and k in layout[bi].get(gi, {}):
-                        entry = _local_state(flat, i, sg, k, dtype)
-                        per_param.setdefault(id(s.param), {})[k] = entry
-            keys = {}
         for k, dtype in keys.items():
-            assert flat.master is not None
-            local_ = torch.zeros(flat.master.numel(), dtype=dtype, device=flat.mesh.device)
-            if sg is not None:
-                for pieces in sg.pieces:
-                    for piece in pieces:
-                        v = sg.optimizer.state.get(piece.tensor, {}).get(k)
-                        if v is not None:
-                            local_[piece.span].copy_(v)
-            if flat.partition.optimizer_states and flat.mesh.shard_size > 1:
-                full = _gather_flat(flat, local_)
-            else:
-                full = local_
-            for s in flat.slots:
+            entry_of = (_local_entries if local else _gathered_entries)(flat, sg, k, dtype, mesh)
+            for i, s in enumerate(flat.slots):
                 gi = group_of.get(id(s.param))
-                if gi is None or k not in layout[bi].get(gi, {}):
-                    continue
-                view = full[s.offset : s.offset + s.numel].view(s.shape)
-                per_param.setdefault(id(s.param), {})[k] = _as_sharded(view, mesh, dtype)
-            del full, local_
+                if gi is not None and k in layout[bi].get(gi, {}):
+                    per_param.setdefault(id(s.param), {})[k] = entry_of(i)
+            del entry_of  # a gathered buffer is freed before the next key's
         for s in flat.slots:
             gi = group_of.get(id(s.param))
             for k, (kind, v) in layout[bi].get(gi, {}).items() if gi is not None else ():
@@ -213,21 +195,46 @@ def optimizer_state_dict(opt: ShardedOptimizer, *, local: bool = False) -> dict[
     return {"state": state, "param_groups": param_groups}
 
 
-def _local_state(
-    flat: FlatParam, index: int, sg: _SubGroup | None, key: str, dtype: torch.dtype
-) -> FlatRange:
-    """State ``key`` of slot ``index`` as this rank holds it: the state tensor of the slot's
-    piece (one piece per parameter), or an empty range where this rank holds none."""
-    s = flat.slots[index]
-    start, stop = flat.piece_range(index)
-    span = flat.pieces()[index][1]
-    if sg is not None and stop > start:
-        for pieces in sg.pieces:
-            for piece in pieces:
-                if piece.span.start == span.start:
-                    data = sg.optimizer.state[piece.tensor][key]
-                    return FlatRange(s.shape, dtype, start, data)
-    return FlatRange(s.shape, dtype, 0, torch.empty(0, dtype=dtype, device=flat.mesh.device))
+def _gathered_entries(
+    flat: FlatParam, sg: _SubGroup | None, key: str, dtype: torch.dtype, mesh: DeviceMesh
+) -> Callable[[int], torch.Tensor]:
+    """State ``key`` of each slot of ``flat`` (by index) as a ``(Shard(0),)`` DTensor cut from
+    one buffer of every rank's pieces (gathered when partitioned: a collective)."""
+    assert flat.master is not None
+    local = torch.zeros(flat.master.numel(), dtype=dtype, device=flat.mesh.device)
+    for piece in (p for ps in sg.pieces for p in ps) if sg is not None else ():
+        v = sg.optimizer.state.get(piece.tensor, {}).get(key)
+        if v is not None:
+            local[piece.span].copy_(v)
+    partitioned = flat.partition.optimizer_states and flat.mesh.shard_size > 1
+    full = _gather_flat(flat, local) if partitioned else local
+
+    def entry(index: int) -> torch.Tensor:
+        s = flat.slots[index]
+        return _as_sharded(full[s.offset : s.offset + s.numel].view(s.shape), mesh, dtype)
+
+    return entry
+
+
+def _local_entries(
+    flat: FlatParam, sg: _SubGroup | None, key: str, dtype: torch.dtype, mesh: DeviceMesh
+) -> Callable[[int], FlatRange]:
+    """State ``key`` of each slot of ``flat`` (by index) as this rank holds it: the state
+    tensor of the slot's piece (one piece per parameter), or an empty range where it holds
+    none. No collective."""
+    by_start = {p.span.start: p for ps in sg.pieces for p in ps} if sg is not None else {}
+    spans = flat.pieces()
+
+    def entry(index: int) -> FlatRange:
+        s = flat.slots[index]
+        start, stop = flat.piece_range(index)
+        piece = by_start.get(spans[index][1].start) if stop > start else None
+        if piece is None:
+            empty = torch.empty(0, dtype=dtype, device=flat.mesh.device)
+            return FlatRange(s.shape, dtype, 0, empty)
+        return FlatRange(s.shape, dtype, start, sg.optimizer.state[piece.tensor][key])
+
+    return entry
 
 
 def _match_groups(opt: ShardedOptimizer, saved: list[dict[str, Any]], first: dict[int, str]):

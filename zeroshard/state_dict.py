@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -198,11 +198,16 @@ def _gather_flat(flat: FlatParam, local: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _gathered_flats(engine: Engine) -> Iterator[tuple[FlatParam, torch.Tensor]]:
-    """Each FlatParam with its whole buffer (``_flat_source``), one at a time, in the same order
-    on every rank."""
-    for flat in engine.flat_params:
-        yield flat, _flat_source(flat)
+def _cutter(flat: FlatParam, convert: Callable) -> Callable[[FlatParam, int], torch.Tensor]:
+    """Slot ``index`` of ``flat`` as ``convert(view, orig_dtype)``, cut from the whole flat
+    buffer (``_flat_source``: gathered here, a collective, when the masters are partitioned)."""
+    source = _flat_source(flat)
+
+    def cut(flat: FlatParam, index: int) -> torch.Tensor:
+        s = flat.slots[index]
+        return convert(source[s.offset : s.offset + s.numel].view(s.shape), flat.orig_dtype)
+
+    return cut
 
 
 # --------------------------------------------------------------------- model hooks
@@ -245,28 +250,18 @@ class _Hooks:
             convert = lambda t, dtype: t.to(device=device, dtype=dtype, copy=True)  # noqa: E731
 
         in_flats: set[int] = set()
-        if self.local:  # each rank's own ranges: no collective
-            for flat in engine.flat_params:
-                for i, s in enumerate(flat.slots):
-                    in_flats.add(id(s.param))
-                    keys = [prefix + n for n in names.get(id(s.param), [])]
-                    value = _local_range(flat, i)
-                    for k in keys:
-                        if k in state_dict:
-                            state_dict[k] = value
-        for flat, source in _gathered_flats(engine) if not self.local else ():
-            for s in flat.slots:
+        for flat in engine.flat_params:  # in the same order on every rank (gathers)
+            value_of = _local_range if self.local else _cutter(flat, convert)
+            for i, s in enumerate(flat.slots):
                 in_flats.add(id(s.param))
                 keys = [prefix + n for n in names.get(id(s.param), [])]
                 keys = [k for k in keys if k in state_dict]
                 if not keys or not keep:
-                    continue  # (the other ranks' collectives still need this rank's shard)
-                value = convert(
-                    source[s.offset : s.offset + s.numel].view(s.shape), flat.orig_dtype
-                )
+                    continue  # (the other ranks' collectives still needed this rank's shard)
+                value = value_of(flat, i)
                 for k in keys:
                     state_dict[k] = value
-            del source  # a gathered buffer is freed before the next flat's
+            del value_of  # a gathered buffer is freed before the next flat's
         # Zero-element parameters stay plain parameters: the same layout, nothing to gather.
         for module_name, p in module.named_parameters(remove_duplicate=False):
             key = prefix + module_name

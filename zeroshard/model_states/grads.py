@@ -253,7 +253,7 @@ class GradBucket:
         mesh = self.flat.mesh
         if mesh.hybrid is not None:
             # The shard group's sum of this 1/k shard, summed over the replicas holding it.
-            C.scoped_all_reduce(
+            C.all_reduce(
                 out,
                 scope=C.REPLICATE,
                 group=mesh.replicate_group,

@@ -300,7 +300,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mesh = self.engine.mesh
         if mesh.world_size > 1:
             # Over every rank, also with hybrid sharding: "touched" depends on each rank's data.
-            C.scoped_all_reduce(
+            C.all_reduce(
                 flags,
                 scope=C.WORLD if mesh.hybrid is not None else C.SHARD,
                 group=mesh.group,
