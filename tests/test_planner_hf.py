@@ -156,3 +156,10 @@ def test_meta_build_allocates_nothing():
     pytest.importorskip("transformers")
     module = hf.build(HF_CONFIGS["t5"])
     assert {p.device.type for p in module.parameters()} == {"meta"}
+
+
+def test_a_missing_config_is_one_line_naming_the_fix(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"nowhere\.json' is not a config\.json file.*pass the path"
+    ):
+        hf.load_config(str(tmp_path / "nowhere.json"))

@@ -36,7 +36,13 @@ def load_config(path: str) -> dict:
             f"{path!r} is not a config.json file or folder, and reading a hub name needs "
             "transformers: pip install 'zeroshard[hf]'"
         ) from None
-    return AutoConfig.from_pretrained(path).to_dict()
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True).to_dict()
+    except (OSError, ValueError) as exc:  # not a file, folder or cached hub name
+        raise ValueError(
+            f"{path!r} is not a config.json file, a folder holding one, or a hub name in the "
+            f"local cache ({type(exc).__name__}); pass the path of the model's config.json"
+        ) from None
 
 
 def config_values(config) -> Mapping:
