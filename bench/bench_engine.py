@@ -8,6 +8,13 @@ random tokens) is trained by
     zeroshard stages 0, 1, 2 vs  ``DistributedDataParallel`` (gradient_as_bucket_view=True)
     zeroshard stage 3        vs  the no-communication floor: each rank training the plain model
                                  alone on its own batch (what sharding cannot beat)
+    zeroshard stage 3 with   vs  FSDP2 (each unit steps as soon as its gradient shard is reduced:
+    step_in_backward             ``zeroshard.model_states.backward_step``; the peak target 0.9)
+
+Sizes: ``--presets tiny,100m`` (the default, what ``make bench`` runs) measures each preset in a
+job of its own, with batch x seq per rank from ``SIZES`` unless --batch / --seq say otherwise:
+on ``tiny`` Python overhead dominates, ``100m`` (86M parameters) shows copies, temporaries and
+communication.
 
 Every contender uses the same AdamW implementation (--optimizer; fused by default, zeroshard's
 default where the device has it).
@@ -28,8 +35,8 @@ zeroshard the engine's flat tensors (full, master, full_grad, shard_grad) are tr
 optimizer states; nothing else is alive then), compared with the ZeRO formula for N ranks and Psi
 parameters: stage 0 16 Psi, stage 1 8 Psi + 8 Psi/N, stage 2 4 Psi + 12 Psi/N, stage 3 16 Psi/N.
 
-    python bench/bench_engine.py                          # tiny preset, fp32 and bf16, ~2 min
-    python bench/bench_engine.py --preset small --precision fp32 --rounds 3 --json out.json
+    python bench/bench_engine.py                          # tiny and 100m, ~12 min
+    python bench/bench_engine.py --presets small --precision fp32 --rounds 3 --json out.json
 
 It relaunches itself under ``torch.distributed.run`` (2 processes); ``--worker`` marks the ranks.
 """
@@ -59,6 +66,10 @@ from zeroshard.models.gpt import GPT, PRESETS, Block  # noqa: E402
 NPROC = 2
 MiB = 1 << 20
 LR = 3e-4
+SIZES: dict[str, tuple[int, int]] = {
+    "nano": (8, 64), "tiny": (8, 128), "small": (4, 128), "100m": (2, 64), "1b": (1, 64)
+}  # fmt: skip
+"""Default (batch, seq) per rank for each preset: what fits this 24 GiB, 2-core machine."""
 
 
 # --------------------------------------------------------------------------------- contenders
@@ -90,7 +101,9 @@ OPTIM: dict = {}
 """The AdamW implementation every contender uses (set from --optimizer)."""
 
 
-def zeroshard_contender(preset: str, stage: int, bf16: bool) -> Contender:
+def zeroshard_contender(
+    preset: str, stage: int, bf16: bool, step_in_backward: bool = False, **config
+) -> Contender:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mp = zeroshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -99,9 +112,11 @@ def zeroshard_contender(preset: str, stage: int, bf16: bool) -> Contender:
         stage=stage,
         wrap=zeroshard.wrap.by_class(Block),
         mixed_precision=mp if bf16 else None,
-        config=zeroshard.ShardConfig(),
+        config=zeroshard.ShardConfig(**config),
     )
-    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=LR, **OPTIM)
+    opt = zeroshard.optimizer(
+        model, torch.optim.AdamW, lr=LR, step_in_backward=step_in_backward, **OPTIM
+    )
 
     def tracker() -> MemTracker:
         t = MemTracker()
@@ -113,7 +128,7 @@ def zeroshard_contender(preset: str, stage: int, bf16: bool) -> Contender:
         return t
 
     return Contender(
-        name=f"zeroshard-{stage}" + ("-bf16" if bf16 else ""),
+        name=f"zeroshard-{stage}{'-sib' if step_in_backward else ''}{'-bf16' if bf16 else ''}",
         model=model,
         forward=lambda x, y: model(x, y),
         backward=opt.backward,
@@ -254,6 +269,7 @@ def worker(args: argparse.Namespace) -> None:
         contenders += [
             zeroshard_contender(args.preset, 3, False),
             fsdp2_contender(args.preset, False),
+            zeroshard_contender(args.preset, 3, False, step_in_backward=True),
         ]
         # DDP between stages 1 and 2, so that each pair of contenders runs back to back.
         contenders += [zeroshard_contender(args.preset, 1, False), ddp_contender(args.preset)]
@@ -342,6 +358,7 @@ def report(args, psi: int, n: int, names: list[str], gathered: list[dict]) -> No
     rows = []
     pairs = [
         ("zeroshard-3", "fsdp2", 3, "fp32", 0.9, 1.0),
+        ("zeroshard-3-sib", "fsdp2", 3, "fp32", 0.9, 0.9),
         ("zeroshard-3-bf16", "fsdp2-bf16", 3, "bf16", 0.9, 1.0),
         ("zeroshard-3", "alone", 3, "fp32", 1.10, None),
         ("zeroshard-0", "ddp", 0, "fp32", 1.05, None),
@@ -439,13 +456,14 @@ def report(args, psi: int, n: int, names: list[str], gathered: list[dict]) -> No
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("--presets", default="tiny,100m", help="comma-separated GPT presets")
+    p.add_argument("--preset", help=argparse.SUPPRESS)  # one job's preset (set by main)
     p.add_argument("--steps", type=int, default=4, help="steps per contender per round")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per contender first")
     p.add_argument("--mem-steps", type=int, default=2, help="steps inside the memory tracker")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: SIZES)")
+    p.add_argument("--batch", type=int, help="sequences per rank (default: SIZES)")
     p.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
     p.add_argument("--json", default=None, help="also write the results to this path")
     p.add_argument(
@@ -455,10 +473,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=1, help="whole runs; >1 adds a median/range table")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.seq > PRESETS[args.preset].block_size:
-        p.error(
-            f"--seq {args.seq} exceeds the preset's block_size {PRESETS[args.preset].block_size}"
-        )
+    args.presets = [x.strip() for x in args.presets.split(",") if x.strip()]
+    for name in args.presets:
+        if name not in PRESETS:
+            p.error(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        seq = args.seq or SIZES[name][1]
+        if seq > PRESETS[name].block_size:
+            p.error(f"--seq {seq} exceeds {name}'s block_size {PRESETS[name].block_size}")
+    if args.preset is not None:  # a worker: one preset, its sizes resolved
+        args.batch = args.batch or SIZES[args.preset][0]
+        args.seq = args.seq or SIZES[args.preset][1]
     if args.json:
         args.json = str(Path(args.json).resolve())
     return args
@@ -488,30 +512,54 @@ def _across_runs(paths: list[str]) -> None:
         )
 
 
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` less ``flags`` and their values."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a.startswith(flags):
+            skip = not skip and "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def _run_preset(preset: str, args: argparse.Namespace) -> int:
+    """One preset: one job, or ``--runs`` jobs and the table across them."""
+    argv = [*_without(sys.argv[1:], ("--presets", "--json", "--runs")), "--preset", preset]
+    if args.runs <= 1:
+        json_path = [] if not args.json else ["--json", _per_preset(args.json, preset, args)]
+        return _launch([*argv, *json_path])
+    import tempfile
+
+    paths = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            path = f"{tmp}/run{i}.json"
+            print(f"== {preset}: run {i + 1}/{args.runs}", flush=True)
+            if rc := _launch([*argv, "--json", path]):
+                return rc
+            paths.append(path)
+        _across_runs(paths)
+    return 0
+
+
+def _per_preset(path: str, preset: str, args: argparse.Namespace) -> str:
+    """``--json out.json`` names ``out.json`` for one preset, ``out.<preset>.json`` for several."""
+    if len(args.presets) == 1:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{preset}{p.suffix}"))
+
+
 def main() -> int:
     args = parse_args()
     if args.worker:
         worker(args)
         return 0
-    if args.runs <= 1:
-        return _launch(sys.argv[1:])
-    import tempfile
-
-    argv, skip = [], False
-    for a in sys.argv[1:]:  # the same flags, less --runs and --json (each run writes its own)
-        if skip or a.startswith(("--runs", "--json")):
-            skip = not skip and "=" not in a
-            continue
-        argv.append(a)
-    paths = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.runs):
-            path = f"{tmp}/run{i}.json"
-            print(f"== run {i + 1}/{args.runs}", flush=True)
-            if rc := _launch([*argv, "--json", path]):
-                return rc
-            paths.append(path)
-        _across_runs(paths)
+    for preset in args.presets:
+        print(f"== preset {preset}", flush=True)
+        if rc := _run_preset(preset, args):
+            return rc
     return 0
 
 

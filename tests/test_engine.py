@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -268,6 +269,47 @@ def test_prefetch_keeps_a_bounded_number_of_units_gathered(workers2, num_prefetc
     # The unit computing plus the ones prefetched: prefetch happens, and no more than asked.
     assert forward == 1 + num_prefetch
     assert backward == 1 + num_prefetch
+
+
+def _alive_at_each_collect(max_inflight: int) -> list[tuple[bool, int]]:
+    """At every unit's gradient collection (stage 3): whether the unit's own parameters are still
+    gathered, and how many other full gradients (reductions in flight) are alive beside it."""
+    from zeroshard.model_states.grads import GradBucket
+    from zeroshard.models.gpt import GPT, Block, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=5, n_embd=32, n_head=2, block_size=32))
+    config = ShardConfig(max_inflight_reductions=max_inflight)
+    model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(Block), config=config)
+    engine = zeroshard.engine_of(model)
+    owner = {b: u for u in engine.units for b in u.buckets}
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    seen = []
+    collect = GradBucket._collect
+
+    def noting(bucket: GradBucket) -> None:
+        others = sum(b.full_grad is not None for b in engine.buckets if b is not bucket)
+        seen.append((owner[bucket].is_gathered, others))
+        collect(bucket)
+
+    with mock.patch.object(GradBucket, "_collect", noting):
+        for step in range(2):
+            x, y = batch("gpt", step, 2)
+            opt.backward(model(x[:, :8], y[:, :8]))
+            opt.step()
+            opt.zero_grad()
+    return seen
+
+
+@pytest.mark.parametrize("max_inflight", [1, 2, 3])
+def test_a_gradient_is_collected_after_its_unit_is_freed_and_old_reductions_finish(
+    workers2, max_inflight
+):
+    seen = workers2.run(_alive_at_each_collect, max_inflight)[0]
+    assert len(seen) == 2 * 6  # 5 blocks and the root, per step
+    assert not any(gathered for gathered, _ in seen), seen
+    # At most max_inflight full gradients at once, the one being collected included; reached.
+    assert max(others for _, others in seen) == max_inflight - 1, seen
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -59,7 +59,13 @@ def __dir__() -> list[str]:
 
 
 def optimizer(
-    model, optimizer_cls, params=None, *, loss_scaler: LossScaler | None = None, **defaults
+    model,
+    optimizer_cls,
+    params=None,
+    *,
+    loss_scaler: LossScaler | None = None,
+    step_in_backward: bool = False,
+    **defaults,
 ) -> ShardedOptimizer:
     """A sharded ``optimizer_cls`` (any element-wise torch.optim class) over a sharded model.
 
@@ -67,10 +73,20 @@ def optimizer(
     biases); it defaults to ``model.parameters()``. ``defaults`` go to ``optimizer_cls``.
     ``loss_scaler`` defaults to ``DynamicLossScaler()`` when the model computes in FP16, else to
     ``LossScaler()`` (no scaling; steps with inf/NaN gradients are skipped).
+    ``step_in_backward`` (stages 2-3): each unit steps as soon as its gradient shard is reduced,
+    which lowers the peak by up to the rank's gradient shard; no gradient clipping, no FP16
+    (``zeroshard.model_states.backward_step``).
     """
     from zeroshard.model_states.optimizer import ShardedOptimizer
 
-    return ShardedOptimizer(model, optimizer_cls, params, loss_scaler=loss_scaler, **defaults)
+    return ShardedOptimizer(
+        model,
+        optimizer_cls,
+        params,
+        loss_scaler=loss_scaler,
+        step_in_backward=step_in_backward,
+        **defaults,
+    )
 
 
 def ledger(model) -> Ledger:

@@ -5,6 +5,18 @@ an n-element (unsharded) buffer moves n elements; an all-reduce moves 2n (a redu
 all-gather). So one step of plain data parallelism moves 2 Psi, stages 1-2 move 2 Psi and stage 3
 moves 3 Psi, Psi being the (padded) parameter count.
 
+Algorithms by backend: gloo's flat reduce-scatter costs about 1.8x its all-reduce of the same
+buffer, and its all-gather about 1.4x (measured here, 2 ranks, 25-100 MiB fp32: all-reduce 56 ms
+per 100 MiB, reduce-scatter 106, all-gather 82). On gloo a reduce-scatter therefore runs as an
+in-place all-reduce of the send buffer (its slice copied out at ``wait``), and an all-gather as
+an all-reduce of the output viewed as bytes, every rank's slot but its own zeroed: exactly one
+rank adds non-zero bytes to each position, so the sum is bit-exact for any dtype (NaN and -0
+included). Those all-reduces run on a twin of the group (same ranks, made once, on first use by
+its ranks): gloo cannot tell two all-reduces apart, so a rank in one of them and another rank in
+a plain all-reduce of another size would abort the process; on separate groups they wait and
+the watchdog names both collectives. The ledger still counts the logical collective, the paper's
+volume above; NCCL and the other backends run the collectives themselves.
+
 Scopes (hybrid sharding, ``zeroshard.mesh``): every collective is also counted under the group it
 ran on, ``SHARD`` (inside a shard group: every rank without hybrid sharding), ``REPLICATE``
 (across shard groups, between the ranks holding the same shard) or ``WORLD`` (every rank: the
@@ -14,14 +26,16 @@ inter-node traffic: per step, the all-reduce of this rank's 1/k gradient shard, 
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zeroshard.watchdog import diagnosed
+from zeroshard.watchdog import diagnosed, inherit_timeout
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -134,17 +148,70 @@ class Handle:
         label: str = "",
         group: dist.ProcessGroup | None = None,
         unit: str | None = None,
+        then: Callable[[], None] | None = None,
     ) -> None:
         self._work = work
         self.output = output
         self.op, self.label, self.group, self.unit = op, label, group, unit
+        self._then = then  # run once the work is complete (a slice copied out)
+        if work is None:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._then is not None:
+            self._then()
+            self._then = None
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             with diagnosed(self.op, self.label, self.group, unit=self.unit):
                 self._work.wait()
             self._work = None
+        self._finish()
         return self.output
+
+
+def _by_all_reduce(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bool:
+    """Whether a reduce-scatter or all-gather runs as an all-reduce: on gloo (module docstring)."""
+    return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
+
+
+_TWINS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _twin(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The group's twin for all-reduces that stand in for other collectives (module docstring).
+    Made by the group's ranks only, at their first such collective on it (the same one on each:
+    they run the same schedule), with the job's timeout."""
+    key = group if group is not None else dist.group.WORLD
+    twin = _TWINS.get(key)
+    if twin is None:
+        ranks = dist.get_process_group_ranks(key)
+        twin = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        inherit_timeout(twin)
+        _TWINS[key] = twin
+    return twin
+
+
+def prepare(*groups: dist.ProcessGroup | None) -> None:
+    """Make the twins the collectives below use on ``groups`` now, at a point every rank of
+    each reaches (``shard``), rather than at a first collective that a rank may never join."""
+    for group in groups:
+        if dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1:
+            _twin(group)
+
+
+def _slot(output: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's slot of a flat buffer split evenly over ``group``."""
+    n = output.numel() // dist.get_world_size(group)
+    r = dist.get_rank(group)
+    return output[r * n : (r + 1) * n]
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
 
 
 def all_gather(
@@ -161,7 +228,17 @@ def all_gather(
     ``unit`` names the wrapped module for ``CollectiveTimeout`` (as do the functions below)."""
     ledger.record("all_gather", label, output.numel(), output.element_size())
     with record_function("zeroshard::all_gather"), diagnosed("all_gather", label, group, unit=unit):
-        work = _all_gather_flat(output, shard, group=group, async_op=async_op)
+        if _by_all_reduce(group, output):
+            own = _slot(output, group)
+            if not _same_memory(own, shard):
+                own.copy_(shard)
+            lo, hi = own.data_ptr() - output.data_ptr(), own.numel() * own.element_size()
+            as_bytes = output.view(torch.uint8)  # 1D output.nbytes
+            as_bytes[:lo].zero_()
+            as_bytes[lo + hi :].zero_()
+            work = dist.all_reduce(as_bytes, group=_twin(group), async_op=async_op)
+        else:
+            work = _all_gather_flat(output, shard, group=group, async_op=async_op)
     return Handle(work, output, op="all_gather", label=label, group=group, unit=unit)
 
 
@@ -175,12 +252,21 @@ def reduce_scatter(
     async_op: bool = True,
     unit: str | None = None,
 ) -> Handle:
-    """Sum ``full`` (1D, n, every rank's own) over ranks; rank r receives slice r in ``output``."""
+    """Sum ``full`` (1D, n, every rank's own) over ranks; rank r receives slice r in ``output``.
+    ``full`` is scratch: on gloo it holds the whole sum afterwards (module docstring)."""
     ledger.record("reduce_scatter", label, full.numel(), full.element_size())
     with (
         record_function("zeroshard::reduce_scatter"),
         diagnosed("reduce_scatter", label, group, unit=unit),
     ):
+        if _by_all_reduce(group, full):
+            # ``full`` is the caller's send buffer, consumed here: reduced in place.
+            own = _slot(full, group)
+            work = dist.all_reduce(full, group=_twin(group), async_op=async_op)
+            then = None if _same_memory(own, output) else (lambda: output.copy_(own))
+            return Handle(
+                work, output, op="reduce_scatter", label=label, group=group, unit=unit, then=then
+            )
         work = _reduce_scatter_flat(output, full, group=group, async_op=async_op)
     return Handle(work, output, op="reduce_scatter", label=label, group=group, unit=unit)
 

@@ -451,6 +451,7 @@ class Engine:
         unit.to(TrainingState.POST_BACKWARD)
         unit.pending_uses = 0
         unit.generation += 1
+        ready = []
         for b in unit.buckets:
             if unit in self._again:
                 if self._units_left.get(b, 1) <= 0:
@@ -458,11 +459,15 @@ class Engine:
                 continue
             self._units_left[b] = self._units_left.get(b, b.num_units) - 1
             if self._reduce_now and self._units_left[b] == 0:
-                b.reduce()
-                self._pending.append(b)
-        self._finish_reductions(keep=self.config.max_inflight_reductions)
+                ready.append(b)
+        # Free the gathered parameters, and finish the oldest reductions, before a new full
+        # gradient is collected: none of them is alive next to it at this peak of backward.
         if not self._summoned:
             unit.reshard()
+        for b in ready:
+            self._finish_reductions(keep=self.config.max_inflight_reductions - 1)
+            b.reduce()
+            self._pending.append(b)
 
     def _end_backward(self) -> None:
         """Autograd's final callback: finish the units no hook finished, in the same order on

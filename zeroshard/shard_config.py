@@ -24,9 +24,11 @@ class ShardConfig:
     """With replicated parameters (stages 0-2): consecutive units share one flat buffer of up to
     this many bytes, reduced in one collective once all its units' backward is done (0: one
     buffer per unit). Stage 3 always gathers and reduces per unit."""
-    max_inflight_reductions: int = 2
-    """Gradient reductions in flight before the oldest is waited for (bounds the full-gradient
-    buffers alive at stage 2/3)."""
+    max_inflight_reductions: int = 1
+    """Gradient reductions in flight at once, counting the one being started: the oldest is
+    finished before another starts beyond this. Bounds the full-gradient buffers alive at
+    stages 2-3 (1: a unit's reduction overlaps the next unit's backward, then is finished
+    before that unit's gradient is collected)."""
     sync_module_states: bool = True
     """Broadcast rank 0's parameters at shard time so every rank starts identical."""
     checkpoint_every: int = 0

@@ -111,6 +111,7 @@ def shard(
     mixed_precision = policy_of(mixed_precision, mesh.device)
     specs = units(model, wrap)
     check_same_model(model, mesh)
+    C.prepare(mesh.group, mesh.shard_group)  # every rank is here: make groups the engine needs
     ledger = C.Ledger()
     materialize = Materializer(model, mesh.device, param_init_fn)
 

@@ -105,7 +105,15 @@ class GradBucket:
         self.handoff: Callable[[GradBucket], None] | None = None
         """Called after each reduction of a partitioned gradient, ``shard_grad`` then holding the
         reduced shard: the hand-off to a lower memory tier (``zeroshard.model_states.grad_swap``),
-        which may take ``shard_grad`` away until the step."""
+        which may take ``shard_grad`` away until the step, or the step itself
+        (``zeroshard.model_states.backward_step``)."""
+        self.on_reduce: Callable[[GradBucket], None] | None = None
+        """Called right after a reduction is issued (``touched`` final for it): the step in
+        backward starts its small agreement collective there, to overlap the reduction."""
+        self.consumed_at_handoff = False
+        """Set by a hand-off that drops ``shard_grad`` before it returns (the step in backward):
+        the reduce-scatter then writes into this rank's slice of ``full_grad`` in place, which
+        the shard keeps alive until then, instead of into a separate output buffer."""
         if self.as_views:
             for i, s in enumerate(flat.slots):
                 s.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
@@ -235,12 +243,14 @@ class GradBucket:
                 )
             else:
                 lo, hi = shard_range(mesh.shard_rank, flat.padded_numel, mesh.shard_size)
-                in_place = self.reduction is Reduction.SCATTER_IN_PLACE
+                in_place = self.reduction is Reduction.SCATTER_IN_PLACE or self.consumed_at_handoff
                 out = send[lo:hi] if in_place else send.new_empty(hi - lo)
                 handle = C.reduce_scatter(
                     out, send, group=mesh.shard_group, ledger=flat.ledger, unit=flat.name
                 )
         self._reduce = (handle, send)
+        if self.on_reduce is not None:
+            self.on_reduce(self)
 
     def finish(self) -> None:
         """Wait for the collective, average, accumulate into ``shard_grad`` (FP32), and free

@@ -40,6 +40,7 @@ from torch import nn
 
 from zeroshard import collectives as C
 from zeroshard.engine import Engine, engine_of
+from zeroshard.model_states.backward_step import BackwardStep
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.grad_swap import GradSwapper
 from zeroshard.model_states.grads import GradBucket
@@ -155,7 +156,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Call ``backward(loss)``, optionally ``clip_grad_norm(max_norm)``, then ``step()`` and
     ``zero_grad()``. LR schedulers take this object itself. ``loss_scaler`` defaults to a
     ``DynamicLossScaler`` when gradients are computed in FP16 and to no scaling (steps with
-    inf/NaN gradients skipped) otherwise.
+    inf/NaN gradients skipped) otherwise. With ``step_in_backward`` (stages 2-3) each sub-group
+    steps during backward, as soon as its gradient shard is reduced, and the shard is freed at
+    once (``zeroshard.model_states.backward_step``: lower peak, different rules).
     """
 
     def __init__(
@@ -166,6 +169,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         *,
         loss_scaler: LossScaler | None = None,
         elementwise: bool = False,
+        step_in_backward: bool = False,
         **defaults: Any,
     ) -> None:
         self.engine: Engine = engine_of(model)
@@ -219,6 +223,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "in host memory already, nothing moves)",
                 numel * state_bytes_per_element(optimizer_cls, defaults),
             )
+        self._backward_step = BackwardStep(self) if step_in_backward else None
 
     @property
     def optimizer(self) -> ShardedOptimizer:
@@ -264,6 +269,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sharding the replicas in other groups are not counted again)."""
         if norm_type != 2.0:
             raise ValueError("clip_grad_norm supports the 2-norm (norm_type=2.0) only")
+        if self._backward_step is not None:
+            raise ValueError(
+                "clip_grad_norm needs every gradient before any update, but with "
+                "step_in_backward each sub-group steps as soon as its gradient is reduced; "
+                "drop step_in_backward to clip gradients"
+            )
         grads = self._shard_grads()
         device = self.engine.mesh.device
         sq = torch.zeros(1, dtype=torch.float32, device=device)
@@ -327,6 +338,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.engine.wait_params()  # a refresh in flight reads the masters this step writes
         found_inf, unused = self._agree()
         self.loss_scaler.update(found_inf)
+        if self._backward_step is not None:
+            return self._finish_backward_step(self._backward_step, found_inf, unused)
         if found_inf:
             self.engine.ledger.end_step()
             return False
@@ -338,6 +351,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.engine.params_changed()
         self.engine.ledger.end_step()
         return True
+
+    def _finish_backward_step(self, bs: BackwardStep, found_inf: bool, unused: set[int]) -> bool:
+        """``step`` with ``step_in_backward``: the sub-groups stepped during backward; those
+        reduced only in micro-steps (``reduce_every_micro_step`` without a synchronized
+        backward) step now, then parameters are refreshed."""
+        if not found_inf:
+            for sg in self._subgroups:
+                if id(sg.bucket) not in bs.stepped and sg.bucket.shard_grad is not None:
+                    self._step_subgroup(sg, unused)
+        stepped_any = bool(bs.stepped) or not found_inf
+        bs.reset()
+        if stepped_any:
+            self.engine.params_changed()
+        self.engine.ledger.end_step()
+        return not found_inf
 
     def _step_swapped(self, swap: StateSwapper, unused: set[int]) -> None:
         """Sub-group ``i + 1``'s states are read while ``i`` steps and ``i - 1`` is written."""
@@ -411,6 +439,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.scaling.reset()
+        if self._backward_step is not None:
+            self._backward_step.reset()
         if self._grad_swap is not None:
             self._grad_swap.zero()
         for b in self.engine.buckets:

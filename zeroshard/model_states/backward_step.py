@@ -1,0 +1,152 @@
+"""The optimizer step inside backward (``zeroshard.optimizer(..., step_in_backward=True)``).
+
+With partitioned gradients (stages 2-3) every rank holds, at the end of a plain backward, the
+reduced FP32 shard of every gradient (4 Psi / N bytes) next to the masters and optimizer states:
+that is why the stage-3 peak falls at the end of backward. Here a sub-group steps as soon as
+its bucket's reduction finishes (``GradBucket.handoff``) and its shard is dropped right after, so
+backward holds the shards of the reductions in flight only: the peak loses up to 4 Psi / N bytes
+(PyTorch's "optimizer in backward", for a sharded optimizer).
+
+What changes for the caller (each refused with a clear error where it would be wrong):
+
+- ``step()`` finishes the step (agrees on inf/NaN, refreshes parameters); the updates were
+  applied during ``backward``. A second backward before ``step()`` is an error: accumulate
+  gradients with ``backward(loss, sync=False)`` for all micro-batches but the last.
+- Every update of a step sees the hyperparameters (LR) current at its ``backward``.
+- Global-norm clipping needs every gradient before any update: refused.
+- FP16's dynamic loss scaling must skip whole steps: refused (train in bf16 or fp32).
+- Non-finite values never reach a master: a rank leaves its shard of a bucket untouched once
+  it has seen inf/NaN in this backward, and every rank does so from the bucket after the first
+  rank to see one. Earlier buckets have stepped; ``step()`` returns False (counted as skipped,
+  so divergence is still reported).
+- Parameters that no rank's backward reached are left out of the step, as in a plain step.
+
+Both rest on one small all-reduce (MAX) per bucket of [inf/NaN seen so far, a flag per
+parameter reached], started with the bucket's reduce-scatter and waited for when it finishes,
+so that it overlaps the reduction instead of stopping every rank at each unit.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from zeroshard import collectives as C
+from zeroshard.model_states.grads import GradBucket, Reduction
+from zeroshard.precision import DynamicLossScaler
+
+if TYPE_CHECKING:
+    from zeroshard.model_states.optimizer import ShardedOptimizer
+
+
+def check_step_in_backward(optimizer: ShardedOptimizer) -> None:
+    """A ValueError naming the fix when ``optimizer`` cannot step inside backward."""
+    engine = optimizer.engine
+    if not engine.partition.gradients:
+        raise ValueError(
+            f"step_in_backward needs partitioned gradients (stage 2 or 3); at stage "
+            f"{engine.stage} every rank keeps the whole gradient until the step, so stepping "
+            "early frees nothing. Use stage 2 or 3, or drop step_in_backward"
+        )
+    if isinstance(optimizer.loss_scaler, DynamicLossScaler):
+        raise ValueError(
+            "step_in_backward cannot be combined with FP16 dynamic loss scaling, which must "
+            "skip whole steps; train in bf16 or fp32, or drop step_in_backward"
+        )
+    offload = getattr(engine, "offload", None)
+    if offload is not None and "nvme" in (offload.optimizer, offload.gradients):
+        raise ValueError(
+            "step_in_backward steps each sub-group during backward; states or gradients on "
+            "NVMe are streamed in step order. Drop step_in_backward or keep them in memory"
+        )
+
+
+class BackwardStep:
+    """Steps ``optimizer``'s sub-groups as their buckets' reductions finish (module docstring)."""
+
+    def __init__(self, optimizer: ShardedOptimizer) -> None:
+        check_step_in_backward(optimizer)
+        engine = optimizer.engine
+        self._optimizer = weakref.ref(optimizer)  # the buckets must not keep it alive
+        self._subgroups = {id(sg.bucket): sg for sg in optimizer._subgroups}
+        # First index of each bucket's slots among the engine's trainable slots.
+        self._first_slot: dict[int, int] = {}
+        index = 0
+        for b in engine.buckets:
+            self._first_slot[id(b)] = index
+            index += len(b.touched)
+        self.stepped: set[int] = set()
+        """Buckets (ids) stepped since the last ``step()`` / ``zero_grad()``."""
+        self._flags: dict[int, C.Handle] = {}  # per bucket: its agreement in flight
+        ref = self._optimizer
+
+        def on_reduce(bucket: GradBucket) -> None:
+            if ref() is not None:
+                self._agree(bucket)
+
+        def handoff(bucket: GradBucket) -> None:
+            if ref() is not None:
+                self._reduced(bucket)
+
+        for b in engine.buckets:
+            assert b.reduction is Reduction.SCATTER_AND_FREE
+            b.on_reduce, b.handoff = on_reduce, handoff
+            b.consumed_at_handoff = True
+
+    def _agree(self, bucket: GradBucket) -> None:
+        """Start the bucket's agreement: [inf/NaN seen so far on this rank, a flag per parameter
+        of the bucket that this rank's backward reached], MAX over every rank."""
+        optimizer = self._optimizer()
+        assert optimizer is not None
+        engine, mesh = optimizer.engine, optimizer.engine.mesh
+        touched = torch.tensor(bucket.touched, dtype=torch.float32, device=mesh.device)
+        flags = torch.cat([engine.scaling.found_inf, touched])
+        self._flags[id(bucket)] = C.all_reduce(
+            flags,
+            scope=C.WORLD if mesh.hybrid is not None else C.SHARD,
+            group=mesh.group,
+            ledger=engine.ledger,
+            label="found_inf",
+            op=dist.ReduceOp.MAX,
+            async_op=True,
+        )
+
+    def _reduced(self, bucket: GradBucket) -> None:
+        """The bucket's reduced shard is in ``shard_grad``: step its sub-group, drop the shard."""
+        optimizer = self._optimizer()
+        assert optimizer is not None
+        engine = optimizer.engine
+        flags = self._flags.pop(id(bucket)).wait().tolist()
+        if not engine.sync_grads:
+            # A micro-step that reduces (reduce_every_micro_step): the shard accumulates until
+            # the synchronized backward, apart from the full gradient it was reduced in.
+            if bucket.shard_grad is not None:
+                bucket.shard_grad = bucket.shard_grad.clone()
+            return
+        if id(bucket) in self.stepped:
+            raise RuntimeError(
+                f"step_in_backward: unit {bucket.flat.name!r} received gradients again after "
+                "its update in this step (a second backward before optimizer.step()). "
+                "Accumulate micro-batches with optimizer.backward(loss, sync=False) and call "
+                "step() after the last one, or drop step_in_backward"
+            )
+        self.stepped.add(id(bucket))
+        # This rank's inf/NaN so far (its shard of this bucket included), or any rank's before
+        # this bucket's reduction started.
+        seen = flags[0] > 0 or bool(engine.scaling.found_inf.item() > 0)
+        sg = self._subgroups.get(id(bucket))
+        if sg is not None and not (seen and optimizer.loss_scaler.checks):
+            first = self._first_slot[id(bucket)]
+            unused = {first + i for i, used in enumerate(flags[1:]) if not used}
+            with torch.no_grad():
+                optimizer._step_subgroup(sg, unused)
+        bucket.shard_grad = None  # applied (or skipped): the memory this mode exists to free
+
+    def reset(self) -> None:
+        self.stepped.clear()
+        for handle in self._flags.values():  # an interrupted backward: complete, then forget
+            handle.wait()
+        self._flags.clear()
