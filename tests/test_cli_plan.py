@@ -276,6 +276,12 @@ def test_advise(capsys):
         (["--params", "1B", "--dp", "8", "--shard-group-size", "16"], "16 is larger than the 8"),
         (["--params", "1B", "--dp", "8", "--shard-group-size", "0"], "must be at least 1"),
         (
+            ["--params", "1B", "--step-in-backward", "--stage", "0,1,2,3"],
+            "--step-in-backward needs partitioned gradients \\(stage 2 or 3\\), but --stage has "
+            "0,1; pass --stage 2,3",
+        ),
+        (["--params", "1B", "--step-in-backward", "--stage", "1,3"], "--stage has 1;"),
+        (
             ["--params", "1B", "--dp", "8", "--inter-node-bandwidth", "25GB/s"],
             "--inter-node-bandwidth prices the all-reduce across shard groups; add "
             "--shard-group-size K",
@@ -290,6 +296,37 @@ def test_advise(capsys):
 def test_user_mistakes(argv, match):
     with pytest.raises(ValueError, match=match):
         plan.run(_parse(argv))
+
+
+def test_step_in_backward_shows_stages_2_and_3_by_default(capsys):
+    stages = [r["stage"] for r in _json(["--params", "1B", "--step-in-backward"], capsys)["stages"]]
+    assert sorted(set(stages)) == [2, 3]
+
+
+def test_step_in_backward_flag(capsys, monkeypatch):
+    argv = ["--params", "1B", "--dp", "8", "--stage", "2,3", "--offload", "all"]
+    plain = {(r["stage"], r["offload"]): r for r in _json(argv, capsys)["stages"]}
+    stepped = {
+        (r["stage"], r["offload"]): r
+        for r in _json([*argv, "--step-in-backward"], capsys)["stages"]
+    }
+    # NVMe-held states or gradients are streamed in step order: not offered with it.
+    assert set(stepped) == {k for k in plain if "nvme" not in k[1]}
+    for key, row in stepped.items():
+        before, after = plain[key]["memory"], row["memory"]
+        for tier in ("device", "cpu"):
+            assert after[tier]["grads"] == 0  # every shard stepped and dropped in backward
+            assert after[tier]["params"] == before[tier]["params"]
+        lower = before["device"]["grads"] + before["cpu"]["grads"]
+        assert sum(before["device"].values()) + sum(before["cpu"].values()) - lower >= sum(
+            after["device"].values()
+        ) + sum(after["cpu"].values())
+    # Through main: a stage without partitioned gradients is one line, exit 2.
+    from zeroshard.cli import main
+
+    assert main.main(["plan", "--params", "1B", "--step-in-backward", "--stage", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--step-in-backward needs partitioned gradients" in err[0]
 
 
 def test_hybrid_sharding_table_and_json(capsys):

@@ -63,6 +63,12 @@ def test_engine_config_is_the_engines():
     assert cfg.num_units_prefetch == ShardConfig().num_prefetch
     assert cfg.num_buckets == ShardConfig().max_inflight_reductions
     assert cfg.bucket_per_unit and not cfg.activation_checkpointing
+    assert not cfg.step_in_backward and not cfg.reduce_stages_input  # gloo: in-place all-reduce
+    sib = calibrate.engine_config(Case(preset="tiny", stage=3, step_in_backward=True), 4)
+    assert sib.step_in_backward
+    # Replicated parameters: tiny fits one 25 MiB bucket; 100m's units each overflow one.
+    assert not calibrate.engine_config(Case(preset="tiny", stage=2), 2).bucket_per_unit
+    assert calibrate.engine_config(Case(preset="100m", stage=2), 2).bucket_per_unit
     assert cfg.seq_len == PRESETS["tiny"].block_size
     assert cfg.bytes_per_param.total == 16 and cfg.fragmentation_fraction == 0
 
@@ -96,24 +102,39 @@ def test_calibration_nano_two_ranks(workers2, stage):
     _check(workers2.run(calibrate.calibrate, Case(preset="nano", stage=stage)))
 
 
+def test_calibration_nano_two_ranks_step_in_backward(workers2):
+    rows = workers2.run(calibrate.calibrate, Case(preset="nano", stage=3, step_in_backward=True))
+    _check(rows)
+    for row in rows:
+        assert row["measured"]["model_states"]["grads"] == 0  # every shard stepped and dropped
+        assert row["predicted"]["model_states"]["grads"] == 0
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_calibration_nano_four_ranks(workers4, stage):
     _check(workers4.run(calibrate.calibrate, Case(preset="nano", stage=stage)))
 
 
 @pytest.mark.parametrize(
-    "stage, batch, seq, moment",
+    "stage, batch, seq, sib, moment",
     [
-        # The last block's backward: its full gradient, the root's, two gathered blocks.
-        (3, 2, None, "unit backward 0"),
-        # 8 tokens, model states dominate: with replicated parameters the tiny model is one
-        # gradient bucket, reduced after the last unit's backward (gloo staging its input).
-        (2, 1, 8, "bucket reduction"),
-        (1, 1, 8, "bucket reduction"),
+        # The last block's backward: its activations, the root and two blocks gathered.
+        (3, 2, None, False, "unit backward 0"),
+        # 8 tokens, model states dominate. Stage 3: the end of a block's backward, its whole
+        # gradient (autograd's), the previous block's reduction in flight, 3 units gathered;
+        # stepping in backward, no shard exists: the peak moves one block earlier.
+        (3, 1, 8, False, "unit backward end 2"),
+        (3, 1, 8, True, "unit backward end 1"),
+        # With replicated parameters the tiny model is one gradient bucket, reduced after the
+        # last unit's backward (stage 2: its full gradient and the shard written).
+        (2, 1, 8, False, "bucket reduction"),
+        (1, 1, 8, False, "unit backward 0"),
     ],
 )
-def test_calibration_tiny_peaks_where_the_timeline_says(workers2, stage, batch, seq, moment):
-    case = Case(preset="tiny", stage=stage, micro_batch_size=batch, seq_len=seq)
+def test_calibration_tiny_peaks_where_the_timeline_says(workers2, stage, batch, seq, sib, moment):
+    case = Case(
+        preset="tiny", stage=stage, micro_batch_size=batch, seq_len=seq, step_in_backward=sib
+    )
     rows = workers2.run(calibrate.calibrate, case)
     _check(rows)
     assert rows[0]["predicted"]["peak_moment"] == moment

@@ -69,28 +69,82 @@ def test_engine_timeline_in_a_units_backward():
     assert b.peak["logits"] == 0
 
 
-def test_engine_timeline_with_few_tokens_peaks_in_reductions_or_the_step():
-    # 32 tokens: model states dominate. Stage 2 (one bucket per unit) peaks at the first block's
-    # reduction: its gradient (collected, autograd's released), two reductions in flight, and
-    # gloo's staging copy of the one waited for. Just before, at its post-backward, its gradient
-    # was held twice (autograd's and the copy being collected), but no shard or staging yet.
-    block = WIDE.shape.block_numel
-    b = m.plan_memory(WIDE, _engine(2, reduce_stages_input=True))
-    assert b.peak_moment == "unit reduction wait 3"
-    assert b.peak["comm_buckets"] == 4 * (2 + 1) * block + 4 * block
-    cfg = _engine(2, reduce_stages_input=True)
+def _moments(model, cfg):
     states = m.model_states(
-        WIDE.num_params, stage=2, num_dp_ranks=2, bytes_per_param=cfg.bytes_per_param
+        model.num_params,
+        stage=cfg.stage,
+        num_dp_ranks=cfg.num_dp_ranks,
+        bytes_per_param=cfg.bytes_per_param,
     )[m.Tier.DEVICE]
-    moments = dict(t.moments(WIDE, cfg, states))
-    assert moments["unit post-backward 3"]["comm_buckets"] == 4 * (2 + 2) * block
-    assert b.peak["model_state_working"] == 4 * 64 * 128  # the tied embedding's gradient
-    shards = 4 * block * 4 // 2  # four units' gradient shards: 4 bytes over 2 ranks
-    assert abs(b.peak["grads"] - shards) <= 4
-    # Stage 0 peaks in AdamW's loop: three temporaries of the largest piece (one block).
-    b = m.plan_memory(WIDE, _engine(0))
-    assert b.peak_moment == "optimizer step"
-    assert b.peak["model_state_working"] == 3 * 4 * block
+    if cfg.step_in_backward:
+        states["grads"] = 0
+    return dict(t.moments(model, cfg, states))
+
+
+def test_engine_timeline_post_backward_follows_the_engines_schedule():
+    # One reduction in flight, counting the one being started (the engine's default): at a
+    # unit's post-backward its parameters are freed first (the root and the prefetched unit stay
+    # gathered), then the previous unit's reduction is finished (gloo-like staging of its input
+    # while waited for), then the unit's gradient is collected: held twice, nothing in flight.
+    block, root = WIDE.shape.block_numel, WIDE.root_numel
+    cfg = _engine(3, num_buckets=1, reduce_stages_input=True)
+    mo = _moments(WIDE, cfg)
+    k = 2
+    backward = mo[f"unit backward {k}"]
+    assert backward["comm_buckets"] == 4 * block  # unit 1's full gradient, in flight
+    assert backward["gathered_units"] == 4 * (root + 2 * block)  # root, unit 2, unit 3
+    assert backward["grads"] == 4 * 2 * block // 2  # units 0 and 1 reduced: their shards
+    end = mo[f"unit backward end {k}"]
+    assert end["comm_buckets"] == 4 * block + 4 * block  # ... and autograd's gradient of unit 2
+    assert end["gathered_units"] == backward["gathered_units"]
+    wait = mo[f"unit reduction wait {k}"]
+    assert wait["gathered_units"] == 4 * (root + block)  # unit 2 freed, unit 3 prefetched
+    assert wait["comm_buckets"] == 4 * block + 4 * block + 4 * block  # + the staging copy
+    post = mo[f"unit post-backward {k}"]
+    assert post["gathered_units"] == 4 * (root + block)
+    assert post["comm_buckets"] == 2 * 4 * block  # collected: autograd's and the flat copy
+    assert post["grads"] == 4 * 2 * block // 2
+    assert mo["unit post-backward 3"]["gathered_units"] == 4 * root  # nothing left to prefetch
+    assert "unit reduction wait 0" not in mo  # nothing in flight to wait for
+    # The root last, by the end-of-backward callback, its gradient (the head's) collected too.
+    assert mo["root post-backward"]["comm_buckets"] == 2 * 4 * root
+    assert mo["root post-backward"]["gathered_units"] == 0
+    assert mo["end of backward"]["comm_buckets"] == 2 * 4 * root  # its buffer and the staging
+    assert mo["optimizer step"]["model_state_working"] == 0  # fused AdamW: no temporaries
+    # Two in flight: one is still in flight at the collect, two during the backward.
+    mo = _moments(WIDE, _engine(3, num_buckets=2, reduce_stages_input=True))
+    assert mo[f"unit backward {k}"]["comm_buckets"] == 2 * 4 * block
+    assert mo[f"unit reduction wait {k}"]["comm_buckets"] == (2 + 1 + 1) * 4 * block
+    assert mo[f"unit post-backward {k}"]["comm_buckets"] == (1 + 2) * 4 * block
+    # Without staging (NCCL; zeroshard's gloo reduce-scatter runs as an in-place all-reduce)
+    # there is no wait moment.
+    assert not any("wait" in name for name in _moments(WIDE, _engine(3, num_buckets=1)))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_step_in_backward_drops_the_shards(stage):
+    # 32 tokens: model states dominate. Without it the step holds every gradient shard; with it
+    # each shard is stepped and dropped as its reduction finishes: grads 0 at every moment.
+    cfg = _engine(stage, num_buckets=1)
+    sib = _engine(stage, num_buckets=1, step_in_backward=True)
+    plain, stepped = m.plan_memory(WIDE, cfg), m.plan_memory(WIDE, sib)
+    assert plain.peak["grads"] > 0 and plain.device["grads"] == 4 * WIDE.num_params // 2
+    assert stepped.device["grads"] == 0 and stepped.peak["grads"] == 0
+    before, after = _moments(WIDE, cfg), _moments(WIDE, sib)
+    assert "optimizer step" in before and "optimizer step" not in after
+    for name, now in after.items():
+        assert sum(now.values()) == sum(before[name].values()) - before[name]["grads"], name
+    lower = max(sum(v.values()) - v["grads"] for n, v in before.items() if n != "optimizer step")
+    assert stepped.peak_bytes() == lower < plain.peak_bytes()
+
+
+def test_step_in_backward_needs_partitioned_gradients():
+    for stage in (0, 1):
+        with pytest.raises(ValueError, match="step_in_backward needs partitioned gradients"):
+            _engine(stage, step_in_backward=True)
+    nvme = m.OFFLOADS["nvme-optimizer"]
+    with pytest.raises(ValueError, match="NVMe"):
+        MemoryConfig(stage=3, placement=nvme, step_in_backward=True)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

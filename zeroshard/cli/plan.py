@@ -72,7 +72,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="hybrid sharding: shard stages 1-3 inside groups of K ranks (a node), replicate "
         "across groups; must divide the data-parallel ranks (default: all of them, no hybrid)",
     )
-    t.add_argument("--stage", default="0,1,2,3", help="stages to show, e.g. 3 or 2,3")
+    t.add_argument(
+        "--stage", default=None, help="stages to show, e.g. 3 or 2,3 (default 0,1,2,3; 2,3 with "
+        "--step-in-backward)"
+    )  # fmt: skip
     t.add_argument(
         "--offload",
         default="none",
@@ -97,6 +100,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="keep activation checkpoints in CPU memory (Pa+cpu)",
     )
     t.add_argument("--prefetch", type=int, default=1, help="stage 3: units gathered ahead")
+    t.add_argument(
+        "--step-in-backward",
+        action="store_true",
+        help="stages 2-3: the optimizer steps each unit as its gradient is reduced "
+        "(zeroshard.optimizer(..., step_in_backward=True)), so gradient shards never accumulate "
+        "(grads 0); stages 2 and 3 only",
+    )
     t.add_argument("--bucket", default="25MiB", help="communication bucket size")
     t.add_argument(
         "--fragmentation",
@@ -256,11 +266,19 @@ def _offloads(text: str) -> tuple[str, ...]:
     return names
 
 
-def _stages(text: str) -> tuple[int, ...]:
+def _stages(text: str | None, step_in_backward: bool = False) -> tuple[int, ...]:
+    if text is None:  # the default: every stage the configuration can have
+        text = "2,3" if step_in_backward else "0,1,2,3"
     stages = _ints("--stage", text, positive=False)
     for s in stages:
         if s not in (0, 1, 2, 3):
             raise ValueError(f"--stage takes 0, 1, 2 or 3 (or a list such as 2,3), got {s}")
+    low = [s for s in stages if s < 2]
+    if step_in_backward and low:
+        raise ValueError(
+            f"--step-in-backward needs partitioned gradients (stage 2 or 3), but --stage has "
+            f"{','.join(map(str, low))}; pass --stage 2,3 or drop --step-in-backward"
+        )
     return stages
 
 
@@ -299,11 +317,12 @@ def _memory_config(
     num_layers_per_checkpoint: int = 1,
     num_dp: int | None = None,
 ):
-    """The training configuration the flags describe, at stage 0 (each row replaces it), over
+    """The training configuration the flags describe, at stage 0 (3 with --step-in-backward;
+    each row replaces it), over
     ``num_dp`` data-parallel ranks (default --dp)."""
     num_dp = num_dp or args.dp
     return memory.MemoryConfig(
-        stage=0,
+        stage=3 if args.step_in_backward else 0,
         num_dp_ranks=num_dp,
         shard_group_size=_shard_group_size(args, num_dp),
         num_mp_ranks=args.mp,
@@ -315,6 +334,7 @@ def _memory_config(
         offload_activations=args.offload_activations,
         num_units_prefetch=args.prefetch,
         bucket_bytes=units.parse_bytes(args.bucket),
+        step_in_backward=args.step_in_backward,
         fragmentation_fraction=args.fragmentation,
     )
 
@@ -332,7 +352,7 @@ def plan(args) -> dict:
     return report.plan_report(
         model,
         _memory_config(args, micro_batch_size=batches[0], num_layers_per_checkpoint=cis[0]),
-        stages=_stages(args.stage),
+        stages=_stages(args.stage, args.step_in_backward),
         offloads=_offloads(args.offload),
         bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.bandwidth),
         net_bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.net_bandwidth),
@@ -384,7 +404,7 @@ def advice(args) -> dict:
         global_batch_size=args.global_batch,
         micro_batch_sizes=_ints("--batch", args.batch),
         checkpoint_spans=_ints("--ci", args.ci),
-        stages=_stages(args.stage),
+        stages=_stages(args.stage, args.step_in_backward),
         offloads=_offloads(args.offload),
         # The advisor sets stage, bsz, seq and ci per candidate; Nd is the devices over Nm.
         memory=_memory_config(args, num_dp=num_devices // args.mp),
@@ -404,9 +424,10 @@ def measure(args) -> tuple[list[dict], str]:
     _positive("--measure-batch", args.measure_batch)
     if args.measure_steps < 2:
         raise ValueError("--measure-steps must be >= 2: the first step creates optimizer states")
+    stages = _stages(args.stage, args.step_in_backward)
     rows = calibrate.run_grid(
         presets=presets,
-        stages=_stages(args.stage),
+        stages=tuple(f"{s}s" for s in stages) if args.step_in_backward else stages,
         ranks=_ints("--measure-ranks", args.measure_ranks),
         micro_batch_size=args.measure_batch,
         num_steps=args.measure_steps,

@@ -204,7 +204,7 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
         return candidate(memory, num_micro, problem=problem)
 
     placement = OFFLOADS[offload]
-    problem = placement_problem(stage, placement)
+    problem = placement_problem(stage, placement, step_in_backward=workload.memory.step_in_backward)
     if problem:
         return reject(problem)
     tiers = {placement.params, placement.grads, placement.optimizer_states}

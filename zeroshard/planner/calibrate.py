@@ -15,7 +15,8 @@ The prediction comes from ``plan_memory`` and ``dp_communication`` with the engi
 settings (``engine_config``): 4 + 4 + 8 bytes per parameter (FP32 AdamW whose master is the
 parameter itself), the engine's prefetch depth and in-flight reductions, per-unit gradient
 reduction, no activation checkpointing, FP32 activations, fused attention, no fragmentation (the
-tracker counts live tensor bytes, not an allocator's reservations).
+tracker counts live tensor bytes, not an allocator's reservations). ``Case.step_in_backward``
+builds the optimizer stepping in backward and predicts with ``MemoryConfig.step_in_backward``.
 
 ``HFCase`` does the same for a Hugging Face model built from a config dict (``measure_hf``),
 wrapped as ``describe.from_hf_config`` finds its units; ``measure_module`` is the shared run.
@@ -34,7 +35,7 @@ import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 
-from zeroshard.planner import comm, describe
+from zeroshard.planner import comm, describe, timeline
 from zeroshard.planner.memory import MODEL_STATES, BytesPerParam, MemoryConfig, plan_memory
 from zeroshard.stages import partition
 
@@ -60,6 +61,9 @@ class Case:
     """Tokens per sample; default the preset's ``block_size``."""
     num_steps: int = 2
     """Steps in all; the last one is measured (the first creates the optimizer states)."""
+    step_in_backward: bool = False
+    """Build the optimizer with ``step_in_backward=True`` (stages 2-3): each unit's sub-group
+    steps as its reduction finishes."""
 
 
 def _gpt_config(case: Case):
@@ -91,31 +95,48 @@ def _seq_len(case: Case | HFCase) -> int:
     return case.seq_len or _gpt_config(case).block_size
 
 
+def _bucket_per_unit(model: describe.ModelDescription, stage: int, bucket_bytes: int) -> bool:
+    """Whether the engine gives every unit (the root included) a gradient bucket of its own:
+    always with partitioned parameters; with replicated ones when no two consecutive units fit
+    in ``bucket_bytes`` together (FP32: 4 bytes per element), as ``zeroshard.sharding`` closes
+    a bucket before a unit that would overflow it (the root first, then the blocks)."""
+    if partition(stage).parameters:
+        return True
+    if model.block_unit_numels is None and model.shape is None:
+        return False
+    sizes = [model.root_numel or 0, *timeline.unit_numels(model)]
+    return all(4 * (a + b) > bucket_bytes for a, b in zip(sizes, sizes[1:]))
+
+
 def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
     """The planner's inputs that describe what the engine does for ``case`` on ``num_ranks``."""
     from zeroshard.engine import ShardConfig
 
     engine = ShardConfig()
+    model = describe_case(case)
     return MemoryConfig(
         stage=case.stage,
         num_dp_ranks=num_ranks,
         bytes_per_param=FP32_ADAMW,
         micro_batch_size=case.micro_batch_size,
         seq_len=_seq_len(case),
-        # Prefetch depth. Stage 3 reduces unit by unit, up to max_inflight_reductions in flight;
-        # with replicated parameters consecutive units share one gradient bucket of up to
-        # bucket_bytes, allocated at its first unit's backward and reduced after its last.
+        # Prefetch depth. Stage 3 reduces unit by unit, up to max_inflight_reductions in flight
+        # (counting the one being started); with replicated parameters consecutive units share
+        # one gradient bucket of up to bucket_bytes, allocated at its first unit's backward and
+        # reduced after its last (a unit larger than that alone in its bucket: per unit again).
         num_units_prefetch=engine.num_prefetch,
-        bucket_per_unit=partition(case.stage).parameters,
+        bucket_per_unit=_bucket_per_unit(model, case.stage, engine.bucket_bytes),
         bucket_bytes=engine.bucket_bytes,
-        num_buckets=(engine.max_inflight_reductions if partition(case.stage).parameters else 1),
+        num_buckets=engine.max_inflight_reductions,
+        step_in_backward=getattr(case, "step_in_backward", False),
         # No checkpointing in the engine; FP32 compute; scaled_dot_product_attention's fused
         # kernel saves a log-sum-exp per head, not the probabilities (on CPU too: measured).
         activation_checkpointing=False,
         activation_bytes=4,
         flash_attention=True,
-        # gloo stages a copy of a reduce-scatter's input when it is waited for.
-        reduce_stages_input=True,
+        # On gloo zeroshard runs a reduce-scatter as an in-place all-reduce of its send buffer
+        # (zeroshard.collectives): no staging copy of the input while it is waited for.
+        reduce_stages_input=False,
         fragmentation_fraction=0.0,
     )
 
@@ -176,6 +197,7 @@ def measure(case: Case) -> dict:
         stage=case.stage,
         wrap=zeroshard.wrap.by_class(Block),
         num_steps=case.num_steps,
+        step_in_backward=case.step_in_backward,
     )
 
 
@@ -202,11 +224,13 @@ def measure_hf(case: HFCase) -> dict:
     return measure_module(build, loss, stage=case.stage, wrap=policy, num_steps=case.num_steps)
 
 
-def measure_module(build, loss, *, stage: int, wrap, num_steps: int) -> dict:
+def measure_module(
+    build, loss, *, stage: int, wrap, num_steps: int, step_in_backward: bool = False
+) -> dict:
     """Shard ``build()`` at ``stage`` with ``wrap``, train it ``num_steps`` steps of FP32 AdamW
-    on the current process group (``loss(model, generator)`` gives each step's loss) and measure
-    the last step on this rank (see the module): model states in bytes, peak bytes, elements
-    moved per collective."""
+    (stepping in backward with ``step_in_backward``) on the current process group
+    (``loss(model, generator)`` gives each step's loss) and measure the last step on this rank
+    (see the module): model states in bytes, peak bytes, elements moved per collective."""
     import torch
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -215,7 +239,7 @@ def measure_module(build, loss, *, stage: int, wrap, num_steps: int) -> dict:
 
     torch.manual_seed(0)
     model = zeroshard.shard(build(), stage=stage, wrap=wrap)
-    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3, step_in_backward=step_in_backward)
     engine = zeroshard.engine_of(model)
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
 
@@ -320,7 +344,7 @@ def _worker(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="python -m zeroshard.planner.calibrate")
     p.add_argument("--presets", default="nano,tiny")
-    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--stages", default="0,1,2,3", help="3s: stage 3 stepping in backward")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=0, help="tokens per sample (0: block_size)")
     p.add_argument("--steps", type=int, default=2)
@@ -329,14 +353,17 @@ def _worker(argv: list[str]) -> int:
     Mesh.from_env(backend="gloo", device="cpu")
     torch.set_num_threads(1)  # ranks share the machine's cores
     rows = []
+    # Stages given as "3s" (or "2s") step in backward.
+    stages = [(int(s.rstrip("s")), s.endswith("s")) for s in args.stages.split(",")]
     for name in args.presets.split(","):
-        for stage in (int(s) for s in args.stages.split(",")):
+        for stage, in_backward in stages:
             case = Case(
                 preset=name,
                 stage=stage,
                 micro_batch_size=args.batch,
                 seq_len=args.seq or None,
                 num_steps=args.steps,
+                step_in_backward=in_backward,
             )
             mine = calibrate(case)
             everyone: list = [None] * dist.get_world_size()
@@ -353,7 +380,7 @@ def _worker(argv: list[str]) -> int:
 def run_grid(
     *,
     presets: tuple[str, ...] = ("nano", "tiny"),
-    stages: tuple[int, ...] = (0, 1, 2, 3),
+    stages: tuple[int | str, ...] = (0, 1, 2, 3),
     ranks: tuple[int, ...] = (1, 2, 4),
     micro_batch_size: int = 4,
     seq_len: int | None = None,
@@ -361,7 +388,8 @@ def run_grid(
     timeout_s: float = 600.0,
 ) -> list[dict]:
     """Every (preset, stage) on every rank count, each rank count one torchrun job on this
-    machine (gloo, one thread per rank). One row per configuration and rank."""
+    machine (gloo, one thread per rank). One row per configuration and rank. A stage written
+    ``"3s"`` (or ``"2s"``) builds the optimizer with ``step_in_backward``."""
     rows: list[dict] = []
     for n in ranks:
         with tempfile.TemporaryDirectory() as tmp:
@@ -405,7 +433,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     by_config: dict[tuple, list[dict]] = {}
     for r in rows:
         case = r["case"]
-        key = (case["preset"], case["stage"], r["num_ranks"], case.get("micro_batch_size", 0))
+        stage = f"{case['stage']}{'s' if case.get('step_in_backward') else ''}"
+        key = (case["preset"], stage, r["num_ranks"], case.get("micro_batch_size", 0))
         key += (case.get("seq_len", 0),)
         by_config.setdefault(key, []).append(r)
     lines = []
@@ -418,7 +447,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         lines.append(
             {
                 "preset": name,
-                "stage": stage,
+                "stage": int(stage.rstrip("s")),
+                "step_in_backward": stage.endswith("s"),
                 "num_ranks": n,
                 "tokens": f"{batch}x{seq}",
                 "model_states": (p["model_states_bytes"], m["model_states_bytes"]),
@@ -443,8 +473,9 @@ def render(rows: list[dict]) -> str:
     summary = summarize(rows)
     for s in summary:
         (ps, ms), (pp, mp), (pc, mc) = s["model_states"], s["peak"], s["comm"]
+        stage = f"{s['stage']}" + (", step in backward" if s["step_in_backward"] else "")
         lines.append(
-            f"| {s['preset']} | {s['tokens']} | {s['stage']} | {s['num_ranks']} | {ps:,} / {ms:,} "
+            f"| {s['preset']} | {s['tokens']} | {stage} | {s['num_ranks']} | {ps:,} / {ms:,} "
             f"| {error(ps, ms):+.3%} | {pp:,} / {mp:,} | {error(pp, mp):+.3%} "
             f"| {s['peak_moment']} | {pc:,} / {mc:,} | {error(pc, mc):+.3%} |"
         )

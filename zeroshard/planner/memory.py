@@ -128,9 +128,16 @@ def offload_name(placement: Placement) -> str:
     return "/".join(f"{c}={placement.tier(c).value}" for c in MODEL_STATES)
 
 
-def placement_problem(stage: int, placement: Placement) -> str | None:
+def placement_problem(
+    stage: int, placement: Placement, *, step_in_backward: bool = False
+) -> str | None:
     """Why ``placement`` is not offered at ``stage`` (None when it is)."""
     part = partition(stage)
+    if step_in_backward and Tier.NVME in (placement.grads, placement.optimizer_states):
+        return (
+            "step_in_backward: states or gradients on NVMe are streamed in step order, not "
+            "during backward (the engine refuses it)"
+        )
     offloaded = [c for c in MODEL_STATES if placement.tier(c) is not Tier.DEVICE]
     if offloaded and not part.optimizer_states:
         return "offloading needs the optimizer states partitioned (stage >= 1)"
@@ -176,11 +183,20 @@ class MemoryConfig:
     """Size of one gradient communication bucket (constant-size buffers)."""
     num_buckets: int = 2
     """Buckets alive at once (one filling while one is reduced); with ``bucket_per_unit``, the
-    reductions in flight (zeroshard's ``ShardConfig.max_inflight_reductions``)."""
+    reductions in flight counting the one being started (zeroshard's
+    ``ShardConfig.max_inflight_reductions``: the oldest is finished before a unit's gradient is
+    collected once this many are in flight)."""
     bucket_per_unit: bool = False
     """Gradients are reduced a whole wrap unit at a time, as zeroshard's engine does, instead of
     through fixed-size buckets: with partitioned gradients the buffers are units' full gradients
-    (the root's, the computing unit's and ``num_buckets`` in flight); ``bucket_bytes`` unused."""
+    (the computing unit's, collected at its post-backward, and those in flight; the root's last);
+    ``bucket_bytes`` unused."""
+    step_in_backward: bool = False
+    """The optimizer steps each unit's sub-group as its gradient reduction finishes and drops
+    the shard (``zeroshard.optimizer(..., step_in_backward=True)``; stages 2-3): gradient shards
+    never accumulate, so ``grads`` is 0 on every tier at every moment, and the timeline has no
+    end-of-step optimizer moment. The reduce-scatter writes into the full gradient's own slice
+    (no separate output buffer)."""
     activation_checkpointing: bool = True
     """False: no checkpoints; every block keeps what autograd saves from its forward to its
     backward, and the device is counted along the engine's timeline (module docstring)."""
@@ -190,8 +206,10 @@ class MemoryConfig:
     """Attention saves one fp32 log-sum-exp per head and token (a fused kernel:
     ``scaled_dot_product_attention``, on CPU too) instead of the heads x seq probabilities."""
     reduce_stages_input: bool = False
-    """The backend allocates a copy of a reduce-scatter's input while it is waited for (gloo
-    does, measured on CPU; NCCL reduces in place): one more unit gradient at that moment."""
+    """The backend allocates a copy of a reduce-scatter's input while it is waited for: one more
+    unit gradient at that moment (torch's gloo ``reduce_scatter_tensor`` does, measured on CPU;
+    NCCL reduces in place, and zeroshard runs gloo's reduce-scatter as an in-place all-reduce of
+    the send buffer, ``zeroshard.collectives``, so its engine stages nothing)."""
     fragmentation_fraction: float = 0.1
     """Allowance for fragmentation, as a fraction of everything else on the device."""
 
@@ -213,6 +231,19 @@ class MemoryConfig:
         problem = placement_problem(self.stage, self.placement)
         if problem:
             raise ValueError(f"{offload_name(self.placement)} at stage {self.stage}: {problem}")
+        if self.step_in_backward:
+            if not partition(self.stage).gradients:
+                raise ValueError(
+                    f"step_in_backward needs partitioned gradients (stage 2 or 3), got stage "
+                    f"{self.stage}: below stage 2 every rank keeps the whole gradient until the "
+                    "step, so stepping early frees nothing"
+                )
+            problem = placement_problem(self.stage, self.placement, step_in_backward=True)
+            if problem:
+                raise ValueError(
+                    f"{offload_name(self.placement)}: {problem}; keep them in memory or drop "
+                    "step_in_backward"
+                )
 
     @property
     def num_shard_ranks(self) -> int:
@@ -344,6 +375,14 @@ def logits_bytes(*, micro_batch_size: int, seq_len: int, vocab_size: int) -> int
     return micro_batch_size * seq_len * vocab_size * LOGIT_BYTES_PER_ELEMENT
 
 
+def _stepped_in_backward(states: dict[Tier, dict[str, int]], config: MemoryConfig) -> None:
+    """With ``step_in_backward`` no gradient shard outlives its reduction (each is stepped and
+    dropped as the reduction finishes): ``grads`` is 0 on every tier."""
+    if config.step_in_backward:
+        for tier in states.values():
+            tier["grads"] = 0
+
+
 def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdown:
     """Residual-state bytes per device, fragmentation excluded (``plan_memory`` adds it).
 
@@ -370,8 +409,9 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             num_mp_ranks=c.num_mp_ranks,
             bytes_per_param=bpp,
             placement=c.placement,
-        )[Tier.DEVICE]
-        moments = timeline.moments(model, c, states)
+        )
+        _stepped_in_backward(states, c)
+        moments = timeline.moments(model, c, states[Tier.DEVICE])
         for category in RESIDUAL_STATES:
             out[Tier.DEVICE][category] = max(m[category] for _, m in moments)
         when, peak = max(moments, key=lambda m: sum(m[1].values()))
@@ -468,6 +508,7 @@ def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdow
         bytes_per_param=config.bytes_per_param,
         placement=config.placement,
     )
+    _stepped_in_backward(states, config)
     residual = residual_states(model, config)
     tiers = {t: states[t] | residual.on(t) for t in TIERS}
     others = sum(tiers[Tier.DEVICE].values())

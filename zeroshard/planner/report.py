@@ -117,7 +117,7 @@ def plan_report(
     for stage in stages:
         for offload in offloads:
             placement = OFFLOADS[offload]
-            if memory.placement_problem(stage, placement):
+            if memory.placement_problem(stage, placement, step_in_backward=base.step_in_backward):
                 continue
             config = replace(base, stage=stage, placement=placement)
             rows.append(_row(model, config, offload, ait, bw, links, peak, device_memory_bytes))

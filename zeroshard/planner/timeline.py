@@ -170,29 +170,57 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     engine runs a model wrapped one unit per block (the root unit owns the rest). ``states`` are
     the device's model states at rest after a step. Backward visits the units in reverse.
 
+    ``K`` is ``config.num_buckets``: with ``bucket_per_unit``, the engine's
+    ``max_inflight_reductions``, counting the one being started (1: a unit's reduction overlaps
+    the next unit's backward and is finished before that unit's gradient is collected). During
+    unit k's backward ``min(k, K)`` earlier reductions are in flight, each holding its unit's
+    full gradient and (partitioned gradients) its shard-sized output.
+
     - ``loss backward`` (the loss's backward, before any unit's): every block's saved activations,
       the head's (the final norm's input and output), the logits at the loss; partitioned
       gradients: no full gradient yet; stage 3: the root (kept gathered after forward, or
       gathered again) and the prefetched units.
     - ``unit backward k`` (the k-th unit in backward order, at its first operator): blocks k..
       still hold their activations; the gradients of the MLP hidden (4 hd) and of the residual
-      stream (hd); the largest operator's weight gradient before it is added to the flat
-      gradient; the tied embedding's gradient from the logits, held by autograd until the
-      embedding's own joins it; partitioned gradients: up to ``num_buckets`` earlier units' full
-      gradients in flight, and k units' shards reduced; stage 3: the root, this unit and the
-      prefetched ones gathered.
-    - ``unit post-backward k``: block k's activations are freed (the residual stream's gradient
-      remains) and its gradient is collected into one flat buffer: held twice (autograd's
-      per-parameter tensors and the copy), before its shard exists (measured: MemTracker's
-      peak is here for GPT-2, Llama and BERT at 2 x 16 tokens per rank).
-    - ``unit reduction wait k`` (``reduce_stages_input``, more than ``num_buckets`` units
-      reduced): unit k's shard exists, autograd's copy is released, and the oldest reduction in
-      flight is waited for while the backend holds a staging copy of a unit's gradient.
+      stream (hd); the largest operator's weight gradient before it is accumulated; the tied
+      embedding's gradient from the logits, held by autograd until the embedding's own joins it;
+      partitioned gradients: ``min(k, K)`` reductions in flight, k units' shards; stage 3: the
+      root, this unit and the prefetched ones gathered.
+    - ``unit backward end k`` (its post-backward hook, before anything is freed): its activations
+      are gone (the residual stream's gradient remains), its whole gradient exists (autograd's
+      per-parameter tensors, partitioned gradients), the same reductions in flight and units
+      gathered as during its backward.
+
+    At the post-backward the engine first frees the unit's gathered parameters (stage 3: the root
+    and the prefetched units remain), then finishes the oldest reductions until ``K - 1`` remain,
+    then collects the unit's gradient and starts its reduce-scatter:
+
+    - ``unit reduction wait k`` (``reduce_stages_input``, k >= K): the oldest reduction in
+      flight is waited for while the backend holds a staging copy of its input (that unit's
+      full gradient); the unit's own gradient is still autograd's.
+    - ``unit post-backward k`` (the collect): ``min(k, K - 1)`` reductions in flight; the unit's
+      gradient is held twice, autograd's per-parameter tensors and the new flat buffer in the
+      reduce dtype they are copied into (released one by one: the buffer and all of autograd's
+      at its start). Its shard-sized output comes after, when autograd's are gone.
+
+    With ``bucket_per_unit`` the root is reduced the same way, last, by the end-of-backward
+    callback (``root backward end``, ``root reduction wait``, ``root post-backward``: its
+    gradient includes the head's, held since the loss), then ``end of backward`` waits for the
+    root's own reduction, staging its input; with replicated parameters the gradients live in
+    persistent buffers (``states``) and only the staging copy comes and goes.
+
     - ``bucket reduction`` (replicated parameters, one bucket holding every gradient): the
       bucket's full gradient, the shard being written and the backend's staging copy.
-    - ``optimizer step``: all model states and the element-wise optimizer's temporaries: AdamW's
-      ``sqrt(v)`` and its quotient for one piece while the previous piece's denominator is still
-      bound to the loop variable, three fp32 temporaries of the largest piece (a unit's shard).
+    - ``optimizer step``: all model states, every gradient shard reduced. zeroshard builds
+      Adam/AdamW fused (``fused=True`` where the device has the kernels: CPU and GPUs), one
+      in-place kernel per piece: no temporaries (measured: none on CPU).
+
+    With ``step_in_backward`` each reduction's finish steps its unit's optimizer sub-group (fused
+    AdamW: no temporaries) and drops its shard, and the reduce-scatter writes into the full
+    gradient's own slice: no shard exists at any moment (``grads`` 0) and there is no
+    ``optimizer step`` moment. (A reduce dtype narrower than FP32 would add one transient FP32
+    shard at each finish: not counted; the planner's configurations reduce in the gradient's
+    dtype.)
 
     Not counted: the optimizer's step counters (4 bytes per piece) and the scalar loss.
     """
@@ -204,36 +232,50 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     act = activation_terms(model, c)
     on_device = {m: c.placement.tier(m) is Tier.DEVICE for m in MODEL_STATES}
     grads_total = math.ceil(bpp.grads * model.num_params / mp)
+    sib = c.step_in_backward
+    num_inflight = c.num_buckets  # K, counting the reduction being started
 
     def numel(first: int, count: int) -> int:
         """Parameters of ``count`` units from the ``first`` in backward order (clipped)."""
         return sum(backward[max(0, first) : max(0, first + count)])
 
-    def full_grads(first: int, count: int, *, twice: int | None = None) -> int:
+    def grad_bytes(n: int) -> int:
+        return math.ceil(bpp.grads * n / mp)
+
+    def full_grads(first: int, count: int) -> int:
         """Unreduced flat gradients alive (partitioned gradients only): with
         ``bucket_per_unit`` those of ``count`` units from ``first`` (each collected from
-        autograd's gradients at its reduction, so none exists before) plus unit ``twice``'s
-        second copy when given; else the buckets, allocated at their first unit's backward."""
+        autograd's gradients at its reduction, so none exists before); else the buckets,
+        allocated at their first unit's backward."""
         if not part.gradients or not on_device["grads"]:
             return 0
         if c.bucket_per_unit:
-            extra = 0 if twice is None else backward[twice]
-            return math.ceil(bpp.grads * (numel(first, count) + extra) / mp)
+            return grad_bytes(numel(first, count))
         return min(c.num_buckets * c.bucket_bytes, grads_total)
 
-    def gathered(first: int, count: int) -> int:
+    def own_grad(n: int) -> int:
+        """A unit's gradient of ``n`` parameters outside the persistent buffers: autograd's own
+        tensors until the collect (partitioned gradients, one bucket per unit)."""
+        if not (part.gradients and on_device["grads"] and c.bucket_per_unit):
+            return 0
+        return grad_bytes(n)
+
+    def gathered(first: int, count: int, *, with_root: bool = True) -> int:
         """Stage 3: the root and ``count`` units from ``first`` (backward order) gathered."""
         if not part.parameters:
             return 0
-        return math.ceil(bpp.params * (root + numel(first, count)) / mp)
+        return math.ceil(bpp.params * (root * with_root + numel(first, count)) / mp)
 
     def moment(num_reduced: int, **residual: int) -> dict[str, int]:
-        """Model states once ``num_reduced`` units have been reduced (all of them and the root
-        when ``num_reduced > num_units``), with the residual categories given."""
+        """Model states once ``num_reduced`` units' reductions have started (their shard-sized
+        outputs exist; all of them and the root's when ``num_reduced > num_units``), with the
+        residual categories given."""
         now = dict(states)
         if part.gradients:  # shards appear as units are reduced
             reduced = model.num_params if num_reduced > num_units else numel(0, num_reduced)
             now["grads"] = math.ceil(states["grads"] * min(1.0, reduced / model.num_params))
+        if sib:
+            now["grads"] = 0  # each shard is stepped and dropped as its reduction finishes
         return now | dict.fromkeys(RESIDUAL_STATES, 0) | residual
 
     out = [
@@ -253,59 +295,132 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     # single bucket the whole gradient is reduced once, after the last unit's backward.
     bucket_numel = min(model.num_params, c.bucket_bytes // max(1, bpp.params))
     single_bucket = not c.bucket_per_unit and bucket_numel == model.num_params
-    largest = bucket_numel if single_bucket else max([root, *backward])
-    staging = largest * bpp.grads if c.reduce_stages_input else 0
+    stages_input = c.reduce_stages_input and part.optimizer_states  # a reduce-scatter's input
+
+    def staging(n: int) -> int:
+        """The backend's copy of a waited reduce-scatter's input of ``n`` parameters."""
+        return grad_bytes(n) if stages_input else 0
+
+    def waited(j: int) -> int:
+        """Parameters of the reduction waited for: unit ``j``'s, or (shared buckets) at most a
+        bucket's, which a larger unit fills alone."""
+        return backward[j] if c.bucket_per_unit else max(bucket_numel, backward[j])
+
     for k in range(num_units):
-        in_flight = min(k, c.num_buckets)  # earlier units whose reductions are not waited for
+        in_flight = min(k, num_inflight)  # earlier units whose reductions are not finished
+        reduced = 0 if single_bucket else k
+        prefetched = gathered(k + 1, c.num_units_prefetch, with_root=True)
+        during = dict(
+            gathered_units=gathered(k, 1 + c.num_units_prefetch),
+            comm_buckets=full_grads(k - in_flight, in_flight),
+        )
         out.append(
             (
                 f"unit backward {k}",
                 moment(
-                    0 if single_bucket else k,
+                    reduced,
                     activation_working=act.at_unit[k],
                     model_state_working=act.grad_working,
-                    comm_buckets=full_grads(k - in_flight, in_flight),
-                    gathered_units=gathered(k, 1 + c.num_units_prefetch),
+                    **during,
                 ),
             )
         )
-        # Its post-backward: its activations are gone and its gradient is collected from
-        # autograd's per-parameter tensors into one flat buffer (held twice until autograd's are
-        # released); its shard comes after, at the reduction.
-        post = dict(
-            activation_working=act.at_post[k],
-            model_state_working=act.held_grad,
-            gathered_units=gathered(k, 1 + c.num_units_prefetch),
-        )
-        out.append(
-            (
-                f"unit post-backward {k}",
-                moment(
-                    0 if single_bucket else k,
-                    comm_buckets=full_grads(k - in_flight, 1 + in_flight, twice=k),
-                    **post,
-                ),
+        after = dict(activation_working=act.at_post[k], model_state_working=act.held_grad)
+        if own_grad(backward[k]):
+            out.append(
+                (
+                    f"unit backward end {k}",
+                    moment(
+                        reduced,
+                        **after,
+                        gathered_units=during["gathered_units"],
+                        comm_buckets=during["comm_buckets"] + own_grad(backward[k]),
+                    ),
+                )
             )
-        )
-        # Its reduction has started (its shard exists) and the oldest reduction in flight is
-        # waited for once more than ``num_buckets`` are, the backend staging a copy of that
-        # unit's gradient meanwhile.
-        if k >= c.num_buckets and not single_bucket and staging and part.optimizer_states:
+        # Its parameters freed, the oldest reduction is waited for once K are in flight (the
+        # backend staging a copy of that unit's gradient meanwhile); then its gradient is
+        # collected into one flat buffer (held twice until autograd's are released).
+        waits = k >= num_inflight and not single_bucket and stages_input
+        if waits:
             out.append(
                 (
                     f"unit reduction wait {k}",
                     moment(
-                        k + 1,
-                        comm_buckets=full_grads(k - in_flight, 1 + in_flight) + staging,
-                        **post,
+                        reduced,
+                        **after,
+                        gathered_units=prefetched,
+                        comm_buckets=during["comm_buckets"]
+                        + own_grad(backward[k])
+                        + staging(waited(k - num_inflight)),
                     ),
                 )
             )
-    # AdamW's loop: sqrt(v) and its quotient for this piece while the previous piece's
-    # denominator is still bound to the loop variable: three temporaries of the largest piece.
-    shard_ways = mp * (c.num_shard_ranks if part.optimizer_states else 1)
-    # With a single bucket there is one piece per group and no previous denominator: two.
-    opt_working = (2 if single_bucket else 3) * 4 * math.ceil(largest / shard_ways)
+        left = min(k, num_inflight - 1)  # still in flight at the collect
+        out.append(
+            (
+                f"unit post-backward {k}",
+                moment(
+                    reduced,
+                    **after,
+                    gathered_units=prefetched,
+                    comm_buckets=full_grads(k - left, left) + 2 * own_grad(backward[k]),
+                ),
+            )
+        )
+    if c.bucket_per_unit:
+        # The root, last, by the end-of-backward callback: its gradient (the head's included)
+        # collected and reduced like a unit's, then every reduction finished.
+        in_flight = min(num_units, num_inflight)
+        left = min(num_units, num_inflight - 1)
+        end = dict(activation_working=act.after)
+        out.append(
+            (
+                "root backward end",
+                moment(
+                    num_units,
+                    **end,
+                    gathered_units=gathered(0, 0),
+                    comm_buckets=full_grads(num_units - in_flight, in_flight) + own_grad(root),
+                ),
+            )
+        )
+        if num_units >= num_inflight and stages_input:
+            out.append(
+                (
+                    "root reduction wait",
+                    moment(
+                        num_units,
+                        **end,
+                        comm_buckets=full_grads(num_units - in_flight, in_flight)
+                        + own_grad(root)
+                        + staging(waited(num_units - num_inflight)),
+                    ),
+                )
+            )
+        out.append(
+            (
+                "root post-backward",
+                moment(
+                    num_units,
+                    **end,
+                    comm_buckets=full_grads(num_units - left, left) + 2 * own_grad(root),
+                ),
+            )
+        )
+        if stages_input:
+            # The reductions left finished, oldest first: the root's last, alone by then, its
+            # input staged meanwhile.
+            out.append(
+                (
+                    "end of backward",
+                    moment(
+                        num_units + 1,
+                        **end,
+                        comm_buckets=own_grad(root) + staging(root),
+                    ),
+                )
+            )
     if single_bucket and part.optimizer_states:
         # The bucket's reduction, after the last unit's backward: its full gradient, the shard
         # being written and the backend's staging copy of the input.
@@ -315,17 +430,13 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 moment(
                     num_units + 1,
                     activation_working=act.after,
-                    comm_buckets=full_grads(0, 0) + staging,
+                    comm_buckets=full_grads(0, 0) + staging(bucket_numel),
                 ),
             )
         )
-    out.append(
-        (
-            "optimizer step",
-            moment(
-                num_units + 1,
-                model_state_working=opt_working if on_device["optimizer_states"] else 0,
-            ),
+    if not sib:
+        out.append(
+            # zeroshard builds Adam/AdamW fused (one in-place kernel per piece): no temporaries.
+            ("optimizer step", moment(num_units + 1))
         )
-    )
     return out
