@@ -11,6 +11,12 @@ from zeroshard.testing import Workers
 
 
 @pytest.fixture(scope="session")
+def workers1():
+    with Workers(1) as w:
+        yield w
+
+
+@pytest.fixture(scope="session")
 def workers2():
     with Workers(2) as w:
         yield w

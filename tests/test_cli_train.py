@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -174,7 +175,9 @@ def test_a_crashed_rank_stops_the_others_with_a_clear_message(tmp_path, data_dir
     cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", "--nproc", "2", "--preset", "nano"]
     cmd += ["--steps", "100000", "--batch-size", "2", "--seq-len", "16", "--log-every", "1"]
     cmd += ["--out-dir", str(out), "--data-dir", str(data_dir)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The survivor's wait for its peer to check in (zeroshard.watchdog): the peer is dead.
+    env = {**os.environ, "ZEROSHARD_DEAD_PEER_GRACE_S": "0.5"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         _wait_for_first_step(proc, out)
         ranks = [p for p in _descendants(proc.pid) if "zeroshard.cli.main" in _cmdline(p)]
@@ -211,13 +214,16 @@ def test_resume_continues_the_same_curve(tmp_path, capsys, data_dir):
     common += ["--eval-every", "4", "--eval-batches", "2", "--log-every", "2", "--stage", "3"]
     common += ["--warmup-steps", "10", "--data-dir", str(data_dir)]
     whole, split = tmp_path / "whole", tmp_path / "split"
-    result = _cli("train", *common, "--steps", "8", "--out-dir", str(whole))
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = _cli(
-        "train", *common, "--steps", "4", "--save-every", "2", "--keep", "1",
-        "--out-dir", str(split),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    with ThreadPoolExecutor(max_workers=2) as pool:  # independent runs: at the same time
+        runs = [
+            pool.submit(_cli, "train", *common, "--steps", "8", "--out-dir", str(whole)),
+            pool.submit(
+                _cli, "train", *common, "--steps", "4", "--save-every", "2", "--keep", "1",
+                "--out-dir", str(split),
+            ),
+        ]  # fmt: skip
+    for run in runs:
+        assert run.result().returncode == 0, run.result().stderr[-3000:]
     assert sorted(p.name for p in (split / "ckpt").iterdir()) == ["step-000004"]
     result = _cli("train", *common, "--steps", "8", "--resume", "auto", "--out-dir", str(split))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -525,6 +531,9 @@ ENDINGS = [  # (name, flags, exit status); --steps 100000 runs until the signal
 ]
 
 
+CONCURRENT_RUNS = 3
+
+
 def _folder(name: str) -> str:
     return name.replace(" ", "-").replace(",", "")
 
@@ -564,10 +573,14 @@ def _end_two_ranks(
 def test_ten_two_rank_runs_end_cleanly(tmp_path, data_dir, model_module):
     """Every way a 2-rank run ends: the right status, one line saying why, never gloo's
     "terminate called without an active exception", no carriage returns off a terminal."""
-    outputs = {}
-    for name, flags, code in ENDINGS:
-        stdout, stderr, waited = _end_two_ranks(tmp_path, data_dir, name, flags, code)
-        outputs[name] = stdout
+    # Three runs at a time: most of a run is start-up and teardown, not training.
+    with ThreadPoolExecutor(max_workers=CONCURRENT_RUNS) as pool:
+        ended = [
+            pool.submit(_end_two_ranks, tmp_path, data_dir, name, flags, code)
+            for name, flags, code in ENDINGS
+        ]
+    for (name, _, code), future in zip(ENDINGS, ended):
+        stdout, stderr, waited = future.result()
         assert "terminate called" not in stderr, f"{name}: {stderr[-3000:]}"
         assert "\r" not in stderr, name
         if code != 1:  # a crash is a bug: its traceback is wanted
@@ -586,6 +599,7 @@ def test_ten_two_rank_runs_end_cleanly(tmp_path, data_dir, model_module):
             assert len(lines) == 1 and re.fullmatch(
                 rf"interrupted at step \d+ by {sig}; no checkpoint saved \(.*\)", lines[0]
             ), stdout
+            print(f"\n{name}: {waited:.1f} s from the signal to the exit")
             assert waited < 5, f"{name}: {waited:.1f} s from the signal to the exit"
         elif code == 2:
             assert ours == ["zeroshard train: error: my factory: width must be even"], stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from subprocess import PIPE
 
 import pytest
 import torch
@@ -172,14 +173,21 @@ def test_cli_subprocess(trained, tmp_path):
     path, full = trained
     out = tmp_path / "hf"
     cmd = [sys.executable, "-m", "zeroshard.cli.main", "export", str(path), str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in out.iterdir()) == [SINGLE_FILE]
-    assert f"{len(full)} tensors" in done.stdout
     more = [*cmd[:-1], str(tmp_path / "sharded"), "--format", "safetensors", "--dtype", "bf16"]
     more += ["--max-shard-size", "20kB", "--tie", "lm_head.weight=transformer.wte.weight"]
-    done = subprocess.run(more, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    # Two independent exports of the same checkpoint, at the same time (mostly start-up).
+    procs = [subprocess.Popen(c, stdout=PIPE, stderr=PIPE, text=True) for c in (cmd, more)]
+    try:
+        (first, first_err), (second, second_err) = (p.communicate(timeout=120) for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[0].returncode == 0, first_err
+    assert sorted(p.name for p in out.iterdir()) == [SINGLE_FILE]
+    assert f"{len(full)} tensors" in first
+    assert procs[1].returncode == 0, second_err
     index = json.loads((tmp_path / "sharded" / INDEX_FILE).read_text())
     assert set(index["weight_map"]) == set(full) - {"lm_head.weight"}
-    assert "lm_head.weight: tied to transformer.wte.weight" in done.stdout
+    assert "lm_head.weight: tied to transformer.wte.weight" in second

@@ -11,11 +11,12 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from test_cli_train import _cmdline, _descendants, _expect_usage_error
 
-from zeroshard.cli.train import load_config, resume_after_restart
+from zeroshard.cli.train import Launch, load_config, resume_after_restart
 from zeroshard.testing import free_port
 
 # Tiny on purpose (about 0.1 s a step on 2 shared cores): long enough to be killed mid-run.
@@ -24,6 +25,13 @@ RUN = ["--nproc", "2", "--preset", "nano", "--batch-size", "2", "--seq-len", "16
 RUN += ["--steps", str(STEPS), "--log-every", "1", "--eval-every", "10", "--eval-batches", "1"]
 RUN += ["--save-every", "2", "--keep", "2", "--max-restarts", "1"]
 BOUND_S = 150
+# c10d's defaults (a 30 s last call for more nodes; a node gone noticed after 3 missed 5 s
+# heartbeats) would be most of the elastic test's time. Node B joins the first round about 1 s
+# after node A (a round with both completes at once), well inside the 5 s last call.
+RDZV_CONF = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+# A survivor whose peer is gone waits this long for others to check in (2 s by default): no
+# rank is left to, in these 1- and 2-rank runs.
+ENV = {**os.environ, "ZEROSHARD_DEAD_PEER_GRACE_S": "0.5"}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +51,9 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_pat
     def start(out):
         cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *RUN, "--out-dir", str(out)]
         cmd += ["--data-dir", str(data_dir)]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+        )
 
     proc, reference = start(killed), start(whole)  # the same run, with the same checkpoints
     try:
@@ -110,10 +120,28 @@ def test_a_restart_resumes_from_the_newest_checkpoint_or_says_why_not(tmp_path):
             ["--nproc", "2", "--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--batch-size", "6"],
             ["divide across 4 ranks", "multiple of 4"],
         ),
+        (["--rdzv-conf", "last_call_timeout=5"], ["--rdzv-conf", "drop --rdzv-conf"]),
+        (
+            ["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--rdzv-conf", "last_call=5"],
+            ["unknown setting 'last_call'", "last_call_timeout"],
+        ),
+        (
+            ["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout=0"],
+            ["join_timeout must be a whole number of 1 or more"],
+        ),
     ],
 )
 def test_launcher_flags_bad_input(capsys, tmp_path, flags, needles):
     _expect_usage_error(capsys, ["train", *flags, "--out-dir", str(tmp_path)], *needles)
+
+
+def test_rdzv_conf_reaches_torchrun():
+    launch = Launch(
+        nproc=1, port=0, max_restarts=1, max_nodes=2, rdzv_endpoint="h:1",
+        rdzv_conf=(("last_call_timeout", 5), ("keep_alive_interval", 1)),
+    )  # fmt: skip
+    argv = launch.torchrun_argv(Path("c.json"))
+    assert argv[argv.index("--rdzv-conf") + 1] == "last_call_timeout=5,keep_alive_interval=1"
 
 
 def _listening(port: int) -> bool:
@@ -125,20 +153,25 @@ def _listening(port: int) -> bool:
 def test_a_node_leaves_and_the_other_continues_at_the_smaller_world_size(tmp_path, data_dir):
     """Two one-rank nodes (``--nnodes 1:2``, c10d rendezvous on 127.0.0.1); node B, agent and
     rank, is killed mid-run: node A restarts and finishes alone from the newest checkpoint
-    (saved at world size 2, loaded at 1). About 50 s: c10d waits 30 s (its last call) for more
-    nodes before a round of fewer than the most."""
+    (saved at world size 2, loaded at 1). With c10d's defaults it takes about 50 s: 15 s before
+    the node gone is noticed, then 30 s (its last call) for more nodes before a round of fewer
+    than the most; ``RDZV_CONF`` shortens both."""
     out, port = tmp_path / "run", free_port()
     cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *RUN, "--out-dir", str(out)]
     cmd += ["--data-dir", str(data_dir), "--nproc", "1", "--nnodes", "1:2"]
-    cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}"]
-    node_a = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", RDZV_CONF]
+    node_a = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+    )
     node_b = None
     try:
         deadline = time.monotonic() + BOUND_S
         while not _listening(port):  # node A hosts the rendezvous store: B is the one to go
             assert node_a.poll() is None and time.monotonic() < deadline, node_a.stdout.read()
             time.sleep(0.05)
-        node_b = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        node_b = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV
+        )
         while not (out / "ckpt" / "step-000006").is_dir():
             assert node_a.poll() is None and time.monotonic() < deadline, node_a.stdout.read()
             time.sleep(0.02)

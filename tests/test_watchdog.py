@@ -1,9 +1,10 @@
 """A rank that stops answering makes the others fail within the timeout, with one line naming the
 collective, the unit and the rank (``zeroshard.watchdog``), never a silent hang.
 
-Every multi-rank test runs under a 3 s collective timeout and a bound on the whole run from the
-test process (``Workers(timeout_s=...)``, ``Connection.poll``), so that a regression fails the
-test instead of hanging it.
+Every multi-rank test runs under a 1 s collective timeout (the ranks start to join the group
+together, once every one has imported torch) and a bound on the whole run from the test process
+(``Workers(timeout_s=...)``, ``Connection.poll``), so that a regression fails the test instead of
+hanging it.
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ from zeroshard import collectives as C
 from zeroshard.mesh import Mesh
 from zeroshard.testing import Workers, free_port
 from zeroshard.watchdog import (
+    DEAD_PEER_GRACE_ENV,
+    DEAD_PEER_GRACE_S,
     CollectiveTimeout,
     TimeoutReport,
     _message,
+    dead_peer_grace_s,
     group_timeout_s,
     is_comm_failure,
 )
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 1.0
 # The timeout, then up to the timeout again for the other ranks to check in (grace), plus slack
 # for a loaded 2-core machine.
 DEADLINE_S = 2 * TIMEOUT_S + 6.0
@@ -53,12 +57,14 @@ def _gather(unit: str | None) -> None:
 
 
 def _skip_on_rank_1() -> tuple[str, str, float] | str:
+    C.prepare(None)  # as zeroshard.shard does on every rank before any collective
     if dist.get_rank() == 1:
         return "skipped"  # a deadlock injected in one rank: it never issues the all-gather
     return _caught(_gather, "blocks.3")
 
 
 def _different_collectives() -> tuple[str, str, float] | str:
+    C.prepare(None)
     if dist.get_rank() == 0:
         return _caught(_gather, None)
     # Synchronous (async_op=False): the path without a Handle.
@@ -79,7 +85,8 @@ def test_a_rank_that_skips_a_collective_is_named():
     kind, message, seconds = first
     assert kind == "timeout", first
     _assert_one_line(message)
-    assert message.startswith("all_gather of params (unit blocks.3) timed out after 3 s on rank 0")
+    head = f"all_gather of params (unit blocks.3) timed out after {TIMEOUT_S:g} s on rank 0"
+    assert message.startswith(head), message
     assert "rank 1 did not arrive" in message and "Look at rank 1" in message, message
     assert "--timeout" in message, message
     assert TIMEOUT_S <= seconds < DEADLINE_S, seconds
@@ -119,6 +126,8 @@ def _stopped_rank_main(rank: int, port: int, conn, stopped: int) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
     torch.set_num_threads(1)
+    conn.send("imported")  # then joins with the other rank (see the module docstring)
+    conn.recv()
     Mesh.from_env(backend="gloo", device="cpu", timeout_s=TIMEOUT_S)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
@@ -144,6 +153,10 @@ def test_a_stopped_rank_is_named_by_the_engine_s_collective(stopped):
     for p in procs:
         p.start()
     try:
+        for parent, _ in pipes:
+            assert parent.poll(90) and parent.recv() == "imported"
+        for parent, _ in pipes:
+            parent.send("join")
         conn = pipes[alive][0]
         assert conn.poll(90) and conn.recv() == "sharded"
         assert conn.poll(DEADLINE_S + 10), f"rank {alive} hung: no CollectiveTimeout"
@@ -158,7 +171,7 @@ def test_a_stopped_rank_is_named_by_the_engine_s_collective(stopped):
             p.join(10)
     assert kind == "timeout"
     _assert_one_line(message)
-    head = rf"all_gather of params \(unit [01]\) timed out after 3 s on rank {alive}"
+    head = rf"all_gather of params \(unit [01]\) timed out after {TIMEOUT_S:g} s on rank {alive}"
     assert re.match(head, message), message  # the unit: the engine names its FlatParam
     if stopped == 1:
         assert "rank 1 did not arrive" in message, message
@@ -203,6 +216,16 @@ def test_only_communication_failures_are_diagnosed():
     assert is_comm_failure(RuntimeError("Connection closed by peer [127.0.0.1]:5000"))
     assert not is_comm_failure(RuntimeError("output tensor size must be equal to world_size"))
     assert not is_comm_failure(ValueError("timeout"))
+
+
+def test_the_dead_peer_grace_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(DEAD_PEER_GRACE_ENV, raising=False)
+    assert dead_peer_grace_s() == DEAD_PEER_GRACE_S
+    monkeypatch.setenv(DEAD_PEER_GRACE_ENV, "0.5")
+    assert dead_peer_grace_s() == 0.5
+    monkeypatch.setenv(DEAD_PEER_GRACE_ENV, "soon")
+    with pytest.raises(ValueError, match="ZEROSHARD_DEAD_PEER_GRACE_S='soon'"):
+        dead_peer_grace_s()
 
 
 @pytest.mark.parametrize("bad", [0, -5.0])

@@ -12,6 +12,7 @@ and kills the pool (its peers may be stuck in a collective); the next ``run`` st
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import socket
@@ -51,6 +52,12 @@ def _worker_main(
     # One compute thread per rank: the ranks of a test share the machine's cores. Set here, in
     # the worker, because it is process-wide (Mesh.from_env leaves it alone).
     torch.set_num_threads(1)
+    # Joining waits up to the collective timeout for the other ranks: every rank starts to join
+    # when all have imported torch (seconds, and not at the same time on a loaded machine), so
+    # that a timeout of a second is enough.
+    conn.send(("imported", None))
+    if conn.recv() is None:
+        return
     Mesh.from_env(backend="gloo", timeout_s=collective_timeout_s, device="cpu")
     conn.send(("ready", None))
     while True:
@@ -62,6 +69,9 @@ def _worker_main(
             conn.send(("ok", fn(*args, **kwargs)))
         except BaseException:  # report everything, including assertion failures
             conn.send(("error", traceback.format_exc()))
+    # The interpreter's last garbage collections walk every object torch made (most of a
+    # second); frozen, the worker exits at once.
+    gc.freeze()
 
 
 class Workers:
@@ -86,13 +96,17 @@ class Workers:
         (another process took the free port meanwhile) is retried on a new port, twice."""
         for _ in range(3):
             self._spawn(free_port())
-            if self._joined():
-                return
+            if self._joined():  # every rank imported torch
+                for conn in self._conns:
+                    conn.send("join")
+                if self._joined():  # every rank joined the group
+                    return
             self.close()
         raise WorkerError(f"{self.world_size} worker ranks could not start a gloo group")
 
     def _joined(self) -> bool:
-        """Whether every rank reported ``ready`` (False as soon as one died)."""
+        """Whether every rank reported (``imported``, then ``ready``; False as soon as one
+        died)."""
         deadline = time.monotonic() + self.timeout_s
         pending = list(self._conns)
         while pending:

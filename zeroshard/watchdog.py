@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import re
 import threading
 import time
@@ -59,7 +60,9 @@ MAX_GRACE_S = 10.0
 
 DEAD_PEER_GRACE_S = 2.0
 """The wait when a peer's connection was reset or closed: its process is gone, and the ranks
-still alive hit the same error at once (a shorter wait, so a restart comes sooner)."""
+still alive hit the same error at once (a shorter wait, so a restart comes sooner). The
+environment variable ``ZEROSHARD_DEAD_PEER_GRACE_S`` (seconds) overrides it."""
+DEAD_PEER_GRACE_ENV = "ZEROSHARD_DEAD_PEER_GRACE_S"
 _DEAD_PEER = ("closed by peer", "connection reset", "broken pipe")
 
 
@@ -164,7 +167,7 @@ def diagnose(
     if grace_s is None:
         grace_s = min(timeout_s or MAX_GRACE_S, MAX_GRACE_S)
         if any(f in str(exc).lower() for f in _DEAD_PEER):
-            grace_s = min(grace_s, DEAD_PEER_GRACE_S)
+            grace_s = min(grace_s, dead_peer_grace_s())
     mine = _describe(op, label, unit)
     arrived = _check_in(f"zeroshard/watchdog/{pg.group_name}/", me, ranks, mine, grace_s)
     report = TimeoutReport(
@@ -179,6 +182,22 @@ def diagnose(
         backend_error=re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0]),
     )
     return CollectiveTimeout(_message(report, store_answered=arrived is not None), report=report)
+
+
+def dead_peer_grace_s() -> float:
+    """``DEAD_PEER_GRACE_S``, or the seconds in ``ZEROSHARD_DEAD_PEER_GRACE_S`` when set."""
+    text = os.environ.get(DEAD_PEER_GRACE_ENV)
+    if text is None:
+        return DEAD_PEER_GRACE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(
+            f"{DEAD_PEER_GRACE_ENV}={text!r}: pass a number of seconds, 0 or more (e.g. 2)"
+        )
+    return value
 
 
 def _describe(op: str, label: str, unit: str | None) -> str:

@@ -9,7 +9,9 @@ With --max-restarts N (and --save-every) a failed rank makes the launcher restar
 to N times; each restart resumes from the newest complete checkpoint in out_dir/ckpt ("restart 1:
 resuming from PATH (step S)"). --nnodes MIN:MAX --rdzv-endpoint HOST:PORT makes the job elastic
 over nodes (c10d rendezvous): after a node leaves, the others restart and continue at the smaller
-world size from the same checkpoint (it loads at any world size).
+world size from the same checkpoint (it loads at any world size). --rdzv-conf passes torchrun's
+rendezvous settings, e.g. last_call_timeout=10 (the wait for more nodes once MIN are in, 30 s by
+default) and keep_alive_interval=1 (how soon a node that left is noticed: 3 of them, 5 s each).
 
 SIGINT or SIGTERM (Ctrl-C; torchrun forwards it to the ranks) makes every rank finish its step
 (and save it in out_dir/ckpt with --save-every) and stop; one line says "interrupted at step S;
@@ -109,6 +111,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--rdzv-endpoint", metavar="HOST:PORT",
         help="with --nnodes: one node's address and a free port, the same on every node",
+    )  # fmt: skip
+    p.add_argument(
+        "--rdzv-conf", metavar="KEY=N[,KEY=N]",
+        help="with --nnodes: c10d rendezvous settings, whole numbers (torchrun's --rdzv-conf), "
+        f"of {', '.join(RDZV_CONF)}; e.g. last_call_timeout=10 (seconds waited for more "
+        "nodes once MIN joined, at the start and after a node leaves; default 30), "
+        "keep_alive_interval=1 (a node that left is noticed after keep_alive_max_attempt of "
+        "them; default 5 x 3)",
     )  # fmt: skip
     docs = field_docs()
     for f in dataclasses.fields(TrainConfig):
@@ -299,6 +309,8 @@ class Launch:
     """Most nodes the job runs on."""
     rdzv_endpoint: str | None = None
     """HOST:PORT of the c10d rendezvous every node meets at (multi-node jobs)."""
+    rdzv_conf: tuple[tuple[str, int], ...] = ()
+    """torchrun's ``--rdzv-conf`` settings of the c10d rendezvous (see ``RDZV_CONF``)."""
 
     @property
     def elastic(self) -> bool:
@@ -314,6 +326,8 @@ class Launch:
             nodes = f"{self.min_nodes}:{self.max_nodes}"
             rdzv = ["--nnodes", nodes, "--rdzv-backend", "c10d"]
             rdzv += ["--rdzv-endpoint", self.rdzv_endpoint]
+            if self.rdzv_conf:
+                rdzv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in self.rdzv_conf)]
         else:
             rdzv = ["--standalone"] if not self.port else ["--master-port", str(self.port)]
         argv = [*rdzv, "--nproc-per-node", str(self.nproc)]
@@ -358,10 +372,41 @@ def _launch_plan(args: argparse.Namespace, cfg: TrainConfig, nproc: int, port: i
                 f"--port {port} and --rdzv-endpoint {endpoint}: the rendezvous port is the one "
                 "of --rdzv-endpoint; drop --port"
             )
+    rdzv_conf = () if args.rdzv_conf is None else _rdzv_conf(args.rdzv_conf)
+    if rdzv_conf and not endpoint:
+        raise UsageError(
+            f"--rdzv-conf {args.rdzv_conf}: only a multi-node job has a rendezvous to configure; "
+            "pass --nnodes and --rdzv-endpoint, or drop --rdzv-conf"
+        )
     return Launch(
         nproc=nproc, port=port, max_restarts=max_restarts, min_nodes=min_nodes,
-        max_nodes=max_nodes, rdzv_endpoint=endpoint,
+        max_nodes=max_nodes, rdzv_endpoint=endpoint, rdzv_conf=rdzv_conf,
     )  # fmt: skip
+
+
+RDZV_CONF = (
+    "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+    "keep_alive_interval", "keep_alive_max_attempt",
+)  # fmt: skip
+"""The settings of torchrun's c10d rendezvous that ``--rdzv-conf`` takes (positive integers)."""
+
+
+def _rdzv_conf(text: str) -> tuple[tuple[str, int], ...]:
+    """``--rdzv-conf KEY=N[,KEY=N]``, checked: a UsageError naming the fix."""
+    pairs = []
+    for item in text.split(","):
+        key, _, value = item.strip().partition("=")
+        if key not in RDZV_CONF:
+            raise UsageError(
+                f"--rdzv-conf {text!r}: unknown setting {key!r}; pass KEY=N[,KEY=N] with KEY one "
+                f"of {', '.join(RDZV_CONF)}"
+            )
+        if not value.strip().isdigit() or int(value) < 1:
+            raise UsageError(
+                f"--rdzv-conf {text!r}: {key} must be a whole number of 1 or more, e.g. {key}=10"
+            )
+        pairs.append((key, int(value)))
+    return tuple(pairs)
 
 
 def _run_rank(args: argparse.Namespace) -> int:
