@@ -6,16 +6,16 @@ all-gather). So one step of plain data parallelism moves 2 Psi, stages 1-2 move 
 moves 3 Psi, Psi being the (padded) parameter count.
 
 Algorithms by backend: gloo's flat reduce-scatter costs about 1.8x its all-reduce of the same
-buffer, and its all-gather about 1.4x (measured here, 2 ranks, 25-100 MiB fp32: all-reduce 56 ms
-per 100 MiB, reduce-scatter 106, all-gather 82). On gloo a reduce-scatter therefore runs as an
-in-place all-reduce of the send buffer (its slice copied out at ``wait``), and an all-gather as
-an all-reduce of the output viewed as bytes, every rank's slot but its own zeroed: exactly one
-rank adds non-zero bytes to each position, so the sum is bit-exact for any dtype (NaN and -0
-included). Those all-reduces run on a twin of the group (same ranks, made once, on first use by
-its ranks): gloo cannot tell two all-reduces apart, so a rank in one of them and another rank in
-a plain all-reduce of another size would abort the process; on separate groups they wait and
-the watchdog names both collectives. The ledger still counts the logical collective, the paper's
-volume above; NCCL and the other backends run the collectives themselves.
+buffer (measured here, 2 ranks, fp32: all-reduce 56 ms per 100 MiB, reduce-scatter 106), so on
+gloo a reduce-scatter runs as an in-place all-reduce of the send buffer, its slice copied out at
+``wait`` (100m stage 3: backward 8% faster). All-gathers stay gloo's own: as an all-reduce of the
+output's bytes (other slots zeroed) it was faster alone (68 against 82 ms per 100 MiB) but slower
+in training, where its extra reduction work competes with compute on the same cores (100m stage 3
+step 1.36 s against 1.27 s). Those all-reduces run on a twin of the group (same ranks, made once
+by ``prepare``): gloo cannot tell two all-reduces apart, so a rank in one of them and another
+rank in a plain all-reduce of another size would abort the process; on separate groups they wait
+and the watchdog names both collectives. The ledger still counts the logical collective, the
+paper's volume above; NCCL and the other backends run the collectives themselves.
 
 Scopes (hybrid sharding, ``zeroshard.mesh``): every collective is also counted under the group it
 ran on, ``SHARD`` (inside a shard group: every rank without hybrid sharding), ``REPLICATE``
@@ -172,7 +172,7 @@ class Handle:
 
 
 def _by_all_reduce(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bool:
-    """Whether a reduce-scatter or all-gather runs as an all-reduce: on gloo (module docstring)."""
+    """Whether a reduce-scatter runs as an all-reduce: on gloo (module docstring)."""
     return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
@@ -182,7 +182,7 @@ _TWINS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
 
 
 def _twin(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """The group's twin for all-reduces that stand in for other collectives (module docstring).
+    """The group's twin for all-reduces that stand in for reduce-scatters (module docstring).
     Made by the group's ranks only, at their first such collective on it (the same one on each:
     they run the same schedule), with the job's timeout."""
     key = group if group is not None else dist.group.WORLD
@@ -228,17 +228,7 @@ def all_gather(
     ``unit`` names the wrapped module for ``CollectiveTimeout`` (as do the functions below)."""
     ledger.record("all_gather", label, output.numel(), output.element_size())
     with record_function("zeroshard::all_gather"), diagnosed("all_gather", label, group, unit=unit):
-        if _by_all_reduce(group, output):
-            own = _slot(output, group)
-            if not _same_memory(own, shard):
-                own.copy_(shard)
-            lo, hi = own.data_ptr() - output.data_ptr(), own.numel() * own.element_size()
-            as_bytes = output.view(torch.uint8)  # 1D output.nbytes
-            as_bytes[:lo].zero_()
-            as_bytes[lo + hi :].zero_()
-            work = dist.all_reduce(as_bytes, group=_twin(group), async_op=async_op)
-        else:
-            work = _all_gather_flat(output, shard, group=group, async_op=async_op)
+        work = _all_gather_flat(output, shard, group=group, async_op=async_op)
     return Handle(work, output, op="all_gather", label=label, group=group, unit=unit)
 
 
