@@ -214,13 +214,28 @@ def train_step(c: Contender, x: torch.Tensor, y: torch.Tensor) -> tuple[float, f
     return t1 - t0, t2 - t1, t3 - t2
 
 
+def _phase_peaks(tracker, model: nn.Module) -> dict[str, int]:
+    """The model's peak in forward and in backward (MemTracker's per-module snapshots)."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    stats = tracker.memory_tracking.get(model)
+    out = {}
+    for phase, state in (("forward", _ModState.PEAK_FW), ("backward", _ModState.PEAK_BW)):
+        snaps = stats.snapshots.get(state) if stats is not None else None
+        if snaps:
+            out[phase] = max(sum(s["Total"] for s in snap.values()) for snap in snaps)
+    return out
+
+
 def measure_memory(c: Contender, batches, num_steps: int) -> dict:
-    """Peak total and per-category bytes, and the model-state bytes right after the step."""
+    """Peak total and per-category bytes, the model-state bytes right after the step, and the
+    peaks of forward and backward."""
     x, y = batches[0]
     c.backward(c.forward(x, y))  # every persistent tensor exists before tracking starts
     c.opt_step()
     tracker = c.tracker()
     after_step = []
+    phases: dict[str, int] = {}
     with tracker:
         c.zero_grad()
         for i in range(num_steps):
@@ -231,6 +246,8 @@ def measure_memory(c: Contender, batches, num_steps: int) -> dict:
             c.opt_step()
             snap = tracker.get_tracker_snapshot("current")
             after_step.append(sum(s["Total"] for s in snap.values()))
+            for phase, peak_bytes in _phase_peaks(tracker, c.model).items():
+                phases[phase] = max(phases.get(phase, 0), peak_bytes)
             c.zero_grad()
             tracker.reset_mod_stats()  # it refuses a module's second forward otherwise
     peak = tracker.get_tracker_snapshot("peak")
@@ -243,6 +260,7 @@ def measure_memory(c: Contender, batches, num_steps: int) -> dict:
         "peak_bytes": sum(s["Total"] for s in peak.values()),
         "peak_by_category": by_category,
         "model_state_bytes": max(after_step),
+        "phase_peak_bytes": phases,
     }
 
 
@@ -448,6 +466,24 @@ def report(args, psi: int, n: int, names: list[str], gathered: list[dict]) -> No
             f"| {name} | {c['step_ms']:.1f} | {c['cpu_ms']:.1f} | {c['forward_ms']:.1f} "
             f"| {c['backward_ms']:.1f} | {c['opt_ms']:.1f} | {c['loss_rank0']:.5f} |"
         )
+    print()
+    print(
+        "| contender | peak - model states (MiB) | forward / backward peak - model states "
+        "| at the peak, by category (MiB) |"
+    )
+    print("|---|---|---|---|")
+    for name in names:
+        mem = s[name]["per_rank_memory"][0]  # rank 0
+        states = mem["model_state_bytes"]
+        phases = " / ".join(
+            f"{(mem['phase_peak_bytes'][p] - states) / MiB:.1f}" if p in mem["phase_peak_bytes"]
+            else "-"
+            for p in ("forward", "backward")
+        )  # fmt: skip
+        cats = ", ".join(
+            f"{k} {v / MiB:.1f}" for k, v in mem["peak_by_category"].items() if v and k != "Total"
+        )
+        print(f"| {name} | {(mem['peak_bytes'] - states) / MiB:.1f} | {phases} | {cats} |")
     if args.json:
         out = {"args": vars(args), "psi": psi, "world_size": n, "rows": rows, "contenders": s}
         Path(args.json).write_text(json.dumps(out, indent=2))
