@@ -79,6 +79,12 @@ def test_equals_the_plain_step_bit_for_bit(workers2, stage, kind):
         assert r["shards_left"] == [0] * 4 and min(r["ref_shards_left"]) > 0, r
 
 
+def test_a_hugging_face_model(workers2):
+    pytest.importorskip("transformers")
+    for r in workers2.run(_parity, "hf_gpt2", 3):
+        assert r["losses_equal"] and r["params_equal"] and r["shards_left"] == [0] * 4, r
+
+
 def test_hybrid_sharding_on_four_ranks(workers4):
     # Shard groups of 2, replicated twice: the shard is all-reduced across groups before it steps.
     for r in workers4.run(_parity, "gpt", 3, shard_group_size=2):
