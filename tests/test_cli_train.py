@@ -621,3 +621,42 @@ def test_ten_two_rank_runs_end_cleanly(tmp_path, data_dir, model_module):
     whole_bytes = whole_summary["comm_bytes_per_step_by_label"]
     assert micro_bytes["grads"] == whole_bytes["grads"] > 0, (micro_bytes, whole_bytes)
     assert micro_bytes["params"] > whole_bytes["params"]  # stage 3 gathers per micro-batch
+
+
+def test_offload_nvme_without_a_folder(capsys, tmp_path):
+    argv = ["train", "--offload-optimizer", "nvme", "--out-dir", str(tmp_path)]
+    _expect_usage_error(capsys, argv, "offload_optimizer", "--offload-folder")
+
+
+def test_offload_folder_not_writable(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    argv = ["train", "--offload-params", "nvme", "--offload-folder", str(blocker / "swap")]
+    _expect_usage_error(capsys, [*argv, "--out-dir", str(tmp_path)], "--offload-folder")
+
+
+@pytest.mark.parametrize("where", ["cpu", "nvme"])
+def test_offload_params_below_stage_3(capsys, tmp_path, where):
+    argv = ["train", "--stage", "2", "--offload-params", where, "--out-dir", str(tmp_path)]
+    if where == "nvme":
+        argv += ["--offload-folder", str(tmp_path / "swap")]
+    _expect_usage_error(capsys, argv, "stage 2", "--stage 3")
+
+
+def test_offload_everything_to_nvme_trains_as_in_memory(capsys, tmp_path, data_dir):
+    import gc
+
+    flags = ["--data-dir", str(data_dir), *NANO, "--steps", "3", "--batch-size", "4"]
+    swap = tmp_path / "swap"
+    offload = [
+        "--offload-optimizer", "nvme", "--offload-gradients", "nvme", "--offload-params", "nvme",
+        "--offload-folder", str(swap),
+    ]  # fmt: skip
+    runs = {}
+    for name, extra in (("memory", []), ("nvme", offload)):
+        code, err, records, summary = _train_in_process(capsys, tmp_path / name, *flags, *extra)
+        assert code == 0, err
+        runs[name] = [r["loss"] for r in _train_records(records)]
+    assert len(runs["nvme"]) == 3 and runs["nvme"] == runs["memory"], runs
+    gc.collect()  # the model and optimizer own the stores: their swap files go with them
+    assert not swap.exists() or not any(p.suffix == ".swp" for p in swap.rglob("*"))

@@ -148,10 +148,17 @@ def _state(model, optimizer) -> dict[str, Any]:
     return {"model": local_state_dict(model), "optim": optimizer_state_dict(optimizer, local=True)}
 
 
-def _resident(optimizer) -> contextlib.AbstractContextManager:
-    """The optimizer's states held in memory inside (``states_in_memory``: a no-op unless they
-    are offloaded to NVMe), streamed back out on exit."""
-    return getattr(optimizer, "states_in_memory", contextlib.nullcontext)()
+@contextlib.contextmanager
+def _resident(model, optimizer) -> Iterator[None]:
+    """The optimizer's states and the parameters' masters held in memory inside
+    (``states_in_memory``, ``ParamSwapper.masters_in_memory``: no-ops unless they are offloaded
+    to NVMe), streamed back out on exit (masters a load changed are written back)."""
+    masters = getattr(engine_of(model), "param_swap", None)
+    with contextlib.ExitStack() as stack:
+        if masters is not None:
+            stack.enter_context(masters.masters_in_memory())
+        stack.enter_context(getattr(optimizer, "states_in_memory", contextlib.nullcontext)())
+        yield
 
 
 def _optimizer_step(optimizer) -> int:
@@ -227,7 +234,7 @@ def save(
     torch.save(own, buffer)  # a snapshot of this rank's own state, as the bytes of its file
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _resident(optimizer):  # offloaded optimizer states: in memory until written/copied
+    with _resident(model, optimizer):  # offloaded optimizer states: in memory until written/copied
         state = _state(model, optimizer)
         step = int(extra.get("step", _optimizer_step(optimizer)))
         meta = _metadata(model, step, world)
@@ -238,9 +245,8 @@ def save(
         if not async_save:
             _write_and_publish(*job, group)
             return path
-        job = (tmp, path, _snapshot(state), *job[3:])
+        job = (tmp, path, _snapshot(state), *job[3:])  # copies, taken while resident
     background = _background_group(group)
-    job = (tmp, path, _snapshot(state), *job[3:])
     handle = SaveHandle(path)
     handle._thread = threading.Thread(
         target=handle._run, args=(job, background), name=f"zeroshard-save-{path.name}", daemon=True
@@ -497,7 +503,7 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
 
     from zeroshard.checkpoint_planner import LoadPlanner
 
-    with _resident(optimizer):  # offloaded optimizer states: read into, then streamed out
+    with _resident(model, optimizer):  # offloaded optimizer states: read into, then streamed out
         state = _state(model, optimizer)
         if checks is not None:
             finish_verify(checks, group)

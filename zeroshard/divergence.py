@@ -79,11 +79,11 @@ class DivergenceGuard:
 
     def check_masters(self, step: int) -> None:
         """Raise ``Diverged`` if any rank's FP32 master weights hold inf/NaN (a collective)."""
-        params = [p for o in self.opt.sub_optimizers for g in o.param_groups for p in g["params"]]
         device = self.opt.engine.mesh.device
         bad = torch.zeros(1, device=device)  # 1 when this rank's shard holds inf/NaN
-        for p in params:
-            if p.numel() and not torch.isfinite(p).all():
+        # sub-group by sub-group: offloaded masters are in memory only while checked
+        for params in self.opt.master_pieces():
+            if any(p.numel() and not torch.isfinite(p).all() for p in params):
                 bad.fill_(1)
                 break
         if self.opt.engine.mesh.world_size > 1:

@@ -24,20 +24,24 @@ import contextlib
 import enum
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zeroshard import collectives as C
+from zeroshard.autograd_hooks import in_backward, on_backward, when_backward_reaches
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam, ShardState
 from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.shard_config import ShardConfig
+
+if TYPE_CHECKING:
+    from zeroshard.model_states.param_swap import ParamSwapper
 from zeroshard.stages import partition
 
 _ATTR = "_zeroshard_engine"
@@ -136,44 +140,6 @@ class Unit:
         )
 
 
-class _BackwardHook(torch.autograd.Function):
-    """Identity whose backward calls ``hook``: on a unit's inputs, it fires once the unit's
-    backward for that use is done (reduce, free). (Its outputs are views: an in-place op on a
-    unit's input inside the unit's own forward is refused by autograd.)"""
-
-    @staticmethod
-    def forward(ctx, hook, *tensors):  # type: ignore[override]
-        ctx.hook = hook
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
-        ctx.hook()
-        return (None, *grads)
-
-
-def _when_backward_reaches(hook: Callable[[], None], tree: Any) -> None:
-    """Call ``hook`` when backward first reaches one of ``tree``'s tensors that require grad: on
-    a unit's outputs, as the unit's backward begins (gather again). A hook, not a wrapping
-    Function, so the outputs stay what the unit returned (in-place ops on them are fine)."""
-    tensors = [x for x in tree_flatten(tree)[0] if torch.is_tensor(x) and x.requires_grad]
-    if tensors:
-        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: hook(), mode="any")
-
-
-def _on_backward(hook, tree: Any) -> tuple[Any, bool]:
-    """``tree`` with its tensors that require grad passed through one ``_BackwardHook(hook)``,
-    and whether there was any (if not, ``hook`` will never fire)."""
-    leaves, spec = tree_flatten(tree)
-    idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
-    if not idx:
-        return tree, False
-    outs = _BackwardHook.apply(hook, *(leaves[i] for i in idx))
-    for i, out in zip(idx, outs):
-        leaves[i] = out
-    return tree_unflatten(leaves, spec), True
-
-
 class _Use:
     """One forward use of a unit, as the hook on its inputs: called when backward reaches them.
 
@@ -196,12 +162,6 @@ class _Use:
     def __del__(self) -> None:
         if self.counted and not self.fired and self.generation == self.unit.generation:
             self.unit.pending_uses -= 1
-
-
-def _in_backward() -> bool:
-    """Whether autograd is executing a backward on this thread: a forward then is a
-    recomputation (activation checkpointing), not a new use."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class Engine:
@@ -236,6 +196,9 @@ class Engine:
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
         self._refresh: dict[FlatParam, C.Handle] = {}  # post-step gathers in flight
         self._summoned = 0  # depth of summon_full_params
+        self.param_swap: ParamSwapper | None = None
+        """With ``Offload(parameters="nvme")``: the masters on NVMe, read ahead of each gather
+        along ``forward_order`` (``zeroshard.model_states.param_swap``; set by ``shard``)."""
         self.checkpointing = (
             SpanCheckpointing(config.checkpoint_every, mesh.device)
             if config.checkpoint_every
@@ -310,7 +273,7 @@ class Engine:
         self, unit: Unit, args: tuple, kwargs: dict, *, entry: bool = True
     ) -> tuple[tuple, dict]:
         """Before a use of ``unit``: its module's own call (``entry``) or an owner's (a lend)."""
-        recompute = _in_backward()
+        recompute = in_backward()
         root_entry = unit.is_root and entry
         raw_args, raw_kwargs = args, kwargs
         if root_entry and not recompute:
@@ -339,7 +302,7 @@ class Engine:
             # A use whose inputs need no gradient cannot report its end: the count then stays
             # above 0 and the end-of-backward callback finishes the unit.
             use = _Use(self, unit)
-            (args, kwargs), hooked = _on_backward(use, (args, kwargs))
+            (args, kwargs), hooked = on_backward(use, (args, kwargs))
             use.counted = hooked
             unit.pending_uses += 1  # an unhooked use stays counted until the end of backward
             ckpt = self.checkpointing is not None and entry and unit in self._checkpointed
@@ -348,15 +311,15 @@ class Engine:
         return args, kwargs
 
     def _stop_dropping(self) -> None:
-        if self.checkpointing is not None and not _in_backward():
+        if self.checkpointing is not None and not in_backward():
             self.checkpointing.exit()
 
     def _post_forward(self, unit: Unit, output: Any, *, entry: bool = True) -> Any:
-        if _in_backward():
+        if in_backward():
             # A recomputation: the backward that needs these parameters comes right after.
             if unit.recompute_use and torch.is_grad_enabled():
                 unit.recompute_use = False
-                _when_backward_reaches(lambda: self._pre_backward(unit), output)
+                when_backward_reaches(lambda: self._pre_backward(unit), output)
             return output
         if unit.state is TrainingState.FORWARD:
             unit.to(TrainingState.IDLE)
@@ -373,7 +336,7 @@ class Engine:
             if self.mixed_precision.output_dtype is not None:
                 output = _cast_floats(output, self.mixed_precision.output_dtype)
         if grad:
-            _when_backward_reaches(lambda: self._pre_backward(unit), output)
+            when_backward_reaches(lambda: self._pre_backward(unit), output)
         if self.checkpointing is not None:
             if root_entry:
                 self.checkpointing.close()
@@ -499,6 +462,8 @@ class Engine:
         """Start gathering the next ``num_prefetch`` sharded units after ``current`` in
         ``order`` (from the start when ``current`` is None)."""
         start = order.index(current) + 1 if current is not None and current in order else 0
+        if self.param_swap is not None:
+            self._read_masters_ahead(order[start:])
         budget = self.config.num_prefetch
         for nxt in order[start:]:
             if budget == 0:
@@ -511,6 +476,23 @@ class Engine:
                 nxt.unshard(async_op=True)
             budget -= 1
 
+    def _read_masters_ahead(self, order: list[Unit], *, root: bool = False) -> None:
+        """Start reading the offloaded masters of the next ``param_swap.window`` sharded units
+        of ``order`` (those a gather will need soon); the root only when ``root``."""
+        assert self.param_swap is not None
+        ahead, budget = [], self.param_swap.window
+        for nxt in order:
+            if budget == 0:
+                break
+            if (nxt.is_root and not root) or (
+                self.phase is Phase.BACKWARD and nxt.state is not TrainingState.IDLE
+            ):
+                continue
+            if nxt.is_sharded and not nxt.is_gathered:
+                ahead.extend(nxt.flat_params)
+            budget -= 1
+        self.param_swap.read_ahead(ahead)
+
     # ----------------------------------------------------------------- after a step
     def params_changed(self) -> None:
         """The FP32 masters changed (an optimizer step, a load): refresh replicated parameters.
@@ -518,6 +500,10 @@ class Engine:
         The all-gathers are started here and waited for by each unit's next pre-forward, so they
         overlap the forward (and anything before it); ``wait_params`` waits for all of them."""
         self.wait_params()  # a refresh still in flight would land after this one
+        if self.param_swap is not None:
+            self.param_swap.params_changed()  # write changed masters, drop held ones
+            if not self._summoned:
+                self._read_masters_ahead(self.forward_order, root=True)  # the next forward's
         for f in self.flat_params:
             handle = f.refresh_full(async_op=True)
             if handle is not None:

@@ -23,6 +23,7 @@ into, in place.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -57,23 +58,31 @@ def _init_states(opt: ShardedOptimizer) -> None:
     ``get_optimizer_state_dict``: a step with zero gradients at learning rate 0, after which
     the learning rates are restored. States then exist (zeros; ``step`` counts 1), so the state
     dict is a complete template, e.g. for ``dcp.load`` before training."""
+    swap = opt.engine.param_swap  # offloaded masters: each in memory while its step runs
     for sg in opt._subgroups:
         o = sg.optimizer
         if o.state:
             continue
-        lrs = []
-        for group in o.param_groups:
-            for p in group["params"]:
-                p.grad = torch.zeros_like(p)
-            if "lr" in group:
-                lrs.append(group["lr"])
-                group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
-        o.step()
-        for group in o.param_groups:
-            if "lr" in group:
-                group["lr"] = lrs.pop(0)
-            for p in group["params"]:
-                p.grad = None
+        resident = swap.resident(sg.bucket.flat) if swap is not None else contextlib.nullcontext()
+        with resident:
+            _init_subgroup(o)
+
+
+def _init_subgroup(o: torch.optim.Optimizer) -> None:
+    """``_init_states`` of one sub-optimizer."""
+    lrs = []
+    for group in o.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+        if "lr" in group:
+            lrs.append(group["lr"])
+            group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
+    o.step()
+    for group in o.param_groups:
+        if "lr" in group:
+            group["lr"] = lrs.pop(0)
+        for p in group["params"]:
+            p.grad = None
 
 
 def _subgroup_of(opt: ShardedOptimizer) -> dict[int, _SubGroup]:
@@ -200,8 +209,8 @@ def _gathered_entries(
 ) -> Callable[[int], torch.Tensor]:
     """State ``key`` of each slot of ``flat`` (by index) as a ``(Shard(0),)`` DTensor cut from
     one buffer of every rank's pieces (gathered when partitioned: a collective)."""
-    assert flat.master is not None
-    local = torch.zeros(flat.master.numel(), dtype=dtype, device=flat.mesh.device)
+    assert flat.master_view is not None
+    local = torch.zeros(flat.master_view.numel(), dtype=dtype, device=flat.mesh.device)
     for piece in (p for ps in sg.pieces for p in ps) if sg is not None else ():
         v = sg.optimizer.state.get(piece.tensor, {}).get(key)
         if v is not None:

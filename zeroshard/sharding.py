@@ -26,6 +26,7 @@ from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.model_states.init import Materializer, check_same_model
+from zeroshard.model_states.param_swap import ParamSwapper
 from zeroshard.offload.placement import Offload
 from zeroshard.precision import MixedPrecision, hold_tf32, policy_of
 from zeroshard.stages import Partition, partition
@@ -77,7 +78,10 @@ def shard(
     ``offload=zeroshard.Offload(optimizer="nvme", folder=...)`` places model states on a slower
     memory tier (ZeRO-Offload / ZeRO-Infinity, ``zeroshard.offload.placement``); a placement the
     stage or device cannot have is a ValueError here. The optimizer built on the model applies
-    it (its swap files are checked and created then).
+    the optimizer and gradient placements (their swap files are checked and created then);
+    ``parameters="nvme"`` (stage 3) is applied here: each unit's FP32 master shard is written to
+    ``<folder>/rank<r>-params`` as the unit is made and read back ahead of its gathers
+    (``zeroshard.model_states.param_swap``).
     """
     part: Partition = partition(stage)
     if offload is not None and not isinstance(offload, Offload):
@@ -108,16 +112,21 @@ def shard(
     mesh = _hybrid_mesh(mesh, config.shard_group_size, part)
     if offload is not None:
         offload.check(part, mesh.device)
+        offload.log_host_tiers(part, mesh.device, log)
     mixed_precision = policy_of(mixed_precision, mesh.device)
     specs = units(model, wrap)
     check_same_model(model, mesh)
     C.prepare(mesh.group, mesh.shard_group)  # every rank is here: make groups the engine needs
     ledger = C.Ledger()
     materialize = Materializer(model, mesh.device, param_init_fn)
+    param_swap = None
+    if offload is not None and offload.parameters == "nvme":
+        # masters leave memory as each unit is made: the peak is a few units, not the model
+        param_swap = ParamSwapper(offload, mesh, config.num_prefetch)
 
     def make(params: list[tuple[nn.Parameter, list[str]]], dtype: torch.dtype) -> FlatParam:
         materialize([p for p, _ in params])
-        return FlatParam(
+        flat = FlatParam(
             params,
             mesh=mesh,
             partition=part,
@@ -125,9 +134,14 @@ def shard(
             ledger=ledger,
             sync_module_states=config.sync_module_states,
         )
+        if param_swap is not None:
+            param_swap.adopt(flat)
+        return flat
 
     bucket_bytes = 0 if part.parameters else config.bucket_bytes
     flats = _flat_params(specs, bucket_bytes, make, mixed_precision)
+    if param_swap is not None:
+        param_swap.finish_adopting()  # space checked on every rank (a collective), all dropped
     scaling = GradScaling(torch.zeros(1, dtype=torch.float32, device=mesh.device))
     buckets: dict[FlatParam, GradBucket] = {}
     for unit_flats in flats:
@@ -166,6 +180,7 @@ def shard(
         scaling=scaling,
     )
     engine.offload = offload  # read by the optimizer built on this model (its state tier)
+    engine.param_swap = param_swap
     if offload is not None and offload.any:
         log.info("offload placements at stage %d: %s", stage, offload)
     install_state_dict_hooks(model, engine)

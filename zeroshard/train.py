@@ -186,7 +186,7 @@ def train(cfg: TrainConfig) -> dict:
             built.module, stage=cfg.stage, wrap=wrap,
             mixed_precision=zeroshard.precision.resolve(cfg.precision, device),
             config=zeroshard.ShardConfig(checkpoint_every=cfg.checkpoint_every),
-            param_init_fn=built.param_init_fn,
+            param_init_fn=built.param_init_fn, offload=cfg.offload(),
         )  # fmt: skip
         decay = [p for p in model.parameters() if p.ndim >= 2]
         no_decay = [p for p in model.parameters() if p.ndim < 2]

@@ -22,6 +22,7 @@ from zeroshard.schedule import SCHEDULES
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "auto")
 LOGS = ("jsonl", "tensorboard")
+TIERS = ("cpu", "nvme")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")  # pkg.mod:attr
 
 
@@ -102,6 +103,18 @@ class TrainConfig:
     """Checkpoints kept in out_dir/ckpt (the oldest are removed)."""
     resume: str | None = None
     """A checkpoint folder to continue from, or "auto": the newest complete one in out_dir/ckpt."""
+    offload_optimizer: str | None = None
+    """ZeRO-Offload: the optimizer states (AdamW: 8 bytes per parameter over the ranks) on cpu
+    or nvme (swap files in offload_folder, streamed one unit at a time at the step)."""
+    offload_gradients: str | None = None
+    """The reduced gradient shards on cpu or nvme (nvme needs offload_optimizer nvme); needs
+    stage 2 or 3."""
+    offload_params: str | None = None
+    """ZeRO-Infinity: the FP32 master parameter shards on cpu or nvme (read back ahead of each
+    unit's gather, written after the step); needs stage 3."""
+    offload_folder: str | None = None
+    """Folder for the nvme placements' swap files (one sub-folder per rank), on the fast disk;
+    created if missing, must be writable."""
 
     CHOICES: ClassVar[dict[str, tuple]] = {
         "preset": tuple(PRESETS),
@@ -109,6 +122,9 @@ class TrainConfig:
         "precision": PRECISIONS,
         "lr_schedule": SCHEDULES,
         "log": LOGS,
+        "offload_optimizer": TIERS,
+        "offload_gradients": TIERS,
+        "offload_params": TIERS,
     }
     """The allowed values of the fields that have a fixed set."""
 
@@ -135,6 +151,56 @@ class TrainConfig:
                 f"batch_size = {self.batch_size} does not split into grad_accum = "
                 f"{self.grad_accum} micro-batches; pass a multiple of {self.grad_accum}"
             )
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        """The placements this stage can have, a folder exactly when something is on nvme."""
+        places = {
+            "offload_optimizer": self.offload_optimizer,
+            "offload_gradients": self.offload_gradients,
+            "offload_params": self.offload_params,
+        }
+        on_disk = [name for name, where in places.items() if where == "nvme"]
+        if on_disk and self.offload_folder is None:
+            raise ValueError(
+                f"{on_disk[0]} = 'nvme' needs offload_folder, a folder on the fast disk for the "
+                f"swap files; pass --offload-folder DIR"
+            )
+        if self.offload_folder is not None and not on_disk:
+            raise ValueError(
+                f"offload_folder = {self.offload_folder!r} is only used by nvme placements; "
+                "drop --offload-folder or pass e.g. --offload-optimizer nvme"
+            )
+        if self.offload_params and self.stage < 3:
+            raise ValueError(
+                f"offload_params = {self.offload_params!r} at stage {self.stage} is not possible: "
+                "parameters are partitioned only at stage 3; pass --stage 3 or drop "
+                "--offload-params"
+            )
+        if self.offload_gradients and self.stage < 2:
+            raise ValueError(
+                f"offload_gradients = {self.offload_gradients!r} at stage {self.stage} is not "
+                "possible: gradients are partitioned from stage 2; pass --stage 2 or 3 or drop "
+                "--offload-gradients"
+            )
+        if self.offload_gradients == "nvme" and self.offload_optimizer != "nvme":
+            raise ValueError(
+                "offload_gradients = 'nvme' needs offload_optimizer = 'nvme' (the step reads "
+                "them back with the states); pass --offload-optimizer nvme too"
+            )
+
+    def offload(self) -> Any:
+        """The ``zeroshard.Offload`` of these fields, or None when nothing is offloaded."""
+        if not (self.offload_optimizer or self.offload_gradients or self.offload_params):
+            return None
+        from zeroshard.offload import Offload
+
+        return Offload(
+            optimizer=self.offload_optimizer,
+            gradients=self.offload_gradients,
+            parameters=self.offload_params,
+            folder=self.offload_folder,
+        )
 
 
 # Lower bounds of numeric fields: (bound, inclusive). Fields absent here only need their type.
@@ -191,7 +257,8 @@ def _check_field(name: str, value: Any, annotation: str, default: Any) -> None:
             f"model = {value!r}: expected 'package.module:factory' (a callable returning an "
             "nn.Module), e.g. --model mypkg.models:build"
         )
-    if name in ("wrap", "hf", "data", "tokenizer", "out_dir", "resume") and not value.strip():
+    names = ("wrap", "hf", "data", "tokenizer", "out_dir", "resume", "offload_folder")
+    if name in names and not value.strip():
         raise ValueError(f"{name} = {value!r}: must not be empty")
 
 

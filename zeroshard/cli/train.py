@@ -78,6 +78,7 @@ def presets_text() -> str:
 _METAVARS = {
     "model": "PKG.MOD:FACTORY", "hf": "CONFIG.json", "wrap": "CLASS[,CLASS]", "data": "PATH",
     "tokenizer": "NAME", "out_dir": "DIR", "data_dir": "DIR", "resume": "PATH|auto",
+    "offload_folder": "DIR",
 }  # fmt: skip
 
 
@@ -215,11 +216,29 @@ def check_inputs(cfg: TrainConfig, nproc: int) -> None:
                 f"--seq-len {context} or less"
             )
     _check_batches(cfg, nproc)
+    if cfg.offload_folder is not None:
+        _check_offload_folder(cfg.offload_folder)
     if cfg.log == "tensorboard" and not tensorboard_available():
         raise UsageError(
             "log = 'tensorboard' needs the tensorboard package, which is not installed; "
             "pip install tensorboard, or drop --log (metrics.jsonl is always written)"
         )
+
+
+def _check_offload_folder(path: str) -> None:
+    """The swap folder can be created and written (its space is checked by each rank's store
+    against what it will hold, before step 1)."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(
+            f"offload folder {folder} is not writable ({exc.strerror}); pass a writable "
+            "--offload-folder on the fast disk"
+        ) from None
 
 
 def _check_divides(cfg: TrainConfig, nproc: int) -> None:

@@ -28,7 +28,10 @@ rank; with it, N = k ranks of a shard group, and the ranks with the same r in ot
             #   persistent buffer of the same dtype (nothing to keep in sync then).
 
 The gather source of a partitioned ``full`` is ``master`` (cast into this rank's slot of ``full``
-when the dtypes differ): the one seam a tier below the device (ZeRO-Offload) replaces.
+when the dtypes differ): the one seam a tier below the device (ZeRO-Offload) replaces. With
+``Offload(parameters="nvme")`` a ``ParamSwapper`` (``master_swap``) keeps ``master`` in swap files
+between uses: its storage is empty (0 bytes, same tensor and views) until read back, which the
+gather waits for; reading ``flat.master`` brings it in memory (``master_view`` does not).
 Gradients are not here: ``zeroshard.model_states.grads``.
 """
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -47,6 +51,9 @@ from zeroshard.model_states.partition import intersect, padded_numel, shard_rang
 from zeroshard.precision import MASTER_DTYPE
 from zeroshard.stages import Partition
 from zeroshard.streams import on_side_stream
+
+if TYPE_CHECKING:
+    from zeroshard.model_states.param_swap import ParamSwapper
 
 
 class ShardState(enum.Enum):
@@ -134,6 +141,9 @@ class FlatParam:
         )
         self.state = ShardState.UNSHARDED
         self._gather: C.Handle | None = None
+        self.master_swap: ParamSwapper | None = None
+        """Set by ``ParamSwapper.adopt``: the master lives on NVMe between uses."""
+        self._master: torch.Tensor | None = None
         self._init_storage(sync_module_states)
 
     # ----------------------------------------------------------------- construction
@@ -155,7 +165,6 @@ class FlatParam:
         self.master_aliases_full = (
             not self.partition.parameters and self.param_dtype == self.master_dtype
         )
-        self.master: torch.Tensor | None
         if self.master_aliases_full:
             self.master = self.full[lo:hi]
         elif self.requires_grad or self.partition.parameters or self.param_dtype != flat.dtype:
@@ -168,6 +177,24 @@ class FlatParam:
         self._use_full_views()
         if self.partition.parameters:
             self.reshard()
+
+    @property
+    def master(self) -> torch.Tensor | None:
+        """The master shard, in memory (read back and held until the next optimizer step when
+        it is offloaded: ``zeroshard.model_states.param_swap``)."""
+        if self.master_swap is not None:
+            self.master_swap.fetch(self, hold=True)
+        return self._master
+
+    @master.setter
+    def master(self, value: torch.Tensor | None) -> None:
+        self._master = value
+
+    @property
+    def master_view(self) -> torch.Tensor | None:
+        """The master tensor as it is: shape and dtype always right, values only when resident
+        (its storage is empty while offloaded). For sizes, and for views made once."""
+        return self._master
 
     def _master_pieces(self) -> list[slice]:
         """For each slot, the slice of ``master`` this rank holds of it (possibly empty)."""
@@ -202,6 +229,8 @@ class FlatParam:
         if self._gather is not None:
             self._gather.wait()
             self._gather = None
+            if self.master_swap is not None:
+                self.master_swap.gathered(self)  # the store's copy is current: drop it
             if self.state is ShardState.SHARDED:
                 self.state = ShardState.UNSHARDED
                 self._use_full_views()
@@ -222,14 +251,16 @@ class FlatParam:
     def _gather_from_master(self, *, async_op: bool) -> C.Handle:
         """All-gather the shard group's master shards into ``full``, in place: the local shard
         is cast into this rank's slot first when the dtypes differ, so no temporary is made."""
-        assert self.master is not None and self.partition.optimizer_states
+        if self.master_swap is not None:
+            self.master_swap.fetch(self)  # read ahead by the engine, or now
+        assert self._master is not None and self.partition.optimizer_states
         # On a GPU the cast and the collective run on the all-gather stream, off the compute one.
         with on_side_stream(self.mesh.device, "all_gather"):
-            shard = self.master  # 1D shard_numel, this rank's (in place when it aliases full)
+            shard = self._master  # 1D shard_numel, this rank's (in place when it aliases full)
             if shard.dtype != self.param_dtype:
                 lo, hi = self.range
                 shard = self.full[lo:hi]
-                shard.copy_(self.master)
+                shard.copy_(self._master)
             # Inside the shard group only: replicas hold the same shards (hybrid sharding).
             return C.all_gather(
                 self.full,
@@ -261,13 +292,18 @@ class FlatParam:
     def write_back(self) -> None:
         """Copy elements of a gathered ``full`` that differ from the (cast) master into the
         master: values written while it was held gathered (``summon_full_params``)."""
-        if self.master is None or self.master_aliases_full:
+        if self._master is None or self.master_aliases_full:
             return
+        if self.master_swap is not None:
+            self.master_swap.fetch(self)
+        master = self._master
         lo, hi = self.range
         seen = self.full[lo:hi]  # 1D range numel, param_dtype
-        changed = seen != self.master.to(seen.dtype)
+        changed = seen != master.to(seen.dtype)
         if bool(changed.any()):
-            self.master[changed] = seen[changed].to(self.master.dtype)
+            master[changed] = seen[changed].to(master.dtype)
+            if self.master_swap is not None:
+                self.master_swap.mark_dirty(self)  # written back at params_changed
 
     # ----------------------------------------------------------------- per-parameter access
     def master_piece(self, index: int) -> torch.Tensor:

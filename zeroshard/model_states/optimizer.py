@@ -20,7 +20,10 @@ counters untouched).
 With ``zeroshard.shard(..., offload=zeroshard.Offload(optimizer="nvme", ...))`` the sub-groups'
 states live in swap files and are streamed around the step (``state_swap``: sub-group i + 1 read
 while i steps and i - 1 is written), and with ``gradients="nvme"`` the reduced gradient shards too
-(``grad_swap``). ``states_in_memory()`` brings every state in, e.g. around a checkpoint.
+(``grad_swap``). ``states_in_memory()`` brings every state in, e.g. around a checkpoint. With
+``parameters="nvme"`` (stage 3) each sub-group's FP32 master is read with its states and written
+back after its step (``param_swap``, owned by the engine); read masters outside the step through
+``master_pieces()``.
 
 Element-wise optimizers (``ELEMENTWISE``: SGD, Adam, AdamW, Adagrad, RMSprop, ...) give the same
 result as unsharded training; others (LBFGS, Adafactor, LAMB, Muon) are refused.
@@ -44,6 +47,7 @@ from zeroshard.model_states.backward_step import BackwardStep
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.grad_swap import GradSwapper
 from zeroshard.model_states.grads import GradBucket
+from zeroshard.model_states.param_swap import ParamSwapper
 from zeroshard.model_states.state_swap import StateSwapper, state_bytes_per_element
 from zeroshard.offload.folder import padded_bytes
 from zeroshard.precision import LossScaler, default_scaler
@@ -184,7 +188,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.loss_scaler = loss_scaler or default_scaler({b.flat.param_dtype for b in buckets})
         user_groups = _param_groups(model, params)
         defaults = _with_default_impl(optimizer_cls, defaults, self.engine.mesh.device)
-        self._subgroups = _build_subgroups(buckets, user_groups, optimizer_cls, defaults)
+        self._subgroups = _build_subgroups(
+            buckets, user_groups, optimizer_cls, defaults, self.engine.param_swap
+        )
         class_defaults = (
             self._subgroups[0].optimizer.defaults
             if self._subgroups
@@ -204,7 +210,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if offload is not None and offload.optimizer == "nvme":  # on every rank: a collective
             grad_bytes = 0
             if offload.gradients == "nvme":
-                masters = [b.flat.master for b in buckets if b.flat.master is not None]
+                masters = [b.flat.master_view for b in buckets if b.flat.master_view is not None]
                 grad_bytes = sum(padded_bytes(m.numel() * 4) for m in masters)  # FP32 shards
             self._swap = StateSwapper(
                 self._subgroups,
@@ -223,6 +229,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "in host memory already, nothing moves)",
                 numel * state_bytes_per_element(optimizer_cls, defaults),
             )
+        if step_in_backward and self.engine.param_swap is not None:
+            raise ValueError(
+                "step_in_backward with Offload(parameters='nvme') is not implemented: the masters "
+                "are read back at the step; drop step_in_backward or use parameters=None"
+            )
         self._backward_step = BackwardStep(self) if step_in_backward else None
 
     @property
@@ -234,6 +245,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def sub_optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers, one per sub-group (trainable FlatParam), in step order."""
         return [sg.optimizer for sg in self._subgroups]
+
+    def master_pieces(self) -> Iterator[list[torch.Tensor]]:
+        """Per sub-group, the 1D views of this rank's FP32 master that it steps, in memory while
+        the caller holds them (offloaded masters are read in one sub-group at a time and dropped
+        after: never read the pieces of ``sub_optimizers`` directly then)."""
+        swap = self.engine.param_swap
+        for sg in self._subgroups:
+            flat = sg.bucket.flat
+            with swap.resident(flat) if swap is not None else contextlib.nullcontext():
+                yield [p for o in (sg.optimizer,) for g in o.param_groups for p in g["params"]]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_groups_fixed", False):
@@ -344,8 +365,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.engine.ledger.end_step()
             return False
         if self._swap is None:
-            for sg in self._subgroups:
-                self._step_subgroup(sg, unused)
+            self._step_in_memory(unused)
         else:
             self._step_swapped(self._swap, unused)
         self.engine.params_changed()
@@ -367,13 +387,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.engine.ledger.end_step()
         return not found_inf
 
+    def _step_in_memory(self, unused: set[int]) -> None:
+        """Every sub-group in turn; with offloaded masters (``param_swap``) sub-group
+        ``i + 1``'s is read while ``i`` steps, and each is written back after its step."""
+        masters, subgroups = self.engine.param_swap, self._subgroups
+        if masters is None:
+            for sg in subgroups:
+                self._step_subgroup(sg, unused)
+            return
+        masters.begin_step()
+        try:
+            for i, sg in enumerate(subgroups):
+                following = subgroups[i + 1].bucket.flat if i + 1 < len(subgroups) else None
+                masters.before(sg.bucket.flat, following)
+                self._step_subgroup(sg, unused)
+                masters.after(sg.bucket.flat)
+        except BaseException:
+            masters.abort_step()
+            raise
+        masters.end_step()
+
     def _step_swapped(self, swap: StateSwapper, unused: set[int]) -> None:
-        """Sub-group ``i + 1``'s states are read while ``i`` steps and ``i - 1`` is written."""
+        """Sub-group ``i + 1``'s states (and offloaded master) are read while ``i`` steps and
+        ``i - 1`` is written."""
         swap.begin_step()
         grads, subgroups = self._grad_swap, self._subgroups
+        masters = self.engine.param_swap
+        if masters is not None:
+            masters.begin_step()
         try:
             for i, sg in enumerate(subgroups):
                 swap.before(i)
+                if masters is not None:
+                    following = subgroups[i + 1].bucket.flat if i + 1 < len(subgroups) else None
+                    masters.before(sg.bucket.flat, following)
                 if grads is not None:
                     if i + 1 < len(subgroups):
                         grads.prefetch(subgroups[i + 1].bucket)
@@ -382,10 +429,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if grads is not None:
                     grads.consume(sg.bucket)
                 swap.after(i)
+                if masters is not None:
+                    masters.after(sg.bucket.flat)
         except BaseException:
             swap.abort_step()
+            if masters is not None:
+                masters.abort_step()
             raise
         swap.end_step()
+        if masters is not None:
+            masters.end_step()
 
     @contextlib.contextmanager
     def states_in_memory(self) -> Iterator[None]:
@@ -407,9 +460,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """I/O of offloaded states and gradients since the last call (bytes read and written,
         seconds any swap was in flight and seconds the caller blocked on one); empty without
         NVMe offload. ``1 - wait_s / io_s`` is the fraction of I/O hidden behind compute."""
-        if self._swap is None:
+        masters = self.engine.param_swap
+        if self._swap is None and masters is None:
             return {}
-        out = self._swap.stats()
+        out = self._swap.stats() if self._swap is not None else {}
+        if masters is not None:
+            out |= masters.stats()
+            masters.reset_stats()
+        if self._swap is None:
+            return out
         if self._grad_swap is not None:
             out["grad_read_bytes"] = self._grad_swap.read_bytes
             out["grad_write_bytes"] = self._grad_swap.write_bytes
@@ -465,9 +524,11 @@ def _build_subgroups(
     user_groups: list[dict[str, Any]],
     optimizer_cls: type[torch.optim.Optimizer],
     defaults: dict[str, Any],
+    param_swap: ParamSwapper | None = None,
 ) -> list[_SubGroup]:
     """One torch optimizer per trainable FlatParam over the pieces of each user group in it
-    (one piece per parameter: this rank's part of it)."""
+    (one piece per parameter: this rank's part of it). Offloaded masters (``param_swap``) are
+    read in one at a time while their views are cut."""
     where: dict[int, tuple[GradBucket, slice, int]] = {}
     index = 0  # slots in the order of Engine.slots_touched
     for b in buckets:
@@ -492,7 +553,8 @@ def _build_subgroups(
     out = []
     for b in buckets:
         flat: FlatParam = b.flat
-        assert flat.master is not None
+        master = flat.master_view  # views of it stay valid while it is offloaded (param_swap)
+        assert master is not None
         by_group: dict[int, list[_Piece]] = {}
         for gi, span, slot_index in sorted(spans[b], key=lambda x: (x[0], x[1].start)):
             # One piece per parameter: a parameter no rank's backward reached is left out of
@@ -500,9 +562,10 @@ def _build_subgroups(
             by_group.setdefault(gi, []).append(_Piece(span, torch.empty(0), slot_index))
         if not by_group:
             continue
-        for pieces in by_group.values():
-            for piece in pieces:
-                piece.tensor = flat.master[piece.span]
+        with param_swap.resident(flat) if param_swap is not None else contextlib.nullcontext():
+            for pieces in by_group.values():
+                for piece in pieces:
+                    piece.tensor = master[piece.span]
         groups = sorted(by_group)
         torch_groups = [
             dict(

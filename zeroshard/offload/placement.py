@@ -10,13 +10,16 @@ says where things live and builds the per-rank ``OffloadConfig`` from it.
 What is implemented (the rest is refused at ``shard()`` with the fix):
 - optimizer="nvme": the sharded optimizer's states (Adam's momentum and variance, ...) live in
   swap files and are streamed through a ring of host buffers, one sub-group at a time
-  (``zeroshard.model_states.state_swap``). The FP32 master stays in memory: the engine reads it
-  to refresh the compute parameters after the step.
+  (``zeroshard.model_states.state_swap``). The FP32 master stays in memory (the engine reads it
+  to refresh the compute parameters after the step) unless parameters="nvme" too.
 - gradients="nvme" (with optimizer="nvme"): each reduced gradient shard is written as its
   reduction finishes and read back at the step (``zeroshard.model_states.grad_swap``).
+- parameters="nvme" (stage 3): each FlatParam's FP32 master shard lives in swap files between
+  uses, read back ``param_prefetch`` units ahead of its gather along the engine's order and
+  written back after the optimizer step (``zeroshard.model_states.param_swap``).
 - optimizer="cpu", gradients="cpu", parameters="cpu" on a CPU device: the states already live in
-  host memory; accepted (nothing moves) so that one configuration runs on both kinds of machine.
-  On an accelerator they are not implemented yet.
+  host memory; accepted (nothing moves, said in a log line) so that one configuration runs on
+  both kinds of machine. On an accelerator they are not implemented yet.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.stages import Partition
+from zeroshard.stages import STAGES, Partition
 
 from .store import OffloadConfig
 from .tiers import Tier
@@ -57,11 +60,17 @@ class Offload:
     (written as each reduction finishes, read back at the step; needs optimizer='nvme').
     Needs partitioned gradients (stage 2 or 3)."""
     parameters: str | None = None
-    """The parameter shards: None or 'cpu'. Needs partitioned parameters (stage 3)."""
+    """The FP32 master shard of the parameters (4 bytes per owned element): None, 'cpu' or
+    'nvme' (swap files in ``folder``, read back ahead of each unit's gather). Needs partitioned
+    parameters (stage 3)."""
+    param_prefetch: int = 1
+    """parameters='nvme': units whose masters are read ahead, beyond the units whose gather is
+    already being prefetched (``ShardConfig.num_prefetch``), along the forward/backward order."""
     folder: str | os.PathLike | None = None
     """Directory for the swap files when any state is on 'nvme' (one sub-folder per rank,
-    ``rank00000`` ...), on the fast disk. Checked for writability and free space when the
-    optimizer is built, before step 1."""
+    ``rank00000`` ..., and ``rank00000-params`` ... for parameters), on the fast disk. Checked for
+    writability and free space before step 1 (by ``shard`` for parameters, by the optimizer for
+    its states)."""
 
     def __post_init__(self) -> None:
         for field in ("optimizer", "gradients", "parameters"):
@@ -75,10 +84,8 @@ class Offload:
             )
         if not on_disk and self.folder is not None:
             raise ValueError("folder= is only used by 'nvme' placements; drop it or use 'nvme'")
-        if self.parameters == "nvme":
-            raise ValueError(
-                "parameters='nvme' is not implemented yet; use parameters=None or 'cpu' (stage 3)"
-            )
+        if not isinstance(self.param_prefetch, int) or self.param_prefetch < 0:
+            raise ValueError(f"param_prefetch={self.param_prefetch!r} must be an int >= 0")
         if self.gradients == "nvme" and self.optimizer != "nvme":
             raise ValueError(
                 "gradients='nvme' needs optimizer='nvme' (the step reads them back from the "
@@ -87,15 +94,18 @@ class Offload:
 
     def check(self, partition: Partition, device: torch.device) -> None:
         """A ValueError for a placement this stage or device cannot have (called by shard)."""
+        stage = next((k for k, v in STAGES.items() if v == partition), "?")
         if self.parameters and not partition.parameters:
             raise ValueError(
-                f"parameters={self.parameters!r} needs partitioned parameters: use stage=3 or "
-                "parameters=None (below stage 3 every rank keeps all parameters on the device)"
+                f"parameters={self.parameters!r} at stage {stage} is not possible: it "
+                "needs partitioned parameters; use stage=3 or parameters=None (below stage 3 "
+                "every rank keeps all parameters on the device)"
             )
         if self.gradients and not partition.gradients:
             raise ValueError(
-                f"gradients={self.gradients!r} needs partitioned gradients: use stage=2 or 3, or "
-                "gradients=None (below stage 2 the full gradient stays on the device)"
+                f"gradients={self.gradients!r} at stage {stage} needs partitioned gradients: use "
+                "stage=2 or 3, or gradients=None (below stage 2 the full gradient stays on the "
+                "device)"
             )
         on_host = [f for f in ("optimizer", "gradients", "parameters") if getattr(self, f)]
         if device.type != "cpu" and on_host:
@@ -108,7 +118,21 @@ class Offload:
     def any(self) -> bool:
         return bool(self.optimizer or self.gradients or self.parameters)
 
+    def log_host_tiers(self, partition: Partition, device: torch.device, log) -> None:
+        """Say where a 'cpu' placement's states are on a CPU run: nothing moves."""
+        if self.parameters == "cpu" and device.type == "cpu" and partition.parameters:
+            log.info(
+                "parameters on the CPU tier: the FP32 master shards stay in host memory "
+                "(training runs on the CPU: they are there already, nothing moves)"
+            )
+
     def store_config(self, rank: int) -> OffloadConfig:
         """The NVMe store of ``rank``: its own sub-folder of ``folder``."""
         assert self.folder is not None
         return OffloadConfig(tier=Tier.NVME, folder=Path(self.folder) / f"rank{rank:05d}")
+
+    def param_store_config(self, rank: int) -> OffloadConfig:
+        """The NVMe store of ``rank``'s parameter masters: a sibling of its state store's folder
+        (``rank00000-params``; each store locks its own folder)."""
+        assert self.folder is not None
+        return OffloadConfig(tier=Tier.NVME, folder=Path(self.folder) / f"rank{rank:05d}-params")

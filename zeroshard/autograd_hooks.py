@@ -1,0 +1,56 @@
+"""Where the engine meets autograd: knowing when backward reaches a unit's outputs (its backward
+begins: gather again) and its inputs (its backward for that use is done: reduce, free), and
+whether a forward runs inside a backward (a recomputation, not a new use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class BackwardHook(torch.autograd.Function):
+    """Identity whose backward calls ``hook``: on a unit's inputs, it fires once the unit's
+    backward for that use is done (reduce, free). (Its outputs are views: an in-place op on a
+    unit's input inside the unit's own forward is refused by autograd.)"""
+
+    @staticmethod
+    def forward(ctx, hook, *tensors):  # type: ignore[override]
+        ctx.hook = hook
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.hook()
+        return (None, *grads)
+
+
+def when_backward_reaches(hook: Callable[[], None], tree: Any) -> None:
+    """Call ``hook`` when backward first reaches one of ``tree``'s tensors that require grad: on
+    a unit's outputs, as the unit's backward begins (gather again). A hook, not a wrapping
+    Function, so the outputs stay what the unit returned (in-place ops on them are fine)."""
+    tensors = [x for x in tree_flatten(tree)[0] if torch.is_tensor(x) and x.requires_grad]
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: hook(), mode="any")
+
+
+def on_backward(hook, tree: Any) -> tuple[Any, bool]:
+    """``tree`` with its tensors that require grad passed through one ``BackwardHook(hook)``,
+    and whether there was any (if not, ``hook`` will never fire)."""
+    leaves, spec = tree_flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
+    if not idx:
+        return tree, False
+    outs = BackwardHook.apply(hook, *(leaves[i] for i in idx))
+    for i, out in zip(idx, outs):
+        leaves[i] = out
+    return tree_unflatten(leaves, spec), True
+
+
+def in_backward() -> bool:
+    """Whether autograd is executing a backward on this thread: a forward then is a
+    recomputation (activation checkpointing), not a new use."""
+    return torch._C._current_graph_task_id() != -1
