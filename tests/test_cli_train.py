@@ -660,3 +660,29 @@ def test_offload_everything_to_nvme_trains_as_in_memory(capsys, tmp_path, data_d
     assert len(runs["nvme"]) == 3 and runs["nvme"] == runs["memory"], runs
     gc.collect()  # the model and optimizer own the stores: their swap files go with them
     assert not swap.exists() or not any(p.suffix == ".swp" for p in swap.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "extra,shown",
+    [
+        (["--stage", "1", "--grad-clip", "0"], "stage 2 or 3"),
+        (["--stage", "3"], "--grad-clip 0"),
+        (["--stage", "3", "--grad-clip", "0", "--precision", "fp16"], "fp16"),
+    ],
+)
+def test_optimizer_step_in_backward_refuses_what_it_cannot_do(capsys, tmp_path, extra, shown):
+    argv = ["train", "--optimizer-step", "in_backward", *extra, "--out-dir", str(tmp_path)]
+    _expect_usage_error(capsys, argv, "optimizer_step", shown)
+
+
+def test_optimizer_step_in_backward_trains_as_after_it(capsys, tmp_path, data_dir):
+    flags = ["--data-dir", str(data_dir), *NANO, "--steps", "3", "--batch-size", "4"]
+    flags += ["--grad-clip", "0"]
+    runs = {}
+    for when in ("after_backward", "in_backward"):
+        code, err, records, _ = _train_in_process(
+            capsys, tmp_path / when, *flags, "--optimizer-step", when
+        )
+        assert code == 0, err
+        runs[when] = [r["loss"] for r in _train_records(records)]
+    assert len(runs["in_backward"]) == 3 and runs["in_backward"] == runs["after_backward"], runs

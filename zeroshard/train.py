@@ -193,7 +193,7 @@ def train(cfg: TrainConfig) -> dict:
         groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
         opt = zeroshard.optimizer(
             model, torch.optim.AdamW, groups, lr=cfg.lr, betas=(0.9, 0.95),
-            weight_decay=cfg.weight_decay,
+            weight_decay=cfg.weight_decay, step_in_backward=cfg.step_in_backward,
         )  # fmt: skip
 
         out = Path(cfg.out_dir)

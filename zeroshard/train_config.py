@@ -73,6 +73,10 @@ class TrainConfig:
     """AdamW weight decay (not applied to biases and norms)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 disables)."""
+    optimizer_step: str = "after_backward"
+    """When each unit's optimizer update runs: after_backward (one step per batch), or
+    in_backward (stages 2-3: each unit steps as soon as its gradient shard is reduced, so the
+    shards never pile up; no gradient clipping, no fp16)."""
     max_skipped_steps: int = 10
     """Consecutive steps with non-finite gradients after which training stops as diverged (fp32,
     tf32, bf16); fp16 uses the loss scaler's rule (inf/NaN at the minimum loss scale)."""
@@ -125,6 +129,7 @@ class TrainConfig:
         "offload_optimizer": TIERS,
         "offload_gradients": TIERS,
         "offload_params": TIERS,
+        "optimizer_step": ("after_backward", "in_backward"),
     }
     """The allowed values of the fields that have a fixed set."""
 
@@ -152,6 +157,31 @@ class TrainConfig:
                 f"{self.grad_accum} micro-batches; pass a multiple of {self.grad_accum}"
             )
         self._check_offload()
+        if self.optimizer_step == "in_backward":
+            self._check_step_in_backward()
+
+    @property
+    def step_in_backward(self) -> bool:
+        return self.optimizer_step == "in_backward"
+
+    def _check_step_in_backward(self) -> None:
+        """What stepping inside backward cannot have (``zeroshard.model_states.backward_step``)."""
+        problem = None
+        if self.stage < 2:
+            problem = f"needs partitioned gradients (stage 2 or 3), got stage {self.stage}"
+        elif self.grad_clip > 0:
+            problem = (
+                f"cannot clip gradients (grad_clip = {self.grad_clip}): each unit updates before "
+                "the global norm is known; pass --grad-clip 0"
+            )
+        elif self.precision == "fp16":
+            problem = "cannot skip whole steps, which fp16 loss scaling needs; pass bf16 or fp32"
+        elif "nvme" in (self.offload_optimizer, self.offload_gradients, self.offload_params):
+            problem = "cannot stream nvme placements in step order; keep them in memory"
+        if problem:
+            raise ValueError(
+                f"optimizer_step = 'in_backward' {problem}, or use --optimizer-step after_backward"
+            )
 
     def _check_offload(self) -> None:
         """The placements this stage can have, a folder exactly when something is on nvme."""
