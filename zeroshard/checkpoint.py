@@ -35,12 +35,16 @@ between the two renames, the old one under its ``.old-`` name, which ``load`` po
 ``keep=K``: when ``path``'s name ends in digits (``step-000100``), complete sibling checkpoints
 of the same prefix beyond the newest K (by number) are removed; ``keep=None`` keeps all.
 
-``load`` verifies every file's checksum (``verify=False`` skips it; in threads, while it
-builds the state dicts to load into), compares the checkpoint's
-parameter names and shapes with the model's, loads through DCP (resharding to the current world
-size and stage), then restores the loss scaler and the RNGs of rank ``r``'s file (of rank
-``r % saved_world_size`` when the world size changed: RNG streams do not reshard). Mistakes are
-one-line ``CheckpointError`` (a ``ValueError``) or ``FileNotFoundError`` messages naming the fix.
+``load`` compares the checkpoint's parameter names and shapes with the model's, then loads
+through DCP (resharding to the current world size and stage) with the reader of
+``zeroshard.checkpoint_reader``: each file read once, by several threads, straight into the
+tensors loaded into, its checksum verified from the bytes as they are read (``verify=False``
+skips it). A corrupt file therefore fails the load with a ``CheckpointError`` naming it after
+part of the model may have been overwritten: load again from another checkpoint, which
+overwrites every tensor. It then restores the loss scaler and the RNGs of rank ``r``'s file (of
+rank ``r % saved_world_size`` when the world size changed: RNG streams do not reshard). Mistakes
+are one-line ``CheckpointError`` (a ``ValueError``) or ``FileNotFoundError`` messages naming the
+fix.
 
 The folder must be on a file system every rank sees (one node, or a shared mount).
 
@@ -79,14 +83,12 @@ from zeroshard.checkpoint_files import (
     broadcast,
     check_file,
     data_files,
-    finish_verify,
     fsync_dir,
     fsync_file,
     gather,
     hash_share,
     prune,
     publish,
-    start_verify,
 )
 from zeroshard.engine import engine_of
 from zeroshard.flat_range import FlatRange
@@ -497,19 +499,15 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
     rank = dist.get_rank(group)
     path = Path(path).absolute()
     meta = _read_meta(path)
-    # the checksums are checked in threads while the state dicts to load into are built
-    checks = start_verify(path, meta["files"], group) if verify else None
-    import torch.distributed.checkpoint as dcp
-
     from zeroshard.checkpoint_planner import LoadPlanner
+    from zeroshard.checkpoint_reader import Reader, read
 
     with _resident(model, optimizer):  # offloaded optimizer states: read into, then streamed out
         state = _state(model, optimizer)
-        if checks is not None:
-            finish_verify(checks, group)
-        reader = dcp.FileSystemReader(path)
+        # each file read once, in threads; its checksum verified from the bytes read
+        reader = Reader(path, meta["files"] if verify else None)
         _check_names(path, reader, state)
-        dcp.load(state, storage_reader=reader, planner=LoadPlanner(), process_group=group)
+        read(state, reader, LoadPlanner(), group)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
     own = torch.load(path / f"rank-{rank % meta['world_size']:05d}.pt", weights_only=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -95,36 +95,27 @@ def hash_share(folder: Path, names: list[str], group) -> dict[str, dict[str, Any
     return {name: merged[name] for name in names}
 
 
+def missing(folder: Path, name: str) -> str:
+    """The error for a file a checkpoint lists but lacks."""
+    return f"checkpoint {folder} lacks its file {name}; it is damaged: use another one"
+
+
+def corrupted(folder: Path, name: str) -> str:
+    """The error for a file whose size or checksum is not the one recorded at save."""
+    return (
+        f"checkpoint file {folder / name} is corrupted (its xxh3_64 checksum differs from the one "
+        "recorded at save); use another checkpoint"
+    )
+
+
 def check_file(folder: Path, name: str, want: dict[str, Any]) -> str | None:
     """Why the file ``name`` of ``folder`` is not as recorded at save (None when it is)."""
     path = folder / name
     if not path.is_file():
-        return f"checkpoint {folder} lacks its file {name}; it is damaged: use another one"
+        return missing(folder, name)
     if path.stat().st_size != want["bytes"] or hash_file(path) != want["xxh3_64"]:
-        return (
-            f"checkpoint file {path} is corrupted (its xxh3_64 checksum differs from the one "
-            "recorded at save); use another checkpoint"
-        )
+        return corrupted(folder, name)
     return None
-
-
-def start_verify(folder: Path, files: dict[str, dict[str, Any]], group) -> list[Future]:
-    """Start checking this rank's share of the listed files (every world_size-th) in threads;
-    not a collective: ``finish_verify`` (one) collects the results, the caller goes on
-    meanwhile."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    share = sorted(files)[rank::world]
-    pool = ThreadPoolExecutor(max_workers=max(1, min(_HASH_THREADS, len(share))))
-    futures = [pool.submit(check_file, folder, name, files[name]) for name in share]
-    pool.shutdown(wait=False)  # its threads end with their last file
-    return futures
-
-
-def finish_verify(futures: list[Future], group) -> None:
-    """Wait for ``start_verify``'s checks; the first mismatch (in file order) raises on all
-    ranks."""
-    errors = [f.result() for f in futures]
-    agree(next((e for e in errors if e), None), group)
 
 
 def publish(tmp: Path, path: Path) -> None:
