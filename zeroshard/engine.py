@@ -25,6 +25,7 @@ import enum
 import warnings
 from collections import deque
 from collections.abc import Iterator
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,10 +40,10 @@ from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.shard_config import ShardConfig
+from zeroshard.stages import partition
 
 if TYPE_CHECKING:
     from zeroshard.model_states.param_swap import ParamSwapper
-from zeroshard.stages import partition
 
 _ATTR = "_zeroshard_engine"
 
@@ -464,34 +465,27 @@ class Engine:
         start = order.index(current) + 1 if current is not None and current in order else 0
         if self.param_swap is not None:
             self._read_masters_ahead(order[start:])
-        budget = self.config.num_prefetch
-        for nxt in order[start:]:
-            if budget == 0:
-                break
-            if nxt.is_root or (
-                self.phase is Phase.BACKWARD and nxt.state is not TrainingState.IDLE
-            ):
-                continue
+        for nxt in islice(self._upcoming(order[start:]), self.config.num_prefetch):
             if nxt.is_sharded:
                 nxt.unshard(async_op=True)
-            budget -= 1
+
+    def _upcoming(self, order: list[Unit], *, root: bool = False) -> Iterator[Unit]:
+        """The units of ``order`` a gather may be needed for next: not the root (it stays
+        gathered between forward and backward) unless ``root``, and in backward none that
+        backward has reached already."""
+        for nxt in order:
+            reached = self.phase is Phase.BACKWARD and nxt.state is not TrainingState.IDLE
+            if not reached and (root or not nxt.is_root):
+                yield nxt
 
     def _read_masters_ahead(self, order: list[Unit], *, root: bool = False) -> None:
         """Start reading the offloaded masters of the next ``param_swap.window`` sharded units
         of ``order`` (those a gather will need soon); the root only when ``root``."""
         assert self.param_swap is not None
-        ahead, budget = [], self.param_swap.window
-        for nxt in order:
-            if budget == 0:
-                break
-            if (nxt.is_root and not root) or (
-                self.phase is Phase.BACKWARD and nxt.state is not TrainingState.IDLE
-            ):
-                continue
-            if nxt.is_sharded and not nxt.is_gathered:
-                ahead.extend(nxt.flat_params)
-            budget -= 1
-        self.param_swap.read_ahead(ahead)
+        window = islice(self._upcoming(order, root=root), self.param_swap.window)
+        self.param_swap.read_ahead(
+            [f for u in window if u.is_sharded and not u.is_gathered for f in u.flat_params]
+        )
 
     # ----------------------------------------------------------------- after a step
     def params_changed(self) -> None:

@@ -32,10 +32,9 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from zeroshard import collectives as C
-from zeroshard.model_states.grads import GradBucket, Reduction
+from zeroshard.model_states.grads import GradBucket, Reduction, agree
 from zeroshard.precision import DynamicLossScaler
 
 if TYPE_CHECKING:
@@ -101,17 +100,10 @@ class BackwardStep:
         of the bucket that this rank's backward reached], MAX over every rank."""
         optimizer = self._optimizer()
         assert optimizer is not None
-        engine, mesh = optimizer.engine, optimizer.engine.mesh
-        touched = torch.tensor(bucket.touched, dtype=torch.float32, device=mesh.device)
-        flags = torch.cat([engine.scaling.found_inf, touched])
-        self._flags[id(bucket)] = C.all_reduce(
-            flags,
-            scope=C.WORLD if mesh.hybrid is not None else C.SHARD,
-            group=mesh.group,
-            ledger=engine.ledger,
-            label="found_inf",
-            op=dist.ReduceOp.MAX,
-            async_op=True,
+        engine = optimizer.engine
+        touched = torch.tensor(bucket.touched, dtype=torch.float32, device=engine.mesh.device)
+        self._flags[id(bucket)] = agree(
+            engine.scaling, touched, engine.mesh, engine.ledger, async_op=True
         )
 
     def _reduced(self, bucket: GradBucket) -> None:

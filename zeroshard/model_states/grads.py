@@ -29,8 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from zeroshard import collectives as C
+from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.partition import shard_range
 from zeroshard.precision import MASTER_DTYPE
@@ -66,6 +68,28 @@ class GradScaling:
 
     def reset(self) -> None:
         self.found_inf.zero_()
+
+
+def agree(
+    scaling: GradScaling, touched: torch.Tensor, mesh: Mesh, ledger: C.Ledger, *, async_op: bool
+) -> C.Handle:
+    """Start the agreement of every rank on [inf/NaN seen, one flag per parameter that backward
+    reached] (``touched``: 1D FP32, this rank's flags), MAX over every rank, also with hybrid
+    sharding ("touched" depends on each rank's data): a shard's overflow is seen only by its
+    owner, and a parameter is left out of the step only when no rank reached it. The handle's
+    output is the agreed flags (found_inf first)."""
+    flags = torch.cat([scaling.found_inf, touched])
+    if mesh.world_size == 1:
+        return C.Handle(None, flags)
+    return C.all_reduce(
+        flags,
+        scope=C.WORLD if mesh.hybrid is not None else C.SHARD,
+        group=mesh.group,
+        ledger=ledger,
+        label="found_inf",
+        op=dist.ReduceOp.MAX,
+        async_op=async_op,
+    )
 
 
 class GradBucket:

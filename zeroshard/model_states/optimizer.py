@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zeroshard import collectives as C
@@ -46,7 +45,7 @@ from zeroshard.engine import Engine, engine_of
 from zeroshard.model_states.backward_step import BackwardStep
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.grad_swap import GradSwapper
-from zeroshard.model_states.grads import GradBucket
+from zeroshard.model_states.grads import GradBucket, agree
 from zeroshard.model_states.param_swap import ParamSwapper
 from zeroshard.model_states.state_swap import StateSwapper, state_bytes_per_element
 from zeroshard.offload.folder import padded_bytes
@@ -328,19 +327,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         skips them instead of decaying them)."""
         # 1D FP32, this rank: found_inf, then one flag per trainable parameter; made at the step,
         # after backward's peak, and dropped with it.
-        flags = torch.cat([self.engine.scaling.found_inf, self.engine.slots_touched()])
-        mesh = self.engine.mesh
-        if mesh.world_size > 1:
-            # Over every rank, also with hybrid sharding: "touched" depends on each rank's data.
-            C.all_reduce(
-                flags,
-                scope=C.WORLD if mesh.hybrid is not None else C.SHARD,
-                group=mesh.group,
-                ledger=self.engine.ledger,
-                label="found_inf",
-                op=dist.ReduceOp.MAX,
-                async_op=False,
-            )
+        engine = self.engine
+        flags = agree(
+            engine.scaling, engine.slots_touched(), engine.mesh, engine.ledger, async_op=False
+        ).wait()
         values = flags.tolist()  # a host sync: the decision is made on the host
         found_inf = self.loss_scaler.checks and values[0] > 0
         return found_inf, {i for i, used in enumerate(values[1:]) if not used}
