@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zeroshard.model_states.state_swap import _check_space
-from zeroshard.offload import OffloadError, SwapHandle, TensorStore
+from zeroshard.model_states.state_swap import StopsOnFailure, check_space
+from zeroshard.offload import SwapHandle, TensorStore
 from zeroshard.offload.folder import holds_swap_files, padded_bytes
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class _Master:
     writing: SwapHandle | None = None
 
 
-class ParamSwapper:
+class ParamSwapper(StopsOnFailure):
     """The FP32 masters of stage-3 FlatParams on NVMe (module docstring). Built by ``shard``
     when ``Offload.parameters`` is "nvme"; each FlatParam is handed over with ``adopt`` as it is
     made, and ``finish_adopting`` checks the folder's space (a collective) and drops them all."""
@@ -122,7 +122,7 @@ class ParamSwapper:
         """Check the folder holds every rank's masters (a collective), then drop them all."""
         need = sum(padded_bytes(m.nbytes) for m in self._masters.values())
         try:
-            _check_space(self.store.config.folder, need, self.mesh)
+            check_space(self.store.config.folder, need, self.mesh)
         except BaseException:
             self.store.close()
             raise
@@ -283,9 +283,6 @@ class ParamSwapper:
         }
 
     # ----------------------------------------------------------------- internals
-    def _check(self) -> None:
-        if self._error is not None:
-            raise OffloadError(self._error)
 
     def _grow(self, nbytes: int) -> None:
         self.resident_bytes += nbytes
@@ -316,14 +313,9 @@ class ParamSwapper:
             handle.wait()
         except Exception as e:
             what = "read back" if m.reading is not None else "written"
-            self._error = (
-                f"parameter master {m.name!r} could not be {what} ({type(e).__name__}: {e}); "
-                "training stopped: these parameters are not trusted. Restart from the last "
-                "checkpoint"
-            )
-            self._in_step = False
-            self.store.close()  # the files are useless now: delete them (waits for the rest)
-            raise OffloadError(self._error) from e
+            raise self._stop(
+                f"parameter master {m.name!r} could not be {what}", "parameters", e
+            ) from e
         finally:
             self.wait_s += time.perf_counter() - t0
         if m.reading is not None:

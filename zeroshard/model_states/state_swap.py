@@ -153,7 +153,30 @@ class _SwappedState(defaultdict):
         return super().values()
 
 
-class StateSwapper:
+class StopsOnFailure:
+    """A swapper whose failed swap stops training for good: its store's files are deleted and
+    every later call raises the same ``OffloadError`` (what was swapped is not trusted)."""
+
+    store: TensorStore
+    _error: str | None
+    _in_step: bool
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise OffloadError(self._error)
+
+    def _stop(self, what: str, noun: str, exc: BaseException) -> OffloadError:
+        """The error to raise for a swap that failed (``what``: which one, and how)."""
+        self._error = (
+            f"{what} ({type(exc).__name__}: {exc}); training stopped: these {noun} are not "
+            "trusted. Restart from the last checkpoint"
+        )
+        self._in_step = False
+        self.store.close()  # the files are useless now: delete them (waits for the rest)
+        return OffloadError(self._error)
+
+
+class StateSwapper(StopsOnFailure):
     """The optimizer states of every sub-group on NVMe, streamed around each step (module
     docstring). Built by ``ShardedOptimizer`` when the model's ``Offload.optimizer`` is
     "nvme"; checks the folder's free space at once (before step 1)."""
@@ -183,7 +206,7 @@ class StateSwapper:
             TensorStore.discard(config.folder)
         self.store = TensorStore(config)  # an unusable folder fails here, naming it
         try:
-            _check_space(config.folder, need_bytes, mesh)
+            check_space(config.folder, need_bytes, mesh)
         except BaseException:
             self.store.close()
             raise
@@ -345,9 +368,6 @@ class StateSwapper:
         }
 
     # ----------------------------------------------------------------- internals
-    def _check(self) -> None:
-        if self._error is not None:
-            raise OffloadError(self._error)
 
     def _collapse(self) -> None:
         """Fold the intervals of swaps finished before any pending one began into ``_busy_s``
@@ -421,14 +441,7 @@ class StateSwapper:
             s.handle.wait()
         except Exception as e:
             what = "read back" if s.where is Where.READING else "written"
-            self._error = (
-                f"optimizer states {s.name!r} could not be {what} ({type(e).__name__}: "
-                f"{e}); training stopped: these states are not trusted. Restart from the last "
-                "checkpoint"
-            )
-            self._in_step = False
-            self.store.close()  # the files are useless now: delete them (waits for the rest)
-            raise OffloadError(self._error) from e
+            raise self._stop(f"optimizer states {s.name!r} could not be {what}", "states", e) from e
         finally:
             self.wait_s += time.perf_counter() - t0
         if s.where is Where.READING:
@@ -487,7 +500,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def _check_space(parent: Any, need_bytes: int, mesh: Mesh) -> None:
+def check_space(parent: Any, need_bytes: int, mesh: Mesh) -> None:
     """Fail before step 1 when the folder cannot hold the states of this node's ranks (each
     rank's need taken as the largest rank's, the ranks of a node sharing one disk)."""
     parent = Path(parent)
