@@ -686,3 +686,28 @@ def test_optimizer_step_in_backward_trains_as_after_it(capsys, tmp_path, data_di
         assert code == 0, err
         runs[when] = [r["loss"] for r in _train_records(records)]
     assert len(runs["in_backward"]) == 3 and runs["in_backward"] == runs["after_backward"], runs
+
+
+def test_tensor_parallel_run_follows_the_data_parallel_one(tmp_path, data_dir):
+    """``--nproc 4 --tp 2`` (2 data-parallel ranks, each layer split in 2, checkpoints split and
+    on the CPU) trains the same curve as ``--nproc 2`` with the same data split."""
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "4", "--batch-size", "4"]
+    flags += ["--log-every", "1", "--eval-every", "4", "--checkpoint-every", "1"]
+    runs = {}
+    for name, extra in {
+        "dp": ["--nproc", "2"],
+        "tp": ["--nproc", "4", "--tp", "2", "--partition-activations", "true"],
+    }.items():
+        if name == "tp":
+            extra += ["--offload-activations", "cpu"]
+        result = _cli("train", *flags, *extra, "--out-dir", str(tmp_path / name))
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        runs[name] = [json.loads(line) for line in records]
+    dp, tp = (_train_records(runs[k]) for k in ("dp", "tp"))
+    assert [r["step"] for r in tp] == [1, 2, 3, 4]
+    for a, b in zip(dp, tp, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    summary = json.loads((tmp_path / "tp" / "summary.json").read_text())
+    assert summary["ranks"] == 4 and summary["tp"] == 2

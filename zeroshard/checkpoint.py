@@ -121,7 +121,16 @@ class CheckpointInfo:
 
 
 def _group(model) -> dist.ProcessGroup | None:
-    return engine_of(model).mesh.group
+    mesh = engine_of(model).mesh
+    if mesh.tp_size > 1:
+        # Each tensor-parallel rank holds other pieces under the same names: the files would
+        # collide, and a load could not tell the pieces apart.
+        raise CheckpointError(
+            f"checkpoints of tensor-parallel models (tp={mesh.tp_size}) are not supported yet; "
+            "gather the weights with zeroshard.tensor_parallel.gather_tensor_parallel, or train "
+            "with tp=1 to save"
+        )
+    return mesh.group
 
 
 # --------------------------------------------------------------------- state

@@ -20,7 +20,10 @@ paper's volume above; NCCL and the other backends run the collectives themselves
 Scopes (hybrid sharding, ``zeroshard.mesh``): every collective is also counted under the group it
 ran on, ``SHARD`` (inside a shard group: every rank without hybrid sharding), ``REPLICATE``
 (across shard groups, between the ranks holding the same shard) or ``WORLD`` (every rank: the
-small agreement all-reduce). With shard groups of k ranks inside a node, ``REPLICATE`` is the
+small agreement all-reduce), or ``TENSOR`` (inside a tensor-parallel group,
+``zeroshard.tensor_parallel``: the gradient-norm sum and the all-gathers of partitioned activation
+checkpoints, ``zeroshard.residual_states.partitioned``; the layers' own all-reduces run through
+DTensor and are not counted here). With shard groups of k ranks inside a node, ``REPLICATE`` is the
 inter-node traffic: per step, the all-reduce of this rank's 1/k gradient shard, 2 Psi / k.
 """
 
@@ -49,7 +52,7 @@ class LedgerEntry:
     bytes: int = 0
 
 
-SHARD, REPLICATE, WORLD = "shard", "replicate", "world"
+SHARD, REPLICATE, WORLD, TENSOR = "shard", "replicate", "world", "tensor"
 """Ledger scopes: the group a collective ran on (module docstring)."""
 
 
@@ -58,9 +61,10 @@ class Ledger:
     """Elements and bytes moved per (collective, label) since the last ``reset``.
 
     ``label`` says what moved: ``"params"`` (all-gathers of parameters), ``"grads"`` (gradient
-    reduction), ``"norm"`` or ``"found_inf"`` (the small scalar all-reduces). ``entries`` and
-    ``steps`` are totals over every group; ``scoped`` and ``scoped_steps`` split the same counts
-    by scope (``SHARD``, ``REPLICATE``, ``WORLD``), keyed ``(scope, op, label)``.
+    reduction), ``"norm"`` or ``"found_inf"`` (the small scalar all-reduces), ``"activations"``
+    (partitioned activation checkpoints gathered for a recomputation). ``entries`` and ``steps``
+    are totals over every group; ``scoped`` and ``scoped_steps`` split the same counts by scope
+    (``SHARD``, ``REPLICATE``, ``WORLD``, ``TENSOR``), keyed ``(scope, op, label)``.
     """
 
     entries: dict[tuple[str, str], LedgerEntry] = field(
@@ -223,10 +227,11 @@ def all_gather(
     label: str = "params",
     async_op: bool = True,
     unit: str | None = None,
+    scope: str = SHARD,
 ) -> Handle:
     """Gather every rank's ``shard`` (1D, n/N elements) into ``output`` (1D, n, all ranks).
     ``unit`` names the wrapped module for ``CollectiveTimeout`` (as do the functions below)."""
-    ledger.record("all_gather", label, output.numel(), output.element_size())
+    ledger.record("all_gather", label, output.numel(), output.element_size(), scope)
     with record_function("zeroshard::all_gather"), diagnosed("all_gather", label, group, unit=unit):
         work = _all_gather_flat(output, shard, group=group, async_op=async_op)
     return Handle(work, output, op="all_gather", label=label, group=group, unit=unit)
@@ -284,6 +289,7 @@ def all_reduce(
 
 
 def broadcast(tensor: torch.Tensor, *, src: int = 0, group: dist.ProcessGroup | None) -> None:
-    """Overwrite ``tensor`` with rank ``src``'s copy (model-state sync at shard time)."""
+    """Overwrite ``tensor`` with the copy of rank ``src`` of ``group`` (its rank in the group,
+    not the global one; model-state sync at shard time)."""
     with record_function("zeroshard::broadcast"), diagnosed("broadcast", "model states", group):
-        dist.broadcast(tensor, src=src, group=group)
+        dist.broadcast(tensor, group_src=src, group=group)

@@ -39,6 +39,7 @@ from zeroshard.model_states.flat_param import FlatParam, ShardState
 from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states.activations import SpanCheckpointing
+from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
 
@@ -179,6 +180,7 @@ class Engine:
         mixed_precision: MixedPrecision,
         ledger: C.Ledger,
         scaling: GradScaling,
+        checkpoint_keeper: CheckpointKeeper | None = None,
     ) -> None:
         self.model, self.units, self.mesh = model, unit_list, mesh
         self.scaling = scaling  # shared with every bucket: the loss scale, found inf/NaN
@@ -201,7 +203,11 @@ class Engine:
         """With ``Offload(parameters="nvme")``: the masters on NVMe, read ahead of each gather
         along ``forward_order`` (``zeroshard.model_states.param_swap``; set by ``shard``)."""
         self.checkpointing = (
-            SpanCheckpointing(config.checkpoint_every, mesh.device)
+            SpanCheckpointing(
+                config.checkpoint_every,
+                mesh.device,
+                checkpoint_keeper or CheckpointKeeper(device=mesh.device, ledger=ledger),
+            )
             if config.checkpoint_every
             else None
         )

@@ -101,10 +101,24 @@ class Mesh:
     """The process group; ``None`` means the default (world) group."""
     hybrid: Hybrid | None = None
     """Shard and replicate groups inside ``group`` (None: shard over every rank of it)."""
+    tp_group: dist.ProcessGroup | None = None
+    """With tensor parallelism (``zeroshard.tensor_parallel.mesh_2d``): the ranks that split
+    this rank's layers; ``group`` is then the data-parallel dim only. None: no tensor
+    parallelism."""
+    tp_size: int = 1
+    """Ranks of ``tp_group`` (Nm, the article's model-parallel degree)."""
+    tp_rank: int = 0
+    """This rank's place in ``tp_group`` (which piece of each split layer it holds)."""
 
     @property
     def backend(self) -> str:
         return dist.get_backend(self.group) if dist.is_initialized() else "none"
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default group: unique across every dim (data, tensor
+        parallel), for per-rank file names."""
+        return dist.get_rank() if dist.is_initialized() else self.rank
 
     # ----------------------------------------------------------------- sharding queries
     @property

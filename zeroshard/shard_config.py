@@ -35,6 +35,10 @@ class ShardConfig:
     """Activation checkpointing (ZeRO-R, the article's ``ci``): spans of this many chained units
     keep only their inputs for backward and recompute the rest (0: off; 1: every unit on its
     own). See ``zeroshard.residual_states.activations``."""
+    partition_activations: bool = False
+    """ZeRO-R's Pa: each span's saved input is kept 1/Nm per tensor-parallel rank and
+    all-gathered before its recomputation (needs ``checkpoint_every`` and a tensor-parallel mesh,
+    ``zeroshard.tensor_parallel.mesh_2d``). See ``zeroshard.residual_states.partitioned``."""
     shard_group_size: int = 0
     """Hybrid sharding (HSDP, ZeRO++ hpZ): partition model states inside groups of this many
     consecutive ranks and replicate them across groups (0: over every rank). It must divide the
@@ -54,6 +58,11 @@ class ShardConfig:
             raise ValueError(
                 f"checkpoint_every must be >= 0 (0: off, k: units per span), got "
                 f"{self.checkpoint_every}"
+            )
+        if self.partition_activations and not self.checkpoint_every:
+            raise ValueError(
+                "partition_activations partitions activation checkpoints, and there are none: "
+                "set checkpoint_every (e.g. 1) too"
             )
         if self.max_inflight_reductions < 1:
             raise ValueError(

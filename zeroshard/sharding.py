@@ -29,6 +29,7 @@ from zeroshard.model_states.init import Materializer, check_same_model
 from zeroshard.model_states.param_swap import ParamSwapper
 from zeroshard.offload.placement import Offload
 from zeroshard.precision import MixedPrecision, hold_tf32, policy_of
+from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.stages import Partition, partition
 from zeroshard.state_dict import install_state_dict_hooks
 from zeroshard.wrap import UnitSpec, WrapPolicy, units
@@ -178,6 +179,7 @@ def shard(
         mixed_precision=mixed_precision,
         ledger=ledger,
         scaling=scaling,
+        checkpoint_keeper=_checkpoint_keeper(config, mesh, offload, ledger),
     )
     engine.offload = offload  # read by the optimizer built on this model (its state tier)
     engine.param_swap = param_swap
@@ -193,6 +195,30 @@ def shard(
     return model
 
 
+def _checkpoint_keeper(
+    config: ShardConfig, mesh: Mesh, offload: Offload | None, ledger: C.Ledger
+) -> CheckpointKeeper | None:
+    """Where activation checkpoints are kept (Pa, Pa+cpu); None without checkpointing."""
+    where = offload.activations if offload is not None else None
+    if not config.checkpoint_every:
+        if where:
+            raise ValueError(
+                f"activations={where!r} offloads activation checkpoints, and there are none: "
+                "set ShardConfig(checkpoint_every=k) too"
+            )
+        return None
+    return CheckpointKeeper(
+        device=mesh.device,
+        ledger=ledger,
+        tp_group=mesh.tp_group,
+        tp_size=mesh.tp_size,
+        tp_rank=mesh.tp_rank,
+        partition=config.partition_activations,
+        offload=where,
+        store=offload.activation_store_config(mesh.global_rank) if offload is not None else None,
+    )
+
+
 def _hybrid_mesh(mesh: Mesh | DeviceMesh, shard_group_size: int, part: Partition) -> Mesh:
     """``mesh`` as a ``Mesh``, with shard groups when asked (a collective: it makes groups)."""
     if not isinstance(mesh, Mesh):
@@ -201,6 +227,11 @@ def _hybrid_mesh(mesh: Mesh | DeviceMesh, shard_group_size: int, part: Partition
                 f"mesh must be a zeroshard Mesh or a torch DeviceMesh, got {type(mesh).__name__}"
             )
         mesh = Mesh.from_device_mesh(mesh)
+    if shard_group_size and mesh.tp_size > 1:
+        raise ValueError(
+            "hybrid sharding (shard_group_size) with tensor parallelism is not supported: "
+            "ZeRO shards over the data-parallel dim of the 2-D mesh; drop shard_group_size"
+        )
     if shard_group_size:
         mesh = mesh.hybrid_sharded(shard_group_size)
     if mesh.hybrid is not None and not part.optimizer_states:

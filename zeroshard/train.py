@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zeroshard
-from zeroshard import checkpoint
+from zeroshard import checkpoint, tensor_parallel
 from zeroshard.data import BatchLoader, Corpus
 from zeroshard.divergence import Diverged, DivergenceGuard
 from zeroshard.models.loading import build_model, logits_of
@@ -146,12 +146,16 @@ def train(cfg: TrainConfig) -> dict:
     mesh = zeroshard.Mesh.from_env(timeout_s=cfg.timeout)
     if mesh.device.type == "cpu":
         mesh.share_cpu_threads()  # process-wide: this node's cores divided among its ranks
-    rank, world, device = mesh.rank, mesh.world_size, mesh.device
+    device_mesh = None
+    if cfg.tp > 1:  # a 2-D mesh: ZeRO and the data split over the data-parallel dim only
+        device_mesh, mesh = tensor_parallel.mesh_2d(cfg.tp, mesh=mesh)
+    rank, world, device = mesh.rank, mesh.world_size, mesh.device  # data-parallel
+    first = dist.get_rank() == 0  # writes the outputs and speaks for every rank
     # SIGINT/SIGTERM only note the signal; every rank stops at the same step (main thread only).
     # A rank that cannot agree in time exits: at once (4 s) when there is nothing to save.
     in_main = threading.current_thread() is threading.main_thread()
     grace_s = StopOnSignal.GRACE_S if not cfg.save_every else StopOnSignal.GRACE_SAVING_S
-    stopper = StopOnSignal(device, grace_s=grace_s, announce=rank == 0) if in_main else None
+    stopper = StopOnSignal(device, grace_s=grace_s, announce=first) if in_main else None
     with stopper or nullcontext():
         if cfg.batch_size % (world * cfg.grad_accum):
             raise ValueError(
@@ -174,6 +178,8 @@ def train(cfg: TrainConfig) -> dict:
             vocab_size=data.vocab_size,
         )  # fmt: skip
         num_params = sum(p.numel() for p in built.module.parameters())
+        if device_mesh is not None:
+            tensor_parallel.parallelize(built.module, device_mesh)
         wrap = zeroshard.wrap.by_class(*built.unit_classes) if built.unit_classes else None
         if wrap is None:
             warnings.warn(
@@ -185,8 +191,11 @@ def train(cfg: TrainConfig) -> dict:
         model = zeroshard.shard(
             built.module, stage=cfg.stage, wrap=wrap,
             mixed_precision=zeroshard.precision.resolve(cfg.precision, device),
-            config=zeroshard.ShardConfig(checkpoint_every=cfg.checkpoint_every),
-            param_init_fn=built.param_init_fn, offload=cfg.offload(),
+            config=zeroshard.ShardConfig(
+                checkpoint_every=cfg.checkpoint_every,
+                partition_activations=cfg.partition_activations,
+            ),
+            param_init_fn=built.param_init_fn, offload=cfg.offload(), mesh=mesh,
         )  # fmt: skip
         decay = [p for p in model.parameters() if p.ndim >= 2]
         no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -204,11 +213,12 @@ def train(cfg: TrainConfig) -> dict:
             skipped = int(extra.get("skipped", 0))
         records = _records_until(out / "metrics.jsonl", start) if start else []
         dist.barrier()  # every rank has read the old metrics before rank 0 rewrites them
-        log = MetricsLog(out, records, write=rank == 0, tensorboard=cfg.log == "tensorboard")
+        log = MetricsLog(out, records, write=first, tensorboard=cfg.log == "tensorboard")
         num_units = len(zeroshard.engine_of(model).units)
         summary = {
             "model": built.name, "num_params": num_params, "num_units": num_units,
-            "stage": cfg.stage, "ranks": world, "precision": cfg.precision,
+            "stage": cfg.stage, "ranks": dist.get_world_size(), "tp": cfg.tp,
+            "precision": cfg.precision,
             "grad_accum": cfg.grad_accum, "steps": cfg.steps, "data": data.source,
             "vocab_size": data.vocab_size,
         }  # fmt: skip

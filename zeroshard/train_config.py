@@ -53,6 +53,16 @@ class TrainConfig:
     """Compute precision; auto is BF16 where the device supports it, else FP32."""
     checkpoint_every: int = 0
     """Activation checkpointing: spans of this many units keep only their input (0: off)."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split each block's attention and MLP (built-in GPT
+    only); the ranks launched must be a multiple of it. ZeRO shards over ranks / tp."""
+    partition_activations: bool = False
+    """ZeRO-R's Pa: each activation checkpoint kept 1/tp per tensor-parallel rank, all-gathered
+    before its recomputation (needs --tp 2 or more and --checkpoint-every)."""
+    offload_activations: str | None = None
+    """Pa+cpu: activation checkpoints (their pieces with --partition-activations true) on cpu
+    or nvme (swap files in offload_folder), read back ahead of their recomputation; needs
+    --checkpoint-every."""
     steps: int = 200
     """Optimizer steps."""
     batch_size: int = 16
@@ -129,6 +139,7 @@ class TrainConfig:
         "offload_optimizer": TIERS,
         "offload_gradients": TIERS,
         "offload_params": TIERS,
+        "offload_activations": TIERS,
         "optimizer_step": ("after_backward", "in_backward"),
     }
     """The allowed values of the fields that have a fixed set."""
@@ -157,6 +168,7 @@ class TrainConfig:
                 f"{self.grad_accum} micro-batches; pass a multiple of {self.grad_accum}"
             )
         self._check_offload()
+        self._check_activations()
         if self.optimizer_step == "in_backward":
             self._check_step_in_backward()
 
@@ -183,12 +195,37 @@ class TrainConfig:
                 f"optimizer_step = 'in_backward' {problem}, or use --optimizer-step after_backward"
             )
 
+    def _check_activations(self) -> None:
+        """Tensor parallelism and where activation checkpoints go."""
+        if self.tp > 1 and (self.model or self.hf):
+            raise ValueError(
+                f"tp = {self.tp} splits the built-in GPT's layers; --model and --hf models have "
+                "no tensor-parallel plan yet: pass --tp 1, or use --preset"
+            )
+        if self.tp > 1 and self.save_every:
+            raise ValueError(
+                f"tp = {self.tp} with save_every = {self.save_every}: checkpoints of "
+                "tensor-parallel models are not supported yet; pass --save-every 0 or --tp 1"
+            )
+        if self.partition_activations and self.tp < 2:
+            raise ValueError(
+                "partition_activations splits checkpoints across tensor-parallel ranks: pass "
+                "--tp 2 or more, or drop --partition-activations"
+            )
+        for name in ("partition_activations", "offload_activations"):
+            if getattr(self, name) and not self.checkpoint_every:
+                raise ValueError(
+                    f"{name} places activation checkpoints, and there are none: pass "
+                    "--checkpoint-every 1 (or more) too"
+                )
+
     def _check_offload(self) -> None:
         """The placements this stage can have, a folder exactly when something is on nvme."""
         places = {
             "offload_optimizer": self.offload_optimizer,
             "offload_gradients": self.offload_gradients,
             "offload_params": self.offload_params,
+            "offload_activations": self.offload_activations,
         }
         on_disk = [name for name, where in places.items() if where == "nvme"]
         if on_disk and self.offload_folder is None:
@@ -221,7 +258,12 @@ class TrainConfig:
 
     def offload(self) -> Any:
         """The ``zeroshard.Offload`` of these fields, or None when nothing is offloaded."""
-        if not (self.offload_optimizer or self.offload_gradients or self.offload_params):
+        if not (
+            self.offload_optimizer
+            or self.offload_gradients
+            or self.offload_params
+            or self.offload_activations
+        ):
             return None
         from zeroshard.offload import Offload
 
@@ -229,12 +271,13 @@ class TrainConfig:
             optimizer=self.offload_optimizer,
             gradients=self.offload_gradients,
             parameters=self.offload_params,
+            activations=self.offload_activations,
             folder=self.offload_folder,
         )
 
 
 # Lower bounds of numeric fields: (bound, inclusive). Fields absent here only need their type.
-_AT_LEAST_1 = ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batches")
+_AT_LEAST_1 = ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batches", "tp")
 _MINIMUM: dict[str, tuple[float, bool]] = {
     **{name: (1, True) for name in (*_AT_LEAST_1, "log_every", "keep", "max_skipped_steps")},
     **{name: (0, True) for name in ("checkpoint_every", "warmup_steps", "save_every", "seed")},
@@ -260,6 +303,7 @@ def _check_field(name: str, value: Any, annotation: str, default: Any) -> None:
         "int": isinstance(value, int) and not isinstance(value, bool),
         "float": isinstance(value, (int, float)) and not isinstance(value, bool),
         "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
     }[kind]
     if not ok:
         got_word = "a decimal number" if isinstance(value, float) else None

@@ -99,6 +99,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="keep activation checkpoints in CPU memory (Pa+cpu)",
     )
+    t.add_argument(
+        "--activation-bytes",
+        type=int,
+        choices=(2, 4),
+        default=2,
+        help="bytes per activation element: 2 for fp16/bf16 compute (the papers'), 4 for fp32",
+    )
     t.add_argument("--prefetch", type=int, default=1, help="stage 3: units gathered ahead")
     t.add_argument(
         "--step-in-backward",
@@ -332,6 +339,7 @@ def _memory_config(
         num_layers_per_checkpoint=num_layers_per_checkpoint,
         partition_activations=args.partition_activations,
         offload_activations=args.offload_activations,
+        activation_bytes=args.activation_bytes,
         num_units_prefetch=args.prefetch,
         bucket_bytes=units.parse_bytes(args.bucket),
         step_in_backward=args.step_in_backward,

@@ -128,7 +128,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         text += f" (default: {'none' if f.default is None else f.default}" + (
             f"; choices: {', '.join(map(str, choices))})" if choices else ")"
         )
-        kind = {"int": "N", "float": "X"}.get(str(f.type)) or _METAVARS.get(f.name, "TEXT")
+        kind = {"int": "N", "float": "X", "bool": "{true,false}"}.get(str(f.type))
+        kind = kind or _METAVARS.get(f.name, "TEXT")
         metavar = "{" + ",".join(map(str, choices)) + "}" if choices else kind
         p.add_argument(
             f"--{f.name.replace('_', '-')}", dest=f.name, default=None, metavar=metavar,
@@ -144,13 +145,25 @@ def _from_flag(name: str, text: str) -> Any:
     try:
         if name == "timeout":
             return _seconds(text)
+        if kind == "bool":
+            return _boolean(text)
         return {"int": int, "float": float}.get(kind, str)(text)
     except ValueError:
-        what = "an integer" if kind == "int" else "a number"
+        what = {"int": "an integer", "bool": "true or false"}.get(kind, "a number")
         flag = f"--{name.replace('_', '-')}"
         raise UsageError(
-            f"{flag} {text!r}: {name} must be {what}, e.g. {flag} {field.default}"
+            f"{flag} {text!r}: {name} must be {what}, e.g. {flag} {str(field.default).lower()}"
         ) from None
+
+
+def _boolean(text: str) -> bool:
+    """A yes/no flag: true/false, yes/no, on/off or 1/0 (ValueError otherwise)."""
+    words = {"true": True, "yes": True, "on": True, "1": True}
+    words |= {"false": False, "no": False, "off": False, "0": False}
+    try:
+        return words[text.strip().lower()]
+    except KeyError:
+        raise ValueError(text) from None
 
 
 _UNIT_S = {"s": 1, "m": 60, "h": 3600}

@@ -79,12 +79,14 @@ def agree(
     owner, and a parameter is left out of the step only when no rank reached it. The handle's
     output is the agreed flags (found_inf first)."""
     flags = torch.cat([scaling.found_inf, touched])
-    if mesh.world_size == 1:
+    if mesh.world_size * mesh.tp_size == 1:
         return C.Handle(None, flags)
+    whole = mesh.hybrid is not None or mesh.tp_size > 1
     return C.all_reduce(
         flags,
-        scope=C.WORLD if mesh.hybrid is not None else C.SHARD,
-        group=mesh.group,
+        scope=C.WORLD if whole else C.SHARD,
+        # Tensor-parallel ranks too: each sees only its pieces of split parameters.
+        group=None if mesh.tp_size > 1 else mesh.group,
         ledger=ledger,
         label="found_inf",
         op=dist.ReduceOp.MAX,

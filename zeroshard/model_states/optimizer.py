@@ -304,12 +304,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if norms:
             sq += torch.stack(norms).pow(2).sum()
         mesh = self.engine.mesh
+        if mesh.tp_size > 1:
+            # Tensor-parallel ranks hold different pieces of split parameters (summed over the
+            # group below) and the same gradient of replicated ones (to be counted once).
+            sq -= self._tp_replicated_sq() * (1 - 1 / mesh.tp_size)
         if self.engine.partition.optimizer_states and mesh.shard_size > 1:
             # The shard group's ranks hold disjoint shards that together make every gradient;
             # with hybrid sharding the other groups hold the same ones: summing over them too
             # would count each element once per replica.
             C.all_reduce(
                 sq, group=mesh.shard_group, ledger=self.engine.ledger, label="norm", async_op=False
+            )
+        if mesh.tp_size > 1:
+            C.all_reduce(
+                sq,
+                scope=C.TENSOR,
+                group=mesh.tp_group,
+                ledger=self.engine.ledger,
+                label="norm",
+                async_op=False,
             )
         norm = sq.sqrt()[0]
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -318,6 +331,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         elif grads:
             torch._foreach_mul_(grads, coef)
         return norm
+
+    def _tp_replicated_sq(self) -> torch.Tensor:
+        """Sum of squares of this rank's shard gradients of the parameters that tensor
+        parallelism replicates (not split: ``zeroshard.tensor_parallel``)."""
+        if self._grad_swap is not None:
+            raise ValueError(
+                "clip_grad_norm with tensor parallelism needs the gradients in memory; keep "
+                "gradients on the device or CPU (offload gradients='cpu'), or do not clip"
+            )
+        pieces = [
+            b.shard_grad[piece]
+            for b in self.engine.buckets
+            if b.shard_grad is not None
+            for slot, piece in b.flat.pieces()
+            if not getattr(slot.param, "_zeroshard_tp_split", False) and piece.stop > piece.start
+        ]
+        sq = torch.zeros(1, dtype=torch.float32, device=self.engine.mesh.device)
+        if pieces:
+            sq += torch.stack(torch._foreach_norm(pieces)).pow(2).sum()
+        return sq
 
     def _agree(self) -> tuple[bool, set[int]]:
         """Whether any rank's shard gradients hold inf/NaN, and which parameters no rank's

@@ -83,7 +83,7 @@ class ParamSwapper(StopsOnFailure):
     made, and ``finish_adopting`` checks the folder's space (a collective) and drops them all."""
 
     def __init__(self, offload: Offload, mesh: Mesh, num_prefetch: int) -> None:
-        config = offload.param_store_config(mesh.rank)
+        config = offload.param_store_config(mesh.global_rank)
         if holds_swap_files(config.folder):
             # masters come back from checkpoints, never from an old run's swap files
             log.warning("discarding the swap files a crashed run left in %s", config.folder)

@@ -191,7 +191,7 @@ class StateSwapper(StopsOnFailure):
         *,
         grad_bytes: int = 0,
     ) -> None:
-        config = offload.store_config(mesh.rank)
+        config = offload.store_config(mesh.global_rank)
         per_element = state_bytes_per_element(optimizer_cls, defaults)
         state_bytes = sum(  # each state tensor's file rounded up to 4096 (4-byte states assumed)
             per_element * padded_bytes(p.tensor.numel() * 4) // 4

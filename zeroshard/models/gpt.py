@@ -88,11 +88,14 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
         B, T, C = x_BTC.shape
-        q, k, v = self.qkv(x_BTC).split(C, dim=2)
-        # (B, T, C) -> (B, H, T, C/H) for scaled_dot_product_attention.
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y_BHTc = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y_BHTc.transpose(1, 2).reshape(B, T, C))
+        head_size = C // self.n_head
+        # Width and heads from qkv's output, not C: tensor-parallel ranks hold some heads only.
+        q, k, v = self.qkv(x_BTC).chunk(3, dim=2)
+        # (B, T, h c) -> (B, h, T, c) for scaled_dot_product_attention.
+        h = q.shape[-1] // head_size
+        q, k, v = (t.view(B, T, h, head_size).transpose(1, 2) for t in (q, k, v))
+        y_BhTc = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y_BhTc.transpose(1, 2).reshape(B, T, h * head_size))
 
 
 class MLP(nn.Module):

@@ -48,9 +48,14 @@ def _tier_name(field: str, value: object) -> str | None:
     return value  # type: ignore[return-value]
 
 
+_STATES = ("optimizer", "gradients", "parameters", "activations")
+"""The placements an ``Offload`` names: model states, then activation checkpoints."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Offload:
-    """Where each model state lives; ``None`` keeps it on the training device."""
+    """Where each model state (and activation checkpoints) lives; ``None`` keeps it on the
+    training device."""
 
     optimizer: str | None = None
     """FP32 optimizer states (Adam: 8 bytes per trainable element this rank owns): None, 'cpu'
@@ -63,6 +68,11 @@ class Offload:
     """The FP32 master shard of the parameters (4 bytes per owned element): None, 'cpu' or
     'nvme' (swap files in ``folder``, read back ahead of each unit's gather). Needs partitioned
     parameters (stage 3)."""
+    activations: str | None = None
+    """Activation checkpoints (ZeRO-R's Pa+cpu; needs ``ShardConfig.checkpoint_every``): None,
+    'cpu' or 'nvme' (``<folder>/rank<r>-activations``). Each span's saved input (its 1/Nm piece
+    with ``partition_activations``) is written there in forward and read back ahead of its
+    recomputation (``zeroshard.residual_states.partitioned``)."""
     param_prefetch: int = 1
     """parameters='nvme': units whose masters are read ahead, beyond the units whose gather is
     already being prefetched (``ShardConfig.num_prefetch``), along the forward/backward order."""
@@ -73,11 +83,9 @@ class Offload:
     its states)."""
 
     def __post_init__(self) -> None:
-        for field in ("optimizer", "gradients", "parameters"):
+        for field in _STATES:
             object.__setattr__(self, field, _tier_name(field, getattr(self, field)))
-        on_disk = [
-            f for f in ("optimizer", "gradients", "parameters") if getattr(self, f) == "nvme"
-        ]
+        on_disk = [f for f in _STATES if getattr(self, f) == "nvme"]
         if on_disk and self.folder is None:
             raise ValueError(
                 f"{on_disk[0]}='nvme' needs folder=, a directory on the fast disk for swap files"
@@ -116,7 +124,7 @@ class Offload:
 
     @property
     def any(self) -> bool:
-        return bool(self.optimizer or self.gradients or self.parameters)
+        return any(getattr(self, f) for f in _STATES)
 
     def log_host_tiers(self, partition: Partition, device: torch.device, log) -> None:
         """Say where a 'cpu' placement's states are on a CPU run: nothing moves."""
@@ -130,6 +138,14 @@ class Offload:
         """The NVMe store of ``rank``: its own sub-folder of ``folder``."""
         assert self.folder is not None
         return OffloadConfig(tier=Tier.NVME, folder=Path(self.folder) / f"rank{rank:05d}")
+
+    def activation_store_config(self, rank: int) -> OffloadConfig | None:
+        """The store of ``rank``'s activation checkpoints (None: the CPU tier's default)."""
+        if self.activations != "nvme":
+            return None
+        assert self.folder is not None
+        folder = Path(self.folder) / f"rank{rank:05d}-activations"
+        return OffloadConfig(tier=Tier.NVME, folder=folder)
 
     def param_store_config(self, rank: int) -> OffloadConfig:
         """The NVMe store of ``rank``'s parameter masters: a sibling of its state store's folder

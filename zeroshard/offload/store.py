@@ -342,6 +342,11 @@ class TensorStore:
             raise KeyError(f"no tensor {name!r} in the store; swap_out it first")
         return self._metas[name]
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (every later operation raises)."""
+        return self._closed
+
     def names(self) -> list[str]:
         return list(self._metas)
 

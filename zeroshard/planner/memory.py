@@ -343,11 +343,13 @@ def activation_checkpoint_bytes(
     num_layers_per_checkpoint: int,
     num_mp_ranks: int = 1,
     partitioned: bool = False,
+    activation_bytes: int = ACTIVATION_BYTES,
 ) -> int:
     """2 * bsz * seq * hd * nl / ci: one fp16 (bsz, seq, hd) input per checkpoint span, with
-    ceil(nl / ci) spans; divided by Nm when partitioned across model-parallel ranks."""
+    ceil(nl / ci) spans (``activation_bytes`` per element instead of fp16's 2); divided by Nm
+    when partitioned across model-parallel ranks."""
     num_checkpoints = math.ceil(num_layers / num_layers_per_checkpoint)
-    num_bytes = ACTIVATION_BYTES * micro_batch_size * seq_len * hidden_size * num_checkpoints
+    num_bytes = activation_bytes * micro_batch_size * seq_len * hidden_size * num_checkpoints
     return math.ceil(num_bytes / num_mp_ranks) if partitioned else num_bytes
 
 
@@ -438,6 +440,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             num_layers_per_checkpoint=ci,
             num_mp_ranks=c.num_mp_ranks,
             partitioned=c.partition_activations,
+            activation_bytes=c.activation_bytes,
         )
         out[Tier.DEVICE]["activation_working"] = activation_working_bytes(
             micro_batch_size=c.micro_batch_size,

@@ -82,6 +82,7 @@ def plan_report(
             num_layers_per_checkpoint=ci,
             num_mp_ranks=base.num_mp_ranks,
             partitioned=base.partition_activations,
+            activation_bytes=base.activation_bytes,
         )
         out["activation_working_bytes"] = memory.activation_working_bytes(
             **common,

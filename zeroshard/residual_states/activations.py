@@ -5,7 +5,9 @@ the previous one's first output (the usual ``for block in blocks: x = block(x, .
 Inside a span nothing is saved for backward but the span's inputs: every tensor autograd would
 save is dropped and recomputed in backward by replaying the span's units in order from its
 inputs (with the RNG state and autocast of the forward). That is ``ceil(nl / k)`` saved inputs
-instead of every block's activations, for one extra forward of each span.
+instead of every block's activations, for one extra forward of each span. Where the saved inputs
+are kept (whole, 1/Nm per tensor-parallel rank, on the CPU or NVMe) is the ``CheckpointKeeper``'s
+business (``zeroshard.residual_states.partitioned``).
 
 The mechanism is PyTorch's non-reentrant checkpoint (``torch.utils.checkpoint``): one checkpoint
 frame per span, its saved-tensor hooks entered around each unit's forward only, so that code the
@@ -24,6 +26,8 @@ import torch
 import torch.utils.checkpoint as ckpt
 from torch import nn
 from torch.utils._pytree import tree_flatten
+
+from zeroshard.residual_states.partitioned import CheckpointKeeper
 
 
 def _first_tensor(tree: Any) -> torch.Tensor | None:
@@ -45,10 +49,12 @@ class _Span:
 class SpanCheckpointing:
     """Checkpoints spans of up to ``every`` chained units (module docstring)."""
 
-    def __init__(self, every: int, device: torch.device) -> None:
+    def __init__(self, every: int, device: torch.device, keeper: CheckpointKeeper) -> None:
         if every < 1:
             raise ValueError(f"checkpoint_every must be >= 1 (blocks per span), got {every}")
         self.every, self.device = every, device
+        self.keeper = keeper
+        """Keeps each span's inputs: whole, partitioned (Pa) or offloaded, and counts them."""
         self._span: _Span | None = None
         self.num_spans = 0
         """Spans opened since construction (for tests and the planner's ``nl / ci``)."""
@@ -132,6 +138,7 @@ class SpanCheckpointing:
             None,
             ckpt._allowed_determinism_checks_to_fns[ckpt._DEFAULT_DETERMINISM_MODE],
         )
-        frame.save_inputs(*args)
+        with self.keeper.hooks():
+            frame.save_inputs(*args)
         self.num_spans += 1
         return _Span(frame, calls)

@@ -1,0 +1,157 @@
+"""Activation checkpoints partitioned over tensor-parallel ranks (Pa) and offloaded (Pa+cpu,
++nvme) on 4 gloo ranks (dp 2 x tp 2): parity with single-process training, bytes per rank
+against the planner, the all-gathers Pa adds, padding of sizes that do not split."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from parity_models import train_tp_both
+
+import zeroshard
+from zeroshard import collectives as C
+from zeroshard import tensor_parallel
+from zeroshard.models.gpt import GPTConfig
+from zeroshard.planner.describe import from_gpt
+from zeroshard.planner.memory import MemoryConfig, Placement, plan_memory
+from zeroshard.residual_states.partitioned import CheckpointKeeper
+
+CFG = GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=16)
+SEQ = 15  # odd: a checkpoint's (B, T, C) split in 2 pieces is not a split along T
+PER_RANK = 2
+STEPS = 3
+
+
+def _run(stage: int, partition: bool, where: str | None, folder: str | None) -> dict:
+    config = zeroshard.ShardConfig(checkpoint_every=1, partition_activations=partition)
+    offload = None
+    if where:
+        offload = zeroshard.Offload(activations=where, folder=folder if where == "nvme" else None)
+    r = train_tp_both(
+        CFG,
+        stage=stage,
+        seq_len=SEQ,
+        per_rank=PER_RANK,
+        steps=STEPS,
+        config=config,
+        offload=offload,
+    )
+    engine = r["engine"]
+    keeper = engine.checkpointing.keeper
+    key = (C.TENSOR, "all_gather", "activations")
+    steps = [*engine.ledger.scoped_steps, engine.ledger.scoped]
+    gathers = [s[key] for s in steps if key in s]
+    return {
+        "loss": r["loss"],
+        "param": r["param"],
+        "peak": dict(keeper.bytes.peak),
+        "held": dict(keeper.bytes.held),
+        "spans": engine.checkpointing.num_spans,
+        "gathers": (sum(g.calls for g in gathers), sum(g.bytes for g in gathers)),
+    }
+
+
+CASES = {
+    "plain": (False, None),
+    "pa": (True, None),
+    "pa+cpu": (True, "cpu"),
+    "pa+nvme": (True, "nvme"),
+    "cpu": (False, "cpu"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoints_anywhere_train_like_a_single_process(workers4, tmp_path, case, stage):
+    partition, where = CASES[case]
+    for r in workers4.run(_run, stage, partition, where, str(tmp_path)):
+        assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
+        assert r["held"] == {"device": 0, "cpu": 0, "nvme": 0}, r  # all freed after backward
+
+
+def _planned(partition: bool, offload: bool) -> dict:
+    """What ``zeroshard plan`` predicts for this configuration (fp32 activations), per tier."""
+    config = MemoryConfig(
+        stage=3,
+        num_dp_ranks=2,
+        num_mp_ranks=2,
+        placement=Placement(),
+        micro_batch_size=PER_RANK,
+        seq_len=SEQ,
+        num_layers_per_checkpoint=1,
+        partition_activations=partition,
+        offload_activations=offload,
+        activation_bytes=4,
+    )
+    memory = plan_memory(from_gpt(CFG), config)
+    return {
+        "device": memory.device["activation_checkpoints"],
+        "cpu": memory.cpu["activation_checkpoints"],
+    }
+
+
+def test_checkpoint_bytes_per_rank_are_split_by_tp_and_leave_the_device(workers4):
+    plain = workers4.run(_run, 3, False, None, None)[0]["peak"]
+    pa = workers4.run(_run, 3, True, None, None)[0]["peak"]
+    pa_cpu = workers4.run(_run, 3, True, "cpu", None)[0]["peak"]
+    numel = PER_RANK * SEQ * CFG.n_embd  # one checkpoint: a block's input (B, T, C)
+    assert plain["device"] == CFG.n_layer * numel * 4
+    assert pa["device"] == CFG.n_layer * math.ceil(numel / 2) * 4  # 1/tp each, padded
+    assert pa_cpu["device"] == 0 and pa_cpu["cpu"] == pa["device"]
+    for measured, (partition, offload) in ((plain, (False, False)), (pa, (True, False))):
+        planned = _planned(partition, offload)["device"]
+        assert abs(measured["device"] - planned) <= 0.1 * planned, (measured, planned)
+    planned = _planned(True, True)
+    assert planned["device"] == 0
+    assert abs(pa_cpu["cpu"] - planned["cpu"]) <= 0.1 * planned["cpu"], (pa_cpu, planned)
+
+
+def test_pa_adds_one_all_gather_per_checkpoint_per_recomputation(workers4):
+    for r in workers4.run(_run, 3, True, None, None):
+        checkpoints = r["spans"]  # one saved input per span, every step
+        assert checkpoints == STEPS * CFG.n_layer, r
+        numel = PER_RANK * SEQ * CFG.n_embd
+        assert r["gathers"] == (checkpoints, checkpoints * 2 * math.ceil(numel / 2) * 4), r
+    for r in workers4.run(_run, 3, False, None, None):
+        assert r["gathers"] == (0, 0), r
+
+
+def _round_trip(shape: tuple[int, ...], where: str | None) -> dict:
+    """A tensor saved through the keeper's hooks comes back whole on every rank."""
+    _, mesh = tensor_parallel.mesh_2d(2)
+    keeper = CheckpointKeeper(
+        device=mesh.device,
+        ledger=C.Ledger(),
+        tp_group=mesh.tp_group,
+        tp_size=mesh.tp_size,
+        tp_rank=mesh.tp_rank,
+        partition=True,
+        offload=where,
+    )
+    torch.manual_seed(0)  # the same tensor on every rank, as a tensor-parallel group has
+    x = torch.randn(shape, requires_grad=True)
+    with keeper.hooks():
+        y = x.sin()  # sin saves its input
+    held = dict(keeper.bytes.held)
+    y.sum().backward()
+    expect = x.detach().cos()
+    return {"ok": torch.equal(x.grad, expect), "held": held}
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (1,), (7, 1, 3)])
+@pytest.mark.parametrize("where", [None, "cpu"])
+def test_sizes_that_do_not_split_are_padded(workers4, shape, where):
+    numel = math.prod(shape)
+    for r in workers4.run(_round_trip, shape, where):
+        assert r["ok"], r
+        tier = where or "device"
+        assert r["held"][tier] == math.ceil(numel / 2) * 4, r
+
+
+def test_activations_offload_needs_checkpointing(lone_process):
+    with pytest.raises(ValueError, match="set ShardConfig\\(checkpoint_every=k\\)"):
+        zeroshard.shard(torch.nn.Linear(2, 2), offload=zeroshard.Offload(activations="cpu"))
+    with pytest.raises(ValueError, match="set checkpoint_every"):
+        zeroshard.ShardConfig(partition_activations=True)

@@ -1,0 +1,224 @@
+"""Where activation checkpoints are kept: whole, partitioned over the tensor-parallel ranks (Pa),
+and on the CPU or NVMe tier of the tensor store (Pa+cpu): ZeRO-R's activation levers.
+
+With activation checkpointing (``zeroshard.residual_states.activations``) the only tensors kept
+for backward inside a span are the span's inputs, saved once per span by its checkpoint frame.
+``CheckpointKeeper.hooks()`` is a pair of saved-tensor hooks entered around that save:
+
+    pack    (forward)    whole: keep the tensor. Pa: flatten it, pad it to a multiple of the
+                         tensor-parallel degree Nm (no divisibility asked of any shape) and keep
+                         this rank's 1/Nm piece, a copy, so that the full tensor can be freed
+                         (every rank of a tensor-parallel group holds the same checkpoint: the
+                         layers' outputs are replicated there). +cpu/+nvme: the piece is written
+                         to the store asynchronously and dropped from the device once written.
+    unpack  (backward,   bring the piece back (started ahead, see below), all-gather the Nm
+             once per     pieces over the tensor-parallel group, unpad: the tensor as saved.
+             recompute)
+
+Prefetch: unpacking checkpoint i starts reading checkpoint i-1 back from the store (the one the
+next recomputation needs, backward going in reverse order), so its transfer overlaps span i's
+recomputation and backward.
+
+Bytes are counted per tier as they are held (``held`` and ``peak``, bytes per rank): the figure
+``zeroshard plan --partition-activations [--offload-activations]`` predicts as
+``activation_checkpoints``. Pa's all-gathers are counted in the ledger under scope ``TENSOR``,
+label "activations": one per checkpoint per recomputation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+from zeroshard import collectives as C
+from zeroshard.offload.store import OffloadConfig, TensorStore
+from zeroshard.offload.tiers import SwapHandle, Tier
+
+TIERS = ("device", "cpu", "nvme")
+
+
+@dataclass
+class CheckpointBytes:
+    """Bytes of activation checkpoints this rank holds, per tier (``TIERS``)."""
+
+    held: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+
+    def add(self, tier: str, nbytes: int) -> None:
+        self.held[tier] += nbytes
+        self.peak[tier] = max(self.peak[tier], self.held[tier])
+
+    def reset_peak(self) -> None:
+        self.peak = dict(self.held)
+
+
+class _Packed:
+    """One saved checkpoint: this rank's piece (on the device, or in the store under ``name``)."""
+
+    __slots__ = ("shape", "dtype", "device", "numel", "whole", "piece", "tier", "name", "fetch")
+    __slots__ += ("__weakref__",)
+
+    def __init__(self, t: torch.Tensor, *, whole: bool) -> None:
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self.whole = whole  # kept as it is, on the device
+        self.numel = t.numel()
+        self.piece: torch.Tensor | None = None  # 1D ceil(numel / Nm) (whole: the tensor itself)
+        self.tier = "device"
+        self.name: str | None = None  # the store's name while the piece lives there
+        self.fetch: SwapHandle | None = None  # a read back under way (prefetch)
+
+
+class CheckpointKeeper:
+    """Saved-tensor hooks that keep checkpoints whole, partitioned (Pa) and/or offloaded."""
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        ledger: C.Ledger,
+        tp_group: dist.ProcessGroup | None = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        partition: bool = False,
+        offload: str | None = None,
+        store: OffloadConfig | None = None,
+    ) -> None:
+        if partition and tp_size < 2:
+            raise ValueError(
+                "partition_activations splits checkpoints over tensor-parallel ranks, and there "
+                "are none (tp=1): build the mesh with zeroshard.tensor_parallel.mesh_2d(tp) with "
+                "tp >= 2, or drop partition_activations"
+            )
+        if offload not in (None, "cpu", "nvme"):
+            raise ValueError(f"activations={offload!r}: use None, 'cpu' or 'nvme'")
+        if offload == "nvme" and store is None:
+            raise ValueError("activations='nvme' needs a folder for the swap files")
+        self.device, self.ledger = device, ledger
+        self.parts = tp_size if partition else 1
+        self.tp_group, self.tp_rank = tp_group, tp_rank if partition else 0
+        self.offload = offload
+        self._store_config = store or (OffloadConfig(tier=Tier.CPU) if offload else None)
+        self._store: TensorStore | None = None
+        self._names = itertools.count()
+        self._order: list[weakref.ref[_Packed]] = []  # this forward's checkpoints, in order
+        self.bytes = CheckpointBytes()
+
+    @property
+    def store(self) -> TensorStore | None:
+        """The tensor store of offloaded pieces (opened at the first one)."""
+        if self._store is None and self._store_config is not None:
+            self._store = TensorStore(self._store_config)
+        return self._store
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    # ----------------------------------------------------------------- forward
+    def _pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, AsyncCollectiveTensor):
+            t = t.wait()  # a tensor-parallel layer's output: its all-reduce done before we copy
+        if not t.is_floating_point() or t.numel() == 0 or (self.parts == 1 and not self.offload):
+            self.bytes.add("device", _nbytes(t))
+            packed = _Packed(t, whole=True)
+            packed.piece = t
+            weakref.finalize(packed, self.bytes.add, "device", -_nbytes(t))
+            return packed
+        packed = _Packed(t, whole=False)
+        packed.piece = self._own_piece(t.detach())
+        nbytes = _nbytes(packed.piece)
+        if self.offload:
+            packed.tier = self.offload
+            packed.name = f"activation{next(self._names)}"
+            store = self.store
+            assert store is not None
+            # Written asynchronously; the store holds the device copy until then, not us.
+            store.swap_out(packed.name, packed.piece)
+            packed.piece = None
+            weakref.finalize(packed, self._forget, packed.name, nbytes, packed.tier)
+        else:
+            weakref.finalize(packed, self.bytes.add, "device", -nbytes)
+        self.bytes.add(packed.tier, nbytes)
+        self._order = [r for r in self._order if r() is not None]
+        self._order.append(weakref.ref(packed))
+        return packed
+
+    def _own_piece(self, t: torch.Tensor) -> torch.Tensor:
+        """1D ceil(numel / Nm) elements: this rank's piece of ``t`` flattened, zero-padded at
+        the end (a copy, so that ``t`` itself can be freed)."""
+        n = t.numel()
+        chunk = -(-n // self.parts)
+        flat = t.reshape(-1)
+        lo, hi = min(n, self.tp_rank * chunk), min(n, (self.tp_rank + 1) * chunk)
+        piece = torch.empty(chunk, dtype=t.dtype, device=t.device)
+        piece[: hi - lo].copy_(flat[lo:hi])
+        piece[hi - lo :].zero_()
+        return piece
+
+    def _forget(self, name: str, nbytes: int, tier: str) -> None:
+        self.bytes.add(tier, -nbytes)
+        store = self._store
+        if store is not None and not store.closed:
+            store.release(name)
+
+    # ----------------------------------------------------------------- backward
+    def _unpack(self, packed: _Packed) -> torch.Tensor:
+        if packed.whole:
+            assert packed.piece is not None
+            return packed.piece
+        self._prefetch_before(packed)
+        piece = self._read(packed)
+        if self.parts == 1:
+            return piece.view(packed.shape)
+        full = torch.empty(piece.numel() * self.parts, dtype=packed.dtype, device=packed.device)
+        C.all_gather(
+            full,
+            piece,
+            group=self.tp_group,
+            ledger=self.ledger,
+            label="activations",
+            scope=C.TENSOR,
+            async_op=False,
+        )
+        return full[: packed.numel].view(packed.shape)
+
+    def _read(self, packed: _Packed) -> torch.Tensor:
+        """This rank's piece on the device: the kept one, or the store's (waiting for a read
+        started by the prefetch, else reading now)."""
+        if packed.name is None:
+            assert packed.piece is not None
+            return packed.piece
+        if packed.fetch is None:
+            packed.fetch = self._start_read(packed)
+        fetch, packed.fetch = packed.fetch, None
+        return fetch.wait()
+
+    def _start_read(self, packed: _Packed) -> SwapHandle:
+        store = self.store
+        assert store is not None and packed.name is not None
+        chunk = -(-packed.numel // self.parts)
+        into = torch.empty(chunk, dtype=packed.dtype, device=packed.device)
+        return store.swap_in(packed.name, into=into)
+
+    def _prefetch_before(self, packed: _Packed) -> None:
+        """Start reading the checkpoint saved just before ``packed`` (backward's next)."""
+        alive = [p for r in self._order if (p := r()) is not None]
+        index = next((i for i, p in enumerate(alive) if p is packed), None)
+        if index is None or index == 0:
+            return
+        previous = alive[index - 1]
+        if previous.name is not None and previous.fetch is None:
+            previous.fetch = self._start_read(previous)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

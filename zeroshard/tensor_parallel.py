@@ -1,0 +1,244 @@
+"""Tensor (model) parallelism beside ZeRO: a 2-D mesh of data-parallel x tensor-parallel ranks.
+
+The article's Nm. Inside a tensor-parallel group of ``tp`` ranks, each transformer block's
+attention and MLP are split Megatron-style through ``torch.distributed.tensor.parallel``: the
+first linear of each pair column-parallel (its output features split, ``ColwiseParallel``), the
+second row-parallel (its input features split, one all-reduce of the output,
+``RowwiseParallel``). The fused ``qkv`` projection is split by heads (``FusedColwiseParallel``):
+rank r holds the q, k and v rows of heads ``[r * H/tp, (r+1) * H/tp)``. Everything else
+(embeddings, layer norms, the head) is replicated in the group and gets the same gradient on
+each of its ranks.
+
+ZeRO shards over the data-parallel dimension only: ``zeroshard.shard(model, mesh=dp_mesh)`` with
+the ``Mesh`` that ``mesh_2d`` returns. To let the engine flatten, gather and reduce them like any
+other parameter, the split parameters are *local*: plain ``nn.Parameter`` tensors holding this
+rank's piece (so ``model.state_dict()`` gives local pieces; ``gather_tensor_parallel`` rebuilds
+the whole tensors). A forward pre-hook wraps them as ``DTensor`` views for the length of their
+module's forward, so that DTensor's sharding rules run the math, including the all-reduce of
+the input gradient in backward that a column-parallel layer needs.
+
+Layout, for ``world = dp * tp`` ranks (``init_device_mesh(..., (dp, tp), ("dp", "tp"))``): ranks
+``[d * tp, (d+1) * tp)`` form tensor-parallel group d; ranks with the same tp coordinate form a
+data-parallel group (the ZeRO shard group). Every rank of a tensor-parallel group must see the
+same batch: data is split by the data-parallel rank (``Mesh.rank``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard.mesh import Mesh
+from zeroshard.watchdog import inherit_timeout
+
+DIMS = ("dp", "tp")
+"""Dim names of the 2-D ``DeviceMesh``: data-parallel x tensor-parallel."""
+
+_MESHES: dict[tuple[int, int, str], object] = {}
+"""2-D meshes made by ``mesh_2d``, per (world size, tp, device type): models parallelized alike
+share process groups instead of creating new ones each time."""
+
+_LOCAL = "_zeroshard_tensor_parallel"
+"""Attribute of a module whose parameters were localized: ``{name: _Split}``."""
+
+
+@dataclass(frozen=True)
+class _Split:
+    """How one parameter is split across the tensor-parallel group."""
+
+    dim: int | None
+    """The dimension split in ``tp`` equal pieces (rank r holds piece r); None: replicated."""
+    groups: int = 1
+    """Fused projections (q, k, v): the dimension is ``groups`` blocks, each split separately,
+    and rank r holds piece r of every block, concatenated."""
+    placements: tuple = ()
+    """The DTensor placements of the local piece (``Shard(dim)`` or ``Replicate()``)."""
+
+
+def mesh_2d(tp: int, *, mesh: Mesh | None = None):
+    """The (dp, tp) ``DeviceMesh`` of every rank, and the data-parallel ``Mesh`` ZeRO shards
+    over (this rank's "dp" dim, with ``tp_group`` set). A collective: every rank calls it.
+
+    A ValueError naming the fix when ``tp`` does not divide the world size."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    base = mesh or Mesh.current()
+    world = dist.get_world_size()
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive int (ranks per tensor-parallel group), got {tp!r}")
+    if world % tp:
+        divisors = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        raise ValueError(
+            f"tp={tp} does not divide the world size {world}; use one of {divisors} "
+            "(or launch dp * tp ranks: --nproc)"
+        )
+    key = (world, tp, base.device.type)
+    if key not in _MESHES:  # every rank makes the same calls: the cache agrees
+        _MESHES[key] = init_device_mesh(base.device.type, (world // tp, tp), mesh_dim_names=DIMS)
+        inherit_timeout(_MESHES[key].get_group("dp"), _MESHES[key].get_group("tp"))
+    dm = _MESHES[key]
+    dp = Mesh.from_device_mesh(dm["dp"], device=base.device)
+    dp = replace(dp, local_rank=base.local_rank, local_world_size=base.local_world_size)
+    return dm, replace(dp, tp_group=dm.get_group("tp"), tp_size=tp, tp_rank=dm.get_local_rank("tp"))
+
+
+def _fused_colwise():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class FusedColwiseParallel(ColwiseParallel):
+        """``ColwiseParallel`` for a projection whose output is ``groups`` fused blocks (q, k, v
+        of ``nn.Linear(C, 3C)``): each block is split by rows, so rank r holds rows r of every
+        block and the local output still splits into q, k, v of its own heads."""
+
+        def __init__(self, groups: int, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.groups = groups
+
+        def _partition_linear_fn(self, name, module, device_mesh):
+            tp = device_mesh.size()
+            with torch.no_grad():
+                for param in module.parameters():
+                    param.data = _interleave(param.data, self.groups, tp)
+            super()._partition_linear_fn(name, module, device_mesh)
+
+    return FusedColwiseParallel
+
+
+def _interleave(t: torch.Tensor, groups: int, tp: int) -> torch.Tensor:
+    """Rows of ``groups`` blocks, reordered so that an even split in ``tp`` gives rank r the
+    r-th piece of every block: [g, tp, n/(g tp), ...] -> [tp, g, n/(g tp), ...]."""
+    n = t.shape[0]
+    return t.reshape(groups, tp, n // (groups * tp), *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def gpt_plan(model: nn.Module, tp: int) -> dict:
+    """The tensor-parallel plan of ``zeroshard.models.gpt.GPT`` (or any model with blocks of
+    ``attn.qkv``, ``attn.proj``, ``mlp.fc``, ``mlp.proj`` linears), for ``parallelize``. A
+    ValueError naming the fix when heads or widths do not split in ``tp``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    cfg = getattr(model, "cfg", None)
+    blocks = getattr(model, "blocks", None)
+    if cfg is None or blocks is None:
+        raise ValueError(
+            f"gpt_plan needs the reference GPT (blocks of attn.qkv/attn.proj/mlp.fc/mlp.proj), "
+            f"got {type(model).__name__}; write a plan for parallelize() yourself"
+        )
+    if cfg.n_head % tp:
+        raise ValueError(
+            f"tensor parallelism splits attention by heads: n_head={cfg.n_head} does not split "
+            f"in tp={tp}; use a tp that divides {cfg.n_head}"
+        )
+    plan: dict = {}
+    for i in range(len(blocks)):
+        plan[f"blocks.{i}.attn.qkv"] = _fused_colwise()(3)
+        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
+        plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel()
+        plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel()
+    return plan
+
+
+def parallelize(model: nn.Module, device_mesh, plan: dict | None = None) -> nn.Module:
+    """Split ``model`` across the "tp" dim of ``device_mesh`` (from ``mesh_2d``) with ``plan``
+    (module name -> ``ParallelStyle``; default ``gpt_plan``), in place, before
+    ``zeroshard.shard``. Parameters must be materialized (not on the meta device)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp_mesh = device_mesh["tp"] if device_mesh.ndim > 1 else device_mesh
+    tp = tp_mesh.size()
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            "tensor parallelism needs materialized parameters: build the model on the CPU "
+            "(or its device), then parallelize, then zeroshard.shard"
+        )
+    plan = gpt_plan(model, tp) if plan is None else plan
+    if tp == 1:
+        return model
+    styles = {name: style for name, style in plan.items()}
+    parallelize_module(model, tp_mesh, styles)
+    for name in styles:
+        _localize(model.get_submodule(name), getattr(styles[name], "groups", 1))
+    return model
+
+
+def _localize(module: nn.Module, groups: int) -> None:
+    """Replace ``module``'s DTensor parameters with plain ones holding the local piece; wrap
+    them back as DTensors around its forward (module docstring)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    splits: dict[str, _Split] = {}
+    locals_: dict[str, nn.Parameter] = {}
+    mesh = None
+    for name, p in list(module.named_parameters(recurse=False)):
+        if not isinstance(p, DTensor):
+            continue
+        mesh = p.device_mesh
+        shard = next((pl.dim for pl in p.placements if isinstance(pl, Shard)), None)
+        splits[name] = _Split(
+            dim=shard,
+            groups=groups if shard == 0 else 1,
+            placements=tuple(p.placements),
+        )
+        local = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
+        local._zeroshard_tp_split = shard is not None  # read by the gradient-norm sum
+        module._parameters[name] = local
+        locals_[name] = local
+    if not splits:
+        return
+    setattr(module, _LOCAL, splits)
+
+    def wrap(mod: nn.Module, args: tuple) -> None:
+        for name, split in splits.items():
+            local = locals_[name]
+            mod._parameters[name] = DTensor.from_local(  # type: ignore[assignment]
+                local, mesh, split.placements, run_check=False
+            )
+
+    def unwrap(mod: nn.Module, args: tuple, output):
+        for name in splits:
+            mod._parameters[name] = locals_[name]
+        return output
+
+    module.register_forward_pre_hook(wrap)
+    module.register_forward_hook(unwrap, always_call=True)
+
+
+def is_tensor_parallel(model: nn.Module) -> bool:
+    """Whether ``parallelize`` split some of ``model``'s parameters."""
+    return any(hasattr(m, _LOCAL) for m in model.modules())
+
+
+def splits(model: nn.Module) -> dict[str, _Split]:
+    """``{parameter name: how it is split}`` for every split parameter of ``model``."""
+    out = {}
+    for mname, m in model.named_modules():
+        for pname, split in getattr(m, _LOCAL, {}).items():
+            out[f"{mname}.{pname}" if mname else pname] = split
+    return out
+
+
+def gather_tensor_parallel(
+    model: nn.Module, state: dict[str, torch.Tensor], group: dist.ProcessGroup | None
+) -> dict[str, torch.Tensor]:
+    """``state`` (a state dict of ``model`` on this rank: local pieces) with every tensor whole:
+    split ones all-gathered over the tensor-parallel ``group``, in the unsplit model's layout,
+    and DTensors over the data-parallel ranks made full. A collective over every rank."""
+    tp = dist.get_world_size(group)
+    # DTensors over the data-parallel ranks (a sharded model's state dict): whole on this rank.
+    out = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+    for name, split in splits(model).items():
+        if name not in out or split.dim is None:
+            continue
+        local = out[name].contiguous()
+        pieces = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(pieces, local, group=group)
+        if split.groups > 1:
+            blocks = [p.chunk(split.groups, dim=split.dim) for p in pieces]
+            whole = torch.cat([b[g] for g in range(split.groups) for b in blocks], dim=split.dim)
+        else:
+            whole = torch.cat(pieces, dim=split.dim)
+        out[name] = whole
+    return out
