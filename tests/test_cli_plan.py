@@ -7,6 +7,7 @@ import pytest
 
 from zeroshard.cli import plan
 from zeroshard.models.gpt import GPT, PRESETS
+from zeroshard.planner.memory import OFFLOADS
 
 
 def _parse(argv):
@@ -419,3 +420,17 @@ def test_measure_mistakes():
         plan.run(_parse(["--measure", "--measure-presets", "huge"]))
     with pytest.raises(ValueError, match="--measure-steps"):
         plan.run(_parse(["--measure", "--measure-steps", "1"]))
+
+
+def test_advise_device_type(capsys):
+    argv = ["--preset", "nano", "--advise", "--memory", "8GB", "--global-batch", "8"]
+    argv += ["--peak-flops", "1TFLOP/s", "--net-bandwidth", "10GB/s", "--bandwidth", "10GB/s"]
+    argv += ["--offload", "all", "--stage", "3"]
+    gpu = _json(argv, capsys)  # the default: a GPU cluster, where the engine offloads nothing
+    assert {c["offload"] for c in gpu["feasible"]} == {"none"}
+    assert "on a cuda device is not implemented yet" in _run(argv, capsys)
+    cpu = _json([*argv, "--device-type", "cpu"], capsys)
+    assert {c["offload"] for c in cpu["feasible"]} == set(OFFLOADS)
+    with pytest.raises(SystemExit):
+        _parse([*argv, "--device-type", "tpu"])
+    assert "invalid choice" in capsys.readouterr().err

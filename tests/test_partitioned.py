@@ -155,3 +155,33 @@ def test_activations_offload_needs_checkpointing(lone_process):
         zeroshard.shard(torch.nn.Linear(2, 2), offload=zeroshard.Offload(activations="cpu"))
     with pytest.raises(ValueError, match="set checkpoint_every"):
         zeroshard.ShardConfig(partition_activations=True)
+
+
+def test_offloaded_checkpoints_are_read_back_one_ahead_of_their_use():
+    keeper = CheckpointKeeper(device=torch.device("cpu"), ledger=C.Ledger(), offload="cpu")
+    events: list[tuple[str, str]] = []
+    start_read, unpack = keeper._start_read, keeper._unpack
+
+    def spy_read(packed):
+        events.append(("read", packed.name))
+        return start_read(packed)
+
+    def spy_unpack(packed):
+        events.append(("use", packed.name))
+        return unpack(packed)
+
+    keeper._start_read, keeper._unpack = spy_read, spy_unpack
+    x = torch.randn(4, 3, requires_grad=True)
+    with keeper.hooks():
+        y = x.sin().sin().sin()  # each sin saves its input: 3 checkpoints, used last first
+    assert keeper.bytes.held == {"device": 0, "cpu": 3 * 12 * 4, "nvme": 0}
+    y.sum().backward()
+    a, b, c = (f"activation{i}" for i in range(3))
+    # Using c starts reading b (the next one backward needs) before reading c itself; b was
+    # read ahead, so using it only starts a; every checkpoint is read once.
+    assert events == [("use", c), ("read", b), ("read", c), ("use", b), ("read", a), ("use", a)]
+    expect = torch.cos(x) * torch.cos(x.sin()) * torch.cos(x.sin().sin())
+    assert torch.allclose(x.grad, expect.detach())
+    assert keeper.bytes.held == {"device": 0, "cpu": 0, "nvme": 0}
+    keeper.store.synchronize()
+    assert keeper.store.names() == []  # released from the store

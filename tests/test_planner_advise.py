@@ -1,10 +1,16 @@
-"""The advisor: hand-timed steps, ranking, and reasons for what does not fit."""
+"""The advisor: hand-timed steps, ranking, reasons for what does not fit, and only what the
+engine runs offered."""
+
+import contextlib
 
 import pytest
+import torch
 
+import zeroshard
+from zeroshard.models.gpt import GPT, Block, GPTConfig
 from zeroshard.planner import describe as d
-from zeroshard.planner.advise import Cluster, Workload, advise
-from zeroshard.planner.memory import MemoryConfig
+from zeroshard.planner.advise import Cluster, Workload, advise, engine_problem
+from zeroshard.planner.memory import OFFLOADS, MemoryConfig, Placement, Tier
 
 MODEL = d.from_params(10**9)
 
@@ -17,6 +23,7 @@ def _cluster(**kw):
         net_bandwidth_bytes_per_s=100e9,
         cpu_bandwidth_bytes_per_s=10e9,
         nvme_bandwidth_bytes_per_s=1e9,
+        device_type="cpu",  # the engine offloads model states only when training on the CPU
     )
     return Cluster(**base | kw)
 
@@ -110,6 +117,7 @@ def test_model_parallel_must_divide_devices():
         (lambda: _cluster(device_memory_bytes=-1), "device_memory_bytes"),
         (lambda: _cluster(peak_flops=0), "peak_flops"),
         (lambda: _cluster(cpu_memory_bytes=0), "cpu_memory_bytes"),
+        (lambda: _cluster(device_type=""), "device_type"),
         (lambda: _workload(global_batch_size=0), "global_batch_size"),
         (lambda: _workload(micro_batch_sizes=()), "micro_batch_sizes"),
         (lambda: _workload(offloads=("tape",)), "unknown offload"),
@@ -118,3 +126,187 @@ def test_model_parallel_must_divide_devices():
 def test_config_errors(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+# ---- only what the engine runs -------------------------------------------------------------
+
+
+def _problems(advice):
+    return {(c.stage, c.offload): c.problem for c in advice.rejected}
+
+
+def test_accelerators_get_no_model_state_offload():
+    w = _workload(stages=(3,))
+    advice = advise(MODEL, _cluster(device_type="cuda"), w)
+    assert {c.offload for c in advice.feasible} == {"none"}
+    for name in ("cpu-optimizer", "nvme-optimizer", "cpu-all", "nvme-all"):
+        problem = _problems(advice)[(3, name)]
+        assert "on a cuda device is not implemented yet" in problem and "offload none" in problem
+    assert {c.offload for c in advise(MODEL, _cluster(), w).feasible} == set(OFFLOADS)
+
+
+def test_offloaded_gradients_need_stage_2():
+    # cpu-optimizer sends gradients to the CPU too: the engine partitions them from stage 2.
+    advice = advise(MODEL, _cluster(), _workload(stages=(1, 2), offloads=("cpu-optimizer",)))
+    assert [c.stage for c in advice.feasible] == [2]
+    assert (
+        "gradients='cpu' at stage 1 needs partitioned gradients"
+        in _problems(advice)[(1, "cpu-optimizer")]
+    )
+
+
+@pytest.mark.parametrize(
+    "stage, placement, match",
+    [
+        (2, Placement(params=Tier.CPU, grads=Tier.CPU, optimizer_states=Tier.CPU), "stage 3"),
+        (0, Placement(grads=Tier.CPU, optimizer_states=Tier.CPU), "partitioned gradients"),
+        (3, Placement(grads=Tier.NVME, optimizer_states=Tier.CPU), "needs optimizer='nvme'"),
+    ],
+)
+def test_engine_placement_rules(stage, placement, match):
+    problem = engine_problem(MODEL, _cluster(), MemoryConfig(stage=0), stage, placement)
+    assert match in problem
+
+
+def test_step_in_backward_refusals():
+    sib = MemoryConfig(stage=3, step_in_backward=True)
+    advice = advise(MODEL, _cluster(), _workload(memory=sib))  # every stage and offload
+    problems = _problems(advice)
+    for stage in (0, 1):
+        assert (
+            "step_in_backward needs partitioned gradients (stage 2 or 3)"
+            in problems[(stage, "none")]
+        )
+    assert "NVMe" in problems[(3, "nvme-all")] and "NVMe" in problems[(3, "nvme-optimizer")]
+    assert {(c.stage, c.offload) for c in advice.feasible} == {
+        (2, "none"),
+        (2, "cpu-optimizer"),
+        (3, "none"),
+        (3, "cpu-optimizer"),
+        (3, "cpu-all"),
+    }
+    params_on_nvme = Placement(params=Tier.NVME, grads=Tier.CPU, optimizer_states=Tier.CPU)
+    problem = engine_problem(MODEL, _cluster(), sib, 3, params_on_nvme)
+    assert "cannot stream parameters on NVMe" in problem and "drop step_in_backward" in problem
+
+
+@pytest.mark.parametrize(
+    "memory, match",
+    [
+        (MemoryConfig(stage=0, partition_activations=True), "tensor-parallel ranks"),
+        (
+            MemoryConfig(
+                stage=0, num_mp_ranks=2, partition_activations=True, activation_checkpointing=False
+            ),
+            "partition_activations places activation checkpoints, and there are none",
+        ),
+        (
+            MemoryConfig(stage=0, offload_activations=True, activation_checkpointing=False),
+            "offload_activations places activation checkpoints, and there are none",
+        ),
+        (
+            MemoryConfig(stage=0, num_dp_ranks=2, shard_group_size=1, num_mp_ranks=2),
+            "hybrid sharding (shard_group_size) with tensor parallelism",
+        ),
+    ],
+)
+def test_activation_and_mesh_refusals(memory, match):
+    tensor_parallel = memory.num_mp_ranks > 1  # warns: the plan is unknown (next test)
+    with pytest.warns(UserWarning) if tensor_parallel else contextlib.nullcontext():
+        advice = advise(MODEL, _cluster(), _workload(offloads=("none",), memory=memory))
+    assert not advice.feasible
+    assert all(match in c.problem for c in advice.rejected)
+
+
+def test_tensor_parallel_heads_and_the_unknown_plan():
+    three_heads = d.from_transformer(num_layers=2, hidden_size=96, num_heads=3, vocab_size=100)
+    w = _workload(
+        global_batch_size=2, offloads=("none",), memory=MemoryConfig(stage=0, num_mp_ranks=2)
+    )
+    with pytest.warns(UserWarning, match="plan only for its built-in GPT"):
+        advice = advise(three_heads, _cluster(), w)
+    assert not advice.feasible
+    assert "3 heads do not split in Nm = 2; use an Nm that divides 3" in advice.rejected[0].problem
+    gpt = d.from_gpt(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    with pytest.warns(UserWarning, match="cannot tell"):
+        advice = advise(gpt, _cluster(), w)
+    assert advice.feasible and "parallelize()" in advice.notes[0]
+    assert not advise(MODEL, _cluster(), _workload(offloads=("none",))).notes
+
+
+# ---- end to end: every feasible candidate runs on the engine -------------------------------
+
+SMALL = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)
+_ENGINE_TIER = {Tier.DEVICE: None, Tier.CPU: "cpu", Tier.NVME: "nvme"}
+
+
+def _small_advice(device_type):
+    cluster = _cluster(
+        num_devices=1,
+        device_memory_bytes=10**10,
+        cpu_memory_bytes=10**10,
+        nvme_bytes=10**10,
+        device_type=device_type,
+    )
+    workload = Workload(
+        seq_len=SMALL.block_size,
+        global_batch_size=2,
+        micro_batch_sizes=(2,),
+        checkpoint_spans=(1, 2),
+        stages=(0, 1, 2, 3),
+        offloads=tuple(OFFLOADS),
+    )
+    return advise(d.from_gpt(SMALL), cluster, workload)
+
+
+def _build(stage, offload, ci, folder):
+    p = OFFLOADS[offload]
+    place = {
+        "optimizer": _ENGINE_TIER[p.optimizer_states],
+        "gradients": _ENGINE_TIER[p.grads],
+        "parameters": _ENGINE_TIER[p.params],
+    }
+    on_nvme = "nvme" in place.values()
+    if on_nvme:
+        folder.mkdir()
+    torch.manual_seed(0)
+    return zeroshard.shard(
+        GPT(SMALL),
+        stage=stage,
+        wrap=zeroshard.wrap.by_class(Block),
+        config=zeroshard.ShardConfig(checkpoint_every=ci),
+        offload=zeroshard.Offload(**place, folder=folder if on_nvme else None),
+    )
+
+
+def test_every_feasible_candidate_runs_on_the_engine(lone_process, tmp_path):
+    advice = _small_advice("cpu")
+    ran = set()
+    for c in advice.feasible:
+        key = (c.stage, c.offload, c.num_layers_per_checkpoint)
+        model = _build(*key, tmp_path / "-".join(map(str, key)))
+        opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+        x = torch.randint(0, SMALL.vocab_size, (c.micro_batch_size, SMALL.block_size))
+        loss = model(x, x)
+        loss.backward()
+        opt.step()
+        assert torch.isfinite(loss), key
+        ran.add((c.stage, c.offload))
+        del model, opt
+    # Below stage 2 gradients stay on the device; NVMe is planned at stage 3 only.
+    assert ran == {(0, "none"), (1, "none"), (2, "none"), (2, "cpu-optimizer")} | {
+        (3, o) for o in OFFLOADS
+    }
+    # What the advisor rejects with an engine reason, the engine refuses with the same one.
+    problem = _problems(advice)[(1, "cpu-optimizer")]
+    with pytest.raises(ValueError, match="needs partitioned gradients") as refused:
+        _build(1, "cpu-optimizer", 1, tmp_path / "refused")
+    assert "gradients='cpu' at stage 1" in problem and "gradients='cpu' at stage 1" in str(
+        refused.value
+    )
+
+
+def test_no_offloaded_candidate_on_accelerators():
+    advice = _small_advice("cuda")
+    assert {c.offload for c in advice.feasible} == {"none"}
+    assert {c.stage for c in advice.feasible} == {0, 1, 2, 3}

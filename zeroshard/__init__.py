@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 # Names are imported on first use (PEP 562), so that ``import zeroshard`` (and the command line,
 # whose Ctrl-C handler runs only once its module is imported) does not wait for torch.
-_SUBMODULES = ("checkpoint", "offload", "precision", "wrap")
+_SUBMODULES = ("checkpoint", "offload", "precision", "tensor_parallel", "wrap")
 _EXPORTS = {
     "Ledger": "zeroshard.collectives",
     "ShardConfig": "zeroshard.engine",

@@ -6,6 +6,8 @@
         --bandwidth 70GB/s --peak-flops 70TFLOP/s --target-efficiency 0.9 --json
     zeroshard plan --preset 1b --advise --devices 8 --memory 16GB --global-batch 256 \\
         --peak-flops 70TFLOP/s --net-bandwidth 100GB/s --bandwidth 25GB/s --batch 1,2,4,8
+    zeroshard plan --preset nano --advise --device-type cpu --memory 8GB --global-batch 8 \\
+        --peak-flops 1TFLOP/s --net-bandwidth 10GB/s --bandwidth 10GB/s --offload all
     zeroshard plan --preset 1b --dp 32 --shard-group-size 8 \\
         --net-bandwidth 300GB/s --inter-node-bandwidth 25GB/s   # hybrid: 4 nodes of 8
     zeroshard plan --measure                  # calibration: nano and tiny, stages 0-3, 1/2/4 ranks
@@ -141,6 +143,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "25GB/s (default --net-bandwidth)",
     )
     h.add_argument("--peak-flops", help="achievable FLOP/s of one device, e.g. 70TFLOP/s")
+    h.add_argument(
+        "--device-type",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="what the devices are, for --advise (default cuda: a GPU cluster); zeroshard "
+        "offloads model states to CPU/NVMe only when training on the CPU, so with cuda every "
+        "offloaded placement is rejected",
+    )
     h.add_argument(
         "--target-efficiency",
         type=float,
@@ -406,6 +416,7 @@ def advice(args) -> dict:
         num_devices_per_node=args.devices_per_node,
         cpu_memory_bytes=_opt(units.parse_bytes, args.cpu_memory),
         nvme_bytes=_opt(units.parse_bytes, args.nvme),
+        device_type=args.device_type,
     )
     workload = planner.Workload(
         seq_len=args.seq,

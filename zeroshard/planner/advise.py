@@ -16,11 +16,15 @@ Step time is the sum, without overlap (the same assumption as §8's efficiency),
   and updated parameters come back once per step; optimizer states on NVMe are read and written
   once per step (a CPU optimizer step is not timed); CPU activation checkpoints are written and
   read once per micro-batch.
+
+Only configurations zeroshard's engine accepts are feasible (``engine_problem``): the others are
+rejected with the engine's own reason and fix.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 
 from zeroshard.planner.bandwidth import flops_per_iteration, flops_per_iteration_params
@@ -30,11 +34,13 @@ from zeroshard.planner.memory import (
     OFFLOADS,
     MemoryBreakdown,
     MemoryConfig,
+    Placement,
     Tier,
     placement_problem,
     plan_memory,
 )
 from zeroshard.planner.units import format_bytes
+from zeroshard.stages import partition
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +69,10 @@ class Cluster:
     """CPU memory of one node; None: not checked."""
     nvme_bytes: int | None = None
     """NVMe capacity of one node; None: not checked."""
+    device_type: str = "cuda"
+    """The devices' torch device type: "cuda" (or another accelerator) or "cpu". zeroshard's
+    engine offloads model states only when training on the CPU (``Offload.check``), so on an
+    accelerator every offloaded placement is rejected."""
 
     def __post_init__(self) -> None:
         for name in ("num_devices", "device_memory_bytes"):
@@ -83,6 +93,11 @@ class Cluster:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"Cluster.{name} must be positive or None, got {value!r}")
+        if not isinstance(self.device_type, str) or not self.device_type:
+            raise ValueError(
+                f"Cluster.device_type must be a torch device type such as 'cuda' or 'cpu', got "
+                f"{self.device_type!r}"
+            )
 
     @property
     def devices_per_node(self) -> int:
@@ -148,6 +163,8 @@ class Advice:
     """Configurations that fit, fastest first."""
     rejected: tuple[Candidate, ...]
     """The rest, each with its ``problem``."""
+    notes: tuple[str, ...] = ()
+    """What the advisor could not check (also issued as warnings)."""
 
     def why_not(self) -> dict[tuple[int, str], str]:
         """For each (stage, offload) with nothing feasible, why its smallest candidate fails."""
@@ -171,6 +188,15 @@ def advise(model: ModelDescription, cluster: Cluster, workload: Workload) -> Adv
             f"{num_mp}; pick a model-parallel degree that divides the device count"
         )
     num_dp = cluster.num_devices // num_mp
+    notes = []
+    if num_mp > 1:
+        notes.append(
+            f"Nm = {num_mp}: zeroshard's tensor parallelism has a plan only for its built-in GPT "
+            "(tensor_parallel.gpt_plan); the advisor cannot tell from the description whether "
+            "this model is one, so another model needs its own plan for parallelize()"
+        )
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
     feasible, rejected = [], []
     for stage in workload.stages:
         for offload in workload.offloads:
@@ -183,7 +209,86 @@ def advise(model: ModelDescription, cluster: Cluster, workload: Workload) -> Adv
     feasible.sort(
         key=lambda c: (float(f"{c.step_seconds:.6g}"), -c.micro_batch_size, c.memory.total_bytes())
     )
-    return Advice(feasible=tuple(feasible), rejected=tuple(rejected))
+    return Advice(feasible=tuple(feasible), rejected=tuple(rejected), notes=tuple(notes))
+
+
+_OFFLOAD_FIELDS = {"optimizer_states": "optimizer", "grads": "gradients", "params": "parameters"}
+"""``Placement`` fields and the ``zeroshard.Offload`` fields that place the same state."""
+
+
+def engine_problem(
+    model: ModelDescription,
+    cluster: Cluster,
+    config: MemoryConfig,
+    stage: int,
+    placement: Placement,
+) -> str | None:
+    """Why zeroshard's engine refuses to run ``placement`` at ``stage`` with ``config``'s
+    activation, hybrid and tensor-parallel settings on ``cluster`` (None when it runs it): the
+    refusals of ``Offload``, ``train_config`` / ``backward_step`` (step_in_backward),
+    ``residual_states.partitioned`` and ``sharding`` (activation checkpoints), and
+    ``tensor_parallel.gpt_plan``, each naming the fix."""
+    part = partition(stage)
+    off = {
+        name: placement.tier(field).value
+        for field, name in _OFFLOAD_FIELDS.items()
+        if placement.tier(field) is not Tier.DEVICE
+    }
+    if config.step_in_backward:
+        if not part.gradients:
+            return (
+                f"step_in_backward needs partitioned gradients (stage 2 or 3), got stage {stage}; "
+                "use stage 2 or 3, or drop step_in_backward"
+            )
+        on_nvme = [n for n, t in off.items() if t == Tier.NVME.value]
+        if on_nvme:
+            return (
+                f"step_in_backward cannot stream {on_nvme[0]} on NVMe in step order; keep them "
+                "in memory or drop step_in_backward"
+            )
+    if "parameters" in off and not part.parameters:
+        return (
+            f"parameters={off['parameters']!r} at stage {stage} needs partitioned parameters; "
+            "use stage 3 or keep the parameters on the device"
+        )
+    if "gradients" in off and not part.gradients:
+        return (
+            f"gradients={off['gradients']!r} at stage {stage} needs partitioned gradients; use "
+            "stage 2 or 3, or keep the gradients on the device"
+        )
+    if off.get("gradients") == "nvme" and off.get("optimizer") != "nvme":
+        return "gradients='nvme' needs optimizer='nvme'; set both, or gradients='cpu'"
+    if off and cluster.device_type != "cpu":
+        name = next(iter(off))
+        return (
+            f"{name}={off[name]!r} on a {cluster.device_type} device is not implemented yet "
+            "(the engine offloads model states only when training on the CPU); use offload "
+            "none there"
+        )
+    num_mp = config.num_mp_ranks
+    if config.partition_activations and num_mp < 2:
+        return (
+            "partition_activations splits checkpoints over tensor-parallel ranks, and there are "
+            "none (Nm = 1); use Nm >= 2, or drop partition_activations"
+        )
+    for name in ("partition_activations", "offload_activations"):
+        if getattr(config, name) and not config.activation_checkpointing:
+            return (
+                f"{name} places activation checkpoints, and there are none; checkpoint "
+                f"activations (checkpoint_every >= 1), or drop {name}"
+            )
+    if config.shard_group_size is not None and num_mp > 1:
+        return (
+            f"hybrid sharding (shard_group_size) with tensor parallelism (Nm = {num_mp}) is not "
+            "supported; drop shard_group_size or use Nm = 1"
+        )
+    heads = None if model.shape is None else model.shape.num_heads
+    if num_mp > 1 and heads is not None and heads % num_mp:
+        return (
+            f"tensor parallelism splits attention by heads: {heads} heads do not split in "
+            f"Nm = {num_mp}; use an Nm that divides {heads}"
+        )
+    return None
 
 
 def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
@@ -204,7 +309,9 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
         return candidate(memory, num_micro, problem=problem)
 
     placement = OFFLOADS[offload]
-    problem = placement_problem(stage, placement, step_in_backward=workload.memory.step_in_backward)
+    problem = placement_problem(
+        stage, placement, step_in_backward=workload.memory.step_in_backward
+    ) or engine_problem(model, cluster, workload.memory, stage, placement)
     if problem:
         return reject(problem)
     tiers = {placement.params, placement.grads, placement.optimizer_states}
