@@ -688,6 +688,13 @@ def test_optimizer_step_in_backward_trains_as_after_it(capsys, tmp_path, data_di
     assert len(runs["in_backward"]) == 3 and runs["in_backward"] == runs["after_backward"], runs
 
 
+def test_tp_that_does_not_divide_the_ranks(capsys, tmp_path):
+    argv = ["train", "--nproc", "3", "--tp", "2", "--out-dir", str(tmp_path)]
+    _expect_usage_error(capsys, argv, "--tp 2 does not divide the 3 ranks")
+    argv = ["train", "--nproc", "4", "--tp", "2", "--batch-size", "3", "--out-dir", str(tmp_path)]
+    _expect_usage_error(capsys, argv, "does not divide across 2 data-parallel ranks", "of 2")
+
+
 def test_tensor_parallel_run_follows_the_data_parallel_one(tmp_path, data_dir):
     """``--nproc 4 --tp 2`` (2 data-parallel ranks, each layer split in 2, checkpoints split and
     on the CPU) trains the same curve as ``--nproc 2`` with the same data split."""

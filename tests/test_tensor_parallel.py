@@ -108,6 +108,11 @@ def _refusals(folder: str) -> dict:
             out[name] = str(e)
     model = GPT(CFG)
     tensor_parallel.parallelize(model, device_mesh)
+    try:
+        zeroshard.shard(model)  # the world's mesh: no tensor-parallel dim
+        out["world_mesh"] = "no error"
+    except ValueError as e:
+        out["world_mesh"] = str(e)
     model = zeroshard.shard(model, mesh=mesh)
     opt = zeroshard.optimizer(model, torch.optim.AdamW)
     try:
@@ -131,6 +136,7 @@ def test_what_tensor_parallelism_cannot_do_is_refused_with_the_fix(workers4, tmp
         assert "hybrid sharding (shard_group_size) with tensor parallelism" in r["hybrid"], r
         assert "there are none (tp=1)" in r["pa_without_tp"], r
         assert "tensor-parallel models (tp=2) are not supported yet" in r["save"], r
+        assert "split tensor-parallel, and the mesh has no tensor-parallel dim" in r["world_mesh"]
     assert not (tmp_path / "ckpt").exists()
 
 

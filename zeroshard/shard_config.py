@@ -35,6 +35,11 @@ class ShardConfig:
     """Activation checkpointing (ZeRO-R, the article's ``ci``): spans of this many chained units
     keep only their inputs for backward and recompute the rest (0: off; 1: every unit on its
     own). See ``zeroshard.residual_states.activations``."""
+    constant_buffers: bool = True
+    """Stage 3: gathered units borrow their memory from buffers made once and kept (ZeRO-R's
+    constant-size buffers, ``zeroshard.residual_states.buffers``): no allocation per gather,
+    for ``1 + num_prefetch`` units' memory per unit size kept between steps. False: each
+    gather allocates and each free returns the memory (the least memory at rest)."""
     partition_activations: bool = False
     """ZeRO-R's Pa: each span's saved input is kept 1/Nm per tensor-parallel rank and
     all-gathered before its recomputation (needs ``checkpoint_every`` and a tensor-parallel mesh,

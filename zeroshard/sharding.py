@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard import collectives as C
+from zeroshard import tensor_parallel
 from zeroshard.engine import _ATTR, Engine, ShardConfig, Unit
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam
@@ -29,6 +30,7 @@ from zeroshard.model_states.init import Materializer, check_same_model
 from zeroshard.model_states.param_swap import ParamSwapper
 from zeroshard.offload.placement import Offload
 from zeroshard.precision import MixedPrecision, hold_tf32, policy_of
+from zeroshard.residual_states.buffers import BufferPool
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.stages import Partition, partition
 from zeroshard.state_dict import install_state_dict_hooks
@@ -111,6 +113,14 @@ def shard(
             )
     config = config or ShardConfig()
     mesh = _hybrid_mesh(mesh, config.shard_group_size, part)
+    if mesh.tp_size == 1 and tensor_parallel.is_tensor_parallel(model):
+        # Its ranks hold different pieces under the same names: sharding over them would mix
+        # (and broadcast over) pieces of different tensors.
+        raise ValueError(
+            f"{type(model).__name__} is split tensor-parallel, and the mesh has no tensor-parallel "
+            "dim: pass mesh=dp_mesh, the data-parallel mesh from "
+            "zeroshard.tensor_parallel.mesh_2d(tp)"
+        )
     if offload is not None:
         offload.check(part, mesh.device)
         offload.log_host_tiers(part, mesh.device, log)
@@ -125,6 +135,11 @@ def shard(
         # masters leave memory as each unit is made: the peak is a few units, not the model
         param_swap = ParamSwapper(offload, mesh, config.num_prefetch)
 
+    # Stage 3: every unit's gathered storage borrows from fixed buffers, made once (ZeRO-R's CB);
+    # as many per size as units are gathered at once (the one computing and the prefetched).
+    pooled = part.parameters and config.constant_buffers
+    buffers = BufferPool(keep=1 + config.num_prefetch) if pooled else None
+
     def make(params: list[tuple[nn.Parameter, list[str]]], dtype: torch.dtype) -> FlatParam:
         materialize([p for p, _ in params])
         flat = FlatParam(
@@ -134,6 +149,7 @@ def shard(
             param_dtype=_dtypes(mixed_precision, dtype)[0],
             ledger=ledger,
             sync_module_states=config.sync_module_states,
+            buffers=buffers,
         )
         if param_swap is not None:
             param_swap.adopt(flat)

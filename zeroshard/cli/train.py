@@ -255,11 +255,18 @@ def _check_offload_folder(path: str) -> None:
 
 
 def _check_divides(cfg: TrainConfig, nproc: int) -> None:
-    if cfg.batch_size % (nproc * cfg.grad_accum):
+    if nproc % cfg.tp:
         raise UsageError(
-            f"global batch {cfg.batch_size} does not divide across {nproc} ranks x "
+            f"--tp {cfg.tp} does not divide the {nproc} ranks; launch a multiple of {cfg.tp} "
+            "(--nproc) or pick a --tp that divides it"
+        )
+    dp = nproc // cfg.tp  # data-parallel ranks: a tensor-parallel group shares its batch
+    if cfg.batch_size % (dp * cfg.grad_accum):
+        what = f"{dp} data-parallel ranks" if cfg.tp > 1 else f"{dp} ranks"
+        raise UsageError(
+            f"global batch {cfg.batch_size} does not divide across {what} x "
             f"{cfg.grad_accum} micro-batches; use a --batch-size that is a multiple of "
-            f"{nproc * cfg.grad_accum}"
+            f"{dp * cfg.grad_accum}"
         )
 
 
@@ -268,7 +275,10 @@ def _check_batches(cfg: TrainConfig, nproc: int) -> None:
     data = load_data(cfg)
     for tokens_N, num_eval in ((data.train, 0), (data.val, cfg.eval_batches)):
         loader = BatchLoader.from_global_batch(
-            tokens_N, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len, world_size=nproc
+            tokens_N,
+            global_batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            world_size=nproc // cfg.tp,  # the data-parallel ranks
         )
         if num_eval:
             loader.eval_batches(num_eval)

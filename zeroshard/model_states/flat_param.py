@@ -54,6 +54,7 @@ from zeroshard.streams import on_side_stream
 
 if TYPE_CHECKING:
     from zeroshard.model_states.param_swap import ParamSwapper
+    from zeroshard.residual_states.buffers import BufferPool
 
 
 class ShardState(enum.Enum):
@@ -119,8 +120,12 @@ class FlatParam:
         param_dtype: torch.dtype | None,
         ledger: C.Ledger,
         sync_module_states: bool = True,
+        buffers: BufferPool | None = None,
     ) -> None:
         self.mesh, self.partition, self.ledger = mesh, partition, ledger
+        self.buffers = buffers
+        """Where a partitioned ``full`` gets its memory while gathered (constant buffers, lent
+        and taken back: ``zeroshard.residual_states.buffers``); None: allocated per gather."""
         self.name = _common_module([s for _, names in params for s in names[:1]])
         """The module holding every parameter here (the unit's name; ``<root>`` for the root):
         named in errors, e.g. a collective that timed out."""
@@ -222,7 +227,11 @@ class FlatParam:
         if self.state is ShardState.UNSHARDED or self._gather is not None:
             return
         # Refill the same storage object: views that autograd saved in forward see the refill.
-        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        nbytes = self.padded_numel * self.full.element_size()
+        if self.buffers is not None:
+            self.buffers.lend(self, self.full.untyped_storage(), nbytes)
+        else:
+            self.full.untyped_storage().resize_(nbytes)
         self._gather = self._gather_from_master(async_op=async_op)
 
     def wait_unshard(self) -> None:
@@ -241,7 +250,10 @@ class FlatParam:
             return
         self.wait_unshard()
         self._use_rest_views()
-        self.full.untyped_storage().resize_(0)
+        if self.buffers is not None:
+            self.buffers.take_back(self, self.full.untyped_storage())
+        else:
+            self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
     @property
