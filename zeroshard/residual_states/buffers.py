@@ -32,8 +32,9 @@ class BufferPool:
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (free buffers kept per size), got {keep}")
         self.keep = keep
-        self._free: dict[tuple[torch.device, int], list[torch.UntypedStorage]] = defaultdict(list)
-        self._lent: dict[int, tuple[tuple[torch.device, int], torch.UntypedStorage]] = {}
+        # Buffers are tensors (1D uint8), so that memory trackers can be given them.
+        self._free: dict[tuple[torch.device, int], list[torch.Tensor]] = defaultdict(list)
+        self._lent: dict[int, tuple[tuple[torch.device, int], torch.Tensor]] = {}
         self.made = 0
         """Buffers allocated since construction."""
         self.made_bytes = 0
@@ -47,7 +48,7 @@ class BufferPool:
         key = (storage.device, nbytes)
         free = self._free[key]
         buffer = free.pop() if free else self._make(storage.device, nbytes)
-        _swap(storage, buffer)  # storage: the memory; buffer: the empty data pointer
+        _swap(storage, buffer.untyped_storage())  # storage: the memory; buffer: none
         self._lent[id(owner)] = (key, buffer)
 
     def take_back(self, owner: object, storage: torch.UntypedStorage) -> None:
@@ -59,29 +60,41 @@ class BufferPool:
             storage.resize_(0)
             return
         key, buffer = loan
-        _swap(storage, buffer)
+        _swap(storage, buffer.untyped_storage())
         free = self._free[key]
         if len(free) < self.keep:
             free.append(buffer)
         else:
-            buffer.resize_(0)
+            buffer.untyped_storage().resize_(0)
 
-    def _make(self, device: torch.device, nbytes: int) -> torch.UntypedStorage:
+    def _make(self, device: torch.device, nbytes: int) -> torch.Tensor:
         self.made += 1
         self.made_bytes += nbytes
-        # A tensor's storage, so that memory trackers see the allocation as any other.
-        return torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer the pool holds, free (with its memory) or lent (empty): to register with
+        a memory tracker (``MemTracker.track_external``), which then counts the free ones."""
+        return [b for free in self._free.values() for b in free] + [
+            b for _, b in self._lent.values()
+        ]
 
     @property
     def free_bytes(self) -> int:
         """Bytes of the free buffers the pool holds."""
-        return sum(b.nbytes() for free in self._free.values() for b in free)
+        return sum(b.untyped_storage().nbytes() for free in self._free.values() for b in free)
+
+
+_RESIZE = torch.UntypedStorage.resize_
+"""torch's own ``resize_``: memory trackers (``MemTracker``) replace the class attribute."""
 
 
 def _swap(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
-    """Exchange the memory of two storages. Then each is resized to its own new size, a no-op
-    that trackers patching ``UntypedStorage.resize_`` (torch's ``MemTracker``) see as the size
-    change it is."""
+    """Exchange the memory of two storages. While a tracker has patched
+    ``UntypedStorage.resize_``, each is then resized to its own new size, so that the tracker
+    sees the size change it missed; only then, because such a resize copies the whole buffer
+    (torch 2.13 reallocates even to the same size)."""
     a._swap_data_ptr_(b)
-    a.resize_(a.nbytes())
-    b.resize_(b.nbytes())
+    if torch.UntypedStorage.resize_ is not _RESIZE:
+        a.resize_(a.nbytes())
+        b.resize_(b.nbytes())
