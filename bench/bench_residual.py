@@ -71,6 +71,10 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
+NO_TRIM = "ZEROSHARD_BENCH_NO_TRIM"
+"""Set to 1 in a worker's environment: ``ShardConfig(trim_host_memory=False)``."""
+
+
 # --------------------------------------------------------------------------------- a: reuse
 def buffer_reuse(mb: int, repeats: int) -> dict:
     """Milliseconds to fill an existing ``mb`` MB float32 buffer vs allocate + fill a fresh one."""
@@ -103,7 +107,10 @@ def build(cfg, stage: int, checkpoint_every: int):
         GPT(cfg),
         stage=stage,
         wrap=zeroshard.wrap.by_class(Block),
-        config=zeroshard.ShardConfig(checkpoint_every=checkpoint_every),
+        config=zeroshard.ShardConfig(
+            checkpoint_every=checkpoint_every,
+            trim_host_memory=os.environ.get(NO_TRIM) != "1",
+        ),
     )
     return model, zeroshard.optimizer(model, torch.optim.AdamW, lr=LR)
 
@@ -476,11 +483,14 @@ def main() -> int:
         ]
     if "c" in args.sections:  # fresh ranks: the RSS before building is torch's alone
         res["c"], res["c_samples"] = {}, {}
-        settings = {"glibc default": None}
+        # The engine's default (malloc_trim after each step), then without it.
+        settings = {"glibc default, trim_host_memory": (None, None)}
+        settings["glibc default, no trim"] = (None, "1")
         if args.mmap_threshold:
-            settings[f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"] = str(args.mmap_threshold)
-        for label, threshold in settings.items():
-            ranks = _launch("c", {"MALLOC_MMAP_THRESHOLD_": threshold})
+            label = f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}, no trim"
+            settings[label] = (str(args.mmap_threshold), "1")
+        for label, (threshold, no_trim) in settings.items():
+            ranks = _launch("c", {"MALLOC_MMAP_THRESHOLD_": threshold, NO_TRIM: no_trim})
             res["c"][label] = [rss_summary(g["rss"], args.rss_warmup) for g in ranks]
             res["c_samples"][label] = [g["rss"]["samples"] for g in ranks]
     if "d" in args.sections:

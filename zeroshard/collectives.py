@@ -30,7 +30,7 @@ inter-node traffic: per step, the all-reduce of this rank's 1/k gradient shard, 
 from __future__ import annotations
 
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,6 +53,9 @@ class LedgerEntry:
 
 
 SHARD, REPLICATE, WORLD, TENSOR = "shard", "replicate", "world", "tensor"
+
+KEPT_STEPS = 1000
+"""Closed steps a ``Ledger`` remembers (the oldest are dropped: a long run does not grow)."""
 """Ledger scopes: the group a collective ran on (module docstring)."""
 
 
@@ -70,11 +73,15 @@ class Ledger:
     entries: dict[tuple[str, str], LedgerEntry] = field(
         default_factory=lambda: defaultdict(LedgerEntry)
     )
-    steps: list[dict[tuple[str, str], LedgerEntry]] = field(default_factory=list)
+    steps: deque[dict[tuple[str, str], LedgerEntry]] = field(
+        default_factory=lambda: deque(maxlen=KEPT_STEPS)
+    )
     scoped: dict[tuple[str, str, str], LedgerEntry] = field(
         default_factory=lambda: defaultdict(LedgerEntry)
     )
-    scoped_steps: list[dict[tuple[str, str, str], LedgerEntry]] = field(default_factory=list)
+    scoped_steps: deque[dict[tuple[str, str, str], LedgerEntry]] = field(
+        default_factory=lambda: deque(maxlen=KEPT_STEPS)
+    )
 
     def record(
         self, op: str, label: str, numel: int, element_bytes: int, scope: str = SHARD

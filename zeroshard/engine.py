@@ -38,6 +38,7 @@ from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam, ShardState
 from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.precision import MixedPrecision
+from zeroshard.residual_states import host_heap
 from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
@@ -494,6 +495,13 @@ class Engine:
         )
 
     # ----------------------------------------------------------------- after a step
+    def end_step(self) -> None:
+        """After an optimizer step (taken or skipped): close the ledger's step, and on the CPU
+        return what the step freed to the system (``zeroshard.residual_states.host_heap``)."""
+        self.ledger.end_step()
+        if self.config.trim_host_memory and self.mesh.device.type == "cpu":
+            host_heap.trim()
+
     def params_changed(self) -> None:
         """The FP32 masters changed (an optimizer step, a load): refresh replicated parameters.
 

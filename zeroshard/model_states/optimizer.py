@@ -385,14 +385,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._backward_step is not None:
             return self._finish_backward_step(self._backward_step, found_inf, unused)
         if found_inf:
-            self.engine.ledger.end_step()
+            self.engine.end_step()
             return False
         if self._swap is None:
             self._step_in_memory(unused)
         else:
             self._step_swapped(self._swap, unused)
         self.engine.params_changed()
-        self.engine.ledger.end_step()
+        self.engine.end_step()
         return True
 
     def _finish_backward_step(self, bs: BackwardStep, found_inf: bool, unused: set[int]) -> bool:
@@ -407,7 +407,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bs.reset()
         if stepped_any:
             self.engine.params_changed()
-        self.engine.ledger.end_step()
+        self.engine.end_step()
         return not found_inf
 
     def _step_in_memory(self, unused: set[int]) -> None:
