@@ -72,7 +72,7 @@ def rss_bytes() -> int:
 
 
 NO_TRIM = "ZEROSHARD_BENCH_NO_TRIM"
-"""Set to 1 in a worker's environment: ``ShardConfig(trim_host_memory=False)``."""
+"""Set to 1 in a worker's environment: ``ShardConfig(trim_host_memory=0)`` (never trim)."""
 
 
 # --------------------------------------------------------------------------------- a: reuse
@@ -109,7 +109,7 @@ def build(cfg, stage: int, checkpoint_every: int):
         wrap=zeroshard.wrap.by_class(Block),
         config=zeroshard.ShardConfig(
             checkpoint_every=checkpoint_every,
-            trim_host_memory=os.environ.get(NO_TRIM) != "1",
+            **({"trim_host_memory": 0} if os.environ.get(NO_TRIM) == "1" else {}),
         ),
     )
     return model, zeroshard.optimizer(model, torch.optim.AdamW, lr=LR)
@@ -484,7 +484,7 @@ def main() -> int:
     if "c" in args.sections:  # fresh ranks: the RSS before building is torch's alone
         res["c"], res["c_samples"] = {}, {}
         # The engine's default (malloc_trim after each step), then without it.
-        settings = {"glibc default, trim_host_memory": (None, None)}
+        settings = {"glibc default, trim on 3% growth": (None, None)}
         settings["glibc default, no trim"] = (None, "1")
         if args.mmap_threshold:
             label = f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}, no trim"

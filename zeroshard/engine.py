@@ -200,6 +200,12 @@ class Engine:
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
         self._refresh: dict[FlatParam, C.Handle] = {}  # post-step gathers in flight
         self._summoned = 0  # depth of summon_full_params
+        self.heap = (
+            host_heap.HeapKeeper(config.trim_host_memory)
+            if config.trim_host_memory and mesh.device.type == "cpu"
+            else None
+        )
+        """Training on the CPU: returns freed memory when the process grows (``end_step``)."""
         self.param_swap: ParamSwapper | None = None
         """With ``Offload(parameters="nvme")``: the masters on NVMe, read ahead of each gather
         along ``forward_order`` (``zeroshard.model_states.param_swap``; set by ``shard``)."""
@@ -496,11 +502,11 @@ class Engine:
 
     # ----------------------------------------------------------------- after a step
     def end_step(self) -> None:
-        """After an optimizer step (taken or skipped): close the ledger's step, and on the CPU
-        return what the step freed to the system (``zeroshard.residual_states.host_heap``)."""
+        """After an optimizer step (taken or skipped): close the ledger's step; on the CPU, return
+        freed memory to the system if the process grew (``zeroshard.residual_states.host_heap``)."""
         self.ledger.end_step()
-        if self.config.trim_host_memory and self.mesh.device.type == "cpu":
-            host_heap.trim()
+        if self.heap is not None:
+            self.heap.after_step()
 
     def params_changed(self) -> None:
         """The FP32 masters changed (an optimizer step, a load): refresh replicated parameters.

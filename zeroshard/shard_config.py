@@ -40,10 +40,11 @@ class ShardConfig:
     constant-size buffers, ``zeroshard.residual_states.buffers``): no allocation per gather,
     for ``1 + num_prefetch`` units' memory per unit size kept between steps. False: each
     gather allocates and each free returns the memory (the least memory at rest)."""
-    trim_host_memory: bool = True
-    """Training on the CPU: after each optimizer step, return the memory the step freed to the
-    system (``malloc_trim``), so that the process does not grow by fragmentation
-    (``zeroshard.residual_states.host_heap``; about 4% of a ``100m`` step here)."""
+    trim_host_memory: float = 0.03
+    """Training on the CPU: when an optimizer step ends with the process this fraction above its
+    size after 10 steps, return the memory the allocator holds freed to the system
+    (``malloc_trim``), so that it does not grow by fragmentation (0: never;
+    ``zeroshard.residual_states.host_heap``)."""
     partition_activations: bool = False
     """ZeRO-R's Pa: each span's saved input is kept 1/Nm per tensor-parallel rank and
     all-gathered before its recomputation (needs ``checkpoint_every`` and a tensor-parallel mesh,
@@ -72,6 +73,11 @@ class ShardConfig:
             raise ValueError(
                 "partition_activations partitions activation checkpoints, and there are none: "
                 "set checkpoint_every (e.g. 1) too"
+            )
+        if isinstance(self.trim_host_memory, bool) or not self.trim_host_memory >= 0:
+            raise ValueError(
+                f"trim_host_memory must be a fraction >= 0 (growth that triggers a trim, 0: "
+                f"never), got {self.trim_host_memory!r}"
             )
         if self.max_inflight_reductions < 1:
             raise ValueError(
