@@ -50,13 +50,13 @@ def _run(cfg: GPTConfig, constant: bool, seq: int, steps: int) -> dict:
         opt.backward(model(tok[:, :-1], tok[:, 1:]))
         opt.step()
         opt.zero_grad()
-        if step == 0 and pool is not None:
+        if step == 0:
             made = pool.made
         elif step:
             seconds.append(time.perf_counter() - start)
     return {
         "seconds": statistics.median(seconds),
-        "made_after_warmup": (pool.made - made) if pool is not None else None,
+        "made_after_warmup": pool.made - made,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
 
@@ -92,7 +92,7 @@ def main() -> int:
         rss = " / ".join(f"{x['peak_rss_gib']:.2f}" for x in last)
         name = "constant buffers" if constant else "allocated per gather"
         seconds = statistics.median(times[constant])
-        print(f"| {name} | {seconds:.3f} | {'-' if made is None else made} | {rss} |")
+        print(f"| {name} | {seconds:.3f} | {made} | {rss} |")
     ratio = statistics.median(times[True]) / statistics.median(times[False])
     print(f"\nconstant buffers / allocated per gather, step time: {ratio:.3f}")
     return 0

@@ -97,6 +97,9 @@ from zeroshard.models.gpt import GPT, Block, preset  # noqa: E402
 from zeroshard.offload.tiers import SwapHandle  # noqa: E402
 from zeroshard.testing import Workers  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scale import _batches  # noqa: E402
+
 NPROC = 2
 LR = 3e-4
 MIB = 2**20
@@ -200,11 +203,7 @@ def measure(name: str, stage: int, args: dict, folder: str) -> dict:
     rank = dist.get_rank()
     cfg = preset(name)
     batch, seq = args["batch"], args["seq"]
-    gen = torch.Generator().manual_seed(1000 + rank)
-    batches = []
-    for _ in range(4):
-        tok = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
-        batches.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
+    batches = _batches(cfg.vocab_size, batch, seq, 4)  # seeded per rank
     names = _placements(stage)
     runs = {}
     for n in names:
@@ -271,14 +270,9 @@ def deepspeed_measure(name: str, stage: int, args: dict) -> dict:
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's, on each collective
     import deepspeed
 
-    rank = dist.get_rank()
     cfg = preset(name)
     batch, seq = args["batch"], args["seq"]
-    gen = torch.Generator().manual_seed(1000 + rank)
-    batches = []
-    for _ in range(4):
-        tok = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
-        batches.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
+    batches = _batches(cfg.vocab_size, batch, seq, 4)  # seeded per rank
     torch.manual_seed(0)
     model = GPT(cfg)
     config = {

@@ -125,8 +125,6 @@ def _round_trip(shape: tuple[int, ...], where: str | None) -> dict:
         device=mesh.device,
         ledger=C.Ledger(),
         tp_group=mesh.tp_group,
-        tp_size=mesh.tp_size,
-        tp_rank=mesh.tp_rank,
         partition=True,
         offload=where,
     )

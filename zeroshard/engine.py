@@ -183,6 +183,8 @@ class Engine:
         scaling: GradScaling,
         checkpoint_keeper: CheckpointKeeper | None = None,
     ) -> None:
+        """``checkpoint_keeper``: with activation checkpointing, where span inputs are kept
+        (``sharding._checkpoint_keeper``); None without it."""
         self.model, self.units, self.mesh = model, unit_list, mesh
         self.scaling = scaling  # shared with every bucket: the loss scale, found inf/NaN
         self.stage, self.partition = stage, partition(stage)
@@ -210,12 +212,8 @@ class Engine:
         """With ``Offload(parameters="nvme")``: the masters on NVMe, read ahead of each gather
         along ``forward_order`` (``zeroshard.model_states.param_swap``; set by ``shard``)."""
         self.checkpointing = (
-            SpanCheckpointing(
-                config.checkpoint_every,
-                mesh.device,
-                checkpoint_keeper or CheckpointKeeper(device=mesh.device, ledger=ledger),
-            )
-            if config.checkpoint_every
+            SpanCheckpointing(config.checkpoint_every, mesh.device, checkpoint_keeper)
+            if checkpoint_keeper is not None
             else None
         )
         inner = [u for u in unit_list if not u.is_root]

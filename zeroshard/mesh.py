@@ -105,14 +105,20 @@ class Mesh:
     """With tensor parallelism (``zeroshard.tensor_parallel.mesh_2d``): the ranks that split
     this rank's layers; ``group`` is then the data-parallel dim only. None: no tensor
     parallelism."""
-    tp_size: int = 1
-    """Ranks of ``tp_group`` (Nm, the article's model-parallel degree)."""
-    tp_rank: int = 0
-    """This rank's place in ``tp_group`` (which piece of each split layer it holds)."""
 
     @property
     def backend(self) -> str:
         return dist.get_backend(self.group) if dist.is_initialized() else "none"
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks of ``tp_group`` (Nm, the article's model-parallel degree); 1 without one."""
+        return 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in ``tp_group`` (which piece of each split layer it holds)."""
+        return 0 if self.tp_group is None else dist.get_rank(self.tp_group)
 
     @property
     def global_rank(self) -> int:

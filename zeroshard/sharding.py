@@ -137,8 +137,7 @@ def shard(
 
     # Stage 3: every unit's gathered storage borrows from fixed buffers, made once (ZeRO-R's CB);
     # as many per size as units are gathered at once (the one computing and the prefetched).
-    pooled = part.parameters and config.constant_buffers
-    buffers = BufferPool(keep=1 + config.num_prefetch) if pooled else None
+    buffers = BufferPool(keep=1 + config.num_prefetch if config.constant_buffers else 0)
 
     def make(params: list[tuple[nn.Parameter, list[str]]], dtype: torch.dtype) -> FlatParam:
         materialize([p for p, _ in params])
@@ -227,8 +226,6 @@ def _checkpoint_keeper(
         device=mesh.device,
         ledger=ledger,
         tp_group=mesh.tp_group,
-        tp_size=mesh.tp_size,
-        tp_rank=mesh.tp_rank,
         partition=config.partition_activations,
         offload=where,
         store=offload.activation_store_config(mesh.global_rank) if offload is not None else None,

@@ -82,7 +82,7 @@ def mesh_2d(tp: int, *, mesh: Mesh | None = None):
     dm = _MESHES[key]
     dp = Mesh.from_device_mesh(dm["dp"], device=base.device)
     dp = replace(dp, local_rank=base.local_rank, local_world_size=base.local_world_size)
-    return dm, replace(dp, tp_group=dm.get_group("tp"), tp_size=tp, tp_rank=dm.get_local_rank("tp"))
+    return dm, replace(dp, tp_group=dm.get_group("tp"))
 
 
 def _fused_colwise():

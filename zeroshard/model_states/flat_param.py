@@ -49,12 +49,12 @@ from zeroshard import collectives as C
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.partition import intersect, padded_numel, shard_range
 from zeroshard.precision import MASTER_DTYPE
+from zeroshard.residual_states.buffers import BufferPool
 from zeroshard.stages import Partition
 from zeroshard.streams import on_side_stream
 
 if TYPE_CHECKING:
     from zeroshard.model_states.param_swap import ParamSwapper
-    from zeroshard.residual_states.buffers import BufferPool
 
 
 class ShardState(enum.Enum):
@@ -123,9 +123,9 @@ class FlatParam:
         buffers: BufferPool | None = None,
     ) -> None:
         self.mesh, self.partition, self.ledger = mesh, partition, ledger
-        self.buffers = buffers
-        """Where a partitioned ``full`` gets its memory while gathered (constant buffers, lent
-        and taken back: ``zeroshard.residual_states.buffers``); None: allocated per gather."""
+        self.buffers = buffers or BufferPool(keep=0)
+        """Where a partitioned ``full`` gets its memory while gathered: lent and taken back
+        (``zeroshard.residual_states.buffers``; ``keep=0``: allocated per gather)."""
         self.name = _common_module([s for _, names in params for s in names[:1]])
         """The module holding every parameter here (the unit's name; ``<root>`` for the root):
         named in errors, e.g. a collective that timed out."""
@@ -228,10 +228,7 @@ class FlatParam:
             return
         # Refill the same storage object: views that autograd saved in forward see the refill.
         nbytes = self.padded_numel * self.full.element_size()
-        if self.buffers is not None:
-            self.buffers.lend(self, self.full.untyped_storage(), nbytes)
-        else:
-            self.full.untyped_storage().resize_(nbytes)
+        self.buffers.lend(self, self.full.untyped_storage(), nbytes)
         self._gather = self._gather_from_master(async_op=async_op)
 
     def wait_unshard(self) -> None:
@@ -250,10 +247,7 @@ class FlatParam:
             return
         self.wait_unshard()
         self._use_rest_views()
-        if self.buffers is not None:
-            self.buffers.take_back(self, self.full.untyped_storage())
-        else:
-            self.full.untyped_storage().resize_(0)
+        self.buffers.take_back(self, self.full.untyped_storage())
         self.state = ShardState.SHARDED
 
     @property

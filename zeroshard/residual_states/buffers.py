@@ -15,7 +15,8 @@ The pool grows only when every buffer of a size is lent (the first step's peak, 
 ``summon_full_params`` holding every unit); after ``take_back`` it keeps at most ``keep`` free
 buffers per size and frees the rest, so that an unusual moment does not pin its memory for good.
 ``made`` counts the buffers ever allocated: after the first step of steady training it stops
-growing.
+growing. ``keep=0`` keeps nothing: each lend allocates and each take-back frees (memory only
+while gathered, an allocation per gather).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ class BufferPool:
     """Memory lent to storages that need it for a while (module docstring)."""
 
     def __init__(self, keep: int) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1 (free buffers kept per size), got {keep}")
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0 (free buffers kept per size), got {keep}")
         self.keep = keep
         # Buffers are tensors (1D uint8), so that memory trackers can be given them.
         self._free: dict[tuple[torch.device, int], list[torch.Tensor]] = defaultdict(list)

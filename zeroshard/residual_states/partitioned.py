@@ -83,12 +83,14 @@ class CheckpointKeeper:
         device: torch.device,
         ledger: C.Ledger,
         tp_group: dist.ProcessGroup | None = None,
-        tp_size: int = 1,
-        tp_rank: int = 0,
         partition: bool = False,
         offload: str | None = None,
         store: OffloadConfig | None = None,
     ) -> None:
+        """``tp_group``: the tensor-parallel ranks holding the same checkpoints (None: none);
+        ``partition``: keep 1/Nm of each over them (Pa); ``offload``: None, "cpu" or "nvme"
+        (``store``: the NVMe store's configuration)."""
+        tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
         if partition and tp_size < 2:
             raise ValueError(
                 "partition_activations splits checkpoints over tensor-parallel ranks, and there "
@@ -101,7 +103,8 @@ class CheckpointKeeper:
             raise ValueError("activations='nvme' needs a folder for the swap files")
         self.device, self.ledger = device, ledger
         self.parts = tp_size if partition else 1
-        self.tp_group, self.tp_rank = tp_group, tp_rank if partition else 0
+        self.tp_group = tp_group
+        self.tp_rank = dist.get_rank(tp_group) if partition else 0
         self.offload = offload
         self._store_config = store or (OffloadConfig(tier=Tier.CPU) if offload else None)
         self._store: TensorStore | None = None
@@ -123,16 +126,18 @@ class CheckpointKeeper:
     def _pack(self, t: torch.Tensor) -> Any:
         if isinstance(t, AsyncCollectiveTensor):
             t = t.wait()  # a tensor-parallel layer's output: its all-reduce done before we copy
-        if not t.is_floating_point() or t.numel() == 0 or (self.parts == 1 and not self.offload):
-            self.bytes.add("device", _nbytes(t))
-            packed = _Packed(t, whole=True)
-            packed.piece = t
-            weakref.finalize(packed, self.bytes.add, "device", -_nbytes(t))
-            return packed
-        packed = _Packed(t, whole=False)
-        packed.piece = self._own_piece(t.detach())
+        # Kept as they are: integers, empty tensors, tensors off this rank's device (not
+        # collectives' business), and everything when neither partitioned nor offloaded.
+        whole = (
+            not t.is_floating_point()
+            or t.numel() == 0
+            or t.device != self.device
+            or (self.parts == 1 and not self.offload)
+        )
+        packed = _Packed(t, whole=whole)
+        packed.piece = t if whole else self._own_piece(t.detach())
         nbytes = _nbytes(packed.piece)
-        if self.offload:
+        if not whole and self.offload:
             packed.tier = self.offload
             packed.name = f"activation{next(self._names)}"
             store = self.store
@@ -140,19 +145,23 @@ class CheckpointKeeper:
             # Written asynchronously; the store holds the device copy until then, not us.
             store.swap_out(packed.name, packed.piece)
             packed.piece = None
-            weakref.finalize(packed, self._forget, packed.name, nbytes, packed.tier)
-        else:
-            weakref.finalize(packed, self.bytes.add, "device", -nbytes)
+        weakref.finalize(packed, self._forget, packed.name, nbytes, packed.tier)
         self.bytes.add(packed.tier, nbytes)
+        if whole:
+            return packed
         self._order = [r for r in self._order if r() is not None]
         self._order.append(weakref.ref(packed))
         return packed
 
+    def _chunk(self, numel: int) -> int:
+        """Elements of one rank's piece of a checkpoint of ``numel`` elements (padded)."""
+        return -(-numel // self.parts)
+
     def _own_piece(self, t: torch.Tensor) -> torch.Tensor:
-        """1D ceil(numel / Nm) elements: this rank's piece of ``t`` flattened, zero-padded at
+        """1D ``_chunk(numel)`` elements: this rank's piece of ``t`` flattened, zero-padded at
         the end (a copy, so that ``t`` itself can be freed)."""
         n = t.numel()
-        chunk = -(-n // self.parts)
+        chunk = self._chunk(n)
         flat = t.reshape(-1)
         lo, hi = min(n, self.tp_rank * chunk), min(n, (self.tp_rank + 1) * chunk)
         piece = torch.empty(chunk, dtype=t.dtype, device=t.device)
@@ -160,10 +169,11 @@ class CheckpointKeeper:
         piece[hi - lo :].zero_()
         return piece
 
-    def _forget(self, name: str, nbytes: int, tier: str) -> None:
+    def _forget(self, name: str | None, nbytes: int, tier: str) -> None:
+        """A checkpoint was freed: uncount it, and release its copy in the store if any."""
         self.bytes.add(tier, -nbytes)
         store = self._store
-        if store is not None and not store.closed:
+        if name is not None and store is not None and not store.closed:
             store.release(name)
 
     # ----------------------------------------------------------------- backward
@@ -201,8 +211,7 @@ class CheckpointKeeper:
     def _start_read(self, packed: _Packed) -> SwapHandle:
         store = self.store
         assert store is not None and packed.name is not None
-        chunk = -(-packed.numel // self.parts)
-        into = torch.empty(chunk, dtype=packed.dtype, device=packed.device)
+        into = torch.empty(self._chunk(packed.numel), dtype=packed.dtype, device=packed.device)
         return store.swap_in(packed.name, into=into)
 
     def _prefetch_before(self, packed: _Packed) -> None:
