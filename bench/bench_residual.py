@@ -54,6 +54,7 @@ from bench_engine import LR, NPROC, SIZES, MiB  # noqa: E402
 from bench_scale import _batches, _rss_bytes  # noqa: E402
 
 import zeroshard  # noqa: E402
+from zeroshard.mesh import tear_down  # noqa: E402
 from zeroshard.models.gpt import GPT, Block, preset  # noqa: E402
 
 TOP_SOURCES = 8
@@ -243,8 +244,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, local)
     if rank == 0:
         Path(args.out).write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
+    tear_down(clean=True)  # the model's groups before the default one, gloo's threads stopped
 
 
 def rss_summary(r: dict, warmup: int) -> dict:

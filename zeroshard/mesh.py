@@ -20,6 +20,7 @@ among its ranks is an explicit call, ``mesh.share_cpu_threads()``, that the trai
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import warnings
@@ -363,3 +364,23 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "MASTER_ADDR" in os.environ
     )
+
+
+def tear_down(*, clean: bool) -> None:
+    """Destroy the process groups before the interpreter exits: gloo's threads destroyed during
+    interpreter teardown abort the process ("terminate called without an active exception").
+    ``clean``: every rank got here, so a barrier first (no rank closes a connection that
+    another still reads); else at once, the peers may be gone. Sub-groups go before the default
+    group, whose store they use."""
+    if not dist.is_initialized():
+        return
+    # The model, optimizer and their pending works reach the groups through reference cycles:
+    # freed now, while the groups are alive, not by the interpreter's final teardown.
+    gc.collect()
+    if clean:
+        dist.barrier()
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
+    dist.destroy_process_group()
+    gc.collect()  # the last references to the destroyed groups, while the interpreter lives

@@ -85,6 +85,6 @@ if __name__ == "__main__":
     code = main()
     # The interpreter's last garbage collections walk every object torch made (0.3-0.7 s, on
     # every rank at every exit); frozen, they skip them. Nothing is left to collect by now:
-    # ``zeroshard train`` frees its process groups itself (``cli.train._tear_down``).
+    # ``zeroshard train`` frees its process groups itself (``zeroshard.mesh.tear_down``).
     gc.freeze()
     sys.exit(code)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import logging
 import os
@@ -40,7 +39,7 @@ from zeroshard import checkpoint
 from zeroshard.cli.main import UsageError
 from zeroshard.data import BatchLoader
 from zeroshard.divergence import Diverged
-from zeroshard.mesh import launched_by_torchrun
+from zeroshard.mesh import launched_by_torchrun, tear_down
 from zeroshard.models.gpt import PRESETS
 from zeroshard.models.loading import hf_context_len, import_factory, read_hf_config
 from zeroshard.run_log import tensorboard_available
@@ -463,7 +462,7 @@ def _run_rank(args: argparse.Namespace) -> int:
                 print(line, flush=True)
         return _train_here(cfg, _make_out_dir(cfg.out_dir))
     except USER_ERRORS as exc:
-        _tear_down(clean=False)
+        tear_down(clean=False)
         if _rank() != 0:  # rank 0 has most likely the same error: it reports first
             time.sleep(1.0)
         print(f"zeroshard train: error: {exc}", file=sys.stderr, flush=True)
@@ -483,7 +482,7 @@ def _train_here(cfg: TrainConfig, out: Path) -> int:
             return _finish(str(exc), exc.exit_code)
         if isinstance(exc, Diverged):  # agreed by every rank: see zeroshard.divergence
             return _finish(f"zeroshard train: {exc}", exc.exit_code, stream=sys.stderr)
-        _tear_down(clean=False)
+        tear_down(clean=False)
         if isinstance(exc, CollectiveTimeout):  # a peer stopped answering: this rank says so
             print(f"zeroshard train: error: {exc}", file=sys.stderr, flush=True)
             return exc.exit_code
@@ -505,7 +504,7 @@ def _train_here(cfg: TrainConfig, out: Path) -> int:
 def _finish(line: str, code: int, stream: Any = None) -> int:
     if _rank() == 0:
         print(line, file=stream or sys.stdout, flush=True)
-    _tear_down(clean=True)
+    tear_down(clean=True)
     return code
 
 
@@ -540,28 +539,6 @@ def resume_after_restart(cfg: TrainConfig, restart: int) -> tuple[TrainConfig, s
 def _restart_count() -> int:
     """How many times torchrun's agent has restarted this job's ranks (0 outside torchrun)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def _tear_down(*, clean: bool) -> None:
-    """Destroy the process groups before the interpreter exits: gloo's threads destroyed during
-    interpreter teardown abort the process ("terminate called without an active exception").
-    ``clean``: every rank got here, so a barrier first (no rank closes a connection that
-    another still reads); else at once, the peers may be gone. Sub-groups go before the default
-    group, whose store they use."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return
-    # The model, optimizer and their pending works reach the groups through reference cycles:
-    # freed now, while the groups are alive, not by the interpreter's final teardown.
-    gc.collect()
-    if clean:
-        dist.barrier()
-    for group in list(dist.distributed_c10d._world.pg_map):
-        if group is not dist.group.WORLD:
-            dist.destroy_process_group(group)
-    dist.destroy_process_group()
-    gc.collect()  # the last references to the destroyed groups, while the interpreter lives
 
 
 def _rank() -> int:
