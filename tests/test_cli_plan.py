@@ -107,6 +107,7 @@ def test_offload_rows_and_efficiency(capsys):
         (3, "nvme-optimizer"),
         (3, "cpu-all"),
         (3, "nvme-all"),
+        (3, "nvme-everything"),
     ]
     by = {(r["stage"], r["offload"]): r for r in out["stages"]}
     assert by[(3, "none")]["efficiency"] is None
@@ -117,6 +118,9 @@ def test_offload_rows_and_efficiency(capsys):
         by[(3, "nvme-all")]["nvme_bytes"] > 0
         and by[(3, "nvme-all")]["memory"]["device"]["params"] == 0
     )
+    # Offload(gradients="nvme") too: the gradient shards move from the CPU column to NVMe.
+    every, nvme_all = by[(3, "nvme-everything")]["memory"], by[(3, "nvme-all")]["memory"]
+    assert every["cpu"]["grads"] == 0 and every["nvme"]["grads"] == nvme_all["cpu"]["grads"] > 0
 
 
 def test_memory_gb_and_gib_told_apart(capsys):

@@ -652,12 +652,19 @@ def test_offload_everything_to_nvme_trains_as_in_memory(capsys, tmp_path, data_d
         "--offload-optimizer", "nvme", "--offload-gradients", "nvme", "--offload-params", "nvme",
         "--offload-folder", str(swap),
     ]  # fmt: skip
-    runs = {}
+    runs, summaries = {}, {}
     for name, extra in (("memory", []), ("nvme", offload)):
         code, err, records, summary = _train_in_process(capsys, tmp_path / name, *flags, *extra)
         assert code == 0, err
         runs[name] = [r["loss"] for r in _train_records(records)]
+        summaries[name] = summary
     assert len(runs["nvme"]) == 3 and runs["nvme"] == runs["memory"], runs
+    # Every step moves the FP32 masters (fwd, bwd, step), Adam's m and v and the gradient shard.
+    model_bytes = 4 * summaries["nvme"]["num_params"]
+    assert summaries["nvme"]["disk_write_gb_per_step"] * 1e9 >= 4 * model_bytes * 0.99
+    assert summaries["nvme"]["disk_read_gb_per_step"] * 1e9 >= 6 * model_bytes * 0.99
+    assert "disk_read_gb_per_step" not in summaries["memory"]
+    assert all(m > 0 for m in summaries["nvme"]["peak_rss_mib"])
     gc.collect()  # the model and optimizer own the stores: their swap files go with them
     assert not swap.exists() or not any(p.suffix == ".swp" for p in swap.rglob("*"))
 
@@ -718,3 +725,33 @@ def test_tensor_parallel_run_follows_the_data_parallel_one(tmp_path, data_dir):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     summary = json.loads((tmp_path / "tp" / "summary.json").read_text())
     assert summary["ranks"] == 4 and summary["tp"] == 2
+
+
+def test_meta_init_builds_one_unit_at_a_time_and_trains(capsys, tmp_path, data_dir):
+    flags = ["--data-dir", str(data_dir), *NANO, "--steps", "6", "--batch-size", "4"]
+    code, err, records, summary = _train_in_process(capsys, tmp_path, *flags, "--meta-init", "true")
+    assert code == 0, err
+    evals = [r["val_loss"] for r in records if r["kind"] == "eval"]
+    assert math.isfinite(evals[0]) and evals[-1] < evals[0], evals
+    assert summary["num_params"] > 0
+
+
+def test_meta_init_refuses_hf_and_tp(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 256, "n_positions": 64}))
+    base = ["train", "--meta-init", "true", "--out-dir", str(tmp_path)]
+    _expect_usage_error(capsys, [*base, "--hf", str(config)], "meta_init", "hf =")
+    _expect_usage_error(capsys, [*base, "--tp", "2", "--nproc", "2"], "meta_init", "--tp 1")
+
+
+def test_a_preset_too_big_to_build_in_full_asks_for_meta_init(
+    capsys, tmp_path, monkeypatch, data_dir
+):
+    import zeroshard.cli.train_checks as checks
+
+    monkeypatch.setattr(checks, "memory_available_bytes", lambda: 10**4)  # < nano
+    flags = ["--data-dir", str(data_dir), *NANO, "--steps", "1", "--batch-size", "2"]
+    argv = ["train", *flags, "--out-dir", str(tmp_path)]
+    _expect_usage_error(capsys, argv, "preset 'nano'", "--meta-init true")
+    code, err, _, _ = _train_in_process(capsys, tmp_path / "meta", *flags, "--meta-init", "true")
+    assert code == 0, err

@@ -91,9 +91,9 @@ def test_data_too_small_for_the_batch(capsys, tmp_path):
 
 
 def test_tensorboard_missing(capsys, tmp_path, monkeypatch):
-    import zeroshard.cli.train
+    import zeroshard.cli.train_checks
 
-    monkeypatch.setattr(zeroshard.cli.train, "tensorboard_available", lambda: False)
+    monkeypatch.setattr(zeroshard.cli.train_checks, "tensorboard_available", lambda: False)
     argv = ["train", "--log", "tensorboard", "--preset", "nano", "--seq-len", "32"]
     err = _one_line_error(capsys, [*argv, "--out-dir", str(tmp_path)])
     assert "pip install tensorboard" in err and "metrics.jsonl" in err, err

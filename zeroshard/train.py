@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import threading
 import time
 import warnings
@@ -175,7 +176,7 @@ def train(cfg: TrainConfig) -> dict:
         torch.manual_seed(cfg.seed)
         built = build_model(
             preset_name=cfg.preset, model=cfg.model, hf=cfg.hf, wrap=cfg.wrap,
-            vocab_size=data.vocab_size,
+            vocab_size=data.vocab_size, meta_init=cfg.meta_init,
         )  # fmt: skip
         num_params = sum(p.numel() for p in built.module.parameters())
         if device_mesh is not None:
@@ -240,6 +241,7 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
         every_s=cfg.progress_every,
     )  # fmt: skip
     guard = DivergenceGuard(opt, max_skipped_steps=cfg.max_skipped_steps, num_skipped=skipped)
+    disk = DiskTraffic(opt)
 
     def evaluate_at(step: int) -> float:
         val = evaluate(model, val_batches, device, num_chunks=cfg.grad_accum, vocab_size=vocab)
@@ -265,9 +267,11 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
             loss_value = loss.item()
             guard.step(step, loss_value)  # skipped when some rank has inf/NaN gradients
             opt.zero_grad()
+            disk.collect()
             if step % cfg.log_every == 0 or step == cfg.steps:
                 rec = _train_record(step, loss_value, lr, norm, records, t_log, tokens_per_step,
                                     device)  # fmt: skip
+                rec |= disk.record(_steps_since(step, records), device)
                 t_log = time.perf_counter()
                 log(rec)
                 bar.set_postfix(
@@ -300,7 +304,10 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
         val_loss_first=round(first_val, 4), val_loss_last=round(records[-1]["val_loss"], 4),
         comm_bytes_per_step=sum(e.bytes for e in zeroshard.ledger(model).steps[-1].values()),
         comm_bytes_per_step_by_label=_bytes_by_label(zeroshard.ledger(model).steps[-1]),
+        peak_rss_mib=[round(b / 2**20, 1) for b in _gather_ints(peak_rss_bytes(), device)],
     )  # fmt: skip
+    if disk.offloaded:
+        summary.update(disk.summary(records))
     _write_summary(summary, records, out, rank)
     return summary
 
@@ -319,19 +326,86 @@ def _forward_backward(model, opt, x_BT, y_BT, num_micro: int, device, vocab_size
 
 def _train_record(step, loss, lr, norm, records, t_log, tokens_per_step, device) -> dict:
     """One ``metrics.jsonl`` training record (gathers every rank's memory: a collective)."""
-    world = dist.get_world_size()
-    mem = torch.tensor([rank_memory_bytes(device)], dtype=torch.float64, device=device)
-    mems = [torch.zeros_like(mem) for _ in range(world)]
-    dist.all_gather(mems, mem)
-    last = next((r["step"] for r in reversed(records) if r["kind"] == "train"), None)
-    steps_since = step - (last if last is not None else (records[0]["step"] if records else 0))
-    tok_s = tokens_per_step * steps_since / max(time.perf_counter() - t_log, 1e-9)
+    mems = _gather_ints(rank_memory_bytes(device), device)
+    tok_s = tokens_per_step * _steps_since(step, records) / max(time.perf_counter() - t_log, 1e-9)
     return {
         "kind": "train", "step": step, "loss": loss, "lr": lr,
         "grad_norm": None if norm is None else norm.item(), "tokens_per_s": tok_s,
-        "rank_mem_mib": [round(m.item() / 2**20, 1) for m in mems],
+        "rank_mem_mib": [round(m / 2**20, 1) for m in mems],
         "time": round(time.time(), 3),  # Unix seconds: the gaps show restarts and stalls
     }  # fmt: skip
+
+
+def _steps_since(step: int, records: list[dict]) -> int:
+    """Steps since the last training record (or the run's first record)."""
+    last = next((r["step"] for r in reversed(records) if r["kind"] == "train"), None)
+    return step - (last if last is not None else (records[0]["step"] if records else 0))
+
+
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has had (``ru_maxrss``), bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _gather_ints(value: int, device: torch.device) -> list[int]:
+    """``value`` of every rank, in rank order (a collective)."""
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [int(t.item()) for t in every]
+
+
+class DiskTraffic:
+    """Bytes the offloaded states moved to and from the swap files (ZeRO-Infinity), summed over
+    steps since the last record and, in records, over ranks; nothing without NVMe offload."""
+
+    def __init__(self, opt) -> None:
+        self.opt = opt
+        self.offloaded = bool(opt.offload_stats())  # also clears the building's I/O
+        self.read_bytes = self.write_bytes = 0
+        self.wait_s = 0.0
+
+    def collect(self) -> None:
+        """Add the step just finished (every rank, after the optimizer step)."""
+        if not self.offloaded:
+            return
+        st = self.opt.offload_stats()
+        self.read_bytes += sum(
+            int(st.get(k, 0))
+            for k in ("read_bytes", "prefetch_bytes", "param_read_bytes", "grad_read_bytes")
+        )
+        self.write_bytes += sum(
+            int(st.get(k, 0)) for k in ("write_bytes", "param_write_bytes", "grad_write_bytes")
+        )
+        self.wait_s += sum(st.get(k, 0.0) for k in ("wait_s", "param_wait_s", "grad_wait_s"))
+
+    def record(self, num_steps: int, device: torch.device) -> dict:
+        """Per-step disk traffic of every rank together since the last record (a collective
+        when offloaded): ``disk_read_gb``, ``disk_write_gb`` (1e9 bytes) and this rank's
+        ``io_wait_s`` (seconds blocked on a swap per step)."""
+        if not self.offloaded:
+            return {}
+        total = torch.tensor([self.read_bytes, self.write_bytes], dtype=torch.float64)
+        total = total.to(device)
+        dist.all_reduce(total)
+        steps = max(num_steps, 1)
+        out = {
+            "disk_read_gb": round(total[0].item() / steps / 1e9, 3),
+            "disk_write_gb": round(total[1].item() / steps / 1e9, 3),
+            "io_wait_s": round(self.wait_s / steps, 3),
+        }
+        self.read_bytes = self.write_bytes = 0
+        self.wait_s = 0.0
+        return out
+
+    @staticmethod
+    def summary(records: list[dict]) -> dict:
+        """The last record's per-step disk traffic (all ranks), for ``summary.json``."""
+        last = next((r for r in reversed(records) if "disk_read_gb" in r), None)
+        if last is None:
+            return {}
+        return {"disk_read_gb_per_step": last["disk_read_gb"],
+                "disk_write_gb_per_step": last["disk_write_gb"]}  # fmt: skip
 
 
 def _bytes_by_label(step: dict) -> dict[str, int]:

@@ -41,6 +41,11 @@ class TrainConfig:
     wrap: str | None = None
     """Module class name(s), comma-separated, that become units (gathered and freed together);
     default: the model's _no_split_modules, the GPT's Block, else the whole model is one unit."""
+    meta_init: bool = False
+    """Build the model on the meta device and initialize it one unit at a time while it is
+    sharded, so no rank ever holds all of it (for models whose FP32 weights do not fit once per
+    local rank); the built-in presets and --model (its factory runs under torch.device("meta"),
+    units initialized by reset_parameters()). Initial values differ from an eager build."""
     data: str | None = None
     """Training text: a text file, a folder of text files, or a .npy of token ids; the last tenth
     of the tokens is validation (default: the standard library's Python source, bytes)."""
@@ -150,6 +155,17 @@ class TrainConfig:
         if self.model and self.hf:
             raise ValueError(
                 f"model = {self.model!r} and hf = {self.hf!r}: pass one of --model and --hf"
+            )
+        if self.meta_init and self.hf:
+            raise ValueError(
+                f"meta_init = true with hf = {self.hf!r}: transformers models compute buffers "
+                "(e.g. rotary frequencies) when built, which the meta device would lose; drop "
+                "--meta-init, or pass --model with a factory that initializes them"
+            )
+        if self.meta_init and self.tp > 1:
+            raise ValueError(
+                f"meta_init = true with tp = {self.tp}: tensor parallelism splits materialized "
+                "weights; drop --meta-init or pass --tp 1"
             )
         block = PRESETS[self.preset].block_size
         if not (self.model or self.hf) and self.seq_len > block:

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import sys
 import time
 import traceback
@@ -37,15 +36,12 @@ from typing import Any
 
 from zeroshard import checkpoint
 from zeroshard.cli.main import UsageError
-from zeroshard.data import BatchLoader
+from zeroshard.cli.train_checks import check_divides, check_inputs, check_port, make_out_dir
 from zeroshard.divergence import Diverged
 from zeroshard.mesh import launched_by_torchrun, tear_down
 from zeroshard.models.gpt import PRESETS
-from zeroshard.models.loading import hf_context_len, import_factory, read_hf_config
-from zeroshard.run_log import tensorboard_available
 from zeroshard.signals import Stopped
-from zeroshard.tokens import check_data_path, load_tokenizer
-from zeroshard.train import TrainConfig, load_data, resume_path, save_config, train
+from zeroshard.train import TrainConfig, resume_path, save_config, train
 from zeroshard.train_config import field_docs
 from zeroshard.watchdog import CollectiveTimeout
 
@@ -210,108 +206,6 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def check_inputs(cfg: TrainConfig, nproc: int) -> None:
-    """What ``TrainConfig`` cannot check alone (files, installed packages, rank count), before
-    any process starts; a UsageError with the fix."""
-    _check_divides(cfg, nproc)
-    if cfg.data:
-        check_data_path(cfg.data)
-    if cfg.tokenizer:
-        load_tokenizer(cfg.tokenizer)
-    if cfg.model:
-        import_factory(cfg.model)
-    if cfg.hf:
-        context = hf_context_len(read_hf_config(cfg.hf))
-        if context is not None and cfg.seq_len > context:
-            raise UsageError(
-                f"seq_len = {cfg.seq_len} exceeds the {context} positions of {cfg.hf}; pass "
-                f"--seq-len {context} or less"
-            )
-    _check_batches(cfg, nproc)
-    if cfg.offload_folder is not None:
-        _check_offload_folder(cfg.offload_folder)
-    if cfg.log == "tensorboard" and not tensorboard_available():
-        raise UsageError(
-            "log = 'tensorboard' needs the tensorboard package, which is not installed; "
-            "pip install tensorboard, or drop --log (metrics.jsonl is always written)"
-        )
-
-
-def _check_offload_folder(path: str) -> None:
-    """The swap folder can be created and written (its space is checked by each rank's store
-    against what it will hold, before step 1)."""
-    folder = Path(path)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as exc:
-        raise UsageError(
-            f"offload folder {folder} is not writable ({exc.strerror}); pass a writable "
-            "--offload-folder on the fast disk"
-        ) from None
-
-
-def _check_divides(cfg: TrainConfig, nproc: int) -> None:
-    if nproc % cfg.tp:
-        raise UsageError(
-            f"--tp {cfg.tp} does not divide the {nproc} ranks; launch a multiple of {cfg.tp} "
-            "(--nproc) or pick a --tp that divides it"
-        )
-    dp = nproc // cfg.tp  # data-parallel ranks: a tensor-parallel group shares its batch
-    if cfg.batch_size % (dp * cfg.grad_accum):
-        what = f"{dp} data-parallel ranks" if cfg.tp > 1 else f"{dp} ranks"
-        raise UsageError(
-            f"global batch {cfg.batch_size} does not divide across {what} x "
-            f"{cfg.grad_accum} micro-batches; use a --batch-size that is a multiple of "
-            f"{dp * cfg.grad_accum}"
-        )
-
-
-def _check_batches(cfg: TrainConfig, nproc: int) -> None:
-    """The data gives every rank its batches and validation batches (as ``train`` cuts them)."""
-    data = load_data(cfg)
-    for tokens_N, num_eval in ((data.train, 0), (data.val, cfg.eval_batches)):
-        loader = BatchLoader.from_global_batch(
-            tokens_N,
-            global_batch_size=cfg.batch_size,
-            seq_len=cfg.seq_len,
-            world_size=nproc // cfg.tp,  # the data-parallel ranks
-        )
-        if num_eval:
-            loader.eval_batches(num_eval)
-
-
-def _make_out_dir(path: str) -> Path:
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"  # per process: every rank probes at once
-        probe.touch()
-        probe.unlink()
-    except OSError as exc:
-        raise UsageError(
-            f"cannot create output folder {out} ({exc.strerror}); pass a writable --out-dir"
-        ) from None
-    return out
-
-
-def _check_port(port: int, *, bind: bool) -> None:
-    """A TCP port number, and (``bind``: it will be used) free on this machine."""
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--port {port} is not a TCP port; pass 1-65535, or 0 for a free one")
-    if port == 0 or not bind:
-        return
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            raise UsageError(
-                f"port {port} is already in use; pass another --port (or 0 for a free one)"
-            ) from None
-
-
 def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         return _run_rank(args)
@@ -322,10 +216,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc must be at least 1, got {nproc}")
     port = _int_flag("--port", args.port)
     launch = _launch_plan(args, cfg, nproc, port)
-    _check_port(port, bind=launch.elastic and not launch.rdzv_endpoint)
-    out = _make_out_dir(cfg.out_dir)
+    check_port(port, bind=launch.elastic and not launch.rdzv_endpoint)
+    out = make_out_dir(cfg.out_dir)
     for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
-        _check_divides(cfg, world)
+        check_divides(cfg, world)
     check_inputs(cfg, launch.worlds()[0])
     cfg = _pin_resume(cfg)
     if not launch.elastic:
@@ -460,7 +354,7 @@ def _run_rank(args: argparse.Namespace) -> int:
             cfg, line = resume_after_restart(cfg, restart)
             if _rank() == 0:
                 print(line, flush=True)
-        return _train_here(cfg, _make_out_dir(cfg.out_dir))
+        return _train_here(cfg, make_out_dir(cfg.out_dir))
     except USER_ERRORS as exc:
         tear_down(clean=False)
         if _rank() != 0:  # rank 0 has most likely the same error: it reports first

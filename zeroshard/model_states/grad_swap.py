@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -46,6 +47,7 @@ class GradSwapper:
         self._norms: dict[int, torch.Tensor] = {}  # 0-dim FP32 2-norm of each stored shard
         self._coefs: list[torch.Tensor] = []  # clipping factors to apply at read-back, in order
         self.read_bytes = self.write_bytes = 0
+        self.wait_s = 0.0  # seconds the caller blocked on a read-back
         self._error: str | None = None
         ref = weakref.ref(self)  # the engine's buckets must not keep the store alive
 
@@ -94,6 +96,7 @@ class GradSwapper:
     def _read(self, i: int) -> torch.Tensor:
         """Stored shard ``i``, read back (waiting); it leaves the store's bookkeeping."""
         self._start_read(i)
+        t0 = time.perf_counter()
         try:
             g = self._reading.pop(i).wait()
         except Exception as e:
@@ -101,6 +104,8 @@ class GradSwapper:
                 f"the gradient {self._name(i)} could not be read back ({type(e).__name__}: {e}); "
                 "training stopped: it is not trusted. Restart from the last checkpoint"
             ) from e
+        finally:
+            self.wait_s += time.perf_counter() - t0
         if self._error is not None:
             raise OffloadError(f"training stopped: {self._error}")
         self._stored.discard(i)

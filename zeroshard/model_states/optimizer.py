@@ -495,7 +495,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._grad_swap is not None:
             out["grad_read_bytes"] = self._grad_swap.read_bytes
             out["grad_write_bytes"] = self._grad_swap.write_bytes
+            out["grad_wait_s"] = self._grad_swap.wait_s
             self._grad_swap.read_bytes = self._grad_swap.write_bytes = 0
+            self._grad_swap.wait_s = 0.0
         self._swap.reset_stats()
         return out
 

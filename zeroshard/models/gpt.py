@@ -66,6 +66,9 @@ PRESETS: dict[str, GPTConfig] = {
     "100m": GPTConfig(n_layer=12, n_embd=768, n_head=12, block_size=1024),
     # ~1.2B: planning and multi-GPU runs.
     "1b": GPTConfig(n_layer=24, n_embd=2048, n_head=16, block_size=2048),
+    # ~3.0B (48 GB of FP32 AdamW model states): ZeRO-Infinity on one machine
+    # (examples/infinity.toml: built on the meta device, states on NVMe).
+    "3b": GPTConfig(n_layer=26, n_embd=3072, n_head=24, block_size=2048),
 }
 
 

@@ -19,6 +19,7 @@ initialized; nothing is downloaded), wrapped by its ``_no_split_modules``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -93,21 +94,32 @@ def hf_context_len(config: dict) -> int | None:
 
 
 def build_model(
-    *, preset_name: str, model: str | None, hf: str | None, wrap: str | None, vocab_size: int
+    *,
+    preset_name: str,
+    model: str | None,
+    hf: str | None,
+    wrap: str | None,
+    vocab_size: int,
+    meta_init: bool = False,
 ) -> BuiltModel:
     """The run's model (see the module docstring); call after seeding torch. ``vocab_size`` is
-    the data's: the GPT preset is built with it, an ``--hf`` config must cover it."""
+    the data's: the GPT preset is built with it, an ``--hf`` config must cover it. With
+    ``meta_init`` a preset or a factory is built under ``torch.device("meta")`` (no storage; the
+    sharding materializes it unit by unit)."""
+    building = torch.device("meta") if meta_init else contextlib.nullcontext()
     wrap_names = tuple(n.strip() for n in wrap.split(",") if n.strip()) if wrap else ()
     if hf:
         module, name = _build_hf(hf, vocab_size), read_hf_config(hf)["model_type"]
     elif model:
-        module, name = import_factory(model)(), model
+        with building:
+            module, name = import_factory(model)(), model
         if not isinstance(module, nn.Module):
             raise ValueError(
                 f"model = {model!r} returned a {type(module).__name__}, not an nn.Module"
             )
     else:
-        gpt = GPT(dataclasses.replace(preset(preset_name), vocab_size=vocab_size))
+        with building:
+            gpt = GPT(dataclasses.replace(preset(preset_name), vocab_size=vocab_size))
         return BuiltModel(gpt, wrap_names or ("Block",), preset_name, gpt.init_module)
     declared = tuple(sorted(getattr(module, "_no_split_modules", None) or ()))
     return BuiltModel(module, wrap_names or declared, name)

@@ -116,6 +116,8 @@ OFFLOADS: dict[str, Placement] = {
     "nvme-optimizer": Placement(grads=Tier.CPU, optimizer_states=Tier.NVME),
     "cpu-all": Placement(params=Tier.CPU, grads=Tier.CPU, optimizer_states=Tier.CPU),
     "nvme-all": Placement(params=Tier.NVME, grads=Tier.CPU, optimizer_states=Tier.NVME),
+    # zeroshard's Offload(parameters="nvme", gradients="nvme", optimizer="nvme")
+    "nvme-everything": Placement(params=Tier.NVME, grads=Tier.NVME, optimizer_states=Tier.NVME),
 }
 """The placements ``zeroshard plan`` and the advisor consider, by name."""
 

@@ -1,0 +1,148 @@
+"""What ``zeroshard train`` checks before any process starts (``TrainConfig`` checks each value
+alone): files and folders, installed packages, ports, the rank count, and whether the model can be
+built at all. Each problem is a ``UsageError`` (exit 2) naming the value and the fix."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from zeroshard.cli.main import UsageError
+from zeroshard.data import BatchLoader
+from zeroshard.models.gpt import PRESETS
+from zeroshard.models.loading import hf_context_len, import_factory, read_hf_config
+from zeroshard.run_log import tensorboard_available
+from zeroshard.tokens import check_data_path, load_tokenizer
+from zeroshard.train import TrainConfig, load_data
+
+
+def check_inputs(cfg: TrainConfig, nproc: int) -> None:
+    """What ``TrainConfig`` cannot check alone (files, installed packages, rank count), before
+    any process starts; a UsageError with the fix."""
+    check_divides(cfg, nproc)
+    if cfg.data:
+        check_data_path(cfg.data)
+    if cfg.tokenizer:
+        load_tokenizer(cfg.tokenizer)
+    if cfg.model:
+        import_factory(cfg.model)
+    if cfg.hf:
+        context = hf_context_len(read_hf_config(cfg.hf))
+        if context is not None and cfg.seq_len > context:
+            raise UsageError(
+                f"seq_len = {cfg.seq_len} exceeds the {context} positions of {cfg.hf}; pass "
+                f"--seq-len {context} or less"
+            )
+    _check_batches(cfg, nproc)
+    _check_eager_build_fits(cfg, nproc)
+    if cfg.offload_folder is not None:
+        _check_offload_folder(cfg.offload_folder)
+    if cfg.log == "tensorboard" and not tensorboard_available():
+        raise UsageError(
+            "log = 'tensorboard' needs the tensorboard package, which is not installed; "
+            "pip install tensorboard, or drop --log (metrics.jsonl is always written)"
+        )
+
+
+def _check_eager_build_fits(cfg: TrainConfig, nproc: int) -> None:
+    """A preset built in full on each of ``nproc`` local ranks must fit in the memory available
+    now (Linux's MemAvailable); beyond it only meta init (one unit at a time) can build it."""
+    if cfg.meta_init or cfg.model or cfg.hf:
+        return
+    need = 4 * PRESETS[cfg.preset].num_params() * nproc  # FP32 weights, bytes
+    available = memory_available_bytes()
+    if available is not None and need > available:
+        raise UsageError(
+            f"preset {cfg.preset!r} built in full on {nproc} rank(s) takes {need / 1e9:.1f} GB of "
+            f"FP32 weights, more than the {available / 1e9:.1f} GB of memory available; pass "
+            "--meta-init true (each rank then initializes one unit at a time while sharding)"
+        )
+
+
+def memory_available_bytes() -> int | None:
+    """Memory the kernel can hand out without swapping (``MemAvailable``), bytes; None off
+    Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_offload_folder(path: str) -> None:
+    """The swap folder can be created and written (its space is checked by each rank's store
+    against what it will hold, before step 1)."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(
+            f"offload folder {folder} is not writable ({exc.strerror}); pass a writable "
+            "--offload-folder on the fast disk"
+        ) from None
+
+
+def check_divides(cfg: TrainConfig, nproc: int) -> None:
+    if nproc % cfg.tp:
+        raise UsageError(
+            f"--tp {cfg.tp} does not divide the {nproc} ranks; launch a multiple of {cfg.tp} "
+            "(--nproc) or pick a --tp that divides it"
+        )
+    dp = nproc // cfg.tp  # data-parallel ranks: a tensor-parallel group shares its batch
+    if cfg.batch_size % (dp * cfg.grad_accum):
+        what = f"{dp} data-parallel ranks" if cfg.tp > 1 else f"{dp} ranks"
+        raise UsageError(
+            f"global batch {cfg.batch_size} does not divide across {what} x "
+            f"{cfg.grad_accum} micro-batches; use a --batch-size that is a multiple of "
+            f"{dp * cfg.grad_accum}"
+        )
+
+
+def _check_batches(cfg: TrainConfig, nproc: int) -> None:
+    """The data gives every rank its batches and validation batches (as ``train`` cuts them)."""
+    data = load_data(cfg)
+    for tokens_N, num_eval in ((data.train, 0), (data.val, cfg.eval_batches)):
+        loader = BatchLoader.from_global_batch(
+            tokens_N,
+            global_batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            world_size=nproc // cfg.tp,  # the data-parallel ranks
+        )
+        if num_eval:
+            loader.eval_batches(num_eval)
+
+
+def make_out_dir(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"  # per process: every rank probes at once
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(
+            f"cannot create output folder {out} ({exc.strerror}); pass a writable --out-dir"
+        ) from None
+    return out
+
+
+def check_port(port: int, *, bind: bool) -> None:
+    """A TCP port number, and (``bind``: it will be used) free on this machine."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port {port} is not a TCP port; pass 1-65535, or 0 for a free one")
+    if port == 0 or not bind:
+        return
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise UsageError(
+                f"port {port} is already in use; pass another --port (or 0 for a free one)"
+            ) from None
