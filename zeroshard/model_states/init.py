@@ -62,9 +62,10 @@ class Materializer:
             else:
                 raise ValueError(
                     f"{type(module).__name__} was built on the meta device and has no "
-                    "reset_parameters(); pass shard(..., param_init_fn=fn), fn(module) "
-                    "initializing a module's own parameters and buffers in place (e.g. a "
-                    "Hugging Face model's _init_weights)"
+                    "reset_parameters(); give it one that initializes its own parameters and "
+                    "buffers in place, or pass shard(..., param_init_fn=fn) with such an "
+                    "fn(module) (e.g. a Hugging Face model's _init_weights), or build the model "
+                    "on a real device (zeroshard train: drop --meta-init)"
                 )
 
     def leftovers(self, model: nn.Module) -> None:
