@@ -274,3 +274,8 @@ def test_empty_host_tensors_swap_without_staging(tmp_path):
             store.swap_in("odd", into=store.empty_host((4097,), torch.bfloat16)).wait(), odd
         )
         assert store.pool.allocated_bytes == 2 * BLOCK
+        # Swapping in place leaves the storages resizable: swapped parameter masters are freed
+        # and refilled by resizing theirs (tensor.numpy() used to mark them not resizable).
+        for t in (full, back):
+            t.untyped_storage().resize_(0)
+            t.untyped_storage().resize_(3 * 4096 * 4)

@@ -17,6 +17,7 @@ pool (a block read in place is checked where it landed, and its swap_in fails).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -232,7 +233,11 @@ class NvmeBackend:
             return None
         if tensor.numel() % ALIGN_BYTES:
             return None
-        return memoryview(tensor.numpy())
+        # Not tensor.numpy(): it marks the storage not resizable for good, and swapped masters
+        # are freed and refilled by resizing their storage (zeroshard.model_states.param_swap).
+        # The caller keeps ``tensor`` alive while the view is used.
+        raw = (ctypes.c_char * tensor.numel()).from_address(tensor.data_ptr())
+        return memoryview(raw).cast("B")
 
     def _pwrite(self, ctx: _WriteCtx, view: memoryview, start: int) -> None:
         try:
