@@ -704,11 +704,13 @@ def test_tp_that_does_not_divide_the_ranks(capsys, tmp_path):
 
 def test_tensor_parallel_run_follows_the_data_parallel_one(tmp_path, data_dir):
     """``--nproc 4 --tp 2`` (2 data-parallel ranks, each layer split in 2, checkpoints split and
-    on the CPU) trains the same curve as ``--nproc 2`` with the same data split."""
+    on the CPU) trains the same curve as ``--nproc 2`` with the same data split, and both as one
+    process: the logged loss is the global batch's, whatever the ranks."""
     flags = [*NANO, "--data-dir", str(data_dir), "--steps", "4", "--batch-size", "4"]
     flags += ["--log-every", "1", "--eval-every", "4", "--checkpoint-every", "1"]
     runs = {}
     for name, extra in {
+        "one": ["--nproc", "1"],
         "dp": ["--nproc", "2"],
         "tp": ["--nproc", "4", "--tp", "2", "--partition-activations", "true"],
     }.items():
@@ -718,11 +720,12 @@ def test_tensor_parallel_run_follows_the_data_parallel_one(tmp_path, data_dir):
         assert result.returncode == 0, result.stderr[-3000:]
         records = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         runs[name] = [json.loads(line) for line in records]
-    dp, tp = (_train_records(runs[k]) for k in ("dp", "tp"))
+    one, dp, tp = (_train_records(runs[k]) for k in ("one", "dp", "tp"))
     assert [r["step"] for r in tp] == [1, 2, 3, 4]
-    for a, b in zip(dp, tp, strict=True):
+    for a, b, c in zip(one, dp, tp, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert c["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert c["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     summary = json.loads((tmp_path / "tp" / "summary.json").read_text())
     assert summary["ranks"] == 4 and summary["tp"] == 2
 

@@ -264,7 +264,8 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
                 group["lr"] = lr
             loss = _forward_backward(model, opt, x, y, cfg.grad_accum, device, vocab)
             norm = opt.clip_grad_norm(cfg.grad_clip) if cfg.grad_clip > 0 else None
-            loss_value = loss.item()
+            dist.all_reduce(loss)  # the global batch's loss, whatever the world size
+            loss_value = loss.item() / dist.get_world_size()
             guard.step(step, loss_value)  # skipped when some rank has inf/NaN gradients
             opt.zero_grad()
             disk.collect()
