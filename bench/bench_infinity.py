@@ -7,7 +7,8 @@ For each rank count, ``zeroshard train --config CONFIG --nproc N`` runs as its o
 files under the config's offload_folder). From its ``summary.json`` and ``metrics.jsonl``:
 
 * peak RSS per rank (``ru_maxrss``; target: under 20 GiB) and the most bytes the swap folder held
-  (sampled every second: allocated blocks of its files);
+  (sampled every second: allocated blocks of its files), each beside the planner's figure (see
+  ``planned``; the RSS also holds torch itself, ~0.3 GiB, which the planner does not count);
 * step time: the median gap between consecutive training records (one per step, evaluation
   excluded; the first step, which also creates the Adam states, is left out);
 * disk bytes read and written per step, every rank together, as the swappers count them;
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -35,7 +37,10 @@ from pathlib import Path
 from bench_checkpoint import _dd
 
 from zeroshard.cli.train import load_config
-from zeroshard.planner.memory import OFFLOADS, BytesPerParam, Tier, model_states
+from zeroshard.models.gpt import preset
+from zeroshard.planner import memory
+from zeroshard.planner.describe import from_gpt
+from zeroshard.tokens import BYTE_VOCAB_SIZE
 
 ROOT = Path(__file__).resolve().parent.parent
 GB, GiB = 1e9, 1 << 30
@@ -66,9 +71,9 @@ class FolderPeak(threading.Thread):
             self.peak = max(self.peak, folder_bytes(self.folder))
 
 
-def train(config: Path, nproc: int, overrides: list[str]) -> dict:
-    """One ``zeroshard train`` run; its summary, records and the swap folder's peak bytes."""
-    cfg = load_config(config, {})
+def train(config: Path, cfg, nproc: int, overrides: list[str]) -> dict:
+    """One ``zeroshard train`` run of ``config`` (``cfg`` once loaded, ``overrides`` applied);
+    its summary, records and the swap folder's peak bytes."""
     out = Path(cfg.out_dir) / f"nproc{nproc}"
     swap = Path(cfg.offload_folder)
     cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", "--config", str(config),
@@ -88,15 +93,22 @@ def train(config: Path, nproc: int, overrides: list[str]) -> dict:
             "left_behind": folder_bytes(swap)}  # fmt: skip
 
 
-def planned_nvme_bytes(num_params: int, nproc: int) -> int:
-    """What ``zeroshard plan --stage 3 --offload nvme-everything --bytes-per-param 4,4,8``
-    puts on NVMe for every rank together (FP32 masters, gradient shards, Adam's m and v)."""
-    fp32_adam = BytesPerParam(params=4, grads=4, optimizer_states=8)
-    per_rank = model_states(
-        num_params, stage=3, num_dp_ranks=nproc, bytes_per_param=fp32_adam,
-        placement=OFFLOADS["nvme-everything"],
-    )[Tier.NVME]  # fmt: skip
-    return nproc * sum(per_rank.values())
+def planned(cfg, nproc: int) -> tuple[int, int]:
+    """(host bytes per rank, NVMe bytes of every rank) that the planner gives this run: the
+    engine's timeline peak (gathered units, activations; no activation checkpointing, FP32) plus
+    the CPU tier (offload staging), and the NVMe tier, as ``zeroshard plan --stage 3 --offload
+    nvme-everything --bytes-per-param 4,4,8`` does (the table shows them beside the measures)."""
+    gpt = dataclasses.replace(preset(cfg.preset), vocab_size=BYTE_VOCAB_SIZE)
+    config = memory.MemoryConfig(
+        stage=3, num_dp_ranks=nproc,
+        bytes_per_param=memory.BytesPerParam(params=4, grads=4, optimizer_states=8),
+        placement=memory.OFFLOADS["nvme-everything"],
+        micro_batch_size=cfg.batch_size // nproc, seq_len=cfg.seq_len,
+        activation_checkpointing=cfg.checkpoint_every == 0, activation_bytes=4,
+        fragmentation_fraction=0.0,
+    )  # fmt: skip
+    plan = memory.plan_memory(from_gpt(gpt), config)
+    return plan.peak_bytes() + plan.total_bytes("cpu"), nproc * plan.total_bytes("nvme")
 
 
 def step_seconds(records: list[dict]) -> float:
@@ -133,14 +145,15 @@ def main() -> None:
     parser.add_argument("--dd-gib", type=float, default=8.0, help="GiB dd writes and reads")
     args = parser.parse_args()
     overrides = ["--preset", args.preset] if args.preset else []
-    runs = {n: train(args.config, n, overrides) for n in args.nproc}
-    swap = ROOT / load_config(args.config, {}).offload_folder
+    cfg = load_config(args.config, {"preset": args.preset} if args.preset else {})
+    runs = {n: train(args.config, cfg, n, overrides) for n in args.nproc}
+    swap = ROOT / cfg.offload_folder
     write_bps, read_bps = dd_rates(swap, args.dd_gib)
     print(f"dd O_DIRECT 4 MiB blocks on {swap}: write {write_bps / GB:.2f} GB/s, read "
           f"{read_bps / GB:.2f} GB/s ({args.dd_gib:g} GiB)")  # fmt: skip
-    print("| ranks | params | peak RSS per rank (GiB) | swap folder peak (GB) / planned | "
-          "disk read / written per step (GB) | step (s) | disk-bound limit (s) | step / limit | "
-          "train loss by step | val loss first -> last |")  # fmt: skip
+    print("| ranks | params | peak RSS per rank / planned (GiB) | swap folder peak / planned "
+          "(GB) | disk read / written per step (GB) | step (s) | disk-bound limit (s) | "
+          "step / limit | train loss by step | val loss first -> last |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for n, run in runs.items():
         s, records = run["summary"], run["records"]
@@ -148,11 +161,12 @@ def main() -> None:
         limit = s["disk_read_gb_per_step"] * GB / read_bps
         limit += s["disk_write_gb_per_step"] * GB / write_bps
         rss = [m * 2**20 for m in s["peak_rss_mib"]]
+        host, nvme = planned(cfg, n)
         losses = ", ".join(f"{r['loss']:.3f}" for r in records if r["kind"] == "train")
         print(
             f"| {n} | {s['num_params'] / 1e9:.2f}B | "
-            f"{' / '.join(f'{b / GiB:.1f}' for b in rss)} | {run['swap_peak'] / GB:.1f} / "
-            f"{planned_nvme_bytes(s['num_params'], n) / GB:.1f} | "
+            f"{' / '.join(f'{b / GiB:.1f}' for b in rss)} / {host / GiB:.1f} | "
+            f"{run['swap_peak'] / GB:.1f} / {nvme / GB:.1f} | "
             f"{s['disk_read_gb_per_step']:.1f} / {s['disk_write_gb_per_step']:.1f} | "
             f"{step:.1f} | {limit:.1f} | {step / limit:.2f} | {losses} | "
             f"{s['val_loss_first']:.3f} -> {s['val_loss_last']:.3f} |"

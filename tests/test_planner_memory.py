@@ -203,3 +203,77 @@ def test_model_states_errors():
         m.BytesPerParam(params=0, grads=0, optimizer_states=0)
     with pytest.raises(ValueError):
         m.Placement(params="tape")
+
+
+def test_offload_staging_by_hand():
+    # Largest unit 1000 elements over 2 ranks: a 500-element shard. FP32 AdamW (4, 4, 8).
+    model = d.ModelDescription(num_params=10_000, largest_unit_numel=1000)
+    fp32 = m.BytesPerParam(params=4, grads=4, optimizer_states=8)
+    config = MemoryConfig(stage=3, num_dp_ranks=2, bytes_per_param=fp32)
+    pool = m.STAGING_POOL_BYTES
+
+    def staging(offload: str, bpp=fp32) -> int:
+        c = MemoryConfig(stage=3, num_dp_ranks=2, bytes_per_param=bpp, placement=OFFLOADS[offload])
+        return m.plan_memory(model, c).cpu["offload_staging"]
+
+    assert m.plan_memory(model, config).cpu["offload_staging"] == 0  # nothing on NVMe
+    assert staging("cpu-all") == 0
+    assert staging("nvme-optimizer") == 3 * 8 * 500 + pool  # three sub-groups' m and v
+    assert staging("nvme-all") == 3 * 8 * 500 + 4 * 4 * 500 + 2 * pool  # + four masters
+    assert staging("nvme-everything") == (3 * 8 + 4 * 4 + 2 * 4) * 500 + 2 * pool
+    # Mixed precision: K = 12 holds the FP32 master, streamed on its own: 8 bytes per slot.
+    assert staging("nvme-everything", m.ZERO) == (3 * 8 + 4 * 4 + 2 * 4) * 500 + 2 * pool
+
+
+def test_offload_staging_constants_are_the_engine_s():
+    from zeroshard.model_states import param_swap, state_swap
+    from zeroshard.offload import Offload, OffloadConfig
+
+    assert m.STATE_SLOTS == state_swap.NUM_SLOTS
+    assert m.MASTERS_AT_STEP == 2 + param_swap.MAX_WRITES  # stepping, read ahead, written
+    defaults = OffloadConfig(folder="unused")
+    assert m.STAGING_POOL_BYTES == defaults.num_buffers * defaults.block_bytes
+    assert Offload().param_prefetch + MemoryConfig(stage=3).num_units_prefetch + 1 <= 4
+
+
+def _staging_measured(folder: str) -> dict:
+    import torch
+
+    import zeroshard
+    from zeroshard.models.gpt import GPT, Block, preset
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        GPT(preset("tiny")), stage=3, wrap=zeroshard.wrap.by_class(Block),
+        offload=zeroshard.Offload(optimizer="nvme", gradients="nvme", parameters="nvme",
+                                  folder=folder),
+    )  # fmt: skip
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    x = torch.randint(0, 256, (2, 32))
+    for _ in range(2):
+        opt.backward(model(x, x))
+        opt.step()
+        opt.zero_grad()
+    stats = opt.offload_stats()
+    return {"slot_bytes": stats["slot_bytes"], "masters_outside_step": stats[
+        "param_max_resident_bytes"]}  # fmt: skip
+
+
+def test_offload_staging_matches_the_engine_s_buffers(workers2, tmp_path):
+    from zeroshard.models.gpt import preset
+
+    plan = m.plan_memory(
+        d.from_gpt(preset("tiny")),
+        MemoryConfig(
+            stage=3, num_dp_ranks=2, placement=OFFLOADS["nvme-everything"],
+            bytes_per_param=m.BytesPerParam(params=4, grads=4, optimizer_states=8),
+        ),
+    )  # fmt: skip
+    shard = math.ceil(d.from_gpt(preset("tiny")).unit_numel / 2)
+    slots = m.STATE_SLOTS * 8 * shard
+    assert plan.cpu["offload_staging"] >= slots + m.MASTERS_AT_STEP * 4 * shard
+    for r in workers2.run(_staging_measured, str(tmp_path)):
+        # The engine's slots hold the largest sub-group's m and v; its FlatParam aligns each
+        # parameter, 5% more elements in a block this small (0.1% at the 3b preset).
+        assert slots <= r["slot_bytes"] <= slots * 1.1, (r, slots)
+        assert 0 < r["masters_outside_step"] <= m.MASTERS_AT_STEP * 4 * shard, r

@@ -43,6 +43,7 @@ RESIDUAL_STATES = (
     "gathered_units",
     "comm_buckets",
     "logits",
+    "offload_staging",
     "fragmentation",
 )
 """Residual-state categories (see ``residual_states`` for what each counts)."""
@@ -503,6 +504,50 @@ def _measured_checkpoints(
     out[Tier.DEVICE]["logits"] = 2 * s.largest_tail_tensor_bytes
 
 
+MASTER_BYTES = 4
+"""Bytes per element of an FP32 master."""
+STAGING_POOL_BYTES = 16 * (4 << 20)
+"""One ``TensorStore``'s staging pool (``OffloadConfig``'s default 16 buffers x 4 MiB)."""
+STATE_SLOTS = 3
+"""Sub-groups whose optimizer states are in host memory at once during an NVMe step: one read
+ahead, one stepping, one written back (``zeroshard.model_states.state_swap.NUM_SLOTS``)."""
+MASTERS_AT_STEP = 4
+"""NVMe-placed masters in memory at once during the step: the sub-group stepping, the next one
+read ahead, and two written back (``param_swap.MAX_WRITES``); outside the step, the
+``num_units_prefetch + 1`` masters read ahead of their gathers stay below it."""
+GRAD_SHARDS_AT_STEP = 2
+"""NVMe-placed FP32 gradient shards in memory during the step: the one used, the next read."""
+
+
+def offload_staging_bytes(model: ModelDescription, config: MemoryConfig) -> int:
+    """Host memory zeroshard's engine uses to stream NVMe-placed model states, per rank (bytes),
+    at the optimizer step, when it is largest: for a unit's shard of ``u`` elements (the largest
+    unit / the ranks sharding it), ``STATE_SLOTS x K' x u`` of optimizer states (K' = K less the
+    FP32 master when K includes it: masters are streamed on their own), ``MASTERS_AT_STEP x 4 x
+    u`` of masters, ``GRAD_SHARDS_AT_STEP x 4 x u`` of gradient shards, and one staging pool per
+    store (optimizer states and gradients share one, masters have their own). 0 without NVMe
+    placements, or when the largest unit is unknown (a note says so in ``residual_states``)."""
+    p, bpp = config.placement, config.bytes_per_param
+    unit = model.unit_numel
+    if unit is None or Tier.NVME not in (p.params, p.grads, p.optimizer_states):
+        return 0
+    part = partition(config.stage)
+    ways = config.num_mp_ranks * (config.num_shard_ranks if part.optimizer_states else 1)
+    shard = math.ceil(unit / ways)
+    total, stores = 0, 0
+    if p.optimizer_states is Tier.NVME:
+        master_in_k = MASTER_BYTES if bpp.params < MASTER_BYTES else 0
+        total += STATE_SLOTS * (bpp.optimizer_states - master_in_k) * shard
+        stores += 1
+    if p.params is Tier.NVME:
+        total += MASTERS_AT_STEP * MASTER_BYTES * shard
+        stores += 1
+    if p.grads is Tier.NVME:
+        total += GRAD_SHARDS_AT_STEP * MASTER_BYTES * shard
+        stores += p.optimizer_states is not Tier.NVME
+    return total + stores * STAGING_POOL_BYTES
+
+
 def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdown:
     """Model and residual states per device for ``config``, fragmentation allowance included."""
     states = model_states(
@@ -516,6 +561,7 @@ def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdow
     _stepped_in_backward(states, config)
     residual = residual_states(model, config)
     tiers = {t: states[t] | residual.on(t) for t in TIERS}
+    tiers[Tier.CPU]["offload_staging"] = offload_staging_bytes(model, config)
     others = sum(tiers[Tier.DEVICE].values())
     tiers[Tier.DEVICE]["fragmentation"] = math.ceil(config.fragmentation_fraction * others)
     peak = residual.peak
