@@ -46,8 +46,7 @@ class GradSwapper:
         self._stored: set[int] = set()  # buckets whose gradient since zero_grad is in the store
         self._norms: dict[int, torch.Tensor] = {}  # 0-dim FP32 2-norm of each stored shard
         self._coefs: list[torch.Tensor] = []  # clipping factors to apply at read-back, in order
-        self.read_bytes = self.write_bytes = 0
-        self.wait_s = 0.0  # seconds the caller blocked on a read-back
+        self.reset_stats()
         self._error: str | None = None
         ref = weakref.ref(self)  # the engine's buckets must not keep the store alive
 
@@ -58,6 +57,19 @@ class GradSwapper:
 
         for b in buckets:
             b.handoff = handoff
+
+    def stats(self) -> dict[str, float]:
+        """Bytes of gradient shards written and read back, and the seconds the optimizer
+        blocked on a read-back, since ``reset_stats``."""
+        return {
+            "grad_read_bytes": self.read_bytes,
+            "grad_write_bytes": self.write_bytes,
+            "grad_wait_s": self.wait_s,
+        }
+
+    def reset_stats(self) -> None:
+        self.read_bytes = self.write_bytes = 0
+        self.wait_s = 0.0
 
     def _name(self, i: int) -> str:
         return f"grad_shard[{i}]:{self._buckets[i].flat.name or '<root>'}"

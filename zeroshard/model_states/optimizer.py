@@ -480,25 +480,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 swap.store_all()
 
     def offload_stats(self) -> dict[str, float]:
-        """I/O of offloaded states and gradients since the last call (bytes read and written,
-        seconds any swap was in flight and seconds the caller blocked on one); empty without
-        NVMe offload. ``1 - wait_s / io_s`` is the fraction of I/O hidden behind compute."""
-        masters = self.engine.param_swap
-        if self._swap is None and masters is None:
-            return {}
-        out = self._swap.stats() if self._swap is not None else {}
-        if masters is not None:
-            out |= masters.stats()
-            masters.reset_stats()
-        if self._swap is None:
-            return out
-        if self._grad_swap is not None:
-            out["grad_read_bytes"] = self._grad_swap.read_bytes
-            out["grad_write_bytes"] = self._grad_swap.write_bytes
-            out["grad_wait_s"] = self._grad_swap.wait_s
-            self._grad_swap.read_bytes = self._grad_swap.write_bytes = 0
-            self._grad_swap.wait_s = 0.0
-        self._swap.reset_stats()
+        """I/O of offloaded states, masters and gradients since the last call (bytes read and
+        written, seconds any swap was in flight and seconds the caller blocked on one); empty
+        without NVMe offload. ``1 - wait_s / io_s`` is the fraction of I/O hidden behind compute."""
+        out: dict[str, float] = {}
+        for swapper in (self._swap, self.engine.param_swap, self._grad_swap):
+            if swapper is not None:
+                out |= swapper.stats()
+                swapper.reset_stats()
         return out
 
     def close(self) -> None:
