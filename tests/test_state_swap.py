@@ -253,12 +253,19 @@ def _preflight(folder: str) -> list[str]:
     with pytest.raises(OffloadError) as err:
         _make(1, Offload(optimizer="nvme", folder="/proc/zeroshard-not-writable"))
     errors.append(str(err.value))
+    where = "zeroshard.model_states.state_swap.memory_available_bytes"
+    with mock.patch(where, return_value=1000), pytest.raises(OffloadError) as err:
+        _make(1, Offload(optimizer="nvme", folder=folder))
+    errors.append(str(err.value))
     gc.collect()
     return [*errors, *_files(folder)]
 
 
 def test_space_and_folder_are_checked_before_the_first_step(workers2, tmp_path):
-    for space, unusable, *files in workers2.run(_preflight, str(tmp_path)):
+    for space, unusable, memory, *files in workers2.run(_preflight, str(tmp_path)):
+        need = int(memory.split(" needs ")[1].split(" bytes")[0])  # slots + the store's pool
+        assert need > 64 << 20 and f"short by {need - 1000} bytes" in memory, memory
+        assert "smaller units" in memory, memory
         # nano GPT, stage 1 on 2 ranks: each rank needs 2 states x 4 bytes x its padded pieces
         need = int(space.split(" need ")[1].split(":")[0])
         assert need > 0 and f"short by {need - 1000} bytes" in space, space

@@ -12,6 +12,7 @@ from zeroshard.cli.main import UsageError
 from zeroshard.data import BatchLoader
 from zeroshard.models.gpt import PRESETS
 from zeroshard.models.loading import hf_context_len, import_factory, read_hf_config
+from zeroshard.residual_states.host_heap import memory_available_bytes
 from zeroshard.run_log import tensorboard_available
 from zeroshard.tokens import check_data_path, load_tokenizer
 from zeroshard.train import TrainConfig, load_data
@@ -58,19 +59,6 @@ def _check_eager_build_fits(cfg: TrainConfig, nproc: int) -> None:
             f"FP32 weights, more than the {available / 1e9:.1f} GB of memory available; pass "
             "--meta-init true (each rank then initializes one unit at a time while sharding)"
         )
-
-
-def memory_available_bytes() -> int | None:
-    """Memory the kernel can hand out without swapping (``MemAvailable``), bytes; None off
-    Linux."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _check_offload_folder(path: str) -> None:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from zeroshard.offload import OffloadError, SwapHandle, SwapSpaceError, TensorStore
 from zeroshard.offload.folder import free_bytes, holds_swap_files, padded_bytes
+from zeroshard.residual_states.host_heap import memory_available_bytes
 
 if TYPE_CHECKING:
     from zeroshard.mesh import Mesh
@@ -231,6 +232,13 @@ class StateSwapper(StopsOnFailure):
         )
         self.need_bytes = need_bytes
         self.reset_stats()
+        staging = min(NUM_SLOTS, len(subgroups)) * self.max_record_bytes
+        staging += config.num_buffers * config.block_bytes
+        try:
+            check_host_memory(staging, mesh)
+        except BaseException:
+            self.store.close()
+            raise
         log.info(
             "offload to NVMe (%s, rank %d): %d bytes of optimizer states (%d per element) + %d "
             "bytes of gradient shards in swap files; host staging: %d slots x ~%d bytes "
@@ -498,6 +506,25 @@ def _union(intervals: list[tuple[float, float]]) -> float:
             busy += t1 - max(t0, end)
             end = t1
     return busy
+
+
+def check_host_memory(need_bytes: int, mesh: Mesh) -> None:
+    """Fail before step 1 when this node's memory cannot hold the host staging of its ranks
+    (slots and the store's pool; each rank's need taken as the largest rank's, a collective):
+    an offloaded run must not find out at step 1, or by exhausting the host."""
+    largest = torch.tensor([need_bytes], dtype=torch.int64, device=mesh.device)
+    if mesh.world_size > 1:
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=mesh.group)
+    node_bytes = int(largest.item()) * mesh.local_world_size
+    available = memory_available_bytes()
+    if available is not None and node_bytes > available:
+        raise OffloadError(
+            f"streaming optimizer states from NVMe needs {node_bytes} bytes of host memory for "
+            f"{mesh.local_world_size} rank(s) on this node ({NUM_SLOTS} sub-groups' states and "
+            f"a staging pool each), {available} are available: short by "
+            f"{node_bytes - available} bytes; wrap the model into smaller units (the largest "
+            "sets it) or free memory"
+        )
 
 
 def check_space(parent: Any, need_bytes: int, mesh: Mesh) -> None:

@@ -56,6 +56,19 @@ def resident_bytes() -> int | None:
         return None
 
 
+def memory_available_bytes() -> int | None:
+    """Memory the kernel can hand out without swapping (Linux's ``MemAvailable``), bytes; None
+    where ``/proc/meminfo`` does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class HeapKeeper:
     """Trims the heap when the process outgrows its working size by ``slack`` (a fraction)."""
 
