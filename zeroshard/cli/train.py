@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     out = make_out_dir(cfg.out_dir)
     for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
         check_divides(cfg, world)
-    check_inputs(cfg, launch.worlds()[0])
+    check_inputs(cfg, launch.worlds()[0], local_ranks=launch.nproc)
     cfg = _pin_resume(cfg)
     if not launch.elastic:
         return _train_here(cfg, out)

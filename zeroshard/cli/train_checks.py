@@ -18,9 +18,10 @@ from zeroshard.tokens import check_data_path, load_tokenizer
 from zeroshard.train import TrainConfig, load_data
 
 
-def check_inputs(cfg: TrainConfig, nproc: int) -> None:
+def check_inputs(cfg: TrainConfig, nproc: int, local_ranks: int | None = None) -> None:
     """What ``TrainConfig`` cannot check alone (files, installed packages, rank count), before
-    any process starts; a UsageError with the fix."""
+    any process starts, for ``nproc`` ranks in all and ``local_ranks`` on this node (default:
+    all of them); a UsageError with the fix."""
     check_divides(cfg, nproc)
     if cfg.data:
         check_data_path(cfg.data)
@@ -36,7 +37,7 @@ def check_inputs(cfg: TrainConfig, nproc: int) -> None:
                 f"--seq-len {context} or less"
             )
     _check_batches(cfg, nproc)
-    _check_eager_build_fits(cfg, nproc)
+    _check_eager_build_fits(cfg, local_ranks or nproc)
     if cfg.offload_folder is not None:
         _check_offload_folder(cfg.offload_folder)
     if cfg.log == "tensorboard" and not tensorboard_available():
