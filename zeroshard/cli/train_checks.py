@@ -47,18 +47,19 @@ def check_inputs(cfg: TrainConfig, nproc: int, local_ranks: int | None = None) -
         )
 
 
-def _check_eager_build_fits(cfg: TrainConfig, nproc: int) -> None:
-    """A preset built in full on each of ``nproc`` local ranks must fit in the memory available
-    now (Linux's MemAvailable); beyond it only meta init (one unit at a time) can build it."""
+def _check_eager_build_fits(cfg: TrainConfig, local_ranks: int) -> None:
+    """A preset built in full on each of this node's ``local_ranks`` must fit in the memory
+    available now (Linux's MemAvailable); beyond it only meta init (one unit at a time) can."""
     if cfg.meta_init or cfg.model or cfg.hf:
         return
-    need = 4 * PRESETS[cfg.preset].num_params() * nproc  # FP32 weights, bytes
+    need = 4 * PRESETS[cfg.preset].num_params() * local_ranks  # FP32 weights, bytes
     available = memory_available_bytes()
     if available is not None and need > available:
         raise UsageError(
-            f"preset {cfg.preset!r} built in full on {nproc} rank(s) takes {need / 1e9:.1f} GB of "
-            f"FP32 weights, more than the {available / 1e9:.1f} GB of memory available; pass "
-            "--meta-init true (each rank then initializes one unit at a time while sharding)"
+            f"preset {cfg.preset!r} built in full on {local_ranks} rank(s) takes "
+            f"{need / 1e9:.1f} GB of FP32 weights, more than the {available / 1e9:.1f} GB of "
+            "memory available; pass --meta-init true (each rank then initializes one unit at a "
+            "time while sharding)"
         )
 
 
@@ -79,6 +80,7 @@ def _check_offload_folder(path: str) -> None:
 
 
 def check_divides(cfg: TrainConfig, nproc: int) -> None:
+    """``--tp`` divides the ``nproc`` ranks, and the global batch their data-parallel groups."""
     if nproc % cfg.tp:
         raise UsageError(
             f"--tp {cfg.tp} does not divide the {nproc} ranks; launch a multiple of {cfg.tp} "
