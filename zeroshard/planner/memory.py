@@ -522,13 +522,17 @@ GRAD_SHARDS_AT_STEP = 2
 
 def offload_staging_bytes(model: ModelDescription, config: MemoryConfig) -> int:
     """Host memory zeroshard's engine uses to stream NVMe-placed model states, per rank (bytes),
-    at the optimizer step, when it is largest: for a unit's shard of ``u`` elements (the largest
-    unit / the ranks sharding it), ``(STATE_SLOTS + 1) x K' x u`` of optimizer states (K' = K
-    less the FP32 master when K includes it: masters are streamed on their own; the one more is
-    the first step's new states), ``MASTERS_AT_STEP x 4 x
-    u`` of masters, ``GRAD_SHARDS_AT_STEP x 4 x u`` of gradient shards, and one staging pool per
-    store (optimizer states and gradients share one, masters have their own). 0 without NVMe
-    placements, or when the largest unit is unknown (a note says so in ``residual_states``)."""
+    at the optimizer step, when it is largest. For a unit's shard of ``u`` elements (the largest
+    unit / the ranks sharding it):
+
+    * ``(STATE_SLOTS + 1) x K' x u`` of optimizer states: K' is K less the FP32 master when K
+      includes it (masters are streamed on their own); the one more is the first step's new
+      states, made by torch before they are packed into a slot;
+    * ``MASTERS_AT_STEP x 4 x u`` of masters and ``GRAD_SHARDS_AT_STEP x 4 x u`` of gradient
+      shards;
+    * one staging pool per store (optimizer states and gradients share one, masters have theirs).
+
+    0 without NVMe placements, or when the largest unit is unknown."""
     p, bpp = config.placement, config.bytes_per_param
     unit = model.unit_numel
     if unit is None or Tier.NVME not in (p.params, p.grads, p.optimizer_states):
