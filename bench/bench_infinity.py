@@ -104,7 +104,7 @@ def planned(cfg, nproc: int) -> tuple[int, int]:
         bytes_per_param=memory.BytesPerParam(params=4, grads=4, optimizer_states=8),
         placement=memory.OFFLOADS["nvme-everything"],
         micro_batch_size=cfg.batch_size // nproc, seq_len=cfg.seq_len,
-        activation_checkpointing=cfg.checkpoint_every == 0, activation_bytes=4,
+        activation_checkpointing=cfg.checkpoint_every > 0, activation_bytes=4,
         fragmentation_fraction=0.0,
     )  # fmt: skip
     plan = memory.plan_memory(from_gpt(gpt), config)
