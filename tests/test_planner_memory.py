@@ -218,12 +218,11 @@ def test_offload_staging_by_hand():
 
     assert m.plan_memory(model, config).cpu["offload_staging"] == 0  # nothing on NVMe
     assert staging("cpu-all") == 0
-    # Three slots of m and v, and the first step's new states before they are packed.
-    assert staging("nvme-optimizer") == 4 * 8 * 500 + pool
-    assert staging("nvme-all") == 4 * 8 * 500 + 4 * 4 * 500 + 2 * pool  # + four masters
-    assert staging("nvme-everything") == (4 * 8 + 4 * 4 + 2 * 4) * 500 + 2 * pool
+    assert staging("nvme-optimizer") == 3 * 8 * 500 + pool  # three slots of m and v
+    assert staging("nvme-all") == 3 * 8 * 500 + 4 * 4 * 500 + 2 * pool  # + four masters
+    assert staging("nvme-everything") == (3 * 8 + 4 * 4 + 2 * 4) * 500 + 2 * pool
     # Mixed precision: K = 12 holds the FP32 master, streamed on its own: 8 bytes per slot.
-    assert staging("nvme-everything", m.ZERO) == (4 * 8 + 4 * 4 + 2 * 4) * 500 + 2 * pool
+    assert staging("nvme-everything", m.ZERO) == (3 * 8 + 4 * 4 + 2 * 4) * 500 + 2 * pool
 
 
 def test_offload_staging_constants_are_the_engine_s():

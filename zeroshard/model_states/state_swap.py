@@ -411,9 +411,10 @@ class StateSwapper(StopsOnFailure):
         s.optimizer.state = _SwappedState(self, i, s.optimizer.state)
         s.where = Where.LOOSE if _layout(s.params, s.optimizer.state)[0] else Where.NEW
 
-    def _acquire(self, nbytes: int) -> torch.Tensor:
-        """A free slot of at least ``nbytes``: waits for the oldest write when all are held."""
-        while not self._free and self._num_slots >= NUM_SLOTS:
+    def _acquire(self, nbytes: int, limit: int = NUM_SLOTS) -> torch.Tensor:
+        """A free slot of at least ``nbytes``: waits for the oldest write when ``limit`` slots
+        are held."""
+        while not self._free and self._num_slots >= limit:
             assert self._writing, "every slot held by a resident sub-group"
             self._retire(self._writing[0])
         slot = self._free.pop() if self._free else None
@@ -480,7 +481,9 @@ class StateSwapper(StopsOnFailure):
         """Copy sub-group ``i``'s loose states into a slot and point its state dict there."""
         s = self._swaps[i]
         s.layout, s.record_bytes = _layout(s.params, s.optimizer.state)
-        slot = self._acquire(s.record_bytes)
+        # The loose states take a slot's room until they are copied: one slot fewer, so that a
+        # first step holds no more states than the steps after it.
+        slot = self._acquire(s.record_bytes, limit=NUM_SLOTS - 1)
         for e in s.layout:
             st = dict.__getitem__(s.optimizer.state, s.params[e.piece])
             view = slot[e.offset_bytes : e.offset_bytes + e.numel * e.dtype.itemsize]

@@ -511,7 +511,7 @@ STAGING_POOL_BYTES = 16 * (4 << 20)
 STATE_SLOTS = 3
 """Sub-groups whose optimizer states are in host memory at once during an NVMe step: one read
 ahead, one stepping, one written back (``zeroshard.model_states.state_swap.NUM_SLOTS``); at the
-first step a fourth, the states torch creates, before they are packed into a slot."""
+first step the states torch creates take the third slot's room until they are packed."""
 MASTERS_AT_STEP = 4
 """NVMe-placed masters in memory at once during the step: the sub-group stepping, the next one
 read ahead, and two written back (``param_swap.MAX_WRITES``); outside the step, the
@@ -525,9 +525,8 @@ def offload_staging_bytes(model: ModelDescription, config: MemoryConfig) -> int:
     at the optimizer step, when it is largest. For a unit's shard of ``u`` elements (the largest
     unit / the ranks sharding it):
 
-    * ``(STATE_SLOTS + 1) x K' x u`` of optimizer states: K' is K less the FP32 master when K
-      includes it (masters are streamed on their own); the one more is the first step's new
-      states, made by torch before they are packed into a slot;
+    * ``STATE_SLOTS x K' x u`` of optimizer states: K' is K less the FP32 master when K
+      includes it (masters are streamed on their own);
     * ``MASTERS_AT_STEP x 4 x u`` of masters and ``GRAD_SHARDS_AT_STEP x 4 x u`` of gradient
       shards;
     * one staging pool per store (optimizer states and gradients share one, masters have theirs).
@@ -543,7 +542,7 @@ def offload_staging_bytes(model: ModelDescription, config: MemoryConfig) -> int:
     total, stores = 0, 0
     if p.optimizer_states is Tier.NVME:
         master_in_k = MASTER_BYTES if bpp.params < MASTER_BYTES else 0
-        total += (STATE_SLOTS + 1) * (bpp.optimizer_states - master_in_k) * shard
+        total += STATE_SLOTS * (bpp.optimizer_states - master_in_k) * shard
         stores += 1
     if p.params is Tier.NVME:
         total += MASTERS_AT_STEP * MASTER_BYTES * shard
