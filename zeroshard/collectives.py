@@ -8,14 +8,17 @@ moves 3 Psi, Psi being the (padded) parameter count.
 Algorithms by backend: gloo's flat reduce-scatter costs about 1.8x its all-reduce of the same
 buffer (measured here, 2 ranks, fp32: all-reduce 56 ms per 100 MiB, reduce-scatter 106), so on
 gloo a reduce-scatter runs as an in-place all-reduce of the send buffer, its slice copied out at
-``wait`` (100m stage 3: backward 8% faster). All-gathers stay gloo's own: as an all-reduce of the
-output's bytes (other slots zeroed) it was faster alone (68 against 82 ms per 100 MiB) but slower
-in training, where its extra reduction work competes with compute on the same cores (100m stage 3
-step 1.36 s against 1.27 s). Those all-reduces run on a twin of the group (same ranks, made once
-by ``prepare``): gloo cannot tell two all-reduces apart, so a rank in one of them and another
-rank in a plain all-reduce of another size would abort the process; on separate groups they wait
-and the watchdog names both collectives. The ledger still counts the logical collective, the
-paper's volume above; NCCL and the other backends run the collectives themselves.
+``wait`` (100m stage 3: backward 8% faster). All-gathers stay gloo's own below
+``GATHER_BY_ALL_REDUCE_BYTES`` (64 MiB): as an all-reduce of the output's bytes (other slots
+zeroed) it was faster alone (68 against 82 ms per 100 MiB) but slower in training, where its extra
+reduction work competes with compute on the same cores (100m stage 3, 27 MiB units: step 1.36 s
+against 1.27 s). From 64 MiB on they run as that all-reduce: gloo's own gather allocates a
+temporary as large as its output (measured: +433 MiB for a 431 MiB unit), the in-place all-reduce
+nothing. Those all-reduces run on twins of the group (same ranks, one per collective they stand
+in for, made once by ``prepare``): gloo cannot tell two all-reduces apart, so a rank in one of
+them and another rank in a plain all-reduce of another size would abort the process; on separate
+groups they wait and the watchdog names both collectives. The ledger still counts the logical
+collective, the paper's volume above; NCCL and the other backends run the collectives themselves.
 
 Scopes (hybrid sharding, ``zeroshard.mesh``): every collective is also counted under the group it
 ran on, ``SHARD`` (inside a shard group: every rank without hybrid sharding), ``REPLICATE``
@@ -187,22 +190,25 @@ def _by_all_reduce(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> boo
     return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
-_TWINS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
+_TWINS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, dist.ProcessGroup]] = (
     weakref.WeakKeyDictionary()
 )
+_PURPOSES = ("reduce_scatter", "all_gather")
+"""The collectives that run as all-reduces on gloo, each on a twin of its own."""
 
 
-def _twin(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """The group's twin for all-reduces that stand in for reduce-scatters (module docstring).
-    Made by the group's ranks only, at their first such collective on it (the same one on each:
-    they run the same schedule), with the job's timeout."""
+def _twin(group: dist.ProcessGroup | None, purpose: str = "reduce_scatter") -> dist.ProcessGroup:
+    """The group's twin for all-reduces that stand in for ``purpose`` (module docstring). Made
+    by the group's ranks only, at their first such collective on it (the same one on each: they
+    run the same schedule), with the job's timeout."""
     key = group if group is not None else dist.group.WORLD
-    twin = _TWINS.get(key)
+    twins = _TWINS.setdefault(key, {})
+    twin = twins.get(purpose)
     if twin is None:
         ranks = dist.get_process_group_ranks(key)
         twin = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         inherit_timeout(twin)
-        _TWINS[key] = twin
+        twins[purpose] = twin
     return twin
 
 
@@ -211,7 +217,8 @@ def prepare(*groups: dist.ProcessGroup | None) -> None:
     each reaches (``shard``), rather than at a first collective that a rank may never join."""
     for group in groups:
         if dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1:
-            _twin(group)
+            for purpose in _PURPOSES:
+                _twin(group, purpose)
 
 
 def _slot(output: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -240,8 +247,28 @@ def all_gather(
     ``unit`` names the wrapped module for ``CollectiveTimeout`` (as do the functions below)."""
     ledger.record("all_gather", label, output.numel(), output.element_size(), scope)
     with record_function("zeroshard::all_gather"), diagnosed("all_gather", label, group, unit=unit):
-        work = _all_gather_flat(output, shard, group=group, async_op=async_op)
+        if _gathers_by_all_reduce(group, output):
+            own = _slot(output, group)
+            if not _same_memory(own, shard):
+                own.copy_(shard)
+            n, r = own.numel(), dist.get_rank(group)
+            output[: r * n].zero_()  # every other slot: zeros, which the sum leaves exact
+            output[(r + 1) * n :].zero_()
+            twin = _twin(group, "all_gather")
+            work = dist.all_reduce(output, group=twin, async_op=async_op)
+        else:
+            work = _all_gather_flat(output, shard, group=group, async_op=async_op)
     return Handle(work, output, op="all_gather", label=label, group=group, unit=unit)
+
+
+GATHER_BY_ALL_REDUCE_BYTES = 64 << 20
+"""On gloo, all-gathers of this many bytes or more run as in-place all-reduces (module
+docstring): gloo's own gathers into a temporary as large as the output."""
+
+
+def _gathers_by_all_reduce(group: dist.ProcessGroup | None, output: torch.Tensor) -> bool:
+    big = output.numel() * output.element_size() >= GATHER_BY_ALL_REDUCE_BYTES
+    return big and _by_all_reduce(group, output) and dist.get_world_size(group) > 1
 
 
 def reduce_scatter(
@@ -264,7 +291,7 @@ def reduce_scatter(
         if _by_all_reduce(group, full):
             # ``full`` is the caller's send buffer, consumed here: reduced in place.
             own = _slot(full, group)
-            work = dist.all_reduce(full, group=_twin(group), async_op=async_op)
+            work = dist.all_reduce(full, group=_twin(group, "reduce_scatter"), async_op=async_op)
             then = None if _same_memory(own, output) else (lambda: output.copy_(own))
             return Handle(
                 work, output, op="reduce_scatter", label=label, group=group, unit=unit, then=then
