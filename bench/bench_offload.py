@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,8 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run standalone from a checkout
+
+from bench_checkpoint import _dd  # noqa: E402
 
 from zeroshard.offload import OffloadConfig, TensorStore, Tier  # noqa: E402
 from zeroshard.offload.nvme import filesystem_type  # noqa: E402
@@ -59,7 +60,7 @@ def dd_pass(path: Path, total_bytes: int, request_bytes: int, write: bool) -> fl
     else:
         args = [f"if={path}", "of=/dev/null", block, count, "iflag=direct"]
     begin = time.perf_counter()
-    subprocess.run(["dd", *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _dd(args)
     return time.perf_counter() - begin
 
 

@@ -197,7 +197,7 @@ _PURPOSES = ("reduce_scatter", "all_gather")
 """The collectives that run as all-reduces on gloo, each on a twin of its own."""
 
 
-def _twin(group: dist.ProcessGroup | None, purpose: str = "reduce_scatter") -> dist.ProcessGroup:
+def _twin(group: dist.ProcessGroup | None, purpose: str) -> dist.ProcessGroup:
     """The group's twin for all-reduces that stand in for ``purpose`` (module docstring). Made
     by the group's ranks only, at their first such collective on it (the same one on each: they
     run the same schedule), with the job's timeout."""

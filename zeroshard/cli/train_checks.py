@@ -63,18 +63,23 @@ def _check_eager_build_fits(cfg: TrainConfig, local_ranks: int) -> None:
         )
 
 
+def _probe_writable(folder: Path) -> None:
+    """Create ``folder`` and write a file in it (per process: every rank may probe at once);
+    an OSError when it cannot."""
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / f".write-test-{os.getpid()}"
+    probe.touch()
+    probe.unlink()
+
+
 def _check_offload_folder(path: str) -> None:
     """The swap folder can be created and written (its space is checked by each rank's store
     against what it will hold, before step 1)."""
-    folder = Path(path)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+        _probe_writable(Path(path))
     except OSError as exc:
         raise UsageError(
-            f"offload folder {folder} is not writable ({exc.strerror}); pass a writable "
+            f"offload folder {path} is not writable ({exc.strerror}); pass a writable "
             "--offload-folder on the fast disk"
         ) from None
 
@@ -113,10 +118,7 @@ def _check_batches(cfg: TrainConfig, nproc: int) -> None:
 def make_out_dir(path: str) -> Path:
     out = Path(path)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"  # per process: every rank probes at once
-        probe.touch()
-        probe.unlink()
+        _probe_writable(out)
     except OSError as exc:
         raise UsageError(
             f"cannot create output folder {out} ({exc.strerror}); pass a writable --out-dir"

@@ -511,14 +511,18 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def check_host_memory(need_bytes: int, mesh: Mesh) -> None:
-    """Fail before step 1 when this node's memory cannot hold the host staging of its ranks
-    (slots and the store's pool; each rank's need taken as the largest rank's, a collective):
-    an offloaded run must not find out at step 1, or by exhausting the host."""
+def _node_bytes(need_bytes: int, mesh: Mesh) -> int:
+    """What this node's ranks need together, each taken as the largest rank's (a collective)."""
     largest = torch.tensor([need_bytes], dtype=torch.int64, device=mesh.device)
     if mesh.world_size > 1:
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=mesh.group)
-    node_bytes = int(largest.item()) * mesh.local_world_size
+    return int(largest.item()) * mesh.local_world_size
+
+
+def check_host_memory(need_bytes: int, mesh: Mesh) -> None:
+    """Fail before step 1 when this node's memory cannot hold the host staging of its ranks
+    (slots and the store's pool): an offloaded run must not find out by exhausting the host."""
+    node_bytes = _node_bytes(need_bytes, mesh)
     available = memory_available_bytes()
     if available is not None and node_bytes > available:
         raise OffloadError(
@@ -534,10 +538,7 @@ def check_space(parent: Any, need_bytes: int, mesh: Mesh) -> None:
     """Fail before step 1 when the folder cannot hold the states of this node's ranks (each
     rank's need taken as the largest rank's, the ranks of a node sharing one disk)."""
     parent = Path(parent)
-    largest = torch.tensor([need_bytes], dtype=torch.int64, device=mesh.device)
-    if mesh.world_size > 1:
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=mesh.group)
-    node_bytes = int(largest.item()) * mesh.local_world_size
+    node_bytes = _node_bytes(need_bytes, mesh)
     free = free_bytes(parent)
     if node_bytes > free:
         raise SwapSpaceError(

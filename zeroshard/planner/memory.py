@@ -28,6 +28,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from zeroshard.model_states.param_swap import MAX_WRITES
+from zeroshard.model_states.state_swap import NUM_SLOTS
+from zeroshard.offload.store import OffloadConfig
 from zeroshard.offload.tiers import Tier
 from zeroshard.planner import saved
 from zeroshard.planner.comm import num_shard_groups
@@ -506,15 +509,15 @@ def _measured_checkpoints(
 
 MASTER_BYTES = 4
 """Bytes per element of an FP32 master."""
-STAGING_POOL_BYTES = 16 * (4 << 20)
-"""One ``TensorStore``'s staging pool (``OffloadConfig``'s default 16 buffers x 4 MiB)."""
-STATE_SLOTS = 3
+STAGING_POOL_BYTES = OffloadConfig.num_buffers * OffloadConfig.block_bytes
+"""One ``TensorStore``'s staging pool at its defaults."""
+STATE_SLOTS = NUM_SLOTS
 """Sub-groups whose optimizer states are in host memory at once during an NVMe step: one read
-ahead, one stepping, one written back (``zeroshard.model_states.state_swap.NUM_SLOTS``); at the
-first step the states torch creates take the third slot's room until they are packed."""
-MASTERS_AT_STEP = 4
+ahead, one stepping, one written back; at the first step the states torch creates take the third
+slot's room until they are packed (``zeroshard.model_states.state_swap``)."""
+MASTERS_AT_STEP = 2 + MAX_WRITES
 """NVMe-placed masters in memory at once during the step: the sub-group stepping, the next one
-read ahead, and two written back (``param_swap.MAX_WRITES``); outside the step, the
+read ahead, and those written back (``param_swap.MAX_WRITES``); outside the step, the
 ``num_units_prefetch + 1`` masters read ahead of their gathers stay below it."""
 GRAD_SHARDS_AT_STEP = 2
 """NVMe-placed FP32 gradient shards in memory during the step: the one used, the next read."""
