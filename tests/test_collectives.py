@@ -1,12 +1,15 @@
-"""``zeroshard.collectives`` on gloo: large all-gathers run as in-place all-reduces (no
-temporary as large as the output) and train exactly as gloo's own gathers."""
+"""``zeroshard.collectives`` on gloo: all-gathers and reduce-scatters by sends and receives give
+what gloo's own collectives give, with several in flight and waited in any order, need no
+temporary as large as their output, and train exactly as gloo's own."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
 import torch
+import torch.distributed as dist
 from parity_models import batch, build
 
 import zeroshard
@@ -14,13 +17,64 @@ import zeroshard.collectives as C
 from zeroshard.residual_states.host_heap import resident_bytes
 
 
-def _with_threshold(threshold: int, fn, *args):
-    saved = C.GATHER_BY_ALL_REDUCE_BYTES
-    C.GATHER_BY_ALL_REDUCE_BYTES = threshold  # the workers are reused: restored below
+def _with_gloo_s_own(fn, *args):
+    """``fn(*args)`` with gloo's own all-gather and reduce-scatter (the reference)."""
+    saved = C._point_to_point
+    C._point_to_point = lambda group, tensor: False  # the workers are reused: restored below
     try:
         return fn(*args)
     finally:
-        C.GATHER_BY_ALL_REDUCE_BYTES = saved
+        C._point_to_point = saved
+
+
+def _inputs(n: int, i: int) -> torch.Tensor:
+    """Rank-specific values for collective ``i`` (n elements, seeded)."""
+    g = torch.Generator().manual_seed(1000 * i + dist.get_rank())
+    return torch.randn(n, generator=g)
+
+
+def _interleaved() -> list[torch.Tensor]:
+    """Two reduce-scatters (the second in place: into its input's own slice) and two all-gathers
+    of odd sizes in flight at once, waited in the reverse order of issue: their messages must
+    not cross."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ledger = C.Ledger()
+    fulls = [_inputs(world * n, i) for i, n in enumerate((1001, 7))]
+    shards = [_inputs(n, 2 + i) for i, n in enumerate((13, 2049))]
+    n = fulls[1].numel() // world
+    outs = [torch.empty(fulls[0].numel() // world), fulls[1][rank * n : (rank + 1) * n]]
+    gathered = [torch.full((world * s.numel(),), float("nan")) for s in shards]
+    handles = []
+    for k in range(2):
+        handles.append(C.reduce_scatter(outs[k], fulls[k], group=None, ledger=ledger))
+        handles.append(C.all_gather(gathered[k], shards[k], group=None, ledger=ledger))
+    for handle in reversed(handles):
+        handle.wait()
+    return [t.clone() for t in outs + gathered]
+
+
+def _in_messages_of(nbytes: int, fn, *args):
+    """``fn(*args)`` with reduce-scatters sent in messages of at most ``nbytes``."""
+    saved = C.REDUCE_CHUNK_BYTES
+    C.REDUCE_CHUNK_BYTES = nbytes  # the workers are reused: restored below
+    try:
+        return fn(*args)
+    finally:
+        C.REDUCE_CHUNK_BYTES = saved
+
+
+@pytest.mark.parametrize("message_bytes", [C.REDUCE_CHUNK_BYTES, 1000])
+@pytest.mark.parametrize("pool", ["workers2", "workers4"])
+def test_exchanges_match_gloo_s_own_collectives(pool, message_bytes, request):
+    workers = request.getfixturevalue(pool)
+    ours = workers.run(_in_messages_of, message_bytes, _interleaved)  # 1000: 2 messages a slice
+    theirs = workers.run(_with_gloo_s_own, _interleaved)
+    for mine, reference in zip(ours, theirs, strict=True):
+        for a, b in zip(mine, reference, strict=True):
+            # Gathers are copies: exact. Sums over 4 ranks may associate differently.
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            if len(ours) == 2:
+                assert torch.equal(a, b)  # two ranks: one addition, the same either way
 
 
 def _train_stage3() -> tuple[list[float], list[torch.Tensor]]:
@@ -40,21 +94,29 @@ def _train_stage3() -> tuple[list[float], list[torch.Tensor]]:
         return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def test_gathers_by_all_reduce_train_exactly_as_gloo_s_own(workers2):
-    own = workers2.run(_with_threshold, 1 << 62, _train_stage3)
-    by_all_reduce = workers2.run(_with_threshold, 0, _train_stage3)
-    for (losses_a, params_a), (losses_b, params_b) in zip(own, by_all_reduce, strict=True):
+def test_training_by_exchanges_is_bitwise_gloo_s_own(workers2):
+    ours = workers2.run(_train_stage3)
+    theirs = workers2.run(_with_gloo_s_own, _train_stage3)
+    for (losses_a, params_a), (losses_b, params_b) in zip(ours, theirs, strict=True):
         assert losses_a == losses_b
         assert all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
 
 
 def _gather_128_mib() -> dict:
-    """Gather 128 MiB; the most the process grew meanwhile (resident pages sampled every ms:
-    workers are reused, so their high-water mark may predate this test)."""
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    """Gather 128 MiB; the most the process grew meanwhile."""
+    world, rank = dist.get_world_size(), dist.get_rank()
     n = (128 << 20) // 4
     output = torch.full((n,), float("nan"))  # touched: its pages are resident before
     shard = torch.arange(n // world, dtype=torch.float32) + rank * (n // world)
+    grown = _grown_by(
+        lambda: C.all_gather(output, shard, group=None, ledger=C.Ledger(), async_op=False)
+    )
+    return {"exact": torch.equal(output, torch.arange(n, dtype=torch.float32)), "grown": grown}
+
+
+def _grown_by(fn) -> int:
+    """The most the process grew while ``fn()`` ran (resident pages sampled every ms: workers
+    are reused, so their high-water mark may predate the test)."""
     before, peak, done = resident_bytes(), [0], threading.Event()
 
     def sample() -> None:
@@ -65,17 +127,36 @@ def _gather_128_mib() -> dict:
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        C.all_gather(output, shard, group=None, ledger=C.Ledger(), async_op=False)
+        fn()
     finally:
         done.set()
         sampler.join()
-    exact = torch.equal(output, torch.arange(n, dtype=torch.float32))
-    return {"exact": exact, "grown": peak[0] - (before or 0)}
+    return peak[0] - (before or 0)
+
+
+def _reduce_128_mib_in_place() -> dict:
+    """Reduce-scatter 128 MiB of ones into the input's own slice."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    full = torch.ones((128 << 20) // 4)
+    n = full.numel() // world
+    own = full[rank * n : (rank + 1) * n]
+    grown = _grown_by(
+        lambda: C.reduce_scatter(own, full, group=None, ledger=C.Ledger(), async_op=False)
+    )
+    return {"exact": bool((own == world).all()), "grown": grown}
+
+
+def test_an_in_place_reduction_receives_through_one_message_sized_buffer(workers2):
+    for r in workers2.run(_reduce_128_mib_in_place):
+        assert r["exact"], r
+        assert r["grown"] < C.REDUCE_CHUNK_BYTES + (8 << 20), r  # a shard would be 64 MiB
+    for r in workers2.run(_in_messages_of, 1 << 40, _reduce_128_mib_in_place):
+        assert r["exact"] and r["grown"] > 48 << 20, r  # one message: a shard-sized buffer
 
 
 def test_a_large_gather_needs_no_temporary(workers2):
     for r in workers2.run(_gather_128_mib):
         assert r["exact"], r
         assert r["grown"] < 32 << 20, r  # gloo's own gather: +128 MiB
-    for r in workers2.run(_with_threshold, 1 << 62, _gather_128_mib):
+    for r in workers2.run(_with_gloo_s_own, _gather_128_mib):
         assert r["exact"] and r["grown"] > 96 << 20, r  # what the test would see without it

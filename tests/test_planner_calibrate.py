@@ -63,7 +63,7 @@ def test_engine_config_is_the_engines():
     assert cfg.num_units_prefetch == ShardConfig().num_prefetch
     assert cfg.num_buckets == ShardConfig().max_inflight_reductions
     assert cfg.bucket_per_unit and not cfg.activation_checkpointing
-    assert not cfg.step_in_backward and not cfg.reduce_stages_input  # gloo: in-place all-reduce
+    assert not cfg.step_in_backward and not cfg.reduce_stages_input  # gloo: sends into the output
     sib = calibrate.engine_config(Case(preset="tiny", stage=3, step_in_backward=True), 4)
     assert sib.step_in_backward
     # Replicated parameters: tiny fits one 25 MiB bucket; 100m's units each overflow one.

@@ -116,7 +116,7 @@ def test_engine_timeline_post_backward_follows_the_engines_schedule():
     assert mo[f"unit backward {k}"]["comm_buckets"] == 2 * 4 * block
     assert mo[f"unit reduction wait {k}"]["comm_buckets"] == (2 + 1 + 1) * 4 * block
     assert mo[f"unit post-backward {k}"]["comm_buckets"] == (1 + 2) * 4 * block
-    # Without staging (NCCL; zeroshard's gloo reduce-scatter runs as an in-place all-reduce)
+    # Without staging (NCCL; zeroshard's gloo reduce-scatter: sends into the output)
     # there is no wait moment.
     assert not any("wait" in name for name in _moments(WIDE, _engine(3, num_buckets=1)))
 

@@ -5,20 +5,17 @@ an n-element (unsharded) buffer moves n elements; an all-reduce moves 2n (a redu
 all-gather). So one step of plain data parallelism moves 2 Psi, stages 1-2 move 2 Psi and stage 3
 moves 3 Psi, Psi being the (padded) parameter count.
 
-Algorithms by backend: gloo's flat reduce-scatter costs about 1.8x its all-reduce of the same
-buffer (measured here, 2 ranks, fp32: all-reduce 56 ms per 100 MiB, reduce-scatter 106), so on
-gloo a reduce-scatter runs as an in-place all-reduce of the send buffer, its slice copied out at
-``wait`` (100m stage 3: backward 8% faster). All-gathers stay gloo's own below
-``GATHER_BY_ALL_REDUCE_BYTES`` (64 MiB): as an all-reduce of the output's bytes (other slots
-zeroed) it was faster alone (68 against 82 ms per 100 MiB) but slower in training, where its extra
-reduction work competes with compute on the same cores (100m stage 3, 27 MiB units: step 1.36 s
-against 1.27 s). From 64 MiB on they run as that all-reduce: gloo's own gather allocates a
-temporary as large as its output (measured: +433 MiB for a 431 MiB unit), the in-place all-reduce
-nothing. Those all-reduces run on twins of the group (same ranks, one per collective they stand
-in for, made once by ``prepare``): gloo cannot tell two all-reduces apart, so a rank in one of
-them and another rank in a plain all-reduce of another size would abort the process; on separate
-groups they wait and the watchdog names both collectives. The ledger still counts the logical
-collective, the paper's volume above; NCCL and the other backends run the collectives themselves.
+Algorithms by backend: on gloo, all-gathers and reduce-scatters run as point-to-point sends and
+receives between every pair of ranks, straight into and out of the caller's buffers. gloo's own
+collectives are much slower (2 ranks, fp32, 100 MiB, one thread each: all-gather 85 ms wall and
+66 ms CPU against 25 and 18 by sends; reduce-scatter 106 ms, all-reduce 64-76, 35 by sends; 4
+ranks: all-reduce 155 ms, reduce-scatter by sends 75, all-gather by sends 50), and gloo's
+all-gather also allocates a temporary as large as its output (+433 MiB for a 431 MiB unit). A
+reduce-scatter by sends needs one receive buffer of a shard's size; the sum runs in a fixed order
+of source ranks (deterministic; with 2 ranks it is gloo's). Every such collective takes a tag of
+its own, counted per group (the ranks of a group issue its collectives in one order), so two in
+flight never take each other's messages. The ledger counts the logical collective, the paper's
+volume above; NCCL and the other backends run the collectives themselves.
 
 Scopes (hybrid sharding, ``zeroshard.mesh``): every collective is also counted under the group it
 ran on, ``SHARD`` (inside a shard group: every rank without hybrid sharding), ``REPLICATE``
@@ -32,20 +29,29 @@ inter-node traffic: per step, the all-reduce of this rank's 1/k gradient shard, 
 
 from __future__ import annotations
 
+import collections
+import itertools
+import threading
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zeroshard.watchdog import diagnosed, inherit_timeout
+from zeroshard.watchdog import diagnosed
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Waitable(Protocol):
+    """A collective in flight: a backend's ``dist.Work`` or one of the exchanges below."""
+
+    def wait(self) -> object: ...
 
 
 @dataclass
@@ -155,81 +161,237 @@ class Handle:
 
     def __init__(
         self,
-        work: dist.Work | None,
+        work: _Waitable | None,
         output: torch.Tensor,
         *,
         op: str = "collective",
         label: str = "",
         group: dist.ProcessGroup | None = None,
         unit: str | None = None,
-        then: Callable[[], None] | None = None,
     ) -> None:
         self._work = work
         self.output = output
         self.op, self.label, self.group, self.unit = op, label, group, unit
-        self._then = then  # run once the work is complete (a slice copied out)
-        if work is None:
-            self._finish()
-
-    def _finish(self) -> None:
-        if self._then is not None:
-            self._then()
-            self._then = None
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             with diagnosed(self.op, self.label, self.group, unit=self.unit):
                 self._work.wait()
             self._work = None
-        self._finish()
         return self.output
 
 
-def _by_all_reduce(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bool:
-    """Whether a reduce-scatter runs as an all-reduce: on gloo (module docstring)."""
-    return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
+def _point_to_point(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bool:
+    """Whether all-gathers and reduce-scatters run as sends and receives: on gloo (module
+    docstring)."""
+    return (
+        tensor.device.type == "cpu"
+        and dist.get_backend(group) == "gloo"
+        and dist.get_world_size(group) > 1
+    )
 
 
-_TWINS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, dist.ProcessGroup]] = (
-    weakref.WeakKeyDictionary()
-)
-_PURPOSES = ("reduce_scatter", "all_gather")
-"""The collectives that run as all-reduces on gloo, each on a twin of its own."""
+_TAGS: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count] = weakref.WeakKeyDictionary()
+_TAG_BASE, _TAG_SPAN, _MAX_CHUNKS = 1 << 24, 1 << 20, 1 << 10
+"""Tags of the point-to-point collectives: a block of ``_MAX_CHUNKS`` per collective (one per
+message of a reduce-scatter's slice), counted per group from ``_TAG_BASE`` (above the small
+tags a user's own sends take), wrapping after ``_TAG_SPAN`` collectives."""
+
+REDUCE_CHUNK_BYTES = 4 << 20
+"""A reduce-scatter sends each slice in messages of at most this many bytes (more when a slice
+would need over ``_MAX_CHUNKS``): its receive buffer is one message, not a shard."""
 
 
-def _twin(group: dist.ProcessGroup | None, purpose: str) -> dist.ProcessGroup:
-    """The group's twin for all-reduces that stand in for ``purpose`` (module docstring). Made
-    by the group's ranks only, at their first such collective on it (the same one on each: they
-    run the same schedule), with the job's timeout."""
-    key = group if group is not None else dist.group.WORLD
-    twins = _TWINS.setdefault(key, {})
-    twin = twins.get(purpose)
-    if twin is None:
-        ranks = dist.get_process_group_ranks(key)
-        twin = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        inherit_timeout(twin)
-        twins[purpose] = twin
-    return twin
+def _next_tag(group: dist.ProcessGroup | None) -> int:
+    """The first tag of the next point-to-point collective on ``group``: the same on every rank,
+    since the ranks of a group issue its collectives in one order (as gloo's own collectives
+    need). Tags of their own keep two collectives in flight apart whatever order their receives
+    are posted in."""
+    counter = _TAGS.setdefault(group if group is not None else dist.group.WORLD, itertools.count())
+    return _TAG_BASE + (next(counter) % _TAG_SPAN) * _MAX_CHUNKS
 
 
-def prepare(*groups: dist.ProcessGroup | None) -> None:
-    """Make the twins the collectives below use on ``groups`` now, at a point every rank of
-    each reaches (``shard``), rather than at a first collective that a rank may never join."""
-    for group in groups:
-        if dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1:
-            for purpose in _PURPOSES:
-                _twin(group, purpose)
+def _chunks(n: int, element_size: int) -> list[tuple[int, int]]:
+    """The messages ``[lo, hi)`` of an n-element slice, the same on the sending and the
+    receiving rank."""
+    per = max(REDUCE_CHUNK_BYTES // element_size, -(-n // _MAX_CHUNKS), 1)
+    return [(lo, min(lo + per, n)) for lo in range(0, n, per)]
 
 
-def _slot(output: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """This rank's slot of a flat buffer split evenly over ``group``."""
-    n = output.numel() // dist.get_world_size(group)
-    r = dist.get_rank(group)
-    return output[r * n : (r + 1) * n]
+class _Exchange:
+    """A point-to-point collective in flight: its sends and receives, waited together.
+
+    Exchanges keep themselves alive until they complete (``_IN_FLIGHT``), as gloo's own
+    collectives do: a handle dropped unwaited (a model freed with a refresh in flight) must not
+    free a buffer that a peer's message is still on its way to, which leaves the connection
+    between the two ranks unusable for every later collective."""
+
+    def __init__(self, sends: list[dist.Work], receives: list[dist.Work]) -> None:
+        self._sends, self._receives = sends, receives
+        self._progress = threading.Lock()  # a poll and a wait from two threads: one adds
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.add(self)
+
+    def poll(self) -> bool:
+        """Whether every send and receive has completed (progress made where it can be)."""
+        return all(work.is_completed() for work in self._sends + self._receives)
+
+    def _receive(self) -> None:
+        for work in self._receives:
+            work.wait()
+
+    def wait(self) -> None:
+        with self._progress:
+            self._receive()
+        for work in self._sends:
+            work.wait()
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.discard(self)
+
+
+_IN_FLIGHT: set[_Exchange] = set()
+"""Exchanges started and not yet waited; the completed ones leave at the next exchange's start."""
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _forget_completed() -> None:
+    with _IN_FLIGHT_LOCK:
+        started = list(_IN_FLIGHT)
+    done = [e for e in started if e.poll()]
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.difference_update(done)
+
+
+class _ReduceExchange(_Exchange):
+    """A reduce-scatter: every other rank's part of this rank's shard, in messages of at most
+    ``REDUCE_CHUNK_BYTES``, added into ``output`` in a fixed order of sources (r - 1, r - 2,
+    ...), so the sum is deterministic. When ``output`` is not the input's own slice, the first
+    source's messages land in it directly (``own`` is then added to each); every other message,
+    or all of them when reducing in place, goes through one message-sized receive buffer, one
+    at a time (the next is posted when the last is added)."""
+
+    def __init__(
+        self,
+        sends: list[dist.Work],
+        own: torch.Tensor,
+        output: torch.Tensor,
+        sources: list[int],
+        *,
+        group: dist.ProcessGroup | None,
+        tag: int,
+    ) -> None:
+        self._own, self._output, self._group, self._tag = own, output, group, tag
+        chunks = _chunks(own.numel(), own.element_size())
+        direct = not _same_memory(own, output)
+        self._direct = [  # (receive, lo, hi) straight into output, all posted now
+            (self._recv(output[lo:hi], sources[0], c), lo, hi)
+            for c, (lo, hi) in enumerate(chunks)
+            if direct
+        ]
+        self._queue = collections.deque(  # (source, chunk, lo, hi) through the buffer
+            (src, c, lo, hi) for src in sources[direct:] for c, (lo, hi) in enumerate(chunks)
+        )
+        size = max((hi - lo for _, _, lo, hi in self._queue), default=0)
+        self._inbox = own.new_empty(size)
+        self._current: tuple[dist.Work, int, int] | None = None
+        self._post_next()
+        super().__init__(sends, [])
+
+    def _recv(self, into: torch.Tensor, source: int, chunk: int) -> dist.Work:
+        return dist.irecv(into, group_src=source, group=self._group, tag=self._tag + chunk)
+
+    def _post_next(self) -> None:
+        if self._queue:
+            source, c, lo, hi = self._queue.popleft()
+            self._current = (self._recv(self._inbox[: hi - lo], source, c), lo, hi)
+        else:
+            self._current = None
+
+    def _advance(self, block: bool) -> bool:
+        """Add what has arrived (waiting for it when ``block``); whether everything has."""
+        while self._direct:
+            work, lo, hi = self._direct[0]
+            if not block and not work.is_completed():
+                return False
+            work.wait()
+            self._output[lo:hi].add_(self._own[lo:hi])
+            self._direct.pop(0)
+        while self._current is not None:
+            work, lo, hi = self._current
+            if not block and not work.is_completed():
+                return False
+            work.wait()
+            self._output[lo:hi].add_(self._inbox[: hi - lo])
+            self._post_next()
+        return True
+
+    def poll(self) -> bool:
+        if not self._progress.acquire(blocking=False):
+            return False  # another thread is waiting for it
+        try:
+            received = self._advance(block=False)
+        finally:
+            self._progress.release()
+        return received and super().poll()
+
+    def _receive(self) -> None:
+        self._advance(block=True)
+
+
+def _peers(group: dist.ProcessGroup | None) -> tuple[int, list[int], list[int]]:
+    """This rank in ``group``, the ranks it sends to (r + 1, r + 2, ...) and the ranks it
+    receives from (r - 1, r - 2, ...), all as ranks of the group."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    return (
+        rank,
+        [(rank + k) % world for k in range(1, world)],
+        [(rank - k) % world for k in range(1, world)],
+    )
+
+
+def _gather_exchange(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None
+) -> _Exchange:
+    """All-gather by sends and receives straight into ``output``: no temporary, no arithmetic."""
+    rank, targets, sources = _peers(group)
+    n, tag = shard.numel(), _next_tag(group)
+    own = output[rank * n : (rank + 1) * n]
+    if not _same_memory(own, shard):
+        own.copy_(shard)
+    sends = [dist.isend(own, group_dst=d, group=group, tag=tag) for d in targets]
+    receives = [
+        dist.irecv(output[s * n : (s + 1) * n], group_src=s, group=group, tag=tag) for s in sources
+    ]
+    return _Exchange(sends, receives)
+
+
+def _reduce_exchange(
+    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None
+) -> _ReduceExchange:
+    """Reduce-scatter by sending every other rank its slice of ``full`` and summing the slices
+    received with this rank's own into ``output`` (which may be that slice itself)."""
+    rank, targets, sources = _peers(group)
+    n, tag = full.numel() // dist.get_world_size(group), _next_tag(group)
+    sends = [
+        dist.isend(full[d * n + lo : d * n + hi], group_dst=d, group=group, tag=tag + c)
+        for d in targets
+        for c, (lo, hi) in enumerate(_chunks(n, full.element_size()))
+    ]
+    own = full[rank * n : (rank + 1) * n]
+    return _ReduceExchange(sends, own, output, sources, group=group, tag=tag)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
+
+
+def _started(exchange: _Exchange, async_op: bool) -> _Exchange | None:
+    """The exchange as a ``Handle``'s work, or finished here when the caller is synchronous."""
+    _forget_completed()
+    if async_op:
+        return exchange
+    exchange.wait()
+    return None
 
 
 def all_gather(
@@ -247,28 +409,11 @@ def all_gather(
     ``unit`` names the wrapped module for ``CollectiveTimeout`` (as do the functions below)."""
     ledger.record("all_gather", label, output.numel(), output.element_size(), scope)
     with record_function("zeroshard::all_gather"), diagnosed("all_gather", label, group, unit=unit):
-        if _gathers_by_all_reduce(group, output):
-            own = _slot(output, group)
-            if not _same_memory(own, shard):
-                own.copy_(shard)
-            n, r = own.numel(), dist.get_rank(group)
-            output[: r * n].zero_()  # every other slot: zeros, which the sum leaves exact
-            output[(r + 1) * n :].zero_()
-            twin = _twin(group, "all_gather")
-            work = dist.all_reduce(output, group=twin, async_op=async_op)
+        if _point_to_point(group, output):
+            work = _started(_gather_exchange(output, shard, group), async_op)
         else:
             work = _all_gather_flat(output, shard, group=group, async_op=async_op)
     return Handle(work, output, op="all_gather", label=label, group=group, unit=unit)
-
-
-GATHER_BY_ALL_REDUCE_BYTES = 64 << 20
-"""On gloo, all-gathers of this many bytes or more run as in-place all-reduces (module
-docstring): gloo's own gathers into a temporary as large as the output."""
-
-
-def _gathers_by_all_reduce(group: dist.ProcessGroup | None, output: torch.Tensor) -> bool:
-    big = output.numel() * output.element_size() >= GATHER_BY_ALL_REDUCE_BYTES
-    return big and _by_all_reduce(group, output) and dist.get_world_size(group) > 1
 
 
 def reduce_scatter(
@@ -282,21 +427,16 @@ def reduce_scatter(
     unit: str | None = None,
 ) -> Handle:
     """Sum ``full`` (1D, n, every rank's own) over ranks; rank r receives slice r in ``output``.
-    ``full`` is scratch: on gloo it holds the whole sum afterwards (module docstring)."""
+    ``output`` may be ``full``'s slice r (in place); ``full`` is scratch until ``wait``."""
     ledger.record("reduce_scatter", label, full.numel(), full.element_size())
     with (
         record_function("zeroshard::reduce_scatter"),
         diagnosed("reduce_scatter", label, group, unit=unit),
     ):
-        if _by_all_reduce(group, full):
-            # ``full`` is the caller's send buffer, consumed here: reduced in place.
-            own = _slot(full, group)
-            work = dist.all_reduce(full, group=_twin(group, "reduce_scatter"), async_op=async_op)
-            then = None if _same_memory(own, output) else (lambda: output.copy_(own))
-            return Handle(
-                work, output, op="reduce_scatter", label=label, group=group, unit=unit, then=then
-            )
-        work = _reduce_scatter_flat(output, full, group=group, async_op=async_op)
+        if _point_to_point(group, full):
+            work = _started(_reduce_exchange(output, full, group), async_op)
+        else:
+            work = _reduce_scatter_flat(output, full, group=group, async_op=async_op)
     return Handle(work, output, op="reduce_scatter", label=label, group=group, unit=unit)
 
 

@@ -30,7 +30,7 @@ from zeroshard.model_states.init import Materializer, check_same_model
 from zeroshard.model_states.param_swap import ParamSwapper
 from zeroshard.offload.placement import Offload
 from zeroshard.precision import MixedPrecision, hold_tf32, policy_of
-from zeroshard.residual_states.buffers import BufferPool
+from zeroshard.residual_states.buffers import BufferPool, TensorPool
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.stages import Partition, partition
 from zeroshard.state_dict import install_state_dict_hooks
@@ -127,7 +127,6 @@ def shard(
     mixed_precision = policy_of(mixed_precision, mesh.device)
     specs = units(model, wrap)
     check_same_model(model, mesh)
-    C.prepare(mesh.group, mesh.shard_group)  # every rank is here: make groups the engine needs
     ledger = C.Ledger()
     materialize = Materializer(model, mesh.device, param_init_fn)
     param_swap = None
@@ -138,6 +137,10 @@ def shard(
     # Stage 3: every unit's gathered storage borrows from fixed buffers, made once (ZeRO-R's CB);
     # as many per size as units are gathered at once (the one computing and the prefetched).
     buffers = BufferPool(keep=1 + config.num_prefetch if config.constant_buffers else 0)
+    # Stages 2-3 on the CPU: collected full gradients reuse memory too, as many per size as
+    # reductions are in flight at a collection.
+    pooled = config.constant_buffers and mesh.device.type == "cpu" and part.gradients
+    grad_buffers = TensorPool(keep=config.max_inflight_reductions) if pooled else None
 
     def make(params: list[tuple[nn.Parameter, list[str]]], dtype: torch.dtype) -> FlatParam:
         materialize([p for p, _ in params])
@@ -169,6 +172,7 @@ def shard(
                     reduce_dtype=_dtypes(mixed_precision, f.orig_dtype)[1],
                     scaling=scaling,
                     num_units=sum(f in fs for fs in flats),
+                    pool=grad_buffers,
                 )
     unit_list = [
         Unit(

@@ -36,6 +36,7 @@ from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.partition import shard_range
 from zeroshard.precision import MASTER_DTYPE
+from zeroshard.residual_states.buffers import TensorPool
 from zeroshard.stages import Partition
 from zeroshard.streams import on_side_stream
 
@@ -94,6 +95,12 @@ def agree(
     )
 
 
+def pools(buckets: list[GradBucket]) -> list[TensorPool]:
+    """The distinct pools that the buckets' collected full gradients borrow memory from (stages
+    2-3 on the CPU with ``ShardConfig.constant_buffers``)."""
+    return list({id(b.pool): b.pool for b in buckets if b.pool is not None}.values())
+
+
 class GradBucket:
     """The gradient of one trainable ``FlatParam`` (module docstring)."""
 
@@ -105,6 +112,7 @@ class GradBucket:
         reduce_dtype: torch.dtype | None,
         scaling: GradScaling,
         num_units: int = 1,
+        pool: TensorPool | None = None,
     ) -> None:
         assert flat.requires_grad
         self.flat, self.scaling = flat, scaling
@@ -120,8 +128,12 @@ class GradBucket:
         shared by several units. A single unit's partitioned gradient (stage 3) is copied at
         reduction instead, as FSDP2 does: nothing is allocated (or zero-filled) before the unit's
         first gradient exists, which keeps the start of backward, the step's peak, lower."""
+        self.pool = pool
+        """Where a collected ``full_grad`` gets its memory when it is reduced into a separate
+        shard (``TensorPool``; None: allocated at each collection)."""
         self.full_grad: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None
+        self._pooled = False  # full_grad came from the pool
         self._reduce: tuple[C.Handle, torch.Tensor] | None = None
         self._bound = [False] * len(flat.slots)  # per slot: .grad is its region, holding data
         self.touched = [False] * len(flat.slots)
@@ -224,9 +236,14 @@ class GradBucket:
         which are released. Made in ``reduce_dtype`` directly, so a wider reduction needs no
         second, cast copy."""
         flat = self.flat
-        self.full_grad = torch.empty(
-            flat.padded_numel, dtype=self.reduce_dtype, device=flat.mesh.device
-        )
+        # Pooled only when nothing outlives the reduction: the shard is a tensor of its own.
+        self._pooled = self.pool is not None and not self.consumed_at_handoff
+        if self._pooled:
+            self.full_grad = self.pool.take(flat.padded_numel, self.reduce_dtype, flat.mesh.device)
+        else:
+            self.full_grad = torch.empty(
+                flat.padded_numel, dtype=self.reduce_dtype, device=flat.mesh.device
+            )
         with torch.no_grad():
             for i, s in enumerate(flat.slots):
                 view = self.full_grad[s.offset : s.offset + s.numel]
@@ -322,6 +339,9 @@ class GradBucket:
     def _free_full(self) -> None:
         if self.as_views:  # otherwise .grad are autograd's own, released at collection already
             self._unbind()
+        if self._pooled and self.full_grad is not None:
+            self.pool.give(self.full_grad)
+            self._pooled = False
         self.full_grad = None
 
     def zero(self) -> None:

@@ -214,8 +214,9 @@ class MemoryConfig:
     reduce_stages_input: bool = False
     """The backend allocates a copy of a reduce-scatter's input while it is waited for: one more
     unit gradient at that moment (torch's gloo ``reduce_scatter_tensor`` does, measured on CPU;
-    NCCL reduces in place, and zeroshard runs gloo's reduce-scatter as an in-place all-reduce of
-    the send buffer, ``zeroshard.collectives``, so its engine stages nothing)."""
+    NCCL reduces in place, and zeroshard's reduce-scatter on gloo is sends and receives,
+    ``zeroshard.collectives``, that stage nothing: with 2 ranks the peer's slice lands in the
+    output; with more, or in place, one receive buffer of 1/N of the input, not counted)."""
     fragmentation_fraction: float = 0.1
     """Allowance for fragmentation, as a fraction of everything else on the device."""
 

@@ -1,5 +1,6 @@
 """Constant-size buffers (ZeRO-R's CB): memory made once and lent, step after step, to the
-storages that need it for a while (stage 3's gathered units).
+storages that need it for a while (stage 3's gathered units, ``BufferPool``) and to the tensors
+that need it for a while (stages 2-3's collected full gradients on the CPU, ``TensorPool``).
 
 A gathered unit's ``full`` must keep one storage object for its whole life: autograd's saved views
 point at it, and see the refill of the next gather. Freeing it between uses (``resize_(0)``) and
@@ -84,6 +85,53 @@ class BufferPool:
     def free_bytes(self) -> int:
         """Bytes of the free buffers the pool holds."""
         return sum(b.untyped_storage().nbytes() for free in self._free.values() for b in free)
+
+
+class TensorPool:
+    """1D tensors lent whole and given back, for memory made and freed at every use whose
+    tensor is never aliased once given back: a unit's full gradient at stages 2-3, collected from
+    autograd's per-parameter gradients, reduce-scattered into a separate shard, then dropped.
+
+    On the CPU a fresh tensor of a unit's size is an ``mmap`` whose pages fault in on the first
+    write (the module docstring's 132 against 14 ms per 400 MB); kept, they stay resident (100m,
+    stage 2, 2 ranks: the gradient collection's copies 93 -> 13 ms per step). Keyed by (device,
+    dtype, numel); after ``give`` at most ``keep`` free tensors per key stay, the rest are freed.
+    GPUs have a caching allocator already, and a side stream's use would need recording:
+    the engine pools on the CPU only."""
+
+    def __init__(self, keep: int) -> None:
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0 (free tensors kept per size), got {keep}")
+        self.keep = keep
+        self._free: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = defaultdict(
+            list
+        )
+        self._lent: dict[int, torch.Tensor] = {}
+        self.made = 0
+        """Tensors allocated since construction."""
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1D tensor of ``numel`` elements, contents undefined, until ``give``."""
+        free = self._free[(torch.device(device), dtype, numel)]
+        if free:
+            tensor = free.pop()
+        else:
+            self.made += 1
+            tensor = torch.empty(numel, dtype=dtype, device=device)
+        self._lent[id(tensor)] = tensor
+        return tensor
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Take back a tensor from ``take``; the caller holds no view of it any more."""
+        if self._lent.pop(id(tensor), None) is None:
+            raise RuntimeError("give: this tensor did not come from this pool's take")
+        free = self._free[(tensor.device, tensor.dtype, tensor.numel())]
+        if len(free) < self.keep:
+            free.append(tensor)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the pool holds, free or lent (for a memory tracker)."""
+        return [t for free in self._free.values() for t in free] + list(self._lent.values())
 
 
 _RESIZE = torch.UntypedStorage.resize_
