@@ -61,7 +61,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run standalone from a checkout
 
 import zeroshard  # noqa: E402
-from zeroshard.model_states import grads  # noqa: E402
 from zeroshard.models.gpt import GPT, PRESETS, Block  # noqa: E402
 
 NPROC = 2
@@ -125,7 +124,6 @@ def zeroshard_contender(
         extra = [t for f in engine.flat_params for t in (f.full, f.master)]
         extra += [t for b in engine.buckets for t in (b.full_grad, b.shard_grad)]
         pools = {id(f.buffers): f.buffers for f in engine.flat_params}
-        pools.update({id(pool): pool for pool in grads.pools(engine.buckets)})
         extra += [t for pool in pools.values() for t in pool.tensors()]  # free ones count
         # Engine tensors first, then the model (re-tags parameter storage as Parameter).
         t.track_external(*[x for x in extra if x is not None], model, opt.optimizer)

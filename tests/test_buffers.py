@@ -229,27 +229,27 @@ def _grad_pool_over_steps(stage: int, constant: bool, step_in_backward: bool) ->
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3, step_in_backward=step_in_backward)
     engine = zeroshard.engine_of(model)
     pool = engine.buckets[0].pool
-    made, lent = [], []
+    made, held = [], []
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(4):
         x = torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=gen)
         opt.backward(model(x, torch.roll(x, -1, dims=1)))
-        opt.step()
-        opt.zero_grad()
         if pool is not None:
             made.append(pool.made)
-            lent.append(len(pool._lent))
-    return {"pooled": pool is not None, "made": made, "lent": lent}
+            held.append(len(pool.tensors()))
+        opt.step()
+        opt.zero_grad()
+    return {"pooled": pool is not None, "made": made, "held": held}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_collected_gradients_reuse_memory_made_in_the_first_step(workers2, stage):
+def test_collected_gradients_reuse_memory_within_a_backward(workers2, stage):
     for r in workers2.run(_grad_pool_over_steps, stage, True, False):
         # One reduction in flight at a collection: one tensor per unit size (the blocks', the
-        # root's), made in step 1, lent again in every later one, all given back by the step.
-        assert r["pooled"] and r["made"] == [2] * 4 and r["lent"] == [0] * 4, r
+        # root's) per backward, not one per unit, none held once backward ends.
+        assert r["pooled"] and r["made"] == [2, 4, 6, 8] and r["held"] == [0] * 4, r
     for r in workers2.run(_grad_pool_over_steps, stage, True, True):
         # With the step in backward the shard is the full gradient's own slice: not pooled.
-        assert r["made"] == [0] * 4 and r["lent"] == [0] * 4, r
+        assert r["made"] == [0] * 4 and r["held"] == [0] * 4, r
     for r in workers2.run(_grad_pool_over_steps, stage, False, False):
         assert not r["pooled"], r

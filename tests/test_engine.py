@@ -12,7 +12,6 @@ from parity_models import batch, build, loss_of, param_groups
 
 import zeroshard
 from zeroshard.engine import ShardConfig
-from zeroshard.model_states import grads
 
 PER_RANK_BATCH = 4
 
@@ -182,9 +181,6 @@ def _model_state_bytes(stage: int) -> tuple[int, int]:
     with tracker:
         step(1)
         measured = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
-    # Collected gradients' memory kept between steps (stages 2-3 on the CPU) is a constant
-    # buffer, not a model state: the tracker saw it during the step.
-    measured -= sum(t.nbytes for pool in grads.pools(engine.buckets) for t in pool.tensors())
     n, psi = dist.get_world_size(), sum(f.padded_numel for f in engine.flat_params)
     part = zeroshard.STAGES[stage]
     # FP32 AdamW: 4 bytes of parameters, 4 of gradients, 8 of optimizer states (momentum and

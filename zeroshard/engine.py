@@ -36,7 +36,7 @@ from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, when_backward_reaches
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam, ShardState
-from zeroshard.model_states.grads import GradBucket, GradScaling
+from zeroshard.model_states.grads import GradBucket, GradScaling, pools
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states import host_heap
 from zeroshard.residual_states.activations import SpanCheckpointing
@@ -455,6 +455,8 @@ class Engine:
                 if b in self._dirty:
                     b.reduce()
                     b.finish()
+        for pool in pools(self.buckets):
+            pool.release()  # kept through one backward, not between steps
         for unit in self.units:
             unit.to(TrainingState.IDLE)
         self._units_left.clear()

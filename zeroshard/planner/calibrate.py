@@ -236,7 +236,6 @@ def measure_module(
     from torch.distributed._tools.mem_tracker import MemTracker
 
     import zeroshard
-    from zeroshard.model_states import grads
 
     torch.manual_seed(0)
     model = zeroshard.shard(build(), stage=stage, wrap=wrap)
@@ -259,10 +258,7 @@ def measure_module(
     with tracker:
         forward_backward()
         opt.step()
-        # Collected gradients' pooled memory, kept between steps, is a buffer, not a model
-        # state: the tracker saw it during the step; it is reported apart.
-        kept = sum(t.nbytes for pool in grads.pools(engine.buckets) for t in pool.tensors())
-        after_step = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"] - kept
+        after_step = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
         states = _model_state_storages(engine, opt.optimizer)
         opt.zero_grad()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
@@ -274,7 +270,6 @@ def measure_module(
     return {
         "model_states": states,
         "model_states_bytes": after_step,
-        "kept_buffers_bytes": kept,
         "peak_bytes": peak,
         "comm_numel": comm_numel,
     }

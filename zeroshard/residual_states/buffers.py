@@ -96,6 +96,9 @@ class TensorPool:
     write (the module docstring's 132 against 14 ms per 400 MB); kept, they stay resident (100m,
     stage 2, 2 ranks: the gradient collection's copies 93 -> 13 ms per step). Keyed by (device,
     dtype, numel); after ``give`` at most ``keep`` free tensors per key stay, the rest are freed.
+    The engine ``release``-s the pool at the end of each backward: its memory is made once per
+    backward per unit size, and none is kept between steps (where it would add to the next
+    backward's early peak, before any gradient exists).
     GPUs have a caching allocator already, and a side stream's use would need recording:
     the engine pools on the CPU only."""
 
@@ -128,6 +131,10 @@ class TensorPool:
         free = self._free[(tensor.device, tensor.dtype, tensor.numel())]
         if len(free) < self.keep:
             free.append(tensor)
+
+    def release(self) -> None:
+        """Free every free tensor (lent ones stay lent)."""
+        self._free.clear()
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the pool holds, free or lent (for a memory tracker)."""
