@@ -11,11 +11,13 @@ collectives are much slower (2 ranks, fp32, 100 MiB, one thread each: all-gather
 66 ms CPU against 25 and 18 by sends; reduce-scatter 106 ms, all-reduce 64-76, 35 by sends; 4
 ranks: all-reduce 155 ms, reduce-scatter by sends 75, all-gather by sends 50), and gloo's
 all-gather also allocates a temporary as large as its output (+433 MiB for a 431 MiB unit). A
-reduce-scatter by sends needs one receive buffer of a shard's size; the sum runs in a fixed order
-of source ranks (deterministic; with 2 ranks it is gloo's). Every such collective takes a tag of
-its own, counted per group (the ranks of a group issue its collectives in one order), so two in
-flight never take each other's messages. The ledger counts the logical collective, the paper's
-volume above; NCCL and the other backends run the collectives themselves.
+reduce-scatter by sends receives the first peer's part straight into its output and any other
+(more ranks, or reducing in place) through one receive buffer of at most ``REDUCE_CHUNK_BYTES``;
+the sum runs in a fixed order of source ranks (deterministic; with 2 ranks it is gloo's). Every
+such collective takes tags of its own, counted per group (the ranks of a group issue its
+collectives in one order), so two in flight never take each other's messages. The ledger counts
+the logical collective, the paper's volume above; NCCL and the other backends run the
+collectives themselves.
 
 Scopes (hybrid sharding, ``zeroshard.mesh``): every collective is also counted under the group it
 ran on, ``SHARD`` (inside a shard group: every rank without hybrid sharding), ``REPLICATE``
@@ -29,7 +31,6 @@ inter-node traffic: per step, the all-reduce of this rank's 1/k gradient shard, 
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
 import weakref
@@ -288,7 +289,7 @@ class _ReduceExchange(_Exchange):
             for c, (lo, hi) in enumerate(chunks)
             if direct
         ]
-        self._queue = collections.deque(  # (source, chunk, lo, hi) through the buffer
+        self._queue = deque(  # (source, chunk, lo, hi) through the buffer
             (src, c, lo, hi) for src in sources[direct:] for c, (lo, hi) in enumerate(chunks)
         )
         size = max((hi - lo for _, _, lo, hi in self._queue), default=0)

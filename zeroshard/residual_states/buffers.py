@@ -94,7 +94,7 @@ class TensorPool:
 
     On the CPU a fresh tensor of a unit's size is an ``mmap`` whose pages fault in on the first
     write (the module docstring's 132 against 14 ms per 400 MB); kept, they stay resident (100m,
-    stage 2, 2 ranks: the gradient collection's copies 93 -> 13 ms per step). Keyed by (device,
+    stage 2, 2 ranks: the gradient collection's copies 93 -> 25 ms per step). Keyed by (device,
     dtype, numel); after ``give`` at most ``keep`` free tensors per key stay, the rest are freed.
     The engine ``release``-s the pool at the end of each backward: its memory is made once per
     backward per unit size, and none is kept between steps (where it would add to the next
