@@ -15,7 +15,10 @@ reduce-scatter by sends receives the first peer's part straight into its output 
 (more ranks, or reducing in place) through one receive buffer of at most ``REDUCE_CHUNK_BYTES``;
 the sum runs in a fixed order of source ranks (deterministic; with 2 ranks it is gloo's). Every
 such collective takes tags of its own, counted per group (the ranks of a group issue its
-collectives in one order), so two in flight never take each other's messages. The ledger counts
+collectives in one order), so two in flight never take each other's messages. All-reduces stay
+gloo's: as a reduce-scatter and then an all-gather by sends, stage 0 at ``100m`` went from 1.02x
+to 1.08x DDP's step time (the second half can start only when this rank next polls or waits,
+where gloo runs a whole all-reduce on its own thread during backward). The ledger counts
 the logical collective, the paper's volume above; NCCL and the other backends run the
 collectives themselves.
 
