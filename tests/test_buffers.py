@@ -212,6 +212,8 @@ def test_a_tensor_pool_gives_the_same_memory_back_and_keeps_at_most_keep():
     for t in (b, c, d):
         pool.give(t)
     assert len(pool.tensors()) == 2  # keep=1 per key: one float32, one bfloat16
+    e = pool.take(16, torch.float32, torch.device("cpu"))  # a size none is free for
+    assert pool.tensors() == [e]  # those kept for other sizes are freed first
     with pytest.raises(RuntimeError, match="did not come from this pool"):
         pool.give(torch.empty(8))
     with pytest.raises(ValueError, match="keep must be >= 0"):

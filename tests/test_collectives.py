@@ -4,6 +4,7 @@ temporary as large as their output, and train exactly as gloo's own."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -160,3 +161,41 @@ def test_a_large_gather_needs_no_temporary(workers2):
         assert r["grown"] < 32 << 20, r  # gloo's own gather: +128 MiB
     for r in workers2.run(_with_gloo_s_own, _gather_128_mib):
         assert r["exact"] and r["grown"] > 96 << 20, r  # what the test would see without it
+
+
+def _drop_then_continue() -> dict:
+    """Start a gather and an in-place reduce-scatter, drop their handles unwaited (a model freed
+    with collectives in flight), then run the interleaved collectives: they must be right, and
+    nothing may stay in flight once they are waited."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    full = _inputs(world * 999, 7)
+    n = full.numel() // world
+    C.reduce_scatter(full[rank * n : (rank + 1) * n], full, group=None, ledger=C.Ledger())
+    C.all_gather(torch.empty(world * 5), _inputs(5, 8), group=None, ledger=C.Ledger())
+    gc.collect()
+    results = _interleaved()
+    return {"results": results, "left": len(C._IN_FLIGHT)}
+
+
+@pytest.mark.parametrize("pool", ["workers2", "workers4"])
+def test_collectives_dropped_unwaited_are_finished_by_the_next(pool, request):
+    workers = request.getfixturevalue(pool)
+    dropped = workers.run(_in_messages_of, 1000, _drop_then_continue)
+    reference = workers.run(_with_gloo_s_own, _interleaved)
+    for mine, theirs in zip(dropped, reference, strict=True):
+        assert mine["left"] == 0, mine["left"]
+        for a, b in zip(mine["results"], theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def _mismatched() -> str:
+    try:
+        C.all_gather(torch.empty(7), torch.ones(2), group=None, ledger=C.Ledger())
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_mismatched_buffers_are_an_error_not_a_hang(workers2):
+    for message in workers2.run(_mismatched):
+        assert "do not match" in message, message

@@ -17,7 +17,7 @@ the sum runs in a fixed order of source ranks (deterministic; with 2 ranks it is
 such collective takes tags of its own, counted per group (the ranks of a group issue its
 collectives in one order), so two in flight never take each other's messages. All-reduces stay
 gloo's: as a reduce-scatter and then an all-gather by sends, stage 0 at ``100m`` went from 1.02x
-to 1.08x DDP's step time (the second half can start only when this rank next polls or waits,
+to 1.08x DDP's step time (the second half can start only when this rank waits for it,
 where gloo runs a whole all-reduce on its own thread during backward). The ledger counts
 the logical collective, the paper's volume above; NCCL and the other backends run the
 collectives themselves.
@@ -176,6 +176,8 @@ class Handle:
         self._work = work
         self.output = output
         self.op, self.label, self.group, self.unit = op, label, group, unit
+        if isinstance(work, _Exchange):
+            weakref.finalize(self, _orphan, work)
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -183,6 +185,13 @@ class Handle:
                 self._work.wait()
             self._work = None
         return self.output
+
+
+def _orphan(exchange: _Exchange) -> None:
+    """A handle died: its exchange, if still unwaited, is finished at the next one's start."""
+    with _IN_FLIGHT_LOCK:
+        if exchange in _IN_FLIGHT:
+            exchange.orphaned = True
 
 
 def _point_to_point(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bool:
@@ -225,28 +234,26 @@ def _chunks(n: int, element_size: int) -> list[tuple[int, int]]:
 class _Exchange:
     """A point-to-point collective in flight: its sends and receives, waited together.
 
-    Exchanges keep themselves alive until they complete (``_IN_FLIGHT``), as gloo's own
-    collectives do: a handle dropped unwaited (a model freed with a refresh in flight) must not
-    free a buffer that a peer's message is still on its way to, which leaves the connection
-    between the two ranks unusable for every later collective."""
+    gloo's sends and receives report completion only to ``wait`` (``is_completed`` stays False
+    until then), and a send completes once its peer has posted the matching receive. Exchanges
+    keep themselves alive until waited (``_IN_FLIGHT``): a handle dropped unwaited (a model freed
+    with a refresh in flight) must not free a buffer that a peer's message is still on its way
+    to, which leaves the connection between the two ranks unusable for every later collective.
+    Such an orphan is waited for at the start of the next exchange (``_wait_orphans``)."""
 
     def __init__(self, sends: list[dist.Work], receives: list[dist.Work]) -> None:
         self._sends, self._receives = sends, receives
-        self._progress = threading.Lock()  # a poll and a wait from two threads: one adds
+        self.orphaned = False
+        """Its handle was dropped before ``wait``: finished by ``_wait_orphans``."""
         with _IN_FLIGHT_LOCK:
             _IN_FLIGHT.add(self)
-
-    def poll(self) -> bool:
-        """Whether every send and receive has completed (progress made where it can be)."""
-        return all(work.is_completed() for work in self._sends + self._receives)
 
     def _receive(self) -> None:
         for work in self._receives:
             work.wait()
 
     def wait(self) -> None:
-        with self._progress:
-            self._receive()
+        self._receive()
         for work in self._sends:
             work.wait()
         with _IN_FLIGHT_LOCK:
@@ -254,25 +261,28 @@ class _Exchange:
 
 
 _IN_FLIGHT: set[_Exchange] = set()
-"""Exchanges started and not yet waited; the completed ones leave at the next exchange's start."""
+"""Exchanges started and not yet waited."""
 _IN_FLIGHT_LOCK = threading.Lock()
 
 
-def _forget_completed() -> None:
+def _wait_orphans() -> None:
+    """Wait for the exchanges whose handles were dropped unwaited. Every rank started them in
+    the same order, and their receives were posted then (an all-gather's all of them; a
+    reduce-scatter's next ones are posted as each arrives, on every rank that waits for it)."""
     with _IN_FLIGHT_LOCK:
-        started = list(_IN_FLIGHT)
-    done = [e for e in started if e.poll()]
-    with _IN_FLIGHT_LOCK:
-        _IN_FLIGHT.difference_update(done)
+        orphans = [e for e in _IN_FLIGHT if e.orphaned]
+    for exchange in orphans:
+        exchange.wait()
 
 
 class _ReduceExchange(_Exchange):
     """A reduce-scatter: every other rank's part of this rank's shard, in messages of at most
     ``REDUCE_CHUNK_BYTES``, added into ``output`` in a fixed order of sources (r - 1, r - 2,
     ...), so the sum is deterministic. When ``output`` is not the input's own slice, the first
-    source's messages land in it directly (``own`` is then added to each); every other message,
-    or all of them when reducing in place, goes through one message-sized receive buffer, one
-    at a time (the next is posted when the last is added)."""
+    source's messages land in it directly, all receives posted at the start (``own`` is added to
+    each at ``wait``); every other message, or all of them when reducing in place, goes through
+    one message-sized receive buffer: the first receive is posted at the start, each next one
+    when the last has been added, at ``wait``."""
 
     def __init__(
         self,
@@ -297,49 +307,28 @@ class _ReduceExchange(_Exchange):
         )
         size = max((hi - lo for _, _, lo, hi in self._queue), default=0)
         self._inbox = own.new_empty(size)
-        self._current: tuple[dist.Work, int, int] | None = None
-        self._post_next()
+        self._current = self._post_next()
         super().__init__(sends, [])
 
     def _recv(self, into: torch.Tensor, source: int, chunk: int) -> dist.Work:
         return dist.irecv(into, group_src=source, group=self._group, tag=self._tag + chunk)
 
-    def _post_next(self) -> None:
-        if self._queue:
-            source, c, lo, hi = self._queue.popleft()
-            self._current = (self._recv(self._inbox[: hi - lo], source, c), lo, hi)
-        else:
-            self._current = None
-
-    def _advance(self, block: bool) -> bool:
-        """Add what has arrived (waiting for it when ``block``); whether everything has."""
-        while self._direct:
-            work, lo, hi = self._direct[0]
-            if not block and not work.is_completed():
-                return False
-            work.wait()
-            self._output[lo:hi].add_(self._own[lo:hi])
-            self._direct.pop(0)
-        while self._current is not None:
-            work, lo, hi = self._current
-            if not block and not work.is_completed():
-                return False
-            work.wait()
-            self._output[lo:hi].add_(self._inbox[: hi - lo])
-            self._post_next()
-        return True
-
-    def poll(self) -> bool:
-        if not self._progress.acquire(blocking=False):
-            return False  # another thread is waiting for it
-        try:
-            received = self._advance(block=False)
-        finally:
-            self._progress.release()
-        return received and super().poll()
+    def _post_next(self) -> tuple[dist.Work, int, int] | None:
+        if not self._queue:
+            return None
+        source, c, lo, hi = self._queue.popleft()
+        return self._recv(self._inbox[: hi - lo], source, c), lo, hi
 
     def _receive(self) -> None:
-        self._advance(block=True)
+        for work, lo, hi in self._direct:
+            work.wait()
+            self._output[lo:hi].add_(self._own[lo:hi])
+        self._direct = []
+        while self._current is not None:
+            work, lo, hi = self._current
+            work.wait()
+            self._output[lo:hi].add_(self._inbox[: hi - lo])
+            self._current = self._post_next()
 
 
 def _peers(group: dist.ProcessGroup | None) -> tuple[int, list[int], list[int]]:
@@ -391,11 +380,26 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _started(exchange: _Exchange, async_op: bool) -> _Exchange | None:
     """The exchange as a ``Handle``'s work, or finished here when the caller is synchronous."""
-    _forget_completed()
     if async_op:
         return exchange
     exchange.wait()
     return None
+
+
+def _exchange_checked(
+    output: torch.Tensor, full: torch.Tensor, shard_numel: int, group: dist.ProcessGroup | None
+) -> None:
+    """A gather's or a reduce-scatter's buffers as the exchanges need them (a mismatch would
+    otherwise hang, or cast silently): 1D contiguous, one dtype, ``full`` N shards long."""
+    world = dist.get_world_size(group)
+    for t in (output, full):
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"collective buffers must be 1D and contiguous, got {tuple(t.shape)}")
+    if output.dtype != full.dtype or full.numel() != world * shard_numel:
+        raise ValueError(
+            f"collective buffers do not match: {full.numel()} {full.dtype} elements for {world} "
+            f"shards of {shard_numel} {output.dtype} ones"
+        )
 
 
 def all_gather(
@@ -414,6 +418,8 @@ def all_gather(
     ledger.record("all_gather", label, output.numel(), output.element_size(), scope)
     with record_function("zeroshard::all_gather"), diagnosed("all_gather", label, group, unit=unit):
         if _point_to_point(group, output):
+            _exchange_checked(shard, output, shard.numel(), group)
+            _wait_orphans()
             work = _started(_gather_exchange(output, shard, group), async_op)
         else:
             work = _all_gather_flat(output, shard, group=group, async_op=async_op)
@@ -438,6 +444,8 @@ def reduce_scatter(
         diagnosed("reduce_scatter", label, group, unit=unit),
     ):
         if _point_to_point(group, full):
+            _exchange_checked(output, full, output.numel(), group)
+            _wait_orphans()
             work = _started(_reduce_exchange(output, full, group), async_op)
         else:
             work = _reduce_scatter_flat(output, full, group=group, async_op=async_op)

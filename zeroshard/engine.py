@@ -375,9 +375,8 @@ class Engine:
         self._finish_reductions(keep=0)  # a backward not followed by a step left some in flight
         stale = [u for u in self.units if u.state is not TrainingState.IDLE]
         if stale:
-            self._units_left.clear()
-            self._again.clear()
-            self._dirty.clear()
+            for pending in (self._units_left, self._again, self._dirty):
+                pending.clear()
             # A backward that never finished (an exception inside it): start clean.
             warnings.warn(
                 f"units {[u.name or '<root>' for u in stale]} were left in "
@@ -459,9 +458,8 @@ class Engine:
             pool.release()  # kept through one backward, not between steps
         for unit in self.units:
             unit.to(TrainingState.IDLE)
-        self._units_left.clear()
-        self._again.clear()
-        self._dirty.clear()
+        for pending in (self._units_left, self._again, self._dirty):
+            pending.clear()
         self.phase = Phase.IDLE
 
     @property

@@ -10,7 +10,8 @@ Tensors and who holds them (N ranks, ``range`` = the FlatParam's optimizer range
     full_grad   # 1D padded_numel, this rank's local (unreduced) gradient. With ``as_views``
                 #   (see there) in param_dtype, bound at the unit's pre-backward and persistent
                 #   when gradients are replicated; otherwise in reduce_dtype, made at the
-                #   reduction from autograd's own per-parameter tensors.
+                #   reduction from autograd's own per-parameter tensors (its memory from
+                #   ``pool`` on the CPU, ``zeroshard.residual_states.buffers.TensorPool``).
     shard_grad  # 1D range numel, FP32, this rank's reduced (mean, unscaled) gradient, read by
                 #   the optimizer; accumulates over reductions until ``zero``. With hybrid
                 #   sharding, identical on the ranks of a replicate group.

@@ -216,7 +216,7 @@ class MemoryConfig:
     unit gradient at that moment (torch's gloo ``reduce_scatter_tensor`` does, measured on CPU;
     NCCL reduces in place, and zeroshard's reduce-scatter on gloo is sends and receives,
     ``zeroshard.collectives``, that stage nothing: with 2 ranks the peer's slice lands in the
-    output; with more, or in place, one receive buffer of 1/N of the input, not counted)."""
+    output; with more, or in place, one receive buffer of at most 4 MiB, not counted)."""
     fragmentation_fraction: float = 0.1
     """Allowance for fragmentation, as a fraction of everything else on the device."""
 

@@ -95,7 +95,9 @@ class TensorPool:
     On the CPU a fresh tensor of a unit's size is an ``mmap`` whose pages fault in on the first
     write (the module docstring's 132 against 14 ms per 400 MB); kept, they stay resident (100m,
     stage 2, 2 ranks: the gradient collection's copies 93 -> 25 ms per step). Keyed by (device,
-    dtype, numel); after ``give`` at most ``keep`` free tensors per key stay, the rest are freed.
+    dtype, numel); after ``give`` at most ``keep`` free tensors per key stay, the rest are freed,
+    and a ``take`` of a size none is free for frees those kept for other sizes (a large unit of
+    its own, an LM head reduced first, does not stay through the rest of backward).
     The engine ``release``-s the pool at the end of each backward: its memory is made once per
     backward per unit size, and none is kept between steps (where it would add to the next
     backward's early peak, before any gradient exists).
@@ -119,6 +121,7 @@ class TensorPool:
         if free:
             tensor = free.pop()
         else:
+            self._free.clear()  # another size now: those kept are not what is reused
             self.made += 1
             tensor = torch.empty(numel, dtype=dtype, device=device)
         self._lent[id(tensor)] = tensor
