@@ -38,8 +38,10 @@ class ShardConfig:
     constant_buffers: bool = True
     """Stage 3: gathered units borrow their memory from buffers made once and kept (ZeRO-R's
     constant-size buffers, ``zeroshard.residual_states.buffers``): no allocation per gather,
-    for ``1 + num_prefetch`` units' memory per unit size kept between steps. False: each
-    gather allocates and each free returns the memory (the least memory at rest)."""
+    for ``1 + num_prefetch`` units' memory per unit size kept between steps. Stages 2-3 on the
+    CPU: each unit's collected full gradient borrows a pooled tensor, kept through one backward
+    (``TensorPool``). False: each gather and each collection allocates, and each free returns the
+    memory (the least memory at rest)."""
     trim_host_memory: float = 0.03
     """Training on the CPU: when an optimizer step ends with the process this fraction above its
     size after 10 steps, return the memory the allocator holds freed to the system
