@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench_checkpoint import _dd
+from bench_offload import dd_pass
 
 from zeroshard.cli.train import load_config
 from zeroshard.models.gpt import preset
@@ -123,18 +123,13 @@ def step_seconds(records: list[dict]) -> float:
 def dd_rates(folder: Path, gib: float) -> tuple[float, float]:
     """(write, read) bytes/s of dd with O_DIRECT and 4 MiB blocks on a file in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
-    path, count = folder / "dd.bin", max(1, int(gib * 256))
+    path, nbytes = folder / "dd.bin", max(1, int(gib * 256)) * (4 << 20)
     try:
-        t0 = time.perf_counter()
-        _dd(["if=/dev/zero", f"of={path}", "bs=4M", f"count={count}", "oflag=direct",
-             "conv=fsync"])  # fmt: skip
-        t1 = time.perf_counter()
-        _dd([f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct"])
-        t2 = time.perf_counter()
+        write_s = dd_pass(path, nbytes, 4 << 20, write=True)
+        read_s = dd_pass(path, nbytes, 4 << 20, write=False)
     finally:
         path.unlink(missing_ok=True)
-    nbytes = count * (4 << 20)
-    return nbytes / (t1 - t0), nbytes / (t2 - t1)
+    return nbytes / write_s, nbytes / read_s
 
 
 def main() -> None:

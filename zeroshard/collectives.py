@@ -34,10 +34,12 @@ inter-node traffic: per step, the all-reduce of this rank's 1/k gradient shard, 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -378,28 +380,31 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
 
 
-def _started(exchange: _Exchange, async_op: bool) -> _Exchange | None:
-    """The exchange as a ``Handle``'s work, or finished here when the caller is synchronous."""
+def _exchanged(
+    shard: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    start: Callable[[], _Exchange],
+    async_op: bool,
+) -> _Exchange | None:
+    """Check a gather's or a reduce-scatter's buffers (``shard``: 1/N of ``full``), finish the
+    orphaned exchanges, then ``start()`` this one: a ``Handle``'s work, or finished here when the
+    caller is synchronous. A mismatch would otherwise hang, or cast silently."""
+    world = dist.get_world_size(group)
+    for t in (shard, full):
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"collective buffers must be 1D and contiguous, got {tuple(t.shape)}")
+    if shard.dtype != full.dtype or full.numel() != world * shard.numel():
+        raise ValueError(
+            f"collective buffers do not match: {full.numel()} {full.dtype} elements for {world} "
+            f"shards of {shard.numel()} {shard.dtype} ones"
+        )
+    _wait_orphans()
+    exchange = start()
     if async_op:
         return exchange
     exchange.wait()
     return None
-
-
-def _exchange_checked(
-    output: torch.Tensor, full: torch.Tensor, shard_numel: int, group: dist.ProcessGroup | None
-) -> None:
-    """A gather's or a reduce-scatter's buffers as the exchanges need them (a mismatch would
-    otherwise hang, or cast silently): 1D contiguous, one dtype, ``full`` N shards long."""
-    world = dist.get_world_size(group)
-    for t in (output, full):
-        if t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"collective buffers must be 1D and contiguous, got {tuple(t.shape)}")
-    if output.dtype != full.dtype or full.numel() != world * shard_numel:
-        raise ValueError(
-            f"collective buffers do not match: {full.numel()} {full.dtype} elements for {world} "
-            f"shards of {shard_numel} {output.dtype} ones"
-        )
 
 
 def all_gather(
@@ -418,9 +423,8 @@ def all_gather(
     ledger.record("all_gather", label, output.numel(), output.element_size(), scope)
     with record_function("zeroshard::all_gather"), diagnosed("all_gather", label, group, unit=unit):
         if _point_to_point(group, output):
-            _exchange_checked(shard, output, shard.numel(), group)
-            _wait_orphans()
-            work = _started(_gather_exchange(output, shard, group), async_op)
+            start = functools.partial(_gather_exchange, output, shard, group)
+            work = _exchanged(shard, output, group, start, async_op)
         else:
             work = _all_gather_flat(output, shard, group=group, async_op=async_op)
     return Handle(work, output, op="all_gather", label=label, group=group, unit=unit)
@@ -444,9 +448,8 @@ def reduce_scatter(
         diagnosed("reduce_scatter", label, group, unit=unit),
     ):
         if _point_to_point(group, full):
-            _exchange_checked(output, full, output.numel(), group)
-            _wait_orphans()
-            work = _started(_reduce_exchange(output, full, group), async_op)
+            start = functools.partial(_reduce_exchange, output, full, group)
+            work = _exchanged(output, full, group, start, async_op)
         else:
             work = _reduce_scatter_flat(output, full, group=group, async_op=async_op)
     return Handle(work, output, op="reduce_scatter", label=label, group=group, unit=unit)

@@ -370,15 +370,15 @@ class DiskTraffic:
         """Add the step just finished (every rank, after the optimizer step)."""
         if not self.offloaded:
             return
-        st = self.opt.offload_stats()
-        self.read_bytes += sum(
-            int(st.get(k, 0))
-            for k in ("read_bytes", "prefetch_bytes", "param_read_bytes", "grad_read_bytes")
-        )
-        self.write_bytes += sum(
-            int(st.get(k, 0)) for k in ("write_bytes", "param_write_bytes", "grad_write_bytes")
-        )
-        self.wait_s += sum(st.get(k, 0.0) for k in ("wait_s", "param_wait_s", "grad_wait_s"))
+        # Every swapper names its counters [prefix_]read_bytes, prefetch_bytes, ..._write_bytes
+        # and ..._wait_s (ShardedOptimizer.offload_stats).
+        for key, value in self.opt.offload_stats().items():
+            if key.endswith(("read_bytes", "prefetch_bytes")):
+                self.read_bytes += int(value)
+            elif key.endswith("write_bytes"):
+                self.write_bytes += int(value)
+            elif key.endswith("wait_s"):
+                self.wait_s += value
 
     def record(self, num_steps: int, device: torch.device) -> dict:
         """Per-step disk traffic of every rank together since the last record (a collective
