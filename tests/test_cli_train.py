@@ -702,20 +702,22 @@ def test_tp_that_does_not_divide_the_ranks(capsys, tmp_path):
     _expect_usage_error(capsys, argv, "does not divide across 2 data-parallel ranks", "of 2")
 
 
-def test_tensor_parallel_run_follows_the_data_parallel_one(tmp_path, data_dir):
+def test_tensor_parallel_run_follows_the_data_parallel_one(capsys, tmp_path, data_dir):
     """``--nproc 4 --tp 2`` (2 data-parallel ranks, each layer split in 2, checkpoints split and
     on the CPU) trains the same curve as ``--nproc 2`` with the same data split, and both as one
-    process: the logged loss is the global batch's, whatever the ranks."""
+    process: the logged loss is the global batch's, whatever the ranks. Its checkpoints hold the
+    unsplit model: one process resumes from them on the same curve."""
     flags = [*NANO, "--data-dir", str(data_dir), "--steps", "4", "--batch-size", "4"]
     flags += ["--log-every", "1", "--eval-every", "4", "--checkpoint-every", "1"]
-    runs = {}
+    code, err, records, _ = _train_in_process(capsys, tmp_path / "one", *flags)
+    assert code == 0, err
+    runs = {"one": records}
     for name, extra in {
-        "one": ["--nproc", "1"],
         "dp": ["--nproc", "2"],
         "tp": ["--nproc", "4", "--tp", "2", "--partition-activations", "true"],
     }.items():
         if name == "tp":
-            extra += ["--offload-activations", "cpu"]
+            extra += ["--offload-activations", "cpu", "--save-every", "2", "--keep", "2"]
         result = _cli("train", *flags, *extra, "--out-dir", str(tmp_path / name))
         assert result.returncode == 0, result.stderr[-3000:]
         records = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
@@ -728,6 +730,17 @@ def test_tensor_parallel_run_follows_the_data_parallel_one(tmp_path, data_dir):
         assert c["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     summary = json.loads((tmp_path / "tp" / "summary.json").read_text())
     assert summary["ranks"] == 4 and summary["tp"] == 2
+    saved = tmp_path / "tp" / "ckpt" / "step-000002"
+    assert main(["checkpoint", "info", str(saved), "--verify"]) == 0
+    assert "world size 4 (tensor-parallel 2), stage 3" in capsys.readouterr().out
+    code, err, records, _ = _train_in_process(
+        capsys, tmp_path / "resumed", *flags, "--resume", str(saved)
+    )
+    assert code == 0, err
+    resumed = _train_records(records)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(one[2:], resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
 
 
 def test_meta_init_builds_one_unit_at_a_time_and_trains(capsys, tmp_path, data_dir):

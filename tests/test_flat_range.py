@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from zeroshard.flat_range import FlatRange, boxes
+from zeroshard.flat_range import FlatRange, Split, boxes
 
 
 def _check_tiling(shape: tuple[int, ...], lo: int, hi: int) -> None:
@@ -59,3 +59,40 @@ def test_flat_range_views_and_chunks():
     copy = r.snapshot()
     data.zero_()
     assert copy.data.dtype == torch.bfloat16 and copy.data[0].item() == 2.0
+
+
+def _pieces(whole: torch.Tensor, dim: int, count: int, groups: int) -> list[torch.Tensor]:
+    """How ``zeroshard.tensor_parallel`` splits ``whole``: piece r of every block, concatenated."""
+    blocks = whole.chunk(groups, dim=dim)
+    return [torch.cat([b.chunk(count, dim=dim)[r] for b in blocks], dim=dim) for r in range(count)]
+
+
+@pytest.mark.parametrize(
+    "shape, dim, count, groups",
+    [
+        ((12, 5), 0, 2, 3),
+        ((12, 5), 0, 2, 1),
+        ((6, 8), 1, 4, 1),
+        ((24,), 0, 2, 3),
+        ((4, 6, 3), 1, 3, 1),
+    ],
+)
+def test_ranges_of_tensor_parallel_pieces_are_placed_in_the_whole_tensor(shape, dim, count, groups):
+    """Every rank's range of every piece, written at its boxes' offsets, rebuilds the whole
+    tensor exactly once: the saved files are the unsplit model's."""
+    whole = torch.arange(float(math.prod(shape))).view(shape)
+    rebuilt, hits = torch.full(shape, -1.0), torch.zeros(shape)
+    rng = random.Random(1)
+    for index, piece in enumerate(_pieces(whole, dim, count, groups)):
+        flat = piece.reshape(-1)
+        cuts = sorted({0, flat.numel(), *(rng.randint(0, flat.numel()) for _ in range(3))})
+        for lo, hi in zip(cuts, cuts[1:]):  # the data-parallel ranks' ranges of the piece
+            split = Split(dim, index, count, groups)
+            r = FlatRange(piece.shape, torch.float32, lo, flat[lo:hi].clone()).placed(split)
+            assert r.size() == torch.Size(shape)
+            for chunk in r.__create_chunk_list__():
+                at = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+                rebuilt[at] = r.box(tuple(chunk.offsets))
+                hits[at] += 1
+            assert r.snapshot().size() == torch.Size(shape)
+    assert torch.equal(rebuilt, whole) and bool((hits == 1).all())

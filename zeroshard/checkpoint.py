@@ -72,7 +72,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard import rng
+from zeroshard import rng, tensor_parallel
 from zeroshard.checkpoint_files import (
     META_FILE,
     NUMBERED,
@@ -110,6 +110,8 @@ class CheckpointInfo:
     """Why it is not complete (None when it is)."""
     step: int | None = None
     world_size: int | None = None
+    tensor_parallel: int = 1
+    """Ranks each split layer was split over (the job's world size counts them all)."""
     stage: int | None = None
     param_dtype: str | None = None
     """Compute dtype(s) of the parameters, e.g. ``bfloat16`` (masters are always FP32)."""
@@ -121,16 +123,10 @@ class CheckpointInfo:
 
 
 def _group(model) -> dist.ProcessGroup | None:
+    """The ranks a checkpoint of ``model`` is a collective of: the data-parallel group, or the
+    whole job when the model is also split tensor-parallel (each rank holds parts of its own)."""
     mesh = engine_of(model).mesh
-    if mesh.tp_size > 1:
-        # Each tensor-parallel rank holds other pieces under the same names: the files would
-        # collide, and a load could not tell the pieces apart.
-        raise CheckpointError(
-            f"checkpoints of tensor-parallel models (tp={mesh.tp_size}) are not supported yet; "
-            "gather the weights with zeroshard.tensor_parallel.gather_tensor_parallel, or train "
-            "with tp=1 to save"
-        )
-    return mesh.group
+    return None if mesh.tp_size > 1 else mesh.group
 
 
 # --------------------------------------------------------------------- state
@@ -156,7 +152,10 @@ def _state(model, optimizer) -> dict[str, Any]:
     from zeroshard.optimizer_state_dict import optimizer_state_dict
     from zeroshard.state_dict import local_state_dict
 
-    return {"model": local_state_dict(model), "optim": optimizer_state_dict(optimizer, local=True)}
+    state = {"model": local_state_dict(model), "optim": optimizer_state_dict(optimizer, local=True)}
+    mesh = engine_of(model).mesh
+    tensor_parallel.place_pieces(model, state, mesh.tp_rank, mesh.tp_size)
+    return state
 
 
 @contextlib.contextmanager
@@ -191,10 +190,11 @@ def _metadata(model, step: int, world: int) -> dict[str, Any]:
         "format_version": FORMAT_VERSION,
         "step": step,
         "world_size": world,
+        "tensor_parallel": engine.mesh.tp_size,
         "stage": engine.stage,
         "param_dtype": ",".join(param_dtypes),
         "reduce_dtype": ",".join(reduce_dtypes),
-        "num_params": sum(p.numel() for p in model.parameters()),
+        "num_params": tensor_parallel.whole_numel(model, engine.mesh.tp_size),
         "zeroshard_version": zeroshard.__version__,
         "torch_version": torch.__version__,
         "created_unix_s": round(time.time(), 3),
@@ -472,7 +472,7 @@ def _check_names(path: Path, reader, template: dict[str, Any]) -> None:
         for k, v in reader.read_metadata().state_dict_metadata.items()
         if k.startswith("model.")
     }
-    ours = {k: getattr(v, "shape", None) for k, v in template["model"].items()}
+    ours = {k: getattr(v, "size", lambda: None)() for k, v in template["model"].items()}
     missing = [k for k in ours if k not in saved]
     unexpected = [k for k in saved if k not in ours]
     misshaped = [

@@ -7,7 +7,8 @@ second row-parallel (its input features split, one all-reduce of the output,
 ``RowwiseParallel``). The fused ``qkv`` projection is split by heads (``FusedColwiseParallel``):
 rank r holds the q, k and v rows of heads ``[r * H/tp, (r+1) * H/tp)``. Everything else
 (embeddings, layer norms, the head) is replicated in the group and gets the same gradient on
-each of its ranks.
+each of its ranks. Other models are split by the plan they declare (``plan_for``): a Hugging
+Face config's ``base_model_tp_plan``, or a ``tp_plan`` attribute in the same format.
 
 ZeRO shards over the data-parallel dimension only: ``zeroshard.shard(model, mesh=dp_mesh)`` with
 the ``Mesh`` that ``mesh_2d`` returns. To let the engine flatten, gather and reduce them like any
@@ -25,12 +26,15 @@ same batch: data is split by the data-parallel rank (``Mesh.rank``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroshard.flat_range import FlatRange, Split
 from zeroshard.mesh import Mesh
 from zeroshard.watchdog import inherit_timeout
 
@@ -141,9 +145,91 @@ def gpt_plan(model: nn.Module, tp: int) -> dict:
     return plan
 
 
+STYLES = ("colwise", "rowwise")
+"""The styles of a plan by name (``plan_for``): a Linear's output features split
+(``ColwiseParallel``), or its input features (``RowwiseParallel``, the output all-reduced)."""
+
+
+def plan_for(model: nn.Module, tp: int) -> dict:
+    """``model``'s tensor-parallel plan, for ``parallelize``: ``gpt_plan`` for the reference GPT;
+    else its Hugging Face config's ``base_model_tp_plan`` (transformers' Llama, Mistral, Qwen2
+    and others declare one), or the model's ``tp_plan`` attribute: module names, ``*`` standing
+    for one part (a layer number), each mapped to "colwise" or "rowwise". Each colwise Linear
+    must be followed, through element-wise work and per-head attention, by a rowwise one (the
+    pairs of Megatron's layout). A ValueError naming the fix when there is no plan, a style is
+    another, a name matches no Linear, or a split does not divide."""
+    if hasattr(model, "blocks") and hasattr(model, "cfg"):
+        return gpt_plan(model, tp)
+    names, root = _declared_plan(model)
+    modules = dict(model.named_modules())
+    config = getattr(model, "config", None)
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(
+                f"tensor parallelism splits attention by heads: {field}={heads} does not split "
+                f"in tp={tp}; use a tp that divides it"
+            )
+    plan = {}
+    for pattern, style in names.items():
+        if style not in STYLES:
+            raise ValueError(
+                f"tensor-parallel plan entry {pattern!r}: {style!r}; zeroshard splits layers "
+                f"{' or '.join(STYLES)} only: change the entry or pass --tp 1"
+            )
+        regex = re.compile(re.escape(root + pattern).replace(r"\*", r"[^.]+"))
+        found = [name for name in modules if regex.fullmatch(name)]
+        for name in found:
+            plan[name] = _style(name, modules[name], style, tp)
+        if not found:
+            raise ValueError(
+                f"tensor-parallel plan entry {pattern!r} matches no module of "
+                f"{type(model).__name__}; fix the plan (names as in named_modules())"
+            )
+    return plan
+
+
+def _declared_plan(model: nn.Module) -> tuple[dict[str, str], str]:
+    """The model's declared plan and the prefix of the module it is relative to. A Hugging Face
+    model's is its config's ``base_model_tp_plan`` (the blocks; its ``tp_plan`` adds the
+    embeddings and head, which stay replicated here, as the GPT's do)."""
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if isinstance(plan, dict) and plan:
+        base = getattr(model, "base_model", model)
+        prefix = next(name for name, m in model.named_modules() if m is base)
+        return plan, f"{prefix}." if prefix else ""
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, dict) and plan:
+        return plan, ""
+    raise ValueError(
+        f"{type(model).__name__} has no tensor-parallel plan (no config.base_model_tp_plan, no "
+        "tp_plan attribute): give it a tp_plan ({'layers.*.mlp.up': 'colwise', "
+        "'layers.*.mlp.down': 'rowwise', ...}) or pass --tp 1"
+    )
+
+
+def _style(name: str, module: nn.Module, style: str, tp: int):
+    """The ``ParallelStyle`` of one Linear, its split checked."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not isinstance(module, nn.Linear):
+        raise ValueError(
+            f"tensor-parallel plan: {name} is a {type(module).__name__}, not an nn.Linear; "
+            "zeroshard splits Linear layers only: drop it from the plan or pass --tp 1"
+        )
+    features = module.out_features if style == "colwise" else module.in_features
+    if features % tp:
+        side = "output" if style == "colwise" else "input"
+        raise ValueError(
+            f"tensor-parallel plan: {name} ({style}) has {features} {side} features, which do "
+            f"not split in tp={tp}; use a tp that divides {features}"
+        )
+    return ColwiseParallel() if style == "colwise" else RowwiseParallel()
+
+
 def parallelize(model: nn.Module, device_mesh, plan: dict | None = None) -> nn.Module:
     """Split ``model`` across the "tp" dim of ``device_mesh`` (from ``mesh_2d``) with ``plan``
-    (module name -> ``ParallelStyle``; default ``gpt_plan``), in place, before
+    (module name -> ``ParallelStyle``; default ``plan_for(model, tp)``), in place, before
     ``zeroshard.shard``. Parameters must be materialized (not on the meta device)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -154,7 +240,7 @@ def parallelize(model: nn.Module, device_mesh, plan: dict | None = None) -> nn.M
             "tensor parallelism needs materialized parameters: build the model on the CPU "
             "(or its device), then parallelize, then zeroshard.shard"
         )
-    plan = gpt_plan(model, tp) if plan is None else plan
+    plan = plan_for(model, tp) if plan is None else plan
     if tp == 1:
         return model
     styles = {name: style for name, style in plan.items()}
@@ -218,6 +304,41 @@ def splits(model: nn.Module) -> dict[str, _Split]:
         for pname, split in getattr(m, _LOCAL, {}).items():
             out[f"{mname}.{pname}" if mname else pname] = split
     return out
+
+
+def place_pieces(model: nn.Module, state: dict[str, Any], tp_rank: int, tp_size: int) -> None:
+    """A checkpoint's state of ``model`` (``{"model": ..., "optim": ...}`` of ``FlatRange``
+    entries: ``zeroshard.checkpoint``), in place: split parameters' entries placed as parts of
+    the whole tensors (``Split``), so that the files hold the unsplit model and load at any
+    tensor-parallel degree."""
+    from zeroshard.checkpoint_files import CheckpointError
+
+    for name, split in splits(model).items():
+        if split.dim is None:
+            continue
+        where = Split(split.dim, tp_rank, tp_size, split.groups)
+        entries = [(state["model"], name)]
+        optim = state["optim"]["state"].get(name, {})
+        # Element-wise states, not scalars such as Adam's step (the same on every rank).
+        entries += [(optim, key) for key, value in optim.items() if _is_elementwise(value)]
+        for tree, key in entries:
+            if not isinstance(tree[key], FlatRange):  # the same name, another piece per rank
+                raise CheckpointError(
+                    f"{name} is split tensor-parallel but its state {key!r} is a "
+                    f"{type(tree[key]).__name__}, not this rank's range; checkpoints of it need "
+                    "a model sharded by zeroshard.shard"
+                )
+            tree[key] = tree[key].placed(where)
+
+
+def _is_elementwise(value: Any) -> bool:
+    return isinstance(value, FlatRange) or (torch.is_tensor(value) and value.dim() > 0)
+
+
+def whole_numel(model: nn.Module, tp_size: int) -> int:
+    """Parameters of the unsplit model: split pieces counted whole."""
+    split = {n for n, s in splits(model).items() if s.dim is not None}
+    return sum(p.numel() * (tp_size if n in split else 1) for n, p in model.named_parameters())
 
 
 def gather_tensor_parallel(

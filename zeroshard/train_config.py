@@ -59,8 +59,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Activation checkpointing: spans of this many units keep only their input (0: off)."""
     tp: int = 1
-    """Tensor-parallel degree: ranks that split each block's attention and MLP (built-in GPT
-    only); the ranks launched must be a multiple of it. ZeRO shards over ranks / tp."""
+    """Tensor-parallel degree: ranks that split each block's attention and MLP (the GPT's plan,
+    a Hugging Face config's base_model_tp_plan, or a --model's tp_plan attribute); the ranks
+    launched must be a multiple of it. ZeRO shards over ranks / tp."""
     partition_activations: bool = False
     """ZeRO-R's Pa: each activation checkpoint kept 1/tp per tensor-parallel rank, all-gathered
     before its recomputation (needs --tp 2 or more and --checkpoint-every)."""
@@ -213,16 +214,6 @@ class TrainConfig:
 
     def _check_activations(self) -> None:
         """Tensor parallelism and where activation checkpoints go."""
-        if self.tp > 1 and (self.model or self.hf):
-            raise ValueError(
-                f"tp = {self.tp} splits the built-in GPT's layers; --model and --hf models have "
-                "no tensor-parallel plan yet: pass --tp 1, or use --preset"
-            )
-        if self.tp > 1 and self.save_every:
-            raise ValueError(
-                f"tp = {self.tp} with save_every = {self.save_every}: checkpoints of "
-                "tensor-parallel models are not supported yet; pass --save-every 0 or --tp 1"
-            )
         if self.partition_activations and self.tp < 2:
             raise ValueError(
                 "partition_activations splits checkpoints across tensor-parallel ranks: pass "

@@ -43,9 +43,10 @@ def run(args: argparse.Namespace) -> int:
     if not found.complete:
         print(f"{found.path}: incomplete ({found.problem}); {found.size_bytes:,} bytes on disk")
         return 1
+    tp = f" (tensor-parallel {found.tensor_parallel})" if found.tensor_parallel > 1 else ""
     print(
         f"{found.path}: complete\n"
-        f"  step {found.step}, world size {found.world_size}, stage {found.stage}, "
+        f"  step {found.step}, world size {found.world_size}{tp}, stage {found.stage}, "
         f"param dtype {found.param_dtype} (reduce {found.reduce_dtype})\n"
         f"  {found.num_params:,} parameters, {found.size_bytes / 2**20:.1f} MiB on disk "
         f"({found.size_bytes:,} bytes), zeroshard {found.zeroshard_version}"
