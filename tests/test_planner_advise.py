@@ -223,14 +223,14 @@ def test_tensor_parallel_heads_and_the_unknown_plan():
     w = _workload(
         global_batch_size=2, offloads=("none",), memory=MemoryConfig(stage=0, num_mp_ranks=2)
     )
-    with pytest.warns(UserWarning, match="plan only for its built-in GPT"):
+    with pytest.warns(UserWarning, match="splits models that have a plan"):
         advice = advise(three_heads, _cluster(), w)
     assert not advice.feasible
     assert "3 heads do not split in Nm = 2; use an Nm that divides 3" in advice.rejected[0].problem
     gpt = d.from_gpt(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     with pytest.warns(UserWarning, match="cannot tell"):
         advice = advise(gpt, _cluster(), w)
-    assert advice.feasible and "parallelize()" in advice.notes[0]
+    assert advice.feasible and "plan_for" in advice.notes[0]
     assert not advise(MODEL, _cluster(), _workload(offloads=("none",))).notes
 
 

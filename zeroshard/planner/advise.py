@@ -191,9 +191,10 @@ def advise(model: ModelDescription, cluster: Cluster, workload: Workload) -> Adv
     notes = []
     if num_mp > 1:
         notes.append(
-            f"Nm = {num_mp}: zeroshard's tensor parallelism has a plan only for its built-in GPT "
-            "(tensor_parallel.gpt_plan); the advisor cannot tell from the description whether "
-            "this model is one, so another model needs its own plan for parallelize()"
+            f"Nm = {num_mp}: zeroshard's tensor parallelism splits models that have a plan "
+            "(tensor_parallel.plan_for: the built-in GPT, Hugging Face configs declaring "
+            "base_model_tp_plan, models with a tp_plan attribute); the advisor cannot tell from "
+            "the description whether this model has one"
         )
     for note in notes:
         warnings.warn(note, stacklevel=2)
