@@ -10,11 +10,16 @@ trained ``--steps`` steps of FP32 AdamW on random tokens, once per variant:
     checkpoints   each span's input kept whole on the device
     Pa            kept 1/tp per tensor-parallel rank, all-gathered before its recomputation
     Pa+cpu        those pieces in the tensor store's CPU tier, read back ahead of use
+    SP            sequence parallelism (Megatron's successor to Pa): the residual stream split
+                  along the sequence between the attention and MLP pairs, so each span's input
+                  is 1/tp per rank as it is, with no gather before the recomputation
+    SP+cpu        those inputs in the CPU tier
 
 Reported per variant (rank 0; every rank holds the same amounts): the peak bytes of checkpoints
 per tier as the keeper holds them (real tensors: ``CheckpointKeeper.bytes``), the planner's
 ``activation_checkpoints`` for the same configuration (``zeroshard plan --mp 2 --ci 1
---partition-activations [--offload-activations] --activation-bytes 4``) and their ratio, the
+--partition-activations [--offload-activations] --activation-bytes 4``; for SP too, whose
+checkpoints are 1/tp alike) and their ratio, the
 all-gather bytes Pa adds per step (the ledger's scope ``tensor``), and the median seconds per
 step. On this CPU-only machine the "device" is host memory too: Pa+cpu moves the pieces into the
 store, it does not shrink the process.
@@ -40,17 +45,23 @@ from zeroshard.planner.describe import from_gpt  # noqa: E402
 from zeroshard.planner.memory import MemoryConfig, plan_memory  # noqa: E402
 from zeroshard.testing import Workers  # noqa: E402
 
-VARIANTS = {"checkpoints": (False, None), "Pa": (True, None), "Pa+cpu": (True, "cpu")}
+VARIANTS = {  # (Pa, where checkpoints go, sequence parallelism)
+    "checkpoints": (False, None, False),
+    "Pa": (True, None, False),
+    "Pa+cpu": (True, "cpu", False),
+    "SP": (False, None, True),
+    "SP+cpu": (False, "cpu", True),
+}
 MIB = 2**20
 
 
-def _run(name: str, partition: bool, where: str | None, batch: int, seq: int, steps: int):
+def _run(name: str, partition: bool, where: str | None, sp: bool, batch: int, seq: int, steps: int):
     torch.set_num_threads(1)
     cfg = preset(name)
     device_mesh, mesh = tensor_parallel.mesh_2d(2)
     torch.manual_seed(0)
     model = GPT(cfg)
-    tensor_parallel.parallelize(model, device_mesh)
+    tensor_parallel.parallelize(model, device_mesh, sequence_parallel=sp)
     model = zeroshard.shard(
         model,
         stage=3,
@@ -118,10 +129,10 @@ def main() -> int:
                 "| Pa all-gather MiB/step | s/step |"
             )
             print("|---|---|---|---|---|---|---|")
-            for variant, (partition, where) in VARIANTS.items():
-                r = workers.run(_run, name, partition, where, args.batch, seq, args.steps)[0]
+            for variant, (partition, where, sp) in VARIANTS.items():
+                r = workers.run(_run, name, partition, where, sp, args.batch, seq, args.steps)[0]
                 tier = "cpu" if where else "device"
-                planned = _planned(name, partition, bool(where), args.batch, seq)
+                planned = _planned(name, partition or sp, bool(where), args.batch, seq)
                 print(
                     f"| {variant} | {r['peak']['device'] / MIB:.2f} | {r['peak']['cpu'] / MIB:.2f} "
                     f"| {planned / MIB:.2f} ({tier}) | {r['peak'][tier] / planned:.3f} "

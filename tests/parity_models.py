@@ -268,6 +268,7 @@ def train_tp_both(
     clip: float = 0.0,
     config=None,
     offload=None,
+    sequence_parallel: bool = False,
 ) -> dict:
     """``steps`` AdamW steps of the GPT ``cfg`` split ``tp``-way (``zeroshard.tensor_parallel``)
     and ZeRO-sharded over the data-parallel ranks, each data-parallel rank on its rows of the
@@ -285,7 +286,7 @@ def train_tp_both(
     model = GPT(cfg)
     model.load_state_dict(ref.state_dict())
     device_mesh, mesh = tensor_parallel.mesh_2d(tp)
-    tensor_parallel.parallelize(model, device_mesh)
+    tensor_parallel.parallelize(model, device_mesh, sequence_parallel=sequence_parallel)
     model = zeroshard.shard(
         model, stage=stage, mesh=mesh, wrap=wrap.by_class(Block), config=config, offload=offload
     )

@@ -3,6 +3,8 @@ how the layers are split, what is refused."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -131,10 +133,62 @@ def test_what_tensor_parallelism_cannot_do_is_refused_with_the_fix(workers4):
         assert "split tensor-parallel, and the mesh has no tensor-parallel dim" in r["world_mesh"]
 
 
+def _sequence_parallel(stage: int) -> dict:
+    config = zeroshard.ShardConfig(checkpoint_every=1) if stage == 3 else None
+    r = train_tp_both(
+        CFG, stage=stage, seq_len=16, clip=0.05, config=config, sequence_parallel=True
+    )
+    keeper = r["engine"].checkpointing.keeper if config else None
+    return {"loss": r["loss"], "param": r["param"], "ckpt": keeper and keeper.bytes.peak["device"]}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_sequence_parallelism_matches_single_process_training(workers4, stage):
+    """Layer norms and residual adds on half of each sequence per tensor-parallel rank, a
+    binding gradient clip (their replicated gradients summed over the group), checkpoints."""
+    for r in workers4.run(_sequence_parallel, stage):
+        assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
+        if stage == 3:  # every block's input kept as this rank's half of the sequence
+            rows, half, fp32 = 2, 16 // 2, 4  # train_tp_both's rows per rank
+            assert r["ckpt"] == CFG.n_layer * rows * half * CFG.n_embd * fp32, r
+
+
+def _sequence_of_odd_length() -> dict:
+    torch.manual_seed(0)
+    device_mesh, mesh = tensor_parallel.mesh_2d(2)
+    model = tensor_parallel.parallelize(GPT(CFG), device_mesh, sequence_parallel=True)
+    model = zeroshard.shard(model, stage=3, mesh=mesh, wrap=wrap.by_class(Block))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    out = {}
+    try:
+        model(torch.zeros(2, 15, dtype=torch.long))
+    except ValueError as e:
+        out["odd"] = str(e)
+    x = torch.randint(0, CFG.vocab_size, (2, 16))
+    loss = model(x, x)  # the model is still usable
+    opt.backward(loss)
+    opt.step()
+    out["even"] = loss.item()
+    return out
+
+
+def test_sequence_parallelism_refuses_lengths_that_do_not_split(workers4):
+    for r in workers4.run(_sequence_of_odd_length):
+        assert "a length of 15 does not split; use lengths divisible by 2" in r["odd"], r
+        assert math.isfinite(r["even"]), r
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
         ({"tp": 0}, "tp = 0: tp must be >= 1"),
+        ({"sequence_parallel": True}, "pass --tp 2 or more"),
+        ({"sequence_parallel": True, "tp": 2, "hf": "c.json"}, "built-in GPT only"),
+        ({"sequence_parallel": True, "tp": 2, "seq_len": 15}, "seq_len = 15 must split evenly"),
+        (
+            {"sequence_parallel": True, "tp": 2, "partition_activations": True},
+            "drop --partition-activations",
+        ),
         ({"partition_activations": True, "checkpoint_every": 1}, "pass --tp 2 or more"),
         ({"tp": 2, "partition_activations": True}, "pass --checkpoint-every 1"),
         ({"offload_activations": "cpu"}, "pass --checkpoint-every 1"),
@@ -355,3 +409,10 @@ def test_plans_that_cannot_split_a_model_say_why(build, tp, message):
         pytest.importorskip("transformers")
     with pytest.raises(ValueError, match=message):
         tensor_parallel.plan_for(build(), tp)
+
+
+def test_sequence_parallelism_is_the_gpt_s_only():
+    with pytest.raises(
+        ValueError, match="sequence parallelism has a plan for the built-in GPT only"
+    ):
+        tensor_parallel.plan_for(_Own(), 2, sequence_parallel=True)

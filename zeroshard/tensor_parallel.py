@@ -118,11 +118,26 @@ def _interleave(t: torch.Tensor, groups: int, tp: int) -> torch.Tensor:
     return t.reshape(groups, tp, n // (groups * tp), *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-def gpt_plan(model: nn.Module, tp: int) -> dict:
-    """The tensor-parallel plan of ``zeroshard.models.gpt.GPT`` (or any model with blocks of
-    ``attn.qkv``, ``attn.proj``, ``mlp.fc``, ``mlp.proj`` linears), for ``parallelize``. A
-    ValueError naming the fix when heads or widths do not split in ``tp``."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def gpt_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> dict:
+    """The tensor-parallel plan of ``zeroshard.models.gpt.GPT`` (or any model with its module
+    names: blocks of ``ln_1``, ``attn.qkv``, ``attn.proj``, ``ln_2``, ``mlp.fc``, ``mlp.proj``), for
+    ``parallelize``. A ValueError naming the fix when heads or widths do not split in ``tp``.
+
+    ``sequence_parallel`` (Megatron's sequence parallelism): between the attention and MLP
+    pairs, the residual stream is split along the sequence (dim 1) over the tensor-parallel
+    ranks, so the layer norms and residual adds run on 1/tp of the tokens and everything saved
+    for them (and each checkpointed block input) is 1/tp per rank. Each pair's first linear
+    all-gathers its input along the sequence and its second reduce-scatters its output (instead
+    of all-reducing it: the same bytes). The embeddings' sum is sliced (``embed_out``); the
+    head all-gathers the final layer norm's output."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     cfg = getattr(model, "cfg", None)
     blocks = getattr(model, "blocks", None)
@@ -136,12 +151,25 @@ def gpt_plan(model: nn.Module, tp: int) -> dict:
             f"tensor parallelism splits attention by heads: n_head={cfg.n_head} does not split "
             f"in tp={tp}; use a tp that divides {cfg.n_head}"
         )
+    gather = {"input_layouts": Shard(1)} if sequence_parallel else {}
+    scatter = {"output_layouts": Shard(1)} if sequence_parallel else {}
     plan: dict = {}
     for i in range(len(blocks)):
-        plan[f"blocks.{i}.attn.qkv"] = _fused_colwise()(3)
-        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
-        plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel()
-        plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel()
+        plan[f"blocks.{i}.attn.qkv"] = _fused_colwise()(3, **gather)
+        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel(**scatter)
+        plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel(**gather)
+        plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel(**scatter)
+        if sequence_parallel:
+            for norm in ("ln_1", "ln_2"):
+                plan[f"blocks.{i}.{norm}"] = SequenceParallel(use_local_output=True)
+    if sequence_parallel:
+        plan["embed_out"] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+        )
+        plan["ln_f"] = SequenceParallel(use_local_output=True)
+        plan["lm_head"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
     return plan
 
 
@@ -150,16 +178,23 @@ STYLES = ("colwise", "rowwise")
 (``ColwiseParallel``), or its input features (``RowwiseParallel``, the output all-reduced)."""
 
 
-def plan_for(model: nn.Module, tp: int) -> dict:
+def plan_for(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> dict:
     """``model``'s tensor-parallel plan, for ``parallelize``: ``gpt_plan`` for the reference GPT;
     else its Hugging Face config's ``base_model_tp_plan`` (transformers' Llama, Mistral, Qwen2
     and others declare one), or the model's ``tp_plan`` attribute: module names, ``*`` standing
     for one part (a layer number), each mapped to "colwise" or "rowwise". Each colwise Linear
     must be followed, through element-wise work and per-head attention, by a rowwise one (the
     pairs of Megatron's layout). A ValueError naming the fix when there is no plan, a style is
-    another, a name matches no Linear, or a split does not divide."""
+    another, a name matches no Linear, or a split does not divide. ``sequence_parallel``: the
+    GPT's only (``gpt_plan``)."""
     if hasattr(model, "blocks") and hasattr(model, "cfg"):
-        return gpt_plan(model, tp)
+        return gpt_plan(model, tp, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        raise ValueError(
+            f"sequence parallelism has a plan for the built-in GPT only, not "
+            f"{type(model).__name__}; drop sequence_parallel (partition_activations splits its "
+            "activation checkpoints instead)"
+        )
     names, root = _declared_plan(model)
     modules = dict(model.named_modules())
     config = getattr(model, "config", None)
@@ -227,10 +262,14 @@ def _style(name: str, module: nn.Module, style: str, tp: int):
     return ColwiseParallel() if style == "colwise" else RowwiseParallel()
 
 
-def parallelize(model: nn.Module, device_mesh, plan: dict | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module, device_mesh, plan: dict | None = None, *, sequence_parallel: bool = False
+) -> nn.Module:
     """Split ``model`` across the "tp" dim of ``device_mesh`` (from ``mesh_2d``) with ``plan``
-    (module name -> ``ParallelStyle``; default ``plan_for(model, tp)``), in place, before
-    ``zeroshard.shard``. Parameters must be materialized (not on the meta device)."""
+    (module name -> ``ParallelStyle``; default ``plan_for(model, tp, sequence_parallel=...)``),
+    in place, before ``zeroshard.shard``. Parameters must be materialized (not on the meta
+    device). With ``sequence_parallel``, sequences must split evenly in tp (a ValueError says
+    so at the forward)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp_mesh = device_mesh["tp"] if device_mesh.ndim > 1 else device_mesh
@@ -240,14 +279,31 @@ def parallelize(model: nn.Module, device_mesh, plan: dict | None = None) -> nn.M
             "tensor parallelism needs materialized parameters: build the model on the CPU "
             "(or its device), then parallelize, then zeroshard.shard"
         )
-    plan = plan_for(model, tp) if plan is None else plan
+    plan = plan_for(model, tp, sequence_parallel=sequence_parallel) if plan is None else plan
     if tp == 1:
         return model
     styles = {name: style for name, style in plan.items()}
     parallelize_module(model, tp_mesh, styles)
     for name in styles:
         _localize(model.get_submodule(name), getattr(styles[name], "groups", 1))
+    if sequence_parallel:
+        model.register_forward_pre_hook(_even_sequences(tp), prepend=True)
     return model
+
+
+def _even_sequences(tp: int):
+    """A forward pre-hook: the first input's dim 1 (the sequence) splits evenly in ``tp``
+    (DTensor's sequence shards must be equal; a mismatch would fail inside a collective)."""
+
+    def check(module: nn.Module, args: tuple) -> None:
+        x = args[0] if args else None
+        if torch.is_tensor(x) and x.dim() > 1 and x.shape[1] % tp:
+            raise ValueError(
+                f"sequence parallelism splits each sequence evenly over tp={tp} ranks: a length "
+                f"of {x.shape[1]} does not split; use lengths divisible by {tp}"
+            )
+
+    return check
 
 
 def _localize(module: nn.Module, groups: int) -> None:

@@ -180,7 +180,9 @@ def train(cfg: TrainConfig) -> dict:
         )  # fmt: skip
         num_params = sum(p.numel() for p in built.module.parameters())
         if device_mesh is not None:
-            tensor_parallel.parallelize(built.module, device_mesh)
+            tensor_parallel.parallelize(
+                built.module, device_mesh, sequence_parallel=cfg.sequence_parallel
+            )
         wrap = zeroshard.wrap.by_class(*built.unit_classes) if built.unit_classes else None
         if wrap is None:
             warnings.warn(

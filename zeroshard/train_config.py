@@ -62,6 +62,10 @@ class TrainConfig:
     """Tensor-parallel degree: ranks that split each block's attention and MLP (the GPT's plan,
     a Hugging Face config's base_model_tp_plan, or a --model's tp_plan attribute); the ranks
     launched must be a multiple of it. ZeRO shards over ranks / tp."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (built-in GPT, --tp 2 or more): layer norms and residual
+    adds run on 1/tp of each sequence per tensor-parallel rank, and activation checkpoints are
+    kept 1/tp per rank without Pa's all-gather; seq_len must divide by tp."""
     partition_activations: bool = False
     """ZeRO-R's Pa: each activation checkpoint kept 1/tp per tensor-parallel rank, all-gathered
     before its recomputation (needs --tp 2 or more and --checkpoint-every)."""
@@ -214,6 +218,21 @@ class TrainConfig:
 
     def _check_activations(self) -> None:
         """Tensor parallelism and where activation checkpoints go."""
+        if self.sequence_parallel:
+            problem = None
+            if self.tp < 2:
+                problem = "it splits sequences over tensor-parallel ranks: pass --tp 2 or more"
+            elif self.model or self.hf:
+                problem = "it has a plan for the built-in GPT only: use --preset"
+            elif self.seq_len % self.tp:
+                problem = f"seq_len = {self.seq_len} must split evenly: use a multiple of {self.tp}"
+            elif self.partition_activations:
+                problem = (
+                    "it keeps activation checkpoints 1/tp per rank already: drop "
+                    "--partition-activations"
+                )
+            if problem:
+                raise ValueError(f"sequence_parallel = true: {problem}, or drop it")
         if self.partition_activations and self.tp < 2:
             raise ValueError(
                 "partition_activations splits checkpoints across tensor-parallel ranks: pass "

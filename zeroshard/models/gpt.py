@@ -90,10 +90,11 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
-        B, T, C = x_BTC.shape
-        head_size = C // self.n_head
-        # Width and heads from qkv's output, not C: tensor-parallel ranks hold some heads only.
+        head_size = x_BTC.shape[-1] // self.n_head
+        # Shapes from qkv's output: tensor-parallel ranks hold some heads only, and with sequence
+        # parallelism x is this rank's part of the sequence, gathered by qkv.
         q, k, v = self.qkv(x_BTC).chunk(3, dim=2)
+        B, T = q.shape[:2]
         # (B, T, h c) -> (B, h, T, c) for scaled_dot_product_attention.
         h = q.shape[-1] // head_size
         q, k, v = (t.view(B, T, h, head_size).transpose(1, 2) for t in (q, k, v))
@@ -134,6 +135,9 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        # Where the residual stream starts (no parameters): sequence parallelism splits the
+        # sequence here (zeroshard.tensor_parallel.gpt_plan).
+        self.embed_out = nn.Identity()
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -170,7 +174,7 @@ class GPT(nn.Module):
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
         pos_T = torch.arange(T, device=idx_BT.device)
-        x_BTC = self.wte(idx_BT) + self.wpe(pos_T)
+        x_BTC = self.embed_out(self.wte(idx_BT) + self.wpe(pos_T))
         for block in self.blocks:
             x_BTC = block(x_BTC)
         logits_BTV = self.lm_head(self.ln_f(x_BTC))
