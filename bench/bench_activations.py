@@ -18,8 +18,8 @@ trained ``--steps`` steps of FP32 AdamW on random tokens, once per variant:
 Reported per variant (rank 0; every rank holds the same amounts): the peak bytes of checkpoints
 per tier as the keeper holds them (real tensors: ``CheckpointKeeper.bytes``), the planner's
 ``activation_checkpoints`` for the same configuration (``zeroshard plan --mp 2 --ci 1
---partition-activations [--offload-activations] --activation-bytes 4``; for SP too, whose
-checkpoints are 1/tp alike) and their ratio, the
+--partition-activations | --sequence-parallel [--offload-activations] --activation-bytes 4``)
+and their ratio, the
 all-gather bytes Pa adds per step (the ledger's scope ``tensor``), and the median seconds per
 step. On this CPU-only machine the "device" is host memory too: Pa+cpu moves the pieces into the
 store, it does not shrink the process.
@@ -92,7 +92,7 @@ def _run(name: str, partition: bool, where: str | None, sp: bool, batch: int, se
     }
 
 
-def _planned(name: str, partition: bool, offload: bool, batch: int, seq: int) -> int:
+def _planned(name: str, partition: bool, offload: bool, sp: bool, batch: int, seq: int) -> int:
     config = MemoryConfig(
         stage=3,
         num_dp_ranks=2,
@@ -102,6 +102,7 @@ def _planned(name: str, partition: bool, offload: bool, batch: int, seq: int) ->
         num_layers_per_checkpoint=1,
         partition_activations=partition,
         offload_activations=offload,
+        sequence_parallel=sp,
         activation_bytes=4,
     )
     memory = plan_memory(from_gpt(preset(name)), config)
@@ -132,7 +133,7 @@ def main() -> int:
             for variant, (partition, where, sp) in VARIANTS.items():
                 r = workers.run(_run, name, partition, where, sp, args.batch, seq, args.steps)[0]
                 tier = "cpu" if where else "device"
-                planned = _planned(name, partition or sp, bool(where), args.batch, seq)
+                planned = _planned(name, partition, bool(where), sp, args.batch, seq)
                 print(
                     f"| {variant} | {r['peak']['device'] / MIB:.2f} | {r['peak']['cpu'] / MIB:.2f} "
                     f"| {planned / MIB:.2f} ({tier}) | {r['peak'][tier] / planned:.3f} "

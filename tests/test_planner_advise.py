@@ -194,6 +194,13 @@ def test_step_in_backward_refusals():
     "memory, match",
     [
         (MemoryConfig(stage=0, partition_activations=True), "tensor-parallel ranks"),
+        (MemoryConfig(stage=0, sequence_parallel=True), "sequence_parallel splits sequences"),
+        (
+            MemoryConfig(
+                stage=0, num_mp_ranks=2, sequence_parallel=True, partition_activations=True
+            ),
+            "so does Pa; drop one",
+        ),
         (
             MemoryConfig(
                 stage=0, num_mp_ranks=2, partition_activations=True, activation_checkpointing=False

@@ -1,6 +1,7 @@
 """Memory per device: the ZeRO paper's worked example, hand-computed cases, and the breakdown's
 shape that a calibration compares with measured bytes."""
 
+import dataclasses
 import math
 
 import pytest
@@ -155,6 +156,14 @@ def test_offloaded_activations_go_to_cpu():
     b = m.plan_memory(SMALL, cfg)
     assert b.device["activation_checkpoints"] == 0
     assert b.cpu["activation_checkpoints"] == 2 * 1 * 1024 * 64 * 4
+
+
+def test_sequence_parallel_checkpoints_are_split_like_pa_s():
+    base = MemoryConfig(stage=0, num_mp_ranks=2, seq_len=16, micro_batch_size=2)
+    whole = m.plan_memory(SMALL, base).device["activation_checkpoints"]
+    for split in ({"partition_activations": True}, {"sequence_parallel": True}):
+        b = m.plan_memory(SMALL, dataclasses.replace(base, **split))
+        assert b.device["activation_checkpoints"] == whole // 2, split
 
 
 def test_stage3_without_unit_size_says_so():

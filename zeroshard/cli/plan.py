@@ -97,6 +97,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="split activation checkpoints 1/Nm (ZeRO-R Pa)",
     )
     t.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="sequence parallelism: activation checkpoints 1/Nm as they are (no Pa gather)",
+    )
+    t.add_argument(
         "--offload-activations",
         action="store_true",
         help="keep activation checkpoints in CPU memory (Pa+cpu)",
@@ -348,6 +353,7 @@ def _memory_config(
         seq_len=args.seq,
         num_layers_per_checkpoint=num_layers_per_checkpoint,
         partition_activations=args.partition_activations,
+        sequence_parallel=args.sequence_parallel,
         offload_activations=args.offload_activations,
         activation_bytes=args.activation_bytes,
         num_units_prefetch=args.prefetch,

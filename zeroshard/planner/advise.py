@@ -272,6 +272,9 @@ def engine_problem(
             "partition_activations splits checkpoints over tensor-parallel ranks, and there are "
             "none (Nm = 1); use Nm >= 2, or drop partition_activations"
         )
+    if config.sequence_parallel and (num_mp < 2 or config.partition_activations):
+        why = "there are none (Nm = 1); use Nm >= 2" if num_mp < 2 else "so does Pa; drop one"
+        return f"sequence_parallel splits sequences over tensor-parallel ranks, and {why}"
     for name in ("partition_activations", "offload_activations"):
         if getattr(config, name) and not config.activation_checkpointing:
             return (

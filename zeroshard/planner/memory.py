@@ -183,6 +183,9 @@ class MemoryConfig:
     """Split checkpoints 1/Nm across model-parallel ranks (ZeRO-R's Pa)."""
     offload_activations: bool = False
     """Keep checkpoints in CPU memory (Pa+cpu)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism: checkpointed block inputs are 1/Nm per rank as they
+    are, as with Pa (the layer norms' working memory is 1/Nm too: not modelled)."""
     num_units_prefetch: int = 1
     """Stage 3: units gathered ahead of the one computing."""
     bucket_bytes: int = 25 * 2**20
@@ -251,6 +254,11 @@ class MemoryConfig:
                     f"{offload_name(self.placement)}: {problem}; keep them in memory or drop "
                     "step_in_backward"
                 )
+
+    @property
+    def splits_checkpoints(self) -> bool:
+        """Checkpoints 1/Nm per rank: partitioned (Pa) or sequence-parallel."""
+        return self.partition_activations or self.sequence_parallel
 
     @property
     def num_shard_ranks(self) -> int:
@@ -424,7 +432,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
         for category in RESIDUAL_STATES:
             out[Tier.DEVICE][category] = max(m[category] for _, m in moments)
         when, peak = max(moments, key=lambda m: sum(m[1].values()))
-        if c.offload_activations or c.partition_activations:
+        if c.offload_activations or c.splits_checkpoints:
             notes.append("no checkpoints: partitioned or offloaded activations not modelled")
         return MemoryBreakdown(
             device=out[Tier.DEVICE],
@@ -446,7 +454,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             num_layers=shape.num_layers,
             num_layers_per_checkpoint=ci,
             num_mp_ranks=c.num_mp_ranks,
-            partitioned=c.partition_activations,
+            partitioned=c.splits_checkpoints,
             activation_bytes=c.activation_bytes,
         )
         out[Tier.DEVICE]["activation_working"] = activation_working_bytes(
@@ -496,7 +504,7 @@ def _measured_checkpoints(
     ci = max(1, min(c.num_layers_per_checkpoint, num_units))
     starts = range(0, num_units, ci)
     checkpoints = sum(s.unit_input_bytes[i] for i in starts)
-    if c.partition_activations:
+    if c.splits_checkpoints:
         checkpoints = math.ceil(checkpoints / c.num_mp_ranks)
     out[Tier.CPU if c.offload_activations else Tier.DEVICE]["activation_checkpoints"] = checkpoints
     span = max((sum(s.unit_bytes[i : i + ci]) for i in starts), default=0)

@@ -81,7 +81,7 @@ def plan_report(
             num_layers=shape.num_layers,
             num_layers_per_checkpoint=ci,
             num_mp_ranks=base.num_mp_ranks,
-            partitioned=base.partition_activations,
+            partitioned=base.splits_checkpoints,
             activation_bytes=base.activation_bytes,
         )
         out["activation_working_bytes"] = memory.activation_working_bytes(
