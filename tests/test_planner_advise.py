@@ -211,10 +211,6 @@ def test_step_in_backward_refusals():
             MemoryConfig(stage=0, offload_activations=True, activation_checkpointing=False),
             "offload_activations places activation checkpoints, and there are none",
         ),
-        (
-            MemoryConfig(stage=0, num_dp_ranks=2, shard_group_size=1, num_mp_ranks=2),
-            "hybrid sharding (shard_group_size) with tensor parallelism",
-        ),
     ],
 )
 def test_activation_and_mesh_refusals(memory, match):

@@ -96,9 +96,6 @@ def _refusals() -> dict:
         ),
         "divides": lambda: tensor_parallel.mesh_2d(3),
         "meta": lambda: tensor_parallel.parallelize(_meta_gpt(), device_mesh),
-        "hybrid": lambda: zeroshard.shard(
-            GPT(CFG), mesh=mesh, config=zeroshard.ShardConfig(shard_group_size=1)
-        ),
         "pa_without_tp": lambda: zeroshard.shard(
             GPT(CFG), config=zeroshard.ShardConfig(checkpoint_every=1, partition_activations=True)
         ),
@@ -128,9 +125,23 @@ def test_what_tensor_parallelism_cannot_do_is_refused_with_the_fix(workers4):
         assert "n_head=3 does not split in tp=2" in r["heads"], r
         assert "tp=3 does not divide the world size 4" in r["divides"], r
         assert "needs materialized parameters" in r["meta"], r
-        assert "hybrid sharding (shard_group_size) with tensor parallelism" in r["hybrid"], r
         assert "there are none (tp=1)" in r["pa_without_tp"], r
         assert "split tensor-parallel, and the mesh has no tensor-parallel dim" in r["world_mesh"]
+
+
+def _hybrid(stage: int) -> dict:
+    config = zeroshard.ShardConfig(shard_group_size=1)
+    r = train_tp_both(CFG, stage=stage, clip=0.05, config=config)
+    mesh = r["engine"].mesh
+    return {"loss": r["loss"], "param": r["param"], "groups": (mesh.shard_size, mesh.num_replicas)}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hybrid_sharding_beside_tensor_parallelism(workers4, stage):
+    """A 3-D mesh (replicate x shard x tp, here 2 x 1 x 2) trains like one process, with a
+    binding gradient clip."""
+    for r in workers4.run(_hybrid, stage):
+        assert r["loss"] < 1e-5 and r["param"] < 1e-5 and r["groups"] == (1, 2), r
 
 
 def _sequence_parallel(stage: int) -> dict:

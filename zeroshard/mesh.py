@@ -47,6 +47,8 @@ HYBRID_DIMS = ("replicate", "shard")
 _HYBRID_MESHES: dict[tuple[tuple[int, ...], int, str], DeviceMesh] = {}
 """Meshes made by ``Mesh.hybrid_sharded``, per (ranks, shard group size, device type): models
 sharded alike share process groups instead of creating new ones each time."""
+_HYBRID_TP_MESHES: dict[tuple[int, int, int, str], DeviceMesh] = {}
+"""3-D (replicate, shard, tp) meshes per (world size, tp, shard group size, device type)."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -185,6 +187,8 @@ class Mesh:
             return self
         from torch.distributed.device_mesh import DeviceMesh
 
+        if self.tp_group is not None:
+            return self._with(self._hybrid_beside_tensor_parallel(k))
         group = self.group if self.group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(group)
         key = (tuple(ranks), k, self.device.type)
@@ -192,6 +196,28 @@ class Mesh:
             layout = torch.tensor(ranks, dtype=torch.int).view(n // k, k)
             _HYBRID_MESHES[key] = DeviceMesh(self.device.type, layout, mesh_dim_names=HYBRID_DIMS)
         return self._with(_HYBRID_MESHES[key])
+
+    def _hybrid_beside_tensor_parallel(self, k: int) -> DeviceMesh:
+        """This rank's (replicate, shard) mesh of a 3-D (replicate, shard, tp) mesh over the
+        world: every rank makes the same groups, whichever data-parallel group it is in. The
+        data-parallel mesh of ``zeroshard.tensor_parallel.mesh_2d`` has rank ``d * tp + t`` at
+        data-parallel index d; so does the 3-D one, with d = replica * k + shard."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        tp, world = self.tp_size, dist.get_world_size()
+        if self.world_size * tp != world:
+            raise ValueError(
+                f"hybrid sharding beside tensor parallelism needs the data-parallel mesh of "
+                f"tensor_parallel.mesh_2d over the whole job ({self.world_size} x tp={tp} ranks "
+                f"!= {world}); build the mesh with mesh_2d"
+            )
+        key = (world, tp, k, self.device.type)
+        if key not in _HYBRID_TP_MESHES:  # every rank makes the same calls: the cache agrees
+            dims = (*HYBRID_DIMS, "tp")
+            shape = (self.world_size // k, k, tp)
+            mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=dims)
+            _HYBRID_TP_MESHES[key] = mesh
+        return _HYBRID_TP_MESHES[key][HYBRID_DIMS]
 
     @classmethod
     def from_device_mesh(cls, device_mesh: DeviceMesh, *, device: torch.device | None = None):

@@ -244,11 +244,6 @@ def _hybrid_mesh(mesh: Mesh | DeviceMesh, shard_group_size: int, part: Partition
                 f"mesh must be a zeroshard Mesh or a torch DeviceMesh, got {type(mesh).__name__}"
             )
         mesh = Mesh.from_device_mesh(mesh)
-    if shard_group_size and mesh.tp_size > 1:
-        raise ValueError(
-            "hybrid sharding (shard_group_size) with tensor parallelism is not supported: "
-            "ZeRO shards over the data-parallel dim of the 2-D mesh; drop shard_group_size"
-        )
     if shard_group_size:
         mesh = mesh.hybrid_sharded(shard_group_size)
     if mesh.hybrid is not None and not part.optimizer_states:

@@ -281,11 +281,6 @@ def engine_problem(
                 f"{name} places activation checkpoints, and there are none; checkpoint "
                 f"activations (checkpoint_every >= 1), or drop {name}"
             )
-    if config.shard_group_size is not None and num_mp > 1:
-        return (
-            f"hybrid sharding (shard_group_size) with tensor parallelism (Nm = {num_mp}) is not "
-            "supported; drop shard_group_size or use Nm = 1"
-        )
     heads = None if model.shape is None else model.shape.num_heads
     if num_mp > 1 and heads is not None and heads % num_mp:
         return (
