@@ -99,6 +99,11 @@ def _refusals() -> dict:
         "pa_without_tp": lambda: zeroshard.shard(
             GPT(CFG), config=zeroshard.ShardConfig(checkpoint_every=1, partition_activations=True)
         ),
+        "pa_with_sp": lambda: zeroshard.shard(
+            tensor_parallel.parallelize(GPT(CFG), device_mesh, sequence_parallel=True),
+            mesh=mesh,
+            config=zeroshard.ShardConfig(checkpoint_every=1, partition_activations=True),
+        ),
     }.items():
         try:
             fn()
@@ -126,6 +131,7 @@ def test_what_tensor_parallelism_cannot_do_is_refused_with_the_fix(workers4):
         assert "tp=3 does not divide the world size 4" in r["divides"], r
         assert "needs materialized parameters" in r["meta"], r
         assert "there are none (tp=1)" in r["pa_without_tp"], r
+        assert "partition_activations with a sequence-parallel model" in r["pa_with_sp"], r
         assert "split tensor-parallel, and the mesh has no tensor-parallel dim" in r["world_mesh"]
 
 

@@ -198,7 +198,7 @@ def shard(
         mixed_precision=mixed_precision,
         ledger=ledger,
         scaling=scaling,
-        checkpoint_keeper=_checkpoint_keeper(config, mesh, offload, ledger),
+        checkpoint_keeper=_checkpoint_keeper(config, mesh, offload, ledger, model),
     )
     engine.offload = offload  # read by the optimizer built on this model (its state tier)
     engine.param_swap = param_swap
@@ -215,9 +215,15 @@ def shard(
 
 
 def _checkpoint_keeper(
-    config: ShardConfig, mesh: Mesh, offload: Offload | None, ledger: C.Ledger
+    config: ShardConfig, mesh: Mesh, offload: Offload | None, ledger: C.Ledger, model: nn.Module
 ) -> CheckpointKeeper | None:
     """Where activation checkpoints are kept (Pa, Pa+cpu); None without checkpointing."""
+    if config.partition_activations and tensor_parallel.is_sequence_parallel(model):
+        raise ValueError(
+            "partition_activations with a sequence-parallel model: its checkpoints are this "
+            "rank's part of each sequence already (1/tp), not a tensor Pa can split and rebuild; "
+            "drop partition_activations"
+        )
     where = offload.activations if offload is not None else None
     if not config.checkpoint_every:
         if where:

@@ -45,6 +45,9 @@ _MESHES: dict[tuple[int, int, str], object] = {}
 """2-D meshes made by ``mesh_2d``, per (world size, tp, device type): models parallelized alike
 share process groups instead of creating new ones each time."""
 
+_SEQUENCE = "_zeroshard_sequence_parallel"
+"""Attribute of a model whose sequences ``parallelize`` split."""
+
 _LOCAL = "_zeroshard_tensor_parallel"
 """Attribute of a module whose parameters were localized: ``{name: _Split}``."""
 
@@ -288,7 +291,15 @@ def parallelize(
         _localize(model.get_submodule(name), getattr(styles[name], "groups", 1))
     if sequence_parallel:
         model.register_forward_pre_hook(_even_sequences(tp), prepend=True)
+        setattr(model, _SEQUENCE, True)
     return model
+
+
+def is_sequence_parallel(model: nn.Module) -> bool:
+    """Whether ``parallelize`` split ``model``'s sequences (its residual stream differs per
+    tensor-parallel rank: Pa, which rebuilds checkpoints from pieces of a replicated tensor,
+    cannot apply)."""
+    return getattr(model, _SEQUENCE, False)
 
 
 def _even_sequences(tp: int):
@@ -373,7 +384,7 @@ def place_pieces(model: nn.Module, state: dict[str, Any], tp_rank: int, tp_size:
         if split.dim is None:
             continue
         where = Split(split.dim, tp_rank, tp_size, split.groups)
-        entries = [(state["model"], name)]
+        entries = [(state["model"], name)] if name in state["model"] else []
         optim = state["optim"]["state"].get(name, {})
         # Element-wise states, not scalars such as Adam's step (the same on every rank).
         entries += [(optim, key) for key, value in optim.items() if _is_elementwise(value)]
