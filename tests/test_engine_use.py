@@ -443,8 +443,8 @@ def test_submodules_called_on_their_own(workers2, stage, bucket_bytes):
     _check(workers2.run(_submodules_alone, stage, bucket_bytes))
 
 
-def _t5_generate(stage: int, bucket_bytes: int | None) -> dict:
-    model, ref, opt, ref_opt, kind = _pair("t5", stage, _config(bucket_bytes))
+def _t5_generate(stage: int, bucket_bytes: int | None, **config) -> dict:
+    model, ref, opt, ref_opt, kind = _pair("t5", stage, _config(bucket_bytes, **config))
     out = {"train": _train_both(model, ref, opt, ref_opt, kind, range(3))}
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(2, 64, (3, 8), generator=g)  # the same on every rank
@@ -471,6 +471,15 @@ def _t5_generate(stage: int, bucket_bytes: int | None) -> dict:
 def test_hugging_face_t5_trains_and_generates(workers2, stage, bucket_bytes):
     pytest.importorskip("transformers")
     _check(workers2.run(_t5_generate, stage, bucket_bytes))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hugging_face_t5_with_activation_checkpointing(workers2, stage):
+    """T5's decoder fills a key/value cache as its layers run (use_cache, on in its config): a
+    recomputed span must not find it filled, so checkpointed training runs without it, and
+    generate() (no grad) still uses it."""
+    pytest.importorskip("transformers")
+    _check(workers2.run(_t5_generate, stage, None, checkpoint_every=1))
 
 
 # ----------------------------------------------------------------------------- 6: torch.compile

@@ -30,6 +30,7 @@ from zeroshard.model_states.init import Materializer, check_same_model
 from zeroshard.model_states.param_swap import ParamSwapper
 from zeroshard.offload.placement import Offload
 from zeroshard.precision import MixedPrecision, hold_tf32, policy_of
+from zeroshard.residual_states.activations import train_without_caches
 from zeroshard.residual_states.buffers import BufferPool, TensorPool
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.stages import Partition, partition
@@ -200,6 +201,8 @@ def shard(
         scaling=scaling,
         checkpoint_keeper=_checkpoint_keeper(config, mesh, offload, ledger, model),
     )
+    if engine.checkpointing is not None:
+        engine._handles += train_without_caches(model)
     engine.offload = offload  # read by the optimizer built on this model (its state tier)
     engine.param_swap = param_swap
     if offload is not None and offload.any:

@@ -19,6 +19,8 @@ nested inside another unit are not checkpointed on their own (the outer one cove
 from __future__ import annotations
 
 import contextlib
+import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,3 +144,40 @@ class SpanCheckpointing:
             frame.save_inputs(*args)
         self.num_spans += 1
         return _Span(frame, calls)
+
+
+def train_without_caches(model: nn.Module) -> list[Any]:
+    """Hooks that make Hugging Face models train without their key/value cache: a decoder fills
+    one as its layers run (``use_cache``, on by default in T5's config), so a checkpointed
+    span's recomputation would find the cache its forward filled and compute something else
+    (torch's checkpoint then fails on a different number of saved tensors). As transformers does
+    under its own gradient checkpointing, a forward in training mode with grad enabled gets
+    ``use_cache=False``, for every module with a ``config`` whose forward takes ``use_cache``
+    (a warning, once, when the caller asked for True). Returns the hooks' handles."""
+    warned = False
+
+    def no_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        nonlocal warned
+        if not (module.training and torch.is_grad_enabled()) or kwargs.get("use_cache") is False:
+            return None
+        if kwargs.get("use_cache") and not warned:
+            warned = True
+            warnings.warn(
+                f"use_cache=True with activation checkpointing: {type(module).__name__} trains "
+                "with use_cache=False (a recomputation would find the cache filled)",
+                stacklevel=2,
+            )
+        return args, {**kwargs, "use_cache": False}
+
+    handles = []
+    for module in model.modules():
+        forward = getattr(module, "forward", None)
+        if getattr(module, "config", None) is None or forward is None:
+            continue
+        try:
+            takes = "use_cache" in inspect.signature(forward).parameters
+        except (TypeError, ValueError):  # no signature to read: a builtin, a C extension
+            takes = False
+        if takes:
+            handles.append(module.register_forward_pre_hook(no_cache, with_kwargs=True))
+    return handles
