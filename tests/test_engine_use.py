@@ -770,3 +770,45 @@ def _backward_interrupted(stage: int) -> dict:
 @pytest.mark.parametrize("stage", STAGES)
 def test_training_goes_on_after_an_interrupted_backward(workers2, stage):
     _check(workers2.run(_backward_interrupted, stage))
+
+
+def _requires_grad_changed(stage: int) -> dict:
+    from torch import nn
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 32))
+        model[0].requires_grad_(False)  # frozen when sharded
+        return zeroshard.shard(model, stage=stage, wrap=wrap.by_class(nn.Linear))
+
+    out = {}
+    model = build()
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    x = torch.randint(0, 32, (2, 5))
+    opt.backward(model(x).sum())
+    opt.step()
+    model[0].requires_grad_(True)  # progressive unfreezing: not something shard() can follow
+    try:
+        model(x)
+    except ValueError as e:
+        out["forward"] = str(e)
+    model[0].requires_grad_(False)
+    model.requires_grad_(False)  # frozen whole for inference: fine without grad
+    with torch.no_grad():
+        out["inference"] = model(x).shape
+    model = build()
+    model[0].requires_grad_(True)
+    try:
+        zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    except ValueError as e:
+        out["optimizer"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_requires_grad_changed_after_shard_is_an_error_not_ignored(workers2, stage):
+    for r in workers2.run(_requires_grad_changed, stage):
+        want = "requires_grad changed after zeroshard.shard(): 0.weight (False -> True)"
+        assert want in r["forward"] and want in r["optimizer"], r
+        assert "set requires_grad before shard()" in r["forward"], r
+        assert r["inference"] == (2, 5, 32), r

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, when_backward_reaches
 from zeroshard.mesh import Mesh
-from zeroshard.model_states.flat_param import FlatParam, ShardState
+from zeroshard.model_states.flat_param import FlatParam, ShardState, check_requires_grad
 from zeroshard.model_states.grads import GradBucket, GradScaling, pools
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states import host_heap
@@ -211,18 +211,13 @@ class Engine:
         self.param_swap: ParamSwapper | None = None
         """With ``Offload(parameters="nvme")``: the masters on NVMe, read ahead of each gather
         along ``forward_order`` (``zeroshard.model_states.param_swap``; set by ``shard``)."""
-        self.checkpointing = (
-            SpanCheckpointing(config.checkpoint_every, mesh.device, checkpoint_keeper)
-            if checkpoint_keeper is not None
-            else None
+        self.checkpointing = checkpoint_keeper and SpanCheckpointing(
+            config.checkpoint_every, mesh.device, checkpoint_keeper
         )
         inner = [u for u in unit_list if not u.is_root]
         # Outermost non-root units only: a unit inside another is covered by the outer one.
-        self._checkpointed = {
-            u
-            for u in inner
-            if not any(u.name.startswith(o.name + ".") for o in inner if o is not u)
-        }
+        nested = {u for u in inner for o in inner if u.name.startswith(o.name + ".")}
+        self._checkpointed = set(inner) - nested
         self._handles: list[Any] = []
         for unit in unit_list:
             self._install_hooks(unit)
@@ -368,6 +363,8 @@ class Engine:
                 u.reshard()
 
     def _begin_forward(self) -> None:
+        if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
+            check_requires_grad(self.flat_params)
         self.phase = Phase.FORWARD
         if self.checkpointing is not None:
             self.checkpointing.close()

@@ -108,6 +108,27 @@ def _common_module(names: list[str]) -> str:
     return ".".join(common) or "<root>"
 
 
+def check_requires_grad(flats: list[FlatParam]) -> None:
+    """Raise if a parameter's ``requires_grad`` changed since it was flattened: which parameters
+    train is fixed by ``shard`` (they were grouped by it, and frozen ones have no master or
+    optimizer state), and a change would otherwise be ignored without a word."""
+    changed = [
+        (s.names[0], f.requires_grad)
+        for f in flats
+        for s in f.slots
+        if s.param.requires_grad != f.requires_grad
+    ]
+    if changed:
+        names = ", ".join(f"{n} ({was} -> {not was})" for n, was in changed[:3])
+        more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
+        raise ValueError(
+            f"requires_grad changed after zeroshard.shard(): {names}{more}; which parameters "
+            "train is fixed when the model is sharded: set requires_grad before shard() (to "
+            "unfreeze progressively, shard a fresh model with the new setting, e.g. from a "
+            "checkpoint)"
+        )
+
+
 class FlatParam:
     """Parameters sharing ``requires_grad`` and dtype, as one flat buffer (module docstring)."""
 

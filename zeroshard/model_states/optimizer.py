@@ -43,7 +43,7 @@ from torch import nn
 from zeroshard import collectives as C
 from zeroshard.engine import Engine, engine_of
 from zeroshard.model_states.backward_step import BackwardStep
-from zeroshard.model_states.flat_param import FlatParam
+from zeroshard.model_states.flat_param import FlatParam, check_requires_grad
 from zeroshard.model_states.grad_swap import GradSwapper
 from zeroshard.model_states.grads import GradBucket, agree
 from zeroshard.model_states.param_swap import ParamSwapper
@@ -185,6 +185,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         buckets = list(self.engine.buckets)
         self.loss_scaler = loss_scaler or default_scaler({b.flat.param_dtype for b in buckets})
+        check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = _param_groups(model, params)
         defaults = _with_default_impl(optimizer_cls, defaults, self.engine.mesh.device)
         self._subgroups = _build_subgroups(
