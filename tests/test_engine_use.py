@@ -278,18 +278,20 @@ def test_parameters_at_rest_are_placeholders_of_their_own_shape(
     assert all(workers2.run(_at_rest, bucket_bytes, reshard_root))
 
 
-def _train_both(model, ref, opt, ref_opt, kind: str, steps: range) -> float:
+def _train_both(
+    model, ref, opt, ref_opt, kind: str, steps: range, set_to_none: bool = True
+) -> float:
     max_loss = 0.0
     for step in steps:
         x, y = _global_batch(kind, step)
         loss = _loss(kind, model, _rows(x), _rows(y))
         loss.backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         ref_loss = _loss(kind, ref, x, y)
         ref_loss.backward()
         ref_opt.step()
-        ref_opt.zero_grad()
+        ref_opt.zero_grad(set_to_none=set_to_none)
         max_loss = max(max_loss, abs(_mean_over_ranks(loss) - ref_loss.item()))
     return max_loss
 
@@ -516,14 +518,18 @@ def test_torch_compile_at_stage_3(workers2, how):
 
 
 # ----------------------------------------------------------------------------- 7: changing paths
-def _changing_path(stage: int, bucket_bytes: int | None, optim: str, num_prefetch: int) -> dict:
+def _changing_path(
+    stage: int, bucket_bytes: int | None, optim: str, num_prefetch: int, set_to_none: bool = True
+) -> dict:
     config = _config(bucket_bytes, num_prefetch=num_prefetch)
     model, ref, opt, ref_opt, kind = _pair("skip", stage, config, optim)
     skips = [set(), {1}, set(), {0, 2}, {2}, set()]  # the order of units changes every step
     max_loss = 0.0
     for step, skip in enumerate(skips):
         model.skip = ref.skip = skip
-        max_loss = max(max_loss, _train_both(model, ref, opt, ref_opt, kind, range(step, step + 1)))
+        one = range(step, step + 1)
+        loss = _train_both(model, ref, opt, ref_opt, kind, one, set_to_none)
+        max_loss = max(max_loss, loss)
     return {"loss": max_loss, "param": _param_diff(model, ref)}
 
 
@@ -536,10 +542,12 @@ def test_a_forward_whose_path_changes_between_steps(workers2, stage, bucket_byte
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_block_left_out_is_not_updated_by_adamw(workers2, stage):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_block_left_out_is_updated_by_adamw_as_torch_does(workers2, stage, set_to_none):
     # torch.optim skips a parameter whose .grad is None (no weight decay, no moment update):
-    # a unit no rank used in a step must get no gradient, not a zero one (as DDP does).
-    _check(workers2.run(_changing_path, stage, None, "adamw", 1))
+    # after zero_grad() a unit no rank used in a step gets no gradient, not a zero one; after
+    # zero_grad(set_to_none=False) parameters that had one keep a zero gradient, and step.
+    _check(workers2.run(_changing_path, stage, None, "adamw", 1, set_to_none))
 
 
 # ----------------------------------------------------------------------------- stage 3 memory

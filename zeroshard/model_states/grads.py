@@ -345,14 +345,16 @@ class GradBucket:
             self._pooled = False
         self.full_grad = None
 
-    def zero(self) -> None:
+    def zero(self, *, keep_touched: bool = False) -> None:
         """Drop the reduced shard and the local gradient (keeping a persistent buffer), and a
-        reduction still in flight (a backward that was interrupted)."""
+        reduction still in flight (a backward that was interrupted). ``keep_touched``: slots
+        that had a gradient keep a zero one (``zero_grad(set_to_none=False)``)."""
         if self._reduce is not None:
             self._reduce[0].wait()  # every rank issued it: complete it, then forget the result
             self._reduce = None
         self.shard_grad = None
-        self.touched = [False] * len(self.flat.slots)
+        if not keep_touched:
+            self.touched = [False] * len(self.flat.slots)
         if not self.as_views:
             for s in self.flat.slots:
                 s.param.grad = None  # accumulated by autograd in no_sync micro-steps

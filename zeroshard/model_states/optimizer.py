@@ -402,7 +402,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         backward) step now, then parameters are refreshed."""
         if not found_inf:
             for sg in self._subgroups:
-                if id(sg.bucket) not in bs.stepped and sg.bucket.shard_grad is not None:
+                bucket = sg.bucket
+                if id(bucket) not in bs.stepped and (
+                    bucket.shard_grad is not None or any(bucket.touched)
+                ):
                     self._step_subgroup(sg, unused)
         stepped_any = bool(bs.stepped) or not found_inf
         bs.reset()
@@ -504,21 +507,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     torch_group[key] = value  # what an LR scheduler changed
             for piece in pieces:
-                skip = g is None or piece.slot in unused
-                piece.tensor.grad = None if skip else g[piece.span]
+                if piece.slot in unused:
+                    piece.tensor.grad = None  # as torch leaves a parameter without a gradient
+                elif g is None:  # a zero gradient kept by zero_grad(set_to_none=False)
+                    piece.tensor.grad = torch.zeros_like(piece.tensor)
+                else:
+                    piece.tensor.grad = g[piece.span]
         sg.optimizer.step()
         for pieces in sg.pieces:
             for piece in pieces:
                 piece.tensor.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients. ``set_to_none=False`` as in torch: parameters that had a gradient
+        keep a zero one, so the next step updates them (momentum, weight decay) even if no
+        backward reaches them; with True (the default) such parameters are left alone."""
         self.engine.scaling.reset()
         if self._backward_step is not None:
             self._backward_step.reset()
         if self._grad_swap is not None:
             self._grad_swap.zero()
         for b in self.engine.buckets:
-            b.zero()
+            b.zero(keep_touched=not set_to_none)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
