@@ -555,3 +555,63 @@ def _rerun():
 
 def test_async_save_snapshots_then_writes_in_the_background(workers2, tmp_path):
     assert all(workers2.run(_async_save, str(tmp_path)))
+
+
+class _WithAux(torch.nn.Module):
+    """A head (``aux``) no backward reaches until ``use_aux``: in the root unit beside
+    parameters that step, or a unit of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head, self.aux = (torch.nn.Linear(8, n) for n in (8, 4, 4))
+        self.use_aux = False
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.head(h) + self.aux(h) if self.use_aux else self.head(h)
+
+
+def _aux_run(base: str | None, stage: int, wrap_aux: bool, steps: range, load: bool = False):
+    """AdamW steps of ``_WithAux``, aux used from step 2; saved after step 0 (``base``)."""
+    torch.manual_seed(0)
+    model = _WithAux()
+    policy = zeroshard.wrap.by_class(torch.nn.Linear) if wrap_aux else None
+    model = zeroshard.shard(model, stage=stage, wrap=policy)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    if load:
+        checkpoint.load(base, model, opt)
+    rank, losses = dist.get_rank(), []
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+        model.use_aux = step >= 2
+        loss = torch.nn.functional.mse_loss(model(x[2 * rank : 2 * rank + 2]), y[2 * rank :][:2])
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if base is not None and not load and step == 0:
+            checkpoint.save(base, model, opt)  # aux has no optimizer state yet
+    with zeroshard.summon_full_params(model):
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _never_stepped(base: str, stage: int, wrap_aux: bool) -> dict:
+    saved = _aux_run(base, stage, wrap_aux, range(4))
+    plain = _aux_run(None, stage, wrap_aux, range(4))
+    resumed = _aux_run(base, stage, wrap_aux, range(1, 2), load=True)
+    return {
+        "save_changes_nothing": saved[0] == plain[0]
+        and all(torch.equal(a, b) for a, b in zip(saved[1], plain[1])),
+        "resumed": resumed[0] == saved[0][1:2],
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("wrap_aux", [False, True], ids=["aux_in_root", "aux_unit"])
+def test_parameters_no_backward_reached_yet(workers2, tmp_path, stage, wrap_aux):
+    """A checkpoint saved while some parameters have no optimizer state yet (an unused head,
+    beside parameters that stepped, or a unit of its own) is written, does not change the
+    training that goes on, and resumes exactly."""
+    for r in workers2.run(_never_stepped, str(tmp_path / "ckpt"), stage, wrap_aux):
+        assert r["save_changes_nothing"] and r["resumed"], r

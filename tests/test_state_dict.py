@@ -338,9 +338,12 @@ def _same_as_fsdp2(kind: str, stage: int) -> bool:
             _same_entry(a[k], b[k], k, exact)
         assert sorted(get_model_state_dict(ours)) == sorted(b)
         a, b = our_opt.state_dict(), get_optimizer_state_dict(theirs, their_opt)
-        assert sorted(a["state"]) == sorted(b["state"])
         sizes = {n: p.numel() for n, p in ours.named_parameters()}
-        for fqn in a["state"]:
+        # A zero-element parameter never gets a gradient in FSDP2: after training from no
+        # state it has none there; ours shows its group's (zeros of its shape).
+        extra = {n for n in set(a["state"]) - set(b["state"]) if sizes[n] == 0}
+        assert sorted(set(a["state"]) - extra) == sorted(b["state"])
+        for fqn in set(a["state"]) - extra:
             assert sorted(a["state"][fqn]) == sorted(b["state"][fqn]), fqn
             for k in a["state"][fqn]:
                 ours_v, theirs_v = a["state"][fqn][k], b["state"][fqn][k]
@@ -357,6 +360,9 @@ def _same_as_fsdp2(kind: str, stage: int) -> bool:
                 assert ga[k] == gb[k], k
 
     compare(exact=True)  # the same weights, and templates (torch's zero-gradient lr-0 step)
+    # Ours drops the template's states once the dict is made (asking for it does not change
+    # training); torch keeps them, counting a step: drop them there too, to train alike.
+    their_opt.state.clear()
     _train(ours, our_opt, kind, range(2))
     _train(theirs, their_opt, kind, range(2))
     compare(exact=False)

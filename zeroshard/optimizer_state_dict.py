@@ -13,8 +13,9 @@ A tied parameter's state is keyed by its first name in ``model.named_parameters(
 scaler is not part of it: ``opt.loss_scaler.state_dict()`` is saved apart. Before the first
 step the sub-optimizers are first given their states as torch's ``get_optimizer_state_dict``
 does (a zero-gradient step at learning rate 0: zeros, ``step`` 1), so that a fresh optimizer's
-dict is a complete template for ``dcp.load``; like torch's, this counts as a step for the bias
-correction of Adam if training then starts without loading anything.
+dict is a complete template for ``dcp.load``. Unlike torch's, those states are dropped again once
+the dict is made: asking for it does not change training (a unit no backward has reached yet
+would otherwise count its first real step as Adam's second).
 
 ``optimizer_state_dict(opt, local=True)`` gives each element-wise state as a ``FlatRange`` (this
 rank's own state tensor, no collective) instead: what ``zeroshard.checkpoint`` saves and loads
@@ -53,12 +54,14 @@ _IMPL_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 the running optimizer when a state dict is loaded (the rest of a saved group is taken)."""
 
 
-def _init_states(opt: ShardedOptimizer) -> None:
+def _init_states(opt: ShardedOptimizer) -> list[torch.optim.Optimizer]:
     """Give every sub-optimizer without state one, as torch's ``_init_optim_state`` does for
     ``get_optimizer_state_dict``: a step with zero gradients at learning rate 0, after which
     the learning rates are restored. States then exist (zeros; ``step`` counts 1), so the state
-    dict is a complete template, e.g. for ``dcp.load`` before training."""
+    dict is a complete template, e.g. for ``dcp.load`` before training. Returns the
+    sub-optimizers given one (``optimizer_state_dict`` takes it back from them)."""
     swap = opt.engine.param_swap  # offloaded masters: each in memory while its step runs
+    fresh = []
     for sg in opt._subgroups:
         o = sg.optimizer
         if o.state:
@@ -66,6 +69,8 @@ def _init_states(opt: ShardedOptimizer) -> None:
         resident = swap.resident(sg.bucket.flat) if swap is not None else contextlib.nullcontext()
         with resident:
             _init_subgroup(o)
+        fresh.append(o)
+    return fresh
 
 
 def _init_subgroup(o: torch.optim.Optimizer) -> None:
@@ -148,7 +153,7 @@ def optimizer_state_dict(opt: ShardedOptimizer, *, local: bool = False) -> dict[
     engine = opt.engine
     model = engine.model
     mesh = device_mesh(engine)
-    _init_states(opt)
+    fresh = _init_states(opt)
     first = _first_names(model)
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     layout = _state_layout(opt)
@@ -201,6 +206,11 @@ def optimizer_state_dict(opt: ShardedOptimizer, *, local: bool = False) -> dict[
         }
         for g in opt.param_groups
     ]
+    # Asking for the state must not change training: states made for the template are dropped
+    # (the dict keeps its own references), or a unit's first real step would count as Adam's
+    # second (bias correction).
+    for o in fresh:
+        o.state.clear()
     return {"state": state, "param_groups": param_groups}
 
 
@@ -230,7 +240,9 @@ def _local_entries(
 ) -> Callable[[int], FlatRange]:
     """State ``key`` of each slot of ``flat`` (by index) as this rank holds it: the state
     tensor of the slot's piece (one piece per parameter), or an empty range where it holds
-    none. No collective."""
+    none. A piece without state (a parameter no backward has reached yet, beside others that
+    stepped) is zeros, as ``_gathered_entries`` gives it; a load into it gives it that state.
+    No collective."""
     by_start = {p.span.start: p for ps in sg.pieces for p in ps} if sg is not None else {}
     spans = flat.pieces()
 
@@ -241,7 +253,10 @@ def _local_entries(
         if piece is None:
             empty = torch.empty(0, dtype=dtype, device=flat.mesh.device)
             return FlatRange(s.shape, dtype, 0, empty)
-        return FlatRange(s.shape, dtype, start, sg.optimizer.state[piece.tensor][key])
+        value = sg.optimizer.state.get(piece.tensor, {}).get(key)
+        if value is None:
+            value = torch.zeros(piece.tensor.numel(), dtype=dtype, device=flat.mesh.device)
+        return FlatRange(s.shape, dtype, start, value)
 
     return entry
 
