@@ -820,3 +820,43 @@ def test_requires_grad_changed_after_shard_is_an_error_not_ignored(workers2, sta
         assert want in r["forward"] and want in r["optimizer"], r
         assert "set requires_grad before shard()" in r["forward"], r
         assert r["inference"] == (2, 5, 32), r
+
+
+def _module_zero_grad(stage: int) -> dict:
+    """SGD steps with ``model.zero_grad()`` (the module's, as many loops call it) instead of the
+    optimizer's, and what ``.grad`` shows after a backward."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(nn.Linear))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    grads = None
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        n = PER_RANK_BATCH * dist.get_world_size()
+        x, y = torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+        loss = nn.functional.mse_loss(model(_rows(x)), _rows(y))
+        opt.backward(loss)
+        nn.functional.mse_loss(ref(x), y).backward()
+        if step == 0:  # stage 0: the averaged gradient; partitioned ones: none shown
+            pairs = zip(model.parameters(), ref.parameters())
+            grads = [
+                None if a.grad is None else (a.grad - b.grad).abs().max().item() for a, b in pairs
+            ]
+        opt.step()
+        ref_opt.step()
+        model.zero_grad()
+        ref.zero_grad()
+    return {"param": _param_diff(model, ref), "grads": grads}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_module_s_zero_grad_drops_the_engine_s_gradients(workers2, stage):
+    for r in workers2.run(_module_zero_grad, stage):
+        assert r["param"] < TOL, r
+        if stage == 0:
+            assert all(d is not None and d < TOL for d in r["grads"]), r
+        else:
+            assert r["grads"] == [None] * 4, r

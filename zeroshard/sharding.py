@@ -208,6 +208,7 @@ def shard(
     if offload is not None and offload.any:
         log.info("offload placements at stage %d: %s", stage, offload)
     install_state_dict_hooks(model, engine)
+    _install_zero_grad(model, engine)
     setattr(model, _ATTR, engine)
     # Last, once nothing can fail: TF32 stays on while this model lives (process-global torch
     # state, restored by the last release; see hold_tf32).
@@ -215,6 +216,25 @@ def shard(
     if release_tf32 is not None:
         weakref.finalize(model, release_tf32)
     return model
+
+
+def _install_zero_grad(model: nn.Module, engine: Engine) -> None:
+    """``model.zero_grad()`` drops the gradients the engine holds too (the reduced shards are
+    not ``.grad`` attributes, and a loop that calls it instead of the optimizer's would
+    otherwise accumulate them across steps): through the optimizers built on the model, which
+    also reset their step's flags, else bucket by bucket."""
+    engine.optimizers = weakref.WeakSet()  # each ShardedOptimizer adds itself
+    module_zero_grad = model.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        for opt in list(engine.optimizers):
+            opt.zero_grad(set_to_none)
+        if not engine.optimizers:
+            for b in engine.buckets:
+                b.zero(keep_touched=not set_to_none)
+        module_zero_grad(set_to_none)
+
+    model.zero_grad = zero_grad
 
 
 def _checkpoint_keeper(

@@ -336,6 +336,11 @@ class GradBucket:
                 self.handoff(self)
         else:
             self._reduced = True
+            if self.reduction is Reduction.SCATTER_IN_PLACE and self.as_views:
+                # Reduced in place, the buffer holds this rank's averaged range and the others'
+                # local sums: ``.grad`` would show neither gradient, so none is shown (stages
+                # 2-3 alike); stage 0's all-reduce leaves the averaged whole gradient there.
+                self._unbind()
 
     def _free_full(self) -> None:
         if self.as_views:  # otherwise .grad are autograd's own, released at collection already

@@ -176,6 +176,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         **defaults: Any,
     ) -> None:
         self.engine: Engine = engine_of(model)
+        self.engine.optimizers.add(self)  # model.zero_grad() reaches this one's gradients too
         if not elementwise:
             check_elementwise(optimizer_cls)
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
