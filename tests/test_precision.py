@@ -465,6 +465,32 @@ def test_buffers_inputs_and_outputs_follow_the_policy(workers2):
     assert r == {"buffer": "torch.bfloat16", "out": "torch.float32", "out_mlp": "torch.bfloat16"}
 
 
+def _derived_buffers() -> dict:
+    from torch import nn
+
+    class Rotary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+            self.register_buffer("inv_freq", freq, persistent=False)  # derived: stays FP32
+            self.register_buffer("stat", torch.ones(8))  # saved with the model: buffer_dtype
+
+        def forward(self, x):
+            angles = torch.arange(x.shape[1]).float()[:, None] * self.inv_freq
+            return self.proj(x) + angles.sin().repeat(1, 2).to(x.dtype) * self.stat
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(Rotary(), stage=3, mixed_precision="bf16")
+    out = model(torch.randn(2, 5, 8))
+    return {"inv_freq": str(model.inv_freq.dtype), "stat": str(model.stat.dtype), "out": out.dtype}
+
+
+def test_derived_buffers_keep_their_dtype(workers2):
+    r = workers2.run(_derived_buffers)[0]
+    assert r == {"inv_freq": "torch.float32", "stat": "torch.bfloat16", "out": torch.bfloat16}
+
+
 def test_fp16_where_the_device_cannot_names_bf16(monkeypatch):
     monkeypatch.setattr("zeroshard.precision.supports", lambda dtype, device: False)
     monkeypatch.setattr("zeroshard.precision.bf16_support", lambda device: (False, "mocked"))

@@ -79,7 +79,8 @@ class MixedPrecision:
     """Dtype of gradient reduction (defaults to ``param_dtype``). Wider than ``param_dtype``
     (e.g. FP32 with BF16 parameters) sums every rank's gradient without intermediate rounding."""
     buffer_dtype: torch.dtype | None = None
-    """Dtype of floating-point module buffers (e.g. running statistics)."""
+    """Dtype of floating-point module buffers saved with the model (e.g. running statistics);
+    non-persistent ones (derived constants such as RoPE's inverse frequencies) keep theirs."""
     output_dtype: torch.dtype | None = None
     """Dtype the root's floating-point outputs are cast to (``None``: left as computed)."""
     cast_root_inputs: bool = True

@@ -334,9 +334,15 @@ def _flat_params(
 
 
 def _move_buffers(model: nn.Module, mesh: Mesh, mp: MixedPrecision) -> None:
+    """Buffers to the device, floating ones that are saved with the model (running statistics)
+    in ``buffer_dtype``; non-persistent ones are constants a module derives and computes with in
+    its own precision (RoPE's inverse frequencies: rounded to BF16 they are off by a radian at
+    position 8000) and keep their dtype. Rank 0's values on every rank."""
     for module in model.modules():
+        derived = module._non_persistent_buffers_set
         for name, buf in module.named_buffers(recurse=False):
-            dtype = mp.buffer_dtype if buf.is_floating_point() and mp.buffer_dtype else buf.dtype
+            cast = buf.is_floating_point() and mp.buffer_dtype and name not in derived
+            dtype = mp.buffer_dtype if cast else buf.dtype
             new = buf.to(device=mesh.device, dtype=dtype)
             if mesh.world_size > 1:
                 C.broadcast(new, src=0, group=mesh.group)
