@@ -860,3 +860,30 @@ def test_the_module_s_zero_grad_drops_the_engine_s_gradients(workers2, stage):
             assert all(d is not None and d < TOL for d in r["grads"]), r
         else:
             assert r["grads"] == [None] * 4, r
+
+
+def _deepcopies(stage: int) -> dict:
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, None)
+    _train_both(model, ref, opt, ref_opt, kind, range(1))
+    out = {}
+    for what, obj in (("model", model), ("block", model.blocks[0])):
+        try:
+            copy.deepcopy(obj)
+        except TypeError as e:
+            out[what] = str(e)
+    # The way that works: a new model loading the full state dict (an EMA or teacher copy).
+    twin, _ = build("gpt")
+    twin.load_state_dict(zeroshard.full_state_dict(model, rank0_only=False))
+    x, y = _global_batch(kind, 5)
+    with torch.no_grad():
+        out["twin"] = (twin(x, y) - model(x, y)).abs().item()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deep_copies_are_refused_with_the_way_that_works(workers2, stage):
+    for r in workers2.run(_deepcopies, stage):
+        for what in ("model", "block"):
+            assert "deep-copy the model before zeroshard.shard()" in r[what], r
+            assert "zeroshard.full_state_dict(model, rank0_only=False)" in r[what], r
+        assert r["twin"] < TOL, r

@@ -209,6 +209,8 @@ def shard(
         log.info("offload placements at stage %d: %s", stage, offload)
     install_state_dict_hooks(model, engine)
     _install_zero_grad(model, engine)
+    for module in model.modules():
+        module.__deepcopy__ = _refuse_deepcopy
     setattr(model, _ATTR, engine)
     # Last, once nothing can fail: TF32 stays on while this model lives (process-global torch
     # state, restored by the last release; see hold_tf32).
@@ -216,6 +218,18 @@ def shard(
     if release_tf32 is not None:
         weakref.finalize(model, release_tf32)
     return model
+
+
+def _refuse_deepcopy(memo: dict) -> None:
+    """``copy.deepcopy`` of a sharded model or one of its modules (an EMA or teacher copy)
+    would copy placeholders at stage 3 and hooks that drive the original's engine: a copy that
+    silently computes NaN or disturbs the original. Refused, naming the ways that work."""
+    raise TypeError(
+        "copy.deepcopy of a model sharded by zeroshard (or of one of its modules): its "
+        "parameters live in the engine's shards and its hooks drive that engine; deep-copy the "
+        "model before zeroshard.shard(), or build a new one and load "
+        "zeroshard.full_state_dict(model, rank0_only=False) into it"
+    )
 
 
 def _install_zero_grad(model: nn.Module, engine: Engine) -> None:
