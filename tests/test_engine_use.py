@@ -370,20 +370,23 @@ def test_training_inside_summon_full_params(workers2, stage, step_inside):
     _check(workers2.run(_backward_inside_summon, stage, None, step_inside))
 
 
-def _summon_without_writeback() -> dict:
-    model, ref, opt, ref_opt, kind = _pair("gpt", 3, None)
+def _summon_without_writeback(stage: int) -> dict:
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, None)
     out = {"train": _train_both(model, ref, opt, ref_opt, kind, range(2))}
     with zeroshard.summon_full_params(model, writeback=False):
         _write(model)  # seen inside, dropped on exit
         inside = model.blocks[0].mlp.fc.weight.clone()
     out["seen_inside"] = (inside - 0.5 * ref.blocks[0].mlp.fc.weight).abs().max().item()
     out["param"] = _param_diff(model, ref)  # the reference was not written
+    out["train_after"] = _train_both(model, ref, opt, ref_opt, kind, range(2, 3))
     return out
 
 
-def test_summon_full_params_without_writeback_discards_writes(workers2):
-    # At stage 3 (at stages 0-2 the gathered parameters are the FP32 masters themselves).
-    _check(workers2.run(_summon_without_writeback))
+@pytest.mark.parametrize("stage", STAGES)
+def test_summon_full_params_without_writeback_discards_writes(workers2, stage):
+    # At stages 0-2 the parameters are the live replicated buffers (the FP32 masters
+    # themselves): what is written inside is undone on exit.
+    _check(workers2.run(_summon_without_writeback, stage))
 
 
 # ----------------------------------------------------------------------------- 5: own calls

@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, when_backward_reaches
 from zeroshard.mesh import Mesh
-from zeroshard.model_states.flat_param import FlatParam, ShardState, check_requires_grad
+from zeroshard.model_states import flat_param
+from zeroshard.model_states.flat_param import FlatParam, ShardState
 from zeroshard.model_states.grads import GradBucket, GradScaling, pools
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states import host_heap
@@ -364,7 +365,7 @@ class Engine:
 
     def _begin_forward(self) -> None:
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
-            check_requires_grad(self.flat_params)
+            flat_param.check_requires_grad(self.flat_params)
         self.phase = Phase.FORWARD
         if self.checkpointing is not None:
             self.checkpointing.close()
@@ -551,11 +552,10 @@ class Engine:
 
     @contextlib.contextmanager
     def summon_full_params(self, *, writeback: bool = True) -> Iterator[None]:
-        """Every parameter gathered, as views in ``param_dtype`` with their own shapes.
-
-        Forward (and backward) inside work and keep everything gathered. With ``writeback``,
-        elements written inside are copied into the FP32 masters on exit (unchanged elements
-        keep their full-precision master values), so the next step and gather see them."""
+        """Every parameter gathered, as views in ``param_dtype`` with their own shapes. Forward
+        (and backward) inside work and keep everything gathered. With ``writeback``, elements
+        written inside are copied into the FP32 masters on exit (unchanged elements keep their
+        full-precision master values), so the next step and gather see them; without, undone."""
         if self.phase is not Phase.IDLE:
             raise RuntimeError("summon_full_params cannot be entered inside forward or backward")
         self.wait_params()
@@ -565,7 +565,8 @@ class Engine:
             u.wait_unshard()
         self._summoned += 1
         try:
-            yield
+            with flat_param.discarding_writes(self.flat_params, discard=not writeback):
+                yield
         finally:
             self._summoned -= 1
             if writeback:

@@ -37,8 +37,10 @@ Gradients are not here: ``zeroshard.model_states.grads``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -106,6 +108,25 @@ def _common_module(names: list[str]) -> str:
     """The longest dotted prefix of the modules of parameter ``names`` (``<root>`` if none)."""
     common = os.path.commonprefix([n.split(".")[:-1] for n in names]) if names else []
     return ".".join(common) or "<root>"
+
+
+@contextlib.contextmanager
+def discarding_writes(flats: list[FlatParam], *, discard: bool = True) -> Iterator[None]:
+    """With ``discard``, writes to replicated parameters inside are undone on exit
+    (``summon_full_params(..., writeback=False)``): their ``full`` is the live buffer (the
+    master itself in FP32), so it is copied on entry and put back. Partitioned ones need
+    nothing: their gathered ``full`` is dropped at the reshard."""
+    kept = [
+        (f, f.full.clone())
+        for f in flats
+        if discard and not f.partition.parameters and f.full.numel()
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for f, copy in kept:
+                f.full.copy_(copy)
 
 
 def check_requires_grad(flats: list[FlatParam]) -> None:
