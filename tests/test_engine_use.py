@@ -890,3 +890,45 @@ def test_deep_copies_are_refused_with_the_way_that_works(workers2, stage):
             assert "deep-copy the model before zeroshard.shard()" in r[what], r
             assert "zeroshard.full_state_dict(model, rank0_only=False)" in r[what], r
         assert r["twin"] < TOL, r
+
+
+def _gradient_penalty() -> dict:
+    """A gradient penalty (a backward through ``autograd.grad(..., create_graph=True)``) at
+    stage 3: warned about outside ``summon_full_params``, exact inside it."""
+    import warnings
+
+    from torch import nn
+
+    torch.manual_seed(0)
+    ref = _ExpertNet()
+    model = zeroshard.shard(copy.deepcopy(ref), stage=3, wrap=wrap.by_class(_Expert))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def penalized(m, x, y):
+        x = x.clone().requires_grad_()
+        loss = nn.functional.mse_loss(m(x), y)
+        (g,) = torch.autograd.grad(loss, x, create_graph=True)
+        return loss + g.pow(2).sum()
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+    mine = slice(dist.get_rank() * 4, dist.get_rank() * 4 + 4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        # The backward through the penalty's graph meets freed parameters.
+        with contextlib.suppress(RuntimeError):
+            penalized(model, x[mine], y[mine]).backward()
+    opt.zero_grad()
+    with zeroshard.summon_full_params(model):
+        penalized(model, x[mine], y[mine]).backward()
+    opt.step()
+    (penalized(ref, x[:4], y[:4]) + penalized(ref, x[4:], y[4:])).div(2).backward()
+    ref_opt.step()
+    warned = [str(w.message) for w in seen if "create_graph=True" in str(w.message)]
+    return {"warned": bool(warned), "param": _param_diff(model, ref)}
+
+
+def test_a_gradient_penalty_at_stage_3(workers2):
+    for r in workers2.run(_gradient_penalty):
+        assert r["warned"] and r["param"] < TOL, r

@@ -5,6 +5,7 @@ whether a forward runs inside a backward (a recomputation, not a new use).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -54,3 +55,21 @@ def in_backward() -> bool:
     """Whether autograd is executing a backward on this thread: a forward then is a
     recomputation (activation checkpointing), not a new use."""
     return torch._C._current_graph_task_id() != -1
+
+
+def warn_graph_of_backward(partitioned: bool) -> None:
+    """Warn when the backward running builds a graph of itself (``create_graph=True``: a
+    gradient penalty, double backward) and the parameters are ``partitioned``. Autograd then
+    runs with grad enabled; a later backward through that graph would need the gathered
+    parameters that partitioned units free once their backward is done, and fails deep inside
+    autograd (FSDP2 alike). A warning, not an error: without that later backward (gradients
+    accumulated out of place) it trains correctly."""
+    if partitioned and torch.is_grad_enabled():
+        warnings.warn(
+            "backward with create_graph=True of a model whose parameters are partitioned "
+            "(stage 3): a backward through the graph it builds (higher-order gradients) would "
+            "use parameters freed after each unit's backward and fail ('setStorage ... out of "
+            "bounds'); run such a step inside zeroshard.summon_full_params(model), or shard at "
+            "stage 0-2",
+            stacklevel=2,
+        )

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from zeroshard import autograd_hooks
 from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, when_backward_reaches
 from zeroshard.mesh import Mesh
@@ -138,10 +139,8 @@ class Unit:
     @property
     def is_gathered(self) -> bool:
         """Partitioned parameters gathered or being gathered."""
-        return any(
-            f.partition.parameters and (f.state is ShardState.UNSHARDED or f.gathering)
-            for f in self.flat_params
-        )
+        parts = [f for f in self.flat_params if f.partition.parameters]
+        return any(f.state is ShardState.UNSHARDED or f.gathering for f in parts)
 
 
 class _Use:
@@ -155,8 +154,7 @@ class _Use:
 
     def __init__(self, engine: Engine, unit: Unit) -> None:
         self.engine, self.unit, self.generation = engine, unit, unit.generation
-        self.fired = False
-        self.counted = False  # set once it is a hook on the use's inputs
+        self.fired, self.counted = False, False  # counted: once it hooks the use's inputs
 
     def __call__(self) -> None:
         self.fired = True
@@ -389,6 +387,7 @@ class Engine:
                     u.reshard()
 
     def _pre_backward(self, unit: Unit) -> None:
+        autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self._summoned)
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
