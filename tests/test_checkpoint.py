@@ -615,3 +615,24 @@ def test_parameters_no_backward_reached_yet(workers2, tmp_path, stage, wrap_aux)
     training that goes on, and resumes exactly."""
     for r in workers2.run(_never_stepped, str(tmp_path / "ckpt"), stage, wrap_aux):
         assert r["save_changes_nothing"] and r["resumed"], r
+
+
+def _another_optimizer(base: str) -> str:
+    model = _model(1, "fp32")
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    _train(model, opt, range(1))
+    checkpoint.save(base, model, opt)
+    other = _model(1, "fp32")
+    sgd = zeroshard.optimizer(other, torch.optim.SGD, lr=1e-3, momentum=0.9)
+    _train(other, sgd, range(1))
+    try:
+        checkpoint.load(base, other, sgd)
+    except checkpoint.CheckpointError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_a_checkpoint_of_another_optimizer_is_a_one_line_error(workers2, tmp_path):
+    for message in workers2.run(_another_optimizer, str(tmp_path / "ckpt")):
+        assert "does not fit this model and optimizer" in message, message
+        assert "momentum_buffer" in message and "\n" not in message, message

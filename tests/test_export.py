@@ -5,6 +5,7 @@ weights, dtype casts, one-line errors and the ``zeroshard export`` command."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from subprocess import PIPE
@@ -167,6 +168,22 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys):
     assert cli_main.main(["export", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("zeroshard export: error: no checkpoint at") and err.count("\n") == 1
+
+
+def test_damaged_checkpoints_and_a_file_as_out_are_refused(trained, tmp_path):
+    path, _ = trained
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ExportError, match="is a file, not a folder"):
+        export_safetensors(path, tmp_path / "afile")
+    damaged = tmp_path / "step-000002"
+    shutil.copytree(path, damaged)
+    data = sorted(damaged.glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte: the checksum recorded at save differs
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ExportError, match=f"damaged .*{data.name} is corrupted"):
+        export_safetensors(damaged, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_subprocess(trained, tmp_path):

@@ -423,9 +423,17 @@ def read(state: dict, reader: Reader, planner, group) -> None:
     try:
         dcp.load(state, storage_reader=reader, planner=planner, process_group=group)
     except CheckpointException as exc:
+        errors = []
         for rank in sorted(exc.failures):
             error = exc.failures[rank]
             error = getattr(error, "exc", error[0] if isinstance(error, tuple) else error)
             if isinstance(error, CheckpointError):
                 raise CheckpointError(str(error)) from None
-        raise
+            errors.append(error)
+        # Another failure (an optimizer of another kind or param-group layout: "Missing key
+        # in checkpoint state_dict: optim.state.w.momentum_buffer"): one line, the first rank's.
+        first = str(errors[0]).strip().splitlines()[-1] if errors else str(exc)
+        raise CheckpointError(
+            f"checkpoint {reader.path} does not fit this model and optimizer ({first}); load it "
+            "with the optimizer class and param groups it was saved with"
+        ) from exc

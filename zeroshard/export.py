@@ -215,6 +215,12 @@ def export_safetensors(
     checkpoint._read_meta(path)  # one-line errors for a missing or incomplete checkpoint
     if out == path:
         raise ExportError(f"export into {out} would write into the checkpoint; pick another OUT")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file, not a folder; pick another OUT")
+    # Every file's size and checksum as recorded at save: never export damaged weights.
+    problem = checkpoint.verify(path)
+    if problem is not None:
+        raise ExportError(f"checkpoint {path} is damaged ({problem}); export another one")
     if not (path / ".metadata").is_file():
         raise ExportError(f"{path} has no DCP .metadata file; it is damaged: use another one")
     import torch.distributed.checkpoint as dcp

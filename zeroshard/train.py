@@ -301,12 +301,14 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
         bar.close()
         zeroshard.engine_of(model).wait_params()  # the last step's parameter refresh, if any
     elapsed = time.perf_counter() - t_start
+    steps = zeroshard.ledger(model).steps
+    last = steps[-1] if steps else {}  # none when a restart resumed the final checkpoint
     summary.update(
         status="done", skipped_steps=guard.num_skipped, seconds=round(elapsed, 1),
         tokens_per_s=round(tokens_per_step * max(1, cfg.steps - start) / elapsed),
         val_loss_first=round(first_val, 4), val_loss_last=round(records[-1]["val_loss"], 4),
-        comm_bytes_per_step=sum(e.bytes for e in zeroshard.ledger(model).steps[-1].values()),
-        comm_bytes_per_step_by_label=_bytes_by_label(zeroshard.ledger(model).steps[-1]),
+        comm_bytes_per_step=sum(e.bytes for e in last.values()),
+        comm_bytes_per_step_by_label=_bytes_by_label(last),
         peak_rss_mib=[round(b / 2**20, 1) for b in _gather_ints(peak_rss_bytes(), device)],
     )  # fmt: skip
     if disk.offloaded:

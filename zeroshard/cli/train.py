@@ -410,6 +410,11 @@ def _pin_resume(cfg: TrainConfig) -> TrainConfig:
     found = checkpoint.info(path)  # FileNotFoundError when missing
     if not found.complete:
         raise UsageError(f"--resume {path}: {found.problem}")
+    if found.step is not None and found.step >= cfg.steps:
+        raise UsageError(
+            f"--resume {path}: the checkpoint is at step {found.step} and --steps is "
+            f"{cfg.steps}: nothing left to train; pass --steps above {found.step} to train on"
+        )
     print(f"resuming from {path} (step {found.step})")
     return dataclasses.replace(cfg, resume=str(path))
 
