@@ -240,13 +240,16 @@ def test_resume_continues_the_same_curve(tmp_path, capsys, data_dir):
     assert "param dtype float32" in out and "parameters" in out and "bytes" in out, out
 
 
-def test_resuming_a_finished_run_says_there_is_nothing_to_train(capsys, tmp_path, data_dir):
+def test_a_finished_run_s_folder_is_resumed_or_left_alone(capsys, tmp_path, data_dir):
     flags = ["--data-dir", str(data_dir), *NANO, "--steps", "2", "--batch-size", "2"]
     flags += ["--save-every", "2"]
     code, err, _, _ = _train_in_process(capsys, tmp_path, *flags)
     assert code == 0, err
     argv = ["train", *flags, "--resume", "auto", "--out-dir", str(tmp_path)]
     _expect_usage_error(capsys, argv, "at step 2 and --steps is 2", "pass --steps above 2")
+    # A fresh run into the same folder would mix its checkpoints with those.
+    argv = ["train", *flags, "--out-dir", str(tmp_path)]
+    _expect_usage_error(capsys, argv, "holds checkpoints of an earlier run", "--resume auto")
 
 
 def test_resume_auto_without_checkpoints(capsys, tmp_path):

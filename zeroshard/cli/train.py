@@ -403,9 +403,18 @@ def _finish(line: str, code: int, stream: Any = None) -> int:
 
 
 def _pin_resume(cfg: TrainConfig) -> TrainConfig:
-    """``--resume``: the checkpoint it names (``auto``: the newest), checked and printed."""
+    """``--resume``: the checkpoint it names (``auto``: the newest), checked and printed. A run
+    that saves checkpoints and does not resume must not start into a folder holding an earlier
+    run's: they would be pruned together and ``--resume auto`` would pick the other run."""
     path = resume_path(cfg)
     if path is None:
+        earlier = checkpoint.latest(Path(cfg.out_dir) / "ckpt") if cfg.save_every else None
+        if earlier is not None:
+            raise UsageError(
+                f"--out-dir {cfg.out_dir} holds checkpoints of an earlier run (newest: "
+                f"{earlier.name}); pass --resume auto to continue it, or another --out-dir (or "
+                f"delete {earlier.parent}) to start afresh"
+            )
         return cfg
     found = checkpoint.info(path)  # FileNotFoundError when missing
     if not found.complete:
