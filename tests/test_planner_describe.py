@@ -76,8 +76,10 @@ def test_module_errors():
         d.from_module(42)
     with pytest.raises(ValueError, match="no parameters"):
         d.from_module(nn.ReLU())
-    with pytest.raises(TypeError, match="not an nn.Module"):
+    with pytest.raises(ValueError, match="not an nn.Module"):
         d.from_module(lambda: torch.zeros(1))
+    with pytest.raises(ValueError, match="could not be called with no arguments"):
+        d.from_module(lambda width: nn.Linear(width, width))
 
 
 GPT2 = {

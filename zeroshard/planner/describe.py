@@ -206,10 +206,13 @@ def from_module(
     if not isinstance(module, nn.Module):
         if not callable(module):
             raise TypeError(f"from_module takes an nn.Module or a callable, got {module!r}")
-        with torch.device("meta"):
-            module = module()
+        try:
+            with torch.device("meta"):
+                module = module()
+        except TypeError as exc:  # wants arguments: not a model factory
+            raise ValueError(f"the factory could not be called with no arguments: {exc}") from None
         if not isinstance(module, nn.Module):
-            raise TypeError(f"the factory returned {type(module).__name__}, not an nn.Module")
+            raise ValueError(f"the factory returned {type(module).__name__}, not an nn.Module")
     num_params = sum(p.numel() for p in module.parameters())  # parameters() deduplicates
     if num_params == 0:
         raise ValueError(f"{type(module).__name__} has no parameters; nothing to plan")
