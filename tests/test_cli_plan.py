@@ -438,3 +438,21 @@ def test_advise_device_type(capsys):
     with pytest.raises(SystemExit):
         _parse([*argv, "--device-type", "tpu"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--mp", "3"], "2 heads do not split in Nm = 3"),
+        (["--partition-activations"], "there are none (Nm = 1)"),
+        (["--mp", "2", "--sequence-parallel", "--seq", "33"], "seq 33 does not split in Nm = 2"),
+        (["--mp", "2", "--sequence-parallel", "--partition-activations"], "so does Pa"),
+    ],
+)
+def test_the_table_refuses_what_the_engine_would(capsys, flags, message):
+    """Layouts the engine refuses are one-line errors in the table too, as --advise skips them."""
+    from zeroshard.cli import main
+
+    assert main.main(["plan", "--preset", "nano", "--seq", "64", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

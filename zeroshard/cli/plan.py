@@ -27,6 +27,7 @@ import warnings
 
 from zeroshard import planner
 from zeroshard.planner import memory, report, units
+from zeroshard.planner.advise import layout_problem
 from zeroshard.planner.memory import OFFLOADS
 
 
@@ -373,9 +374,13 @@ def plan(args) -> dict:
     batches, cis = _ints("--batch", args.batch), _ints("--ci", args.ci)
     if len(batches) > 1 or len(cis) > 1:
         raise ValueError("--batch and --ci take one value each unless --advise is given")
+    config = _memory_config(args, micro_batch_size=batches[0], num_layers_per_checkpoint=cis[0])
+    problem = layout_problem(model, config)  # what the engine would refuse (as --advise does)
+    if problem is not None:
+        raise ValueError(problem)
     return report.plan_report(
         model,
-        _memory_config(args, micro_batch_size=batches[0], num_layers_per_checkpoint=cis[0]),
+        config,
         stages=_stages(args.stage, args.step_in_backward),
         offloads=_offloads(args.offload),
         bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.bandwidth),

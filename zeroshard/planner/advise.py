@@ -266,6 +266,12 @@ def engine_problem(
             "(the engine offloads model states only when training on the CPU); use offload "
             "none there"
         )
+    return layout_problem(model, config)
+
+
+def layout_problem(model: ModelDescription, config: MemoryConfig) -> str | None:
+    """Why the engine refuses ``config``'s activation and tensor-parallel settings, whatever the
+    stage and placement (None when it runs them); ``zeroshard plan`` checks its table's too."""
     num_mp = config.num_mp_ranks
     if config.partition_activations and num_mp < 2:
         return (
@@ -275,6 +281,11 @@ def engine_problem(
     if config.sequence_parallel and (num_mp < 2 or config.partition_activations):
         why = "there are none (Nm = 1); use Nm >= 2" if num_mp < 2 else "so does Pa; drop one"
         return f"sequence_parallel splits sequences over tensor-parallel ranks, and {why}"
+    if config.sequence_parallel and config.seq_len % num_mp:
+        return (
+            f"sequence_parallel splits each sequence evenly: seq {config.seq_len} does not split "
+            f"in Nm = {num_mp}; use a multiple of {num_mp}"
+        )
     for name in ("partition_activations", "offload_activations"):
         if getattr(config, name) and not config.activation_checkpointing:
             return (
