@@ -239,10 +239,8 @@ def _tp_steps(model, opt, steps: range) -> list[float]:
     losses = []
     for step in steps:
         x = torch.randint(0, CFG.vocab_size, (4, 15), generator=torch.Generator().manual_seed(step))
-        loss = model(
-            x[per * mesh.rank : per * (mesh.rank + 1)],
-            torch.roll(x, -1, 1)[per * mesh.rank : per * (mesh.rank + 1)],
-        )
+        mine = slice(per * mesh.rank, per * (mesh.rank + 1))
+        loss = model(x[mine], torch.roll(x, -1, 1)[mine])
         opt.backward(loss)
         opt.step()
         opt.zero_grad()
