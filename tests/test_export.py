@@ -186,6 +186,18 @@ def test_damaged_checkpoints_and_a_file_as_out_are_refused(trained, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_config_of_another_model_is_refused(trained, tmp_path):
+    import transformers
+
+    path, _ = trained
+    llama = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+    with pytest.raises(ExportError, match="describes another model than the checkpoint's"):
+        export_safetensors(path, tmp_path / "out", config=llama)
+
+
 def test_cli_subprocess(trained, tmp_path):
     path, full = trained
     out = tmp_path / "hf"

@@ -97,6 +97,7 @@ from zeroshard.offload.nvme import free_bytes
 FORMAT_VERSION = 1
 _WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap encoding and I/O
 _SPACE_MARGIN = 1.05  # free space wanted over the estimate (DCP metadata, pickled extras)
+_SPACE_PER_RANK = 2**20  # and per rank: each file's headers (a small model's may double it)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -416,7 +417,8 @@ def _first_failure(exc) -> str:
 
 def _check_space(parent: Path, local_bytes: int, group) -> None:
     """Raise on every rank when the file system of ``parent`` lacks room for the estimate."""
-    need = int(sum(gather(local_bytes, group)) * _SPACE_MARGIN)
+    sizes = gather(local_bytes, group)
+    need = int(sum(sizes) * _SPACE_MARGIN) + _SPACE_PER_RANK * len(sizes)
     error = None
     if dist.get_rank(group) == 0:
         free = free_bytes(parent)

@@ -138,6 +138,47 @@ def _config_tied(config: Any) -> dict[str, str]:
     return pairs
 
 
+def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+    """Raise when ``config``'s model does not hold the checkpoint's tensors (another model's
+    config: ``from_pretrained`` would then initialize every weight at random, with a warning
+    only). The model is built on the meta device as the config's ``architectures`` names it,
+    else as a causal LM, a seq2seq LM or a base model, whichever shares most names."""
+    if config is None:
+        return
+    import transformers
+
+    names = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
+    candidates = [c for c in names if c is not None] or [
+        transformers.AutoModelForCausalLM,
+        transformers.AutoModelForSeq2SeqLM,
+        transformers.AutoModel,
+    ]
+    best: dict[str, torch.Size] = {}
+    for cls in candidates:
+        try:
+            with torch.device("meta"):
+                model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+        except (ValueError, TypeError, KeyError):  # this kind of model does not fit the config
+            continue
+        shapes = {k: v.shape for k, v in model.state_dict().items()}
+        if len(set(shapes) & set(entries)) > len(set(best) & set(entries)):
+            best = shapes
+    shared = [n for n in entries if n in best]
+    misshaped = [n for n in shared if tuple(best[n]) != tuple(entries[n][0])]
+    if len(shared) * 2 < len(entries) or misshaped:
+        what = (
+            f"{len(entries) - len(shared)} of its {len(entries)} tensors are not in it"
+            if len(shared) * 2 < len(entries)
+            else f"{misshaped[0]} is {tuple(entries[misshaped[0]][0])} in the checkpoint, "
+            f"{tuple(best[misshaped[0]])} in the config's model"
+        )
+        example = next((n for n in entries if n not in best), misshaped[0] if misshaped else "")
+        raise ExportError(
+            f"--config describes another model than the checkpoint's: {what} (e.g. {example}); "
+            "pass the config of the model that was trained, or none"
+        )
+
+
 def _tensor_entries(reader) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """``{name: (global shape, dtype)}`` of the checkpoint's model tensors, in saved order."""
     entries = {}
@@ -229,6 +270,7 @@ def export_safetensors(
     if not entries:
         raise ExportError(f"checkpoint {path} holds no model tensors; nothing to export")
     config = _load_config(config)
+    _check_config(config, entries)
     declared = dict(tied) if tied is not None else _config_tied(config)
     dropped = _check_tied(path, declared, entries)
 
