@@ -250,6 +250,13 @@ def test_a_finished_run_s_folder_is_resumed_or_left_alone(capsys, tmp_path, data
     # A fresh run into the same folder would mix its checkpoints with those.
     argv = ["train", *flags, "--out-dir", str(tmp_path)]
     _expect_usage_error(capsys, argv, "holds checkpoints of an earlier run", "--resume auto")
+    # Resumed with other settings: allowed, and said.
+    more = [*flags, "--resume", "auto", "--steps", "3", "--lr", "0.01"]
+    assert main(["train", *more, "--out-dir", str(tmp_path)]) == 0
+    said = capsys.readouterr().out
+    assert (
+        "resuming with other settings than the saved run's: steps 2 -> 3, lr 0.003 -> 0.01" in said
+    )
 
 
 def test_resume_auto_without_checkpoints(capsys, tmp_path):

@@ -222,10 +222,35 @@ def run(args: argparse.Namespace) -> int:
         check_divides(cfg, world)
     check_inputs(cfg, launch.worlds()[0], local_ranks=launch.nproc)
     cfg = _pin_resume(cfg)
+    if cfg.resume:
+        _say_changes(out / "config.json", cfg)
+    save_config(cfg, out / "config.json")
     if not launch.elastic:
         return _train_here(cfg, out)
-    save_config(cfg, out / "config.json")
     return _launch(launch, out / "config.json")
+
+
+_BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eval_batches",
+                "progress_every", "log", "timeout", "keep", "save_every"}  # fmt: skip
+"""Settings that do not change what is trained: a resume may change them without a word."""
+
+
+def _say_changes(saved: Path, cfg: TrainConfig) -> None:
+    """One line naming the settings of a resumed run that differ from those of the run that
+    wrote ``out_dir`` (its ``config.json``): allowed (a longer run, a new learning rate), but
+    the curve then is not the one an uninterrupted run would have drawn."""
+    try:
+        before = json.loads(saved.read_text())
+    except (OSError, ValueError):
+        return  # none saved (another folder's checkpoint), or unreadable: nothing to compare
+    now = dataclasses.asdict(cfg)
+    changed = [
+        f"{k} {before[k]!r} -> {v!r}"
+        for k, v in now.items()
+        if k in before and k not in _BOOKKEEPING and before[k] != v
+    ]
+    if changed:
+        print(f"resuming with other settings than the saved run's: {', '.join(changed)}")
 
 
 @dataclass(frozen=True, kw_only=True)
