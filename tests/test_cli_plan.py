@@ -456,3 +456,23 @@ def test_the_table_refuses_what_the_engine_would(capsys, flags, message):
     assert main.main(["plan", "--preset", "nano", "--seq", "64", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_sequences_and_heads_are_checked_against_the_model(capsys, tmp_path):
+    """As ``zeroshard train`` checks them: a preset's block size or a config's positions bound
+    ``--seq`` (unset, it becomes the bound when that is shorter than 1024), and a config's
+    key/value heads must split in ``--mp``."""
+    from zeroshard.cli import main
+
+    assert main.main(["plan", "--preset", "nano", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seq_len"] == 64  # nano's block size
+    assert main.main(["plan", "--preset", "nano", "--seq", "65"]) == 2
+    assert "--seq 65 exceeds the 64 positions of preset 'nano'" in capsys.readouterr().err
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }))  # fmt: skip
+    assert main.main(["plan", "--hf", str(config), "--mp", "4"]) == 2
+    assert "2 key/value heads" in capsys.readouterr().err

@@ -89,7 +89,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="zero",
         help="zero (2,2,12), infinity (2,2,16) or PARAMS,GRADS,K",
     )
-    t.add_argument("--seq", type=int, default=1024, help="tokens per sample")
+    t.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="tokens per sample (default: 1024, or fewer when the model's positions end sooner)",
+    )
     t.add_argument("--batch", default="1", help="micro-batch per device (a list with --advise)")
     t.add_argument("--ci", default="1", help="blocks per activation checkpoint (list w/ --advise)")
     t.add_argument(
@@ -364,8 +369,42 @@ def _memory_config(
     )
 
 
+_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
+"""Hugging Face config keys of the longest sequence a model's positions cover."""
+
+
+def _fit_to_model(args) -> None:
+    """``--seq`` and ``--mp`` against what the model allows, as ``zeroshard train`` checks them: a
+    preset's block size or a config's position table bounds the sequence (an unset ``--seq``
+    becomes 1024 or that bound, the smaller), and a config's key/value heads must split in
+    ``--mp`` as its query heads do."""
+    limit, kv_heads, what = None, None, ""
+    if args.preset:
+        from zeroshard.models.gpt import preset
+
+        limit, what = preset(args.preset).block_size, f"preset {args.preset!r}"
+    elif args.hf:
+        from zeroshard.planner import hf
+
+        values = hf.config_values(hf.load_config(str(args.hf)))
+        limit = next((int(values[k]) for k in _POSITIONS if values.get(k)), None)
+        kv_heads, what = values.get("num_key_value_heads"), f"{args.hf}"
+    if args.seq is None:
+        args.seq = min(1024, limit) if limit else 1024
+    elif limit is not None and args.seq > limit:
+        raise ValueError(
+            f"--seq {args.seq} exceeds the {limit} positions of {what}; pass --seq {limit} or less"
+        )
+    if isinstance(kv_heads, int) and args.mp > 1 and kv_heads % args.mp:
+        raise ValueError(
+            f"tensor parallelism splits attention by heads: {kv_heads} key/value heads of {what} "
+            f"do not split in Nm = {args.mp}; use an --mp that divides {kv_heads}"
+        )
+
+
 def plan(args) -> dict:
     """Everything ``zeroshard plan`` prints, as the JSON-ready dict (``planner.report``)."""
+    _fit_to_model(args)
     model = _model(args)
     for flag in ("dp", "mp", "seq", "devices_per_node"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
@@ -394,6 +433,7 @@ def plan(args) -> dict:
 
 def advice(args) -> dict:
     """The advisor's ranking, as the JSON-ready dict (``planner.report``)."""
+    _fit_to_model(args)
     model = _model(args)
     missing = [
         f
