@@ -257,6 +257,39 @@ def train_gpt_both(model, ref, opt, ref_opt, steps: int, per_rank: int = 2) -> d
     return {"loss": worst, "param": param}
 
 
+def tp_parity(model, ref, opt, ref_opt, mesh, batches, loss_fn, clip: float = 0.0):
+    """Train a tensor-parallel, sharded ``model`` and its unsplit reference ``ref`` alike: each
+    data-parallel rank of ``mesh`` on its rows of every tensor of each global batch (tuples in
+    ``batches``), ``ref`` on the whole batches, the loss ``loss_fn(model, *tensors)``, an
+    optional gradient ``clip``. The largest difference of the global batch's loss, and the final
+    parameter difference (split pieces gathered)."""
+    import torch.distributed as dist
+
+    from zeroshard import tensor_parallel
+
+    worst = 0.0
+    for batch in batches:
+        per = batch[0].shape[0] // mesh.world_size
+        loss = loss_fn(model, *(t[per * mesh.rank : per * (mesh.rank + 1)] for t in batch))
+        opt.backward(loss)
+        if clip:
+            opt.clip_grad_norm(clip)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_fn(ref, *batch)
+        ref_loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=mesh.group)
+        worst = max(worst, abs(total.item() / mesh.world_size - ref_loss.item()))
+    whole = tensor_parallel.gather_tensor_parallel(model, model.state_dict(), mesh.tp_group)
+    param = max((whole[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return worst, param
+
+
 def train_tp_both(
     cfg,
     *,
@@ -275,7 +308,6 @@ def train_tp_both(
     global batch, against single-process training of the same model on the whole batch: the
     largest loss difference, the final parameter difference (pieces gathered), and the engine
     (for its ledger and checkpoint keeper)."""
-    import torch.distributed as dist
 
     import zeroshard
     from zeroshard import tensor_parallel
@@ -293,26 +325,8 @@ def train_tp_both(
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(7)
-    worst = 0.0
-    for _ in range(steps):
-        x = torch.randint(0, cfg.vocab_size, (per_rank * mesh.world_size, seq_len), generator=gen)
-        y = torch.roll(x, -1, dims=1)
-        mine = slice(per_rank * mesh.rank, per_rank * (mesh.rank + 1))
-        loss = model(x[mine], y[mine])
-        opt.backward(loss)
-        if clip:
-            opt.clip_grad_norm(clip)
-        opt.step()
-        opt.zero_grad()
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=mesh.group)
-        worst = max(worst, abs(total.item() / mesh.world_size - ref_loss.item()))
-    whole = tensor_parallel.gather_tensor_parallel(model, model.state_dict(), mesh.tp_group)
-    param = max((whole[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    shape = (per_rank * mesh.world_size, seq_len)
+    xs = (torch.randint(0, cfg.vocab_size, shape, generator=gen) for _ in range(steps))
+    batches = ((x, torch.roll(x, -1, dims=1)) for x in xs)
+    worst, param = tp_parity(model, ref, opt, ref_opt, mesh, batches, lambda m, x, y: m(x, y), clip)
     return {"loss": worst, "param": param, "engine": zeroshard.engine_of(model), "model": model}

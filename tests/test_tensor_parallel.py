@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from parity_models import train_tp_both
+from parity_models import tp_parity, train_tp_both
 from torch import nn
 
 import zeroshard
@@ -358,22 +358,9 @@ def _plan_parity(kind: str) -> dict:
     model = zeroshard.shard(model, stage=3, mesh=mesh, wrap=wrap.by_class(block))
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    worst = 0.0
-    for step in range(3):
-        ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(step))
-        loss = _loss(model, ids[2 * mesh.rank : 2 * mesh.rank + 2])
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        ref_loss = _loss(ref, ids)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=mesh.group)
-        worst = max(worst, abs(total.item() / mesh.world_size - ref_loss.item()))
-    whole = tensor_parallel.gather_tensor_parallel(model, model.state_dict(), mesh.tp_group)
-    param = max((whole[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    gens = (torch.Generator().manual_seed(step) for step in range(3))
+    batches = ((torch.randint(0, 64, (4, 12), generator=g),) for g in gens)
+    worst, param = tp_parity(model, ref, opt, ref_opt, mesh, batches, _loss)
     return {"loss": worst, "param": param, "split": split}
 
 
