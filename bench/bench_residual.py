@@ -116,16 +116,12 @@ def build(cfg, stage: int, checkpoint_every: int):
     return model, zeroshard.optimizer(model, torch.optim.AdamW, lr=LR)
 
 
-def train_step(model, opt, x: torch.Tensor, y: torch.Tensor, *, settle: bool = False) -> None:
-    """One step; ``settle``: also wait for the parameter all-gathers the optimizer step started
-    (stages 1-2), so that their buffers fall inside this step rather than wherever the next
-    forward happens to wait for them."""
+def train_step(model, opt, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step (the parameter all-gathers a step starts at stages 1-2 end inside it)."""
     loss = model(x, y)
     opt.backward(loss)
     opt.step()
     opt.zero_grad()
-    if settle:
-        zeroshard.engine_of(model).wait_params()
 
 
 # --------------------------------------------------------------------------------- b: allocations
@@ -191,7 +187,7 @@ def allocations(preset_name: str, stage: int, steps: int, min_bytes: int, ce: in
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for i in range(steps):
             with record_function(f"residual_step_{i}"):
-                train_step(model, opt, *batches[i % len(batches)], settle=True)
+                train_step(model, opt, *batches[i % len(batches)])
     per_step = step_allocations(prof, steps, min_bytes)
     later = per_step[1:]
     first = later[0]["sizes"]

@@ -199,7 +199,6 @@ class Engine:
         self._units_left: dict[GradBucket, int] = {}  # per backward: units yet to finish
         self._again: set[Unit] = set()  # per backward: units finished, then reached again
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
-        self._refresh: dict[FlatParam, C.Handle] = {}  # post-step gathers in flight
         self._summoned = 0  # depth of summon_full_params
         self.heap = (
             host_heap.HeapKeeper(config.trim_host_memory)
@@ -245,10 +244,6 @@ class Engine:
             self._handles.append(unit.module.register_forward_hook(stop, always_call=True))
         self._handles.append(unit.module.register_forward_hook(post))
         if not self.partition.parameters:
-            # A submodule called on its own waits for the post-step refresh of its parameters.
-            wait = torch._dynamo.disable(lambda m, args: self._wait_refresh(unit), recursive=True)
-            for owner in unit.owners:
-                self._handles.append(owner.register_forward_pre_hook(wait))
             return
         # A submodule holding the unit's parameters may be called on its own (T5's encoder in
         # generate(), a head applied outside the model's forward): that call is a use of the
@@ -286,7 +281,6 @@ class Engine:
             self._begin_forward()
         if self._recording is not None and not recompute:
             self._recording[unit] = None
-        self._wait_refresh(unit)
         unit.unshard(async_op=False)
         unit.wait_unshard()
         if self.partition.parameters and not recompute:
@@ -364,6 +358,7 @@ class Engine:
     def _begin_forward(self) -> None:
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
             flat_param.check_requires_grad(self.flat_params)
+        self.adopt_writes()
         self.phase = Phase.FORWARD
         if self.checkpointing is not None:
             self.checkpointing.close()
@@ -506,26 +501,19 @@ class Engine:
     def params_changed(self) -> None:
         """The FP32 masters changed (an optimizer step, a load): refresh replicated parameters.
 
-        The all-gathers are started here and waited for by each unit's next pre-forward, so they
-        overlap the forward (and anything before it); ``wait_params`` waits for all of them."""
-        self.wait_params()  # a refresh still in flight would land after this one
+        Waited for here, not at the next forward: code between ``step()`` and the next forward
+        (an EMA, a weight norm, an in-place write) must see the new values, not a gather in
+        flight. (On a GPU the wait only orders the compute stream after the gathers.)"""
         if self.param_swap is not None:
             self.param_swap.params_changed()  # write changed masters, drop held ones
             if not self._summoned:
                 self._read_masters_ahead(self.forward_order, root=True)  # the next forward's
-        for f in self.flat_params:
-            handle = f.refresh_full(async_op=True)
+        handles = [f.refresh_full(async_op=True) for f in self.flat_params]
+        for f, handle in zip(self.flat_params, handles):
             if handle is not None:
-                self._refresh[f] = handle
+                handle.wait()
             elif self._summoned:
                 f.regather()  # held gathered by summon_full_params: keep its views current
-
-    def _wait_refresh(self, unit: Unit) -> None:
-        if self._refresh:
-            for f in unit.flat_params:
-                handle = self._refresh.pop(f, None)
-                if handle is not None:
-                    handle.wait()
 
     def slots_touched(self) -> torch.Tensor:
         """1D, one FP32 flag per trainable parameter (buckets in order, slots in order): 1 where
@@ -533,11 +521,13 @@ class Engine:
         flags = [t for b in self.buckets for t in b.touched]
         return torch.tensor(flags, dtype=torch.float32, device=self.mesh.device)
 
-    def wait_params(self) -> None:
-        """Wait for every parameter refresh in flight (values read directly are then current)."""
-        for handle in self._refresh.values():
-            handle.wait()
-        self._refresh.clear()
+    def adopt_writes(self) -> None:
+        """Copy into the masters what was written to replicated parameters that compute in a
+        narrower dtype (``nn.init``, ``p.mul_`` under ``no_grad``) since the last call
+        (``FlatParam.adopt_writes``): before a forward, a step, a state dict, a save."""
+        with torch.no_grad():
+            for f in self.flat_params:
+                f.adopt_writes()
 
     # ----------------------------------------------------------------- user controls
     @contextlib.contextmanager
@@ -557,7 +547,6 @@ class Engine:
         full-precision master values), so the next step and gather see them; without, undone."""
         if self.phase is not Phase.IDLE:
             raise RuntimeError("summon_full_params cannot be entered inside forward or backward")
-        self.wait_params()
         gathered = [u for u in self.units if u.is_sharded]
         for u in gathered:
             u.unshard(async_op=False)

@@ -176,7 +176,7 @@ def _flat_source(flat: FlatParam) -> torch.Tensor:
     as ``full``, in their own dtype). A new buffer gathered from every rank's master when the
     masters are partitioned (a collective); otherwise a tensor the flat already holds."""
     if flat.master is None or flat.master_aliases_full:
-        return flat.full  # replicated and current (after wait_params)
+        return flat.full  # replicated and current
     if not flat.partition.optimizer_states:
         return flat.master  # the whole buffer (range is everything)
     return _gather_flat(flat, flat.master.to(flat.mesh.device))
@@ -237,7 +237,7 @@ class _Hooks:
         self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict
     ) -> None:
         engine = self.engine
-        engine.wait_params()
+        engine.adopt_writes()
         names = _all_names(module)
         keep = True  # whether this rank returns the entries it cuts
         if self.full is None:
@@ -286,7 +286,7 @@ class _Hooks:
         error_msgs: list[str],
     ) -> None:
         engine = self.engine
-        engine.wait_params()
+        engine.adopt_writes()
         names = _all_names(module)
         self.consumed = set()
         self.ranges_loaded = False

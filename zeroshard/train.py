@@ -299,7 +299,6 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
         raise
     finally:
         bar.close()
-        zeroshard.engine_of(model).wait_params()  # the last step's parameter refresh, if any
     elapsed = time.perf_counter() - t_start
     steps = zeroshard.ledger(model).steps
     last = steps[-1] if steps else {}  # none when a restart resumed the final checkpoint

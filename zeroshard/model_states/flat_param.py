@@ -191,7 +191,12 @@ class FlatParam:
         self.master_swap: ParamSwapper | None = None
         """Set by ``ParamSwapper.adopt``: the master lives on NVMe between uses."""
         self._master: torch.Tensor | None = None
+        self.masters_ahead = False
+        """The master stepped and ``full`` not yet refreshed (a step inside backward)."""
         self._init_storage(sync_module_states)
+        self._versions = None if self.master_aliases_full else self._param_versions()
+        """The parameters' version counters when ``full`` last equaled the cast master, for
+        ``adopt_writes`` (None: nothing to adopt)."""
 
     # ----------------------------------------------------------------- construction
     def _init_storage(self, sync_module_states: bool) -> None:
@@ -323,6 +328,7 @@ class FlatParam:
         """Bring a replicated ``full`` up to date with ``master`` after the master changed (an
         optimizer step, a load): a copy when this rank holds all of it, else an all-gather of
         every rank's shard. Partitioned parameters are gathered afresh at their next use."""
+        self.masters_ahead = False
         if self.partition.parameters or self.master is None:
             return None
         if not self.partition.optimizer_states:
@@ -352,6 +358,25 @@ class FlatParam:
             master[changed] = seen[changed].to(master.dtype)
             if self.master_swap is not None:
                 self.master_swap.mark_dirty(self)  # written back at params_changed
+
+    def _param_versions(self) -> list[int] | None:
+        if self.master_aliases_full or self.partition.parameters or self._master is None:
+            return None  # the parameter is the master, read-only at rest, or all there is
+        return [s.param._version for s in self.slots]
+
+    def adopt_writes(self) -> None:
+        """Copy into the master the elements written to the parameters (``nn.init``, ``p.mul_``
+        under ``no_grad``) since ``full`` last equaled the cast master, so that the next step
+        starts from them as it would unsharded. Only replicated parameters computing in a
+        narrower dtype than their master need this (in FP32 the parameter is the master's
+        memory; at stage 3 a parameter at rest is read-only). Writes are found by the
+        parameters' version counters: one through ``p.data`` is not seen."""
+        if self._versions is None or self.masters_ahead:
+            return
+        versions = self._param_versions()
+        if versions != self._versions:
+            self.write_back()
+            self._versions = versions
 
     # ----------------------------------------------------------------- per-parameter access
     def master_piece(self, index: int) -> torch.Tensor:

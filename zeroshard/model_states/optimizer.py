@@ -373,7 +373,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: None = None) -> bool:  # type: ignore[override]
         """One optimizer step on this rank's shard, sub-group by sub-group; the engine then
-        refreshes replicated parameters (overlapping the next forward).
+        refreshes replicated parameters.
 
         Returns False when the step was skipped because some rank's gradients hold inf/NaN
         (the loss scaler then lowers its scale); master weights and optimizer states are left
@@ -381,7 +381,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError("a sharded optimizer takes no closure (LBFGS-style re-evaluation)")
-        self.engine.wait_params()  # a refresh in flight reads the masters this step writes
+        if self._backward_step is None:
+            self.engine.adopt_writes()  # (stepping in backward, the forward adopted them)
         found_inf, unused = self._agree()
         self.loss_scaler.update(found_inf)
         if self._backward_step is not None:
@@ -515,6 +516,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 else:
                     piece.tensor.grad = g[piece.span]
         sg.optimizer.step()
+        sg.bucket.flat.masters_ahead = True  # until the engine's refresh
         for pieces in sg.pieces:
             for piece in pieces:
                 piece.tensor.grad = None

@@ -1,0 +1,109 @@
+"""zeroshard.model_states.flat_param: replicated parameters between steps (stages 0-2).
+
+The parameters a user holds are views into a FlatParam's ``full`` buffer, refreshed from the
+FP32 masters after each step. Code between ``step()`` and the next forward (an EMA, a weight
+norm, ``nn.init`` under ``no_grad``) must see the stepped values, and what it writes must reach
+the masters, in FP32 and in a narrower ``param_dtype`` alike.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zeroshard
+
+WIDTH = 512  # large enough that a refresh still in flight after step() is seen
+
+
+def _setup(stage: int, precision: str, **optimizer_kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(6)])
+    model = zeroshard.shard(model, stage=stage, mixed_precision=precision)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2, **optimizer_kw)
+    return model, opt
+
+
+def _step(model, opt, step: int) -> None:
+    gen = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    model(torch.randn(4, WIDTH, generator=gen)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _masters(model) -> dict[str, torch.Tensor]:
+    return zeroshard.full_state_dict(model, rank0_only=False)
+
+
+def _stale_reads_after_step(stage: int, precision: str) -> int:
+    """How many parameters, read right after ``step()``, differ from the (cast) masters."""
+    model, opt = _setup(stage, precision)
+    stale = 0
+    for step in range(3):
+        _step(model, opt, step)
+        read = {n: p.detach().clone() for n, p in model.named_parameters()}
+        masters = _masters(model)
+        stale += sum(not torch.equal(v, masters[n].to(v.dtype)) for n, v in read.items())
+    return stale
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_read_right_after_a_step_hold_its_result(workers2, stage, precision):
+    assert workers2.run(_stale_reads_after_step, stage, precision) == [0, 0]
+
+
+def _edit(model) -> None:
+    """Writes a user makes at rest: ``nn.init`` on a weight, in-place arithmetic, one row."""
+    with torch.no_grad():
+        nn.init.zeros_(model[1].bias)
+        model[2].weight.mul_(0.5)
+        model[4].weight[3].fill_(0.25)
+
+
+def _writes_at_rest(stage: int, precision: str, step_in_backward: bool) -> dict:
+    """Edits made outside ``summon_full_params`` train on exactly as the same edits made inside
+    it (where they are written back to the masters, the documented way), and are in the
+    masters that state dicts give."""
+    kw = {"step_in_backward": True} if step_in_backward else {}
+    runs = []
+    for inside in (False, True):
+        model, opt = _setup(stage, precision, **kw)
+        _step(model, opt, 0)
+        if inside:
+            with zeroshard.summon_full_params(model):
+                _edit(model)
+        else:
+            _edit(model)
+        edited = {n: p.detach().clone() for n, p in model.named_parameters()}
+        masters = _masters(model)  # the state dict sees the edit before any step
+        seen = all(torch.equal(masters[n].to(v.dtype), v) for n, v in edited.items())
+        for step in (1, 2):
+            _step(model, opt, step)
+        runs.append((seen, _masters(model)))
+    (seen_out, out), (seen_in, inside) = runs
+    return {
+        "seen": seen_out and seen_in,
+        "same": all(torch.equal(out[k], inside[k]) for k in out),
+        "edit_kept": bool(out["1.bias"].abs().max() < 0.1),  # not refreshed back to the old one
+    }
+
+
+@pytest.mark.parametrize(
+    "stage,precision,step_in_backward",
+    [
+        (0, "bf16", False),
+        (1, "bf16", False),
+        (2, "bf16", False),
+        (2, "fp16", False),
+        (2, "bf16", True),
+        (1, "fp32", False),
+    ],
+)
+def test_writes_to_parameters_at_rest_reach_the_masters(
+    workers2, stage, precision, step_in_backward
+):
+    for result in workers2.run(_writes_at_rest, stage, precision, step_in_backward):
+        assert result == {"seen": True, "same": True, "edit_kept": True}
