@@ -25,11 +25,11 @@ class Stopped(Exception):
     """Raised by ``train`` on every rank when SIGINT/SIGTERM stopped the run after ``step``;
     ``path`` is the checkpoint of that step (None when checkpoints are off)."""
 
-    def __init__(self, signum: int, step: int, path: Path | None) -> None:
-        name = signal.Signals(signum).name
+    def __init__(self, signum: int, step: int, path: Path | None, cause: str = "") -> None:
+        cause = cause or signal.Signals(signum).name
         saved = f"saved step {step} to {path}" if path is not None else "no checkpoint saved"
         hint = "" if path is not None else " (--save-every N keeps progress)"
-        super().__init__(f"interrupted at step {step} by {name}; {saved}{hint}")
+        super().__init__(f"interrupted at step {step} by {cause}; {saved}{hint}")
         self.signum, self.step, self.path = signum, step, path
 
     @property
@@ -46,7 +46,9 @@ class StopOnSignal:
     seconds (a peer died and this rank waits in a collective that can only fail, or a step is
     that slow), the process exits at once with 128 + the signal number, saving nothing (rank 0
     says so when ``announce``). torchrun's agent stops the surviving ranks of a failed job with
-    SIGTERM, so they too are gone within ``grace_s``."""
+    SIGTERM, so they too are gone within ``grace_s``. An agent that is itself killed outright
+    (SIGKILL, an OOM kill) sends nothing: a rank whose agent is gone (reparented) acts as if it
+    got SIGTERM, rather than train on unsupervised (``cause`` says so)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     GRACE_S = 4.0
@@ -63,6 +65,8 @@ class StopOnSignal:
         self._flag = torch.zeros(1, device=device)
         self._old: dict[int, Any] = {}
         self._deadline: threading.Timer | None = None
+        self._agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        self.cause = ""
 
     def __enter__(self) -> StopOnSignal:
         for sig in self.SIGNALS:
@@ -102,6 +106,9 @@ class StopOnSignal:
     def agreed(self) -> int:
         """The signal number any rank got (the largest), or 0. Once they agree, the deadline
         is off: the caller saves and stops in an orderly way."""
+        if not self.signum and self._agent is not None and os.getppid() != self._agent:
+            self.cause = f"the loss of torchrun's agent (pid {self._agent})"
+            self._note(signal.SIGTERM, None)
         self._flag.fill_(self.signum)
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
         signum = int(self._flag.item())

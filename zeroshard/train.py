@@ -291,7 +291,7 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
                 state = {"step": step, "skipped": guard.num_skipped}
                 checkpoint.save(where, model, opt, state, keep=cfg.keep)
             if signum:
-                raise Stopped(signum, step, where)
+                raise Stopped(signum, step, where, stopper.cause)
             bar.update(1)
     except Diverged as exc:
         summary.update(status="diverged", error=str(exc), skipped_steps=guard.num_skipped)
