@@ -107,3 +107,34 @@ def test_writes_to_parameters_at_rest_reach_the_masters(
 ):
     for result in workers2.run(_writes_at_rest, stage, precision, step_in_backward):
         assert result == {"seen": True, "same": True, "edit_kept": True}
+
+
+def _fill_at_rest(where: str) -> dict:
+    """Stage 3: a fill-like write to a parameter at rest (it succeeds on the stride-0
+    placeholder, and wrote the element every placeholder shares) is an error at the next
+    forward, summon or state dict, and the placeholders read NaN again after it."""
+    model, opt = _setup(3, "fp32")
+    _step(model, opt, 0)
+    with torch.no_grad():
+        nn.init.constant_(model[2].weight, 0.5)
+    try:
+        if where == "forward":
+            model(torch.randn(2, WIDTH))
+        elif where == "summon":
+            with zeroshard.summon_full_params(model):
+                pass
+        else:
+            model.state_dict()
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    out = {"error": error, "nan_again": bool(model[0].weight.isnan().all())}
+    _step(model, opt, 1)  # and training goes on
+    return out
+
+
+@pytest.mark.parametrize("where", ["forward", "summon", "state_dict"])
+def test_a_write_to_a_parameter_at_rest_at_stage_3_is_an_error(workers2, where):
+    for out in workers2.run(_fill_at_rest, where):
+        assert out["error"].startswith("2.weight was written while at rest"), out
+        assert "summon_full_params" in out["error"] and out["nan_again"], out

@@ -502,3 +502,41 @@ def test_fp16_where_the_device_cannot_names_bf16(monkeypatch):
 def test_shard_rejects_a_policy_of_the_wrong_type():
     with pytest.raises(TypeError, match="MixedPrecision or a name"):
         zeroshard.precision.policy_of(torch.bfloat16, torch.device("cpu"))  # type: ignore[arg-type]
+
+
+def _fp16_plain_backwards(stage: int) -> dict:
+    """FP16 gradients from plain ``loss.backward()`` calls (no loss scaling) are reduced as they
+    are; mixed with ``opt.backward`` (scaled) in one accumulation they are refused, since one
+    divisor cannot unscale both (the plain micro-step's gradients came out divided by 2**16)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, mixed_precision="fp16")
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 8, generator=gen) for _ in range(4)]  # micro-step m, rank r: 2m + r
+    f = lambda m, x: m(x).float().pow(2).mean() / 2  # noqa: E731
+    sum(f(ref, xs[2 * m + r]) for m in range(2) for r in range(2)).div(2).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item()
+    rank, out = dist.get_rank(), {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with zeroshard.no_sync(model):
+            f(model, xs[rank]).backward()
+        f(model, xs[2 + rank]).backward()
+    out["plain"] = abs(opt.clip_grad_norm(1e9).item() - ref_norm) / ref_norm
+    out["warned"] = any("outside opt.backward(loss)" in str(w.message) for w in caught)
+    opt.zero_grad()
+    with zeroshard.no_sync(model):
+        f(model, xs[rank]).backward()
+    try:
+        opt.backward(f(model, xs[2 + rank]))
+    except ValueError as exc:
+        out["mixed"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_backwards_outside_the_optimizer(workers2, stage):
+    for out in workers2.run(_fp16_plain_backwards, stage):
+        assert out["plain"] < 2e-3 and out["warned"], out
+        assert "scaled by 65536 but the unreduced gradients it adds to by 1" in out["mixed"]

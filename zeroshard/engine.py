@@ -106,7 +106,8 @@ class Unit:
         self.buckets = buckets
         self.owners = owners or []
         """Submodules (other than ``module``) that register the unit's parameters."""
-        self.lender: nn.Module | None = None  # the owner whose call gathered the unit
+        self.lender: nn.Module | None = None  # the owner whose call is a use of the unit
+        self.lent_gathered = False  # the unit was gathered already when lent: keep it so
         self.state = TrainingState.IDLE
         self.pending_uses = 0
         """Forward uses (with grad) whose backward has not reached the unit's inputs yet."""
@@ -243,11 +244,10 @@ class Engine:
             stop = torch._dynamo.disable(lambda m, a, o: self._stop_dropping(), recursive=True)
             self._handles.append(unit.module.register_forward_hook(stop, always_call=True))
         self._handles.append(unit.module.register_forward_hook(post))
-        if not self.partition.parameters:
-            return
         # A submodule holding the unit's parameters may be called on its own (T5's encoder in
-        # generate(), a head applied outside the model's forward): that call is a use of the
-        # unit, gathered for it and freed after.
+        # generate(), an embedding or a head applied outside the model's forward): that call is
+        # a use of the unit, gathered for it (and freed after if it was not gathered), and the
+        # unit's backward ends only once the call's gradient is in (else it is reduced late).
         for owner in unit.owners:
             lend = torch._dynamo.disable(
                 lambda m, args, kwargs: self._pre_lend(unit, m, args, kwargs), recursive=True
@@ -259,16 +259,16 @@ class Engine:
             self._handles.append(owner.register_forward_hook(give_back))
 
     def _pre_lend(self, unit: Unit, owner: nn.Module, args: tuple, kwargs: dict):
-        if unit.lender is not None or unit.state is not TrainingState.IDLE or not unit.is_sharded:
-            return None  # inside the unit's own forward or backward, or gathered already
-        unit.lender = owner
+        if unit.lender is not None or unit.state is not TrainingState.IDLE:
+            return None  # inside the unit's own forward or backward
+        unit.lender, unit.lent_gathered = owner, not unit.is_sharded
         return self._pre_forward(unit, args, kwargs, entry=False)
 
     def _post_lend(self, unit: Unit, owner: nn.Module, output: Any) -> Any:
         if unit.lender is not owner:
             return None
         unit.lender = None
-        return self._post_forward(unit, output, entry=False)
+        return self._post_forward(unit, output, entry=False, keep=unit.lent_gathered)
 
     def _pre_forward(
         self, unit: Unit, args: tuple, kwargs: dict, *, entry: bool = True
@@ -314,7 +314,9 @@ class Engine:
         if self.checkpointing is not None and not in_backward():
             self.checkpointing.exit()
 
-    def _post_forward(self, unit: Unit, output: Any, *, entry: bool = True) -> Any:
+    def _post_forward(
+        self, unit: Unit, output: Any, *, entry: bool = True, keep: bool = False
+    ) -> Any:
         if in_backward():
             # A recomputation: the backward that needs these parameters comes right after.
             if unit.recompute_use and torch.is_grad_enabled():
@@ -325,7 +327,7 @@ class Engine:
             unit.to(TrainingState.IDLE)
         grad = torch.is_grad_enabled()
         root_entry = unit.is_root and entry
-        keep = root_entry and grad and not self.config.reshard_root_after_forward
+        keep = keep or (root_entry and grad and not self.config.reshard_root_after_forward)
         if not keep and not self._summoned:
             unit.reshard()
         if root_entry:
@@ -384,6 +386,7 @@ class Engine:
     def _pre_backward(self, unit: Unit) -> None:
         autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self._summoned)
         if self.phase is not Phase.BACKWARD:
+            self.scaling.begin_backward()
             self.phase = Phase.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if unit.state is TrainingState.PRE_BACKWARD:
@@ -452,6 +455,7 @@ class Engine:
             unit.to(TrainingState.IDLE)
         for pending in (self._units_left, self._again, self._dirty):
             pending.clear()
+        self.scaling.accumulating = not self._reduce_now
         self.phase = Phase.IDLE
 
     @property
@@ -547,6 +551,7 @@ class Engine:
         full-precision master values), so the next step and gather see them; without, undone."""
         if self.phase is not Phase.IDLE:
             raise RuntimeError("summon_full_params cannot be entered inside forward or backward")
+        self.adopt_writes()  # (and a write to a parameter at rest is an error before any gather)
         gathered = [u for u in self.units if u.is_sharded]
         for u in gathered:
             u.unshard(async_op=False)

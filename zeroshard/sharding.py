@@ -23,7 +23,7 @@ from torch import nn
 from zeroshard import collectives as C
 from zeroshard import tensor_parallel
 from zeroshard.engine import _ATTR, Engine, ShardConfig, Unit
-from zeroshard.mesh import Mesh
+from zeroshard.mesh import Mesh, settle_collective_threads_at_exit
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.model_states.init import Materializer, check_same_model
@@ -217,6 +217,7 @@ def shard(
     release_tf32 = hold_tf32(mixed_precision, mesh.device)
     if release_tf32 is not None:
         weakref.finalize(model, release_tf32)
+    settle_collective_threads_at_exit()
     return model
 
 

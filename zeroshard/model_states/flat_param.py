@@ -266,6 +266,42 @@ class FlatParam:
         placeholder = _placeholder(self.orig_dtype, self.mesh.device)
         for s in self.slots:
             s.param.data = placeholder.expand(s.shape)
+        self._rest_versions = [s.param._version for s in self.slots]
+
+    def check_views(self) -> None:
+        """Raise if a parameter no longer views this FlatParam's memory (``model.half()``,
+        ``model.to(dtype)`` or ``p.data = ...`` after ``shard``): the module would compute with
+        the replaced tensor while the engine trains its buffers (or, at stage 3, go back to
+        them at the next gather without a word)."""
+        rest = self.state is ShardState.SHARDED
+        base = _placeholder(self.orig_dtype, self.mesh.device) if rest else self.full
+        for s in self.slots:
+            at = base.data_ptr() + (0 if rest else s.offset * base.element_size())
+            if s.numel and (s.param.data_ptr() != at or s.param.dtype != base.dtype):
+                raise ValueError(
+                    f"{s.names[0]}'s data was replaced after zeroshard.shard() (model.half(), "
+                    f"model.to(dtype), p.data = ...; it is {s.param.dtype}, the engine's "
+                    f"{base.dtype}): the engine holds the parameters' memory. Pick compute "
+                    "dtypes with shard(..., mixed_precision='bf16'), convert before sharding, "
+                    "or set values with model.load_state_dict()"
+                )
+
+    def check_rest_writes(self) -> None:
+        """Raise if a parameter at rest (a placeholder, stage 3) was written: ``fill_``-like
+        writes (``nn.init.zeros_``, ``constant_``) succeed on a stride-0 view, write the one
+        element every placeholder shares and would be lost at the next gather. The placeholder
+        is restored first."""
+        if self.state is not ShardState.SHARDED:
+            return
+        written = [s for s, v in zip(self.slots, self._rest_versions) if s.param._version != v]
+        if written:
+            _placeholder(self.orig_dtype, self.mesh.device).fill_(float("nan"))
+            self._use_rest_views()
+            raise ValueError(
+                f"{written[0].names[0]} was written while at rest (stage 3 keeps no values of "
+                "a parameter between uses, so the write would be lost): write parameters inside "
+                "`with zeroshard.summon_full_params(model):`, or before zeroshard.shard()"
+            )
 
     # ----------------------------------------------------------------- parameters
     def unshard(self, *, async_op: bool = True) -> None:
@@ -273,6 +309,7 @@ class FlatParam:
         under way). Parameters become views into ``full`` at ``wait_unshard``."""
         if self.state is ShardState.UNSHARDED or self._gather is not None:
             return
+        self.check_rest_writes()
         # Refill the same storage object: views that autograd saved in forward see the refill.
         nbytes = self.padded_numel * self.full.element_size()
         self.buffers.lend(self, self.full.untyped_storage(), nbytes)
@@ -371,6 +408,8 @@ class FlatParam:
         narrower dtype than their master need this (in FP32 the parameter is the master's
         memory; at stage 3 a parameter at rest is read-only). Writes are found by the
         parameters' version counters: one through ``p.data`` is not seen."""
+        self.check_views()
+        self.check_rest_writes()
         if self._versions is None or self.masters_ahead:
             return
         versions = self._param_versions()

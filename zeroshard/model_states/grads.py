@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,9 +68,38 @@ class GradScaling:
     """(1,) FP32, this rank: > 0 once a reduced gradient held inf/NaN since ``reset``."""
     loss_scale: float = 1.0
     """The scale the loss was multiplied by before the backward that made these gradients."""
+    next_scale: float | None = None
+    """Set by ``ShardedOptimizer.backward`` for the backward it runs: its loss's scale."""
+    accumulating: bool = False
+    """Gradients of an earlier backward wait unreduced (an accumulation micro-step)."""
+    warn_unscaled: bool = False
+    """The optimizer scales losses (FP16): a plain ``loss.backward()`` is worth a warning."""
 
     def reset(self) -> None:
         self.found_inf.zero_()
+        self.accumulating = False
+
+    def begin_backward(self) -> None:
+        """At a backward's start: its loss's scale (1 for a plain ``loss.backward()``) is the
+        one its reduction removes, and must be that of unreduced gradients it adds to."""
+        scale = 1.0 if self.next_scale is None else self.next_scale
+        self.next_scale = None
+        if scale == 1.0 and self.warn_unscaled:
+            self.warn_unscaled = False  # once
+            warnings.warn(
+                "a backward outside opt.backward(loss) with FP16 loss scaling: its loss is not "
+                "scaled, so small gradients may underflow to zero; call opt.backward(loss) (and "
+                "opt.backward(loss, sync=False) for accumulation micro-steps)",
+                stacklevel=2,
+            )
+        if self.accumulating and scale != self.loss_scale:
+            raise ValueError(
+                f"this backward's loss is scaled by {scale:g} but the unreduced gradients it "
+                f"adds to by {self.loss_scale:g} (opt.backward scales by the loss scaler's "
+                "scale, a plain loss.backward() does not): use opt.backward(loss, sync=False) "
+                "for every accumulation micro-step and opt.backward(loss) for the last"
+            )
+        self.loss_scale = scale
 
 
 def agree(

@@ -49,7 +49,7 @@ from zeroshard.model_states.grads import GradBucket, agree
 from zeroshard.model_states.param_swap import ParamSwapper
 from zeroshard.model_states.state_swap import StateSwapper, state_bytes_per_element
 from zeroshard.offload.folder import padded_bytes
-from zeroshard.precision import LossScaler, default_scaler
+from zeroshard.precision import DynamicLossScaler, LossScaler, default_scaler
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         buckets = list(self.engine.buckets)
         self.loss_scaler = loss_scaler or default_scaler({b.flat.param_dtype for b in buckets})
+        self.engine.scaling.warn_unscaled = isinstance(self.loss_scaler, DynamicLossScaler)
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = _param_groups(model, params)
         defaults = _with_default_impl(optimizer_cls, defaults, self.engine.mesh.device)
@@ -275,14 +276,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         accumulate locally (a gradient-accumulation micro-step), communicated by the next
         synchronized backward."""
         scale = self.loss_scaler.scale
-        self.engine.scaling.loss_scale = scale  # each reduction removes it (GradScaling)
         if scale != 1.0:
             loss = loss.float() * scale  # in FP32: an FP16 loss times 2**16 would overflow
-        if sync:
-            loss.backward()
-        else:
-            with self.engine.no_sync():
+        scaling = self.engine.scaling
+        scaling.next_scale = scale  # each reduction removes it (GradScaling.begin_backward)
+        try:
+            with contextlib.nullcontext() if sync else self.engine.no_sync():
                 loss.backward()
+        finally:
+            scaling.next_scale = None  # (a loss that reached no unit started no backward)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so that their global norm is at most ``max_norm``; returns the norm
