@@ -958,3 +958,23 @@ def _embedding_called_outside(stage: int) -> float:
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_root_module_called_before_the_root_s_forward(workers2, stage):
     assert max(workers2.run(_embedding_called_outside, stage)) < TOL
+
+
+def _generate_own_prompts() -> bool:
+    """Each rank generates from its own prompt and one meets its end-of-sequence token first:
+    at stage 3 the others still need it in every forward's gathers (it hung)."""
+    torch.manual_seed(0)
+    ref, policy = build("hf_gpt2")
+    model = zeroshard.shard(copy.deepcopy(ref), stage=3, wrap=policy)
+    prompts = [torch.tensor([[5, 6, 7, 8]]), torch.tensor([[40, 41, 42, 43]])]
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        kw["eos_token_id"] = ref.generate(prompts[0], **kw)[0, 4].item()  # rank 0 stops at once
+        mine = model.generate(prompts[dist.get_rank()], **kw)
+        theirs = ref.generate(prompts[dist.get_rank()], **kw)
+    return torch.equal(mine, theirs)
+
+
+def test_generate_at_stage_3_with_a_prompt_per_rank(workers2):
+    pytest.importorskip("transformers")
+    assert workers2.run(_generate_own_prompts) == [True, True]

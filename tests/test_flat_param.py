@@ -138,3 +138,20 @@ def test_a_write_to_a_parameter_at_rest_at_stage_3_is_an_error(workers2, where):
     for out in workers2.run(_fill_at_rest, where):
         assert out["error"].startswith("2.weight was written while at rest"), out
         assert "summon_full_params" in out["error"] and out["nan_again"], out
+
+
+def _cast_after_shard(stage: int) -> str:
+    model, _ = _setup(stage, "fp32")
+    model.half()  # the module's parameters no longer view the engine's buffers
+    try:
+        model(torch.randn(2, WIDTH).half())
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_cast_after_shard_is_an_error_naming_mixed_precision(workers2, stage):
+    for said in workers2.run(_cast_after_shard, stage):
+        assert said.startswith("0.weight's data was replaced after zeroshard.shard()"), said
+        assert "mixed_precision='bf16'" in said
