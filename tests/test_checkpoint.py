@@ -642,3 +642,30 @@ def test_a_checkpoint_of_another_optimizer_is_a_one_line_error(workers2, tmp_pat
     for message in workers2.run(_another_optimizer, str(tmp_path / "ckpt")):
         assert "does not fit this model and optimizer" in message, message
         assert "momentum_buffer" in message and "\n" not in message, message
+
+
+def _another_group_layout(base: str) -> str:
+    """Saved with two param groups (no decay on biases and norms), loaded into one: each group
+    would take one saved group's hyperparameters for all its parameters, silently."""
+    model = _model(1, "fp32")
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, param_groups(model, 0.1), lr=1e-3)
+    _train(model, opt, range(1))
+    checkpoint.save(base, model, opt)
+    other = _model(1, "fp32")
+    params = list(other.parameters())
+    halves = [{"params": params[: len(params) // 2]}, {"params": params[len(params) // 2 :]}]
+    said = []
+    for groups in ([{"params": params}], halves):  # fewer groups; as many, cut elsewhere
+        try:
+            checkpoint.load(base, other, zeroshard.optimizer(other, torch.optim.AdamW, groups))
+            said.append("loaded")
+        except (checkpoint.CheckpointError, ValueError) as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_a_checkpoint_of_another_param_group_layout_is_a_one_line_error(workers2, tmp_path):
+    for fewer, cut in workers2.run(_another_group_layout, str(tmp_path / "ckpt")):
+        assert "saved with 2 optimizer param group(s), this optimizer has 1" in fewer, fewer
+        assert "holds parameters of saved param groups 0, 1" in cut, cut
+        assert "\n" not in fewer + cut

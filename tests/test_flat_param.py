@@ -155,3 +155,49 @@ def test_a_cast_after_shard_is_an_error_naming_mixed_precision(workers2, stage):
     for said in workers2.run(_cast_after_shard, stage):
         assert said.startswith("0.weight's data was replaced after zeroshard.shard()"), said
         assert "mixed_precision='bf16'" in said
+
+
+def _summon_without_writeback_nested(stage: int) -> dict:
+    """An inner ``summon_full_params(writeback=False)`` undoes its writes also inside an outer
+    summon (at stage 3 the outer one keeps units gathered and would write them back); a step
+    inside it is refused (undo it or not: ambiguous)."""
+    model, opt = _setup(stage, "fp32")
+    before = _masters(model)
+    outer = zeroshard.summon_full_params(model)
+    inner = zeroshard.summon_full_params(model, writeback=False)
+    with outer, inner, torch.no_grad():
+        model[0].weight.add_(1.0)
+    after = _masters(model)
+    model(torch.randn(2, WIDTH)).square().mean().backward()
+    try:
+        with zeroshard.summon_full_params(model, writeback=False):
+            opt.step()
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return {"undone": all(torch.equal(before[k], after[k]) for k in before), "refused": refused}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_writes_inside_an_inner_summon_without_writeback_are_undone(workers2, stage):
+    for out in workers2.run(_summon_without_writeback_nested, stage):
+        assert out["undone"], out
+        assert out["refused"].startswith("optimizer.step() inside summon_full_params"), out
+
+
+def _named_and_unsharded_optimizers() -> dict:
+    """``zeroshard.optimizer`` takes ``named_parameters()`` as torch.optim does; a backward at
+    stage 2 with no zeroshard optimizer on the model (a torch one over ``parameters()`` would
+    see no gradient) warns."""
+    torch.manual_seed(0)
+    model = zeroshard.shard(nn.Sequential(nn.Linear(WIDTH, WIDTH)), stage=2)
+    with pytest.warns(UserWarning, match="the model has no zeroshard.optimizer"):
+        model(torch.randn(2, WIDTH)).square().mean().backward()
+    opt = zeroshard.optimizer(model, torch.optim.SGD, model.named_parameters(), lr=0.1)
+    first = _masters(model)["0.weight"].clone()
+    _step(model, opt, 0)
+    return {"trained": not torch.equal(first, _masters(model)["0.weight"])}
+
+
+def test_named_parameters_and_the_missing_optimizer_warning(workers2):
+    assert workers2.run(_named_and_unsharded_optimizers) == [{"trained": True}] * 2

@@ -328,3 +328,33 @@ def test_placements_a_stage_cannot_have_are_refused_with_the_fix():
     Offload(optimizer="nvme", gradients="cpu", parameters="cpu", folder="/tmp").check(
         STAGES[3], cpu
     )
+
+
+def _unusual_gradient_uses(folder: str | None) -> dict:
+    """Uses of a gradient outside backward -> clip -> step -> zero_grad, each as torch keeps
+    ``.grad`` until ``zero_grad``: clip twice (the second norm is the clipped one), step, read
+    the norm after the step, a second step on the same gradients, then a backward without
+    ``zero_grad`` (it adds), clip and step. With gradients on NVMe the step used them up, norms
+    were the unclipped ones and a clip before another backward scaled the new gradient too."""
+    offload = None if folder is None else Offload(optimizer="nvme", gradients="nvme", folder=folder)
+    model, opt = _make(2, offload)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    norms = []
+    for step in range(2):
+        x, y = batch("gpt", step, PER_RANK_BATCH * world)
+        mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
+        opt.backward(loss_of("gpt", model, x[mine], y[mine]))
+        norms += [opt.clip_grad_norm(0.5).item(), opt.clip_grad_norm(0.2).item()]
+        opt.step()
+        norms.append(opt.clip_grad_norm(float("inf")).item())
+        opt.step()  # again, on the same gradients
+    opt.zero_grad()
+    return {"norms": norms, "params": _params(model)}
+
+
+def test_gradients_on_nvme_stay_until_zero_grad(workers2, tmp_path):
+    plain = workers2.run(_unusual_gradient_uses, None)
+    swapped = workers2.run(_unusual_gradient_uses, str(tmp_path / "swap"))
+    for a, b in zip(plain, swapped):
+        assert a["norms"] == b["norms"]
+        assert _max_diff(a["params"], b["params"]) == 0.0

@@ -65,6 +65,11 @@ def test_bad_config_values_are_one_line(capsys, tmp_path, toml, needles):
         (["--data", "missing.txt"], ["data = 'missing.txt' does not exist"]),
         (["--model", "m:f", "--hf", "c.json"], ["pass one of --model and --hf"]),
         (["--nproc", "2", "--batch-size", "6", "--grad-accum", "2"], ["multiple of 4"]),
+        (
+            ["--nproc", "4", "--tp", "2", "--stage", "2", "--offload-optimizer", "nvme"]
+            + ["--offload-gradients", "nvme", "--offload-folder", "swap"],
+            ["grad_clip = 1.0 with tp = 2", "--offload-gradients cpu"],
+        ),
     ],
 )
 def test_bad_flags_are_one_line(capsys, tmp_path, flags, needles):

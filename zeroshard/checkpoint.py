@@ -468,10 +468,19 @@ def _read_meta(path: Path) -> dict[str, Any]:
 
 
 def _check_names(path: Path, reader, template: dict[str, Any]) -> None:
-    """Compare the checkpoint's model entries with the model's: names and shapes."""
+    """Compare the checkpoint's model entries with the model's (names and shapes), and its
+    number of optimizer param groups with the optimizer's."""
+    entries = reader.read_metadata().state_dict_metadata
+    groups = sum(k.startswith("optim.param_groups.") and k.endswith(".params") for k in entries)
+    if groups != len(template["optim"]["param_groups"]):
+        raise CheckpointError(
+            f"checkpoint {path} was saved with {groups} optimizer param group(s), this optimizer "
+            f"has {len(template['optim']['param_groups'])}: build it with the saved run's param "
+            "groups (e.g. weight decay off for biases and norms)"
+        )
     saved = {
         k.removeprefix("model."): getattr(v, "size", None)
-        for k, v in reader.read_metadata().state_dict_metadata.items()
+        for k, v in entries.items()
         if k.startswith("model.")
     }
     ours = {k: getattr(v, "size", lambda: None)() for k, v in template["model"].items()}

@@ -5,7 +5,7 @@ stage number. ``zeroshard.sharding.shard`` builds the units and installs an ``En
 
 Per use of a unit U (``TrainingState`` says what is alive in each state):
 
-    forward:   pre-forward   gather U (wait for the prefetch and for a post-step refresh),
+    forward:   pre-forward   gather U (wait for its prefetch),
                              prefetch the next unit of the last forward's order, count the use
                post-forward  free U (partitioned parameters; the root may keep its own)
     backward:  pre-backward  gather U again, ready its gradient bucket, prefetch
@@ -14,8 +14,8 @@ Per use of a unit U (``TrainingState`` says what is alive in each state):
     end of backward          finish units no hook finished, wait for every reduction
 
 A unit may be used any number of times per forward, and forwards may repeat before a backward:
-uses are counted (``_Use``), and a recomputation in backward (activation checkpointing) is not a
-new use unless the first forward ran without grad (reentrant checkpointing).
+uses are counted (``_Use``); a recomputation in backward (activation checkpointing) is a new use
+only when the first forward ran without grad (reentrant checkpointing).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from zeroshard.autograd_hooks import in_backward, on_backward, when_backward_rea
 from zeroshard.mesh import Mesh
 from zeroshard.model_states import flat_param
 from zeroshard.model_states.flat_param import FlatParam, ShardState
-from zeroshard.model_states.grads import GradBucket, GradScaling, pools
+from zeroshard.model_states.grads import GradBucket, GradScaling, pools, warn_no_sharded_optimizer
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states import host_heap
 from zeroshard.residual_states.activations import SpanCheckpointing
@@ -65,10 +65,9 @@ class TrainingState(enum.Enum):
 
     What is alive in each state (partitioned parameters; replicated ones are always gathered):
 
-        IDLE           gathered storage freed (the root may keep it between forward and
-                       backward); parameters are NaN placeholders of their own shape
-                       (``FlatParam``); gradients, if any, are reduced shards (or local ones
-                       inside ``no_sync``).
+        IDLE           gathered storage freed (the root may keep it until backward);
+                       parameters are NaN placeholders of their own shape (``FlatParam``);
+                       gradients, if any, are reduced shards (local ones inside ``no_sync``).
         FORWARD        gathered; parameters are views into it.
         PRE_BACKWARD   gathered; autograd is accumulating the unit's gradients (into the bucket's
                        ``full_grad`` views, or its own per-parameter tensors at stage 3).
@@ -201,6 +200,7 @@ class Engine:
         self._again: set[Unit] = set()  # per backward: units finished, then reached again
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
         self._summoned = 0  # depth of summon_full_params
+        self.discarding = 0  # of them, how many undo writes (writeback=False): no step inside
         self.heap = (
             host_heap.HeapKeeper(config.trim_host_memory)
             if config.trim_host_memory and mesh.device.type == "cpu"
@@ -244,10 +244,9 @@ class Engine:
             stop = torch._dynamo.disable(lambda m, a, o: self._stop_dropping(), recursive=True)
             self._handles.append(unit.module.register_forward_hook(stop, always_call=True))
         self._handles.append(unit.module.register_forward_hook(post))
-        # A submodule holding the unit's parameters may be called on its own (T5's encoder in
-        # generate(), an embedding or a head applied outside the model's forward): that call is
-        # a use of the unit, gathered for it (and freed after if it was not gathered), and the
-        # unit's backward ends only once the call's gradient is in (else it is reduced late).
+        # A submodule holding the unit's parameters called on its own (T5's encoder in generate(),
+        # an embedding applied outside the forward) is a use of the unit: gathered for it, and
+        # the unit's backward ends only once the call's gradient is in (else reduced too early).
         for owner in unit.owners:
             lend = torch._dynamo.disable(
                 lambda m, args, kwargs: self._pre_lend(unit, m, args, kwargs), recursive=True
@@ -456,6 +455,8 @@ class Engine:
         for pending in (self._units_left, self._again, self._dirty):
             pending.clear()
         self.scaling.accumulating = not self._reduce_now
+        if self._reduce_now and self.partition.optimizer_states and not self.optimizers:
+            warn_no_sharded_optimizer()
         self.phase = Phase.IDLE
 
     @property
@@ -557,11 +558,16 @@ class Engine:
             u.unshard(async_op=False)
             u.wait_unshard()
         self._summoned += 1
+        self.discarding += not writeback
         try:
-            with flat_param.discarding_writes(self.flat_params, discard=not writeback):
+            nested = self._summoned > 1
+            with flat_param.discarding_writes(
+                self.flat_params, discard=not writeback, nested=nested
+            ):
                 yield
         finally:
             self._summoned -= 1
+            self.discarding -= not writeback
             if writeback:
                 with torch.no_grad():
                     for f in self.flat_params:

@@ -267,7 +267,14 @@ def _match_groups(opt: ShardedOptimizer, saved: list[dict[str, Any]], first: dic
     where = {name: j for j, g in enumerate(saved) for name in g.get("params", [])}
     out = []
     for i, g in enumerate(opt.param_groups):
-        hits = [where[first[id(p)]] for p in g["params"] if first.get(id(p)) in where]
+        hits = sorted({where[first[id(p)]] for p in g["params"] if first.get(id(p)) in where})
+        if len(hits) > 1:  # the hyperparameters would be one saved group's for all of them
+            raise ValueError(
+                f"param group {i} of the optimizer holds parameters of saved param groups "
+                f"{', '.join(map(str, hits))}: the checkpoint has another group layout "
+                f"({len(saved)} saved, {len(opt.param_groups)} here); build the optimizer with "
+                "the saved run's param groups (e.g. weight decay off for biases and norms)"
+            )
         if hits:
             out.append(saved[hits[0]])
         elif len(saved) == len(opt.param_groups):

@@ -281,6 +281,12 @@ class TrainConfig:
                 "offload_gradients = 'nvme' needs offload_optimizer = 'nvme' (the step reads "
                 "them back with the states); pass --offload-optimizer nvme too"
             )
+        if self.offload_gradients == "nvme" and self.tp > 1 and self.grad_clip > 0:
+            raise ValueError(
+                f"grad_clip = {self.grad_clip} with tp = {self.tp} and offload_gradients = "
+                "'nvme': tensor-parallel clipping needs the gradients in memory; pass "
+                "--offload-gradients cpu, or --grad-clip 0"
+            )
 
     def offload(self) -> Any:
         """The ``zeroshard.Offload`` of these fields, or None when nothing is offloaded."""

@@ -111,15 +111,18 @@ def _common_module(names: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def discarding_writes(flats: list[FlatParam], *, discard: bool = True) -> Iterator[None]:
+def discarding_writes(
+    flats: list[FlatParam], *, discard: bool = True, nested: bool = False
+) -> Iterator[None]:
     """With ``discard``, writes to replicated parameters inside are undone on exit
     (``summon_full_params(..., writeback=False)``): their ``full`` is the live buffer (the
     master itself in FP32), so it is copied on entry and put back. Partitioned ones need
-    nothing: their gathered ``full`` is dropped at the reshard."""
+    nothing, their gathered ``full`` being dropped at the reshard, unless ``nested`` in an
+    outer summon, which keeps them gathered and may write them back."""
     kept = [
         (f, f.full.clone())
         for f in flats
-        if discard and not f.partition.parameters and f.full.numel()
+        if discard and (nested or not f.partition.parameters) and f.full.numel()
     ]
     try:
         yield

@@ -4,14 +4,16 @@ With partitioned gradients (stages 2-3) each bucket's reduced FP32 shard (``shar
 this rank's range, 4 bytes per owned element) leaves memory as soon as its reduction finishes
 (``GradBucket.handoff``): it is written to the rank's ``TensorStore`` and dropped once written, so
 backward holds the shards of the reductions in flight only. At the step, the optimizer reads the
-shard of sub-group ``i + 1`` ahead while ``i`` steps; the step consumes it (``shard_grad`` is
-dropped again after its sub-group's step).
+shard of sub-group ``i + 1`` ahead while ``i`` steps, and drops the copy read after its
+sub-group's step. The file stays the gradient until ``zero_grad``, as torch keeps ``.grad``: a
+second step, a norm after the step or another backward read it again.
 
 Clipping needs every shard's norm: each is taken at the hand-off (the same per-tensor kernel as
-``clip_grad_norm``'s ``torch._foreach_norm``, so the global norm has the same bits), and the
-clipping factor is applied when the shard is read back (the same element-wise multiply).
-A reduction after an earlier one since ``zero_grad`` (accumulation that reduces every micro-step)
-reads the stored shard back and adds it (addition commutes exactly).
+``clip_grad_norm``'s ``torch._foreach_norm``, so the global norm has the same bits), and each
+clipping factor is kept per stored shard and applied, in order, whenever it is read back (the
+same element-wise multiplies); a norm asked for after a clip reads the shard back to take it.
+A reduction onto a stored shard (another backward before ``zero_grad``) reads it back, clipped
+as it stands, and adds the new one (addition commutes exactly).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class GradSwapper:
         self._writing: dict[int, tuple[SwapHandle, torch.Tensor]] = {}  # keeps the source alive
         self._reading: dict[int, SwapHandle] = {}
         self._stored: set[int] = set()  # buckets whose gradient since zero_grad is in the store
-        self._norms: dict[int, torch.Tensor] = {}  # 0-dim FP32 2-norm of each stored shard
-        self._coefs: list[torch.Tensor] = []  # clipping factors to apply at read-back, in order
+        self._norms: dict[int, torch.Tensor] = {}  # 0-dim FP32 2-norm of each stored file
+        self._coefs: dict[int, list[torch.Tensor]] = {}  # clip factors since stored, in order
+        self._mirrored: set[int] = set()  # stored, and read back in shard_grad (clipped alike)
         self.reset_stats()
         self._error: str | None = None
         ref = weakref.ref(self)  # the engine's buckets must not keep the store alive
@@ -79,9 +82,10 @@ class GradSwapper:
         if g is None or g.numel() == 0:
             return
         i = self._index[id(bucket)]
-        if i in self._stored:  # reduced again since zero_grad: accumulate onto the stored one
-            g.add_(self._read(i))
-        self._norms[i] = torch._foreach_norm([g])[0]
+        if i in self._stored and i not in self._mirrored:
+            g.add_(self._read(i))  # reduced again since zero_grad: onto the stored one
+        self._mirrored.discard(i)  # (a read-back copy was in shard_grad: the sum holds it)
+        self._norms[i], self._coefs[i] = torch._foreach_norm([g])[0], []
         handle = self._timed(self.store.swap_out(self._name(i), g))
         self.write_bytes += g.numel() * g.element_size()
         with self._lock:
@@ -106,7 +110,7 @@ class GradSwapper:
             self.read_bytes += numel * 4
 
     def _read(self, i: int) -> torch.Tensor:
-        """Stored shard ``i``, read back (waiting); it leaves the store's bookkeeping."""
+        """Stored shard ``i`` as it stands: read back (waiting), clipped as asked since."""
         self._start_read(i)
         t0 = time.perf_counter()
         try:
@@ -120,47 +124,53 @@ class GradSwapper:
             self.wait_s += time.perf_counter() - t0
         if self._error is not None:
             raise OffloadError(f"training stopped: {self._error}")
-        self._stored.discard(i)
-        self._norms.pop(i, None)
         assert g is not None
+        for coef in self._coefs[i]:
+            g.mul_(coef)  # what clip_grad_norm's _foreach_mul_ did to resident ones
         return g
 
     # ----------------------------------------------------------------- the optimizer's side
     def prefetch(self, bucket: GradBucket) -> None:
         """Start reading ``bucket``'s stored shard (the next sub-group's)."""
-        self._start_read(self._index[id(bucket)])
+        i = self._index[id(bucket)]
+        if i not in self._mirrored:
+            self._start_read(i)
 
     def restore(self, bucket: GradBucket) -> None:
-        """Put ``bucket``'s stored shard back in ``shard_grad``, clipped as asked meanwhile."""
+        """Put ``bucket``'s stored shard, as it stands, back in ``shard_grad``."""
         i = self._index[id(bucket)]
-        if i not in self._stored:
-            return
-        g = self._read(i)
-        for coef in self._coefs:
-            g.mul_(coef)  # what clip_grad_norm's _foreach_mul_ did to the resident ones
-        bucket.shard_grad = g
+        if i in self._stored and i not in self._mirrored:
+            bucket.shard_grad = self._read(i)
+            self._mirrored.add(i)
 
     def consume(self, bucket: GradBucket) -> None:
-        """``bucket``'s sub-group has stepped: drop its read-back shard."""
-        bucket.shard_grad = None
+        """``bucket``'s sub-group has stepped: drop its read-back copy (the file stays)."""
+        i = self._index[id(bucket)]
+        if i in self._mirrored:
+            bucket.shard_grad = None
+            self._mirrored.discard(i)
 
     def norms(self) -> list[torch.Tensor]:
-        """Per bucket with a gradient, in engine order: the 0-dim 2-norm of its shard (taken at
-        the hand-off for stored ones; now for resident ones)."""
+        """Per bucket with a gradient, in engine order: the 0-dim 2-norm of its shard as it
+        stands (taken at the hand-off for stored ones not clipped since; else of the shard in
+        memory, read back first if need be)."""
         out = []
         for i, b in enumerate(self._buckets):
-            if i in self._stored:
+            if i in self._stored and not self._coefs[i]:
                 out.append(self._norms[i])
-            elif b.shard_grad is not None:
+                continue
+            self.restore(b)
+            if b.shard_grad is not None:
                 out.append(torch._foreach_norm([b.shard_grad])[0])
         return out
 
     def scale(self, coef: torch.Tensor) -> None:
-        """Clip: multiply resident shards now and stored ones when they are read back."""
+        """Clip: multiply the shards in memory now, stored ones whenever read back."""
         resident = [b.shard_grad for b in self._buckets if b.shard_grad is not None]
         if resident:
             torch._foreach_mul_(resident, coef)
-        self._coefs.append(coef)
+        for i in self._stored:
+            self._coefs[i].append(coef)
 
     def zero(self) -> None:
         """``zero_grad``: forget the stored shards (their files are overwritten next time)."""
@@ -169,6 +179,7 @@ class GradSwapper:
             with contextlib.suppress(Exception):
                 handle.wait()
         self._reading.clear()
-        self._stored.clear()
-        self._norms.clear()
-        self._coefs.clear()
+        for i in self._mirrored:
+            self._buckets[i].shard_grad = None
+        for kept in (self._stored, self._norms, self._coefs, self._mirrored):
+            kept.clear()

@@ -102,6 +102,18 @@ class GradScaling:
         self.loss_scale = scale
 
 
+def warn_no_sharded_optimizer() -> None:
+    """Gradients were reduced into shards, which only ``zeroshard.optimizer`` reads (``p.grad``
+    stays None at stages 1-3), and the model has no such optimizer (shown once by default:
+    one call site)."""
+    warnings.warn(
+        "gradients were reduced into zeroshard's shards, but the model has no "
+        "zeroshard.optimizer(model, ...): at stages 1-3 p.grad stays None, so a torch optimizer "
+        "over model.parameters() trains nothing; build the optimizer with zeroshard.optimizer",
+        stacklevel=3,
+    )
+
+
 def agree(
     scaling: GradScaling, touched: torch.Tensor, mesh: Mesh, ledger: C.Ledger, *, async_op: bool
 ) -> C.Handle:

@@ -114,13 +114,19 @@ class _States(Mapping):
 
 
 def _param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
-    """Normalize ``params`` as torch.optim accepts it (tensors, or dicts with "params") ."""
+    """Normalize ``params`` as torch.optim accepts it: tensors, ``(name, tensor)`` pairs
+    (``model.named_parameters()``), or dicts of either under "params"."""
     if params is None:
         return [{"params": list(model.parameters())}]
     params = list(params)
-    if params and isinstance(params[0], dict):
-        return [dict(g, params=list(g["params"])) for g in params]
-    return [{"params": params}]
+    groups = (
+        [dict(g) for g in params]
+        if params and isinstance(params[0], dict)
+        else [{"params": params}]
+    )
+    for g in groups:
+        g["params"] = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in g["params"]]
+    return groups
 
 
 def check_elementwise(optimizer_cls: type) -> None:
@@ -383,6 +389,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError("a sharded optimizer takes no closure (LBFGS-style re-evaluation)")
+        if self.engine.discarding:
+            raise ValueError(
+                "optimizer.step() inside summon_full_params(model, writeback=False), which "
+                "undoes writes to the parameters on exit: whether the step should be undone "
+                "too is ambiguous; step outside it, or inside summon_full_params(model)"
+            )
         if self._backward_step is None:
             self.engine.adopt_writes()  # (stepping in backward, the forward adopted them)
         found_inf, unused = self._agree()

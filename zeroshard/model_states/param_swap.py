@@ -86,8 +86,8 @@ class ParamSwapper(StopsOnFailure):
         config = offload.param_store_config(mesh.global_rank)
         if holds_swap_files(config.folder):
             # masters come back from checkpoints, never from an old run's swap files
-            log.warning("discarding the swap files a crashed run left in %s", config.folder)
-            TensorStore.discard(config.folder)
+            TensorStore.discard(config.folder)  # refused while a live store holds it
+            log.warning("discarded the swap files a crashed run left in %s", config.folder)
         self.store = TensorStore(config)  # an unusable folder fails here, naming it
         self.mesh = mesh
         self.window = num_prefetch + offload.param_prefetch

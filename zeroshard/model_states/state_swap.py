@@ -45,7 +45,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.offload import OffloadError, SwapHandle, SwapSpaceError, TensorStore
+from zeroshard.offload import (
+    OffloadError,
+    OffloadSetupError,
+    SwapHandle,
+    SwapSpaceError,
+    TensorStore,
+)
 from zeroshard.offload.folder import free_bytes, holds_swap_files, padded_bytes
 from zeroshard.residual_states.host_heap import memory_available_bytes
 
@@ -203,8 +209,8 @@ class StateSwapper(StopsOnFailure):
         need_bytes = state_bytes + grad_bytes
         if holds_swap_files(config.folder):
             # optimizer states come back from checkpoints, never from an old run's swap files
-            log.warning("discarding the swap files a crashed run left in %s", config.folder)
-            TensorStore.discard(config.folder)
+            TensorStore.discard(config.folder)  # refused while a live store holds it
+            log.warning("discarded the swap files a crashed run left in %s", config.folder)
         self.store = TensorStore(config)  # an unusable folder fails here, naming it
         try:
             check_space(config.folder, need_bytes, mesh)
@@ -525,7 +531,7 @@ def check_host_memory(need_bytes: int, mesh: Mesh) -> None:
     node_bytes = _node_bytes(need_bytes, mesh)
     available = memory_available_bytes()
     if available is not None and node_bytes > available:
-        raise OffloadError(
+        raise OffloadSetupError(
             f"streaming optimizer states from NVMe needs {node_bytes} bytes of host memory for "
             f"{mesh.local_world_size} rank(s) on this node ({NUM_SLOTS} sub-groups' states and "
             f"a staging pool each), {available} are available: short by "
@@ -544,5 +550,6 @@ def check_space(parent: Any, need_bytes: int, mesh: Mesh) -> None:
         raise SwapSpaceError(
             f"offload folder {parent.parent} has {free} bytes free, the offloaded states of "
             f"{mesh.local_world_size} rank(s) on this node need {node_bytes}: short by "
-            f"{node_bytes - free} bytes; free space or pass Offload(folder=...) on a larger disk"
+            f"{node_bytes - free} bytes; free space or pass Offload(folder=...) "
+            "(--offload-folder) on a larger disk"
         )

@@ -6,12 +6,21 @@ raw bandwidth of the disk.
 
 from .placement import Offload
 from .store import OffloadConfig, TensorStore
-from .tiers import OffloadError, SwapHandle, SwapIntegrityError, SwapSpaceError, TensorMeta, Tier
+from .tiers import (
+    OffloadError,
+    OffloadSetupError,
+    SwapHandle,
+    SwapIntegrityError,
+    SwapSpaceError,
+    TensorMeta,
+    Tier,
+)
 
 __all__ = [
     "Offload",
     "OffloadConfig",
     "OffloadError",
+    "OffloadSetupError",
     "SwapHandle",
     "SwapIntegrityError",
     "SwapSpaceError",

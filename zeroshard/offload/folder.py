@@ -25,7 +25,7 @@ from pathlib import Path
 import xxhash
 
 from .index import INDEX_NAME
-from .tiers import OffloadError
+from .tiers import OffloadError, OffloadSetupError
 
 __all__ = [
     "ALIGN_BYTES",
@@ -101,7 +101,7 @@ def prepare_folder(folder: Path, direct_io: bool | None) -> tuple[bool, bool]:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         os.close(fd)
     except OSError as e:
-        raise OffloadError(
+        raise OffloadSetupError(
             f"swap folder {folder} is not usable ({e.strerror or e}); pass folder= a writable "
             "directory on the disk that should hold the swap files"
         ) from e
@@ -119,7 +119,7 @@ def prepare_folder(folder: Path, direct_io: bool | None) -> tuple[bool, bool]:
             if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
             if direct_io:
-                raise OffloadError(
+                raise OffloadSetupError(
                     f"direct_io=True but {folder} does not support O_DIRECT ({e.strerror}); "
                     "use a folder on a real disk (not tmpfs) or direct_io=None"
                 ) from e
@@ -140,9 +140,9 @@ def take_lock(folder: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise OffloadError(
+        raise OffloadSetupError(
             f"{folder} is in use by a live store (pid {holder}); give each store, e.g. "
-            "each rank, its own folder"
+            "each rank or each run, its own folder (--offload-folder)"
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
@@ -163,7 +163,11 @@ def discard_folder(folder: Path) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise OffloadError(f"{folder} is in use by a live store; close that store") from None
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            raise OffloadSetupError(
+                f"{folder} is in use by a live store (pid {holder}); give each run its own "
+                "folder (--offload-folder), or stop that one"
+            ) from None
         for path in folder.glob("*" + SUFFIX):
             path.unlink()
         for name in (INDEX_NAME, INDEX_NAME + ".tmp", LOCK_NAME):

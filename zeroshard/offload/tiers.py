@@ -41,7 +41,12 @@ class SwapIntegrityError(OffloadError):
     """A swap file is missing, truncated or fails its checksum: its bytes are not trusted."""
 
 
-class SwapSpaceError(OffloadError):
+class OffloadSetupError(OffloadError, ValueError):
+    """A placement that cannot be set up as asked (a folder not usable, in use or too small;
+    too little host memory): bad input, found before step 1 (the command line exits 2)."""
+
+
+class SwapSpaceError(OffloadSetupError):
     """The swap folder has not enough free space; the message says how much is needed."""
 
 
