@@ -14,6 +14,7 @@ import zeroshard.offload.nvme as nvme_mod
 from zeroshard.offload import (
     OffloadConfig,
     OffloadError,
+    OffloadSetupError,
     SwapIntegrityError,
     SwapSpaceError,
     TensorStore,
@@ -270,7 +271,9 @@ def test_a_folder_lock_names_its_holder(tmp_path):
 
     fd = take_lock(tmp_path)
     try:
-        with pytest.raises(OffloadError, match=f"in use by a live store \\(pid {os.getpid()}\\)"):
+        # a ValueError: bad input, which the command line reports in one line (exit 2)
+        pid = os.getpid()
+        with pytest.raises(OffloadSetupError, match=f"in use by a live store \\(pid {pid}\\)"):
             take_lock(tmp_path)
     finally:
         os.close(fd)
