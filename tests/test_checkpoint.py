@@ -669,3 +669,35 @@ def test_a_checkpoint_of_another_param_group_layout_is_a_one_line_error(workers2
         assert "saved with 2 optimizer param group(s), this optimizer has 1" in fewer, fewer
         assert "holds parameters of saved param groups 0, 1" in cut, cut
         assert "\n" not in fewer + cut
+
+
+def _bf16_model_resume(base: str, stage: int) -> bool:
+    """A model built in bf16 (``from_pretrained(torch_dtype=bf16)``) trains on FP32 masters;
+    its checkpoint holds them, not their bf16 rounding, so the resume is exact."""
+
+    def make():
+        torch.manual_seed(0)
+        model, policy = build("gpt")
+        model = zeroshard.shard(model.to(torch.bfloat16), stage=stage, wrap=policy)
+        return model, _opt(model, "bf16")
+
+    model, opt = make()
+    _train(model, opt, range(2))
+    checkpoint.save(base, model, opt)
+    _train(model, opt, range(2, 4))
+    other, other_opt = make()
+    checkpoint.load(base, other, other_opt)
+    _train(other, other_opt, range(2, 4))
+    mine = _local_masters(model)
+    return all(torch.equal(a, b) for a, b in zip(mine, _local_masters(other)))
+
+
+def _local_masters(model) -> list[torch.Tensor]:
+    return [
+        f.master.clone() for f in zeroshard.engine_of(model).flat_params if f.master is not None
+    ]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_model_built_in_bf16_resumes_exactly(workers2, tmp_path, stage):
+    assert all(workers2.run(_bf16_model_resume, str(tmp_path / "ckpt"), stage))

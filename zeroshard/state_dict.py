@@ -335,13 +335,14 @@ class _Hooks:
 
 
 def _local_range(flat: FlatParam, index: int) -> FlatRange:
-    """Slot ``index``'s elements this rank holds, as a view of the master (saved in the
-    parameter's original dtype); of ``full`` for frozen replicated slots without a master."""
+    """Slot ``index``'s elements this rank holds, as a view of the master, saved at the master's
+    precision (FP32 also for a model built in bf16: a resume is exact); of ``full`` for frozen
+    replicated slots without a master."""
     s = flat.slots[index]
     if flat.master is None:
         return FlatRange(s.shape, flat.orig_dtype, 0, flat.full[s.offset : s.offset + s.numel])
     start, _ = flat.piece_range(index)
-    return FlatRange(s.shape, flat.orig_dtype, start, flat.master_piece(index))
+    return FlatRange(s.shape, flat.master_dtype, start, flat.master_piece(index))
 
 
 def _write_slot(flat: FlatParam, index: int, value: torch.Tensor) -> None:
