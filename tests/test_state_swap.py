@@ -319,6 +319,8 @@ def test_placements_a_stage_cannot_have_are_refused_with_the_fix():
         Offload(gradients="cpu").check(STAGES[1], cpu)
     with pytest.raises(ValueError, match="needs folder="):
         Offload(optimizer="nvme")
+    with pytest.raises(ValueError, match="needs folder=.*got ''"):  # not the working directory
+        Offload(optimizer="nvme", folder="")
     with pytest.raises(ValueError, match="only used by 'nvme'"):
         Offload(optimizer="cpu", folder="/tmp")
     with pytest.raises(ValueError, match="must be None"):

@@ -86,9 +86,10 @@ class Offload:
         for field in _STATES:
             object.__setattr__(self, field, _tier_name(field, getattr(self, field)))
         on_disk = [f for f in _STATES if getattr(self, f) == "nvme"]
-        if on_disk and self.folder is None:
+        if on_disk and (self.folder is None or not str(self.folder).strip()):
             raise ValueError(
                 f"{on_disk[0]}='nvme' needs folder=, a directory on the fast disk for swap files"
+                f"{'' if self.folder is None else f' (got {self.folder!r})'}"
             )
         if not on_disk and self.folder is not None:
             raise ValueError("folder= is only used by 'nvme' placements; drop it or use 'nvme'")
