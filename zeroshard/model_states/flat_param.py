@@ -85,15 +85,19 @@ class Slot:
 _PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One element (NaN for floats, the minimum for integers) shared by every parameter at rest."""
+def _placeholder(dtype: torch.dtype, device: torch.device, *, reset: bool = False) -> torch.Tensor:
+    """One element (NaN for floats, the minimum for integers) shared by every parameter at rest;
+    ``reset``: written back to that value (after a write to a parameter at rest)."""
     key = (dtype, device)
-    if key not in _PLACEHOLDERS:
+    if key not in _PLACEHOLDERS or reset:
         if dtype.is_floating_point or dtype.is_complex:
             fill: float | int | bool = float("nan")
         else:
             fill = False if dtype == torch.bool else torch.iinfo(dtype).min
-        _PLACEHOLDERS[key] = torch.full((), fill, dtype=dtype, device=device)  # 0-dim
+        if key in _PLACEHOLDERS:
+            _PLACEHOLDERS[key].fill_(fill)  # in place: every parameter at rest views it
+        else:
+            _PLACEHOLDERS[key] = torch.full((), fill, dtype=dtype, device=device)  # 0-dim
     return _PLACEHOLDERS[key]
 
 
@@ -298,7 +302,7 @@ class FlatParam:
             return
         written = [s for s, v in zip(self.slots, self._rest_versions) if s.param._version != v]
         if written:
-            _placeholder(self.orig_dtype, self.mesh.device).fill_(float("nan"))
+            _placeholder(self.orig_dtype, self.mesh.device, reset=True)
             self._use_rest_views()
             raise ValueError(
                 f"{written[0].names[0]} was written while at rest (stage 3 keeps no values of "
