@@ -82,9 +82,9 @@ class GradScaling:
     def begin_backward(self) -> None:
         """At a backward's start: its loss's scale (1 for a plain ``loss.backward()``) is the
         one its reduction removes, and must be that of unreduced gradients it adds to."""
-        scale = 1.0 if self.next_scale is None else self.next_scale
+        plain, scale = self.next_scale is None, self.next_scale or 1.0
         self.next_scale = None
-        if scale == 1.0 and self.warn_unscaled:
+        if plain and self.warn_unscaled:
             self.warn_unscaled = False  # once
             warnings.warn(
                 "a backward outside opt.backward(loss) with FP16 loss scaling: its loss is not "
