@@ -196,8 +196,17 @@ def _named_and_unsharded_optimizers() -> dict:
     opt = zeroshard.optimizer(model, torch.optim.SGD, model.named_parameters(), lr=0.1)
     first = _masters(model)["0.weight"].clone()
     _step(model, opt, 0)
-    return {"trained": not torch.equal(first, _masters(model)["0.weight"])}
+    try:
+        opt.state[model[0].weight]  # keyed by the rank's pieces: an error that says where to look
+        said = ""
+    except KeyError as exc:
+        said = str(exc)
+    return {
+        "trained": not torch.equal(first, _masters(model)["0.weight"]),
+        "state_by_param": "zeroshard.optimizer_state_dict(opt)" in said,
+    }
 
 
 def test_named_parameters_and_the_missing_optimizer_warning(workers2):
-    assert workers2.run(_named_and_unsharded_optimizers) == [{"trained": True}] * 2
+    expected = {"trained": True, "state_by_param": True}
+    assert workers2.run(_named_and_unsharded_optimizers) == [expected] * 2

@@ -103,6 +103,12 @@ class _States(Mapping):
         for m in self._maps:
             if key in m:  # never m[key]: torch's states are defaultdicts
                 return m[key]
+        if isinstance(key, torch.Tensor):
+            raise KeyError(
+                "opt.state is keyed by this rank's 1D pieces of the sharded parameters, not by "
+                "the model's parameters: zeroshard.optimizer_state_dict(opt) gives each "
+                "parameter's states by name (FSDP2's format; a collective)"
+            )
         raise KeyError(key)
 
     def __iter__(self) -> Iterator[Any]:
