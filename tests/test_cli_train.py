@@ -250,6 +250,12 @@ def test_a_finished_run_s_folder_is_resumed_or_left_alone(capsys, tmp_path, data
     # A fresh run into the same folder would mix its checkpoints with those.
     argv = ["train", *flags, "--out-dir", str(tmp_path)]
     _expect_usage_error(capsys, argv, "holds checkpoints of an earlier run", "--resume auto")
+    # A resume refused (a checkpoint of another model) leaves the folder's config as it was.
+    before = (tmp_path / "config.json").read_bytes()
+    other = [*flags, "--resume", "auto", "--steps", "3", "--preset", "tiny"]
+    assert main(["train", *other, "--out-dir", str(tmp_path)]) == 2
+    assert "another model" in capsys.readouterr().err
+    assert (tmp_path / "config.json").read_bytes() == before
     # Resumed with other settings: allowed, and said.
     more = [*flags, "--resume", "auto", "--steps", "3", "--lr", "0.01"]
     assert main(["train", *more, "--out-dir", str(tmp_path)]) == 0
@@ -455,6 +461,14 @@ def test_own_model_factory(capsys, tmp_path, model_module, data_dir):
         capsys, tmp_path / "nomatch", *flags, "--wrap", "NoSuchBlock"
     )
     assert code == 2 and "NoSuchBlock" in err and "MyBlock" in err, err
+    # Token ids beyond the model's embedding fail inside its forward: bad input, said so.
+    import numpy as np
+
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(4000, dtype=np.int64) % 1000)
+    flags = [*NANO, "--steps", "2", "--batch-size", "4", "--model", f"{model_module}:build"]
+    code, err, _, _ = _train_in_process(capsys, tmp_path / "oov", *flags, "--data", str(ids))
+    assert code == 2 and "a vocabulary of at least 1000" in err and "Traceback" not in err, err
 
 
 def test_hf_config(capsys, tmp_path, data_dir):

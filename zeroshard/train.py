@@ -99,7 +99,14 @@ def rank_memory_bytes(device: torch.device) -> int:
 
 def next_token_loss(model, x_BT: torch.Tensor, y_BT: torch.Tensor, vocab_size: int):
     """Mean cross-entropy (nats per token, FP32) of the model's logits against ``y_BT``."""
-    logits_BTV = logits_of(model(x_BT))
+    try:
+        logits_BTV = logits_of(model(x_BT))
+    except IndexError as exc:  # an embedding smaller than the data's vocabulary, as a rule
+        raise ValueError(
+            f"the model's forward failed on this data's token ids (up to {int(x_BT.max())}, "
+            f"{vocab_size} in the data): {exc}; give the model a vocabulary of at least "
+            f"{vocab_size}"
+        ) from exc
     if logits_BTV.size(-1) < vocab_size:
         raise ValueError(
             f"the model's logits have {logits_BTV.size(-1)} entries per token but the data has "

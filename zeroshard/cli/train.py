@@ -222,12 +222,22 @@ def run(args: argparse.Namespace) -> int:
         check_divides(cfg, world)
     check_inputs(cfg, launch.worlds()[0], local_ranks=launch.nproc)
     cfg = _pin_resume(cfg)
+    saved = out / "config.json"
+    previous = saved.read_bytes() if cfg.resume and saved.is_file() else None
     if cfg.resume:
-        _say_changes(out / "config.json", cfg)
-    save_config(cfg, out / "config.json")
-    if not launch.elastic:
-        return _train_here(cfg, out)
-    return _launch(launch, out / "config.json")
+        _say_changes(saved, cfg)
+    save_config(cfg, saved)
+    refused = False  # bad input (exit 2): nothing was trained
+    try:
+        code = _train_here(cfg, out) if not launch.elastic else _launch(launch, saved)
+        refused = code == 2
+        return code
+    except USER_ERRORS:
+        refused = True
+        raise
+    finally:
+        if previous is not None and refused:
+            saved.write_bytes(previous)  # the folder's run is still the one it held
 
 
 _BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eval_batches",
