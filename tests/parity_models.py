@@ -265,7 +265,7 @@ def tp_parity(model, ref, opt, ref_opt, mesh, batches, loss_fn, clip: float = 0.
     parameter difference (split pieces gathered)."""
     import torch.distributed as dist
 
-    from zeroshard import tensor_parallel
+    from zeroshard import full_state_dict, tensor_parallel
 
     worst = 0.0
     for batch in batches:
@@ -285,7 +285,8 @@ def tp_parity(model, ref, opt, ref_opt, mesh, batches, loss_fn, clip: float = 0.
         total = loss.detach().clone()
         dist.all_reduce(total, group=mesh.group)
         worst = max(worst, abs(total.item() / mesh.world_size - ref_loss.item()))
-    whole = tensor_parallel.gather_tensor_parallel(model, model.state_dict(), mesh.tp_group)
+    full = full_state_dict(model, rank0_only=False)
+    whole = tensor_parallel.gather_tensor_parallel(model, full, mesh.tp_group)
     param = max((whole[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     return worst, param
 

@@ -151,7 +151,9 @@ def test_declared_ties_are_checked(trained, tmp_path):
     h0, h1 = "transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"
     with pytest.raises(ExportError, match="values differ"):
         export_safetensors(path, tmp_path / "b", tied={h1: h0})
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing written
+    with pytest.raises(ExportError, match="lm_head.wieght is not in .*fix or drop that --tie"):
+        export_safetensors(path, tmp_path / "c", tied={"lm_head.wieght": "transformer.wte.weight"})
+    assert not any((tmp_path / d).exists() for d in "abc")  # nothing written
 
 
 def test_mistakes_are_one_line(trained, tmp_path, capsys):

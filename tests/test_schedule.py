@@ -18,8 +18,8 @@ def test_warmup_is_linear_to_the_peak(schedule):
 
 
 def test_cosine_linear_and_constant_after_warmup():
-    kw = dict(peak_lr=2.0, total_steps=110, warmup_steps=10)
-    # Halfway through the decay (step 60 of 10..110): cosine and linear both at the midpoint.
+    kw = dict(peak_lr=2.0, total_steps=111, warmup_steps=10)
+    # Halfway through the decay (step 60 of 10..110, the last): both at the midpoint.
     mid = 2.0 * (0.1 + 0.9 * 0.5)
     assert lr_at(60, schedule="cosine", **kw) == pytest.approx(mid)
     assert lr_at(60, schedule="linear", **kw) == pytest.approx(mid)
@@ -27,7 +27,7 @@ def test_cosine_linear_and_constant_after_warmup():
     quarter_cos = 2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
     assert lr_at(35, schedule="cosine", **kw) == pytest.approx(quarter_cos)
     assert lr_at(35, schedule="linear", **kw) == pytest.approx(2.0 * (0.1 + 0.9 * 0.75))
-    for schedule in ("cosine", "linear"):  # a tenth of the peak at the end and after it
+    for schedule in ("cosine", "linear"):  # a tenth of the peak at the last step and after it
         assert lr_at(110, schedule=schedule, **kw) == pytest.approx(0.2)
         assert lr_at(500, schedule=schedule, **kw) == pytest.approx(0.2)
     assert {lr_at(s, schedule="constant", **kw) for s in range(10, 200, 7)} == {2.0}

@@ -453,3 +453,50 @@ def test_dcp_from_stage_1_to_stage_3_on_four_ranks(workers2, workers4, tmp_path)
     reference = workers2.run(_dcp_save, path, 1)[0]
     for r in workers4.run(_dcp_load, path, 3):
         _same_run(reference, r)
+
+
+def _wrapped_and_twice() -> dict:
+    """torch's ``checkpoint_wrapper`` applied before ``shard`` (its state-dict hooks drop the
+    wrapper from the keys: the state dict held NaN placeholders and loads were refused); a
+    part of a sharded model sharded again is refused; an optimizer state dict naming
+    parameters the model lacks is an error (nothing was loaded, without a word)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)])
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Sequential))
+    model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(nn.Linear))
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    out = {"same": sorted(full) == sorted(ref) and all(torch.equal(full[k], ref[k]) for k in ref)}
+    out["load"] = str(model.load_state_dict({k: v * 2 for k, v in ref.items()}))
+    out["loaded"] = torch.equal(
+        zeroshard.full_state_dict(model, rank0_only=False)["0.0.weight"], 2 * ref["0.0.weight"]
+    )
+    said = []
+    for again in (model[0], model[0]._checkpoint_wrapped_module[0]):
+        try:
+            zeroshard.shard(again)
+        except ValueError as exc:
+            said.append(str(exc))
+    out["twice"] = said
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    sd = opt.state_dict()
+    sd["state"] = {"module." + k: v for k, v in sd["state"].items()}
+    try:
+        opt.load_state_dict(sd)
+        out["unknown"] = "loaded"
+    except ValueError as exc:
+        out["unknown"] = str(exc)
+    return out
+
+
+def test_checkpoint_wrapped_models_sharding_twice_and_unknown_optimizer_keys(workers2):
+    for out in workers2.run(_wrapped_and_twice):
+        assert out["same"] and out["loaded"], out
+        assert out["load"] == "<All keys matched successfully>", out
+        assert len(out["twice"]) == 2, out
+        assert all("part of a sharded model already" in s for s in out["twice"]), out
+        assert "names 4 parameter(s) the model does not have" in out["unknown"], out

@@ -117,6 +117,13 @@ def _refusals() -> dict:
         out["world_mesh"] = "no error"
     except ValueError as e:
         out["world_mesh"] = str(e)
+    sharded = zeroshard.shard(tensor_parallel.parallelize(GPT(CFG), device_mesh), mesh=mesh)
+    for name, fn in {"state_dict": sharded.state_dict}.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
     return out
 
 
@@ -133,6 +140,8 @@ def test_what_tensor_parallelism_cannot_do_is_refused_with_the_fix(workers4):
         assert "there are none (tp=1)" in r["pa_without_tp"], r
         assert "partition_activations with a sequence-parallel model" in r["pa_with_sp"], r
         assert "split tensor-parallel, and the mesh has no tensor-parallel dim" in r["world_mesh"]
+        # DTensors over the data-parallel ranks would call a tp rank's piece the whole tensor
+        assert "model.state_dict() of a tensor-parallel model (tp=2)" in r["state_dict"], r
 
 
 def _hybrid(stage: int) -> dict:

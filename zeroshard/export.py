@@ -201,24 +201,31 @@ def _read(reader_path: Path, names: list[str], entries) -> dict[str, torch.Tenso
     return model
 
 
-def _check_tied(path: Path, pairs: dict[str, str], entries) -> dict[str, str]:
-    """The declared pairs present in the checkpoint, each checked equal to its source."""
+def _check_tied(path: Path, pairs: dict[str, str], entries, *, explicit: bool) -> dict[str, str]:
+    """The declared pairs present in the checkpoint, each checked equal to its source; pairs
+    given ``explicit``-ly (``tied=``, ``--tie``) must name tensors it holds."""
     found = {}
     for alias, source in pairs.items():
-        if alias not in entries or source not in entries or alias == source:
+        unknown = [n for n in (alias, source) if n not in entries]
+        if explicit and unknown:
+            raise ExportError(
+                f"tied pair {alias}={source}: {unknown[0]} is not in {path} (names such as "
+                f"{next(iter(entries))}); fix or drop that --tie"
+            )
+        if unknown or alias == source:
             continue
         if entries[alias][0] != entries[source][0]:
             raise ExportError(
                 f"{alias} {tuple(entries[alias][0])} is declared tied to {source} "
                 f"{tuple(entries[source][0])} but their shapes differ in {path}; do not tie them "
-                "(set tie_word_embeddings=False or pass tied={})"
+                "(drop --tie, or set tie_word_embeddings=False in the config)"
             )
         both = _read(path, [alias, source], entries)
         if not torch.equal(both[alias], both[source].to(both[alias].dtype)):
             raise ExportError(
                 f"{alias} is declared tied to {source} but their values differ in {path}; "
-                "storing one would change the model: do not tie them (set "
-                "tie_word_embeddings=False or pass tied={})"
+                "storing one would change the model: do not tie them (drop --tie, or set "
+                "tie_word_embeddings=False in the config)"
             )
         found[alias] = source
     return found
@@ -272,7 +279,7 @@ def export_safetensors(
     config = _load_config(config)
     _check_config(config, entries)
     declared = dict(tied) if tied is not None else _config_tied(config)
-    dropped = _check_tied(path, declared, entries)
+    dropped = _check_tied(path, declared, entries, explicit=tied is not None)
 
     def out_dtype(saved: torch.dtype) -> torch.dtype:
         return cast if cast is not None and saved.is_floating_point else saved

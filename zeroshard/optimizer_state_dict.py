@@ -40,6 +40,7 @@ from zeroshard.state_dict import (
     _full_value,
     _gather_flat,
     device_mesh,
+    refuse_split_pieces,
 )
 
 if TYPE_CHECKING:
@@ -151,6 +152,8 @@ def optimizer_state_dict(opt: ShardedOptimizer, *, local: bool = False) -> dict[
     at learning rate 0, as torch does), so the dict is a complete template. A collective: every
     rank calls it (one flat buffer per state key is gathered at a time)."""
     engine = opt.engine
+    if not local:
+        refuse_split_pieces(engine, "opt.state_dict()")
     model = engine.model
     mesh = device_mesh(engine)
     fresh = _init_states(opt)
@@ -301,6 +304,16 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
     first = _first_names(model)
     all_names = _all_names(model)
     saved_state: dict[str, dict[str, Any]] = state_dict.get("state", {})
+    known = {n for names in all_names.values() for n in names}
+    unknown = [k for k in saved_state if k not in known]
+    if unknown:  # else nothing would be loaded for them, without a word
+        raise ValueError(
+            f"the optimizer state dict names {len(unknown)} parameter(s) the model does not "
+            f"have, e.g. {unknown[0]!r} (keys are the model's parameter names, as "
+            "opt.state_dict() and zeroshard.optimizer_state_dict give; torch's "
+            "get_optimizer_state_dict / set_optimizer_state_dict do not apply to a zeroshard "
+            "optimizer: use opt.state_dict() / opt.load_state_dict())"
+        )
     for g, saved in zip(opt.param_groups, _match_groups(opt, state_dict["param_groups"], first)):
         for k, v in saved.items():
             if k not in ("params", "param_names") and k not in _IMPL_KEYS:

@@ -28,8 +28,8 @@ def lr_at(
 
     Steps ``0 .. warmup_steps - 1`` rise linearly to ``peak_lr`` (step ``i`` gets
     ``peak_lr * (i + 1) / warmup_steps``); after it ``schedule`` takes over: ``cosine`` and
-    ``linear`` reach ``peak_lr * final_fraction`` at ``total_steps`` and stay there, ``constant``
-    stays at ``peak_lr``.
+    ``linear`` reach ``peak_lr * final_fraction`` at the last step, ``total_steps - 1``, and stay
+    there, ``constant`` stays at ``peak_lr``.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown lr schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -37,7 +37,7 @@ def lr_at(
         return peak_lr * (step + 1) / warmup_steps
     if schedule == "constant":
         return peak_lr
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps))
     if schedule == "cosine":
         shape = 0.5 * (1 + math.cos(math.pi * progress))  # 1 -> 0
     else:

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_SHARDED = "_zeroshard_sharded"
+"""Set on each parameter of a sharded model: sharding a part of it again is refused."""
+
 
 def shard(
     model: nn.Module,
@@ -94,6 +97,20 @@ def shard(
         raise ValueError(
             f"{type(model).__name__} is already sharded; shard a model once (build a new one "
             "to change the stage or wrap policy)"
+        )
+    inner = next((n for n, m in model.named_modules() if hasattr(m, _ATTR)), None)
+    if inner is not None or any(hasattr(p, _SHARDED) for p in model.parameters()):
+        where = f"its submodule {inner!r} is" if inner else "its parameters are"
+        raise ValueError(
+            f"{type(model).__name__} cannot be sharded: {where} part of a sharded model "
+            "already. Shard the whole model once, with a wrap policy for its blocks "
+            "(zeroshard.wrap.by_class(Block)), not submodules one by one as with FSDP2"
+        )
+    if any(type(p.data).__name__ == "DTensor" for p in model.parameters()):
+        raise ValueError(
+            "the model holds DTensor parameters (torch's parallelize_module or fully_shard "
+            "ran on it): zeroshard shards plain parameters; split a model tensor-parallel with "
+            "zeroshard.tensor_parallel (zeroshard train --tp N) instead"
         )
     devices = {p.device for p in model.parameters()} - {torch.device("meta")}
     if len(devices) > 1:
@@ -212,6 +229,8 @@ def shard(
     for module in model.modules():
         module.__deepcopy__ = _refuse_deepcopy
     setattr(model, _ATTR, engine)
+    for p in model.parameters():
+        setattr(p, _SHARDED, True)
     if engine.partition.parameters:
         # Every rank must run every forward (each gathers with the others): transformers'
         # generate() then keeps ranks that finished early stepping (synced_gpus), as it does

@@ -157,18 +157,37 @@ def _is_dtensor(value: Any) -> bool:
     return module is not None and isinstance(value, module.DTensor)
 
 
+_WRAPPED = "_checkpoint_wrapped_module."
+"""What torch's ``checkpoint_wrapper`` inserts into parameter names and its own state-dict hooks
+take out of the keys (``get_state_dict`` does alike): names here are the keys' names."""
+
+
 def _all_names(model: nn.Module) -> dict[int, list[str]]:
     """Every name each parameter is registered under (tied parameters have several), keyed by
     ``id``, in ``state_dict`` order."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+        names.setdefault(id(p), []).append(name.replace(_WRAPPED, ""))
     return names
 
 
 def _first_names(model: nn.Module) -> dict[int, str]:
     """Each parameter's first name, as ``get_optimizer_state_dict`` keys optimizer states."""
-    return {id(p): name for name, p in model.named_parameters()}
+    return {id(p): name.replace(_WRAPPED, "") for name, p in model.named_parameters()}
+
+
+def refuse_split_pieces(engine: Engine, what: str) -> None:
+    """A ValueError for a state dict of DTensors over the data-parallel mesh of a
+    tensor-parallel model: each would hold a tp rank's piece with the piece's shape as the
+    global one, and ``dcp.save`` would keep one tp rank's pieces for all, silently."""
+    if engine.mesh.tp_size > 1:
+        raise ValueError(
+            f"{what} of a tensor-parallel model (tp={engine.mesh.tp_size}) would hold each tp "
+            "rank's pieces as whole tensors: save with zeroshard.checkpoint.save (the unsplit "
+            "model, loadable at any tp), or gather plain tensors with zeroshard.tensor_parallel."
+            "gather_tensor_parallel(model, zeroshard.full_state_dict(model, rank0_only=False), "
+            "tp_group)"
+        )
 
 
 def _flat_source(flat: FlatParam) -> torch.Tensor:
@@ -240,6 +259,8 @@ class _Hooks:
         engine.adopt_writes()
         names = _all_names(module)
         keep = True  # whether this rank returns the entries it cuts
+        if self.full is None and not self.local:
+            refuse_split_pieces(engine, "model.state_dict()")
         if self.full is None:
             mesh = device_mesh(engine)
             convert = lambda t, dtype: _as_sharded(t, mesh, dtype)  # noqa: E731
@@ -327,7 +348,7 @@ class _Hooks:
 
     def load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
         missing = incompatible_keys.missing_keys
-        missing[:] = [k for k in missing if k not in self.consumed]
+        missing[:] = [k for k in missing if k.replace(_WRAPPED, "") not in self.consumed]
         self.consumed = set()
         if self.ranges_loaded:  # the compute copies follow the masters read in place
             self.ranges_loaded = False
