@@ -638,6 +638,20 @@ def _another_optimizer(base: str) -> str:
     return "loaded"
 
 
+def _without_optimizer(base: str) -> str:
+    model = _model(1, "fp32")
+    try:
+        checkpoint.save(base, model, None)
+    except TypeError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_checkpoint_needs_the_model_s_optimizer(workers2, tmp_path):
+    for said in workers2.run(_without_optimizer, str(tmp_path / "ckpt")):
+        assert "pass the zeroshard.optimizer(model, ...) of this model (got NoneType)" in said
+
+
 def test_a_checkpoint_of_another_optimizer_is_a_one_line_error(workers2, tmp_path):
     for message in workers2.run(_another_optimizer, str(tmp_path / "ckpt")):
         assert "does not fit this model and optimizer" in message, message

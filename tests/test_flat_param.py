@@ -169,12 +169,13 @@ def _summon_without_writeback_nested(stage: int) -> dict:
         model[0].weight.add_(1.0)
     after = _masters(model)
     model(torch.randn(2, WIDTH)).square().mean().backward()
-    try:
-        with zeroshard.summon_full_params(model, writeback=False):
-            opt.step()
-        refused = ""
-    except ValueError as exc:
-        refused = str(exc)
+    refused = []
+    for inside in (opt.step, lambda: model.load_state_dict(before)):
+        try:
+            with zeroshard.summon_full_params(model, writeback=False):
+                inside()
+        except ValueError as exc:
+            refused.append(str(exc))
     return {"undone": all(torch.equal(before[k], after[k]) for k in before), "refused": refused}
 
 
@@ -182,7 +183,9 @@ def _summon_without_writeback_nested(stage: int) -> dict:
 def test_writes_inside_an_inner_summon_without_writeback_are_undone(workers2, stage):
     for out in workers2.run(_summon_without_writeback_nested, stage):
         assert out["undone"], out
-        assert out["refused"].startswith("optimizer.step() inside summon_full_params"), out
+        step, load = out["refused"]
+        assert step.startswith("optimizer.step() inside summon_full_params"), out
+        assert load.startswith("load_state_dict inside summon_full_params"), out
 
 
 def _named_and_unsharded_optimizers() -> dict:

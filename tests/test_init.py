@@ -86,3 +86,59 @@ def test_fingerprint_tells_shapes_apart():
 
     assert fingerprint(model) == fingerprint(copy.deepcopy(model))
     assert fingerprint(model) != fingerprint(nn.Linear(2, 3))
+
+
+class _SharedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class _SharedNet(nn.Module):
+    """A weight shared by the first and last block (their biases are not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_SharedBlock() for _ in range(3)])
+        self.blocks[2].lin.weight = self.blocks[0].lin.weight
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _meta_shared_weight(stage: int, bucket_bytes: int) -> dict:
+    """A meta model whose weight two units share: the module holding it is initialized again
+    for the second unit (its bias), which wrote over the shared weight, sharded already
+    (stage 3: refused write; stages 0-2: each rank's own values after the broadcast)."""
+    with torch.device("meta"):
+        model = _SharedNet()
+    calls = []
+
+    def init_fn(module: nn.Module) -> None:
+        calls.append(module)
+        torch.manual_seed(1000 + 7 * dist.get_rank() + len(calls))  # ranks differ on purpose
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    config = zeroshard.ShardConfig(bucket_bytes=bucket_bytes)
+    model = zeroshard.shard(
+        model, stage=stage, wrap=zeroshard.wrap.by_class(_SharedBlock), param_init_fn=init_fn,
+        config=config,
+    )  # fmt: skip
+    out = model(torch.ones(2, 8)).detach()
+    every = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, out)
+    return {"same_on_every_rank": all(torch.equal(every[0], o) for o in every)}
+
+
+@pytest.mark.parametrize("stage,bucket_bytes", [(3, 25 << 20), (0, 1), (2, 1)])
+def test_a_weight_shared_by_two_meta_units_is_initialized_once(workers2, stage, bucket_bytes):
+    assert (
+        workers2.run(_meta_shared_weight, stage, bucket_bytes) == [{"same_on_every_rank": True}] * 2
+    )

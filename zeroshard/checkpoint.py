@@ -123,9 +123,16 @@ class CheckpointInfo:
     """Bytes of every file in the folder."""
 
 
-def _group(model) -> dist.ProcessGroup | None:
+def _group(model, optimizer) -> dist.ProcessGroup | None:
     """The ranks a checkpoint of ``model`` is a collective of: the data-parallel group, or the
-    whole job when the model is also split tensor-parallel (each rank holds parts of its own)."""
+    whole job when the model is also split tensor-parallel (each rank holds parts of its own).
+    A checkpoint is of a model and its optimizer both."""
+    if getattr(optimizer, "engine", None) is not engine_of(model):
+        raise TypeError(
+            "a checkpoint holds a sharded model and its optimizer: pass the "
+            f"zeroshard.optimizer(model, ...) of this model (got {type(optimizer).__name__}); "
+            "for weights alone use zeroshard.full_state_dict(model) or model.state_dict()"
+        )
     mesh = engine_of(model).mesh
     return None if mesh.tp_size > 1 else mesh.group
 
@@ -233,7 +240,7 @@ def save(
     for key, value in extra.items():  # schedulers and other stateful objects: their state
         if callable(getattr(value, "state_dict", None)):
             extra[key] = value.state_dict()
-    group = _group(model)
+    group = _group(model, optimizer)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     own = {
         "rank": rank,
@@ -515,7 +522,7 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
     A collective: every rank of the model's group calls it.
     """
     wait()  # this process's asynchronous save in flight, if any
-    group = _group(model)
+    group = _group(model, optimizer)
     rank = dist.get_rank(group)
     path = Path(path).absolute()
     meta = _read_meta(path)

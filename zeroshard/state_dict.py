@@ -307,6 +307,12 @@ class _Hooks:
         error_msgs: list[str],
     ) -> None:
         engine = self.engine
+        if engine.discarding:
+            raise ValueError(
+                "load_state_dict inside summon_full_params(model, writeback=False), which undoes "
+                "writes on exit: whether the load should be undone too is ambiguous; load "
+                "outside it"
+            )
         engine.adopt_writes()
         names = _all_names(module)
         self.consumed = set()

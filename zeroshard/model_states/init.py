@@ -34,6 +34,7 @@ class Materializer:
     ) -> None:
         self.device, self.param_init_fn = device, param_init_fn
         self._owners: dict[int, nn.Module] = {}  # id(param) -> first registering module
+        self._done: set[int] = set()  # id(param) of parameters initialized here
         for module in model.modules():
             for p in module.parameters(recurse=False):
                 self._owners.setdefault(id(p), module)
@@ -54,6 +55,21 @@ class Materializer:
         for name, b in module.named_buffers(recurse=False):
             if b.device == META:
                 module._buffers[name] = torch.empty_like(b, device=self.device)
+        # A parameter this module shares with a unit built before was initialized (and sharded)
+        # with it: the init below runs on a scratch stand-in, so it is initialized once only.
+        done = {
+            n: p for n, p in module._parameters.items() if p is not None and id(p) in self._done
+        }
+        for name, p in done.items():
+            scratch = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+            module._parameters[name] = nn.Parameter(scratch, p.requires_grad)
+        try:
+            self._run_init(module)
+        finally:
+            module._parameters.update(done)
+        self._done.update(id(p) for p in module.parameters(recurse=False))
+
+    def _run_init(self, module: nn.Module) -> None:
         with torch.no_grad():
             if self.param_init_fn is not None:
                 self.param_init_fn(module)
