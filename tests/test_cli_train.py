@@ -381,7 +381,7 @@ def test_lr_schedule(capsys, tmp_path, schedule, data_dir):
     ]
     assert got == pytest.approx(want)
     assert got[:2] == pytest.approx([0.005, 0.01])
-    assert got[-1] == pytest.approx(0.01 if schedule == "constant" else 0.01 * (0.1 + 0.9 / 4))
+    assert got[-1] == pytest.approx(0.01 if schedule == "constant" else 0.001)  # lr/10, last
 
 
 MODEL_FILE = '''
