@@ -4,6 +4,7 @@ field, the value and what is allowed, exit status 2, before any process starts (
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -147,3 +148,29 @@ def test_example_configs_are_valid():
     assert examples
     for path in examples:
         assert isinstance(load_config(path, {}), TrainConfig), path
+
+
+@pytest.mark.parametrize(
+    ("config", "needles"),
+    [
+        (
+            {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 30,
+             "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 256},
+            ["transformers refuses this config", "hidden size (30) is not a multiple"],
+        ),
+        (
+            {"model_type": "bert", "num_hidden_layers": 1, "hidden_size": 32,
+             "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 256},
+            ["attends both ways", '"is_decoder": true'],
+        ),
+    ],
+)  # fmt: skip
+def test_hf_configs_transformers_refuses_or_that_see_ahead(capsys, tmp_path, config, needles):
+    """Checked before launch: transformers' own validation (it raised a class of its own on
+    every rank, a traceback), and an encoder config that would train on next tokens it sees."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    err = _one_line_error(capsys, ["train", "--hf", str(path), "--out-dir", str(tmp_path)])
+    for needle in needles:
+        assert needle in err, err

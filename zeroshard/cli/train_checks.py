@@ -11,7 +11,7 @@ from pathlib import Path
 from zeroshard.cli.main import UsageError
 from zeroshard.data import BatchLoader
 from zeroshard.models.gpt import PRESETS
-from zeroshard.models.loading import hf_context_len, import_factory, read_hf_config
+from zeroshard.models.loading import hf_config, hf_context_len, import_factory, read_hf_config
 from zeroshard.residual_states.host_heap import memory_available_bytes
 from zeroshard.run_log import tensorboard_available
 from zeroshard.tokens import check_data_path, load_tokenizer
@@ -31,6 +31,7 @@ def check_inputs(cfg: TrainConfig, nproc: int, local_ranks: int | None = None) -
         import_factory(cfg.model)
     if cfg.hf:
         context = hf_context_len(read_hf_config(cfg.hf))
+        hf_config(cfg.hf)  # transformers' own checks, here rather than on every rank
         if context is not None and cfg.seq_len > context:
             raise UsageError(
                 f"seq_len = {cfg.seq_len} exceeds the {context} positions of {cfg.hf}; pass "

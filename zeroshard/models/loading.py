@@ -132,12 +132,36 @@ def _build_hf(path: str, vocab_size: int) -> nn.Module:
             f"hf = {path!r}: vocab_size {config['vocab_size']} is smaller than the data's "
             f"{vocab_size}; raise vocab_size in the config or pass a matching --tokenizer"
         )
+    config = hf_config(path)  # (first: it says when transformers is missing)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+_ENCODERS = ("bert", "roberta", "xlm-roberta", "electra", "camembert", "ernie", "rembert")
+"""Encoder families whose causal-LM class attends both ways unless ``is_decoder`` is set."""
+
+
+def hf_config(path: str) -> Any:
+    """The ``transformers`` config of an ``--hf`` file, validated by transformers; a ValueError
+    naming the problem when it refuses it, or when it would build a model that sees the next
+    token (an encoder without ``is_decoder``: next-token training would be no such thing)."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
     except ImportError as exc:
         raise ValueError(f"--hf needs transformers ({exc}); pip install transformers") from None
-    hf_config = AutoConfig.from_pretrained(path)
-    return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers' validators raise classes of their own
+        said = " ".join(line.strip() for line in str(exc).splitlines()) or type(exc).__name__
+        raise ValueError(f"hf = {path!r}: transformers refuses this config: {said}") from None
+    if config.model_type in _ENCODERS and not getattr(config, "is_decoder", False):
+        raise ValueError(
+            f"hf = {path!r}: a {config.model_type} config builds an encoder that attends both "
+            "ways, so next-token training would let each position see the token it predicts; "
+            'set "is_decoder": true in the config (a causal decoder), or train a decoder model'
+        )
+    return config
 
 
 def logits_of(output: Any) -> torch.Tensor:
