@@ -222,3 +222,24 @@ def test_cli_subprocess(trained, tmp_path):
     index = json.loads((tmp_path / "sharded" / INDEX_FILE).read_text())
     assert set(index["weight_map"]) == set(full) - {"lm_head.weight"}
     assert "lm_head.weight: tied to transformer.wte.weight" in second
+
+
+def _save_large(path: str) -> None:
+    torch.manual_seed(0)
+    model = zeroshard.shard(torch.nn.Sequential(torch.nn.Linear(4, 4)), stage=0)
+    with torch.no_grad(), zeroshard.summon_full_params(model):
+        model[0].weight[0, 0] = 1e6  # beyond fp16's 65504
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    checkpoint.save(path, model, opt)
+
+
+def test_a_value_beyond_the_export_dtype_is_an_error(workers1, tmp_path):
+    """fp16 ends at 65504: a cast that makes inf of a finite weight is refused, not written."""
+    path = tmp_path / "ckpt"
+    workers1.run(_save_large, str(path))
+    with pytest.raises(
+        ExportError, match="0.weight does not fit in torch.float16: values up to 1e"
+    ):
+        export_safetensors(path, tmp_path / "out", dtype="fp16")
+    assert not list((tmp_path / "out").glob("*.safetensors"))
+    assert export_safetensors(path, tmp_path / "bf16", dtype="bf16").files

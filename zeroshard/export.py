@@ -231,6 +231,11 @@ def _check_tied(path: Path, pairs: dict[str, str], entries, *, explicit: bool) -
     return found
 
 
+def _overflows(cast: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether casting made inf of finite values (fp16's range ends at 65504)."""
+    return cast.is_floating_point() and bool((torch.isinf(cast) & torch.isfinite(saved)).any())
+
+
 def _plan_shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     used = 0
@@ -299,6 +304,13 @@ def export_safetensors(
         for name in names:
             t = tensors[name]
             tensors[name] = t.to(out_dtype(t.dtype)).contiguous()
+            if tensors[name].dtype != t.dtype and _overflows(tensors[name], t):
+                for written in weight_map.values():
+                    (out / written).unlink(missing_ok=True)
+                raise ExportError(
+                    f"{name} does not fit in {tensors[name].dtype}: values up to "
+                    f"{t.abs().max().item():.3g} become inf; export with --dtype bf16 or as saved"
+                )
         tmp = out / (file + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, out / file)
