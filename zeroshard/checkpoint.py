@@ -33,7 +33,8 @@ existing checkpoint at ``path`` is first renamed to ``<path>.old-<random>`` and 
 after the new one is in place: a crash leaves either the old or the new checkpoint whole (or,
 between the two renames, the old one under its ``.old-`` name, which ``load`` points to).
 ``keep=K``: when ``path``'s name ends in digits (``step-000100``), complete sibling checkpoints
-of the same prefix beyond the newest K (by number) are removed; ``keep=None`` keeps all.
+of the same prefix beyond the newest K (by number) are removed, and so are ``.tmp-`` folders of
+saves that died before their rename; ``keep=None`` keeps all.
 
 ``load`` compares the checkpoint's parameter names and shapes with the model's, then loads
 through DCP (resharding to the current world size and stage) with the reader of

@@ -132,14 +132,20 @@ def publish(tmp: Path, path: Path) -> None:
 
 
 def prune(path: Path, keep: int) -> None:
-    """Remove complete numbered siblings of ``path`` beyond the newest ``keep`` (never ``path``)."""
+    """Remove complete numbered siblings of ``path`` beyond the newest ``keep`` (never ``path``),
+    and the ``.tmp-`` folders of saves of the same prefix that died before their rename (a
+    killed rank: the run's saves go one at a time, so none is in flight once ``path`` is in
+    place)."""
     match = NUMBERED.match(path.name)
     if match is None:
         return
     numbered = []
     for sibling in path.parent.iterdir():
-        m = NUMBERED.match(sibling.name)
-        if m and m["prefix"] == match["prefix"] and (sibling / META_FILE).is_file():
+        stem, dead, _ = sibling.name.partition(".tmp-")
+        m = NUMBERED.match(stem)
+        if m and m["prefix"] == match["prefix"] and dead:
+            shutil.rmtree(sibling, ignore_errors=True)
+        elif m and m["prefix"] == match["prefix"] and (sibling / META_FILE).is_file():
             numbered.append((int(m["num"]), sibling))
     numbered.sort()
     for _, sibling in numbered[: max(0, len(numbered) - keep)]:
