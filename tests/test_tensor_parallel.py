@@ -95,6 +95,8 @@ def _refusals() -> dict:
             GPT(GPTConfig(n_layer=1, n_embd=24, n_head=3, block_size=8)), device_mesh
         ),
         "divides": lambda: tensor_parallel.mesh_2d(3),
+        "unpaired": lambda: tensor_parallel.plan_for(_with_plan({"2": "colwise"}), 2),
+        "unfed": lambda: tensor_parallel.plan_for(_with_plan({"0": "rowwise"}), 2),
         "meta": lambda: tensor_parallel.parallelize(_meta_gpt(), device_mesh),
         "pa_without_tp": lambda: zeroshard.shard(
             GPT(CFG), config=zeroshard.ShardConfig(checkpoint_every=1, partition_activations=True)
@@ -127,6 +129,12 @@ def _refusals() -> dict:
     return out
 
 
+def _with_plan(plan: dict) -> nn.Module:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    model.tp_plan = plan
+    return model
+
+
 def _meta_gpt() -> GPT:
     with torch.device("meta"):
         return GPT(CFG)
@@ -136,6 +144,8 @@ def test_what_tensor_parallelism_cannot_do_is_refused_with_the_fix(workers4):
     for r in workers4.run(_refusals):
         assert "n_head=3 does not split in tp=2" in r["heads"], r
         assert "tp=3 does not divide the world size 4" in r["divides"], r
+        assert "2 is colwise with no rowwise layer after it" in r["unpaired"], r
+        assert "0 is rowwise with no colwise layer before it" in r["unfed"], r
         assert "needs materialized parameters" in r["meta"], r
         assert "there are none (tp=1)" in r["pa_without_tp"], r
         assert "partition_activations with a sequence-parallel model" in r["pa_with_sp"], r

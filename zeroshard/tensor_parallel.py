@@ -224,7 +224,33 @@ def plan_for(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> d
                 f"tensor-parallel plan entry {pattern!r} matches no module of "
                 f"{type(model).__name__}; fix the plan (names as in named_modules())"
             )
+    _check_pairs(plan, list(modules))
     return plan
+
+
+def _check_pairs(plan: dict, order: list[str]) -> None:
+    """Every colwise Linear must meet a rowwise one later in module order, and every rowwise
+    one a colwise before it (Megatron's pairs): a colwise one left alone would end the model
+    on 1/tp of its features, a rowwise one alone would sum unsplit inputs tp times."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    open_col = None
+    for name in (n for n in order if n in plan):
+        if isinstance(plan[name], ColwiseParallel):
+            open_col = open_col or name
+        elif open_col is None:
+            raise ValueError(
+                f"tensor-parallel plan: {name} is rowwise with no colwise layer before it; "
+                "its input would not be split. Pair it with the colwise layer that feeds it"
+            )
+        else:
+            open_col = None
+    if open_col is not None:
+        raise ValueError(
+            f"tensor-parallel plan: {open_col} is colwise with no rowwise layer after it, so "
+            "its output would stay split (1/tp of its features); add the rowwise layer that "
+            "consumes it, or drop the entry"
+        )
 
 
 def _declared_plan(model: nn.Module) -> tuple[dict[str, str], str]:
