@@ -811,3 +811,10 @@ def test_a_preset_too_big_to_build_in_full_asks_for_meta_init(
     _expect_usage_error(capsys, argv, "preset 'nano'", "--meta-init true")
     code, err, _, _ = _train_in_process(capsys, tmp_path / "meta", *flags, "--meta-init", "true")
     assert code == 0, err
+
+
+def test_precision_auto_says_what_it_chose(capsys, tmp_path, data_dir):
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1", "--batch-size", "2"]
+    code, err, _, summary = _train_in_process(capsys, tmp_path, *flags, "--precision", "auto")
+    assert code == 0, err
+    assert summary["precision"] in ("bf16 (auto)", "fp32 (auto)"), summary

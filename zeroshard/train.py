@@ -88,6 +88,12 @@ def load_data(cfg: TrainConfig) -> TokenData:
     return TokenData(corpus.train, corpus.val, BYTE_VOCAB_SIZE, f"stdlib corpus {corpus.path}")
 
 
+def _precision_name(asked: str, policy: object) -> str:
+    """What ``asked`` ("auto" included) became: the preset name of ``policy``."""
+    names = [n for n, p in zeroshard.precision.PRESETS.items() if p == policy]
+    return f"{names[0]} (auto)" if asked == "auto" and names else asked
+
+
 def rank_memory_bytes(device: torch.device) -> int:
     """This rank's memory now: bytes allocated on the accelerator (CUDA, XPU, NPU), or the
     process's resident set on CPU."""
@@ -198,9 +204,9 @@ def train(cfg: TrainConfig) -> dict:
                 "ClassName (e.g. its transformer block)",
                 stacklevel=2,
             )
+        policy = zeroshard.precision.resolve(cfg.precision, device)
         model = zeroshard.shard(
-            built.module, stage=cfg.stage, wrap=wrap,
-            mixed_precision=zeroshard.precision.resolve(cfg.precision, device),
+            built.module, stage=cfg.stage, wrap=wrap, mixed_precision=policy,
             config=zeroshard.ShardConfig(
                 checkpoint_every=cfg.checkpoint_every,
                 partition_activations=cfg.partition_activations,
@@ -228,7 +234,7 @@ def train(cfg: TrainConfig) -> dict:
         summary = {
             "model": built.name, "num_params": num_params, "num_units": num_units,
             "stage": cfg.stage, "ranks": dist.get_world_size(), "tp": cfg.tp,
-            "precision": cfg.precision,
+            "precision": _precision_name(cfg.precision, policy),
             "grad_accum": cfg.grad_accum, "steps": cfg.steps, "data": data.source,
             "vocab_size": data.vocab_size,
         }  # fmt: skip
