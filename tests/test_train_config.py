@@ -174,3 +174,22 @@ def test_hf_configs_transformers_refuses_or_that_see_ahead(capsys, tmp_path, con
     err = _one_line_error(capsys, ["train", "--hf", str(path), "--out-dir", str(tmp_path)])
     for needle in needles:
         assert needle in err, err
+
+
+def test_model_states_beyond_the_node_s_memory_are_refused(capsys, tmp_path, monkeypatch):
+    """3b at stage 3 on 2 ranks keeps 16 bytes per parameter in memory (47 GB): refused before
+    launch (it passed, and the kernel killed a rank two minutes later); with every state on
+    NVMe it is not."""
+    from zeroshard.cli import train_checks
+
+    monkeypatch.setattr(train_checks, "memory_available_bytes", lambda: 30 * 10**9)
+    monkeypatch.setattr(train_checks, "_check_eager_build_fits", lambda *a: None)
+    argv = ["train", "--preset", "3b", "--nproc", "2", "--out-dir", str(tmp_path)]
+    err = _one_line_error(capsys, argv)
+    assert "keeps 47.2 GB of model states" in err and "--offload-optimizer nvme" in err, err
+    train_checks._check_states_fit(
+        train_checks.TrainConfig(preset="3b", stage=3, offload_optimizer="nvme",
+                                 offload_gradients="nvme", offload_params="nvme",
+                                 offload_folder=str(tmp_path / "swap")),
+        2, 2,
+    )  # fmt: skip

@@ -39,6 +39,7 @@ def check_inputs(cfg: TrainConfig, nproc: int, local_ranks: int | None = None) -
             )
     _check_batches(cfg, nproc)
     _check_eager_build_fits(cfg, local_ranks or nproc)
+    _check_states_fit(cfg, nproc, local_ranks or nproc)
     if cfg.offload_folder is not None:
         _check_offload_folder(cfg.offload_folder)
     if cfg.log == "tensorboard" and not tensorboard_available():
@@ -61,6 +62,40 @@ def _check_eager_build_fits(cfg: TrainConfig, local_ranks: int) -> None:
             f"{need / 1e9:.1f} GB of FP32 weights, more than the {available / 1e9:.1f} GB of "
             "memory available; pass --meta-init true (each rank then initializes one unit at a "
             "time while sharding)"
+        )
+
+
+def _check_states_fit(cfg: TrainConfig, nproc: int, local_ranks: int) -> None:
+    """Training on the CPU, a preset's model states (weights, gradients, AdamW's states: 16
+    bytes per parameter, divided as the stage partitions them) that stay in memory must fit in
+    what this node has available, before launch: else the kernel kills a rank minutes later,
+    which the others report as a failed collective."""
+    import torch
+
+    from zeroshard.offload import Tier
+    from zeroshard.planner.memory import Placement, model_states
+
+    if cfg.model or cfg.hf or torch.accelerator.is_available():
+        return  # sizes known once built; an accelerator's memory is not the host's
+    tier = lambda where: Tier(where) if where else Tier.DEVICE  # noqa: E731
+    placement = Placement(
+        params=tier(cfg.offload_params),
+        grads=tier(cfg.offload_gradients),
+        optimizer_states=tier(cfg.offload_optimizer),
+    )
+    states = model_states(
+        PRESETS[cfg.preset].num_params(), stage=cfg.stage, num_dp_ranks=nproc // cfg.tp,
+        num_mp_ranks=cfg.tp, placement=placement,
+    )  # fmt: skip
+    need = local_ranks * sum(sum(v.values()) for t, v in states.items() if t is not Tier.NVME)
+    available = memory_available_bytes()
+    if available is not None and need > available:
+        raise UsageError(
+            f"preset {cfg.preset!r} at stage {cfg.stage} on {nproc} rank(s) keeps "
+            f"{need / 1e9:.1f} GB of model states (weights, gradients, AdamW states) in this "
+            f"node's memory, more than the {available / 1e9:.1f} GB available; use more nodes"
+            f"{', a higher --stage' if cfg.stage < 3 else ''}, or put states on disk "
+            "(--offload-optimizer nvme --offload-folder DIR; see zeroshard plan --offload)"
         )
 
 
