@@ -806,6 +806,7 @@ def test_a_preset_too_big_to_build_in_full_asks_for_meta_init(
     import zeroshard.cli.train_checks as checks
 
     monkeypatch.setattr(checks, "memory_available_bytes", lambda: 10**4)  # < nano
+    monkeypatch.setattr(checks, "_check_states_fit", lambda *a: None)  # (a check of its own)
     flags = ["--data-dir", str(data_dir), *NANO, "--steps", "1", "--batch-size", "2"]
     argv = ["train", *flags, "--out-dir", str(tmp_path)]
     _expect_usage_error(capsys, argv, "preset 'nano'", "--meta-init true")
