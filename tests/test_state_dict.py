@@ -500,3 +500,22 @@ def test_checkpoint_wrapped_models_sharding_twice_and_unknown_optimizer_keys(wor
         assert len(out["twice"]) == 2, out
         assert all("part of a sharded model already" in s for s in out["twice"]), out
         assert "names 4 parameter(s) the model does not have" in out["unknown"], out
+
+
+def _tied_from_untied(stage: int) -> bool:
+    """A tied model loading a state dict whose two names differ (an untied checkpoint): the
+    last name wins, as in torch, where each name is copied into the one tensor in turn."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+    ref[1].weight = ref[0].weight
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage)
+    sd = {"0.weight": torch.zeros(8, 4), "1.weight": torch.ones(8, 4)}
+    ref.load_state_dict(sd)
+    model.load_state_dict(sd)
+    mine = zeroshard.full_state_dict(model, rank0_only=False)
+    return torch.equal(mine["0.weight"], ref[0].weight.detach())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_tied_model_loads_an_untied_state_dict_as_torch_does(workers2, stage):
+    assert all(workers2.run(_tied_from_untied, stage))

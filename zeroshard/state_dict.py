@@ -325,7 +325,8 @@ class _Hooks:
                 keys = [k for k in keys if k in state_dict]
                 if not keys:
                     continue
-                value = state_dict[keys[0]]
+                key = keys[-1]  # as torch: each name is copied into the one tensor, the last wins
+                value = state_dict[key]
                 for k in keys:
                     del state_dict[k]
                     self.consumed.add(k)
@@ -334,13 +335,13 @@ class _Hooks:
                     continue
                 if not isinstance(value, torch.Tensor):
                     error_msgs.append(
-                        f'While copying the parameter named "{keys[0]}", expected torch.Tensor '
+                        f'While copying the parameter named "{key}", expected torch.Tensor '
                         f"or Tensor-like object from checkpoint but received {type(value)}"
                     )
                     continue
                 if value.shape != s.shape:  # a DTensor's shape is global
                     error_msgs.append(
-                        f"size mismatch for {keys[0]}: copying a param with shape "
+                        f"size mismatch for {key}: copying a param with shape "
                         f"{tuple(value.shape)} from checkpoint, the shape in current model is "
                         f"{tuple(s.shape)}."
                     )
