@@ -98,12 +98,10 @@ def shard(
             f"{type(model).__name__} is already sharded; shard a model once (build a new one "
             "to change the stage or wrap policy)"
         )
-    inner = next((n for n, m in model.named_modules() if hasattr(m, _ATTR)), None)
-    if inner is not None or any(hasattr(p, _SHARDED) for p in model.parameters()):
-        where = f"its submodule {inner!r} is" if inner else "its parameters are"
+    if any(hasattr(p, _SHARDED) for p in model.parameters()):  # a part, or a whole, sharded
         raise ValueError(
-            f"{type(model).__name__} cannot be sharded: {where} part of a sharded model "
-            "already. Shard the whole model once, with a wrap policy for its blocks "
+            f"{type(model).__name__} cannot be sharded: its parameters are part of a sharded "
+            "model already. Shard the whole model once, with a wrap policy for its blocks "
             "(zeroshard.wrap.by_class(Block)), not submodules one by one as with FSDP2"
         )
     if any(type(p.data).__name__ == "DTensor" for p in model.parameters()):

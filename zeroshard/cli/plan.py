@@ -369,10 +369,6 @@ def _memory_config(
     )
 
 
-_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
-"""Hugging Face config keys of the longest sequence a model's positions cover."""
-
-
 def _fit_to_model(args) -> None:
     """``--seq`` and ``--mp`` against what the model allows, as ``zeroshard train`` checks them: a
     preset's block size or a config's position table bounds the sequence (an unset ``--seq``
@@ -384,10 +380,11 @@ def _fit_to_model(args) -> None:
 
         limit, what = preset(args.preset).block_size, f"preset {args.preset!r}"
     elif args.hf:
+        from zeroshard.models.loading import hf_context_len
         from zeroshard.planner import hf
 
         values = hf.config_values(hf.load_config(str(args.hf)))
-        limit = next((int(values[k]) for k in _POSITIONS if values.get(k)), None)
+        limit = hf_context_len(values)
         kv_heads, what = values.get("num_key_value_heads"), f"{args.hf}"
     if args.seq is None:
         args.seq = min(1024, limit) if limit else 1024

@@ -77,11 +77,10 @@ def _check_states_fit(cfg: TrainConfig, nproc: int, local_ranks: int) -> None:
 
     if cfg.model or cfg.hf or torch.accelerator.is_available():
         return  # sizes known once built; an accelerator's memory is not the host's
-    tier = lambda where: Tier(where) if where else Tier.DEVICE  # noqa: E731
-    placement = Placement(
-        params=tier(cfg.offload_params),
-        grads=tier(cfg.offload_gradients),
-        optimizer_states=tier(cfg.offload_optimizer),
+    placement = Placement(  # (tier names: Placement takes them as they are)
+        params=cfg.offload_params or Tier.DEVICE,
+        grads=cfg.offload_gradients or Tier.DEVICE,
+        optimizer_states=cfg.offload_optimizer or Tier.DEVICE,
     )
     states = model_states(
         PRESETS[cfg.preset].num_params(), stage=cfg.stage, num_dp_ranks=nproc // cfg.tp,

@@ -201,7 +201,7 @@ class FlatParam:
         self.masters_ahead = False
         """The master stepped and ``full`` not yet refreshed (a step inside backward)."""
         self._init_storage(sync_module_states)
-        self._versions = None if self.master_aliases_full else self._param_versions()
+        self._versions = self._param_versions()
         """The parameters' version counters when ``full`` last equaled the cast master, for
         ``adopt_writes`` (None: nothing to adopt)."""
 

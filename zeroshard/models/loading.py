@@ -34,7 +34,7 @@ from torch import nn
 from zeroshard.models.gpt import GPT, preset
 
 # Config keys under which Hugging Face configs give the longest sequence (tokens).
-_HF_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+_HF_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_seq_len")
 
 
 @dataclass(frozen=True, eq=False)
