@@ -383,8 +383,8 @@ class Engine:
                     u.reshard()
 
     def _pre_backward(self, unit: Unit) -> None:
-        autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self._summoned)
-        if self.phase is not Phase.BACKWARD:
+        if self.phase is not Phase.BACKWARD:  # the backward's first unit: once per backward
+            autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self._summoned)
             self.scaling.begin_backward()
             self.phase = Phase.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
