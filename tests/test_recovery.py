@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from test_cli_train import _cmdline, _descendants, _expect_usage_error
 
-from zeroshard.cli.train import Launch, load_config, resume_after_restart
+from zeroshard.cli.agent import Launch
+from zeroshard.cli.train import load_config, resume_after_restart
 from zeroshard.testing import free_port
 
 # Tiny on purpose (about 0.1 s a step on 2 shared cores): long enough to be killed mid-run.

@@ -13,7 +13,8 @@ import gc
 import importlib
 import signal
 import sys
-import threading
+
+from zeroshard.cli.held_signals import held
 
 # Subcommands, in the order ``--help`` lists them; each is ``zeroshard.cli.<name>``.
 SUBCOMMANDS = ("train", "plan", "checkpoint", "export")
@@ -51,18 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace | None:
-    """The parsed command line, or None if Ctrl-C came meanwhile. Building the parser imports
-    torch (seconds): a SIGINT then is only noted, and acted on once the imports are done, since
-    a KeyboardInterrupt raised inside an import can be swallowed (in a weakref callback) and
-    leave a half-imported module behind."""
-    noted: list[int] = []
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, lambda *_: noted.append(1)) if main_thread else None
-    try:
+    """The parsed command line, or None if Ctrl-C came meanwhile: building the parser imports
+    torch (seconds), and a Ctrl-C then is only noted (``held_signals``)."""
+    with held((signal.SIGINT,)) as noted:
         args = build_parser().parse_args(argv)
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGINT, previous)
     return None if noted else args
 
 

@@ -25,16 +25,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from zeroshard import checkpoint
+from zeroshard.cli.agent import Launch, run_agent
 from zeroshard.cli.main import UsageError
 from zeroshard.cli.train_checks import check_divides, check_inputs, check_port, make_out_dir
 from zeroshard.divergence import Diverged
@@ -44,9 +43,6 @@ from zeroshard.signals import Stopped
 from zeroshard.train import TrainConfig, resume_path, save_config, train
 from zeroshard.train_config import field_docs
 from zeroshard.watchdog import CollectiveTimeout
-
-SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-"""torchrun's switch that gives each restart of the ranks a store of its own (see ``_launch``)."""
 
 # Errors that mean "the input is wrong" (exit 2) rather than "the run failed" (exit 1).
 USER_ERRORS = (UsageError, ValueError, FileNotFoundError, PermissionError)
@@ -229,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     save_config(cfg, saved)
     refused = False  # bad input (exit 2): nothing was trained
     try:
-        code = _train_here(cfg, out) if not launch.elastic else _launch(launch, saved)
+        code = _train_here(cfg, out) if not launch.elastic else run_agent(launch, saved)
         refused = code == 2
         return code
     except USER_ERRORS:
@@ -261,48 +257,6 @@ def _say_changes(saved: Path, cfg: TrainConfig) -> None:
     ]
     if changed:
         print(f"resuming with other settings than the saved run's: {', '.join(changed)}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Launch:
-    """How ``zeroshard train`` starts its ranks: here, or through torchrun's elastic agent."""
-
-    nproc: int
-    """Ranks on this node."""
-    port: int
-    """Rendezvous port on this machine (0: a free one); single-node jobs only."""
-    max_restarts: int = 0
-    """Restarts of every rank after one fails; each resumes from the newest checkpoint."""
-    min_nodes: int = 1
-    """Fewest nodes the job runs on (a node leaving below this ends the run)."""
-    max_nodes: int = 1
-    """Most nodes the job runs on."""
-    rdzv_endpoint: str | None = None
-    """HOST:PORT of the c10d rendezvous every node meets at (multi-node jobs)."""
-    rdzv_conf: tuple[tuple[str, int], ...] = ()
-    """torchrun's ``--rdzv-conf`` settings of the c10d rendezvous (see ``RDZV_CONF``)."""
-
-    @property
-    def elastic(self) -> bool:
-        """Whether the ranks run under torchrun's agent (else this process trains alone)."""
-        return self.nproc > 1 or self.max_restarts > 0 or self.max_nodes > 1
-
-    def worlds(self) -> list[int]:
-        """Every world size the job may run at, smallest first."""
-        return [self.nproc * n for n in range(self.min_nodes, self.max_nodes + 1)]
-
-    def torchrun_argv(self, config: Path) -> list[str]:
-        if self.rdzv_endpoint:
-            nodes = f"{self.min_nodes}:{self.max_nodes}"
-            rdzv = ["--nnodes", nodes, "--rdzv-backend", "c10d"]
-            rdzv += ["--rdzv-endpoint", self.rdzv_endpoint]
-            if self.rdzv_conf:
-                rdzv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in self.rdzv_conf)]
-        else:
-            rdzv = ["--standalone"] if not self.port else ["--master-port", str(self.port)]
-        argv = [*rdzv, "--nproc-per-node", str(self.nproc)]
-        argv += ["--max-restarts", str(self.max_restarts), "-m", "zeroshard.cli.main"]
-        return [*argv, "train", "--config", str(config)]
 
 
 def _launch_plan(args: argparse.Namespace, cfg: TrainConfig, nproc: int, port: int) -> Launch:
@@ -490,50 +444,3 @@ def _rank() -> int:
     if dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))  # a torchrun rank before its group exists
-
-
-def _launch(launch: Launch, config: Path) -> int:
-    """``torchrun --nproc-per-node N [--max-restarts R] -m zeroshard.cli.main train --config
-    CONFIG``; the exit status is the ranks' (they reported bad input, divergence or an interrupt
-    themselves)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
-    # The agent's own reports of forwarded signals and failed ranks would follow ours.
-    for name in ("multiprocessing.api", "agent.server.api"):
-        logging.getLogger(f"torch.distributed.elastic.{name}").setLevel(logging.CRITICAL)
-    restarts = launch.max_restarts > 0 or launch.min_nodes < launch.max_nodes
-    previous = os.environ.get(SHARED_STORE_OFF)
-    if restarts:
-        # The agent's store, shared with the ranks by default, keeps the first attempt's keys:
-        # restarted gloo ranks read their dead predecessors' addresses and wait forever in
-        # connectFullMesh (pytorch/pytorch#135712). Unshared, rank 0 hosts a fresh store per
-        # attempt. Read by the agent in this process; put back after (callers of run()).
-        os.environ[SHARED_STORE_OFF] = "1"
-    try:
-        torchrun(launch.torchrun_argv(config))
-    except ChildFailedError as exc:
-        _, first = exc.get_first_failure()
-        if first.exitcode in (2, Diverged.exit_code, CollectiveTimeout.exit_code, 130, 143):
-            return first.exitcode  # the ranks said why
-        after = f" after {launch.max_restarts} restart(s)" if launch.max_restarts else ""
-        print(
-            f"zeroshard train: rank {first.local_rank} failed (exit code {first.exitcode}){after}"
-            f"; the other ranks were stopped. {first.message or ''}".rstrip(),
-            file=sys.stderr,
-        )
-        return 1
-    except SignalException as exc:  # forwarded to the ranks, which stopped and reported
-        return 128 + int(exc.sigval)
-    finally:
-        if restarts:
-            _restore_env(SHARED_STORE_OFF, previous)
-    return 0
-
-
-def _restore_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value

@@ -1,0 +1,182 @@
+"""torchrun's elastic agent, run in this process by ``zeroshard train --nproc N`` (or
+``--nnodes``, ``--max-restarts``): it starts the ranks, stops them all when one fails or a
+signal comes, and restarts them when asked.
+
+Two things are added around torchrun's own ``main``:
+
+- the agent's exit is turned into ours: a rank's bad input (2), divergence (3), collective
+  timeout (4) or interrupt (130 / 143) keeps its status, and any other failure gets one line;
+- no SIGINT or SIGTERM is lost while the agent starts. Until its ranks exist the agent has no
+  handler of its own (Python's ``KeyboardInterrupt`` can be swallowed in its lazy imports) and,
+  while it spawns them, a signal stops it before it has recorded which it started: they ran on,
+  orphaned. So the two signals are only noted (``held_signals``) until the ranks are started,
+  then handed to the agent, which stops them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zeroshard.cli.held_signals import held
+from zeroshard.divergence import Diverged
+from zeroshard.watchdog import CollectiveTimeout
+
+SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torchrun's switch that gives each restart of the ranks a store of its own."""
+HELD = (signal.SIGINT, signal.SIGTERM)
+"""Held until the ranks are started; torchrun's agent handles only the others as it starts them."""
+AGENT_SIGNALS = "SIGHUP,SIGQUIT"
+RANKS_SAID_WHY = (2, Diverged.exit_code, CollectiveTimeout.exit_code, 130, 143)
+"""Exit statuses of ranks that printed their own line (bad input, divergence, timeout, signal)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """How ``zeroshard train`` starts its ranks: here, or through torchrun's elastic agent."""
+
+    nproc: int
+    """Ranks on this node."""
+    port: int
+    """Rendezvous port on this machine (0: a free one); single-node jobs only."""
+    max_restarts: int = 0
+    """Restarts of every rank after one fails; each resumes from the newest checkpoint."""
+    min_nodes: int = 1
+    """Fewest nodes the job runs on (a node leaving below this ends the run)."""
+    max_nodes: int = 1
+    """Most nodes the job runs on."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the c10d rendezvous every node meets at (multi-node jobs)."""
+    rdzv_conf: tuple[tuple[str, int], ...] = ()
+    """torchrun's ``--rdzv-conf`` settings of the c10d rendezvous (see ``RDZV_CONF``)."""
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the ranks run under torchrun's agent (else this process trains alone)."""
+        return self.nproc > 1 or self.max_restarts > 0 or self.max_nodes > 1
+
+    @property
+    def restarts(self) -> bool:
+        """Whether the agent may start the ranks more than once."""
+        return self.max_restarts > 0 or self.min_nodes < self.max_nodes
+
+    def worlds(self) -> list[int]:
+        """Every world size the job may run at, smallest first."""
+        return [self.nproc * n for n in range(self.min_nodes, self.max_nodes + 1)]
+
+    def torchrun_argv(self, config: Path) -> list[str]:
+        if self.rdzv_endpoint:
+            nodes = f"{self.min_nodes}:{self.max_nodes}"
+            rdzv = ["--nnodes", nodes, "--rdzv-backend", "c10d"]
+            rdzv += ["--rdzv-endpoint", self.rdzv_endpoint]
+            if self.rdzv_conf:
+                rdzv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in self.rdzv_conf)]
+        else:
+            rdzv = ["--standalone"] if not self.port else ["--master-port", str(self.port)]
+        argv = [*rdzv, "--nproc-per-node", str(self.nproc)]
+        argv += ["--max-restarts", str(self.max_restarts), "-m", "zeroshard.cli.main"]
+        return [*argv, "train", "--config", str(config)]
+
+
+def run_agent(launch: Launch, config: Path) -> int:
+    """``torchrun --nproc-per-node N [--max-restarts R] -m zeroshard.cli.main train --config
+    CONFIG`` in this process; the exit status is the ranks' when they reported why they
+    stopped, else 1 with one line naming the failed rank."""
+    with held(HELD) as noted:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import main as torchrun
+
+        if noted:
+            print("zeroshard train: interrupted before the ranks started", file=sys.stderr)
+            return 128 + noted[0]
+        # The agent's own reports of forwarded signals and failed ranks would follow ours.
+        for name in ("multiprocessing.api", "agent.server.api"):
+            logging.getLogger(f"torch.distributed.elastic.{name}").setLevel(logging.CRITICAL)
+        try:
+            with _agent_env(launch, noted):
+                torchrun(_holding_argv(launch.torchrun_argv(config)))
+        except SignalException as exc:  # forwarded to the ranks, which stopped and reported
+            return 128 + int(exc.sigval)
+        except ChildFailedError as exc:
+            _, first = exc.get_first_failure()
+            if first.exitcode in RANKS_SAID_WHY:
+                return first.exitcode
+            after = f" after {launch.max_restarts} restart(s)" if launch.max_restarts else ""
+            print(
+                f"zeroshard train: rank {first.local_rank} failed (exit code {first.exitcode})"
+                f"{after}; the other ranks were stopped. {first.message or ''}".rstrip(),
+                file=sys.stderr,
+            )
+            return 1
+    return 0
+
+
+def _holding_argv(argv: list[str]) -> list[str]:
+    """torchrun's ``argv``, with its agent told to leave ``HELD`` alone as it starts the ranks
+    (``--signals-to-handle``; with an older torch that lacks the flag, the moment while it
+    spawns them stays uncovered)."""
+    from torch.distributed.run import get_args_parser
+
+    flags = {s for action in get_args_parser()._actions for s in action.option_strings}
+    return ["--signals-to-handle", AGENT_SIGNALS, *argv] if "--signals-to-handle" in flags else argv
+
+
+@contextmanager
+def _agent_env(launch: Launch, noted: list[int]) -> Iterator[None]:
+    """torchrun's settings and agent class for this job, put back after."""
+    import torch.distributed.launcher.api as launcher
+
+    env = {}
+    if launch.restarts:
+        # The agent's store, shared with the ranks by default, keeps the first attempt's keys:
+        # restarted gloo ranks read their dead predecessors' addresses and wait forever in
+        # connectFullMesh (pytorch/pytorch#135712). Unshared, rank 0 hosts a fresh store per
+        # attempt.
+        env[SHARED_STORE_OFF] = "1"
+    before = {name: os.environ.get(name) for name in env}
+    agent = launcher.LocalElasticAgent
+    launcher.LocalElasticAgent = _holding_agent(agent, noted)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        launcher.LocalElasticAgent = agent
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _holding_agent(base: type, noted: list[int]) -> type:
+    """``base`` (torchrun's LocalElasticAgent), which installs its own handler for ``HELD``
+    only once its ranks are started (``--signals-to-handle`` leaves them out of its start),
+    and then acts on a signal ``noted`` meanwhile (none is started when it came earlier)."""
+    from torch.distributed.elastic.multiprocessing.api import (
+        SignalException,
+        _terminate_process_handler,
+    )
+
+    def stop_if_noted() -> None:
+        if noted:
+            sigval = signal.Signals(noted[0])
+            raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+    class HoldingAgent(base):  # type: ignore[misc, valid-type]
+        def _start_workers(self, worker_group: Any) -> dict[int, Any]:
+            stop_if_noted()
+            pids = super()._start_workers(worker_group)
+            for sig in HELD:
+                signal.signal(sig, _terminate_process_handler)
+            stop_if_noted()
+            return pids
+
+    return HoldingAgent
