@@ -61,9 +61,23 @@ def test_offload_traffic_by_hand():
     w = _workload(stages=(3,), offloads=("nvme-all",), memory=MemoryConfig(stage=0))
     (c,) = advise(MODEL, _cluster(), w).feasible
     shard = 10**9 // 4  # elements per rank
-    cpu = 2 * shard  # fp16 gradient shard written once
+    # The gradient shard goes to the CPU tier: on a CPU device that is its own memory, so
+    # nothing moves there.
     nvme = 3 * 2 * shard + 2 * 12 * shard  # params read 3 times; optimizer read + written
-    assert c.time_seconds["offload"] == pytest.approx(cpu / 10e9 + nvme / 1e9)
+    assert c.time_seconds["offload"] == pytest.approx(nvme / 1e9)
+
+
+def test_on_a_cpu_device_the_cpu_tier_is_device_memory():
+    """Training on the CPU, "offloading" to the CPU frees no memory: the advisor counts the
+    CPU tier against the device's memory and charges no copy time for it."""
+    w = _workload(stages=(2,), offloads=("cpu-optimizer",))
+    (c,) = advise(MODEL, _cluster(), w).feasible
+    assert c.time_seconds["offload"] == 0.0
+    device, cpu = c.memory.total_bytes(Tier.DEVICE), c.memory.total_bytes(Tier.CPU)
+    assert cpu > 0
+    (rejected,) = advise(MODEL, _cluster(device_memory_bytes=device + cpu - 1), w).rejected
+    assert rejected.problem.startswith("needs"), rejected.problem
+    assert len(advise(MODEL, _cluster(device_memory_bytes=device + cpu), w).feasible) == 1
 
 
 def test_memory_limit_rejects_with_reason():

@@ -128,6 +128,11 @@ def test_residual_states_by_hand():
     assert dev["activation_checkpoints"] == 2 * 2 * 16 * 64 * (4 // 2)
     assert dev["activation_working"] == 2 * 16 * 2 * (16 * 64 + 2 * 4 * 16)
     assert dev["model_state_working"] == 0  # parameters on the device: no streaming buffer
+    # The paper counts fp16 activations: fp32 ones take twice the working memory, as they do
+    # the checkpoints.
+    fp32 = m.plan_memory(SMALL, dataclasses.replace(cfg, activation_bytes=4)).device
+    assert fp32["activation_working"] == 2 * dev["activation_working"]
+    assert fp32["activation_checkpoints"] == 2 * dev["activation_checkpoints"]
     unit = 12 * 64 * 64 + 13 * 64  # one block is larger than the 100 x 64 embedding
     assert dev["gathered_units"] == (1 + 1) * unit * 2 + unit * 2
     assert dev["comm_buckets"] == 2000

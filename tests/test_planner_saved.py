@@ -132,3 +132,33 @@ def test_checkpointing_keeps_span_inputs_and_recomputes_one_span():
         span = max(sum(s.unit_bytes[i : i + ci]) for i in starts)
         assert plan.device["activation_working"] == span + root
         assert plan.device["logits"] == 2 * s.largest_tail_tensor_bytes
+
+
+def test_a_model_returning_logits_is_measured_with_trains_loss():
+    """``zeroshard train --model``'s contract, ``model(x) -> logits``: measured with the loss
+    that training adds (``next_token_loss``), as the same network returning that loss is."""
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 8)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+            self.head = torch.nn.Linear(8, 32)
+
+        def forward(self, x):
+            h = self.emb(x)
+            for b in self.blocks:
+                h = torch.tanh(b(h))
+            return self.head(h)
+
+    class WithLoss(LM):
+        def forward(self, x, y):
+            logits = super().forward(x)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    logits = describe.from_module(LM, wrap="Linear")
+    loss = describe.from_module(WithLoss, wrap="Linear")
+    assert (logits.activations.call, loss.activations.call) == ("logits", "xy")
+    got = logits.activations.at(micro_batch_size=2, seq_len=6)
+    want = loss.activations.at(micro_batch_size=2, seq_len=6)
+    assert got == want and got.tail_bytes > 2 * 6 * 32 * 4  # the log-probabilities, at least

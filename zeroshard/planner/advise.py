@@ -329,7 +329,7 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
         (Tier.CPU, cluster.cpu_bandwidth_bytes_per_s),
         (Tier.NVME, cluster.nvme_bandwidth_bytes_per_s),
     ):
-        if tier in tiers and bw is None:
+        if tier in tiers and bw is None and not (tier is Tier.CPU and _cpu_is_device(cluster)):
             return reject(f"no {tier.value} bandwidth given for the cluster")
     if workload.global_batch_size % (num_dp * mb):
         return reject(
@@ -348,6 +348,8 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
     )
     memory = plan_memory(model, config)
     need, have = memory.total_bytes(Tier.DEVICE), cluster.device_memory_bytes
+    if _cpu_is_device(cluster):
+        need += memory.total_bytes(Tier.CPU)
     if need > have:
         return reject(
             f"needs {format_bytes(need)} per device, has {format_bytes(have)}", memory, num_micro
@@ -363,6 +365,12 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
             )
     times = _step_times(model, cluster, config, memory, num_micro)
     return candidate(memory, num_micro, times)
+
+
+def _cpu_is_device(cluster: Cluster) -> bool:
+    """Whether the CPU tier is the device's own memory (training on the CPU): what is placed
+    there counts against ``device_memory_bytes`` and moves in no time."""
+    return cluster.device_type == "cpu"
 
 
 def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
@@ -419,6 +427,8 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
     if p.optimizer_states is Tier.NVME:
         traffic[Tier.NVME] += 2 * memory.nvme["optimizer_states"]
     traffic[Tier.CPU] += num_micro * 2 * memory.cpu["activation_checkpoints"]
+    if _cpu_is_device(cluster):
+        traffic[Tier.CPU] = 0.0  # nothing is copied
     offload = sum(b / bandwidth[t] for t, b in traffic.items() if b)
     return {
         "compute": compute,

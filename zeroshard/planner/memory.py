@@ -375,11 +375,14 @@ def activation_working_bytes(
     hidden_size: int,
     num_heads: int,
     num_layers_per_checkpoint: int,
+    activation_bytes: int = ACTIVATION_BYTES,
 ) -> int:
     """AWM = bsz * seq * ci * (16 * hd + 2 * heads * seq): the activations of one checkpoint span
-    recomputed in backward (the ZeRO-Infinity paper's count)."""
+    recomputed in backward (the ZeRO-Infinity paper's count, in fp16: scaled by
+    ``activation_bytes`` / 2 for other widths, e.g. twice as much in fp32)."""
     per_token_layer = 16 * hidden_size + 2 * num_heads * seq_len
-    return micro_batch_size * seq_len * num_layers_per_checkpoint * per_token_layer
+    fp16 = micro_batch_size * seq_len * num_layers_per_checkpoint * per_token_layer
+    return fp16 * activation_bytes // ACTIVATION_BYTES
 
 
 def model_state_working_bytes(*, hidden_size: int) -> int:
@@ -463,6 +466,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             hidden_size=shape.hidden_size,
             num_heads=shape.num_heads,
             num_layers_per_checkpoint=ci,
+            activation_bytes=c.activation_bytes,
         )
         if c.placement.params is not Tier.DEVICE:
             # Streamed parameters: the largest operator must fit on the device at once.

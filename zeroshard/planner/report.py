@@ -89,6 +89,7 @@ def plan_report(
             hidden_size=shape.hidden_size,
             num_heads=shape.num_heads,
             num_layers_per_checkpoint=ci,
+            activation_bytes=base.activation_bytes,
         )
         out["model_state_working_bytes"] = memory.model_state_working_bytes(
             hidden_size=shape.hidden_size

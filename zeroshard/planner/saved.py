@@ -78,8 +78,9 @@ class ActivationProfile:
     vocab_size: int
     """Token ids are drawn below this."""
     call: str
-    """How a batch goes in: ``"hf"`` (``model(input_ids=x, labels=y).loss``) or ``"xy"``
-    (``model(x, y)`` returns the loss)."""
+    """How a batch goes in: ``"hf"`` (``model(input_ids=x, labels=y).loss``), ``"xy"``
+    (``model(x, y)`` returns the loss) or ``"logits"`` (``model(x)`` returns the logits, as
+    ``zeroshard train --model`` asks; the loss is ``zeroshard.train.next_token_loss``'s)."""
     largest_param_numel: int
     """Elements of the largest parameter a unit owns: its gradient is the largest one backward
     holds before it joins the unit's flat gradient."""
@@ -147,7 +148,8 @@ def problem(model, config) -> str | None:
 
 def profile(module, unit_names: tuple[str, ...]) -> ActivationProfile | None:
     """An ``ActivationProfile`` for ``module`` when a batch of token ids can be fed to it (a
-    transformers model, or ``model(x, y)`` returning a loss), checked by a 1 x 8 token forward
+    transformers model, ``model(x, y)`` returning a loss, or ``model(x)`` returning logits, as
+    ``zeroshard train --model`` wants), checked by a 1 x 8 token forward
     on meta; ``None`` when the model takes no token ids (no ``nn.Embedding``). Raises what the
     forward raised (``ValueError``) when no way of calling it works."""
     from torch import nn
@@ -158,7 +160,7 @@ def profile(module, unit_names: tuple[str, ...]) -> ActivationProfile | None:
     vocab_size = embeddings[0].num_embeddings
     units = [module.get_submodule(n) for n in unit_names]
     largest = max((p.numel() for u in units for p in u.parameters()), default=0)
-    calls = ("hf", "xy") if hasattr(module, "config") else ("xy", "hf")
+    calls = ("hf", "xy", "logits") if hasattr(module, "config") else ("xy", "logits", "hf")
     problems = []
     for call in calls:
         found = ActivationProfile(
@@ -239,7 +241,7 @@ def measure(
     y = torch.randint(0, vocab_size, shape, device="meta")
     try:
         with _cpu_attention_choice(), torch.autograd.graph.saved_tensors_hooks(pack, _same):
-            loss = model(input_ids=x, labels=y).loss if call == "hf" else model(x, y)
+            loss = _loss(model, call, x, y, vocab_size)
     finally:
         for h in handles:
             h.remove()
@@ -267,6 +269,17 @@ def measure(
         largest_tail_tensor_bytes=tail_largest,
         tail_param_numel=sum(tail_params.values()),
     )
+
+
+def _loss(model, call: str, x, y, vocab_size: int):
+    """The loss of ``model`` on token ids ``x`` against ``y``, called the ``call`` way."""
+    if call == "hf":
+        return model(input_ids=x, labels=y).loss
+    if call == "logits":
+        from zeroshard.train import next_token_loss
+
+        return next_token_loss(model, x, y, vocab_size)
+    return model(x, y)
 
 
 def _same(t):
