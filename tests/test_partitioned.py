@@ -183,3 +183,88 @@ def test_offloaded_checkpoints_are_read_back_one_ahead_of_their_use():
     assert keeper.bytes.held == {"device": 0, "cpu": 0, "nvme": 0}
     keeper.store.synchronize()
     assert keeper.store.names() == []  # released from the store
+
+
+def _span_inputs_alive() -> list[bool]:
+    """After a forward with Pa, whether each block's whole input is still alive (it must not
+    be: only this rank's piece is kept)."""
+    import gc
+    import weakref
+
+    from zeroshard.models.gpt import GPT, Block
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    device_mesh, mesh = tensor_parallel.mesh_2d(2)
+    tensor_parallel.parallelize(model, device_mesh)
+    config = zeroshard.ShardConfig(checkpoint_every=1, partition_activations=True)
+    model = zeroshard.shard(
+        model, stage=3, mesh=mesh, wrap=zeroshard.wrap.by_class(Block), config=config
+    )
+    inputs: list[weakref.ref] = []  # each span's input, as the checkpointing gets it
+    checkpointing = zeroshard.engine_of(model).checkpointing
+    enter = checkpointing.enter
+
+    def spy(module, args, kwargs):
+        inputs.append(weakref.ref(args[0]))
+        enter(module, args, kwargs)
+
+    checkpointing.enter = spy
+    x = torch.randint(0, CFG.vocab_size, (PER_RANK, SEQ))
+    loss = model(x, x.roll(-1, 1))
+    gc.collect()
+    alive = [r() is not None for r in inputs]
+    loss.backward()
+    return alive
+
+
+def test_pa_frees_the_whole_span_input(workers4):
+    for alive in workers4.run(_span_inputs_alive):
+        assert alive == [False] * CFG.n_layer, alive
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _SplitBetweenUnits(torch.nn.Module):
+    """A column-parallel / row-parallel pair in two units: the row-parallel unit's input is
+    each tensor-parallel rank's own slice, not a replicated tensor."""
+
+    tp_plan = {"mlps.*.up": "colwise", "mlps.*.down": "rowwise"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlps = torch.nn.ModuleList(_Mlp() for _ in range(2))
+
+    def forward(self, x):
+        for mlp in self.mlps:
+            x = mlp(x)
+        return x.square().mean()
+
+
+def _split_input_with_pa() -> str:
+    _, mesh = tensor_parallel.mesh_2d(2)
+    torch.manual_seed(0)
+    model = _SplitBetweenUnits()
+    tensor_parallel.parallelize(model, tensor_parallel.mesh_2d(2)[0])
+    config = zeroshard.ShardConfig(checkpoint_every=1, partition_activations=True)
+    model = zeroshard.shard(
+        model, stage=3, mesh=mesh, wrap=zeroshard.wrap.by_class(torch.nn.Linear), config=config
+    )
+    try:
+        model(torch.randn(2, 5, 16))
+    except ValueError as exc:
+        return str(exc)
+    return "trained"
+
+
+def test_pa_refuses_a_span_input_split_over_tensor_parallel_ranks(workers4):
+    for message in workers4.run(_split_input_with_pa):
+        assert "differs across the tensor-parallel ranks" in message, message
+        assert "wrap whole blocks" in message

@@ -4,15 +4,17 @@ Consecutive units form a *span* of up to ``k`` units while each one's first posi
 the previous one's first output (the usual ``for block in blocks: x = block(x, ...)`` chain).
 Inside a span nothing is saved for backward but the span's inputs: every tensor autograd would
 save is dropped and recomputed in backward by replaying the span's units in order from its
-inputs (with the RNG state and autocast of the forward). That is ``ceil(nl / k)`` saved inputs
-instead of every block's activations, for one extra forward of each span. Where the saved inputs
+inputs, each unit with the RNG state and autocast it had in the forward. That is
+``ceil(nl / k)`` saved inputs instead of every block's activations, for one extra forward of
+each span. Where the saved inputs
 are kept (whole, 1/Nm per tensor-parallel rank, on the CPU or NVMe) is the ``CheckpointKeeper``'s
 business (``zeroshard.residual_states.partitioned``).
 
 The mechanism is PyTorch's non-reentrant checkpoint (``torch.utils.checkpoint``): one checkpoint
 frame per span, its saved-tensor hooks entered around each unit's forward only, so that code the
 model runs between units (not replayed) saves its tensors normally. A chain that breaks (a unit
-fed something else, a unit used twice) closes the span; the next unit opens a new one. Units
+fed something else, or its input written in place since the previous unit returned it, a
+unit used twice) closes the span; the next unit opens a new one. Units
 nested inside another unit are not checkpointed on their own (the outer one covers them).
 """
 
@@ -40,11 +42,29 @@ def _first_tensor(tree: Any) -> torch.Tensor | None:
 
 
 @dataclass
+class _Call:
+    """One unit's forward in a span, with what its recomputation needs to run it the same way:
+    the RNG state and autocast at its start (the model may draw random numbers or switch
+    autocast between units: LayerDrop, stochastic depth)."""
+
+    module: nn.Module
+    rest: tuple
+    """Positional args after the first (the first is the span's input or the previous output)."""
+    kwargs: dict
+    cpu_rng: torch.Tensor
+    device_states: list[torch.Tensor]
+    autocast: tuple[dict, dict]
+    """``torch.utils.checkpoint``'s (device, cpu) autocast kwargs."""
+
+
+@dataclass
 class _Span:
     frame: Any  # torch.utils.checkpoint._CheckpointFrame
-    calls: list[tuple[nn.Module, tuple, dict]] = field(default_factory=list)
-    """(module, positional args after the first, kwargs) per unit; the first call's args whole."""
+    calls: list[_Call] = field(default_factory=list)
     last_output: torch.Tensor | None = None
+    last_version: int = 0
+    """``last_output._version`` when the unit returned it: written in place since, it is not
+    what the unit returned, and the chain breaks (a recomputation would skip the write)."""
     hooks: Any = None  # the saved-tensor hooks while a unit of the span computes
 
 
@@ -72,15 +92,14 @@ class SpanCheckpointing:
             and len(span.calls) < self.every
             and first is not None
             and first is span.last_output
-            and all(m is not module for m, _, _ in span.calls)
+            and first._version == span.last_version
+            and all(c.module is not module for c in span.calls)
         )
         if not joins:
             self.close()
             span = self._span = self._open(args)
-            span.calls.append((module, args, kwargs))
-        else:
-            assert span is not None
-            span.calls.append((module, args[1:], kwargs))
+        assert span is not None
+        span.calls.append(self._call(module, args, kwargs))
         span.hooks = ckpt._checkpoint_hook(span.frame)
         span.hooks.__enter__()
 
@@ -95,7 +114,8 @@ class SpanCheckpointing:
         """The unit's output as the model receives it: the next unit continues the chain if its
         first input is this tensor."""
         if self._span is not None:
-            self._span.last_output = _first_tensor(output)
+            out = self._span.last_output = _first_tensor(output)
+            self._span.last_version = out._version if out is not None else 0
 
     def close(self) -> None:
         """End the open span (end of forward, or a broken chain)."""
@@ -105,33 +125,49 @@ class SpanCheckpointing:
             self._span = None
 
     # ----------------------------------------------------------------- recomputation
+    def _call(self, module: nn.Module, args: tuple, kwargs: dict) -> _Call:
+        """``module``'s call as it starts: its arguments (the first is not kept: the frame
+        keeps the span's input, a chained unit gets the previous output) and its RNG and
+        autocast state."""
+        device_type = self.device.type
+        device_module = getattr(torch, device_type, None)
+        states: list[torch.Tensor] = []
+        if device_type != "cpu" and getattr(device_module, "_initialized", False):
+            states = ckpt.get_device_states(*args)[1]
+        return _Call(
+            module,
+            args[1:],
+            kwargs,
+            torch.get_rng_state(),
+            states,
+            ckpt._get_autocast_kwargs(device_type=device_type),
+        )
+
     def _open(self, args: tuple) -> _Span:
         """A checkpoint frame whose recomputation replays the span's units in order."""
-        calls: list[tuple[nn.Module, tuple, dict]] = []
+        calls: list[_Call] = []
         device_type = self.device.type
-        cpu_rng = torch.get_rng_state()
         devices: list[int] = []
-        device_states: list[torch.Tensor] = []
         device_module = getattr(torch, device_type, None)
         if device_type != "cpu" and getattr(device_module, "_initialized", False):
-            devices, device_states = ckpt.get_device_states(*args)
-        device_autocast, cpu_autocast = ckpt._get_autocast_kwargs(device_type=device_type)
+            devices = ckpt.get_device_states(*args)[0]
 
         def recompute(*inputs: Any) -> None:
             with torch.random.fork_rng(devices=devices, device_type=device_type):
-                torch.set_rng_state(cpu_rng)
-                if devices:
-                    ckpt.set_device_states(devices, device_states, device_type=device_type)
-                autocast = (
-                    torch.amp.autocast(device_type=device_type, **device_autocast)
-                    if device_type != "cpu" and torch.amp.is_autocast_available(device_type)
-                    else contextlib.nullcontext()
-                )
-                with autocast, torch.amp.autocast("cpu", **cpu_autocast):
-                    out: Any = None
-                    for i, (module, rest, kwargs) in enumerate(calls):
-                        call_args = inputs if i == 0 else (_first_tensor(out), *rest)
-                        out = module(*call_args, **kwargs)
+                out: Any = None
+                for i, call in enumerate(calls):
+                    torch.set_rng_state(call.cpu_rng)
+                    if devices:
+                        ckpt.set_device_states(devices, call.device_states, device_type=device_type)
+                    device_autocast, cpu_autocast = call.autocast
+                    autocast = (
+                        torch.amp.autocast(device_type=device_type, **device_autocast)
+                        if device_type != "cpu" and torch.amp.is_autocast_available(device_type)
+                        else contextlib.nullcontext()
+                    )
+                    with autocast, torch.amp.autocast("cpu", **cpu_autocast):
+                        call_args = inputs if i == 0 else (_first_tensor(out), *call.rest)
+                        out = call.module(*call_args, **call.kwargs)
 
         early_stop = ckpt._enable_checkpoint_early_stop
         frame = ckpt._CheckpointFrame(

@@ -110,6 +110,7 @@ class CheckpointKeeper:
         self._store: TensorStore | None = None
         self._names = itertools.count()
         self._order: list[weakref.ref[_Packed]] = []  # this forward's checkpoints, in order
+        self._checking = self.parts > 1  # until the first backward (see _check_replicated)
         self.bytes = CheckpointBytes()
 
     @property
@@ -134,6 +135,8 @@ class CheckpointKeeper:
             or t.device != self.device
             or (self.parts == 1 and not self.offload)
         )
+        if not whole and self._checking:
+            self._check_replicated(t.detach())
         packed = _Packed(t, whole=whole)
         packed.piece = t if whole else self._own_piece(t.detach())
         nbytes = _nbytes(packed.piece)
@@ -152,6 +155,24 @@ class CheckpointKeeper:
         self._order = [r for r in self._order if r() is not None]
         self._order.append(weakref.ref(packed))
         return packed
+
+    def _check_replicated(self, t: torch.Tensor) -> None:
+        """Pa keeps 1/Nm of a checkpoint per rank, assuming every tensor-parallel rank holds the
+        same tensor; a unit boundary between a column-parallel and a row-parallel layer breaks
+        that (each rank's input is its own slice) and the all-gather would stitch different
+        tensors together. Checked over the first forward that saves checkpoints (two sums per
+        checkpoint, one small all-reduce): the units and the plan do not change after."""
+        stats = torch.stack([t.float().sum(), t.float().abs().sum()])
+        both = torch.cat([stats, -stats])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if not torch.allclose(both[:2], -both[2:], rtol=1e-5, atol=0.0, equal_nan=True):
+            raise ValueError(
+                f"partition_activations: a checkpointed span input of shape {tuple(t.shape)} "
+                "differs across the tensor-parallel ranks (a unit starts between a "
+                "column-parallel layer and its row-parallel pair, e.g. wrap=by_class(nn.Linear)),"
+                " so it cannot be split over them; wrap whole blocks (each unit's input then is "
+                "replicated), or drop partition_activations"
+            )
 
     def _chunk(self, numel: int) -> int:
         """Elements of one rank's piece of a checkpoint of ``numel`` elements (padded)."""
@@ -178,6 +199,7 @@ class CheckpointKeeper:
 
     # ----------------------------------------------------------------- backward
     def _unpack(self, packed: _Packed) -> torch.Tensor:
+        self._checking = False
         if packed.whole:
             assert packed.piece is not None
             return packed.piece
