@@ -164,3 +164,41 @@ def _train_between(between: str, stage: int, every: int) -> float:
 def test_what_runs_between_units_is_reproduced_by_recomputation(workers2, between, stage):
     for every in (2, 4):
         assert workers2.run(_train_between, between, stage, every) == [0.0, 0.0], every
+
+
+def _t5_in_eval_mode(every: int) -> float:
+    """T5 fine-tuned in eval mode (dropout off, grad on), where its decoder would fill its
+    key/value cache (``use_cache`` defaults to True in eval): the largest parameter difference
+    from plain torch after 2 SGD steps."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    ref = T5ForConditionalGeneration(config).eval()
+    model = zeroshard.shard(
+        copy.deepcopy(ref),
+        stage=3,
+        wrap=zeroshard.wrap.by_class(T5Block),
+        config=ShardConfig(checkpoint_every=every),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(input_ids=ids, labels=ids.flip(1)).loss.backward()
+            o.step()
+            o.zero_grad()
+    with zeroshard.summon_full_params(model):
+        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_checkpointing_in_eval_mode_with_grad(workers2):
+    pytest.importorskip("transformers")
+    for every in (1, 2):
+        for diff in workers2.run(_t5_in_eval_mode, every):
+            assert diff < 1e-5, (every, diff)

@@ -196,10 +196,12 @@ def _sequence_of_odd_length() -> dict:
     model = zeroshard.shard(model, stage=3, mesh=mesh, wrap=wrap.by_class(Block))
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
     out = {}
-    try:
-        model(torch.zeros(2, 15, dtype=torch.long))
-    except ValueError as e:
-        out["odd"] = str(e)
+    odd = torch.zeros(2, 15, dtype=torch.long)
+    for name, call in (("odd", lambda: model(odd)), ("odd keyword", lambda: model(idx_BT=odd))):
+        try:
+            call()
+        except ValueError as e:
+            out[name] = str(e)
     x = torch.randint(0, CFG.vocab_size, (2, 16))
     loss = model(x, x)  # the model is still usable
     opt.backward(loss)
@@ -210,7 +212,8 @@ def _sequence_of_odd_length() -> dict:
 
 def test_sequence_parallelism_refuses_lengths_that_do_not_split(workers4):
     for r in workers4.run(_sequence_of_odd_length):
-        assert "a length of 15 does not split; use lengths divisible by 2" in r["odd"], r
+        for name in ("odd", "odd keyword"):
+            assert "a length of 15 does not split; use lengths divisible by 2" in r[name], r
         assert math.isfinite(r["even"]), r
 
 

@@ -316,7 +316,7 @@ def parallelize(
     for name in styles:
         _localize(model.get_submodule(name), getattr(styles[name], "groups", 1))
     if sequence_parallel:
-        model.register_forward_pre_hook(_even_sequences(tp), prepend=True)
+        model.register_forward_pre_hook(_even_sequences(tp), prepend=True, with_kwargs=True)
         setattr(model, _SEQUENCE, True)
     return model
 
@@ -330,11 +330,13 @@ def is_sequence_parallel(model: nn.Module) -> bool:
 
 def _even_sequences(tp: int):
     """A forward pre-hook: the first input's dim 1 (the sequence) splits evenly in ``tp``
-    (DTensor's sequence shards must be equal; a mismatch would fail inside a collective)."""
+    (DTensor's sequence shards must be equal; a mismatch would fail inside a collective). The
+    first input is the first positional one, else the first tensor passed by keyword."""
 
-    def check(module: nn.Module, args: tuple) -> None:
-        x = args[0] if args else None
-        if torch.is_tensor(x) and x.dim() > 1 and x.shape[1] % tp:
+    def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        given = [*args, *kwargs.values()]
+        x = next((a for a in given if torch.is_tensor(a)), None)
+        if x is not None and x.dim() > 1 and x.shape[1] % tp:
             raise ValueError(
                 f"sequence parallelism splits each sequence evenly over tp={tp} ranks: a length "
                 f"of {x.shape[1]} does not split; use lengths divisible by {tp}"

@@ -187,14 +187,15 @@ def train_without_caches(model: nn.Module) -> list[Any]:
     one as its layers run (``use_cache``, on by default in T5's config), so a checkpointed
     span's recomputation would find the cache its forward filled and compute something else
     (torch's checkpoint then fails on a different number of saved tensors). As transformers does
-    under its own gradient checkpointing, a forward in training mode with grad enabled gets
-    ``use_cache=False``, for every module with a ``config`` whose forward takes ``use_cache``
-    (a warning, once, when the caller asked for True). Returns the hooks' handles."""
+    under its own gradient checkpointing, a forward with grad enabled (in eval mode too: the
+    engine checkpoints every forward that builds a graph) gets ``use_cache=False``, for every
+    module with a ``config`` whose forward takes ``use_cache`` (a warning, once, when the
+    caller asked for True). Returns the hooks' handles."""
     warned = False
 
     def no_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         nonlocal warned
-        if not (module.training and torch.is_grad_enabled()) or kwargs.get("use_cache") is False:
+        if not torch.is_grad_enabled() or kwargs.get("use_cache") is False:
             return None
         if kwargs.get("use_cache") and not warned:
             warned = True
