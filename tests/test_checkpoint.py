@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from pathlib import Path
 from unittest import mock
 
@@ -19,6 +20,7 @@ import zeroshard
 from zeroshard import checkpoint, checkpoint_files
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.testing import Workers
+from zeroshard.watchdog import group_timeout_s
 
 GLOBAL_BATCH = 12  # divides across 1, 2, 3 and 4 ranks
 
@@ -487,6 +489,56 @@ def test_bad_checkpoints_are_one_line_errors(workers2, tmp_path):
     assert all(workers2.run(_bad_input, str(tmp_path)))
 
 
+def _damage(path: Path, name: str, how: str) -> None:
+    """Rank 0 damages ``name`` of the checkpoint at ``path``: "flip" a byte, "cut" it short."""
+    if dist.get_rank() == 0:
+        raw = bytearray((path / name).read_bytes())
+        if how == "flip":
+            raw[int(len(raw) * 0.6)] ^= 0xFF
+        (path / name).write_bytes(bytes(raw if how == "flip" else raw[: len(raw) // 2]))
+    dist.barrier()
+
+
+def _edges(base: str) -> bool:
+    """What a user's own folder, values and damaged metadata meet: refused in one line."""
+    model = _model(3, "fp32")
+    opt = _opt(model, "fp32")
+    _train(model, opt, range(1))
+    # A save never replaces a folder that is not a checkpoint (a run folder of the user's).
+    own = Path(base) / "run"
+    if dist.get_rank() == 0:
+        own.mkdir()
+        (own / "notes.txt").write_text("a week of notes")
+    dist.barrier()
+    with pytest.raises(checkpoint.CheckpointError, match=r"is not a zeroshard checkpoint"):
+        checkpoint.save(own, model, opt)
+    assert (own / "notes.txt").read_text() == "a week of notes"
+    # An extra value that load could not read back is refused before anything is written.
+    with pytest.raises(checkpoint.CheckpointError, match=r"extra\['where'\] \(a PosixPath\)"):
+        checkpoint.save(own / "ckpt", model, opt, {"where": Path(base)})
+    assert not (own / "ckpt").exists()
+    # A damaged .metadata or zeroshard.json: named, before anything is unpickled.
+    folder = Path(base) / "ckpt"
+    for step in (1, 2):
+        checkpoint.save(checkpoint.step_path(folder, step), model, opt, {"step": step})
+    newest = checkpoint.step_path(folder, 2)
+    for name, how, message in ((".metadata", "flip", "is corrupted"),
+                               ("zeroshard.json", "cut", "is damaged"),
+                               ("__1_0.distcp", "cut", "is corrupted")):  # fmt: skip
+        _damage(newest, name, how)
+        with pytest.raises(checkpoint.CheckpointError, match=re.escape(name) + " " + message):
+            checkpoint.load(newest, model, opt)
+        if how == "cut":  # incomplete: resume "auto" and restarts take the one before
+            assert checkpoint.latest(folder) == checkpoint.step_path(folder, 1)
+        checkpoint.save(newest, model, opt, {"step": 2})  # a damaged checkpoint is replaced
+        assert checkpoint.latest(folder) == newest
+    return True
+
+
+def test_a_users_folder_values_and_damaged_metadata(workers2, tmp_path):
+    assert all(workers2.run(_edges, str(tmp_path)))
+
+
 # --------------------------------------------------------------------- asynchronous save
 
 
@@ -517,6 +569,9 @@ def _async_save(base: str) -> bool:
         assert any(not torch.equal(then[k], now[k]) for k in then)
         go.set()
         assert handle.wait() == folder / "step-000002" and handle.done()
+    # Its collectives give up on a stuck peer after the job's timeout, not gloo's 30 minutes.
+    (background,) = checkpoint._BACKGROUND_GROUPS.values()
+    assert group_timeout_s(background) == group_timeout_s(None)
     # A second save waits for the first: both published, in order.
     first = checkpoint.save(
         checkpoint.step_path(folder, 4), model, opt, {"step": 4}, async_save=True

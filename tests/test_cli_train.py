@@ -265,6 +265,30 @@ def test_a_finished_run_s_folder_is_resumed_or_left_alone(capsys, tmp_path, data
     )
 
 
+def test_a_rolled_back_resume_new_weight_decay_and_a_torn_metrics_line(capsys, tmp_path, data_dir):
+    flags = ["--data-dir", str(data_dir), *NANO, "--batch-size", "2", "--save-every", "2"]
+    flags += ["--weight-decay", "0.5"]
+    for name in ("a", "b"):
+        code, err, _, _ = _train_in_process(capsys, tmp_path / name, *flags, "--steps", "4")
+        assert code == 0, err
+    # Resumed from step 2 beside step 4: a restart or --resume auto would continue step 4's run.
+    ckpt = tmp_path / "a" / "ckpt"
+    argv = ["train", *flags, "--steps", "6", "--resume", str(ckpt / "step-000002")]
+    argv += ["--out-dir", str(tmp_path / "a")]
+    _expect_usage_error(capsys, argv, "holds later checkpoints")
+    # A torn last metrics line (killed while writing it) does not block the resume, and a new
+    # weight decay is the one trained with, not the checkpoint's.
+    with open(tmp_path / "a" / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')
+    losses = {}
+    for name, decay in (("a", "0.0"), ("b", "0.5")):
+        more = [*flags, "--steps", "6", "--resume", "auto", "--weight-decay", decay]
+        code, err, records, _ = _train_in_process(capsys, tmp_path / name, *more)
+        assert code == 0, err
+        losses[name] = [r["loss"] for r in records if r["kind"] == "train" and r["step"] == 6]
+    assert losses["a"] != losses["b"], losses
+
+
 def test_resume_auto_without_checkpoints(capsys, tmp_path):
     argv = ["train", "--resume", "auto", "--out-dir", str(tmp_path)]
     _expect_usage_error(capsys, argv, "no complete checkpoint", "drop --resume")

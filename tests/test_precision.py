@@ -213,6 +213,23 @@ def test_scaler_state_round_trips_and_config_errors():
         LossScaler(scale=float("inf"))
 
 
+def test_a_scaler_of_another_kind_keeps_its_own_scale():
+    """Resuming an FP32/BF16 run in FP16 (or the reverse): the skipped-step count carries
+    over, the scale does not (a static 1.0 would leave FP16 at its minimum)."""
+    static = LossScaler()
+    static.update(True)
+    dynamic = DynamicLossScaler(init_scale=2.0**16)
+    dynamic.load_state_dict(static.state_dict())
+    assert dynamic.scale == 2.0**16 and dynamic.num_skipped == 1
+    dynamic.update(True)
+    fresh = LossScaler()
+    fresh.load_state_dict(dynamic.state_dict())
+    assert fresh.scale == 1.0 and fresh.num_skipped == 2
+    old = {"scale": 1.0, "num_skipped": 0}  # saved before states named their kind
+    dynamic.load_state_dict(old)
+    assert dynamic.scale == 2.0**15  # halved by its own overflow above, not set to 1.0
+
+
 # --------------------------------------------------------------------- 2 ranks
 
 

@@ -57,13 +57,14 @@ the path or raises the save's error; the next ``save`` or ``load`` waits for it 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-import dataclasses
 import io
 import json
 import os
 import secrets
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -76,13 +77,11 @@ import torch.distributed as dist
 from zeroshard import rng, tensor_parallel
 from zeroshard.checkpoint_files import (
     META_FILE,
-    NUMBERED,
-    OLD,
     TMP,
     CheckpointError,
     agree,
     broadcast,
-    check_file,
+    check_replaceable,
     data_files,
     fsync_dir,
     fsync_file,
@@ -91,37 +90,23 @@ from zeroshard.checkpoint_files import (
     prune,
     publish,
 )
+from zeroshard.checkpoint_info import (  # noqa: F401 (the inspection API, re-exported)
+    FORMAT_VERSION,
+    CheckpointInfo,
+    info,
+    latest,
+    read_meta,
+    step_path,
+    verify,
+)
 from zeroshard.engine import engine_of
 from zeroshard.flat_range import FlatRange
 from zeroshard.offload.nvme import free_bytes
+from zeroshard.watchdog import inherit_timeout
 
-FORMAT_VERSION = 1
 _WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap encoding and I/O
 _SPACE_MARGIN = 1.05  # free space wanted over the estimate (DCP metadata, pickled extras)
 _SPACE_PER_RANK = 2**20  # and per rank: each file's headers (a small model's may double it)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckpointInfo:
-    """What ``info(path)`` reads from a checkpoint folder without loading it."""
-
-    path: str
-    complete: bool
-    """``zeroshard.json`` present and every file it lists present with its recorded size."""
-    problem: str | None = None
-    """Why it is not complete (None when it is)."""
-    step: int | None = None
-    world_size: int | None = None
-    tensor_parallel: int = 1
-    """Ranks each split layer was split over (the job's world size counts them all)."""
-    stage: int | None = None
-    param_dtype: str | None = None
-    """Compute dtype(s) of the parameters, e.g. ``bfloat16`` (masters are always FP32)."""
-    reduce_dtype: str | None = None
-    num_params: int | None = None
-    zeroshard_version: str | None = None
-    size_bytes: int = 0
-    """Bytes of every file in the folder."""
 
 
 def _group(model, optimizer) -> dist.ProcessGroup | None:
@@ -252,7 +237,9 @@ def save(
     }
     buffer = io.BytesIO()
     torch.save(own, buffer)  # a snapshot of this rank's own state, as the bytes of its file
+    _check_loadable(extra, buffer.getvalue())
     path = Path(path).absolute()
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _resident(model, optimizer):  # offloaded optimizer states: in memory until written/copied
         state = _state(model, optimizer)
@@ -272,9 +259,46 @@ def save(
         target=handle._run, args=(job, background), name=f"zeroshard-save-{path.name}", daemon=True
     )
     global _pending
+    if _pending is None:
+        atexit.register(_warn_unfinished)
     _pending = handle
     handle._thread.start()
     return handle
+
+
+def _check_loadable(extra: dict, saved: bytes) -> None:
+    """``load`` reads a rank's own file with ``torch.load(weights_only=True)``: refuse, before
+    anything is written, an ``extra`` value it would refuse (numpy scalars, paths, objects)."""
+    try:
+        torch.load(io.BytesIO(saved), weights_only=True)
+        return
+    except Exception:
+        pass
+    for key, value in extra.items():
+        one = io.BytesIO()
+        torch.save(value, one)
+        try:
+            torch.load(io.BytesIO(one.getvalue()), weights_only=True)
+        except Exception as exc:
+            lines = [ln.strip() for ln in str(exc).splitlines() if "Unpickler error" in ln]
+            why = (lines or [type(exc).__name__])[0].split(". ")[0]
+            raise CheckpointError(
+                f"extra[{key!r}] (a {type(value).__name__}) could not be loaded back ({why}); "
+                "save tensors, numbers, strings, lists, tuples and dicts of them (e.g. float(x), "
+                "str(path), torch.tensor(array))"
+            ) from None
+    raise CheckpointError("this rank's state could not be loaded back after torch.save")
+
+
+def _warn_unfinished() -> None:
+    """At exit: an asynchronous save still being written is lost (its thread is a daemon)."""
+    if _pending is not None and not _pending.done():
+        print(
+            f"zeroshard: the asynchronous save of {_pending.path} was still being written when "
+            "the process exited and is lost; call its handle's wait() (or "
+            "zeroshard.checkpoint.wait()) before exiting",
+            file=sys.stderr,
+        )
 
 
 class SaveHandle:
@@ -329,6 +353,7 @@ def _background_group(group) -> dist.ProcessGroup:
         _BACKGROUND_GROUPS[ranks] = dist.new_group(
             list(ranks), backend="gloo", use_local_synchronization=True
         )
+        inherit_timeout(_BACKGROUND_GROUPS[ranks])  # else gloo's 30 minutes for a stuck peer
     return _BACKGROUND_GROUPS[ranks]
 
 
@@ -442,39 +467,6 @@ def _check_space(parent: Path, local_bytes: int, group) -> None:
 # --------------------------------------------------------------------- load
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    """The metadata of a complete checkpoint; a one-line error for anything else."""
-    if TMP in path.name:
-        raise CheckpointError(
-            f"{path} is an incomplete save (a temporary folder never published: the job stopped "
-            "while saving); load an earlier checkpoint and delete this folder"
-        )
-    if not path.exists():
-        aside = sorted(path.parent.glob(path.name + OLD + "*")) if path.parent.is_dir() else []
-        if aside:
-            raise FileNotFoundError(
-                f"no checkpoint at {path}, but {aside[0].name} holds the one a save was replacing "
-                f"when it stopped; rename it back to {path.name}"
-            )
-        raise FileNotFoundError(
-            f"no checkpoint at {path}; pass a folder written by zeroshard.checkpoint.save "
-            "(zeroshard checkpoint info PATH checks one)"
-        )
-    if not (path / META_FILE).is_file():
-        raise CheckpointError(
-            f"{path} is incomplete (no {META_FILE}: the save did not finish, or it is not a "
-            "zeroshard checkpoint); load an earlier checkpoint"
-        )
-    meta = json.loads((path / META_FILE).read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint format {meta.get('format_version')}, this zeroshard reads "
-            f"{FORMAT_VERSION}; load it with the zeroshard version that wrote it "
-            f"({meta.get('zeroshard_version')})"
-        )
-    return meta
-
-
 def _check_names(path: Path, reader, template: dict[str, Any]) -> None:
     """Compare the checkpoint's model entries with the model's (names and shapes), and its
     number of optimizer param groups with the optimizer's."""
@@ -516,7 +508,7 @@ def _check_names(path: Path, reader, template: dict[str, Any]) -> None:
         )
 
 
-def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> dict:
+def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> dict:  # noqa: F811
     """Load the checkpoint at ``path`` into ``model`` and ``optimizer`` (at any world size and
     stage) and restore the loss scaler and RNGs; returns the ``extra`` dict saved with it.
 
@@ -526,7 +518,7 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
     group = _group(model, optimizer)
     rank = dist.get_rank(group)
     path = Path(path).absolute()
-    meta = _read_meta(path)
+    meta = read_meta(path)
     from zeroshard.checkpoint_planner import LoadPlanner
     from zeroshard.checkpoint_reader import Reader, read
 
@@ -542,56 +534,3 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
     optimizer.loss_scaler.load_state_dict(own["loss_scaler"])
     rng.set_state(own["rng"])
     return own["extra"]
-
-
-# --------------------------------------------------------------------- inspection
-
-
-def verify(path: str | os.PathLike) -> str | None:
-    """In one process, no process group: why ``path``'s files are not as recorded at save (a
-    file missing, resized or with another checksum), or None when every one matches."""
-    folder = Path(path)
-    files = _read_meta(folder)["files"]
-    return next((p for n in sorted(files) if (p := check_file(folder, n, files[n]))), None)
-
-
-def info(path: str | os.PathLike) -> CheckpointInfo:
-    """What a checkpoint folder holds and whether it is complete (file sizes; no checksums).
-    Not a collective. ``FileNotFoundError`` when ``path`` does not exist."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint folder at {path}; pass a checkpoint folder")
-    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-    try:
-        meta = _read_meta(path)
-    except CheckpointError as exc:
-        return CheckpointInfo(path=str(path), complete=False, problem=str(exc), size_bytes=size)
-    problem = None
-    for name, want in meta["files"].items():
-        file = path / name
-        if not file.is_file() or file.stat().st_size != want["bytes"]:
-            problem = f"file {name} is missing or has the wrong size"
-            break
-    fields = {f.name for f in dataclasses.fields(CheckpointInfo)}
-    return CheckpointInfo(
-        **{k: v for k, v in meta.items() if k in fields},
-        path=str(path), complete=problem is None, problem=problem, size_bytes=size,
-    )  # fmt: skip
-
-
-def step_path(folder: str | os.PathLike, step: int) -> Path:
-    """Where a run keeps the checkpoint of ``step``: ``folder/step-000100``."""
-    return Path(folder) / f"step-{step:06d}"
-
-
-def latest(folder: str | os.PathLike) -> Path | None:
-    """The complete numbered checkpoint (``step-*``) with the highest number in ``folder``."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    found = []
-    for child in folder.iterdir():
-        m = NUMBERED.match(child.name)
-        if m and m["prefix"] == "step-" and (child / META_FILE).is_file():
-            found.append((int(m["num"]), child))
-    return max(found)[1] if found else None

@@ -118,6 +118,27 @@ def check_file(folder: Path, name: str, want: dict[str, Any]) -> str | None:
     return None
 
 
+_CHECKPOINT_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank-\d+\.pt|zeroshard\.json)$")
+
+
+def check_replaceable(path: Path) -> None:
+    """A save replaces what is at ``path`` only when it is a checkpoint (complete or not: every
+    file one of a checkpoint's), an empty folder or nothing; anything else is the user's and
+    the save is refused before it writes."""
+    if path.is_symlink():
+        raise CheckpointError(
+            f"{path} is a symbolic link: a save replaces the folder at its path, not what it "
+            "points to; save to the target folder itself"
+        )
+    if not path.exists():
+        return
+    if not path.is_dir() or not all(_CHECKPOINT_FILE.match(f.name) for f in path.iterdir()):
+        raise CheckpointError(
+            f"{path} exists and is not a zeroshard checkpoint: a save there would replace it and "
+            "everything in it; save to another path (e.g. a subfolder), or remove it first"
+        )
+
+
 def publish(tmp: Path, path: Path) -> None:
     """Rank 0: rename ``tmp`` to ``path``; an existing ``path`` is moved aside, then removed."""
     old = None

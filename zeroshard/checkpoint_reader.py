@@ -42,7 +42,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from zeroshard.checkpoint_files import CheckpointError, corrupted, hash_file, missing
+from zeroshard.checkpoint_files import (
+    CheckpointError,
+    check_file,
+    corrupted,
+    hash_file,
+    missing,
+)
 
 _CHUNK_BYTES = 64 * 2**20  # one read (and hash update), in bytes
 _HEAD_BYTES = 4096  # first read of a chunk: its zip headers and pickle, in bytes
@@ -70,8 +76,26 @@ class Reader(FileSystemReader):
         if kwargs.get("rank") is not None:
             return super().read_metadata(*args, **kwargs)
         if self._metadata is None:
-            self._metadata = super().read_metadata()
+            self._metadata = self._checked_metadata()
         return self._metadata
+
+    def _checked_metadata(self) -> Metadata:
+        """The ``.metadata``, its checksum verified before it is unpickled (a damaged pickle
+        fails in any odd way, or worse, reads as another checkpoint)."""
+        folder, name = Path(self.path), ".metadata"
+        if self.files is not None and name in self.files:
+            problem = check_file(folder, name, self.files[name])
+            if problem:
+                raise CheckpointError(problem)
+        try:
+            return super().read_metadata()
+        except FileNotFoundError:
+            raise CheckpointError(missing(folder, name)) from None
+        except Exception as exc:  # unpickling a damaged file raises anything
+            raise CheckpointError(
+                f"checkpoint file {folder / name} cannot be read ({type(exc).__name__}: {exc}); "
+                "it is damaged: use another checkpoint"
+            ) from None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)

@@ -265,7 +265,7 @@ def export_safetensors(
     out = Path(out_dir).absolute()
     cast = _dtype(dtype)
     limit = _shard_bytes(max_shard_bytes)
-    checkpoint._read_meta(path)  # one-line errors for a missing or incomplete checkpoint
+    checkpoint.read_meta(path)  # one-line errors for a missing or incomplete checkpoint
     if out == path:
         raise ExportError(f"export into {out} would write into the checkpoint; pick another OUT")
     if out.exists() and not out.is_dir():

@@ -353,11 +353,21 @@ class LossScaler:
         self.num_skipped += int(found_inf)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "num_skipped": self.num_skipped}
+        return {"kind": type(self).__name__, "scale": self.scale, "num_skipped": self.num_skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale = float(state["scale"])
+        """Restore ``state``; its scale only from a scaler of the same kind (a BF16 run's 1.0
+        would leave an FP16 run at the minimum scale, an FP16 run's scale would stay on in
+        FP32 for good)."""
         self.num_skipped = int(state.get("num_skipped", 0))
+        if self.same_kind(state):
+            self.scale = float(state["scale"])
+
+    def same_kind(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` came from a scaler of this one's class (older states, without a
+        ``kind``: told apart by the dynamic scaler's own fields)."""
+        kind = state.get("kind", "DynamicLossScaler" if "clean_steps" in state else "LossScaler")
+        return kind == type(self).__name__
 
 
 @dataclass(kw_only=True)
@@ -436,6 +446,8 @@ class DynamicLossScaler(LossScaler):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        if not self.same_kind(state):
+            return
         self._clean_steps = int(state.get("clean_steps", 0))
         self._hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))
 

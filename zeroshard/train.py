@@ -75,9 +75,20 @@ def resume_path(cfg: TrainConfig) -> Path | None:
 
 
 def _records_until(path: Path, step: int) -> list[dict]:
-    """The metrics of a run being resumed, up to and including ``step``."""
+    """The metrics of a run being resumed, up to and including ``step``; a last line cut short
+    (the run was killed while writing it) is dropped."""
     lines = path.read_text().splitlines() if path.is_file() else []
-    return [r for r in map(json.loads, lines) if r["step"] <= step]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError as exc:
+            if number == len(lines):
+                break
+            raise ValueError(
+                f"{path} line {number} is not a metrics record ({exc}); repair or remove it"
+            ) from None
+    return [r for r in records if r.get("step", step + 1) <= step]
 
 
 def load_data(cfg: TrainConfig) -> TokenData:
@@ -225,6 +236,7 @@ def train(cfg: TrainConfig) -> dict:
         start, skipped, resume = 0, 0, resume_path(cfg)
         if resume is not None:
             extra = checkpoint.load(resume, model, opt)  # restores RNGs and the loss scale too
+            opt.param_groups[0]["weight_decay"] = cfg.weight_decay  # not the saved run's
             start = int(extra.get("step", checkpoint.info(resume).step))
             skipped = int(extra.get("skipped", 0))
         records = _records_until(out / "metrics.jsonl", start) if start else []

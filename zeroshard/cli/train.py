@@ -413,8 +413,25 @@ def _pin_resume(cfg: TrainConfig) -> TrainConfig:
             f"--resume {path}: the checkpoint is at step {found.step} and --steps is "
             f"{cfg.steps}: nothing left to train; pass --steps above {found.step} to train on"
         )
+    _check_no_later(cfg, path, found.step)
     print(f"resuming from {path} (step {found.step})")
     return dataclasses.replace(cfg, resume=str(path))
+
+
+def _check_no_later(cfg: TrainConfig, path: Path, step: int | None) -> None:
+    """A run resumed from an earlier checkpoint than the newest of its out_dir (rolled back)
+    and saving there would mix with the run it abandons: a restart or a later ``--resume auto``
+    would continue the abandoned one, and ``keep`` would prune the new one's."""
+    folder = Path(cfg.out_dir) / "ckpt"
+    newest = checkpoint.latest(folder) if cfg.save_every else None
+    if newest is None or step is None or (checkpoint.info(newest).step or 0) <= step:
+        return
+    raise UsageError(
+        f"--resume {path}: {folder} holds later checkpoints of the run it rolls back (newest: "
+        f"{newest.name}); saving beside them, a restart or a later --resume auto would continue "
+        f"that run instead: move them out of {folder} (e.g. into {folder}-abandoned) or pass "
+        "another --out-dir"
+    )
 
 
 def resume_after_restart(cfg: TrainConfig, restart: int) -> tuple[TrainConfig, str]:

@@ -1,0 +1,129 @@
+"""A checkpoint folder read without loading it: its metadata (``zeroshard.json``), whether it is
+complete, its files' checksums, and the newest complete one of a run. No process group needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from zeroshard.checkpoint_files import META_FILE, NUMBERED, OLD, TMP, CheckpointError, check_file
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """What ``info(path)`` reads from a checkpoint folder without loading it."""
+
+    path: str
+    complete: bool
+    """``zeroshard.json`` present and every file it lists present with its recorded size."""
+    problem: str | None = None
+    """Why it is not complete (None when it is)."""
+    step: int | None = None
+    world_size: int | None = None
+    tensor_parallel: int = 1
+    """Ranks each split layer was split over (the job's world size counts them all)."""
+    stage: int | None = None
+    param_dtype: str | None = None
+    """Compute dtype(s) of the parameters, e.g. ``bfloat16`` (masters are always FP32)."""
+    reduce_dtype: str | None = None
+    num_params: int | None = None
+    zeroshard_version: str | None = None
+    size_bytes: int = 0
+    """Bytes of every file in the folder."""
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The metadata of a complete checkpoint; a one-line error for anything else."""
+    if TMP in path.name:
+        raise CheckpointError(
+            f"{path} is an incomplete save (a temporary folder never published: the job stopped "
+            "while saving); load an earlier checkpoint and delete this folder"
+        )
+    if not path.exists():
+        aside = sorted(path.parent.glob(path.name + OLD + "*")) if path.parent.is_dir() else []
+        if aside:
+            raise FileNotFoundError(
+                f"no checkpoint at {path}, but {aside[0].name} holds the one a save was replacing "
+                f"when it stopped; rename it back to {path.name}"
+            )
+        raise FileNotFoundError(
+            f"no checkpoint at {path}; pass a folder written by zeroshard.checkpoint.save "
+            "(zeroshard checkpoint info PATH checks one)"
+        )
+    if not (path / META_FILE).is_file():
+        raise CheckpointError(
+            f"{path} is incomplete (no {META_FILE}: the save did not finish, or it is not a "
+            "zeroshard checkpoint); load an earlier checkpoint"
+        )
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
+            raise ValueError("no list of files")
+    except ValueError as exc:  # a torn or hand-edited file (UnicodeDecodeError is one too)
+        raise CheckpointError(
+            f"{path / META_FILE} is damaged ({exc}); load another checkpoint"
+        ) from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format {meta.get('format_version')}, this zeroshard reads "
+            f"{FORMAT_VERSION}; load it with the zeroshard version that wrote it "
+            f"({meta.get('zeroshard_version')})"
+        )
+    return meta
+
+
+def verify(path: str | os.PathLike) -> str | None:
+    """In one process, no process group: why ``path``'s files are not as recorded at save (a
+    file missing, resized or with another checksum), or None when every one matches."""
+    folder = Path(path)
+    files = read_meta(folder)["files"]
+    return next((p for n in sorted(files) if (p := check_file(folder, n, files[n]))), None)
+
+
+def info(path: str | os.PathLike) -> CheckpointInfo:
+    """What a checkpoint folder holds and whether it is complete (file sizes; no checksums).
+    Not a collective. ``FileNotFoundError`` when ``path`` does not exist."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint folder at {path}; pass a checkpoint folder")
+    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    try:
+        meta = read_meta(path)
+    except CheckpointError as exc:
+        return CheckpointInfo(path=str(path), complete=False, problem=str(exc), size_bytes=size)
+    problem = None
+    for name, want in meta["files"].items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != want["bytes"]:
+            problem = f"file {name} is missing or has the wrong size"
+            break
+    fields = {f.name for f in dataclasses.fields(CheckpointInfo)}
+    return CheckpointInfo(
+        **{k: v for k, v in meta.items() if k in fields},
+        path=str(path), complete=problem is None, problem=problem, size_bytes=size,
+    )  # fmt: skip
+
+
+def step_path(folder: str | os.PathLike, step: int) -> Path:
+    """Where a run keeps the checkpoint of ``step``: ``folder/step-000100``."""
+    return Path(folder) / f"step-{step:06d}"
+
+
+def latest(folder: str | os.PathLike) -> Path | None:
+    """The complete numbered checkpoint (``step-*``) with the highest number in ``folder``
+    (``info(...).complete``: one with a file missing or cut short is passed over)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    found = []
+    for child in folder.iterdir():
+        m = NUMBERED.match(child.name)
+        if m and m["prefix"] == "step-" and (child / META_FILE).is_file():
+            found.append((int(m["num"]), child))
+    return next((child for _, child in sorted(found, reverse=True) if info(child).complete), None)
