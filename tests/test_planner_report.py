@@ -40,6 +40,29 @@ def test_units_line_for_a_built_model():
     assert out["stages"][0]["memory"]["device"]["gathered_units"] == 2 * 2 * 400 + 2 * 400
 
 
+def test_communication_counts_the_root_kept_and_replicated():
+    """Stage 3 gathers the root once per step (kept from forward to backward, as the engine
+    does); tensor parallelism leaves it whole on every rank."""
+    model = d.ModelDescription(
+        num_params=1000, root_unit_numel=400, block_unit_numels=(300, 300),
+        largest_unit_numel=300,
+    )  # fmt: skip
+    numel = {}
+    for mp in (1, 2):
+        config = MemoryConfig(stage=3, num_mp_ranks=mp)
+        out = report.plan_report(model, config, stages=(3,), offloads=("none",))
+        gathers = [c for c in out["stages"][0]["communication"]["collectives"]]
+        numel[mp] = {(c["op"], c["when"]): c["numel"] for c in gathers}
+    assert numel[1] == {
+        ("all_gather", "forward"): 1000,
+        ("all_gather", "backward"): 600,  # the root stayed gathered
+        ("reduce_scatter", "backward"): 1000,
+    }
+    # 400 whole + 600 / 2 per tensor-parallel rank
+    assert numel[2][("all_gather", "forward")] == 700
+    assert numel[2][("all_gather", "backward")] == 300
+
+
 def test_no_offered_row_is_an_error():
     with pytest.raises(ValueError, match="no stage in --stage 0 supports --offload cpu-all"):
         report.plan_report(

@@ -396,6 +396,8 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
         reduce_dtype_bytes=config.bytes_per_param.grads or 2,
         num_dp_ranks=None if k is None else config.num_dp_ranks,
         shard_group_size=k,
+        num_params_kept_gathered=model.kept_gathered_numel,
+        num_params_replicated=model.replicated_numel,
     )
     net, inter = cluster.net_bandwidth_bytes_per_s, cluster.inter_node_bandwidth_bytes_per_s
     if config.stage == 0 and k is not None and k < config.num_dp_ranks:

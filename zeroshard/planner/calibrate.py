@@ -154,7 +154,7 @@ def predict(case: Case | HFCase, num_ranks: int) -> dict:
 
     model = describe_case(case)
     plan = plan_memory(model, engine_config(case, num_ranks))
-    kept = 0 if ShardConfig().reshard_root_after_forward else model.root_numel or 0
+    kept = 0 if ShardConfig().reshard_root_after_forward else model.kept_gathered_numel
     collectives = comm.dp_communication(
         model.num_params,
         stage=case.stage,

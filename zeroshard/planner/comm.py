@@ -64,12 +64,15 @@ def dp_communication(
     num_params_kept_gathered: int = 0,
     num_dp_ranks: int | None = None,
     shard_group_size: int | None = None,
+    num_params_replicated: int = 0,
 ) -> tuple[Collective, ...]:
     """The collectives of one step and their per-device volume: 2 Psi elements for stages 0-2,
     3 Psi for stage 3 (Psi / Nm each with model parallelism). Gradients travel in
     ``reduce_dtype_bytes``, parameters in ``param_dtype_bytes``. ``num_params_kept_gathered``:
     stage 3 parameters that stay gathered from forward to backward and are not gathered again
     (zeroshard keeps the root unit unless ``ShardConfig.reshard_root_after_forward``).
+    ``num_params_replicated``: parameters tensor parallelism leaves whole on every rank (not
+    divided by Nm; counted first among those kept gathered, the root unit being both).
 
     Hybrid sharding: ``num_dp_ranks`` Nd sharded in groups of ``shard_group_size`` k (both or
     neither; k must divide Nd). With k < Nd, stages 1-3 add the all-reduce of the 1/k gradient
@@ -91,8 +94,10 @@ def dp_communication(
         )
     part = partition(stage)
     num_groups = num_shard_groups(num_dp_ranks, shard_group_size)
-    psi = math.ceil(num_params / num_mp_ranks)
-    kept = math.ceil(num_params_kept_gathered / num_mp_ranks)
+    replicated = min(num_params_replicated, num_params)
+    psi = math.ceil((num_params - replicated) / num_mp_ranks) + replicated
+    kept_whole = min(num_params_kept_gathered, replicated)
+    kept = kept_whole + math.ceil((num_params_kept_gathered - kept_whole) / num_mp_ranks)
 
     def grads(op: str, numel: int) -> Collective:
         return Collective(

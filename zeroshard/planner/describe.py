@@ -11,6 +11,7 @@ states and communication only.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -135,6 +136,24 @@ class ModelDescription:
         if self.shape is None:
             return None
         return max(0, self.num_params - self.shape.num_layers * self.shape.block_numel)
+
+    @property
+    def replicated_numel(self) -> int:
+        """Parameters every tensor-parallel rank holds whole: zeroshard's tensor parallelism
+        splits the blocks' layers and keeps the root unit's (embeddings, final norm, head)
+        replicated. 0 when the root is unknown (the papers' Psi / Nm for everything)."""
+        return self.root_numel or 0
+
+    def mp_numel(self, num_mp_ranks: int) -> int:
+        """Parameters one tensor-parallel rank holds: the blocks' 1/Nm and the replicated root."""
+        replicated = self.replicated_numel
+        return math.ceil((self.num_params - replicated) / num_mp_ranks) + replicated
+
+    @property
+    def kept_gathered_numel(self) -> int:
+        """Stage 3: parameters gathered once per step and kept from forward to backward (the
+        root unit, unless ``ShardConfig.reshard_root_after_forward``, off by default)."""
+        return self.root_numel or 0
 
 
 def _positive_int(name: str, value: object) -> None:

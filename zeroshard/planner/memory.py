@@ -328,9 +328,12 @@ def model_states(
     num_mp_ranks: int = 1,
     bytes_per_param: BytesPerParam = ZERO,
     placement: Placement | None = None,
+    num_params_replicated: int = 0,
 ) -> dict[Tier, dict[str, int]]:
     """Model-state bytes per device and tier: ``bytes_per_param * Psi / Nm``, divided by Nd for the
-    states the stage partitions. Psi = 7.5e9, Nd = 64 gives 120, 31.4, 16.6 and 1.88 GB."""
+    states the stage partitions. Psi = 7.5e9, Nd = 64 gives 120, 31.4, 16.6 and 1.88 GB.
+    ``num_params_replicated`` of the Psi are not divided by Nm (tensor parallelism leaves them
+    whole on every rank: ``ModelDescription.replicated_numel``)."""
     _at_least("num_params", num_params, 1)
     _at_least("num_dp_ranks", num_dp_ranks, 1)
     _at_least("num_mp_ranks", num_mp_ranks, 1)
@@ -342,10 +345,13 @@ def model_states(
         "optimizer_states": part.optimizer_states,
     }
     out = {t: dict.fromkeys(MODEL_STATES, 0) for t in TIERS}
+    replicated = min(num_params_replicated, num_params)
     for category in MODEL_STATES:
-        num_bytes = getattr(bytes_per_param, category) * num_params
+        # bytes * ((Psi - R) / Nm + R) / Nd, in integers: ceil(a / b) = -(-a // b)
+        elements_x_nm = num_params - replicated + replicated * num_mp_ranks
+        num_bytes = getattr(bytes_per_param, category) * elements_x_nm
         ways = num_mp_ranks * (num_dp_ranks if split[category] else 1)
-        out[placement.tier(category)][category] = math.ceil(num_bytes / ways)
+        out[placement.tier(category)][category] = -(-num_bytes // ways)
     return out
 
 
@@ -429,6 +435,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             num_mp_ranks=c.num_mp_ranks,
             bytes_per_param=bpp,
             placement=c.placement,
+            num_params_replicated=model.replicated_numel,
         )
         _stepped_in_backward(states, c)
         moments = timeline.moments(model, c, states[Tier.DEVICE])
@@ -487,7 +494,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             # unit's unsharded gradients before they are reduce-scattered.
             gathered = (1 + c.num_units_prefetch) * unit * bpp.params + unit * bpp.grads
             out[Tier.DEVICE]["gathered_units"] = math.ceil(gathered / c.num_mp_ranks)
-    grads_bytes = math.ceil(bpp.grads * model.num_params / c.num_mp_ranks)
+    grads_bytes = bpp.grads * model.mp_numel(c.num_mp_ranks)
     out[Tier.DEVICE]["comm_buckets"] = min(c.num_buckets * c.bucket_bytes, grads_bytes)
     return MemoryBreakdown(
         device=out[Tier.DEVICE], cpu=out[Tier.CPU], nvme=out[Tier.NVME], notes=tuple(notes)
@@ -578,6 +585,7 @@ def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdow
         num_mp_ranks=config.num_mp_ranks,
         bytes_per_param=config.bytes_per_param,
         placement=config.placement,
+        num_params_replicated=model.replicated_numel,
     )
     _stepped_in_backward(states, config)
     residual = residual_states(model, config)

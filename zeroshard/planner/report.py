@@ -146,6 +146,8 @@ def _communication(model, config, net_bw, inter_bw) -> dict:
         reduce_dtype_bytes=config.bytes_per_param.grads or 2,
         num_dp_ranks=None if k is None else nd,
         shard_group_size=k,
+        num_params_kept_gathered=model.kept_gathered_numel,
+        num_params_replicated=model.replicated_numel,
     )
     notes = []
     if config.stage == 0 and k is not None and k < nd:

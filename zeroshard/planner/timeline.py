@@ -231,7 +231,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     num_units, root = len(backward), model.root_numel or 0
     act = activation_terms(model, c)
     on_device = {m: c.placement.tier(m) is Tier.DEVICE for m in MODEL_STATES}
-    grads_total = math.ceil(bpp.grads * model.num_params / mp)
+    grads_total = bpp.grads * model.mp_numel(mp)
     sib = c.step_in_backward
     num_inflight = c.num_buckets  # K, counting the reduction being started
 
@@ -264,7 +264,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         """Stage 3: the root and ``count`` units from ``first`` (backward order) gathered."""
         if not part.parameters:
             return 0
-        return math.ceil(bpp.params * (root * with_root + numel(first, count)) / mp)
+        return bpp.params * root * with_root + math.ceil(bpp.params * numel(first, count) / mp)
 
     def moment(num_reduced: int, **residual: int) -> dict[str, int]:
         """Model states once ``num_reduced`` units' reductions have started (their shard-sized
