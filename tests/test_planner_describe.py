@@ -38,14 +38,13 @@ def test_module_counted_on_meta_without_memory():
         built.append(m)
         return m
 
-    model = d.from_module(factory)
+    model = d.from_module(factory, wrap="Block")
     assert model.num_params == PRESETS["1b"].num_params()  # tied embedding counted once
     assert all(p.device.type == "meta" for p in built[0].parameters())
-    # The largest unit is one block (the blocks ModuleList is opened), not the whole model.
     assert model.largest_unit_numel == 12 * 2048**2 + 13 * 2048
 
 
-def test_module_units_from_wrap_or_a_guess():
+def test_module_units_from_wrap_or_one_unit_as_train_makes():
     import warnings
 
     block = 12 * 64 * 64 + 13 * 64
@@ -56,11 +55,12 @@ def test_module_units_from_wrap_or_a_guess():
     assert wrapped.wrap_policy == "--wrap Block"
     assert wrapped.block_unit_numels == (block, block)
     assert wrapped.root_numel == cfg.num_params() - 2 * block
-    with pytest.warns(UserWarning, match="planning with one unit per Block.*--wrap CLASS"):
-        guessed = d.from_module(lambda: GPT(cfg))
-    assert guessed.wrap_policy == "guessed: Block"
-    assert guessed.block_unit_numels == wrapped.block_unit_numels
-    with pytest.warns(UserWarning, match="as one unit"):
+    # No wrap named: one unit, as zeroshard train makes it, and the class to pass is named.
+    with pytest.warns(UserWarning, match="planned as one unit.*--wrap Block \\(its repeated"):
+        whole = d.from_module(lambda: GPT(cfg))
+    assert whole.wrap_policy == "none: the whole model is one unit"
+    assert whole.root_numel == cfg.num_params() and whole.block_unit_numels == ()
+    with pytest.warns(UserWarning, match="as one unit.*--wrap CLASS"):
         one = d.from_module(nn.Linear(3, 4))
     assert one.root_numel == one.unit_numel == 16 and one.block_unit_numel is None
 

@@ -281,18 +281,12 @@ def wrap_policy(module, wrap: str | Sequence[str] | None):
         if isinstance(m, (nn.ModuleList, nn.Sequential))
     ]
     runs = [r for r in runs if r and len(set(r)) == 1]
-    if runs:
-        guess = max(runs, key=len)[0]
-        warnings.warn(
-            f"{type(module).__name__} names no wrap policy (_no_split_modules); planning with one "
-            f"unit per {guess} (its repeated blocks); pass --wrap CLASS to say which modules the "
-            "engine wraps",
-            stacklevel=2,
-        )
-        return policies.by_class(guess), f"guessed: {guess}"
+    # As ``zeroshard train`` and ``shard`` without a wrap do: the plan is of what will run.
+    hint = f"--wrap {max(runs, key=len)[0]} (its repeated blocks)" if runs else "--wrap CLASS"
     warnings.warn(
-        f"{type(module).__name__} names no wrap policy and has no repeated blocks: planning it as "
-        "one unit (stage 3 gathers every parameter at once); pass --wrap CLASS to split it",
+        f"{type(module).__name__} names no wrap policy (_no_split_modules): planned as one unit, "
+        f"as zeroshard train makes it (stage 3 gathers every parameter at once); pass {hint} "
+        "to plan and train it unit by unit",
         stacklevel=2,
     )
     return None, "none: the whole model is one unit"
