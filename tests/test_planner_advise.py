@@ -10,7 +10,7 @@ import zeroshard
 from zeroshard.models.gpt import GPT, Block, GPTConfig
 from zeroshard.planner import describe as d
 from zeroshard.planner.advise import Cluster, Workload, advise, engine_problem
-from zeroshard.planner.memory import OFFLOADS, MemoryConfig, Placement, Tier
+from zeroshard.planner.memory import OFFLOADS, MemoryConfig, Placement, Tier, at_stage
 
 MODEL = d.from_params(10**9)
 
@@ -159,14 +159,14 @@ def test_accelerators_get_no_model_state_offload():
     assert {c.offload for c in advise(MODEL, _cluster(), w).feasible} == set(OFFLOADS)
 
 
-def test_offloaded_gradients_need_stage_2():
-    # cpu-optimizer sends gradients to the CPU too: the engine partitions them from stage 2.
+def test_an_offloaded_optimizer_below_stage_2_leaves_the_gradients_on_the_device():
+    # The engine partitions gradients from stage 2: at stage 1 they stay on the device and the
+    # optimizer on the CPU takes its rank's slice at the step, as zeroshard train runs it.
     advice = advise(MODEL, _cluster(), _workload(stages=(1, 2), offloads=("cpu-optimizer",)))
-    assert [c.stage for c in advice.feasible] == [2]
-    assert (
-        "gradients='cpu' at stage 1 needs partitioned gradients"
-        in _problems(advice)[(1, "cpu-optimizer")]
-    )
+    by_stage = {c.stage: c for c in advice.feasible}
+    assert sorted(by_stage) == [1, 2]
+    assert by_stage[1].memory.cpu["grads"] == 0 and by_stage[1].memory.device["grads"] > 0
+    assert by_stage[2].memory.cpu["grads"] > 0 and by_stage[2].memory.device["grads"] == 0
 
 
 @pytest.mark.parametrize(
@@ -277,7 +277,7 @@ def _small_advice(device_type):
 
 
 def _build(stage, offload, ci, folder):
-    p = OFFLOADS[offload]
+    p = at_stage(OFFLOADS[offload], stage)
     place = {
         "optimizer": _ENGINE_TIER[p.optimizer_states],
         "gradients": _ENGINE_TIER[p.grads],
@@ -310,14 +310,19 @@ def test_every_feasible_candidate_runs_on_the_engine(lone_process, tmp_path):
         assert torch.isfinite(loss), key
         ran.add((c.stage, c.offload))
         del model, opt
-    # Below stage 2 gradients stay on the device; NVMe is planned at stage 3 only.
-    assert ran == {(0, "none"), (1, "none"), (2, "none"), (2, "cpu-optimizer")} | {
-        (3, o) for o in OFFLOADS
-    }
+    # Everything the planner does not reject, the engine runs (gradients left on the device
+    # below stage 2, optimizer states on NVMe from stage 1).
+    rejected = set(_problems(advice))
+    assert ran == {(s, o) for s in range(4) for o in OFFLOADS} - rejected
+    assert (1, "nvme-optimizer") in ran and (1, "cpu-all") in rejected
     # What the advisor rejects with an engine reason, the engine refuses with the same one.
-    problem = _problems(advice)[(1, "cpu-optimizer")]
+    problem = engine_problem(
+        d.from_gpt(SMALL), _cluster(), MemoryConfig(stage=1), 1, OFFLOADS["cpu-optimizer"]
+    )
     with pytest.raises(ValueError, match="needs partitioned gradients") as refused:
-        _build(1, "cpu-optimizer", 1, tmp_path / "refused")
+        zeroshard.shard(
+            GPT(SMALL), stage=1, offload=zeroshard.Offload(optimizer="cpu", gradients="cpu")
+        )
     assert "gradients='cpu' at stage 1" in problem and "gradients='cpu' at stage 1" in str(
         refused.value
     )

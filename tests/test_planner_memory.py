@@ -67,9 +67,13 @@ def test_placement_problems():
     assert m.placement_problem(0, OFFLOADS["none"]) is None
     assert "stage >= 1" in m.placement_problem(0, OFFLOADS["cpu-optimizer"])
     assert "stage 3" in m.placement_problem(2, OFFLOADS["cpu-all"])
-    assert "stage 3" in m.placement_problem(2, OFFLOADS["nvme-optimizer"])
-    odd = m.Placement(optimizer_states=Tier.CPU)  # gradients left on the device
-    assert "gradients" in m.placement_problem(2, odd)
+    # What the engine runs: optimizer states on NVMe from stage 1, gradients left on the device.
+    assert m.placement_problem(2, OFFLOADS["nvme-optimizer"]) is None
+    assert m.placement_problem(2, m.Placement(optimizer_states=Tier.CPU)) is None
+    assert "stage >= 2" in m.placement_problem(1, OFFLOADS["cpu-optimizer"])
+    assert m.placement_problem(1, m.at_stage(OFFLOADS["cpu-optimizer"], 1)) is None
+    on_nvme = m.Placement(grads=Tier.NVME, optimizer_states=Tier.CPU)
+    assert "put both on NVMe" in m.placement_problem(3, on_nvme)
     with pytest.raises(ValueError, match="stage 3"):
         MemoryConfig(stage=2, placement=OFFLOADS["cpu-all"])
 

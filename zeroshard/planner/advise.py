@@ -36,6 +36,7 @@ from zeroshard.planner.memory import (
     MemoryConfig,
     Placement,
     Tier,
+    at_stage,
     placement_problem,
     plan_memory,
 )
@@ -318,7 +319,7 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
     def reject(problem: str, memory=None, num_micro=0) -> Candidate:
         return candidate(memory, num_micro, problem=problem)
 
-    placement = OFFLOADS[offload]
+    placement = at_stage(OFFLOADS[offload], stage)
     problem = placement_problem(
         stage, placement, step_in_backward=workload.memory.step_in_backward
     ) or engine_problem(model, cluster, workload.memory, stage, placement)

@@ -26,7 +26,7 @@ tier (zeros included), so a calibration can hold it category by category against
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from zeroshard.model_states.param_swap import MAX_WRITES
 from zeroshard.model_states.state_swap import NUM_SLOTS
@@ -149,11 +149,20 @@ def placement_problem(
         return "offloading needs the optimizer states partitioned (stage >= 1)"
     if placement.params is not Tier.DEVICE and not part.parameters:
         return "parameters are streamed from CPU/NVMe per unit only when partitioned (stage 3)"
-    if Tier.NVME in (placement.params, placement.optimizer_states) and not part.parameters:
-        return "NVMe offload (ZeRO-Infinity) needs stage 3"
-    if placement.optimizer_states is not Tier.DEVICE and placement.grads is Tier.DEVICE:
-        return "an offloaded optimizer steps on the CPU, so gradients must go to the CPU too"
+    if placement.grads is not Tier.DEVICE and not part.gradients:
+        return "gradients leave the device only when partitioned (stage >= 2)"
+    if placement.grads is Tier.NVME and placement.optimizer_states is not Tier.NVME:
+        return "gradients on NVMe are streamed with the optimizer states: put both on NVMe"
     return None
+
+
+def at_stage(placement: Placement, stage: int) -> Placement:
+    """``placement`` as the engine runs it at ``stage``: below stage 2 the gradients are not
+    partitioned and stay on the device (an offloaded optimizer takes each rank's slice of them
+    at the step), whatever the named placement (``OFFLOADS``) says for them."""
+    if placement.grads is Tier.DEVICE or partition(stage).gradients:
+        return placement
+    return replace(placement, grads=Tier.DEVICE)
 
 
 @dataclass(frozen=True, kw_only=True)

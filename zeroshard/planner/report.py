@@ -118,7 +118,7 @@ def plan_report(
     rows = []
     for stage in stages:
         for offload in offloads:
-            placement = OFFLOADS[offload]
+            placement = memory.at_stage(OFFLOADS[offload], stage)
             if memory.placement_problem(stage, placement, step_in_backward=base.step_in_backward):
                 continue
             config = replace(base, stage=stage, placement=placement)
