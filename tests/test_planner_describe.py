@@ -155,3 +155,23 @@ def test_bad_counts():
     assert d.from_params(7.5e9).num_params == 7_500_000_000
     with pytest.raises(ValueError, match="exceeds"):
         d.ModelDescription(num_params=10, largest_unit_numel=11)
+
+
+def test_frozen_parameters_have_no_gradients_or_optimizer_states():
+    """LoRA-style fine-tuning: a frozen base, small trainable adapters."""
+    from zeroshard.planner.memory import MemoryConfig, plan_memory
+
+    class Adapted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = nn.Linear(100, 100)  # 10,100 frozen
+            self.adapter = nn.Linear(100, 4, bias=False)  # 400 trained
+            self.base.requires_grad_(False)
+
+    model = d.from_module(Adapted, wrap="Linear")
+    assert model.num_params == 10_500 and model.num_trainable_params == 400
+    states = plan_memory(model, MemoryConfig(stage=0, fragmentation_fraction=0.0)).device
+    assert states["params"] == 2 * 10_500  # the default bytes: 2 + 2 + 12
+    assert states["grads"] == 2 * 400 and states["optimizer_states"] == 12 * 400
+    with pytest.warns(UserWarning, match="one unit"):
+        assert d.from_module(nn.Linear(3, 4)).num_trainable_params is None  # all train

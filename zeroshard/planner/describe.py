@@ -75,6 +75,9 @@ class ModelDescription:
     ``None`` when they come from a shape or are unknown."""
     name: str = "model"
     """How tables and reports call it."""
+    num_trainable_params: int | None = None
+    """Parameters that train (``requires_grad``); only these have gradients and optimizer
+    states. ``None``: every parameter (a count or a shape)."""
     activations: ActivationProfile | None = None
     """What autograd saves per unit, measured on the built model (meta device) at the batch and
     sequence length planned (``zeroshard.planner.saved``); ``None``: the reference GPT's
@@ -251,8 +254,10 @@ def from_module(
             stacklevel=2,
         )
         activations = None
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     return ModelDescription(
         num_params=num_params,
+        num_trainable_params=trainable if trainable < num_params else None,
         shape=shape,
         largest_unit_numel=max(numels[1:], default=0) or None,
         block_unit_numels=tuple(numels[1:]),

@@ -338,11 +338,14 @@ def model_states(
     bytes_per_param: BytesPerParam = ZERO,
     placement: Placement | None = None,
     num_params_replicated: int = 0,
+    num_params_trainable: int | None = None,
 ) -> dict[Tier, dict[str, int]]:
     """Model-state bytes per device and tier: ``bytes_per_param * Psi / Nm``, divided by Nd for the
     states the stage partitions. Psi = 7.5e9, Nd = 64 gives 120, 31.4, 16.6 and 1.88 GB.
     ``num_params_replicated`` of the Psi are not divided by Nm (tensor parallelism leaves them
-    whole on every rank: ``ModelDescription.replicated_numel``)."""
+    whole on every rank: ``ModelDescription.replicated_numel``). Gradients and optimizer states
+    are those of the ``num_params_trainable`` (None: all; frozen parameters have neither), in
+    proportion."""
     _at_least("num_params", num_params, 1)
     _at_least("num_dp_ranks", num_dp_ranks, 1)
     _at_least("num_mp_ranks", num_mp_ranks, 1)
@@ -359,6 +362,8 @@ def model_states(
         # bytes * ((Psi - R) / Nm + R) / Nd, in integers: ceil(a / b) = -(-a // b)
         elements_x_nm = num_params - replicated + replicated * num_mp_ranks
         num_bytes = getattr(bytes_per_param, category) * elements_x_nm
+        if category != "params" and num_params_trainable is not None:
+            num_bytes = num_bytes * num_params_trainable // num_params
         ways = num_mp_ranks * (num_dp_ranks if split[category] else 1)
         out[placement.tier(category)][category] = -(-num_bytes // ways)
     return out
@@ -445,6 +450,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             bytes_per_param=bpp,
             placement=c.placement,
             num_params_replicated=model.replicated_numel,
+            num_params_trainable=model.num_trainable_params,
         )
         _stepped_in_backward(states, c)
         moments = timeline.moments(model, c, states[Tier.DEVICE])
@@ -595,6 +601,7 @@ def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdow
         bytes_per_param=config.bytes_per_param,
         placement=config.placement,
         num_params_replicated=model.replicated_numel,
+        num_params_trainable=model.num_trainable_params,
     )
     _stepped_in_backward(states, config)
     residual = residual_states(model, config)
