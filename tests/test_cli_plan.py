@@ -244,6 +244,8 @@ def test_advise(capsys):
     "argv, match",
     [
         (["--params", "0"], "positive"),
+        (["--params", "0.5"], "not a whole number"),
+        (["--params", "1B", "--bytes-per-param", "3,3,10"], "a dtype's width, 1, 2, 4 or 8"),
         (["--params", "-5"], "positive"),
         (["--params", "1B", "--dp", "0"], "--dp must be at least 1"),
         (["--params", "1B", "--dp", "-4"], "--dp must be at least 1"),
@@ -302,6 +304,22 @@ def test_advise(capsys):
 def test_user_mistakes(argv, match):
     with pytest.raises(ValueError, match=match):
         plan.run(_parse(argv))
+
+
+def test_bad_model_files_and_factories(tmp_path, monkeypatch):
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"model_type": "gpt2",')
+    (tmp_path / "mods.py").write_text("def raises():\n    raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for argv, match in (
+        (["--hf", str(listed)], "holds a JSON list, not a config object"),
+        (["--hf", str(broken)], "broken.json is not a JSON config"),
+        (["--module", "mods:raises"], r"factory failed .*\(RuntimeError: boom\)"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            plan.run(_parse(argv))
 
 
 def test_step_in_backward_shows_stages_2_and_3_by_default(capsys):
@@ -425,6 +443,9 @@ def test_measure_mistakes():
         plan.run(_parse(["--measure", "--measure-presets", "huge"]))
     with pytest.raises(ValueError, match="--measure-steps"):
         plan.run(_parse(["--measure", "--measure-steps", "1"]))
+    # It measures its own grid: model and training flags would be silently ignored.
+    with pytest.raises(ValueError, match="would ignore --preset, --dp, --seq"):
+        plan.run(_parse(["--measure", "--preset", "small", "--dp", "4", "--seq", "32"]))
 
 
 def test_advise_device_type(capsys):

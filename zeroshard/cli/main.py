@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import os
 import signal
 import sys
 
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C where no subcommand handles it: no traceback
         print(f"zeroshard {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `zeroshard plan | head -1`: the reader left, as for any tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 141
 
 
 if __name__ == "__main__":

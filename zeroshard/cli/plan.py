@@ -193,7 +193,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     p.add_argument("--unit", default="GB", help="unit of the table: GB (1e9 bytes), GiB, MB...")
     p.add_argument("--json", action="store_true", help="print JSON for machines instead")
+    p.set_defaults(_flags={a.dest: (a.option_strings[0], a.default) for a in p._actions[1:]})
     return p
+
+
+MEASURE_FLAGS = {"measure", "measure_presets", "measure_ranks", "measure_batch", "measure_steps",
+                 "stage", "step_in_backward", "json", "unit"}  # fmt: skip
+"""What ``--measure`` reads; it runs its own grid of GPT presets and ignores the rest."""
+
+
+def _check_measure_flags(args) -> None:
+    ignored = [
+        flag
+        for dest, (flag, default) in args._flags.items()
+        if dest not in MEASURE_FLAGS and getattr(args, dest, default) != default
+    ]
+    if ignored:
+        raise ValueError(
+            f"--measure runs its own grid (--measure-presets, --measure-ranks, --measure-batch, "
+            f"--measure-steps, --stage) and would ignore {', '.join(ignored)}; drop them, or plan "
+            "without --measure"
+        )
 
 
 def _gpt_presets() -> list[str]:
@@ -283,7 +303,15 @@ def _bytes_per_param(text: str) -> memory.BytesPerParam:
             f"--bytes-per-param takes zero, infinity or PARAMS,GRADS,K such as 2,2,12; got {text!r}"
         )
     p, g, k = (int(v) for v in parts)
-    return memory.BytesPerParam(params=p, grads=g, optimizer_states=k)
+    if p not in (0, 1, 2, 4, 8) or g not in (0, 1, 2, 4, 8):
+        raise ValueError(
+            f"--bytes-per-param {text}: parameters and gradients take a dtype's width, 1, 2, 4 "
+            f"or 8 bytes (0: not counted); got {p} and {g}"
+        )
+    try:
+        return memory.BytesPerParam(params=p, grads=g, optimizer_states=k)
+    except ValueError as exc:
+        raise ValueError(f"--bytes-per-param {text}: {exc}") from None
 
 
 def _offloads(text: str) -> tuple[str, ...]:
@@ -507,6 +535,7 @@ def run(args) -> int:
     if args.measure:
         from zeroshard.planner.calibrate import within_tolerance
 
+        _check_measure_flags(args)
         rows, text = measure(args)
         print(json.dumps(rows, indent=2) if args.json else text)
         return 0 if all(within_tolerance(r) for r in rows) else 1

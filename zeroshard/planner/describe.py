@@ -218,10 +218,11 @@ def from_module(
     """Any ``nn.Module``, or a zero-argument callable building one: the callable runs on the meta
     device, so no parameter memory is allocated. Shared parameters (tied embeddings) are counted
     once. The units are those the engine would make (``zeroshard.wrap.units``) with ``wrap``
-    (class names, ``--wrap``), else the model's ``_no_split_modules`` (Hugging Face), else a
-    guess with a warning: the class of the longest run of repeated blocks. A model that takes token
-    ids (a transformers model, or ``model(x, y)`` returning the loss) gets its activations
-    measured (``ModelDescription.activations``); if its forward fails on meta, a warning."""
+    (class names, ``--wrap``), else the model's ``_no_split_modules`` (Hugging Face), else one
+    unit, as ``shard`` makes it (a warning names the class of its longest run of repeated blocks).
+    A model that takes token ids (a transformers model, ``model(x, y)`` returning the loss, or
+    ``model(x)`` returning logits) gets its activations measured
+    (``ModelDescription.activations``); if its forward fails on meta, a warning."""
     import torch
     from torch import nn
 
@@ -233,6 +234,10 @@ def from_module(
                 module = module()
         except TypeError as exc:  # wants arguments: not a model factory
             raise ValueError(f"the factory could not be called with no arguments: {exc}") from None
+        except Exception as exc:  # its own error, or one of building on the meta device
+            raise ValueError(
+                f"the factory failed when built on the meta device ({type(exc).__name__}: {exc})"
+            ) from None
         if not isinstance(module, nn.Module):
             raise ValueError(f"the factory returned {type(module).__name__}, not an nn.Module")
     num_params = sum(p.numel() for p in module.parameters())  # parameters() deduplicates

@@ -27,8 +27,14 @@ def load_config(path: str) -> dict:
     name already in the local cache."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if os.path.isfile(file):
-        with open(file, encoding="utf-8") as f:
-            return json.load(f)
+        try:
+            with open(file, encoding="utf-8") as f:
+                found = json.load(f)
+        except ValueError as exc:  # not JSON (UnicodeDecodeError is a ValueError too)
+            raise ValueError(f"{file} is not a JSON config: {exc}") from None
+        if not isinstance(found, dict):
+            raise ValueError(f"{file} holds a JSON {type(found).__name__}, not a config object")
+        return found
     try:
         from transformers import AutoConfig
     except ImportError:

@@ -93,8 +93,10 @@ def parse_count(text: str) -> int:
     match = _COUNT.fullmatch(text.strip())
     if match is None:
         raise ValueError(f"cannot read count {text!r}; write e.g. '7.5B', '350M' or '1.2e9'")
-    value = float(match["num"]) * COUNT[(match["prefix"] or "").lower()]
-    return math.ceil(_check(value, text, "a count"))
+    value = _check(float(match["num"]) * COUNT[(match["prefix"] or "").lower()], text, "a count")
+    if value != int(value):
+        raise ValueError(f"count {text!r} is not a whole number of elements")
+    return int(value)
 
 
 def format_bytes(num_bytes: float, unit: str = "GB") -> str:
