@@ -4,6 +4,7 @@ import argparse
 import json
 
 import pytest
+from test_planner_hf import HF_CONFIGS
 
 from zeroshard.cli import plan
 from zeroshard.models.gpt import GPT, PRESETS
@@ -313,11 +314,20 @@ def test_bad_model_files_and_factories(tmp_path, monkeypatch):
     broken.write_text('{"model_type": "gpt2",')
     (tmp_path / "mods.py").write_text("def raises():\n    raise RuntimeError('boom')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps(HF_CONFIGS["gpt2"]))
     for argv, match in (
+        (["--hf", str(gpt2), "--mp", "2"], "--mp 2: GPT2LMHeadModel has no tensor-parallel plan"),
+        (["--preset", "tiny", "--sequence-parallel"], None),
         (["--hf", str(listed)], "holds a JSON list, not a config object"),
         (["--hf", str(broken)], "broken.json is not a JSON config"),
         (["--module", "mods:raises"], r"factory failed .*\(RuntimeError: boom\)"),
     ):
+        if match is None:  # the built-in GPT has the plan: accepted
+            assert plan.run(_parse([*argv, "--mp", "2", "--json"])) == 0
+            continue
+        if "--mp" in argv:
+            pytest.importorskip("transformers")
         with pytest.raises(ValueError, match=match):
             plan.run(_parse(argv))
 
@@ -465,7 +475,7 @@ def test_advise_device_type(capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--mp", "3"], "2 heads do not split in Nm = 3"),
+        (["--mp", "3"], "--mp 3: tensor parallelism splits attention by heads: n_head=2"),
         (["--partition-activations"], "there are none (Nm = 1)"),
         (["--mp", "2", "--sequence-parallel", "--seq", "33"], "seq 33 does not split in Nm = 2"),
         (["--mp", "2", "--sequence-parallel", "--partition-activations"], "so does Pa"),

@@ -425,6 +425,35 @@ def _fit_to_model(args) -> None:
             f"tensor parallelism splits attention by heads: {kv_heads} key/value heads of {what} "
             f"do not split in Nm = {args.mp}; use an --mp that divides {kv_heads}"
         )
+    if args.mp > 1 or args.sequence_parallel:
+        _check_tp_plan(args)
+
+
+def _check_tp_plan(args) -> None:
+    """A model built from ``--preset``/``--hf``/``--module`` must have the tensor-parallel plan
+    ``zeroshard train --tp`` would split it by (built on meta: no memory)."""
+    import torch
+
+    from zeroshard.tensor_parallel import plan_for
+
+    if args.preset:
+        from zeroshard.models.gpt import GPT, preset
+
+        with torch.device("meta"):
+            module = GPT(preset(args.preset))
+    elif args.hf:
+        from zeroshard.planner import hf
+
+        module = hf.build(hf.load_config(str(args.hf)))
+    elif args.module:
+        with torch.device("meta"):
+            module = _import_factory(args.module)()
+    else:
+        return  # a count or a shape: the papers' Psi / Nm
+    try:
+        plan_for(module, max(args.mp, 2), sequence_parallel=args.sequence_parallel)
+    except ValueError as exc:
+        raise ValueError(f"--mp {args.mp}: {exc}") from None
 
 
 def plan(args) -> dict:
