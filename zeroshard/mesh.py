@@ -27,6 +27,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -47,11 +48,25 @@ DEFAULT_TIMEOUT_S = 300.0
 HYBRID_DIMS = ("replicate", "shard")
 """The dim names of a 2-D ``DeviceMesh`` for hybrid sharding: replicas x ranks of a shard group."""
 
-_HYBRID_MESHES: dict[tuple[tuple[int, ...], int, str], DeviceMesh] = {}
+_HYBRID_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
 """Meshes made by ``Mesh.hybrid_sharded``, per (ranks, shard group size, device type): models
-sharded alike share process groups instead of creating new ones each time."""
-_HYBRID_TP_MESHES: dict[tuple[int, int, int, str], DeviceMesh] = {}
+sharded alike share process groups instead of creating new ones each time (``cached_mesh``)."""
+_HYBRID_TP_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
 """3-D (replicate, shard, tp) meshes per (world size, tp, shard group size, device type)."""
+
+
+def cached_mesh(cache: dict, key: tuple, make: Callable[[], DeviceMesh]) -> DeviceMesh:
+    """``cache``'s mesh for ``key`` in this job's default process group, made by ``make`` the
+    first time (a collective: every rank makes the same calls, so the caches agree). A job that
+    destroys its process group and starts another gets new meshes: the key holds the default
+    group's id, and the entry the group itself, so that the id is not reused meanwhile."""
+    default = dist.distributed_c10d._get_default_group()
+    for dead in [k for k, (group, _) in cache.items() if group is not default]:
+        del cache[dead]  # a destroyed job's meshes: freed now, not at the interpreter's exit
+    full = (id(default), *key)
+    if full not in cache:
+        cache[full] = (default, make())
+    return cache[full][1]
 
 
 def _env_int(name: str, default: int) -> int:
@@ -194,11 +209,13 @@ class Mesh:
             return self._with(self._hybrid_beside_tensor_parallel(k))
         group = self.group if self.group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(group)
-        key = (tuple(ranks), k, self.device.type)
-        if key not in _HYBRID_MESHES:  # every rank makes the same calls: the cache agrees
-            layout = torch.tensor(ranks, dtype=torch.int).view(n // k, k)
-            _HYBRID_MESHES[key] = DeviceMesh(self.device.type, layout, mesh_dim_names=HYBRID_DIMS)
-        return self._with(_HYBRID_MESHES[key])
+        layout = torch.tensor(ranks, dtype=torch.int).view(n // k, k)
+        made = cached_mesh(
+            _HYBRID_MESHES,
+            (tuple(ranks), k, self.device.type),
+            lambda: DeviceMesh(self.device.type, layout, mesh_dim_names=HYBRID_DIMS),
+        )
+        return self._with(made)
 
     def _hybrid_beside_tensor_parallel(self, k: int) -> DeviceMesh:
         """This rank's (replicate, shard) mesh of a 3-D (replicate, shard, tp) mesh over the
@@ -214,13 +231,13 @@ class Mesh:
                 f"tensor_parallel.mesh_2d over the whole job ({self.world_size} x tp={tp} ranks "
                 f"!= {world}); build the mesh with mesh_2d"
             )
-        key = (world, tp, k, self.device.type)
-        if key not in _HYBRID_TP_MESHES:  # every rank makes the same calls: the cache agrees
-            dims = (*HYBRID_DIMS, "tp")
-            shape = (self.world_size // k, k, tp)
-            mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=dims)
-            _HYBRID_TP_MESHES[key] = mesh
-        return _HYBRID_TP_MESHES[key][HYBRID_DIMS]
+        dims, shape = (*HYBRID_DIMS, "tp"), (self.world_size // k, k, tp)
+        mesh = cached_mesh(
+            _HYBRID_TP_MESHES,
+            (world, tp, k, self.device.type),
+            lambda: init_device_mesh(self.device.type, shape, mesh_dim_names=dims),
+        )
+        return mesh[HYBRID_DIMS]
 
     @classmethod
     def from_device_mesh(cls, device_mesh: DeviceMesh, *, device: torch.device | None = None):

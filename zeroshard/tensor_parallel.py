@@ -35,15 +35,16 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.flat_range import FlatRange, Split
-from zeroshard.mesh import Mesh
+from zeroshard.mesh import Mesh, cached_mesh
 from zeroshard.watchdog import inherit_timeout
 
 DIMS = ("dp", "tp")
 """Dim names of the 2-D ``DeviceMesh``: data-parallel x tensor-parallel."""
 
-_MESHES: dict[tuple[int, int, str], object] = {}
-"""2-D meshes made by ``mesh_2d``, per (world size, tp, device type): models parallelized alike
-share process groups instead of creating new ones each time."""
+_MESHES: dict[tuple, tuple[object, object]] = {}
+"""2-D meshes made by ``mesh_2d``, per (world size, tp, device type) in this process group:
+models parallelized alike share process groups instead of creating new ones each time
+(``zeroshard.mesh.cached_mesh``)."""
 
 _SEQUENCE = "_zeroshard_sequence_parallel"
 """Attribute of a model whose sequences ``parallelize`` split."""
@@ -82,11 +83,13 @@ def mesh_2d(tp: int, *, mesh: Mesh | None = None):
             f"tp={tp} does not divide the world size {world}; use one of {divisors} "
             "(or launch dp * tp ranks: --nproc)"
         )
-    key = (world, tp, base.device.type)
-    if key not in _MESHES:  # every rank makes the same calls: the cache agrees
-        _MESHES[key] = init_device_mesh(base.device.type, (world // tp, tp), mesh_dim_names=DIMS)
-        inherit_timeout(_MESHES[key].get_group("dp"), _MESHES[key].get_group("tp"))
-    dm = _MESHES[key]
+
+    def make():
+        made = init_device_mesh(base.device.type, (world // tp, tp), mesh_dim_names=DIMS)
+        inherit_timeout(made.get_group("dp"), made.get_group("tp"))
+        return made
+
+    dm = cached_mesh(_MESHES, (world, tp, base.device.type), make)
     dp = Mesh.from_device_mesh(dm["dp"], device=base.device)
     dp = replace(dp, local_rank=base.local_rank, local_world_size=base.local_world_size)
     return dm, replace(dp, tp_group=dm.get_group("tp"))
