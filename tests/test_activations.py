@@ -202,3 +202,31 @@ def test_checkpointing_in_eval_mode_with_grad(workers2):
     for every in (1, 2):
         for diff in workers2.run(_t5_in_eval_mode, every):
             assert diff < 1e-5, (every, diff)
+
+
+def _keyword_input() -> list[str]:
+    import warnings
+
+    class Chain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x=x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        Chain(), wrap=zeroshard.wrap.by_class(_Block), config=ShardConfig(checkpoint_every=2)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(2, 16)).backward()
+    return [str(w.message) for w in caught if "by keyword" in str(w.message)]
+
+
+def test_an_input_passed_by_keyword_is_said_to_be_kept_whole(workers2):
+    for said in workers2.run(_keyword_input):
+        assert len(said) == 1 and "pass the input positionally" in said[0], said

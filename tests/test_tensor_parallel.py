@@ -470,3 +470,25 @@ def test_planner_counts_what_a_tensor_parallel_rank_holds(workers2, name):
         pytest.importorskip("transformers")
     for held, planned in workers2.run(_per_rank_params, name):
         assert abs(planned - held) <= 0.02 * held, (held, planned)
+
+
+def _rng_warning(seed_per_rank: bool) -> list[str]:
+    import warnings
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    device_mesh, _ = tensor_parallel.mesh_2d(2)
+    tensor_parallel.parallelize(model, device_mesh)
+    torch.manual_seed(100 + dist.get_rank() if seed_per_rank else 100)
+    x = torch.randint(0, CFG.vocab_size, (2, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x, x)
+        model(x, x)  # checked once
+    return [str(w.message) for w in caught if "generators differ" in str(w.message)]
+
+
+def test_tensor_parallel_ranks_seeded_apart_are_warned(workers2):
+    for said in workers2.run(_rng_warning, True):
+        assert len(said) == 1 and "seed every rank of a tensor-parallel group alike" in said[0]
+    assert workers2.run(_rng_warning, False) == [[], []]

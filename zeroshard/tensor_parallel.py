@@ -27,6 +27,7 @@ same batch: data is split by the data-parallel rank (``Mesh.rank``).
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -314,6 +315,7 @@ def parallelize(
     plan = plan_for(model, tp, sequence_parallel=sequence_parallel) if plan is None else plan
     if tp == 1:
         return model
+    _check_rng_at_first_forward(model, tp_mesh.get_group())
     styles = {name: style for name, style in plan.items()}
     parallelize_module(model, tp_mesh, styles)
     for name in styles:
@@ -322,6 +324,31 @@ def parallelize(
         model.register_forward_pre_hook(_even_sequences(tp), prepend=True, with_kwargs=True)
         setattr(model, _SEQUENCE, True)
     return model
+
+
+def _check_rng_at_first_forward(model: nn.Module, group) -> None:
+    """Tensor-parallel ranks compute the replicated activations each on its own: dropout there
+    must draw the same numbers on every rank of the group, else the replicas (and Pa's
+    checkpoint pieces) silently differ. At the first training forward, a warning when this
+    rank's CPU generator is not the others' (one all-gather of its 5 KB state, once)."""
+
+    def check(module: nn.Module, args: tuple) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        handle.remove()
+        state = torch.get_rng_state()
+        seen = [torch.empty_like(state) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(seen, state, group=group)
+        if any(not torch.equal(s, seen[0]) for s in seen):
+            warnings.warn(
+                "the tensor-parallel ranks' random number generators differ (seeded per rank?): "
+                "dropout on activations they share draws different masks on each, and their "
+                "copies diverge; seed every rank of a tensor-parallel group alike "
+                "(torch.manual_seed(seed), the same seed)",
+                stacklevel=2,
+            )
+
+    handle = model.register_forward_pre_hook(check, prepend=True)
 
 
 def is_sequence_parallel(model: nn.Module) -> bool:

@@ -78,6 +78,7 @@ class SpanCheckpointing:
         self.keeper = keeper
         """Keeps each span's inputs: whole, partitioned (Pa) or offloaded, and counts them."""
         self._span: _Span | None = None
+        self._warned_keyword = False
         self.num_spans = 0
         """Spans opened since construction (for tests and the planner's ``nl / ci``)."""
 
@@ -87,6 +88,15 @@ class SpanCheckpointing:
         start dropping what autograd saves."""
         span = self._span
         first = args[0] if args else None
+        keyword = first is None and any(map(torch.is_tensor, kwargs.values()))
+        if keyword and not self._warned_keyword:
+            self._warned_keyword = True
+            warnings.warn(
+                f"{type(module).__name__} gets its input by keyword: activation checkpointing "
+                "keeps such an input whole on the device (not partitioned or offloaded) and "
+                "starts a span at each such unit; pass the input positionally (block(x, ...))",
+                stacklevel=2,
+            )
         joins = (
             span is not None
             and len(span.calls) < self.every
