@@ -211,6 +211,33 @@ def _summon_parity(folder: str) -> float:
     return _max_diff(_edit_inside_summon(folder), _edit_inside_summon(None))
 
 
+def _interrupted_read(model, opt) -> None:
+    """A Ctrl-C while a unit's master is read back from NVMe in forward (where a forward with
+    parameters on NVMe waits), the step abandoned: the next steps must run as without it."""
+    from unittest import mock
+
+    from zeroshard.offload import tiers
+
+    def interrupted(self, timeout=None):
+        raise KeyboardInterrupt
+
+    with mock.patch.object(tiers.SwapHandle, "wait", interrupted), pytest.raises(KeyboardInterrupt):
+        _train(model, opt, range(2, 3))
+    opt.zero_grad()
+
+
+def _interrupt_parity(folder: str) -> float:
+    return _max_diff(
+        _around(Offload(parameters="nvme", folder=folder), _interrupted_read),
+        _around(None, lambda model, opt: None),
+    )
+
+
+def test_a_ctrl_c_during_a_masters_read_leaves_the_model_usable(workers2, tmp_path):
+    for diff in workers2.run(_interrupt_parity, str(tmp_path)):
+        assert diff == 0.0, diff
+
+
 def test_writes_inside_summon_full_params_reach_offloaded_masters(workers2, tmp_path):
     for diff in workers2.run(_summon_parity, str(tmp_path)):
         assert diff == 0.0

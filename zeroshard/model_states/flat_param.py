@@ -320,7 +320,11 @@ class FlatParam:
         # Refill the same storage object: views that autograd saved in forward see the refill.
         nbytes = self.padded_numel * self.full.element_size()
         self.buffers.lend(self, self.full.untyped_storage(), nbytes)
-        self._gather = self._gather_from_master(async_op=async_op)
+        try:
+            self._gather = self._gather_from_master(async_op=async_op)
+        except BaseException:  # a Ctrl-C in a master's read from NVMe, a failed fetch
+            self.buffers.take_back(self, self.full.untyped_storage())
+            raise
 
     def wait_unshard(self) -> None:
         if self._gather is not None:
