@@ -360,3 +360,47 @@ def test_gradients_on_nvme_stay_until_zero_grad(workers2, tmp_path):
     for a, b in zip(plain, swapped):
         assert a["norms"] == b["norms"]
         assert _max_diff(a["params"], b["params"]) == 0.0
+
+
+class _Late(torch.nn.Module):
+    """A unit whose second Linear trains only from step 2 (a branch, an expert not routed at
+    first): its optimizer states are made by a later step than the unit's first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = torch.nn.Linear(17, 7)  # on both sides of the one trained from the start
+        self.early, self.late2 = torch.nn.Linear(17, 7), torch.nn.Linear(17, 7)
+        self.use_late = False
+
+    def forward(self, x):
+        return self.early(x) + (self.late(x) + self.late2(x) if self.use_late else 0)
+
+
+def _late_states(folder: str) -> dict:
+    torch.manual_seed(0)
+    unit = _Late()
+    model = zeroshard.shard(
+        torch.nn.Sequential(torch.nn.Linear(13, 17), torch.nn.Tanh(), unit),
+        stage=3,
+        wrap=zeroshard.wrap.by_class(_Late),
+        offload=Offload(optimizer="nvme", folder=folder),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    for step in range(5):
+        unit.use_late = step >= 2
+        opt.backward(model(torch.randn(2, 13)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    opt._swap.synchronize()
+    resident = 0  # element-wise states in tensors of their own, outside any step
+    for s in opt._swap._swaps:
+        for p in s.params:
+            for v in dict.get(s.optimizer.state, p, {}).values():
+                if torch.is_tensor(v) and v.ndim >= 1:
+                    resident += v.numel() * v.element_size()
+    return {"resident": resident, "where": [s.where.name for s in opt._swap._swaps]}
+
+
+def test_states_made_by_a_later_step_are_offloaded_too(workers2, tmp_path):
+    for r in workers2.run(_late_states, str(tmp_path)):
+        assert r["resident"] == 0 and set(r["where"]) == {"STORED"}, r

@@ -281,6 +281,8 @@ class StateSwapper(StopsOnFailure):
         s = self._swaps[i]
         if s.where is Where.NEW:
             s.where = Where.LOOSE if _layout(s.params, s.optimizer.state)[0] else Where.NEW
+        if s.where is Where.IN_SLOT and _layout(s.params, s.optimizer.state)[1] != s.record_bytes:
+            self._loosen(i)  # states made in this step (a parameter's first gradient): repacked
         if s.where is Where.LOOSE:
             self._pack(i)
         if s.where is Where.IN_SLOT:
@@ -330,12 +332,17 @@ class StateSwapper(StopsOnFailure):
         if s.where in (Where.READING, Where.WRITING):
             self._wait(i)
         if s.where is Where.IN_SLOT:
-            assert s.slot is not None
-            own = self.store.empty_host((s.record_bytes,), torch.uint8)
-            own.copy_(s.slot[: s.record_bytes])
-            self._point(i, own)
-            self._release(i)
-            s.where = Where.LOOSE
+            self._loosen(i)
+
+    def _loosen(self, i: int) -> None:
+        """Sub-group ``i``, IN_SLOT, into tensors of its own (LOOSE): its slot is freed."""
+        s = self._swaps[i]
+        assert s.slot is not None
+        own = self.store.empty_host((s.record_bytes,), torch.uint8)
+        own.copy_(s.slot[: s.record_bytes])
+        self._point(i, own)
+        self._release(i)
+        s.where = Where.LOOSE
 
     def store_all(self) -> None:
         """Stream every resident sub-group back out (bounded by the slots) and wait."""
