@@ -141,12 +141,22 @@ def take_lock(folder: Path) -> int:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
         raise OffloadSetupError(
-            f"{folder} is in use by a live store (pid {holder}); give each store, e.g. "
+            f"{folder} is in use by a live store ({_holder(holder)}); give each store, e.g. "
             "each rank or each run, its own folder (--offload-folder)"
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def _holder(pid: str) -> str:
+    """Who holds a folder's lock, for an error: another process, or this one."""
+    if pid != str(os.getpid()):
+        return f"pid {pid}"
+    return (
+        f"pid {pid}, this process: another model or optimizer of it, or one no longer used but "
+        "not yet freed (a reference cycle: `del model, opt; gc.collect()` frees it)"
+    )
 
 
 def holds_swap_files(folder: Path) -> bool:
@@ -165,8 +175,8 @@ def discard_folder(folder: Path) -> None:
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             raise OffloadSetupError(
-                f"{folder} is in use by a live store (pid {holder}); give each run its own "
-                "folder (--offload-folder), or stop that one"
+                f"{folder} is in use by a live store ({_holder(holder)}); give each run its "
+                "own folder (--offload-folder), or stop that one"
             ) from None
         for path in folder.glob("*" + SUFFIX):
             path.unlink()
