@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -68,6 +69,41 @@ def _meta_without_init() -> None:
 
 def test_a_meta_module_without_reset_parameters_needs_an_init_fn(workers2):
     workers2.run(_meta_without_init)
+
+
+def _meta_buffer(sets_it: bool) -> float:
+    class Scaled(nn.Module):
+        """A buffer given its value in __init__ (lost on meta) unless reset_parameters sets it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.full((4,), 0.5))
+            self.register_buffer("order", torch.arange(4))
+
+        def reset_parameters(self) -> None:
+            if sets_it:
+                self.scale.fill_(0.5)
+                self.order.copy_(torch.arange(4))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    with torch.device("meta"):
+        model = Scaled()
+    try:
+        model = zeroshard.shard(model, stage=3)
+    except ValueError as exc:
+        assert "buffer 'scale'" in str(exc) and "did not set it" in str(exc), exc
+        return float("nan")
+    return float(model.scale.sum())
+
+
+def test_a_meta_buffer_its_init_leaves_unset_is_refused(workers2):
+    """Built on meta, a buffer has no value until the module's init writes it: one left unset
+    would hold whatever memory it got (the run diverged, or trained on garbage)."""
+    assert workers2.run(_meta_buffer, True) == [2.0, 2.0]
+    assert all(math.isnan(v) for v in workers2.run(_meta_buffer, False))
 
 
 def _different_models() -> None:

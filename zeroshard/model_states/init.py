@@ -52,9 +52,11 @@ class Materializer:
             if p.device == META:
                 new = nn.Parameter(torch.empty_like(p, device=self.device), p.requires_grad)
                 torch.utils.swap_tensors(p, new)  # same object: ties and optimizer refs hold
+        made = []
         for name, b in module.named_buffers(recurse=False):
             if b.device == META:
-                module._buffers[name] = torch.empty_like(b, device=self.device)
+                module._buffers[name] = _unset(b, self.device)
+                made.append(name)
         # A parameter this module shares with a unit built before was initialized (and sharded)
         # with it: the init below runs on a scratch stand-in, so it is initialized once only.
         done = {
@@ -68,6 +70,14 @@ class Materializer:
         finally:
             module._parameters.update(done)
         self._done.update(id(p) for p in module.parameters(recurse=False))
+        unset = [n for n in made if _still_unset(module._buffers[n])]
+        if unset:
+            raise ValueError(
+                f"{type(module).__name__}'s buffer {unset[0]!r} was built on the meta device and "
+                "its initialization (reset_parameters() or param_init_fn) did not set it: it "
+                "would hold garbage; set buffers there too, or build the model on a real device "
+                "(zeroshard train: drop --meta-init)"
+            )
 
     def _run_init(self, module: nn.Module) -> None:
         with torch.no_grad():
@@ -93,6 +103,25 @@ class Materializer:
             )
             if on_meta:
                 self._init_module(module)
+
+
+def _unset(b: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A buffer's real storage before its module's init: NaN (floating), the dtype's minimum
+    (integers), so that ``_still_unset`` sees one the init did not write."""
+    out = torch.empty_like(b, device=device)
+    if out.is_floating_point() or out.is_complex():
+        return out.fill_(float("nan"))
+    if out.dtype != torch.bool:
+        return out.fill_(torch.iinfo(out.dtype).min)
+    return out
+
+
+def _still_unset(b: torch.Tensor) -> bool:
+    if b.numel() == 0 or b.dtype == torch.bool:
+        return False
+    if b.is_floating_point() or b.is_complex():
+        return bool(torch.isnan(b).any())
+    return bool((b == torch.iinfo(b.dtype).min).all())
 
 
 def fingerprint(model: nn.Module) -> int:
