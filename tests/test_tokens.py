@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -26,6 +28,15 @@ def test_folder_is_its_visible_files_in_path_order(tmp_path):
     (tmp_path / ".git" / "x").write_bytes(b"G" * 50)
     data = load_tokens(tmp_path)
     assert bytes(data.train) + bytes(data.val) == b"A" * 50 + b"B" * 50
+    # Not text: a named pipe is left out (reading it would block forever)...
+    os.mkfifo(tmp_path / "pipe")
+    data = load_tokens(tmp_path)
+    assert bytes(data.train) + bytes(data.val) == b"A" * 50 + b"B" * 50
+    # ... and token ids are refused (their bytes would be trained on as text), any case.
+    with open(tmp_path / "b" / "IDS.NPY", "wb") as f:  # np.save would append ".npy"
+        np.save(f, np.arange(100))
+    with pytest.raises(ValueError, match="holds token ids \\(IDS.NPY\\)"):
+        load_tokens(tmp_path)
 
 
 def test_npy_token_ids(tmp_path):
@@ -40,6 +51,12 @@ def test_npy_token_ids(tmp_path):
     np.save(tmp_path / "neg.npy", np.array([1, -2, 3] * 10))
     with pytest.raises(ValueError, match="token id -2"):
         load_tokens(tmp_path / "neg.npy")
+    np.save(tmp_path / "stray.npy", np.array([1, 2_000_000_000, 3] * 10))  # one bad id
+    with pytest.raises(ValueError, match="vocabulary of 2,000,000,001"):
+        load_tokens(tmp_path / "stray.npy")
+    with open(tmp_path / "UPPER.NPY", "wb") as f:
+        np.save(f, ids)
+    assert load_tokens(tmp_path / "UPPER.NPY").vocab_size == 1000
 
 
 def _local_tokenizer(folder):

@@ -42,15 +42,34 @@ class TokenData:
     """Where the tokens came from, for messages."""
 
 
+MAX_VOCAB_SIZE = 2**24
+"""Token ids from a .npy without a tokenizer: the vocabulary is the highest id + 1, so one stray
+id past this (16.7M, 64x the largest vocabularies in use) is refused, not an embedding of
+billions of rows."""
+
+
 def text_files(path: Path) -> list[Path]:
-    """``path`` itself when it is a file, else the non-hidden regular files below it, sorted."""
+    """``path`` itself when it is a file, else the non-hidden regular files below it, sorted
+    (named pipes, sockets, devices and dangling links are not text: left out, not read)."""
     if path.is_file():
         return [path]
     found = []
     for folder, dirnames, filenames in os.walk(path):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         found += [Path(folder, n) for n in filenames if not n.startswith(".")]
+    found = [f for f in found if f.is_file()]
+    ids = [f for f in found if _is_npy(f)]
+    if ids:
+        raise ValueError(
+            f"data = {str(path)!r} is a folder of text files but holds token ids "
+            f"({ids[0].name}): read as text, their bytes would be the training data; pass the "
+            ".npy itself (one file of all the ids), or move it out of the folder"
+        )
     return sorted(found, key=lambda p: p.relative_to(path).as_posix())
+
+
+def _is_npy(path: Path) -> bool:
+    return path.suffix.lower() == ".npy"
 
 
 def check_data_path(path: str | os.PathLike) -> None:
@@ -58,7 +77,7 @@ def check_data_path(path: str | os.PathLike) -> None:
     p = Path(path)
     if not p.exists():
         raise ValueError(f"data = {str(path)!r} does not exist; pass a text file, folder or .npy")
-    if p.suffix == ".npy" and p.is_file():
+    if _is_npy(p) and p.is_file():
         return
     if p.is_dir() and not text_files(p):
         raise ValueError(f"data = {str(path)!r} is a folder without files; add text files")
@@ -103,6 +122,12 @@ def _npy_tokens(path: Path, tokenizer: Any) -> tuple[np.ndarray, int]:
     lowest, highest = int(ids_N.min()), int(ids_N.max())
     if lowest < 0:
         raise ValueError(f"data = {str(path)!r} holds token id {lowest}; ids must be >= 0")
+    if tokenizer is None and highest >= MAX_VOCAB_SIZE:
+        raise ValueError(
+            f"data = {str(path)!r} holds token id {highest}: the model would need a vocabulary "
+            f"of {highest + 1:,} (largest known: about 260,000); check the ids, or pass the "
+            "--tokenizer that made them"
+        )
     vocab = len(tokenizer) if tokenizer is not None else max(BYTE_VOCAB_SIZE, highest + 1)
     if highest >= vocab:
         raise ValueError(
@@ -134,7 +159,7 @@ def load_tokens(
     check_data_path(path)
     p = Path(path)
     tok = load_tokenizer(tokenizer) if tokenizer else None
-    if p.suffix == ".npy" and p.is_file():
+    if _is_npy(p) and p.is_file():
         ids_N, vocab = _npy_tokens(p, tok)
     else:
         ids_N, vocab = _text_tokens(text_files(p), tok)
