@@ -843,3 +843,25 @@ def test_precision_auto_says_what_it_chose(capsys, tmp_path, data_dir):
     code, err, _, summary = _train_in_process(capsys, tmp_path, *flags, "--precision", "auto")
     assert code == 0, err
     assert summary["precision"] in ("bf16 (auto)", "fp32 (auto)"), summary
+
+
+def _compare_configs(steps_per_rank: list[int], out_dirs: list[str]) -> str:
+    import torch.distributed as dist
+
+    from zeroshard.train import TrainConfig, _check_same_config
+
+    rank = dist.get_rank()
+    cfg = TrainConfig(steps=steps_per_rank[rank], out_dir=out_dirs[rank])
+    try:
+        _check_same_config(cfg)
+    except ValueError as exc:
+        return str(exc)
+    return "same"
+
+
+def test_nodes_launched_with_other_settings_are_refused(workers2):
+    """A multi-node job whose nodes got other flags (a typo on one) would wait in mismatched
+    collectives until the timeout: refused at start, naming the setting. Paths may differ."""
+    assert workers2.run(_compare_configs, [4, 4], ["a", "b"]) == ["same", "same"]
+    for said in workers2.run(_compare_configs, [4, 6], ["a", "a"]):
+        assert said.startswith("rank 1 was launched with other settings than rank 0 (steps 4 vs 6)")

@@ -165,10 +165,34 @@ def plot(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+_PER_NODE = {"out_dir", "data_dir", "data", "resume", "offload_folder", "log", "progress_every"}
+"""Settings each node of a multi-node job may set its own way: its paths (each node's copy of
+the data, its own disks), how it logs."""
+
+
+def _check_same_config(cfg: TrainConfig) -> None:
+    """Every rank must train the same job: nodes launched with different settings would wait
+    for each other in mismatched collectives until the timeout. A ValueError naming the
+    settings that differ from rank 0's (one all-gather of the settings, at start)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = {k: v for k, v in asdict(cfg).items() if k not in _PER_NODE}
+    every: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, mine)
+    for rank, theirs in enumerate(every):
+        differ = [f"{k} {every[0][k]!r} vs {v!r}" for k, v in theirs.items() if every[0][k] != v]
+        if differ:
+            raise ValueError(
+                f"rank {rank} was launched with other settings than rank 0 ({', '.join(differ)}); "
+                "start every node with the same flags and config"
+            )
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run the job described by ``cfg`` on the current torchrun job (or alone); returns the
     summary on every rank. Raises ``Stopped`` (SIGINT/SIGTERM) or ``Diverged`` on every rank."""
     mesh = zeroshard.Mesh.from_env(timeout_s=cfg.timeout)
+    _check_same_config(cfg)
     if mesh.device.type == "cpu":
         mesh.share_cpu_threads()  # process-wide: this node's cores divided among its ranks
     device_mesh = None
