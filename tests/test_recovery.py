@@ -106,6 +106,9 @@ def test_a_restart_resumes_from_the_newest_checkpoint_or_says_why_not(tmp_path):
     )
 
 
+ELASTIC = ["--max-restarts", "1", "--save-every", "2"]
+
+
 @pytest.mark.parametrize(
     ("flags", "needles"),
     [
@@ -114,22 +117,25 @@ def test_a_restart_resumes_from_the_newest_checkpoint_or_says_why_not(tmp_path):
         (["--max-restarts", "1"], ["without --save-every", "pass --save-every N"]),
         (["--nnodes", "2:1"], ["--nnodes '2:1'", "1 <= MIN <= MAX"]),
         (["--nnodes", "x"], ["--nnodes 'x'", "MIN:MAX"]),
-        (["--nnodes", "1:2"], ["needs --rdzv-endpoint HOST:PORT"]),
+        (["--nnodes", "1:2", *ELASTIC], ["needs --rdzv-endpoint HOST:PORT"]),
         (["--nnodes", "2", "--rdzv-endpoint", "host"], ["--rdzv-endpoint 'host'", "HOST:PORT"]),
-        (["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--port", "5"], ["drop --port"]),
+        (["--nnodes", "1:2", *ELASTIC, "--rdzv-endpoint", "h:1", "--port", "5"], ["drop --port"]),
         (
-            ["--nproc", "2", "--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--batch-size", "6"],
+            ["--nproc", "2", "--nnodes", "1:2", *ELASTIC, "--rdzv-endpoint", "h:1"]
+            + ["--batch-size", "6"],
             ["divide across 4 ranks", "multiple of 4"],
         ),
         (["--rdzv-conf", "last_call_timeout=5"], ["--rdzv-conf", "drop --rdzv-conf"]),
         (
-            ["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--rdzv-conf", "last_call=5"],
+            ["--nnodes", "1:2", *ELASTIC, "--rdzv-endpoint", "h:1", "--rdzv-conf", "last_call=5"],
             ["unknown setting 'last_call'", "last_call_timeout"],
         ),
         (
-            ["--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout=0"],
+            ["--nnodes", "1:2", *ELASTIC, "--rdzv-endpoint", "h:1"]
+            + ["--rdzv-conf", "join_timeout=0"],
             ["join_timeout must be a whole number of 1 or more"],
         ),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "h:1"], ["is elastic", "--max-restarts N"]),
     ],
 )
 def test_launcher_flags_bad_input(capsys, tmp_path, flags, needles):

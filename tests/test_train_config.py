@@ -53,6 +53,14 @@ def test_bad_config_values_are_one_line(capsys, tmp_path, toml, needles):
         assert needle in err, err
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", "null", '"steps"'])
+def test_a_json_config_that_is_not_an_object(capsys, tmp_path, text):
+    config = tmp_path / "c.json"
+    config.write_text(text)
+    err = _one_line_error(capsys, ["train", "--config", str(config), "--out-dir", str(tmp_path)])
+    assert "must hold an object of fields" in err, err
+
+
 @pytest.mark.parametrize(
     ("flags", "needles"),
     [

@@ -191,6 +191,11 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> TrainConfig:
                 values = tomllib.loads(path.read_text())
         except ValueError as exc:  # JSONDecodeError and TOMLDecodeError are ValueErrors
             raise UsageError(f"config file {path} cannot be parsed: {exc}") from None
+        if not isinstance(values, dict):
+            raise UsageError(
+                f"config file {path} holds a {type(values).__name__}; it must hold an object of "
+                'fields (e.g. {"steps": 100})'
+            )
         known = {f.name for f in dataclasses.fields(TrainConfig)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -281,6 +286,12 @@ def _launch_plan(args: argparse.Namespace, cfg: TrainConfig, nproc: int, port: i
                 f"--nnodes {args.nnodes!r}: pass N or MIN:MAX nodes with 1 <= MIN <= MAX, "
                 "e.g. --nnodes 2 or --nnodes 1:2"
             )
+    if min_nodes < max_nodes and not max_restarts:
+        raise UsageError(
+            f"--nnodes {args.nnodes} is elastic, which needs --max-restarts N (with --save-every): "
+            "after a node leaves, the others restart from the newest checkpoint; or pass "
+            f"--nnodes {max_nodes}"
+        )
     endpoint = args.rdzv_endpoint
     if max_nodes > 1 and not endpoint:
         raise UsageError(
