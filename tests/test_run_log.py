@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 
 import pytest
 
@@ -43,8 +44,9 @@ def test_progress_disabled_on_other_ranks():
 class _FakeWriter:
     """Stands in for torch.utils.tensorboard.SummaryWriter (tensorboard may not be installed)."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, purge_step=None):
         self.folder, self.scalars, self.closed = folder, [], False
+        self.purge_step = purge_step
 
     def add_scalar(self, tag, value, step):
         self.scalars.append((tag, value, step))
@@ -59,13 +61,19 @@ def test_metrics_go_to_jsonl_and_tensorboard(tmp_path, monkeypatch):
     log = MetricsLog(tmp_path, kept, write=True, tensorboard=True)
     log({"kind": "train", "step": 10, "loss": 4.0, "lr": 0.1, "grad_norm": None, "m": [1, 2]})
     log({"kind": "eval", "step": 10, "val_loss": 4.5})
+    log({"kind": "train", "step": 11, "loss": float("nan"), "time": 1.7e9})  # a skipped step
     log.close()
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [0, 10, 10] and lines[1]["loss"] == 4.0
+    text = (tmp_path / "metrics.jsonl").read_text()
+    lines = [json.loads(line, parse_constant=pytest.fail) for line in text.splitlines()]
+    assert [r["step"] for r in lines] == [0, 10, 10, 11] and lines[1]["loss"] == 4.0
+    assert lines[3]["loss"] is None  # strict JSON: null, not NaN
     assert log.writer.folder == tmp_path / "tensorboard" and log.writer.closed
-    assert log.writer.scalars == [
+    assert log.writer.purge_step == 1  # steps past the resumed records are dropped
+    assert log.writer.scalars[:3] == [
         ("train/loss", 4.0, 10), ("train/lr", 0.1, 10), ("eval/val_loss", 4.5, 10)
     ]  # fmt: skip
+    ((tag, value, step),) = log.writer.scalars[3:]  # no "time": TensorBoard keeps its own
+    assert (tag, step) == ("train/loss", 11) and math.isnan(value)
     other_rank = MetricsLog(tmp_path / "none", [], write=False, tensorboard=True)
     other_rank({"kind": "eval", "step": 0, "val_loss": 1.0})
     assert other_rank.writer is None and not (tmp_path / "none").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -78,10 +79,19 @@ def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-def _summary_writer(folder: Path) -> Any:
+def _summary_writer(folder: Path, purge_step: int | None) -> Any:
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(log_dir=str(folder))
+    return SummaryWriter(log_dir=str(folder), purge_step=purge_step)
+
+
+def _line(record: dict) -> str:
+    """``record`` as one line of strict JSON: a NaN or infinite value (a skipped step's loss)
+    is ``null``, which every JSON reader takes (Python's ``NaN`` is not JSON)."""
+    finite = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
+    return json.dumps(finite, allow_nan=False) + "\n"
 
 
 class MetricsLog:
@@ -91,19 +101,21 @@ class MetricsLog:
     def __init__(self, out: Path, records: list[dict], *, write: bool, tensorboard: bool) -> None:
         self.path = out / "metrics.jsonl"
         self.records, self.write = records, write
-        self.writer = _summary_writer(out / "tensorboard") if write and tensorboard else None
+        # Resumed: TensorBoard drops what it holds past the records kept (steps done again).
+        purge = max((r["step"] for r in records), default=-1) + 1 if records else None
+        self.writer = _summary_writer(out / "tensorboard", purge) if write and tensorboard else None
         if write:  # the records kept from a resumed run, then appends
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in records))
+            self.path.write_text("".join(map(_line, records)))
 
     def __call__(self, record: dict) -> None:
         self.records.append(record)
         if not self.write:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(_line(record))
         if self.writer is not None:
-            for key, value in record.items():
-                if key not in ("kind", "step") and isinstance(value, (int, float)):
+            for key, value in record.items():  # (TensorBoard keeps each event's time itself)
+                if key not in ("kind", "step", "time") and isinstance(value, (int, float)):
                     self.writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
 
     def close(self) -> None:
