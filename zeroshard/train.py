@@ -81,13 +81,17 @@ def _records_until(path: Path, step: int) -> list[dict]:
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError as exc:
             if number == len(lines):
                 break
             raise ValueError(
                 f"{path} line {number} is not a metrics record ({exc}); repair or remove it"
             ) from None
+        for key in ("loss", "val_loss"):  # written as null when not finite (strict JSON)
+            if key in record and record[key] is None:
+                record[key] = float("nan")
+        records.append(record)
     return [r for r in records if r.get("step", step + 1) <= step]
 
 
