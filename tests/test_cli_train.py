@@ -865,3 +865,14 @@ def test_nodes_launched_with_other_settings_are_refused(workers2):
     assert workers2.run(_compare_configs, [4, 4], ["a", "b"]) == ["same", "same"]
     for said in workers2.run(_compare_configs, [4, 6], ["a", "a"]):
         assert said.startswith("rank 1 was launched with other settings than rank 0 (steps 4 vs 6)")
+
+
+def test_throughput_counts_the_steps_this_process_trained():
+    """A resumed run's first record covers the steps since the resume, not since the last
+    record of the run it resumed (which another process trained: twice the tokens/s)."""
+    from zeroshard.train import _steps_since
+
+    records = [{"kind": "eval", "step": 0}, {"kind": "train", "step": 10}]
+    assert _steps_since(20, records, start=15) == 5  # resumed at 15
+    assert _steps_since(20, records, start=0) == 10
+    assert _steps_since(4, [{"kind": "eval", "step": 0}], start=0) == 4

@@ -306,12 +306,13 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
         return val
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    t_start = t_log = time.perf_counter()
     try:
         if start and records and records[0]["kind"] == "eval":
             first_val = records[0]["val_loss"]
         else:
             first_val = evaluate_at(start)
+        # Throughput is of training steps: evaluations and saves move the clocks on.
+        t_start = t_log = time.perf_counter()
         batches = loader.iter(start_step=start, num_steps=max(0, cfg.steps - start))
         for step, (x, y) in enumerate(batches, start=start + 1):
             lr = lr_at(step - 1, cfg)
@@ -325,15 +326,17 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
             opt.zero_grad()
             disk.collect()
             if step % cfg.log_every == 0 or step == cfg.steps:
-                rec = _train_record(step, loss_value, lr, norm, records, t_log, tokens_per_step,
+                since = _steps_since(step, records, start)
+                rec = _train_record(step, loss_value, lr, norm, since, t_log, tokens_per_step,
                                     device)  # fmt: skip
-                rec |= disk.record(_steps_since(step, records), device)
+                rec |= disk.record(since, device)
                 t_log = time.perf_counter()
                 log(rec)
                 bar.set_postfix(
                     loss=f"{loss_value:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
                     mem_mib="/".join(f"{m:.0f}" for m in rec["rank_mem_mib"]),
                 )  # fmt: skip
+            paused = time.perf_counter()
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 evaluate_at(step)
             due = cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps)
@@ -343,6 +346,8 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
                 where = checkpoint.step_path(out / "ckpt", step)
                 state = {"step": step, "skipped": guard.num_skipped}
                 checkpoint.save(where, model, opt, state, keep=cfg.keep)
+            paused = time.perf_counter() - paused
+            t_start, t_log = t_start + paused, t_log + paused
             if signum:
                 raise Stopped(signum, step, where, stopper.cause)
             bar.update(1)
@@ -381,10 +386,11 @@ def _forward_backward(model, opt, x_BT, y_BT, num_micro: int, device, vocab_size
     return total / num_micro
 
 
-def _train_record(step, loss, lr, norm, records, t_log, tokens_per_step, device) -> dict:
-    """One ``metrics.jsonl`` training record (gathers every rank's memory: a collective)."""
+def _train_record(step, loss, lr, norm, since, t_log, tokens_per_step, device) -> dict:
+    """One ``metrics.jsonl`` training record, over the ``since`` steps trained since the clock
+    ``t_log`` (gathers every rank's memory: a collective)."""
     mems = _gather_ints(rank_memory_bytes(device), device)
-    tok_s = tokens_per_step * _steps_since(step, records) / max(time.perf_counter() - t_log, 1e-9)
+    tok_s = tokens_per_step * since / max(time.perf_counter() - t_log, 1e-9)
     return {
         "kind": "train", "step": step, "loss": loss, "lr": lr,
         "grad_norm": None if norm is None else norm.item(), "tokens_per_s": tok_s,
@@ -393,10 +399,11 @@ def _train_record(step, loss, lr, norm, records, t_log, tokens_per_step, device)
     }  # fmt: skip
 
 
-def _steps_since(step: int, records: list[dict]) -> int:
-    """Steps since the last training record (or the run's first record)."""
+def _steps_since(step: int, records: list[dict], start: int) -> int:
+    """Steps trained by this process since the last training record (or since it started at
+    ``start``: a resumed run's earlier records were trained by another)."""
     last = next((r["step"] for r in reversed(records) if r["kind"] == "train"), None)
-    return step - (last if last is not None else (records[0]["step"] if records else 0))
+    return step - max(start, last if last is not None else 0)
 
 
 def peak_rss_bytes() -> int:
