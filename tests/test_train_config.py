@@ -65,6 +65,7 @@ def test_a_json_config_that_is_not_an_object(capsys, tmp_path, text):
     ("flags", "needles"),
     [
         (["--steps", "ten"], ["--steps 'ten'", "integer", "--steps 200"]),
+        (["--seed", str(2**64)], ["seed = 18446744073709551616", "below 2**64"]),
         (["--lr", "inf"], ["lr = inf", "finite"]),
         (["--port", "70000"], ["--port 70000", "1-65535"]),
         (["--nproc", "two"], ["--nproc 'two' is not an integer"]),

@@ -358,6 +358,8 @@ def _check_field(name: str, value: Any, annotation: str, default: Any) -> None:
         if value < bound or (value == bound and not inclusive):
             relation = ">=" if inclusive else ">"
             raise ValueError(f"{name} = {value!r}: {name} must be {relation} {bound:g}")
+    if name == "seed" and value >= 2**64:
+        raise ValueError(f"seed = {value}: torch takes seeds below 2**64; pick a smaller one")
     if name == "model" and not _FACTORY.match(value):
         raise ValueError(
             f"model = {value!r}: expected 'package.module:factory' (a callable returning an "
