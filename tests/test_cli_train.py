@@ -136,18 +136,21 @@ def test_bad_timeouts(capsys, tmp_path, text, shown):
     _expect_usage_error(capsys, ["train", "--timeout", text, "--out-dir", str(tmp_path)], shown)
 
 
-@pytest.mark.parametrize("delay_s", [0.1, 0.5])
-def test_ctrl_c_while_starting_is_one_line(tmp_path, delay_s):
-    """SIGINT while the command imports torch: exit 130, one line, no traceback."""
+@pytest.mark.parametrize(
+    "delay_s, signum", [(0.1, signal.SIGINT), (0.5, signal.SIGINT), (0.5, signal.SIGTERM)]
+)
+def test_a_signal_while_starting_is_one_line(tmp_path, delay_s, signum):
+    """SIGINT or SIGTERM while the command imports torch: exit 128 + the signal, one line, no
+    traceback."""
     argv = [sys.executable, "-m", "zeroshard.cli.main", "train", "--preset", "nano"]
     proc = subprocess.Popen(
         [*argv, "--steps", "3", "--out-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     time.sleep(delay_s)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Traceback" not in out, out
+    assert proc.returncode == 128 + signum and "Traceback" not in out, out
     assert "interrupted" in out.strip().splitlines()[-1], out
 
 

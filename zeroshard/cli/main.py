@@ -12,7 +12,6 @@ import argparse
 import gc
 import importlib
 import os
-import signal
 import sys
 
 from zeroshard.cli.held_signals import held
@@ -52,19 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace | None:
-    """The parsed command line, or None if Ctrl-C came meanwhile: building the parser imports
-    torch (seconds), and a Ctrl-C then is only noted (``held_signals``)."""
-    with held((signal.SIGINT,)) as noted:
+def _parse(argv: list[str] | None) -> argparse.Namespace | int:
+    """The parsed command line, or the signal that came meanwhile: building the parser imports
+    torch (seconds), and a Ctrl-C or SIGTERM then is only noted (``held_signals``)."""
+    with held() as noted:
         args = build_parser().parse_args(argv)
-    return None if noted else args
+    return noted[0] if noted else args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    if args is None:
+    if isinstance(args, int):
         print("zeroshard: interrupted", file=sys.stderr)
-        return 130
+        return 128 + args
     try:
         return int(args._run(args) or 0)
     except (UsageError, ValueError, FileNotFoundError, PermissionError) as exc:

@@ -34,6 +34,7 @@ from typing import Any
 
 from zeroshard import checkpoint
 from zeroshard.cli.agent import Launch, run_agent
+from zeroshard.cli.held_signals import held
 from zeroshard.cli.main import UsageError
 from zeroshard.cli.train_checks import check_divides, check_inputs, check_port, make_out_dir
 from zeroshard.divergence import Diverged
@@ -210,19 +211,12 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         return _run_rank(args)
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    cfg = load_config(args.config, overrides)
-    nproc = 1 if args.nproc is None else _int_flag("--nproc", args.nproc)
-    if nproc < 1:
-        raise UsageError(f"--nproc must be at least 1, got {nproc}")
-    port = _int_flag("--port", args.port)
-    launch = _launch_plan(args, cfg, nproc, port)
-    check_port(port, bind=launch.elastic and not launch.rdzv_endpoint)
-    out = make_out_dir(cfg.out_dir)
-    for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
-        check_divides(cfg, world)
-    check_inputs(cfg, launch.worlds()[0], local_ranks=launch.nproc)
-    cfg = _pin_resume(cfg)
+    # The checks below read the data (seconds): a signal meanwhile ends the command with a line.
+    with held() as noted:
+        launch, cfg, out = _prepare(args)
+    if noted:
+        print("zeroshard train: interrupted before the ranks started", file=sys.stderr)
+        return 128 + noted[0]
     saved = out / "config.json"
     previous = saved.read_bytes() if cfg.resume and saved.is_file() else None
     if cfg.resume:
@@ -239,6 +233,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if previous is not None and refused:
             saved.write_bytes(previous)  # the folder's run is still the one it held
+
+
+def _prepare(args: argparse.Namespace) -> tuple[Launch, TrainConfig, Path]:
+    """The launch, the checked configuration (its resume pinned) and the output folder."""
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    cfg = load_config(args.config, overrides)
+    nproc = 1 if args.nproc is None else _int_flag("--nproc", args.nproc)
+    if nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {nproc}")
+    port = _int_flag("--port", args.port)
+    launch = _launch_plan(args, cfg, nproc, port)
+    check_port(port, bind=launch.elastic and not launch.rdzv_endpoint)
+    out = make_out_dir(cfg.out_dir)
+    for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
+        check_divides(cfg, world)
+    check_inputs(cfg, launch.worlds()[0], local_ranks=launch.nproc)
+    return launch, _pin_resume(cfg), out
 
 
 _BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eval_batches",
