@@ -513,6 +513,9 @@ def _edges(base: str) -> bool:
     with pytest.raises(checkpoint.CheckpointError, match=r"is not a zeroshard checkpoint"):
         checkpoint.save(own, model, opt)
     assert (own / "notes.txt").read_text() == "a week of notes"
+    # Every rank passes the same path (a per-rank name would write half a checkpoint each).
+    with pytest.raises(checkpoint.CheckpointError, match=r"the ranks passed different paths"):
+        checkpoint.save(Path(base) / f"rank{dist.get_rank()}", model, opt)
     # An extra value that load could not read back is refused before anything is written.
     with pytest.raises(checkpoint.CheckpointError, match=r"extra\['where'\] \(a PosixPath\)"):
         checkpoint.save(own / "ckpt", model, opt, {"where": Path(base)})

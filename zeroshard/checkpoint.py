@@ -81,7 +81,6 @@ from zeroshard.checkpoint_files import (
     CheckpointError,
     agree,
     broadcast,
-    check_replaceable,
     data_files,
     fsync_dir,
     fsync_file,
@@ -89,6 +88,7 @@ from zeroshard.checkpoint_files import (
     hash_share,
     prune,
     publish,
+    replace_problem,
 )
 from zeroshard.checkpoint_info import (  # noqa: F401 (the inspection API, re-exported)
     FORMAT_VERSION,
@@ -239,7 +239,14 @@ def save(
     torch.save(own, buffer)  # a snapshot of this rank's own state, as the bytes of its file
     _check_loadable(extra, buffer.getvalue())
     path = Path(path).absolute()
-    check_replaceable(path)
+    paths = gather(str(path), group)  # every rank sees them all: every rank raises alike
+    if len(set(paths)) > 1:
+        other = next(p for p in paths if p != paths[0])
+        raise CheckpointError(
+            f"the ranks passed different paths ({paths[0]} on rank 0, {other} on another): "
+            "every rank saves to the same folder, on a file system they all see"
+        )
+    agree(replace_problem(path), group)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _resident(model, optimizer):  # offloaded optimizer states: in memory until written/copied
         state = _state(model, optimizer)

@@ -121,22 +121,23 @@ def check_file(folder: Path, name: str, want: dict[str, Any]) -> str | None:
 _CHECKPOINT_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank-\d+\.pt|zeroshard\.json)$")
 
 
-def check_replaceable(path: Path) -> None:
-    """A save replaces what is at ``path`` only when it is a checkpoint (complete or not: every
-    file one of a checkpoint's), an empty folder or nothing; anything else is the user's and
-    the save is refused before it writes."""
+def replace_problem(path: Path) -> str | None:
+    """Why a save may not replace what is at ``path`` (None when it may): only a checkpoint
+    (complete or not: every file one of a checkpoint's), an empty folder or nothing; anything
+    else is the user's, and the save is refused before it writes."""
     if path.is_symlink():
-        raise CheckpointError(
+        return (
             f"{path} is a symbolic link: a save replaces the folder at its path, not what it "
             "points to; save to the target folder itself"
         )
     if not path.exists():
-        return
+        return None
     if not path.is_dir() or not all(_CHECKPOINT_FILE.match(f.name) for f in path.iterdir()):
-        raise CheckpointError(
+        return (
             f"{path} exists and is not a zeroshard checkpoint: a save there would replace it and "
             "everything in it; save to another path (e.g. a subfolder), or remove it first"
         )
+    return None
 
 
 def publish(tmp: Path, path: Path) -> None:
