@@ -404,3 +404,24 @@ def _late_states(folder: str) -> dict:
 def test_states_made_by_a_later_step_are_offloaded_too(workers2, tmp_path):
     for r in workers2.run(_late_states, str(tmp_path)):
         assert r["resident"] == 0 and set(r["where"]) == {"STORED"}, r
+
+
+def _one_rank_cannot(folder: str, which: str) -> str:
+    """Rank 1's swap folder is taken by a file: every rank must say so, none wait for it."""
+    from zeroshard.offload import OffloadSetupError
+
+    if torch.distributed.get_rank() == 0:
+        Path(folder, which).write_text("not a folder")
+    torch.distributed.barrier()
+    try:
+        _make(3, Offload(optimizer="nvme", parameters="nvme", folder=folder))
+    except OffloadSetupError as exc:
+        return str(exc)
+    return "built"
+
+
+@pytest.mark.parametrize("which", ["rank00001", "rank00001-params"])
+def test_a_rank_that_cannot_offload_stops_every_rank(workers2, tmp_path, which):
+    said = workers2.run(_one_rank_cannot, str(tmp_path), which)
+    assert said[1].startswith(f"swap folder {tmp_path / which} is not usable"), said
+    assert said[0].startswith(f"rank 1 cannot offload: swap folder {tmp_path / which}"), said

@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zeroshard.model_states.state_swap import StopsOnFailure, check_space
-from zeroshard.offload import SwapHandle, TensorStore
-from zeroshard.offload.folder import holds_swap_files, padded_bytes
+from zeroshard.model_states.state_swap import StopsOnFailure, check_space, open_store
+from zeroshard.offload import SwapHandle
+from zeroshard.offload.folder import padded_bytes
 
 if TYPE_CHECKING:
     from zeroshard.mesh import Mesh
@@ -83,12 +83,7 @@ class ParamSwapper(StopsOnFailure):
     made, and ``finish_adopting`` checks the folder's space (a collective) and drops them all."""
 
     def __init__(self, offload: Offload, mesh: Mesh, num_prefetch: int) -> None:
-        config = offload.param_store_config(mesh.global_rank)
-        if holds_swap_files(config.folder):
-            # masters come back from checkpoints, never from an old run's swap files
-            TensorStore.discard(config.folder)  # refused while a live store holds it
-            log.warning("discarded the swap files a crashed run left in %s", config.folder)
-        self.store = TensorStore(config)  # an unusable folder fails here, naming it
+        self.store = open_store(offload.param_store_config(mesh.global_rank), mesh)
         self.mesh = mesh
         self.window = num_prefetch + offload.param_prefetch
         """Units whose masters are read ahead of the current one along the engine's order."""

@@ -207,11 +207,7 @@ class StateSwapper(StopsOnFailure):
             for p in pieces
         )
         need_bytes = state_bytes + grad_bytes
-        if holds_swap_files(config.folder):
-            # optimizer states come back from checkpoints, never from an old run's swap files
-            TensorStore.discard(config.folder)  # refused while a live store holds it
-            log.warning("discarded the swap files a crashed run left in %s", config.folder)
-        self.store = TensorStore(config)  # an unusable folder fails here, naming it
+        self.store = open_store(config, mesh)  # an unusable folder fails here, naming it
         try:
             check_space(config.folder, need_bytes, mesh)
         except BaseException:
@@ -545,6 +541,33 @@ def check_host_memory(need_bytes: int, mesh: Mesh) -> None:
             f"{node_bytes - available} bytes; wrap the model into smaller units (the largest "
             "sets it) or free memory"
         )
+
+
+def open_store(config: Any, mesh: Mesh) -> TensorStore:
+    """This rank's store in ``config.folder``, the swap files a crashed run left there
+    discarded first (states and masters come back from checkpoints, never from those). A
+    collective: a rank whose folder is unusable raises, and so does every other rank, naming
+    it, instead of waiting for it in the next collective."""
+    store, problem = None, None
+    try:
+        if holds_swap_files(config.folder):
+            TensorStore.discard(config.folder)  # refused while a live store holds it
+            log.warning("discarded the swap files a crashed run left in %s", config.folder)
+        store = TensorStore(config)
+    except (OffloadError, OSError) as exc:
+        problem = exc
+    said: list[Any] = [None] * max(1, mesh.world_size)
+    if mesh.world_size > 1:
+        dist.all_gather_object(said, None if problem is None else str(problem), group=mesh.group)
+    if problem is not None:
+        raise problem
+    failed = next(((r, e) for r, e in enumerate(said) if e is not None), None)
+    if failed is not None:
+        assert store is not None
+        store.close()
+        raise OffloadSetupError(f"rank {failed[0]} cannot offload: {failed[1]}")
+    assert store is not None
+    return store
 
 
 def check_space(parent: Any, need_bytes: int, mesh: Mesh) -> None:
