@@ -218,30 +218,3 @@ def test_a_script_that_ends_right_after_a_collective_exits_cleanly(tmp_path):
     cmd += ["--master-port", str(free_port()), str(script)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
-
-
-NEW_JOB = """
-import torch, torch.distributed as dist
-from zeroshard import tensor_parallel
-from zeroshard.mesh import Mesh, settle_collective_threads_at_exit
-
-settle_collective_threads_at_exit()
-for job in range(2):  # a second process group after the first was destroyed
-    Mesh.from_env(backend="gloo", device="cpu")
-    device_mesh, mesh = tensor_parallel.mesh_2d(2)
-    hybrid = mesh.hybrid_sharded(1)
-    dist.all_reduce(torch.ones(1), group=device_mesh.get_group("tp"))
-    dist.destroy_process_group()
-print("ok", flush=True)
-"""
-
-
-def test_a_new_process_group_gets_new_meshes(tmp_path):
-    """Cached meshes belong to the process group they were made in: a job that starts another
-    one after destroying it (a notebook, a test harness) gets new meshes, not dead ones."""
-    script = tmp_path / "new_job.py"
-    script.write_text(NEW_JOB)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(free_port()), str(script)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.count("ok") == 2, done.stderr[-2000:]
