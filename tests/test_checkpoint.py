@@ -491,6 +491,7 @@ def test_bad_checkpoints_are_one_line_errors(workers2, tmp_path):
 
 def _damage(path: Path, name: str, how: str) -> None:
     """Rank 0 damages ``name`` of the checkpoint at ``path``: "flip" a byte, "cut" it short."""
+    dist.barrier()  # every rank is done reading it
     if dist.get_rank() == 0:
         raw = bytearray((path / name).read_bytes())
         if how == "flip":
