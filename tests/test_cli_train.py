@@ -570,6 +570,36 @@ def test_divergence_is_an_error(capsys, tmp_path, precision, rule, data_dir):
     assert step < 100 and summary["skipped_steps"] >= (10 if precision == "fp32" else 1)
 
 
+def test_a_resume_inside_a_streak_of_skipped_steps_goes_on_counting_it(capsys, tmp_path, data_dir):
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "30", "--batch-size", "2"]
+    flags += ["--lr", "1e9", "--warmup-steps", "0", "--save-every", "5"]
+    code, err, _, _ = _train_in_process(capsys, tmp_path, *flags)
+    assert code == 3 and "diverged at step 11: 10 consecutive" in err, err
+    # step-10's checkpoint was saved 9 skipped steps into the streak: the next one ends it.
+    code, err, _, _ = _train_in_process(capsys, tmp_path, *flags, "--resume", "auto")
+    assert code == 3 and "diverged at step 11: 10 consecutive" in err, err
+
+
+def test_a_signal_at_the_last_step_ends_the_run_as_done(capsys, tmp_path, data_dir, monkeypatch):
+    """The run is over: its summary is written, and it exits 0 (it said "interrupted" and
+    exited 130 without one, and a resume found nothing left to train)."""
+    import signal as signals
+
+    from zeroshard.signals import StopOnSignal
+
+    calls = []
+
+    def at_the_last(self):
+        calls.append(1)
+        return signals.SIGINT if len(calls) == 3 else 0
+
+    monkeypatch.setattr(StopOnSignal, "agreed", at_the_last)
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "3", "--batch-size", "2"]
+    code, err, _, summary = _train_in_process(capsys, tmp_path, *flags, "--save-every", "3")
+    assert code == 0 and summary["status"] == "done", err
+    assert (tmp_path / "ckpt" / "step-000003").is_dir()
+
+
 def test_non_finite_validation_loss_is_divergence(capsys, tmp_path, model_module, data_dir):
     flags = [*NANO, "--data-dir", str(data_dir), "--steps", "5", "--batch-size", "2"]
     flags += ["--model", f"{model_module}:build_nan_in_eval", "--wrap", "MyBlock"]

@@ -41,13 +41,19 @@ class DivergenceGuard:
     """Counts consecutive skipped steps and checks what can diverge; raises ``Diverged``."""
 
     def __init__(
-        self, opt: ShardedOptimizer, *, max_skipped_steps: int, num_skipped: int = 0
+        self,
+        opt: ShardedOptimizer,
+        *,
+        max_skipped_steps: int,
+        num_skipped: int = 0,
+        num_consecutive_skipped: int = 0,
     ) -> None:
         self.opt = opt
         self.max_skipped_steps = max_skipped_steps
         self.num_skipped = num_skipped
         """Skipped steps in the whole run (a resumed run starts from its checkpoint's)."""
-        self.num_consecutive_skipped = 0
+        self.num_consecutive_skipped = num_consecutive_skipped
+        """Skipped steps in a row up to now (a resume inside a streak goes on counting it)."""
         self.last_loss = math.nan
 
     @property

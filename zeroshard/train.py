@@ -261,12 +261,12 @@ def train(cfg: TrainConfig) -> dict:
         )  # fmt: skip
 
         out = Path(cfg.out_dir)
-        start, skipped, resume = 0, 0, resume_path(cfg)
+        start, skipped, resume = 0, (0, 0), resume_path(cfg)
         if resume is not None:
             extra = checkpoint.load(resume, model, opt)  # restores RNGs and the loss scale too
             opt.param_groups[0]["weight_decay"] = cfg.weight_decay  # not the saved run's
             start = int(extra.get("step", checkpoint.info(resume).step))
-            skipped = int(extra.get("skipped", 0))
+            skipped = (int(extra.get("skipped", 0)), int(extra.get("skipped_in_a_row", 0)))
         records = _records_until(out / "metrics.jsonl", start) if start else []
         dist.barrier()  # every rank has read the old metrics before rank 0 rewrites them
         log = MetricsLog(out, records, write=first, tensorboard=cfg.log == "tensorboard")
@@ -295,7 +295,10 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
         total=cfg.steps, initial=start, desc=f"stage {cfg.stage} x{world}", enabled=rank == 0,
         every_s=cfg.progress_every,
     )  # fmt: skip
-    guard = DivergenceGuard(opt, max_skipped_steps=cfg.max_skipped_steps, num_skipped=skipped)
+    guard = DivergenceGuard(
+        opt, max_skipped_steps=cfg.max_skipped_steps, num_skipped=skipped[0],
+        num_consecutive_skipped=skipped[1],
+    )  # fmt: skip
     disk = DiskTraffic(opt)
 
     def evaluate_at(step: int) -> float:
@@ -344,11 +347,12 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
             where = None
             if due or (signum and cfg.save_every):  # one save serves both
                 where = checkpoint.step_path(out / "ckpt", step)
-                state = {"step": step, "skipped": guard.num_skipped}
+                state = {"step": step, "skipped": guard.num_skipped,
+                         "skipped_in_a_row": guard.num_consecutive_skipped}  # fmt: skip
                 checkpoint.save(where, model, opt, state, keep=cfg.keep)
             paused = time.perf_counter() - paused
             t_start, t_log = t_start + paused, t_log + paused
-            if signum:
+            if signum and step < cfg.steps:  # at the last step the run is done: it ends as such
                 raise Stopped(signum, step, where, stopper.cause)
             bar.update(1)
     except Diverged as exc:
