@@ -309,6 +309,7 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
         return val
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
+    t_wall = time.perf_counter()
     try:
         if start and records and records[0]["kind"] == "eval":
             first_val = records[0]["val_loss"]
@@ -361,12 +362,12 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
         raise
     finally:
         bar.close()
-    elapsed = time.perf_counter() - t_start
+    trained_s, elapsed = time.perf_counter() - t_start, time.perf_counter() - t_wall
     steps = zeroshard.ledger(model).steps
     last = steps[-1] if steps else {}  # none when a restart resumed the final checkpoint
     summary.update(
         status="done", skipped_steps=guard.num_skipped, seconds=round(elapsed, 1),
-        tokens_per_s=round(tokens_per_step * max(1, cfg.steps - start) / elapsed),
+        tokens_per_s=round(tokens_per_step * max(1, cfg.steps - start) / trained_s),
         val_loss_first=round(first_val, 4), val_loss_last=round(records[-1]["val_loss"], 4),
         comm_bytes_per_step=sum(e.bytes for e in last.values()),
         comm_bytes_per_step_by_label=_bytes_by_label(last),

@@ -400,7 +400,7 @@ def _train_here(cfg: TrainConfig, out: Path) -> int:
         f"done: {summary['model']} ({summary['num_params']:,} parameters), stage "
         f"{summary['stage']} {summary['precision']} on {summary['ranks']} rank(s), "
         f"{summary['steps']} steps ({summary['skipped_steps']} skipped) in "
-        f"{summary['seconds']} s ({summary['tokens_per_s']:,} tokens/s); validation loss "
+        f"{summary['seconds']} s ({summary['tokens_per_s']:,} tokens/s training); validation loss "
         f"{summary['val_loss_first']} -> {summary['val_loss_last']}; outputs in {out}",
         0,
     )
