@@ -239,14 +239,18 @@ def save(
     torch.save(own, buffer)  # a snapshot of this rank's own state, as the bytes of its file
     _check_loadable(extra, buffer.getvalue())
     path = Path(path).absolute()
-    paths = gather(str(path), group)  # every rank sees them all: every rank raises alike
+    # One exchange: every rank sees every path and problem, so every rank raises alike.
+    said = gather((str(path), replace_problem(path)), group)
+    paths = [p for p, _ in said]
     if len(set(paths)) > 1:
         other = next(p for p in paths if p != paths[0])
         raise CheckpointError(
             f"the ranks passed different paths ({paths[0]} on rank 0, {other} on another): "
             "every rank saves to the same folder, on a file system they all see"
         )
-    agree(replace_problem(path), group)
+    problem = next((e for _, e in said if e), None)
+    if problem:
+        raise CheckpointError(problem)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _resident(model, optimizer):  # offloaded optimizer states: in memory until written/copied
         state = _state(model, optimizer)
