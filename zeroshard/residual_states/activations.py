@@ -52,7 +52,10 @@ class _Call:
     """Positional args after the first (the first is the span's input or the previous output)."""
     kwargs: dict
     cpu_rng: torch.Tensor
+    devices: list[int]
+    """The accelerator devices of the call's tensors (none on the CPU)..."""
     device_states: list[torch.Tensor]
+    """... and their RNG states."""
     autocast: tuple[dict, dict]
     """``torch.utils.checkpoint``'s (device, cpu) autocast kwargs."""
 
@@ -105,11 +108,12 @@ class SpanCheckpointing:
             and first._version == span.last_version
             and all(c.module is not module for c in span.calls)
         )
+        call = self._call(module, args, kwargs)
         if not joins:
             self.close()
-            span = self._span = self._open(args)
+            span = self._span = self._open(args, call.devices)
         assert span is not None
-        span.calls.append(self._call(module, args, kwargs))
+        span.calls.append(call)
         span.hooks = ckpt._checkpoint_hook(span.frame)
         span.hooks.__enter__()
 
@@ -141,26 +145,25 @@ class SpanCheckpointing:
         autocast state."""
         device_type = self.device.type
         device_module = getattr(torch, device_type, None)
+        devices: list[int] = []
         states: list[torch.Tensor] = []
         if device_type != "cpu" and getattr(device_module, "_initialized", False):
-            states = ckpt.get_device_states(*args)[1]
+            devices, states = ckpt.get_device_states(*args)
         return _Call(
             module,
             args[1:],
             kwargs,
             torch.get_rng_state(),
+            devices,
             states,
             ckpt._get_autocast_kwargs(device_type=device_type),
         )
 
-    def _open(self, args: tuple) -> _Span:
-        """A checkpoint frame whose recomputation replays the span's units in order."""
+    def _open(self, args: tuple, devices: list[int]) -> _Span:
+        """A checkpoint frame whose recomputation replays the span's units in order (their RNG
+        forked on ``devices``, the span's first call's)."""
         calls: list[_Call] = []
         device_type = self.device.type
-        devices: list[int] = []
-        device_module = getattr(torch, device_type, None)
-        if device_type != "cpu" and getattr(device_module, "_initialized", False):
-            devices = ckpt.get_device_states(*args)[0]
 
         def recompute(*inputs: Any) -> None:
             with torch.random.fork_rng(devices=devices, device_type=device_type):
