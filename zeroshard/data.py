@@ -44,6 +44,7 @@ import os
 import sys
 import sysconfig
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,9 +201,9 @@ class Corpus:
         try:
             path.mkdir(parents=True, exist_ok=True)
             # Probe before reading 30 MiB, so an unwritable folder fails fast and clearly.
-            # One probe name per process: ranks building the same cache at once must not
-            # remove each other's probe.
-            probe = path / f".probe-{os.getpid()}"
+            # One probe name per process and thread: ranks (or threads) building the same
+            # cache at once must not remove each other's probe.
+            probe = path / f".probe-{os.getpid()}-{threading.get_ident()}"
             _write_atomic(probe, lambda f: None)
             os.unlink(probe)
         except OSError as exc:
