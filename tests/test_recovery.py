@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_cli_train import _cmdline, _descendants, _expect_usage_error
 
-from zeroshard.cli.agent import Launch
+from zeroshard.cli.agent import Launch, _holding_agent
 from zeroshard.cli.train import load_config, resume_after_restart
 from zeroshard.testing import free_port
 
@@ -104,6 +104,37 @@ def test_a_restart_resumes_from_the_newest_checkpoint_or_says_why_not(tmp_path):
     assert resume_after_restart(unsaved, 2)[1] == (
         "restart 2: save_every = 0; training again from step 0"
     )
+
+
+def test_a_diverged_run_is_not_restarted(tmp_path, data_dir):
+    """A restart would resume from the last checkpoint and diverge again at the same step: the
+    run ends at the first divergence, with its one line (it was restarted ``--max-restarts``
+    times, each time to the same end)."""
+    flags = [*RUN, "--max-restarts", "2", "--lr", "1e9", "--warmup-steps", "0"]
+    cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *flags]
+    cmd += ["--out-dir", str(tmp_path), "--data-dir", str(data_dir)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=BOUND_S)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert not [line for line in done.stdout.splitlines() if line.startswith("restart ")]
+    said = [line for line in done.stderr.splitlines() if line.startswith("zeroshard train:")]
+    assert len(said) == 1 and "diverged at step 10" in said[0], done.stderr
+
+
+@pytest.mark.parametrize(("code", "restarts_left"), [(2, 0), (3, 0), (1, 2), (4, 2), (-9, 2)])
+def test_the_agent_restarts_only_what_a_restart_can_mend(code, restarts_left):
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    class Agent:  # torchrun's LocalElasticAgent, as far as the holding agent uses it
+        _remaining_restarts = 2
+
+        def _monitor_workers(self, worker_group):
+            failed = ProcessFailure(local_rank=1, pid=1, exitcode=code, error_file="")
+            return RunResult(state=WorkerState.FAILED, failures={1: failed})
+
+    agent = _holding_agent(Agent, [])()
+    assert agent._monitor_workers(None).is_failed()
+    assert agent._remaining_restarts == restarts_left
 
 
 ELASTIC = ["--max-restarts", "1", "--save-every", "2"]

@@ -6,6 +6,8 @@ Two things are added around torchrun's own ``main``:
 
 - the agent's exit is turned into ours: a rank's bad input (2), divergence (3), collective
   timeout (4) or interrupt (130 / 143) keeps its status, and any other failure gets one line;
+- a rank that stopped on bad input or divergence ends the run, not one restart of it: the
+  restart would resume from the last checkpoint only to fail the same way;
 - no SIGINT or SIGTERM is lost while the agent starts. Until its ranks exist the agent has no
   handler of its own (Python's ``KeyboardInterrupt`` can be swallowed in its lazy imports) and,
   while it spawns them, a signal stops it before it has recorded which it started: they ran on,
@@ -36,6 +38,9 @@ HELD = (signal.SIGINT, signal.SIGTERM)
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"
 RANKS_SAID_WHY = (2, Diverged.exit_code, CollectiveTimeout.exit_code, 130, 143)
 """Exit statuses of ranks that printed their own line (bad input, divergence, timeout, signal)."""
+FINAL = (2, Diverged.exit_code)
+"""Exit statuses that a restart would only repeat (bad input; divergence, which a resume from
+the last checkpoint replays): the run ends at once, whatever ``--max-restarts`` has left."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +164,8 @@ def _agent_env(launch: Launch, noted: list[int]) -> Iterator[None]:
 def _holding_agent(base: type, noted: list[int]) -> type:
     """``base`` (torchrun's LocalElasticAgent), which installs its own handler for ``HELD``
     only once its ranks are started (``--signals-to-handle`` leaves them out of its start),
-    and then acts on a signal ``noted`` meanwhile (none is started when it came earlier)."""
+    and then acts on a signal ``noted`` meanwhile (none is started when it came earlier); it
+    restarts no rank that failed with a ``FINAL`` status."""
     from torch.distributed.elastic.multiprocessing.api import (
         SignalException,
         _terminate_process_handler,
@@ -178,5 +184,13 @@ def _holding_agent(base: type, noted: list[int]) -> type:
                 signal.signal(sig, _terminate_process_handler)
             stop_if_noted()
             return pids
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed() and any(
+                failure.exitcode in FINAL for failure in result.failures.values()
+            ):
+                self._remaining_restarts = 0
+            return result
 
     return HoldingAgent
