@@ -11,11 +11,14 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from test_cli_train import _cmdline, _descendants, _expect_usage_error
 
+from zeroshard import checkpoint
 from zeroshard.cli.agent import Launch, _holding_agent
 from zeroshard.cli.train import load_config, resume_after_restart
 from zeroshard.testing import free_port
@@ -92,6 +95,27 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_pat
     lost_s = resumed["time"] - t_kill
     print(f"\ntime lost: {lost_s:.1f} s from the kill -9 to step {step + 1}, the first resumed")
     assert 0 < lost_s < 60
+
+
+def test_an_elastic_start_resumes_from_the_newest_checkpoint_if_later(tmp_path):
+    """Restart count 0: the ranks of an elastic job, maybe started anew as nodes joined."""
+    folder = tmp_path / "ckpt"
+    for step in (4, 6):
+        (folder / f"step-{step:06d}").mkdir(parents=True)
+    found = {f"step-{s:06d}": s for s in (4, 6)}
+
+    def info(path):
+        return types.SimpleNamespace(step=found[Path(path).name])
+
+    with mock.patch.object(checkpoint, "latest", lambda _: folder / "step-000006"), \
+            mock.patch.object(checkpoint, "info", info):  # fmt: skip
+        base = {"out_dir": str(tmp_path), "save_every": "2"}
+        for resume in (None, str(folder / "step-000004"), str(tmp_path / "pruned")):
+            cfg, line = resume_after_restart(load_config(None, {**base, "resume": resume}), 0)
+            assert cfg.resume == str(folder / "step-000006")
+            assert line == f"the job's nodes changed: resuming from {cfg.resume} (step 6)"
+        pinned = load_config(None, {**base, "resume": str(folder / "step-000006")})
+        assert resume_after_restart(pinned, 0) == (pinned, None)
 
 
 def test_a_restart_resumes_from_the_newest_checkpoint_or_says_why_not(tmp_path):
@@ -185,6 +209,47 @@ def test_rdzv_conf_reaches_torchrun():
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_node_joining_a_running_job_resumes_with_it(tmp_path, data_dir):
+    """Node A trains alone (``--nnodes 1:2``); node B, started later with the same command, is
+    not refused for the job's own checkpoints: A's agent starts its ranks anew with B's (not a
+    restart to torchrun: no restart count), and every rank resumes from the newest checkpoint
+    (A's ranks trained from step 0 again, B's was refused: "holds checkpoints of an earlier
+    run")."""
+    out, port = tmp_path / "run", free_port()
+    steps = 40  # long enough that A is still training when B has started (about 5 s)
+    cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *RUN, "--out-dir", str(out)]
+    cmd += ["--data-dir", str(data_dir), "--nproc", "1", "--nnodes", "1:2", "--steps", str(steps)]
+    cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", RDZV_CONF]
+    node_a = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+    )
+    node_b = None
+    try:
+        deadline = time.monotonic() + BOUND_S
+        while not (out / "ckpt" / "step-000004").is_dir():
+            assert node_a.poll() is None and time.monotonic() < deadline, node_a.stdout.read()
+            time.sleep(0.02)
+        node_b = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+        )
+        log_b = node_b.communicate(timeout=BOUND_S)[0]
+        log_a = node_a.communicate(timeout=BOUND_S)[0]
+    finally:
+        for p in (node_a, node_b):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert node_a.returncode == 0 and node_b.returncode == 0, log_a[-3000:] + log_b[-3000:]
+    assert f"joining the job running at 127.0.0.1:{port}" in log_b, log_b[-3000:]
+    said = [line for line in log_a.splitlines() if line.startswith("the job's nodes changed")]
+    assert len(said) == 1, log_a[-3000:]
+    step = int(said[0].rsplit("(step ", 1)[1].rstrip(")"))
+    records = [r for r in _records(out) if r["kind"] == "train"]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    ranks = [len(r["rank_mem_mib"]) for r in records]
+    assert ranks == [1] * step + [2] * (steps - step), ranks
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks through /proc")

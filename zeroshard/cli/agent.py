@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +34,10 @@ from zeroshard.watchdog import CollectiveTimeout
 
 SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """torchrun's switch that gives each restart of the ranks a store of its own."""
+RESUME_NEWEST = "ZEROSHARD_RESUME_NEWEST"
+"""Set ("1") for the ranks of a job that may start more than once: every start resumes from the
+newest checkpoint of the job's folder (torchrun does not count a start after nodes joined or
+left as a restart, and a node that joined late may have pinned a checkpoint pruned since)."""
 HELD = (signal.SIGINT, signal.SIGTERM)
 """Held until the ranks are started; torchrun's agent handles only the others as it starts them."""
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"
@@ -72,6 +77,18 @@ class Launch:
         """Whether the agent may start the ranks more than once."""
         return self.max_restarts > 0 or self.min_nodes < self.max_nodes
 
+    def joins_running_job(self) -> bool:
+        """Whether this node joins an elastic job that is already running: something answers
+        at its rendezvous endpoint (the store that the first node's agent hosts)."""
+        if self.min_nodes == self.max_nodes or not self.rdzv_endpoint:
+            return False
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return True
+        except OSError:
+            return False
+
     def worlds(self) -> list[int]:
         """Every world size the job may run at, smallest first."""
         return [self.nproc * n for n in range(self.min_nodes, self.max_nodes + 1)]
@@ -97,6 +114,7 @@ def run_agent(launch: Launch, config: Path) -> int:
     with held(HELD) as noted:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.elastic.rendezvous.api import RendezvousError
         from torch.distributed.run import main as torchrun
 
         if noted:
@@ -110,6 +128,14 @@ def run_agent(launch: Launch, config: Path) -> int:
                 torchrun(_holding_argv(launch.torchrun_argv(config)))
         except SignalException as exc:  # forwarded to the ranks, which stopped and reported
             return 128 + int(exc.sigval)
+        except RendezvousError as exc:  # e.g. the node hosting it ended the job, or left
+            print(
+                f"zeroshard train: the rendezvous at {launch.rdzv_endpoint} failed: "
+                f"{type(exc).__name__}: {exc}; the job ended on another node (its output says "
+                "why), or the node hosting the rendezvous left",
+                file=sys.stderr,
+            )
+            return 1
         except ChildFailedError as exc:
             _, first = exc.get_first_failure()
             if first.exitcode in RANKS_SAID_WHY:
@@ -146,6 +172,7 @@ def _agent_env(launch: Launch, noted: list[int]) -> Iterator[None]:
         # connectFullMesh (pytorch/pytorch#135712). Unshared, rank 0 hosts a fresh store per
         # attempt.
         env[SHARED_STORE_OFF] = "1"
+        env[RESUME_NEWEST] = "1"
     before = {name: os.environ.get(name) for name in env}
     agent = launcher.LocalElasticAgent
     launcher.LocalElasticAgent = _holding_agent(agent, noted)

@@ -9,7 +9,8 @@ With --max-restarts N (and --save-every) a failed rank makes the launcher restar
 to N times; each restart resumes from the newest complete checkpoint in out_dir/ckpt ("restart 1:
 resuming from PATH (step S)"). --nnodes MIN:MAX --rdzv-endpoint HOST:PORT makes the job elastic
 over nodes (c10d rendezvous): after a node leaves, the others restart and continue at the smaller
-world size from the same checkpoint (it loads at any world size). --rdzv-conf passes torchrun's
+world size from the same checkpoint (it loads at any world size); a node started later with the
+same command joins, and every rank resumes from the newest checkpoint. --rdzv-conf passes torchrun's
 rendezvous settings, e.g. last_call_timeout=10 (the wait for more nodes once MIN are in, 30 s by
 default) and keep_alive_interval=1 (how soon a node that left is noticed: 3 of them, 5 s each).
 
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroshard import checkpoint
-from zeroshard.cli.agent import Launch, run_agent
+from zeroshard.cli.agent import RESUME_NEWEST, Launch, run_agent
 from zeroshard.cli.held_signals import held
 from zeroshard.cli.main import UsageError
 from zeroshard.cli.train_checks import check_divides, check_inputs, check_port, make_out_dir
@@ -249,7 +250,7 @@ def _prepare(args: argparse.Namespace) -> tuple[Launch, TrainConfig, Path]:
     for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
         check_divides(cfg, world)
     check_inputs(cfg, launch.worlds()[0], local_ranks=launch.nproc)
-    return launch, _pin_resume(cfg), out
+    return launch, _pin_resume(cfg, launch), out
 
 
 _BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eval_batches",
@@ -361,9 +362,11 @@ def _run_rank(args: argparse.Namespace) -> int:
         overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
         cfg = load_config(args.config, overrides)
         restart = _restart_count()
-        if restart:  # torchrun's agent restarted every rank after one failed
+        # torchrun's agent restarted every rank after one failed, or (elastic jobs) started
+        # them anew as nodes joined or left, which it does not count as a restart.
+        if restart or os.environ.get(RESUME_NEWEST) == "1":
             cfg, line = resume_after_restart(cfg, restart)
-            if _rank() == 0:
+            if line and _rank() == 0:
                 print(line, flush=True)
         return _train_here(cfg, make_out_dir(cfg.out_dir))
     except USER_ERRORS as exc:
@@ -413,14 +416,21 @@ def _finish(line: str, code: int, stream: Any = None) -> int:
     return code
 
 
-def _pin_resume(cfg: TrainConfig) -> TrainConfig:
+def _pin_resume(cfg: TrainConfig, launch: Launch) -> TrainConfig:
     """``--resume``: the checkpoint it names (``auto``: the newest), checked and printed. A run
     that saves checkpoints and does not resume must not start into a folder holding an earlier
-    run's: they would be pruned together and ``--resume auto`` would pick the other run."""
+    run's: they would be pruned together and ``--resume auto`` would pick the other run. A node
+    joining an elastic job that runs already finds that job's checkpoints there: its ranks
+    resume from the newest, as the running ones do (``resume_after_restart``)."""
     path = resume_path(cfg)
     if path is None:
         earlier = checkpoint.latest(Path(cfg.out_dir) / "ckpt") if cfg.save_every else None
-        if earlier is not None:
+        if earlier is not None and launch.joins_running_job():
+            print(
+                f"joining the job running at {launch.rdzv_endpoint}: its ranks resume from the "
+                f"newest checkpoint in {earlier.parent}"
+            )
+        elif earlier is not None:
             raise UsageError(
                 f"--out-dir {cfg.out_dir} holds checkpoints of an earlier run (newest: "
                 f"{earlier.name}); pass --resume auto to continue it, or another --out-dir (or "
@@ -456,17 +466,26 @@ def _check_no_later(cfg: TrainConfig, path: Path, step: int | None) -> None:
     )
 
 
-def resume_after_restart(cfg: TrainConfig, restart: int) -> tuple[TrainConfig, str]:
+def resume_after_restart(cfg: TrainConfig, restart: int) -> tuple[TrainConfig, str | None]:
     """``cfg`` for restart number ``restart`` of the ranks (torchrun's agent restarted them after
-    a failure): resumed from the newest complete checkpoint in out_dir/ckpt, which may have been
-    saved at another world size. Also the line that says so."""
+    a failure; 0: started by an elastic agent, maybe anew as nodes joined or left): resumed from
+    the newest complete checkpoint in out_dir/ckpt, which may have been saved at another world
+    size, when it is later than the one ``cfg`` resumes from. Every rank of every node decides
+    alike from the shared folder, whatever its launcher pinned: a node that joined late may
+    have pinned a checkpoint pruned since. Also the line that says so (None: nothing to say)."""
     folder = Path(cfg.out_dir) / "ckpt"
     newest = checkpoint.latest(folder) if cfg.save_every else None
-    if newest is not None:
-        step = checkpoint.info(newest).step
+    step = checkpoint.info(newest).step if newest is not None else None
+    pinned = None  # the step of the checkpoint cfg resumes from, while it still exists
+    if cfg.resume and not restart and Path(cfg.resume).is_dir():
+        pinned = checkpoint.info(cfg.resume).step
+    if newest is not None and (pinned is None or (step or 0) > pinned):
+        why = f"restart {restart}" if restart else "the job's nodes changed"
         return dataclasses.replace(cfg, resume=str(newest)), (
-            f"restart {restart}: resuming from {newest} (step {step})"
+            f"{why}: resuming from {newest} (step {step})"
         )
+    if not restart:
+        return cfg, None
     start = f"from {cfg.resume}" if cfg.resume else "from step 0"
     why = f"no complete checkpoint in {folder} yet" if cfg.save_every else "save_every = 0"
     return cfg, f"restart {restart}: {why}; training again {start}"
