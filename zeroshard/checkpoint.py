@@ -31,10 +31,13 @@ folder, waits for every rank, computes the checksums (each rank hashes a share o
 then rank 0 writes ``zeroshard.json`` and renames the folder to ``path``, fsyncing the parent. An
 existing checkpoint at ``path`` is first renamed to ``<path>.old-<random>`` and removed only
 after the new one is in place: a crash leaves either the old or the new checkpoint whole (or,
-between the two renames, the old one under its ``.old-`` name, which ``load`` points to).
-``keep=K``: when ``path``'s name ends in digits (``step-000100``), complete sibling checkpoints
-of the same prefix beyond the newest K (by number) are removed, and so are ``.tmp-`` folders of
-saves that died before their rename; ``keep=None`` keeps all.
+between the two renames, the old one under its ``.old-`` name, which ``load`` points to and
+``latest`` returns). ``keep=K``: when ``path``'s name ends in digits (``step-000100``), complete
+sibling checkpoints of the same prefix beyond the newest K (by number) are removed, each renamed
+to ``.gone-`` first (a removal cut short leaves no half checkpoint under a checkpoint's name),
+and so are what earlier saves left when they stopped: ``.tmp-`` folders of saves that died
+before their rename, ``.gone-`` folders, and ``.old-`` folders whose replacement is in place;
+``keep=None`` keeps all.
 
 ``load`` compares the checkpoint's parameter names and shapes with the model's, then loads
 through DCP (resharding to the current world size and stage) with the reader of

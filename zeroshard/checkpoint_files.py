@@ -17,7 +17,10 @@ import torch.distributed as dist
 import xxhash
 
 META_FILE = "zeroshard.json"
-TMP, OLD = ".tmp-", ".old-"
+TMP, OLD, GONE = ".tmp-", ".old-", ".gone-"
+"""Suffixes of a save's folder before it is published, of the checkpoint it replaces while it
+does, and of one being removed (``prune``): each renamed in one step, so a crash at any moment
+leaves every complete checkpoint whole under a name that says what it is."""
 _CHUNK_BYTES = 8 * 2**20  # read size when hashing
 _HASH_THREADS = 4  # files each rank hashes at once (xxhash and file reads release the GIL)
 NUMBERED = re.compile(r"^(?P<prefix>.*?)(?P<num>\d+)$")
@@ -155,21 +158,37 @@ def publish(tmp: Path, path: Path) -> None:
 
 def prune(path: Path, keep: int) -> None:
     """Remove complete numbered siblings of ``path`` beyond the newest ``keep`` (never ``path``),
-    and the ``.tmp-`` folders of saves of the same prefix that died before their rename (a
-    killed rank: the run's saves go one at a time, so none is in flight once ``path`` is in
-    place)."""
+    and what earlier saves of the same prefix left when they stopped: ``.tmp-`` folders of saves
+    that died before their rename (a killed rank: the run's saves go one at a time, so none is
+    in flight once ``path`` is in place), ``.gone-`` folders of removals cut short, and the
+    ``.old-`` folder of a replaced checkpoint whose replacement is in place."""
     match = NUMBERED.match(path.name)
     if match is None:
         return
     numbered = []
     for sibling in path.parent.iterdir():
-        stem, dead, _ = sibling.name.partition(".tmp-")
+        stem, suffix = _split_suffix(sibling.name)
         m = NUMBERED.match(stem)
-        if m and m["prefix"] == match["prefix"] and dead:
+        if m is None or m["prefix"] != match["prefix"]:
+            continue
+        replaced = suffix == OLD and (sibling.with_name(stem) / META_FILE).is_file()
+        if suffix in (TMP, GONE) or replaced:
             shutil.rmtree(sibling, ignore_errors=True)
-        elif m and m["prefix"] == match["prefix"] and (sibling / META_FILE).is_file():
-            numbered.append((int(m["num"]), sibling))
+        elif suffix in ("", OLD) and (sibling / META_FILE).is_file():
+            numbered.append((int(m["num"]), sibling))  # a replaced one whose save stopped, too
     numbered.sort()
     for _, sibling in numbered[: max(0, len(numbered) - keep)]:
         if sibling != path:
-            shutil.rmtree(sibling)
+            # Renamed first: a removal cut short leaves no half checkpoint under its own name.
+            gone = sibling.with_name(sibling.name + GONE + os.urandom(4).hex())
+            os.replace(sibling, gone)
+            shutil.rmtree(gone)
+
+
+def _split_suffix(name: str) -> tuple[str, str]:
+    """``step-000010.tmp-ab12`` -> (``step-000010``, ``.tmp-``); ("name", "") without one."""
+    for suffix in (TMP, OLD, GONE):
+        stem, found, _ = name.partition(suffix)
+        if found:
+            return stem, suffix
+    return name, ""

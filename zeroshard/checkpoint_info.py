@@ -117,13 +117,18 @@ def step_path(folder: str | os.PathLike, step: int) -> Path:
 
 def latest(folder: str | os.PathLike) -> Path | None:
     """The complete numbered checkpoint (``step-*``) with the highest number in ``folder``
-    (``info(...).complete``: one with a file missing or cut short is passed over)."""
+    (``info(...).complete``: one with a file missing or cut short is passed over). A checkpoint
+    that a save stopped while replacing counts under its ``.old-`` name, the one it has then."""
     folder = Path(folder)
     if not folder.is_dir():
         return None
     found = []
     for child in folder.iterdir():
-        m = NUMBERED.match(child.name)
-        if m and m["prefix"] == "step-" and (child / META_FILE).is_file():
-            found.append((int(m["num"]), child))
+        stem, aside, _ = child.name.partition(OLD)
+        m = NUMBERED.match(stem)
+        if not m or m["prefix"] != "step-" or not (child / META_FILE).is_file():
+            continue
+        if aside and (folder / stem / META_FILE).is_file():
+            continue  # the replacement is in place: this is only left to remove
+        found.append((int(m["num"]), child))
     return next((child for _, child in sorted(found, reverse=True) if info(child).complete), None)

@@ -1,0 +1,74 @@
+"""A checkpoint folder's life on disk without a process group: publishing and pruning cut
+short at any moment leave every complete checkpoint whole under a name that ``latest`` and
+``load`` understand, and the next save's prune removes what is left over."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from zeroshard import checkpoint
+from zeroshard.checkpoint_files import GONE, META_FILE, OLD, TMP, prune, publish
+from zeroshard.checkpoint_info import FORMAT_VERSION
+
+
+def _complete(folder: Path, step: int) -> Path:
+    """A complete checkpoint as ``info`` sees one: metadata listing one data file."""
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(b"x" * step)
+    meta = {"format_version": FORMAT_VERSION, "step": step}
+    meta["files"] = {"__0_0.distcp": {"bytes": step, "xxh3_64": "unchecked"}}
+    (folder / META_FILE).write_text(json.dumps(meta))
+    return folder
+
+
+def test_a_save_stopped_between_its_renames_keeps_the_replaced_checkpoint_found(tmp_path):
+    _complete(tmp_path / "step-000001", 1)
+    target = _complete(tmp_path / "step-000002", 2)
+    tmp = _complete(tmp_path / f"step-000002{TMP}abcd", 2)
+    real = os.replace
+
+    def the_first_only(src, dst):  # the process dies after the first rename
+        if not (tmp_path / f"step-000002{OLD}abcd").exists():
+            return real(src, dst)
+        raise KeyboardInterrupt
+
+    with mock.patch("os.replace", the_first_only), pytest.raises(KeyboardInterrupt):
+        publish(tmp, target)
+    aside = tmp_path / f"step-000002{OLD}abcd"
+    assert not target.exists() and aside.is_dir()
+    assert checkpoint.latest(tmp_path) == aside  # not step 1
+    assert checkpoint.info(aside).step == 2
+    # The run goes on from it; its next save prunes the replaced one with the others.
+    prune(_complete(tmp_path / "step-000003", 3), keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003"]
+
+
+def test_the_replaced_checkpoint_left_beside_its_replacement_is_removed(tmp_path):
+    new = _complete(tmp_path / "step-000002", 2)
+    _complete(tmp_path / f"step-000002{OLD}abcd", 1)  # the save stopped before removing it
+    assert checkpoint.latest(tmp_path) == new
+    prune(new, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002"]
+
+
+def test_a_prune_cut_short_leaves_no_half_checkpoint_under_its_name(tmp_path):
+    for step in (1, 2, 3):
+        _complete(tmp_path / f"step-00000{step}", step)
+
+    def cut_short(path, *args, **kwargs):  # deletes the metadata, then the process dies
+        (Path(path) / META_FILE).unlink()
+        raise KeyboardInterrupt
+
+    with mock.patch.object(shutil, "rmtree", cut_short), pytest.raises(KeyboardInterrupt):
+        prune(tmp_path / "step-000003", keep=1)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[0].startswith("step-000001" + GONE) and names[1:] == ["step-000002", "step-000003"]
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-000003"
+    prune(_complete(tmp_path / "step-000004", 4), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000004"]
