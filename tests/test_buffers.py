@@ -195,6 +195,58 @@ def test_gathered_units_borrow_buffers_made_in_the_first_step_only(workers2):
         assert all(b > a for a, b in zip(r["made"], r["made"][1:])) and r["at_rest"] == 0, r
 
 
+class _Reusing(torch.nn.Module):
+    """Blocks in the order ``order`` (a block used twice in one forward, as shared layers do:
+    it stays gathered between its uses, beside the computing and the prefetched blocks)."""
+
+    def __init__(self, order: tuple[int, ...]) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(CFG.vocab_size, CFG.n_embd)
+        self.blocks = torch.nn.ModuleList(Block(CFG) for _ in range(max(order) + 1))
+        self.order = order
+
+    def forward(self, x):
+        h = self.emb(x)
+        for i in self.order:
+            h = self.blocks[i](h)
+        return h.pow(2).mean()
+
+
+def _reused_blocks_pool(order: tuple[int, ...]) -> dict:
+    torch.manual_seed(0)
+    model = zeroshard.shard(_Reusing(order), stage=3, wrap=zeroshard.wrap.by_class(Block))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    pool = zeroshard.engine_of(model).flat_params[0].buffers
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    made, at_rest = [], []
+
+    def step():
+        opt.backward(model(torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=gen)))
+        opt.step()
+        opt.zero_grad()
+        made.append(pool.made)
+        at_rest.append(pool.free_bytes)
+
+    for _ in range(5):
+        step()
+    with zeroshard.summon_full_params(model):  # an unusual moment: every block gathered
+        pass
+    for _ in range(3):
+        step()
+    return {"made": made, "at_rest": at_rest}
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3, 4, 0), (3, 2, 1, 0, 1, 2, 3)])
+def test_a_block_used_twice_per_forward_allocates_in_the_first_steps_only(workers2, order):
+    for r in workers2.run(_reused_blocks_pool, order):
+        made, at_rest = r["made"], r["at_rest"]
+        # Step 1 keeps `keep` buffers, step 2 (the first to prefetch) those step 1 lent at once,
+        # step 3 on those step 2 did: nothing new (before, one or two more at every step).
+        assert made[2] == made[4] and made[5] == made[7], r  # made[5] counts the summon's
+        # The summon's buffers stay one step (its window ends as step 7's forward starts).
+        assert at_rest[6:] == at_rest[2:4], r
+
+
 def test_a_tensor_pool_gives_the_same_memory_back_and_keeps_at_most_keep():
     from zeroshard.residual_states.buffers import TensorPool
 

@@ -360,6 +360,8 @@ class Engine:
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
             flat_param.check_requires_grad(self.flat_params)
         self.adopt_writes()
+        for pool in {id(f.buffers): f.buffers for f in self.flat_params}.values():
+            pool.settle()  # the last step's use of gather buffers is the next one's
         self.phase = Phase.FORWARD
         if self.checkpointing is not None:
             self.checkpointing.close()

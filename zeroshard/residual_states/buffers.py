@@ -13,11 +13,14 @@ object throughout.
 
 Buffers are kept per (device, bytes): the units of one size (a transformer's blocks) share them.
 The pool grows only when every buffer of a size is lent (the first step's peak, or a
-``summon_full_params`` holding every unit); after ``take_back`` it keeps at most ``keep`` free
-buffers per size and frees the rest, so that an unusual moment does not pin its memory for good.
-``made`` counts the buffers ever allocated: after the first step of steady training it stops
-growing. ``keep=0`` keeps nothing: each lend allocates and each take-back frees (memory only
-while gathered, an allocation per gather).
+``summon_full_params`` holding every unit); after ``take_back`` it keeps as many free buffers per
+size as were lent at once in the last window (``settle``: the engine ends one as each forward of
+the model starts), at least ``keep``, and frees the rest. A pattern that recurs every step (a
+block used twice in a forward stays gathered between its uses, beside the computing and the
+prefetched ones) thus allocates in its first two steps only, and an unusual moment pins its
+memory for one window at most. ``made`` counts the buffers ever allocated: after the first steps
+of steady training it stops growing. ``keep=0`` keeps nothing: each lend allocates and each
+take-back frees (memory only while gathered, an allocation per gather).
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ class BufferPool:
         self.made = 0
         """Buffers allocated since construction."""
         self.made_bytes = 0
+        self._lent_now: dict[tuple[torch.device, int], int] = defaultdict(int)
+        self._peak: dict[tuple[torch.device, int], int] = defaultdict(int)
+        """Most buffers of a size lent at once since the last ``settle``."""
+        self._kept: dict[tuple[torch.device, int], int] = {}
+        """Free buffers of a size kept after a take-back: the last window's peak (``settle``)."""
 
     def lend(self, owner: object, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty ``storage`` ``nbytes`` of memory until ``take_back(owner, ...)``."""
@@ -52,6 +60,8 @@ class BufferPool:
         buffer = free.pop() if free else self._make(storage.device, nbytes)
         _swap(storage, buffer.untyped_storage())  # storage: the memory; buffer: none
         self._lent[id(owner)] = (key, buffer)
+        self._lent_now[key] += 1
+        self._peak[key] = max(self._peak[key], self._lent_now[key])
 
     def take_back(self, owner: object, storage: torch.UntypedStorage) -> None:
         """Leave ``storage`` empty; its memory goes back to the pool (or is freed when ``keep``
@@ -63,11 +73,27 @@ class BufferPool:
             return
         key, buffer = loan
         _swap(storage, buffer.untyped_storage())
+        self._lent_now[key] -= 1
         free = self._free[key]
-        if len(free) < self.keep:
+        if len(free) < self._keeps(key):
             free.append(buffer)
         else:
             buffer.untyped_storage().resize_(0)
+
+    def _keeps(self, key: tuple[torch.device, int]) -> int:
+        """Free buffers of ``key``'s size to keep: none with ``keep=0`` (no pooling), else as
+        many as the last window lent at once, and at least ``keep``."""
+        return max(self.keep, self._kept.get(key, 0)) if self.keep else 0
+
+    def settle(self) -> None:
+        """End a window of use (one step, or one inference forward): from now on keep as many
+        free buffers per size as were lent at once in it (the free ones beyond that are freed
+        now), and start the next window's count from the buffers lent at the moment."""
+        self._kept = dict(self._peak)
+        for key, free in self._free.items():
+            while len(free) > self._keeps(key):
+                free.pop().untyped_storage().resize_(0)
+        self._peak = defaultdict(int, self._lent_now)
 
     def _make(self, device: torch.device, nbytes: int) -> torch.Tensor:
         self.made += 1
