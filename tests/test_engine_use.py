@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import warnings
 
 import pytest
@@ -762,6 +763,51 @@ def _backward_interrupted(stage: int) -> dict:
 @pytest.mark.parametrize("stage", STAGES)
 def test_training_goes_on_after_an_interrupted_backward(workers2, stage):
     _check(workers2.run(_backward_interrupted, stage))
+
+
+def _forward_raised(stage: int, checkpoint_every: int | None) -> dict:
+    """An exception in the middle of a forward (an out-of-memory, bad input reaching block 1),
+    caught by the caller: what the forward held is freed at once (gathered units, the open span
+    of activation checkpoints), not when the next forward starts, and training goes on as the
+    reference's."""
+    config = ShardConfig(checkpoint_every=checkpoint_every) if checkpoint_every else None
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, config)
+    diff = _train_both(model, ref, opt, ref_opt, kind, range(0, 1))
+    failing = {"on": True}
+
+    def boom(module, args):
+        if failing["on"]:
+            raise RuntimeError("out of memory")
+
+    handle = model.blocks[1].register_forward_pre_hook(boom)
+    engine = zeroshard.engine_of(model)
+    x, y = _global_batch(kind, 1)
+    for _ in range(2):
+        with contextlib.suppress(RuntimeError):
+            _loss(kind, model, _rows(x), _rows(y))
+    gc.collect()
+    held = [u.name or "<root>" for u in engine.units if u.is_gathered]
+    held += [u.name for u in engine.units if u.pending_uses or u.state.value != "idle"]
+    keeper = engine.checkpointing.keeper if engine.checkpointing else None
+    kept = sum(keeper.bytes.held.values()) if keeper else 0
+    failing["on"] = False
+    handle.remove()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        diff = max(diff, _train_both(model, ref, opt, ref_opt, kind, range(1, 4)))
+    return {
+        "loss": diff,
+        "param": _param_diff(model, ref),
+        "held": float(len(held)),
+        "kept": float(kept),
+        "warned": float(len(caught)),
+    }
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("checkpoint_every", [None, 1])
+def test_a_forward_that_raised_frees_what_it_held(workers2, stage, checkpoint_every):
+    _check(workers2.run(_forward_raised, stage, checkpoint_every))
 
 
 def _requires_grad_changed(stage: int) -> dict:

@@ -244,6 +244,9 @@ class Engine:
             stop = torch._dynamo.disable(lambda m, a, o: self._stop_dropping(), recursive=True)
             self._handles.append(unit.module.register_forward_hook(stop, always_call=True))
         self._handles.append(unit.module.register_forward_hook(post))
+        if unit.is_root:  # runs after ``post``, and also when the forward raised
+            raised = torch._dynamo.disable(lambda m, a, o: self._forward_raised(), recursive=True)
+            self._handles.append(unit.module.register_forward_hook(raised, always_call=True))
         # A submodule holding the unit's parameters called on its own (T5's encoder in generate(),
         # an embedding applied outside the forward) is a use of the unit: gathered for it, and
         # the unit's backward ends only once the call's gradient is in (else reduced too early).
@@ -369,8 +372,6 @@ class Engine:
         self._finish_reductions(keep=0)  # a backward not followed by a step left some in flight
         stale = [u for u in self.units if u.state is not TrainingState.IDLE]
         if stale:
-            for pending in (self._units_left, self._again, self._dirty):
-                pending.clear()
             # A backward that never finished (an exception inside it): start clean.
             warnings.warn(
                 f"units {[u.name or '<root>' for u in stale]} were left in "
@@ -378,11 +379,32 @@ class Engine:
                 "their gradients for it are discarded",
                 stacklevel=4,
             )
-            for u in stale:
-                u.state, u.pending_uses = TrainingState.IDLE, 0
-                u.generation += 1
-                if not self._summoned:
-                    u.reshard()
+            self._start_clean(stale)
+
+    def _start_clean(self, units: list[Unit]) -> None:
+        """Forget ``units``' part in a forward or backward that ended by an exception: their
+        uses, their state, and their gathered parameters (kept while summoned)."""
+        for pending in (self._units_left, self._again, self._dirty):
+            pending.clear()
+        for u in units:
+            u.state, u.pending_uses, u.lender = TrainingState.IDLE, 0, None
+            u.generation += 1
+            if not self._summoned:
+                u.reshard()
+
+    def _forward_raised(self) -> None:
+        """After the root's forward: when it raised (its ``post`` hook did not run, so the phase
+        is still FORWARD), free at once what the forward held (gathered units, the open span
+        of activation checkpoints), not only when the next forward starts: a caller that
+        catches the error (an out-of-memory retried with a smaller batch) gets it back."""
+        if self.phase is not Phase.FORWARD or in_backward():
+            return
+        self.phase, self._recording = Phase.IDLE, None
+        self._start_clean(
+            [u for u in self.units if u.state is not TrainingState.IDLE or u.is_gathered]
+        )
+        if self.checkpointing is not None:
+            self.checkpointing.close()
 
     def _pre_backward(self, unit: Unit) -> None:
         if self.phase is not Phase.BACKWARD:  # the backward's first unit: once per backward
