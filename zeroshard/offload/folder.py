@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import gc
 import logging
 import mmap
 import os
@@ -136,7 +137,7 @@ def take_lock(folder: Path) -> int:
     """
     fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _flock(fd)
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
@@ -149,14 +150,25 @@ def take_lock(folder: Path) -> int:
     return fd
 
 
+def _flock(fd: int) -> None:
+    """Lock ``fd``'s file, not waiting; ``BlockingIOError`` when a live store holds it. A store
+    of this process that is no longer used may wait for the cycle collector (a model and its
+    optimizer refer to each other: ``del model, opt`` leaves them to it), so this process's
+    garbage is collected once before the lock is refused."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if os.pread(fd, 64, 0).decode(errors="replace").strip() != str(os.getpid()):
+            raise
+        gc.collect()
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def _holder(pid: str) -> str:
     """Who holds a folder's lock, for an error: another process, or this one."""
     if pid != str(os.getpid()):
         return f"pid {pid}"
-    return (
-        f"pid {pid}, this process: another model or optimizer of it, or one no longer used but "
-        "not yet freed (a reference cycle: `del model, opt; gc.collect()` frees it)"
-    )
+    return f"pid {pid}, this process: another model or optimizer of it that is still in use"
 
 
 def holds_swap_files(folder: Path) -> bool:
@@ -171,7 +183,7 @@ def discard_folder(folder: Path) -> None:
     fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock(fd)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             raise OffloadSetupError(
