@@ -57,3 +57,24 @@ def test_a_signal_while_the_agent_starts_stops_every_rank(tmp_path, moment, code
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == code, err[-3000:]
+
+
+def test_a_failed_rendezvous_is_one_line(monkeypatch, capsys, tmp_path):
+    """The node hosting the rendezvous ended the job or left: the other nodes' agents said so
+    with torch's traceback (RendezvousConnectionError, about 40 lines)."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from zeroshard.cli.agent import Launch, run_agent
+
+    def store_gone(argv):
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    monkeypatch.setattr(torchrun, "main", store_gone)
+    launch = Launch(nproc=1, port=0, max_restarts=1, max_nodes=2, rdzv_endpoint="h:29500")
+    assert run_agent(launch, tmp_path / "config.json") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("zeroshard train: the rendezvous at h:29500 failed: ") and (
+        "RendezvousConnectionError: The connection to the C10d store has failed." in err
+    ), err
