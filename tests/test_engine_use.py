@@ -1006,12 +1006,26 @@ def test_a_root_module_called_before_the_root_s_forward(workers2, stage):
     assert max(workers2.run(_embedding_called_outside, stage)) < TOL
 
 
-def _generate_own_prompts() -> bool:
+class _Wrapper(nn.Module):
+    """A model of one's own around a Hugging Face model (as peft's ``PeftModel`` is), whose
+    ``generate`` is the inner model's."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def generate(self, *args, **kwargs):
+        return self.lm.generate(*args, **kwargs)
+
+
+def _generate_own_prompts(wrapped: bool) -> bool:
     """Each rank generates from its own prompt and one meets its end-of-sequence token first:
-    at stage 3 the others still need it in every forward's gathers (it hung)."""
+    at stage 3 the others still need it in every forward's gathers (it hung; wrapped, the inner
+    model's generate() did not know it was sharded)."""
     torch.manual_seed(0)
     ref, policy = build("hf_gpt2")
-    model = zeroshard.shard(copy.deepcopy(ref), stage=3, wrap=policy)
+    model = _Wrapper(copy.deepcopy(ref)) if wrapped else copy.deepcopy(ref)
+    model = zeroshard.shard(model, stage=3, wrap=policy)
     prompts = [torch.tensor([[5, 6, 7, 8]]), torch.tensor([[40, 41, 42, 43]])]
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -1021,6 +1035,7 @@ def _generate_own_prompts() -> bool:
     return torch.equal(mine, theirs)
 
 
-def test_generate_at_stage_3_with_a_prompt_per_rank(workers2):
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_generate_at_stage_3_with_a_prompt_per_rank(workers2, wrapped):
     pytest.importorskip("transformers")
-    assert workers2.run(_generate_own_prompts) == [True, True]
+    assert workers2.run(_generate_own_prompts, wrapped) == [True, True]
