@@ -580,6 +580,37 @@ def test_a_resume_inside_a_streak_of_skipped_steps_goes_on_counting_it(capsys, t
     assert code == 3 and "diverged at step 11: 10 consecutive" in err, err
 
 
+def test_a_second_command_into_a_running_jobs_out_dir_is_refused(
+    capsys, tmp_path, data_dir, monkeypatch
+):
+    """Two commands into one --out-dir mixed their metrics and checkpoints, and the first one's
+    ranks (and every restart of them) read the settings the second wrote into config.json: a
+    300-step job restarted as the second's 10-step one and ended "done". The folder is now held
+    for the command's life, and the ranks read a copy of their own."""
+    from zeroshard.cli import train as train_cli
+
+    seen = {}
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "3", "--out-dir", str(tmp_path)]
+
+    def ranks_running(launch, config):  # while the first command's ranks train
+        seen["config"], seen["settings"] = config, json.loads(config.read_text())
+        seen["second"] = main(["train", *flags, "--seed", "1"])
+        seen["err"] = capsys.readouterr().err
+        return 0
+
+    monkeypatch.setattr(train_cli, "run_agent", ranks_running)
+    assert main(["train", "--nproc", "2", "--batch-size", "4", *flags]) == 0
+    assert seen["second"] == 2, seen
+    assert seen["err"] == (
+        f"zeroshard train: error: --out-dir {tmp_path} is in use by another zeroshard train "
+        f"(pid {os.getpid()}); wait for it to end, or pass another --out-dir\n"
+    )
+    assert seen["config"].parent != tmp_path and not seen["config"].exists()
+    assert seen["settings"] == json.loads((tmp_path / "config.json").read_text())
+    code, err, _, _ = _train_in_process(capsys, tmp_path, *flags[:-2], "--seed", "1")
+    assert code == 0, err  # free again once the first command ended
+
+
 def test_a_signal_at_the_last_step_ends_the_run_as_done(capsys, tmp_path, data_dir, monkeypatch):
     """The run is over: its summary is written, and it exits 0 (it said "interrupted" and
     exited 130 without one, and a resume found nothing left to train)."""

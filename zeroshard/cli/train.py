@@ -24,10 +24,12 @@ validation loss), 4 a collective timed out (--timeout; the line names the rank t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -37,7 +39,13 @@ from zeroshard import checkpoint
 from zeroshard.cli.agent import RESUME_NEWEST, Launch, run_agent
 from zeroshard.cli.held_signals import held
 from zeroshard.cli.main import UsageError
-from zeroshard.cli.train_checks import check_divides, check_inputs, check_port, make_out_dir
+from zeroshard.cli.train_checks import (
+    check_divides,
+    check_inputs,
+    check_port,
+    lock_out_dir,
+    make_out_dir,
+)
 from zeroshard.divergence import Diverged
 from zeroshard.mesh import launched_by_torchrun, tear_down
 from zeroshard.models.gpt import PRESETS
@@ -212,12 +220,21 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         return _run_rank(args)
-    # The checks below read the data (seconds): a signal meanwhile ends the command with a line.
-    with held() as noted:
-        launch, cfg, out = _prepare(args)
-    if noted:
-        print("zeroshard train: interrupted before the ranks started", file=sys.stderr)
-        return 128 + noted[0]
+    with contextlib.ExitStack() as job:
+        # The checks below read the data (seconds): a signal meanwhile ends the command with a
+        # line.
+        with held() as noted:
+            launch, cfg, out = _prepare(args, job)
+        if noted:
+            print("zeroshard train: interrupted before the ranks started", file=sys.stderr)
+            return 128 + noted[0]
+        return _launch(launch, cfg, out, job)
+
+
+def _launch(launch: Launch, cfg: TrainConfig, out: Path, job: contextlib.ExitStack) -> int:
+    """Train as ``launch`` says, with ``out_dir/config.json`` recording the run. The ranks
+    read their settings from a copy of their own, which a later command in the same folder
+    cannot rewrite under them (every restart reads it again)."""
     saved = out / "config.json"
     previous = saved.read_bytes() if cfg.resume and saved.is_file() else None
     if cfg.resume:
@@ -225,7 +242,14 @@ def run(args: argparse.Namespace) -> int:
     save_config(cfg, saved)
     refused = False  # bad input (exit 2): nothing was trained
     try:
-        code = _train_here(cfg, out) if not launch.elastic else run_agent(launch, saved)
+        if not launch.elastic:
+            code = _train_here(cfg, out)
+        else:
+            fd, name = tempfile.mkstemp(prefix="zeroshard-train-", suffix=".json")
+            os.close(fd)
+            job.callback(os.unlink, name)
+            save_config(cfg, Path(name))
+            code = run_agent(launch, Path(name))
         refused = code == 2
         return code
     except USER_ERRORS:
@@ -236,8 +260,11 @@ def run(args: argparse.Namespace) -> int:
             saved.write_bytes(previous)  # the folder's run is still the one it held
 
 
-def _prepare(args: argparse.Namespace) -> tuple[Launch, TrainConfig, Path]:
-    """The launch, the checked configuration (its resume pinned) and the output folder."""
+def _prepare(
+    args: argparse.Namespace, job: contextlib.ExitStack
+) -> tuple[Launch, TrainConfig, Path]:
+    """The launch, the checked configuration (its resume pinned) and the output folder, locked
+    for ``job`` (single-node jobs: the nodes of a multi-node job share it)."""
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     cfg = load_config(args.config, overrides)
     nproc = 1 if args.nproc is None else _int_flag("--nproc", args.nproc)
@@ -247,6 +274,8 @@ def _prepare(args: argparse.Namespace) -> tuple[Launch, TrainConfig, Path]:
     launch = _launch_plan(args, cfg, nproc, port)
     check_port(port, bind=launch.elastic and not launch.rdzv_endpoint)
     out = make_out_dir(cfg.out_dir)
+    if launch.max_nodes == 1:
+        job.enter_context(lock_out_dir(out))
     for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
         check_divides(cfg, world)
     check_inputs(cfg, launch.worlds()[0], local_ranks=launch.nproc)

@@ -4,8 +4,11 @@ built at all. Each problem is a ``UsageError`` (exit 2) naming the value and the
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 from zeroshard.cli.main import UsageError
@@ -159,6 +162,33 @@ def make_out_dir(path: str) -> Path:
             f"cannot create output folder {out} ({exc.strerror}); pass a writable --out-dir"
         ) from None
     return out
+
+
+LOCK_NAME = ".zeroshard.lock"
+"""In out_dir: flock'ed by the ``zeroshard train`` that writes there (holds its pid)."""
+
+
+@contextlib.contextmanager
+def lock_out_dir(out: Path) -> Iterator[None]:
+    """Hold ``out`` for this command: a second ``zeroshard train`` into it would rewrite the
+    metrics, summary and checkpoints of this one, and the settings its restarted ranks read.
+    The kernel lets go of a lock whose process died."""
+    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UsageError(
+            f"--out-dir {out} is in use by another zeroshard train (pid {holder}); wait for it "
+            "to end, or pass another --out-dir"
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def check_port(port: int, *, bind: bool) -> None:
