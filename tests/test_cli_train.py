@@ -611,6 +611,26 @@ def test_a_second_command_into_a_running_jobs_out_dir_is_refused(
     assert code == 0, err  # free again once the first command ended
 
 
+def test_a_full_disk_while_logging_is_one_line_and_exit_2(capsys, tmp_path, data_dir, monkeypatch):
+    """A full disk is the machine's state, not a bug: one line and exit 2, which a restart
+    would only repeat (it was a traceback and exit 1, and --max-restarts retried it)."""
+    import errno
+
+    from zeroshard.run_log import MetricsLog
+
+    def full(self, record):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+    monkeypatch.setattr(MetricsLog, "__call__", full)
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "3", "--batch-size", "2"]
+    code, err, _, _ = _train_in_process(capsys, tmp_path, *flags)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (  # after the progress line
+        f"zeroshard train: error: [Errno 28] No space left on device: '{tmp_path}/metrics.jsonl'"
+        "; free space on that file system, or write elsewhere (e.g. --out-dir)"
+    )
+
+
 def test_a_signal_at_the_last_step_ends_the_run_as_done(capsys, tmp_path, data_dir, monkeypatch):
     """The run is over: its summary is written, and it exits 0 (it said "interrupted" and
     exited 130 without one, and a resume found nothing left to train)."""

@@ -1,14 +1,16 @@
 """Entry point of the ``zeroshard`` command: builds the parser from the subcommand modules and
 dispatches. Each subcommand module has ``add_parser(subparsers)`` and ``run(args) -> int``.
 
-A user mistake (``ValueError``/``UsageError`` from a subcommand) prints one line naming the problem
-and the fix and exits with status 2, with no traceback; Ctrl-C exits with 130.
+A user mistake (``ValueError``/``UsageError`` from a subcommand), or a disk full or read-only,
+prints one line naming the problem and the fix and exits with status 2, with no traceback; Ctrl-C
+exits with 130.
 ``zeroshard --version`` prints the version.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import importlib
 import os
@@ -22,6 +24,20 @@ SUBCOMMANDS = ("train", "plan", "checkpoint", "export")
 
 class UsageError(ValueError):
     """A mistake in what the user asked for; the message says what to change."""
+
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+"""A file system full or read-only: the machine's state, not a bug."""
+
+
+def bad_input(exc: BaseException) -> str | None:
+    """The one line (exit 2) for an error of the input or of the machine's disks, which a rerun
+    as it stands would repeat; None for anything else (a bug: its traceback is wanted)."""
+    if isinstance(exc, (UsageError, ValueError, FileNotFoundError, PermissionError)):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+        return f"{exc}; free space on that file system, or write elsewhere (e.g. --out-dir)"
+    return None
 
 
 def version() -> str:
@@ -66,15 +82,18 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + args
     try:
         return int(args._run(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError, PermissionError) as exc:
-        print(f"zeroshard {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:  # Ctrl-C where no subcommand handles it: no traceback
         print(f"zeroshard {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `zeroshard plan | head -1`: the reader left, as for any tool
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 141
+    except Exception as exc:
+        line = bad_input(exc)
+        if line is None:
+            raise
+        print(f"zeroshard {args.command}: error: {line}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from typing import Any
 from zeroshard import checkpoint
 from zeroshard.cli.agent import RESUME_NEWEST, Launch, run_agent
 from zeroshard.cli.held_signals import held
-from zeroshard.cli.main import UsageError
+from zeroshard.cli.main import UsageError, bad_input
 from zeroshard.cli.train_checks import (
     check_divides,
     check_inputs,
@@ -53,9 +53,6 @@ from zeroshard.signals import Stopped
 from zeroshard.train import TrainConfig, resume_path, save_config, train
 from zeroshard.train_config import field_docs
 from zeroshard.watchdog import CollectiveTimeout
-
-# Errors that mean "the input is wrong" (exit 2) rather than "the run failed" (exit 1).
-USER_ERRORS = (UsageError, ValueError, FileNotFoundError, PermissionError)
 
 
 def _human(n: int) -> str:
@@ -252,8 +249,8 @@ def _launch(launch: Launch, cfg: TrainConfig, out: Path, job: contextlib.ExitSta
             code = run_agent(launch, Path(name))
         refused = code == 2
         return code
-    except USER_ERRORS:
-        refused = True
+    except Exception as exc:
+        refused = bad_input(exc) is not None
         raise
     finally:
         if previous is not None and refused:
@@ -398,11 +395,14 @@ def _run_rank(args: argparse.Namespace) -> int:
             if line and _rank() == 0:
                 print(line, flush=True)
         return _train_here(cfg, make_out_dir(cfg.out_dir))
-    except USER_ERRORS as exc:
+    except Exception as exc:
+        line = bad_input(exc)  # bad input, or a disk full: a restart would only repeat it
+        if line is None:
+            raise
         tear_down(clean=False)
         if _rank() != 0:  # rank 0 has most likely the same error: it reports first
             time.sleep(1.0)
-        print(f"zeroshard train: error: {exc}", file=sys.stderr, flush=True)
+        print(f"zeroshard train: error: {line}", file=sys.stderr, flush=True)
         return 2
 
 
