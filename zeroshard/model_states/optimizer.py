@@ -121,7 +121,7 @@ class _States(Mapping):
 
 def _param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
     """Normalize ``params`` as torch.optim accepts it: tensors, ``(name, tensor)`` pairs
-    (``model.named_parameters()``), or dicts of either under "params"."""
+    (``model.named_parameters()``), or dicts of either (or of one tensor) under "params"."""
     if params is None:
         return [{"params": list(model.parameters())}]
     params = list(params)
@@ -131,6 +131,8 @@ def _param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[s
         else [{"params": params}]
     )
     for g in groups:
+        if isinstance(g["params"], torch.Tensor):  # {"params": model.head.weight}: one tensor
+            g["params"] = [g["params"]]
         g["params"] = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in g["params"]]
     return groups
 

@@ -1,0 +1,37 @@
+"""The sharded optimizer's construction (``zeroshard.optimizer``): parameter groups given in
+every form torch.optim takes, in one process."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_group_of_one_tensor_is_a_group(lone_process, stage):
+    """``{"params": model.head.weight, "lr": ...}``: torch.optim wraps the lone tensor in a
+    list; its rows were taken for parameters ("not part of the sharded model")."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage)
+
+    def groups(m):
+        return [
+            {"params": m[2].weight, "lr": 0.5},
+            {"params": [m[0].weight, m[0].bias, m[2].bias]},
+        ]
+
+    opt = zeroshard.optimizer(model, torch.optim.SGD, groups(model), lr=0.1)
+    ref_opt = torch.optim.SGD(groups(ref), lr=0.1)
+    x = torch.randn(3, 4)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(x).square().sum().backward()
+        o.step()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    for name, want in ref.state_dict().items():
+        assert torch.allclose(full[name], want, atol=1e-6), name
