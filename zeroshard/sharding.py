@@ -232,10 +232,13 @@ def shard(
     if engine.partition.parameters:
         # Every rank must run every forward (each gathers with the others): transformers'
         # generate() then keeps ranks that finished early stepping (synced_gpus), as it does
-        # for FSDP and DeepSpeed ZeRO-3, which it recognizes by this attribute: on every module,
-        # for a model wrapped in one's own (peft's PeftModel) calls the inner one's generate().
+        # for FSDP and DeepSpeed ZeRO-3, which it recognizes by this attribute: on the root and
+        # on every module that generates, for a model wrapped in one's own (peft's PeftModel)
+        # calls the inner one's generate(). Not on the others: Dynamo traces modules so marked
+        # as FSDP's (torch.compile of a block then compiled nothing).
         for module in model.modules():
-            module._is_fsdp_managed_module = True
+            if module is model or callable(getattr(module, "generate", None)):
+                module._is_fsdp_managed_module = True
     # Last, once nothing can fail: TF32 stays on while this model lives (process-global torch
     # state, restored by the last release; see hold_tf32).
     release_tf32 = hold_tf32(mixed_precision, mesh.device)
