@@ -1039,3 +1039,56 @@ def _generate_own_prompts(wrapped: bool) -> bool:
 def test_generate_at_stage_3_with_a_prompt_per_rank(workers2, wrapped):
     pytest.importorskip("transformers")
     assert workers2.run(_generate_own_prompts, wrapped) == [True, True]
+
+
+def _stage0_grads_as_ddp(precision: str) -> dict:
+    """Stage 0 keeps DDP's ``.grad``: the averaged gradient after backward, also in mixed
+    precision; an in-place edit of it (torch's clip) is what the step takes; and
+    ``zero_grad(set_to_none=False)`` leaves zeros. (With a narrower param_dtype, ``.grad``
+    showed this rank's own gradient when reduced in FP32, the step ignored edits, and
+    ``set_to_none=False`` left None.)"""
+    from zeroshard.precision import MixedPrecision
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    mp = {
+        "fp32": None,
+        "bf16": "bf16",
+        "bf16 reduced in fp32": MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        ),
+    }[precision]
+    model = zeroshard.shard(copy.deepcopy(ref), stage=0, mixed_precision=mp)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1.0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * PER_RANK_BATCH, 16, generator=g)
+    model(_rows(x)).square().mean().backward()
+    ref(x).square().mean().backward()
+    out = {}
+    # bf16 rounding of the averaged gradient: about 2**-8 of its largest value
+    out["grad"] = max(
+        (p.grad.float() - r.grad).abs().max().item() / r.grad.abs().max().item()
+        for p, r in zip(model.parameters(), ref.parameters())
+    )
+    before = zeroshard.full_state_dict(model, rank0_only=False)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-6)  # in place through .grad
+    opt.step()
+    after = zeroshard.full_state_dict(model, rank0_only=False)
+    out["update"] = max((after[k] - before[k]).abs().max().item() for k in before)
+    opt.zero_grad(set_to_none=False)
+    out["zeroed"] = all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    model(_rows(x)).square().mean().backward()  # accumulates into the zeros
+    out["again"] = max(
+        (p.grad.float() - r.grad).abs().max().item() / r.grad.abs().max().item()
+        for p, r in zip(model.parameters(), ref.parameters())
+    )
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16 reduced in fp32"])
+def test_stage_0_grads_are_ddps(workers2, precision):
+    tol = 1e-6 if precision == "fp32" else 2**-7
+    for r in workers2.run(_stage0_grads_as_ddp, precision):
+        # "again": after a step of about 1e-7, the averaged gradient of the next backward
+        assert r["grad"] < tol and r["again"] < max(tol, 1e-4) and r["zeroed"], r
+        assert r["update"] < 1e-5, r  # clipped to a norm of 1e-6 (0.3 when ignored)

@@ -183,6 +183,9 @@ class GradBucket:
         """Per slot: a gradient reached it on this rank since ``zero`` (else the optimizer may
         leave the parameter alone, as torch does with a ``None`` gradient)."""
         self._reduced = False  # reduced since zero, and the buffer kept (not yet bound again)
+        self._shown_version: int | None = None
+        """Stage 0, ``shard_grad`` apart from ``full_grad``: the buffer's version counter when it
+        was given the averaged gradient (``.grad`` shows it), to notice in-place edits."""
         self.handoff: Callable[[GradBucket], None] | None = None
         """Called after each reduction of a partitioned gradient, ``shard_grad`` then holding the
         reduced shard: the hand-off to a lower memory tier (``zeroshard.model_states.grad_swap``),
@@ -222,10 +225,12 @@ class GradBucket:
         elif self._reduced:
             # A second reduction before zero_grad: what was reduced stays apart, the local
             # gradient starts afresh.
+            self.adopt_edits()
             if self.shard_grad is not None and self._shard_grad_aliases_full():
                 self.shard_grad = self.shard_grad.clone()
             self._unbind()
         self._reduced = False
+        self._shown_version = None
         for i, s in enumerate(flat.slots):
             if not self._bound[i] and s.param.grad is not None:
                 self._take(i)  # accumulated before the buffer existed (e.g. outside the hooks)
@@ -365,6 +370,7 @@ class GradBucket:
             divisor *= self.flat.mesh.world_size
         inv = torch.full((1,), 1.0 / divisor, dtype=torch.float32, device=out.device)
         torch._amp_foreach_non_finite_check_and_unscale_([out], self.scaling.found_inf, inv)
+        whole = out
         if self.reduction is Reduction.ALL_REDUCE:
             out = out[self.flat.range[0] : self.flat.range[1]]
         reduced = out.to(MASTER_DTYPE)  # 1D range numel (alias when FP32)
@@ -372,6 +378,8 @@ class GradBucket:
             self.shard_grad = reduced
         else:
             self.shard_grad.add_(reduced)
+        if self.reduction is Reduction.ALL_REDUCE and self.as_views:
+            self._show_average(whole)
         if self.reduction is Reduction.SCATTER_AND_FREE:
             self._free_full()
             if self.handoff is not None:
@@ -383,6 +391,29 @@ class GradBucket:
                 # local sums: ``.grad`` would show neither gradient, so none is shown (stages
                 # 2-3 alike); stage 0's all-reduce leaves the averaged whole gradient there.
                 self._unbind()
+
+    def _show_average(self, averaged: torch.Tensor) -> None:
+        """Stage 0: ``.grad`` (views of ``full_grad``) show the averaged gradient after the
+        reduction, as under DDP, also where it was reduced in a copy (a ``reduce_dtype`` wider
+        than ``param_dtype``: they showed this rank's own gradient)."""
+        assert self.full_grad is not None and self.shard_grad is not None
+        if averaged.data_ptr() != self.full_grad.data_ptr():
+            self.full_grad.copy_(averaged)
+        aliased = self.shard_grad.data_ptr() == self.full_grad.data_ptr()
+        self._shown_version = None if aliased else self.full_grad._version
+
+    def adopt_edits(self) -> None:
+        """Stage 0: a gradient changed in place through ``.grad`` since the reduction
+        (``torch.nn.utils.clip_grad_norm_``, a mask, a rescale; the buffer's version counter
+        says so) is the one the step takes, as under DDP; unchanged, the step keeps the FP32
+        reduced values, not their rounding to ``param_dtype``. (In FP32 the two are one tensor
+        and edits need nothing.)"""
+        if self._shown_version is None or self.full_grad is None or self.shard_grad is None:
+            return
+        if self.full_grad._version != self._shown_version:
+            lo, hi = self.flat.range
+            self.shard_grad.copy_(self.full_grad[lo:hi])
+            self._shown_version = self.full_grad._version
 
     def _free_full(self) -> None:
         if self.as_views:  # otherwise .grad are autograd's own, released at collection already
@@ -400,6 +431,7 @@ class GradBucket:
             self._reduce[0].wait()  # every rank issued it: complete it, then forget the result
             self._reduce = None
         self.shard_grad = None
+        self._shown_version = None
         if not keep_touched:
             self.touched = [False] * len(self.flat.slots)
         if not self.as_views:
@@ -410,7 +442,17 @@ class GradBucket:
             return
         if self.reduction is Reduction.SCATTER_AND_FREE:
             self._free_full()
-        else:  # persistent: keep the allocation; the next gradients overwrite it
-            for slot in self.flat.slots:
-                slot.param.grad = None
-            self._bound = [False] * len(self.flat.slots)
+            return
+        # persistent: keep the allocation; the next gradients overwrite it
+        for i, slot in enumerate(self.flat.slots):
+            slot.param.grad = None
+            self._bound[i] = False
+            if keep_touched and self.touched[i] and self.reduction is Reduction.ALL_REDUCE:
+                self._zero_slot(i)  # stage 0: a zero .grad, as torch and DDP leave it
+
+    def _zero_slot(self, i: int) -> None:
+        """Slot ``i``'s ``.grad``: its region of ``full_grad``, zeroed; autograd adds to it."""
+        view = self._view(i)
+        view.zero_()
+        self.flat.slots[i].param.grad = view
+        self._bound[i] = True

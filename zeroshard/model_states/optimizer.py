@@ -282,7 +282,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the step
     def _shard_grads(self) -> list[torch.Tensor]:
-        """This rank's reduced FP32 gradients (1D, its optimizer range of each buffer)."""
+        """This rank's reduced FP32 gradients (1D, its optimizer range of each buffer), with
+        what was changed in place through ``.grad`` since (stage 0: ``GradBucket.adopt_edits``)."""
+        for b in self.engine.buckets:
+            b.adopt_edits()
         return [b.shard_grad for b in self.engine.buckets if b.shard_grad is not None]
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
@@ -412,6 +415,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if found_inf:
             self.engine.end_step()
             return False
+        self._shard_grads()  # adopts stage 0's edits through .grad
         if self._swap is None:
             self._step_in_memory(unused)
         else:
