@@ -97,3 +97,11 @@ def test_tensorboard_event_files_hold_the_metrics(tmp_path):
     assert scalars["train/loss"] == [(10, 4.0), (20, 3.5)]
     assert scalars["train/lr"] == [(10, 0.5), (20, 0.25)]
     assert scalars["eval/val_loss"] == [(20, 3.75)]
+    # A fresh run into the same folder: TensorBoard shows it alone, as metrics.jsonl does (it
+    # kept the first run's points beside the second's).
+    log = MetricsLog(tmp_path, [], write=True, tensorboard=True)
+    log({"kind": "train", "step": 5, "loss": 2.0, "lr": 0.5, "grad_norm": None})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(s.step, s.value) for s in events.Scalars("train/loss")] == [(5, 2.0)]

@@ -98,16 +98,25 @@ def hash_share(folder: Path, names: list[str], group) -> dict[str, dict[str, Any
     return {name: merged[name] for name in names}
 
 
+def _use_another(folder: Path) -> str:
+    """How to go on without a damaged checkpoint: a training run refuses to resume from an
+    earlier one while this one lies beside it (a roll-back), so it must leave the folder."""
+    return (
+        f"use another checkpoint: move {folder.name} out of {folder.parent} (e.g. to "
+        f"{folder.name}-damaged), then resume from the one before it (--resume auto)"
+    )
+
+
 def missing(folder: Path, name: str) -> str:
     """The error for a file a checkpoint lists but lacks."""
-    return f"checkpoint {folder} lacks its file {name}; it is damaged: use another one"
+    return f"checkpoint {folder} lacks its file {name}; it is damaged: {_use_another(folder)}"
 
 
 def corrupted(folder: Path, name: str) -> str:
     """The error for a file whose size or checksum is not the one recorded at save."""
     return (
         f"checkpoint file {folder / name} is corrupted (its xxh3_64 checksum differs from the one "
-        "recorded at save); use another checkpoint"
+        f"recorded at save); {_use_another(folder)}"
     )
 
 

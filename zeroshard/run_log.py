@@ -101,8 +101,9 @@ class MetricsLog:
     def __init__(self, out: Path, records: list[dict], *, write: bool, tensorboard: bool) -> None:
         self.path = out / "metrics.jsonl"
         self.records, self.write = records, write
-        # Resumed: TensorBoard drops what it holds past the records kept (steps done again).
-        purge = max((r["step"] for r in records), default=-1) + 1 if records else None
+        # Resumed: TensorBoard drops what it holds past the records kept (steps done again); a
+        # fresh run, all an earlier run left in the folder (metrics.jsonl is rewritten too).
+        purge = max((r["step"] for r in records), default=-1) + 1
         self.writer = _summary_writer(out / "tensorboard", purge) if write and tensorboard else None
         if write:  # the records kept from a resumed run, then appends
             self.path.write_text("".join(map(_line, records)))
