@@ -178,6 +178,23 @@ def test_from_env_leaves_the_thread_count_alone_and_logs_the_group(lone_process,
         torch.set_num_threads(before)
 
 
+def test_a_rank_that_never_joins_is_a_start_timeout(lone_process, monkeypatch):
+    """Rank 1 never starts: rank 0 says so in one line after the timeout (it was torch's
+    DistStoreError traceback: "wait timeout after 1000ms, keys: /default_pg/0//cpu//0/1")."""
+    from zeroshard.watchdog import StartTimeout
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0"}
+    env.update(WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(StartTimeout) as info:
+        Mesh.from_env(device="cpu", timeout_s=1.0)
+    message = str(info.value)
+    assert message.startswith("rank 0 could not start the process group (") and "\n" not in message
+    assert "another rank did not join it within the timeout" in message, message
+    assert "zeroshard train --timeout" in message and info.value.exit_code == 4
+
+
 def test_threads_per_rank_divide_the_cores():
     assert cpu_threads_per_rank(2, cores=16) == 8
     assert cpu_threads_per_rank(3, cores=16) == 5

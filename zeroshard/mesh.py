@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.accelerator import device_of_backend, placement, set_device
-from zeroshard.watchdog import group_timeout_s, inherit_timeout
+from zeroshard.watchdog import StartTimeout, group_timeout_s, inherit_timeout
 
 if TYPE_CHECKING:  # imported when first used: DTensor costs `import zeroshard` ~0.5 s
     from torch.distributed.device_mesh import DeviceMesh
@@ -350,11 +350,20 @@ class Mesh:
                     where.backend, store=store, rank=0, world_size=1, timeout=timeout
                 )
             else:
-                dist.init_process_group(
-                    where.backend,
-                    timeout=timeout,
-                    device_id=dev if where.is_accelerator else None,
-                )
+                try:
+                    dist.init_process_group(
+                        where.backend,
+                        timeout=timeout,
+                        device_id=dev if where.is_accelerator else None,
+                    )
+                except (dist.DistStoreError, dist.DistNetworkError) as exc:
+                    raise StartTimeout(
+                        f"rank {os.environ.get('RANK', '?')} could not start the process group "
+                        f"({str(exc).strip().splitlines()[0]}): another rank did not join it "
+                        "within the timeout (stopped, hung or dead while starting); look at its "
+                        "output, or raise the timeout (Mesh.from_env(timeout_s=...), zeroshard "
+                        "train --timeout) if it is only slow to start"
+                    ) from None
             rank, world_size = dist.get_rank(), dist.get_world_size()
             log.info(
                 "started the default process group: %s, rank %d of %d, on %s (%s)",

@@ -46,6 +46,7 @@ from zeroshard.schedule import lr_at as schedule_lr_at
 from zeroshard.signals import StopOnSignal, Stopped
 from zeroshard.tokens import BYTE_VOCAB_SIZE, TokenData, load_tokens
 from zeroshard.train_config import TrainConfig
+from zeroshard.watchdog import diagnosed
 
 __all__ = ["Diverged", "Stopped", "TrainConfig", "lr_at", "train"]
 
@@ -146,7 +147,8 @@ def evaluate(model, batches, device, *, num_chunks: int, vocab_size: int) -> flo
             for x_i, y_i in zip(x.chunk(num_chunks), y.chunk(num_chunks)):
                 total += next_token_loss(model, x_i.to(device), y_i.to(device), vocab_size)
     model.train()
-    dist.all_reduce(total)
+    with diagnosed("all_reduce", "the validation loss", None):
+        dist.all_reduce(total)
     return total.item() / (len(batches) * num_chunks * dist.get_world_size())
 
 
@@ -182,7 +184,8 @@ def _check_same_config(cfg: TrainConfig) -> None:
         return
     mine = {k: v for k, v in asdict(cfg).items() if k not in _PER_NODE}
     every: list[dict] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(every, mine)
+    with diagnosed("all_gather", "the settings", None):
+        dist.all_gather_object(every, mine)
     for rank, theirs in enumerate(every):
         differ = [f"{k} {every[0][k]!r} vs {v!r}" for k, v in theirs.items() if every[0][k] != v]
         if differ:
@@ -268,7 +271,8 @@ def train(cfg: TrainConfig) -> dict:
             start = int(extra.get("step", checkpoint.info(resume).step))
             skipped = (int(extra.get("skipped", 0)), int(extra.get("skipped_in_a_row", 0)))
         records = _records_until(out / "metrics.jsonl", start) if start else []
-        dist.barrier()  # every rank has read the old metrics before rank 0 rewrites them
+        with diagnosed("barrier", "the start of training", None):
+            dist.barrier()  # every rank has read the old metrics before rank 0 rewrites them
         log = MetricsLog(out, records, write=first, tensorboard=cfg.log == "tensorboard")
         num_units = len(zeroshard.engine_of(model).units)
         summary = {
@@ -324,7 +328,8 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
                 group["lr"] = lr
             loss = _forward_backward(model, opt, x, y, cfg.grad_accum, device, vocab)
             norm = opt.clip_grad_norm(cfg.grad_clip) if cfg.grad_clip > 0 else None
-            dist.all_reduce(loss)  # the global batch's loss, whatever the world size
+            with diagnosed("all_reduce", "the loss", None):
+                dist.all_reduce(loss)  # the global batch's loss, whatever the world size
             loss_value = loss.item() / dist.get_world_size()
             guard.step(step, loss_value)  # skipped when some rank has inf/NaN gradients
             opt.zero_grad()
@@ -420,7 +425,8 @@ def _gather_ints(value: int, device: torch.device) -> list[int]:
     """``value`` of every rank, in rank order (a collective)."""
     mine = torch.tensor([value], dtype=torch.float64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    with diagnosed("all_gather", "the step counts", None):
+        dist.all_gather(every, mine)
     return [int(t.item()) for t in every]
 
 
@@ -456,7 +462,8 @@ class DiskTraffic:
             return {}
         total = torch.tensor([self.read_bytes, self.write_bytes], dtype=torch.float64)
         total = total.to(device)
-        dist.all_reduce(total)
+        with diagnosed("all_reduce", "the swap traffic", None):
+            dist.all_reduce(total)
         steps = max(num_steps, 1)
         out = {
             "disk_read_gb": round(total[0].item() / steps / 1e9, 3),

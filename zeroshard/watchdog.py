@@ -79,6 +79,12 @@ class CollectiveTimeout(RuntimeError):
         self.report = report
 
 
+class StartTimeout(RuntimeError):
+    """The default process group did not form within its timeout: a rank never joined it."""
+
+    exit_code = CollectiveTimeout.exit_code
+
+
 @dataclass(frozen=True, kw_only=True)
 class TimeoutReport:
     """What the ranks that failed found out together (``CollectiveTimeout.report``)."""

@@ -52,7 +52,7 @@ from zeroshard.models.gpt import PRESETS
 from zeroshard.signals import Stopped
 from zeroshard.train import TrainConfig, resume_path, save_config, train
 from zeroshard.train_config import field_docs
-from zeroshard.watchdog import CollectiveTimeout
+from zeroshard.watchdog import CollectiveTimeout, StartTimeout
 
 
 def _human(n: int) -> str:
@@ -420,7 +420,7 @@ def _train_here(cfg: TrainConfig, out: Path) -> int:
         if isinstance(exc, Diverged):  # agreed by every rank: see zeroshard.divergence
             return _finish(f"zeroshard train: {exc}", exc.exit_code, stream=sys.stderr)
         tear_down(clean=False)
-        if isinstance(exc, CollectiveTimeout):  # a peer stopped answering: this rank says so
+        if isinstance(exc, (CollectiveTimeout, StartTimeout)):  # a peer stopped answering
             print(f"zeroshard train: error: {exc}", file=sys.stderr, flush=True)
             return exc.exit_code
         if isinstance(exc, KeyboardInterrupt):  # Ctrl-C before train() installed its handlers
