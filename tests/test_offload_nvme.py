@@ -281,25 +281,28 @@ def test_a_folder_lock_names_its_holder(tmp_path):
     os.close(take_lock(tmp_path))  # free again once the holder closed it
 
 
-def test_a_lock_of_this_process_left_to_the_cycle_collector_is_taken(tmp_path):
+def test_a_store_of_this_process_left_to_the_cycle_collector_gives_its_folder_back(tmp_path):
     """``del model, opt`` leaves a model and its optimizer (which refer to each other) to the
     cycle collector: a new store in their folder does not wait for it (it was refused, telling
-    the user to call ``gc.collect()``)."""
+    the user to call ``gc.collect()``). The old store is collected before the new one prepares
+    the folder, whose lock then still excludes every other store."""
     import gc
 
-    from zeroshard.offload.folder import take_lock
+    from zeroshard.offload.store import OffloadConfig, TensorStore
 
-    class Store:  # owns the lock as a store does, in a reference cycle as a model's are
-        def __init__(self) -> None:
-            self.fd, self.me = take_lock(tmp_path), self
-
-        def __del__(self) -> None:
-            os.close(self.fd)
-
+    folder = tmp_path / "swap"
+    config = OffloadConfig(tier="nvme", folder=str(folder))
     gc.disable()
     try:
-        store = Store()
-        del store  # unreachable, not freed: only the collector breaks the cycle
-        os.close(take_lock(tmp_path))
+        old = TensorStore(config)
+        old.swap_out("x", torch.ones(1000)).wait()
+        old.cycle = old  # unreachable once deleted, freed only by the collector
+        del old
+        new = TensorStore(config)
+        new.swap_out("y", torch.ones(1000)).wait()  # the folder is still there
+        assert (folder / "LOCK").exists()
+        with pytest.raises(OffloadSetupError, match="in use by a live store"):
+            TensorStore(config)  # the live one still holds it
+        new.close()
     finally:
         gc.enable()

@@ -52,7 +52,12 @@ from zeroshard.offload import (
     SwapSpaceError,
     TensorStore,
 )
-from zeroshard.offload.folder import free_bytes, holds_swap_files, padded_bytes
+from zeroshard.offload.folder import (
+    collect_if_held_here,
+    free_bytes,
+    holds_swap_files,
+    padded_bytes,
+)
 from zeroshard.residual_states.host_heap import memory_available_bytes
 
 if TYPE_CHECKING:
@@ -550,6 +555,7 @@ def open_store(config: Any, mesh: Mesh) -> TensorStore:
     it, instead of waiting for it in the next collective."""
     store, problem = None, None
     try:
+        collect_if_held_here(Path(config.folder))  # a store of this process no longer used
         if holds_swap_files(config.folder):
             TensorStore.discard(config.folder)  # refused while a live store holds it
             log.warning("discarded the swap files a crashed run left in %s", config.folder)

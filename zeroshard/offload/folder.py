@@ -151,17 +151,33 @@ def take_lock(folder: Path) -> int:
 
 
 def _flock(fd: int) -> None:
-    """Lock ``fd``'s file, not waiting; ``BlockingIOError`` when a live store holds it. A store
-    of this process that is no longer used may wait for the cycle collector (a model and its
-    optimizer refer to each other: ``del model, opt`` leaves them to it), so this process's
-    garbage is collected once before the lock is refused."""
+    """Lock ``fd``'s file, not waiting; ``BlockingIOError`` when a live store holds it."""
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def collect_if_held_here(folder: Path) -> None:
+    """Before a store takes ``folder``: when a store of this process holds its lock, run the
+    cycle collector once. A store no longer used may wait for it (a model and its optimizer
+    refer to each other: ``del model, opt`` leaves them to it), and its finalizer deletes its
+    files, its lock and maybe the folder: so this runs before the folder is prepared, not while
+    the new store takes the lock."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        if os.pread(fd, 64, 0).decode(errors="replace").strip() != str(os.getpid()):
-            raise
-        gc.collect()
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(folder / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file: no store
+    try:
+        try:
+            _flock(fd)
+        except BlockingIOError:
+            if os.pread(fd, 64, 0).decode(errors="replace").strip() == str(os.getpid()):
+                os.close(fd)
+                fd = -1
+                gc.collect()
+            return
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _holder(pid: str) -> str:
@@ -180,6 +196,9 @@ def discard_folder(folder: Path) -> None:
     """Delete what a store left in `folder` (a crashed run), refusing if a live store holds it."""
     if not (folder / LOCK_NAME).exists() and not (folder / INDEX_NAME).exists():
         raise OffloadError(f"{folder} holds no store (no {LOCK_NAME} or {INDEX_NAME})")
+    collect_if_held_here(folder)
+    if not folder.is_dir() or not ((folder / LOCK_NAME).exists() or holds_swap_files(folder)):
+        return  # the collected store took its files with it
     fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         try:

@@ -35,6 +35,7 @@ from .folder import (
     LOCK_NAME,
     MEMORY_FILESYSTEMS,
     SUFFIX,
+    collect_if_held_here,
     discard_folder,
     file_name,
     filesystem_type,
@@ -119,6 +120,7 @@ class NvmeBackend:
         self.pool = pool
         self.read_chunk_bytes = READ_CHUNK_BYTES
         self._warn_once = warn_once
+        collect_if_held_here(folder)
         self.created_folder, self.direct_io = prepare_folder(folder, direct_io)
         self.filesystem = filesystem_type(folder)
         if self.filesystem in MEMORY_FILESYSTEMS:
