@@ -1092,3 +1092,35 @@ def test_stage_0_grads_are_ddps(workers2, precision):
         # "again": after a step of about 1e-7, the averaged gradient of the next backward
         assert r["grad"] < tol and r["again"] < max(tol, 1e-4) and r["zeroed"], r
         assert r["update"] < 1e-5, r  # clipped to a norm of 1e-6 (0.3 when ignored)
+
+
+def _stage0_two_backwards_then_torch_clip(precision: str) -> float:
+    """Two synchronized backwards before one step (accumulation without no_sync, as DDP
+    allows): ``.grad`` holds the sum of the averages, and torch's clip (which scales in place
+    even when it clips nothing) keeps it whole (the step took the last backward's only)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    mp = None if precision == "fp32" else precision
+    model = zeroshard.shard(copy.deepcopy(ref), stage=0, mixed_precision=mp)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(2 * PER_RANK_BATCH, 16, generator=g) for _ in range(2)]
+    for x in batches:
+        model(_rows(x)).square().mean().backward()
+        ref(x).square().mean().backward()
+    for params in (model.parameters(), ref.parameters()):
+        torch.nn.utils.clip_grad_norm_(params, 1e9)  # clips nothing
+    worst = max(
+        (p.grad.float() - r.grad).abs().max().item() / r.grad.abs().max().item()
+        for p, r in zip(model.parameters(), ref.parameters())
+    )
+    opt.step()
+    ref_opt.step()
+    return max(worst, _param_diff(model, ref) * 10)  # a step of 0.1 x the gradient
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stage_0_two_backwards_before_a_step_sum_their_averages(workers2, precision):
+    tol = 1e-5 if precision == "fp32" else 2**-6
+    assert max(workers2.run(_stage0_two_backwards_then_torch_clip, precision)) < tol

@@ -374,12 +374,13 @@ class GradBucket:
         if self.reduction is Reduction.ALL_REDUCE:
             out = out[self.flat.range[0] : self.flat.range[1]]
         reduced = out.to(MASTER_DTYPE)  # 1D range numel (alias when FP32)
-        if self.shard_grad is None:
+        accumulated = self.shard_grad is not None
+        if not accumulated:
             self.shard_grad = reduced
         else:
             self.shard_grad.add_(reduced)
         if self.reduction is Reduction.ALL_REDUCE and self.as_views:
-            self._show_average(whole)
+            self._show_average(whole, accumulated)
         if self.reduction is Reduction.SCATTER_AND_FREE:
             self._free_full()
             if self.handoff is not None:
@@ -392,12 +393,17 @@ class GradBucket:
                 # 2-3 alike); stage 0's all-reduce leaves the averaged whole gradient there.
                 self._unbind()
 
-    def _show_average(self, averaged: torch.Tensor) -> None:
+    def _show_average(self, averaged: torch.Tensor, accumulated: bool) -> None:
         """Stage 0: ``.grad`` (views of ``full_grad``) show the averaged gradient after the
         reduction, as under DDP, also where it was reduced in a copy (a ``reduce_dtype`` wider
-        than ``param_dtype``: they showed this rank's own gradient)."""
+        than ``param_dtype``: they showed this rank's own gradient); after a second reduction
+        before ``zero_grad`` (several synchronized backwards), the sum of the averages that the
+        step takes, as DDP's ``.grad`` holds it."""
         assert self.full_grad is not None and self.shard_grad is not None
-        if averaged.data_ptr() != self.full_grad.data_ptr():
+        if accumulated:
+            lo, hi = self.flat.range
+            self.full_grad[lo:hi].copy_(self.shard_grad)
+        elif averaged.data_ptr() != self.full_grad.data_ptr():
             self.full_grad.copy_(averaged)
         aliased = self.shard_grad.data_ptr() == self.full_grad.data_ptr()
         self._shown_version = None if aliased else self.full_grad._version
