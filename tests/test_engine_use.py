@@ -1124,3 +1124,28 @@ def _stage0_two_backwards_then_torch_clip(precision: str) -> float:
 def test_stage_0_two_backwards_before_a_step_sum_their_averages(workers2, precision):
     tol = 1e-5 if precision == "fp32" else 2**-6
     assert max(workers2.run(_stage0_two_backwards_then_torch_clip, precision)) < tol
+
+
+def test_a_forward_whose_gather_failed_waits_no_more(lone_process):
+    """A gather that timed out (a peer hung) ends the forward at once: the clean-up after an
+    exception does not wait for it again (another timeout before the error reached the caller;
+    the group is unusable after a timeout anyway)."""
+    import time
+
+    model = zeroshard.shard(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+        stage=3,
+        wrap=wrap.by_class(nn.Linear),
+    )
+    unit = [u for u in zeroshard.engine_of(model).units if not u.is_root][1]
+    waits = []
+
+    class TimedOut:  # a gather whose wait times out, as gloo reports it
+        def wait(self):
+            waits.append(time.monotonic())
+            raise RuntimeError("Timed out waiting 1000ms for recv operation to complete")
+
+    unit.flat_params[0]._gather_from_master = lambda async_op: TimedOut()
+    with pytest.raises(RuntimeError, match="Timed out"):
+        model(torch.randn(2, 4))
+    assert len(waits) == 1

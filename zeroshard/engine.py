@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import sys
 import warnings
 from collections import deque
 from collections.abc import Iterator
@@ -45,6 +46,7 @@ from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
+from zeroshard.watchdog import CollectiveTimeout, is_comm_failure
 
 if TYPE_CHECKING:
     from zeroshard.model_states.param_swap import ParamSwapper
@@ -396,8 +398,13 @@ class Engine:
         """After the root's forward: when it raised (its ``post`` hook did not run, so the phase
         is still FORWARD), free at once what the forward held (gathered units, the open span
         of activation checkpoints), not only when the next forward starts: a caller that
-        catches the error (an out-of-memory retried with a smaller batch) gets it back."""
+        catches the error (an out-of-memory retried with a smaller batch) gets it back. Not
+        after a failed collective: freeing would wait for the gathers in flight, each another
+        timeout before the error reaches the caller; the next forward cleans up then."""
         if self.phase is not Phase.FORWARD or in_backward():
+            return
+        raised = sys.exc_info()[1]  # torch runs this hook inside its ``except`` block
+        if isinstance(raised, CollectiveTimeout) or (raised and is_comm_failure(raised)):
             return
         self.phase, self._recording = Phase.IDLE, None
         self._start_clean(
