@@ -72,3 +72,13 @@ def test_a_prune_cut_short_leaves_no_half_checkpoint_under_its_name(tmp_path):
     assert checkpoint.latest(tmp_path) == tmp_path / "step-000003"
     prune(_complete(tmp_path / "step-000004", 4), keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000004"]
+
+
+def test_a_replaced_checkpoint_cut_short_in_its_removal_is_not_a_checkpoint(tmp_path):
+    """``step-N.old-X`` renamed ``.gone-`` by a prune that was then killed: being removed, it is
+    neither found nor kept (it counted as a replaced checkpoint)."""
+    _complete(tmp_path / "step-000001", 1)
+    _complete(tmp_path / f"step-000009{OLD}ab{GONE}cd", 9)
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-000001"
+    prune(_complete(tmp_path / "step-000002", 2), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002"]

@@ -4,6 +4,7 @@ run ends as an uninterrupted one does, loss for loss. Also the launcher flags' b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -95,6 +96,23 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_pat
     lost_s = resumed["time"] - t_kill
     print(f"\ntime lost: {lost_s:.1f} s from the kill -9 to step {step + 1}, the first resumed")
     assert 0 < lost_s < 60
+
+
+def test_a_node_joining_with_other_settings_is_refused_on_its_own(tmp_path):
+    """Joined, its ranks would fail the settings check on every rank of the running job (a bad
+    input: the whole job ended); refused before it joins, naming the setting, and the job's
+    config.json left as it is."""
+    from zeroshard.cli.train import _check_joins_the_same_job
+    from zeroshard.train import save_config
+
+    job = load_config(None, {"out_dir": str(tmp_path), "save_every": "2", "lr": "3e-4"})
+    save_config(job, tmp_path / "config.json")
+    launch = Launch(nproc=1, port=0, max_restarts=1, max_nodes=2, rdzv_endpoint="h:29500")
+    same = load_config(None, {"out_dir": str(tmp_path), "save_every": "2", "lr": "3e-4"})
+    _check_joins_the_same_job(dataclasses.replace(same, data_dir="/elsewhere"), launch)
+    typo = load_config(None, {"out_dir": str(tmp_path), "save_every": "2", "lr": "3e-3"})
+    with pytest.raises(ValueError, match=r"started with other settings \(lr 0\.0003 vs 0\.003\)"):
+        _check_joins_the_same_job(typo, launch)
 
 
 def test_an_elastic_start_resumes_from_the_newest_checkpoint_if_later(tmp_path):

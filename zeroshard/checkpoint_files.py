@@ -176,7 +176,7 @@ def prune(path: Path, keep: int) -> None:
         return
     numbered = []
     for sibling in path.parent.iterdir():
-        stem, suffix = _split_suffix(sibling.name)
+        stem, suffix = split_suffix(sibling.name)
         m = NUMBERED.match(stem)
         if m is None or m["prefix"] != match["prefix"]:
             continue
@@ -194,10 +194,11 @@ def prune(path: Path, keep: int) -> None:
             shutil.rmtree(gone)
 
 
-def _split_suffix(name: str) -> tuple[str, str]:
-    """``step-000010.tmp-ab12`` -> (``step-000010``, ``.tmp-``); ("name", "") without one."""
-    for suffix in (TMP, OLD, GONE):
-        stem, found, _ = name.partition(suffix)
-        if found:
-            return stem, suffix
-    return name, ""
+def split_suffix(name: str) -> tuple[str, str]:
+    """``step-000010.tmp-ab12`` -> (``step-000010``, ``.tmp-``); ("name", "") without one. The
+    last suffix says what the folder is now (``step-000010.old-ab.gone-cd``: being removed)."""
+    found = [(name.rfind(s), s) for s in (TMP, OLD, GONE) if s in name]
+    if not found:
+        return name, ""
+    first = min(i for i, _ in found)
+    return name[:first], max(found)[1]

@@ -10,7 +10,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zeroshard.checkpoint_files import META_FILE, NUMBERED, OLD, TMP, CheckpointError, check_file
+from zeroshard.checkpoint_files import (
+    META_FILE,
+    NUMBERED,
+    OLD,
+    TMP,
+    CheckpointError,
+    check_file,
+    split_suffix,
+)
 
 FORMAT_VERSION = 1
 
@@ -124,11 +132,19 @@ def latest(folder: str | os.PathLike) -> Path | None:
         return None
     found = []
     for child in folder.iterdir():
-        stem, aside, _ = child.name.partition(OLD)
+        stem, suffix = split_suffix(child.name)
         m = NUMBERED.match(stem)
-        if not m or m["prefix"] != "step-" or not (child / META_FILE).is_file():
+        if not m or m["prefix"] != "step-" or suffix not in ("", OLD):
             continue
-        if aside and (folder / stem / META_FILE).is_file():
+        if not (child / META_FILE).is_file():
+            continue
+        if suffix == OLD and (folder / stem / META_FILE).is_file():
             continue  # the replacement is in place: this is only left to remove
         found.append((int(m["num"]), child))
-    return next((child for _, child in sorted(found, reverse=True) if info(child).complete), None)
+    for _, child in sorted(found, reverse=True):
+        try:
+            if info(child).complete:
+                return child
+        except FileNotFoundError:
+            continue  # pruned since it was listed (a running job saves into the folder)
+    return None

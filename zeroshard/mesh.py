@@ -356,7 +356,7 @@ class Mesh:
                         timeout=timeout,
                         device_id=dev if where.is_accelerator else None,
                     )
-                except (dist.DistStoreError, dist.DistNetworkError) as exc:
+                except dist.DistStoreError as exc:  # a wait for the other ranks timed out
                     raise StartTimeout(
                         f"rank {os.environ.get('RANK', '?')} could not start the process group "
                         f"({str(exc).strip().splitlines()[0]}): another rank did not join it "

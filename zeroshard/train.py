@@ -176,6 +176,16 @@ _PER_NODE = {"out_dir", "data_dir", "data", "resume", "offload_folder", "log", "
 the data, its own disks), how it logs."""
 
 
+def settings_differ(ours: dict, theirs: dict) -> list[str]:
+    """The job settings (``asdict(TrainConfig)``) that differ, "name ours vs theirs"; the ones
+    each node may set its own way (``_PER_NODE``) are left out."""
+    return [
+        f"{k} {ours.get(k)!r} vs {v!r}"
+        for k, v in theirs.items()
+        if k not in _PER_NODE and ours.get(k) != v
+    ]
+
+
 def _check_same_config(cfg: TrainConfig) -> None:
     """Every rank must train the same job: nodes launched with different settings would wait
     for each other in mismatched collectives until the timeout. A ValueError naming the
@@ -187,7 +197,7 @@ def _check_same_config(cfg: TrainConfig) -> None:
     with diagnosed("all_gather", "the settings", None):
         dist.all_gather_object(every, mine)
     for rank, theirs in enumerate(every):
-        differ = [f"{k} {every[0][k]!r} vs {v!r}" for k, v in theirs.items() if every[0][k] != v]
+        differ = settings_differ(every[0], theirs)
         if differ:
             raise ValueError(
                 f"rank {rank} was launched with other settings than rank 0 ({', '.join(differ)}); "

@@ -28,8 +28,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -50,7 +50,7 @@ from zeroshard.divergence import Diverged
 from zeroshard.mesh import launched_by_torchrun, tear_down
 from zeroshard.models.gpt import PRESETS
 from zeroshard.signals import Stopped
-from zeroshard.train import TrainConfig, resume_path, save_config, train
+from zeroshard.train import TrainConfig, resume_path, save_config, settings_differ, train
 from zeroshard.train_config import field_docs
 from zeroshard.watchdog import CollectiveTimeout, StartTimeout
 
@@ -221,47 +221,61 @@ def run(args: argparse.Namespace) -> int:
         # The checks below read the data (seconds): a signal meanwhile ends the command with a
         # line.
         with held() as noted:
-            launch, cfg, out = _prepare(args, job)
+            launch, cfg, out, joining = _prepare(args, job)
         if noted:
             print("zeroshard train: interrupted before the ranks started", file=sys.stderr)
             return 128 + noted[0]
-        return _launch(launch, cfg, out, job)
+        return _launch(launch, cfg, out, job, joining=joining)
 
 
-def _launch(launch: Launch, cfg: TrainConfig, out: Path, job: contextlib.ExitStack) -> int:
-    """Train as ``launch`` says, with ``out_dir/config.json`` recording the run. The ranks
-    read their settings from a copy of their own, which a later command in the same folder
-    cannot rewrite under them (every restart reads it again)."""
+def _launch(
+    launch: Launch, cfg: TrainConfig, out: Path, job: contextlib.ExitStack, *, joining: bool
+) -> int:
+    """Train as ``launch`` says, with ``out_dir/config.json`` recording the run (left alone by
+    a node joining a running job: it is that job's). The ranks read their settings from a
+    copy of their own beside it, which a later command cannot rewrite under them (every restart
+    reads it again)."""
     saved = out / "config.json"
     previous = saved.read_bytes() if cfg.resume and saved.is_file() else None
     if cfg.resume:
         _say_changes(saved, cfg)
-    save_config(cfg, saved)
-    refused = False  # bad input (exit 2): nothing was trained
+    if not joining:
+        save_config(cfg, saved)
+    started = time.time()
+    refused = False  # bad input (exit 2) before any training: the folder's run is unchanged
     try:
         if not launch.elastic:
             code = _train_here(cfg, out)
         else:
-            fd, name = tempfile.mkstemp(prefix="zeroshard-train-", suffix=".json")
-            os.close(fd)
-            job.callback(os.unlink, name)
-            save_config(cfg, Path(name))
-            code = run_agent(launch, Path(name))
+            private = out / f".zeroshard-run-{socket.gethostname()}-{os.getpid()}.json"
+            job.callback(private.unlink, missing_ok=True)
+            save_config(cfg, private)
+            code = run_agent(launch, private)
         refused = code == 2
         return code
     except Exception as exc:
         refused = bad_input(exc) is not None
         raise
     finally:
-        if previous is not None and refused:
+        if previous is not None and refused and not _trained_since(out, started):
             saved.write_bytes(previous)  # the folder's run is still the one it held
+
+
+def _trained_since(out: Path, t: float) -> bool:
+    """Whether a run wrote its metrics in ``out`` since ``t`` (rank 0 rewrites the file once the
+    model is built and the checkpoint loaded: what fails before that trained nothing)."""
+    try:
+        return (out / "metrics.jsonl").stat().st_mtime >= t
+    except OSError:
+        return False
 
 
 def _prepare(
     args: argparse.Namespace, job: contextlib.ExitStack
-) -> tuple[Launch, TrainConfig, Path]:
-    """The launch, the checked configuration (its resume pinned) and the output folder, locked
-    for ``job`` (single-node jobs: the nodes of a multi-node job share it)."""
+) -> tuple[Launch, TrainConfig, Path, bool]:
+    """The launch, the checked configuration (its resume pinned), the output folder, locked
+    for ``job`` (single-node jobs: the nodes of a multi-node job share it), and whether this
+    node joins a running elastic job."""
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     cfg = load_config(args.config, overrides)
     nproc = 1 if args.nproc is None else _int_flag("--nproc", args.nproc)
@@ -276,7 +290,8 @@ def _prepare(
     for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
         check_divides(cfg, world)
     check_inputs(cfg, launch.worlds()[0], local_ranks=launch.nproc)
-    return launch, _pin_resume(cfg, launch), out
+    cfg, joining = _pin_resume(cfg, launch)
+    return launch, cfg, out, joining
 
 
 _BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eval_batches",
@@ -445,27 +460,30 @@ def _finish(line: str, code: int, stream: Any = None) -> int:
     return code
 
 
-def _pin_resume(cfg: TrainConfig, launch: Launch) -> TrainConfig:
+def _pin_resume(cfg: TrainConfig, launch: Launch) -> tuple[TrainConfig, bool]:
     """``--resume``: the checkpoint it names (``auto``: the newest), checked and printed. A run
     that saves checkpoints and does not resume must not start into a folder holding an earlier
     run's: they would be pruned together and ``--resume auto`` would pick the other run. A node
     joining an elastic job that runs already finds that job's checkpoints there: its ranks
-    resume from the newest, as the running ones do (``resume_after_restart``)."""
+    resume from the newest, as the running ones do (``resume_after_restart``); True then (its
+    launcher leaves the job's config.json alone)."""
     path = resume_path(cfg)
     if path is None:
         earlier = checkpoint.latest(Path(cfg.out_dir) / "ckpt") if cfg.save_every else None
         if earlier is not None and launch.joins_running_job():
+            _check_joins_the_same_job(cfg, launch)
             print(
                 f"joining the job running at {launch.rdzv_endpoint}: its ranks resume from the "
                 f"newest checkpoint in {earlier.parent}"
             )
+            return cfg, True
         elif earlier is not None:
             raise UsageError(
                 f"--out-dir {cfg.out_dir} holds checkpoints of an earlier run (newest: "
                 f"{earlier.name}); pass --resume auto to continue it, or another --out-dir (or "
                 f"delete {earlier.parent}) to start afresh"
             )
-        return cfg
+        return cfg, False
     found = checkpoint.info(path)  # FileNotFoundError when missing
     if not found.complete:
         raise UsageError(f"--resume {path}: {found.problem}")
@@ -476,7 +494,23 @@ def _pin_resume(cfg: TrainConfig, launch: Launch) -> TrainConfig:
         )
     _check_no_later(cfg, path, found.step)
     print(f"resuming from {path} (step {found.step})")
-    return dataclasses.replace(cfg, resume=str(path))
+    return dataclasses.replace(cfg, resume=str(path)), False
+
+
+def _check_joins_the_same_job(cfg: TrainConfig, launch: Launch) -> None:
+    """A node joining a running job must train that job: its ranks would stop every rank of
+    it at the settings check (a bad input, which ends the job). Compared on this side, with
+    the settings the job's first node wrote into out_dir/config.json."""
+    try:
+        job = json.loads((Path(cfg.out_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # none to compare with: the ranks' check remains
+    differ = settings_differ(job, json.loads(json.dumps(dataclasses.asdict(cfg))))
+    if differ:
+        raise UsageError(
+            f"the job running at {launch.rdzv_endpoint} was started with other settings "
+            f"({', '.join(differ)}); join it with the same flags and config"
+        )
 
 
 def _check_no_later(cfg: TrainConfig, path: Path, step: int | None) -> None:
