@@ -230,13 +230,15 @@ def _listening(port: int) -> bool:
 
 
 def test_a_node_joining_a_running_job_resumes_with_it(tmp_path, data_dir):
-    """Node A trains alone (``--nnodes 1:2``); node B, started later with the same command, is
-    not refused for the job's own checkpoints: A's agent starts its ranks anew with B's (not a
-    restart to torchrun: no restart count), and every rank resumes from the newest checkpoint
-    (A's ranks trained from step 0 again, B's was refused: "holds checkpoints of an earlier
-    run")."""
+    """Node A trains alone (``--nnodes 1:2``); node B, started after A's step 2 with the same
+    command, is not refused for the job's own checkpoints: A's agent starts its ranks anew with
+    B's (not a restart to torchrun: no restart count), and every rank resumes from the newest
+    checkpoint (A's ranks trained from step 0 again, B's was refused: "holds checkpoints of an
+    earlier run")."""
     out, port = tmp_path / "run", free_port()
-    steps = 40  # long enough that A is still training when B has started (about 5 s)
+    # A must still train when B has joined: B's start (imports, input checks, rendezvous) took
+    # 10-20 of A's steps here; both scale with the machine's speed.
+    steps = 50
     cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *RUN, "--out-dir", str(out)]
     cmd += ["--data-dir", str(data_dir), "--nproc", "1", "--nnodes", "1:2", "--steps", str(steps)]
     cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", RDZV_CONF]
@@ -246,7 +248,7 @@ def test_a_node_joining_a_running_job_resumes_with_it(tmp_path, data_dir):
     node_b = None
     try:
         deadline = time.monotonic() + BOUND_S
-        while not (out / "ckpt" / "step-000004").is_dir():
+        while not (out / "ckpt" / "step-000002").is_dir():
             assert node_a.poll() is None and time.monotonic() < deadline, node_a.stdout.read()
             time.sleep(0.02)
         node_b = subprocess.Popen(
@@ -264,6 +266,7 @@ def test_a_node_joining_a_running_job_resumes_with_it(tmp_path, data_dir):
     said = [line for line in log_a.splitlines() if line.startswith("the job's nodes changed")]
     assert len(said) == 1, log_a[-3000:]
     step = int(said[0].rsplit("(step ", 1)[1].rstrip(")"))
+    print(f"\nnode B joined at step {step} of {steps}")
     records = [r for r in _records(out) if r["kind"] == "train"]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     ranks = [len(r["rank_mem_mib"]) for r in records]
