@@ -229,6 +229,21 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _node(cmd: list[str]) -> subprocess.Popen:
+    """One "node" of an elastic job on this machine: its launcher, output merged."""
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+    )
+
+
+def _kill_left(*nodes: subprocess.Popen | None) -> None:
+    """Kill what a failed test left running."""
+    for p in nodes:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_a_node_joining_a_running_job_resumes_with_it(tmp_path, data_dir):
     """Node A trains alone (``--nnodes 1:2``); node B, started after A's step 2 with the same
     command, is not refused for the job's own checkpoints: A's agent starts its ranks anew with
@@ -242,25 +257,18 @@ def test_a_node_joining_a_running_job_resumes_with_it(tmp_path, data_dir):
     cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *RUN, "--out-dir", str(out)]
     cmd += ["--data-dir", str(data_dir), "--nproc", "1", "--nnodes", "1:2", "--steps", str(steps)]
     cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", RDZV_CONF]
-    node_a = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
-    )
+    node_a = _node(cmd)
     node_b = None
     try:
         deadline = time.monotonic() + BOUND_S
         while not (out / "ckpt" / "step-000002").is_dir():
             assert node_a.poll() is None and time.monotonic() < deadline, node_a.stdout.read()
             time.sleep(0.02)
-        node_b = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
-        )
+        node_b = _node(cmd)
         log_b = node_b.communicate(timeout=BOUND_S)[0]
         log_a = node_a.communicate(timeout=BOUND_S)[0]
     finally:
-        for p in (node_a, node_b):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill_left(node_a, node_b)
     assert node_a.returncode == 0 and node_b.returncode == 0, log_a[-3000:] + log_b[-3000:]
     assert f"joining the job running at 127.0.0.1:{port}" in log_b, log_b[-3000:]
     said = [line for line in log_a.splitlines() if line.startswith("the job's nodes changed")]
@@ -284,9 +292,7 @@ def test_a_node_leaves_and_the_other_continues_at_the_smaller_world_size(tmp_pat
     cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *RUN, "--out-dir", str(out)]
     cmd += ["--data-dir", str(data_dir), "--nproc", "1", "--nnodes", "1:2"]
     cmd += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", RDZV_CONF]
-    node_a = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
-    )
+    node_a = _node(cmd)
     node_b = None
     try:
         deadline = time.monotonic() + BOUND_S
@@ -303,10 +309,7 @@ def test_a_node_leaves_and_the_other_continues_at_the_smaller_world_size(tmp_pat
             os.kill(pid, signal.SIGKILL)
         log = node_a.communicate(timeout=BOUND_S)[0]
     finally:
-        for p in (node_a, node_b):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill_left(node_a, node_b)
     assert node_a.returncode == 0, log[-3000:]
     restarts = [line for line in log.splitlines() if line.startswith("restart ")]
     assert len(restarts) == 1 and restarts[0].startswith("restart 1: resuming from "), log[-3000:]

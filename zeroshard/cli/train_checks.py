@@ -5,7 +5,6 @@ built at all. Each problem is a ``UsageError`` (exit 2) naming the value and the
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import socket
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from zeroshard.cli.main import UsageError
 from zeroshard.data import BatchLoader
 from zeroshard.models.gpt import PRESETS
 from zeroshard.models.loading import hf_config, hf_context_len, import_factory, read_hf_config
+from zeroshard.offload.folder import LockHeld, pid_lock
 from zeroshard.residual_states.host_heap import memory_available_bytes
 from zeroshard.run_log import tensorboard_available
 from zeroshard.tokens import check_data_path, load_tokenizer
@@ -173,19 +173,14 @@ def lock_out_dir(out: Path) -> Iterator[None]:
     """Hold ``out`` for this command: a second ``zeroshard train`` into it would rewrite the
     metrics, summary and checkpoints of this one, and the settings its restarted ranks read.
     The kernel lets go of a lock whose process died."""
-    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
+        fd = pid_lock(out / LOCK_NAME, 0o644)
+    except LockHeld as held:
         raise UsageError(
-            f"--out-dir {out} is in use by another zeroshard train (pid {holder}); wait for it "
-            "to end, or pass another --out-dir"
+            f"--out-dir {out} is in use by another zeroshard train (pid {held.pid}); wait for "
+            "it to end, or pass another --out-dir"
         ) from None
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
         os.close(fd)

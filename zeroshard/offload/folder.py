@@ -130,29 +130,44 @@ def prepare_folder(folder: Path, direct_io: bool | None) -> tuple[bool, bool]:
         probe.unlink(missing_ok=True)
 
 
-def take_lock(folder: Path) -> int:
-    """Lock `folder` for this process (flock, released by the kernel if it dies); the lock's fd.
+class LockHeld(Exception):
+    """A lock file another holder has (``pid``: the one it wrote, "?" when unreadable)."""
 
-    The pid written into LOCK names the holder in the error another store gets.
-    """
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def __init__(self, pid: str) -> None:
+        super().__init__(pid)
+        self.pid = pid
+
+
+def pid_lock(path: Path, mode: int = 0o600) -> int:
+    """flock ``path`` (created if missing) for this process, not waiting, and write our pid
+    into it; the fd (closing it lets go; so does the kernel if the process dies). ``LockHeld``
+    with the holder's pid when another open file holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
     try:
-        _flock(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        holder = _pid_in(fd)
         os.close(fd)
-        raise OffloadSetupError(
-            f"{folder} is in use by a live store ({_holder(holder)}); give each store, e.g. "
-            "each rank or each run, its own folder (--offload-folder)"
-        ) from None
+        raise LockHeld(holder) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
 
 
-def _flock(fd: int) -> None:
-    """Lock ``fd``'s file, not waiting; ``BlockingIOError`` when a live store holds it."""
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+def _pid_in(fd: int) -> str:
+    return os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+
+
+def take_lock(folder: Path) -> int:
+    """Lock `folder` for this process (``pid_lock`` on its LOCK file); the lock's fd. The pid
+    written into LOCK names the holder in the error another store gets."""
+    try:
+        return pid_lock(folder / LOCK_NAME)
+    except LockHeld as held:
+        raise OffloadSetupError(
+            f"{folder} is in use by a live store ({_holder(held.pid)}); give each store, e.g. "
+            "each rank or each run, its own folder (--offload-folder)"
+        ) from None
 
 
 def collect_if_held_here(folder: Path) -> None:
@@ -166,18 +181,15 @@ def collect_if_held_here(folder: Path) -> None:
     except OSError:
         return  # no lock file: no store
     try:
-        try:
-            _flock(fd)
-        except BlockingIOError:
-            if os.pread(fd, 64, 0).decode(errors="replace").strip() == str(os.getpid()):
-                os.close(fd)
-                fd = -1
-                gc.collect()
-            return
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_UN)
+        held_here = False
+    except BlockingIOError:
+        held_here = _pid_in(fd) == str(os.getpid())
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
+    if held_here:
+        gc.collect()
 
 
 def _holder(pid: str) -> str:
@@ -202,11 +214,10 @@ def discard_folder(folder: Path) -> None:
     fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         try:
-            _flock(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             raise OffloadSetupError(
-                f"{folder} is in use by a live store ({_holder(holder)}); give each run its "
+                f"{folder} is in use by a live store ({_holder(_pid_in(fd))}); give each run its "
                 "own folder (--offload-folder), or stop that one"
             ) from None
         for path in folder.glob("*" + SUFFIX):
