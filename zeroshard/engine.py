@@ -25,7 +25,7 @@ import enum
 import sys
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -230,35 +230,25 @@ class Engine:
 
     # ----------------------------------------------------------------- hooks
     def _install_hooks(self, unit: Unit) -> None:
-        # Dynamo runs the hooks eagerly (graph breaks): they swap storage and parameter data,
-        # which compiled code must not trace (torch.compile of a block compiles its forward).
-        pre = torch._dynamo.disable(
-            lambda m, args, kwargs: self._pre_forward(unit, args, kwargs), recursive=True
-        )
-        post = torch._dynamo.disable(
-            lambda m, args, output: self._post_forward(unit, output), recursive=True
-        )
+        pre = _eager(lambda m, args, kwargs: self._pre_forward(unit, args, kwargs))
+        post = _eager(lambda m, args, output: self._post_forward(unit, output))
         self._handles.append(
             unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
         )
         if self.checkpointing is not None and unit in self._checkpointed:
             # Runs first, and also when the forward raised: the saved-tensor hooks must pop.
-            stop = torch._dynamo.disable(lambda m, a, o: self._stop_dropping(), recursive=True)
+            stop = _eager(lambda m, a, o: self._stop_dropping())
             self._handles.append(unit.module.register_forward_hook(stop, always_call=True))
         self._handles.append(unit.module.register_forward_hook(post))
         if unit.is_root:  # runs after ``post``, and also when the forward raised
-            raised = torch._dynamo.disable(lambda m, a, o: self._forward_raised(), recursive=True)
+            raised = _eager(lambda m, a, o: self._forward_raised())
             self._handles.append(unit.module.register_forward_hook(raised, always_call=True))
         # A submodule holding the unit's parameters called on its own (T5's encoder in generate(),
         # an embedding applied outside the forward) is a use of the unit: gathered for it, and
         # the unit's backward ends only once the call's gradient is in (else reduced too early).
         for owner in unit.owners:
-            lend = torch._dynamo.disable(
-                lambda m, args, kwargs: self._pre_lend(unit, m, args, kwargs), recursive=True
-            )
-            give_back = torch._dynamo.disable(
-                lambda m, args, output: self._post_lend(unit, m, output), recursive=True
-            )
+            lend = _eager(lambda m, args, kwargs: self._pre_lend(unit, m, args, kwargs))
+            give_back = _eager(lambda m, args, output: self._post_lend(unit, m, output))
             self._handles.append(owner.register_forward_pre_hook(lend, with_kwargs=True))
             self._handles.append(owner.register_forward_hook(give_back))
 
@@ -608,6 +598,19 @@ class Engine:
                     u.reshard()
             if writeback:
                 self.params_changed()
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` as a module hook that torch.compile runs eagerly (a graph break), never traces:
+    the engine's hooks swap storages and parameter data. Dynamo is imported only once something
+    compiles (importing it costs each process about 2.5 s of CPU)."""
+
+    def run(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return torch._dynamo.disable(hook, recursive=True)(*args)
+        return hook(*args)
+
+    return run
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
