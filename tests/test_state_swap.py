@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,7 @@ from swap_faults import flip_byte, refused_steps
 import zeroshard
 import zeroshard.testing
 from zeroshard.offload import Offload, OffloadError, SwapSpaceError
+from zeroshard.offload.folder import pid_lock
 from zeroshard.stages import STAGES
 
 PER_RANK_BATCH = 2
@@ -307,8 +309,21 @@ def test_a_crashed_runs_swap_files_are_discarded_at_restart(workers2, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 3, done.stderr
     assert any(f.endswith(".swp") for f in _files(tmp_path))  # what the crash left behind
-    for r in workers2.run(_restart, str(tmp_path)):
-        assert r["files"] == [], r
+    # As if the crashed run had 4 ranks, restarted at 2: ranks 2 and 3 are nobody's now.
+    shutil.copytree(tmp_path / "rank00000", tmp_path / "rank00002")
+    shutil.copytree(tmp_path / "rank00000", tmp_path / "rank00003-params")
+    # Not this job's: another job's live store (its lock held), and a folder of no store.
+    shutil.copytree(tmp_path / "rank00000", tmp_path / "rank00005")
+    (tmp_path / "rank00004").mkdir()
+    (tmp_path / "rank00004" / "notes.txt").write_text("mine")
+    live = pid_lock(tmp_path / "rank00005" / "LOCK")
+    try:
+        for r in workers2.run(_restart, str(tmp_path)):
+            kept = [f for f in r["files"] if not f.startswith("rank00005")]
+            assert kept == ["rank00004", "rank00004/notes.txt"], r
+            assert any(f.endswith(".swp") for f in r["files"] if f.startswith("rank00005/"))
+    finally:
+        os.close(live)
 
 
 def test_placements_a_stage_cannot_have_are_refused_with_the_fix():

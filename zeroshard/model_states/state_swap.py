@@ -58,6 +58,7 @@ from zeroshard.offload.folder import (
     holds_swap_files,
     padded_bytes,
 )
+from zeroshard.offload.placement import discard_absent_ranks
 from zeroshard.residual_states.host_heap import memory_available_bytes
 
 if TYPE_CHECKING:
@@ -552,7 +553,8 @@ def open_store(config: Any, mesh: Mesh) -> TensorStore:
     """This rank's store in ``config.folder``, the swap files a crashed run left there
     discarded first (states and masters come back from checkpoints, never from those). A
     collective: a rank whose folder is unusable raises, and so does every other rank, naming
-    it, instead of waiting for it in the next collective."""
+    it, instead of waiting for it in the next collective. Once every rank holds its folder,
+    the folders of ranks the job does not have (a crashed larger run's) are discarded."""
     store, problem = None, None
     try:
         collect_if_held_here(Path(config.folder))  # a store of this process no longer used
@@ -573,6 +575,9 @@ def open_store(config: Any, mesh: Mesh) -> TensorStore:
         store.close()
         raise OffloadSetupError(f"rank {failed[0]} cannot offload: {failed[1]}")
     assert store is not None
+    if mesh.local_rank == 0:  # once per node, now that every rank of the job holds its folder
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        discard_absent_ranks(Path(config.folder).parent, world)
     return store
 
 

@@ -24,7 +24,9 @@ What is implemented (the rest is refused at ``shard()`` with the fix):
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,10 +34,16 @@ import torch
 
 from zeroshard.stages import STAGES, Partition
 
+from .folder import discard_folder
 from .store import OffloadConfig
-from .tiers import Tier
+from .tiers import OffloadError, Tier
 
-__all__ = ["Offload"]
+__all__ = ["Offload", "discard_absent_ranks"]
+
+logger = logging.getLogger("zeroshard.offload")
+
+RANK_FOLDER = re.compile(r"rank(?P<rank>\d{5})(?:-params|-activations)?")
+"""The per-rank store folders that ``Offload`` makes under its ``folder``."""
 
 _PLACES = (None, "cpu", "nvme")
 
@@ -153,3 +161,27 @@ class Offload:
         (``rank00000-params``; each store locks its own folder)."""
         assert self.folder is not None
         return OffloadConfig(tier=Tier.NVME, folder=Path(self.folder) / f"rank{rank:05d}-params")
+
+
+def discard_absent_ranks(folder: Path, world_size: int) -> list[Path]:
+    """Delete the per-rank store folders under ``folder`` of ranks that the job, now of
+    ``world_size`` ranks, does not have: a crashed run of more ranks left them (a restart at a
+    smaller world size after a node left), and no rank opens them to discard them itself. Their
+    swap files are never read again (states come back from checkpoints); a folder whose lock a
+    live store holds (another job sharing ``folder``) is left alone. The folders deleted."""
+    gone = []
+    for child in sorted(folder.iterdir()) if folder.is_dir() else []:
+        m = RANK_FOLDER.fullmatch(child.name)
+        if m is None or int(m["rank"]) < world_size or not child.is_dir():
+            continue
+        try:
+            discard_folder(child)
+        except (OffloadError, OSError):
+            continue  # a live store's, or no store's: not this job's to delete
+        gone.append(child)
+    if gone:
+        logger.warning(
+            "discarded the swap folders of ranks this job of %d ranks does not have: %s",
+            world_size, ", ".join(p.name for p in gone),
+        )  # fmt: skip
+    return gone
