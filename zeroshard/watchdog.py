@@ -270,18 +270,22 @@ def _message(r: TimeoutReport, *, store_answered: bool) -> str:
         else f"{what} failed on rank {r.rank} ({r.backend_error})"
     )
     raise_it = "raise the timeout (Mesh.from_env(timeout_s=...), zeroshard train --timeout)"
+    # A peer's connection that closed is a process that ended (killed, crashed, exited): no
+    # timeout would have helped, so none is suggested.
+    if_slow = f", or {raise_it} if it is only slow" if timed_out else ""
     if not store_answered:
+        state = "stopped, hung or dead" if timed_out else "dead or exited"
         return (
-            f"{head}; the rendezvous store did not answer either, so its host (rank 0 outside "
-            f"torchrun) is stopped, hung or dead; look at rank 0 first, or {raise_it} if it is "
-            "only slow"
+            f"{head}; the rendezvous store did not answer either, so its host (rank 0, or "
+            f"torchrun's agent) is {state}; look at rank 0 first{if_slow}"
         )
     if r.missing:
         reached = [x for x in r.group_ranks if x not in r.missing]
+        why = "stopped, hung in other code, or dead" if timed_out else "dead or exited"
+        look = "(its log, py-spy dump)" if timed_out else "(the first error in its log)"
         return (
-            f"{head}: {_ranks(r.missing)} did not arrive (stopped, hung in other code, or dead); "
-            f"{_ranks(reached)} reached it. Look at {_ranks(r.missing)} (its log, py-spy dump), "
-            f"or {raise_it} if it is only slow"
+            f"{head}: {_ranks(r.missing)} did not arrive ({why}); {_ranks(reached)} reached "
+            f"it. Look at {_ranks(r.missing)} {look}{if_slow}"
         )
     if r.elsewhere:
         where = "; ".join(f"rank {x} was in {w}" for x, w in sorted(r.elsewhere.items()))
