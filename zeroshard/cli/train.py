@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import socket
 import sys
@@ -44,13 +45,21 @@ from zeroshard.cli.train_checks import (
     check_inputs,
     check_port,
     lock_out_dir,
+    made_out_dir,
     make_out_dir,
 )
 from zeroshard.divergence import Diverged
 from zeroshard.mesh import launched_by_torchrun, tear_down
 from zeroshard.models.gpt import PRESETS
 from zeroshard.signals import Stopped
-from zeroshard.train import TrainConfig, resume_path, save_config, settings_differ, train
+from zeroshard.train import (
+    TrainConfig,
+    lr_at,
+    resume_path,
+    save_config,
+    settings_differ,
+    train,
+)
 from zeroshard.train_config import field_docs
 from zeroshard.watchdog import CollectiveTimeout, StartTimeout
 
@@ -284,7 +293,7 @@ def _prepare(
     port = _int_flag("--port", args.port)
     launch = _launch_plan(args, cfg, nproc, port)
     check_port(port, bind=launch.elastic and not launch.rdzv_endpoint)
-    out = make_out_dir(cfg.out_dir)
+    out = job.enter_context(made_out_dir(cfg.out_dir))  # left last: after the lock is let go
     if launch.max_nodes == 1:
         job.enter_context(lock_out_dir(out))
     for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
@@ -302,7 +311,9 @@ _BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eva
 def _say_changes(saved: Path, cfg: TrainConfig) -> None:
     """One line naming the settings of a resumed run that differ from those of the run that
     wrote ``out_dir`` (its ``config.json``): allowed (a longer run, a new learning rate), but
-    the curve then is not the one an uninterrupted run would have drawn."""
+    the curve then is not the one an uninterrupted run would have drawn. A schedule stretched
+    or shortened by new ``steps`` changes the learning rate from the resumed step on: said with
+    both rates."""
     try:
         before = json.loads(saved.read_text())
     except (OSError, ValueError):
@@ -313,8 +324,25 @@ def _say_changes(saved: Path, cfg: TrainConfig) -> None:
         for k, v in now.items()
         if k in before and k not in _BOOKKEEPING and before[k] != v
     ]
-    if changed:
-        print(f"resuming with other settings than the saved run's: {', '.join(changed)}")
+    if not changed:
+        return
+    print(f"resuming with other settings than the saved run's: {', '.join(changed)}")
+    step = checkpoint.info(cfg.resume).step if cfg.resume else None
+    try:
+        old = dataclasses.replace(cfg, **{k: before[k] for k in _SCHEDULE if k in before})
+        rates = (lr_at(step, old), lr_at(step, cfg)) if step is not None else None
+    except (TypeError, ValueError):
+        return  # a saved config of another version: nothing sure to say
+    if rates is not None and not math.isclose(*rates, rel_tol=1e-9):
+        print(
+            f"the learning rate of step {step + 1}, the first resumed, is {rates[1]:.4g} "
+            f"({cfg.lr_schedule} schedule over {cfg.steps} steps); the saved run's schedule "
+            f"gave it {rates[0]:.4g}"
+        )
+
+
+_SCHEDULE = ("lr", "steps", "warmup_steps", "lr_schedule")
+"""The settings ``lr_at`` reads."""
 
 
 def _launch_plan(args: argparse.Namespace, cfg: TrainConfig, nproc: int, port: int) -> Launch:

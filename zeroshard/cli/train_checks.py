@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,6 +167,38 @@ def make_out_dir(path: str) -> Path:
 
 LOCK_NAME = ".zeroshard.lock"
 """In out_dir: flock'ed by the ``zeroshard train`` that writes there (holds its pid)."""
+_LAUNCHER_FILES = re.compile(rf"{re.escape(LOCK_NAME)}|config\.json|\.zeroshard-run-.*\.json")
+"""What the launcher itself writes into out_dir before any rank trains."""
+
+
+@contextlib.contextmanager
+def made_out_dir(path: str) -> Iterator[Path]:
+    """``make_out_dir`` for the command's whole run. A folder it created is removed again at
+    the end when the run left nothing in it but the launcher's own files (refused input, a
+    rank that failed before its first step): no empty output folder is left behind."""
+    out = Path(path).absolute()
+    created = [p for p in (out, *out.parents) if not p.exists()]  # the folder first
+    try:
+        yield make_out_dir(path)
+    finally:
+        if created:
+            _remove_if_unused(created)
+
+
+def _remove_if_unused(created: list[Path]) -> None:
+    """Remove the output folder ``created[0]`` and its parents that this command created,
+    when it holds nothing but the launcher's files."""
+    out = created[0]
+    try:
+        names = [p.name for p in out.iterdir()]
+        if not all(_LAUNCHER_FILES.fullmatch(name) for name in names):
+            return
+        for name in names:
+            (out / name).unlink(missing_ok=True)
+        for folder in created:
+            folder.rmdir()
+    except OSError:
+        pass  # a rank still writing, or the folder gone: leave it as it is
 
 
 @contextlib.contextmanager
