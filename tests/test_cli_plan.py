@@ -72,6 +72,24 @@ def test_worked_example_json(capsys):
     assert row["device_bytes"] == row["model_states_bytes"] + row["residual_states_bytes"]
 
 
+def test_precision_sets_the_bytes_the_engine_keeps(capsys):
+    """--precision fp32 is FP32 AdamW as the calibration measures it (4,4,8: the parameter is
+    its own master; 4-byte activations); bf16 and fp16 are ZeRO's 2,2,12, the default."""
+    from zeroshard.planner.calibrate import FP32_ADAMW
+
+    model = ["--module", "test_cli_plan:tiny_gpt", "--dp", "2", "--seq", "64"]
+    fp32 = _json([*model, "--precision", "fp32"], capsys)
+    assert fp32 == _json([*model, "--bytes-per-param", "4,4,8", "--activation-bytes", "4"], capsys)
+    assert fp32["bytes_per_param"] == vars(FP32_ADAMW)
+    assert _json([*model, "--precision", "bf16"], capsys) == _json(model, capsys)
+    plain = {s["stage"]: s["model_states_bytes"] for s in _json(model, capsys)["stages"]}
+    wide = {s["stage"]: s["model_states_bytes"] for s in fp32["stages"]}
+    assert wide[0] == plain[0]  # 16 bytes a parameter, either way
+    assert wide[1] > plain[1]  # fp32 shards 8 of 16 bytes, mixed precision 12
+    with pytest.raises(ValueError, match="--precision fp32 sets --activation-bytes: pass one"):
+        plan.run(_parse([*model, "--precision", "fp32", "--activation-bytes", "2"]))
+
+
 def test_transformer_json_keys(capsys):
     argv = ["--layers", "96", "--hidden", "8192", "--heads", "64", "--seq", "1024"]
     out = _json([*argv, "--batch", "2", "--ci", "1", "--dp", "1024"], capsys)

@@ -86,8 +86,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--bytes-per-param",
-        default="zero",
-        help="zero (2,2,12), infinity (2,2,16) or PARAMS,GRADS,K",
+        default=None,
+        help="zero (2,2,12; the default), infinity (2,2,16) or PARAMS,GRADS,K",
+    )
+    t.add_argument(
+        "--precision",
+        choices=tuple(PRECISION_BYTES),
+        default=None,
+        help="the run's precision, as zeroshard train --precision: the bytes per parameter and "
+        "activation the engine keeps (fp32, tf32: 4,4,8, the parameter is its own master, and "
+        "4-byte activations; bf16, fp16: 2,2,12 and 2)",
     )
     t.add_argument(
         "--seq",
@@ -116,8 +124,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--activation-bytes",
         type=int,
         choices=(2, 4),
-        default=2,
-        help="bytes per activation element: 2 for fp16/bf16 compute (the papers'), 4 for fp32",
+        default=None,
+        help="bytes per activation element: 2 for fp16/bf16 compute (the papers'; the default), "
+        "4 for fp32",
     )
     t.add_argument("--prefetch", type=int, default=1, help="stage 3: units gathered ahead")
     t.add_argument(
@@ -294,6 +303,32 @@ def _import_factory(spec: str):
         raise ValueError(f"--module {spec!r}: {exc}; check the module path and name") from None
 
 
+PRECISION_BYTES = {
+    "fp32": (memory.BytesPerParam(params=4, grads=4, optimizer_states=8), 4),
+    "tf32": (memory.BytesPerParam(params=4, grads=4, optimizer_states=8), 4),
+    "bf16": (memory.ZERO, 2),
+    "fp16": (memory.ZERO, 2),
+}
+"""--precision -> (bytes per parameter, bytes per activation element) of the engine's AdamW run:
+FP32 keeps no separate master; BF16 and FP16 keep FP32 masters beside 2-byte compute copies."""
+
+
+def _state_bytes(args) -> tuple[memory.BytesPerParam, int]:
+    """Bytes per parameter and per activation element: --precision's, or the explicit flags
+    (ZeRO's 2,2,12 and 2 by default). --precision with either of them is a ValueError."""
+    if args.precision is not None:
+        flags = {"--bytes-per-param": args.bytes_per_param}
+        flags["--activation-bytes"] = args.activation_bytes
+        given = [flag for flag, value in flags.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"--precision {args.precision} sets {' and '.join(given)}: pass one or the other"
+            )
+        return PRECISION_BYTES[args.precision]
+    per_param = _bytes_per_param(args.bytes_per_param or "zero")
+    return per_param, args.activation_bytes or 2
+
+
 def _bytes_per_param(text: str) -> memory.BytesPerParam:
     if text in memory.BYTES_PER_PARAM_PRESETS:
         return memory.BYTES_PER_PARAM_PRESETS[text]
@@ -377,19 +412,20 @@ def _memory_config(
     each row replaces it), over
     ``num_dp`` data-parallel ranks (default --dp)."""
     num_dp = num_dp or args.dp
+    per_param, per_activation = _state_bytes(args)
     return memory.MemoryConfig(
         stage=3 if args.step_in_backward else 0,
         num_dp_ranks=num_dp,
         shard_group_size=_shard_group_size(args, num_dp),
         num_mp_ranks=args.mp,
-        bytes_per_param=_bytes_per_param(args.bytes_per_param),
+        bytes_per_param=per_param,
         micro_batch_size=micro_batch_size,
         seq_len=args.seq,
         num_layers_per_checkpoint=num_layers_per_checkpoint,
         partition_activations=args.partition_activations,
         sequence_parallel=args.sequence_parallel,
         offload_activations=args.offload_activations,
-        activation_bytes=args.activation_bytes,
+        activation_bytes=per_activation,
         num_units_prefetch=args.prefetch,
         bucket_bytes=units.parse_bytes(args.bucket),
         step_in_backward=args.step_in_backward,
