@@ -207,7 +207,12 @@ def test_resume_continues_the_same_curve(tmp_path, capsys, data_dir):
     capsys.readouterr()
     argv = ["train", *common, "--steps", "8", "--resume", "auto", "--out-dir", str(split)]
     assert main(argv) == 0, capsys.readouterr().err[-3000:]
-    assert f"resuming from {split / 'ckpt' / 'step-000004'} (step 4)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"resuming from {split / 'ckpt' / 'step-000004'} (step 4)" in said
+    done = said.splitlines()[-1]  # its seconds are those of steps 5-8, trained by this command
+    assert re.search(r"8 steps \(0 skipped\) in [\d.]+ s for steps 5-8, resumed at step 4 ", done)
+    assert json.loads((split / "summary.json").read_text())["resumed_at_step"] == 4
+    assert json.loads((whole / "summary.json").read_text())["resumed_at_step"] == 0
     assert _final_train_loss(split) == _final_train_loss(whole)
     steps = [
         json.loads(line)["step"] for line in (split / "metrics.jsonl").read_text().splitlines()

@@ -381,7 +381,8 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
     steps = zeroshard.ledger(model).steps
     last = steps[-1] if steps else {}  # none when a restart resumed the final checkpoint
     summary.update(
-        status="done", skipped_steps=guard.num_skipped, seconds=round(elapsed, 1),
+        status="done", skipped_steps=guard.num_skipped, resumed_at_step=start,
+        seconds=round(elapsed, 1),
         tokens_per_s=round(tokens_per_step * max(1, cfg.steps - start) / trained_s),
         val_loss_first=round(first_val, 4), val_loss_last=round(records[-1]["val_loss"], 4),
         comm_bytes_per_step=sum(e.bytes for e in last.values()),

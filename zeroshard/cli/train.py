@@ -475,10 +475,17 @@ def _train_here(cfg: TrainConfig, out: Path) -> int:
         f"done: {summary['model']} ({summary['num_params']:,} parameters), stage "
         f"{summary['stage']} {summary['precision']} on {summary['ranks']} rank(s), "
         f"{summary['steps']} steps ({summary['skipped_steps']} skipped) in "
-        f"{summary['seconds']} s ({summary['tokens_per_s']:,} tokens/s training); validation loss "
+        f"{summary['seconds']} s{_here(summary)} ({summary['tokens_per_s']:,} tokens/s training); "
+        "validation loss "
         f"{summary['val_loss_first']} -> {summary['val_loss_last']}; outputs in {out}",
         0,
     )
+
+
+def _here(summary: dict) -> str:
+    """What the seconds of a resumed run's summary cover: the steps trained by this start."""
+    start = summary.get("resumed_at_step") or 0
+    return f" for steps {start + 1}-{summary['steps']}, resumed at step {start}" if start else ""
 
 
 def _finish(line: str, code: int, stream: Any = None) -> int:
