@@ -231,6 +231,14 @@ def test_a_finished_run_s_folder_is_resumed_or_left_alone(capsys, tmp_path, data
     assert code == 0, err
     argv = ["train", *flags, "--resume", "auto", "--out-dir", str(tmp_path)]
     _expect_usage_error(capsys, argv, "at step 2 and --steps is 2", "pass --steps above 2")
+    # The run's folder, or its ckpt folder, for a checkpoint: both ways to say it, named.
+    for given in (tmp_path, tmp_path / "ckpt"):
+        argv = ["train", *flags, "--resume", str(given), "--steps", "3"]
+        _expect_usage_error(
+            capsys, [*argv, "--out-dir", str(tmp_path / "other")],
+            "holds checkpoints but is not one", f"--resume {tmp_path / 'ckpt' / 'step-000002'}",
+            f"--resume auto --out-dir {tmp_path} ",
+        )  # fmt: skip
     # A fresh run into the same folder would mix its checkpoints with those.
     argv = ["train", *flags, "--out-dir", str(tmp_path)]
     _expect_usage_error(capsys, argv, "holds checkpoints of an earlier run", "--resume auto")

@@ -520,6 +520,7 @@ def _pin_resume(cfg: TrainConfig, launch: Launch) -> tuple[TrainConfig, bool]:
             )
         return cfg, False
     found = checkpoint.info(path)  # FileNotFoundError when missing
+    _check_not_a_folder_of_checkpoints(path, found)
     if not found.complete:
         raise UsageError(f"--resume {path}: {found.problem}")
     if found.step is not None and found.step >= cfg.steps:
@@ -530,6 +531,21 @@ def _pin_resume(cfg: TrainConfig, launch: Launch) -> tuple[TrainConfig, bool]:
     _check_no_later(cfg, path, found.step)
     print(f"resuming from {path} (step {found.step})")
     return dataclasses.replace(cfg, resume=str(path)), False
+
+
+def _check_not_a_folder_of_checkpoints(path: Path, found: Any) -> None:
+    """``--resume`` given a run's output folder, or its ``ckpt`` folder, instead of one
+    checkpoint: a UsageError naming the two ways to say it (it read "incomplete")."""
+    if found.complete:
+        return
+    for folder, run in ((path / "ckpt", path), (path, path.parent)):
+        newest = checkpoint.latest(folder)
+        if newest is not None:
+            raise UsageError(
+                f"--resume {path} holds checkpoints but is not one: pass --resume {newest} "
+                f"(its newest), or --resume auto --out-dir {run} to continue that run in its "
+                "own folder"
+            )
 
 
 def _check_joins_the_same_job(cfg: TrainConfig, launch: Launch) -> None:
