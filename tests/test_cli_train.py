@@ -18,6 +18,7 @@ import pytest
 
 from zeroshard.cli.main import main
 from zeroshard.cli.train import load_config
+from zeroshard.cli.train_checks import hold_out_dir
 from zeroshard.train import lr_at
 
 
@@ -129,8 +130,6 @@ def test_non_positive_numbers(capsys, tmp_path, flag):
     "text,seconds", [("90", 90.0), ("60s", 60.0), ("5m", 300.0), ("1h", 3600.0)]
 )
 def test_timeout_takes_durations(text, seconds):
-    from zeroshard.cli.train import load_config
-
     assert load_config(None, {"timeout": text}).timeout == seconds
 
 
@@ -822,12 +821,23 @@ def test_a_refused_run_leaves_no_output_folder(capsys, tmp_path, data_dir, model
     (tmp_path / "mine").mkdir()  # a folder the user made is theirs: kept, as it was
     _expect_usage_error(capsys, ["train", *bad, "--out-dir", str(tmp_path / "mine")], "offload")
     assert [p.name for p in (tmp_path / "mine").iterdir()] == [".zeroshard.lock"]
+    dotted = ["--out-dir", str(tmp_path / "new" / ".." / "mine" / "run")]
+    _expect_usage_error(capsys, ["train", *bad, *dotted], "offload")
+    assert not (tmp_path / "new").exists() and (tmp_path / "mine").is_dir()
     # Refused as the rank builds the model, after the launcher wrote its settings: removed too.
     flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1"]
     flags += ["--model", "my_models:build_bad", "--wrap", "MyBlock"]
     assert main(["train", *flags, "--out-dir", str(out)]) == 2
     assert "width must be even" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists(), list((tmp_path / "runs").rglob("*"))
+    # A second command into a folder that a first one created and holds: refused, deleting
+    # nothing of the first's, which removes the folder at its end (its run left nothing).
+    held = tmp_path / "held" / "run"
+    with hold_out_dir(str(held), lock=True):
+        (held / "config.json").write_text("{}")
+        _expect_usage_error(capsys, ["train", "--out-dir", str(held)], "in use by another")
+        assert sorted(p.name for p in held.iterdir()) == [".zeroshard.lock", "config.json"]
+    assert not (tmp_path / "held").exists()
 
 
 @pytest.mark.parametrize("where", ["cpu", "nvme"])

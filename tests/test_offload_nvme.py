@@ -281,6 +281,33 @@ def test_a_folder_lock_names_its_holder(tmp_path):
     os.close(take_lock(tmp_path))  # free again once the holder closed it
 
 
+def test_a_lock_file_deleted_as_it_is_taken_is_not_held(tmp_path, monkeypatch):
+    """Its holder deleted the lock file (with the folder's contents) after this process opened
+    it and before it locked it: the lock of a deleted file excludes nobody, so the file now at
+    the path is locked instead."""
+    import fcntl
+
+    from zeroshard.offload import folder
+
+    path = tmp_path / "LOCK"
+    real = fcntl.flock
+    calls = []
+
+    def flock(fd, op):
+        if not calls:
+            path.unlink()  # the holder, between our open and our flock
+        calls.append(op)
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    fd = folder.pid_lock(path)
+    try:
+        assert len(calls) == 2 and os.path.samestat(os.fstat(fd), os.stat(path))
+        assert path.read_text() == str(os.getpid())
+    finally:
+        os.close(fd)
+
+
 def test_a_store_of_this_process_left_to_the_cycle_collector_gives_its_folder_back(tmp_path):
     """``del model, opt`` leaves a model and its optimizer (which refer to each other) to the
     cycle collector: a new store in their folder does not wait for it (it was refused, telling

@@ -207,11 +207,11 @@ def test_message_when_every_rank_arrived_or_the_store_is_gone():
         store_answered=True,
     )
     assert "failed on rank 0 (Connection closed by peer" in closed and "rank 1 did not" in closed
-    assert "(dead or exited)" in closed and "timeout" not in closed, closed  # none would help
+    assert "a connection closed: a rank ended" in closed and "timeout" not in closed, closed
     assert "raise the timeout" in _message(_report(missing=(1,)), store_answered=True)
     closed = _message(_report(backend_error="Connection reset by peer"), store_answered=False)
-    assert "torchrun's agent) is dead or exited; look at rank 0 first" in closed, closed
-    assert "timeout" not in closed, closed
+    assert "look at rank 0 first; a connection closed: a rank ended" in closed, closed
+    assert "timeout" not in closed, closed  # none would help
 
 
 def test_only_communication_failures_are_diagnosed():

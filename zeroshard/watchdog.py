@@ -271,21 +271,23 @@ def _message(r: TimeoutReport, *, store_answered: bool) -> str:
     )
     raise_it = "raise the timeout (Mesh.from_env(timeout_s=...), zeroshard train --timeout)"
     # A peer's connection that closed is a process that ended (killed, crashed, exited): no
-    # timeout would have helped, so none is suggested.
-    if_slow = f", or {raise_it} if it is only slow" if timed_out else ""
+    # timeout would have helped, so none is suggested. Which rank ended is not known: with
+    # more ranks, live ones that are still computing or blocked elsewhere have not arrived yet.
+    if timed_out:
+        if_slow = f", or {raise_it} if it is only slow"
+    else:
+        if_slow = "; a connection closed: a rank ended, and the first error in its log says why"
     if not store_answered:
-        state = "stopped, hung or dead" if timed_out else "dead or exited"
         return (
             f"{head}; the rendezvous store did not answer either, so its host (rank 0, or "
-            f"torchrun's agent) is {state}; look at rank 0 first{if_slow}"
+            f"torchrun's agent) is stopped, hung or dead; look at rank 0 first{if_slow}"
         )
     if r.missing:
         reached = [x for x in r.group_ranks if x not in r.missing]
-        why = "stopped, hung in other code, or dead" if timed_out else "dead or exited"
-        look = "(its log, py-spy dump)" if timed_out else "(the first error in its log)"
         return (
-            f"{head}: {_ranks(r.missing)} did not arrive ({why}); {_ranks(reached)} reached "
-            f"it. Look at {_ranks(r.missing)} {look}{if_slow}"
+            f"{head}: {_ranks(r.missing)} did not arrive (stopped, hung in other code, or dead); "
+            f"{_ranks(reached)} reached it. Look at {_ranks(r.missing)} (its log, py-spy "
+            f"dump){if_slow}"
         )
     if r.elsewhere:
         where = "; ".join(f"rank {x} was in {w}" for x, w in sorted(r.elsewhere.items()))

@@ -44,8 +44,7 @@ from zeroshard.cli.train_checks import (
     check_divides,
     check_inputs,
     check_port,
-    lock_out_dir,
-    made_out_dir,
+    hold_out_dir,
     make_out_dir,
 )
 from zeroshard.divergence import Diverged
@@ -293,9 +292,7 @@ def _prepare(
     port = _int_flag("--port", args.port)
     launch = _launch_plan(args, cfg, nproc, port)
     check_port(port, bind=launch.elastic and not launch.rdzv_endpoint)
-    out = job.enter_context(made_out_dir(cfg.out_dir))  # left last: after the lock is let go
-    if launch.max_nodes == 1:
-        job.enter_context(lock_out_dir(out))
+    out = job.enter_context(hold_out_dir(cfg.out_dir, lock=launch.max_nodes == 1))
     for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
         check_divides(cfg, world)
     check_inputs(cfg, launch.worlds()[0], local_ranks=launch.nproc)
@@ -328,16 +325,18 @@ def _say_changes(saved: Path, cfg: TrainConfig) -> None:
         return
     print(f"resuming with other settings than the saved run's: {', '.join(changed)}")
     step = checkpoint.info(cfg.resume).step if cfg.resume else None
-    try:
-        old = dataclasses.replace(cfg, **{k: before[k] for k in _SCHEDULE if k in before})
-        rates = (lr_at(step, old), lr_at(step, cfg)) if step is not None else None
-    except (TypeError, ValueError):
+    if step is None or not all(k in before for k in _SCHEDULE):
         return  # a saved config of another version: nothing sure to say
-    if rates is not None and not math.isclose(*rates, rel_tol=1e-9):
+    try:
+        saved_rate = lr_at(step, dataclasses.replace(cfg, **{k: before[k] for k in _SCHEDULE}))
+    except (TypeError, ValueError):
+        return
+    rate = lr_at(step, cfg)
+    if not math.isclose(rate, saved_rate, rel_tol=1e-9):
         print(
-            f"the learning rate of step {step + 1}, the first resumed, is {rates[1]:.4g} "
+            f"the learning rate of step {step + 1}, the first resumed, is {rate:.4g} "
             f"({cfg.lr_schedule} schedule over {cfg.steps} steps); the saved run's schedule "
-            f"gave it {rates[0]:.4g}"
+            f"gave it {saved_rate:.4g}"
         )
 
 

@@ -172,22 +172,57 @@ _LAUNCHER_FILES = re.compile(rf"{re.escape(LOCK_NAME)}|config\.json|\.zeroshard-
 
 
 @contextlib.contextmanager
-def made_out_dir(path: str) -> Iterator[Path]:
-    """``make_out_dir`` for the command's whole run. A folder it created is removed again at
-    the end when the run left nothing in it but the launcher's own files (refused input, a
-    rank that failed before its first step): no empty output folder is left behind."""
-    out = Path(path).absolute()
-    created = [p for p in (out, *out.parents) if not p.exists()]  # the folder first
+def hold_out_dir(path: str, *, lock: bool) -> Iterator[Path]:
+    """The output folder for the command's whole run: created (a UsageError when it cannot be)
+    and, when ``lock`` (a single-node job), held against a second ``zeroshard train`` into it,
+    which would rewrite the metrics, summary and checkpoints of this one and the settings its
+    restarted ranks read. The kernel lets go of a lock whose process died. Folders this command
+    created are removed again at the end, still held, when the run left nothing in them but
+    the launcher's own files (refused input, a rank that failed before its first step). The
+    nodes of a multi-node job share the folder: it is neither locked nor removed."""
+    path = os.path.normpath(path)  # "new/../runs" names runs: "new" is neither made nor removed
+    created = _make_folders(Path(os.path.abspath(path)))
+    out = make_out_dir(path)
+    fd = _lock(out) if lock else None
     try:
-        yield make_out_dir(path)
+        yield out
     finally:
-        if created:
-            _remove_if_unused(created)
+        if fd is not None:
+            try:
+                if created:
+                    _remove_if_unused(created)
+            finally:
+                os.close(fd)
+
+
+def _make_folders(out: Path) -> list[Path]:
+    """Create ``out`` and its missing parents; those this process created (not another that
+    created one at the same moment), ``out`` first."""
+    created = []
+    for folder in [p for p in (out, *out.parents) if not p.exists()][::-1]:
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        except OSError:
+            break  # make_out_dir names the problem
+        created.append(folder)
+    return created[::-1]
+
+
+def _lock(out: Path) -> int:
+    try:
+        return pid_lock(out / LOCK_NAME, 0o644)
+    except LockHeld as held:
+        raise UsageError(
+            f"--out-dir {out} is in use by another zeroshard train (pid {held.pid}); wait for "
+            "it to end, or pass another --out-dir"
+        ) from None
 
 
 def _remove_if_unused(created: list[Path]) -> None:
-    """Remove the output folder ``created[0]`` and its parents that this command created,
-    when it holds nothing but the launcher's files."""
+    """Remove the output folder ``created[0]`` and the parents this command created, when it
+    holds nothing but the launcher's files (the lock is held: no other command writes there)."""
     out = created[0]
     try:
         names = [p.name for p in out.iterdir()]
@@ -199,24 +234,6 @@ def _remove_if_unused(created: list[Path]) -> None:
             folder.rmdir()
     except OSError:
         pass  # a rank still writing, or the folder gone: leave it as it is
-
-
-@contextlib.contextmanager
-def lock_out_dir(out: Path) -> Iterator[None]:
-    """Hold ``out`` for this command: a second ``zeroshard train`` into it would rewrite the
-    metrics, summary and checkpoints of this one, and the settings its restarted ranks read.
-    The kernel lets go of a lock whose process died."""
-    try:
-        fd = pid_lock(out / LOCK_NAME, 0o644)
-    except LockHeld as held:
-        raise UsageError(
-            f"--out-dir {out} is in use by another zeroshard train (pid {held.pid}); wait for "
-            "it to end, or pass another --out-dir"
-        ) from None
-    try:
-        yield
-    finally:
-        os.close(fd)
 
 
 def check_port(port: int, *, bind: bool) -> None:

@@ -142,16 +142,28 @@ def pid_lock(path: Path, mode: int = 0o600) -> int:
     """flock ``path`` (created if missing) for this process, not waiting, and write our pid
     into it; the fd (closing it lets go; so does the kernel if the process dies). ``LockHeld``
     with the holder's pid when another open file holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _pid_in(fd)
-        os.close(fd)
-        raise LockHeld(holder) from None
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _pid_in(fd)
+            os.close(fd)
+            raise LockHeld(holder) from None
+        if _still_at(fd, path):
+            break
+        os.close(fd)  # its holder deleted it as we opened it: lock the file there now
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is still the one at ``path`` (not deleted or replaced)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def _pid_in(fd: int) -> str:
@@ -211,7 +223,12 @@ def discard_folder(folder: Path) -> None:
     collect_if_held_here(folder)
     if not folder.is_dir() or not ((folder / LOCK_NAME).exists() or holds_swap_files(folder)):
         return  # the collected store took its files with it
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:  # not created: another discard may just have deleted it, with the files
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not holds_swap_files(folder):
+            return
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -221,7 +238,7 @@ def discard_folder(folder: Path) -> None:
                 "own folder (--offload-folder), or stop that one"
             ) from None
         for path in folder.glob("*" + SUFFIX):
-            path.unlink()
+            path.unlink(missing_ok=True)
         for name in (INDEX_NAME, INDEX_NAME + ".tmp", LOCK_NAME):
             (folder / name).unlink(missing_ok=True)
     finally:
@@ -233,5 +250,7 @@ def remove_if_empty(folder: Path) -> None:
     """Remove `folder`; leave it, with a warning, when it holds files the store did not write."""
     try:
         folder.rmdir()
+    except FileNotFoundError:
+        pass  # removed meanwhile (another discard of it)
     except OSError:
         logger.warning("left %s in place: it holds files the store did not write", folder)

@@ -170,7 +170,11 @@ def discard_absent_ranks(folder: Path, world_size: int) -> list[Path]:
     swap files are never read again (states come back from checkpoints); a folder whose lock a
     live store holds (another job sharing ``folder``) is left alone. The folders deleted."""
     gone = []
-    for child in sorted(folder.iterdir()) if folder.is_dir() else []:
+    try:
+        children = sorted(folder.iterdir())
+    except OSError:  # best effort, on one rank: never an error that the others would wait on
+        return gone
+    for child in children:
         m = RANK_FOLDER.fullmatch(child.name)
         if m is None or int(m["rank"]) < world_size or not child.is_dir():
             continue
