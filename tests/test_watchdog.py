@@ -9,7 +9,6 @@ hanging it.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import re
 import signal
@@ -23,7 +22,7 @@ from torch import nn
 import zeroshard
 from zeroshard import collectives as C
 from zeroshard.mesh import Mesh
-from zeroshard.testing import Workers, free_port
+from zeroshard.testing import Workers, free_port, process_context
 from zeroshard.watchdog import (
     DEAD_PEER_GRACE_ENV,
     DEAD_PEER_GRACE_S,
@@ -140,7 +139,7 @@ def _stopped_rank_main(rank: int, port: int, conn, stopped: int) -> None:
 def test_a_stopped_rank_is_named_by_the_engine_s_collective(stopped):
     """Rank 1 stopped: rank 0 names it. Rank 0 stopped: outside torchrun it also hosts the
     rendezvous store, which stops with it; rank 1 still fails within the bound and says so."""
-    ctx = mp.get_context("spawn")
+    ctx = process_context()  # the workers' (forked from a server that imported torch)
     alive = 1 - stopped
     port = free_port()
     pipes = [ctx.Pipe() for _ in range(2)]

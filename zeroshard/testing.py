@@ -42,7 +42,7 @@ a fraction of a second instead of importing torch (and dynamo, which torch's opt
 for about 5 s of CPU each."""
 
 
-def _context() -> Any:
+def process_context() -> Any:
     """The multiprocessing context of the workers: a fork server that preloads ``_PRELOAD``
     where the platform has one (Linux, macOS), else spawn. Neither copies the test process's
     threads or gloo state."""
@@ -152,7 +152,7 @@ class Workers:
         return True
 
     def _spawn(self, port: int) -> None:
-        ctx = _context()
+        ctx = process_context()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
