@@ -821,6 +821,10 @@ def test_a_refused_run_leaves_no_output_folder(capsys, tmp_path, data_dir, model
     (tmp_path / "mine").mkdir()  # a folder the user made is theirs: kept, as it was
     _expect_usage_error(capsys, ["train", *bad, "--out-dir", str(tmp_path / "mine")], "offload")
     assert [p.name for p in (tmp_path / "mine").iterdir()] == [".zeroshard.lock"]
+    # A folder that cannot be made (its name too long): the parents made for it go too.
+    too_long = tmp_path / "parent" / ("x" * 300)
+    _expect_usage_error(capsys, ["train", "--out-dir", str(too_long)], "cannot create output")
+    assert not (tmp_path / "parent").exists()
     dotted = ["--out-dir", str(tmp_path / "new" / ".." / "mine" / "run")]
     _expect_usage_error(capsys, ["train", *bad, *dotted], "offload")
     assert not (tmp_path / "new").exists() and (tmp_path / "mine").is_dir()

@@ -274,20 +274,20 @@ def _message(r: TimeoutReport, *, store_answered: bool) -> str:
     # timeout would have helped, so none is suggested. Which rank ended is not known: with
     # more ranks, live ones that are still computing or blocked elsewhere have not arrived yet.
     if timed_out:
-        if_slow = f", or {raise_it} if it is only slow"
+        advice = f", or {raise_it} if it is only slow"
     else:
-        if_slow = "; a connection closed: a rank ended, and the first error in its log says why"
+        advice = "; a connection closed: a rank ended, and the first error in its log says why"
     if not store_answered:
         return (
             f"{head}; the rendezvous store did not answer either, so its host (rank 0, or "
-            f"torchrun's agent) is stopped, hung or dead; look at rank 0 first{if_slow}"
+            f"torchrun's agent) is stopped, hung or dead; look at rank 0 first{advice}"
         )
     if r.missing:
         reached = [x for x in r.group_ranks if x not in r.missing]
         return (
             f"{head}: {_ranks(r.missing)} did not arrive (stopped, hung in other code, or dead); "
             f"{_ranks(reached)} reached it. Look at {_ranks(r.missing)} (its log, py-spy "
-            f"dump){if_slow}"
+            f"dump){advice}"
         )
     if r.elsewhere:
         where = "; ".join(f"rank {x} was in {w}" for x, w in sorted(r.elsewhere.items()))

@@ -182,7 +182,13 @@ def hold_out_dir(path: str, *, lock: bool) -> Iterator[Path]:
     nodes of a multi-node job share the folder: it is neither locked nor removed."""
     path = os.path.normpath(path)  # "new/../runs" names runs: "new" is neither made nor removed
     created = _make_folders(Path(os.path.abspath(path)))
-    out = make_out_dir(path)
+    try:
+        out = make_out_dir(path)
+    except UsageError:
+        for folder in created:  # the parents made before the folder itself failed
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     fd = _lock(out) if lock else None
     try:
         yield out
