@@ -21,7 +21,8 @@ from test_cli_train import _cmdline, _descendants, _expect_usage_error
 
 from zeroshard import checkpoint
 from zeroshard.cli.agent import Launch, _holding_agent
-from zeroshard.cli.train import load_config, resume_after_restart
+from zeroshard.cli.resume import resume_after_restart
+from zeroshard.cli.train import load_config
 from zeroshard.testing import free_port
 
 # Tiny on purpose (about 0.1 s a step on 2 shared cores): long enough to be killed mid-run.
@@ -102,7 +103,7 @@ def test_a_node_joining_with_other_settings_is_refused_on_its_own(tmp_path):
     """Joined, its ranks would fail the settings check on every rank of the running job (a bad
     input: the whole job ended); refused before it joins, naming the setting, and the job's
     config.json left as it is."""
-    from zeroshard.cli.train import _check_joins_the_same_job
+    from zeroshard.cli.resume import _check_joins_the_same_job
     from zeroshard.train import save_config
 
     job = load_config(None, {"out_dir": str(tmp_path), "save_every": "2", "lr": "3e-4"})

@@ -26,6 +26,7 @@ import sys
 import warnings
 
 from zeroshard import planner
+from zeroshard.cli import plan_flags as flags
 from zeroshard.planner import memory, report, units
 from zeroshard.planner.advise import layout_problem
 from zeroshard.planner.memory import OFFLOADS
@@ -91,7 +92,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--precision",
-        choices=tuple(PRECISION_BYTES),
+        choices=tuple(flags.PRECISION_BYTES),
         default=None,
         help="the run's precision, as zeroshard train --precision: the bytes per parameter and "
         "activation the engine keeps (fp32, tf32: 4,4,8, the parameter is its own master, and "
@@ -234,22 +235,6 @@ def _gpt_presets() -> list[str]:
 # ---- reading the arguments -----------------------------------------------------------------
 
 
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-
-
-def _ints(flag: str, text: str, *, positive: bool = True) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag} takes integers separated by commas, got {text!r}") from None
-    for v in values:
-        if positive:
-            _positive(flag, v)
-    return values
-
-
 def _model(args) -> planner.ModelDescription:
     shape_flags = (args.layers, args.hidden, args.heads)
     sources = [s for s in ("preset", "hf", "module") if getattr(args, s)]
@@ -276,7 +261,7 @@ def _model(args) -> planner.ModelDescription:
         for flag, v in zip(
             ("--layers", "--hidden", "--heads", "--vocab"), (*shape_flags, args.vocab)
         ):
-            _positive(flag, v)
+            flags.check_positive(flag, v)
         return planner.from_transformer(
             num_layers=args.layers,
             hidden_size=args.hidden,
@@ -303,80 +288,6 @@ def _import_factory(spec: str):
         raise ValueError(f"--module {spec!r}: {exc}; check the module path and name") from None
 
 
-PRECISION_BYTES = {
-    "fp32": (memory.BytesPerParam(params=4, grads=4, optimizer_states=8), 4),
-    "tf32": (memory.BytesPerParam(params=4, grads=4, optimizer_states=8), 4),
-    "bf16": (memory.ZERO, 2),
-    "fp16": (memory.ZERO, 2),
-}
-"""--precision -> (bytes per parameter, bytes per activation element) of the engine's AdamW run:
-FP32 keeps no separate master; BF16 and FP16 keep FP32 masters beside 2-byte compute copies."""
-
-
-def _state_bytes(args) -> tuple[memory.BytesPerParam, int]:
-    """Bytes per parameter and per activation element: --precision's, or the explicit flags
-    (ZeRO's 2,2,12 and 2 by default). --precision with either of them is a ValueError."""
-    if args.precision is not None:
-        flags = {"--bytes-per-param": args.bytes_per_param}
-        flags["--activation-bytes"] = args.activation_bytes
-        given = [flag for flag, value in flags.items() if value is not None]
-        if given:
-            raise ValueError(
-                f"--precision {args.precision} sets {' and '.join(given)}: pass one or the other"
-            )
-        return PRECISION_BYTES[args.precision]
-    per_param = _bytes_per_param(args.bytes_per_param or "zero")
-    return per_param, args.activation_bytes or 2
-
-
-def _bytes_per_param(text: str) -> memory.BytesPerParam:
-    if text in memory.BYTES_PER_PARAM_PRESETS:
-        return memory.BYTES_PER_PARAM_PRESETS[text]
-    parts = text.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(
-            f"--bytes-per-param takes zero, infinity or PARAMS,GRADS,K such as 2,2,12; got {text!r}"
-        )
-    p, g, k = (int(v) for v in parts)
-    if p not in (0, 1, 2, 4, 8) or g not in (0, 1, 2, 4, 8):
-        raise ValueError(
-            f"--bytes-per-param {text}: parameters and gradients take a dtype's width, 1, 2, 4 "
-            f"or 8 bytes (0: not counted); got {p} and {g}"
-        )
-    try:
-        return memory.BytesPerParam(params=p, grads=g, optimizer_states=k)
-    except ValueError as exc:
-        raise ValueError(f"--bytes-per-param {text}: {exc}") from None
-
-
-def _offloads(text: str) -> tuple[str, ...]:
-    names = tuple(OFFLOADS) if text == "all" else tuple(n.strip() for n in text.split(","))
-    for n in names:
-        if n not in OFFLOADS:
-            raise ValueError(f"unknown --offload {n!r}; choose all or from {', '.join(OFFLOADS)}")
-    return names
-
-
-def _stages(text: str | None, step_in_backward: bool = False) -> tuple[int, ...]:
-    if text is None:  # the default: every stage the configuration can have
-        text = "2,3" if step_in_backward else "0,1,2,3"
-    stages = _ints("--stage", text, positive=False)
-    for s in stages:
-        if s not in (0, 1, 2, 3):
-            raise ValueError(f"--stage takes 0, 1, 2 or 3 (or a list such as 2,3), got {s}")
-    low = [s for s in stages if s < 2]
-    if step_in_backward and low:
-        raise ValueError(
-            f"--step-in-backward needs partitioned gradients (stage 2 or 3), but --stage has "
-            f"{','.join(map(str, low))}; pass --stage 2,3 or drop --step-in-backward"
-        )
-    return stages
-
-
-def _opt(parse, text):
-    return None if text is None else parse(text)
-
-
 # ---- the plan ------------------------------------------------------------------------------
 
 
@@ -390,7 +301,7 @@ def _shard_group_size(args, num_dp: int) -> int | None:
                 f"--shard-group-size K with K < {num_dp} dividing {num_dp}, or drop it"
             )
         return None
-    _positive("--shard-group-size", k)
+    flags.check_positive("--shard-group-size", k)
     if k > num_dp or num_dp % k:
         why = "is larger than" if k > num_dp else "does not divide"
         divisors = ", ".join(str(d) for d in range(1, num_dp + 1) if num_dp % d == 0)
@@ -412,7 +323,7 @@ def _memory_config(
     each row replaces it), over
     ``num_dp`` data-parallel ranks (default --dp)."""
     num_dp = num_dp or args.dp
-    per_param, per_activation = _state_bytes(args)
+    per_param, per_activation = flags.state_bytes(args)
     return memory.MemoryConfig(
         stage=3 if args.step_in_backward else 0,
         num_dp_ranks=num_dp,
@@ -497,10 +408,10 @@ def plan(args) -> dict:
     _fit_to_model(args)
     model = _model(args)
     for flag in ("dp", "mp", "seq", "devices_per_node"):
-        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+        flags.check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0, got {args.prefetch}")
-    batches, cis = _ints("--batch", args.batch), _ints("--ci", args.ci)
+    batches, cis = flags.ints("--batch", args.batch), flags.ints("--ci", args.ci)
     if len(batches) > 1 or len(cis) > 1:
         raise ValueError("--batch and --ci take one value each unless --advise is given")
     config = _memory_config(args, micro_batch_size=batches[0], num_layers_per_checkpoint=cis[0])
@@ -510,13 +421,15 @@ def plan(args) -> dict:
     return report.plan_report(
         model,
         config,
-        stages=_stages(args.stage, args.step_in_backward),
-        offloads=_offloads(args.offload),
-        bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.bandwidth),
-        net_bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.net_bandwidth),
-        inter_node_bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.inter_node_bandwidth),
-        peak_flops=_opt(units.parse_flops, args.peak_flops),
-        device_memory_bytes=_opt(units.parse_bytes, args.memory),
+        stages=flags.stages(args.stage, args.step_in_backward),
+        offloads=flags.offloads(args.offload),
+        bandwidth_bytes_per_s=flags.opt(units.parse_bandwidth, args.bandwidth),
+        net_bandwidth_bytes_per_s=flags.opt(units.parse_bandwidth, args.net_bandwidth),
+        inter_node_bandwidth_bytes_per_s=flags.opt(
+            units.parse_bandwidth, args.inter_node_bandwidth
+        ),
+        peak_flops=flags.opt(units.parse_flops, args.peak_flops),
+        device_memory_bytes=flags.opt(units.parse_bytes, args.memory),
         target_efficiency=args.target_efficiency,
     )
 
@@ -538,8 +451,8 @@ def advice(args) -> dict:
     if missing:
         raise ValueError(f"--advise needs {', '.join(missing)} too")
     for flag in ("dp", "mp", "seq", "devices", "global_batch", "top", "devices_per_node"):
-        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
-    bw = _opt(units.parse_bandwidth, args.bandwidth)
+        flags.check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    bw = flags.opt(units.parse_bandwidth, args.bandwidth)
     num_devices = args.devices or args.dp * args.mp
     if num_devices % args.mp:
         raise ValueError(
@@ -551,21 +464,23 @@ def advice(args) -> dict:
         device_memory_bytes=units.parse_bytes(args.memory),
         peak_flops=units.parse_flops(args.peak_flops),
         net_bandwidth_bytes_per_s=units.parse_bandwidth(args.net_bandwidth),
-        inter_node_bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.inter_node_bandwidth),
+        inter_node_bandwidth_bytes_per_s=flags.opt(
+            units.parse_bandwidth, args.inter_node_bandwidth
+        ),
         cpu_bandwidth_bytes_per_s=bw,
-        nvme_bandwidth_bytes_per_s=_opt(units.parse_bandwidth, args.nvme_bandwidth) or bw,
+        nvme_bandwidth_bytes_per_s=flags.opt(units.parse_bandwidth, args.nvme_bandwidth) or bw,
         num_devices_per_node=args.devices_per_node,
-        cpu_memory_bytes=_opt(units.parse_bytes, args.cpu_memory),
-        nvme_bytes=_opt(units.parse_bytes, args.nvme),
+        cpu_memory_bytes=flags.opt(units.parse_bytes, args.cpu_memory),
+        nvme_bytes=flags.opt(units.parse_bytes, args.nvme),
         device_type=args.device_type,
     )
     workload = planner.Workload(
         seq_len=args.seq,
         global_batch_size=args.global_batch,
-        micro_batch_sizes=_ints("--batch", args.batch),
-        checkpoint_spans=_ints("--ci", args.ci),
-        stages=_stages(args.stage, args.step_in_backward),
-        offloads=_offloads(args.offload),
+        micro_batch_sizes=flags.ints("--batch", args.batch),
+        checkpoint_spans=flags.ints("--ci", args.ci),
+        stages=flags.stages(args.stage, args.step_in_backward),
+        offloads=flags.offloads(args.offload),
         # The advisor sets stage, bsz, seq and ci per candidate; Nd is the devices over Nm.
         memory=_memory_config(args, num_dp=num_devices // args.mp),
     )
@@ -581,14 +496,14 @@ def measure(args) -> tuple[list[dict], str]:
     for name in presets:
         if name not in known:
             raise ValueError(f"unknown --measure-presets {name!r}; choose from {', '.join(known)}")
-    _positive("--measure-batch", args.measure_batch)
+    flags.check_positive("--measure-batch", args.measure_batch)
     if args.measure_steps < 2:
         raise ValueError("--measure-steps must be >= 2: the first step creates optimizer states")
-    stages = _stages(args.stage, args.step_in_backward)
+    stages = flags.stages(args.stage, args.step_in_backward)
     rows = calibrate.run_grid(
         presets=presets,
         stages=tuple(f"{s}s" for s in stages) if args.step_in_backward else stages,
-        ranks=_ints("--measure-ranks", args.measure_ranks),
+        ranks=flags.ints("--measure-ranks", args.measure_ranks),
         micro_batch_size=args.measure_batch,
         num_steps=args.measure_steps,
     )

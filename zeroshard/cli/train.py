@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import socket
 import sys
@@ -36,10 +35,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from zeroshard import checkpoint
 from zeroshard.cli.agent import RESUME_NEWEST, Launch, run_agent
 from zeroshard.cli.held_signals import held
 from zeroshard.cli.main import UsageError, bad_input
+from zeroshard.cli.resume import pin_resume, resume_after_restart, say_changes
 from zeroshard.cli.train_checks import (
     check_divides,
     check_inputs,
@@ -51,14 +50,7 @@ from zeroshard.divergence import Diverged
 from zeroshard.mesh import launched_by_torchrun, tear_down
 from zeroshard.models.gpt import PRESETS
 from zeroshard.signals import Stopped
-from zeroshard.train import (
-    TrainConfig,
-    lr_at,
-    resume_path,
-    save_config,
-    settings_differ,
-    train,
-)
+from zeroshard.train import TrainConfig, save_config, train
 from zeroshard.train_config import field_docs
 from zeroshard.watchdog import CollectiveTimeout, StartTimeout
 
@@ -246,7 +238,7 @@ def _launch(
     saved = out / "config.json"
     previous = saved.read_bytes() if cfg.resume and saved.is_file() else None
     if cfg.resume:
-        _say_changes(saved, cfg)
+        say_changes(saved, cfg)
     if not joining:
         save_config(cfg, saved)
     started = time.time()
@@ -296,52 +288,8 @@ def _prepare(
     for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
         check_divides(cfg, world)
     check_inputs(cfg, launch.worlds()[0], local_ranks=launch.nproc)
-    cfg, joining = _pin_resume(cfg, launch)
+    cfg, joining = pin_resume(cfg, launch)
     return launch, cfg, out, joining
-
-
-_BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eval_batches",
-                "progress_every", "log", "timeout", "keep", "save_every"}  # fmt: skip
-"""Settings that do not change what is trained: a resume may change them without a word."""
-
-
-def _say_changes(saved: Path, cfg: TrainConfig) -> None:
-    """One line naming the settings of a resumed run that differ from those of the run that
-    wrote ``out_dir`` (its ``config.json``): allowed (a longer run, a new learning rate), but
-    the curve then is not the one an uninterrupted run would have drawn. A schedule stretched
-    or shortened by new ``steps`` changes the learning rate from the resumed step on: said with
-    both rates."""
-    try:
-        before = json.loads(saved.read_text())
-    except (OSError, ValueError):
-        return  # none saved (another folder's checkpoint), or unreadable: nothing to compare
-    now = dataclasses.asdict(cfg)
-    changed = [
-        f"{k} {before[k]!r} -> {v!r}"
-        for k, v in now.items()
-        if k in before and k not in _BOOKKEEPING and before[k] != v
-    ]
-    if not changed:
-        return
-    print(f"resuming with other settings than the saved run's: {', '.join(changed)}")
-    step = checkpoint.info(cfg.resume).step if cfg.resume else None
-    if step is None or not all(k in before for k in _SCHEDULE):
-        return  # a saved config of another version: nothing sure to say
-    try:
-        saved_rate = lr_at(step, dataclasses.replace(cfg, **{k: before[k] for k in _SCHEDULE}))
-    except (TypeError, ValueError):
-        return
-    rate = lr_at(step, cfg)
-    if not math.isclose(rate, saved_rate, rel_tol=1e-9):
-        print(
-            f"the learning rate of step {step + 1}, the first resumed, is {rate:.4g} "
-            f"({cfg.lr_schedule} schedule over {cfg.steps} steps); the saved run's schedule "
-            f"gave it {saved_rate:.4g}"
-        )
-
-
-_SCHEDULE = ("lr", "steps", "warmup_steps", "lr_schedule")
-"""The settings ``lr_at`` reads."""
 
 
 def _launch_plan(args: argparse.Namespace, cfg: TrainConfig, nproc: int, port: int) -> Launch:
@@ -492,116 +440,6 @@ def _finish(line: str, code: int, stream: Any = None) -> int:
         print(line, file=stream or sys.stdout, flush=True)
     tear_down(clean=True)
     return code
-
-
-def _pin_resume(cfg: TrainConfig, launch: Launch) -> tuple[TrainConfig, bool]:
-    """``--resume``: the checkpoint it names (``auto``: the newest), checked and printed. A run
-    that saves checkpoints and does not resume must not start into a folder holding an earlier
-    run's: they would be pruned together and ``--resume auto`` would pick the other run. A node
-    joining an elastic job that runs already finds that job's checkpoints there: its ranks
-    resume from the newest, as the running ones do (``resume_after_restart``); True then (its
-    launcher leaves the job's config.json alone)."""
-    path = resume_path(cfg)
-    if path is None:
-        earlier = checkpoint.latest(Path(cfg.out_dir) / "ckpt") if cfg.save_every else None
-        if earlier is not None and launch.joins_running_job():
-            _check_joins_the_same_job(cfg, launch)
-            print(
-                f"joining the job running at {launch.rdzv_endpoint}: its ranks resume from the "
-                f"newest checkpoint in {earlier.parent}"
-            )
-            return cfg, True
-        elif earlier is not None:
-            raise UsageError(
-                f"--out-dir {cfg.out_dir} holds checkpoints of an earlier run (newest: "
-                f"{earlier.name}); pass --resume auto to continue it, or another --out-dir (or "
-                f"delete {earlier.parent}) to start afresh"
-            )
-        return cfg, False
-    found = checkpoint.info(path)  # FileNotFoundError when missing
-    _check_not_a_folder_of_checkpoints(path, found)
-    if not found.complete:
-        raise UsageError(f"--resume {path}: {found.problem}")
-    if found.step is not None and found.step >= cfg.steps:
-        raise UsageError(
-            f"--resume {path}: the checkpoint is at step {found.step} and --steps is "
-            f"{cfg.steps}: nothing left to train; pass --steps above {found.step} to train on"
-        )
-    _check_no_later(cfg, path, found.step)
-    print(f"resuming from {path} (step {found.step})")
-    return dataclasses.replace(cfg, resume=str(path)), False
-
-
-def _check_not_a_folder_of_checkpoints(path: Path, found: Any) -> None:
-    """``--resume`` given a run's output folder, or its ``ckpt`` folder, instead of one
-    checkpoint: a UsageError naming the two ways to say it (it read "incomplete")."""
-    if found.complete:
-        return
-    for folder, run in ((path / "ckpt", path), (path, path.parent)):
-        newest = checkpoint.latest(folder)
-        if newest is not None:
-            raise UsageError(
-                f"--resume {path} holds checkpoints but is not one: pass --resume {newest} "
-                f"(its newest), or --resume auto --out-dir {run} to continue that run in its "
-                "own folder"
-            )
-
-
-def _check_joins_the_same_job(cfg: TrainConfig, launch: Launch) -> None:
-    """A node joining a running job must train that job: its ranks would stop every rank of
-    it at the settings check (a bad input, which ends the job). Compared on this side, with
-    the settings the job's first node wrote into out_dir/config.json."""
-    try:
-        job = json.loads((Path(cfg.out_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # none to compare with: the ranks' check remains
-    differ = settings_differ(job, json.loads(json.dumps(dataclasses.asdict(cfg))))
-    if differ:
-        raise UsageError(
-            f"the job running at {launch.rdzv_endpoint} was started with other settings "
-            f"({', '.join(differ)}); join it with the same flags and config"
-        )
-
-
-def _check_no_later(cfg: TrainConfig, path: Path, step: int | None) -> None:
-    """A run resumed from an earlier checkpoint than the newest of its out_dir (rolled back)
-    and saving there would mix with the run it abandons: a restart or a later ``--resume auto``
-    would continue the abandoned one, and ``keep`` would prune the new one's."""
-    folder = Path(cfg.out_dir) / "ckpt"
-    newest = checkpoint.latest(folder) if cfg.save_every else None
-    if newest is None or step is None or (checkpoint.info(newest).step or 0) <= step:
-        return
-    raise UsageError(
-        f"--resume {path}: {folder} holds later checkpoints of the run it rolls back (newest: "
-        f"{newest.name}); saving beside them, a restart or a later --resume auto would continue "
-        f"that run instead: move them out of {folder} (e.g. into {folder}-abandoned) or pass "
-        "another --out-dir"
-    )
-
-
-def resume_after_restart(cfg: TrainConfig, restart: int) -> tuple[TrainConfig, str | None]:
-    """``cfg`` for restart number ``restart`` of the ranks (torchrun's agent restarted them after
-    a failure; 0: started by an elastic agent, maybe anew as nodes joined or left): resumed from
-    the newest complete checkpoint in out_dir/ckpt, which may have been saved at another world
-    size, when it is later than the one ``cfg`` resumes from. Every rank of every node decides
-    alike from the shared folder, whatever its launcher pinned: a node that joined late may
-    have pinned a checkpoint pruned since. Also the line that says so (None: nothing to say)."""
-    folder = Path(cfg.out_dir) / "ckpt"
-    newest = checkpoint.latest(folder) if cfg.save_every else None
-    step = checkpoint.info(newest).step if newest is not None else None
-    pinned = None  # the step of the checkpoint cfg resumes from, while it still exists
-    if cfg.resume and not restart and Path(cfg.resume).is_dir():
-        pinned = checkpoint.info(cfg.resume).step
-    if newest is not None and (pinned is None or (step or 0) > pinned):
-        why = f"restart {restart}" if restart else "the job's nodes changed"
-        return dataclasses.replace(cfg, resume=str(newest)), (
-            f"{why}: resuming from {newest} (step {step})"
-        )
-    if not restart:
-        return cfg, None
-    start = f"from {cfg.resume}" if cfg.resume else "from step 0"
-    why = f"no complete checkpoint in {folder} yet" if cfg.save_every else "save_every = 0"
-    return cfg, f"restart {restart}: {why}; training again {start}"
 
 
 def _restart_count() -> int:

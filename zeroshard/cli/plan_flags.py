@@ -1,0 +1,98 @@
+"""The values of ``zeroshard plan``'s flags, parsed and checked: counts and lists of them,
+stages, offload placements, bytes per parameter and per activation element (or the precision
+that sets both). Each raises a ValueError naming the flag and what it takes."""
+
+from __future__ import annotations
+
+from zeroshard.planner import memory
+from zeroshard.planner.memory import OFFLOADS
+
+
+def check_positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def ints(flag: str, text: str, *, positive: bool = True) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} takes integers separated by commas, got {text!r}") from None
+    for v in values:
+        if positive:
+            check_positive(flag, v)
+    return values
+
+
+PRECISION_BYTES = {
+    "fp32": (memory.BytesPerParam(params=4, grads=4, optimizer_states=8), 4),
+    "tf32": (memory.BytesPerParam(params=4, grads=4, optimizer_states=8), 4),
+    "bf16": (memory.ZERO, 2),
+    "fp16": (memory.ZERO, 2),
+}
+"""--precision -> (bytes per parameter, bytes per activation element) of the engine's AdamW run:
+FP32 keeps no separate master; BF16 and FP16 keep FP32 masters beside 2-byte compute copies."""
+
+
+def state_bytes(args) -> tuple[memory.BytesPerParam, int]:
+    """Bytes per parameter and per activation element: --precision's, or the explicit flags
+    (ZeRO's 2,2,12 and 2 by default). --precision with either of them is a ValueError."""
+    if args.precision is not None:
+        flags = {"--bytes-per-param": args.bytes_per_param}
+        flags["--activation-bytes"] = args.activation_bytes
+        given = [flag for flag, value in flags.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"--precision {args.precision} sets {' and '.join(given)}: pass one or the other"
+            )
+        return PRECISION_BYTES[args.precision]
+    per_param = bytes_per_param(args.bytes_per_param or "zero")
+    return per_param, args.activation_bytes or 2
+
+
+def bytes_per_param(text: str) -> memory.BytesPerParam:
+    if text in memory.BYTES_PER_PARAM_PRESETS:
+        return memory.BYTES_PER_PARAM_PRESETS[text]
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(
+            f"--bytes-per-param takes zero, infinity or PARAMS,GRADS,K such as 2,2,12; got {text!r}"
+        )
+    p, g, k = (int(v) for v in parts)
+    if p not in (0, 1, 2, 4, 8) or g not in (0, 1, 2, 4, 8):
+        raise ValueError(
+            f"--bytes-per-param {text}: parameters and gradients take a dtype's width, 1, 2, 4 "
+            f"or 8 bytes (0: not counted); got {p} and {g}"
+        )
+    try:
+        return memory.BytesPerParam(params=p, grads=g, optimizer_states=k)
+    except ValueError as exc:
+        raise ValueError(f"--bytes-per-param {text}: {exc}") from None
+
+
+def offloads(text: str) -> tuple[str, ...]:
+    names = tuple(OFFLOADS) if text == "all" else tuple(n.strip() for n in text.split(","))
+    for n in names:
+        if n not in OFFLOADS:
+            raise ValueError(f"unknown --offload {n!r}; choose all or from {', '.join(OFFLOADS)}")
+    return names
+
+
+def stages(text: str | None, step_in_backward: bool = False) -> tuple[int, ...]:
+    if text is None:  # the default: every stage the configuration can have
+        text = "2,3" if step_in_backward else "0,1,2,3"
+    stages = ints("--stage", text, positive=False)
+    for s in stages:
+        if s not in (0, 1, 2, 3):
+            raise ValueError(f"--stage takes 0, 1, 2 or 3 (or a list such as 2,3), got {s}")
+    low = [s for s in stages if s < 2]
+    if step_in_backward and low:
+        raise ValueError(
+            f"--step-in-backward needs partitioned gradients (stage 2 or 3), but --stage has "
+            f"{','.join(map(str, low))}; pass --stage 2,3 or drop --step-in-backward"
+        )
+    return stages
+
+
+def opt(parse, text):
+    return None if text is None else parse(text)
