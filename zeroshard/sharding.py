@@ -22,7 +22,7 @@ from torch import nn
 
 from zeroshard import collectives as C
 from zeroshard import tensor_parallel
-from zeroshard.engine import _ATTR, Engine, ShardConfig, Unit
+from zeroshard.engine import _ATTR, Engine, ShardConfig
 from zeroshard.mesh import Mesh, settle_collective_threads_at_exit
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.grads import GradBucket, GradScaling
@@ -35,6 +35,7 @@ from zeroshard.residual_states.buffers import BufferPool, TensorPool
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.stages import Partition, partition
 from zeroshard.state_dict import install_state_dict_hooks
+from zeroshard.unit import Unit
 from zeroshard.wrap import UnitSpec, WrapPolicy, units
 
 if TYPE_CHECKING:

@@ -1,0 +1,99 @@
+"""A unit: one wrapped module (a transformer block, or the root for what no block owns), the
+flat storage of the parameters it owns (its ``FlatParam`` objects, one per dtype group) and
+where it is in a training step (``TrainingState``, checked at every transition). The engine
+(``zeroshard.engine``) drives the units through forward and backward; a unit only gathers,
+frees and reports."""
+
+from __future__ import annotations
+
+import enum
+
+from torch import nn
+
+from zeroshard.model_states.flat_param import FlatParam, ShardState
+from zeroshard.model_states.grads import GradBucket
+
+__all__ = ["TrainingState", "Unit"]
+
+
+class TrainingState(enum.Enum):
+    """Where one unit is in a training step; checked at every transition.
+
+    What is alive in each state (partitioned parameters; replicated ones are always gathered):
+
+        IDLE           gathered storage freed (the root may keep it until backward);
+                       parameters are NaN placeholders of their own shape (``FlatParam``);
+                       gradients, if any, are reduced shards (local ones inside ``no_sync``).
+        FORWARD        gathered; parameters are views into it.
+        PRE_BACKWARD   gathered; autograd is accumulating the unit's gradients (into the bucket's
+                       ``full_grad`` views, or its own per-parameter tensors at stage 3).
+        POST_BACKWARD  autograd is done with the unit for this backward: its gradient reduction
+                       is issued (or finished), gathered storage freed.
+    """
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+_TRANSITIONS: dict[TrainingState, set[TrainingState]] = {
+    TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.PRE_BACKWARD},
+    TrainingState.FORWARD: {TrainingState.IDLE},
+    TrainingState.PRE_BACKWARD: {TrainingState.POST_BACKWARD},
+    TrainingState.POST_BACKWARD: {TrainingState.IDLE, TrainingState.PRE_BACKWARD},
+}
+
+
+class Unit:
+    """One wrapped module, the flat storage of the parameters it owns and its training state."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        flat_params: list[FlatParam],
+        buckets: list[GradBucket],
+        is_root: bool,
+        owners: list[nn.Module] | None = None,
+    ):
+        self.name, self.module, self.flat_params, self.is_root = name, module, flat_params, is_root
+        self.buckets = buckets
+        self.owners = owners or []
+        """Submodules (other than ``module``) that register the unit's parameters."""
+        self.lender: nn.Module | None = None  # the owner whose call is a use of the unit
+        self.lent_gathered = False  # the unit was gathered already when lent: keep it so
+        self.state = TrainingState.IDLE
+        self.pending_uses = 0
+        """Forward uses (with grad) whose backward has not reached the unit's inputs yet."""
+        self.generation = 0
+        """Bumped whenever ``pending_uses`` is reset: older uses no longer count."""
+        self.recompute_use = False  # the current recomputation is a use (reentrant checkpoint)
+
+    def to(self, state: TrainingState) -> None:
+        assert state in _TRANSITIONS[self.state], (
+            f"unit {self.name or '<root>'}: {self.state.value} -> {state.value}"
+        )
+        self.state = state
+
+    def unshard(self, *, async_op: bool = True) -> None:
+        for f in self.flat_params:
+            f.unshard(async_op=async_op)
+
+    def wait_unshard(self) -> None:
+        for f in self.flat_params:
+            f.wait_unshard()
+
+    def reshard(self) -> None:
+        for f in self.flat_params:
+            f.reshard()
+
+    @property
+    def is_sharded(self) -> bool:
+        return any(f.state is ShardState.SHARDED for f in self.flat_params)
+
+    @property
+    def is_gathered(self) -> bool:
+        """Partitioned parameters gathered or being gathered."""
+        parts = [f for f in self.flat_params if f.partition.parameters]
+        return any(f.state is ShardState.UNSHARDED or f.gathering for f in parts)
