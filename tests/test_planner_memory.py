@@ -8,6 +8,7 @@ import pytest
 
 from zeroshard.planner import describe as d
 from zeroshard.planner import memory as m
+from zeroshard.planner import staging as st
 from zeroshard.planner.memory import OFFLOADS, MemoryConfig, Tier
 from zeroshard.planner.units import format_bytes
 
@@ -228,7 +229,7 @@ def test_offload_staging_by_hand():
     model = d.ModelDescription(num_params=10_000, largest_unit_numel=1000)
     fp32 = m.BytesPerParam(params=4, grads=4, optimizer_states=8)
     config = MemoryConfig(stage=3, num_dp_ranks=2, bytes_per_param=fp32)
-    pool = m.STAGING_POOL_BYTES
+    pool = st.STAGING_POOL_BYTES
 
     def staging(offload: str, bpp=fp32) -> int:
         c = MemoryConfig(stage=3, num_dp_ranks=2, bytes_per_param=bpp, placement=OFFLOADS[offload])
@@ -247,7 +248,7 @@ def test_masters_read_ahead_outside_the_step_fit_the_step_s_count():
     from zeroshard.offload import Offload
 
     read_ahead = Offload().param_prefetch + MemoryConfig(stage=3).num_units_prefetch + 1
-    assert read_ahead <= m.MASTERS_AT_STEP
+    assert read_ahead <= st.MASTERS_AT_STEP
 
 
 def _staging_measured(folder: str) -> dict:
@@ -284,10 +285,10 @@ def test_offload_staging_matches_the_engine_s_buffers(workers2, tmp_path):
         ),
     )  # fmt: skip
     shard = math.ceil(d.from_gpt(preset("tiny")).unit_numel / 2)
-    slots = m.STATE_SLOTS * 8 * shard
-    assert plan.cpu["offload_staging"] >= slots + m.MASTERS_AT_STEP * 4 * shard
+    slots = st.STATE_SLOTS * 8 * shard
+    assert plan.cpu["offload_staging"] >= slots + st.MASTERS_AT_STEP * 4 * shard
     for r in workers2.run(_staging_measured, str(tmp_path)):
         # The engine's slots hold the largest sub-group's m and v; its FlatParam aligns each
         # parameter, 5% more elements in a block this small (0.1% at the 3b preset).
         assert slots <= r["slot_bytes"] <= slots * 1.1, (r, slots)
-        assert 0 < r["masters_outside_step"] <= m.MASTERS_AT_STEP * 4 * shard, r
+        assert 0 < r["masters_outside_step"] <= st.MASTERS_AT_STEP * 4 * shard, r

@@ -46,7 +46,8 @@ from zeroshard.state_dict import (
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from zeroshard.model_states.optimizer import ShardedOptimizer, _SubGroup
+    from zeroshard.model_states.optimizer import ShardedOptimizer
+    from zeroshard.model_states.subgroups import SubGroup
 
 __all__ = ["load_optimizer_state_dict", "optimizer_state_dict"]
 
@@ -91,7 +92,7 @@ def _init_subgroup(o: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
-def _subgroup_of(opt: ShardedOptimizer) -> dict[int, _SubGroup]:
+def _subgroup_of(opt: ShardedOptimizer) -> dict[int, SubGroup]:
     """This rank's sub-group of each bucket (by ``id``); a rank holding none of a bucket's
     trainable elements has none."""
     return {id(sg.bucket): sg for sg in opt._subgroups}
@@ -218,7 +219,7 @@ def optimizer_state_dict(opt: ShardedOptimizer, *, local: bool = False) -> dict[
 
 
 def _gathered_entries(
-    flat: FlatParam, sg: _SubGroup | None, key: str, dtype: torch.dtype, mesh: DeviceMesh
+    flat: FlatParam, sg: SubGroup | None, key: str, dtype: torch.dtype, mesh: DeviceMesh
 ) -> Callable[[int], torch.Tensor]:
     """State ``key`` of each slot of ``flat`` (by index) as a ``(Shard(0),)`` DTensor cut from
     one buffer of every rank's pieces (gathered when partitioned: a collective)."""
@@ -239,7 +240,7 @@ def _gathered_entries(
 
 
 def _local_entries(
-    flat: FlatParam, sg: _SubGroup | None, key: str, dtype: torch.dtype, mesh: DeviceMesh
+    flat: FlatParam, sg: SubGroup | None, key: str, dtype: torch.dtype, mesh: DeviceMesh
 ) -> Callable[[int], FlatRange]:
     """State ``key`` of each slot of ``flat`` (by index) as this rank holds it: the state
     tensor of the slot's piece (one piece per parameter), or an empty range where it holds

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -43,11 +42,11 @@ from torch import nn
 from zeroshard import collectives as C
 from zeroshard.engine import Engine, engine_of
 from zeroshard.model_states.backward_step import BackwardStep
-from zeroshard.model_states.flat_param import FlatParam, check_requires_grad
+from zeroshard.model_states.flat_param import check_requires_grad
 from zeroshard.model_states.grad_swap import GradSwapper
-from zeroshard.model_states.grads import GradBucket, agree
-from zeroshard.model_states.param_swap import ParamSwapper
+from zeroshard.model_states.grads import agree
 from zeroshard.model_states.state_swap import StateSwapper, state_bytes_per_element
+from zeroshard.model_states.subgroups import States, SubGroup, build_subgroups
 from zeroshard.offload.folder import padded_bytes
 from zeroshard.precision import DynamicLossScaler, LossScaler, default_scaler
 
@@ -66,57 +65,6 @@ hyperparameters), so that stepping each rank's shard equals stepping the whole t
 
 _FUSED = ("Adam", "AdamW")
 """Classes whose fused implementation zeroshard turns on by default where the device has it."""
-
-
-@dataclass
-class _Piece:
-    """A contiguous slice of one FlatParam's master and shard gradient given to the optimizer."""
-
-    span: slice
-    tensor: torch.Tensor  # 1D view of flat.master[span], this rank only
-    slot: int = 0  # the parameter's index among the engine's trainable slots
-
-
-@dataclass
-class _SubGroup:
-    """One trainable FlatParam's pieces and the torch optimizer that steps them."""
-
-    bucket: GradBucket
-    groups: list[int]  # index into the user's param groups, per torch param group below
-    pieces: list[list[_Piece]]  # per torch param group
-    optimizer: torch.optim.Optimizer
-
-
-class _States(Mapping):
-    """The sub-groups' optimizer states as one read-only mapping (piece tensor -> its state):
-    what ``torch.optim.Optimizer.state`` is to tools that walk it (memory trackers). Read
-    through the sub-optimizers each time: torch's ``load_state_dict`` replaces their dicts."""
-
-    def __init__(self, subgroups: list[_SubGroup]) -> None:
-        self._subgroups = subgroups
-
-    @property
-    def _maps(self) -> list[dict]:
-        return [sg.optimizer.state for sg in self._subgroups]
-
-    def __getitem__(self, key: Any) -> Any:
-        for m in self._maps:
-            if key in m:  # never m[key]: torch's states are defaultdicts
-                return m[key]
-        if isinstance(key, torch.Tensor):
-            raise KeyError(
-                "opt.state is keyed by this rank's 1D pieces of the sharded parameters, not by "
-                "the model's parameters: zeroshard.optimizer_state_dict(opt) gives each "
-                "parameter's states by name (FSDP2's format; a collective)"
-            )
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator[Any]:
-        for m in self._maps:
-            yield from m
-
-    def __len__(self) -> int:
-        return sum(len(m) for m in self._maps)
 
 
 def _param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
@@ -204,7 +152,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = _param_groups(model, params)
         defaults = _with_default_impl(optimizer_cls, defaults, self.engine.mesh.device)
-        self._subgroups = _build_subgroups(
+        self._subgroups = build_subgroups(
             buckets, user_groups, optimizer_cls, defaults, self.engine.param_swap
         )
         class_defaults = (
@@ -214,7 +162,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )
         super().__init__(user_groups, class_defaults)
         self.optimizer_cls = optimizer_cls
-        self.state = _States(self._subgroups)  # type: ignore[assignment]
+        self.state = States(self._subgroups)  # type: ignore[assignment]
         self._groups_fixed = True
         offload = getattr(self.engine, "offload", None)
         self._swap: StateSwapper | None = None
@@ -528,7 +476,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._swap is not None:
             self._swap.close()
 
-    def _step_subgroup(self, sg: _SubGroup, unused: set[int]) -> None:
+    def _step_subgroup(self, sg: SubGroup, unused: set[int]) -> None:
         g = sg.bucket.shard_grad  # 1D range numel, FP32, or None (no gradient this step)
         for torch_group, user_index, pieces in zip(sg.optimizer.param_groups, sg.groups, sg.pieces):
             for key, value in self.param_groups[user_index].items():
@@ -571,63 +519,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
         from zeroshard.optimizer_state_dict import load_optimizer_state_dict
 
         load_optimizer_state_dict(self, state_dict)
-
-
-def _build_subgroups(
-    buckets: list[GradBucket],
-    user_groups: list[dict[str, Any]],
-    optimizer_cls: type[torch.optim.Optimizer],
-    defaults: dict[str, Any],
-    param_swap: ParamSwapper | None = None,
-) -> list[_SubGroup]:
-    """One torch optimizer per trainable FlatParam over the pieces of each user group in it
-    (one piece per parameter: this rank's part of it). Offloaded masters (``param_swap``) are
-    read in one at a time while their views are cut."""
-    where: dict[int, tuple[GradBucket, slice, int]] = {}
-    index = 0  # slots in the order of Engine.slots_touched
-    for b in buckets:
-        for slot, span in b.flat.pieces():
-            where[id(slot.param)] = (b, span, index)
-            index += 1
-    spans: dict[GradBucket, list[tuple[int, slice, int]]] = {b: [] for b in buckets}
-    for gi, group in enumerate(user_groups):
-        for p in group["params"]:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"param groups hold tensors, got {type(p).__name__}")
-            if not p.requires_grad or p.numel() == 0 and id(p) not in where:
-                continue  # nothing to update (zero-element parameters stay unsharded)
-            if id(p) not in where:
-                raise ValueError(
-                    "a parameter given to the optimizer is not part of the sharded model; pass "
-                    "model.parameters() (or groups of them) of the model given to shard()"
-                )
-            b, span, slot_index = where[id(p)]
-            if span.start < span.stop:
-                spans[b].append((gi, span, slot_index))
-    out = []
-    for b in buckets:
-        flat: FlatParam = b.flat
-        master = flat.master_view  # views of it stay valid while it is offloaded (param_swap)
-        assert master is not None
-        by_group: dict[int, list[_Piece]] = {}
-        for gi, span, slot_index in sorted(spans[b], key=lambda x: (x[0], x[1].start)):
-            # One piece per parameter: a parameter no rank's backward reached is left out of
-            # the step, exactly as torch leaves out a parameter whose .grad is None.
-            by_group.setdefault(gi, []).append(_Piece(span, torch.empty(0), slot_index))
-        if not by_group:
-            continue
-        with param_swap.resident(flat) if param_swap is not None else contextlib.nullcontext():
-            for pieces in by_group.values():
-                for piece in pieces:
-                    piece.tensor = master[piece.span]
-        groups = sorted(by_group)
-        torch_groups = [
-            dict(
-                {k: v for k, v in user_groups[gi].items() if k != "params"},
-                params=[p.tensor for p in by_group[gi]],
-            )
-            for gi in groups
-        ]
-        opt = optimizer_cls(torch_groups, **defaults)
-        out.append(_SubGroup(b, groups, [by_group[gi] for gi in groups], opt))
-    return out

@@ -63,7 +63,7 @@ from zeroshard.residual_states.host_heap import memory_available_bytes
 
 if TYPE_CHECKING:
     from zeroshard.mesh import Mesh
-    from zeroshard.model_states.optimizer import _SubGroup
+    from zeroshard.model_states.subgroups import SubGroup
     from zeroshard.offload.placement import Offload
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class StateSwapper(StopsOnFailure):
 
     def __init__(
         self,
-        subgroups: list[_SubGroup],
+        subgroups: list[SubGroup],
         offload: Offload,
         mesh: Mesh,
         optimizer_cls: type,
