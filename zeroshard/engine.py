@@ -518,16 +518,12 @@ class Engine:
 
 
 def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` as a module hook that torch.compile runs eagerly (a graph break), never traces:
-    the engine's hooks swap storages and parameter data. Dynamo is imported only once something
-    compiles (importing it costs each process about 2.5 s of CPU)."""
-
-    def run(*args: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return torch._dynamo.disable(hook, recursive=True)(*args)
-        return hook(*args)
-
-    return run
+    """``hook`` as a module hook that torch.compile runs eagerly, never traces: the engine's
+    hooks swap storages and parameter data. Disabled as a whole, at registration: a wrapper
+    that graph-breaks only while compiling (FSDP2's way) made torch.compile of the whole model
+    recompile its resume function per hook signature until dynamo's limit (8), losing the
+    compiled graph. (This imports dynamo, which torch's optimizers import anyway.)"""
+    return torch._dynamo.disable(hook, recursive=True)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
