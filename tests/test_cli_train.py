@@ -834,6 +834,17 @@ def test_a_refused_run_leaves_no_output_folder(capsys, tmp_path, data_dir, model
     assert main(["train", *flags, "--out-dir", str(out)]) == 2
     assert "width must be even" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists(), list((tmp_path / "runs").rglob("*"))
+    # The same in a folder that existed: the settings it wrote go again, and a run's folder
+    # keeps the config.json of the run it holds.
+    assert main(["train", *flags, "--out-dir", str(tmp_path / "mine")]) == 2
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == [".zeroshard.lock"]
+    run = tmp_path / "run"
+    good = [*NANO, "--data-dir", str(data_dir), "--steps", "1"]
+    assert main(["train", *good, "--out-dir", str(run)]) == 0
+    before = (run / "config.json").read_bytes()
+    assert main(["train", *flags, "--out-dir", str(run)]) == 2
+    assert (run / "config.json").read_bytes() == before
+    capsys.readouterr()
     # A second command into a folder that a first one created and holds: refused, deleting
     # nothing of the first's, which removes the folder at its end (its run left nothing).
     held = tmp_path / "held" / "run"

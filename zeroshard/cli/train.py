@@ -236,7 +236,7 @@ def _launch(
     copy of their own beside it, which a later command cannot rewrite under them (every restart
     reads it again)."""
     saved = out / "config.json"
-    previous = saved.read_bytes() if cfg.resume and saved.is_file() else None
+    previous = saved.read_bytes() if saved.is_file() else None
     if cfg.resume:
         say_changes(saved, cfg)
     if not joining:
@@ -257,8 +257,16 @@ def _launch(
         refused = bad_input(exc) is not None
         raise
     finally:
-        if previous is not None and refused and not _trained_since(out, started):
-            saved.write_bytes(previous)  # the folder's run is still the one it held
+        if refused and not joining and not _trained_since(out, started):
+            _put_back(saved, previous)  # the folder's run is still the one it held, if any
+
+
+def _put_back(saved: Path, previous: bytes | None) -> None:
+    """``saved`` (config.json) as it was before this command: ``previous``, or none."""
+    if previous is not None:
+        saved.write_bytes(previous)
+    else:
+        saved.unlink(missing_ok=True)
 
 
 def _trained_since(out: Path, t: float) -> bool:
