@@ -28,14 +28,16 @@ _BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eva
 
 def say_changes(saved: Path, cfg: TrainConfig) -> None:
     """One line naming the settings of a resumed run that differ from those of the run that
-    wrote ``out_dir`` (its ``config.json``): allowed (a longer run, a new learning rate), but
-    the curve then is not the one an uninterrupted run would have drawn. A schedule stretched
-    or shortened by new ``steps`` changes the learning rate from the resumed step on: said with
-    both rates."""
+    wrote ``out_dir`` (its ``config.json``; the checkpoint's own run's when out_dir has none):
+    allowed (a longer run, a new learning rate), but the curve then is not the one an
+    uninterrupted run would have drawn. A schedule stretched or shortened by new ``steps``
+    changes the learning rate from the resumed step on: said with both rates."""
+    if not saved.is_file() and cfg.resume:  # resumed into another folder: the saved run's own
+        saved = Path(cfg.resume).parent.parent / "config.json"  # RUN/ckpt/step-N -> RUN
     try:
         before = json.loads(saved.read_text())
     except (OSError, ValueError):
-        return  # none saved (another folder's checkpoint), or unreadable: nothing to compare
+        return  # none saved, or unreadable: nothing to compare
     now = dataclasses.asdict(cfg)
     changed = [
         f"{k} {before[k]!r} -> {v!r}"
