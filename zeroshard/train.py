@@ -329,7 +329,8 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
             first_val = records[0]["val_loss"]
         else:
             first_val = evaluate_at(start)
-        # Throughput is of training steps: evaluations and saves move the clocks on.
+        # Throughput is of training steps after the first: evaluations and saves move the
+        # clocks on.
         t_start = t_log = time.perf_counter()
         batches = loader.iter(start_step=start, num_steps=max(0, cfg.steps - start))
         for step, (x, y) in enumerate(batches, start=start + 1):
@@ -368,6 +369,8 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
                 checkpoint.save(where, model, opt, state, keep=cfg.keep)
             paused = time.perf_counter() - paused
             t_start, t_log = t_start + paused, t_log + paused
+            if step == start + 1 and cfg.steps > step:  # the first step allocates and warms
+                t_start = time.perf_counter()  # up (cold after a resume): not throughput
             if signum and step < cfg.steps:  # at the last step the run is done: it ends as such
                 raise Stopped(signum, step, where, stopper.cause)
             bar.update(1)
@@ -383,7 +386,7 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
     summary.update(
         status="done", skipped_steps=guard.num_skipped, resumed_at_step=start,
         seconds=round(elapsed, 1),
-        tokens_per_s=round(tokens_per_step * max(1, cfg.steps - start) / trained_s),
+        tokens_per_s=round(tokens_per_step * max(1, cfg.steps - start - 1) / trained_s),
         val_loss_first=round(first_val, 4), val_loss_last=round(records[-1]["val_loss"], 4),
         comm_bytes_per_step=sum(e.bytes for e in last.values()),
         comm_bytes_per_step_by_label=_bytes_by_label(last),
