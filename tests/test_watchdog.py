@@ -213,6 +213,20 @@ def test_message_when_every_rank_arrived_or_the_store_is_gone():
     assert "timeout" not in closed, closed  # none would help
 
 
+def test_the_backend_s_message_loses_its_location_and_gloo_s_generic_advice():
+    from zeroshard.watchdog import _backend_error
+
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:27877: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs "
+        "in the application. Check the logs of the remote worker before reporting an error. "
+        "GLHF! \U0001f3d6\ufe0f\nmore"
+    )
+    assert _backend_error(gloo) == "Read error [127.0.0.1]:27877: Connection reset by peer."
+    plain = RuntimeError("[x.cc:78] Timed out waiting 3000ms for recv operation to complete")
+    assert _backend_error(plain) == "Timed out waiting 3000ms for recv operation to complete"
+
+
 def test_only_communication_failures_are_diagnosed():
     assert is_comm_failure(RuntimeError("[x.cc:78] Timed out waiting 3000ms for recv operation"))
     assert is_comm_failure(RuntimeError("Connection closed by peer [127.0.0.1]:5000"))

@@ -185,9 +185,16 @@ def diagnose(
         missing=tuple(r for r in ranks if arrived is not None and r not in arrived),
         elsewhere={r: w for r, w in (arrived or {}).items() if w != mine},
         timeout_s=timeout_s,
-        backend_error=re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0]),
+        backend_error=_backend_error(exc),
     )
     return CollectiveTimeout(_message(report, store_answered=arrived is not None), report=report)
+
+
+def _backend_error(exc: BaseException) -> str:
+    """The backend's own message: its first line, without its source location and without
+    gloo's generic advice ("This is typically caused by ... GLHF!"), which the line replaces."""
+    first = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0])
+    return first.split(" This is typically caused by", 1)[0].strip()
 
 
 def dead_peer_grace_s() -> float:

@@ -185,7 +185,7 @@ def discard_absent_ranks(folder: Path, world_size: int) -> list[Path]:
         gone.append(child)
     if gone:
         logger.warning(
-            "discarded the swap folders of ranks this job of %d ranks does not have: %s",
+            "discarded the swap folders of ranks this job of %d rank(s) does not have: %s",
             world_size, ", ".join(p.name for p in gone),
         )  # fmt: skip
     return gone
