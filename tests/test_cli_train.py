@@ -817,6 +817,20 @@ def test_offload_folder_not_writable(capsys, tmp_path):
     _expect_usage_error(capsys, [*argv, "--out-dir", str(tmp_path)], "--offload-folder")
 
 
+def test_a_killed_launcher_s_private_config_is_removed_by_the_next_run(tmp_path, data_dir):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs
+    host = socket.gethostname()
+    dead = tmp_path / f".zeroshard-run-{host}-{gone.pid}.json"
+    live = tmp_path / f".zeroshard-run-{host}-{os.getpid()}.json"
+    other = tmp_path / f".zeroshard-run-elsewhere-{gone.pid}.json"
+    for path in (dead, live, other):
+        path.write_text("{}")
+    flags = [*NANO, "--steps", "1", "--data-dir", str(data_dir)]
+    assert main(["train", *flags, "--out-dir", str(tmp_path)]) == 0
+    assert not dead.exists() and live.exists() and other.exists()
+
+
 def test_a_refused_run_leaves_no_output_folder(capsys, tmp_path, data_dir, model_module):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

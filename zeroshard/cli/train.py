@@ -237,6 +237,7 @@ def _launch(
     reads it again)."""
     saved = out / "config.json"
     previous = saved.read_bytes() if saved.is_file() else None
+    _remove_dead_launchers_configs(out)
     if cfg.resume:
         say_changes(saved, cfg)
     if not joining:
@@ -259,6 +260,25 @@ def _launch(
     finally:
         if refused and not joining and not _trained_since(out, started):
             _put_back(saved, previous)  # the folder's run is still the one it held, if any
+
+
+def _remove_dead_launchers_configs(out: Path) -> None:
+    """Delete the private configs (``.zeroshard-run-HOST-PID.json``) that launchers of this
+    host left when they were killed (their pid is gone); other hosts' are theirs to manage."""
+    for path in out.glob(f".zeroshard-run-{socket.gethostname()}-*.json"):
+        pid = path.name[:-5].rsplit("-", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _put_back(saved: Path, previous: bytes | None) -> None:
