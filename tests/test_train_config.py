@@ -129,6 +129,20 @@ def test_version(capsys):
     assert re.fullmatch(r"zeroshard \d+\.\d+\.\d+\S*", out.strip()), out
 
 
+def test_a_signal_while_parsing_is_one_line_or_none_in_a_rank(capsys, monkeypatch):
+    """Outside torchrun one line; a rank stopped by its agent as it starts says nothing (its
+    launcher says why: a line from each rank would repeat it)."""
+    import zeroshard.cli.main as cli_main
+
+    monkeypatch.setattr(cli_main, "_parse", lambda argv: 15)  # SIGTERM came while parsing
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert main(["train"]) == 143
+    assert capsys.readouterr().err == "zeroshard: interrupted\n"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert main(["train"]) == 143
+    assert capsys.readouterr().err == ""
+
+
 def test_help_teaches_every_flag(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])

@@ -78,7 +78,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace | int:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if isinstance(args, int):
-        print("zeroshard: interrupted", file=sys.stderr)
+        # A rank of a torchrun job stopped by its agent (a peer failed, or the launcher was
+        # signalled) as it starts: the launcher says why, this would only add a line.
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            print("zeroshard: interrupted", file=sys.stderr)
         return 128 + args
     try:
         return int(args._run(args) or 0)
