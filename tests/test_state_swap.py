@@ -119,6 +119,7 @@ def _parity(
     torch.distributed.barrier()
     del model, opt
     gc.collect()  # the optimizer owns the store: freeing it deletes the swap files
+    torch.distributed.barrier()  # every rank's files are gone before any lists them
     out["files"] = _files(folder)
     return out
 
@@ -178,6 +179,7 @@ def _corrupt_and_step(folder: str) -> list[str]:
     torch.distributed.barrier()
     del model, opt
     gc.collect()
+    torch.distributed.barrier()  # every rank's files are gone before any lists them
     return [*messages, *_files(folder)]
 
 
@@ -234,6 +236,7 @@ def _checkpoint(folder: str, ckpt: str, in_memory: bool) -> dict:
     torch.distributed.barrier()
     del model, opt
     gc.collect()
+    torch.distributed.barrier()  # every rank's files are gone before any lists them
     return {"diffs": diffs, "same_states": same_states, "files": _files(folder)}
 
 
@@ -260,6 +263,7 @@ def _preflight(folder: str) -> list[str]:
         _make(1, Offload(optimizer="nvme", folder=folder))
     errors.append(str(err.value))
     gc.collect()
+    torch.distributed.barrier()  # every rank's files are gone before any lists them
     return [*errors, *_files(folder)]
 
 
@@ -299,6 +303,7 @@ def _restart(folder: str) -> dict:
     torch.distributed.barrier()
     del model, opt
     gc.collect()
+    torch.distributed.barrier()  # every rank's files are gone before any lists them
     return {"losses": losses, "files": _files(folder)}
 
 
