@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -45,6 +44,8 @@ from zeroshard.cli.train_checks import (
     check_port,
     hold_out_dir,
     make_out_dir,
+    remove_dead_launchers_configs,
+    run_config_path,
 )
 from zeroshard.divergence import Diverged
 from zeroshard.mesh import launched_by_torchrun, tear_down
@@ -237,7 +238,7 @@ def _launch(
     reads it again)."""
     saved = out / "config.json"
     previous = saved.read_bytes() if saved.is_file() else None
-    _remove_dead_launchers_configs(out)
+    remove_dead_launchers_configs(out)
     if cfg.resume:
         say_changes(saved, cfg)
     if not joining:
@@ -248,7 +249,7 @@ def _launch(
         if not launch.elastic:
             code = _train_here(cfg, out)
         else:
-            private = out / f".zeroshard-run-{socket.gethostname()}-{os.getpid()}.json"
+            private = run_config_path(out, os.getpid())
             job.callback(private.unlink, missing_ok=True)
             save_config(cfg, private)
             code = run_agent(launch, private)
@@ -260,25 +261,6 @@ def _launch(
     finally:
         if refused and not joining and not _trained_since(out, started):
             _put_back(saved, previous)  # the folder's run is still the one it held, if any
-
-
-def _remove_dead_launchers_configs(out: Path) -> None:
-    """Delete the private configs (``.zeroshard-run-HOST-PID.json``) that launchers of this
-    host left when they were killed (their pid is gone); other hosts' are theirs to manage."""
-    for path in out.glob(f".zeroshard-run-{socket.gethostname()}-*.json"):
-        pid = path.name[:-5].rsplit("-", 1)[1]
-        if pid.isdigit() and not _alive(int(pid)):
-            path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def _put_back(saved: Path, previous: bytes | None) -> None:

@@ -167,8 +167,37 @@ def make_out_dir(path: str) -> Path:
 
 LOCK_NAME = ".zeroshard.lock"
 """In out_dir: flock'ed by the ``zeroshard train`` that writes there (holds its pid)."""
-_LAUNCHER_FILES = re.compile(rf"{re.escape(LOCK_NAME)}|config\.json|\.zeroshard-run-.*\.json")
+RUN_CONFIG_PREFIX = ".zeroshard-run-"
+"""In out_dir: ``.zeroshard-run-HOST-PID.json``, the settings a launcher's ranks read (theirs
+alone: a later command cannot rewrite them under them)."""
+_LAUNCHER_FILES = re.compile(
+    rf"{re.escape(LOCK_NAME)}|config\.json|{re.escape(RUN_CONFIG_PREFIX)}.*\.json"
+)
 """What the launcher itself writes into out_dir before any rank trains."""
+
+
+def run_config_path(out: Path, pid: int) -> Path:
+    """The private settings file of launcher ``pid`` of this host in ``out``."""
+    return out / f"{RUN_CONFIG_PREFIX}{socket.gethostname()}-{pid}.json"
+
+
+def remove_dead_launchers_configs(out: Path) -> None:
+    """Delete the private configs (``.zeroshard-run-HOST-PID.json``) that launchers of this
+    host left when they were killed (their pid is gone); other hosts' are theirs to manage."""
+    for path in out.glob(f"{RUN_CONFIG_PREFIX}{socket.gethostname()}-*.json"):
+        pid = path.name[:-5].rsplit("-", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process
+    return True
 
 
 @contextlib.contextmanager

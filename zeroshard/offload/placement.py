@@ -42,7 +42,9 @@ __all__ = ["Offload", "discard_absent_ranks"]
 
 logger = logging.getLogger("zeroshard.offload")
 
-RANK_FOLDER = re.compile(r"rank(?P<rank>\d{5})(?:-params|-activations)?")
+_STORES = {"states": "", "params": "-params", "activations": "-activations"}
+"""The stores of one rank, by what they hold: the suffix of their folder's name."""
+RANK_FOLDER = re.compile(rf"rank(?P<rank>\d{{5}})(?:{'|'.join(v for v in _STORES.values() if v)})?")
 """The per-rank store folders that ``Offload`` makes under its ``folder``."""
 
 _PLACES = (None, "cpu", "nvme")
@@ -145,22 +147,23 @@ class Offload:
 
     def store_config(self, rank: int) -> OffloadConfig:
         """The NVMe store of ``rank``: its own sub-folder of ``folder``."""
-        assert self.folder is not None
-        return OffloadConfig(tier=Tier.NVME, folder=Path(self.folder) / f"rank{rank:05d}")
+        return OffloadConfig(tier=Tier.NVME, folder=self._rank_folder(rank, "states"))
 
     def activation_store_config(self, rank: int) -> OffloadConfig | None:
         """The store of ``rank``'s activation checkpoints (None: the CPU tier's default)."""
         if self.activations != "nvme":
             return None
-        assert self.folder is not None
-        folder = Path(self.folder) / f"rank{rank:05d}-activations"
-        return OffloadConfig(tier=Tier.NVME, folder=folder)
+        return OffloadConfig(tier=Tier.NVME, folder=self._rank_folder(rank, "activations"))
 
     def param_store_config(self, rank: int) -> OffloadConfig:
         """The NVMe store of ``rank``'s parameter masters: a sibling of its state store's folder
         (``rank00000-params``; each store locks its own folder)."""
+        return OffloadConfig(tier=Tier.NVME, folder=self._rank_folder(rank, "params"))
+
+    def _rank_folder(self, rank: int, store: str) -> Path:
+        """``folder/rank00003`` (the states' store), ``rank00003-params``, ..."""
         assert self.folder is not None
-        return OffloadConfig(tier=Tier.NVME, folder=Path(self.folder) / f"rank{rank:05d}-params")
+        return Path(self.folder) / f"rank{rank:05d}{_STORES[store]}"
 
 
 def discard_absent_ranks(folder: Path, world_size: int) -> list[Path]:
