@@ -738,6 +738,27 @@ def _rank_pids(launcher: int) -> dict[int, int]:
     return ranks
 
 
+def _say_twice(token: str) -> tuple[bool, bool]:
+    """Every rank reports the same line, then one of its own."""
+    import torch.distributed as dist
+
+    from zeroshard.cli.train import _first_to_say
+
+    return _first_to_say(f"same error {token}"), _first_to_say(f"rank {dist.get_rank()} {token}")
+
+
+def test_an_error_every_rank_meets_is_reported_by_one(workers2, lone_process):
+    """However the ranks race, an error line is printed once per job; a rank's own error is
+    printed by that rank; with no job store to ask, the line is printed."""
+    from zeroshard.cli.train import _first_to_say
+
+    token = str(time.monotonic_ns())
+    (same0, own0), (same1, own1) = workers2.run(_say_twice, token)
+    assert same0 + same1 == 1, (same0, same1)
+    assert own0 and own1
+    assert _first_to_say("no store here") and _first_to_say("no store here")
+
+
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
 def test_every_way_a_two_rank_run_ends(tmp_path, data_dir, model_module):
     """Every way a 2-rank run ends (eleven runs): the right status, one line saying why, never

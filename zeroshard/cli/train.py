@@ -399,11 +399,52 @@ def _run_rank(args: argparse.Namespace) -> int:
         line = bad_input(exc)  # bad input, or a disk full: a restart would only repeat it
         if line is None:
             raise
+        first = _first_to_say(line)
         tear_down(clean=False)
-        if _rank() != 0:  # rank 0 has most likely the same error: it reports first
-            time.sleep(1.0)
-        print(f"zeroshard train: error: {line}", file=sys.stderr, flush=True)
+        if first:
+            print(f"zeroshard train: error: {line}", file=sys.stderr, flush=True)
         return 2
+
+
+def _first_to_say(line: str, wait_s: float = 3.0) -> bool:
+    """Whether this rank is the first of its job to report ``line``: every rank usually meets
+    the same bad input, and the user should read it once. Decided by a counter in the job's
+    store (torchrun's, which outlives the ranks), keyed by the line and the restart, so a rank
+    whose error differs still reports its own. True when no store answers within ``wait_s``:
+    a line said twice is better than none."""
+    import datetime
+    import hashlib
+    import threading
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+    elif "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        try:  # bad input before the group exists: the store the group would have used
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=wait_s),
+            )
+        except Exception:  # noqa: BLE001 - no store: say it
+            return True
+    else:
+        return True
+    digest = hashlib.sha1(line.encode()).hexdigest()[:16]
+    key = f"zeroshard/said/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{_restart_count()}/{digest}"
+    counts: list[int] = []
+
+    def ask() -> None:
+        with contextlib.suppress(Exception):  # a store gone with its host: say it
+            counts.append(store.add(key, 1))
+
+    # In a thread bounded by a join: a store client can wait on a stopped host without a timeout.
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    asker.join(wait_s)
+    return not counts or counts[0] == 1
 
 
 def _train_here(cfg: TrainConfig, out: Path) -> int:
