@@ -58,3 +58,23 @@ def test_stopped_says_where_it_saved():
         "by SIGTERM; saved step 8 to ck/step-000008"
     )
     assert Stopped(signal.SIGTERM, 8, None).exit_code == 143
+
+
+def _one_rank_loses_its_agent() -> tuple[int, str]:
+    import torch.distributed as dist
+
+    stopper = StopOnSignal(torch.device("cpu"), grace_s=60)
+    if dist.get_rank() == 1:
+        stopper._agent = -1  # not its parent: as if its agent had died and it was reparented
+    return stopper.agreed(), stopper.cause
+
+
+def test_every_rank_names_an_agent_that_only_one_rank_saw_go(workers2):
+    """The rank that speaks (rank 0) says why even when only another rank saw the cause."""
+    (sig0, cause0), (sig1, cause1) = workers2.run(_one_rank_loses_its_agent)
+    assert sig0 == sig1 == signal.SIGTERM
+    assert cause0 == "the loss of torchrun's agent"
+    assert cause1 == "the loss of torchrun's agent (pid -1)"
+    assert str(Stopped(sig0, 3, None, cause0)).startswith(
+        "interrupted at step 3 by the loss of torchrun's agent; "
+    )

@@ -40,7 +40,7 @@ class Stopped(Exception):
 
 class StopOnSignal:
     """SIGINT/SIGTERM handlers that only note the signal; ``agreed()`` (a collective, one
-    1-element all-reduce) says on every rank whether any rank got one.
+    2-element all-reduce) says on every rank whether any rank got one, and why.
 
     A signal also arms a deadline: if the ranks have not agreed to stop within ``grace_s``
     seconds (a peer died and this rank waits in a collective that can only fail, or a step is
@@ -62,7 +62,7 @@ class StopOnSignal:
     ) -> None:
         self.signum = 0
         self.grace_s, self.announce = grace_s, announce
-        self._flag = torch.zeros(1, device=device)
+        self._flag = torch.zeros(2, device=device)  # (signal number, 1 if an agent was lost)
         self._old: dict[int, Any] = {}
         self._deadline: threading.Timer | None = None
         self._agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
@@ -109,9 +109,11 @@ class StopOnSignal:
         if not self.signum and self._agent is not None and os.getppid() != self._agent:
             self.cause = f"the loss of torchrun's agent (pid {self._agent})"
             self._note(signal.SIGTERM, None)
-        self._flag.fill_(self.signum)
+        self._flag[0], self._flag[1] = self.signum, bool(self.cause)
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-        signum = int(self._flag.item())
+        signum, agent_lost = (int(v) for v in self._flag.tolist())
+        if agent_lost and not self.cause:  # another rank saw it first: the same words for all
+            self.cause = "the loss of torchrun's agent"
         if signum:
             self._disarm()
         return signum

@@ -30,6 +30,7 @@ from typing import Any
 
 from zeroshard.cli.held_signals import held
 from zeroshard.divergence import Diverged
+from zeroshard.mesh import cpu_threads_per_rank
 from zeroshard.watchdog import CollectiveTimeout
 
 SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -166,6 +167,10 @@ def _agent_env(launch: Launch, noted: list[int]) -> Iterator[None]:
     import torch.distributed.launcher.api as launcher
 
     env = {}
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would set 1 and print a banner saying so; the ranks' share of the cores is
+        # what Mesh.share_cpu_threads gives them anyway.
+        env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(launch.nproc))
     if launch.restarts:
         # The agent's store, shared with the ranks by default, keeps the first attempt's keys:
         # restarted gloo ranks read their dead predecessors' addresses and wait forever in
