@@ -77,7 +77,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard import rng, tensor_parallel
+from zeroshard import rank_buffers, rng, tensor_parallel
 from zeroshard.checkpoint_files import (
     META_FILE,
     TMP,
@@ -237,6 +237,7 @@ def save(
         "rng": rng.get_state(),  # first: nothing below may have drawn from them yet
         "loss_scaler": optimizer.loss_scaler.state_dict(),
         "extra": extra,
+        "buffers": rank_buffers.differing(model, group),  # e.g. BatchNorm's running statistics
     }
     buffer = io.BytesIO()
     torch.save(own, buffer)  # a snapshot of this rank's own state, as the bytes of its file
@@ -546,5 +547,7 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
         optimizer.load_state_dict(state["optim"])
     own = torch.load(path / f"rank-{rank % meta['world_size']:05d}.pt", weights_only=True)
     optimizer.loss_scaler.load_state_dict(own["loss_scaler"])
+    if meta["world_size"] == dist.get_world_size(group):  # else the model state's one copy
+        rank_buffers.restore(model, own.get("buffers", {}))
     rng.set_state(own["rng"])
     return own["extra"]
