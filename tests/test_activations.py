@@ -166,6 +166,71 @@ def test_what_runs_between_units_is_reproduced_by_recomputation(workers2, betwee
         assert workers2.run(_train_between, between, stage, every) == [0.0, 0.0], every
 
 
+class _OwnCheckpoint(torch.nn.Module):
+    """A model that checkpoints its own blocks (``torch.utils.checkpoint``, non-reentrant, as
+    Hugging Face's ``gradient_checkpointing_enable`` does), with units smaller than a block, and
+    a unit (``shared``) that each block calls from inside its own forward."""
+
+    def __init__(self, own: bool) -> None:
+        super().__init__()
+        self.own = own
+        self.blocks = torch.nn.ModuleList(_Caller() for _ in range(3))
+        self.shared = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.own:
+                x = torch.utils.checkpoint.checkpoint(block, x, self.shared, use_reentrant=False)
+            else:
+                x = block(x, self.shared)
+        return self.head(x).square().mean()
+
+
+class _Caller(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x, norm):
+        return x + self.out(torch.tanh(norm(self.fc(x))))
+
+
+def _train_own_checkpoint(stage: int, own: bool, unit: str) -> float:
+    """Largest parameter difference from plain torch after 3 SGD steps (same batch on every
+    rank); units: the blocks' Linears or the blocks, the shared norm a unit too."""
+    torch.manual_seed(0)
+    ref = _OwnCheckpoint(own)
+    model = zeroshard.shard(
+        copy.deepcopy(ref),
+        stage=stage,
+        wrap=zeroshard.wrap.by_class(unit, "LayerNorm"),
+        config=ShardConfig(checkpoint_every=1),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            torch.manual_seed(100 + step)
+            m(x).backward()
+            o.step()
+            o.zero_grad()
+    with zeroshard.summon_full_params(model):
+        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("own", [True, False], ids=["own-checkpoint", "plain"])
+@pytest.mark.parametrize("unit", ["Linear", "_Caller"])
+def test_units_inside_a_checkpoint_already_are_left_to_it(workers2, stage, own, unit):
+    """checkpoint_every with units that run inside a checkpoint already (the model's own
+    torch.utils.checkpoint around each block, or a unit that a checkpointed unit calls): the
+    outer checkpoint recomputes them, and training matches plain torch."""
+    for diff in workers2.run(_train_own_checkpoint, stage, own, unit):
+        assert diff < 1e-6, diff
+
+
 def _t5_in_eval_mode(every: int) -> float:
     """T5 fine-tuned in eval mode (dropout off, grad on), where its decoder would fill its
     key/value cache (``use_cache`` defaults to True in eval): the largest parameter difference

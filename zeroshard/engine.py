@@ -154,7 +154,7 @@ class Engine:
         )
         if self.checkpointing is not None and unit in self._checkpointed:
             # Runs first, and also when the forward raised: the saved-tensor hooks must pop.
-            stop = _eager(lambda m, a, o: self._stop_dropping())
+            stop = _eager(lambda m, a, o: self._stop_dropping(m))
             self._handles.append(unit.module.register_forward_hook(stop, always_call=True))
         self._handles.append(unit.module.register_forward_hook(post))
         if unit.is_root:  # runs after ``post``, and also when the forward raised
@@ -221,9 +221,9 @@ class Engine:
                 self.checkpointing.enter(unit.module, raw_args, raw_kwargs)
         return args, kwargs
 
-    def _stop_dropping(self) -> None:
+    def _stop_dropping(self, module: nn.Module) -> None:
         if self.checkpointing is not None and not in_backward():
-            self.checkpointing.exit()
+            self.checkpointing.exit(module)
 
     def _post_forward(
         self, unit: Unit, output: Any, *, entry: bool = True, keep: bool = False
@@ -254,7 +254,7 @@ class Engine:
             if root_entry:
                 self.checkpointing.close()
             elif entry and unit in self._checkpointed:
-                self.checkpointing.note_output(output)
+                self.checkpointing.note_output(unit.module, output)
         return output
 
     def _free_unused_prefetches(self) -> None:

@@ -15,7 +15,9 @@ frame per span, its saved-tensor hooks entered around each unit's forward only, 
 model runs between units (not replayed) saves its tensors normally. A chain that breaks (a unit
 fed something else, or its input written in place since the previous unit returned it, a
 unit used twice) closes the span; the next unit opens a new one. Units
-nested inside another unit are not checkpointed on their own (the outer one covers them).
+nested inside another unit are not checkpointed on their own (the outer one covers them), nor
+are units that run inside a checkpoint already (the model's own ``torch.utils.checkpoint``, or
+a unit of the open span calling them): that checkpoint recomputes them.
 """
 
 from __future__ import annotations
@@ -88,7 +90,16 @@ class SpanCheckpointing:
     # ----------------------------------------------------------------- forward
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Before a unit's forward (grad enabled, not a recomputation): join or open a span and
-        start dropping what autograd saves."""
+        start dropping what autograd saves. A unit that runs inside a checkpoint already (a
+        ``torch.utils.checkpoint`` of the model's own, or a unit of an open span calling it) is
+        left to it: that checkpoint drops and recomputes what the unit saves, and hooks of ours
+        stacked on its own would take those tensors from its count (its recomputation would
+        then find them out of order)."""
+        outer = self._checkpoint_running()
+        if outer == "theirs":  # code not ours runs between units: the chain breaks here
+            self.close()
+        if outer:
+            return
         span = self._span
         first = args[0] if args else None
         keyword = first is None and any(map(torch.is_tensor, kwargs.values()))
@@ -117,19 +128,41 @@ class SpanCheckpointing:
         span.hooks = ckpt._checkpoint_hook(span.frame)
         span.hooks.__enter__()
 
-    def exit(self) -> None:
-        """After a unit's forward (also when it raised): stop dropping saved tensors."""
+    def exit(self, module: nn.Module | None = None) -> None:
+        """After a unit's forward (also when it raised): stop dropping saved tensors, if
+        ``module`` is the unit that started (None: whichever did)."""
         span = self._span
+        if module is not None and not self._started(module):
+            return
         if span is not None and span.hooks is not None:
             hooks, span.hooks = span.hooks, None
             hooks.__exit__(None, None, None)
 
-    def note_output(self, output: Any) -> None:
+    def note_output(self, module: nn.Module, output: Any) -> None:
         """The unit's output as the model receives it: the next unit continues the chain if its
-        first input is this tensor."""
-        if self._span is not None:
+        first input is this tensor (only for a unit that joined the span, not one left to an
+        outer checkpoint)."""
+        if self._span is not None and self._started(module):
             out = self._span.last_output = _first_tensor(output)
             self._span.last_version = out._version if out is not None else 0
+
+    def _checkpoint_running(self) -> str | None:
+        """Whose checkpoint's saved-tensor hooks are on top now: "ours" (a unit of the open
+        span is running), "theirs" (the model's own ``torch.utils.checkpoint``, in its forward
+        or recomputation), or None (none, or other hooks such as ``save_on_cpu``: a span's own
+        hooks go over those)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:
+            return None
+        span = self._span
+        if span is not None and span.hooks is not None and top[0] is span.hooks.pack_hook:
+            return "ours"
+        name = getattr(top[0], "__qualname__", "")
+        return "theirs" if name.startswith(("_checkpoint_hook.", "_recomputation_hook.")) else None
+
+    def _started(self, module: nn.Module) -> bool:
+        span = self._span
+        return span is not None and bool(span.calls) and span.calls[-1].module is module
 
     def close(self) -> None:
         """End the open span (end of forward, or a broken chain)."""
