@@ -518,6 +518,33 @@ def test_hf_config(capsys, tmp_path, data_dir):
     assert abs(summary["val_loss_first"] - math.log(256)) < 0.5  # random init: ~uniform
 
 
+@pytest.mark.parametrize(
+    "config,said",
+    [
+        ({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
+          "num_key_value_heads": 3, "intermediate_size": 64, "num_hidden_layers": 1},
+         "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+        ({"model_type": "llama", "hidden_size": 30, "num_attention_heads": 4,
+          "intermediate_size": 64, "num_hidden_layers": 1},
+         "hidden size (30) is not a multiple of the number of attention heads (4)"),
+        ({"model_type": "t5", "d_model": 32, "num_heads": 2, "d_kv": 16, "d_ff": 64,
+          "num_layers": 1}, "model_type 't5' is not a causal (decoder-only) language model"),
+    ],
+    ids=["kv-heads", "width", "encoder-decoder"],
+)  # fmt: skip
+def test_hf_configs_it_cannot_train_are_one_line(capsys, tmp_path, data_dir, config, said):
+    """Configs transformers builds but that fail in the first forward, or that are not causal
+    LMs: one line naming the setting, exit 2, before any work."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config, "vocab_size": 256}))
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1", "--batch-size", "2"]
+    code, err, records, _ = _train_in_process(capsys, tmp_path / "run", *flags, "--hf", str(path))
+    assert code == 2 and said in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and len(err) < 500, err
+    assert not records
+
+
 def test_own_data_text_npy_and_tokenizer(capsys, tmp_path):
     import numpy as np
     from test_tokens import _local_tokenizer

@@ -163,6 +163,8 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(checkpoint.CheckpointError, match="incomplete"):
         export_safetensors(tmp_path / "empty", tmp_path / "out")
+    with pytest.raises(checkpoint.CheckpointError, match=f"is not one: .* {path}$"):
+        export_safetensors(path.parent, tmp_path / "out")  # a folder of checkpoints: the newest
     with pytest.raises(ExportError, match="dtype"):
         export_safetensors(path, tmp_path / "out", dtype="int3")
     with pytest.raises(ExportError, match="positive"):

@@ -157,6 +157,24 @@ def test_a_cast_after_shard_is_an_error_naming_mixed_precision(workers2, stage):
         assert "mixed_precision='bf16'" in said
 
 
+def _resize_after_shard(stage: int) -> str:
+    model, _ = _setup(stage, "fp32")
+    with torch.no_grad():  # as resize_token_embeddings does: new data of another shape
+        model[0].weight.data = torch.zeros(WIDTH + 3, WIDTH)
+    try:
+        model(torch.randn(2, WIDTH))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_parameter_resized_after_shard_is_an_error_saying_so(workers2, stage):
+    for said in workers2.run(_resize_after_shard, stage):
+        assert said.startswith("0.weight was changed after zeroshard.shard() (its shape"), said
+        assert "change the model before sharding it" in said
+
+
 def _summon_without_writeback_nested(stage: int) -> dict:
     """An inner ``summon_full_params(writeback=False)`` undoes its writes also inside an outer
     summon (at stage 3 the outer one keeps units gathered and would write them back); a step

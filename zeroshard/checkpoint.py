@@ -120,7 +120,9 @@ def _group(model, optimizer) -> dist.ProcessGroup | None:
         raise TypeError(
             "a checkpoint holds a sharded model and its optimizer: pass the "
             f"zeroshard.optimizer(model, ...) of this model (got {type(optimizer).__name__}); "
-            "for weights alone use zeroshard.full_state_dict(model) or model.state_dict()"
+            "for weights alone, save model.state_dict() with torch.distributed.checkpoint, or "
+            "read a checkpoint's into it with dcp.load({'model': sd}, checkpoint_id=PATH, "
+            "planner=DefaultLoadPlanner(allow_partial_load=True)) then model.load_state_dict(sd)"
         )
     mesh = engine_of(model).mesh
     return None if mesh.tp_size > 1 else mesh.group

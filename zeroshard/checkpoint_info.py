@@ -65,6 +65,13 @@ def read_meta(path: Path) -> dict[str, Any]:
             "(zeroshard checkpoint info PATH checks one)"
         )
     if not (path / META_FILE).is_file():
+        for folder in (path / "ckpt", path):  # a run's output folder, or its folder of them
+            newest = latest(folder)
+            if newest is not None:
+                raise CheckpointError(
+                    f"{path} holds checkpoints but is not one: pass one of them, e.g. the newest, "
+                    f"{newest}"
+                )
         raise CheckpointError(
             f"{path} is incomplete (no {META_FILE}: the save did not finish, or it is not a "
             "zeroshard checkpoint); load an earlier checkpoint"

@@ -41,7 +41,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(found), indent=2))
         return 0 if found.complete else 1
     if not found.complete:
-        print(f"{found.path}: incomplete ({found.problem}); {found.size_bytes:,} bytes on disk")
+        problem = found.problem or "incomplete"
+        if not problem.startswith(found.path):  # read_meta's problems name the folder already
+            problem = f"{found.path}: incomplete: {problem}"
+        print(f"{problem} ({found.size_bytes:,} bytes in its files)")
         return 1
     tp = f" (tensor-parallel {found.tensor_parallel})" if found.tensor_parallel > 1 else ""
     print(

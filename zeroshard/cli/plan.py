@@ -100,6 +100,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--seq",
+        "--seq-len",
+        dest="seq",
         type=int,
         default=None,
         help="tokens per sample (default: 1024, or fewer when the model's positions end sooner)",

@@ -284,6 +284,13 @@ class FlatParam:
         base = _placeholder(self.orig_dtype, self.mesh.device) if rest else self.full
         for s in self.slots:
             at = base.data_ptr() + (0 if rest else s.offset * base.element_size())
+            if s.numel and s.param.shape != s.shape:
+                raise ValueError(
+                    f"{s.names[0]} was changed after zeroshard.shard() (its shape is now "
+                    f"{tuple(s.param.shape)}, it was {tuple(s.shape)}: e.g. "
+                    "resize_token_embeddings, or p.data = ...): the engine holds the parameters' "
+                    "memory in their shapes at shard(); change the model before sharding it"
+                )
             if s.numel and (s.param.data_ptr() != at or s.param.dtype != base.dtype):
                 raise ValueError(
                     f"{s.names[0]}'s data was replaced after zeroshard.shard() (model.half(), "

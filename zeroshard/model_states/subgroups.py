@@ -96,7 +96,9 @@ def build_subgroups(
                 continue  # nothing to update (zero-element parameters stay unsharded)
             if id(p) not in where:
                 raise ValueError(
-                    "a parameter given to the optimizer is not part of the sharded model; pass "
+                    "a parameter given to the optimizer is not part of the sharded model: one "
+                    "of another model, or one the model got after shard() (e.g. a new embedding "
+                    "from resize_token_embeddings: change the model before sharding it); pass "
                     "model.parameters() (or groups of them) of the model given to shard()"
                 )
             b, span, slot_index = where[id(p)]

@@ -132,10 +132,33 @@ def _build_hf(path: str, vocab_size: int) -> nn.Module:
             f"hf = {path!r}: vocab_size {config['vocab_size']} is smaller than the data's "
             f"{vocab_size}; raise vocab_size in the config or pass a matching --tokenizer"
         )
+    _check_heads(path, read_hf_config(path))
     config = hf_config(path)  # (first: it says when transformers is missing)
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        raise ValueError(
+            f"hf = {path!r}: model_type {config.model_type!r} is not a causal (decoder-only) "
+            "language model, which --hf builds (AutoModelForCausalLM; T5 and BART are "
+            "encoder-decoders); use a decoder-only config (GPT-2, Llama, Qwen2, ...) or "
+            "--model pkg.mod:factory for a model of your own"
+        ) from None
+
+
+def _check_heads(path: str, config: dict) -> None:
+    """Key/value heads that do not divide the attention heads: transformers builds such a model
+    and fails in its first forward, deep in a rank; said here, before any work."""
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads >= 1 and heads % kv_heads:
+        raise ValueError(
+            f"hf = {path!r}: num_attention_heads {heads} is not a multiple of "
+            f"num_key_value_heads {kv_heads} (each key/value head serves a whole group of query "
+            "heads); use a divisor of num_attention_heads"
+        )
 
 
 _ENCODERS = ("bert", "roberta", "xlm-roberta", "electra", "camembert", "ernie", "rembert")
