@@ -88,6 +88,12 @@ def test_precision_sets_the_bytes_the_engine_keeps(capsys):
     assert wide[1] > plain[1]  # fp32 shards 8 of 16 bytes, mixed precision 12
     with pytest.raises(ValueError, match="--precision fp32 sets --activation-bytes: pass one"):
         plan.run(_parse([*model, "--precision", "fp32", "--activation-bytes", "2"]))
+    # The default is not train's: the table says so; --seq-len is train's name for --seq.
+    said = "16-bit mixed precision (--precision fp32 for train's default)"
+    assert plan.run(_parse(model)) == 0 and said in capsys.readouterr().out
+    model[-2] = "--seq-len"
+    assert plan.run(_parse([*model, "--precision", "fp32"])) == 0
+    assert said not in capsys.readouterr().out
 
 
 def test_transformer_json_keys(capsys):

@@ -266,6 +266,11 @@ def _units_line(m: dict) -> str:
     )
 
 
+def _mixed(bpp: dict) -> bool:
+    """Whether the bytes per parameter are the article's 16-bit mixed precision (2 + 2 + 12)."""
+    return (bpp["params"], bpp["grads"], bpp["optimizer_states"]) == (2, 2, 12)
+
+
 def render_plan(out: dict, unit: str = "GB") -> str:
     """The plan's table and its notes, residual-state terms and intensities, for people."""
     m, bpp = out["model"], out["bytes_per_param"]
@@ -279,7 +284,10 @@ def render_plan(out: dict, unit: str = "GB") -> str:
         f"{m['name']}: Psi = {_count(m['num_params'])} parameters, Nd = {out['num_dp_ranks']}, "
         f"{hybrid}Nm = {out['num_mp_ranks']}, {bpp['params']} + {bpp['grads']} + "
         f"{bpp['optimizer_states']} = {total} bytes per parameter",
-        f"memory per device; {unit} = {scale:,} bytes",
+        f"memory per device; {unit} = {scale:,} bytes"
+        + (
+            "; 16-bit mixed precision (--precision fp32 for train's default)" if _mixed(bpp) else ""
+        ),
         "",
     ]
     if m["wrap_policy"] is not None:
