@@ -123,6 +123,34 @@ def test_state_dict_round_trip(workers2, stage, precision):
     assert all(workers2.run(_round_trip, stage, precision))
 
 
+def _submodule_dicts(stage: int) -> bool:
+    """A submodule's own state_dict() and load_state_dict(), as FSDP2's work: its entries,
+    and a plain state dict loaded into it reaching the root's entries and the next forward."""
+    torch.manual_seed(0)
+    ref, policy = build("gpt")
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=policy)
+    for name, sub in list(model.named_modules())[1:]:
+        mine = {k: _full(v) for k, v in sub.state_dict().items()}
+        assert mine.keys() == ref.get_submodule(name).state_dict().keys(), name
+        for k, v in ref.get_submodule(name).state_dict().items():
+            assert torch.equal(mine[k], v), f"{name}.{k}"
+    name = next(n for n, m in ref.named_modules() if isinstance(m, nn.Linear))
+    new = {k: torch.randn_like(v) for k, v in ref.get_submodule(name).state_dict().items()}
+    model.get_submodule(name).load_state_dict(new)
+    ref.get_submodule(name).load_state_dict(new)
+    root = {k: _full(v) for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        assert torch.equal(root[k], v), k
+    x, y = batch("gpt", 0, 2)
+    assert torch.equal(loss_of("gpt", model, x, y), loss_of("gpt", ref, x, y))
+    return True
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_submodule_s_own_state_dict(workers2, stage):
+    assert all(workers2.run(_submodule_dicts, stage))
+
+
 def _files_and_plain_dicts(stage: int, path: str) -> bool:
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -337,6 +365,11 @@ def _same_as_fsdp2(kind: str, stage: int) -> bool:
         for k in a:
             _same_entry(a[k], b[k], k, exact)
         assert sorted(get_model_state_dict(ours)) == sorted(b)
+        for name, _ in list(ours.named_modules())[1:8]:  # a submodule's own: the same format
+            a, b = ours.get_submodule(name).state_dict(), theirs.get_submodule(name).state_dict()
+            assert sorted(a) == sorted(b), name
+            for k in a:
+                _same_entry(a[k], b[k], f"{name}: {k}", exact)
         a, b = our_opt.state_dict(), get_optimizer_state_dict(theirs, their_opt)
         sizes = {n: p.numel() for n, p in ours.named_parameters()}
         # A zero-element parameter never gets a gradient in FSDP2: after training from no

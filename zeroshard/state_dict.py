@@ -38,9 +38,10 @@ right now), so the next forward and the next optimizer step both continue from i
 parameters are consumed by a pre-hook of the root module and taken off ``missing_keys`` by its
 post-hook; ``assign=True`` does not replace sharded parameters (their storage is the engine's).
 
-The hooks live on the model passed to ``shard`` (the root): a submodule's own ``state_dict()``
-is torch's default (at stage 3 its parameters are placeholders at rest). Call the root's, which
-may itself sit inside a larger module (prefixes are honoured).
+The hooks live on every module of the model passed to ``shard``: a submodule's own
+``state_dict()`` / ``load_state_dict()`` give and take its entries in the same format (as
+FSDP2's do), and the root may itself sit inside a larger module (prefixes are honoured). Each
+acts for the call made, not for torch's recursion into submodules (read from the call stack).
 
 ``full_state_dict(model)`` gives plain full tensors instead (rank 0 only and on the CPU by
 default): for export.
@@ -245,10 +246,38 @@ class _Hooks:
         """Whether the last load's values were read into the masters in place (FlatRange)."""
         self.consumed: set[str] = set()
         """Keys the last load's pre-hook consumed (not missing, whatever the default says)."""
-        # Functions, not bound methods: torch marks a state-dict post-hook with an attribute.
-        model.register_state_dict_post_hook(lambda *a: self.state_dict_post_hook(*a))
-        model.register_load_state_dict_pre_hook(lambda *a: self.load_pre_hook(*a))
-        model.register_load_state_dict_post_hook(lambda *a: self.load_post_hook(*a))
+        # On every module of the model, so that a submodule's own state_dict() (a head's, a
+        # block's) is in the same format; each acts only for the call the user made (the
+        # outermost of them), not for torch's recursion into the submodules.
+        self.hooked = {id(m) for m in model.modules()}
+        for m in model.modules():
+            m.register_state_dict_post_hook(self._when_outermost(self.state_dict_post_hook))
+            m.register_load_state_dict_pre_hook(self._when_outermost(self.load_pre_hook))
+            m.register_load_state_dict_post_hook(self._when_outermost(self.load_post_hook))
+
+    def _when_outermost(self, hook: Callable) -> Callable:
+        """``hook``, run only for the user's call (a function, not a bound method: torch marks
+        a state-dict post-hook with an attribute); returns None, as torch wants of hooks."""
+        method = "state_dict" if hook == self.state_dict_post_hook else "load_state_dict"
+
+        def run(module: nn.Module, *args: Any) -> None:
+            if self._outermost(module, method):
+                hook(module, *args)
+
+        return run
+
+    def _outermost(self, module: nn.Module, method: str) -> bool:
+        """Whether this ``module.<method>()`` call is not part of the same call on another module
+        of this model (torch's recursion into submodules): read from the call stack, which stays
+        right when a call raised midway, as a counter would not."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_name == method:
+                caller = frame.f_locals.get("self")
+                if caller is not module and id(caller) in self.hooked:
+                    return False
+            frame = frame.f_back
+        return True
 
     # ------------------------------------------------------------- state_dict
     @torch.no_grad()
@@ -272,6 +301,8 @@ class _Hooks:
 
         in_flats: set[int] = set()
         for flat in engine.flat_params:  # in the same order on every rank (gathers)
+            if not any(id(s.param) in names for s in flat.slots):
+                continue  # none of the module's (a submodule's call): nothing to gather
             value_of = _local_range if self.local else _cutter(flat, convert)
             for i, s in enumerate(flat.slots):
                 in_flats.add(id(s.param))
