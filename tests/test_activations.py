@@ -171,7 +171,7 @@ class _OwnCheckpoint(torch.nn.Module):
     Hugging Face's ``gradient_checkpointing_enable`` does), with units smaller than a block, and
     a unit (``shared``) that each block calls from inside its own forward."""
 
-    def __init__(self, own: bool) -> None:
+    def __init__(self, own: str) -> None:
         super().__init__()
         self.own = own
         self.blocks = torch.nn.ModuleList(_Caller() for _ in range(3))
@@ -180,10 +180,10 @@ class _OwnCheckpoint(torch.nn.Module):
 
     def forward(self, x):
         for block in self.blocks:
-            if self.own:
+            if self.own == "blocks":
                 x = torch.utils.checkpoint.checkpoint(block, x, self.shared, use_reentrant=False)
             else:
-                x = block(x, self.shared)
+                x = block(x, self.shared, inner=self.own == "inner")
         return self.head(x).square().mean()
 
 
@@ -192,11 +192,13 @@ class _Caller(torch.nn.Module):
         super().__init__()
         self.fc, self.out = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
 
-    def forward(self, x, norm):
-        return x + self.out(torch.tanh(norm(self.fc(x))))
+    def forward(self, x, norm, inner: bool = False):
+        h = self.fc(x)
+        h = torch.utils.checkpoint.checkpoint(norm, h, use_reentrant=False) if inner else norm(h)
+        return x + self.out(torch.tanh(h))
 
 
-def _train_own_checkpoint(stage: int, own: bool, unit: str) -> float:
+def _train_own_checkpoint(stage: int, own: str, unit: str) -> float:
     """Largest parameter difference from plain torch after 3 SGD steps (same batch on every
     rank); units: the blocks' Linears or the blocks, the shared norm a unit too."""
     torch.manual_seed(0)
@@ -221,12 +223,13 @@ def _train_own_checkpoint(stage: int, own: bool, unit: str) -> float:
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.parametrize("own", [True, False], ids=["own-checkpoint", "plain"])
+@pytest.mark.parametrize("own", ["blocks", "inner", "none"])
 @pytest.mark.parametrize("unit", ["Linear", "_Caller"])
 def test_units_inside_a_checkpoint_already_are_left_to_it(workers2, stage, own, unit):
     """checkpoint_every with units that run inside a checkpoint already (the model's own
-    torch.utils.checkpoint around each block, or a unit that a checkpointed unit calls): the
-    outer checkpoint recomputes them, and training matches plain torch."""
+    torch.utils.checkpoint around each block, or a unit that a checkpointed unit calls, plainly
+    or under torch.utils.checkpoint): the outer checkpoint recomputes them, and training
+    matches plain torch."""
     for diff in workers2.run(_train_own_checkpoint, stage, own, unit):
         assert diff < 1e-6, diff
 

@@ -143,6 +143,15 @@ def _submodule_dicts(stage: int) -> bool:
         assert torch.equal(root[k], v), k
     x, y = batch("gpt", 0, 2)
     assert torch.equal(loss_of("gpt", model, x, y), loss_of("gpt", ref, x, y))
+    # Inside a module of the user's (torch's recursion reaches the sharded model from outside):
+    # every key consumed, strict loading passes, through torch and through DCP's helper.
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    outer, plain = nn.ModuleDict({"body": model}), nn.ModuleDict({"body": ref})
+    assert not outer.load_state_dict(plain.state_dict()).missing_keys
+    set_model_state_dict(outer, plain.state_dict())
+    mine = {k: _full(v) for k, v in outer.state_dict().items()}
+    assert mine.keys() == plain.state_dict().keys()
     return True
 
 

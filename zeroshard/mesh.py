@@ -75,9 +75,11 @@ def _env_int(name: str, default: int) -> int:
 
 
 def cpu_threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
-    """Compute threads for each of ``local_world_size`` ranks sharing ``cores`` (default: all
-    of this machine's), so that together they use every core once and no more."""
-    cores = cores if cores is not None else (os.cpu_count() or 1)
+    """Compute threads for each of ``local_world_size`` ranks sharing ``cores`` (default: those
+    this process may run on), so that together they use every core once and no more."""
+    if cores is None:  # the cores this process may run on (a container's or taskset's share)
+        affinity = getattr(os, "sched_getaffinity", None)
+        cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
     return max(1, cores // max(1, local_world_size))
 
 

@@ -35,7 +35,7 @@ file), for every stage and precision, ``strict`` as usual. Each parameter's valu
 gathered with ``full_tensor()``: one parameter at a time) is written into this rank's FP32 master
 range and into the compute copy where one is held (replicated stages, or a stage-3 unit gathered
 right now), so the next forward and the next optimizer step both continue from it. Sharded
-parameters are consumed by a pre-hook of the root module and taken off ``missing_keys`` by its
+parameters are consumed by a pre-hook of the module called and taken off ``missing_keys`` by its
 post-hook; ``assign=True`` does not replace sharded parameters (their storage is the engine's).
 
 The hooks live on every module of the model passed to ``shard``: a submodule's own
@@ -61,6 +61,8 @@ from __future__ import annotations
 
 import math
 import sys
+import types
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -158,6 +160,15 @@ def _is_dtensor(value: Any) -> bool:
     return module is not None and isinstance(value, module.DTensor)
 
 
+_TORCH_LOAD = next(
+    c
+    for c in nn.Module.load_state_dict.__code__.co_consts
+    if isinstance(c, types.CodeType) and c.co_name == "load"
+)
+"""The code of ``Module.load_state_dict``'s inner ``load(module, ...)``: it, not
+``load_state_dict``, runs for each submodule (and for the sharded model, when the call is made
+on a module around it)."""
+
 _WRAPPED = "_checkpoint_wrapped_module."
 """What torch's ``checkpoint_wrapper`` inserts into parameter names and its own state-dict hooks
 take out of the keys (``get_state_dict`` does alike): names here are the keys' names."""
@@ -234,7 +245,7 @@ def _cutter(flat: FlatParam, convert: Callable) -> Callable[[FlatParam, int], to
 
 
 class _Hooks:
-    """The state-dict hooks of one sharded model (registered on its root module)."""
+    """The state-dict hooks of one sharded model (registered on each of its modules)."""
 
     def __init__(self, model: nn.Module, engine: Engine) -> None:
         self.engine = engine
@@ -249,7 +260,7 @@ class _Hooks:
         # On every module of the model, so that a submodule's own state_dict() (a head's, a
         # block's) is in the same format; each acts only for the call the user made (the
         # outermost of them), not for torch's recursion into the submodules.
-        self.hooked = {id(m) for m in model.modules()}
+        self.hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet(model.modules())
         for m in model.modules():
             m.register_state_dict_post_hook(self._when_outermost(self.state_dict_post_hook))
             m.register_load_state_dict_pre_hook(self._when_outermost(self.load_pre_hook))
@@ -272,10 +283,13 @@ class _Hooks:
         right when a call raised midway, as a counter would not."""
         frame = sys._getframe(2)
         while frame is not None:
+            caller = None
             if frame.f_code.co_name == method:
                 caller = frame.f_locals.get("self")
-                if caller is not module and id(caller) in self.hooked:
-                    return False
+            elif frame.f_code is _TORCH_LOAD:  # load_state_dict's recursion, one per module
+                caller = frame.f_locals.get("module")
+            if caller is not None and caller is not module and caller in self.hooked:
+                return False
             frame = frame.f_back
         return True
 
@@ -420,7 +434,7 @@ def _write_slot(flat: FlatParam, index: int, value: torch.Tensor) -> None:
 
 
 def install_state_dict_hooks(model: nn.Module, engine: Engine) -> None:
-    """Register the state-dict hooks on ``model``'s root (``zeroshard.shard`` calls this)."""
+    """Register the state-dict hooks on ``model``'s modules (``zeroshard.shard`` calls this)."""
     setattr(engine, _HOOKS_ATTR, _Hooks(model, engine))
 
 

@@ -37,11 +37,14 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 # Lower-cased fragments of the backends' errors for a peer that is gone or too slow. Anything else
 # (a shape mismatch, a bad argument) is re-raised untouched: asking the store would only delay it.
@@ -224,17 +227,23 @@ def _check_in(
     ``ranks`` to write theirs; rank -> what it was in, for those that did. None when the store
     itself does not answer (its host, rank 0 outside torchrun, may be the stopped rank)."""
     store = dist.distributed_c10d._get_default_store()
-    found: list[dict[int, str] | None] = []
-    # In a thread with a bound on the join: a TCPStore client waits for a stopped (not dead)
-    # server without any timeout on some requests (``add``). The thread is a daemon, left
-    # blocked in that case; the job is failing anyway.
-    worker = threading.Thread(
-        target=lambda: found.append(_ask_store(store, prefix, me, ranks, mine, grace_s)),
-        name="zeroshard-watchdog",
-        daemon=True,
-    )
+    return within(lambda: _ask_store(store, prefix, me, ranks, mine, grace_s), grace_s + 2.0)
+
+
+def within(ask: Callable[[], T], seconds: float) -> T | None:
+    """``ask()``'s result, or None when it raised or did not return within ``seconds``. For
+    requests to a job's store: a TCPStore client waits for a stopped (not dead) server without
+    any timeout on some requests (``add``), so they run in a daemon thread whose join is
+    bounded, left blocked in that case (the job is failing anyway)."""
+    found: list[T] = []
+
+    def run() -> None:
+        with contextlib.suppress(RuntimeError, OSError):  # DistStoreError, connection errors
+            found.append(ask())
+
+    worker = threading.Thread(target=run, name="zeroshard-watchdog", daemon=True)
     worker.start()
-    worker.join(grace_s + 2.0)
+    worker.join(seconds)
     return found[0] if found else None
 
 

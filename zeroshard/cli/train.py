@@ -383,7 +383,8 @@ def _rdzv_conf(text: str) -> tuple[tuple[str, int], ...]:
 
 
 def _run_rank(args: argparse.Namespace) -> int:
-    """One rank of a torchrun job: a bad input is reported once (rank 0 first) and exits 2."""
+    """One rank of a torchrun job: a bad input is reported once (by the first rank to meet
+    it) and exits 2."""
     try:
         overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
         cfg = load_config(args.config, overrides)
@@ -409,42 +410,36 @@ def _run_rank(args: argparse.Namespace) -> int:
 def _first_to_say(line: str, wait_s: float = 3.0) -> bool:
     """Whether this rank is the first of its job to report ``line``: every rank usually meets
     the same bad input, and the user should read it once. Decided by a counter in the job's
-    store (torchrun's, which outlives the ranks), keyed by the line and the restart, so a rank
-    whose error differs still reports its own. True when no store answers within ``wait_s``:
-    a line said twice is better than none."""
+    store, keyed by the line and the restart, so a rank whose error differs still reports its
+    own. The store is torchrun's agent's, which outlives the ranks; with ``--max-restarts``
+    rank 0 hosts one per start, gone when rank 0 is, and none exists before the process group
+    does. True when no store answers within ``wait_s``: a line said twice is better than none."""
     import datetime
     import hashlib
-    import threading
 
     import torch.distributed as dist
 
+    from zeroshard.watchdog import within
+
     if dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
-    elif "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        try:  # bad input before the group exists: the store the group would have used
+        while hasattr(store, "underlying_store"):  # the group's prefix: keys as seen before it
+            store = store.underlying_store
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        try:  # bad input before the group exists: the agent's store, the group's to be
             store = dist.TCPStore(
                 os.environ["MASTER_ADDR"],
                 int(os.environ["MASTER_PORT"]),
                 is_master=False,
                 timeout=datetime.timedelta(seconds=wait_s),
             )
-        except Exception:  # noqa: BLE001 - no store: say it
+        except (KeyError, ValueError, RuntimeError, OSError):  # no store: say it
             return True
     else:
         return True
     digest = hashlib.sha1(line.encode()).hexdigest()[:16]
     key = f"zeroshard/said/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{_restart_count()}/{digest}"
-    counts: list[int] = []
-
-    def ask() -> None:
-        with contextlib.suppress(Exception):  # a store gone with its host: say it
-            counts.append(store.add(key, 1))
-
-    # In a thread bounded by a join: a store client can wait on a stopped host without a timeout.
-    asker = threading.Thread(target=ask, daemon=True)
-    asker.start()
-    asker.join(wait_s)
-    return not counts or counts[0] == 1
+    return within(lambda: store.add(key, 1), wait_s) in (None, 1)
 
 
 def _train_here(cfg: TrainConfig, out: Path) -> int:

@@ -132,7 +132,7 @@ def _build_hf(path: str, vocab_size: int) -> nn.Module:
             f"hf = {path!r}: vocab_size {config['vocab_size']} is smaller than the data's "
             f"{vocab_size}; raise vocab_size in the config or pass a matching --tokenizer"
         )
-    _check_heads(path, read_hf_config(path))
+    _check_heads(path, config)
     config = hf_config(path)  # (first: it says when transformers is missing)
     from transformers import AutoModelForCausalLM
 

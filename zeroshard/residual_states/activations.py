@@ -96,11 +96,11 @@ class SpanCheckpointing:
         stacked on its own would take those tensors from its count (its recomputation would
         then find them out of order)."""
         outer = self._checkpoint_running()
-        if outer == "theirs":  # code not ours runs between units: the chain breaks here
-            self.close()
-        if outer:
-            return
         span = self._span
+        if outer == "theirs" and (span is None or span.hooks is None):
+            self.close()  # code not ours ran between units: the chain breaks here
+        if outer:  # (inside a span's unit, torch's hooks on top of ours: left as they are)
+            return
         first = args[0] if args else None
         keyword = first is None and any(map(torch.is_tensor, kwargs.values()))
         if keyword and not self._warned_keyword:
