@@ -116,6 +116,47 @@ def test_models_that_differ_across_ranks_are_refused_on_every_rank(workers2):
     workers2.run(_different_models)
 
 
+def _different_settings(what: str) -> str:
+    """Rank 1 passes another ``what`` than rank 0: every rank gets the error naming it."""
+    other = dist.get_rank() == 1
+    shard_kw, opt_kw = {}, {}
+    if what == "stage":
+        shard_kw["stage"] = 1 if other else 3
+    elif what == "wrap":
+        shard_kw["wrap"] = zeroshard.wrap.by_class(nn.Linear) if other else None
+    elif what == "prefetch":  # same-size units gathered in another order: silently wrong before
+        shard_kw["config"] = zeroshard.ShardConfig(num_prefetch=3 if other else 1)
+    elif what == "precision":
+        shard_kw["mixed_precision"] = "bf16" if other else "fp32"
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    try:
+        model = zeroshard.shard(model, **{"stage": 3, **shard_kw})
+        if what == "step_in_backward":
+            opt_kw["step_in_backward"] = other
+        elif what == "lr":
+            opt_kw["lr"] = 0.1 if other else 0.2
+        zeroshard.optimizer(model, torch.optim.AdamW, **{"lr": 0.1, **opt_kw})
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "what,said",
+    [
+        ("stage", "zeroshard.shard() was called with another stage on ranks [1]"),
+        ("wrap", "another wrap policy on ranks [1]"),
+        ("prefetch", "another ShardConfig.num_prefetch on ranks [1]"),
+        ("precision", "another mixed_precision.param_dtype on ranks [1]"),
+        ("step_in_backward", "zeroshard.optimizer() was called with another step_in_backward"),
+        ("lr", "zeroshard.optimizer() was called with another optimizer settings on ranks [1]"),
+    ],
+)
+def test_settings_that_differ_across_ranks_are_named_on_every_rank(workers2, what, said):
+    for message in workers2.run(_different_settings, what):
+        assert said in message and "pass the same on every rank" in message, message
+
+
 def test_fingerprint_tells_shapes_apart():
     model = copy.deepcopy(nn.Linear(2, 2))
     from zeroshard.model_states.init import fingerprint

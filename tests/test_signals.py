@@ -78,3 +78,18 @@ def test_every_rank_names_an_agent_that_only_one_rank_saw_go(workers2):
     assert str(Stopped(sig0, 3, None, cause0)).startswith(
         "interrupted at step 3 by the loss of torchrun's agent; "
     )
+
+
+def _ctrl_c_then_the_agent_s_sigterm() -> int:
+    import torch.distributed as dist
+
+    stopper = StopOnSignal(torch.device("cpu"), grace_s=60)
+    # Ctrl-C: every rank gets SIGINT, and the agent follows with SIGTERM, which one rank
+    # noted first here.
+    stopper._note(signal.SIGTERM if dist.get_rank() == 0 else signal.SIGINT, None)
+    return stopper.agreed()
+
+
+def test_ranks_agree_on_the_first_signal_of_a_ctrl_c(workers2):
+    """The launcher exits 130 after Ctrl-C: the line the ranks print says SIGINT too."""
+    assert workers2.run(_ctrl_c_then_the_agent_s_sigterm) == [signal.SIGINT, signal.SIGINT]

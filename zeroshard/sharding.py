@@ -10,6 +10,7 @@ hooks. Every rank must call it with the same model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 import weakref
@@ -143,7 +144,21 @@ def shard(
         offload.log_host_tiers(part, mesh.device, log)
     mixed_precision = policy_of(mixed_precision, mesh.device)
     specs = units(model, wrap)
-    check_same_model(model, mesh)
+    placed = "none"
+    if offload is not None:  # the tiers, not the folder (each node may have its own)
+        placed = ", ".join(
+            f"{f}={getattr(offload, f)}"
+            for f in ("optimizer", "gradients", "parameters", "activations", "param_prefetch")
+        )
+    settings = {
+        "stage": str(stage),
+        "wrap policy": f"{len(specs)} units: " + ", ".join(s.name or "(root)" for s in specs),
+        "offload": placed,
+    }
+    for name, value in (("mixed_precision", mixed_precision), ("ShardConfig", config)):
+        for f in dataclasses.fields(value):  # one entry each: the error names the field
+            settings[f"{name}.{f.name}"] = repr(getattr(value, f.name))
+    check_same_model(model, mesh, settings)
     ledger = C.Ledger()
     materialize = Materializer(model, mesh.device, param_init_fn)
     param_swap = None

@@ -38,6 +38,10 @@ class Stopped(Exception):
         return 128 + self.signum
 
 
+_FIRST = 256
+"""Above every signal number: ``agreed`` takes the largest of ``_FIRST - signum``."""
+
+
 class StopOnSignal:
     """SIGINT/SIGTERM handlers that only note the signal; ``agreed()`` (a collective, one
     2-element all-reduce) says on every rank whether any rank got one, and why.
@@ -104,14 +108,19 @@ class StopOnSignal:
         os._exit(128 + self.signum)  # no teardown: a peer may be gone, and nothing to save
 
     def agreed(self) -> int:
-        """The signal number any rank got (the largest), or 0. Once they agree, the deadline
+        """The signal number any rank got (the smallest), or 0. Once they agree, the deadline
         is off: the caller saves and stops in an orderly way."""
         if not self.signum and self._agent is not None and os.getppid() != self._agent:
             self.cause = f"the loss of torchrun's agent (pid {self._agent})"
             self._note(signal.SIGTERM, None)
-        self._flag[0], self._flag[1] = self.signum, bool(self.cause)
+        # The smallest signal number any rank got: Ctrl-C reaches every rank as SIGINT and the
+        # agent then sends SIGTERM too; the launcher exits 130, and the line says SIGINT.
+        self._flag.copy_(
+            torch.tensor([_FIRST - self.signum if self.signum else 0, bool(self.cause)])
+        )
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-        signum, agent_lost = (int(v) for v in self._flag.tolist())
+        first, agent_lost = (int(v) for v in self._flag.tolist())
+        signum = _FIRST - first if first else 0
         if agent_lost and not self.cause:  # another rank saw it first: the same words for all
             self.cause = "the loss of torchrun's agent"
         if signum:

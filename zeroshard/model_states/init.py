@@ -134,20 +134,46 @@ def fingerprint(model: nn.Module) -> int:
     return int.from_bytes(h.digest()[:8], "little") >> 1
 
 
-def check_same_model(model: nn.Module, mesh: Mesh) -> None:
+def check_same_model(
+    model: nn.Module, mesh: Mesh, settings: dict[str, str] | None = None, call: str = "shard"
+) -> None:
     """A ValueError, on every rank, when the ranks' models differ in structure (names, shapes,
-    dtypes, requires_grad): sharding them would hang or mix unrelated tensors."""
+    dtypes, requires_grad), or their sharding ``settings`` (name -> a text of its value: the
+    stage, the units, mixed precision, ...) differ: sharding them would hang, abort inside the
+    backend, or pair one rank's gather of a unit with another's of a unit of the same size and
+    train on mixed-up weights without a word (``call``: the function given them, for the
+    message). One all-gather of a hash per entry."""
     if mesh.world_size == 1:
         return
-    mine = torch.tensor([fingerprint(model)], dtype=torch.int64, device=mesh.device)
-    every = torch.empty(mesh.world_size, dtype=torch.int64, device=mesh.device)
+    settings = settings or {}
+    names = ["model", *settings]
+    hashes = [fingerprint(model), *(_hash(v) for v in settings.values())]
+    mine = torch.tensor(hashes, dtype=torch.int64, device=mesh.device)
+    every = torch.empty(mesh.world_size * len(names), dtype=torch.int64, device=mesh.device)
     C.all_gather(
         every, mine, group=mesh.group, ledger=C.Ledger(), label="fingerprint", async_op=False
     )
-    differ = [r for r, v in enumerate(every.tolist()) if v != every[0].item()]
+    rows = every.view(mesh.world_size, len(names)).tolist()
+    differ = [r for r, row in enumerate(rows) if row[0] != rows[0][0]]
     if differ:
         raise ValueError(
             f"the model differs across ranks: ranks {differ} have other parameter names, shapes, "
             "dtypes or requires_grad than rank 0; build the same model on every rank before "
             "zeroshard.shard()"
         )
+    for i, name in enumerate(names[1:], start=1):
+        differ = [r for r, row in enumerate(rows) if row[i] != rows[0][i]]
+        if differ:
+            raise ValueError(
+                f"zeroshard.{call}() was called with another {name} on ranks {differ} than on "
+                f"rank 0 (rank {mesh.rank}: {_short(settings[name])}); pass the same on every "
+                "rank"
+            )
+
+
+def _short(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1

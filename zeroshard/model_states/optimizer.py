@@ -45,6 +45,7 @@ from zeroshard.model_states.backward_step import BackwardStep
 from zeroshard.model_states.flat_param import check_requires_grad
 from zeroshard.model_states.grad_swap import GradSwapper
 from zeroshard.model_states.grads import agree
+from zeroshard.model_states.init import check_same_model
 from zeroshard.model_states.state_swap import StateSwapper, state_bytes_per_element
 from zeroshard.model_states.subgroups import States, SubGroup, build_subgroups
 from zeroshard.offload.folder import padded_bytes
@@ -152,6 +153,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = _param_groups(model, params)
         defaults = _with_default_impl(optimizer_cls, defaults, self.engine.mesh.device)
+        # A rank stepping in backward, or with other groups, would wait in other collectives.
+        check_same_model(model, self.engine.mesh, {
+            "optimizer class": f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}",
+            "step_in_backward": str(step_in_backward),
+            "loss_scaler": type(self.loss_scaler).__name__,
+            "param groups": repr([
+                (len(g["params"]), sorted((k, repr(v)) for k, v in g.items() if k != "params"))
+                for g in user_groups
+            ]),
+            "optimizer settings": repr(sorted((k, repr(v)) for k, v in defaults.items())),
+        }, call="optimizer")  # fmt: skip
         self._subgroups = build_subgroups(
             buckets, user_groups, optimizer_cls, defaults, self.engine.param_swap
         )
