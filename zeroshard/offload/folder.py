@@ -21,6 +21,7 @@ import mmap
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 import xxhash
@@ -188,20 +189,31 @@ def collect_if_held_here(folder: Path) -> None:
     refer to each other: ``del model, opt`` leaves them to it), and its finalizer deletes its
     files, its lock and maybe the folder: so this runs before the folder is prepared, not while
     the new store takes the lock."""
+    # A few tries: the store's I/O threads may still hold it for a moment after its last
+    # request (a worker drops its task only when it takes the next), most visibly under load.
+    for _ in range(10):  # up to 1 s when a live store holds it: the error follows
+        if not _held_here(folder):
+            return
+        gc.collect()
+        if not _held_here(folder):
+            return
+        time.sleep(0.1)
+
+
+def _held_here(folder: Path) -> bool:
+    """Whether a store of this process holds ``folder``'s lock."""
     try:
         fd = os.open(folder / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return  # no lock file: no store
+        return False  # no lock file: no store
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_UN)
-        held_here = False
+        return False
     except BlockingIOError:
-        held_here = _pid_in(fd) == str(os.getpid())
+        return _pid_in(fd) == str(os.getpid())
     finally:
         os.close(fd)
-    if held_here:
-        gc.collect()
 
 
 def _holder(pid: str) -> str:
