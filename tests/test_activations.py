@@ -135,16 +135,12 @@ class _Between(torch.nn.Module):
         return self.head(x.float()).square().mean()
 
 
-def _train_between(between: str, stage: int, every: int) -> float:
-    """Largest parameter difference from plain torch after 3 SGD steps (every rank trains on
-    the same batch with the same seed, so the average gradient is the single-process one)."""
-    torch.manual_seed(0)
-    ref = _Between(between)
+def _gap_from_torch(ref: torch.nn.Module, stage: int, wrap, every: int) -> float:
+    """Largest parameter difference between ``ref`` trained by plain torch and a sharded copy
+    with ``checkpoint_every=every``, after 3 SGD steps (every rank trains on the same batch
+    with the same seed, so the average gradient is the single-process one)."""
     model = zeroshard.shard(
-        copy.deepcopy(ref),
-        stage=stage,
-        wrap=zeroshard.wrap.by_class(_Block),
-        config=ShardConfig(checkpoint_every=every),
+        copy.deepcopy(ref), stage=stage, wrap=wrap, config=ShardConfig(checkpoint_every=every)
     )
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -157,6 +153,11 @@ def _train_between(between: str, stage: int, every: int) -> float:
             o.zero_grad()
     with zeroshard.summon_full_params(model):
         return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def _train_between(between: str, stage: int, every: int) -> float:
+    torch.manual_seed(0)
+    return _gap_from_torch(_Between(between), stage, zeroshard.wrap.by_class(_Block), every)
 
 
 @pytest.mark.parametrize("between", ["layerdrop", "in-place", "autocast"])
@@ -199,27 +200,10 @@ class _Caller(torch.nn.Module):
 
 
 def _train_own_checkpoint(stage: int, own: str, unit: str) -> float:
-    """Largest parameter difference from plain torch after 3 SGD steps (same batch on every
-    rank); units: the blocks' Linears or the blocks, the shared norm a unit too."""
+    """Units: the blocks' Linears or the blocks, the shared norm a unit too."""
     torch.manual_seed(0)
-    ref = _OwnCheckpoint(own)
-    model = zeroshard.shard(
-        copy.deepcopy(ref),
-        stage=stage,
-        wrap=zeroshard.wrap.by_class(unit, "LayerNorm"),
-        config=ShardConfig(checkpoint_every=1),
-    )
-    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(3):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        for m, o in ((model, opt), (ref, ref_opt)):
-            torch.manual_seed(100 + step)
-            m(x).backward()
-            o.step()
-            o.zero_grad()
-    with zeroshard.summon_full_params(model):
-        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    wrap = zeroshard.wrap.by_class(unit, "LayerNorm")
+    return _gap_from_torch(_OwnCheckpoint(own), stage, wrap, 1)
 
 
 @pytest.mark.parametrize("stage", [0, 3])

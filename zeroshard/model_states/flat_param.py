@@ -284,21 +284,23 @@ class FlatParam:
         base = _placeholder(self.orig_dtype, self.mesh.device) if rest else self.full
         for s in self.slots:
             at = base.data_ptr() + (0 if rest else s.offset * base.element_size())
-            if s.numel and s.param.shape != s.shape:
+            p = s.param
+            if not s.numel or (p.data_ptr() == at and p.dtype == base.dtype and p.shape == s.shape):
+                continue  # still the engine's memory, as shard() left it
+            if p.shape != s.shape:
                 raise ValueError(
                     f"{s.names[0]} was changed after zeroshard.shard() (its shape is now "
-                    f"{tuple(s.param.shape)}, it was {tuple(s.shape)}: e.g. "
+                    f"{tuple(p.shape)}, it was {tuple(s.shape)}: e.g. "
                     "resize_token_embeddings, or p.data = ...): the engine holds the parameters' "
                     "memory in their shapes at shard(); change the model before sharding it"
                 )
-            if s.numel and (s.param.data_ptr() != at or s.param.dtype != base.dtype):
-                raise ValueError(
-                    f"{s.names[0]}'s data was replaced after zeroshard.shard() (model.half(), "
-                    f"model.to(dtype), p.data = ...; it is {s.param.dtype}, the engine's "
-                    f"{base.dtype}): the engine holds the parameters' memory. Pick compute "
-                    "dtypes with shard(..., mixed_precision='bf16'), convert before sharding, "
-                    "or set values with model.load_state_dict()"
-                )
+            raise ValueError(
+                f"{s.names[0]}'s data was replaced after zeroshard.shard() (model.half(), "
+                f"model.to(dtype), p.data = ...; it is {p.dtype}, the engine's "
+                f"{base.dtype}): the engine holds the parameters' memory. Pick compute "
+                "dtypes with shard(..., mixed_precision='bf16'), convert before sharding, "
+                "or set values with model.load_state_dict()"
+            )
 
     def check_rest_writes(self) -> None:
         """Raise if a parameter at rest (a placeholder, stage 3) was written: ``fill_``-like
