@@ -66,7 +66,7 @@ class StopOnSignal:
     ) -> None:
         self.signum = 0
         self.grace_s, self.announce = grace_s, announce
-        self._flag = torch.zeros(2, device=device)  # (signal number, 1 if an agent was lost)
+        self._flag = torch.zeros(2, device=device)  # (_FIRST - signal number, agent lost)
         self._old: dict[int, Any] = {}
         self._deadline: threading.Timer | None = None
         self._agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None

@@ -191,9 +191,9 @@ def collect_if_held_here(folder: Path) -> None:
     the new store takes the lock."""
     # A few tries: the store's I/O threads may still hold it for a moment after its last
     # request (a worker drops its task only when it takes the next), most visibly under load.
+    if not _held_here(folder):
+        return
     for _ in range(10):  # up to 1 s when a live store holds it: the error follows
-        if not _held_here(folder):
-            return
         gc.collect()
         if not _held_here(folder):
             return
