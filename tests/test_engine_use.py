@@ -1149,3 +1149,92 @@ def test_a_forward_whose_gather_failed_waits_no_more(lone_process):
     with pytest.raises(RuntimeError, match="Timed out"):
         model(torch.randn(2, 4))
     assert len(waits) == 1
+
+
+# ----------------------------------------------------------------------------- rank-local paths
+class _Cell(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _RoutedNet(nn.Module):
+    """Three units of one size, run in the order each call names (a router's choice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cells = nn.ModuleList([_Cell() for _ in range(3)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, route: list[int]):
+        for i in route:
+            x = self.cells[i](x)
+        return self.head(x)
+
+
+ROUTES = {  # per rank: rank 1 runs the cells in another order, or rank 0 skips one
+    "another order": ([0, 1, 2], [0, 2, 1]),
+    "a cell skipped": ([0, 2], [0, 1, 2]),
+}
+
+
+def _routed_training(stage: int, bucket_bytes: int | None, routes: str, **opt_kw) -> object:
+    """3 AdamW steps with each rank on its own route, against unsharded training of the mean
+    of both ranks' losses: the largest parameter difference, or the error's message."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = _RoutedNet()
+    model = zeroshard.shard(
+        copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_Cell), config=_config(bucket_bytes)
+    )
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2, **opt_kw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    before = zeroshard.full_state_dict(model, rank0_only=False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(2 * PER_RANK_BATCH, 8, generator=g)
+        try:
+            model(_rows(x), ROUTES[routes][rank]).square().mean().backward()
+            opt.step()
+        except RuntimeError as err:
+            opt.zero_grad()
+            after = zeroshard.full_state_dict(model, rank0_only=False)
+            untouched = all(torch.equal(before[k], after[k]) for k in before)
+            return str(err), untouched
+        opt.zero_grad()
+        halves = [ref(x[r * PER_RANK_BATCH :][:PER_RANK_BATCH], ROUTES[routes][r]) for r in (0, 1)]
+        (sum(h.square().mean() for h in halves) / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return _param_diff(model, ref)
+
+
+@pytest.mark.parametrize("routes", list(ROUTES))
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@CONFIGS
+def test_ranks_on_routes_of_their_own_reduce_alike_at_stages_0_to_2(
+    workers2, stage, bucket_bytes, routes
+):
+    """Gradients are reduced in one order on every rank (DDP's rule), whatever order each
+    rank's backward reaches its units in. Before, with a bucket per unit, each rank reduced in
+    its own order: the same-size buckets of two units were summed together silently, and a
+    skipped unit aborted the job in gloo."""
+    assert max(workers2.run(_routed_training, stage, bucket_bytes, routes)) < TOL
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_ranks_running_units_in_orders_of_their_own_at_stage_3_is_an_error(
+    workers2, step_in_backward
+):
+    """At stage 3 each gather pairs the ranks' shards of whichever unit each rank runs next:
+    units of one size in another order trained on mixed-up weights silently. The step's
+    agreement compares the order of the units' collectives and refuses the step on every
+    rank, master weights untouched."""
+    for message, untouched in workers2.run(
+        _routed_training, 3, None, "another order", step_in_backward=step_in_backward
+    ):
+        assert "the ranks ran the wrapped units in different orders" in message
+        assert untouched

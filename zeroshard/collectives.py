@@ -38,6 +38,7 @@ import functools
 import itertools
 import threading
 import weakref
+import zlib
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,9 +70,20 @@ class LedgerEntry:
 
 SHARD, REPLICATE, WORLD, TENSOR = "shard", "replicate", "world", "tensor"
 
+"""Ledger scopes: the group a collective ran on (module docstring)."""
+
 KEPT_STEPS = 1000
 """Closed steps a ``Ledger`` remembers (the oldest are dropped: a long run does not grow)."""
-"""Ledger scopes: the group a collective ran on (module docstring)."""
+
+ORDER_MODULUS = 16_777_213
+"""The largest prime below 2**24: an ``order`` digest is exact in FP32, so it can ride in the
+step's agreement all-reduce (``zeroshard.model_states.grads.agree``)."""
+
+
+@functools.cache
+def _unit_code(op: str, unit: str) -> int:
+    # crc32, not hash(): Python salts str hashes per process, and ranks must agree.
+    return zlib.crc32(f"{op}:{unit}".encode())
 
 
 @dataclass
@@ -97,14 +109,28 @@ class Ledger:
     scoped_steps: deque[dict[tuple[str, str, str], LedgerEntry]] = field(
         default_factory=lambda: deque(maxlen=KEPT_STEPS)
     )
+    order: int = 0
+    """A digest (below ``ORDER_MODULUS``) of the units whose collectives this rank issued since
+    the last ``end_step``, in order: equal on every rank when the ranks gathered and reduced the
+    same units in the same order, and (but for one chance in 2**24) different otherwise. Ranks
+    that run units in orders of their own pair one unit's shards with another's in each
+    collective, silently when the sizes match."""
 
     def record(
-        self, op: str, label: str, numel: int, element_bytes: int, scope: str = SHARD
+        self,
+        op: str,
+        label: str,
+        numel: int,
+        element_bytes: int,
+        scope: str = SHARD,
+        unit: str | None = None,
     ) -> None:
         for entry in (self.entries[(op, label)], self.scoped[(scope, op, label)]):
             entry.calls += 1
             entry.numel += numel
             entry.bytes += numel * element_bytes
+        if unit is not None:
+            self.order = (self.order * 31 + _unit_code(op, unit)) % ORDER_MODULUS
 
     def numel(
         self, *, labels: tuple[str, ...] = ("params", "grads"), scope: str | None = None
@@ -144,10 +170,12 @@ class Ledger:
         self.scoped_steps.append(dict(self.scoped))
         self.entries = defaultdict(LedgerEntry)
         self.scoped = defaultdict(LedgerEntry)
+        self.order = 0
 
     def reset(self) -> None:
         self.entries = defaultdict(LedgerEntry)
         self.scoped = defaultdict(LedgerEntry)
+        self.order = 0
         self.steps.clear()
         self.scoped_steps.clear()
 
@@ -420,7 +448,7 @@ def all_gather(
 ) -> Handle:
     """Gather every rank's ``shard`` (1D, n/N elements) into ``output`` (1D, n, all ranks).
     ``unit`` names the wrapped module for ``CollectiveTimeout`` (as do the functions below)."""
-    ledger.record("all_gather", label, output.numel(), output.element_size(), scope)
+    ledger.record("all_gather", label, output.numel(), output.element_size(), scope, unit)
     with record_function("zeroshard::all_gather"), diagnosed("all_gather", label, group, unit=unit):
         if _point_to_point(group, output):
             start = functools.partial(_gather_exchange, output, shard, group)
@@ -442,7 +470,7 @@ def reduce_scatter(
 ) -> Handle:
     """Sum ``full`` (1D, n, every rank's own) over ranks; rank r receives slice r in ``output``.
     ``output`` may be ``full``'s slice r (in place); ``full`` is scratch until ``wait``."""
-    ledger.record("reduce_scatter", label, full.numel(), full.element_size())
+    ledger.record("reduce_scatter", label, full.numel(), full.element_size(), unit=unit)
     with (
         record_function("zeroshard::reduce_scatter"),
         diagnosed("reduce_scatter", label, group, unit=unit),
@@ -468,7 +496,7 @@ def all_reduce(
 ) -> Handle:
     """Reduce ``tensor`` in place across ranks (sum by default), counted in the ledger under
     ``scope`` (``REPLICATE``: across shard groups; ``WORLD``: every rank; ``SHARD`` otherwise)."""
-    ledger.record("all_reduce", label, 2 * tensor.numel(), tensor.element_size(), scope)
+    ledger.record("all_reduce", label, 2 * tensor.numel(), tensor.element_size(), scope, unit)
     if scope != SHARD:
         label = f"{label} ({scope} group)"
     name = "zeroshard::all_reduce" + ("" if scope == SHARD else f"_{scope}")

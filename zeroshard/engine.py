@@ -118,6 +118,14 @@ class Engine:
         self._units_left: dict[GradBucket, int] = {}  # per backward: units yet to finish
         self._again: set[Unit] = set()  # per backward: units finished, then reached again
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
+        self._reduce_order = self.buckets[::-1]
+        """Stages 0-2: the order in which every rank issues the reductions (DDP's rule): the
+        backward order of a model whose units run in the order they were registered, the root
+        last. A bucket ready before those ahead of it waits for them, so ranks whose backward
+        reaches units in orders of their own (a rank-dependent path, a unit one rank skips)
+        still reduce the same bucket in each collective."""
+        self._ready: set[GradBucket] = set()  # per backward: ready, waiting for their turn
+        self._next_reduce = 0  # per backward: index of the next reduction in _reduce_order
         self._summoned = 0  # depth of summon_full_params
         self.discarding = 0  # of them, how many undo writes (writeback=False): no step inside
         self.heap = (
@@ -293,8 +301,9 @@ class Engine:
     def _start_clean(self, units: list[Unit]) -> None:
         """Forget ``units``' part in a forward or backward that ended by an exception: their
         uses, their state, and their gathered parameters (kept while summoned)."""
-        for pending in (self._units_left, self._again, self._dirty):
+        for pending in (self._units_left, self._again, self._dirty, self._ready):
             pending.clear()
+        self._next_reduce = 0
         for u in units:
             u.state, u.pending_uses, u.lender = TrainingState.IDLE, 0, None
             u.generation += 1
@@ -370,10 +379,22 @@ class Engine:
         # gradient is collected: none of them is alive next to it at this peak of backward.
         if not self._summoned:
             unit.reshard()
-        for b in ready:
-            self._finish_reductions(keep=self.config.max_inflight_reductions - 1)
-            b.reduce()
-            self._pending.append(b)
+        if self.partition.parameters:
+            # Stage 3: the units' gathers already pair ranks in each one's forward order (the
+            # step refuses mismatched orders, ``grads.agreed``); reduce at once, free at once.
+            for b in ready:
+                self._reduce(b)
+            return
+        self._ready.update(ready)
+        order = self._reduce_order
+        while self._next_reduce < len(order) and order[self._next_reduce] in self._ready:
+            self._reduce(order[self._next_reduce])
+            self._next_reduce += 1
+
+    def _reduce(self, bucket: GradBucket) -> None:
+        self._finish_reductions(keep=self.config.max_inflight_reductions - 1)
+        bucket.reduce()
+        self._pending.append(bucket)
 
     def _end_backward(self) -> None:
         """Autograd's final callback: finish the units no hook finished, in the same order on
@@ -390,8 +411,9 @@ class Engine:
             pool.release()  # kept through one backward, not between steps
         for unit in self.units:
             unit.to(TrainingState.IDLE)
-        for pending in (self._units_left, self._again, self._dirty):
+        for pending in (self._units_left, self._again, self._dirty, self._ready):
             pending.clear()
+        self._next_reduce = 0
         self.scaling.accumulating = not self._reduce_now
         if self._reduce_now and self.partition.optimizer_states and not self.optimizers:
             warn_no_sharded_optimizer()

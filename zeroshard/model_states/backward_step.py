@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroshard import collectives as C
-from zeroshard.model_states.grads import GradBucket, Reduction, agree
+from zeroshard.model_states.grads import GradBucket, Reduction, agree, agreed
 from zeroshard.precision import DynamicLossScaler
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ class BackwardStep:
         optimizer = self._optimizer()
         assert optimizer is not None
         engine = optimizer.engine
-        flags = self._flags.pop(id(bucket)).wait().tolist()
+        seen, touched = agreed(self._flags.pop(id(bucket)).wait(), engine.ledger)
         if not engine.sync_grads:
             # A micro-step that reduces (reduce_every_micro_step): the shard accumulates until
             # the synchronized backward, apart from the full gradient it was reduced in.
@@ -128,11 +128,11 @@ class BackwardStep:
         self.stepped.add(id(bucket))
         # This rank's inf/NaN so far (its shard of this bucket included), or any rank's before
         # this bucket's reduction started.
-        seen = flags[0] > 0 or bool(engine.scaling.found_inf.item() > 0)
+        seen = seen or bool(engine.scaling.found_inf.item() > 0)
         sg = self._subgroups.get(id(bucket))
         if sg is not None and not (seen and optimizer.loss_scaler.checks):
             first = self._first_slot[id(bucket)]
-            unused = {first + i for i, used in enumerate(flags[1:]) if not used}
+            unused = {first + i for i, used in enumerate(touched) if not used}
             with torch.no_grad():
                 optimizer._step_subgroup(sg, unused)
         bucket.shard_grad = None  # applied (or skipped): the memory this mode exists to free

@@ -117,12 +117,14 @@ def warn_no_sharded_optimizer() -> None:
 def agree(
     scaling: GradScaling, touched: torch.Tensor, mesh: Mesh, ledger: C.Ledger, *, async_op: bool
 ) -> C.Handle:
-    """Start the agreement of every rank on [inf/NaN seen, one flag per parameter that backward
-    reached] (``touched``: 1D FP32, this rank's flags), MAX over every rank, also with hybrid
-    sharding ("touched" depends on each rank's data): a shard's overflow is seen only by its
-    owner, and a parameter is left out of the step only when no rank reached it. The handle's
-    output is the agreed flags (found_inf first)."""
-    flags = torch.cat([scaling.found_inf, touched])
+    """Start the agreement of every rank on [inf/NaN seen, the order of the units' collectives,
+    one flag per parameter that backward reached] (``touched``: 1D FP32, this rank's flags), MAX
+    over every rank, also with hybrid sharding ("touched" depends on each rank's data): a shard's
+    overflow is seen only by its owner, and a parameter is left out of the step only when no
+    rank reached it. The order rides as ``[d, -d]`` (``Ledger.order``): MAX of both gives the
+    largest and the smallest digest. Read the handle's output with ``agreed``."""
+    order = torch.tensor([ledger.order, -ledger.order], dtype=torch.float32)
+    flags = torch.cat([scaling.found_inf, order.to(touched.device), touched])
     if mesh.world_size * mesh.tp_size == 1:
         return C.Handle(None, flags)
     whole = mesh.hybrid is not None or mesh.tp_size > 1
@@ -136,6 +138,28 @@ def agree(
         op=dist.ReduceOp.MAX,
         async_op=async_op,
     )
+
+
+class OrderMismatch(RuntimeError):
+    """The ranks ran their units in different orders since the last step (``agreed``)."""
+
+
+def agreed(flags: torch.Tensor, ledger: C.Ledger) -> tuple[bool, list[bool]]:
+    """(inf/NaN seen on some rank, per parameter: reached on some rank) from ``agree``'s output
+    (a host sync). Raises ``OrderMismatch`` on every rank alike when the ranks' collectives
+    paired different units: the gradients are of mixed-up parameters, and no step may use them.
+    The ledger's order then restarts, so that a caller who recovers can train on."""
+    values = flags.tolist()
+    if values[1] != -values[2]:
+        ledger.order = 0
+        raise OrderMismatch(
+            "the ranks ran the wrapped units in different orders since the last step, so each "
+            "collective paired one unit's shards on one rank with another unit's on another "
+            "(the gradients are of mixed-up parameters, and the step is refused; master "
+            "weights are untouched). Call the same units in the same order on every rank: "
+            "branch on values all ranks share, or keep rank-dependent paths inside one unit"
+        )
+    return values[0] > 0, [v > 0 for v in values[3:]]
 
 
 def pools(buckets: list[GradBucket]) -> list[TensorPool]:

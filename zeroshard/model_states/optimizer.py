@@ -44,7 +44,7 @@ from zeroshard.engine import Engine, engine_of
 from zeroshard.model_states.backward_step import BackwardStep
 from zeroshard.model_states.flat_param import check_requires_grad
 from zeroshard.model_states.grad_swap import GradSwapper
-from zeroshard.model_states.grads import agree
+from zeroshard.model_states.grads import agree, agreed
 from zeroshard.model_states.init import check_same_model
 from zeroshard.model_states.state_swap import StateSwapper, state_bytes_per_element
 from zeroshard.model_states.subgroups import States, SubGroup, build_subgroups
@@ -345,9 +345,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flags = agree(
             engine.scaling, engine.slots_touched(), engine.mesh, engine.ledger, async_op=False
         ).wait()
-        values = flags.tolist()  # a host sync: the decision is made on the host
-        found_inf = self.loss_scaler.checks and values[0] > 0
-        return found_inf, {i for i, used in enumerate(values[1:]) if not used}
+        seen, touched = agreed(flags, engine.ledger)  # a host sync: decided on the host
+        return self.loss_scaler.checks and seen, {i for i, used in enumerate(touched) if not used}
 
     @torch.no_grad()
     def step(self, closure: None = None) -> bool:  # type: ignore[override]
