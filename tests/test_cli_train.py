@@ -430,14 +430,18 @@ class MyBlock(nn.Module):
 class MyLM(nn.Module):
     """Token ids (B, T) -> logits (B, T, 256); not causal, which training does not check."""
 
-    def __init__(self, nan_in_eval=False):
+    def __init__(self, nan_in_eval=False, crash_at_forward=0):
         super().__init__()
         self.embed = nn.Embedding(256, 16)
         self.blocks = nn.ModuleList(MyBlock(16) for _ in range(3))
         self.head = nn.Linear(16, 256)
         self.nan_in_eval = nan_in_eval
+        self.crash_at_forward, self.forwards = crash_at_forward, 0
 
     def forward(self, idx):
+        self.forwards += 1
+        if self.forwards == self.crash_at_forward:
+            raise RuntimeError("my model crashed")
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
@@ -451,6 +455,10 @@ def build():
 
 def build_nan_in_eval():
     return MyLM(nan_in_eval=True)
+
+
+def build_crashing():  # in the 3rd training forward (the 1st one evaluates)
+    return MyLM(crash_at_forward=4)
 
 
 def build_bad():
@@ -689,6 +697,22 @@ def test_non_finite_validation_loss_is_divergence(capsys, tmp_path, model_module
     assert summary["status"] == "diverged"
 
 
+def test_a_run_that_fails_says_so_in_its_summary(capsys, tmp_path, model_module, data_dir):
+    """A run that ends early writes summary.json too (status, the error's line, the last step
+    updated): a crash in step 3 left metrics.jsonl without a word of why it stopped."""
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "5", "--batch-size", "2"]
+    flags += ["--model", f"{model_module}:build_crashing", "--wrap", "MyBlock"]
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="my model crashed"):  # in process: raised, as a bug
+        main(["train", *flags, "--out-dir", str(out)])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in _train_records(records)] == [1, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["last_step"] == 2, summary
+    assert summary["error"] == "RuntimeError: my model crashed", summary
+    assert (out / "loss.png").exists()
+
+
 # ----------------------------------------------- how 2-rank runs end: ten runs, every ending
 
 TWO_RANKS = ["--nproc", "2", "--batch-size", "4", *NANO]
@@ -823,8 +847,11 @@ def test_every_way_a_two_rank_run_ends(tmp_path, data_dir, model_module):
             assert len(lines) == 1 and re.fullmatch(
                 rf"interrupted at step (\d+) by {sig}; {saved}", lines[0]
             ), stdout
+            step = int(lines[0].split()[3])
+            summary = json.loads((tmp_path / _folder(name) / "summary.json").read_text())
+            assert summary["status"] == "interrupted" and summary["last_step"] == step, summary
+            assert summary["error"] == lines[0], summary
             if code == 143:  # the step it stopped at, saved: a checkpoint that verifies
-                step = int(lines[0].split()[3])
                 path = tmp_path / _folder(name) / "ckpt" / f"step-{step:06d}"
                 assert lines[0].endswith(f"saved step {step} to {path}"), lines[0]
                 assert main(["checkpoint", "info", str(path), "--verify"]) == 0
@@ -889,11 +916,16 @@ def test_a_refused_run_leaves_no_output_folder(capsys, tmp_path, data_dir, model
     blocker.write_text("not a folder")
     bad = ["--offload-params", "nvme", "--offload-folder", str(blocker / "swap")]
     out = tmp_path / "runs" / "first"
-    _expect_usage_error(capsys, ["train", *bad, "--out-dir", str(out)], "--offload-folder")
+    # (It said "not writable (Not a directory)" for a file in the way.)
+    why = "a folder above it, is a file"
+    _expect_usage_error(capsys, ["train", *bad, "--out-dir", str(out)], "--offload-folder", why)
     assert not (tmp_path / "runs").exists()  # made for the run, then removed with its parent
-    (tmp_path / "mine").mkdir()  # a folder the user made is theirs: kept, as it was
+    (tmp_path / "mine").mkdir()  # a folder the user made is theirs: kept, as it was (the
+    # lock the command took in it is gone again)
     _expect_usage_error(capsys, ["train", *bad, "--out-dir", str(tmp_path / "mine")], "offload")
-    assert [p.name for p in (tmp_path / "mine").iterdir()] == [".zeroshard.lock"]
+    assert list((tmp_path / "mine").iterdir()) == []
+    bad_out = ["--out-dir", str(blocker)]
+    _expect_usage_error(capsys, ["train", *bad_out], "cannot create output folder", "is a file")
     # A folder that cannot be made (its name too long): the parents made for it go too.
     too_long = tmp_path / "parent" / ("x" * 300)
     _expect_usage_error(capsys, ["train", "--out-dir", str(too_long)], "cannot create output")
@@ -910,10 +942,11 @@ def test_a_refused_run_leaves_no_output_folder(capsys, tmp_path, data_dir, model
     # The same in a folder that existed: the settings it wrote go again, and a run's folder
     # keeps the config.json of the run it holds.
     assert main(["train", *flags, "--out-dir", str(tmp_path / "mine")]) == 2
-    assert [p.name for p in (tmp_path / "mine").iterdir()] == [".zeroshard.lock"]
+    assert list((tmp_path / "mine").iterdir()) == []
     run = tmp_path / "run"
     good = [*NANO, "--data-dir", str(data_dir), "--steps", "1"]
     assert main(["train", *good, "--out-dir", str(run)]) == 0
+    assert not (run / ".zeroshard.lock").exists()
     before = (run / "config.json").read_bytes()
     assert main(["train", *flags, "--out-dir", str(run)]) == 2
     assert (run / "config.json").read_bytes() == before

@@ -39,6 +39,7 @@ from zeroshard.autograd_hooks import in_backward, on_backward, when_backward_rea
 from zeroshard.mesh import Mesh
 from zeroshard.model_states import flat_param
 from zeroshard.model_states.grads import GradBucket, GradScaling, pools, warn_no_sharded_optimizer
+from zeroshard.model_states.reduction_order import ReductionOrder
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states import host_heap
 from zeroshard.residual_states.activations import SpanCheckpointing
@@ -118,14 +119,8 @@ class Engine:
         self._units_left: dict[GradBucket, int] = {}  # per backward: units yet to finish
         self._again: set[Unit] = set()  # per backward: units finished, then reached again
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
-        self._reduce_order = self.buckets[::-1]
-        """Stages 0-2: the order in which every rank issues the reductions (DDP's rule): the
-        backward order of a model whose units run in the order they were registered, the root
-        last. A bucket ready before those ahead of it waits for them, so ranks whose backward
-        reaches units in orders of their own (a rank-dependent path, a unit one rank skips)
-        still reduce the same bucket in each collective."""
-        self._ready: set[GradBucket] = set()  # per backward: ready, waiting for their turn
-        self._next_reduce = 0  # per backward: index of the next reduction in _reduce_order
+        self.reduction_order = ReductionOrder(self.buckets)
+        """Stages 0-2: the one order in which every rank issues its reductions."""
         self._summoned = 0  # depth of summon_full_params
         self.discarding = 0  # of them, how many undo writes (writeback=False): no step inside
         self.heap = (
@@ -301,9 +296,9 @@ class Engine:
     def _start_clean(self, units: list[Unit]) -> None:
         """Forget ``units``' part in a forward or backward that ended by an exception: their
         uses, their state, and their gathered parameters (kept while summoned)."""
-        for pending in (self._units_left, self._again, self._dirty, self._ready):
+        for pending in (self._units_left, self._again, self._dirty):
             pending.clear()
-        self._next_reduce = 0
+        self.reduction_order.forget()
         for u in units:
             u.state, u.pending_uses, u.lender = TrainingState.IDLE, 0, None
             u.generation += 1
@@ -369,7 +364,7 @@ class Engine:
         ready = []
         for b in unit.buckets:
             if unit in self._again:
-                if self._units_left.get(b, 1) <= 0:
+                if self._units_left.get(b, 1) <= 0 and not self.reduction_order.is_waiting(b):
                     self._dirty[b] = None  # reduced already: reduce what came since at the end
                 continue
             self._units_left[b] = self._units_left.get(b, b.num_units) - 1
@@ -379,17 +374,9 @@ class Engine:
         # gradient is collected: none of them is alive next to it at this peak of backward.
         if not self._summoned:
             unit.reshard()
-        if self.partition.parameters:
-            # Stage 3: the units' gathers already pair ranks in each one's forward order (the
-            # step refuses mismatched orders, ``grads.agreed``); reduce at once, free at once.
-            for b in ready:
-                self._reduce(b)
-            return
-        self._ready.update(ready)
-        order = self._reduce_order
-        while self._next_reduce < len(order) and order[self._next_reduce] in self._ready:
-            self._reduce(order[self._next_reduce])
-            self._next_reduce += 1
+        # Stage 3 reduces at once (``reduction_order``'s docstring says why), freeing at once.
+        for b in ready if self.partition.parameters else self.reduction_order.ready(ready):
+            self._reduce(b)
 
     def _reduce(self, bucket: GradBucket) -> None:
         self._finish_reductions(keep=self.config.max_inflight_reductions - 1)
@@ -411,9 +398,10 @@ class Engine:
             pool.release()  # kept through one backward, not between steps
         for unit in self.units:
             unit.to(TrainingState.IDLE)
-        for pending in (self._units_left, self._again, self._dirty, self._ready):
+        for pending in (self._units_left, self._again, self._dirty):
             pending.clear()
-        self._next_reduce = 0
+        if not self.partition.parameters:
+            self.reduction_order.end_backward(self.mesh)
         self.scaling.accumulating = not self._reduce_now
         if self._reduce_now and self.partition.optimizer_states and not self.optimizers:
             warn_no_sharded_optimizer()

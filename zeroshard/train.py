@@ -28,7 +28,7 @@ import resource
 import threading
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import asdict
 from pathlib import Path
 
@@ -324,6 +324,7 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t_wall = time.perf_counter()
+    done = start  # the last step completed
     try:
         if start and records and records[0]["kind"] == "eval":
             first_val = records[0]["val_loss"]
@@ -343,6 +344,7 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
                 dist.all_reduce(loss)  # the global batch's loss, whatever the world size
             loss_value = loss.item() / dist.get_world_size()
             guard.step(step, loss_value)  # skipped when some rank has inf/NaN gradients
+            done = step
             opt.zero_grad()
             disk.collect()
             if step % cfg.log_every == 0 or step == cfg.steps:
@@ -374,9 +376,14 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
             if signum and step < cfg.steps:  # at the last step the run is done: it ends as such
                 raise Stopped(signum, step, where, stopper.cause)
             bar.update(1)
-    except Diverged as exc:
-        summary.update(status="diverged", error=str(exc), skipped_steps=guard.num_skipped)
-        _write_summary(summary, records, out, rank)
+    except BaseException as exc:
+        # The folder says how the run ended, also when it did not finish: its status, the
+        # error's line, and the last step completed (updated, or skipped for inf/NaN).
+        status = next((s for t, s in _ENDINGS if isinstance(exc, t)), "failed")
+        summary.update(status=status, error=_first_line(exc), skipped_steps=guard.num_skipped,
+                       last_step=done)  # fmt: skip
+        with suppress(Exception):  # never in place of the error being raised
+            _write_summary(summary, records, out, rank)
         raise
     finally:
         bar.close()
@@ -384,7 +391,7 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
     steps = zeroshard.ledger(model).steps
     last = steps[-1] if steps else {}  # none when a restart resumed the final checkpoint
     summary.update(
-        status="done", skipped_steps=guard.num_skipped, resumed_at_step=start,
+        status="done", skipped_steps=guard.num_skipped, resumed_at_step=start, last_step=done,
         seconds=round(elapsed, 1),
         tokens_per_s=round(tokens_per_step * max(1, cfg.steps - start - 1) / trained_s),
         val_loss_first=round(first_val, 4), val_loss_last=round(records[-1]["val_loss"], 4),
@@ -506,11 +513,24 @@ def _bytes_by_label(step: dict) -> dict[str, int]:
     return out
 
 
+_ENDINGS = ((Diverged, "diverged"), (Stopped, "interrupted"))
+"""``summary.json``'s status of a run that one of these ended ("failed" for any other error)."""
+
+
+def _first_line(exc: BaseException) -> str:
+    """The line that says why the run ended: ours as printed, any other error with its type."""
+    lines = str(exc).strip().splitlines()
+    line = lines[0] if lines else ""
+    if isinstance(exc, (Diverged, Stopped)):
+        return line
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
 def _write_summary(summary: dict, records: list[dict], out: Path, rank: int) -> None:
     if rank != 0:
         return
-    plot(records, out / "loss.png")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(records, out / "loss.png")
 
 
 def save_config(cfg: TrainConfig, path: Path) -> None:

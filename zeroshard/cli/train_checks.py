@@ -15,7 +15,7 @@ from zeroshard.cli.main import UsageError
 from zeroshard.data import BatchLoader
 from zeroshard.models.gpt import PRESETS
 from zeroshard.models.loading import hf_config, hf_context_len, import_factory, read_hf_config
-from zeroshard.offload.folder import LockHeld, pid_lock
+from zeroshard.offload.folder import LockHeld, pid_lock, unusable_because
 from zeroshard.residual_states.host_heap import memory_available_bytes
 from zeroshard.run_log import tensorboard_available
 from zeroshard.tokens import check_data_path, load_tokenizer
@@ -118,8 +118,8 @@ def _check_offload_folder(path: str) -> None:
         _probe_writable(Path(path))
     except OSError as exc:
         raise UsageError(
-            f"offload folder {path} is not writable ({exc.strerror}); pass a writable "
-            "--offload-folder on the fast disk"
+            f"offload folder {path} is not writable ({unusable_because(exc)}); pass a "
+            "writable --offload-folder on the fast disk"
         ) from None
 
 
@@ -160,7 +160,8 @@ def make_out_dir(path: str) -> Path:
         _probe_writable(out)
     except OSError as exc:
         raise UsageError(
-            f"cannot create output folder {out} ({exc.strerror}); pass a writable --out-dir"
+            f"cannot create output folder {out} ({unusable_because(exc)}); pass a writable "
+            "--out-dir"
         ) from None
     return out
 
@@ -226,6 +227,9 @@ def hold_out_dir(path: str, *, lock: bool) -> Iterator[Path]:
             try:
                 if created:
                     _remove_if_unused(created)
+                # Deleted while held: a command that opened it meanwhile sees it gone and
+                # locks a new one (``pid_lock``).
+                (out / LOCK_NAME).unlink(missing_ok=True)
             finally:
                 os.close(fd)
 

@@ -111,7 +111,8 @@ class BackwardStep:
         optimizer = self._optimizer()
         assert optimizer is not None
         engine = optimizer.engine
-        seen, touched = agreed(self._flags.pop(id(bucket)).wait(), engine.ledger)
+        flags = self._flags.pop(id(bucket)).wait()
+        seen, touched = agreed(flags, engine.ledger, stepped=len(self.stepped))
         if not engine.sync_grads:
             # A micro-step that reduces (reduce_every_micro_step): the shard accumulates until
             # the synchronized backward, apart from the full gradient it was reduced in.

@@ -43,6 +43,7 @@ __all__ = [
     "prepare_folder",
     "remove_if_empty",
     "take_lock",
+    "unusable_because",
 ]
 
 logger = logging.getLogger("zeroshard.offload")
@@ -91,6 +92,15 @@ def file_name(name: str) -> str:
     return f"{readable}-{xxhash.xxh64_hexdigest(name.encode())[:12]}{SUFFIX}"
 
 
+def unusable_because(error: OSError) -> str:
+    """Why a folder could not be made or written, in words: the system's, except for a file
+    standing where the folder (or a folder above it) should be, which it words as "File
+    exists" or "Not a directory"."""
+    if isinstance(error, (FileExistsError, NotADirectoryError)):
+        return "it, or a folder above it, is a file"
+    return error.strerror or str(error)
+
+
 def prepare_folder(folder: Path, direct_io: bool | None) -> tuple[bool, bool]:
     """Create and test the folder now, so a bad one fails at construction, not mid-step.
 
@@ -104,8 +114,8 @@ def prepare_folder(folder: Path, direct_io: bool | None) -> tuple[bool, bool]:
         os.close(fd)
     except OSError as e:
         raise OffloadSetupError(
-            f"swap folder {folder} is not usable ({e.strerror or e}); pass folder= a writable "
-            "directory on the disk that should hold the swap files"
+            f"swap folder {folder} is not usable ({unusable_because(e)}); pass folder= a "
+            "writable directory on the disk that should hold the swap files"
         ) from e
     try:
         if direct_io is False:
