@@ -35,3 +35,16 @@ def test_a_group_of_one_tensor_is_a_group(lone_process, stage):
     full = zeroshard.full_state_dict(model, rank0_only=False)
     for name, want in ref.state_dict().items():
         assert torch.allclose(full[name], want, atol=1e-6), name
+
+
+def test_settings_torch_refuses_are_named(lone_process):
+    """A setting of the wrong type reached torch's own check as a bare TypeError ("'<=' not
+    supported between instances of 'float' and 'str'")."""
+    model = zeroshard.shard(nn.Linear(4, 2), stage=1)
+    with pytest.raises(ValueError, match=r"AdamW\(lr='3e-3'.*refused its settings \('<='"):
+        zeroshard.optimizer(model, torch.optim.AdamW, lr="3e-3")
+    with pytest.raises(ValueError, match=r"refused its settings \(Invalid beta"):
+        zeroshard.optimizer(model, torch.optim.Adam, betas=(0.9, 2.0))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)  # the model is still usable
+    model(torch.randn(3, 4)).sum().backward()
+    assert opt.step()

@@ -116,6 +116,19 @@ def _with_default_impl(
     return dict(defaults, fused=True)
 
 
+def _check_settings(optimizer_cls: type[torch.optim.Optimizer], defaults: dict) -> None:
+    """Raise a ValueError naming the class and settings when torch refuses them (``lr="3e-3"``
+    surfaced as a bare "'<=' not supported between instances of 'float' and 'str'")."""
+    try:
+        optimizer_cls([torch.zeros(1, requires_grad=True)], **defaults)
+    except (TypeError, ValueError) as exc:
+        settings = ", ".join(f"{k}={v!r}" for k, v in defaults.items())
+        raise ValueError(
+            f"{optimizer_cls.__name__}({settings}) refused its settings ({exc}); pass values of "
+            "the types it takes (numbers for lr, betas, eps, weight_decay)"
+        ) from exc
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """Steps only this rank's shard of the master weights with ``optimizer_cls``.
 
@@ -153,6 +166,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = _param_groups(model, params)
         defaults = _with_default_impl(optimizer_cls, defaults, self.engine.mesh.device)
+        _check_settings(optimizer_cls, defaults)
         # A rank stepping in backward, or with other groups, would wait in other collectives.
         check_same_model(model, self.engine.mesh, {
             "optimizer class": f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}",
