@@ -1238,3 +1238,31 @@ def test_ranks_running_units_in_orders_of_their_own_at_stage_3_is_an_error(
     ):
         assert "the ranks ran the wrapped units in different orders" in message
         assert untouched
+
+
+def _penalty_outside_forward(inside_summon: bool) -> tuple[bool, list[str]]:
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)),
+        stage=3,
+        wrap=wrap.by_class(nn.Linear),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with zeroshard.summon_full_params(model) if inside_summon else contextlib.nullcontext():
+            loss = model(torch.randn(2, 4)).square().mean()
+            loss = loss + 1e-3 * sum(p.square().sum() for p in model.parameters())
+            loss.backward()
+        stepped = opt.step()
+    return stepped, [str(w.message) for w in caught if "step skipped" in str(w.message)]
+
+
+def test_a_loss_reading_parameters_at_rest_is_not_skipped_silently(workers2):
+    """At stage 3 a penalty over ``model.parameters()`` outside the forward reads their NaN
+    placeholders: every step was skipped without a word. The skip now warns, naming the
+    remedy, which works."""
+    for stepped, said in workers2.run(_penalty_outside_forward, False):
+        assert not stepped and len(said) == 1 and "summon_full_params" in said[0], said
+    for stepped, said in workers2.run(_penalty_outside_forward, True):
+        assert stepped and said == []
