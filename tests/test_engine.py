@@ -219,6 +219,16 @@ def _bad_inputs() -> bool:
         zeroshard.optimizer(nn.Linear(2, 2), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="num_prefetch"):
         ShardConfig(num_prefetch=-1)
+    # Wrong types: each said in one line (they surfaced as AttributeErrors and bare TypeErrors)
+    with pytest.raises(TypeError, match=r"ShardConfig\(num_prefetch=...\) takes int, got '2'"):
+        ShardConfig(num_prefetch="2")
+    with pytest.raises(TypeError, match="reshard_root_after_forward=...\\) takes bool, got 1"):
+        ShardConfig(reshard_root_after_forward=1)
+    assert ShardConfig(trim_host_memory=0).trim_host_memory == 0  # an int where a float goes
+    with pytest.raises(TypeError, match=r"config must be a zeroshard ShardConfig, got dict"):
+        zeroshard.shard(nn.Linear(2, 2), stage=3, config={"num_prefetch": 1})
+    with pytest.raises(TypeError, match=r"shard\(\) takes an nn.Module, got NoneType"):
+        zeroshard.shard(None, stage=3)
     return True
 
 

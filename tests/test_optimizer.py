@@ -48,3 +48,18 @@ def test_settings_torch_refuses_are_named(lone_process):
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)  # the model is still usable
     model(torch.randn(3, 4)).sum().backward()
     assert opt.step()
+
+
+def test_parameters_given_as_torch_optim_refuses_them_are_named(lone_process):
+    """As torch.optim: a bare tensor, an empty list, a group without "params" (a bare tensor
+    was reported as a parameter of another model; the others passed, or raised KeyError)."""
+    model = zeroshard.shard(nn.Linear(4, 2), stage=3)
+    with pytest.raises(TypeError, match="an iterable of tensors or of dicts.*got a Parameter"):
+        zeroshard.optimizer(model, torch.optim.SGD, model.weight, lr=0.1)
+    with pytest.raises(ValueError, match="empty parameter list"):
+        zeroshard.optimizer(model, torch.optim.SGD, [], lr=0.1)
+    with pytest.raises(ValueError, match=r"needs a 'params' key; got keys \['lr'\]"):
+        zeroshard.optimizer(model, torch.optim.SGD, [{"lr": 0.1}], lr=0.1)
+    instance = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"the optimizer class \(torch.optim.AdamW\)"):
+        zeroshard.optimizer(model, instance)

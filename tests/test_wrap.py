@@ -97,3 +97,38 @@ def test_from_hf_on_a_real_transformers_model():
         p.numel() for p in model.parameters()
     )
     assert torch.is_tensor(next(model.parameters()))
+
+
+def test_shard_s_wrap_takes_classes_and_names_as_by_class():
+    """``wrap=Block``, ``"Block"`` or ``[Block]`` (FSDP's ``transformer_layer_cls`` habit) read
+    as ``by_class``; before, each failed with an unrelated TypeError."""
+    model = GPT(PRESETS["nano"])
+    for given in (Block, "Block", [Block], {"Block"}, (Block, "Nothing")):
+        assert wrap.as_policy(given)(model) == ["blocks.0", "blocks.1"], given
+    policy = wrap.by_size(1)
+    assert wrap.as_policy(policy) is policy and wrap.as_policy(None) is None
+
+
+@pytest.mark.parametrize(
+    "given, error, said",
+    [
+        (3, TypeError, "wrap= takes a policy from zeroshard.wrap"),
+        ([Block, 3], TypeError, "wrap= takes a policy"),
+        (lambda m: isinstance(m, Block), TypeError, "returned False.*by_predicate"),
+        (lambda m: "blocks.0", TypeError, "returned 'blocks.0', not a list"),
+        (lambda m: [0], TypeError, "submodule names are strings"),
+    ],
+    ids=["int", "a list with an int", "FSDP1 lambda", "a name", "not names"],
+)
+def test_a_wrap_that_is_no_policy_is_named(given, error, said):
+    with pytest.raises(error, match=said):
+        wrap.units(GPT(PRESETS["nano"]), wrap.as_policy(given))
+
+
+def test_policy_arguments_of_the_wrong_type_are_named():
+    with pytest.raises(TypeError, match="by_class takes module classes or class names.*got 1"):
+        wrap.by_class(1)
+    with pytest.raises(TypeError, match="got Block"):
+        wrap.by_class(Block(PRESETS["nano"]))
+    with pytest.raises(TypeError, match="by_size takes a parameter count.*got 'a'"):
+        wrap.by_size("a")

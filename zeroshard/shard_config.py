@@ -4,7 +4,7 @@ keyword-only options of ``zeroshard.shard(..., config=...)``), validated at cons
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +57,16 @@ class ShardConfig:
     world size; ignored, with a warning, at stage 0. See ``zeroshard.mesh.Mesh.hybrid_sharded``."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.shard_group_size, bool) or self.shard_group_size < 0:
+        for f in fields(self):  # each option of its default's type (an int accepts no bool)
+            value, want = getattr(self, f.name), type(f.default)
+            if want is bool:
+                ok = isinstance(value, bool)
+            else:
+                kinds = (int, float) if want is float else (int,)
+                ok = isinstance(value, kinds) and not isinstance(value, bool)
+            if not ok:
+                raise TypeError(f"ShardConfig({f.name}=...) takes {want.__name__}, got {value!r}")
+        if self.shard_group_size < 0:
             raise ValueError(
                 f"shard_group_size must be >= 0 (0: shard over every rank), got "
                 f"{self.shard_group_size!r}"
@@ -76,7 +85,7 @@ class ShardConfig:
                 "partition_activations partitions activation checkpoints, and there are none: "
                 "set checkpoint_every (e.g. 1) too"
             )
-        if isinstance(self.trim_host_memory, bool) or not self.trim_host_memory >= 0:
+        if not self.trim_host_memory >= 0:
             raise ValueError(
                 f"trim_host_memory must be a fraction >= 0 (growth that triggers a trim, 0: "
                 f"never), got {self.trim_host_memory!r}"

@@ -37,7 +37,7 @@ from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.stages import Partition, partition
 from zeroshard.state_dict import install_state_dict_hooks
 from zeroshard.unit import Unit
-from zeroshard.wrap import UnitSpec, WrapPolicy, units
+from zeroshard.wrap import UnitSpec, WrapPolicy, as_policy, units
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -62,7 +62,8 @@ def shard(
     """Shard ``model`` in place over the data-parallel ranks and return it.
 
     ``stage`` 0-3 picks which model states are partitioned (``zeroshard.stages``); ``wrap``
-    (``zeroshard.wrap.by_class(Block)`` ...) cuts the model into units, the root always being one.
+    (``zeroshard.wrap.by_class(Block)`` ...; a module class, a class name or a list of them
+    reads as ``by_class``) cuts the model into units, the root always being one.
     ``mixed_precision`` is a ``MixedPrecision`` policy or a name ("fp32", "tf32", "bf16", "fp16",
     "auto": ``zeroshard.precision.resolve``); master weights stay FP32 under every policy.
     Parameters keep their names and objects; their data move into per-unit flat buffers on
@@ -93,6 +94,14 @@ def shard(
     (``zeroshard.model_states.param_swap``).
     """
     part: Partition = partition(stage)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
+    if config is not None and not isinstance(config, ShardConfig):
+        raise TypeError(
+            f"config must be a zeroshard ShardConfig, got {type(config).__name__} "
+            "(ShardConfig(**options) builds one)"
+        )
+    wrap = as_policy(wrap)
     if offload is not None and not isinstance(offload, Offload):
         raise TypeError(f"offload must be a zeroshard.Offload, got {type(offload).__name__}")
     if getattr(model, _ATTR, None) is not None:

@@ -24,6 +24,12 @@ def by_class(*classes: type[nn.Module] | str) -> WrapPolicy:
     ``transformer_layer_cls={T5Block}``. Matching nothing is an error that lists the classes."""
     if not classes:
         raise ValueError("by_class needs at least one module class, e.g. by_class(Block)")
+    wrong = [c for c in classes if not _is_class_or_name(c)]
+    if wrong:
+        raise TypeError(
+            f"by_class takes module classes or class names (by_class(Block), "
+            f"by_class('T5Block')), got {wrong[0]!r}"
+        )
 
     def matches(module: nn.Module) -> bool:
         return any(
@@ -48,6 +54,8 @@ def by_class(*classes: type[nn.Module] | str) -> WrapPolicy:
 def by_size(min_num_params: int) -> WrapPolicy:
     """Bottom-up: a submodule becomes a unit once its subtree holds at least ``min_num_params``
     parameter elements not already owned by a unit below it."""
+    if isinstance(min_num_params, bool) or not isinstance(min_num_params, int):
+        raise TypeError(f"by_size takes a parameter count (an int), got {min_num_params!r}")
     if min_num_params <= 0:
         raise ValueError(f"by_size needs a positive parameter count, got {min_num_params}")
 
@@ -119,9 +127,50 @@ class UnitSpec:
     """(every (module, attribute) that registers it, the parameter, its first full name)."""
 
 
+def _is_class_or_name(c: object) -> bool:
+    return isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module))
+
+
+_POLICIES = (
+    "a policy from zeroshard.wrap (by_class(Block), by_size(n), by_predicate(fn), "
+    "from_hf(model)), a module class or class name, or a list of them"
+)
+
+
+def as_policy(wrap: object) -> WrapPolicy | None:
+    """What ``shard(wrap=...)`` takes: a policy; a module class, a class name or a collection of
+    them (read as ``by_class``, like FSDP's ``transformer_layer_cls``); or None."""
+    if wrap is None or (callable(wrap) and not isinstance(wrap, type)):
+        return wrap  # type: ignore[return-value]
+    classes = list(wrap) if isinstance(wrap, (list, tuple, set, frozenset)) else [wrap]
+    if classes and all(_is_class_or_name(c) for c in classes):
+        return by_class(*classes)
+    raise TypeError(f"wrap= takes {_POLICIES}; got {wrap!r}")
+
+
+def _names(policy: WrapPolicy, model: nn.Module) -> set[str]:
+    """The submodule names ``policy`` picks, checked to be names (FSDP1's ``lambda_fn(module)
+    -> bool`` passed as a policy returned a bool)."""
+    names = policy(model)
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        hint = (
+            "; for a predicate on modules use zeroshard.wrap.by_predicate(lambda name, module: ...)"
+            if isinstance(names, bool)
+            else ""
+        )
+        raise TypeError(
+            f"the wrap policy returned {names!r}, not a list of submodule names; wrap= takes "
+            f"{_POLICIES}{hint}"
+        )
+    names = list(names)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"the wrap policy returned {names!r}: submodule names are strings")
+    return set(names)
+
+
 def units(model: nn.Module, policy: WrapPolicy | None) -> list[UnitSpec]:
     """The root unit first, then the policy's units in module (pre-)order, with their params."""
-    wanted = set(policy(model)) if policy is not None else set()
+    wanted = _names(policy, model) if policy is not None else set()
     modules = dict(model.named_modules(remove_duplicate=False))
     missing = wanted - modules.keys()
     if missing:

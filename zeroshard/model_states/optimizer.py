@@ -73,13 +73,22 @@ def _param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[s
     (``model.named_parameters()``), or dicts of either (or of one tensor) under "params"."""
     if params is None:
         return [{"params": list(model.parameters())}]
+    if isinstance(params, (torch.Tensor, dict)):  # torch.optim's own checks, in its words
+        raise TypeError(
+            "params must be an iterable of tensors or of dicts (param groups), got a "
+            f"{type(params).__name__}: wrap it in a list"
+        )
     params = list(params)
+    if not params:
+        raise ValueError("the optimizer got an empty parameter list")
     groups = (
         [dict(g) for g in params]
         if params and isinstance(params[0], dict)
         else [{"params": params}]
     )
     for g in groups:
+        if "params" not in g:
+            raise ValueError(f"a param group needs a 'params' key; got keys {sorted(g)}")
         if isinstance(g["params"], torch.Tensor):  # {"params": model.head.weight}: one tensor
             g["params"] = [g["params"]]
         g["params"] = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in g["params"]]
@@ -88,6 +97,12 @@ def _param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[s
 
 def check_elementwise(optimizer_cls: type) -> None:
     """A ValueError for optimizer classes not known to be element-wise."""
+    if isinstance(optimizer_cls, torch.optim.Optimizer):
+        raise TypeError(
+            f"zeroshard.optimizer takes the optimizer class (torch.optim.AdamW) and its "
+            f"settings, not a {type(optimizer_cls).__name__} built already: "
+            "zeroshard.optimizer(model, torch.optim.AdamW, lr=...)"
+        )
     if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, ELEMENTWISE):
         return
     name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
@@ -124,8 +139,8 @@ def _check_settings(optimizer_cls: type[torch.optim.Optimizer], defaults: dict) 
     except (TypeError, ValueError) as exc:
         settings = ", ".join(f"{k}={v!r}" for k, v in defaults.items())
         raise ValueError(
-            f"{optimizer_cls.__name__}({settings}) refused its settings ({exc}); pass values of "
-            "the types it takes (numbers for lr, betas, eps, weight_decay)"
+            f"{optimizer_cls.__name__}({settings}) refused its settings ({exc}); pass the "
+            "arguments it takes, numbers where it expects them (lr=3e-3, not '3e-3')"
         ) from exc
 
 
