@@ -23,6 +23,7 @@ def _parity(
     steps: int = 20,
     accum: int = 1,
     clip: float | None = None,
+    norm_type: float = 2.0,
     config: ShardConfig | None = None,
     optim: str = "adamw",
 ) -> dict:
@@ -62,9 +63,9 @@ def _parity(
         ref_loss = loss_of(kind, ref, x, y)
         ref_loss.backward()
         if clip is not None:
-            norm = opt.clip_grad_norm(clip)
+            norm = opt.clip_grad_norm(clip, norm_type)
             ref_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in ref.parameters() if p.requires_grad], clip
+                [p for p in ref.parameters() if p.requires_grad], clip, norm_type
             )
             max_norm_diff = max(max_norm_diff, abs(norm.item() - ref_norm.item()))
         opt.step()
@@ -117,6 +118,14 @@ def test_accumulation_reducing_every_micro_step(workers2, stage):
 def test_clipping_matches_torch_on_the_unsharded_model(workers2, stage):
     # A small max_norm so that clipping is active on every step.
     _check(workers2.run(_parity, "frozen_mlp", stage, steps=8, clip=0.05))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("norm_type", [1.0, 3.0, float("inf")])
+def test_clipping_by_other_norms_matches_torch(workers2, stage, norm_type):
+    """torch's p-norms and inf-norm: sums of p-th powers, or a maximum, over the shards (only
+    the 2-norm was accepted)."""
+    _check(workers2.run(_parity, "frozen_mlp", stage, steps=4, clip=0.05, norm_type=norm_type))
 
 
 @pytest.mark.parametrize("stage", [1, 3])

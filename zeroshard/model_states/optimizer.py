@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard import collectives as C
@@ -293,48 +295,64 @@ class ShardedOptimizer(torch.optim.Optimizer):
             scaling.next_scale = None  # (a loss that reached no unit started no backward)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale gradients so that their global norm is at most ``max_norm``; returns the norm
-        before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it for the unsharded
-        model. The norm sums the shard group's shards (every element once; with hybrid
-        sharding the replicas in other groups are not counted again)."""
-        if norm_type != 2.0:
-            raise ValueError("clip_grad_norm supports the 2-norm (norm_type=2.0) only")
+        """Scale gradients so that their global ``norm_type``-norm (any p > 0, or ``inf``) is
+        at most ``max_norm``; returns the norm before clipping, as
+        ``torch.nn.utils.clip_grad_norm_`` returns it for the unsharded model. The norm takes
+        the shard group's shards (every element once; with hybrid sharding the replicas in
+        other groups are not counted again): a sum of p-th powers, or a maximum."""
+        p = float(norm_type)
+        if not p > 0:
+            raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
         if self._backward_step is not None:
             raise ValueError(
                 "clip_grad_norm needs every gradient before any update, but with "
                 "step_in_backward each sub-group steps as soon as its gradient is reduced; "
                 "drop step_in_backward to clip gradients"
             )
+        if self._grad_swap is not None and p != 2.0:
+            raise ValueError(
+                f"clip_grad_norm(norm_type={norm_type}) with gradients on NVMe: their 2-norms "
+                "are taken as they are written, so only norm_type=2.0 is available there"
+            )
         grads = self._shard_grads()
-        device = self.engine.mesh.device
-        sq = torch.zeros(1, dtype=torch.float32, device=device)
+        largest = math.isinf(p)
+        # 1D FP32, this rank: the sum of p-th powers of its shard's elements, or their maximum
+        total = torch.zeros(1, dtype=torch.float32, device=self.engine.mesh.device)
         # one fused norm per buffer: no gradient-sized temporaries (those on NVMe were taken
         # when they were written, with the same per-tensor kernel)
-        norms = self._grad_swap.norms() if self._grad_swap else torch._foreach_norm(grads)
+        norms = self._grad_swap.norms() if self._grad_swap else torch._foreach_norm(grads, p)
         if norms:
-            sq += torch.stack(norms).pow(2).sum()
+            stacked = torch.stack(norms).float()
+            total += stacked.max() if largest else stacked.pow(p).sum()
         mesh = self.engine.mesh
-        if mesh.tp_size > 1:
+        if mesh.tp_size > 1 and not largest:
             # Tensor-parallel ranks hold different pieces of split parameters (summed over the
             # group below) and the same gradient of replicated ones (to be counted once).
-            sq -= self._tp_replicated_sq() * (1 - 1 / mesh.tp_size)
+            total -= self._tp_replicated_power(p) * (1 - 1 / mesh.tp_size)
+        op = dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM
         if self.engine.partition.optimizer_states and mesh.shard_size > 1:
             # The shard group's ranks hold disjoint shards that together make every gradient;
             # with hybrid sharding the other groups hold the same ones: summing over them too
             # would count each element once per replica.
             C.all_reduce(
-                sq, group=mesh.shard_group, ledger=self.engine.ledger, label="norm", async_op=False
+                total,
+                group=mesh.shard_group,
+                ledger=self.engine.ledger,
+                label="norm",
+                op=op,
+                async_op=False,
             )
         if mesh.tp_size > 1:
             C.all_reduce(
-                sq,
+                total,
                 scope=C.TENSOR,
                 group=mesh.tp_group,
                 ledger=self.engine.ledger,
                 label="norm",
+                op=op,
                 async_op=False,
             )
-        norm = sq.sqrt()[0]
+        norm = total[0] if largest else total.clamp(min=0).pow(1 / p)[0]
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if self._grad_swap is not None:
             self._grad_swap.scale(coef)  # stored ones are multiplied when read back
@@ -342,8 +360,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             torch._foreach_mul_(grads, coef)
         return norm
 
-    def _tp_replicated_sq(self) -> torch.Tensor:
-        """Sum of squares of this rank's shard gradients of the parameters that tensor
+    def _tp_replicated_power(self, p: float) -> torch.Tensor:
+        """Sum of p-th powers of this rank's shard gradients of the parameters that tensor
         parallelism replicates (not split: ``zeroshard.tensor_parallel``)."""
         if self._grad_swap is not None:
             raise ValueError(
@@ -357,10 +375,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for slot, piece in b.flat.pieces()
             if not getattr(slot.param, "_zeroshard_tp_split", False) and piece.stop > piece.start
         ]
-        sq = torch.zeros(1, dtype=torch.float32, device=self.engine.mesh.device)
+        power = torch.zeros(1, dtype=torch.float32, device=self.engine.mesh.device)
         if pieces:
-            sq += torch.stack(torch._foreach_norm(pieces)).pow(2).sum()
-        return sq
+            power += torch.stack(torch._foreach_norm(pieces, p)).float().pow(p).sum()
+        return power
 
     def _agree(self) -> tuple[bool, set[int]]:
         """Whether any rank's shard gradients hold inf/NaN, and which parameters no rank's
