@@ -69,7 +69,6 @@ class LedgerEntry:
 
 
 SHARD, REPLICATE, WORLD, TENSOR = "shard", "replicate", "world", "tensor"
-
 """Ledger scopes: the group a collective ran on (module docstring)."""
 
 KEPT_STEPS = 1000
