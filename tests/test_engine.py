@@ -229,8 +229,14 @@ def _bad_inputs() -> bool:
     with pytest.raises(ValueError, match="num_prefetch"):
         ShardConfig(num_prefetch=-1)
     # Wrong types: each said in one line (they surfaced as AttributeErrors and bare TypeErrors)
-    with pytest.raises(TypeError, match=r"ShardConfig\(num_prefetch=...\) takes int, got '2'"):
+    with pytest.raises(TypeError, match=r"num_prefetch=...\) takes a whole number, got '2'"):
         ShardConfig(num_prefetch="2")
+    with pytest.raises(TypeError, match=r"bucket_bytes=...\) takes a whole number, got 2.5"):
+        ShardConfig(bucket_bytes=2.5)
+    # Numbers of the kind in other forms: DeepSpeed's 5e8 bytes, numpy ints
+    numpy_int = type("NumpyLike", (int,), {})(2)
+    config = ShardConfig(bucket_bytes=5e8, num_prefetch=numpy_int)
+    assert type(config.bucket_bytes) is int and type(config.num_prefetch) is int
     with pytest.raises(TypeError, match="reshard_root_after_forward=...\\) takes bool, got 1"):
         ShardConfig(reshard_root_after_forward=1)
     assert ShardConfig(trim_host_memory=0).trim_host_memory == 0  # an int where a float goes

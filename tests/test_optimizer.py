@@ -41,10 +41,13 @@ def test_settings_torch_refuses_are_named(lone_process):
     """A setting of the wrong type reached torch's own check as a bare TypeError ("'<=' not
     supported between instances of 'float' and 'str'")."""
     model = zeroshard.shard(nn.Linear(4, 2), stage=1)
-    with pytest.raises(ValueError, match=r"AdamW\(lr='3e-3'.*refused its settings \('<='"):
+    with pytest.raises(TypeError, match=r"AdamW\(lr='3e-3'\) refused its settings: '<='.*not '3e"):
         zeroshard.optimizer(model, torch.optim.AdamW, lr="3e-3")
-    with pytest.raises(ValueError, match=r"refused its settings \(Invalid beta"):
+    with pytest.raises(ValueError, match=r"Adam\(betas=\(0.9, 2.0\)\) refused .*: Invalid beta"):
         zeroshard.optimizer(model, torch.optim.Adam, betas=(0.9, 2.0))
+    groups = [{"params": [model.weight], "lr": "3e-3"}, {"params": [model.bias]}]
+    with pytest.raises(TypeError, match=r"AdamW\(lr='3e-3'\) in a param group refused"):
+        zeroshard.optimizer(model, torch.optim.AdamW, groups, lr=1e-3)  # failed at the step
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)  # the model is still usable
     model(torch.randn(3, 4)).sum().backward()
     assert opt.step()
@@ -61,5 +64,6 @@ def test_parameters_given_as_torch_optim_refuses_them_are_named(lone_process):
     with pytest.raises(ValueError, match=r"needs a 'params' key; got keys \['lr'\]"):
         zeroshard.optimizer(model, torch.optim.SGD, [{"lr": 0.1}], lr=0.1)
     instance = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match=r"the optimizer class \(torch.optim.AdamW\)"):
-        zeroshard.optimizer(model, instance)
+    for elementwise in (False, True):
+        with pytest.raises(TypeError, match=r"the optimizer class \(torch.optim.AdamW\)"):
+            zeroshard.optimizer(model, instance, elementwise=elementwise)

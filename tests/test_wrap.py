@@ -107,18 +107,21 @@ def test_shard_s_wrap_takes_classes_and_names_as_by_class():
         assert wrap.as_policy(given)(model) == ["blocks.0", "blocks.1"], given
     policy = wrap.by_size(1)
     assert wrap.as_policy(policy) is policy and wrap.as_policy(None) is None
+    assert wrap.by_class((Block,))(model) == wrap.by_class({Block})(model)  # as isinstance
+    assert wrap.by_size(1e6)(model) == wrap.by_size(10**6)(model)  # FSDP's min_num_params=1e6
 
 
 @pytest.mark.parametrize(
     "given, error, said",
     [
         (3, TypeError, "wrap= takes a policy from zeroshard.wrap"),
+        (Block(PRESETS["nano"]), TypeError, "got a Block module, not its class"),
         ([Block, 3], TypeError, "wrap= takes a policy"),
         (lambda m: isinstance(m, Block), TypeError, "returned False.*by_predicate"),
         (lambda m: "blocks.0", TypeError, "returned 'blocks.0', not a list"),
         (lambda m: [0], TypeError, "submodule names are strings"),
     ],
-    ids=["int", "a list with an int", "FSDP1 lambda", "a name", "not names"],
+    ids=["int", "an instance", "a list with an int", "FSDP1 lambda", "a name", "not names"],
 )
 def test_a_wrap_that_is_no_policy_is_named(given, error, said):
     with pytest.raises(error, match=said):
@@ -130,5 +133,6 @@ def test_policy_arguments_of_the_wrong_type_are_named():
         wrap.by_class(1)
     with pytest.raises(TypeError, match="got Block"):
         wrap.by_class(Block(PRESETS["nano"]))
-    with pytest.raises(TypeError, match="by_size takes a parameter count.*got 'a'"):
-        wrap.by_size("a")
+    for count in ("a", 2.5):
+        with pytest.raises(TypeError, match="by_size takes a parameter count"):
+            wrap.by_size(count)

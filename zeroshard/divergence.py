@@ -49,7 +49,7 @@ class DivergenceGuard:
         num_consecutive_skipped: int = 0,
     ) -> None:
         self.opt = opt
-        opt.loss_scaler.warns_on_skip = False  # the guard says it, with the training's advice
+        opt.loss_scaler.warn_on_skip = False  # the guard says it, with the training's advice
         self.max_skipped_steps = max_skipped_steps
         self.num_skipped = num_skipped
         """Skipped steps in the whole run (a resumed run starts from its checkpoint's)."""

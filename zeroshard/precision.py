@@ -340,7 +340,9 @@ class LossScaler:
     """Steps skipped so far."""
     num_skipped_in_a_row: int = field(default=0, init=False)
     """Steps skipped since the last step taken."""
-    warns_on_skip = True  # (a class attribute) nothing lowers the cause: say so
+    warn_on_skip: bool = True
+    """Warn at the 1st, 10th, 100th ... skipped step in a row (``skip_warning``): a static scale
+    lowers nothing, so a skip repeats while its cause stays."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.scale) and self.scale > 0):
@@ -352,24 +354,26 @@ class LossScaler:
         return self.skip_nonfinite
 
     def update(self, found_inf: bool) -> None:
-        """Record one step's outcome (the same on every rank). A static scale has nothing to
-        lower, so a skipped step repeats while its cause stays: warned at the 1st, 10th, 100th
-        ... skip in a row (a run that trained nothing said nothing)."""
+        """Record one step's outcome (the same on every rank)."""
         self.num_skipped += int(found_inf)
         self.num_skipped_in_a_row = self.num_skipped_in_a_row + 1 if found_inf else 0
+
+    def skip_warning(self) -> str | None:
+        """After ``update``: what to warn about the step just skipped, at the 1st, 10th, 100th
+        ... in a row (a run that skipped every step trained nothing without a word)."""
         n = self.num_skipped_in_a_row
-        if self.warns_on_skip and n and 10 ** (len(str(n)) - 1) == n:
-            warnings.warn(
-                f"optimizer step skipped: gradients hold inf/NaN on some rank ({n} step(s) in a "
-                f"row, {self.num_skipped} in all; master weights untouched). Nothing is scaled "
-                "down in fp32/bf16, so steps stay skipped while the cause stays. At stage 3 a "
-                "loss term reading parameters outside the model's forward (a penalty over "
-                "model.parameters()) reads their NaN placeholders at rest: compute it in a "
-                "module's forward, or run forward and backward inside "
-                "`with zeroshard.summon_full_params(model):`; otherwise lower the learning rate "
-                "or look for inf/NaN in the data",
-                stacklevel=3,
-            )
+        if not (self.warn_on_skip and n and 10 ** (len(str(n)) - 1) == n):
+            return None
+        return (
+            f"optimizer step skipped: gradients hold inf/NaN on some rank ({n} step(s) in a "
+            f"row, {self.num_skipped} in all; master weights untouched). A static loss scale "
+            "lowers nothing, so steps stay skipped while the cause stays. At stage 3 a loss "
+            "term reading parameters outside the model's forward (a penalty over "
+            "model.parameters()) reads their NaN placeholders at rest: compute it in a module's "
+            "forward, or run forward and backward inside `with "
+            "zeroshard.summon_full_params(model):`; otherwise lower the learning rate or look "
+            "for inf/NaN in the data (LossScaler(warn_on_skip=False) silences this)"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": type(self).__name__, "scale": self.scale, "num_skipped": self.num_skipped}
@@ -412,7 +416,8 @@ class DynamicLossScaler(LossScaler):
     max_scale: float = 2.0**24
     """The scale never grows above this."""
     skip_nonfinite: bool = field(default=True, init=False)
-    warns_on_skip = False  # lowering the scale is the remedy; at its minimum it raises
+    warn_on_skip: bool = field(default=False, init=False)
+    """Off: lowering the scale is the remedy, and at its minimum it raises."""
     scale: float = field(default=0.0, init=False)
     _clean_steps: int = field(default=0, init=False, repr=False)
     _hysteresis_left: int = field(default=0, init=False, repr=False)

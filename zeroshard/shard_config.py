@@ -4,6 +4,7 @@ keyword-only options of ``zeroshard.shard(..., config=...)``), validated at cons
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields
 
 
@@ -57,15 +58,8 @@ class ShardConfig:
     world size; ignored, with a warning, at stage 0. See ``zeroshard.mesh.Mesh.hybrid_sharded``."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # each option of its default's type (an int accepts no bool)
-            value, want = getattr(self, f.name), type(f.default)
-            if want is bool:
-                ok = isinstance(value, bool)
-            else:
-                kinds = (int, float) if want is float else (int,)
-                ok = isinstance(value, kinds) and not isinstance(value, bool)
-            if not ok:
-                raise TypeError(f"ShardConfig({f.name}=...) takes {want.__name__}, got {value!r}")
+        for f in fields(self):
+            object.__setattr__(self, f.name, _of_kind(f.name, getattr(self, f.name), f.type))
         if self.shard_group_size < 0:
             raise ValueError(
                 f"shard_group_size must be >= 0 (0: shard over every rank), got "
@@ -94,3 +88,19 @@ class ShardConfig:
             raise ValueError(
                 f"max_inflight_reductions must be >= 1, got {self.max_inflight_reductions}"
             )
+
+
+def _of_kind(name: str, value: object, kind: str) -> object:
+    """``value`` as the option's ``kind`` ("int", "float" or "bool", its annotation): a number
+    of the kind in any form (a numpy int, ``5e8`` for bytes, as DeepSpeed's configs write them)
+    becomes a plain one; anything else (``"2"``, a bool for a number) is a TypeError."""
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if kind == "bool" and isinstance(value, bool):
+        return value
+    whole = number and (isinstance(value, numbers.Integral) or float(value).is_integer())
+    if kind == "int" and whole:
+        return int(value)
+    if kind == "float" and number:
+        return float(value)
+    what = "a whole number" if kind == "int" else kind
+    raise TypeError(f"ShardConfig({name}=...) takes {what}, got {value!r}")

@@ -8,6 +8,7 @@ in several units (tied embeddings) is owned by their deepest common ancestor uni
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from torch import nn
 WrapPolicy = Callable[[nn.Module], list[str]]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+_SEVERAL = (list, tuple, set, frozenset)
 
 
 def by_class(*classes: type[nn.Module] | str) -> WrapPolicy:
@@ -24,6 +26,8 @@ def by_class(*classes: type[nn.Module] | str) -> WrapPolicy:
     ``transformer_layer_cls={T5Block}``. Matching nothing is an error that lists the classes."""
     if not classes:
         raise ValueError("by_class needs at least one module class, e.g. by_class(Block)")
+    # by_class((A, B)) and by_class({A}) as isinstance takes them: their classes
+    classes = tuple(c for x in classes for c in (x if isinstance(x, _SEVERAL) else [x]))
     wrong = [c for c in classes if not _is_class_or_name(c)]
     if wrong:
         raise TypeError(
@@ -54,8 +58,10 @@ def by_class(*classes: type[nn.Module] | str) -> WrapPolicy:
 def by_size(min_num_params: int) -> WrapPolicy:
     """Bottom-up: a submodule becomes a unit once its subtree holds at least ``min_num_params``
     parameter elements not already owned by a unit below it."""
-    if isinstance(min_num_params, bool) or not isinstance(min_num_params, int):
-        raise TypeError(f"by_size takes a parameter count (an int), got {min_num_params!r}")
+    count = min_num_params  # 1e6 as FSDP's users write it, or a numpy int: a whole number
+    if isinstance(count, bool) or not isinstance(count, numbers.Real) or count != int(count):
+        raise TypeError(f"by_size takes a parameter count (a whole number), got {count!r}")
+    min_num_params = int(count)
     if min_num_params <= 0:
         raise ValueError(f"by_size needs a positive parameter count, got {min_num_params}")
 
@@ -128,7 +134,7 @@ class UnitSpec:
 
 
 def _is_class_or_name(c: object) -> bool:
-    return isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module))
+    return isinstance(c, (str, type))  # a module class, or a mixin its blocks share
 
 
 _POLICIES = (
@@ -140,9 +146,14 @@ _POLICIES = (
 def as_policy(wrap: object) -> WrapPolicy | None:
     """What ``shard(wrap=...)`` takes: a policy; a module class, a class name or a collection of
     them (read as ``by_class``, like FSDP's ``transformer_layer_cls``); or None."""
+    if isinstance(wrap, nn.Module):
+        raise TypeError(
+            f"wrap= got a {type(wrap).__name__} module, not its class: pass "
+            f"zeroshard.wrap.by_class({type(wrap).__name__})"
+        )
     if wrap is None or (callable(wrap) and not isinstance(wrap, type)):
         return wrap  # type: ignore[return-value]
-    classes = list(wrap) if isinstance(wrap, (list, tuple, set, frozenset)) else [wrap]
+    classes = list(wrap) if isinstance(wrap, _SEVERAL) else [wrap]
     if classes and all(_is_class_or_name(c) for c in classes):
         return by_class(*classes)
     raise TypeError(f"wrap= takes {_POLICIES}; got {wrap!r}")

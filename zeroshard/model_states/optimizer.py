@@ -25,8 +25,8 @@ while i steps and i - 1 is written), and with ``gradients="nvme"`` the reduced g
 back after its step (``param_swap``, owned by the engine); read masters outside the step through
 ``master_pieces()``.
 
-Element-wise optimizers (``ELEMENTWISE``: SGD, Adam, AdamW, Adagrad, RMSprop, ...) give the same
-result as unsharded training; others (LBFGS, Adafactor, LAMB, Muon) are refused.
+Element-wise optimizers (``optimizer_args.ELEMENTWISE``: SGD, Adam, AdamW, Adagrad, RMSprop, ...)
+give the same result as unsharded training; others (LBFGS, Adafactor, LAMB, Muon) are refused.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -48,102 +49,19 @@ from zeroshard.model_states.flat_param import check_requires_grad
 from zeroshard.model_states.grad_swap import GradSwapper
 from zeroshard.model_states.grads import agree, agreed
 from zeroshard.model_states.init import check_same_model
+from zeroshard.model_states.optimizer_args import (
+    check_elementwise,
+    param_groups,
+    probe,
+    user_stacklevel,
+    with_default_impl,
+)
 from zeroshard.model_states.state_swap import StateSwapper, state_bytes_per_element
 from zeroshard.model_states.subgroups import States, SubGroup, build_subgroups
 from zeroshard.offload.folder import padded_bytes
 from zeroshard.precision import DynamicLossScaler, LossScaler, default_scaler
 
 log = logging.getLogger(__name__)
-
-ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(
-    getattr(torch.optim, name)
-    for name in (
-        "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop",
-        "Rprop", "ASGD",
-    )
-    if hasattr(torch.optim, name)
-)  # fmt: skip
-"""Optimizer classes whose update of an element depends on that element alone (and on scalar
-hyperparameters), so that stepping each rank's shard equals stepping the whole tensor."""
-
-_FUSED = ("Adam", "AdamW")
-"""Classes whose fused implementation zeroshard turns on by default where the device has it."""
-
-
-def _param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
-    """Normalize ``params`` as torch.optim accepts it: tensors, ``(name, tensor)`` pairs
-    (``model.named_parameters()``), or dicts of either (or of one tensor) under "params"."""
-    if params is None:
-        return [{"params": list(model.parameters())}]
-    if isinstance(params, (torch.Tensor, dict)):  # torch.optim's own checks, in its words
-        raise TypeError(
-            "params must be an iterable of tensors or of dicts (param groups), got a "
-            f"{type(params).__name__}: wrap it in a list"
-        )
-    params = list(params)
-    if not params:
-        raise ValueError("the optimizer got an empty parameter list")
-    groups = (
-        [dict(g) for g in params]
-        if params and isinstance(params[0], dict)
-        else [{"params": params}]
-    )
-    for g in groups:
-        if "params" not in g:
-            raise ValueError(f"a param group needs a 'params' key; got keys {sorted(g)}")
-        if isinstance(g["params"], torch.Tensor):  # {"params": model.head.weight}: one tensor
-            g["params"] = [g["params"]]
-        g["params"] = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in g["params"]]
-    return groups
-
-
-def check_elementwise(optimizer_cls: type) -> None:
-    """A ValueError for optimizer classes not known to be element-wise."""
-    if isinstance(optimizer_cls, torch.optim.Optimizer):
-        raise TypeError(
-            f"zeroshard.optimizer takes the optimizer class (torch.optim.AdamW) and its "
-            f"settings, not a {type(optimizer_cls).__name__} built already: "
-            "zeroshard.optimizer(model, torch.optim.AdamW, lr=...)"
-        )
-    if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, ELEMENTWISE):
-        return
-    name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
-    raise ValueError(
-        f"{name} is not a known element-wise optimizer: a sharded optimizer steps each rank's "
-        "slice of a parameter on its own, which changes the result of optimizers with "
-        "per-tensor statistics or closures (LBFGS, Adafactor, LAMB, Muon). Known to be safe: "
-        f"{', '.join(c.__name__ for c in ELEMENTWISE)}. If {name} is element-wise, pass "
-        "elementwise=True"
-    )
-
-
-def _with_default_impl(
-    optimizer_cls: type, defaults: dict[str, Any], device: torch.device
-) -> dict[str, Any]:
-    """``defaults`` with ``fused=True`` for Adam/AdamW where the device has fused kernels and the
-    caller chose no implementation (measured on CPU: several times the for-loop path)."""
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-    if any(k in defaults for k in ("fused", "foreach", "capturable", "differentiable")):
-        return defaults
-    if not isinstance(optimizer_cls, type) or optimizer_cls.__name__ not in _FUSED:
-        return defaults
-    if device.type not in _get_fused_kernels_supported_devices():
-        return defaults
-    return dict(defaults, fused=True)
-
-
-def _check_settings(optimizer_cls: type[torch.optim.Optimizer], defaults: dict) -> None:
-    """Raise a ValueError naming the class and settings when torch refuses them (``lr="3e-3"``
-    surfaced as a bare "'<=' not supported between instances of 'float' and 'str'")."""
-    try:
-        optimizer_cls([torch.zeros(1, requires_grad=True)], **defaults)
-    except (TypeError, ValueError) as exc:
-        settings = ", ".join(f"{k}={v!r}" for k, v in defaults.items())
-        raise ValueError(
-            f"{optimizer_cls.__name__}({settings}) refused its settings ({exc}); pass the "
-            "arguments it takes, numbers where it expects them (lr=3e-3, not '3e-3')"
-        ) from exc
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -170,8 +88,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ) -> None:
         self.engine: Engine = engine_of(model)
         self.engine.optimizers.add(self)  # model.zero_grad() reaches this one's gradients too
-        if not elementwise:
-            check_elementwise(optimizer_cls)
+        check_elementwise(optimizer_cls, known=elementwise)
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(
                 "loss_scaler must be a zeroshard LossScaler or DynamicLossScaler, got "
@@ -181,9 +98,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.loss_scaler = loss_scaler or default_scaler({b.flat.param_dtype for b in buckets})
         self.engine.scaling.warn_unscaled = isinstance(self.loss_scaler, DynamicLossScaler)
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
-        user_groups = _param_groups(model, params)
-        defaults = _with_default_impl(optimizer_cls, defaults, self.engine.mesh.device)
-        _check_settings(optimizer_cls, defaults)
+        user_groups = param_groups(model, params)
+        given, defaults = (
+            defaults,
+            with_default_impl(optimizer_cls, defaults, self.engine.mesh.device),
+        )
         # A rank stepping in backward, or with other groups, would wait in other collectives.
         check_same_model(model, self.engine.mesh, {
             "optimizer class": f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}",
@@ -195,13 +114,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ]),
             "optimizer settings": repr(sorted((k, repr(v)) for k, v in defaults.items())),
         }, call="optimizer")  # fmt: skip
+        class_defaults = probe(
+            optimizer_cls, defaults, given, user_groups, self.engine.mesh.device
+        )  # after check_same_model: a rank refused alone would leave the others waiting in it
         self._subgroups = build_subgroups(
             buckets, user_groups, optimizer_cls, defaults, self.engine.param_swap
-        )
-        class_defaults = (
-            self._subgroups[0].optimizer.defaults
-            if self._subgroups
-            else optimizer_cls([torch.zeros(1, requires_grad=True)], **defaults).defaults
         )
         super().__init__(user_groups, class_defaults)
         self.optimizer_cls = optimizer_cls
@@ -417,18 +334,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         found_inf, unused = self._agree()
         self.loss_scaler.update(found_inf)
         if self._backward_step is not None:
-            return self._finish_backward_step(self._backward_step, found_inf, unused)
-        if found_inf:
+            taken = self._finish_backward_step(self._backward_step, found_inf, unused)
+        elif found_inf:
             self.engine.end_step()
-            return False
-        self._shard_grads()  # adopts stage 0's edits through .grad
-        if self._swap is None:
-            self._step_in_memory(unused)
+            taken = False
         else:
-            self._step_swapped(self._swap, unused)
-        self.engine.params_changed()
-        self.engine.end_step()
-        return True
+            self._shard_grads()  # adopts stage 0's edits through .grad
+            if self._swap is None:
+                self._step_in_memory(unused)
+            else:
+                self._step_swapped(self._swap, unused)
+            self.engine.params_changed()
+            self.engine.end_step()
+            taken = True
+        said = self.loss_scaler.skip_warning()  # once the step is complete (warnings may raise)
+        if said:
+            warnings.warn(said, stacklevel=user_stacklevel())
+        return taken
 
     def _finish_backward_step(self, bs: BackwardStep, found_inf: bool, unused: set[int]) -> bool:
         """``step`` with ``step_in_backward``: the sub-groups stepped during backward; those

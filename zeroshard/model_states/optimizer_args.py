@@ -1,0 +1,142 @@
+"""What ``zeroshard.optimizer`` accepts: the optimizer class (element-wise ones only, or the
+caller's word for it), the parameters in every form torch.optim takes them, and settings torch
+itself accepts, each refused with a one-line error naming the fix; and the implementation it
+picks when the caller picks none (fused Adam/AdamW where the device has it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop",
+        "Rprop", "ASGD",
+    )
+    if hasattr(torch.optim, name)
+)  # fmt: skip
+"""Optimizer classes whose update of an element depends on that element alone (and on scalar
+hyperparameters), so that stepping each rank's shard equals stepping the whole tensor."""
+
+_FUSED = ("Adam", "AdamW")
+"""Classes whose fused implementation zeroshard turns on by default where the device has it."""
+
+
+def param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
+    """Normalize ``params`` as torch.optim accepts it: tensors, ``(name, tensor)`` pairs
+    (``model.named_parameters()``), or dicts of either (or of one tensor) under "params"."""
+    if params is None:
+        return [{"params": list(model.parameters())}]
+    if isinstance(params, (torch.Tensor, dict)):  # torch.optim's own checks, in its words
+        fix = (
+            "pass list(d.values()), or [d] for one group"
+            if isinstance(params, dict)
+            else ("wrap it in a list")
+        )
+        raise TypeError(
+            "params must be an iterable of tensors or of dicts (param groups), got a "
+            f"{type(params).__name__}: {fix}"
+        )
+    params = list(params)
+    if not params:
+        raise ValueError("the optimizer got an empty parameter list")
+    groups = (
+        [dict(g) for g in params]
+        if params and isinstance(params[0], dict)
+        else [{"params": params}]
+    )
+    for g in groups:
+        if "params" not in g:
+            raise ValueError(f"a param group needs a 'params' key; got keys {sorted(g)}")
+        if isinstance(g["params"], torch.Tensor):  # {"params": model.head.weight}: one tensor
+            g["params"] = [g["params"]]
+        g["params"] = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in g["params"]]
+    return groups
+
+
+def check_elementwise(optimizer_cls: type, *, known: bool = False) -> None:
+    """A TypeError for an optimizer instance; a ValueError for optimizer classes not known to be
+    element-wise (unless ``known``: the caller says it is)."""
+    if not isinstance(optimizer_cls, type):
+        raise TypeError(
+            f"zeroshard.optimizer takes the optimizer class (torch.optim.AdamW) and its "
+            f"settings, not a {type(optimizer_cls).__name__} built already: "
+            "zeroshard.optimizer(model, torch.optim.AdamW, lr=...)"
+        )
+    if known or issubclass(optimizer_cls, ELEMENTWISE):
+        return
+    name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
+    raise ValueError(
+        f"{name} is not a known element-wise optimizer: a sharded optimizer steps each rank's "
+        "slice of a parameter on its own, which changes the result of optimizers with "
+        "per-tensor statistics or closures (LBFGS, Adafactor, LAMB, Muon). Known to be safe: "
+        f"{', '.join(c.__name__ for c in ELEMENTWISE)}. If {name} is element-wise, pass "
+        "elementwise=True"
+    )
+
+
+def with_default_impl(
+    optimizer_cls: type, defaults: dict[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """``defaults`` with ``fused=True`` for Adam/AdamW where the device has fused kernels and the
+    caller chose no implementation (measured on CPU: several times the for-loop path)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    if any(k in defaults for k in ("fused", "foreach", "capturable", "differentiable")):
+        return defaults
+    if not isinstance(optimizer_cls, type) or optimizer_cls.__name__ not in _FUSED:
+        return defaults
+    if device.type not in _get_fused_kernels_supported_devices():
+        return defaults
+    return dict(defaults, fused=True)
+
+
+_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by the caller point at the first frame
+    outside zeroshard and torch (the user's ``opt.step()``, not torch's step wrappers)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def probe(
+    optimizer_cls: type[torch.optim.Optimizer],
+    defaults: dict[str, Any],
+    given: dict[str, Any],
+    groups: list[dict[str, Any]],
+    device: torch.device,
+) -> dict[str, Any]:
+    """The class's defaults with ``defaults``, from one-element optimizers on ``device``, one per
+    group with its own settings: torch's refusal of any of them becomes an error naming the
+    class and the settings given (``given``: the caller's own; ``lr="3e-3"`` surfaced as a bare
+    "'<=' not supported between instances of 'float' and 'str'", in a group's only at the
+    first step)."""
+    out: dict[str, Any] = {}
+    for group in [{}, *groups]:
+        own = {k: v for k, v in group.items() if k != "params"}
+        try:
+            probe = torch.zeros(1, device=device, requires_grad=True)
+            made = optimizer_cls([probe], **{**defaults, **own}).defaults
+            out = out or made  # the first: the caller's settings alone
+        except (TypeError, ValueError) as exc:
+            settings = ", ".join(f"{k}={v!r}" for k, v in {**given, **own}.items())
+            hint = (
+                "; numbers are given as numbers (lr=3e-3, not '3e-3')"
+                if any(isinstance(v, str) for v in {**given, **own}.values())
+                else ""
+            )
+            where = " in a param group" if group else ""
+            name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
+            raise type(exc)(f"{name}({settings}){where} refused its settings: {exc}{hint}") from exc
+    return out
