@@ -1,5 +1,5 @@
-"""The sharded optimizer's construction (``zeroshard.optimizer``): parameter groups given in
-every form torch.optim takes, in one process."""
+"""What ``zeroshard.optimizer`` accepts (``zeroshard.model_states.optimizer_args``): parameter
+groups in every form torch.optim takes, and what it refuses, each in one line; in one process."""
 
 from __future__ import annotations
 
