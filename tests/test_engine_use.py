@@ -1266,3 +1266,38 @@ def test_a_loss_reading_parameters_at_rest_is_not_skipped_silently(workers2):
         assert not stepped and len(said) == 1 and "summon_full_params" in said[0], said
     for stepped, said in workers2.run(_penalty_outside_forward, True):
         assert stepped and said == []
+
+
+def _training_on_after_an_order_mismatch() -> tuple[list[str], float]:
+    """Step 1: rank 1 runs the cells in another order (refused); steps 2-3: every rank alike.
+    Returns each step's outcome and the gap to torch trained on steps 2-3 only."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = _RoutedNet()
+    model = zeroshard.shard(copy.deepcopy(ref), stage=3, wrap=wrap.by_class(_Cell))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    outcomes = []
+    for step in range(3):
+        x = torch.randn(2 * PER_RANK_BATCH, 8, generator=g)
+        route = ROUTES["another order"][rank] if step == 0 else [0, 1, 2]
+        model(_rows(x), route).square().mean().backward()
+        try:
+            outcomes.append("taken" if opt.step() else "skipped")
+        except RuntimeError as err:
+            outcomes.append(type(err).__name__)
+        opt.zero_grad()
+        if step:
+            ref(x, [0, 1, 2]).square().mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    return outcomes, _param_diff(model, ref)
+
+
+def test_training_goes_on_after_an_order_mismatch(workers2):
+    """The step after the refused one is taken: its prefetches followed each rank's own order
+    of the refused step, pairing different units again, which refused it too."""
+    for outcomes, gap in workers2.run(_training_on_after_an_order_mismatch):
+        assert outcomes == ["OrderMismatch", "taken", "taken"], outcomes
+        assert gap < TOL

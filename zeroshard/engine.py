@@ -451,6 +451,13 @@ class Engine:
         if self.heap is not None:
             self.heap.after_step()
 
+    def forget_order(self) -> None:
+        """After the ranks were found to run units in different orders (``grads.agreed``): the
+        ledger's digest restarts, and no prefetch follows this rank's own last forward order
+        (each rank's differs: the next forward's prefetches would pair different units)."""
+        self.ledger.order = 0
+        self.forward_order = []
+
     def params_changed(self) -> None:
         """The FP32 masters changed (an optimizer step, a load): refresh replicated parameters.
 

@@ -112,7 +112,7 @@ class BackwardStep:
         assert optimizer is not None
         engine = optimizer.engine
         flags = self._flags.pop(id(bucket)).wait()
-        seen, touched = agreed(flags, engine.ledger, stepped=len(self.stepped))
+        seen, touched = agreed(flags, engine.forget_order, stepped=len(self.stepped))
         if not engine.sync_grads:
             # A micro-step that reduces (reduce_every_micro_step): the shard accumulates until
             # the synchronized backward, apart from the full gradient it was reduced in.

@@ -144,16 +144,18 @@ class OrderMismatch(RuntimeError):
     """The ranks ran their units in different orders since the last step (``agreed``)."""
 
 
-def agreed(flags: torch.Tensor, ledger: C.Ledger, *, stepped: int = 0) -> tuple[bool, list[bool]]:
+def agreed(
+    flags: torch.Tensor, forget_order: Callable[[], None], *, stepped: int = 0
+) -> tuple[bool, list[bool]]:
     """(inf/NaN seen on some rank, per parameter: reached on some rank) from ``agree``'s output
     (a host sync). Raises ``OrderMismatch`` on every rank alike when the ranks' collectives
     paired different units: the gradients are of mixed-up parameters, and no step may use them
     (``stepped``: units that ``step_in_backward`` updated earlier in this backward, whose
-    collectives still matched). The ledger's order then restarts, so that a caller who
-    recovers can train on."""
+    collectives still matched). ``forget_order`` (the engine's) runs first: the digest restarts
+    and no prefetch follows the rank's own last order."""
     values = flags.tolist()
     if values[1] != -values[2]:
-        ledger.order = 0
+        forget_order()
         kept = (
             f"{stepped} unit(s) updated earlier in this backward (step_in_backward) keep it, "
             "the others are untouched"
@@ -164,8 +166,9 @@ def agreed(flags: torch.Tensor, ledger: C.Ledger, *, stepped: int = 0) -> tuple[
             "the ranks ran the wrapped units in different orders since the last step, so each "
             "collective paired one unit's shards on one rank with another unit's on another "
             f"(the gradients are of mixed-up parameters, and the step is refused; {kept}). "
-            "Call the same units in the same order on every rank: branch on values all ranks "
-            "share, or keep rank-dependent paths inside one unit"
+            "Call the same units in the same order on every rank (branch on values all ranks "
+            "share, or keep rank-dependent paths inside one unit), and restart from the last "
+            "checkpoint: ranks that issued different numbers of collectives are out of step"
         )
     return values[0] > 0, [v > 0 for v in values[3:]]
 

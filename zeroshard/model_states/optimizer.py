@@ -309,7 +309,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flags = agree(
             engine.scaling, engine.slots_touched(), engine.mesh, engine.ledger, async_op=False
         ).wait()
-        seen, touched = agreed(flags, engine.ledger)  # a host sync: decided on the host
+        seen, touched = agreed(flags, engine.forget_order)  # a host sync: decided on the host
         return self.loss_scaler.checks and seen, {i for i, used in enumerate(touched) if not used}
 
     @torch.no_grad()
