@@ -165,7 +165,8 @@ def plot(records: list[dict], path: Path) -> None:
     ax.plot(*zip(*val), marker="o", label="validation") if val else None
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte)")
-    ax.legend()
+    if train or val:  # (a run that failed before its first record has nothing to name)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
