@@ -99,10 +99,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.engine.scaling.warn_unscaled = isinstance(self.loss_scaler, DynamicLossScaler)
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = param_groups(model, params)
-        given, defaults = (
-            defaults,
-            with_default_impl(optimizer_cls, defaults, self.engine.mesh.device),
-        )
+        given = defaults
+        defaults = with_default_impl(optimizer_cls, given, self.engine.mesh.device)
         # A rank stepping in backward, or with other groups, would wait in other collectives.
         check_same_model(model, self.engine.mesh, {
             "optimizer class": f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}",

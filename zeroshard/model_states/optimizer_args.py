@@ -35,11 +35,9 @@ def param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[st
     if params is None:
         return [{"params": list(model.parameters())}]
     if isinstance(params, (torch.Tensor, dict)):  # torch.optim's own checks, in its words
-        fix = (
-            "pass list(d.values()), or [d] for one group"
-            if isinstance(params, dict)
-            else ("wrap it in a list")
-        )
+        fix = "wrap it in a list"
+        if isinstance(params, dict):
+            fix = "pass list(d.values()), or [d] for one group"
         raise TypeError(
             "params must be an iterable of tensors or of dicts (param groups), got a "
             f"{type(params).__name__}: {fix}"
@@ -64,13 +62,13 @@ def param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[st
 def check_elementwise(optimizer_cls: type, *, known: bool = False) -> None:
     """A TypeError for an optimizer instance; a ValueError for optimizer classes not known to be
     element-wise (unless ``known``: the caller says it is)."""
-    if not isinstance(optimizer_cls, type):
+    if isinstance(optimizer_cls, torch.optim.Optimizer):
         raise TypeError(
             f"zeroshard.optimizer takes the optimizer class (torch.optim.AdamW) and its "
             f"settings, not a {type(optimizer_cls).__name__} built already: "
             "zeroshard.optimizer(model, torch.optim.AdamW, lr=...)"
         )
-    if known or issubclass(optimizer_cls, ELEMENTWISE):
+    if known or (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, ELEMENTWISE)):
         return
     name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
     raise ValueError(
@@ -126,9 +124,9 @@ def probe(
     for group in [{}, *groups]:
         own = {k: v for k, v in group.items() if k != "params"}
         try:
-            probe = torch.zeros(1, device=device, requires_grad=True)
-            made = optimizer_cls([probe], **{**defaults, **own}).defaults
-            out = out or made  # the first: the caller's settings alone
+            one = torch.zeros(1, device=device, requires_grad=True)
+            made = optimizer_cls([one], **{**defaults, **own}).defaults
+            out = made if not group else out  # the caller's settings alone
         except (TypeError, ValueError) as exc:
             settings = ", ".join(f"{k}={v!r}" for k, v in {**given, **own}.items())
             hint = (
