@@ -9,6 +9,17 @@ from zeroshard import wrap
 from zeroshard.models.gpt import GPT, PRESETS, Block, GPTConfig
 
 
+class Cell(nn.Module):
+    """One small unit (8 -> 8): the same-size units of the per-rank path tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
 class FrozenMLP(nn.Module):
     """Three linear layers; the first frozen, and the second's bias frozen."""
 

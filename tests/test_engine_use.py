@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from parity_models import (
     BlockTwiceGPT,
+    Cell,
     CheckpointedGPT,
     SkippingGPT,
     batch,
@@ -1152,21 +1153,12 @@ def test_a_forward_whose_gather_failed_waits_no_more(lone_process):
 
 
 # ----------------------------------------------------------------------------- rank-local paths
-class _Cell(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
 class _RoutedNet(nn.Module):
     """Three units of one size, run in the order each call names (a router's choice)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.cells = nn.ModuleList([_Cell() for _ in range(3)])
+        self.cells = nn.ModuleList([Cell() for _ in range(3)])
         self.head = nn.Linear(8, 1)
 
     def forward(self, x, route: list[int]):
@@ -1188,7 +1180,7 @@ def _routed_training(stage: int, bucket_bytes: int | None, routes: str, **opt_kw
     torch.manual_seed(0)
     ref = _RoutedNet()
     model = zeroshard.shard(
-        copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_Cell), config=_config(bucket_bytes)
+        copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(Cell), config=_config(bucket_bytes)
     )
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2, **opt_kw)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -1274,7 +1266,7 @@ def _training_on_after_an_order_mismatch() -> tuple[list[str], float]:
     rank = dist.get_rank()
     torch.manual_seed(0)
     ref = _RoutedNet()
-    model = zeroshard.shard(copy.deepcopy(ref), stage=3, wrap=wrap.by_class(_Cell))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=3, wrap=wrap.by_class(Cell))
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from parity_models import Cell
 from torch import nn
 
 import zeroshard
@@ -46,24 +47,15 @@ def test_buckets_no_backward_reached_come_last_in_the_learned_order():
     assert not order.learned and order.order == ["a", "root"]
 
 
-class _Cell(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
 class _UNetLike(nn.Module):
     """Registered down, up, mid; run down, mid, up (diffusers' U-Net registers its middle
     block after its up blocks)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.down = nn.ModuleList([_Cell(), _Cell()])
-        self.up = nn.ModuleList([_Cell(), _Cell()])
-        self.mid = _Cell()
+        self.down = nn.ModuleList([Cell(), Cell()])
+        self.up = nn.ModuleList([Cell(), Cell()])
+        self.mid = Cell()
         self.head = nn.Linear(8, 1)
 
     def forward(self, x, skip_mid: bool = False):
@@ -85,7 +77,7 @@ def _learned_order(stage: int) -> dict:
     model = zeroshard.shard(
         copy.deepcopy(ref),
         stage=stage,
-        wrap=wrap.by_class(_Cell),
+        wrap=wrap.by_class(Cell),
         config=ShardConfig(bucket_bytes=0),  # a bucket per unit
     )
     engine = zeroshard.engine_of(model)

@@ -119,8 +119,9 @@ class Engine:
         self._units_left: dict[GradBucket, int] = {}  # per backward: units yet to finish
         self._again: set[Unit] = set()  # per backward: units finished, then reached again
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
-        self.reduction_order = ReductionOrder(self.buckets)
-        """Stages 0-2: the one order in which every rank issues its reductions."""
+        self.reduction_order = ReductionOrder(self.buckets, in_order=not self.partition.parameters)
+        """The one order in which every rank issues its reductions (stages 0-2; stage 3: each
+        at once)."""
         self._summoned = 0  # depth of summon_full_params
         self.discarding = 0  # of them, how many undo writes (writeback=False): no step inside
         self.heap = (
@@ -374,8 +375,7 @@ class Engine:
         # gradient is collected: none of them is alive next to it at this peak of backward.
         if not self._summoned:
             unit.reshard()
-        # Stage 3 reduces at once (``reduction_order``'s docstring says why), freeing at once.
-        for b in ready if self.partition.parameters else self.reduction_order.ready(ready):
+        for b in self.reduction_order.ready(ready):
             self._reduce(b)
 
     def _reduce(self, bucket: GradBucket) -> None:
@@ -400,8 +400,7 @@ class Engine:
             unit.to(TrainingState.IDLE)
         for pending in (self._units_left, self._again, self._dirty):
             pending.clear()
-        if not self.partition.parameters:
-            self.reduction_order.end_backward(self.mesh)
+        self.reduction_order.end_backward(self.mesh)
         self.scaling.accumulating = not self._reduce_now
         if self._reduce_now and self.partition.optimizer_states and not self.optimizers:
             warn_no_sharded_optimizer()

@@ -123,8 +123,8 @@ def agree(
     overflow is seen only by its owner, and a parameter is left out of the step only when no
     rank reached it. The order rides as ``[d, -d]`` (``Ledger.order``): MAX of both gives the
     largest and the smallest digest. Read the handle's output with ``agreed``."""
-    order = torch.tensor([ledger.order, -ledger.order], dtype=torch.float32)
-    flags = torch.cat([scaling.found_inf, order.to(touched.device), touched])
+    order = torch.tensor([ledger.order, -ledger.order], dtype=torch.float32, device=touched.device)
+    flags = torch.cat([scaling.found_inf, order, touched])
     if mesh.world_size * mesh.tp_size == 1:
         return C.Handle(None, flags)
     whole = mesh.hybrid is not None or mesh.tp_size > 1

@@ -131,7 +131,7 @@ def fingerprint(model: nn.Module) -> int:
         h.update(f"p {name} {tuple(p.shape)} {p.dtype} {p.requires_grad};".encode())
     for name, b in model.named_buffers(remove_duplicate=False):
         h.update(f"b {name} {tuple(b.shape)} {b.dtype};".encode())
-    return int.from_bytes(h.digest()[:8], "little") >> 1
+    return _as_int(h)
 
 
 def check_same_model(
@@ -176,4 +176,9 @@ def _short(text: str, limit: int = 120) -> str:
 
 
 def _hash(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+    return _as_int(hashlib.sha256(text.encode()))
+
+
+def _as_int(h: hashlib._Hash) -> int:
+    """A digest as a non-negative 63-bit int (an int64 tensor element on every rank)."""
+    return int.from_bytes(h.digest()[:8], "little") >> 1

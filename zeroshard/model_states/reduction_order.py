@@ -13,8 +13,10 @@ blocks run in another order than they were registered in (a U-Net's middle block
 after its up blocks) would otherwise keep finished buckets waiting, their gradients alive and
 none of their reductions overlapping the rest of backward.
 
-Stage 3 does not use it: there the units' gathers already pair the ranks in each one's forward
-order, and the step refuses ranks whose orders differ (``zeroshard.model_states.grads.agreed``).
+Stage 3 reduces each bucket as soon as it is ready (``in_order=False``): there the units'
+gathers already pair the ranks in each one's forward order, the step refuses ranks whose orders
+differ (``zeroshard.model_states.grads.agreed``), and a reduction waiting would keep a unit's
+full gradient alive.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from zeroshard.model_states.grads import GradBucket
 
 class ReductionOrder:
     """Which ready buckets may be reduced now; ``buckets`` are the engine's, the same list (by
-    position) on every rank."""
+    position) on every rank; ``in_order=False``: each at once (stage 3)."""
 
-    def __init__(self, buckets: list[GradBucket]) -> None:
-        self.buckets = buckets
+    def __init__(self, buckets: list[GradBucket], *, in_order: bool = True) -> None:
+        self.buckets, self.in_order = buckets, in_order
         self.order = buckets[::-1]
         self.learned = False
         """The order is rank 0's of the first backward that reduced (``end_backward``)."""
@@ -42,6 +44,8 @@ class ReductionOrder:
     def ready(self, buckets: list[GradBucket]) -> list[GradBucket]:
         """``buckets`` just became ready: those to reduce now, in order (any of them whose turn
         has come, and the waiting ones behind them)."""
+        if not self.in_order:
+            return buckets
         self._seen.extend(buckets)
         self._waiting.update(buckets)
         now = []
