@@ -384,7 +384,8 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
         summary.update(status=status, error=_first_line(exc), skipped_steps=guard.num_skipped,
                        last_step=done)  # fmt: skip
         with suppress(Exception):  # never in place of the error being raised
-            _write_summary(summary, records, out, rank)
+            # (no plot when interrupted: matplotlib's import and drawing would delay the stop)
+            _write_summary(summary, records, out, rank, losses=not isinstance(exc, Stopped))
         raise
     finally:
         bar.close()
@@ -527,11 +528,15 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
-def _write_summary(summary: dict, records: list[dict], out: Path, rank: int) -> None:
+def _write_summary(
+    summary: dict, records: list[dict], out: Path, rank: int, *, losses: bool = True
+) -> None:
+    """Rank 0: ``summary.json``, then (``losses``) ``loss.png``."""
     if rank != 0:
         return
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(records, out / "loss.png")
+    if losses:
+        plot(records, out / "loss.png")
 
 
 def save_config(cfg: TrainConfig, path: Path) -> None:
