@@ -561,3 +561,50 @@ def _tied_from_untied(stage: int) -> bool:
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_tied_model_loads_an_untied_state_dict_as_torch_does(workers2, stage):
     assert all(workers2.run(_tied_from_untied, stage))
+
+
+def _save_pretrained(stage: int, folder: str) -> dict:
+    """A sharded transformers GPT-2 (tied head) trained a step, saved by its own
+    ``save_pretrained`` on every rank: what ``from_pretrained`` reads back computes the same."""
+    import transformers
+
+    rank = dist.get_rank()
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = zeroshard.shard(transformers.GPT2LMHeadModel(config), stage=stage)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    opt.backward(model(x, labels=x).loss)
+    opt.step()
+    model.eval()
+    with torch.no_grad():
+        logits = model(x).logits
+    blocked = os.path.join(folder, "a-file")
+    if rank == 0:
+        open(blocked, "w").close()
+    dist.barrier()
+    try:  # a folder inside a file: the writer's error reaches every rank, none hangs
+        model.save_pretrained(os.path.join(blocked, "model"))
+        failed = ""
+    except Exception as exc:
+        failed = f"{type(exc).__name__}: {exc}"
+    model.save_pretrained(os.path.join(folder, "model"))  # returns once rank 0 has written
+    files = sorted(os.listdir(os.path.join(folder, "model")))
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(folder, "model")).eval()
+    with torch.no_grad():
+        same = torch.allclose(loaded(x).logits, logits, rtol=0, atol=1e-6)
+    tied = loaded.lm_head.weight is loaded.transformer.wte.weight
+    return {"failed": failed, "files": files, "same": same, "tied": tied}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_save_pretrained_writes_the_whole_model_once(workers2, stage, tmp_path):
+    pytest.importorskip("transformers")
+    out = workers2.run(_save_pretrained, stage, str(tmp_path))
+    assert all(o["same"] and o["tied"] for o in out), out
+    assert out[0]["files"] == ["config.json", "generation_config.json", "model.safetensors"]
+    assert out[0]["failed"].startswith(("NotADirectoryError", "FileExistsError")), out
+    assert out[1]["failed"].startswith("RuntimeError: save_pretrained failed on rank 0"), out
