@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import warnings
@@ -480,6 +481,68 @@ def _buffers_and_casts() -> dict:
 def test_buffers_inputs_and_outputs_follow_the_policy(workers2):
     r = workers2.run(_buffers_and_casts)[0]
     assert r == {"buffer": "torch.bfloat16", "out": "torch.float32", "out_mlp": "torch.bfloat16"}
+
+
+class _Fp32Between(nn.Module):
+    """Two units with an FP32 tensor between them: the second is reached by FP32 activations
+    (an FP32 constant added, as an upcast for a stable softmax would do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.register_buffer("shift", torch.linspace(0, 1, 6), persistent=False)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)) + self.shift)
+
+
+def _units_cast_their_inputs(stage: int) -> dict:
+    """bf16 with an FP32 tensor reaching a unit, against FSDP2 (every unit a ``fully_shard``
+    module, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``): the same output and,
+    after an SGD step, the same weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    ref = _Fp32Between()
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    policy = zeroshard.wrap.by_class(nn.Linear)
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=policy, mixed_precision=bf16)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    out = model(x)
+    opt.backward(out.float().square().mean())
+    opt.step()
+    fsdp = copy.deepcopy(ref)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in (fsdp.a, fsdp.b, fsdp):
+        fully_shard(m, mp_policy=mp)
+    fsdp_opt = torch.optim.SGD(fsdp.parameters(), lr=0.5)
+    fsdp_out = fsdp(x)
+    fsdp_out.float().square().mean().backward()
+    fsdp_opt.step()
+    mine = zeroshard.full_state_dict(model, rank0_only=False)
+    theirs = {k: v.full_tensor() for k, v in fsdp.state_dict().items()}
+    uncast = zeroshard.shard(
+        copy.deepcopy(ref), stage=stage, wrap=policy,
+        mixed_precision=dataclasses.replace(bf16, cast_forward_inputs=False),
+    )  # fmt: skip
+    try:
+        uncast(x)
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    return {
+        "out": torch.equal(out, fsdp_out),
+        "weights": all(torch.allclose(mine[k], theirs[k], rtol=0, atol=1e-6) for k in theirs),
+        "refused": refused,
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_every_unit_casts_its_inputs_as_fsdp2(workers2, stage):
+    for r in workers2.run(_units_cast_their_inputs, stage):
+        assert r["out"] and r["weights"], r
+        assert "dtype" in r["refused"], r  # without the cast: mixed dtypes in the second unit
 
 
 def _derived_buffers() -> dict:

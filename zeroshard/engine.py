@@ -203,7 +203,8 @@ class Engine:
         if unit.state is TrainingState.IDLE and not recompute:
             unit.to(TrainingState.FORWARD)
         mp = self.mixed_precision
-        if root_entry and mp.cast_root_inputs and mp.param_dtype is not None:
+        cast = mp.cast_root_inputs if unit.is_root else mp.cast_forward_inputs
+        if entry and cast and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         # A recomputation is a use of its own only when the first forward counted none: the
         # reentrant checkpoint runs that one without grad, then backward through the recomputed

@@ -85,6 +85,11 @@ class MixedPrecision:
     """Dtype the root's floating-point outputs are cast to (``None``: left as computed)."""
     cast_root_inputs: bool = True
     """Cast the root's floating-point inputs to ``param_dtype``."""
+    cast_forward_inputs: bool = True
+    """Cast every other unit's floating-point inputs to ``param_dtype`` as it is entered
+    (FSDP2's ``cast_forward_inputs``): a unit reached by an FP32 tensor (an upcast for a stable
+    softmax or norm, an FP32 buffer added to the activations) computes in ``param_dtype``
+    instead of failing on mixed dtypes."""
     allow_tf32: bool = False
     """FP32 matmuls and convolutions on TF32 tensor cores (CUDA >= sm80; a warning elsewhere).
     Process-global torch state: ``shard`` turns it on and restores the previous setting when the
