@@ -89,6 +89,43 @@ def test_a_rank_that_skips_a_collective_is_named():
     assert TIMEOUT_S <= seconds < DEADLINE_S, seconds
 
 
+def _checkpoint_skipped_on_rank_1(folder: str, op: str) -> tuple[str, str, float] | str:
+    """Every rank saves (and, for ``op == "load"``, loads) a checkpoint but rank 1 skips the
+    ``op``: rank 0's ``CollectiveTimeout`` names it, not DCP's or gloo's error."""
+    from zeroshard import checkpoint
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), stage=3)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW)
+    path = os.path.join(folder, "ckpt")
+    if op == "load":
+        checkpoint.save(path, model, opt)
+    if dist.get_rank() == 1:
+        return "skipped"
+    run = {"save": checkpoint.save, "async save": _async_save, "load": checkpoint.load}[op]
+    return _caught(run, path if op == "load" else path + "-2", model, opt)
+
+
+def _async_save(path: str, model, opt) -> None:
+    from zeroshard import checkpoint
+
+    checkpoint.save(path, model, opt, async_save=True).wait()
+
+
+@pytest.mark.parametrize("op", ["save", "async save", "load"])
+def test_a_rank_that_skips_a_checkpoint_is_named(op, tmp_path):
+    with Workers(2, timeout_s=60, collective_timeout_s=TIMEOUT_S) as workers:
+        first, second = workers.run(_checkpoint_skipped_on_rank_1, str(tmp_path), op)
+    assert second == "skipped"
+    kind, message, seconds = first
+    assert kind == "timeout", first
+    _assert_one_line(message)
+    head = f"{op.split()[-1]} of checkpoint ckpt"
+    assert message.startswith(head) and f"timed out after {TIMEOUT_S:g} s" in message, message
+    assert "rank 1 did not arrive" in message, message
+    assert seconds < DEADLINE_S, seconds
+
+
 def test_ranks_in_different_collectives_say_so():
     with Workers(2, timeout_s=60, collective_timeout_s=TIMEOUT_S) as workers:
         first, second = workers.run(_different_collectives)

@@ -105,7 +105,7 @@ from zeroshard.checkpoint_info import (  # noqa: F401 (the inspection API, re-ex
 from zeroshard.engine import engine_of
 from zeroshard.flat_range import FlatRange
 from zeroshard.offload.nvme import free_bytes
-from zeroshard.watchdog import inherit_timeout
+from zeroshard.watchdog import CollectiveTimeout, diagnosed, inherit_timeout
 
 _WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap encoding and I/O
 _SPACE_MARGIN = 1.05  # free space wanted over the estimate (DCP metadata, pickled extras)
@@ -232,6 +232,16 @@ def save(
         if callable(getattr(value, "state_dict", None)):
             extra[key] = value.state_dict()
     group = _group(model, optimizer)
+    # A rank that dies or stops during the save: one line naming it (CollectiveTimeout), not
+    # the backend's error from inside DCP.
+    with diagnosed("save", f"checkpoint {Path(path).name}", group):
+        return _save(Path(path).absolute(), model, optimizer, extra, keep, async_save, group)
+
+
+def _save(
+    path: Path, model, optimizer, extra: dict, keep: int | None, async_save: bool, group
+) -> Path | SaveHandle:
+    """``save`` once the arguments are checked (a collective on ``group``)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     own = {
         "rank": rank,
@@ -244,7 +254,6 @@ def save(
     buffer = io.BytesIO()
     torch.save(own, buffer)  # a snapshot of this rank's own state, as the bytes of its file
     _check_loadable(extra, buffer.getvalue())
-    path = Path(path).absolute()
     # One exchange: every rank sees every path and problem, so every rank raises alike.
     said = gather((str(path), replace_problem(path)), group)
     paths = [p for p, _ in said]
@@ -329,7 +338,8 @@ class SaveHandle:
 
     def _run(self, job: tuple, group) -> None:
         try:
-            _write_and_publish(*job, group)
+            with diagnosed("save", f"checkpoint {self.path.name}", group):
+                _write_and_publish(*job, group)
         except BaseException as exc:  # re-raised by wait(), in the caller's thread
             self._error = exc
 
@@ -344,6 +354,8 @@ class SaveHandle:
         global _pending
         if _pending is self:
             _pending = None
+        if isinstance(self._error, CollectiveTimeout):
+            raise CollectiveTimeout(str(self._error), report=self._error.report) from self._error
         if isinstance(self._error, CheckpointError):
             raise CheckpointError(str(self._error)) from self._error
         if self._error is not None:
@@ -533,8 +545,13 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
     """
     wait()  # this process's asynchronous save in flight, if any
     group = _group(model, optimizer)
+    with diagnosed("load", f"checkpoint {Path(path).name}", group):
+        return _load(Path(path).absolute(), model, optimizer, verify, group)
+
+
+def _load(path: Path, model, optimizer, verify: bool, group) -> dict:  # noqa: F811
+    """``load`` (a collective on ``group``)."""
     rank = dist.get_rank(group)
-    path = Path(path).absolute()
     meta = read_meta(path)
     from zeroshard.checkpoint_planner import LoadPlanner
     from zeroshard.checkpoint_reader import Reader, read
