@@ -186,6 +186,114 @@ def test_a_second_backward_before_the_step_is_an_error(workers2):
         assert "second backward before optimizer.step()" in msg and "sync=False" in msg, msg
 
 
+def _two_optimizers(stage: int, kinds: tuple[bool, bool], rebuilt: bool, shared: bool) -> dict:
+    """Two optimizers over disjoint units (``kinds``: which steps in backward), the first built
+    twice when ``rebuilt`` (a replacement: only the second steps), against the same two plain
+    torch optimizers on the unsharded model; each steps then zeroes in turn. ``shared``: the
+    two parts in one bucket (the root unit, or stage 2's default bucket)."""
+    import copy
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    wrap = None if shared else zeroshard.wrap.by_class(nn.Linear)
+    config = zeroshard.ShardConfig(bucket_bytes=25 * 2**20 if shared else 0)
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap, config=config)
+    parts = (list(model[0].parameters()), list(model[2].parameters()))
+
+    def build(i: int):
+        make = torch.optim.SGD if i == 0 else torch.optim.AdamW
+        sib = kinds[i]
+        return zeroshard.optimizer(model, make, parts[i], lr=0.1, step_in_backward=sib)
+
+    first = build(0)
+    if rebuilt:
+        first = build(0)
+    opts = [first, build(1)]
+    refs = [torch.optim.SGD(ref[0].parameters(), lr=0.1), torch.optim.AdamW(ref[2].parameters())]
+    refs[1].param_groups[0]["lr"] = 0.1
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+        mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        opts[0].backward(F.cross_entropy(model(x[mine]), y[mine]))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        for o in refs:
+            o.step()
+            o.zero_grad()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    return {k: (full[k] - v).abs().max().item() for k, v in ref.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize(
+    "kinds, rebuilt, shared",
+    [
+        ((True, True), False, False),
+        ((True, False), False, False),
+        ((True, True), True, False),
+        ((False, False), False, True),
+        ((False, False), True, True),
+    ],
+)
+def test_several_optimizers_each_step_their_own_parameters(workers2, stage, kinds, rebuilt, shared):
+    # Every optimizer stepping in backward took every unit, and any optimizer's zero_grad
+    # dropped every gradient: the others' parameters stayed put.
+    for diffs in workers2.run(_two_optimizers, stage, kinds, rebuilt, shared):
+        assert max(diffs.values()) < 1e-6, diffs
+
+
+def _split_unit(stage: int, sib_first: bool) -> str:
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), stage=stage)
+    opts = []  # each optimizer alive while the next is built
+    try:
+        for i in (0, 1) if sib_first else (1, 0):
+            opts.append(zeroshard.optimizer(
+                model, torch.optim.SGD, list(model[i].parameters()), lr=0.1,
+                step_in_backward=i == 0,
+            ))  # fmt: skip
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("sib_first", [True, False])
+def test_a_unit_split_between_optimizers_is_refused(workers2, stage, sib_first):
+    for msg in workers2.run(_split_unit, stage, sib_first):
+        assert "split between two optimizers" in msg and "one optimizer" in msg, msg
+        assert ("bucket_bytes=0" in msg) == (stage == 2), msg
+
+
+def _zero_grad_without_step() -> list[str]:
+    import warnings
+
+    model, opt = _make("gpt", 3, True)
+    x, y = batch("gpt", 0, 2)
+    opt.backward(loss_of("gpt", model, x, y))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.zero_grad()  # the updates were applied in backward: said, not silently kept
+        opt.backward(loss_of("gpt", model, x, y))
+        opt.step()
+        opt.zero_grad()  # the usual order: nothing to say
+    return [str(w.message) for w in caught]
+
+
+def test_zero_grad_without_step_says_the_updates_stay(workers2):
+    for said in workers2.run(_zero_grad_without_step):
+        assert len(said) == 1 and "already applied" in said[0] and "they stay" in said[0], said
+
+
 def _misuse(stage: int, what: str) -> str:
     model, _ = build("gpt")
     model = zeroshard.shard(model, stage=stage, mixed_precision="fp16" if what == "fp16" else None)

@@ -64,9 +64,10 @@ def check_step_in_backward(optimizer: ShardedOptimizer) -> None:
 
 
 class BackwardStep:
-    """Steps ``optimizer``'s sub-groups as their buckets' reductions finish (module docstring)."""
+    """Steps ``optimizer``'s sub-groups as their buckets' reductions finish (module docstring).
+    Takes over ``buckets``, those holding the optimizer's parameters (``bucket_owners.claim``)."""
 
-    def __init__(self, optimizer: ShardedOptimizer) -> None:
+    def __init__(self, optimizer: ShardedOptimizer, buckets: list[GradBucket]) -> None:
         check_step_in_backward(optimizer)
         engine = optimizer.engine
         self._optimizer = weakref.ref(optimizer)  # the buckets must not keep it alive
@@ -90,7 +91,7 @@ class BackwardStep:
             if ref() is not None:
                 self._reduced(bucket)
 
-        for b in engine.buckets:
+        for b in buckets:
             assert b.reduction is Reduction.SCATTER_AND_FREE
             b.on_reduce, b.handoff = on_reduce, handoff
             b.consumed_at_handoff = True

@@ -104,10 +104,10 @@ class GradSwapper:
 
     def _start_read(self, i: int) -> None:
         if i in self._stored and i not in self._reading:
-            numel = self.store.meta(self._name(i)).numel
-            into = self.store.empty_host((numel,), torch.float32)
+            meta = self.store.meta(self._name(i))
+            into = self.store.empty_host((meta.numel,), meta.dtype)  # the master's dtype
             self._reading[i] = self._timed(self.store.swap_in(self._name(i), into=into))
-            self.read_bytes += numel * 4
+            self.read_bytes += meta.numel * into.element_size()
 
     def _read(self, i: int) -> torch.Tensor:
         """Stored shard ``i`` as it stands: read back (waiting), clipped as asked since."""

@@ -37,7 +37,6 @@ from zeroshard import collectives as C
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.partition import shard_range
-from zeroshard.precision import MASTER_DTYPE
 from zeroshard.residual_states.buffers import TensorPool
 from zeroshard.stages import Partition
 from zeroshard.streams import on_side_stream
@@ -408,7 +407,7 @@ class GradBucket:
         whole = out
         if self.reduction is Reduction.ALL_REDUCE:
             out = out[self.flat.range[0] : self.flat.range[1]]
-        reduced = out.to(MASTER_DTYPE)  # 1D range numel (alias when FP32)
+        reduced = out.to(self.flat.master_dtype)  # 1D range numel (alias when the same)
         accumulated = self.shard_grad is not None
         if not accumulated:
             self.shard_grad = reduced

@@ -44,7 +44,8 @@ from torch import nn
 
 from zeroshard import collectives as C
 from zeroshard.engine import Engine, engine_of
-from zeroshard.model_states.backward_step import BackwardStep
+from zeroshard.model_states import bucket_owners
+from zeroshard.model_states.backward_step import BackwardStep, check_step_in_backward
 from zeroshard.model_states.flat_param import check_requires_grad
 from zeroshard.model_states.grad_swap import GradSwapper
 from zeroshard.model_states.grads import agree, agreed
@@ -87,7 +88,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         **defaults: Any,
     ) -> None:
         self.engine: Engine = engine_of(model)
-        self.engine.optimizers.add(self)  # model.zero_grad() reaches this one's gradients too
         check_elementwise(optimizer_cls, known=elementwise)
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(
@@ -99,6 +99,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.engine.scaling.warn_unscaled = isinstance(self.loss_scaler, DynamicLossScaler)
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = param_groups(model, params)
+        self._param_ids = {id(p) for g in user_groups for p in g["params"]}
         given = defaults
         defaults = with_default_impl(optimizer_cls, given, self.engine.mesh.device)
         # A rank stepping in backward, or with other groups, would wait in other collectives.
@@ -133,7 +134,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grad_bytes = 0
             if offload.gradients == "nvme":
                 masters = [b.flat.master_view for b in buckets if b.flat.master_view is not None]
-                grad_bytes = sum(padded_bytes(m.numel() * 4) for m in masters)  # FP32 shards
+                grad_bytes = sum(padded_bytes(m.numel() * m.element_size()) for m in masters)
             self._swap = StateSwapper(
                 self._subgroups,
                 offload,
@@ -156,7 +157,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "step_in_backward with Offload(parameters='nvme') is not implemented: the masters "
                 "are read back at the step; drop step_in_backward or use parameters=None"
             )
-        self._backward_step = BackwardStep(self) if step_in_backward else None
+        self._backward_step: BackwardStep | None = None
+        if step_in_backward:
+            check_step_in_backward(self)
+        taken = bucket_owners.claim(self, step_in_backward)  # the same on every rank
+        if step_in_backward:
+            self._backward_step = BackwardStep(self, taken)
+        self.engine.optimizers.add(self)  # model.zero_grad() reaches this one's gradients too
 
     @property
     def optimizer(self) -> ShardedOptimizer:
@@ -477,13 +484,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Drop the gradients. ``set_to_none=False`` as in torch: parameters that had a gradient
         keep a zero one, so the next step updates them (momentum, weight decay) even if no
         backward reaches them; with True (the default) such parameters are left alone."""
-        self.engine.scaling.reset()
         if self._backward_step is not None:
+            if self._backward_step.stepped:
+                warnings.warn(
+                    "zero_grad() after a backward whose updates step_in_backward already "
+                    f"applied to {len(self._backward_step.stepped)} unit(s), without step(): "
+                    "they stay (a plain optimizer would drop them with the gradients). Use a "
+                    "separate optimizer without step_in_backward for parameters that a "
+                    "backward reaches without being meant to update them (a GAN's "
+                    "discriminator under the generator's loss)",
+                    stacklevel=user_stacklevel(),
+                )
             self._backward_step.reset()
         if self._grad_swap is not None:
             self._grad_swap.zero()
-        for b in self.engine.buckets:
-            b.zero(keep_touched=not set_to_none)
+        bucket_owners.zero_grad(self, set_to_none)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,88 @@
+"""Which optimizer owns which gradient bucket, when several optimizers share one model.
+
+torch's optimizers each act on their own parameters: ``opt_a.zero_grad()`` leaves ``opt_b``'s
+gradients for ``opt_b.step()``, in either order. Here gradients live in buckets (a unit's flat
+gradient at stage 3; consecutive units' at stages 0-2, up to ``ShardConfig.bucket_bytes``), so
+each bucket records its owners: the live optimizers holding some of its parameters. An
+optimizer built over parameters that an older one holds in a bucket, all of them, replaces it
+there (an optimizer built anew, e.g. after a checkpoint is loaded, while the old object lives
+on in a scheduler); owners of distinct parameters of one bucket share it.
+
+- ``zero_grad`` drops a bucket once every owner has called it since the bucket's last drop: a
+  bucket split between two optimizers keeps both parts until both have (``opt_a.step();
+  opt_a.zero_grad(); opt_b.step(); opt_b.zero_grad()`` is exact; an owner that never calls it
+  leaves the whole bucket accumulating). The inf/NaN flag of the gradients is reset once every
+  live optimizer has called it, so that no step can miss an overflow of its own gradients.
+- ``step_in_backward`` hands a bucket's whole reduced shard to one optimizer during backward:
+  a bucket it would share with another owner is refused (``claim``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zeroshard.model_states.grads import GradBucket
+    from zeroshard.model_states.optimizer import ShardedOptimizer
+
+
+def _owners(bucket: GradBucket) -> list[ShardedOptimizer]:
+    return [o for o in (r() for r in getattr(bucket, "_owners", [])) if o is not None]
+
+
+def _ids(bucket: GradBucket) -> set[int]:
+    return {id(slot.param) for slot in bucket.flat.slots}
+
+
+def claim(optimizer: ShardedOptimizer, step_in_backward: bool) -> list[GradBucket]:
+    """Make ``optimizer`` (its parameters' ``id``s in ``optimizer._param_ids``) an owner of
+    every bucket holding some of them; returns those buckets. A ValueError naming the fix, and
+    nothing changed, when one of them would be shared with another owner while either steps
+    during backward. Decided from the parameters alone: the same on every rank."""
+    engine, params = optimizer.engine, optimizer._param_ids
+    plan = []
+    for b in engine.buckets:
+        ids = _ids(b)
+        if not ids & params:
+            continue
+        kept = [o for o in _owners(b) if o is not optimizer and (ids & o._param_ids) - params]
+        if kept and (step_in_backward or any(o._backward_step is not None for o in kept)):
+            split = "wrap the parts as units of their own"
+            if not engine.partition.parameters:  # stages 0-2: units share flat buckets
+                split += " with ShardConfig(bucket_bytes=0) (a bucket per unit)"
+            raise ValueError(
+                f"step_in_backward: the parameters of {b.flat.name!r} are split between two "
+                "optimizers, and one of them steps during backward, which hands their whole "
+                "gradient to one optimizer; give them all to one optimizer (param groups set "
+                f"their own lr, weight decay...), {split}, or drop step_in_backward"
+            )
+        plan.append((b, kept))
+    for b, kept in plan:
+        if not kept and b.handoff is not None and b.consumed_at_handoff:
+            b.on_reduce = b.handoff = None  # a replaced optimizer that stepped in backward
+            b.consumed_at_handoff = False
+        b._owners = [weakref.ref(o) for o in (*kept, optimizer)]
+        b._zeroed = set()
+    return [b for b, _ in plan]
+
+
+def zero_grad(optimizer: ShardedOptimizer, set_to_none: bool) -> None:
+    """``optimizer.zero_grad``'s effect on the buckets and the inf/NaN flag (module docstring);
+    buckets no optimizer owns are dropped by any."""
+    engine = optimizer.engine
+    for b in engine.buckets:
+        owners = _owners(b)
+        if owners and optimizer not in owners:
+            continue
+        zeroed = getattr(b, "_zeroed", set())
+        zeroed.add(id(optimizer))
+        if all(id(o) in zeroed for o in owners):
+            b.zero(keep_touched=not set_to_none)
+            zeroed = set()
+        b._zeroed = zeroed
+    done = engine.__dict__.setdefault("_zeroed_optimizers", weakref.WeakSet())
+    done.add(optimizer)
+    if all(o in done for o in engine.optimizers):
+        engine.scaling.reset()
+        done.clear()
