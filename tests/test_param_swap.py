@@ -297,7 +297,7 @@ def _no_space(folder: str) -> list[str]:
 
     from zeroshard.offload import SwapSpaceError
 
-    space = mock.patch("zeroshard.model_states.state_swap.free_bytes", return_value=1000)
+    space = mock.patch("zeroshard.model_states.swap_space.free_bytes", return_value=1000)
     with space, pytest.raises(SwapSpaceError) as err:
         _make(3, Offload(parameters="nvme", folder=folder))
     message = str(err.value)

@@ -7,6 +7,7 @@ placement, and compares the parameters bit for bit. The model is the nano GPT wr
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -251,15 +252,21 @@ def test_checkpoint_of_offloaded_states_resumes_exactly(workers2, tmp_path, in_m
 def _preflight(folder: str) -> list[str]:
     torch.manual_seed(0)
     errors = []
-    with mock.patch("zeroshard.model_states.state_swap.free_bytes", return_value=1000):
+    with mock.patch("zeroshard.model_states.swap_space.free_bytes", return_value=1000):
         with pytest.raises(SwapSpaceError) as err:
             _make(1, Offload(optimizer="nvme", folder=folder))
         errors.append(str(err.value))
     with pytest.raises(OffloadError) as err:
         _make(1, Offload(optimizer="nvme", folder="/proc/zeroshard-not-writable"))
     errors.append(str(err.value))
-    where = "zeroshard.model_states.state_swap.memory_available_bytes"
+    where = "zeroshard.model_states.swap_space.memory_available_bytes"
     with mock.patch(where, return_value=1000), pytest.raises(OffloadError) as err:
+        _make(1, Offload(optimizer="nvme", folder=folder))
+    errors.append(str(err.value))
+    # One rank short: every rank raises (the other would wait for it in its next collective)
+    rank0 = torch.distributed.get_rank() == 0
+    alone = mock.patch("zeroshard.model_states.swap_space.free_bytes", return_value=1000)
+    with alone if rank0 else contextlib.nullcontext(), pytest.raises(SwapSpaceError) as err:
         _make(1, Offload(optimizer="nvme", folder=folder))
     errors.append(str(err.value))
     gc.collect()
@@ -268,7 +275,10 @@ def _preflight(folder: str) -> list[str]:
 
 
 def test_space_and_folder_are_checked_before_the_first_step(workers2, tmp_path):
-    for space, unusable, memory, *files in workers2.run(_preflight, str(tmp_path)):
+    said = workers2.run(_preflight, str(tmp_path))
+    assert "1000 bytes free on this node" in said[0][3], said[0][3]
+    assert "1000 bytes free on rank 0's node" in said[1][3], said[1][3]
+    for space, unusable, memory, _, *files in said:
         need = int(memory.split(" needs ")[1].split(" bytes")[0])  # slots + the store's pool
         assert need > 64 << 20 and f"short by {need - 1000} bytes" in memory, memory
         assert "smaller units" in memory, memory

@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zeroshard.model_states.state_swap import StopsOnFailure, check_space, open_store
+from zeroshard.model_states.state_swap import StopsOnFailure, open_store
+from zeroshard.model_states.swap_space import check_space
 from zeroshard.offload import SwapHandle
 from zeroshard.offload.folder import padded_bytes
 

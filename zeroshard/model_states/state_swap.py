@@ -45,21 +45,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from zeroshard.model_states.swap_space import check_host_memory, check_space
 from zeroshard.offload import (
     OffloadError,
     OffloadSetupError,
     SwapHandle,
-    SwapSpaceError,
     TensorStore,
 )
 from zeroshard.offload.folder import (
     collect_if_held_here,
-    free_bytes,
     holds_swap_files,
     padded_bytes,
 )
 from zeroshard.offload.placement import discard_absent_ranks
-from zeroshard.residual_states.host_heap import memory_available_bytes
 
 if TYPE_CHECKING:
     from zeroshard.mesh import Mesh
@@ -206,8 +204,9 @@ class StateSwapper(StopsOnFailure):
     ) -> None:
         config = offload.store_config(mesh.global_rank)
         per_element = state_bytes_per_element(optimizer_cls, defaults)
-        state_bytes = sum(  # each state tensor's file rounded up to 4096 (4-byte states assumed)
-            per_element * padded_bytes(p.tensor.numel() * 4) // 4
+        state_bytes = sum(  # each state tensor's file rounded up to 4096; per_element counts
+            # 4-byte states: a float64 master's are 8 bytes
+            per_element * padded_bytes(p.tensor.numel() * p.tensor.element_size()) // 4
             for sg in subgroups
             for pieces in sg.pieces
             for p in pieces
@@ -243,7 +242,7 @@ class StateSwapper(StopsOnFailure):
         staging = min(NUM_SLOTS, len(subgroups)) * self.max_record_bytes
         staging += config.num_buffers * config.block_bytes
         try:
-            check_host_memory(staging, mesh)
+            check_host_memory(staging, mesh, NUM_SLOTS)
         except BaseException:
             self.store.close()
             raise
@@ -526,29 +525,6 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def _node_bytes(need_bytes: int, mesh: Mesh) -> int:
-    """What this node's ranks need together, each taken as the largest rank's (a collective)."""
-    largest = torch.tensor([need_bytes], dtype=torch.int64, device=mesh.device)
-    if mesh.world_size > 1:
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=mesh.group)
-    return int(largest.item()) * mesh.local_world_size
-
-
-def check_host_memory(need_bytes: int, mesh: Mesh) -> None:
-    """Fail before step 1 when this node's memory cannot hold the host staging of its ranks
-    (slots and the store's pool): an offloaded run must not find out by exhausting the host."""
-    node_bytes = _node_bytes(need_bytes, mesh)
-    available = memory_available_bytes()
-    if available is not None and node_bytes > available:
-        raise OffloadSetupError(
-            f"streaming optimizer states from NVMe needs {node_bytes} bytes of host memory for "
-            f"{mesh.local_world_size} rank(s) on this node ({NUM_SLOTS} sub-groups' states and "
-            f"a staging pool each), {available} are available: short by "
-            f"{node_bytes - available} bytes; wrap the model into smaller units (the largest "
-            "sets it) or free memory"
-        )
-
-
 def open_store(config: Any, mesh: Mesh) -> TensorStore:
     """This rank's store in ``config.folder``, the swap files a crashed run left there
     discarded first (states and masters come back from checkpoints, never from those). A
@@ -579,18 +555,3 @@ def open_store(config: Any, mesh: Mesh) -> TensorStore:
         world = dist.get_world_size() if dist.is_initialized() else 1
         discard_absent_ranks(Path(config.folder).parent, world)
     return store
-
-
-def check_space(parent: Any, need_bytes: int, mesh: Mesh) -> None:
-    """Fail before step 1 when the folder cannot hold the states of this node's ranks (each
-    rank's need taken as the largest rank's, the ranks of a node sharing one disk)."""
-    parent = Path(parent)
-    node_bytes = _node_bytes(need_bytes, mesh)
-    free = free_bytes(parent)
-    if node_bytes > free:
-        raise SwapSpaceError(
-            f"offload folder {parent.parent} has {free} bytes free, the offloaded states of "
-            f"{mesh.local_world_size} rank(s) on this node need {node_bytes}: short by "
-            f"{node_bytes - free} bytes; free space or pass Offload(folder=...) "
-            "(--offload-folder) on a larger disk"
-        )

@@ -1,0 +1,77 @@
+"""Room for offloaded model states, checked before step 1: the swap folder's free bytes and the
+host memory for staging, per node (the ranks of a node share one disk and one memory).
+
+Each check is a collective that every rank of the group leaves alike: when any rank's node is
+short, every rank raises, naming the first short rank's figures (a rank that passed alone would
+wait for the others in its next collective, and report them as gone).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.offload import OffloadSetupError, SwapSpaceError
+from zeroshard.offload.folder import free_bytes
+from zeroshard.residual_states.host_heap import memory_available_bytes
+
+if TYPE_CHECKING:
+    from zeroshard.mesh import Mesh
+
+
+def check_space(parent: Any, need_bytes: int, mesh: Mesh) -> None:
+    """Fail before step 1 when the folder cannot hold the states of this node's ranks (each
+    rank's need taken as the largest rank's, the ranks of a node sharing one disk)."""
+    parent = Path(parent)
+    short = _first_short(free_bytes(parent), _node_bytes(need_bytes, mesh), mesh)
+    if short is not None:
+        where, free, node_bytes = short
+        raise SwapSpaceError(
+            f"offload folder {parent.parent} has {free} bytes free on {where}, the offloaded "
+            f"states of its {mesh.local_world_size} rank(s) need {node_bytes}: short by "
+            f"{node_bytes - free} bytes; free space or pass Offload(folder=...) "
+            "(--offload-folder) on a larger disk"
+        )
+
+
+def check_host_memory(need_bytes: int, mesh: Mesh, slots: int) -> None:
+    """Fail before step 1 when this node's memory cannot hold the host staging of its ranks
+    (``slots`` sub-groups' states and the store's pool each): an offloaded run must not find
+    out by exhausting the host."""
+    available = memory_available_bytes()
+    node_bytes = _node_bytes(need_bytes, mesh)
+    short = _first_short(node_bytes if available is None else available, node_bytes, mesh)
+    if short is not None:
+        where, available, node_bytes = short
+        raise OffloadSetupError(
+            f"streaming optimizer states from NVMe needs {node_bytes} bytes of host memory for "
+            f"the {mesh.local_world_size} rank(s) of {where} ({slots} sub-groups' states and "
+            f"a staging pool each), {available} are available: short by "
+            f"{node_bytes - available} bytes; wrap the model into smaller units (the largest "
+            "sets it) or free memory"
+        )
+
+
+def _node_bytes(need_bytes: int, mesh: Mesh) -> int:
+    """What this node's ranks need together, each taken as the largest rank's (a collective)."""
+    largest = torch.tensor([need_bytes], dtype=torch.int64, device=mesh.device)
+    if mesh.world_size > 1:
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=mesh.group)
+    return int(largest.item()) * mesh.local_world_size
+
+
+def _first_short(have: int, need: int, mesh: Mesh) -> tuple[str, int, int] | None:
+    """(whose node, its bytes, its need) for the first rank with ``need > have``, else None;
+    a collective (every rank gets the same answer)."""
+    mine = torch.tensor([have, need], dtype=torch.int64, device=mesh.device)
+    every = [mine]
+    if mesh.world_size > 1:
+        every = [torch.empty_like(mine) for _ in range(mesh.world_size)]
+        dist.all_gather(every, mine, group=mesh.group)
+    for rank, (h, n) in enumerate(t.tolist() for t in every):
+        if n > h:
+            return ("this node" if rank == mesh.rank else f"rank {rank}'s node"), h, n
+    return None
