@@ -224,6 +224,13 @@ def _bad_inputs() -> bool:
     model = zeroshard.shard(nn.Linear(2, 2), stage=3)
     with pytest.raises(ValueError, match="already sharded"):
         zeroshard.shard(model, stage=2)
+    # Sparse gradients failed inside backward with torch's internals ("Cannot access data
+    # pointer of Tensor that doesn't have storage")
+    with pytest.raises(ValueError, match=r"module '0' \(Embedding\) has sparse=True"):
+        zeroshard.shard(nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.Linear(2, 2)), stage=0)
+    frozen = nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.Linear(2, 2))
+    frozen[0].requires_grad_(False)
+    zeroshard.shard(frozen, stage=3)  # no gradient, nothing sparse to hold
     with pytest.raises(ValueError, match="not sharded"):
         zeroshard.optimizer(nn.Linear(2, 2), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="num_prefetch"):

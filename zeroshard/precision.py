@@ -372,11 +372,13 @@ class LossScaler:
         return (
             f"optimizer step skipped: gradients hold inf/NaN on some rank ({n} step(s) in a "
             f"row, {self.num_skipped} in all; master weights untouched). A static loss scale "
-            "lowers nothing, so steps stay skipped while the cause stays. At stage 3 a loss "
-            "term reading parameters outside the model's forward (a penalty over "
-            "model.parameters()) reads their NaN placeholders at rest: compute it in a module's "
-            "forward, or run forward and backward inside `with "
-            "zeroshard.summon_full_params(model):`; otherwise lower the learning rate or look "
+            "lowers nothing, so steps stay skipped while the cause stays. At stage 3 a "
+            "parameter read outside its own unit's forward reads its NaN placeholder at rest: "
+            "a penalty over model.parameters() in the loss (compute it in a module's forward), "
+            "or a module using another unit's weight directly, e.g. F.linear(h, "
+            "self.embed.weight) for a tied head (call the owning module, or wrap both in one "
+            "unit); or run forward and backward inside `with "
+            "zeroshard.summon_full_params(model):`. Otherwise lower the learning rate or look "
             "for inf/NaN in the data (LossScaler(warn_on_skip=False) silences this)"
         )
 
