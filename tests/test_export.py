@@ -134,6 +134,18 @@ def test_bf16_cast(trained, tmp_path):
     assert result.total_size == sum(t.numel() * 2 for _, t in stored.values())
 
 
+def test_a_config_without_architectures_still_ties_and_files_are_readable(trained, tmp_path):
+    path, full = trained
+    config = _config()
+    config.architectures = None  # as GPT2Config(...).save_pretrained writes it
+    result = export_safetensors(path, tmp_path / "hf", config=config)
+    assert result.tied == TIED  # both stored before: the ties were read from architectures only
+    mode = (tmp_path / "hf" / SINGLE_FILE).stat().st_mode & 0o777
+    probe = tmp_path / "probe"
+    probe.touch()  # a file as open() makes it: 0666 less the umask
+    assert mode == probe.stat().st_mode & 0o777, oct(mode)  # safetensors alone writes 0600
+
+
 def test_without_config_every_name_is_stored(trained, tmp_path):
     path, full = trained
     result = export_safetensors(path, tmp_path / "hf", dtype=torch.float16)

@@ -124,27 +124,38 @@ def _load_config(config: Any) -> Any:
     return transformers.AutoConfig.from_pretrained(path)
 
 
-def _config_tied(config: Any) -> dict[str, str]:
-    """``{alias: source}`` that a transformers config declares tied (see the module docstring)."""
+def _umask() -> int:
+    """The process's file-creation mask (read by setting it: there is no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _config_tied(config: Any, model_cls: type | None) -> dict[str, str]:
+    """``{alias: source}`` that a transformers config declares tied (see the module docstring):
+    the ``_tied_weights_keys`` of the config's architectures, else of ``model_cls`` (the class
+    its model was built as, when the config names none)."""
     if config is None or not getattr(config, "tie_word_embeddings", False):
         return {}
     import transformers
 
+    archs = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
     pairs: dict[str, str] = {}
-    for arch in getattr(config, "architectures", None) or []:
-        keys = getattr(getattr(transformers, arch, None), "_tied_weights_keys", None)
+    for cls in [a for a in archs if a is not None] or [model_cls]:
+        keys = getattr(cls, "_tied_weights_keys", None)
         if isinstance(keys, Mapping):
             pairs.update({str(k): str(v) for k, v in keys.items()})
     return pairs
 
 
-def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]]) -> type | None:
     """Raise when ``config``'s model does not hold the checkpoint's tensors (another model's
     config: ``from_pretrained`` would then initialize every weight at random, with a warning
     only). The model is built on the meta device as the config's ``architectures`` names it,
-    else as a causal LM, a seq2seq LM or a base model, whichever shares most names."""
+    else as a causal LM, a seq2seq LM or a base model, whichever shares most names; returns
+    the class of that model (None without a config)."""
     if config is None:
-        return
+        return None
     import transformers
 
     names = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
@@ -154,6 +165,7 @@ def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]
         transformers.AutoModel,
     ]
     best: dict[str, torch.Size] = {}
+    best_cls = None
     for cls in candidates:
         try:
             with torch.device("meta"):
@@ -162,7 +174,7 @@ def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]
             continue
         shapes = {k: v.shape for k, v in model.state_dict().items()}
         if len(set(shapes) & set(entries)) > len(set(best) & set(entries)):
-            best = shapes
+            best, best_cls = shapes, type(model)
     shared = [n for n in entries if n in best]
     misshaped = [n for n in shared if tuple(best[n]) != tuple(entries[n][0])]
     if len(shared) * 2 < len(entries) or misshaped:
@@ -177,6 +189,7 @@ def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]
             f"--config describes another model than the checkpoint's: {what} (e.g. {example}); "
             "pass the config of the model that was trained, or none"
         )
+    return best_cls
 
 
 def _tensor_entries(reader) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -282,8 +295,8 @@ def export_safetensors(
     if not entries:
         raise ExportError(f"checkpoint {path} holds no model tensors; nothing to export")
     config = _load_config(config)
-    _check_config(config, entries)
-    declared = dict(tied) if tied is not None else _config_tied(config)
+    model_cls = _check_config(config, entries)
+    declared = dict(tied) if tied is not None else _config_tied(config, model_cls)
     dropped = _check_tied(path, declared, entries, explicit=tied is not None)
 
     def out_dtype(saved: torch.dtype) -> torch.dtype:
@@ -313,6 +326,7 @@ def export_safetensors(
                 )
         tmp = out / (file + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors writes 0600: unreadable to a server
         os.replace(tmp, out / file)
         del tensors
         weight_map.update(dict.fromkeys(names, file))
