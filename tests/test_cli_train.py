@@ -171,6 +171,28 @@ def test_a_signal_while_starting_is_one_line(tmp_path, delay_s, signum):
     assert "interrupted" in out.strip().splitlines()[-1], out
 
 
+def test_a_signal_while_the_ranks_start_is_one_line(tmp_path):
+    """SIGINT to the launcher once its ranks import torch: exit 130 and rank 0's one line (it
+    exited silently: the ranks left the report to the launcher, which had none to give)."""
+    argv = [sys.executable, "-m", "zeroshard.cli.main", "train", "--preset", "nano", "--nproc"]
+    proc = subprocess.Popen(
+        [*argv, "2", "--seq-len", "32", "--steps", "3", "--out-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks := _descendants(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(ranks) >= 2, f"no ranks started within 60 s: {ranks}"
+        _wait_until_mapped(ranks[0], "libtorch")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1].startswith("interrupted before training started"), out
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (read from /proc), children first."""
     parents: dict[int, list[int]] = {}

@@ -78,10 +78,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace | int:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if isinstance(args, int):
-        # A rank of a torchrun job stopped by its agent (a peer failed, or the launcher was
-        # signalled) as it starts: the launcher says why, this would only add a line.
+        # Under torchrun (the launcher signalled, or a peer failed, as the ranks start) rank 0
+        # says it for the job: the launcher adds nothing for a signal it forwarded.
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             print("zeroshard: interrupted", file=sys.stderr)
+        elif os.environ.get("RANK") == "0":
+            print("interrupted before training started; nothing saved", flush=True)
         return 128 + args
     try:
         return int(args._run(args) or 0)
