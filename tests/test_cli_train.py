@@ -934,6 +934,13 @@ def test_offload_folder_not_writable(capsys, tmp_path):
     _expect_usage_error(capsys, [*argv, "--out-dir", str(tmp_path)], "--offload-folder")
 
 
+def test_offload_folder_inside_the_checkpoints(capsys, tmp_path):
+    # A save at step 2 found it as its step folder and failed there, after training.
+    inside = tmp_path / "ckpt" / "step-000002"
+    argv = ["train", "--offload-optimizer", "nvme", "--offload-folder", str(inside)]
+    _expect_usage_error(capsys, [*argv, "--out-dir", str(tmp_path)], "inside", "swap")
+
+
 def test_a_killed_launcher_s_private_config_is_removed_by_the_next_run(tmp_path, data_dir):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid that no longer runs

@@ -45,7 +45,7 @@ def check_inputs(cfg: TrainConfig, nproc: int, local_ranks: int | None = None) -
     _check_eager_build_fits(cfg, local_ranks or nproc)
     _check_states_fit(cfg, nproc, local_ranks or nproc)
     if cfg.offload_folder is not None:
-        _check_offload_folder(cfg.offload_folder)
+        _check_offload_folder(cfg.offload_folder, Path(cfg.out_dir) / "ckpt")
     if cfg.log == "tensorboard" and not tensorboard_available():
         raise UsageError(
             "log = 'tensorboard' needs the tensorboard package, which is not installed; "
@@ -111,9 +111,18 @@ def _probe_writable(folder: Path) -> None:
     probe.unlink()
 
 
-def _check_offload_folder(path: str) -> None:
+def _check_offload_folder(path: str, checkpoints: Path) -> None:
     """The swap folder can be created and written (its space is checked by each rank's store
-    against what it will hold, before step 1)."""
+    against what it will hold, before step 1), outside the step folders that saves write
+    into ``checkpoints`` and prune (a save found it there at its step and failed)."""
+    folder = Path(path).absolute().resolve()
+    if folder != checkpoints.absolute().resolve() and folder.is_relative_to(
+        checkpoints.absolute().resolve()
+    ):
+        raise UsageError(
+            f"offload folder {path} is inside {checkpoints}, whose step folders the saves write "
+            f"and prune; pass an --offload-folder outside it (e.g. {checkpoints.parent / 'swap'})"
+        )
     try:
         _probe_writable(Path(path))
     except OSError as exc:
