@@ -103,7 +103,7 @@ def _use_another(folder: Path) -> str:
     earlier one while this one lies beside it (a roll-back), so it must leave the folder."""
     return (
         f"use another checkpoint: move {folder.name} out of {folder.parent} (e.g. to "
-        f"{folder.name}-damaged), then resume from the one before it (--resume auto)"
+        f"{folder.name}-damaged), then use the one before it (training: --resume auto)"
     )
 
 
