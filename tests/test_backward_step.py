@@ -249,6 +249,33 @@ def test_several_optimizers_each_step_their_own_parameters(workers2, stage, kind
         assert max(diffs.values()) < 1e-6, diffs
 
 
+def _after_a_replacement_and_an_overflow(stage: int) -> list[bool]:
+    """An optimizer replaced by a new one over the same parameters, the old one still
+    referenced (by an old scheduler): an inf gradient skips one step of the new one, not every
+    step after it (the old one never zeroes again)."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), stage=stage)
+    old = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(old, 10)  # keeps ``old`` alive
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    taken = []
+    for step in range(3):
+        x = torch.ones(2, 4) * (float("inf") if step == 0 else 1.0)
+        opt.backward(model(x).sum())
+        taken.append(opt.step())
+        opt.zero_grad()
+    assert scheduler.optimizer is old
+    return taken
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_replaced_optimizer_does_not_hold_back_the_new_one(workers2, stage):
+    for taken in workers2.run(_after_a_replacement_and_an_overflow, stage):
+        assert taken == [False, True, True], taken
+
+
 def _split_unit(stage: int, sib_first: bool) -> str:
     from torch import nn
 

@@ -12,7 +12,9 @@ on in a scheduler); owners of distinct parameters of one bucket share it.
   bucket split between two optimizers keeps both parts until both have (``opt_a.step();
   opt_a.zero_grad(); opt_b.step(); opt_b.zero_grad()`` is exact; an owner that never calls it
   leaves the whole bucket accumulating). The inf/NaN flag of the gradients is reset once every
-  live optimizer has called it, so that no step can miss an overflow of its own gradients.
+  optimizer owning a bucket has called it, so that no step can miss an overflow of its own
+  gradients (one stepped every k iterations keeps the flag, and the others' steps skipped,
+  until it does).
 - ``step_in_backward`` hands a bucket's whole reduced shard to one optimizer during backward:
   a bucket it would share with another owner is refused (``claim``).
 """
@@ -81,8 +83,10 @@ def zero_grad(optimizer: ShardedOptimizer, set_to_none: bool) -> None:
             b.zero(keep_touched=not set_to_none)
             zeroed = set()
         b._zeroed = zeroed
+    # Only optimizers that own buckets count: one replaced everywhere (still referenced, by an
+    # old scheduler) never calls zero_grad again, and the flag would then stay set for good.
     done = engine.__dict__.setdefault("_zeroed_optimizers", weakref.WeakSet())
     done.add(optimizer)
-    if all(o in done for o in engine.optimizers):
+    if all(o in done for b in engine.buckets for o in _owners(b)):
         engine.scaling.reset()
         done.clear()
