@@ -105,7 +105,7 @@ def test_a_damaged_file_is_named(tmp_path, how):
     victim = info.relative_path
     _damage(tmp_path / "c" / victim, how, info.offset)
     # The fix, named: a run refuses to resume from an earlier one while this one lies beside it.
-    fix = f"move c out of {tmp_path} \\(e.g. to c-damaged\\), then resume from the one before"
+    fix = f"move c out of {tmp_path} \\(e.g. to c-damaged\\), then use the one before"
     with pytest.raises(CheckpointError, match=rf"{victim} is corrupted .*; use another .*{fix}"):
         read(_fresh(state), Reader(tmp_path / "c", files), DefaultLoadPlanner(), None)
     if how == "short":  # unverified: the short read itself is caught
