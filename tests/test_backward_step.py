@@ -186,11 +186,15 @@ def test_a_second_backward_before_the_step_is_an_error(workers2):
         assert "second backward before optimizer.step()" in msg and "sync=False" in msg, msg
 
 
-def _two_optimizers(stage: int, kinds: tuple[bool, bool], rebuilt: bool, shared: bool) -> dict:
+def _two_optimizers(
+    stage: int, kinds: tuple[bool, bool], rebuilt: bool, shared: bool, gan: bool = False
+) -> dict:
     """Two optimizers over disjoint units (``kinds``: which steps in backward), the first built
     twice when ``rebuilt`` (a replacement: only the second steps), against the same two plain
-    torch optimizers on the unsharded model; each steps then zeroes in turn. ``shared``: the
-    two parts in one bucket (the root unit, or stage 2's default bucket)."""
+    torch optimizers on the unsharded model; each steps then zeroes in turn after one backward,
+    or (``gan``) each zeroes, runs a backward of its own loss that reaches both parts, and
+    steps. ``shared``: the two parts in one bucket (the root unit, or stage 2's default
+    bucket)."""
     import copy
 
     import torch.nn.functional as F
@@ -219,6 +223,15 @@ def _two_optimizers(stage: int, kinds: tuple[bool, bool], rebuilt: bool, shared:
     for _ in range(3):
         x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
         mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        if gan:  # the second loss: another target, so the two backwards differ
+            for i, (o, r) in enumerate(zip(opts, refs)):
+                o.zero_grad()
+                o.backward(F.cross_entropy(model(x[mine]), (y[mine] + i) % 2))
+                o.step()
+                r.zero_grad()
+                F.cross_entropy(ref(x), (y + i) % 2).backward()
+                r.step()
+            continue
         opts[0].backward(F.cross_entropy(model(x[mine]), y[mine]))
         for o in opts:
             o.step()
@@ -246,6 +259,15 @@ def test_several_optimizers_each_step_their_own_parameters(workers2, stage, kind
     # Every optimizer stepping in backward took every unit, and any optimizer's zero_grad
     # dropped every gradient: the others' parameters stayed put.
     for diffs in workers2.run(_two_optimizers, stage, kinds, rebuilt, shared):
+        assert max(diffs.values()) < 1e-6, diffs
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_gan_loop_of_two_optimizers_as_in_torch(workers2, stage, shared):
+    # zero_grad; backward; step per optimizer: in a shared bucket the first one's zero_grad
+    # must keep nothing of its own and the second's must keep the first one's gradients.
+    for diffs in workers2.run(_two_optimizers, stage, (False, False), False, shared, True):
         assert max(diffs.values()) < 1e-6, diffs
 
 

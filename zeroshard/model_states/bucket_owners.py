@@ -8,10 +8,10 @@ optimizer built over parameters that an older one holds in a bucket, all of them
 there (an optimizer built anew, e.g. after a checkpoint is loaded, while the old object lives
 on in a scheduler); owners of distinct parameters of one bucket share it.
 
-- ``zero_grad`` drops a bucket once every owner has called it since the bucket's last drop: a
-  bucket split between two optimizers keeps both parts until both have (``opt_a.step();
-  opt_a.zero_grad(); opt_b.step(); opt_b.zero_grad()`` is exact; an owner that never calls it
-  leaves the whole bucket accumulating). The inf/NaN flag of the gradients is reset once every
+- ``zero_grad`` drops the buckets its optimizer owns alone; in a bucket shared with another
+  optimizer it zeroes its own parameters' gradients only, keeping the memory (``opt_a.step();
+  opt_a.zero_grad(); opt_b.step()`` and a GAN's ``zero_grad; backward; step`` per optimizer
+  are both exact). The inf/NaN flag of the gradients is reset once every
   optimizer owning a bucket has called it, so that no step can miss an overflow of its own
   gradients (one stepped every k iterations keeps the flag, and the others' steps skipped,
   until it does).
@@ -65,24 +65,21 @@ def claim(optimizer: ShardedOptimizer, step_in_backward: bool) -> list[GradBucke
             b.on_reduce = b.handoff = None  # a replaced optimizer that stepped in backward
             b.consumed_at_handoff = False
         b._owners = [weakref.ref(o) for o in (*kept, optimizer)]
-        b._zeroed = set()
     return [b for b, _ in plan]
 
 
 def zero_grad(optimizer: ShardedOptimizer, set_to_none: bool) -> None:
-    """``optimizer.zero_grad``'s effect on the buckets and the inf/NaN flag (module docstring);
-    buckets no optimizer owns are dropped by any."""
+    """``optimizer.zero_grad``'s effect on the buckets and the inf/NaN flag (module docstring):
+    its own buckets (and those no optimizer owns) are dropped, in a shared one only its
+    parameters' gradients are zeroed."""
     engine = optimizer.engine
     for b in engine.buckets:
         owners = _owners(b)
-        if owners and optimizer not in owners:
-            continue
-        zeroed = getattr(b, "_zeroed", set())
-        zeroed.add(id(optimizer))
-        if all(id(o) in zeroed for o in owners):
+        if not owners or owners == [optimizer]:
             b.zero(keep_touched=not set_to_none)
-            zeroed = set()
-        b._zeroed = zeroed
+        elif optimizer in owners:
+            mine = [i for i, s in enumerate(b.flat.slots) if id(s.param) in optimizer._param_ids]
+            b.zero_slots(mine, keep_touched=not set_to_none)
     # Only optimizers that own buckets count: one replaced everywhere (still referenced, by an
     # old scheduler) never calls zero_grad again, and the flag would then stay set for good.
     done = engine.__dict__.setdefault("_zeroed_optimizers", weakref.WeakSet())

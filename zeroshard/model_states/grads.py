@@ -490,6 +490,25 @@ class GradBucket:
             if keep_touched and self.touched[i] and self.reduction is Reduction.ALL_REDUCE:
                 self._zero_slot(i)  # stage 0: a zero .grad, as torch and DDP leave it
 
+    def zero_slots(self, slots: list[int], *, keep_touched: bool = False) -> None:
+        """Zero the gradients of ``slots`` only, keeping the others' (one optimizer's
+        ``zero_grad`` on a bucket that another optimizer's parameters share: torch's leaves
+        theirs). The same on every rank; the memory stays (``zero`` frees it)."""
+        if self._reduce is not None:
+            self.finish()  # the other slots' reduced values are wanted
+        pieces = self.flat.pieces()
+        for i in slots:
+            if self.shard_grad is not None:
+                self.shard_grad[pieces[i][1]].zero_()
+            if self.full_grad is not None:
+                self._view(i).zero_()
+            if not self.as_views:
+                self.flat.slots[i].param.grad = None  # autograd's own (no_sync micro-steps)
+            if not keep_touched:
+                self.touched[i] = False
+        if self._shown_version is not None and self.full_grad is not None:
+            self._shown_version = self.full_grad._version  # these zeros are not a user's edit
+
     def _zero_slot(self, i: int) -> None:
         """Slot ``i``'s ``.grad``: its region of ``full_grad``, zeroed; autograd adds to it."""
         view = self._view(i)
