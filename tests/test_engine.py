@@ -228,9 +228,14 @@ def _bad_inputs() -> bool:
     # pointer of Tensor that doesn't have storage")
     with pytest.raises(ValueError, match=r"module '0' \(Embedding\) has sparse=True"):
         zeroshard.shard(nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.Linear(2, 2)), stage=0)
-    frozen = nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.Linear(2, 2))
-    frozen[0].requires_grad_(False)
-    zeroshard.shard(frozen, stage=3)  # no gradient, nothing sparse to hold
+    frozen = nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.Embedding(5, 2, sparse=True))
+    frozen[0].requires_grad_(False)  # no gradient: nothing sparse to hold; the next one has
+    with pytest.raises(ValueError, match=r"module '1' \(Embedding\) has sparse=True"):
+        zeroshard.shard(frozen, stage=3)
+    frozen[1].requires_grad_(False)
+    flagged = nn.Linear(2, 2)
+    flagged.sparse = True  # a flag of the user's own (sparse attention): not an embedding's
+    zeroshard.shard(nn.Sequential(frozen, flagged), stage=3)
     with pytest.raises(ValueError, match="not sharded"):
         zeroshard.optimizer(nn.Linear(2, 2), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="num_prefetch"):

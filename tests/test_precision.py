@@ -581,6 +581,47 @@ def test_float64_models_train_as_in_plain_torch(workers2, stage, nvme, tmp_path)
     assert max(workers2.run(_float64, stage, str(tmp_path) if nvme else None)) < 1e-12
 
 
+class _Collects(nn.Module):
+    """A unit that appends an auxiliary loss to a list its caller passes down (MoE style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, aux):
+        aux.append(x.square().mean())
+        return self.lin(x)
+
+
+def _caller_s_list_kept(stage: int) -> list[int]:
+    """How many aux losses reach the caller's list, in fp32 and bf16: containers are rebuilt
+    only when something in them is cast."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = _Collects()
+
+        def forward(self, x):
+            aux: list = []
+            return self.block(x, aux).sum() + sum(aux), len(aux)
+
+    seen = []
+    for policy in ("fp32", "bf16"):
+        model = zeroshard.shard(
+            Model(), stage=stage, wrap=zeroshard.wrap.by_class(_Collects), mixed_precision=policy
+        )
+        seen.append(model(torch.randn(2, 4))[1])
+    return seen
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_list_passed_to_a_unit_stays_the_caller_s(workers2, stage):
+    # Nothing to cast at the unit (the root cast its input already): the list is the caller's.
+    # It came back empty, rebuilt on the way in (FSDP2 rebuilds it too).
+    assert workers2.run(_caller_s_list_kept, stage) == [[1, 1], [1, 1]]
+
+
 def _derived_buffers() -> dict:
     from torch import nn
 

@@ -549,7 +549,7 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
         return _load(Path(path).absolute(), model, optimizer, verify, group)
 
 
-def _load(path: Path, model, optimizer, verify: bool, group) -> dict:  # noqa: F811
+def _load(path: Path, model, optimizer, checksums: bool, group) -> dict:
     """``load`` (a collective on ``group``)."""
     rank = dist.get_rank(group)
     meta = read_meta(path)
@@ -559,7 +559,7 @@ def _load(path: Path, model, optimizer, verify: bool, group) -> dict:  # noqa: F
     with _resident(model, optimizer):  # offloaded optimizer states: read into, then streamed out
         state = _state(model, optimizer)
         # each file read once, in threads; its checksum verified from the bytes read
-        reader = Reader(path, meta["files"] if verify else None)
+        reader = Reader(path, meta["files"] if checksums else None)
         _check_names(path, reader, state)
         read(state, reader, LoadPlanner(), group)
         model.load_state_dict(state["model"])

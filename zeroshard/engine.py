@@ -544,13 +544,17 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    """Cast the floating-point tensors in ``tree`` to ``dtype``; other leaves pass through."""
+    """Cast the floating-point tensors in ``tree`` to ``dtype``; other leaves pass through.
+    ``tree`` itself when nothing needs a cast: its containers are rebuilt only then (a list
+    that the caller passes down for a unit to append to, aux losses, stays the caller's)."""
     leaves, spec = tree_flatten(tree)
-    leaves = [
+    cast = [
         x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype else x
         for x in leaves
     ]
-    return tree_unflatten(leaves, spec)
+    if all(a is b for a, b in zip(cast, leaves)):
+        return tree
+    return tree_unflatten(cast, spec)
 
 
 def engine_of(model: nn.Module) -> Engine:

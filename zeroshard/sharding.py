@@ -121,15 +121,18 @@ def shard(
             "ran on it): zeroshard shards plain parameters; split a model tensor-parallel with "
             "zeroshard.tensor_parallel (zeroshard train --tp N) instead"
         )
-    sparse = next((n for n, m in model.named_modules() if getattr(m, "sparse", None) is True), None)
-    if sparse is not None and any(
-        p.requires_grad for p in model.get_submodule(sparse).parameters()
-    ):
+    sparse = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and m.weight.requires_grad
+    ]
+    if sparse:
         raise ValueError(
-            f"module {sparse or '<root>'!r} ({type(model.get_submodule(sparse)).__name__}) has "
-            "sparse=True: its gradients are sparse tensors, which the flat gradient buckets "
-            "cannot hold; build it with sparse=False (dense gradients, with an element-wise "
-            "optimizer such as Adam instead of SparseAdam) or freeze it"
+            f"module {sparse[0] or '<root>'!r} "
+            f"({type(model.get_submodule(sparse[0])).__name__}) has sparse=True: its gradients "
+            "are sparse tensors, which the flat gradient buckets cannot hold; build it with "
+            "sparse=False (dense gradients, with an element-wise optimizer such as Adam instead "
+            "of SparseAdam) or freeze it"
         )
     devices = {p.device for p in model.parameters()} - {torch.device("meta")}
     if len(devices) > 1:

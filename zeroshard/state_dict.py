@@ -77,6 +77,7 @@ from torch import nn
 from zeroshard import collectives as C
 from zeroshard.flat_range import FlatRange
 from zeroshard.model_states.flat_param import FlatParam, ShardState
+from zeroshard.watchdog import diagnosed
 
 if TYPE_CHECKING:  # DTensor is imported when first used: it costs `import zeroshard` ~0.5 s
     from torch.distributed.device_mesh import DeviceMesh
@@ -464,23 +465,32 @@ def _install_save_pretrained(model: nn.Module, engine: Engine) -> None:
     def save_pretrained(save_directory: Any, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs.get("state_dict") is not None:
             return save(save_directory, *args, **kwargs)  # the caller's own arguments
-        writer = bool(kwargs.get("is_main_process", dist.get_rank() == 0))
-        state_dict = full_state_dict(model, rank0_only=not writer)
-        error: str | None = None
-        try:
-            if writer:
-                save(save_directory, state_dict=state_dict, **kwargs)
-        except Exception as exc:
-            error = f"save_pretrained failed on rank {dist.get_rank()}: {exc}"
-            raise
-        finally:
-            del state_dict
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-        if any(errors):
-            raise RuntimeError(next(e for e in errors if e))
+        # Called on rank 0 only (the DDP habit), the others never come: one line at the
+        # timeout naming them, not the backend's error.
+        with diagnosed("save_pretrained", "the whole model", None):
+            _save_everywhere(save, save_directory, kwargs, model)
 
     model.save_pretrained = save_pretrained
+
+
+def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: nn.Module) -> None:
+    """``save_pretrained``'s collective part: gather, the writer saves, every rank learns of
+    the writer's error."""
+    writer = bool(kwargs.get("is_main_process", dist.get_rank() == 0))
+    state_dict = full_state_dict(model, rank0_only=not writer)
+    error: str | None = None
+    try:
+        if writer:
+            save(save_directory, state_dict=state_dict, **kwargs)
+    except Exception as exc:
+        error = f"save_pretrained failed on rank {dist.get_rank()}: {exc}"
+        raise
+    finally:
+        del state_dict
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    if any(errors):
+        raise RuntimeError(next(e for e in errors if e))
 
 
 def _takes(fn: Any, name: str) -> bool:

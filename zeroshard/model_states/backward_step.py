@@ -68,7 +68,6 @@ class BackwardStep:
     Takes over ``buckets``, those holding the optimizer's parameters (``bucket_owners.claim``)."""
 
     def __init__(self, optimizer: ShardedOptimizer, buckets: list[GradBucket]) -> None:
-        check_step_in_backward(optimizer)
         engine = optimizer.engine
         self._optimizer = weakref.ref(optimizer)  # the buckets must not keep it alive
         self._subgroups = {id(sg.bucket): sg for sg in optimizer._subgroups}
