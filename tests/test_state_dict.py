@@ -563,9 +563,12 @@ def test_a_tied_model_loads_an_untied_state_dict_as_torch_does(workers2, stage):
     assert all(workers2.run(_tied_from_untied, stage))
 
 
-def _save_pretrained(stage: int, folder: str) -> dict:
+def _save_pretrained(stage: int, folder: str, precision: str = "fp32") -> dict:
     """A sharded transformers GPT-2 (tied head) trained a step, saved by its own
-    ``save_pretrained`` on every rank: what ``from_pretrained`` reads back computes the same."""
+    ``save_pretrained`` on every rank: what ``from_pretrained`` reads back computes the same
+    (fp32), and holds the FP32 masters, recorded as float32 (bf16)."""
+    import json
+
     import transformers
 
     rank = dist.get_rank()
@@ -574,7 +577,9 @@ def _save_pretrained(stage: int, folder: str) -> dict:
         eos_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = zeroshard.shard(transformers.GPT2LMHeadModel(config), stage=stage)
+    model = zeroshard.shard(
+        transformers.GPT2LMHeadModel(config), stage=stage, mixed_precision=precision
+    )
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
     opt.backward(model(x, labels=x).loss)
@@ -595,16 +600,27 @@ def _save_pretrained(stage: int, folder: str) -> dict:
     files = sorted(os.listdir(os.path.join(folder, "model")))
     loaded = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(folder, "model")).eval()
     with torch.no_grad():
-        same = torch.allclose(loaded(x).logits, logits, rtol=0, atol=1e-6)
+        same = torch.allclose(loaded(x).logits.float(), logits.float(), rtol=0, atol=1e-6)
+    masters = zeroshard.full_state_dict(model, rank0_only=False)
+    exact = all(torch.equal(loaded.state_dict()[k], v) for k, v in masters.items())
     tied = loaded.lm_head.weight is loaded.transformer.wte.weight
-    return {"failed": failed, "files": files, "same": same, "tied": tied}
+    with open(os.path.join(folder, "model", "config.json")) as f:
+        dtype = json.load(f).get("dtype")
+    return {
+        "failed": failed, "files": files, "same": same, "exact": exact, "tied": tied,
+        "dtype": dtype,
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_save_pretrained_writes_the_whole_model_once(workers2, stage, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_save_pretrained_writes_the_whole_model_once(workers2, stage, precision, tmp_path):
     pytest.importorskip("transformers")
-    out = workers2.run(_save_pretrained, stage, str(tmp_path))
-    assert all(o["same"] and o["tied"] for o in out), out
+    out = workers2.run(_save_pretrained, stage, str(tmp_path), precision)
+    # bf16 at stage 0: config.json said bfloat16 (the compute copies' dtype, which transformers
+    # reads as the model's), and from_pretrained loaded the FP32 masters rounded
+    assert all(o["exact"] and o["tied"] and o["dtype"] == "float32" for o in out), out
+    assert all(o["same"] for o in out) or precision == "bf16", out
     assert out[0]["files"] == ["config.json", "generation_config.json", "model.safetensors"]
     assert out[0]["failed"].startswith(("NotADirectoryError", "FileExistsError")), out
     assert out[1]["failed"].startswith("RuntimeError: save_pretrained failed on rank 0"), out

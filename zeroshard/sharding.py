@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard import collectives as C
-from zeroshard import tensor_parallel
+from zeroshard import save_pretrained, tensor_parallel
 from zeroshard.engine import _ATTR, Engine, ShardConfig
 from zeroshard.mesh import Mesh, settle_collective_threads_at_exit
 from zeroshard.model_states.flat_param import FlatParam
@@ -261,6 +261,7 @@ def shard(
     if offload is not None and offload.any:
         log.info("offload placements at stage %d: %s", stage, offload)
     install_state_dict_hooks(model, engine)
+    save_pretrained.install(model)
     _install_zero_grad(model, engine)
     for module in model.modules():
         module.__deepcopy__ = _refuse_deepcopy

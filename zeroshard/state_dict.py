@@ -44,9 +44,7 @@ FSDP2's do), and the root may itself sit inside a larger module (prefixes are ho
 acts for the call made, not for torch's recursion into submodules (read from the call stack).
 
 ``full_state_dict(model)`` gives plain full tensors instead (rank 0 only and on the CPU by
-default): for export. A model's own ``save_pretrained`` (transformers', peft's: any that takes a
-``state_dict``) is given it: called on every rank, it gathers and rank 0 writes (see
-``_install_save_pretrained``).
+default): for export, and for a model's own ``save_pretrained`` (``zeroshard.save_pretrained``).
 
 ``local_state_dict(model)`` gives, for every sharded parameter, a ``FlatRange`` (this rank's own
 master range as a view: no collective, no copy) instead of a DTensor: what ``zeroshard.checkpoint``
@@ -61,8 +59,6 @@ the same format.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import sys
 import types
@@ -77,7 +73,6 @@ from torch import nn
 from zeroshard import collectives as C
 from zeroshard.flat_range import FlatRange
 from zeroshard.model_states.flat_param import FlatParam, ShardState
-from zeroshard.watchdog import diagnosed
 
 if TYPE_CHECKING:  # DTensor is imported when first used: it costs `import zeroshard` ~0.5 s
     from torch.distributed.device_mesh import DeviceMesh
@@ -441,65 +436,6 @@ def _write_slot(flat: FlatParam, index: int, value: torch.Tensor) -> None:
 def install_state_dict_hooks(model: nn.Module, engine: Engine) -> None:
     """Register the state-dict hooks on ``model``'s modules (``zeroshard.shard`` calls this)."""
     setattr(engine, _HOOKS_ATTR, _Hooks(model, engine))
-    _install_save_pretrained(model, engine)
-
-
-def _install_save_pretrained(model: nn.Module, engine: Engine) -> None:
-    """``model.save_pretrained(dir)`` (transformers, peft) writes the whole, unsharded model.
-
-    Its own would save ``model.state_dict()``, DTensors of this rank's shard, which safetensors
-    cannot write ("Attempted to access the data pointer on an invalid python storage", with
-    FSDP2 too), and older transformers write on every rank into the same files. Here every rank
-    of the job calls it (a collective, as ``full_state_dict``): the full FP32 masters, in each
-    parameter's original dtype, are gathered to rank 0's CPU memory one flat at a time, and only
-    the writer (global rank 0, or the ranks given ``is_main_process=True``) calls the original
-    with them as ``state_dict``. It returns on every rank once the files are written, and a
-    writer's error is raised on every rank (none is left waiting for the next collective). A
-    ``state_dict`` of the caller's own (or positional arguments past the folder) goes through
-    unchanged. A ``save_pretrained`` that takes no ``state_dict`` is left as it is."""
-    save = getattr(model, "save_pretrained", None)
-    if not callable(save) or not _takes(save, "state_dict"):
-        return
-
-    @functools.wraps(save)
-    def save_pretrained(save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs.get("state_dict") is not None:
-            return save(save_directory, *args, **kwargs)  # the caller's own arguments
-        # Called on rank 0 only (the DDP habit), the others never come: one line at the
-        # timeout naming them, not the backend's error.
-        with diagnosed("save_pretrained", "the whole model", None):
-            _save_everywhere(save, save_directory, kwargs, model)
-
-    model.save_pretrained = save_pretrained
-
-
-def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: nn.Module) -> None:
-    """``save_pretrained``'s collective part: gather, the writer saves, every rank learns of
-    the writer's error."""
-    writer = bool(kwargs.get("is_main_process", dist.get_rank() == 0))
-    state_dict = full_state_dict(model, rank0_only=not writer)
-    error: str | None = None
-    try:
-        if writer:
-            save(save_directory, state_dict=state_dict, **kwargs)
-    except Exception as exc:
-        error = f"save_pretrained failed on rank {dist.get_rank()}: {exc}"
-        raise
-    finally:
-        del state_dict
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    if any(errors):
-        raise RuntimeError(next(e for e in errors if e))
-
-
-def _takes(fn: Any, name: str) -> bool:
-    """Whether ``fn`` accepts a keyword argument ``name`` (by name or through ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _hooks(model: nn.Module) -> _Hooks:

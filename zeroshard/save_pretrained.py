@@ -1,0 +1,100 @@
+"""``model.save_pretrained(dir)`` of a sharded model (transformers, peft) writes the whole,
+unsharded model.
+
+Their own would save ``model.state_dict()``, DTensors of this rank's shard, which safetensors
+cannot write ("Attempted to access the data pointer on an invalid python storage", with FSDP2
+too), and older transformers write on every rank into the same files. ``install`` (called by
+``shard``) replaces the model's ``save_pretrained`` with one that every rank of the job calls
+(a collective, as ``full_state_dict``): the FP32 masters, in each parameter's original dtype,
+are gathered to rank 0's CPU memory one flat at a time, and only the writer (global rank 0, or
+the ranks given ``is_main_process=True``) calls the original with them as ``state_dict``. It
+returns on every rank once the files are written, and a writer's error is raised on every rank
+(none is left waiting for the next collective). A ``state_dict`` of the caller's own (or
+positional arguments past the folder) goes through unchanged; a ``save_pretrained`` that takes
+no ``state_dict`` is left as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard.state_dict import full_state_dict
+from zeroshard.watchdog import diagnosed
+
+
+def install(model: nn.Module) -> None:
+    """Replace ``model.save_pretrained`` (module docstring), if it has one that takes a
+    ``state_dict``."""
+    save = getattr(model, "save_pretrained", None)
+    if not callable(save) or not _takes(save, "state_dict"):
+        return
+
+    @functools.wraps(save)
+    def save_pretrained(save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs.get("state_dict") is not None:
+            return save(save_directory, *args, **kwargs)  # the caller's own arguments
+        # Called on rank 0 only (the DDP habit), the others never come: one line at the
+        # timeout naming them, not the backend's error.
+        with diagnosed("save_pretrained", "the whole model", None):
+            _save_everywhere(save, save_directory, kwargs, model)
+
+    model.save_pretrained = save_pretrained
+
+
+def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: nn.Module) -> None:
+    """The collective part: gather, the writer saves, every rank learns of its error."""
+    writer = bool(kwargs.get("is_main_process", dist.get_rank() == 0))
+    state_dict = full_state_dict(model, rank0_only=not writer)
+    error: str | None = None
+    try:
+        if writer:
+            dtype = next((v.dtype for v in state_dict.values() if v.is_floating_point()), None)
+            save(save_directory, state_dict=state_dict, **kwargs)  # (empties state_dict)
+            _record_dtype(Path(save_directory), dtype, getattr(model, "config", None))
+    except Exception as exc:
+        error = f"save_pretrained failed on rank {dist.get_rank()}: {exc}"
+        raise
+    finally:
+        del state_dict
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    if any(errors):
+        raise RuntimeError(next(e for e in errors if e))
+
+
+def _record_dtype(folder: Path, dtype: torch.dtype | None, config: Any) -> None:
+    """transformers records ``model.dtype`` in ``config.json``, the first parameter's: at stages
+    0-2 in mixed precision the compute copy's (bf16), while the files hold the masters in the
+    original dtype, and ``from_pretrained`` would load them in bf16. The files' dtype is written
+    instead (in the file and in the model's config, where it was set too)."""
+    path = folder / "config.json"
+    if dtype is None or not path.is_file():
+        return
+    name = str(dtype).removeprefix("torch.")
+    saved = json.loads(path.read_text())
+    keys = [k for k in ("dtype", "torch_dtype") if k in saved and saved[k] != name]
+    if not keys:
+        return
+    saved.update(dict.fromkeys(keys, name))
+    path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    for key in keys:
+        if config is not None and hasattr(config, key):
+            setattr(config, key, name)
+
+
+def _takes(fn: Any, name: str) -> bool:
+    """Whether ``fn`` accepts a keyword argument ``name`` (by name or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
