@@ -556,11 +556,22 @@ def test_hf_config(capsys, tmp_path, data_dir):
     )  # fmt: skip
     flags = [*NANO, "--data-dir", str(data_dir), "--steps", "3", "--batch-size", "4"]
     code, err, records, summary = _train_in_process(
-        capsys, tmp_path / "run", *flags, "--hf", str(config), "--stage", "3"
+        capsys, tmp_path / "run", *flags, "--hf", str(config), "--stage", "3", "--save-every", "3"
     )
     assert code == 0, err
     assert summary["model"] == "gpt2" and summary["num_units"] == 3  # root + 2 GPT2Block
     assert abs(summary["val_loss_first"] - math.log(256)) < 0.5  # random init: ~uniform
+    # Its export needs no --config: the run recorded it (it wrote no config.json, and the tied
+    # head twice, so from_pretrained could not load it)
+    assert (
+        main(["export", str(tmp_path / "run" / "ckpt" / "step-000003"), str(tmp_path / "hf")]) == 0
+    )
+    out = capsys.readouterr().out
+    assert f"--config {config}: the --hf config of the run" in out, out
+    assert "lm_head.weight: tied to transformer.wte.weight, not stored" in out, out
+    import transformers
+
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.n_layer == 2
 
 
 @pytest.mark.parametrize(

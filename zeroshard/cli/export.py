@@ -8,7 +8,9 @@ Writes ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` and
 shard in memory at a time, in one process with no process group. Every name is stored unless
 declared tied: by ``--tie ALIAS=SOURCE`` (repeatable), or by the ``--config`` (a folder with a
 ``config.json``, or the file) through ``tie_word_embeddings`` and its architecture's tied
-weights; ``--config`` is copied to OUT too, so OUT loads with ``from_pretrained``.
+weights; ``--config`` is copied to OUT too, so OUT loads with ``from_pretrained``. Without
+``--config`` (and ``--tie``), a checkpoint of a ``zeroshard train --hf CONFIG`` run uses CONFIG,
+as that run's ``config.json`` records it, and says so.
 """
 
 from __future__ import annotations
@@ -59,14 +61,30 @@ def _ties(values: list[str] | None) -> dict[str, str] | None:
     return pairs
 
 
+def _run_s_hf_config(checkpoint: Path) -> Path | None:
+    """The ``--hf`` config that ``zeroshard train`` recorded for the run whose checkpoint this
+    is (``OUT_DIR/config.json`` beside ``OUT_DIR/ckpt/step-N``), when it still exists."""
+    import json
+
+    recorded = checkpoint.absolute().parent.parent / "config.json"
+    try:
+        hf = json.loads(recorded.read_text()).get("hf")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(hf) if isinstance(hf, str) and Path(hf).exists() else None
+
+
 def run(args: argparse.Namespace) -> int:
+    config = args.config
+    if config is None and args.tie is None and (config := _run_s_hf_config(args.checkpoint)):
+        print(f"--config {config}: the --hf config of the run that saved it")
     result = export.export_safetensors(
         args.checkpoint,
         args.out,
         dtype=args.dtype,
         max_shard_bytes=args.max_shard_size,
         tied=_ties(args.tie),
-        config=args.config,
+        config=config,
     )
     what = f"{len(result.weight_map)} tensors, {result.total_size:,} bytes"
     if result.dtype:
