@@ -310,9 +310,9 @@ def _install_zero_grad(model: nn.Module, engine: Engine) -> None:
     def zero_grad(set_to_none: bool = True) -> None:
         for opt in list(engine.optimizers):
             opt.zero_grad(set_to_none)
-        if not engine.optimizers:
-            for b in engine.buckets:
-                b.zero(keep_touched=not set_to_none)
+        for b in engine.buckets:  # every gradient: buckets shared by optimizers freed too
+            b.zero(keep_touched=not set_to_none)
+        engine.scaling.reset()
         module_zero_grad(set_to_none)
 
     model.zero_grad = zero_grad
