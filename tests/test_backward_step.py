@@ -263,11 +263,10 @@ def test_several_optimizers_each_step_their_own_parameters(workers2, stage, kind
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("shared", [False, True])
-def test_a_gan_loop_of_two_optimizers_as_in_torch(workers2, stage, shared):
+def test_a_gan_loop_of_two_optimizers_as_in_torch(workers2, stage):
     # zero_grad; backward; step per optimizer: in a shared bucket the first one's zero_grad
     # must keep nothing of its own and the second's must keep the first one's gradients.
-    for diffs in workers2.run(_two_optimizers, stage, (False, False), False, shared, True):
+    for diffs in workers2.run(_two_optimizers, stage, (False, False), False, True, True):
         assert max(diffs.values()) < 1e-6, diffs
 
 
