@@ -312,6 +312,7 @@ def export_safetensors(
     files = [SINGLE_FILE] if n == 1 else [_SHARD.format(i + 1, n) for i in range(n)]
     out.mkdir(parents=True, exist_ok=True)
     weight_map = {}
+    mode = 0o666 & ~_umask()  # what open() gives a new file
     for file, names in zip(files, shards, strict=True):
         tensors = _read(path, names, entries)
         for name in names:
@@ -326,7 +327,7 @@ def export_safetensors(
                 )
         tmp = out / (file + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.chmod(tmp, 0o666 & ~_umask())  # safetensors writes 0600: unreadable to a server
+        os.chmod(tmp, mode)  # safetensors writes 0600: unreadable to a server
         os.replace(tmp, out / file)
         del tensors
         weight_map.update(dict.fromkeys(names, file))

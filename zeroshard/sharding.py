@@ -305,6 +305,7 @@ def _install_zero_grad(model: nn.Module, engine: Engine) -> None:
     otherwise accumulate them across steps): through the optimizers built on the model, which
     also reset their step's flags, else bucket by bucket."""
     engine.optimizers = weakref.WeakSet()  # each ShardedOptimizer adds itself
+    engine.zeroed_optimizers = weakref.WeakSet()  # since the inf/NaN flag's reset (bucket_owners)
     module_zero_grad = model.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:

@@ -115,10 +115,8 @@ def _check_offload_folder(path: str, checkpoints: Path) -> None:
     """The swap folder can be created and written (its space is checked by each rank's store
     against what it will hold, before step 1), outside the step folders that saves write
     into ``checkpoints`` and prune (a save found it there at its step and failed)."""
-    folder = Path(path).absolute().resolve()
-    if folder != checkpoints.absolute().resolve() and folder.is_relative_to(
-        checkpoints.absolute().resolve()
-    ):
+    folder, inside = Path(path).resolve(), checkpoints.resolve()
+    if folder != inside and folder.is_relative_to(inside):
         raise UsageError(
             f"offload folder {path} is inside {checkpoints}, whose step folders the saves write "
             f"and prune; pass an --offload-folder outside it (e.g. {checkpoints.parent / 'swap'})"

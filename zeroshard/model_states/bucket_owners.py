@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 def _owners(bucket: GradBucket) -> list[ShardedOptimizer]:
-    return [o for o in (r() for r in getattr(bucket, "_owners", [])) if o is not None]
+    return [o for o in (r() for r in bucket.owners) if o is not None]
 
 
 def _ids(bucket: GradBucket) -> set[int]:
@@ -64,7 +64,7 @@ def claim(optimizer: ShardedOptimizer, step_in_backward: bool) -> list[GradBucke
         if not kept and b.handoff is not None and b.consumed_at_handoff:
             b.on_reduce = b.handoff = None  # a replaced optimizer that stepped in backward
             b.consumed_at_handoff = False
-        b._owners = [weakref.ref(o) for o in (*kept, optimizer)]
+        b.owners = [weakref.ref(o) for o in (*kept, optimizer)]
     return [b for b, _ in plan]
 
 
@@ -82,7 +82,7 @@ def zero_grad(optimizer: ShardedOptimizer, set_to_none: bool) -> None:
             b.zero_slots(mine, keep_touched=not set_to_none)
     # Only optimizers that own buckets count: one replaced everywhere (still referenced, by an
     # old scheduler) never calls zero_grad again, and the flag would then stay set for good.
-    done = engine.__dict__.setdefault("_zeroed_optimizers", weakref.WeakSet())
+    done = engine.zeroed_optimizers
     done.add(optimizer)
     if all(o in done for b in engine.buckets for o in _owners(b)):
         engine.scaling.reset()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -229,6 +230,8 @@ class GradBucket:
         """Called right after a reduction is issued (``touched`` final for it): the step in
         backward starts its small agreement collective there, to overlap the reduction."""
         self.consumed_at_handoff = False
+        self.owners: list[weakref.ref] = []
+        """The optimizers whose parameters it holds, weakly (``bucket_owners``)."""
         """Set by a hand-off that drops ``shard_grad`` before it returns (the step in backward):
         the reduce-scatter then writes into this rank's slice of ``full_grad`` in place, which
         the shard keeps alive until then, instead of into a separate output buffer."""

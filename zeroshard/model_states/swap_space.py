@@ -26,7 +26,7 @@ def check_space(parent: Any, need_bytes: int, mesh: Mesh) -> None:
     """Fail before step 1 when the folder cannot hold the states of this node's ranks (each
     rank's need taken as the largest rank's, the ranks of a node sharing one disk)."""
     parent = Path(parent)
-    short = _first_short(free_bytes(parent), _node_bytes(need_bytes, mesh), mesh)
+    short = _first_short(free_bytes(parent), need_bytes, mesh)
     if short is not None:
         where, free, node_bytes = short
         raise SwapSpaceError(
@@ -42,8 +42,7 @@ def check_host_memory(need_bytes: int, mesh: Mesh, slots: int) -> None:
     (``slots`` sub-groups' states and the store's pool each): an offloaded run must not find
     out by exhausting the host."""
     available = memory_available_bytes()
-    node_bytes = _node_bytes(need_bytes, mesh)
-    short = _first_short(node_bytes if available is None else available, node_bytes, mesh)
+    short = _first_short(available, need_bytes, mesh)
     if short is not None:
         where, available, node_bytes = short
         raise OffloadSetupError(
@@ -55,23 +54,19 @@ def check_host_memory(need_bytes: int, mesh: Mesh, slots: int) -> None:
         )
 
 
-def _node_bytes(need_bytes: int, mesh: Mesh) -> int:
-    """What this node's ranks need together, each taken as the largest rank's (a collective)."""
-    largest = torch.tensor([need_bytes], dtype=torch.int64, device=mesh.device)
+def _first_short(have: int | None, need_bytes: int, mesh: Mesh) -> tuple[str, int, int] | None:
+    """(whose node, its bytes, what its ranks need together) for the first rank whose node has
+    less than that, else None; ``have`` None: unknown, never short. One all-gather: every rank
+    gets the same answer. A node's ranks need together ``local_world_size`` times the largest
+    rank's need."""
+    mine = torch.tensor([-1 if have is None else have, need_bytes], dtype=torch.int64)
+    every = [mine.to(mesh.device)]
     if mesh.world_size > 1:
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=mesh.group)
-    return int(largest.item()) * mesh.local_world_size
-
-
-def _first_short(have: int, need: int, mesh: Mesh) -> tuple[str, int, int] | None:
-    """(whose node, its bytes, its need) for the first rank with ``need > have``, else None;
-    a collective (every rank gets the same answer)."""
-    mine = torch.tensor([have, need], dtype=torch.int64, device=mesh.device)
-    every = [mine]
-    if mesh.world_size > 1:
-        every = [torch.empty_like(mine) for _ in range(mesh.world_size)]
-        dist.all_gather(every, mine, group=mesh.group)
-    for rank, (h, n) in enumerate(t.tolist() for t in every):
-        if n > h:
-            return ("this node" if rank == mesh.rank else f"rank {rank}'s node"), h, n
+        every = [torch.empty_like(every[0]) for _ in range(mesh.world_size)]
+        dist.all_gather(every, mine.to(mesh.device), group=mesh.group)
+    rows = [t.tolist() for t in every]
+    node_bytes = max(n for _, n in rows) * mesh.local_world_size
+    for rank, (h, _) in enumerate(rows):
+        if h >= 0 and node_bytes > h:
+            return ("this node" if rank == mesh.rank else f"rank {rank}'s node"), h, node_bytes
     return None
