@@ -270,6 +270,67 @@ def test_a_gan_loop_of_two_optimizers_as_in_torch(workers2, stage):
         assert max(diffs.values()) < 1e-6, diffs
 
 
+def _an_overflow_in_one_optimizer(stage: int, sib: bool) -> tuple[list, list, float]:
+    """Two optimizers over two branches in units of their own; ``a`` steps every iteration,
+    ``b`` every second one (accumulating), and ``a``'s gradient overflows at the first. Returns
+    each one's ``step()`` results and the largest difference from torch (``a``'s overflowed
+    step skipped by hand)."""
+    import copy
+
+    from torch import nn
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.a(x).square().mean() + self.b(y).square().mean()
+
+    torch.manual_seed(0)
+    ref = Two()
+    model = zeroshard.shard(
+        copy.deepcopy(ref), stage=stage, wrap=zeroshard.wrap.by_class(nn.Linear),
+        config=zeroshard.ShardConfig(bucket_bytes=0),
+    )  # fmt: skip
+    opt_a = zeroshard.optimizer(model, torch.optim.SGD, list(model.a.parameters()), lr=0.1)
+    opt_b = zeroshard.optimizer(
+        model, torch.optim.SGD, list(model.b.parameters()), lr=0.1, step_in_backward=sib
+    )
+    ref_a = torch.optim.SGD(ref.a.parameters(), lr=0.1)
+    ref_b = torch.optim.SGD(ref.b.parameters(), lr=0.1)
+    taken_a, taken_b = [], []
+    g = torch.Generator().manual_seed(1)
+    for it in range(4):
+        x, y = torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)
+        if it == 0:
+            x[0, 0] = float("inf")
+        model(x, y).backward()
+        ref(x, y).backward()
+        taken_a.append(opt_a.step())
+        opt_a.zero_grad()
+        if it > 0:  # the inf gradient is not applied
+            ref_a.step()
+        ref_a.zero_grad()
+        if sib or it % 2 == 1:
+            taken_b.append(opt_b.step())
+            opt_b.zero_grad()
+            ref_b.step()
+            ref_b.zero_grad()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return taken_a, taken_b, diff
+
+
+@pytest.mark.parametrize("stage, sib", [(0, False), (1, False), (2, False), (3, False), (3, True)])
+def test_an_overflow_skips_its_own_optimizer_only(workers2, stage, sib):
+    # One inf/NaN flag per model: b's steps were skipped until a and b had both zeroed since.
+    for taken_a, taken_b, diff in workers2.run(_an_overflow_in_one_optimizer, stage, sib):
+        assert taken_a == [False, True, True, True], taken_a
+        assert all(taken_b), taken_b
+        assert diff < 1e-6, diff
+
+
 def _after_a_replacement_and_an_overflow(stage: int) -> list[bool]:
     """An optimizer replaced by a new one over the same parameters, the old one still
     referenced (by an old scheduler): an inf gradient skips one step of the new one, not every

@@ -215,7 +215,7 @@ def shard(
     flats = _flat_params(specs, bucket_bytes, make, mixed_precision)
     if param_swap is not None:
         param_swap.finish_adopting()  # space checked on every rank (a collective), all dropped
-    scaling = GradScaling(torch.zeros(1, dtype=torch.float32, device=mesh.device))
+    scaling = GradScaling()
     buckets: dict[FlatParam, GradBucket] = {}
     for unit_flats in flats:
         for f in unit_flats:
@@ -305,7 +305,6 @@ def _install_zero_grad(model: nn.Module, engine: Engine) -> None:
     otherwise accumulate them across steps): through the optimizers built on the model, which
     also reset their step's flags, else bucket by bucket."""
     engine.optimizers = weakref.WeakSet()  # each ShardedOptimizer adds itself
-    engine.zeroed_optimizers = weakref.WeakSet()  # since the inf/NaN flag's reset (bucket_owners)
     module_zero_grad = model.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:

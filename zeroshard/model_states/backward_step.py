@@ -80,6 +80,8 @@ class BackwardStep:
         self.stepped: set[int] = set()
         """Buckets (ids) stepped since the last ``step()`` / ``zero_grad()``."""
         self._flags: dict[int, C.Handle] = {}  # per bucket: its agreement in flight
+        self._seen = torch.zeros(1, dtype=torch.float32, device=engine.mesh.device)
+        """(1,) FP32, this rank: > 0 once a bucket reduced in this backward held inf/NaN."""
         ref = self._optimizer
 
         def on_reduce(bucket: GradBucket) -> None:
@@ -103,7 +105,7 @@ class BackwardStep:
         engine = optimizer.engine
         touched = torch.tensor(bucket.touched, dtype=torch.float32, device=engine.mesh.device)
         self._flags[id(bucket)] = agree(
-            engine.scaling, touched, engine.mesh, engine.ledger, async_op=True
+            self._seen.clone(), touched, engine.mesh, engine.ledger, async_op=True
         )
 
     def _reduced(self, bucket: GradBucket) -> None:
@@ -113,6 +115,7 @@ class BackwardStep:
         engine = optimizer.engine
         flags = self._flags.pop(id(bucket)).wait()
         seen, touched = agreed(flags, engine.forget_order, stepped=len(self.stepped))
+        torch.maximum(self._seen, bucket.found_inf, out=self._seen)
         if not engine.sync_grads:
             # A micro-step that reduces (reduce_every_micro_step): the shard accumulates until
             # the synchronized backward, apart from the full gradient it was reduced in.
@@ -129,7 +132,7 @@ class BackwardStep:
         self.stepped.add(id(bucket))
         # This rank's inf/NaN so far (its shard of this bucket included), or any rank's before
         # this bucket's reduction started.
-        seen = seen or bool(engine.scaling.found_inf.item() > 0)
+        seen = seen or bool(self._seen.item() > 0)
         sg = self._subgroups.get(id(bucket))
         if sg is not None and not (seen and optimizer.loss_scaler.checks):
             first = self._first_slot[id(bucket)]
@@ -140,6 +143,7 @@ class BackwardStep:
 
     def reset(self) -> None:
         self.stepped.clear()
+        self._seen.zero_()
         for handle in self._flags.values():  # an interrupted backward: complete, then forget
             handle.wait()
         self._flags.clear()

@@ -11,10 +11,13 @@ on in a scheduler); owners of distinct parameters of one bucket share it.
 - ``zero_grad`` drops the buckets its optimizer owns alone; in a bucket shared with another
   optimizer it zeroes its own parameters' gradients only, keeping the memory (``opt_a.step();
   opt_a.zero_grad(); opt_b.step()`` and a GAN's ``zero_grad; backward; step`` per optimizer
-  are both exact). The inf/NaN flag of the gradients is reset once every
-  optimizer owning a bucket has called it, so that no step can miss an overflow of its own
-  gradients (one stepped every k iterations keeps the flag, and the others' steps skipped,
-  until it does).
+  are both exact).
+- Each bucket has its own inf/NaN flag (``GradBucket.found_inf``) and a step looks at those of
+  its optimizer's buckets only: one optimizer's overflow skips that optimizer's step, not the
+  others' (one stepped every k iterations keeps its flag until it zeroes its gradients). A
+  shared bucket's flag is reset once every owner has zeroed its part, so no step misses an
+  overflow of its own gradients; an overflow in another owner's part of a shared bucket skips
+  both (the flag is per bucket, not per parameter).
 - ``step_in_backward`` hands a bucket's whole reduced shard to one optimizer during backward:
   a bucket it would share with another owner is refused (``claim``).
 """
@@ -80,10 +83,10 @@ def zero_grad(optimizer: ShardedOptimizer, set_to_none: bool) -> None:
         elif optimizer in owners:
             mine = [i for i, s in enumerate(b.flat.slots) if id(s.param) in optimizer._param_ids]
             b.zero_slots(mine, keep_touched=not set_to_none)
-    # Only optimizers that own buckets count: one replaced everywhere (still referenced, by an
-    # old scheduler) never calls zero_grad again, and the flag would then stay set for good.
-    done = engine.zeroed_optimizers
-    done.add(optimizer)
-    if all(o in done for b in engine.buckets for o in _owners(b)):
-        engine.scaling.reset()
-        done.clear()
+            # Current owners only: one replaced here (still referenced, by an old scheduler)
+            # never calls zero_grad again, and the flag would then stay set for good.
+            b.zeroed.add(optimizer)
+            if all(o in b.zeroed for o in owners):
+                b.found_inf.zero_()
+                b.zeroed.clear()
+    engine.scaling.reset()

@@ -60,12 +60,10 @@ class Reduction(enum.Enum):
 
 @dataclass
 class GradScaling:
-    """Applied by every bucket to its reduced gradient in the one pass that averages it: the
-    loss scale to remove, and a flag raised when any value is inf/NaN. One per engine, shared by
-    its buckets, so the optimizer's skip decision costs no extra pass over the gradients."""
+    """The loss scale that every bucket removes from its reduced gradient in the one pass that
+    averages it (and raises the bucket's ``found_inf`` in, so that the optimizer's skip decision
+    costs no extra pass over the gradients). One per engine, shared by its buckets."""
 
-    found_inf: torch.Tensor
-    """(1,) FP32, this rank: > 0 once a reduced gradient held inf/NaN since ``reset``."""
     loss_scale: float = 1.0
     """The scale the loss was multiplied by before the backward that made these gradients."""
     next_scale: float | None = None
@@ -76,7 +74,6 @@ class GradScaling:
     """The optimizer scales losses (FP16): a plain ``loss.backward()`` is worth a warning."""
 
     def reset(self) -> None:
-        self.found_inf.zero_()
         self.accumulating = False
 
     def begin_backward(self) -> None:
@@ -115,16 +112,17 @@ def warn_no_sharded_optimizer() -> None:
 
 
 def agree(
-    scaling: GradScaling, touched: torch.Tensor, mesh: Mesh, ledger: C.Ledger, *, async_op: bool
+    found_inf: torch.Tensor, touched: torch.Tensor, mesh: Mesh, ledger: C.Ledger, *, async_op: bool
 ) -> C.Handle:
-    """Start the agreement of every rank on [inf/NaN seen, the order of the units' collectives,
-    one flag per parameter that backward reached] (``touched``: 1D FP32, this rank's flags), MAX
+    """Start the agreement of every rank on [inf/NaN seen (``found_inf``: (1,) FP32, > 0 when
+    this rank saw one), the order of the units' collectives, one flag per parameter that
+    backward reached] (``touched``: 1D FP32, this rank's flags), MAX
     over every rank, also with hybrid sharding ("touched" depends on each rank's data): a shard's
     overflow is seen only by its owner, and a parameter is left out of the step only when no
     rank reached it. The order rides as ``[d, -d]`` (``Ledger.order``): MAX of both gives the
     largest and the smallest digest. Read the handle's output with ``agreed``."""
     order = torch.tensor([ledger.order, -ledger.order], dtype=torch.float32, device=touched.device)
-    flags = torch.cat([scaling.found_inf, order, touched])
+    flags = torch.cat([found_inf, order, touched])
     if mesh.world_size * mesh.tp_size == 1:
         return C.Handle(None, flags)
     whole = mesh.hybrid is not None or mesh.tp_size > 1
@@ -230,11 +228,16 @@ class GradBucket:
         """Called right after a reduction is issued (``touched`` final for it): the step in
         backward starts its small agreement collective there, to overlap the reduction."""
         self.consumed_at_handoff = False
-        self.owners: list[weakref.ref] = []
-        """The optimizers whose parameters it holds, weakly (``bucket_owners``)."""
         """Set by a hand-off that drops ``shard_grad`` before it returns (the step in backward):
         the reduce-scatter then writes into this rank's slice of ``full_grad`` in place, which
         the shard keeps alive until then, instead of into a separate output buffer."""
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=flat.mesh.device)
+        """(1,) FP32, this rank: > 0 once its reduced shard held inf/NaN, until the gradients are
+        dropped (``zero``, or ``bucket_owners.zero_grad`` once every owner zeroed its part)."""
+        self.owners: list[weakref.ref] = []
+        """The optimizers whose parameters it holds, weakly (``bucket_owners``)."""
+        self.zeroed: weakref.WeakSet = weakref.WeakSet()
+        """Owners that zeroed their part of a shared bucket since ``found_inf`` was reset."""
         if self.as_views:
             for i, s in enumerate(flat.slots):
                 s.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
@@ -406,7 +409,7 @@ class GradBucket:
         if self.reduce_dtype != torch.float16:
             divisor *= self.flat.mesh.world_size
         inv = torch.full((1,), 1.0 / divisor, dtype=torch.float32, device=out.device)
-        torch._amp_foreach_non_finite_check_and_unscale_([out], self.scaling.found_inf, inv)
+        torch._amp_foreach_non_finite_check_and_unscale_([out], self.found_inf, inv)
         whole = out
         if self.reduction is Reduction.ALL_REDUCE:
             out = out[self.flat.range[0] : self.flat.range[1]]
@@ -475,6 +478,8 @@ class GradBucket:
             self._reduce = None
         self.shard_grad = None
         self._shown_version = None
+        self.found_inf.zero_()
+        self.zeroed.clear()
         if not keep_touched:
             self.touched = [False] * len(self.flat.slots)
         if not self.as_views:

@@ -160,9 +160,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._backward_step: BackwardStep | None = None
         if step_in_backward:
             check_step_in_backward(self)
-        taken = bucket_owners.claim(self, step_in_backward)  # the same on every rank
+        self._buckets = bucket_owners.claim(self, step_in_backward)  # the same on every rank
         if step_in_backward:
-            self._backward_step = BackwardStep(self, taken)
+            self._backward_step = BackwardStep(self, self._buckets)
         self.engine.optimizers.add(self)  # model.zero_grad() reaches this one's gradients too
 
     @property
@@ -303,7 +303,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return power
 
     def _agree(self) -> tuple[bool, set[int]]:
-        """Whether any rank's shard gradients hold inf/NaN, and which parameters no rank's
+        """Whether any rank's shard gradients of this optimizer's buckets hold inf/NaN (another
+        optimizer's overflow is its own: ``bucket_owners``), and which parameters no rank's
         backward reached since ``zero_grad``: one small all-reduce (MAX) of both, so every rank
         skips or steps together (a shard's overflow is seen only by its owner) and leaves the
         same parameters without a gradient (as unsharded training and DDP do: an optimizer
@@ -311,8 +312,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # 1D FP32, this rank: found_inf, then one flag per trainable parameter; made at the step,
         # after backward's peak, and dropped with it.
         engine = self.engine
+        found_inf = torch.zeros(1, dtype=torch.float32, device=engine.mesh.device)
+        if self._buckets:
+            found_inf = torch.stack([b.found_inf for b in self._buckets]).amax(0)
         flags = agree(
-            engine.scaling, engine.slots_touched(), engine.mesh, engine.ledger, async_op=False
+            found_inf, engine.slots_touched(), engine.mesh, engine.ledger, async_op=False
         ).wait()
         seen, touched = agreed(flags, engine.forget_order)  # a host sync: decided on the host
         return self.loss_scaler.checks and seen, {i for i, used in enumerate(touched) if not used}
