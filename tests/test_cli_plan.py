@@ -277,7 +277,16 @@ def test_advise(capsys):
         (["--params", "1B", "--mp", "0"], "--mp must be at least 1"),
         (["--params", "1B", "--seq", "0"], "--seq must be at least 1"),
         (["--params", "1B", "--batch", "0"], "--batch must be at least 1"),
-        (["--params", "1B", "--ci", "-1"], "--ci must be at least 1"),
+        (["--params", "1B", "--ci", "-1"], "--ci must be at least 0"),
+        (
+            ["--params", "1B", "--ci", "0,1", "--advise", "--memory", "8GB"]
+            + ["--peak-flops", "1T", "--net-bandwidth", "1e9", "--global-batch", "8"],
+            "--ci 0 \\(no checkpointing\\) is for a plan without --advise",
+        ),
+        (
+            ["--preset", "tiny", "--mp", "2", "--ci", "0", "--partition-activations"],
+            "there are none",
+        ),
         (["--layers", "2", "--hidden", "100", "--heads", "3"], "does not divide"),
         (["--layers", "0", "--hidden", "64", "--heads", "4"], "--layers must be at least 1"),
         (["--layers", "2", "--hidden", "64"], "needs --heads"),
@@ -532,3 +541,24 @@ def test_sequences_and_heads_are_checked_against_the_model(capsys, tmp_path):
     }))  # fmt: skip
     assert main.main(["plan", "--hf", str(config), "--mp", "4"]) == 2
     assert "2 key/value heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_ci_0_is_the_engine_without_checkpoints(capsys, stage):
+    # zeroshard train's default keeps every activation (--checkpoint-every 0): the plan then
+    # counts the device along the engine's timeline, the calibrated prediction
+    # (test_planner_calibrate holds it against measured runs), not the papers' allowance.
+    from zeroshard.planner import calibrate
+
+    flags = ["--preset", "tiny", "--dp", "2", "--precision", "fp32", "--fragmentation", "0"]
+    flags += ["--batch", "2", "--seq", "64", "--stage", str(stage)]
+    out = _json([*flags, "--checkpoint-every", "0"], capsys)
+    row = out["stages"][0]
+    case = calibrate.Case(preset="tiny", stage=stage, micro_batch_size=2, seq_len=64)
+    predicted = calibrate.predict(case, 2)
+    assert row["device_bytes"] == sum(predicted["peak"].values())
+    assert row["memory"]["peak_moment"] == predicted["peak_moment"]
+    assert out["num_layers_per_checkpoint"] == 0 and "activation_checkpoint_bytes" not in out
+    allowance = _json([*flags, "--ci", "1"], capsys)["stages"][0]["device_bytes"]
+    assert row["device_bytes"] != allowance
+    assert "largest moment of the engine's step" in _run([*flags, "--ci", "0"], capsys)

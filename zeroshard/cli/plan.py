@@ -107,7 +107,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="tokens per sample (default: 1024, or fewer when the model's positions end sooner)",
     )
     t.add_argument("--batch", default="1", help="micro-batch per device (a list with --advise)")
-    t.add_argument("--ci", default="1", help="blocks per activation checkpoint (list w/ --advise)")
+    t.add_argument(
+        "--ci",
+        "--checkpoint-every",
+        dest="ci",
+        default="1",
+        help="blocks per activation checkpoint (list w/ --advise); 0: none, as zeroshard "
+        "train's default (--checkpoint-every 0): the device is then counted along the "
+        "engine's timeline, its largest moment",
+    )
     t.add_argument(
         "--partition-activations",
         action="store_true",
@@ -322,11 +330,24 @@ def _memory_config(
     num_dp: int | None = None,
 ):
     """The training configuration the flags describe, at stage 0 (3 with --step-in-backward;
-    each row replaces it), over
-    ``num_dp`` data-parallel ranks (default --dp)."""
+    each row replaces it), over ``num_dp`` data-parallel ranks (default --dp).
+    ``num_layers_per_checkpoint`` 0: no activation checkpointing, counted as the engine runs
+    (``calibrate.engine_config``'s buffers: in-flight reductions, the fused attention)."""
     num_dp = num_dp or args.dp
     per_param, per_activation = flags.state_bytes(args)
+    engine = {}
+    if num_layers_per_checkpoint == 0:
+        from zeroshard.engine import ShardConfig
+
+        engine = dict(
+            activation_checkpointing=False,
+            num_buckets=ShardConfig().max_inflight_reductions,
+            flash_attention=True,
+            reduce_stages_input=False,
+        )
+        num_layers_per_checkpoint = 1  # (unused without checkpoints)
     return memory.MemoryConfig(
+        **engine,
         stage=3 if args.step_in_backward else 0,
         num_dp_ranks=num_dp,
         shard_group_size=_shard_group_size(args, num_dp),
@@ -413,7 +434,7 @@ def plan(args) -> dict:
         flags.check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0, got {args.prefetch}")
-    batches, cis = flags.ints("--batch", args.batch), flags.ints("--ci", args.ci)
+    batches, cis = flags.ints("--batch", args.batch), flags.ints("--ci", args.ci, low=0)
     if len(batches) > 1 or len(cis) > 1:
         raise ValueError("--batch and --ci take one value each unless --advise is given")
     config = _memory_config(args, micro_batch_size=batches[0], num_layers_per_checkpoint=cis[0])
@@ -480,13 +501,23 @@ def advice(args) -> dict:
         seq_len=args.seq,
         global_batch_size=args.global_batch,
         micro_batch_sizes=flags.ints("--batch", args.batch),
-        checkpoint_spans=flags.ints("--ci", args.ci),
+        checkpoint_spans=_advised_spans(args.ci),
         stages=flags.stages(args.stage, args.step_in_backward),
         offloads=flags.offloads(args.offload),
         # The advisor sets stage, bsz, seq and ci per candidate; Nd is the devices over Nm.
         memory=_memory_config(args, num_dp=num_devices // args.mp),
     )
     return report.advice_report(model, cluster, workload)
+
+
+def _advised_spans(text: str) -> tuple[int, ...]:
+    spans = flags.ints("--ci", text, low=0)
+    if 0 in spans:
+        raise ValueError(
+            "--advise ranks activation checkpoint spans of 1 block or more; --ci 0 (no "
+            "checkpointing) is for a plan without --advise"
+        )
+    return spans
 
 
 def measure(args) -> tuple[list[dict], str]:

@@ -8,19 +8,18 @@ from zeroshard.planner import memory
 from zeroshard.planner.memory import OFFLOADS
 
 
-def check_positive(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
+def check_positive(name: str, value: int | None, low: int = 1) -> None:
+    if value is not None and value < low:
+        raise ValueError(f"{name} must be at least {low}, got {value}")
 
 
-def ints(flag: str, text: str, *, positive: bool = True) -> tuple[int, ...]:
+def ints(flag: str, text: str, *, low: int = 1) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise ValueError(f"{flag} takes integers separated by commas, got {text!r}") from None
     for v in values:
-        if positive:
-            check_positive(flag, v)
+        check_positive(flag, v, low)
     return values
 
 
@@ -81,7 +80,7 @@ def offloads(text: str) -> tuple[str, ...]:
 def stages(text: str | None, step_in_backward: bool = False) -> tuple[int, ...]:
     if text is None:  # the default: every stage the configuration can have
         text = "2,3" if step_in_backward else "0,1,2,3"
-    stages = ints("--stage", text, positive=False)
+    stages = ints("--stage", text, low=0)
     for s in stages:
         if s not in (0, 1, 2, 3):
             raise ValueError(f"--stage takes 0, 1, 2 or 3 (or a list such as 2,3), got {s}")

@@ -37,7 +37,6 @@ from dataclasses import asdict, dataclass
 
 from zeroshard.planner import comm, describe, timeline
 from zeroshard.planner.memory import MODEL_STATES, BytesPerParam, MemoryConfig, plan_memory
-from zeroshard.stages import partition
 
 FP32_ADAMW = BytesPerParam(params=4, grads=4, optimizer_states=8)
 """FP32 AdamW: the FP32 parameter is the master (4), its gradient (4), momentum and variance (8)."""
@@ -95,19 +94,6 @@ def _seq_len(case: Case | HFCase) -> int:
     return case.seq_len or _gpt_config(case).block_size
 
 
-def _bucket_per_unit(model: describe.ModelDescription, stage: int, bucket_bytes: int) -> bool:
-    """Whether the engine gives every unit (the root included) a gradient bucket of its own:
-    always with partitioned parameters; with replicated ones when no two consecutive units fit
-    in ``bucket_bytes`` together (FP32: 4 bytes per element), as ``zeroshard.sharding`` closes
-    a bucket before a unit that would overflow it (the root first, then the blocks)."""
-    if partition(stage).parameters:
-        return True
-    if model.block_unit_numels is None and model.shape is None:
-        return False
-    sizes = [model.root_numel or 0, *timeline.unit_numels(model)]
-    return all(4 * (a + b) > bucket_bytes for a, b in zip(sizes, sizes[1:]))
-
-
 def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
     """The planner's inputs that describe what the engine does for ``case`` on ``num_ranks``."""
     from zeroshard.engine import ShardConfig
@@ -125,7 +111,7 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
         # one gradient bucket of up to bucket_bytes, allocated at its first unit's backward and
         # reduced after its last (a unit larger than that alone in its bucket: per unit again).
         num_units_prefetch=engine.num_prefetch,
-        bucket_per_unit=_bucket_per_unit(model, case.stage, engine.bucket_bytes),
+        bucket_per_unit=timeline.bucket_per_unit(model, case.stage, engine.bucket_bytes),
         bucket_bytes=engine.bucket_bytes,
         num_buckets=engine.max_inflight_reductions,
         step_in_backward=getattr(case, "step_in_backward", False),

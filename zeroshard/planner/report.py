@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from zeroshard.planner import bandwidth, comm, memory, saved, units
+from zeroshard.planner import bandwidth, comm, memory, saved, timeline, units
 from zeroshard.planner.advise import Candidate, Cluster, Workload, advise
 from zeroshard.planner.describe import ModelDescription
 from zeroshard.planner.memory import OFFLOADS, MemoryConfig, Tier
@@ -72,7 +72,9 @@ def plan_report(
         "device_memory_bytes": device_memory_bytes,
     }
     shape = model.shape
-    if shape is not None:
+    if not base.activation_checkpointing:
+        out["num_layers_per_checkpoint"] = 0  # none: each row's device is its largest moment
+    elif shape is not None:
         ci = min(base.num_layers_per_checkpoint, shape.num_layers)
         common = dict(micro_batch_size=base.micro_batch_size, seq_len=base.seq_len)
         out["activation_checkpoint_bytes"] = memory.activation_checkpoint_bytes(
@@ -94,7 +96,7 @@ def plan_report(
         out["model_state_working_bytes"] = memory.model_state_working_bytes(
             hidden_size=shape.hidden_size
         )
-    if saved.at_config(model, base) is not None:
+    if base.activation_checkpointing and saved.at_config(model, base) is not None:
         # Measured on the built model (zeroshard.planner.saved), not the GPT-shaped formulas.
         allowance = memory.plan_memory(model, replace(base, activation_checkpointing=True))
         out["activation_checkpoint_bytes"] = sum(
@@ -104,7 +106,7 @@ def plan_report(
     ait = bandwidth.intensity(
         micro_batch_size=base.micro_batch_size,
         seq_len=base.seq_len,
-        shape=shape,
+        shape=shape if base.activation_checkpointing else None,
         num_layers_per_checkpoint=base.num_layers_per_checkpoint,
     )
     out["intensity"] = ait.as_dict()
@@ -122,6 +124,9 @@ def plan_report(
             if memory.placement_problem(stage, placement, step_in_backward=base.step_in_backward):
                 continue
             config = replace(base, stage=stage, placement=placement)
+            if not base.activation_checkpointing:  # as the engine buckets gradients
+                per_unit = timeline.bucket_per_unit(model, stage, base.bucket_bytes)
+                config = replace(config, bucket_per_unit=per_unit)
             rows.append(_row(model, config, offload, ait, bw, links, peak, device_memory_bytes))
     if not rows:
         raise ValueError(
@@ -193,11 +198,15 @@ def _row(model, config, offload, ait, bw, links, peak, device_memory) -> dict:
     if streams and bw is not None and peak is not None:
         eff = bandwidth.combined_efficiency(streams, [bw] * len(streams), peak)
     device_bytes = mem.total_bytes(Tier.DEVICE)
+    model_states = mem.model_states_bytes(Tier.DEVICE)
+    if mem.peak is not None:  # along the engine's timeline: its largest moment
+        device_bytes = sum(mem.peak.values())
+        model_states = sum(mem.peak[c] for c in memory.MODEL_STATES)
     return {
         "stage": config.stage,
         "offload": offload,
-        "model_states_bytes": mem.model_states_bytes(Tier.DEVICE),
-        "residual_states_bytes": mem.residual_states_bytes(Tier.DEVICE),
+        "model_states_bytes": model_states,
+        "residual_states_bytes": device_bytes - model_states,
         "device_bytes": device_bytes,
         "cpu_bytes": mem.total_bytes(Tier.CPU),
         "nvme_bytes": mem.total_bytes(Tier.NVME),
@@ -324,6 +333,16 @@ def render_plan(out: dict, unit: str = "GB") -> str:
     lines.append(_table(header, body))
     notes = sorted({n for r in rows for n in r["memory"]["notes"] + r["communication"]["notes"]})
     lines += [f"note: {n}" for n in notes]
+    if out["num_layers_per_checkpoint"] == 0:
+        moments = ", ".join(
+            f"stage {r['stage']}: {r['memory']['peak_moment']}"
+            for r in rows
+            if "peak_moment" in r["memory"]
+        )
+        lines.append(
+            "no activation checkpoints (--ci 0, zeroshard train's default): device is the "
+            f"largest moment of the engine's step ({moments or 'no timeline for this model'})"
+        )
     if "activation_checkpoint_bytes" in out:
         terms = [
             ("activation checkpoints", "2*bsz*seq*hd*nl/ci", "activation_checkpoint_bytes"),

@@ -80,6 +80,19 @@ def unit_numels(model: ModelDescription) -> list[int]:
     return [model.block_unit_numel or 0] * model.shape.num_layers
 
 
+def bucket_per_unit(model: ModelDescription, stage: int, bucket_bytes: int) -> bool:
+    """Whether the engine gives every unit (the root included) a gradient bucket of its own:
+    always with partitioned parameters; with replicated ones when no two consecutive units fit
+    in ``bucket_bytes`` together (FP32: 4 bytes per element), as ``zeroshard.sharding`` closes
+    a bucket before a unit that would overflow it (the root first, then the blocks)."""
+    if partition(stage).parameters:
+        return True
+    if model.block_unit_numels is None and model.shape is None:
+        return False
+    sizes = [model.root_numel or 0, *unit_numels(model)]
+    return all(4 * (a + b) > bucket_bytes for a, b in zip(sizes, sizes[1:]))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ActivationTerms:
     """The activation bytes alive at each moment of the timeline, and the transient gradients
