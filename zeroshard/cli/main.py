@@ -15,6 +15,7 @@ import gc
 import importlib
 import os
 import sys
+import warnings
 
 from zeroshard.cli.held_signals import held
 
@@ -75,6 +76,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace | int:
     return noted[0] if noted else args
 
 
+def _say_warnings_as(command: str) -> None:
+    """Warnings that zeroshard's code raises read ``zeroshard COMMAND: warning: ...`` on stderr
+    (the file and line of zeroshard's own call site mean nothing to a user of the command);
+    others, a user's model's or a library's, keep Python's form."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    default = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None) -> str:
+        if os.path.abspath(filename).startswith(package + os.sep):
+            return f"zeroshard {command}: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if isinstance(args, int):
@@ -85,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         elif os.environ.get("RANK") == "0":
             print("interrupted before training started; nothing saved", flush=True)
         return 128 + args
+    if argv is None:  # the command itself, not a caller's main([...])
+        _say_warnings_as(args.command)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C where no subcommand handles it: no traceback

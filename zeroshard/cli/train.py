@@ -413,7 +413,8 @@ def _first_to_say(line: str, wait_s: float = 3.0) -> bool:
     store, keyed by the line and the restart, so a rank whose error differs still reports its
     own. The store is torchrun's agent's, which outlives the ranks; with ``--max-restarts``
     rank 0 hosts one per start, gone when rank 0 is, and none exists before the process group
-    does. True when no store answers within ``wait_s``: a line said twice is better than none."""
+    does: then rank 0 says it, and another rank only after ``PEER_SAYS_IT_S`` (``_after_rank_0``).
+    True when no store answers within ``wait_s``: a line said twice is better than none."""
     import datetime
     import hashlib
 
@@ -436,10 +437,30 @@ def _first_to_say(line: str, wait_s: float = 3.0) -> bool:
         except (KeyError, ValueError, RuntimeError, OSError):  # no store: say it
             return True
     else:
-        return True
+        return _after_rank_0()
     digest = hashlib.sha1(line.encode()).hexdigest()[:16]
     key = f"zeroshard/said/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{_restart_count()}/{digest}"
     return within(lambda: store.add(key, 1), wait_s) in (None, 1)
+
+
+PEER_SAYS_IT_S = 1.0
+"""How long a rank other than 0 waits before it reports bad input that it cannot share through a
+store: torchrun's agent looks at its ranks every 0.1 s, and stops them all once one has exited."""
+
+
+def _after_rank_0() -> bool:
+    """``_first_to_say`` without a store (a torchrun job that restarts, before its process group
+    exists): True at once on rank 0; on another rank, True after ``PEER_SAYS_IT_S`` unless
+    torchrun's agent stopped it meanwhile (rank 0 exited first: it said it for the job), then
+    silently."""
+    import signal
+    import time
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("RANK", "0") == "0":
+        return True
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the agent's stop: no line of ours
+    time.sleep(PEER_SAYS_IT_S)
+    return True
 
 
 def _train_here(cfg: TrainConfig, out: Path) -> int:
