@@ -17,7 +17,7 @@ import torch.distributed as dist
 from parity_models import batch, build, loss_of, param_groups
 
 import zeroshard
-from zeroshard import checkpoint, checkpoint_files
+from zeroshard import checkpoint, checkpoint_checks, checkpoint_files
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.testing import Workers
 from zeroshard.watchdog import group_timeout_s
@@ -348,7 +348,7 @@ def _publishing(base: str) -> bool:
     for k, v in zeroshard.full_state_dict(fresh, rank0_only=False).items():
         assert torch.equal(v, zeroshard.full_state_dict(model, rank0_only=False)[k]), k
     # Too little space: nothing is written, the shortfall is in bytes.
-    tiny_disk = mock.patch.object(checkpoint, "free_bytes", return_value=1000)
+    tiny_disk = mock.patch.object(checkpoint_checks, "free_bytes", return_value=1000)
     with tiny_disk, pytest.raises(checkpoint.CheckpointError, match=r"bytes short"):
         checkpoint.save(str(folder / "step-000009"), model, opt, {"step": 9})
     dist.barrier()
@@ -356,7 +356,7 @@ def _publishing(base: str) -> bool:
     # The estimate covers what is written, headers included (a small model's are a large part):
     # a disk one byte short of a checkpoint's size refuses the next one.
     written = sum(p.stat().st_size for p in Path(again).iterdir())
-    short_disk = mock.patch.object(checkpoint, "free_bytes", return_value=written - 1)
+    short_disk = mock.patch.object(checkpoint_checks, "free_bytes", return_value=written - 1)
     with short_disk, pytest.raises(checkpoint.CheckpointError, match=r"bytes short"):
         checkpoint.save(str(folder / "step-000009"), model, opt, {"step": 9})
     return True
@@ -766,13 +766,73 @@ def _without_optimizer(base: str) -> str:
 
 def test_a_checkpoint_needs_the_model_s_optimizer(workers2, tmp_path):
     for said in workers2.run(_without_optimizer, str(tmp_path / "ckpt")):
-        assert "pass the zeroshard.optimizer(model, ...) of this model (got NoneType)" in said
+        assert "pass the zeroshard.optimizer(model, ...) of this model, or a list" in said
+        assert "(got NoneType)" in said
 
 
 def test_a_checkpoint_of_another_optimizer_is_a_one_line_error(workers2, tmp_path):
     for message in workers2.run(_another_optimizer, str(tmp_path / "ckpt")):
         assert "does not fit this model and optimizer" in message, message
         assert "momentum_buffer" in message and "\n" not in message, message
+
+
+def _two_optimizers(model) -> list:
+    """AdamW over the first half of the parameters, SGD with momentum over the rest."""
+    params = list(model.parameters())
+    half = len(params) // 2
+    return [
+        zeroshard.optimizer(model, torch.optim.AdamW, params[:half], lr=3e-3),
+        zeroshard.optimizer(model, torch.optim.SGD, params[half:], lr=0.1, momentum=0.9),
+    ]
+
+
+def _train_both(model, opts: list, steps: range) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank, losses = GLOBAL_BATCH // world, []
+    for step in steps:
+        x, y = batch("gpt", step, GLOBAL_BATCH)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss = loss_of("gpt", model, x[mine], y[mine])
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _several_optimizers(base: str, stage: int) -> tuple[bool, str, str]:
+    """Two optimizers saved and loaded as a list: the run goes on bit for bit (both optimizers'
+    states restored); one optimizer for a checkpoint of two, or one passed twice, is refused."""
+    model = _model(stage, "fp32")
+    opts = _two_optimizers(model)
+    _train_both(model, opts, range(2))
+    checkpoint.save(base, model, opts, {"step": 2})
+    straight = _train_both(model, opts, range(2, 4))
+    fresh = _model(stage, "fp32", seed=5)
+    again = _two_optimizers(fresh)
+    assert checkpoint.load(base, fresh, again)["step"] == 2
+    same = _train_both(fresh, again, range(2, 4)) == straight
+    try:
+        checkpoint.load(base, fresh, again[0])
+        one = "loaded"
+    except checkpoint.CheckpointError as exc:
+        one = str(exc)
+    try:
+        checkpoint.save(base + "-twice", model, [opts[0], opts[0]])
+        twice = "saved"
+    except ValueError as exc:
+        twice = str(exc)
+    return same, one, twice
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_several_optimizers_resume_exactly(workers2, tmp_path, stage):
+    # zeroshard.checkpoint took one optimizer: a second one's states were lost.
+    for same, one, twice in workers2.run(_several_optimizers, str(tmp_path / "ckpt"), stage):
+        assert same
+        assert "holds 2 optimizer(s), and 1 were passed" in one, one
+        assert "both hold" in twice, twice
 
 
 def _another_group_layout(base: str) -> str:

@@ -3,7 +3,8 @@
     zeroshard.checkpoint.save("out/ckpt/step-000100", model, opt, {"step": 100}, keep=3)
     extra = zeroshard.checkpoint.load("out/ckpt/step-000100", model, opt)   # {"step": 100}
 
-Every rank of the model's group calls both (they are collectives). A checkpoint is one folder:
+Every rank of the model's group calls both (they are collectives). ``opt`` may be a list of the
+model's optimizers (a GAN's two), saved and loaded in the same order. A checkpoint is one folder:
 
     .metadata, __<rank>_<i>.distcp   ``torch.distributed.checkpoint`` (DCP, FileSystemWriter) of
                                      ``{"model": model.state_dict(), "optim": opt.state_dict()}``:
@@ -77,6 +78,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard import checkpoint_checks as checks
 from zeroshard import rank_buffers, rng, tensor_parallel
 from zeroshard.checkpoint_files import (
     META_FILE,
@@ -104,26 +106,30 @@ from zeroshard.checkpoint_info import (  # noqa: F401 (the inspection API, re-ex
 )
 from zeroshard.engine import engine_of
 from zeroshard.flat_range import FlatRange
-from zeroshard.offload.nvme import free_bytes
 from zeroshard.watchdog import CollectiveTimeout, diagnosed, inherit_timeout
 
 _WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap encoding and I/O
-_SPACE_MARGIN = 1.05  # free space wanted over the estimate (DCP metadata, pickled extras)
-_SPACE_PER_RANK = 2**20  # and per rank: each file's headers (a small model's may double it)
+
+
+def _optimizers(optimizer) -> list:
+    """``optimizer``, or each of a list or tuple of them (several optimizers over one model)."""
+    return list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
 
 
 def _group(model, optimizer) -> dist.ProcessGroup | None:
     """The ranks a checkpoint of ``model`` is a collective of: the data-parallel group, or the
     whole job when the model is also split tensor-parallel (each rank holds parts of its own).
-    A checkpoint is of a model and its optimizer both."""
-    if getattr(optimizer, "engine", None) is not engine_of(model):
-        raise TypeError(
-            "a checkpoint holds a sharded model and its optimizer: pass the "
-            f"zeroshard.optimizer(model, ...) of this model (got {type(optimizer).__name__}); "
-            "for weights alone, save model.state_dict() with torch.distributed.checkpoint, or "
-            "read a checkpoint's into it with dcp.load({'model': sd}, checkpoint_id=PATH, "
-            "planner=DefaultLoadPlanner(allow_partial_load=True)) then model.load_state_dict(sd)"
-        )
+    A checkpoint is of a model and its optimizer(s) both."""
+    for opt in _optimizers(optimizer) or [None]:
+        if getattr(opt, "engine", None) is not engine_of(model):
+            raise TypeError(
+                "a checkpoint holds a sharded model and its optimizer(s): pass the "
+                f"zeroshard.optimizer(model, ...) of this model, or a list of them (got "
+                f"{type(opt).__name__}); for weights alone, save model.state_dict() with "
+                "torch.distributed.checkpoint, or read a checkpoint's into it with "
+                "dcp.load({'model': sd}, checkpoint_id=PATH, planner=DefaultLoadPlanner("
+                "allow_partial_load=True)) then model.load_state_dict(sd)"
+            )
     mesh = engine_of(model).mesh
     return None if mesh.tp_size > 1 else mesh.group
 
@@ -131,27 +137,27 @@ def _group(model, optimizer) -> dist.ProcessGroup | None:
 # --------------------------------------------------------------------- state
 
 
-def _local_bytes(tree: Any) -> int:
-    """Bytes this rank holds in the tensors of a (nested) state dict."""
-    if isinstance(tree, dict):
-        return sum(_local_bytes(v) for v in tree.values())
-    if isinstance(tree, list | tuple):
-        return sum(_local_bytes(v) for v in tree)
-    if isinstance(tree, torch.Tensor):
-        local = tree.to_local() if hasattr(tree, "to_local") else tree
-        return local.numel() * local.element_size()
-    if isinstance(tree, FlatRange):
-        return tree.nbytes
-    return 0
-
-
 def _state(model, optimizer) -> dict[str, Any]:
     """What a checkpoint holds, in FSDP2's structure: every sharded tensor as this rank's own
-    range (``FlatRange``: views, no collective; DCP writes and reads them as chunks)."""
+    range (``FlatRange``: views, no collective; DCP writes and reads them as chunks). Several
+    optimizers' states are merged as ``get_state_dict(model, optimizers=[...])`` merges them:
+    keyed by parameter name, their param groups one list, in order."""
     from zeroshard.optimizer_state_dict import optimizer_state_dict
     from zeroshard.state_dict import local_state_dict
 
-    state = {"model": local_state_dict(model), "optim": optimizer_state_dict(optimizer, local=True)}
+    optim: dict[str, Any] = {"state": {}, "param_groups": []}
+    for opt in _optimizers(optimizer):
+        own = optimizer_state_dict(opt, local=True)
+        shared = optim["state"].keys() & own["state"].keys()
+        if shared:
+            raise ValueError(
+                f"two of the optimizers given both hold {sorted(shared)[0]!r}: pass each "
+                "optimizer of the model once (a replaced optimizer no longer steps its "
+                "parameters: leave it out)"
+            )
+        optim["state"] |= own["state"]
+        optim["param_groups"] += own["param_groups"]
+    state = {"model": local_state_dict(model), "optim": optim}
     mesh = engine_of(model).mesh
     tensor_parallel.place_pieces(model, state, mesh.tp_rank, mesh.tp_size)
     return state
@@ -166,12 +172,14 @@ def _resident(model, optimizer) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if masters is not None:
             stack.enter_context(masters.masters_in_memory())
-        stack.enter_context(getattr(optimizer, "states_in_memory", contextlib.nullcontext)())
+        for opt in _optimizers(optimizer):
+            stack.enter_context(getattr(opt, "states_in_memory", contextlib.nullcontext)())
         yield
 
 
 def _optimizer_step(optimizer) -> int:
-    """The step count held by the optimizer's state (0 before any step)."""
+    """The step count held by the (first) optimizer's state (0 before any step)."""
+    optimizer = _optimizers(optimizer)[0]
     for sub in getattr(optimizer, "sub_optimizers", [optimizer]):
         for st in sub.state.values():
             if "step" in st:
@@ -247,13 +255,13 @@ def _save(
         "rank": rank,
         "world_size": world,
         "rng": rng.get_state(),  # first: nothing below may have drawn from them yet
-        "loss_scaler": optimizer.loss_scaler.state_dict(),
+        "loss_scaler": _loss_scalers(optimizer),
         "extra": extra,
         "buffers": rank_buffers.differing(model, group),  # e.g. BatchNorm's running statistics
     }
     buffer = io.BytesIO()
     torch.save(own, buffer)  # a snapshot of this rank's own state, as the bytes of its file
-    _check_loadable(extra, buffer.getvalue())
+    checks.loadable(extra, buffer.getvalue())
     # One exchange: every rank sees every path and problem, so every rank raises alike.
     said = gather((str(path), replace_problem(path)), group)
     paths = [p for p, _ in said]
@@ -271,7 +279,7 @@ def _save(
         state = _state(model, optimizer)
         step = int(extra.get("step", _optimizer_step(optimizer)))
         meta = _metadata(model, step, world)
-        _check_space(path.parent, _local_bytes(state), group)
+        checks.space(path.parent, checks.local_bytes(state), group)
         tmp = path.with_name(path.name + TMP + broadcast(secrets.token_hex(4), group))
         tmp.mkdir(parents=True, exist_ok=True)
         job = (tmp, path, state, buffer.getvalue(), meta, keep)
@@ -292,28 +300,22 @@ def _save(
     return handle
 
 
-def _check_loadable(extra: dict, saved: bytes) -> None:
-    """``load`` reads a rank's own file with ``torch.load(weights_only=True)``: refuse, before
-    anything is written, an ``extra`` value it would refuse (numpy scalars, paths, objects)."""
-    try:
-        torch.load(io.BytesIO(saved), weights_only=True)
-        return
-    except Exception:
-        pass
-    for key, value in extra.items():
-        one = io.BytesIO()
-        torch.save(value, one)
-        try:
-            torch.load(io.BytesIO(one.getvalue()), weights_only=True)
-        except Exception as exc:
-            lines = [ln.strip() for ln in str(exc).splitlines() if "Unpickler error" in ln]
-            why = (lines or [type(exc).__name__])[0].split(". ")[0]
-            raise CheckpointError(
-                f"extra[{key!r}] (a {type(value).__name__}) could not be loaded back ({why}); "
-                "save tensors, numbers, strings, lists, tuples and dicts of them (e.g. float(x), "
-                "str(path), torch.tensor(array))"
-            ) from None
-    raise CheckpointError("this rank's state could not be loaded back after torch.save")
+def _loss_scalers(optimizer) -> dict | list[dict]:
+    """The loss scaler's state dict; with a list of optimizers, a list of them."""
+    states = [opt.loss_scaler.state_dict() for opt in _optimizers(optimizer)]
+    return states if isinstance(optimizer, list | tuple) else states[0]
+
+
+def _saved_loss_scalers(path: Path, optimizer, saved: dict | list[dict]) -> list[dict]:
+    """The saved loss scalers' states, one per optimizer passed (a CheckpointError naming the
+    fix when the counts differ)."""
+    saved = saved if isinstance(saved, list) else [saved]
+    if len(saved) != len(_optimizers(optimizer)):
+        raise CheckpointError(
+            f"checkpoint {path} holds {len(saved)} optimizer(s), and {len(_optimizers(optimizer))}"
+            " were passed: pass the optimizers it was saved with, as a list in the same order"
+        )
+    return saved
 
 
 def _warn_unfinished() -> None:
@@ -477,64 +479,7 @@ def _first_failure(exc) -> str:
     return f"rank {rank}: {type(error).__name__}: {error}".replace("\n", " ")
 
 
-def _check_space(parent: Path, local_bytes: int, group) -> None:
-    """Raise on every rank when the file system of ``parent`` lacks room for the estimate."""
-    sizes = gather(local_bytes, group)
-    need = int(sum(sizes) * _SPACE_MARGIN) + _SPACE_PER_RANK * len(sizes)
-    error = None
-    if dist.get_rank(group) == 0:
-        free = free_bytes(parent)
-        if free < need:
-            error = (
-                f"not enough free space for a checkpoint in {parent}: about {need:,} bytes needed, "
-                f"{free:,} free ({need - free:,} bytes short); free space, lower keep, or save "
-                "elsewhere"
-            )
-    agree(error, group)
-
-
 # --------------------------------------------------------------------- load
-
-
-def _check_names(path: Path, reader, template: dict[str, Any]) -> None:
-    """Compare the checkpoint's model entries with the model's (names and shapes), and its
-    number of optimizer param groups with the optimizer's."""
-    entries = reader.read_metadata().state_dict_metadata
-    groups = sum(k.startswith("optim.param_groups.") and k.endswith(".params") for k in entries)
-    if groups != len(template["optim"]["param_groups"]):
-        raise CheckpointError(
-            f"checkpoint {path} was saved with {groups} optimizer param group(s), this optimizer "
-            f"has {len(template['optim']['param_groups'])}: build it with the saved run's param "
-            "groups (e.g. weight decay off for biases and norms)"
-        )
-    saved = {
-        k.removeprefix("model."): getattr(v, "size", None)
-        for k, v in entries.items()
-        if k.startswith("model.")
-    }
-    ours = {k: getattr(v, "size", lambda: None)() for k, v in template["model"].items()}
-    missing = [k for k in ours if k not in saved]
-    unexpected = [k for k in saved if k not in ours]
-    misshaped = [
-        f"{k} (saved {tuple(saved[k])}, model {tuple(ours[k])})"
-        for k in ours
-        if k in saved and saved[k] is not None and ours[k] is not None
-        and tuple(saved[k]) != tuple(ours[k])
-    ]  # fmt: skip
-    parts = []
-    for what, names in (
-        ("missing", missing),
-        ("unexpected", unexpected),
-        ("mis-shaped", misshaped),
-    ):
-        if names:
-            more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
-            parts.append(f"{len(names)} {what}: {', '.join(names[:3])}{more}")
-    if parts:
-        raise CheckpointError(
-            f"checkpoint {path} is of another model ({'; '.join(parts)}); build the model it was "
-            "saved from (same preset and configuration)"
-        )
 
 
 def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> dict:  # noqa: F811
@@ -560,12 +505,14 @@ def _load(path: Path, model, optimizer, checksums: bool, group) -> dict:
         state = _state(model, optimizer)
         # each file read once, in threads; its checksum verified from the bytes read
         reader = Reader(path, meta["files"] if checksums else None)
-        _check_names(path, reader, state)
+        own = torch.load(path / f"rank-{rank % meta['world_size']:05d}.pt", weights_only=True)
+        scalers = _saved_loss_scalers(path, optimizer, own["loss_scaler"])  # before any read
+        checks.names(path, reader, state)
         read(state, reader, LoadPlanner(), group)
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
-    own = torch.load(path / f"rank-{rank % meta['world_size']:05d}.pt", weights_only=True)
-    optimizer.loss_scaler.load_state_dict(own["loss_scaler"])
+        for opt, scaler in zip(_optimizers(optimizer), scalers):
+            opt.load_state_dict(state["optim"])  # each takes its own parameters' (by name)
+            opt.loss_scaler.load_state_dict(scaler)
     if meta["world_size"] == dist.get_world_size(group):  # else the model state's one copy
         rank_buffers.restore(model, own.get("buffers", {}))
     rng.set_state(own["rng"])

@@ -1,0 +1,116 @@
+"""What a checkpoint save or load refuses before it writes or reads a tensor
+(``zeroshard.checkpoint``): a target without the free space, an ``extra`` that
+``torch.load(weights_only=True)`` would not read back, a checkpoint of another model or
+param-group layout. Each is a one-line
+``CheckpointError`` naming the fix, raised on every rank alike."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.checkpoint_files import CheckpointError, agree, gather
+from zeroshard.flat_range import FlatRange
+from zeroshard.offload.nvme import free_bytes
+
+SPACE_MARGIN = 1.05  # free space wanted over the estimate (DCP metadata, pickled extras)
+SPACE_PER_RANK = 2**20  # and per rank: each file's headers (a small model's may double it)
+
+
+def local_bytes(tree: Any) -> int:
+    """Bytes this rank holds in the tensors of a (nested) state dict."""
+    if isinstance(tree, dict):
+        return sum(local_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(local_bytes(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        return local.numel() * local.element_size()
+    if isinstance(tree, FlatRange):
+        return tree.nbytes
+    return 0
+
+
+def space(parent: Path, local_bytes: int, group) -> None:
+    """Raise on every rank when the file system of ``parent`` lacks room for the estimate."""
+    sizes = gather(local_bytes, group)
+    need = int(sum(sizes) * SPACE_MARGIN) + SPACE_PER_RANK * len(sizes)
+    error = None
+    if dist.get_rank(group) == 0:
+        free = free_bytes(parent)
+        if free < need:
+            error = (
+                f"not enough free space for a checkpoint in {parent}: about {need:,} bytes needed, "
+                f"{free:,} free ({need - free:,} bytes short); free space, lower keep, or save "
+                "elsewhere"
+            )
+    agree(error, group)
+
+
+def loadable(extra: dict, saved: bytes) -> None:
+    """``load`` reads a rank's own file with ``torch.load(weights_only=True)``: refuse, before
+    anything is written, an ``extra`` value it would refuse (numpy scalars, paths, objects)."""
+    try:
+        torch.load(io.BytesIO(saved), weights_only=True)
+        return
+    except Exception:
+        pass
+    for key, value in extra.items():
+        one = io.BytesIO()
+        torch.save(value, one)
+        try:
+            torch.load(io.BytesIO(one.getvalue()), weights_only=True)
+        except Exception as exc:
+            lines = [ln.strip() for ln in str(exc).splitlines() if "Unpickler error" in ln]
+            why = (lines or [type(exc).__name__])[0].split(". ")[0]
+            raise CheckpointError(
+                f"extra[{key!r}] (a {type(value).__name__}) could not be loaded back ({why}); "
+                "save tensors, numbers, strings, lists, tuples and dicts of them (e.g. float(x), "
+                "str(path), torch.tensor(array))"
+            ) from None
+    raise CheckpointError("this rank's state could not be loaded back after torch.save")
+
+
+def names(path: Path, reader, template: dict[str, Any]) -> None:
+    """Compare the checkpoint's model entries with the model's (names and shapes), and its
+    number of optimizer param groups with the optimizer's."""
+    entries = reader.read_metadata().state_dict_metadata
+    groups = sum(k.startswith("optim.param_groups.") and k.endswith(".params") for k in entries)
+    if groups != len(template["optim"]["param_groups"]):
+        raise CheckpointError(
+            f"checkpoint {path} was saved with {groups} optimizer param group(s), this optimizer "
+            f"has {len(template['optim']['param_groups'])}: build it with the saved run's param "
+            "groups (e.g. weight decay off for biases and norms)"
+        )
+    saved = {
+        k.removeprefix("model."): getattr(v, "size", None)
+        for k, v in entries.items()
+        if k.startswith("model.")
+    }
+    ours = {k: getattr(v, "size", lambda: None)() for k, v in template["model"].items()}
+    missing = [k for k in ours if k not in saved]
+    unexpected = [k for k in saved if k not in ours]
+    misshaped = [
+        f"{k} (saved {tuple(saved[k])}, model {tuple(ours[k])})"
+        for k in ours
+        if k in saved and saved[k] is not None and ours[k] is not None
+        and tuple(saved[k]) != tuple(ours[k])
+    ]  # fmt: skip
+    parts = []
+    for what, names in (
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("mis-shaped", misshaped),
+    ):
+        if names:
+            more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
+            parts.append(f"{len(names)} {what}: {', '.join(names[:3])}{more}")
+    if parts:
+        raise CheckpointError(
+            f"checkpoint {path} is of another model ({'; '.join(parts)}); build the model it was "
+            "saved from (same preset and configuration)"
+        )
