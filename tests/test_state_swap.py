@@ -455,3 +455,57 @@ def test_a_rank_that_cannot_offload_stops_every_rank(workers2, tmp_path, which):
     said = workers2.run(_one_rank_cannot, str(tmp_path), which)
     assert said[1].startswith(f"swap folder {tmp_path / which} is not usable"), said
     assert said[0].startswith(f"rank 1 cannot offload: swap folder {tmp_path / which}"), said
+
+
+def _two_optimizers(stage: int, folder: str | None, gradients: str | None = None):
+    """A model sharded with its optimizer states on NVMe (``folder``; None: in memory), and two
+    optimizers over its two halves (AdamW, SGD with momentum)."""
+    torch.manual_seed(0)
+    model, _ = build("gpt")
+    offload = (
+        None if folder is None else Offload(optimizer="nvme", gradients=gradients, folder=folder)
+    )
+    model = zeroshard.shard(
+        model, stage=stage, wrap=zeroshard.wrap.by_class(torch.nn.Linear), offload=offload,
+        config=zeroshard.ShardConfig(bucket_bytes=0),
+    )  # fmt: skip
+    params = list(model.parameters())
+    half = len(params) // 2
+    first = zeroshard.optimizer(model, torch.optim.AdamW, params[:half], lr=1e-3)
+    second = zeroshard.optimizer(model, torch.optim.SGD, params[half:], lr=0.1, momentum=0.9)
+    return model, [first, second]
+
+
+def _two_optimizers_on_nvme(stage: int, folder: str) -> tuple[float, list[str], str]:
+    """Both optimizers' states on NVMe (a store each) against both in memory, after 3 steps of
+    each; and the refusal of two optimizers when gradients are on NVMe too."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    runs = []
+    for where in (None, folder):
+        model, opts = _two_optimizers(stage, where)
+        for step in range(3):
+            x, y = batch("gpt", step, PER_RANK_BATCH * world)
+            mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
+            loss_of("gpt", model, x[mine], y[mine]).backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        runs.append(_params(model))
+        stores = sorted(p.name for p in Path(folder).iterdir()) if where else []
+    try:
+        _two_optimizers(stage, folder + "-grads", gradients="nvme")
+        refused = "built"
+    except ValueError as exc:
+        refused = str(exc)
+    return _max_diff(*runs), stores, refused
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_several_optimizers_each_have_a_store(workers2, tmp_path, stage):
+    # The second optimizer's store was refused: "in use by a live store".
+    grads_stage = STAGES[stage].gradients
+    for diff, stores, refused in workers2.run(_two_optimizers_on_nvme, stage, str(tmp_path / "s")):
+        assert diff == 0.0, diff
+        assert stores == ["rank00000", "rank00000-states1", "rank00001", "rank00001-states1"]
+        if grads_stage:
+            assert "gradients are on NVMe" in refused, refused

@@ -131,10 +131,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """With ``Offload(gradients="nvme")``: reduced gradient shards written as each
         reduction finishes and read back at the step (``zeroshard.model_states.grad_swap``)."""
         if offload is not None and offload.optimizer == "nvme":  # on every rank: a collective
+            if offload.gradients == "nvme" and any(
+                o._param_ids != self._param_ids for o in self.engine.optimizers
+            ):
+                raise ValueError(
+                    "a second optimizer over other parameters of a model whose gradients are "
+                    "on NVMe: each reduced gradient goes to one optimizer's swap files. Keep "
+                    "gradients in memory (Offload(gradients='cpu' or None)), or use one "
+                    "optimizer with param groups"
+                )
             grad_bytes = 0
             if offload.gradients == "nvme":
                 masters = [b.flat.master_view for b in buckets if b.flat.master_view is not None]
                 grad_bytes = sum(padded_bytes(m.numel() * m.element_size()) for m in masters)
+            # Another live optimizer of the model (a GAN's) keeps its store: the lowest free one.
+            taken = {o._swap.index for o in self.engine.optimizers if o._swap is not None}
             self._swap = StateSwapper(
                 self._subgroups,
                 offload,
@@ -142,6 +153,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 optimizer_cls,
                 defaults,
                 grad_bytes=grad_bytes,
+                index=min(set(range(len(taken) + 1)) - taken),
             )
             if offload.gradients == "nvme":
                 self._grad_swap = GradSwapper(self._swap.store, buckets, self._swap.timed)

@@ -201,8 +201,11 @@ class StateSwapper(StopsOnFailure):
         defaults: dict[str, Any],
         *,
         grad_bytes: int = 0,
+        index: int = 0,
     ) -> None:
-        config = offload.store_config(mesh.global_rank)
+        self.index = index
+        """Which of the model's optimizers' stores (``Offload.store_config``): 0 for the first."""
+        config = offload.store_config(mesh.global_rank, index)
         per_element = state_bytes_per_element(optimizer_cls, defaults)
         state_bytes = sum(  # each state tensor's file rounded up to 4096; per_element counts
             # 4-byte states: a float64 master's are 8 bytes

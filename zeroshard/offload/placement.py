@@ -44,8 +44,11 @@ logger = logging.getLogger("zeroshard.offload")
 
 _STORES = {"states": "", "params": "-params", "activations": "-activations"}
 """The stores of one rank, by what they hold: the suffix of their folder's name."""
-RANK_FOLDER = re.compile(rf"rank(?P<rank>\d{{5}})(?:{'|'.join(v for v in _STORES.values() if v)})?")
-"""The per-rank store folders that ``Offload`` makes under its ``folder``."""
+RANK_FOLDER = re.compile(
+    rf"rank(?P<rank>\d{{5}})(?:{'|'.join(v for v in _STORES.values() if v)}|-states\d+)?"
+)
+"""The per-rank store folders that ``Offload`` makes under its ``folder`` (``-states1``...: the
+states of a model's second, third... optimizer)."""
 
 _PLACES = (None, "cpu", "nvme")
 
@@ -145,9 +148,13 @@ class Offload:
                 "(training runs on the CPU: they are there already, nothing moves)"
             )
 
-    def store_config(self, rank: int) -> OffloadConfig:
-        """The NVMe store of ``rank``: its own sub-folder of ``folder``."""
-        return OffloadConfig(tier=Tier.NVME, folder=self._rank_folder(rank, "states"))
+    def store_config(self, rank: int, index: int = 0) -> OffloadConfig:
+        """The NVMe store of ``rank``'s optimizer states: its own sub-folder of ``folder``
+        (``index`` k >= 1: another optimizer's, in ``rank00003-states<k>``)."""
+        folder = self._rank_folder(rank, "states")
+        if index:
+            folder = folder.with_name(f"{folder.name}-states{index}")
+        return OffloadConfig(tier=Tier.NVME, folder=folder)
 
     def activation_store_config(self, rank: int) -> OffloadConfig | None:
         """The store of ``rank``'s activation checkpoints (None: the CPU tier's default)."""
