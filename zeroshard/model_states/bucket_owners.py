@@ -76,8 +76,10 @@ def zero_grad(optimizer: ShardedOptimizer, set_to_none: bool) -> None:
     its own buckets (and those no optimizer owns) are dropped, in a shared one only its
     parameters' gradients are zeroed."""
     engine = optimizer.engine
+    others = False  # another optimizer's gradients remain
     for b in engine.buckets:
         owners = _owners(b)
+        others = others or any(o is not optimizer for o in owners)
         if not owners or owners == [optimizer]:
             b.zero(keep_touched=not set_to_none)
         elif optimizer in owners:
@@ -89,4 +91,5 @@ def zero_grad(optimizer: ShardedOptimizer, set_to_none: bool) -> None:
             if all(o in b.zeroed for o in owners):
                 b.found_inf.zero_()
                 b.zeroed.clear()
-    engine.scaling.reset()
+    if not others:  # no gradient is left waiting: the next backward may use another scale
+        engine.scaling.reset()
