@@ -10,7 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from zeroshard.trees import map_tensors, tensors_in
 
 
 class BackwardHook(torch.autograd.Function):
@@ -33,7 +34,7 @@ def when_backward_reaches(hook: Callable[[], None], tree: Any) -> None:
     """Call ``hook`` when backward first reaches one of ``tree``'s tensors that require grad: on
     a unit's outputs, as the unit's backward begins (gather again). A hook, not a wrapping
     Function, so the outputs stay what the unit returned (in-place ops on them are fine)."""
-    tensors = [x for x in tree_flatten(tree)[0] if torch.is_tensor(x) and x.requires_grad]
+    tensors = [x for x in tensors_in(tree) if x.requires_grad]
     if tensors:
         torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: hook(), mode="any")
 
@@ -41,14 +42,11 @@ def when_backward_reaches(hook: Callable[[], None], tree: Any) -> None:
 def on_backward(hook, tree: Any) -> tuple[Any, bool]:
     """``tree`` with its tensors that require grad passed through one ``BackwardHook(hook)``,
     and whether there was any (if not, ``hook`` will never fire)."""
-    leaves, spec = tree_flatten(tree)
-    idx = [i for i, x in enumerate(leaves) if torch.is_tensor(x) and x.requires_grad]
-    if not idx:
+    hooked = {id(x): x for x in tensors_in(tree) if x.requires_grad}  # each tensor once
+    if not hooked:
         return tree, False
-    outs = BackwardHook.apply(hook, *(leaves[i] for i in idx))
-    for i, out in zip(idx, outs):
-        leaves[i] = out
-    return tree_unflatten(leaves, spec), True
+    outs = dict(zip(hooked, BackwardHook.apply(hook, *hooked.values())))
+    return map_tensors(lambda x: outs.get(id(x), x), tree), True
 
 
 def in_backward() -> bool:

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zeroshard import autograd_hooks
 from zeroshard import collectives as C
@@ -46,6 +45,7 @@ from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
+from zeroshard.trees import map_tensors
 from zeroshard.unit import TrainingState, Unit
 from zeroshard.watchdog import CollectiveTimeout, is_comm_failure
 
@@ -547,14 +547,9 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     """Cast the floating-point tensors in ``tree`` to ``dtype``; other leaves pass through.
     ``tree`` itself when nothing needs a cast: its containers are rebuilt only then (a list
     that the caller passes down for a unit to append to, aux losses, stays the caller's)."""
-    leaves, spec = tree_flatten(tree)
-    cast = [
-        x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype else x
-        for x in leaves
-    ]
-    if all(a is b for a, b in zip(cast, leaves)):
-        return tree
-    return tree_unflatten(cast, spec)
+    return map_tensors(
+        lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree
+    )
 
 
 def engine_of(model: nn.Module) -> Engine:

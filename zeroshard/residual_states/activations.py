@@ -31,16 +31,14 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as ckpt
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from zeroshard.residual_states.partitioned import CheckpointKeeper
+from zeroshard.trees import tensors_in
 
 
 def _first_tensor(tree: Any) -> torch.Tensor | None:
-    for leaf in tree_flatten(tree)[0]:
-        if torch.is_tensor(leaf):
-            return leaf
-    return None
+    tensors = tensors_in(tree)
+    return tensors[0] if tensors else None
 
 
 @dataclass
