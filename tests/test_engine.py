@@ -233,6 +233,10 @@ def _bad_inputs() -> bool:
     with pytest.raises(ValueError, match=r"module '1' \(Embedding\) has sparse=True"):
         zeroshard.shard(frozen, stage=3)
     frozen[1].requires_grad_(False)
+    # max_norm renormalizes the weight in place in forward: lost at stage 3, without a word
+    with pytest.raises(ValueError, match=r"module 'emb' \(EmbeddingBag\) has max_norm=1.0"):
+        zeroshard.shard(nn.ModuleDict({"emb": nn.EmbeddingBag(5, 2, max_norm=1.0)}), stage=3)
+    frozen.append(nn.Embedding(5, 2, max_norm=1.0).requires_grad_(False))  # nothing to train
     flagged = nn.Linear(2, 2)
     flagged.sparse = True  # a flag of the user's own (sparse attention): not an embedding's
     zeroshard.shard(nn.Sequential(frozen, flagged), stage=3)

@@ -1357,3 +1357,37 @@ def test_units_taking_and_returning_dataclasses(workers2, stage):
         assert diff < 1e-6, diff
     for diff in workers2.run(_dataclass_units, stage, "bf16"):
         assert diff < 0.05, diff  # ran, near the FP32 reference
+
+
+def _step_after_unsynced_backwards(stage: int) -> tuple[str, float]:
+    """Every backward of a step under no_sync: step() refuses (it would apply nothing, and
+    zero_grad then dropped the accumulated gradients); a synchronized backward after it adds
+    the last micro-batch and the step is the torch one of all of them."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(nn.Linear))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    xs = [torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    mine = slice(2 * rank, 2 * rank + 2)
+    with zeroshard.no_sync(model):
+        for x in xs[:2]:
+            model(x[mine]).mean().backward()
+    try:
+        opt.step()
+        said = "stepped"
+    except ValueError as exc:
+        said = str(exc)
+    model(xs[2][mine]).mean().backward()
+    opt.step()
+    sum(ref(x).mean() for x in xs).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    return said, _param_diff(model, ref)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_step_after_unsynchronized_backwards_only_is_refused(workers2, stage):
+    # It returned True and moved nothing.
+    for said, diff in workers2.run(_step_after_unsynced_backwards, stage):
+        assert "after a backward with sync=False (or inside no_sync())" in said, said
+        assert diff < 1e-6, diff

@@ -121,19 +121,7 @@ def shard(
             "ran on it): zeroshard shards plain parameters; split a model tensor-parallel with "
             "zeroshard.tensor_parallel (zeroshard train --tp N) instead"
         )
-    sparse = [
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse and m.weight.requires_grad
-    ]
-    if sparse:
-        raise ValueError(
-            f"module {sparse[0] or '<root>'!r} "
-            f"({type(model.get_submodule(sparse[0])).__name__}) has sparse=True: its gradients "
-            "are sparse tensors, which the flat gradient buckets cannot hold; build it with "
-            "sparse=False (dense gradients, with an element-wise optimizer such as Adam instead "
-            "of SparseAdam) or freeze it"
-        )
+    _check_embeddings(model)
     devices = {p.device for p in model.parameters()} - {torch.device("meta")}
     if len(devices) > 1:
         raise ValueError(
@@ -412,6 +400,33 @@ def _flat_params(
     for key in list(open_buckets):
         close(key)
     return per_unit
+
+
+def _check_embeddings(model: nn.Module) -> None:
+    """A ValueError naming the module and the fix for a trainable embedding that the engine
+    cannot train as torch does: sparse gradients (the flat buckets hold dense ones) or
+    ``max_norm`` (its forward renormalizes rows of the weight in place: a write to the gathered
+    copy, lost at stage 3, partly kept at stages 1-2, and left to drift between the replicas at
+    stage 0)."""
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Embedding | nn.EmbeddingBag) or not m.weight.requires_grad:
+            continue
+        which = f"module {name or '<root>'!r} ({type(m).__name__})"
+        if m.sparse:
+            raise ValueError(
+                f"{which} has sparse=True: its gradients are sparse tensors, which the flat "
+                "gradient buckets cannot hold; build it with sparse=False (dense gradients, "
+                "with an element-wise optimizer such as Adam instead of SparseAdam) or freeze it"
+            )
+        if m.max_norm is not None:
+            raise ValueError(
+                f"{which} has max_norm={m.max_norm}: its forward rescales rows of the weight in "
+                "place, a write to the gathered parameter that sharding does not keep (lost at "
+                "stage 3, in part at stages 1-2, different on each replica at stage 0); build "
+                "it with max_norm=None and bound the norms another way (a penalty, or "
+                "renormalize inside zeroshard.summon_full_params(model) after each step), or "
+                "freeze it"
+            )
 
 
 def _move_buffers(model: nn.Module, mesh: Mesh, mp: MixedPrecision) -> None:

@@ -350,6 +350,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "undoes writes to the parameters on exit: whether the step should be undone "
                 "too is ambiguous; step outside it, or inside summon_full_params(model)"
             )
+        if self.engine.scaling.accumulating:  # else the step applies nothing, without a word
+            raise ValueError(
+                "optimizer.step() after a backward with sync=False (or inside no_sync()): its "
+                "gradients wait unreduced and the step would apply none of them. Run the last "
+                "micro-batch's backward synchronized (opt.backward(loss), outside no_sync()), "
+                "then step(); the accumulated gradients are kept"
+            )
         if self._backward_step is None:
             self.engine.adopt_writes()  # (stepping in backward, the forward adopted them)
         found_inf, unused = self._agree()
