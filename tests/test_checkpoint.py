@@ -482,6 +482,10 @@ def _bad_input(base: str) -> bool:
     assert not checkpoint.info(good).complete
     with pytest.raises(ValueError, match="keep"):
         checkpoint.save(good, model, opt, keep=0)
+    # A step that is not a count: a bare int() error before, and 2.7 recorded as step 2.
+    for step in ("best", None, 2.7, -1, True):
+        with pytest.raises(checkpoint.CheckpointError, match=r"extra\['step'\] is the step"):
+            checkpoint.save(_path(base, "steps"), model, opt, {"step": step})
     return True
 
 

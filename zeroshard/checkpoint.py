@@ -236,6 +236,13 @@ def save(
         raise ValueError(f"keep must be a positive int or None (keep all), got {keep!r}")
     wait()  # the previous asynchronous save: published (or its error raised) first
     extra = dict(extra or {})
+    step = extra.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(
+            f"extra['step'] is the step count, an int >= 0 (the metadata's step and the data "
+            f"position to resume from); got {step!r}: pass int(step), or store your value "
+            "under another key"
+        )
     for key, value in extra.items():  # schedulers and other stateful objects: their state
         if callable(getattr(value, "state_dict", None)):
             extra[key] = value.state_dict()
