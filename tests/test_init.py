@@ -71,6 +71,27 @@ def test_a_meta_module_without_reset_parameters_needs_an_init_fn(workers2):
     workers2.run(_meta_without_init)
 
 
+def _replacing_init() -> str:
+    def init(module: nn.Module) -> None:  # a new Parameter, not a write into the one built
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(torch.zeros_like(p, device="cpu")))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    try:
+        zeroshard.shard(model, stage=3, param_init_fn=init)
+    except ValueError as exc:
+        return str(exc)
+    return "sharded"
+
+
+def test_an_init_that_replaces_parameters_is_refused(workers2):
+    # Accepted before: the new parameters trained unsharded (different on each rank) and the
+    # optimizer said they were "not part of the sharded model".
+    for said in workers2.run(_replacing_init):
+        assert "replaced its parameter 'weight' with a new object" in said, said
+
+
 def _meta_buffer(sets_it: bool) -> float:
     class Scaled(nn.Module):
         """A buffer given its value in __init__ (lost on meta) unless reset_parameters sets it."""

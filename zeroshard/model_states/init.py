@@ -65,8 +65,10 @@ class Materializer:
         for name, p in done.items():
             scratch = torch.empty(p.shape, dtype=p.dtype, device=self.device)
             module._parameters[name] = nn.Parameter(scratch, p.requires_grad)
+        before = dict(module._parameters)
         try:
             self._run_init(module)
+            _check_kept(module, before)
         finally:
             module._parameters.update(done)
         self._done.update(id(p) for p in module.parameters(recurse=False))
@@ -103,6 +105,21 @@ class Materializer:
             )
             if on_meta:
                 self._init_module(module)
+
+
+def _check_kept(module: nn.Module, before: dict[str, nn.Parameter | None]) -> None:
+    """A ValueError when the initialization replaced a parameter object instead of writing it:
+    the engine shards the one the model was built with (the new one would train unsharded,
+    different on every rank, and the optimizer would not find it)."""
+    for name, p in before.items():
+        if module._parameters.get(name) is not p:
+            raise ValueError(
+                f"the initialization of {type(module).__name__} (param_init_fn or "
+                f"reset_parameters()) replaced its parameter {name!r} with a new object; the "
+                "engine shards the one the model was built with. Initialize it in place "
+                "(torch.nn.init functions, or p.copy_(...) / p.normal_(...) under "
+                "torch.no_grad()), not by assigning a new nn.Parameter"
+            )
 
 
 def _unset(b: torch.Tensor, device: torch.device) -> torch.Tensor:
