@@ -1391,3 +1391,48 @@ def test_a_step_after_unsynchronized_backwards_only_is_refused(workers2, stage):
     for said, diff in workers2.run(_step_after_unsynced_backwards, stage):
         assert "after a backward with sync=False (or inside no_sync())" in said, said
         assert diff < 1e-6, diff
+
+
+def _closure_and_state_dict_hooks(stage: int) -> tuple[float, list[str], bool]:
+    """``opt.step(closure)`` as torch's (PyTorch Lightning passes one): the closure's loss
+    returned, the step that of plain torch; and the optimizer's state-dict hooks run."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(nn.Linear))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(3))
+    same_loss = True
+    for _ in range(2):
+
+        def closure(m=model, o=opt, rows=x[2 * rank : 2 * rank + 2]):
+            o.zero_grad()
+            loss = m(rows).mean()
+            loss.backward()
+            return loss
+
+        def ref_closure():
+            ref_opt.zero_grad()
+            loss = ref(x).mean()
+            loss.backward()
+            return loss
+
+        loss = opt.step(closure)
+        ref_loss = ref_opt.step(ref_closure)
+        same_loss &= torch.is_tensor(loss) and abs(_mean_over_ranks(loss) - ref_loss.item()) < 1e-6
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("save post"))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    opt.load_state_dict(opt.state_dict())
+    return _param_diff(model, ref), calls, same_loss
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_closure_and_the_state_dict_hooks_as_torch(workers2, stage):
+    # A closure was refused ("takes no closure"), and the state-dict hooks never ran.
+    for diff, calls, same_loss in workers2.run(_closure_and_state_dict_hooks, stage):
+        assert diff < 1e-6 and same_loss, diff
+        assert calls == ["save pre", "save post", "load pre", "load post"], calls

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -333,17 +333,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         seen, touched = agreed(flags, engine.forget_order)  # a host sync: decided on the host
         return self.loss_scaler.checks and seen, {i for i, used in enumerate(touched) if not used}
 
-    @torch.no_grad()
-    def step(self, closure: None = None) -> bool:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One optimizer step on this rank's shard, sub-group by sub-group; the engine then
         refreshes replicated parameters.
 
         Returns False when the step was skipped because some rank's gradients hold inf/NaN
         (the loss scaler then lowers its scale); master weights and optimizer states are left
         untouched. ``zero_grad`` as usual either way.
+
+        ``closure`` (as torch's, and PyTorch Lightning's, optimizers take it): called once,
+        with gradients enabled, before the step (it runs the forward and backward); the step
+        then returns its loss, as torch's does. Called once only: the element-wise optimizers
+        that a sharded one accepts never re-evaluate it (LBFGS is refused).
         """
-        if closure is not None:
-            raise ValueError("a sharded optimizer takes no closure (LBFGS-style re-evaluation)")
+        if closure is None:
+            return self._step()
+        with torch.enable_grad():
+            loss = closure()
+        self._step()
+        return loss
+
+    @torch.no_grad()
+    def _step(self) -> bool:
         if self.engine.discarding:
             raise ValueError(
                 "optimizer.step() inside summon_full_params(model, writeback=False), which "
@@ -525,13 +536,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer state keyed by parameter name (``zeroshard.optimizer_state_dict``)."""
+        """Optimizer state keyed by parameter name (``zeroshard.optimizer_state_dict``); the
+        hooks of ``register_state_dict_pre_hook`` / ``_post_hook`` run as torch runs them."""
         from zeroshard.optimizer_state_dict import optimizer_state_dict
 
-        return optimizer_state_dict(self)
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = optimizer_state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            returned = post_hook(self, state_dict)
+            state_dict = state_dict if returned is None else returned
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what ``state_dict`` returns (at any world size or stage, e.g. through DCP)."""
+        """Load what ``state_dict`` returns (at any world size or stage, e.g. through DCP); the
+        hooks of ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as torch runs them."""
         from zeroshard.optimizer_state_dict import load_optimizer_state_dict
 
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            state_dict = state_dict if returned is None else returned
         load_optimizer_state_dict(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
