@@ -140,6 +140,13 @@ class Engine:
         # Outermost non-root units only: a unit inside another is covered by the outer one.
         nested = {u for u in inner for o in inner if u.name.startswith(o.name + ".")}
         self._checkpointed = set(inner) - nested
+        if self.checkpointing:
+            for unit in self._checkpointed:
+                # A span's recomputation replays its units eagerly (in backward, outside any
+                # compiled frame), and must save what their forward saved: under torch.compile
+                # a compiled forward saves other tensors (torch's CheckpointError "Recomputed
+                # values ... have different metadata"). Checkpointed units run eagerly.
+                unit.module.forward = torch._dynamo.disable(unit.module.forward)
         self._handles: list[Any] = []
         for unit in unit_list:
             self._install_hooks(unit)
