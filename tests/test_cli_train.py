@@ -963,6 +963,19 @@ def test_offload_folder_inside_the_checkpoints(capsys, tmp_path):
     _expect_usage_error(capsys, [*argv, "--out-dir", str(tmp_path)], "inside", "swap")
 
 
+def test_what_the_run_writes_is_outside_its_data_folder(capsys, tmp_path):
+    # Its config.json was trained on at once; on resume its checkpoints and metrics too.
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text to train on " * 200)
+    argv = ["train", "--data", str(corpus)]
+    _expect_usage_error(capsys, [*argv, "--out-dir", str(corpus / "run")], "--out-dir", "inside")
+    swap = ["--offload-optimizer", "nvme", "--offload-folder", str(corpus / "swap")]
+    _expect_usage_error(
+        capsys, [*argv, *swap, "--out-dir", str(tmp_path / "run")], "--offload-folder", "inside"
+    )
+
+
 def test_a_killed_launcher_s_private_config_is_removed_by_the_next_run(tmp_path, data_dir):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid that no longer runs

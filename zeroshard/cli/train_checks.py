@@ -29,6 +29,7 @@ def check_inputs(cfg: TrainConfig, nproc: int, local_ranks: int | None = None) -
     check_divides(cfg, nproc)
     if cfg.data:
         check_data_path(cfg.data)
+        _check_outside_data(cfg)
     if cfg.tokenizer:
         load_tokenizer(cfg.tokenizer)
     if cfg.model:
@@ -100,6 +101,22 @@ def _check_states_fit(cfg: TrainConfig, nproc: int, local_ranks: int) -> None:
             f"{', a higher --stage' if cfg.stage < 3 else ''}, or put states on disk "
             "(--offload-optimizer nvme --offload-folder DIR; see zeroshard plan --offload)"
         )
+
+
+def _check_outside_data(cfg: TrainConfig) -> None:
+    """What the run writes (its --out-dir, its --offload-folder) is not inside a --data folder,
+    whose every file is read as text: the run would train on its own config, metrics and
+    checkpoints (a resume on other bytes than the run it continues)."""
+    data = Path(cfg.data).resolve()
+    if not data.is_dir():
+        return
+    for flag, path in (("--out-dir", cfg.out_dir), ("--offload-folder", cfg.offload_folder)):
+        if path is not None and Path(path).resolve().is_relative_to(data):
+            raise UsageError(
+                f"{flag} {path} is inside --data {cfg.data}, whose files are all read as "
+                "training data: the run would train on what it writes (config, metrics, "
+                f"checkpoints); pass an {flag} outside it (e.g. {data.parent / 'runs'})"
+            )
 
 
 def _probe_writable(folder: Path) -> None:
