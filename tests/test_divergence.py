@@ -64,3 +64,23 @@ def test_non_finite_validation_loss(sharded):
     guard.check_validation(3, 2.5)
     with pytest.raises(Diverged, match=r"^diverged at step 3: validation loss inf"):
         guard.check_validation(3, math.inf)
+
+
+def test_non_finite_before_any_update_names_other_causes(sharded):
+    # It said "lower the learning rate" for a loss that was NaN before any update (at stage
+    # 3, usually a parameter read outside its unit: its NaN placeholder at rest).
+    _, model, opt = sharded
+    guard = DivergenceGuard(opt, max_skipped_steps=2)
+    with pytest.raises(Diverged, match="validation loss nan") as before:
+        guard.check_validation(0, math.nan)
+    assert "before any update, so not the learning rate" in str(before.value)
+    assert "placeholder at rest" in str(before.value) and "--lr" not in str(before.value)
+    assert not _step(model, opt, guard, 1, poison=True)
+    with pytest.raises(Diverged, match="placeholder at rest"):
+        _step(model, opt, guard, 2, poison=True)
+    opt.zero_grad()  # (the raise came before _step's)
+    guard.num_consecutive_skipped = 0
+    assert _step(model, opt, guard, 3)  # once a step was taken: the learning rate again
+    with pytest.raises(Diverged, match=r"\(--lr\)") as after:
+        guard.check_validation(3, math.nan)
+    assert "placeholder" not in str(after.value)

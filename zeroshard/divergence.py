@@ -24,6 +24,16 @@ from zeroshard.model_states.optimizer import ShardedOptimizer
 from zeroshard.precision import DynamicLossScaler
 
 _ADVICE = "lower the learning rate (--lr) or lengthen the warm-up (--warmup-steps)"
+_BEFORE_UPDATE = (
+    "non-finite before any update, so not the learning rate: look for inf/NaN in the data and "
+    "in the weights the run started from (initialization, or the checkpoint resumed)"
+)
+_AT_REST = (
+    "; at stage 3 it is most often a parameter read outside its own unit's forward, which "
+    "finds its NaN placeholder at rest (a module using another unit's weight directly, e.g. "
+    "F.linear(h, self.embed.weight) for a tied head, or a term over model.parameters() in the "
+    "loss): call the owning module or wrap both in one unit (--wrap), and check with --stage 2"
+)
 
 
 class Diverged(Exception):
@@ -56,6 +66,16 @@ class DivergenceGuard:
         self.num_consecutive_skipped = num_consecutive_skipped
         """Skipped steps in a row up to now (a resume inside a streak goes on counting it)."""
         self.last_loss = math.nan
+        self.num_taken = 0
+        """Steps taken by this process (0: nothing updated yet, the model is as built or
+        loaded)."""
+
+    def _advice(self, advice: str = _ADVICE) -> str:
+        """``advice``; where nothing was updated yet, what else it can be (stage 3's usual
+        cause first)."""
+        if self.num_taken:
+            return advice
+        return _BEFORE_UPDATE + (_AT_REST if self.opt.engine.partition.parameters else "")
 
     @property
     def scaler_rules(self) -> bool:
@@ -72,16 +92,17 @@ class DivergenceGuard:
             self.num_skipped += 1
             n = self.num_consecutive_skipped + 1
             what = f"{n} consecutive non-finite gradient steps, at the minimum fp16 loss scale"
-            raise Diverged(step, what, loss, f"{_ADVICE}, or train in bf16") from None
+            raise Diverged(step, what, loss, self._advice(f"{_ADVICE}, or train in bf16")) from None
         if stepped:
             self.num_consecutive_skipped = 0
+            self.num_taken += 1
             return True
         self.num_skipped += 1
         self.num_consecutive_skipped += 1
         self.check_masters(step)  # a collective: every rank skipped this step too
         n = self.num_consecutive_skipped
         if not self.scaler_rules and n >= self.max_skipped_steps:
-            raise Diverged(step, f"{n} consecutive non-finite gradient steps", loss)
+            raise Diverged(step, f"{n} consecutive non-finite gradient steps", loss, self._advice())
         return False
 
     def check_masters(self, step: int) -> None:
@@ -98,9 +119,9 @@ class DivergenceGuard:
                 bad, op=torch.distributed.ReduceOp.MAX, group=self.opt.engine.mesh.group
             )
         if bad.item():
-            raise Diverged(step, "non-finite master weights", self.last_loss)
+            raise Diverged(step, "non-finite master weights", self.last_loss, self._advice())
 
     def check_validation(self, step: int, val_loss: float) -> None:
         """Raise ``Diverged`` if the (all-reduced, so agreed) validation loss is inf/NaN."""
         if not math.isfinite(val_loss):
-            raise Diverged(step, f"validation loss {val_loss}", self.last_loss)
+            raise Diverged(step, f"validation loss {val_loss}", self.last_loss, self._advice())
