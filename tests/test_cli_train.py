@@ -504,6 +504,26 @@ def build_bad():
 
 def build_broken():
     raise RuntimeError("my factory crashed")
+
+
+def build_frozen():
+    return MyLM().requires_grad_(False)
+
+
+def build_sized(width):
+    return MyLM()
+
+
+def build_exiting():
+    import sys
+
+    sys.exit(3)
+
+
+def build_declaring_a_string():
+    model = MyLM()
+    model._no_split_modules = "MyBlock"  # a str, not a list of them
+    return model
 '''
 
 
@@ -549,6 +569,36 @@ def test_own_model_factory(capsys, tmp_path, model_module, data_dir):
     flags = [*NANO, "--steps", "2", "--batch-size", "4", "--model", f"{model_module}:build"]
     code, err, _, _ = _train_in_process(capsys, tmp_path / "oov", *flags, "--data", str(ids))
     assert code == 2 and "a vocabulary of at least 1000" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "factory, wrap, said",
+    [
+        ("build_frozen", "MyBlock", "has no trainable parameter"),
+        ("build_sized", "MyBlock", "needs some (missing a required argument: 'width')"),
+        ("build_exiting", "MyBlock", "the factory exited (sys.exit(3))"),
+        ("build", "MyBlock,Nope", "no submodule of MyLM is a Nope; classes of its submodules"),
+        ("build", ",", "names no class"),
+        ("build", "MyLM", "no submodule of MyLM is a MyLM"),
+    ],
+)
+def test_a_factory_s_mistakes_are_one_line(
+    capsys, tmp_path, model_module, data_dir, factory, wrap, said
+):
+    # Tracebacks (exit 1), exit 3 (read as divergence), or a --wrap class ignored silently.
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1", "--batch-size", "2"]
+    flags += ["--model", f"{model_module}:{factory}", "--wrap", wrap]
+    code, err, _, _ = _train_in_process(capsys, tmp_path / "run", *flags)
+    assert code == 2 and said in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_no_split_modules_given_as_one_string(capsys, tmp_path, model_module, data_dir):
+    # Read letter by letter: "by_class(B, M, c, k, l, o, y) matches no submodule".
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1", "--batch-size", "2"]
+    flags += ["--model", f"{model_module}:build_declaring_a_string"]
+    code, err, _, summary = _train_in_process(capsys, tmp_path / "run", *flags)
+    assert code == 0 and summary["num_units"] == 4, err
 
 
 def test_hf_config(capsys, tmp_path, data_dir):

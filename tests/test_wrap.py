@@ -31,8 +31,13 @@ def test_by_class_accepts_class_names_like_the_articles_T5Block():
 
 
 def test_class_matching_nothing_lists_the_classes_present():
-    with pytest.raises(ValueError, match=r"T5Block.*classes present: Block, CausalSelfAttention"):
+    with pytest.raises(
+        ValueError, match=r"T5Block.*classes of its submodules: Block, CausalSelfAttention"
+    ) as info:
         wrap.by_class("T5Block")(GPT(PRESETS["nano"]))
+    assert "GPT," not in str(info.value)  # the model's own class is not a submodule's
+    with pytest.raises(ValueError, match=r"GPT is the model itself"):
+        wrap.by_class("GPT")(GPT(PRESETS["nano"]))
 
 
 def test_shared_parameter_across_units_goes_to_common_ancestor():

@@ -44,11 +44,17 @@ def by_class(*classes: type[nn.Module] | str) -> WrapPolicy:
     def policy(model: nn.Module) -> list[str]:
         names = [name for name, m in model.named_modules() if name and matches(m)]
         if not names:
-            present = sorted({type(m).__name__ for m in model.modules()})
+            present = sorted({type(m).__name__ for name, m in model.named_modules() if name})
             wanted = ", ".join(c if isinstance(c, str) else c.__name__ for c in classes)
+            root = (
+                f" ({type(model).__name__} is the model itself, whose parameters no unit takes "
+                "form the root unit anyway: name the classes of its blocks)"
+                if matches(model)
+                else ""
+            )
             raise ValueError(
                 f"wrap policy by_class({wanted}) matches no submodule of "
-                f"{type(model).__name__}; classes present: {', '.join(present)}"
+                f"{type(model).__name__}{root}; classes of its submodules: {', '.join(present)}"
             )
         return names
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,7 +67,28 @@ def import_factory(spec: str) -> Callable[[], nn.Module]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ValueError(f"model = {spec!r}: {attr} is a {type(obj).__name__}, not a callable")
+    try:
+        inspect.signature(obj).bind()
+    except TypeError as exc:
+        raise ValueError(
+            f"model = {spec!r}: the factory is called with no arguments, and {attr} needs some "
+            f"({exc}); give them defaults, or name a wrapper that passes them"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        pass
     return obj
+
+
+def _call_factory(spec: str) -> Any:
+    """``factory()``; a factory that exits (``sys.exit``) is said so instead of passing its
+    status for ours (3 would read as divergence)."""
+    try:
+        return import_factory(spec)()
+    except SystemExit as exc:
+        raise ValueError(
+            f"model = {spec!r}: the factory exited (sys.exit({exc.code!r})) instead of "
+            "returning a module; raise an exception there to say why"
+        ) from None
 
 
 def read_hf_config(path: str) -> dict:
@@ -108,11 +130,13 @@ def build_model(
     sharding materializes it unit by unit)."""
     building = torch.device("meta") if meta_init else contextlib.nullcontext()
     wrap_names = tuple(n.strip() for n in wrap.split(",") if n.strip()) if wrap else ()
+    if wrap and not wrap_names:
+        raise ValueError(f"wrap = {wrap!r} names no class; pass class names, e.g. --wrap Block")
     if hf:
         module, name = _build_hf(hf, vocab_size), read_hf_config(hf)["model_type"]
     elif model:
         with building:
-            module, name = import_factory(model)(), model
+            module, name = _call_factory(model), model
         if not isinstance(module, nn.Module):
             raise ValueError(
                 f"model = {model!r} returned a {type(module).__name__}, not an nn.Module"
@@ -120,9 +144,29 @@ def build_model(
     else:
         with building:
             gpt = GPT(dataclasses.replace(preset(preset_name), vocab_size=vocab_size))
+        _check_wrap_names(gpt, wrap_names)
         return BuiltModel(gpt, wrap_names or ("Block",), preset_name, gpt.init_module)
-    declared = tuple(sorted(getattr(module, "_no_split_modules", None) or ()))
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            f"{name} has no trainable parameter (every one has requires_grad=False, or it has "
+            "none): there is nothing to train; leave some parameters trainable"
+        )
+    _check_wrap_names(module, wrap_names)
+    declared = getattr(module, "_no_split_modules", None) or ()
+    declared = (declared,) if isinstance(declared, str) else tuple(sorted(declared))
     return BuiltModel(module, wrap_names or declared, name)
+
+
+def _check_wrap_names(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Every class that --wrap names is the class of some submodule (one mistyped beside one
+    that matches was ignored without a word)."""
+    present = {type(m).__name__ for n, m in module.named_modules() if n}
+    missing = [n for n in names if n not in present]
+    if missing:
+        raise ValueError(
+            f"wrap = {','.join(names)!r}: no submodule of {type(module).__name__} is a "
+            f"{', '.join(missing)}; classes of its submodules: {', '.join(sorted(present))}"
+        )
 
 
 def _build_hf(path: str, vocab_size: int) -> nn.Module:
