@@ -241,7 +241,7 @@ def test_from_global_batch(corpus: Corpus) -> None:
         (dict(rank=2, world_size=2), r"rank must be an int in \[0, world_size=2\)"),
         (dict(seed=-1), "seed must be a non-negative int"),
         (dict(seq_len=10**9), "too long for a split"),
-        (dict(batch_size=10**6, seq_len=64), "lower batch_size or seq_len"),
+        (dict(batch_size=10**6, seq_len=64), r"1 rank\(s\) x 1000000 = 1000000 sequences"),
     ],
 )
 def test_loader_bad_input(corpus: Corpus, kwargs: dict, match: str) -> None:

@@ -41,6 +41,9 @@ def _one_line_error(capsys, argv: list[str]) -> str:
         ("grad_accum = 3", ["batch_size = 16", "grad_accum = 3", "multiple of 3"]),
         ('model = "no_colon"', ["model = 'no_colon'", "package.module:factory"]),
         ('tokenizer = "gpt2"', ["tokenizer = 'gpt2'", "--data"]),
+        # TOML has no None: an example of the kind (it said "e.g. wrap = None")
+        ('wrap = ["Blk"]', ["wrap = ['Blk'] is a list", 'e.g. wrap = "..." (or leave it out)']),
+        ("lr = true", ["must be a number", "e.g. lr = 0.003"]),
     ],
 )
 def test_bad_config_values_are_one_line(capsys, tmp_path, toml, needles):
@@ -100,7 +103,7 @@ def test_data_too_small_for_the_batch(capsys, tmp_path):
     argv = ["train", "--data", str(text), "--preset", "nano", "--seq-len", "32"]
     err = _one_line_error(capsys, [*argv, "--out-dir", str(tmp_path)])
     assert "16 sequences" in err and "216 tokens has 5" in err, err
-    assert "lower batch_size or seq_len" in err, err
+    assert "lower the batch size or seq_len (train: --batch-size, --seq-len)" in err, err
 
 
 def test_tensorboard_missing(capsys, tmp_path, monkeypatch):

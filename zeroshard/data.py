@@ -301,16 +301,16 @@ class BatchLoader:
         if num_windows < 1:
             raise ValueError(
                 f"seq_len={seq_len} is too long for a split of {tokens_N.size} tokens (it needs "
-                f"at least 2 * seq_len + 1 = {2 * seq_len + 1}); lower seq_len or use "
-                f"more data (max_bytes of the corpus)"
+                f"at least 2 * seq_len + 1 = {2 * seq_len + 1}); lower seq_len (train: "
+                f"--seq-len) or use more data"
             )
         global_batch_size = world_size * batch_size
         if global_batch_size > num_windows:
             raise ValueError(
-                f"the global batch of world_size * batch_size = {global_batch_size} sequences "
-                f"needs that many disjoint windows of seq_len + 1 = {seq_len + 1} tokens, but the "
-                f"split of {tokens_N.size} tokens has {num_windows}; lower batch_size or seq_len, "
-                f"or use more data (max_bytes of the corpus)"
+                f"the global batch of {world_size} rank(s) x {batch_size} = {global_batch_size} "
+                f"sequences needs that many disjoint windows of seq_len + 1 = {seq_len + 1} "
+                f"tokens, but the split of {tokens_N.size} tokens has {num_windows}; lower the "
+                "batch size or seq_len (train: --batch-size, --seq-len), or use more data"
             )
         self.tokens_N = tokens_N  # 1D token ids, whole split, same on all ranks
         self.batch_size = batch_size
@@ -414,7 +414,8 @@ class BatchLoader:
             raise ValueError(
                 f"{num_batches} eval batches of {self.global_batch_size} sequences need "
                 f"{num_rows} disjoint windows, but the split has {self.num_windows}; lower "
-                f"num_batches, batch_size or seq_len, or use more data (max_bytes of the corpus)"
+                "num_batches, the batch size or seq_len (train: --eval-batches, --batch-size, "
+                "--seq-len), or use more data"
             )
         windows = np.arange(num_rows, dtype=np.int64) * self.num_windows // num_rows
         offsets = windows * (self.seq_len + 1)  # (num_batches * W * B,), bytes

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -343,9 +344,14 @@ def _check_field(name: str, value: Any, annotation: str, default: Any) -> None:
             got_word or _KIND_WORDS.get(type(value).__name__, "a " + type(value).__name__)
         )
         hint = " (no quotes in TOML)" if isinstance(value, str) else ""
+        if default is None:  # TOML has no None: an example of the kind, or leave it out
+            example = {"int": "1", "float": "0.1", "str": '"..."', "bool": "true"}[kind]
+            hint = " (or leave it out)"
+        else:
+            example = json.dumps(default)  # TOML's form: true, 0.1, "text"
         raise ValueError(
             f"{name} = {value!r} {got}; {name} must be {_KIND_WORDS[kind]}, "
-            f"e.g. {name} = {default!r}{hint}"
+            f"e.g. {name} = {example}{hint}"
         )
     if kind == "float" and not math.isfinite(value):
         raise ValueError(f"{name} = {value!r}: {name} must be a finite number")
