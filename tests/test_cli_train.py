@@ -317,6 +317,10 @@ def test_a_rolled_back_resume_new_weight_decay_and_a_torn_metrics_line(capsys, t
     argv = ["train", *flags, "--steps", "6", "--resume", str(ckpt / "step-000002")]
     argv += ["--out-dir", str(tmp_path / "a")]
     _expect_usage_error(capsys, argv, "holds later checkpoints")
+    # Without saving too: it cut the abandoned run's metrics past step 2, kept its step 4 for
+    # a later --resume auto to continue, on records of both runs.
+    no_save = [*argv, "--save-every", "0"]  # (the last value given counts)
+    _expect_usage_error(capsys, no_save, "holds later checkpoints", "another --out-dir")
     # A torn last metrics line (killed while writing it) does not block the resume, and a new
     # weight decay is the one trained with, not the checkpoint's.
     with open(tmp_path / "a" / "metrics.jsonl", "a") as f:

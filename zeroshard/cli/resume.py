@@ -138,17 +138,20 @@ def _check_joins_the_same_job(cfg: TrainConfig, launch: Launch) -> None:
 
 def _check_no_later(cfg: TrainConfig, path: Path, step: int | None) -> None:
     """A run resumed from an earlier checkpoint than the newest of its out_dir (rolled back)
-    and saving there would mix with the run it abandons: a restart or a later ``--resume auto``
-    would continue the abandoned one, and ``keep`` would prune the new one's."""
+    would mix with the run it abandons: it rewrites metrics.jsonl from its step on (the
+    abandoned run's later records gone, its later checkpoints kept), a restart or a later
+    ``--resume auto`` would continue the abandoned run, and ``keep`` would prune the new one's
+    checkpoints."""
     folder = Path(cfg.out_dir) / "ckpt"
-    newest = checkpoint.latest(folder) if cfg.save_every else None
+    newest = checkpoint.latest(folder)
     if newest is None or step is None or (checkpoint.info(newest).step or 0) <= step:
         return
     raise UsageError(
         f"--resume {path}: {folder} holds later checkpoints of the run it rolls back (newest: "
-        f"{newest.name}); saving beside them, a restart or a later --resume auto would continue "
-        f"that run instead: move them out of {folder} (e.g. into {folder}-abandoned) or pass "
-        "another --out-dir"
+        f"{newest.name}); training in the same --out-dir would rewrite that run's metrics from "
+        f"step {step} on, and a restart or a later --resume auto would continue it: pass "
+        f"another --out-dir for the new branch, or move the later checkpoints out of {folder} "
+        f"(e.g. into {folder}-abandoned)"
     )
 
 
