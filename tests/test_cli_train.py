@@ -291,12 +291,16 @@ def test_a_finished_run_s_folder_is_resumed_or_left_alone(capsys, tmp_path, data
     assert (
         "resuming with other settings than the saved run's: steps 2 -> 3, lr 0.003 -> 0.01" in said
     )
-    # Resumed into another folder: compared with the settings of the checkpoint's own run
-    # (which, resumed above, now trains 3 steps at lr 0.01).
-    other = [*flags, "--resume", str(tmp_path / "ckpt" / "step-000002"), "--steps", "3"]
-    assert main(["train", *other, "--lr", "0.02", "--out-dir", str(tmp_path / "elsewhere")]) == 0
-    said_there = capsys.readouterr().out
-    assert "resuming with other settings than the saved run's: lr 0.01 -> 0.02" in said_there
+    # Compared with the settings of the run that saved the checkpoint (recorded in it), not
+    # with the folder's config.json, which the run resumed above rewrote (3 steps, lr 0.01).
+    for step, was in ((2, "steps 2 -> 3, lr 0.003 -> 0.02"), (3, "lr 0.01 -> 0.02")):
+        other = [*flags, "--resume", str(tmp_path / "ckpt" / f"step-00000{step}")]
+        other += ["--steps", "3" if step == 2 else "4", "--lr", "0.02"]
+        if step == 3:
+            was = "steps 3 -> 4, " + was
+        assert main(["train", *other, "--out-dir", str(tmp_path / f"elsewhere{step}")]) == 0
+        said_there = capsys.readouterr().out
+        assert f"resuming with other settings than the saved run's: {was}" in said_there
     # The stretched schedule raises the rate of step 3 above the run's last: said, with both.
     cfg = load_config(None, {"steps": 3, "lr": 0.01})
     new, saved = lr_at(2, cfg), lr_at(2, dataclasses.replace(cfg, steps=2, lr=0.003))

@@ -368,7 +368,8 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
             if due or (signum and cfg.save_every):  # one save serves both
                 where = checkpoint.step_path(out / "ckpt", step)
                 state = {"step": step, "skipped": guard.num_skipped,
-                         "skipped_in_a_row": guard.num_consecutive_skipped}  # fmt: skip
+                         "skipped_in_a_row": guard.num_consecutive_skipped,
+                         "settings": json.dumps(asdict(cfg))}  # fmt: skip
                 checkpoint.save(where, model, opt, state, keep=cfg.keep)
             paused = time.perf_counter() - paused
             t_start, t_log = t_start + paused, t_log + paused

@@ -13,8 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pickle
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from zeroshard import checkpoint
 from zeroshard.cli.agent import Launch
@@ -26,18 +29,36 @@ _BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eva
 """Settings that do not change what is trained: a resume may change them without a word."""
 
 
+def _saved_settings(saved: Path, resume: str | None) -> dict | None:
+    """The settings of the run that saved the checkpoint ``resume``: recorded in the checkpoint
+    (rank 0's file), else (a checkpoint of an older version) the ``config.json`` beside it,
+    ``saved`` (another run may have rewritten it since), else its own run folder's."""
+    if resume:
+        try:
+            own = torch.load(Path(resume) / "rank-00000.pt", weights_only=True)["extra"]
+            return json.loads(own["settings"])
+        except (OSError, KeyError, TypeError, ValueError, RuntimeError, pickle.UnpicklingError):
+            pass
+        if not saved.is_file():  # resumed into another folder: the saved run's own
+            saved = Path(resume).parent.parent / "config.json"  # RUN/ckpt/step-N -> RUN
+    try:
+        return json.loads(saved.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        print(f"(the saved run's settings in {saved} are unreadable, not compared: {exc})")
+        return None
+
+
 def say_changes(saved: Path, cfg: TrainConfig) -> None:
     """One line naming the settings of a resumed run that differ from those of the run that
-    wrote ``out_dir`` (its ``config.json``; the checkpoint's own run's when out_dir has none):
-    allowed (a longer run, a new learning rate), but the curve then is not the one an
-    uninterrupted run would have drawn. A schedule stretched or shortened by new ``steps``
-    changes the learning rate from the resumed step on: said with both rates."""
-    if not saved.is_file() and cfg.resume:  # resumed into another folder: the saved run's own
-        saved = Path(cfg.resume).parent.parent / "config.json"  # RUN/ckpt/step-N -> RUN
-    try:
-        before = json.loads(saved.read_text())
-    except (OSError, ValueError):
-        return  # none saved, or unreadable: nothing to compare
+    saved its checkpoint (``_saved_settings``): allowed (a longer run, a new learning rate), but
+    the curve then is not the one an uninterrupted run would have drawn. A schedule stretched
+    or shortened by new ``steps`` changes the learning rate from the resumed step on: said with
+    both rates."""
+    before = _saved_settings(saved, cfg.resume)
+    if not isinstance(before, dict):
+        return  # none saved: nothing to compare
     now = dataclasses.asdict(cfg)
     changed = [
         f"{k} {before[k]!r} -> {v!r}"
