@@ -514,6 +514,12 @@ def build_broken():
     raise RuntimeError("my factory crashed")
 
 
+def build_crashing_on_rank_1():  # its 3rd training forward, rank 1 only
+    import os
+
+    return MyLM(crash_at_forward=4 if os.environ.get("RANK") == "1" else 0)
+
+
 def build_frozen():
     return MyLM().requires_grad_(False)
 
@@ -845,7 +851,7 @@ ENDINGS = [  # (name, flags, exit status); --steps 100000 runs until the signal
         ["--model", "my_models:build_bad", "--max-restarts", "1", "--save-every", "4"],
         2,
     ),
-    ("crash in a rank", ["--model", "my_models:build_broken", "--wrap", "MyBlock"], 1),
+    ("crash in a rank", ["--model", "my_models:build_crashing_on_rank_1", "--wrap", "MyBlock"], 1),
     ("kill -9 of rank 0", ["--steps", "100000"], -9),
 ]
 """(name, flags, exit status; -9: rank 0 is killed after the first step, the run exits 1)."""
@@ -982,8 +988,12 @@ def test_every_way_a_two_rank_run_ends(tmp_path, data_dir, model_module):
             assert len(ours) <= 2 and all("timeout" not in line for line in ours), ours
             assert all("rank 0" in line for line in ours), ours
             assert "Traceback" not in stderr, stderr[-3000:]
-        else:
-            assert len(ours) == 1 and "rank" in ours[0] and "failed" in ours[0], stderr[-3000:]
+        else:  # rank 1 crashed mid-run: the agent names it, and so does the summary, which
+            # rank 0 wrote saying what it saw (its peer gone)
+            assert ours[-1].startswith("zeroshard train: rank 1 failed (exit code 1)"), stderr
+            assert len(ours) <= 2 and "my model crashed" in stderr, stderr[-3000:]
+            summary = json.loads((tmp_path / _folder(name) / "summary.json").read_text())
+            assert summary["error"].startswith("rank 1 failed first (exit code 1"), summary
     # Accumulation over 2 ranks: the same curve, and gradients reduced once per step.
     runs = {}
     for name in ("stage 3", "stage 3, grad-accum 2"):

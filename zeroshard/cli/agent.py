@@ -22,7 +22,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,10 +108,13 @@ class Launch:
         return [*argv, "train", "--config", str(config)]
 
 
-def run_agent(launch: Launch, config: Path) -> int:
+def run_agent(
+    launch: Launch, config: Path, on_failure: Callable[[int, int], None] | None = None
+) -> int:
     """``torchrun --nproc-per-node N [--max-restarts R] -m zeroshard.cli.main train --config
     CONFIG`` in this process; the exit status is the ranks' when they reported why they
-    stopped, else 1 with one line naming the failed rank."""
+    stopped, else 1 with one line naming the failed rank (and ``on_failure(rank, exit code)``
+    of the rank that failed first)."""
     with held(HELD) as noted:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -138,15 +141,17 @@ def run_agent(launch: Launch, config: Path) -> int:
             )
             return 1
         except ChildFailedError as exc:
-            _, first = exc.get_first_failure()
+            rank, first = exc.get_first_failure()
             if first.exitcode in RANKS_SAID_WHY:
                 return first.exitcode
             after = f" after {launch.max_restarts} restart(s)" if launch.max_restarts else ""
             print(
-                f"zeroshard train: rank {first.local_rank} failed (exit code {first.exitcode})"
-                f"{after}; the other ranks were stopped. {first.message or ''}".rstrip(),
+                f"zeroshard train: rank {rank} failed (exit code {first.exitcode}){after}; the "
+                f"other ranks were stopped. {first.message or ''}".rstrip(),
                 file=sys.stderr,
             )
+            if on_failure is not None:
+                on_failure(rank, first.exitcode)
             return 1
     return 0
 

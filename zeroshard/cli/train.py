@@ -252,7 +252,7 @@ def _launch(
             private = run_config_path(out, os.getpid())
             job.callback(private.unlink, missing_ok=True)
             save_config(cfg, private)
-            code = run_agent(launch, private)
+            code = run_agent(launch, private, on_failure=lambda r, c: _blame(out, r, c))
         refused = code == 2
         return code
     except Exception as exc:
@@ -261,6 +261,25 @@ def _launch(
     finally:
         if refused and not joining and not _trained_since(out, started):
             _put_back(saved, previous)  # the folder's run is still the one it held, if any
+
+
+def _blame(out: Path, rank: int, exit_code: int) -> None:
+    """``summary.json`` of a run that a rank other than 0 ended by failing names that rank first:
+    rank 0 wrote what it saw, most often its peer's disappearance (a CollectiveTimeout)."""
+    path = out / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # rank 0 wrote none (it failed before training, or was the one that died)
+    if rank == 0 or summary.get("status") != "failed":
+        return
+    summary["error"] = (
+        f"rank {rank} failed first (exit code {exit_code}; its output says why); rank 0 then "
+        f"saw: {summary.get('error')}"
+    )
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def _put_back(saved: Path, previous: bytes | None) -> None:
