@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from parity_models import batch, build, loss_of, param_groups
 from torch import nn
 
 import zeroshard
+from zeroshard import save_pretrained
 
 GLOBAL_BATCH = 8
 
@@ -596,6 +598,14 @@ def _save_pretrained(stage: int, folder: str, precision: str = "fp32") -> dict:
         failed = ""
     except Exception as exc:
         failed = f"{type(exc).__name__}: {exc}"
+    alone = ""
+    if rank == 0:  # the DDP habit: it waited for the collective timeout (minutes)
+        with mock.patch.object(save_pretrained, "ARRIVAL_S", 1.0):
+            try:
+                model.save_pretrained(os.path.join(folder, "alone"))
+            except ValueError as exc:
+                alone = str(exc)
+    dist.barrier()
     model.save_pretrained(os.path.join(folder, "model"))  # returns once rank 0 has written
     files = sorted(os.listdir(os.path.join(folder, "model")))
     loaded = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(folder, "model")).eval()
@@ -608,7 +618,7 @@ def _save_pretrained(stage: int, folder: str, precision: str = "fp32") -> dict:
         dtype = json.load(f).get("dtype")
     return {
         "failed": failed, "files": files, "same": same, "exact": exact, "tied": tied,
-        "dtype": dtype,
+        "dtype": dtype, "alone": alone,
     }  # fmt: skip
 
 
@@ -624,3 +634,4 @@ def test_save_pretrained_writes_the_whole_model_once(workers2, stage, precision,
     assert out[0]["files"] == ["config.json", "generation_config.json", "model.safetensors"]
     assert out[0]["failed"].startswith(("NotADirectoryError", "FileExistsError")), out
     assert out[1]["failed"].startswith("RuntimeError: save_pretrained failed on rank 0"), out
+    assert "1 of 2 ranks called it within 1 s. Call it on every rank" in out[0]["alone"], out
