@@ -640,12 +640,27 @@ def _derived_buffers() -> dict:
     torch.manual_seed(0)
     model = zeroshard.shard(Rotary(), stage=3, mixed_precision="bf16")
     out = model(torch.randn(2, 5, 8))
-    return {"inv_freq": str(model.inv_freq.dtype), "stat": str(model.stat.dtype), "out": out.dtype}
+    with torch.no_grad():
+        model.stat.mul_(1.5)  # (exact in bf16)
+    # State dicts give the cast buffer back as the model declared it, as FSDP1 does: it loads
+    # into the unsharded model as it was built (it came out bf16, a dtype the model never had).
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    plain = Rotary()
+    plain.load_state_dict(full)
+    model.load_state_dict(full)  # and back: cast down again
+    return {
+        "inv_freq": str(model.inv_freq.dtype), "stat": str(model.stat.dtype), "out": out.dtype,
+        "saved": str(full["stat"].dtype), "as_saved": bool((plain.stat == 1.5).all()),
+        "sharded": str(model.state_dict()["stat"].dtype), "back": bool((model.stat == 1.5).all()),
+    }  # fmt: skip
 
 
 def test_derived_buffers_keep_their_dtype(workers2):
     r = workers2.run(_derived_buffers)[0]
-    assert r == {"inv_freq": "torch.float32", "stat": "torch.bfloat16", "out": torch.bfloat16}
+    assert r == {
+        "inv_freq": "torch.float32", "stat": "torch.bfloat16", "out": torch.bfloat16,
+        "saved": "torch.float32", "as_saved": True, "sharded": "torch.float32", "back": True,
+    }  # fmt: skip
 
 
 def test_fp16_where_the_device_cannot_names_bf16(monkeypatch):

@@ -429,6 +429,10 @@ def _check_embeddings(model: nn.Module) -> None:
             )
 
 
+BUFFER_DTYPES = "_zeroshard_buffer_dtypes"
+"""Attribute of a module whose buffers ``buffer_dtype`` cast: {buffer name: original dtype}."""
+
+
 def _move_buffers(model: nn.Module, mesh: Mesh, mp: MixedPrecision) -> None:
     """Buffers to the device, floating ones that are saved with the model (running statistics)
     in ``buffer_dtype``; non-persistent ones are constants a module derives and computes with in
@@ -439,6 +443,8 @@ def _move_buffers(model: nn.Module, mesh: Mesh, mp: MixedPrecision) -> None:
         for name, buf in module.named_buffers(recurse=False):
             cast = buf.is_floating_point() and mp.buffer_dtype and name not in derived
             dtype = mp.buffer_dtype if cast else buf.dtype
+            if dtype != buf.dtype:  # state dicts give it back in this one (as FSDP1 does)
+                module.__dict__.setdefault(BUFFER_DTYPES, {})[name] = buf.dtype
             new = buf.to(device=mesh.device, dtype=dtype)
             if mesh.world_size > 1:
                 C.broadcast(new, src=0, group=mesh.group)

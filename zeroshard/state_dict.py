@@ -333,6 +333,8 @@ class _Hooks:
             key = prefix + module_name
             if id(p) not in in_flats and key in state_dict and keep:
                 state_dict[key] = convert(p.detach(), p.dtype)
+        if keep:
+            _buffers_in_their_dtype(module, state_dict, prefix)
         if self.full is not None and self.full[1] and keep:
             for key, value in state_dict.items():
                 if key.startswith(prefix) and isinstance(value, torch.Tensor):
@@ -436,6 +438,20 @@ def _write_slot(flat: FlatParam, index: int, value: torch.Tensor) -> None:
 def install_state_dict_hooks(model: nn.Module, engine: Engine) -> None:
     """Register the state-dict hooks on ``model``'s modules (``zeroshard.shard`` calls this)."""
     setattr(engine, _HOOKS_ATTR, _Hooks(model, engine))
+
+
+def _buffers_in_their_dtype(module: nn.Module, state_dict: dict, prefix: str) -> None:
+    """Buffers that ``MixedPrecision.buffer_dtype`` cast (BatchNorm's statistics in BF16) as
+    the model declared them (FP32), as FSDP1 gives them: a state dict loads into the model
+    unsharded, or trained at another precision, as it was built; loading casts them back."""
+    from zeroshard.sharding import BUFFER_DTYPES
+
+    for name, sub in module.named_modules():
+        for buf_name, dtype in getattr(sub, BUFFER_DTYPES, {}).items():
+            key = f"{prefix}{name}.{buf_name}" if name else prefix + buf_name
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor) and value.dtype != dtype:
+                state_dict[key] = value.to(dtype)
 
 
 def _hooks(model: nn.Module) -> _Hooks:
