@@ -747,7 +747,7 @@ def test_a_second_command_into_a_running_jobs_out_dir_is_refused(
     seen = {}
     flags = [*NANO, "--data-dir", str(data_dir), "--steps", "3", "--out-dir", str(tmp_path)]
 
-    def ranks_running(launch, config):  # while the first command's ranks train
+    def ranks_running(launch, config, on_failure=None):  # while the first command's ranks train
         seen["config"], seen["settings"] = config, json.loads(config.read_text())
         seen["second"] = main(["train", *flags, "--seed", "1"])
         seen["err"] = capsys.readouterr().err

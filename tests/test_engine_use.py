@@ -1445,3 +1445,37 @@ def test_a_closure_and_the_state_dict_hooks_as_torch(workers2, stage):
     for diff, calls, same_loss in workers2.run(_closure_and_state_dict_hooks, stage):
         assert diff < 1e-6 and same_loss, diff
         assert calls == ["save pre", "save post", "load pre", "load post"], calls
+
+
+def _gathered_writes_and_frozen_roots() -> dict:
+    """Stage 3. A write under no_grad to a root parameter between a forward and its backward
+    (the root stays gathered for that backward): the next forward used it, the state dict and
+    the step did not (it was lost at the next gather). A frozen model's forward with grad
+    enabled (a DPO reference): its root stayed gathered for a backward that never comes."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=3, wrap=wrap.by_class(nn.Tanh))
+    frozen = copy.deepcopy(ref).requires_grad_(False)
+    frozen = zeroshard.shard(frozen, stage=3, wrap=wrap.by_class(nn.Tanh))
+    x = torch.randn(3, 4)
+    model(x)  # grad enabled: the root (the Linears) stays gathered
+    with torch.no_grad():
+        model[3].weight.mul_(2.0)
+        ref[3].weight.mul_(2.0)
+    out = {"forward": (model(x) - ref(x)).abs().max().item()}
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    out["state_dict"] = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.0)
+    opt.backward(model(x).sum())
+    opt.step()
+    out["after_step"] = (model(x) - ref(x)).abs().max().item()
+    frozen(x)  # grad enabled, nothing requires it
+    root = next(u for u in zeroshard.engine_of(frozen).units if u.is_root)
+    out["frozen_root_gathered"] = root.is_gathered
+    return out
+
+
+def test_a_write_to_a_gathered_root_and_a_frozen_model_s_root(workers2):
+    for out in workers2.run(_gathered_writes_and_frozen_roots):
+        assert out["forward"] < 1e-6 and out["state_dict"] < 1e-6, out
+        assert out["after_step"] < 1e-6 and not out["frozen_root_gathered"], out

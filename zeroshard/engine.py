@@ -45,7 +45,7 @@ from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
-from zeroshard.trees import map_tensors
+from zeroshard.trees import map_tensors, tensors_in
 from zeroshard.unit import TrainingState, Unit
 from zeroshard.watchdog import CollectiveTimeout, is_comm_failure
 
@@ -248,7 +248,9 @@ class Engine:
             return output
         if unit.state is TrainingState.FORWARD:
             unit.to(TrainingState.IDLE)
-        grad = torch.is_grad_enabled()
+        # The root stays gathered for its backward, which comes right after; unless no output
+        # requires grad (a frozen model, a DPO reference): no backward comes through it then.
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output))
         root_entry = unit.is_root and entry
         keep = keep or (root_entry and grad and not self.config.reshard_root_after_forward)
         if not keep and not self._summoned:
@@ -494,7 +496,8 @@ class Engine:
         (``FlatParam.adopt_writes``): before a forward, a step, a state dict, a save."""
         with torch.no_grad():
             for f in self.flat_params:
-                f.adopt_writes()
+                # Inside summon_full_params its exit writes back (or discards) what was written.
+                f.adopt_writes(gathered=not self._summoned)
 
     # ----------------------------------------------------------------- user controls
     @contextlib.contextmanager

@@ -204,6 +204,9 @@ class FlatParam:
         self._versions = self._param_versions()
         """The parameters' version counters when ``full`` last equaled the cast master, for
         ``adopt_writes`` (None: nothing to adopt)."""
+        self._gathered_versions: list[int] | None = None
+        """Partitioned: the version counters when ``full`` was last gathered (a write to the
+        gathered parameters, between a forward and its backward, is adopted as above)."""
 
     # ----------------------------------------------------------------- construction
     def _init_storage(self, sync_module_states: bool) -> None:
@@ -344,6 +347,7 @@ class FlatParam:
             if self.state is ShardState.SHARDED:
                 self.state = ShardState.UNSHARDED
                 self._use_full_views()
+                self._gathered_versions = [s.param._version for s in self.slots]
 
     def reshard(self) -> None:
         """Free ``full``'s storage; parameters become placeholders (partitioned only)."""
@@ -421,15 +425,24 @@ class FlatParam:
             return None  # the parameter is the master, read-only at rest, or all there is
         return [s.param._version for s in self.slots]
 
-    def adopt_writes(self) -> None:
+    def adopt_writes(self, *, gathered: bool = True) -> None:
         """Copy into the master the elements written to the parameters (``nn.init``, ``p.mul_``
         under ``no_grad``) since ``full`` last equaled the cast master, so that the next step
-        starts from them as it would unsharded. Only replicated parameters computing in a
-        narrower dtype than their master need this (in FP32 the parameter is the master's
-        memory; at stage 3 a parameter at rest is read-only). Writes are found by the
-        parameters' version counters: one through ``p.data`` is not seen."""
+        starts from them as it would unsharded: replicated parameters computing in a narrower
+        dtype than their master (in FP32 the parameter is the master's memory), and with
+        ``gathered``, partitioned ones held gathered (the root between a forward and its
+        backward; at rest they are read-only). Writes are found by the parameters' version
+        counters: one through ``p.data`` is not seen."""
         self.check_views()
         self.check_rest_writes()
+        if self.partition.parameters:
+            held = self.state is ShardState.UNSHARDED and self._gather is None
+            if gathered and held and self._gathered_versions is not None and not self.masters_ahead:
+                versions = [s.param._version for s in self.slots]
+                if versions != self._gathered_versions:
+                    self.write_back()
+                    self._gathered_versions = versions
+            return
         if self._versions is None or self.masters_ahead:
             return
         versions = self._param_versions()
