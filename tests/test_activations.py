@@ -103,6 +103,24 @@ def test_checkpoint_every_must_not_be_negative():
         ShardConfig(checkpoint_every=-1)
 
 
+def _one_unit_checkpointing() -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zeroshard.shard(
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
+            stage=3, config=ShardConfig(checkpoint_every=1),
+        )  # fmt: skip
+    return [str(w.message) for w in caught]
+
+
+def test_checkpointing_a_model_of_one_unit_says_it_does_nothing(workers2):
+    # It trained without a word, nothing checkpointed (nor partitioned or offloaded).
+    for said in workers2.run(_one_unit_checkpointing):
+        assert any("checkpoint_every=1 has nothing to checkpoint" in w for w in said), said
+
+
 class _Block(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -267,4 +267,4 @@ def _split_input_with_pa() -> str:
 def test_pa_refuses_a_span_input_split_over_tensor_parallel_ranks(workers4):
     for message in workers4.run(_split_input_with_pa):
         assert "differs across the tensor-parallel ranks" in message, message
-        assert "wrap whole blocks" in message
+        assert "wrap whole blocks" in message and "seed the tensor-parallel ranks alike" in message

@@ -137,6 +137,15 @@ class Engine:
             config.checkpoint_every, mesh.device, checkpoint_keeper
         )
         inner = [u for u in unit_list if not u.is_root]
+        if self.checkpointing and not inner:
+            warnings.warn(
+                f"checkpoint_every={config.checkpoint_every} has nothing to checkpoint: the "
+                "model is one unit (no wrap policy, or one that matched nothing), and "
+                "activation checkpointing (with partitioned or offloaded activations) works on "
+                "spans of wrapped units; wrap the model's blocks (wrap=zeroshard.wrap."
+                "by_class(Block), zeroshard train --wrap Block)",
+                stacklevel=3,
+            )
         # Outermost non-root units only: a unit inside another is covered by the outer one.
         nested = {u for u in inner for o in inner if u.name.startswith(o.name + ".")}
         self._checkpointed = set(inner) - nested

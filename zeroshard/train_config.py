@@ -233,7 +233,9 @@ class TrainConfig:
                     "--partition-activations"
                 )
             if problem:
-                raise ValueError(f"sequence_parallel = true: {problem}, or drop it")
+                raise ValueError(
+                    f"sequence_parallel = true: {problem}, or drop --sequence-parallel"
+                )
         if self.partition_activations and self.tp < 2:
             raise ValueError(
                 "partition_activations splits checkpoints across tensor-parallel ranks: pass "

@@ -78,14 +78,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace | int:
 
 def _say_warnings_as(command: str) -> None:
     """Warnings that zeroshard's code raises read ``zeroshard COMMAND: warning: ...`` on stderr
-    (the file and line of zeroshard's own call site mean nothing to a user of the command);
-    others, a user's model's or a library's, keep Python's form."""
+    (the file and line of zeroshard's own call site mean nothing to a user of the command),
+    from rank 0 only under torchrun; others, a user's model's or a library's, keep Python's
+    form."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     default = warnings.formatwarning
 
+    quiet = "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") != "0"
+
     def formatwarning(message, category, filename, lineno, line=None) -> str:
         if os.path.abspath(filename).startswith(package + os.sep):
-            return f"zeroshard {command}: warning: {message}\n"
+            # Every rank meets the same: rank 0 says it for the job.
+            return "" if quiet else f"zeroshard {command}: warning: {message}\n"
         return default(message, category, filename, lineno, line)
 
     warnings.formatwarning = formatwarning

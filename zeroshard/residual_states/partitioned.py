@@ -168,10 +168,12 @@ class CheckpointKeeper:
         if not torch.allclose(both[:2], -both[2:], rtol=1e-5, atol=0.0, equal_nan=True):
             raise ValueError(
                 f"partition_activations: a checkpointed span input of shape {tuple(t.shape)} "
-                "differs across the tensor-parallel ranks (a unit starts between a "
-                "column-parallel layer and its row-parallel pair, e.g. wrap=by_class(nn.Linear)),"
-                " so it cannot be split over them; wrap whole blocks (each unit's input then is "
-                "replicated), or drop partition_activations"
+                "differs across the tensor-parallel ranks, so it cannot be split over them: "
+                "a unit starts between a column-parallel layer and its row-parallel pair (e.g. "
+                "wrap=by_class(nn.Linear): wrap whole blocks, whose inputs are replicated), or "
+                "the ranks drew different random numbers before it (dropout with a seed of its "
+                "own per rank: seed the tensor-parallel ranks alike); or drop "
+                "partition_activations"
             )
 
     def _chunk(self, numel: int) -> int:
