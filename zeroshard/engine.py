@@ -257,11 +257,15 @@ class Engine:
             return output
         if unit.state is TrainingState.FORWARD:
             unit.to(TrainingState.IDLE)
-        # The root stays gathered for its backward, which comes right after; unless no output
-        # requires grad (a frozen model, a DPO reference): no backward comes through it then.
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output))
+        grad = torch.is_grad_enabled()
         root_entry = unit.is_root and entry
-        keep = keep or (root_entry and grad and not self.config.reshard_root_after_forward)
+        # The root stays gathered for its backward, which comes right after; not when nothing
+        # of it trains and no output requires grad (a frozen reference model): none comes.
+        backward = grad and (
+            any(f.requires_grad for f in unit.flat_params)
+            or any(t.requires_grad for t in tensors_in(output))
+        )
+        keep = keep or (root_entry and backward and not self.config.reshard_root_after_forward)
         if not keep and not self._summoned:
             unit.reshard()
         if root_entry:
