@@ -381,3 +381,15 @@ def test_buckets_merge_gradient_collectives(workers2, stage):
     assert workers2.run(_gradient_collectives, stage, 25 * 2**20)[0] == 1
     assert workers2.run(_gradient_collectives, stage, 0)[0] == 3
     assert workers2.run(_gradient_collectives, stage, 100_000)[0] == 2
+
+
+def test_a_model_whose_process_group_is_gone_says_so(lone_process):
+    # torch's TypeError ("'NoneType' object is not iterable") from inside its device mesh.
+    from torch import nn
+
+    model = zeroshard.shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)), stage=3)
+    torch.distributed.destroy_process_group()
+    with pytest.raises(RuntimeError, match="the process group this model was sharded over is gone"):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match="is gone"):
+        model(torch.ones(1, 2))

@@ -507,6 +507,13 @@ class Engine:
         """Copy into the masters what was written to replicated parameters that compute in a
         narrower dtype (``nn.init``, ``p.mul_`` under ``no_grad``) since the last call
         (``FlatParam.adopt_writes``): before a forward, a step, a state dict, a save."""
+        if not torch.distributed.is_initialized():  # (else torch's TypeError deep in a mesh)
+            raise RuntimeError(
+                "the process group this model was sharded over is gone "
+                "(dist.destroy_process_group()); a sharded model lives in its group: save it "
+                "(zeroshard.checkpoint) before destroying the group, and shard a new model in "
+                "the new one"
+            )
         with torch.no_grad():
             for f in self.flat_params:
                 # Inside summon_full_params its exit writes back (or discards) what was written.
