@@ -261,11 +261,16 @@ class Engine:
         root_entry = unit.is_root and entry
         # The root stays gathered for its backward, which comes right after; not when nothing
         # of it trains and no output requires grad (a frozen reference model): none comes.
-        backward = grad and (
-            any(f.requires_grad for f in unit.flat_params)
-            or any(t.requires_grad for t in tensors_in(output))
+        # (Decided for the root's forward only: not a walk of every unit's output.)
+        keep = keep or (
+            root_entry
+            and grad
+            and not self.config.reshard_root_after_forward
+            and (
+                any(f.requires_grad for f in unit.flat_params)
+                or any(t.requires_grad for t in tensors_in(output))
+            )
         )
-        keep = keep or (root_entry and backward and not self.config.reshard_root_after_forward)
         if not keep and not self._summoned:
             unit.reshard()
         if root_entry:

@@ -324,9 +324,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # 1D FP32, this rank: found_inf, then one flag per trainable parameter; made at the step,
         # after backward's peak, and dropped with it.
         engine = self.engine
-        found_inf = torch.zeros(1, dtype=torch.float32, device=engine.mesh.device)
-        if self._buckets:
-            found_inf = torch.stack([b.found_inf for b in self._buckets]).amax(0)
+        found_inf = (
+            torch.stack([b.found_inf for b in self._buckets]).amax(0)
+            if self._buckets
+            else torch.zeros(1, dtype=torch.float32, device=engine.mesh.device)
+        )
         flags = agree(
             found_inf, engine.slots_touched(), engine.mesh, engine.ledger, async_op=False
         ).wait()
