@@ -393,3 +393,54 @@ def test_a_model_whose_process_group_is_gone_says_so(lone_process):
         model.state_dict()
     with pytest.raises(RuntimeError, match="is gone"):
         model(torch.ones(1, 2))
+
+
+def _hooks_reading_weights(stage: int) -> dict:
+    """Forward hooks registered on units after ``shard()`` that read the unit's weights (a norm
+    logged, a penalty added to the output) run while the unit is gathered, as they would on
+    the unsharded model: at stage 3 they read the placeholders (NaN) before, the step was
+    skipped, and a hook that only logged went unnoticed. Trained against torch."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3)]
+    )
+    model = zeroshard.shard(
+        copy.deepcopy(ref), stage=stage, wrap=zeroshard.wrap.by_class(torch.nn.Linear)
+    )
+    seen: dict[str, list[float]] = {"ours": [], "torch": []}
+
+    def hooks(m, key):
+        def log(module, args, output):
+            seen[key].append(module.weight.norm().item())
+
+        def penalty(module, args, output):
+            return output + 1e-2 * module.weight.square().sum()
+
+        m[1][0].register_forward_hook(log)
+        m[2][0].register_forward_hook(penalty)
+
+    hooks(model, "ours")
+    hooks(ref, "torch")
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    taken = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(2 * world, 8, generator=g)
+        opt.backward(model(x[2 * rank : 2 * rank + 2]).square().mean())
+        ref(x).square().mean().backward()
+        taken.append(opt.step())
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    logged = max(abs(a - b) for a, b in zip(seen["ours"], seen["torch"]))
+    return {"taken": taken, "diff": diff, "logged": logged}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_forward_hooks_of_units_see_their_weights(workers2, stage):
+    for r in workers2.run(_hooks_reading_weights, stage):
+        assert r["taken"] == [True] * 3 and r["diff"] < 1e-6 and r["logged"] < 1e-6, r

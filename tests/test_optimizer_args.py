@@ -67,3 +67,37 @@ def test_parameters_given_as_torch_optim_refuses_them_are_named(lone_process):
     for elementwise in (False, True):
         with pytest.raises(TypeError, match=r"the optimizer class \(torch.optim.AdamW\)"):
             zeroshard.optimizer(model, instance, elementwise=elementwise)
+
+
+def test_keys_of_a_group_that_the_class_does_not_take_are_kept(lone_process):
+    """``{"params": ..., "name": "head", "lr_scale": 0.5}`` (timm's, mmengine's and Hugging
+    Face's groups): torch.optim keeps such keys in the group and its state dict; they were
+    refused as settings of the class."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=1)
+
+    def groups(m):
+        return [
+            {"params": m[2].parameters(), "name": "head", "lr_scale": 0.5},
+            {"params": m[0].parameters(), "name": "body", "lr_scale": 1.0},
+        ]
+
+    opts = [zeroshard.optimizer(model, torch.optim.AdamW, groups(model), lr=0.1)]
+    opts.append(torch.optim.AdamW(groups(ref), lr=0.1))
+    for o in opts:  # a scheduler of the user's own reading its key
+        for g in o.param_groups:
+            g["lr"] = 0.1 * g["lr_scale"]
+    x = torch.randn(3, 4)
+    for m, o in zip((model, ref), opts):
+        for _ in range(2):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    for name, want in ref.state_dict().items():
+        assert torch.allclose(full[name], want, atol=1e-6), name
+    saved = opts[0].state_dict()["param_groups"]
+    assert sorted((g["name"], g["lr_scale"]) for g in saved) == [("body", 1.0), ("head", 0.5)]
+    opts[0].load_state_dict(opts[0].state_dict())
+    assert [g["name"] for g in opts[0].param_groups] == ["head", "body"]

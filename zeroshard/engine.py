@@ -25,7 +25,7 @@ import enum
 import sys
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ from zeroshard.mesh import Mesh
 from zeroshard.model_states import flat_param
 from zeroshard.model_states.grads import GradBucket, GradScaling, pools, warn_no_sharded_optimizer
 from zeroshard.model_states.reduction_order import ReductionOrder
+from zeroshard.module_hooks import eager, keep_last
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states import host_heap
 from zeroshard.residual_states.activations import SpanCheckpointing
@@ -167,27 +168,38 @@ class Engine:
 
     # ----------------------------------------------------------------- hooks
     def _install_hooks(self, unit: Unit) -> None:
-        pre = _eager(lambda m, args, kwargs: self._pre_forward(unit, args, kwargs))
-        post = _eager(lambda m, args, output: self._post_forward(unit, output))
+        def pre(m: nn.Module, args: tuple, kwargs: dict) -> Any:
+            keep_last(m, last)
+            return self._pre_forward(unit, args, kwargs)
+
+        post = eager(lambda m, args, output: self._post_forward(unit, output))
+        module = unit.module
         self._handles.append(
-            unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+            module.register_forward_pre_hook(eager(pre), with_kwargs=True, prepend=True)
         )
         if self.checkpointing is not None and unit in self._checkpointed:
             # Runs first, and also when the forward raised: the saved-tensor hooks must pop.
-            stop = _eager(lambda m, a, o: self._stop_dropping(m))
-            self._handles.append(unit.module.register_forward_hook(stop, always_call=True))
-        self._handles.append(unit.module.register_forward_hook(post))
+            stop = eager(lambda m, a, o: self._stop_dropping(m))
+            self._handles.append(module.register_forward_hook(stop, always_call=True))
+        last = [module.register_forward_hook(post)]
         if unit.is_root:  # runs after ``post``, and also when the forward raised
-            raised = _eager(lambda m, a, o: self._forward_raised())
-            self._handles.append(unit.module.register_forward_hook(raised, always_call=True))
+            raised = eager(lambda m, a, o: self._forward_raised())
+            last.append(module.register_forward_hook(raised, always_call=True))
+        self._handles += last
         # A submodule holding the unit's parameters called on its own (T5's encoder in generate(),
         # an embedding applied outside the forward) is a use of the unit: gathered for it, and
         # the unit's backward ends only once the call's gradient is in (else reduced too early).
         for owner in unit.owners:
-            lend = _eager(lambda m, args, kwargs: self._pre_lend(unit, m, args, kwargs))
-            give_back = _eager(lambda m, args, output: self._post_lend(unit, m, output))
-            self._handles.append(owner.register_forward_pre_hook(lend, with_kwargs=True))
-            self._handles.append(owner.register_forward_hook(give_back))
+            self._install_lend_hooks(unit, owner)
+
+    def _install_lend_hooks(self, unit: Unit, owner: nn.Module) -> None:
+        def lend(m: nn.Module, args: tuple, kwargs: dict) -> Any:
+            keep_last(m, last)
+            return self._pre_lend(unit, m, args, kwargs)
+
+        give_back = eager(lambda m, args, output: self._post_lend(unit, m, output))
+        last = [owner.register_forward_hook(give_back)]
+        self._handles += [*last, owner.register_forward_pre_hook(eager(lend), with_kwargs=True)]
 
     def _pre_lend(self, unit: Unit, owner: nn.Module, args: tuple, kwargs: dict):
         if unit.lender is not None or unit.state is not TrainingState.IDLE:
@@ -567,15 +579,6 @@ class Engine:
                     u.reshard()
             if writeback:
                 self.params_changed()
-
-
-def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` as a module hook that torch.compile runs eagerly, never traces: the engine's
-    hooks swap storages and parameter data. Disabled as a whole, at registration: a wrapper
-    that graph-breaks only while compiling (FSDP2's way) made torch.compile of the whole model
-    recompile its resume function per hook signature until dynamo's limit (8), losing the
-    compiled graph. (This imports dynamo, which torch's optimizers import anyway.)"""
-    return torch._dynamo.disable(hook, recursive=True)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

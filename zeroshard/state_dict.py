@@ -73,6 +73,7 @@ from torch import nn
 from zeroshard import collectives as C
 from zeroshard.flat_range import FlatRange
 from zeroshard.model_states.flat_param import FlatParam, ShardState
+from zeroshard.watchdog import diagnosed
 
 if TYPE_CHECKING:  # DTensor is imported when first used: it costs `import zeroshard` ~0.5 s
     from torch.distributed.device_mesh import DeviceMesh
@@ -88,6 +89,12 @@ __all__ = [
 
 _MESH_ATTR = "_zeroshard_device_mesh"
 _HOOKS_ATTR = "_zeroshard_state_dict_hooks"
+COLLECTIVE = (
+    "the state dict (a collective where masters are sharded: every rank calls state_dict(), "
+    "load_state_dict() and opt.state_dict(), not rank 0 alone)"
+)
+"""How a timed-out state-dict gather is named (``zeroshard.watchdog``): the DDP habit of
+saving under ``if rank == 0:`` leaves the other ranks out of it."""
 
 
 # --------------------------------------------------------------------- mesh and layout
@@ -223,7 +230,7 @@ def _gather_flat(flat: FlatParam, local: torch.Tensor) -> torch.Tensor:
         local,
         group=flat.mesh.shard_group,
         ledger=C.Ledger(),
-        label="state_dict",
+        label=COLLECTIVE,
         async_op=False,
     ).wait()
     return out
@@ -360,45 +367,47 @@ class _Hooks:
                 "writes on exit: whether the load should be undone too is ambiguous; load "
                 "outside it"
             )
-        engine.adopt_writes()
-        names = _all_names(module)
-        self.consumed = set()
-        self.ranges_loaded = False
-        for flat in engine.flat_params:
-            if flat.gathering:
-                flat.wait_unshard()
-            for i, s in enumerate(flat.slots):
-                keys = [prefix + n for n in names.get(id(s.param), [])]
-                keys = [k for k in keys if k in state_dict]
-                if not keys:
-                    continue
-                key = keys[-1]  # as torch: each name is copied into the one tensor, the last wins
-                value = state_dict[key]
-                for k in keys:
-                    del state_dict[k]
-                    self.consumed.add(k)
-                if isinstance(value, FlatRange):  # read into the master in place already
-                    self.ranges_loaded = True
-                    continue
-                if not isinstance(value, torch.Tensor):
-                    error_msgs.append(
-                        f'While copying the parameter named "{key}", expected torch.Tensor '
-                        f"or Tensor-like object from checkpoint but received {type(value)}"
-                    )
-                    continue
-                if value.shape != s.shape:  # a DTensor's shape is global
-                    error_msgs.append(
-                        f"size mismatch for {key}: copying a param with shape "
-                        f"{tuple(value.shape)} from checkpoint, the shape in current model is "
-                        f"{tuple(s.shape)}."
-                    )
-                    continue
-                _write_slot(flat, i, _full_value(value))
-        # Other entries (zero-element parameters, buffers) the default loader copies: as whole
-        # tensors, in the same order on every rank (gathering DTensors is a collective).
-        for key in list(state_dict):
-            if key.startswith(prefix) and _is_dtensor(state_dict[key]):
-                state_dict[key] = state_dict[key].full_tensor()
+        with diagnosed("all_gather", COLLECTIVE, None):  # DTensors gathered: full_tensor()
+            engine.adopt_writes()
+            names = _all_names(module)
+            self.consumed = set()
+            self.ranges_loaded = False
+            for flat in engine.flat_params:
+                if flat.gathering:
+                    flat.wait_unshard()
+                for i, s in enumerate(flat.slots):
+                    keys = [prefix + n for n in names.get(id(s.param), [])]
+                    keys = [k for k in keys if k in state_dict]
+                    if not keys:
+                        continue
+                    # as torch: each name is copied into the one tensor, the last wins
+                    key = keys[-1]
+                    value = state_dict[key]
+                    for k in keys:
+                        del state_dict[k]
+                        self.consumed.add(k)
+                    if isinstance(value, FlatRange):  # read into the master in place already
+                        self.ranges_loaded = True
+                        continue
+                    if not isinstance(value, torch.Tensor):
+                        error_msgs.append(
+                            f'While copying the parameter named "{key}", expected torch.Tensor '
+                            f"or Tensor-like object from checkpoint but received {type(value)}"
+                        )
+                        continue
+                    if value.shape != s.shape:  # a DTensor's shape is global
+                        error_msgs.append(
+                            f"size mismatch for {key}: copying a param with shape "
+                            f"{tuple(value.shape)} from checkpoint, the shape in current model is "
+                            f"{tuple(s.shape)}."
+                        )
+                        continue
+                    _write_slot(flat, i, _full_value(value))
+            # Other entries (zero-element parameters, buffers) the default loader copies: as whole
+            # tensors, in the same order on every rank (gathering DTensors is a collective).
+            for key in list(state_dict):
+                if key.startswith(prefix) and _is_dtensor(state_dict[key]):
+                    state_dict[key] = state_dict[key].full_tensor()
 
     def load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
         missing = incompatible_keys.missing_keys

@@ -461,6 +461,51 @@ class GradBucket:
             self.shard_grad.copy_(self.full_grad[lo:hi])
             self._shown_version = self.full_grad._version
 
+    def adopt_rebinds(self, slots: list[int]) -> None:
+        """``.grad`` of ``slots`` reassigned by hand. At stage 0 after a reduction, where
+        ``.grad`` shows the averaged gradient as under DDP, a tensor put there
+        (``p.grad = p.grad * 3``) is the slot's gradient for the step, and ``None`` leaves the
+        parameter out of it, as torch's optimizers leave it. Elsewhere the step never reads
+        ``.grad`` (stages 1-3 keep only reduced shards; a gradient no backward reduced, e.g.
+        from ``torch.autograd.grad``, whose backward reaches no parameter, was never averaged
+        over the ranks): one set by hand is a ValueError naming the parameter, where it was
+        ignored."""
+        shown = self.reduction is Reduction.ALL_REDUCE and self._reduced
+        changed = False
+        for i in slots:
+            slot = self.flat.slots[i]
+            grad = slot.param.grad
+            bound = self._bound[i] and self.full_grad is not None
+            if bound and grad is not None and self._is_region(i, grad):
+                continue
+            if (
+                shown
+                and self.shard_grad is not None
+                and bound
+                and (grad is None or self.touched[i])
+            ):
+                span = self.flat.pieces()[i][1]
+                if grad is None:  # dropped: out of the step (and of a norm)
+                    self.shard_grad[span].zero_()
+                    self._view(i).zero_()
+                    self._bound[i] = self.touched[i] = False
+                else:  # replaced: the new tensor is the gradient
+                    self._view(i).copy_(grad)
+                    self.shard_grad[span].copy_(grad.reshape(-1)[: span.stop - span.start])
+                    slot.param.grad = self._view(i)
+                changed = True
+            elif grad is not None:
+                raise ValueError(
+                    f"{slot.names[0]}.grad was set by hand, but the sharded optimizer reads "
+                    "the gradients that its backward reduced over the ranks (at stages 1-3 "
+                    "each rank keeps only its shard of them, and .grad is None): compute "
+                    "gradients with opt.backward(loss) or loss.backward(), edit them with "
+                    "opt.clip_grad_norm or, at stage 0, in place through .grad, and leave "
+                    ".grad alone otherwise (set it back to None)"
+                )
+        if changed and self._shown_version is not None and self.full_grad is not None:
+            self._shown_version = self.full_grad._version  # adopted: not an edit to copy again
+
     def _free_full(self) -> None:
         if self.as_views:  # otherwise .grad are autograd's own, released at collection already
             self._unbind()

@@ -33,18 +33,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from zeroshard import collectives as C
 from zeroshard.engine import Engine, engine_of
-from zeroshard.model_states import bucket_owners
+from zeroshard.model_states import bucket_owners, clipping
 from zeroshard.model_states.backward_step import BackwardStep, check_step_in_backward
 from zeroshard.model_states.flat_param import check_requires_grad
 from zeroshard.model_states.grad_swap import GradSwapper
@@ -61,6 +58,7 @@ from zeroshard.model_states.state_swap import StateSwapper, state_bytes_per_elem
 from zeroshard.model_states.subgroups import States, SubGroup, build_subgroups
 from zeroshard.offload.folder import padded_bytes
 from zeroshard.precision import DynamicLossScaler, LossScaler, default_scaler
+from zeroshard.watchdog import diagnosed
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +171,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if step_in_backward:
             check_step_in_backward(self)
         self._buckets = bucket_owners.claim(self, step_in_backward)  # the same on every rank
+        self._slots = {
+            id(b): [i for i, s in enumerate(b.flat.slots) if id(s.param) in self._param_ids]
+            for b in self._buckets
+        }
+        """Per bucket of this optimizer's, the slots of its parameters."""
         if step_in_backward:
             self._backward_step = BackwardStep(self, self._buckets)
         self.engine.optimizers.add(self)  # model.zero_grad() reaches this one's gradients too
@@ -206,12 +209,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # ----------------------------------------------------------------- the step
-    def _shard_grads(self) -> list[torch.Tensor]:
-        """This rank's reduced FP32 gradients (1D, its optimizer range of each buffer), with
-        what was changed in place through ``.grad`` since (stage 0: ``GradBucket.adopt_edits``)."""
-        for b in self.engine.buckets:
+    def _adopt_grad_edits(self) -> None:
+        """What was done through ``.grad`` of this optimizer's parameters since the reduction:
+        stage 0's in-place edits and reassignments are what the step takes
+        (``GradBucket.adopt_edits``, ``adopt_rebinds``); a gradient set by hand where the step
+        cannot read it is an error."""
+        for b in self._buckets:
             b.adopt_edits()
-        return [b.shard_grad for b in self.engine.buckets if b.shard_grad is not None]
+            b.adopt_rebinds(self._slots[id(b)])
+
+    def _shard_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced FP32 gradients of this optimizer's parameters (1D: the whole
+        range of a buffer it owns alone, else one view per parameter piece), edits adopted.
+        Another optimizer's gradients are not its own: torch's clip takes only the parameters
+        it is given."""
+        self._adopt_grad_edits()
+        grads = []
+        for b in self._buckets:
+            if b.shard_grad is None:
+                continue
+            if len(self._slots[id(b)]) == len(b.flat.slots):
+                grads.append(b.shard_grad)
+            else:
+                pieces = b.flat.pieces()
+                spans = [pieces[i][1] for i in self._slots[id(b)]]
+                grads += [b.shard_grad[s] for s in spans if s.stop > s.start]
+        return grads
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         """``loss.backward()`` (times the loss scale); with ``sync=False`` gradients only
@@ -229,90 +252,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
             scaling.next_scale = None  # (a loss that reached no unit started no backward)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale gradients so that their global ``norm_type``-norm (any p > 0, or ``inf``) is
-        at most ``max_norm``; returns the norm before clipping, as
-        ``torch.nn.utils.clip_grad_norm_`` returns it for the unsharded model. The norm takes
-        the shard group's shards (every element once; with hybrid sharding the replicas in
-        other groups are not counted again): a sum of p-th powers, or a maximum."""
-        p = float(norm_type)
-        if not p > 0:
-            raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
-        if self._backward_step is not None:
-            raise ValueError(
-                "clip_grad_norm needs every gradient before any update, but with "
-                "step_in_backward each sub-group steps as soon as its gradient is reduced; "
-                "drop step_in_backward to clip gradients"
-            )
-        if self._grad_swap is not None and p != 2.0:
-            raise ValueError(
-                f"clip_grad_norm(norm_type={norm_type}) with gradients on NVMe: their 2-norms "
-                "are taken as they are written, so only norm_type=2.0 is available there"
-            )
-        grads = self._shard_grads()
-        largest = math.isinf(p)
-        # 1D FP32, this rank: the sum of p-th powers of its shard's elements, or their maximum
-        total = torch.zeros(1, dtype=torch.float32, device=self.engine.mesh.device)
-        # one fused norm per buffer: no gradient-sized temporaries (those on NVMe were taken
-        # when they were written, with the same per-tensor kernel)
-        norms = self._grad_swap.norms() if self._grad_swap else torch._foreach_norm(grads, p)
-        if norms:
-            stacked = torch.stack(norms).float()
-            total += stacked.max() if largest else stacked.pow(p).sum()
-        mesh = self.engine.mesh
-        if mesh.tp_size > 1 and not largest:
-            # Tensor-parallel ranks hold different pieces of split parameters (summed over the
-            # group below) and the same gradient of replicated ones (to be counted once).
-            total -= self._tp_replicated_power(p) * (1 - 1 / mesh.tp_size)
-        op = dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM
-        if self.engine.partition.optimizer_states and mesh.shard_size > 1:
-            # The shard group's ranks hold disjoint shards that together make every gradient;
-            # with hybrid sharding the other groups hold the same ones: summing over them too
-            # would count each element once per replica.
-            C.all_reduce(
-                total,
-                group=mesh.shard_group,
-                ledger=self.engine.ledger,
-                label="norm",
-                op=op,
-                async_op=False,
-            )
-        if mesh.tp_size > 1:
-            C.all_reduce(
-                total,
-                scope=C.TENSOR,
-                group=mesh.tp_group,
-                ledger=self.engine.ledger,
-                label="norm",
-                op=op,
-                async_op=False,
-            )
-        norm = total[0] if largest else total.clamp(min=0).pow(1 / p)[0]
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        if self._grad_swap is not None:
-            self._grad_swap.scale(coef)  # stored ones are multiplied when read back
-        elif grads:
-            torch._foreach_mul_(grads, coef)
-        return norm
+        """Scale this optimizer's gradients so that their global ``norm_type``-norm (any
+        p > 0, or ``inf``) is at most ``max_norm``; returns the norm before clipping, as
+        ``torch.nn.utils.clip_grad_norm_`` over its parameters
+        (``zeroshard.model_states.clipping``)."""
+        return clipping.clip_grad_norm(self, max_norm, norm_type)
 
-    def _tp_replicated_power(self, p: float) -> torch.Tensor:
-        """Sum of p-th powers of this rank's shard gradients of the parameters that tensor
-        parallelism replicates (not split: ``zeroshard.tensor_parallel``)."""
-        if self._grad_swap is not None:
+    @torch.no_grad()
+    def clip_grad_value(self, clip_value: float) -> None:
+        """Clamp this optimizer's gradients to ``[-clip_value, clip_value]``, as
+        ``torch.nn.utils.clip_grad_value_`` over its parameters (element-wise: each rank its
+        shard, no communication). At stages 1-3 torch's own sees no ``.grad``."""
+        if not clip_value >= 0:
+            raise ValueError(f"clip_value must be a number >= 0, got {clip_value!r}")
+        if self._backward_step is not None or self._grad_swap is not None:
             raise ValueError(
-                "clip_grad_norm with tensor parallelism needs the gradients in memory; keep "
-                "gradients on the device or CPU (offload gradients='cpu'), or do not clip"
+                "clip_grad_value needs the gradients in memory before the step: drop "
+                "step_in_backward and keep gradients off NVMe (Offload(gradients='cpu'))"
             )
-        pieces = [
-            b.shard_grad[piece]
-            for b in self.engine.buckets
-            if b.shard_grad is not None
-            for slot, piece in b.flat.pieces()
-            if not getattr(slot.param, "_zeroshard_tp_split", False) and piece.stop > piece.start
-        ]
-        power = torch.zeros(1, dtype=torch.float32, device=self.engine.mesh.device)
-        if pieces:
-            power += torch.stack(torch._foreach_norm(pieces, p)).float().pow(p).sum()
-        return power
+        for g in self._shard_grads():
+            g.clamp_(-clip_value, clip_value)
 
     def _agree(self) -> tuple[bool, set[int]]:
         """Whether any rank's shard gradients of this optimizer's buckets hold inf/NaN (another
@@ -355,8 +314,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._step()
         return loss
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Read by ``torch.amp.GradScaler.step``: True where ``.grad`` holds no gradient
+        (stages 1-3), so that it calls ``step`` (which then names the fix) instead of failing
+        in its own "No inf checks were recorded for this optimizer"."""
+        return self.engine.partition.optimizer_states
+
     @torch.no_grad()
     def _step(self) -> bool:
+        if "found_inf" in self.__dict__:  # set by torch.amp.GradScaler.step (see above)
+            del self.found_inf  # (it deletes them after a step that returns)
+            self.__dict__.pop("grad_scale", None)
+            raise ValueError(
+                "torch.amp.GradScaler cannot unscale a sharded optimizer's gradients at stage "
+                f"{self.engine.stage}: each rank holds only its reduced shard, and .grad is "
+                "None. Scale the loss with zeroshard instead: shard(..., "
+                "mixed_precision='fp16') gives the optimizer a DynamicLossScaler (or pass "
+                "loss_scaler=zeroshard.DynamicLossScaler() to zeroshard.optimizer), then "
+                "opt.backward(loss) scales, and step() unscales and skips overflowed steps"
+            )
         if self.engine.discarding:
             raise ValueError(
                 "optimizer.step() inside summon_full_params(model, writeback=False), which "
@@ -372,6 +349,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         if self._backward_step is None:
             self.engine.adopt_writes()  # (stepping in backward, the forward adopted them)
+        self._adopt_grad_edits()  # before the agreement: a .grad set to None is no gradient
         found_inf, unused = self._agree()
         self.loss_scaler.update(found_inf)
         if self._backward_step is not None:
@@ -380,7 +358,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.engine.end_step()
             taken = False
         else:
-            self._shard_grads()  # adopts stage 0's edits through .grad
             if self._swap is None:
                 self._step_in_memory(unused)
             else:
@@ -554,10 +531,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load what ``state_dict`` returns (at any world size or stage, e.g. through DCP); the
         hooks of ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as torch runs them."""
         from zeroshard.optimizer_state_dict import load_optimizer_state_dict
+        from zeroshard.state_dict import COLLECTIVE
 
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)
             state_dict = state_dict if returned is None else returned
-        load_optimizer_state_dict(self, state_dict)
+        with diagnosed("all_gather", COLLECTIVE, None):  # DTensors gathered: full_tensor()
+            load_optimizer_state_dict(self, state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

@@ -119,10 +119,11 @@ def probe(
     group with its own settings: torch's refusal of any of them becomes an error naming the
     class and the settings given (``given``: the caller's own; ``lr="3e-3"`` surfaced as a bare
     "'<=' not supported between instances of 'float' and 'str'", in a group's only at the
-    first step)."""
+    first step). Keys of a group that the class does not take (``"name"``, a scheduler's
+    ``"lr_scale"``) are kept in the group, as torch keeps them, and not probed."""
     out: dict[str, Any] = {}
     for group in [{}, *groups]:
-        own = {k: v for k, v in group.items() if k != "params"}
+        own = {k: v for k, v in group.items() if k != "params" and (not group or k in out)}
         try:
             one = torch.zeros(1, device=device, requires_grad=True)
             made = optimizer_cls([one], **{**defaults, **own}).defaults

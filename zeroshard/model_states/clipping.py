@@ -1,0 +1,124 @@
+"""Clipping by the global gradient norm when each rank holds a shard of the gradients: the
+p-th powers of this rank's shard summed (or their maximum), combined over the shard group (and
+the tensor-parallel group), then every shard scaled by the same coefficient. Over one
+optimizer's parameters only, as ``torch.nn.utils.clip_grad_norm_`` over the parameters it is
+given."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from zeroshard import collectives as C
+
+if TYPE_CHECKING:
+    from zeroshard.model_states.optimizer import ShardedOptimizer
+
+__all__ = ["clip_grad_norm"]
+
+
+def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so that their global ``norm_type``-norm (any p > 0, or ``inf``) is
+    at most ``max_norm``; returns the norm before clipping, as
+    ``torch.nn.utils.clip_grad_norm_`` returns it for the unsharded model, over this
+    optimizer's parameters only, as torch's clip over the parameters it is given (a second
+    optimizer's are its own; with no gradient at all the norm is 0). The norm takes the
+    shard group's shards (every element once; with hybrid sharding the replicas in other
+    groups are not counted again): a sum of p-th powers, or a maximum."""
+    p = float(norm_type)
+    if not p > 0:
+        raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
+    if opt._backward_step is not None:
+        raise ValueError(
+            "clip_grad_norm needs every gradient before any update, but with "
+            "step_in_backward each sub-group steps as soon as its gradient is reduced; "
+            "drop step_in_backward to clip gradients"
+        )
+    if opt._grad_swap is not None and p != 2.0:
+        raise ValueError(
+            f"clip_grad_norm(norm_type={norm_type}) with gradients on NVMe: their 2-norms "
+            "are taken as they are written, so only norm_type=2.0 is available there"
+        )
+    if opt._grad_swap is not None and any(
+        len(opt._slots[id(b)]) < len(b.flat.slots) for b in opt._buckets
+    ):
+        raise ValueError(
+            "clip_grad_norm with gradients on NVMe takes whole buckets' norms, but this "
+            "optimizer holds only some of the parameters whose gradients share a bucket: "
+            "give it every trainable parameter (or freeze the others before shard()), or "
+            "keep gradients in memory"
+        )
+    grads = opt._shard_grads()
+    largest = math.isinf(p)
+    # 1D FP32, this rank: the sum of p-th powers of its shard's elements, or their maximum
+    total = torch.zeros(1, dtype=torch.float32, device=opt.engine.mesh.device)
+    # one fused norm per buffer: no gradient-sized temporaries (those on NVMe were taken
+    # when they were written, with the same per-tensor kernel)
+    if opt._grad_swap is not None:
+        norms = opt._grad_swap.norms()
+    else:  # (none at all: a norm of 0, as torch's clip returns it)
+        norms = torch._foreach_norm(grads, p) if grads else []
+    if norms:
+        stacked = torch.stack(norms).float()
+        total += stacked.max() if largest else stacked.pow(p).sum()
+    mesh = opt.engine.mesh
+    if mesh.tp_size > 1 and not largest:
+        # Tensor-parallel ranks hold different pieces of split parameters (summed over the
+        # group below) and the same gradient of replicated ones (to be counted once).
+        total -= _tp_replicated_power(opt, p) * (1 - 1 / mesh.tp_size)
+    op = dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM
+    if opt.engine.partition.optimizer_states and mesh.shard_size > 1:
+        # The shard group's ranks hold disjoint shards that together make every gradient;
+        # with hybrid sharding the other groups hold the same ones: summing over them too
+        # would count each element once per replica.
+        C.all_reduce(
+            total,
+            group=mesh.shard_group,
+            ledger=opt.engine.ledger,
+            label="norm",
+            op=op,
+            async_op=False,
+        )
+    if mesh.tp_size > 1:
+        C.all_reduce(
+            total,
+            scope=C.TENSOR,
+            group=mesh.tp_group,
+            ledger=opt.engine.ledger,
+            label="norm",
+            op=op,
+            async_op=False,
+        )
+    norm = total[0] if largest else total.clamp(min=0).pow(1 / p)[0]
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if opt._grad_swap is not None:
+        opt._grad_swap.scale(coef)  # stored ones are multiplied when read back
+    elif grads:
+        torch._foreach_mul_(grads, coef)
+    return norm
+
+
+def _tp_replicated_power(opt: ShardedOptimizer, p: float) -> torch.Tensor:
+    """Sum of p-th powers of this rank's shard gradients of the parameters that tensor
+    parallelism replicates (not split: ``zeroshard.tensor_parallel``)."""
+    if opt._grad_swap is not None:
+        raise ValueError(
+            "clip_grad_norm with tensor parallelism needs the gradients in memory; keep "
+            "gradients on the device or CPU (offload gradients='cpu'), or do not clip"
+        )
+    pieces = [
+        b.shard_grad[piece]
+        for b in opt._buckets
+        if b.shard_grad is not None
+        for i, (slot, piece) in enumerate(b.flat.pieces())
+        if i in opt._slots[id(b)]
+        and not getattr(slot.param, "_zeroshard_tp_split", False)
+        and piece.stop > piece.start
+    ]
+    power = torch.zeros(1, dtype=torch.float32, device=opt.engine.mesh.device)
+    if pieces:
+        power += torch.stack(torch._foreach_norm(pieces, p)).float().pow(p).sum()
+    return power
