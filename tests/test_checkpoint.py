@@ -473,6 +473,12 @@ def _bad_input(base: str) -> bool:
     dist.barrier()
     with pytest.raises(checkpoint.CheckpointError, match=r"__1_0\.distcp is corrupted"):
         checkpoint.load(good, model, opt)
+    # Its other files' bytes reached the tensors before the damage was found: the model says
+    # so at its next use (it trained on a mix of two states before).
+    x, y = batch("gpt", 0, 2)
+    for use in (lambda: model(x), opt.step, lambda: checkpoint.save(good + "-2", model, opt)):
+        with pytest.raises(RuntimeError, match=r"partly overwritten by zeroshard.checkpoint.load"):
+            use()
     dist.barrier()
     if rank == 0:
         os.remove(Path(good) / "zeroshard.json")
@@ -538,6 +544,10 @@ def _edges(base: str) -> bool:
             checkpoint.load(newest, model, opt)
         if how == "cut":  # incomplete: resume "auto" and restarts take the one before
             assert checkpoint.latest(folder) == checkpoint.step_path(folder, 1)
+        if name.endswith(".distcp"):  # read had begun: the model is refused until a good load
+            with pytest.raises(RuntimeError, match="partly overwritten"):
+                checkpoint.save(newest, model, opt, {"step": 2})
+            checkpoint.load(checkpoint.step_path(folder, 1), model, opt)
         checkpoint.save(newest, model, opt, {"step": 2})  # a damaged checkpoint is replaced
         assert checkpoint.latest(folder) == newest
     return True
@@ -896,3 +906,33 @@ def _local_masters(model) -> list[torch.Tensor]:
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_model_built_in_bf16_resumes_exactly(workers2, tmp_path, stage):
     assert all(workers2.run(_bf16_model_resume, str(tmp_path / "ckpt"), stage))
+
+
+def _failed_load_then_a_good_one(base: str) -> bool:
+    """A load that fails midway (a corrupted data file: its checksum is known once its last
+    byte is read) leaves the model refusing to train or save; a good load after it restores
+    the model and optimizer exactly (training on equals a fresh model's from that checkpoint)."""
+    folder = Path(base) / "ckpt"
+    model = _model(3, "fp32")
+    opt = _opt(model, "fp32")
+    _train(model, opt, range(1))
+    good, bad = checkpoint.step_path(folder, 1), checkpoint.step_path(folder, 2)
+    checkpoint.save(good, model, opt, {"step": 1})
+    _train(model, opt, range(1, 2))
+    checkpoint.save(bad, model, opt, {"step": 2})
+    _damage(bad, "__1_0.distcp", "flip")
+    with pytest.raises(checkpoint.CheckpointError, match="is corrupted"):
+        checkpoint.load(bad, model, opt)
+    with pytest.raises(RuntimeError, match="partly overwritten"):
+        _train(model, opt, range(2, 3))
+    assert checkpoint.load(good, model, opt)["step"] == 1
+    fresh = _model(3, "fp32", seed=5)
+    fresh_opt = _opt(fresh, "fp32")
+    checkpoint.load(good, fresh, fresh_opt)
+    assert _train(model, opt, range(1, 3)) == _train(fresh, fresh_opt, range(1, 3))
+    theirs = zeroshard.full_state_dict(fresh, rank0_only=False)
+    return all(torch.equal(v, theirs[k]) for k, v in zeroshard.full_state_dict(model).items())
+
+
+def test_a_failed_load_is_refused_until_a_good_one(workers2, tmp_path):
+    assert all(workers2.run(_failed_load_then_a_good_one, str(tmp_path)))

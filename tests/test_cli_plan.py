@@ -157,7 +157,23 @@ def test_memory_gb_and_gib_told_apart(capsys):
     gib = _json([*argv, "--memory", "80GiB"], capsys)
     assert gb["device_memory_bytes"] == 80 * 10**9 and gib["device_memory_bytes"] == 80 * 2**30
     assert gb["stages"][0]["fits"] is False and gib["stages"][0]["fits"] is True
-    assert _rows(_run([*argv, "--memory", "80GB"], capsys))[0][-1] == "NO"
+    assert _rows(_run([*argv, "--memory", "80GB"], capsys))[0][-1] == "NO (device)"
+
+
+def test_the_fits_column_counts_the_cpu_and_the_nvme_per_node(capsys):
+    """``--cpu-memory`` and ``--nvme`` (per node, shared by ``--devices-per-node`` devices)
+    decide the fits column too; they were read by --advise only ("fits yes" with 47 GB on a
+    1 GB NVMe)."""
+    argv = ["--preset", "3b", "--dp", "2", "--stage", "3", "--offload", "nvme-everything"]
+    row = _json([*argv, "--memory", "80GB"], capsys)["stages"][0]
+    nvme, cpu = row["nvme_bytes"], row["cpu_bytes"]
+    assert nvme > 10**10 and row["fits"] is True
+    short = _json([*argv, "--memory", "80GB", "--nvme", str(2 * nvme - 1)], capsys)["stages"][0]
+    assert short["fits"] is False and short["short"] == ["nvme"]  # two ranks share the node
+    alone = ["--devices-per-node", "1", "--nvme", str(nvme), "--cpu-memory", str(cpu - 1)]
+    row = _json([*argv, *alone], capsys)["stages"][0]  # no --memory: the column still shows
+    assert row["fits"] is False and row["short"] == ["cpu"]
+    assert _rows(_run([*argv, *alone], capsys))[0][-1] == "NO (cpu)"
 
 
 def test_other_model_sources(capsys, tmp_path):

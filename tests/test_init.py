@@ -240,3 +240,45 @@ def test_a_weight_shared_by_two_meta_units_is_initialized_once(workers2, stage, 
     assert (
         workers2.run(_meta_shared_weight, stage, bucket_bytes) == [{"same_on_every_rank": True}] * 2
     )
+
+
+def _hugging_face_init_on_meta(kind: str) -> dict[str, tuple[float, float]]:
+    """A Hugging Face model built on meta with ``param_init_fn=model._init_weights`` (what the
+    error for a module without ``reset_parameters()`` suggests): its rules that live on a
+    parent module (GPT-2's ``c_proj`` scaled by 1/sqrt(2 n_layer) in its attention and MLP,
+    T5's attention and feed-forward weights set by ``T5Attention`` and ``T5DenseActDense``)
+    were never run, leaving std 0.02 instead of 0.01 (GPT-2) and about 1 instead of 0.06 (T5).
+    Per parameter, the std after shard and the std of the same model built eagerly."""
+    import transformers
+
+    if kind == "gpt2":
+        cls = transformers.GPT2LMHeadModel
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32
+        )
+    else:
+        cls = transformers.T5ForConditionalGeneration
+        config = transformers.T5Config(
+            vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=2
+        )
+    torch.manual_seed(0)
+    eager = cls(config).state_dict()
+    with torch.device("meta"):
+        model = cls(config)
+    model = zeroshard.shard(
+        model, stage=3, wrap=zeroshard.wrap.from_hf(model), param_init_fn=model._init_weights
+    )
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    return {
+        k: (full[k].std().item(), v.std().item())
+        for k, v in eager.items()
+        if v.is_floating_point() and v.numel() >= 1024
+    }
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "t5"])
+def test_hugging_face_init_rules_of_parent_modules_run_on_meta(workers2, kind):
+    pytest.importorskip("transformers")
+    for stds in workers2.run(_hugging_face_init_on_meta, kind):
+        off = {k: v for k, v in stds.items() if not 0.85 < v[0] / v[1] < 1.15}
+        assert not off and len(stds) > 8, off

@@ -274,7 +274,7 @@ def test_a_folder_lock_names_its_holder(tmp_path):
     try:
         # a ValueError: bad input, which the command line reports in one line (exit 2)
         pid = os.getpid()
-        held = f"in use by a live store \\(pid {pid}, this process: another model .* in use"
+        held = f"in use by a live store \\(pid {pid}, this process: another model .* del loss"
         with pytest.raises(OffloadSetupError, match=held):
             take_lock(tmp_path)
     finally:

@@ -279,3 +279,33 @@ def test_empty_host_tensors_swap_without_staging(tmp_path):
         for t in (full, back):
             t.untyped_storage().resize_(0)
             t.untyped_storage().resize_(3 * 4096 * 4)
+
+
+def test_a_forked_child_leaves_the_parent_s_files(tmp_path):
+    """A child made by ``os.fork`` that exits normally ran the store's exit clean-up, deleting
+    the parent's swap files and lock under it (the parent's next read: "swap file ... is
+    missing")."""
+    store = TensorStore(nvme(tmp_path / "swap"))
+    store.swap_out("a", torch.arange(3000.0)).wait()
+    code = textwrap.dedent(
+        f"""
+        import os, sys, torch
+        from zeroshard.offload import OffloadConfig, TensorStore, Tier
+        store = TensorStore(OffloadConfig(tier=Tier.NVME, folder={str(tmp_path / "child")!r}))
+        store.swap_out("a", torch.ones(10)).wait()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal exit: atexit and finalizers run in the child
+        os.waitpid(pid, 0)
+        assert torch.equal(store.swap_in("a").wait(), torch.ones(10))
+        print("kept")
+        """
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, timeout=60, capture_output=True, text=True
+    )
+    assert done.stdout.strip() == "kept", done.stderr[-2000:]
+    assert not (tmp_path / "child").exists()  # the parent's own exit still cleans up
+    assert torch.equal(store.swap_in("a").wait(), torch.arange(3000.0))
+    store.close()

@@ -295,10 +295,12 @@ def test_state_dicts_outside_a_checkpoint_read_offloaded_masters(workers2, tmp_p
 def _no_space(folder: str) -> list[str]:
     from unittest import mock
 
+    from zeroshard.model_states.param_swap import ParamSwapper
     from zeroshard.offload import SwapSpaceError
 
     space = mock.patch("zeroshard.model_states.swap_space.free_bytes", return_value=1000)
-    with space, pytest.raises(SwapSpaceError) as err:
+    written = mock.patch.object(ParamSwapper, "_write", side_effect=AssertionError("written"))
+    with space, written, pytest.raises(SwapSpaceError) as err:
         _make(3, Offload(parameters="nvme", folder=folder))
     message = str(err.value)
     del err
@@ -308,6 +310,36 @@ def _no_space(folder: str) -> list[str]:
 
 
 def test_a_folder_too_small_for_the_masters_fails_at_shard(workers2, tmp_path):
+    """Before the first master is written (it was checked after all were: a model that fit was
+    refused, its own masters taking the free space, and one that did not fill the disk)."""
     for message, *files in workers2.run(_no_space, str(tmp_path)):
         assert "short by" in message and "bytes" in message, message
         assert files == [], files
+
+
+def _needed_and_written(folder: str, kind: str, mixed_precision: str | None) -> tuple[int, int]:
+    """The bytes checked before any master is written, and the swap files' bytes after."""
+    from unittest import mock
+
+    from zeroshard.model_states import param_swap
+    from zeroshard.offload.folder import padded_bytes
+
+    checked = []
+    real = param_swap.check_space
+    with mock.patch.object(
+        param_swap, "check_space", lambda f, need, mesh: (checked.append(need), real(f, need, mesh))
+    ):
+        model, _ = _make(3, Offload(parameters="nvme", folder=folder), mixed_precision, kind)
+    swap = zeroshard.engine_of(model).param_swap
+    written = sum(padded_bytes(m.nbytes) for m in swap._masters.values())
+    swap.close()
+    return checked[0], written
+
+
+@pytest.mark.parametrize(
+    "kind, mixed_precision",
+    [("gpt", None), ("gpt", "bf16"), ("frozen_mlp", None), ("odd", None), ("tiny_units", None)],
+)
+def test_the_space_checked_is_what_the_masters_take(workers2, tmp_path, kind, mixed_precision):
+    for needed, written in workers2.run(_needed_and_written, str(tmp_path), kind, mixed_precision):
+        assert needed == written > 0, (needed, written)

@@ -355,6 +355,8 @@ def test_placements_a_stage_cannot_have_are_refused_with_the_fix():
         Offload(optimizer="cpu", folder="/tmp")
     with pytest.raises(ValueError, match="must be None"):
         Offload(optimizer="disk")
+    with pytest.raises(TypeError, match=r"folder=123 must be a path \(a str or os.PathLike\)"):
+        Offload(optimizer="nvme", folder=123)
     with pytest.raises(ValueError, match="not implemented yet"):
         Offload(optimizer="cpu").check(STAGES[1], torch.device("cuda"))
     Offload(optimizer="nvme", gradients="cpu", parameters="cpu", folder="/tmp").check(
@@ -509,3 +511,15 @@ def test_several_optimizers_each_have_a_store(workers2, tmp_path, stage):
         assert stores == ["rank00000", "rank00000-states1", "rank00001", "rank00001-states1"]
         if grads_stage:
             assert "gradients are on NVMe" in refused, refused
+
+
+def test_a_relative_folder_stays_where_it_was_after_a_chdir(tmp_path, monkeypatch):
+    """The swap files' folder is fixed when the placement is made: an ``os.chdir`` later in the
+    run moved a relative one (every read back failed, "swap file ... is missing")."""
+    monkeypatch.chdir(tmp_path)
+    offload = Offload(optimizer="nvme", parameters="nvme", folder="swap")
+    monkeypatch.chdir("/")
+    assert offload.store_config(0).folder == tmp_path / "swap" / "rank00000"
+    assert offload.param_store_config(0).folder == tmp_path / "swap" / "rank00000-params"
+    home = Offload(optimizer="nvme", folder="~/swap").store_config(3).folder
+    assert home == Path.home() / "swap" / "rank00003"

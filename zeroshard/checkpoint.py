@@ -502,7 +502,29 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
 
 
 def _load(path: Path, model, optimizer, checksums: bool, group) -> dict:
-    """``load`` (a collective on ``group``)."""
+    """``load`` (a collective on ``group``). Once reading has begun, a failure (a corrupted
+    file found when its last byte is hashed, after earlier bytes reached the tensors) leaves
+    the engine ``untrusted`` (``Engine.adopt_writes``): the next forward, step or save names
+    it, instead of training on a mix of two states; a load that succeeds clears it."""
+    engine = engine_of(model)
+    before, engine.untrusted = engine.untrusted, None  # (the load reads state dicts itself)
+    try:
+        extra = _read(path, model, optimizer, checksums, group)
+    except BaseException as exc:
+        engine.untrusted = before
+        if getattr(exc, "_zeroshard_read_began", False):
+            engine.untrusted = (
+                f"the model and its optimizer were partly overwritten by "
+                f"zeroshard.checkpoint.load({str(path)!r}), which failed ({exc}); load a good "
+                "checkpoint before training on or saving them"
+            )
+        raise
+    return extra
+
+
+def _read(path: Path, model, optimizer, checksums: bool, group) -> dict:
+    """``_load`` without the trust bookkeeping; an exception raised once tensors began to be
+    overwritten is marked ``_zeroshard_read_began``."""
     rank = dist.get_rank(group)
     meta = read_meta(path)
     from zeroshard.checkpoint_planner import LoadPlanner
@@ -515,11 +537,15 @@ def _load(path: Path, model, optimizer, checksums: bool, group) -> dict:
         own = torch.load(path / f"rank-{rank % meta['world_size']:05d}.pt", weights_only=True)
         scalers = _saved_loss_scalers(path, optimizer, own["loss_scaler"])  # before any read
         checks.names(path, reader, state)
-        read(state, reader, LoadPlanner(), group)
-        model.load_state_dict(state["model"])
-        for opt, scaler in zip(_optimizers(optimizer), scalers):
-            opt.load_state_dict(state["optim"])  # each takes its own parameters' (by name)
-            opt.loss_scaler.load_state_dict(scaler)
+        try:
+            read(state, reader, LoadPlanner(), group)
+            model.load_state_dict(state["model"])
+            for opt, scaler in zip(_optimizers(optimizer), scalers):
+                opt.load_state_dict(state["optim"])  # each takes its own parameters' (by name)
+                opt.loss_scaler.load_state_dict(scaler)
+        except BaseException as exc:
+            exc._zeroshard_read_began = True  # type: ignore[attr-defined]
+            raise
     if meta["world_size"] == dist.get_world_size(group):  # else the model state's one copy
         rank_buffers.restore(model, own.get("buffers", {}))
     rng.set_state(own["rng"])

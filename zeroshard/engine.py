@@ -39,7 +39,7 @@ from zeroshard.mesh import Mesh
 from zeroshard.model_states import flat_param
 from zeroshard.model_states.grads import GradBucket, GradScaling, pools, warn_no_sharded_optimizer
 from zeroshard.model_states.reduction_order import ReductionOrder
-from zeroshard.module_hooks import eager, keep_last
+from zeroshard.module_hooks import install
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states import host_heap
 from zeroshard.residual_states.activations import SpanCheckpointing
@@ -125,6 +125,7 @@ class Engine:
         at once)."""
         self._summoned = 0  # depth of summon_full_params
         self.discarding = 0  # of them, how many undo writes (writeback=False): no step inside
+        self.untrusted: str | None = None  # why values are not to be used (checkpoint._load)
         self.heap = (
             host_heap.HeapKeeper(config.trim_host_memory)
             if config.trim_host_memory and mesh.device.type == "cpu"
@@ -159,7 +160,7 @@ class Engine:
                 unit.module.forward = torch._dynamo.disable(unit.module.forward)
         self._handles: list[Any] = []
         for unit in unit_list:
-            self._install_hooks(unit)
+            self._handles += install(self, unit)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -167,40 +168,6 @@ class Engine:
         return self.units[0]
 
     # ----------------------------------------------------------------- hooks
-    def _install_hooks(self, unit: Unit) -> None:
-        def pre(m: nn.Module, args: tuple, kwargs: dict) -> Any:
-            keep_last(m, last)
-            return self._pre_forward(unit, args, kwargs)
-
-        post = eager(lambda m, args, output: self._post_forward(unit, output))
-        module = unit.module
-        self._handles.append(
-            module.register_forward_pre_hook(eager(pre), with_kwargs=True, prepend=True)
-        )
-        if self.checkpointing is not None and unit in self._checkpointed:
-            # Runs first, and also when the forward raised: the saved-tensor hooks must pop.
-            stop = eager(lambda m, a, o: self._stop_dropping(m))
-            self._handles.append(module.register_forward_hook(stop, always_call=True))
-        last = [module.register_forward_hook(post)]
-        if unit.is_root:  # runs after ``post``, and also when the forward raised
-            raised = eager(lambda m, a, o: self._forward_raised())
-            last.append(module.register_forward_hook(raised, always_call=True))
-        self._handles += last
-        # A submodule holding the unit's parameters called on its own (T5's encoder in generate(),
-        # an embedding applied outside the forward) is a use of the unit: gathered for it, and
-        # the unit's backward ends only once the call's gradient is in (else reduced too early).
-        for owner in unit.owners:
-            self._install_lend_hooks(unit, owner)
-
-    def _install_lend_hooks(self, unit: Unit, owner: nn.Module) -> None:
-        def lend(m: nn.Module, args: tuple, kwargs: dict) -> Any:
-            keep_last(m, last)
-            return self._pre_lend(unit, m, args, kwargs)
-
-        give_back = eager(lambda m, args, output: self._post_lend(unit, m, output))
-        last = [owner.register_forward_hook(give_back)]
-        self._handles += [*last, owner.register_forward_pre_hook(eager(lend), with_kwargs=True)]
-
     def _pre_lend(self, unit: Unit, owner: nn.Module, args: tuple, kwargs: dict):
         if unit.lender is not None or unit.state is not TrainingState.IDLE:
             return None  # inside the unit's own forward or backward
@@ -520,10 +487,13 @@ class Engine:
         flags = [t for b in self.buckets for t in b.touched]
         return torch.tensor(flags, dtype=torch.float32, device=self.mesh.device)
 
-    def adopt_writes(self) -> None:
+    def adopt_writes(self, *, loading: bool = False) -> None:
         """Copy into the masters what was written to replicated parameters that compute in a
         narrower dtype (``nn.init``, ``p.mul_`` under ``no_grad``) since the last call
-        (``FlatParam.adopt_writes``): before a forward, a step, a state dict, a save."""
+        (``FlatParam.adopt_writes``): before a forward, a step, a state dict, a save, a load
+        (``loading``: the only one of them an ``untrusted`` model allows)."""
+        if self.untrusted is not None and not loading:
+            raise RuntimeError(self.untrusted)
         if not torch.distributed.is_initialized():  # (else torch's TypeError deep in a mesh)
             raise RuntimeError(
                 "the process group this model was sharded over is gone "

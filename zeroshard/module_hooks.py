@@ -1,15 +1,58 @@
-"""Where the engine meets ``nn.Module``'s hooks: its hooks run eagerly under torch.compile
-(``eager``), and its forward hooks that reshard a unit stay behind the user's (``keep_last``)."""
+"""Where the engine meets ``nn.Module``'s hooks: which hooks a unit gets (``install``), run
+eagerly under torch.compile (``eager``), the forward hooks that reshard it kept behind the
+user's (``keep_last``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-__all__ = ["eager", "keep_last"]
+if TYPE_CHECKING:
+    from zeroshard.engine import Engine
+    from zeroshard.unit import Unit
+
+__all__ = ["eager", "install", "keep_last"]
+
+
+def install(engine: Engine, unit: Unit) -> list[Any]:
+    """The engine's hooks on ``unit``'s module (gather before, reshard after its forward) and on
+    the submodules that own its parameters (``unit.owners``); their handles."""
+
+    def pre(m: nn.Module, args: tuple, kwargs: dict) -> Any:
+        keep_last(m, last)
+        return engine._pre_forward(unit, args, kwargs)
+
+    module = unit.module
+    handles = [module.register_forward_pre_hook(eager(pre), with_kwargs=True, prepend=True)]
+    if engine.checkpointing is not None and unit in engine._checkpointed:
+        # Runs first, and also when the forward raised: the saved-tensor hooks must pop.
+        stop = eager(lambda m, a, o: engine._stop_dropping(m))
+        handles.append(module.register_forward_hook(stop, always_call=True))
+    post = eager(lambda m, args, output: engine._post_forward(unit, output))
+    last = [module.register_forward_hook(post)]
+    if unit.is_root:  # runs after ``post``, and also when the forward raised
+        raised = eager(lambda m, a, o: engine._forward_raised())
+        last.append(module.register_forward_hook(raised, always_call=True))
+    handles += last
+    # A submodule holding the unit's parameters called on its own (T5's encoder in generate(),
+    # an embedding applied outside the forward) is a use of the unit: gathered for it, and the
+    # unit's backward ends only once the call's gradient is in (else reduced too early).
+    for owner in unit.owners:
+        handles += _lend_hooks(engine, unit, owner)
+    return handles
+
+
+def _lend_hooks(engine: Engine, unit: Unit, owner: nn.Module) -> list[Any]:
+    def lend(m: nn.Module, args: tuple, kwargs: dict) -> Any:
+        keep_last(m, last)
+        return engine._pre_lend(unit, m, args, kwargs)
+
+    give_back = eager(lambda m, args, output: engine._post_lend(unit, m, output))
+    last = [owner.register_forward_hook(give_back)]
+    return [*last, owner.register_forward_pre_hook(eager(lend), with_kwargs=True)]
 
 
 def keep_last(module: nn.Module, handles: list[Any]) -> None:

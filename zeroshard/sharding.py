@@ -28,7 +28,7 @@ from zeroshard.mesh import Mesh, settle_collective_threads_at_exit
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.model_states.init import Materializer, check_same_model
-from zeroshard.model_states.param_swap import ParamSwapper
+from zeroshard.model_states.param_swap import ParamSwapper, master_bytes
 from zeroshard.offload.placement import Offload
 from zeroshard.precision import MixedPrecision, hold_tf32, policy_of
 from zeroshard.residual_states.activations import train_without_caches
@@ -174,7 +174,8 @@ def shard(
     param_swap = None
     if offload is not None and offload.parameters == "nvme":
         # masters leave memory as each unit is made: the peak is a few units, not the model
-        param_swap = ParamSwapper(offload, mesh, config.num_prefetch)
+        need = master_bytes(specs, mesh.shard_size)  # checked before any master is written
+        param_swap = ParamSwapper(offload, mesh, config.num_prefetch, need)
 
     # Stage 3: every unit's gathered storage borrows from fixed buffers, made once (ZeRO-R's CB);
     # as many per size as units are gathered at once (the one computing and the prefetched).
@@ -202,7 +203,7 @@ def shard(
     bucket_bytes = 0 if part.parameters else config.bucket_bytes
     flats = _flat_params(specs, bucket_bytes, make, mixed_precision)
     if param_swap is not None:
-        param_swap.finish_adopting()  # space checked on every rank (a collective), all dropped
+        param_swap.finish_adopting()  # all dropped from memory
     scaling = GradScaling()
     buckets: dict[FlatParam, GradBucket] = {}
     for unit_flats in flats:

@@ -368,7 +368,7 @@ class _Hooks:
                 "outside it"
             )
         with diagnosed("all_gather", COLLECTIVE, None):  # DTensors gathered: full_tensor()
-            engine.adopt_writes()
+            engine.adopt_writes(loading=True)
             names = _all_names(module)
             self.consumed = set()
             self.ranges_loaded = False

@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -24,6 +25,7 @@ from zeroshard.schedule import SCHEDULES
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "auto")
 LOGS = ("jsonl", "tensorboard")
 TIERS = ("cpu", "nvme")
+_PATHS = ("hf", "data", "out_dir", "data_dir", "resume", "offload_folder")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")  # pkg.mod:attr
 
 
@@ -158,6 +160,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_field(f.name, getattr(self, f.name), str(f.type), f.default)
+        for name in _PATHS:  # "~/runs" in a config file, as a shell would expand it on a flag
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("~"):
+                object.__setattr__(self, name, os.path.expanduser(value))
         if self.model and self.hf:
             raise ValueError(
                 f"model = {self.model!r} and hf = {self.hf!r}: pass one of --model and --hf"

@@ -157,8 +157,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     h = p.add_argument_group("hardware")
     h.add_argument("--memory", help="memory per device, e.g. 80GB or 80GiB (adds a fits column)")
-    h.add_argument("--cpu-memory", help="CPU memory per node, e.g. 1TB")
-    h.add_argument("--nvme", help="NVMe capacity per node, e.g. 28TB")
+    h.add_argument("--cpu-memory", help="CPU memory per node, e.g. 1TB (fits column)")
+    h.add_argument("--nvme", help="NVMe capacity per node, e.g. 28TB (fits column)")
     h.add_argument("--devices-per-node", type=int, help="devices sharing a node's CPU and NVMe")
     h.add_argument("--bandwidth", help="slow memory (CPU/NVMe) to each device, e.g. 70GB/s")
     h.add_argument(
@@ -453,6 +453,9 @@ def plan(args) -> dict:
         ),
         peak_flops=flags.opt(units.parse_flops, args.peak_flops),
         device_memory_bytes=flags.opt(units.parse_bytes, args.memory),
+        cpu_memory_bytes=flags.opt(units.parse_bytes, args.cpu_memory),
+        nvme_bytes=flags.opt(units.parse_bytes, args.nvme),
+        devices_per_node=args.devices_per_node,
         target_efficiency=args.target_efficiency,
     )
 

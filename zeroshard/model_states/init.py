@@ -35,17 +35,49 @@ class Materializer:
         self.device, self.param_init_fn = device, param_init_fn
         self._owners: dict[int, nn.Module] = {}  # id(param) -> first registering module
         self._done: set[int] = set()  # id(param) of parameters initialized here
-        for module in model.modules():
+        self._ancestors: dict[int, list[nn.Module]] = {}  # id(module) -> parents, nearest first
+        by_name = dict(model.named_modules())
+        for name, module in by_name.items():
             for p in module.parameters(recurse=False):
                 self._owners.setdefault(id(p), module)
+            parts = name.split(".") if name else []
+            self._ancestors[id(module)] = [
+                by_name[".".join(parts[:i])] for i in range(len(parts) - 1, -1, -1)
+            ]
 
     def __call__(self, params: list[nn.Parameter]) -> None:
-        """Materialize and initialize every module registering one of ``params`` on meta."""
+        """Materialize and initialize every module registering one of ``params`` on meta; then,
+        with ``param_init_fn``, its ancestors (``_init_ancestors``)."""
         if not any(p.device == META for p in params):
             return
         modules = list(dict.fromkeys(self._owners[id(p)] for p in params if p.device == META))
+        fresh = {id(p) for m in modules for p in m.parameters(recurse=False)} - self._done
         for module in modules:
             self._init_module(module)
+        if self.param_init_fn is not None:
+            self._init_ancestors(modules, fresh)
+
+    def _init_ancestors(self, modules: list[nn.Module], fresh: set[int]) -> None:
+        """``param_init_fn`` on every ancestor of ``modules``, nearest first (the order of
+        ``model.apply``, which Hugging Face's ``post_init`` uses: a parent's rule overrides its
+        children's, e.g. GPT-2's ``c_proj`` scaled by its attention block, T5's attention
+        weights set by ``T5Attention``), seeing only the ``fresh`` parameters (ids) just
+        materialized: every other parameter and buffer of its subtree is a meta stand-in for
+        the call, so writes to units built before or after are no-ops."""
+        chain = {id(a): a for m in modules for a in self._ancestors[id(m)]}
+        depth = {id(a): len(self._ancestors[id(a)]) for a in chain.values()}
+        before = [(m, dict(m._parameters)) for m in modules]
+        for ancestor in sorted(chain.values(), key=lambda a: -depth[id(a)]):
+            others = [m for m in ancestor.modules() if all(m is not x for x in modules)]
+            hidden = _stand_ins(ancestor, fresh, others)
+            try:
+                with torch.no_grad():
+                    self.param_init_fn(ancestor)
+            finally:
+                for module, kind, name, value in hidden:
+                    getattr(module, kind)[name] = value
+            for m, params in before:
+                _check_kept(m, params)
 
     def _init_module(self, module: nn.Module) -> None:
         for p in module.parameters(recurse=False):
@@ -105,6 +137,27 @@ class Materializer:
             )
             if on_meta:
                 self._init_module(module)
+
+
+def _stand_ins(
+    root: nn.Module, fresh: set[int], others: list[nn.Module]
+) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
+    """Replace, in ``root``'s subtree, every parameter not in ``fresh`` (ids) and the buffers of
+    ``others`` by meta tensors of their shape; what was replaced, to put back."""
+    hidden = []
+    for module in root.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in fresh:
+                hidden.append((module, "_parameters", name, p))
+                module._parameters[name] = nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device=META), p.requires_grad
+                )
+        if any(module is o for o in others):
+            for name, b in module._buffers.items():
+                if b is not None:
+                    hidden.append((module, "_buffers", name, b))
+                    module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=META)
+    return hidden
 
 
 def _check_kept(module: nn.Module, before: dict[str, nn.Parameter | None]) -> None:

@@ -183,7 +183,10 @@ class StopsOnFailure:
             "trusted. Restart from the last checkpoint"
         )
         self._in_step = False
-        self.store.close()  # the files are useless now: delete them (waits for the rest)
+        try:
+            self.store.close()  # the files are useless now: delete them (waits for the rest)
+        except OSError as cleanup:  # (a folder gone read-only): the swap error is the news
+            log.warning("could not delete the swap files after the failure: %s", cleanup)
         return OffloadError(self._error)
 
 

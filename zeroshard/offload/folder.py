@@ -230,7 +230,11 @@ def _holder(pid: str) -> str:
     """Who holds a folder's lock, for an error: another process, or this one."""
     if pid != str(os.getpid()):
         return f"pid {pid}"
-    return f"pid {pid}, this process: another model or optimizer of it that is still in use"
+    return (
+        f"pid {pid}, this process: another model or optimizer of it that is still referenced, "
+        "by a name or by a tensor it computed (the last loss's graph holds the model: del "
+        "loss, model, opt)"
+    )
 
 
 def holds_swap_files(folder: Path) -> bool:

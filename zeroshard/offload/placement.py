@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -94,10 +94,20 @@ class Offload:
     ``rank00000`` ..., and ``rank00000-params`` ... for parameters), on the fast disk. Checked for
     writability and free space before step 1 (by ``shard`` for parameters, by the optimizer for
     its states)."""
+    _root: Path | None = field(init=False, repr=False, compare=False, default=None)
+    """``folder`` made absolute at construction."""
 
     def __post_init__(self) -> None:
-        for field in _STATES:
-            object.__setattr__(self, field, _tier_name(field, getattr(self, field)))
+        for name in _STATES:
+            object.__setattr__(self, name, _tier_name(name, getattr(self, name)))
+        if self.folder is not None and not isinstance(self.folder, (str, os.PathLike)):
+            raise TypeError(
+                f"folder={self.folder!r} must be a path (a str or os.PathLike), got a "
+                f"{type(self.folder).__name__}"
+            )
+        # Absolute now: a later os.chdir must not move the swap files' folder under the run.
+        root = None if self.folder is None else Path(self.folder).expanduser().absolute()
+        object.__setattr__(self, "_root", root)
         on_disk = [f for f in _STATES if getattr(self, f) == "nvme"]
         if on_disk and (self.folder is None or not str(self.folder).strip()):
             raise ValueError(
@@ -169,8 +179,8 @@ class Offload:
 
     def _rank_folder(self, rank: int, store: str) -> Path:
         """``folder/rank00003`` (the states' store), ``rank00003-params``, ..."""
-        assert self.folder is not None
-        return Path(self.folder) / f"rank{rank:05d}{_STORES[store]}"
+        assert self._root is not None
+        return self._root / f"rank{rank:05d}{_STORES[store]}"
 
 
 def discard_absent_ranks(folder: Path, world_size: int) -> list[Path]:

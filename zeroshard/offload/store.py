@@ -115,16 +115,20 @@ def _warn_once(warned: set[str], key: str, message: str) -> None:
         logger.warning(message)
 
 
-def _close_at_exit(backend: Any, executors: list[ThreadPoolExecutor | None]) -> None:
-    """The finalizer of a store nobody closed: at interpreter exit or when garbage-collected."""
+def _close_at_exit(backend: Any, executors: list[ThreadPoolExecutor | None], pid: int) -> None:
+    """The finalizer of a store nobody closed: at interpreter exit or when garbage-collected.
+    Not in a child made by ``os.fork`` (process ``pid`` made the store): its exit would delete
+    the parent's swap files under it."""
+    if os.getpid() != pid:
+        return
     try:
         if executors[0] is not None:
             # No block is queued: queued blocks hold the store, which is unreachable now (or the
             # interpreter's exit already joined the workers). Do not join: this may be a worker.
             executors[0].shutdown(wait=False)
         backend.close(keep=False)
-    except Exception:  # at exit there is nobody left to raise to
-        logger.exception("cleaning up an unclosed offload store failed")
+    except Exception as exc:  # at exit there is nobody left to raise to
+        logger.warning("cleaning up an unclosed offload store failed: %s", exc)
 
 
 class TensorStore:
@@ -169,7 +173,9 @@ class TensorStore:
         self._pending: set[SwapHandle] = set()
         self._executors: list[ThreadPoolExecutor | None] = [None]  # created on first use
         self._closed = False
-        self._finalizer = weakref.finalize(self, _close_at_exit, self._backend, self._executors)
+        self._finalizer = weakref.finalize(
+            self, _close_at_exit, self._backend, self._executors, os.getpid()
+        )
 
     @classmethod
     def reopen(cls, folder: str | os.PathLike, config: OffloadConfig | None = None) -> TensorStore:

@@ -42,6 +42,9 @@ def plan_report(
     inter_node_bandwidth_bytes_per_s: float | None = None,
     peak_flops: float | None = None,
     device_memory_bytes: int | None = None,
+    cpu_memory_bytes: int | None = None,
+    nvme_bytes: int | None = None,
+    devices_per_node: int | None = None,
     target_efficiency: float | None = None,
 ) -> dict:
     """Everything ``zeroshard plan`` prints for ``model`` trained as ``base`` (its stage and
@@ -70,7 +73,14 @@ def plan_report(
         "seq_len": base.seq_len,
         "num_layers_per_checkpoint": base.num_layers_per_checkpoint,
         "device_memory_bytes": device_memory_bytes,
+        "cpu_memory_bytes": cpu_memory_bytes,
+        "nvme_bytes": nvme_bytes,
     }
+    # What each tier holds, for the fits column: the device per device; the CPU and NVMe per
+    # node, shared by its devices (all Nd x Nm of them unless told).
+    per_node = devices_per_node or base.num_dp_ranks * base.num_mp_ranks
+    have = {"device": (device_memory_bytes, 1), "cpu": (cpu_memory_bytes, per_node)}
+    have["nvme"] = (nvme_bytes, per_node)
     shape = model.shape
     if not base.activation_checkpointing:
         out["num_layers_per_checkpoint"] = 0  # none: each row's device is its largest moment
@@ -127,7 +137,7 @@ def plan_report(
             if not base.activation_checkpointing:  # as the engine buckets gradients
                 per_unit = timeline.bucket_per_unit(model, stage, base.bucket_bytes)
                 config = replace(config, bucket_per_unit=per_unit)
-            rows.append(_row(model, config, offload, ait, bw, links, peak, device_memory_bytes))
+            rows.append(_row(model, config, offload, ait, bw, links, peak, have))
     if not rows:
         raise ValueError(
             f"no stage in --stage {','.join(map(str, stages))} supports --offload "
@@ -184,7 +194,7 @@ def _communication(model, config, net_bw, inter_bw) -> dict:
     return out | {"collectives": [vars(c) for c in collectives], "notes": notes}
 
 
-def _row(model, config, offload, ait, bw, links, peak, device_memory) -> dict:
+def _row(model, config, offload, ait, bw, links, peak, have) -> dict:
     mem = memory.plan_memory(model, config)
     # The streams this placement waits on, for its efficiency after ZeRO-Infinity.
     streams = []
@@ -202,7 +212,7 @@ def _row(model, config, offload, ait, bw, links, peak, device_memory) -> dict:
     if mem.peak is not None:  # along the engine's timeline: its largest moment
         device_bytes = sum(mem.peak.values())
         model_states = sum(mem.peak[c] for c in memory.MODEL_STATES)
-    return {
+    out = {
         "stage": config.stage,
         "offload": offload,
         "model_states_bytes": model_states,
@@ -213,8 +223,14 @@ def _row(model, config, offload, ait, bw, links, peak, device_memory) -> dict:
         "memory": mem.to_dict(),
         "communication": _communication(model, config, *links),
         "efficiency": eff,
-        "fits": None if device_memory is None else device_bytes <= device_memory,
     }
+    short = [
+        tier
+        for tier, (capacity, sharing) in have.items()
+        if capacity is not None and out[f"{tier}_bytes"] * sharing > capacity
+    ]
+    given = any(capacity is not None for capacity, _ in have.values())
+    return out | {"fits": not short if given else None, "short": short}
 
 
 def advice_report(model: ModelDescription, cluster: Cluster, workload: Workload) -> dict:
@@ -304,7 +320,7 @@ def render_plan(out: dict, unit: str = "GB") -> str:
     rows = out["stages"]
     show_time = any(r["communication"]["seconds"] is not None for r in rows)
     show_eff = any(r["efficiency"] is not None for r in rows)
-    show_fits = out["device_memory_bytes"] is not None
+    show_fits = any(r["fits"] is not None for r in rows)
     header = ["stage", "offload", "model states", "residual", "device", "cpu", "nvme"]
     header += ["intra-group/step", "inter-group/step"] if num_groups > 1 else ["comm/step"]
     header += ["comm time"] * show_time + ["efficiency"] * show_eff + ["fits"] * show_fits
@@ -328,7 +344,7 @@ def render_plan(out: dict, unit: str = "GB") -> str:
         if show_eff:
             line.append("-" if r["efficiency"] is None else f"{r['efficiency']:.3f}")
         if show_fits:
-            line.append("yes" if r["fits"] else "NO")
+            line.append("yes" if r["fits"] else f"NO ({', '.join(r['short'])})")
         body.append(line)
     lines.append(_table(header, body))
     notes = sorted({n for r in rows for n in r["memory"]["notes"] + r["communication"]["notes"]})
