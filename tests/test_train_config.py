@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -217,3 +218,12 @@ def test_model_states_beyond_the_node_s_memory_are_refused(capsys, tmp_path, mon
                                  offload_folder=str(tmp_path / "swap")),
         2, 2,
     )  # fmt: skip
+
+
+def test_paths_in_a_config_file_expand_the_home_folder():
+    """``out_dir = "~/runs/a"`` in a TOML file made a folder named ``~`` in the working
+    directory (a shell expands it on a flag; nothing did in a file)."""
+    cfg = TrainConfig(out_dir="~/runs/a", offload_optimizer="nvme", offload_folder="~/swap")
+    assert cfg.out_dir == str(Path.home() / "runs" / "a")
+    assert cfg.offload_folder == str(Path.home() / "swap")
+    assert TrainConfig(out_dir="runs/~a").out_dir == "runs/~a"  # only a leading ~
