@@ -1197,6 +1197,7 @@ def test_tensor_parallel_run_follows_the_data_parallel_one(capsys, tmp_path, dat
         assert c["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     summary = json.loads((tmp_path / "tp" / "summary.json").read_text())
     assert summary["ranks"] == 4 and summary["tp"] == 2
+    assert "on 4 rank(s) (tp 2 x dp 2), 4 steps" in result.stdout.splitlines()[-1], result.stdout
     saved = tmp_path / "tp" / "ckpt" / "step-000002"
     assert main(["checkpoint", "info", str(saved), "--verify"]) == 0
     assert "world size 4 (tensor-parallel 2), stage 3" in capsys.readouterr().out

@@ -506,13 +506,19 @@ def _train_here(cfg: TrainConfig, out: Path) -> int:
         raise
     return _finish(
         f"done: {summary['model']} ({summary['num_params']:,} parameters), stage "
-        f"{summary['stage']} {summary['precision']} on {summary['ranks']} rank(s), "
+        f"{summary['stage']} {summary['precision']} on {_layout(summary)}, "
         f"{summary['steps']} steps ({summary['skipped_steps']} skipped) in "
         f"{summary['seconds']} s{_here(summary)} ({summary['tokens_per_s']:,} tokens/s training); "
         "validation loss "
         f"{summary['val_loss_first']} -> {summary['val_loss_last']}; outputs in {out}",
         0,
     )
+
+
+def _layout(summary: dict) -> str:
+    """``4 rank(s)``, and `` (tp 2 x dp 2)`` for a tensor-parallel run (its 2-D mesh)."""
+    ranks, tp = summary["ranks"], summary.get("tp") or 1
+    return f"{ranks} rank(s)" + (f" (tp {tp} x dp {ranks // tp})" if tp > 1 else "")
 
 
 def _here(summary: dict) -> str:
