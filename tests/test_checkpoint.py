@@ -908,10 +908,12 @@ def test_a_model_built_in_bf16_resumes_exactly(workers2, tmp_path, stage):
     assert all(workers2.run(_bf16_model_resume, str(tmp_path / "ckpt"), stage))
 
 
-def _failed_load_then_a_good_one(base: str) -> bool:
+def _failed_load_then_a_good_one(base: str, how: str) -> bool:
     """A load that fails midway (a corrupted data file: its checksum is known once its last
-    byte is read) leaves the model refusing to train or save; a good load after it restores
-    the model and optimizer exactly (training on equals a fresh model's from that checkpoint)."""
+    byte is read) leaves the model refusing to train or save, until the model and optimizer
+    are loaded whole again: by ``checkpoint.load`` of a good checkpoint, or by both their
+    ``load_state_dict`` (the state dicts still serve as templates meanwhile). Training on then
+    equals a fresh model's from the good checkpoint, exactly."""
     folder = Path(base) / "ckpt"
     model = _model(3, "fp32")
     opt = _opt(model, "fp32")
@@ -925,14 +927,21 @@ def _failed_load_then_a_good_one(base: str) -> bool:
         checkpoint.load(bad, model, opt)
     with pytest.raises(RuntimeError, match="partly overwritten"):
         _train(model, opt, range(2, 3))
-    assert checkpoint.load(good, model, opt)["step"] == 1
     fresh = _model(3, "fp32", seed=5)
     fresh_opt = _opt(fresh, "fp32")
     checkpoint.load(good, fresh, fresh_opt)
+    if how == "checkpoint":
+        assert checkpoint.load(good, model, opt)["step"] == 1
+    else:
+        model.load_state_dict(fresh.state_dict())
+        with pytest.raises(RuntimeError, match="each optimizer's load_state_dict"):
+            opt.step()  # the optimizer's states are still the mix
+        opt.load_state_dict(fresh_opt.state_dict())
     assert _train(model, opt, range(1, 3)) == _train(fresh, fresh_opt, range(1, 3))
     theirs = zeroshard.full_state_dict(fresh, rank0_only=False)
     return all(torch.equal(v, theirs[k]) for k, v in zeroshard.full_state_dict(model).items())
 
 
-def test_a_failed_load_is_refused_until_a_good_one(workers2, tmp_path):
-    assert all(workers2.run(_failed_load_then_a_good_one, str(tmp_path)))
+@pytest.mark.parametrize("how", ["checkpoint", "state dicts"])
+def test_a_failed_load_is_refused_until_a_good_one(workers2, tmp_path, how):
+    assert all(workers2.run(_failed_load_then_a_good_one, str(tmp_path / how), how))

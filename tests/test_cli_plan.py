@@ -174,6 +174,8 @@ def test_the_fits_column_counts_the_cpu_and_the_nvme_per_node(capsys):
     row = _json([*argv, *alone], capsys)["stages"][0]  # no --memory: the column still shows
     assert row["fits"] is False and row["short"] == ["cpu"]
     assert _rows(_run([*argv, *alone], capsys))[0][-1] == "NO (cpu)"
+    more = ["--nvme", str(2 * nvme), "--devices-per-node", "8"]  # only 2 devices exist
+    assert _json([*argv, *more], capsys)["stages"][0]["fits"] is True
 
 
 def test_other_model_sources(capsys, tmp_path):

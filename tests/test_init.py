@@ -282,3 +282,40 @@ def test_hugging_face_init_rules_of_parent_modules_run_on_meta(workers2, kind):
     for stds in workers2.run(_hugging_face_init_on_meta, kind):
         off = {k: v for k, v in stds.items() if not 0.85 < v[0] / v[1] < 1.15}
         assert not off and len(stds) > 8, off
+
+
+def _init_fns_written_for_leaves() -> list[float]:
+    """``param_init_fn``s written for the modules registering parameters (a leaf's
+    ``reset_parameters()``, ``nn.init`` on ``m.weight``, FSDP1's ``to_empty`` then
+    ``reset_parameters``) are called on those modules only: the ancestors' pass is for a
+    model's own ``_init_weights``. (Called on containers too, the first two raised and the
+    third wiped the initialized values with uninitialized memory, without a word.) The largest
+    weight each leaves, well below 1."""
+
+    def to_empty_then_reset(m: nn.Module) -> None:
+        m.to_empty(device="cpu")
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+    def normal(m: nn.Module) -> None:
+        nn.init.normal_(m.weight, std=0.02)
+        if getattr(m, "bias", None) is not None:
+            nn.init.zeros_(m.bias)
+
+    largest = []
+    for fn in (lambda m: m.reset_parameters(), normal, to_empty_then_reset):
+        with torch.device("meta"):
+            model = nn.Sequential(
+                nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), nn.Linear(8, 1)
+            )
+        model = zeroshard.shard(
+            model, stage=3, wrap=zeroshard.wrap.by_class(nn.Sequential), param_init_fn=fn
+        )
+        full = zeroshard.full_state_dict(model, rank0_only=False)
+        largest.append(max(v.abs().max().item() for k, v in full.items() if "1.1" not in k))
+    return largest
+
+
+def test_init_fns_written_for_leaves_are_called_on_leaves(workers2):
+    for largest in workers2.run(_init_fns_written_for_leaves):
+        assert all(w < 1.0 for w in largest), largest

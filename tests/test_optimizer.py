@@ -153,9 +153,9 @@ def test_grads_set_by_hand_at_stages_1_to_3_are_an_error(workers2, stage):
 
 
 def _autograd_grad_then_step(stage: int) -> str | float:
-    """Gradients from ``torch.autograd.grad`` put into ``.grad``: no backward reduced them over
-    the ranks, so the step would not see them (it applied nothing and returned True): an error
-    at every stage."""
+    """Gradients from ``torch.autograd.grad`` put into ``.grad`` (the step applied nothing and
+    returned True): at stage 0 the step takes them, as DDP does (this rank's own values: no
+    backward averaged them); at stages 1-3, where the step cannot read ``.grad``, an error."""
     model, _ = _pair(stage)
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
     x, y, mine = _batch(0)
@@ -167,17 +167,22 @@ def _autograd_grad_then_step(stage: int) -> str | float:
         grads = [torch.ones(p.shape) for p in params]
     for p, g in zip(params, grads):
         p.grad = g
+    before = [p.detach().clone() for p in params]
     try:
         opt.step()
     except ValueError as e:
         return str(e)
-    return "stepped"
+    moved = [b - p.detach() for b, p in zip(before, params)]
+    return max((m - 0.5 * g).abs().max().item() for m, g in zip(moved, grads))  # SGD, lr 0.5
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_gradients_from_autograd_grad_are_an_error(workers2, stage):
+def test_gradients_from_autograd_grad(workers2, stage):
     for r in workers2.run(_autograd_grad_then_step, stage):
-        assert "inp.weight.grad was set by hand" in r, r
+        if stage == 0:
+            assert isinstance(r, float) and r < 1e-6, r
+        else:
+            assert "inp.weight.grad was set by hand" in r, r
 
 
 def _grad_scaler(stage: int) -> str | float:
@@ -236,3 +241,57 @@ def _clip_by_value(stage: int) -> float:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_clipping_by_value(workers2, stage):
     assert max(workers2.run(_clip_by_value, stage)) < 1e-6
+
+
+def _out_of_place_edit_where_a_rank_s_backward_did_not_reach(stage: int) -> float:
+    """Stage 0: ``p.grad = p.grad * 0.5`` over every parameter with a ``.grad``, when a branch
+    ran on rank 1 only (a router, layer drop): the averaged gradient rank 0 shows for it is
+    edited too, on every rank alike (rank 0 alone raised, and rank 1 waited in the step)."""
+    torch.manual_seed(0)
+    ref = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    x, _, mine = _batch(0)
+    out = model["a"](x[mine])
+    if dist.get_rank() == 1:
+        out = out + model["b"](x[mine])
+    opt.backward(out.square().sum() / PER_RANK_BATCH)  # averaged over the ranks: the batch's
+    full = ref["a"](x)
+    full = torch.cat([full[:PER_RANK_BATCH], full[PER_RANK_BATCH:] + ref["b"](x[PER_RANK_BATCH:])])
+    (full.square().sum() / x.shape[0]).backward()
+    for m in (model, ref):
+        for p in m.parameters():
+            if p.grad is not None:
+                p.grad = p.grad * 0.5
+    opt.step()
+    ref_opt.step()
+    return _diff(model, ref)
+
+
+def test_an_out_of_place_edit_of_a_gradient_another_rank_made(workers2):
+    assert max(workers2.run(_out_of_place_edit_where_a_rank_s_backward_did_not_reach, 0)) < 1e-6
+
+
+def _clip_a_subset_with_gradients_on_nvme(folder: str) -> str:
+    """Gradients on NVMe keep one norm per bucket, of every trainable parameter: an optimizer
+    over the head alone got the whole model's norm there (torch's clip takes the head's)."""
+    model, _ = _pair(
+        3, offload=zeroshard.Offload(optimizer="nvme", gradients="nvme", folder=folder)
+    )
+    opt = zeroshard.optimizer(model, torch.optim.SGD, model.head.parameters(), lr=0.5)
+    _losses(model, copy.deepcopy(Net()), *_batch(0))
+    try:
+        opt.clip_grad_norm(1.0)
+    except ValueError as e:
+        return str(e)
+    finally:
+        opt.close()
+    return "clipped"
+
+
+def test_a_subset_optimizer_with_gradients_on_nvme_does_not_clip_by_the_whole_model(
+    workers2, tmp_path
+):
+    for said in workers2.run(_clip_a_subset_with_gradients_on_nvme, str(tmp_path)):
+        assert "takes the norm of every trainable parameter's gradient" in said, said

@@ -257,6 +257,7 @@ def _save(
     path: Path, model, optimizer, extra: dict, keep: int | None, async_save: bool, group
 ) -> Path | SaveHandle:
     """``save`` once the arguments are checked (a collective on ``group``)."""
+    engine_of(model).check_trusted()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     own = {
         "rank": rank,
@@ -504,21 +505,23 @@ def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> d
 def _load(path: Path, model, optimizer, checksums: bool, group) -> dict:
     """``load`` (a collective on ``group``). Once reading has begun, a failure (a corrupted
     file found when its last byte is hashed, after earlier bytes reached the tensors) leaves
-    the engine ``untrusted`` (``Engine.adopt_writes``): the next forward, step or save names
-    it, instead of training on a mix of two states; a load that succeeds clears it."""
+    the engine ``untrusted`` (``Engine.check_trusted``): the next forward, step or save names
+    it, instead of training on a mix of two states; loading the model and its optimizers
+    whole again clears it (``Engine.loaded``)."""
     engine = engine_of(model)
-    before, engine.untrusted = engine.untrusted, None  # (the load reads state dicts itself)
     try:
         extra = _read(path, model, optimizer, checksums, group)
     except BaseException as exc:
-        engine.untrusted = before
         if getattr(exc, "_zeroshard_read_began", False):
             engine.untrusted = (
                 f"the model and its optimizer were partly overwritten by "
                 f"zeroshard.checkpoint.load({str(path)!r}), which failed ({exc}); load a good "
-                "checkpoint before training on or saving them"
+                "state before training on or saving them: zeroshard.checkpoint.load, or "
+                "model.load_state_dict and each optimizer's load_state_dict"
             )
+            engine.to_reload = {id(model), *(id(o) for o in _optimizers(optimizer))}
         raise
+    engine.untrusted, engine.to_reload = None, set()  # every part read whole
     return extra
 
 

@@ -126,6 +126,7 @@ class Engine:
         self._summoned = 0  # depth of summon_full_params
         self.discarding = 0  # of them, how many undo writes (writeback=False): no step inside
         self.untrusted: str | None = None  # why values are not to be used (checkpoint._load)
+        self.to_reload: set[int] = set()  # ids of the model and optimizers that clear it loaded
         self.heap = (
             host_heap.HeapKeeper(config.trim_host_memory)
             if config.trim_host_memory and mesh.device.type == "cpu"
@@ -282,6 +283,7 @@ class Engine:
     def _begin_forward(self) -> None:
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
             flat_param.check_requires_grad(self.flat_params)
+        self.check_trusted()
         self.adopt_writes()
         for pool in {id(f.buffers): f.buffers for f in self.flat_params}.values():
             pool.settle()  # the last step's use of gather buffers is the next one's
@@ -487,13 +489,22 @@ class Engine:
         flags = [t for b in self.buckets for t in b.touched]
         return torch.tensor(flags, dtype=torch.float32, device=self.mesh.device)
 
-    def adopt_writes(self, *, loading: bool = False) -> None:
+    def check_trusted(self) -> None:
+        """Before a forward, a step, a save: the error of a load that failed midway, if any."""
+        if self.untrusted is not None:
+            raise RuntimeError(self.untrusted)
+
+    def loaded(self, part: object) -> None:
+        """``part`` (the model, an optimizer) loaded a whole state: once all that a failed
+        load left ``untrusted`` have, it is trusted again."""
+        self.to_reload.discard(id(part))
+        if not self.to_reload:
+            self.untrusted = None
+
+    def adopt_writes(self) -> None:
         """Copy into the masters what was written to replicated parameters that compute in a
         narrower dtype (``nn.init``, ``p.mul_`` under ``no_grad``) since the last call
-        (``FlatParam.adopt_writes``): before a forward, a step, a state dict, a save, a load
-        (``loading``: the only one of them an ``untrusted`` model allows)."""
-        if self.untrusted is not None and not loading:
-            raise RuntimeError(self.untrusted)
+        (``FlatParam.adopt_writes``): before a forward, a step, a state dict, a save."""
         if not torch.distributed.is_initialized():  # (else torch's TypeError deep in a mesh)
             raise RuntimeError(
                 "the process group this model was sharded over is gone "

@@ -22,7 +22,8 @@ def install(engine: Engine, unit: Unit) -> list[Any]:
     the submodules that own its parameters (``unit.owners``); their handles."""
 
     def pre(m: nn.Module, args: tuple, kwargs: dict) -> Any:
-        keep_last(m, last)
+        if not unit.is_root:  # (the root stays gathered for its backward; its hooks see the
+            keep_last(m, last)  # output cast to output_dtype, as before)
         return engine._pre_forward(unit, args, kwargs)
 
     module = unit.module

@@ -368,7 +368,7 @@ class _Hooks:
                 "outside it"
             )
         with diagnosed("all_gather", COLLECTIVE, None):  # DTensors gathered: full_tensor()
-            engine.adopt_writes(loading=True)
+            engine.adopt_writes()
             names = _all_names(module)
             self.consumed = set()
             self.ranges_loaded = False
@@ -413,6 +413,8 @@ class _Hooks:
         missing = incompatible_keys.missing_keys
         missing[:] = [k for k in missing if k.replace(_WRAPPED, "") not in self.consumed]
         self.consumed = set()
+        if not missing and module is self.engine.model:  # the whole model: values known again
+            self.engine.loaded(module)
         if self.ranges_loaded:  # the compute copies follow the masters read in place
             self.ranges_loaded = False
             self.engine.params_changed()

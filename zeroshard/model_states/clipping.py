@@ -42,14 +42,14 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
             f"clip_grad_norm(norm_type={norm_type}) with gradients on NVMe: their 2-norms "
             "are taken as they are written, so only norm_type=2.0 is available there"
         )
-    if opt._grad_swap is not None and any(
-        len(opt._slots[id(b)]) < len(b.flat.slots) for b in opt._buckets
+    if opt._grad_swap is not None and any(  # (it takes every bucket's norm)
+        len(opt._slots.get(id(b), ())) < len(b.flat.slots) for b in opt.engine.buckets
     ):
         raise ValueError(
-            "clip_grad_norm with gradients on NVMe takes whole buckets' norms, but this "
-            "optimizer holds only some of the parameters whose gradients share a bucket: "
-            "give it every trainable parameter (or freeze the others before shard()), or "
-            "keep gradients in memory"
+            "clip_grad_norm with gradients on NVMe takes the norm of every trainable "
+            "parameter's gradient, but this optimizer holds only some of them: give it every "
+            "trainable parameter (or freeze the others before shard()), or keep gradients in "
+            "memory (Offload(gradients='cpu'))"
         )
     grads = opt._shard_grads()
     largest = math.isinf(p)
@@ -109,12 +109,13 @@ def _tp_replicated_power(opt: ShardedOptimizer, p: float) -> torch.Tensor:
             "clip_grad_norm with tensor parallelism needs the gradients in memory; keep "
             "gradients on the device or CPU (offload gradients='cpu'), or do not clip"
         )
+    own = {id(b): set(opt._slots[id(b)]) for b in opt._buckets}
     pieces = [
         b.shard_grad[piece]
         for b in opt._buckets
         if b.shard_grad is not None
         for i, (slot, piece) in enumerate(b.flat.pieces())
-        if i in opt._slots[id(b)]
+        if i in own[id(b)]
         and not getattr(slot.param, "_zeroshard_tp_split", False)
         and piece.stop > piece.start
     ]

@@ -464,12 +464,13 @@ class GradBucket:
     def adopt_rebinds(self, slots: list[int]) -> None:
         """``.grad`` of ``slots`` reassigned by hand. At stage 0 after a reduction, where
         ``.grad`` shows the averaged gradient as under DDP, a tensor put there
-        (``p.grad = p.grad * 3``) is the slot's gradient for the step, and ``None`` leaves the
-        parameter out of it, as torch's optimizers leave it. Elsewhere the step never reads
-        ``.grad`` (stages 1-3 keep only reduced shards; a gradient no backward reduced, e.g.
-        from ``torch.autograd.grad``, whose backward reaches no parameter, was never averaged
-        over the ranks): one set by hand is a ValueError naming the parameter, where it was
-        ignored."""
+        (``p.grad = p.grad * 3``) is the slot's gradient for the step, as DDP takes it (also
+        for a parameter this rank's backward did not reach, or from ``torch.autograd.grad``:
+        this rank's own values then, as under DDP), and ``None`` leaves the parameter out of
+        it, as torch's optimizers do. Elsewhere the step never reads ``.grad`` (stages 1-3
+        keep only reduced shards; stage 0 before any reduction): one set by hand is a
+        ValueError naming the parameter, where it was ignored. Decided from what the caller's
+        code did, not from which parameters this rank's data reached: ranks agree."""
         shown = self.reduction is Reduction.ALL_REDUCE and self._reduced
         changed = False
         for i in slots:
@@ -478,12 +479,7 @@ class GradBucket:
             bound = self._bound[i] and self.full_grad is not None
             if bound and grad is not None and self._is_region(i, grad):
                 continue
-            if (
-                shown
-                and self.shard_grad is not None
-                and bound
-                and (grad is None or self.touched[i])
-            ):
+            if shown and self.shard_grad is not None and bound:
                 span = self.flat.pieces()[i][1]
                 if grad is None:  # dropped: out of the step (and of a norm)
                     self.shard_grad[span].zero_()
@@ -493,6 +489,7 @@ class GradBucket:
                     self._view(i).copy_(grad)
                     self.shard_grad[span].copy_(grad.reshape(-1)[: span.stop - span.start])
                     slot.param.grad = self._view(i)
+                    self.touched[i] = True
                 changed = True
             elif grad is not None:
                 raise ValueError(
@@ -500,8 +497,8 @@ class GradBucket:
                     "the gradients that its backward reduced over the ranks (at stages 1-3 "
                     "each rank keeps only its shard of them, and .grad is None): compute "
                     "gradients with opt.backward(loss) or loss.backward(), edit them with "
-                    "opt.clip_grad_norm or, at stage 0, in place through .grad, and leave "
-                    ".grad alone otherwise (set it back to None)"
+                    "opt.clip_grad_norm or, at stage 0, through .grad after the backward, and "
+                    "leave .grad alone otherwise (set it back to None)"
                 )
         if changed and self._shown_version is not None and self.full_grad is not None:
             self._shown_version = self.full_grad._version  # adopted: not an edit to copy again

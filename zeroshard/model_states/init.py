@@ -12,6 +12,7 @@ replaced by views, so at most one unit (or one bucket) is ever materialized in f
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -47,14 +48,14 @@ class Materializer:
 
     def __call__(self, params: list[nn.Parameter]) -> None:
         """Materialize and initialize every module registering one of ``params`` on meta; then,
-        with ``param_init_fn``, its ancestors (``_init_ancestors``)."""
+        with a model's own ``_init_weights``, its ancestors (``_init_ancestors``)."""
         if not any(p.device == META for p in params):
             return
         modules = list(dict.fromkeys(self._owners[id(p)] for p in params if p.device == META))
         fresh = {id(p) for m in modules for p in m.parameters(recurse=False)} - self._done
         for module in modules:
             self._init_module(module)
-        if self.param_init_fn is not None:
+        if _applies_to_any_module(self.param_init_fn):
             self._init_ancestors(modules, fresh)
 
     def _init_ancestors(self, modules: list[nn.Module], fresh: set[int]) -> None:
@@ -67,9 +68,9 @@ class Materializer:
         chain = {id(a): a for m in modules for a in self._ancestors[id(m)]}
         depth = {id(a): len(self._ancestors[id(a)]) for a in chain.values()}
         before = [(m, dict(m._parameters)) for m in modules]
+        mine = {id(m) for m in modules}
         for ancestor in sorted(chain.values(), key=lambda a: -depth[id(a)]):
-            others = [m for m in ancestor.modules() if all(m is not x for x in modules)]
-            hidden = _stand_ins(ancestor, fresh, others)
+            hidden = _stand_ins(ancestor, fresh, mine)
             try:
                 with torch.no_grad():
                     self.param_init_fn(ancestor)
@@ -139,11 +140,25 @@ class Materializer:
                 self._init_module(module)
 
 
+def _applies_to_any_module(fn: Callable[[nn.Module], None] | None) -> bool:
+    """Whether ``fn`` is a model's own ``_init_weights`` (Hugging Face's convention, bound to
+    the model): written for ``model.apply``, it takes any module and sets what it owns or
+    names, so its ancestors' rules can run too. Another ``param_init_fn`` is called on the
+    modules registering parameters only, as before (one written for leaves, or FSDP1's
+    ``to_empty`` then ``reset_parameters``, would break or wipe values on a container)."""
+    return (
+        inspect.ismethod(fn)
+        and fn.__name__ == "_init_weights"
+        and isinstance(fn.__self__, nn.Module)
+    )
+
+
 def _stand_ins(
-    root: nn.Module, fresh: set[int], others: list[nn.Module]
+    root: nn.Module, fresh: set[int], mine: set[int]
 ) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
     """Replace, in ``root``'s subtree, every parameter not in ``fresh`` (ids) and the buffers of
-    ``others`` by meta tensors of their shape; what was replaced, to put back."""
+    modules not in ``mine`` (ids) by meta tensors of their shape; what was replaced, to put
+    back."""
     hidden = []
     for module in root.modules():
         for name, p in module._parameters.items():
@@ -152,7 +167,7 @@ def _stand_ins(
                 module._parameters[name] = nn.Parameter(
                     torch.empty(p.shape, dtype=p.dtype, device=META), p.requires_grad
                 )
-        if any(module is o for o in others):
+        if id(module) not in mine:
             for name, b in module._buffers.items():
                 if b is not None:
                     hidden.append((module, "_buffers", name, b))

@@ -323,6 +323,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _step(self) -> bool:
+        self.engine.check_trusted()
         if "found_inf" in self.__dict__:  # set by torch.amp.GradScaler.step (see above)
             del self.found_inf  # (it deletes them after a step that returns)
             self.__dict__.pop("grad_scale", None)
@@ -538,5 +539,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             state_dict = state_dict if returned is None else returned
         with diagnosed("all_gather", COLLECTIVE, None):  # DTensors gathered: full_tensor()
             load_optimizer_state_dict(self, state_dict)
+        self.engine.loaded(self)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

@@ -78,7 +78,8 @@ def plan_report(
     }
     # What each tier holds, for the fits column: the device per device; the CPU and NVMe per
     # node, shared by its devices (all Nd x Nm of them unless told).
-    per_node = devices_per_node or base.num_dp_ranks * base.num_mp_ranks
+    devices = base.num_dp_ranks * base.num_mp_ranks
+    per_node = min(devices_per_node or devices, devices)
     have = {"device": (device_memory_bytes, 1), "cpu": (cpu_memory_bytes, per_node)}
     have["nvme"] = (nvme_bytes, per_node)
     shape = model.shape
