@@ -444,3 +444,31 @@ def _hooks_reading_weights(stage: int) -> dict:
 def test_forward_hooks_of_units_see_their_weights(workers2, stage):
     for r in workers2.run(_hooks_reading_weights, stage):
         assert r["taken"] == [True] * 3 and r["diff"] < 1e-6 and r["logged"] < 1e-6, r
+
+
+def _dropped_model_with_its_loss_kept(stage: int) -> bool:
+    """``del model, opt`` frees the model (its memory, its swap files) even while the last loss
+    is kept (a sweep's trials, a logged loss): the loss's graph held the engine through its
+    hooks, and with it the model, until the loss went too."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)),
+        stage=stage,
+        wrap=zeroshard.wrap.by_class(torch.nn.Linear),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    loss = model(torch.randn(2, 4)).square().mean()
+    opt.backward(loss)
+    opt.step()
+    gone = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    return gone() is None and loss.grad_fn is not None
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_dropped_model_is_freed_while_its_loss_is_kept(workers2, stage):
+    assert all(workers2.run(_dropped_model_with_its_loss_kept, stage))

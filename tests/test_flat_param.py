@@ -8,6 +8,8 @@ the masters, in FP32 and in a narrower ``param_dtype`` alike.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -212,6 +214,10 @@ def _named_and_unsharded_optimizers() -> dict:
     see no gradient) warns."""
     torch.manual_seed(0)
     model = zeroshard.shard(nn.Sequential(nn.Linear(WIDTH, WIDTH)), stage=2)
+    x = torch.randn(2, WIDTH, requires_grad=True)
+    with warnings.catch_warnings():  # a gradient of the input alone (saliency, FGSM): silent
+        warnings.simplefilter("error")
+        torch.autograd.grad(model(x).square().mean(), x)
     with pytest.warns(UserWarning, match="the model has no zeroshard.optimizer"):
         model(torch.randn(2, WIDTH)).square().mean().backward()
     opt = zeroshard.optimizer(model, torch.optim.SGD, model.named_parameters(), lr=0.1)

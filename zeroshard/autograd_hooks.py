@@ -6,6 +6,7 @@ whether a forward runs inside a backward (a recomputation, not a new use).
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,29 @@ class BackwardHook(torch.autograd.Function):
     def backward(ctx, *grads):  # type: ignore[override]
         ctx.hook()
         return (None, *grads)
+
+
+def weakly(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """``method(*args, *more)`` (a bound method; ``more``: what the hook is called with) as a
+    hook that keeps neither its object nor ``args`` alive (plain values such as ints are held
+    as they are): a graph or a parameter outliving its model (the last ``loss`` kept by the
+    caller) must not keep the model's memory and swap files. Once one is gone it does
+    nothing."""
+    owner, func = weakref.ref(method.__self__), method.__func__
+    refs = [_ref(a) for a in args]
+
+    def call(*more: Any) -> Any:
+        live = [owner(), *(r() for r in refs)]
+        return None if any(x is None for x in live) else func(*live, *more)
+
+    return call
+
+
+def _ref(value: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(value)
+    except TypeError:  # not weakly referenceable (an int): it keeps nothing alive anyway
+        return lambda: value
 
 
 def when_backward_reaches(hook: Callable[[], None], tree: Any) -> None:

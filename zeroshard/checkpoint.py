@@ -112,7 +112,10 @@ _WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap en
 
 
 def _optimizers(optimizer) -> list:
-    """``optimizer``, or each of a list or tuple of them (several optimizers over one model)."""
+    """``optimizer``, or each of a list or tuple of them (several optimizers over one model);
+    none for ``None`` or an empty list (a model that no optimizer trains: a teacher, an EMA)."""
+    if optimizer is None:
+        return []
     return list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
 
 
@@ -120,15 +123,15 @@ def _group(model, optimizer) -> dist.ProcessGroup | None:
     """The ranks a checkpoint of ``model`` is a collective of: the data-parallel group, or the
     whole job when the model is also split tensor-parallel (each rank holds parts of its own).
     A checkpoint is of a model and its optimizer(s) both."""
-    for opt in _optimizers(optimizer) or [None]:
+    for opt in _optimizers(optimizer):
         if getattr(opt, "engine", None) is not engine_of(model):
             raise TypeError(
                 "a checkpoint holds a sharded model and its optimizer(s): pass the "
-                f"zeroshard.optimizer(model, ...) of this model, or a list of them (got "
-                f"{type(opt).__name__}); for weights alone, save model.state_dict() with "
-                "torch.distributed.checkpoint, or read a checkpoint's into it with "
-                "dcp.load({'model': sd}, checkpoint_id=PATH, planner=DefaultLoadPlanner("
-                "allow_partial_load=True)) then model.load_state_dict(sd)"
+                f"zeroshard.optimizer(model, ...) of this model, a list of them, or None for "
+                f"a model no optimizer trains (got {type(opt).__name__}); to read only the "
+                "weights of a checkpoint with optimizer states, dcp.load({'model': sd}, "
+                "checkpoint_id=PATH, planner=DefaultLoadPlanner(allow_partial_load=True)) "
+                "then model.load_state_dict(sd)"
             )
     mesh = engine_of(model).mesh
     return None if mesh.tp_size > 1 else mesh.group
@@ -178,8 +181,13 @@ def _resident(model, optimizer) -> Iterator[None]:
 
 
 def _optimizer_step(optimizer) -> int:
-    """The step count held by the (first) optimizer's state (0 before any step)."""
-    optimizer = _optimizers(optimizer)[0]
+    """The step count held by the (first) optimizer's state (0 before any step, or without
+    an optimizer)."""
+    optimizers = _optimizers(optimizer)
+    return _step_count(optimizers[0]) if optimizers else 0
+
+
+def _step_count(optimizer) -> int:
     for sub in getattr(optimizer, "sub_optimizers", [optimizer]):
         for st in sub.state.values():
             if "step" in st:
@@ -311,7 +319,7 @@ def _save(
 def _loss_scalers(optimizer) -> dict | list[dict]:
     """The loss scaler's state dict; with a list of optimizers, a list of them."""
     states = [opt.loss_scaler.state_dict() for opt in _optimizers(optimizer)]
-    return states if isinstance(optimizer, list | tuple) else states[0]
+    return states if optimizer is None or isinstance(optimizer, list | tuple) else states[0]
 
 
 def _saved_loss_scalers(path: Path, optimizer, saved: dict | list[dict]) -> list[dict]:

@@ -24,6 +24,7 @@ import contextlib
 import enum
 import sys
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from itertools import islice
@@ -34,7 +35,7 @@ from torch import nn
 
 from zeroshard import autograd_hooks
 from zeroshard import collectives as C
-from zeroshard.autograd_hooks import in_backward, on_backward, when_backward_reaches
+from zeroshard.autograd_hooks import in_backward, on_backward, weakly, when_backward_reaches
 from zeroshard.mesh import Mesh
 from zeroshard.model_states import flat_param
 from zeroshard.model_states.grads import GradBucket, GradScaling, pools, warn_no_sharded_optimizer
@@ -69,22 +70,31 @@ class _Use:
 
     Counted in ``unit.pending_uses`` while alive; a use whose graph is freed without a backward
     (a forward with grad never backpropagated) uncounts itself, so that later backwards still
-    finish the unit as soon as its last real use is done."""
+    finish the unit as soon as its last real use is done. It holds the engine and the unit
+    weakly: a graph kept after its model is dropped (the last ``loss``) keeps neither alive."""
 
-    __slots__ = ("engine", "unit", "generation", "fired", "counted")
+    __slots__ = ("_engine", "_unit", "generation", "fired", "counted")
 
     def __init__(self, engine: Engine, unit: Unit) -> None:
-        self.engine, self.unit, self.generation = engine, unit, unit.generation
+        self._engine, self._unit = weakref.ref(engine), weakref.ref(unit)
+        self.generation = unit.generation
         self.fired, self.counted = False, False  # counted: once it hooks the use's inputs
 
     def __call__(self) -> None:
         self.fired = True
-        if self.generation == self.unit.generation:
-            self.engine._post_backward(self.unit)
+        engine, unit = self._engine(), self._unit()
+        if engine is not None and unit is not None and self.generation == unit.generation:
+            engine._post_backward(unit)
 
     def __del__(self) -> None:
-        if self.counted and not self.fired and self.generation == self.unit.generation:
-            self.unit.pending_uses -= 1
+        unit = self._unit()
+        if (
+            unit is not None
+            and self.counted
+            and not self.fired
+            and self.generation == unit.generation
+        ):
+            unit.pending_uses -= 1
 
 
 class Engine:
@@ -233,7 +243,7 @@ class Engine:
             # A recomputation: the backward that needs these parameters comes right after.
             if unit.recompute_use and torch.is_grad_enabled():
                 unit.recompute_use = False
-                when_backward_reaches(lambda: self._pre_backward(unit), output)
+                when_backward_reaches(weakly(self._pre_backward, unit), output)
             return output
         if unit.state is TrainingState.FORWARD:
             unit.to(TrainingState.IDLE)
@@ -261,7 +271,7 @@ class Engine:
             if self.mixed_precision.output_dtype is not None:
                 output = _cast_floats(output, self.mixed_precision.output_dtype)
         if grad:
-            when_backward_reaches(lambda: self._pre_backward(unit), output)
+            when_backward_reaches(weakly(self._pre_backward, unit), output)
         if self.checkpointing is not None:
             if root_entry:
                 self.checkpointing.close()
@@ -411,7 +421,9 @@ class Engine:
             pending.clear()
         self.reduction_order.end_backward(self.mesh)
         self.scaling.accumulating = not self._reduce_now
-        if self._reduce_now and self.partition.optimizer_states and not self.optimizers:
+        unowned = self.partition.optimizer_states and not self.optimizers
+        # (not for an input-only autograd.grad: no parameter's gradient was made)
+        if self._reduce_now and unowned and any(any(b.touched) for b in self.buckets):
             warn_no_sharded_optimizer()
         self.phase = Phase.IDLE
 

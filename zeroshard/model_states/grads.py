@@ -25,7 +25,6 @@ reduce-scatter is done (at ``finish``, deferred by ``ShardConfig.max_inflight_re
 from __future__ import annotations
 
 import enum
-import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import collectives as C
+from zeroshard.autograd_hooks import weakly
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.partition import shard_range
@@ -240,7 +240,7 @@ class GradBucket:
         """Owners that zeroed their part of a shared bucket since ``found_inf`` was reset."""
         if self.as_views:
             for i, s in enumerate(flat.slots):
-                s.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                s.param.register_post_accumulate_grad_hook(weakly(self._on_grad, i))
 
     def bind(self) -> None:
         """Make ``full_grad`` ready for this backward's gradients (``as_views`` buckets only; a
