@@ -496,3 +496,42 @@ def test_tensor_parallel_ranks_seeded_apart_are_warned(workers2):
     for said in workers2.run(_rng_warning, True):
         assert len(said) == 1 and "seed every rank of a tensor-parallel group alike" in said[0]
     assert workers2.run(_rng_warning, False) == [[], []]
+
+
+# ------------------------------------------------------------------------------ off the happy path
+
+
+def _tp_whole_and_in_sync(stage: int) -> dict:
+    """On 4 ranks, tp=2 x dp=2, each rank building the model from its own seed: the ranks of a
+    tensor-parallel group take their first rank's model before it is split (the pieces were
+    cut from different models, the replicated embeddings differed), so the whole model is rank
+    0's; ``full_state_dict`` gives it whole (each rank's pieces under the whole names before:
+    ``save_pretrained`` wrote half of each split weight); ``parallelize`` of a sharded model is
+    refused (it trained on NaN at stage 3)."""
+    torch.manual_seed(0)
+    reference = GPT(CFG).state_dict()
+    torch.manual_seed(dist.get_rank())
+    model = GPT(CFG)
+    if dist.get_rank() == 0:
+        model.load_state_dict(reference)
+    device_mesh, mesh = tensor_parallel.mesh_2d(2)
+    tensor_parallel.parallelize(model, device_mesh)
+    model = zeroshard.shard(model, stage=stage, mesh=mesh, wrap=wrap.by_class(Block))
+    full = zeroshard.full_state_dict(model)
+    out = {"whole": True, "same": True}
+    if dist.get_rank() == 0:
+        out["whole"] = all(full[k].shape == v.shape for k, v in reference.items())
+        out["same"] = all(torch.equal(full[k], v) for k, v in reference.items())
+    try:
+        tensor_parallel.parallelize(model, device_mesh)
+        out["refused"] = ""
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tensor_parallel_ranks_start_from_one_model_and_state_dicts_are_whole(workers4, stage):
+    for r in workers4.run(_tp_whole_and_in_sync, stage):
+        assert r["whole"] and r["same"], r
+        assert r["refused"].startswith("parallelize() of a model zeroshard.shard() has"), r

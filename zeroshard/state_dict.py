@@ -203,9 +203,8 @@ def refuse_split_pieces(engine: Engine, what: str) -> None:
         raise ValueError(
             f"{what} of a tensor-parallel model (tp={engine.mesh.tp_size}) would hold each tp "
             "rank's pieces as whole tensors: save with zeroshard.checkpoint.save (the unsplit "
-            "model, loadable at any tp), or gather plain tensors with zeroshard.tensor_parallel."
-            "gather_tensor_parallel(model, zeroshard.full_state_dict(model, rank0_only=False), "
-            "tp_group)"
+            "model, loadable at any tp), or take plain whole tensors with "
+            "zeroshard.full_state_dict(model)"
         )
 
 
@@ -491,13 +490,22 @@ def full_state_dict(
     every name, buffers included), gathered one FlatParam at a time.
 
     A collective at stage >= 1: every rank calls it. With ``rank0_only`` the other ranks get
-    ``{}``; with ``cpu_offload`` the tensors are copied to the CPU as they are cut."""
+    ``{}``; with ``cpu_offload`` the tensors are copied to the CPU as they are cut. A
+    tensor-parallel model's split parameters are gathered whole over its tp group (each rank's
+    pieces under the whole tensors' names before: half a model in ``save_pretrained``)."""
     hooks = _hooks(model)
-    hooks.full = (rank0_only, cpu_offload)
+    mesh = hooks.engine.mesh
+    split = mesh.tp_size > 1  # every rank cuts its pieces on the device, then they are gathered
+    hooks.full = (rank0_only and not split, cpu_offload and not split)
     try:
         sd = model.state_dict()
     finally:
         hooks.full = None
-    if rank0_only and hooks.engine.mesh.rank != 0:
+    if split:
+        from zeroshard.tensor_parallel import gather_tensor_parallel
+
+        sd = gather_tensor_parallel(model, sd, mesh.tp_group)
+        sd = {k: v.cpu() if cpu_offload else v for k, v in sd.items()}
+    if rank0_only and mesh.rank != 0:
         return {}
     return sd

@@ -296,15 +296,30 @@ def _style(name: str, module: nn.Module, style: str, tp: int):
 
 
 def parallelize(
-    model: nn.Module, device_mesh, plan: dict | None = None, *, sequence_parallel: bool = False
+    model: nn.Module,
+    device_mesh,
+    plan: dict | None = None,
+    *,
+    sequence_parallel: bool = False,
+    sync_module_states: bool = True,
 ) -> nn.Module:
     """Split ``model`` across the "tp" dim of ``device_mesh`` (from ``mesh_2d``) with ``plan``
     (module name -> ``ParallelStyle``; default ``plan_for(model, tp, sequence_parallel=...)``),
     in place, before ``zeroshard.shard``. Parameters must be materialized (not on the meta
-    device). With ``sequence_parallel``, sequences must split evenly in tp (a ValueError says
-    so at the forward)."""
+    device). With ``sync_module_states`` every tensor-parallel rank first takes its group's
+    first rank's parameters and buffers, so that the pieces are cut from one model and the
+    replicated parameters are equal (``shard``'s own sync runs over the data-parallel ranks
+    only). With ``sequence_parallel``, sequences must split evenly in tp (a ValueError says so
+    at the forward)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from zeroshard.engine import _ATTR
+
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError(
+            "parallelize() of a model zeroshard.shard() has sharded already: split it first, "
+            "then shard it (parallelize(model, mesh); zeroshard.shard(model, ..., mesh=dp))"
+        )
     tp_mesh = device_mesh["tp"] if device_mesh.ndim > 1 else device_mesh
     tp = tp_mesh.size()
     if any(p.is_meta for p in model.parameters()):
@@ -315,7 +330,13 @@ def parallelize(
     plan = plan_for(model, tp, sequence_parallel=sequence_parallel) if plan is None else plan
     if tp == 1:
         return model
-    _check_rng_at_first_forward(model, tp_mesh.get_group())
+    group = tp_mesh.get_group()
+    if sync_module_states:
+        first = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=first, group=group)
+    _check_rng_at_first_forward(model, group)
     styles = {name: style for name, style in plan.items()}
     parallelize_module(model, tp_mesh, styles)
     for name in styles:
@@ -478,6 +499,8 @@ def gather_tensor_parallel(
     for name, split in splits(model).items():
         if name not in out or split.dim is None:
             continue
+        if out[name].shape != model.get_parameter(name).shape:
+            continue  # whole already (zeroshard.full_state_dict gathers them)
         local = out[name].contiguous()
         pieces = [torch.empty_like(local) for _ in range(tp)]
         dist.all_gather(pieces, local, group=group)
