@@ -120,7 +120,10 @@ def _refusals() -> dict:
     except ValueError as e:
         out["world_mesh"] = str(e)
     sharded = zeroshard.shard(tensor_parallel.parallelize(GPT(CFG), device_mesh), mesh=mesh)
-    for name, fn in {"state_dict": sharded.state_dict}.items():
+    two_d = lambda: zeroshard.shard(  # noqa: E731 (mesh_2d's first value, the 2-D DeviceMesh)
+        tensor_parallel.parallelize(GPT(CFG), device_mesh), mesh=device_mesh
+    )
+    for name, fn in {"state_dict": sharded.state_dict, "2-D mesh": two_d}.items():
         try:
             fn()
             out[name] = "no error"
@@ -152,6 +155,7 @@ def test_what_tensor_parallelism_cannot_do_is_refused_with_the_fix(workers4):
         assert "split tensor-parallel, and the mesh has no tensor-parallel dim" in r["world_mesh"]
         # DTensors over the data-parallel ranks would call a tp rank's piece the whole tensor
         assert "model.state_dict() of a tensor-parallel model (tp=2)" in r["state_dict"], r
+        assert "mesh_2d's 2-D mesh: pass its second value, the data-parallel Mesh" in r["2-D mesh"]
 
 
 def _hybrid(stage: int) -> dict:
