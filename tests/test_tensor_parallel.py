@@ -155,7 +155,7 @@ def test_what_tensor_parallelism_cannot_do_is_refused_with_the_fix(workers4):
         assert "split tensor-parallel, and the mesh has no tensor-parallel dim" in r["world_mesh"]
         # DTensors over the data-parallel ranks would call a tp rank's piece the whole tensor
         assert "model.state_dict() of a tensor-parallel model (tp=2)" in r["state_dict"], r
-        assert "mesh_2d's 2-D mesh: pass its second value, the data-parallel Mesh" in r["2-D mesh"]
+        assert "mesh_2d's 2-D mesh, pass its second value, the data-parallel Mesh" in r["2-D mesh"]
 
 
 def _hybrid(stage: int) -> dict:

@@ -263,12 +263,13 @@ class Mesh:
             raise ValueError(
                 f"a DeviceMesh for hybrid sharding needs dims {HYBRID_DIMS}, got "
                 f"{tuple(names) if names else 'unnamed'} of shape {tuple(device_mesh.shape)}; "
+                "build it with init_device_mesh(device_type, (num_replicas, shard_group_size), "
+                f"mesh_dim_names={HYBRID_DIMS})"
                 + (
-                    "this is tensor_parallel.mesh_2d's 2-D mesh: pass its second value, the "
+                    "; for tensor_parallel.mesh_2d's 2-D mesh, pass its second value, the "
                     "data-parallel Mesh (device_mesh, mesh = mesh_2d(tp); shard(..., mesh=mesh))"
                     if tp
-                    else "build it with init_device_mesh(device_type, (num_replicas, "
-                    f"shard_group_size), mesh_dim_names={HYBRID_DIMS})"
+                    else ""
                 )
             )
         base = cls.current()
