@@ -539,3 +539,28 @@ def test_tensor_parallel_ranks_start_from_one_model_and_state_dicts_are_whole(wo
     for r in workers4.run(_tp_whole_and_in_sync, stage):
         assert r["whole"] and r["same"], r
         assert r["refused"].startswith("parallelize() of a model zeroshard.shard() has"), r
+
+
+def _inputs_split_by_global_rank(by_global_rank: bool) -> list[str]:
+    """The ranks of a tensor-parallel group must see the same batch: split by the global rank
+    (DDP's habit) it trained on no model's result without a word; now a warning at the first
+    training forward (none when split by the data-parallel rank)."""
+    import warnings
+
+    torch.manual_seed(0)
+    device_mesh, mesh = tensor_parallel.mesh_2d(2)
+    model = zeroshard.shard(
+        tensor_parallel.parallelize(GPT(CFG), device_mesh), mesh=mesh, wrap=wrap.by_class(Block)
+    )
+    x = torch.randint(0, CFG.vocab_size, (8, 8), generator=torch.Generator().manual_seed(1))
+    rank = dist.get_rank() if by_global_rank else mesh.rank
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x[2 * rank : 2 * rank + 2]).float().mean().backward()
+    return [str(w.message) for w in caught if "different inputs" in str(w.message)]
+
+
+@pytest.mark.parametrize("by_global_rank", [True, False])
+def test_tensor_parallel_ranks_fed_different_batches_are_warned(workers4, by_global_rank):
+    for said in workers4.run(_inputs_split_by_global_rank, by_global_rank):
+        assert len(said) == by_global_rank, said

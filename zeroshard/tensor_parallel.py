@@ -351,12 +351,16 @@ def _check_rng_at_first_forward(model: nn.Module, group) -> None:
     """Tensor-parallel ranks compute the replicated activations each on its own: dropout there
     must draw the same numbers on every rank of the group, else the replicas (and Pa's
     checkpoint pieces) silently differ. At the first training forward, a warning when this
-    rank's CPU generator is not the others' (one all-gather of its 5 KB state, once)."""
+    rank's CPU generator is not the others' (one all-gather of its 5 KB state, once). In the
+    same forward, one of the inputs' fingerprint: the ranks of a group must see the same batch
+    (split by the data-parallel rank, not the global one, DDP's habit), else each computes its
+    pieces from other rows and the result is no model's, without an error."""
 
-    def check(module: nn.Module, args: tuple) -> None:
+    def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
         handle.remove()
+        _check_same_inputs((args, kwargs), group)
         state = torch.get_rng_state()
         seen = [torch.empty_like(state) for _ in range(dist.get_world_size(group))]
         dist.all_gather(seen, state, group=group)
@@ -369,7 +373,33 @@ def _check_rng_at_first_forward(model: nn.Module, group) -> None:
                 stacklevel=2,
             )
 
-    handle = model.register_forward_pre_hook(check, prepend=True)
+    handle = model.register_forward_pre_hook(check, prepend=True, with_kwargs=True)
+
+
+def _check_same_inputs(args: Any, group) -> None:
+    """A warning when the ranks of the tensor-parallel ``group`` got other inputs: (count,
+    elements, sum, sum of squares) of the tensors in ``args`` in FP64, all-gathered once."""
+    from zeroshard.trees import tensors_in
+
+    tensors = [t.detach() for t in tensors_in(args)]
+    if not tensors:
+        return
+    parts = [
+        [1.0, t.numel(), t.double().sum().item(), t.double().square().sum().item()] for t in tensors
+    ]
+    mine = torch.tensor(
+        [sum(c) for c in zip(*parts)], dtype=torch.float64, device=tensors[0].device
+    )
+    seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(seen, mine, group=group)
+    if any(not torch.equal(s, seen[0]) for s in seen):
+        warnings.warn(
+            "the ranks of a tensor-parallel group got different inputs at the first training "
+            "forward: they compute one model's pieces and must see the same batch; split the "
+            "data by the data-parallel rank (mesh_2d's Mesh: mesh.rank of mesh.world_size), "
+            "not by the global rank",
+            stacklevel=2,
+        )
 
 
 def is_sequence_parallel(model: nn.Module) -> bool:
