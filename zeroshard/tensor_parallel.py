@@ -361,10 +361,7 @@ def _check_rng_at_first_forward(model: nn.Module, group) -> None:
             return
         handle.remove()
         _check_same_inputs((args, kwargs), group)
-        state = torch.get_rng_state()
-        seen = [torch.empty_like(state) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(seen, state, group=group)
-        if any(not torch.equal(s, seen[0]) for s in seen):
+        if _differs(torch.get_rng_state(), group):
             warnings.warn(
                 "the tensor-parallel ranks' random number generators differ (seeded per rank?): "
                 "dropout on activations they share draws different masks on each, and their "
@@ -390,9 +387,7 @@ def _check_same_inputs(args: Any, group) -> None:
     mine = torch.tensor(
         [sum(c) for c in zip(*parts)], dtype=torch.float64, device=tensors[0].device
     )
-    seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(seen, mine, group=group)
-    if any(not torch.equal(s, seen[0]) for s in seen):
+    if _differs(mine, group):
         warnings.warn(
             "the ranks of a tensor-parallel group got different inputs at the first training "
             "forward: they compute one model's pieces and must see the same batch; split the "
@@ -400,6 +395,13 @@ def _check_same_inputs(args: Any, group) -> None:
             "not by the global rank",
             stacklevel=2,
         )
+
+
+def _differs(mine: torch.Tensor, group) -> bool:
+    """Whether some rank of ``group`` holds another ``mine`` (one all-gather)."""
+    seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(seen, mine, group=group)
+    return any(not torch.equal(s, seen[0]) for s in seen)
 
 
 def is_sequence_parallel(model: nn.Module) -> bool:
