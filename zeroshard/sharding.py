@@ -25,10 +25,12 @@ from zeroshard import collectives as C
 from zeroshard import save_pretrained, tensor_parallel
 from zeroshard.engine import _ATTR, Engine, ShardConfig
 from zeroshard.mesh import Mesh, settle_collective_threads_at_exit
-from zeroshard.model_states.flat_param import FlatParam
+from zeroshard.model_states.flat_param import FlatParam, master_dtype_of
 from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.model_states.init import Materializer, check_same_model
-from zeroshard.model_states.param_swap import ParamSwapper, master_bytes
+from zeroshard.model_states.param_swap import ParamSwapper
+from zeroshard.model_states.partition import padded_numel
+from zeroshard.offload.folder import padded_bytes
 from zeroshard.offload.placement import Offload
 from zeroshard.precision import MixedPrecision, hold_tf32, policy_of
 from zeroshard.residual_states.activations import train_without_caches
@@ -174,7 +176,7 @@ def shard(
     param_swap = None
     if offload is not None and offload.parameters == "nvme":
         # masters leave memory as each unit is made: the peak is a few units, not the model
-        need = master_bytes(specs, mesh.shard_size)  # checked before any master is written
+        need = _master_bytes(specs, mesh.shard_size)  # checked before any master is written
         param_swap = ParamSwapper(offload, mesh, config.num_prefetch, need)
 
     # Stage 3: every unit's gathered storage borrows from fixed buffers, made once (ZeRO-R's CB);
@@ -361,6 +363,30 @@ def _dtypes(policy: MixedPrecision, dtype: torch.dtype) -> tuple[torch.dtype, to
     return policy.resolved(dtype) if dtype.is_floating_point else (dtype, dtype)
 
 
+def _groups(spec: UnitSpec) -> dict[tuple[bool, torch.dtype], list[tuple]]:
+    """``spec``'s parameters by (requires_grad, dtype), each group one FlatParam of the unit's
+    (``spec.params`` entries; zero-element ones left out: they stay plain parameters)."""
+    groups: dict[tuple[bool, torch.dtype], list[tuple]] = {}
+    for entry in spec.params:
+        if entry[1].numel():
+            groups.setdefault((entry[1].requires_grad, entry[1].dtype), []).append(entry)
+    return groups
+
+
+def _master_bytes(specs: list[UnitSpec], shard_size: int) -> int:
+    """Bytes of this rank's swap files of master shards once stage 3 has flattened ``specs``
+    (``_flat_params`` with no buckets: one FlatParam per unit and ``_groups`` entry, its range of
+    ``padded_numel / shard_size`` elements in the master dtype, each file padded to whole
+    blocks). Known from shapes alone (meta too): checked before any master is written."""
+    total = 0
+    for spec in specs:
+        for (_, dtype), members in _groups(spec).items():
+            numel = sum(p.numel() for _, p, _ in members)
+            per_rank = padded_numel(numel, shard_size) // shard_size
+            total += padded_bytes(per_rank * master_dtype_of(dtype).itemsize)
+    return total
+
+
 def _flat_params(
     specs: list[UnitSpec], bucket_bytes: int, make, policy: MixedPrecision
 ) -> list[list[FlatParam]]:
@@ -382,12 +408,13 @@ def _flat_params(
             per_unit[i].append(flat)
 
     for i, spec in enumerate(specs):
-        groups: dict[tuple[bool, torch.dtype], list[tuple[nn.Parameter, list[str]]]] = {}
-        for regs, p, name in spec.params:
-            if p.numel() == 0:
-                continue  # nothing to shard; it stays a plain parameter
-            names = [name] + [f"{module_names[id(m)]}.{a}".lstrip(".") for m, a in regs[1:]]
-            groups.setdefault((p.requires_grad, p.dtype), []).append((p, names))
+        groups = {
+            key: [
+                (p, [name] + [f"{module_names[id(m)]}.{a}".lstrip(".") for m, a in regs[1:]])
+                for regs, p, name in members
+            ]
+            for key, members in _groups(spec).items()
+        }
         for key, params in groups.items():
             elem_bytes = _dtypes(policy, key[1])[0].itemsize
             numel = sum(p.numel() for p, _ in params)

@@ -44,16 +44,13 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from zeroshard.model_states.flat_param import master_dtype_of
-from zeroshard.model_states.partition import padded_numel
 from zeroshard.model_states.state_swap import StopsOnFailure, open_store
 from zeroshard.model_states.swap_space import check_space
 from zeroshard.offload import SwapHandle
-from zeroshard.offload.folder import padded_bytes
 
 if TYPE_CHECKING:
     from zeroshard.mesh import Mesh
@@ -82,12 +79,13 @@ class _Master:
 
 class ParamSwapper(StopsOnFailure):
     """The FP32 masters of stage-3 FlatParams on NVMe (module docstring). Built by ``shard``
-    when ``Offload.parameters`` is "nvme"; each FlatParam is handed over with ``adopt`` as it is
-    made, and ``finish_adopting`` checks the folder's space (a collective) and drops them all."""
+    when ``Offload.parameters`` is "nvme", the folder's space checked first (a collective); each
+    FlatParam is handed over with ``adopt`` as it is made, and ``finish_adopting`` drops them
+    all from memory."""
 
     def __init__(self, offload: Offload, mesh: Mesh, num_prefetch: int, need_bytes: int) -> None:
-        """``need_bytes``: this rank's swap files of every master (``master_bytes``), checked
-        against the folder's free space (a collective) before the first is written."""
+        """``need_bytes``: this rank's swap files of every master (``sharding._master_bytes``),
+        checked against the folder's free space (a collective) before the first is written."""
         self.store = open_store(offload.param_store_config(mesh.global_rank), mesh)
         try:
             check_space(self.store.config.folder, need_bytes, mesh)
@@ -352,21 +350,3 @@ class ParamSwapper(StopsOnFailure):
         for flat, m in self._masters.items():
             if not flat.gathering:  # an async gather in flight still reads it
                 self._drop(m)
-
-
-def master_bytes(specs: list[Any], shard_size: int) -> int:
-    """Bytes of this rank's swap files of master shards once stage 3 has flattened the units
-    ``specs`` (``zeroshard.wrap.UnitSpec``): one FlatParam per unit and (requires_grad, dtype)
-    group, its range of ``padded_numel / shard_size`` elements in the master dtype, each file
-    padded to whole blocks. Known from shapes alone (meta too): checked before any is written."""
-    total = 0
-    for spec in specs:
-        sizes: dict[tuple[bool, torch.dtype], int] = {}
-        for _, p, _ in spec.params:
-            key = (p.requires_grad, p.dtype)
-            sizes[key] = sizes.get(key, 0) + p.numel()
-        for (_, dtype), numel in sizes.items():
-            if numel:
-                per_rank = padded_numel(numel, shard_size) // shard_size
-                total += padded_bytes(per_rank * master_dtype_of(dtype).itemsize)
-    return total
