@@ -80,8 +80,11 @@ def plan_report(
     # node, shared by its devices (all Nd x Nm of them unless told).
     devices = base.num_dp_ranks * base.num_mp_ranks
     per_node = min(devices_per_node or devices, devices)
-    have = {"device": (device_memory_bytes, 1), "cpu": (cpu_memory_bytes, per_node)}
-    have["nvme"] = (nvme_bytes, per_node)
+    have = {
+        "device": (device_memory_bytes, 1),
+        "cpu": (cpu_memory_bytes, per_node),
+        "nvme": (nvme_bytes, per_node),
+    }
     shape = model.shape
     if not base.activation_checkpointing:
         out["num_layers_per_checkpoint"] = 0  # none: each row's device is its largest moment
