@@ -1175,9 +1175,19 @@ def test_tp_that_does_not_divide_the_ranks(capsys, tmp_path):
     _expect_usage_error(capsys, argv, "does not divide across 2 data-parallel ranks", "of 2")
 
 
+def test_shard_group_size_must_divide_the_data_parallel_ranks(capsys, tmp_path):
+    base = ["train", *NANO, "--steps", "1", "--out-dir", str(tmp_path), "--shard-group-size"]
+    _expect_usage_error(capsys, [*base, "3", "--nproc", "4"], "--shard-group-size 3", "of 4")
+    argv = [*base, "2", "--nproc", "6", "--tp", "2", "--batch-size", "6"]
+    _expect_usage_error(capsys, argv, "does not divide the 3 data-parallel ranks")
+    _expect_usage_error(capsys, [*base, "2", "--stage", "0"], "shard_group_size = 2 at stage 0")
+    _expect_usage_error(capsys, [*base, "-1"], "shard_group_size")
+
+
 def test_tensor_parallel_run_follows_the_data_parallel_one(capsys, tmp_path, data_dir):
     """``--nproc 4 --tp 2`` (2 data-parallel ranks, each layer split in 2, checkpoints split and
-    on the CPU) trains the same curve as one process with the same global batch: the logged loss
+    on the CPU), hybrid-sharded in groups of 1 (each data-parallel rank a replica of the whole
+    states), trains the same curve as one process with the same global batch: the logged loss
     and gradient norm are the global batch's, whatever the ranks. Its checkpoints hold the
     unsplit model: one process resumes from them on the same curve."""
     flags = [*NANO, "--data-dir", str(data_dir), "--steps", "4", "--batch-size", "4"]
@@ -1187,6 +1197,7 @@ def test_tensor_parallel_run_follows_the_data_parallel_one(capsys, tmp_path, dat
     one = _train_records(records)
     tp_flags = ["--nproc", "4", "--tp", "2", "--partition-activations", "true"]
     tp_flags += ["--offload-activations", "cpu", "--save-every", "2", "--keep", "2"]
+    tp_flags += ["--shard-group-size", "1"]
     result = _cli("train", *flags, *tp_flags, "--out-dir", str(tmp_path / "tp"))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = (tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()
@@ -1196,8 +1207,9 @@ def test_tensor_parallel_run_follows_the_data_parallel_one(capsys, tmp_path, dat
         assert c["loss"] == pytest.approx(a["loss"], abs=1e-5)
         assert c["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     summary = json.loads((tmp_path / "tp" / "summary.json").read_text())
-    assert summary["ranks"] == 4 and summary["tp"] == 2
-    assert "on 4 rank(s) (tp 2 x dp 2), 4 steps" in result.stdout.splitlines()[-1], result.stdout
+    assert summary["ranks"] == 4 and summary["tp"] == 2 and summary["shard_group_size"] == 1
+    done = "on 4 rank(s) (tp 2 x dp 2), sharded in groups of 1, 4 steps"
+    assert done in result.stdout.splitlines()[-1], result.stdout
     saved = tmp_path / "tp" / "ckpt" / "step-000002"
     assert main(["checkpoint", "info", str(saved), "--verify"]) == 0
     assert "world size 4 (tensor-parallel 2), stage 3" in capsys.readouterr().out

@@ -263,6 +263,7 @@ def train(cfg: TrainConfig) -> dict:
             config=zeroshard.ShardConfig(
                 checkpoint_every=cfg.checkpoint_every,
                 partition_activations=cfg.partition_activations,
+                shard_group_size=cfg.shard_group_size,
             ),
             param_init_fn=built.param_init_fn, offload=cfg.offload(), mesh=mesh,
         )  # fmt: skip
@@ -285,10 +286,12 @@ def train(cfg: TrainConfig) -> dict:
         with diagnosed("barrier", "the start of training", None):
             dist.barrier()  # every rank has read the old metrics before rank 0 rewrites them
         log = MetricsLog(out, records, write=first, tensorboard=cfg.log == "tensorboard")
-        num_units = len(zeroshard.engine_of(model).units)
+        engine = zeroshard.engine_of(model)
+        num_units, hybrid = len(engine.units), engine.mesh.hybrid
         summary = {
             "model": built.name, "num_params": num_params, "num_units": num_units,
             "stage": cfg.stage, "ranks": dist.get_world_size(), "tp": cfg.tp,
+            "shard_group_size": hybrid.shard_size if hybrid else 0,  # as the engine shards
             "precision": _precision_name(cfg.precision, policy),
             "grad_accum": cfg.grad_accum, "steps": cfg.steps, "data": data.source,
             "vocab_size": data.vocab_size,

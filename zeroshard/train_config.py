@@ -65,6 +65,10 @@ class TrainConfig:
     """Tensor-parallel degree: ranks that split each block's attention and MLP (the GPT's plan,
     a Hugging Face config's base_model_tp_plan, or a --model's tp_plan attribute); the ranks
     launched must be a multiple of it. ZeRO shards over ranks / tp."""
+    shard_group_size: int = 0
+    """Hybrid sharding (HSDP, ZeRO++'s hpZ): stages 1-3 shard inside groups of this many
+    consecutive data-parallel ranks (a node) and replicate across groups, so parameter gathers
+    stay inside a group; 0 shards over every data-parallel rank. Must divide ranks / tp."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (built-in GPT, --tp 2 or more): layer norms and residual
     adds run on 1/tp of each sequence per tensor-parallel rank, and activation checkpoints are
@@ -195,6 +199,11 @@ class TrainConfig:
                 f"batch_size = {self.batch_size} does not split into grad_accum = "
                 f"{self.grad_accum} micro-batches; pass a multiple of {self.grad_accum}"
             )
+        if self.shard_group_size and self.stage == 0:
+            raise ValueError(
+                f"shard_group_size = {self.shard_group_size} at stage 0: plain data parallel "
+                "shards nothing; pass --stage 1, 2 or 3, or drop --shard-group-size"
+            )
         self._check_offload()
         self._check_activations()
         if self.optimizer_step == "in_backward":
@@ -321,7 +330,10 @@ class TrainConfig:
 _AT_LEAST_1 = ("steps", "batch_size", "grad_accum", "seq_len", "eval_every", "eval_batches", "tp")
 _MINIMUM: dict[str, tuple[float, bool]] = {
     **{name: (1, True) for name in (*_AT_LEAST_1, "log_every", "keep", "max_skipped_steps")},
-    **{name: (0, True) for name in ("checkpoint_every", "warmup_steps", "save_every", "seed")},
+    **{
+        name: (0, True)
+        for name in ("checkpoint_every", "warmup_steps", "save_every", "seed", "shard_group_size")
+    },
     "weight_decay": (0, True),
     "grad_clip": (0, True),
     "lr": (0, False),

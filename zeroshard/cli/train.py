@@ -516,9 +516,11 @@ def _train_here(cfg: TrainConfig, out: Path) -> int:
 
 
 def _layout(summary: dict) -> str:
-    """``4 rank(s)``, and `` (tp 2 x dp 2)`` for a tensor-parallel run (its 2-D mesh)."""
-    ranks, tp = summary["ranks"], summary.get("tp") or 1
-    return f"{ranks} rank(s)" + (f" (tp {tp} x dp {ranks // tp})" if tp > 1 else "")
+    """``4 rank(s)``, `` (tp 2 x dp 2)`` for a tensor-parallel run (its 2-D mesh), and
+    ``, sharded in groups of 2`` for a hybrid-sharded one."""
+    ranks, tp, k = summary["ranks"], summary.get("tp") or 1, summary.get("shard_group_size")
+    layout = f"{ranks} rank(s)" + (f" (tp {tp} x dp {ranks // tp})" if tp > 1 else "")
+    return layout + (f", sharded in groups of {k}" if k else "")
 
 
 def _here(summary: dict) -> str:

@@ -88,7 +88,8 @@ def _check_states_fit(cfg: TrainConfig, nproc: int, local_ranks: int) -> None:
         optimizer_states=cfg.offload_optimizer or Tier.DEVICE,
     )
     states = model_states(
-        PRESETS[cfg.preset].num_params(), stage=cfg.stage, num_dp_ranks=nproc // cfg.tp,
+        PRESETS[cfg.preset].num_params(), stage=cfg.stage,
+        num_dp_ranks=cfg.shard_group_size or nproc // cfg.tp,  # hybrid: partitioned over k
         num_mp_ranks=cfg.tp, placement=placement,
     )  # fmt: skip
     need = local_ranks * sum(sum(v.values()) for t, v in states.items() if t is not Tier.NVME)
@@ -155,6 +156,12 @@ def check_divides(cfg: TrainConfig, nproc: int) -> None:
             "(--nproc) or pick a --tp that divides it"
         )
     dp = nproc // cfg.tp  # data-parallel ranks: a tensor-parallel group shares its batch
+    if cfg.shard_group_size and dp % cfg.shard_group_size:
+        what = f"{dp} data-parallel ranks" if cfg.tp > 1 else f"{dp} ranks"
+        raise UsageError(
+            f"--shard-group-size {cfg.shard_group_size} does not divide the {what}; pass a "
+            f"divisor of {dp} (the ranks of a node), or 0 to shard over every rank"
+        )
     if cfg.batch_size % (dp * cfg.grad_accum):
         what = f"{dp} data-parallel ranks" if cfg.tp > 1 else f"{dp} ranks"
         raise UsageError(
