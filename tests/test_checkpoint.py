@@ -635,6 +635,44 @@ def _rerun():
     return model, opt
 
 
+_EXITS_WHILE_SAVING = """
+import sys, time, torch, zeroshard
+from zeroshard import checkpoint
+write = checkpoint._write_and_publish
+def slow(*args):
+    time.sleep(0.5)  # still writing when the script ends
+    write(*args)
+checkpoint._write_and_publish = slow
+zeroshard.Mesh.from_env(backend="gloo", device="cpu")
+model = zeroshard.shard(torch.nn.Linear(4, 4), stage=3)
+opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+for step in (1, 2):  # the second waits for the first
+    checkpoint.save(f"{sys.argv[1]}/step-{step}", model, opt, async_save=True)
+"""
+
+
+def test_an_asynchronous_save_in_flight_at_exit_is_finished(tmp_path):
+    """As torch.distributed.checkpoint's async_save: the process exits once it is written (it
+    was lost, with a warning per save made, and gloo aborted the process under it)."""
+    import subprocess
+    import sys
+
+    from zeroshard.testing import free_port
+
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    ran = subprocess.run(
+        [sys.executable, "-c", _EXITS_WHILE_SAVING, str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    said = [line for line in ran.stderr.splitlines() if line.startswith("zeroshard:")]
+    want = f"zeroshard: finishing the asynchronous save of {tmp_path / 'step-2'} before exiting"
+    assert said == [want], ran.stderr[-3000:]
+    for step in (1, 2):
+        assert checkpoint.info(tmp_path / f"step-{step}").complete
+
+
 def test_async_save_snapshots_then_writes_in_the_background(workers2, tmp_path):
     assert all(workers2.run(_async_save, str(tmp_path)))
 

@@ -13,7 +13,15 @@ from unittest import mock
 import pytest
 
 from zeroshard import checkpoint
-from zeroshard.checkpoint_files import GONE, META_FILE, OLD, TMP, prune, publish
+from zeroshard.checkpoint_files import (
+    GONE,
+    META_FILE,
+    OLD,
+    TMP,
+    prune,
+    publish,
+    replace_problem,
+)
 from zeroshard.checkpoint_info import FORMAT_VERSION
 
 
@@ -82,3 +90,27 @@ def test_a_replaced_checkpoint_cut_short_in_its_removal_is_not_a_checkpoint(tmp_
     assert checkpoint.latest(tmp_path) == tmp_path / "step-000001"
     prune(_complete(tmp_path / "step-000002", 2), keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002"]
+
+
+def test_prune_keeps_other_series_and_logs_what_it_removes(tmp_path, caplog):
+    """``keep`` counts the checkpoints of one name with its number stripped: ``best-epoch2``
+    never removes ``epoch*``, and each removal is logged."""
+    for n in range(1, 4):
+        _complete(tmp_path / f"epoch{n}", n)
+    best = _complete(tmp_path / "best-epoch2", 2)
+    with caplog.at_level("INFO", logger="zeroshard.checkpoint_files"):
+        prune(best, keep=1)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "best-epoch2", "epoch1", "epoch2", "epoch3"
+        ]  # fmt: skip
+        prune(tmp_path / "epoch3", keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best-epoch2", "epoch2", "epoch3"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"removing checkpoint {tmp_path / 'epoch1'}: keep=2 keeps the newest of epoch*"
+    ]
+
+
+def test_a_file_on_the_way_to_the_path_is_named(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    said = replace_problem(tmp_path / "afile" / "sub" / "step-1")
+    assert said.startswith(f"{tmp_path / 'afile'} is a file, and the checkpoint"), said

@@ -224,6 +224,15 @@ def _bad_inputs() -> bool:
     model = zeroshard.shard(nn.Linear(2, 2), stage=3)
     with pytest.raises(ValueError, match="already sharded"):
         zeroshard.shard(model, stage=2)
+    # A DDP-wrapped model all-reduced its gradients twice (stages 1-3: a misleading error)
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match=r"holds a DistributedDataParallel.*\(its \.module\)"):
+        zeroshard.shard(ddp, stage=1)
+    # A complex parameter failed inside backward (no unscaling kernel for complex)
+    complex_model = nn.Linear(2, 2)
+    complex_model.c = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"parameter c is complex.*view_as_real"):
+        zeroshard.shard(complex_model, stage=0)
     # Sparse gradients failed inside backward with torch's internals ("Cannot access data
     # pointer of Tensor that doesn't have storage")
     with pytest.raises(ValueError, match=r"module '0' \(Embedding\) has sparse=True"):

@@ -222,6 +222,83 @@ def test_torch_s_grad_scaler(workers2, stage):
             assert "mixed_precision='fp16'" in r, r
 
 
+def _submodule_zero_grad(stage: int) -> float:
+    """Gradients dropped by each submodule's own ``zero_grad`` (a GAN's ``netD.zero_grad()``)
+    against torch's: they came back at the next step, added to the new ones."""
+    model, ref = _pair(stage)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(3):
+        for m in (model, ref):
+            for child in (m.inp, m.blocks, m.head):
+                child.zero_grad()
+        _losses(model, ref, *_batch(step))
+        opt.step()
+        ref_opt.step()
+    return _diff(model, ref)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_submodule_s_zero_grad_drops_its_gradients(workers2, stage):
+    assert max(workers2.run(_submodule_zero_grad, stage)) < 1e-6
+
+
+class _LARS(torch.optim.SGD):
+    """A per-tensor trust ratio, as LARS scales each gradient: not element-wise."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(p.norm() / (p.grad.norm() + 1e-12))
+        return super().step(closure)
+
+
+class _MySGD(torch.optim.SGD):
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, lr=lr, momentum=0.9)
+
+
+def _optimizer_subclasses() -> str:
+    model, _ = _pair(3)
+    zeroshard.optimizer(model, _MySGD)  # settings of its own, torch's step: element-wise
+    try:
+        zeroshard.optimizer(model, _LARS, lr=0.1)
+    except ValueError as e:
+        zeroshard.optimizer(model, _LARS, lr=0.1, elementwise=True)  # the caller's word
+        return str(e)
+    return "accepted"
+
+
+def test_a_subclass_that_steps_its_own_way_is_not_taken_as_element_wise(workers1):
+    said = workers1.run(_optimizer_subclasses)[0]
+    assert said.startswith("_LARS overrides step() of SGD: a sharded optimizer steps each"), said
+    assert "elementwise=True" in said, said
+
+
+def _shared_scaler() -> str:
+    model, _ = _pair(3, mixed_precision="fp16")
+    scaler = zeroshard.DynamicLossScaler()
+    first = zeroshard.optimizer(model, torch.optim.SGD, [model.inp.weight], loss_scaler=scaler)
+    try:
+        zeroshard.optimizer(model, torch.optim.SGD, [model.head.weight], loss_scaler=scaler)
+    except ValueError as e:
+        said = str(e)
+    else:
+        return "a second optimizer took the first one's loss scaler"
+    del first  # freed: its scaler may serve another optimizer
+    zeroshard.optimizer(model, torch.optim.SGD, [model.head.weight], loss_scaler=scaler)
+    return said
+
+
+def test_a_loss_scaler_serves_one_optimizer(workers1):
+    """Each optimizer's step updates its scaler: shared, one overflow halved the scale twice."""
+    said = workers1.run(_shared_scaler)[0]
+    assert said.startswith("this DynamicLossScaler already belongs to another zeroshard"), said
+    assert "loss_scaler=zeroshard.DynamicLossScaler()" in said, said
+
+
 def _clip_by_value(stage: int) -> float:
     """``opt.clip_grad_value`` against torch's ``clip_grad_value_`` (which sees no ``.grad`` at
     stages 1-3 and raises inside torch there)."""

@@ -441,6 +441,52 @@ def test_reduce_in_fp32_keeps_what_bf16_rounds_away(workers2, stage):
     assert bf16[0][0] == 0.5  # (1 + 2**-8) rounded to 1 in BF16, then halved
 
 
+def _accumulated_grad(stage: int, reduce_dtype: str, zero_between: bool) -> list[float]:
+    """Two micro-steps, gradients 1 then 2**-8 on every rank (exact in BF16): their sum is a
+    tie in BF16, which rounds to 1; in FP32 it is exact. ``zero_between``: ``zero_grad`` after
+    the first drops it."""
+    model = zeroshard.shard(
+        _Gain(),
+        stage=stage,
+        mixed_precision=MixedPrecision(param_dtype="bf16", reduce_dtype=reduce_dtype),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1.0)
+    opt.backward(model(torch.ones(2)), sync=False)
+    if zero_between:
+        opt.zero_grad()
+    opt.backward(model(torch.full((2,), 2.0**-8)))
+    return zeroshard.engine_of(model).buckets[0].shard_grad.tolist()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_accumulation_adds_micro_steps_in_the_reduce_dtype(workers2, stage):
+    """As FSDP2 does (``to_accumulated_grad_if_needed``): with ``reduce_dtype`` FP32 and BF16
+    parameters, micro-steps that do not reduce are summed in FP32 (they were summed in BF16)."""
+    fp32 = workers2.run(_accumulated_grad, stage, "fp32", False)[0]
+    bf16 = workers2.run(_accumulated_grad, stage, "bf16", False)[0]
+    dropped = workers2.run(_accumulated_grad, stage, "fp32", True)[0]
+    assert fp32[0] == 1 + 2.0**-8, fp32
+    assert bf16[0] == 1.0, bf16  # summed in BF16: the tie rounds to even
+    assert dropped[0] == 2.0**-8, dropped
+
+
+def _unscaled_fp16_grad(stage: int) -> list[float]:
+    """FP16 parameters and reductions, loss scale 2**15: the gradient 2**-30 is below FP16's
+    range (smallest subnormal 2**-24); scaled, 2**-15, it is not."""
+    model = zeroshard.shard(_Gain(), stage=stage, mixed_precision="fp16")
+    scaler = zeroshard.DynamicLossScaler(init_scale=2.0**15)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1.0, loss_scaler=scaler)
+    opt.backward(model(torch.full((2,), 2.0**-10)).float() * 2.0**-20)
+    return zeroshard.engine_of(model).buckets[0].shard_grad.tolist()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_fp16_gradients_below_its_range_survive_the_unscaling(workers2, stage):
+    """Unscaled in FP32, as torch.amp and FSDP's ShardedGradScaler do (unscaled in FP16, they
+    were flushed to zero: what the loss scale is for)."""
+    assert workers2.run(_unscaled_fp16_grad, stage)[0][0] == 2.0**-30
+
+
 def _clip_unscaled(scale: float) -> tuple[float, float]:
     torch.manual_seed(0)
     model, policy = build("odd")

@@ -141,3 +141,10 @@ def test_policy_arguments_of_the_wrong_type_are_named():
     for count in ("a", 2.5):
         with pytest.raises(TypeError, match="by_size takes a parameter count"):
             wrap.by_size(count)
+
+
+def test_a_predicate_of_the_module_alone_is_named():
+    """FSDP1's lambda policies took the module alone: a raw TypeError inside shard before."""
+    with pytest.raises(TypeError, match=r"with \(name, module\).*lambda name, module"):
+        wrap.by_predicate(lambda m: isinstance(m, nn.Linear))
+    assert wrap.by_predicate(lambda name, m: isinstance(m, Block))(GPT(PRESETS["nano"]))

@@ -308,9 +308,12 @@ def _save(
     handle._thread = threading.Thread(
         target=handle._run, args=(job, background), name=f"zeroshard-save-{path.name}", daemon=True
     )
-    global _pending
-    if _pending is None:
-        atexit.register(_warn_unfinished)
+    global _pending, _exit_hook
+    if not _exit_hook:
+        _exit_hook = True
+        # Run by threading's shutdown, before concurrent.futures' own exit hook (registered
+        # earlier; they run in reverse), which refuses the save's writer threads new work.
+        getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
     _pending = handle
     handle._thread.start()
     return handle
@@ -334,15 +337,18 @@ def _saved_loss_scalers(path: Path, optimizer, saved: dict | list[dict]) -> list
     return saved
 
 
-def _warn_unfinished() -> None:
-    """At exit: an asynchronous save still being written is lost (its thread is a daemon)."""
-    if _pending is not None and not _pending.done():
-        print(
-            f"zeroshard: the asynchronous save of {_pending.path} was still being written when "
-            "the process exited and is lost; call its handle's wait() (or "
-            "zeroshard.checkpoint.wait()) before exiting",
-            file=sys.stderr,
-        )
+def _finish_at_exit() -> None:
+    """At exit: an asynchronous save still being written is finished first, as
+    ``torch.distributed.checkpoint.async_save``'s is (its thread is a daemon: the interpreter
+    would stop it mid-write, and gloo aborted the process under it)."""
+    if _pending is None or _pending.done():
+        return
+    path = _pending.path
+    print(f"zeroshard: finishing the asynchronous save of {path} before exiting", file=sys.stderr)
+    try:
+        _pending.wait()
+    except Exception as exc:  # the interpreter is exiting: say why, no traceback
+        print(f"zeroshard: the asynchronous save of {path} failed: {exc}", file=sys.stderr)
 
 
 class SaveHandle:
@@ -384,6 +390,7 @@ class SaveHandle:
 
 
 _pending: SaveHandle | None = None  # this process's asynchronous save in flight
+_exit_hook = False  # _finish_at_exit registered (once per process)
 _BACKGROUND_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 

@@ -6,6 +6,7 @@ see ``zeroshard.checkpoint`` for the folder's layout and the order in which it i
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ does, and of one being removed (``prune``): each renamed in one step, so a crash
 leaves every complete checkpoint whole under a name that says what it is."""
 _CHUNK_BYTES = 8 * 2**20  # read size when hashing
 _HASH_THREADS = 4  # files each rank hashes at once (xxhash and file reads release the GIL)
+log = logging.getLogger(__name__)
 NUMBERED = re.compile(r"^(?P<prefix>.*?)(?P<num>\d+)$")
 
 
@@ -142,6 +144,12 @@ def replace_problem(path: Path) -> str | None:
             f"{path} is a symbolic link: a save replaces the folder at its path, not what it "
             "points to; save to the target folder itself"
         )
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        return (
+            f"{blocker} is a file, and the checkpoint {path} would be a folder inside it; save "
+            "to a path under a folder, or move the file away"
+        )
     if not path.exists():
         return None
     if not path.is_dir() or not all(_CHECKPOINT_FILE.match(f.name) for f in path.iterdir()):
@@ -188,6 +196,8 @@ def prune(path: Path, keep: int) -> None:
     numbered.sort()
     for _, sibling in numbered[: max(0, len(numbered) - keep)]:
         if sibling != path:
+            log.info("removing checkpoint %s: keep=%d keeps the newest of %s*", sibling, keep,
+                     match["prefix"])  # fmt: skip
             # Renamed first: a removal cut short leaves no half checkpoint under its own name.
             gone = sibling.with_name(sibling.name + GONE + os.urandom(4).hex())
             os.replace(sibling, gone)

@@ -76,7 +76,7 @@ KEPT_STEPS = 1000
 
 ORDER_MODULUS = 16_777_213
 """The largest prime below 2**24: an ``order`` digest is exact in FP32, so it can ride in the
-step's agreement all-reduce (``zeroshard.model_states.grads.agree``)."""
+step's agreement all-reduce (``zeroshard.model_states.agreement.agree``)."""
 
 
 @functools.cache

@@ -388,14 +388,18 @@ class Engine:
                     self._dirty[b] = None  # reduced already: reduce what came since at the end
                 continue
             self._units_left[b] = self._units_left.get(b, b.num_units) - 1
-            if self._reduce_now and self._units_left[b] == 0:
+            if self._units_left[b] == 0:
                 ready.append(b)
         # Free the gathered parameters, and finish the oldest reductions, before a new full
         # gradient is collected: none of them is alive next to it at this peak of backward.
         if not self._summoned:
             unit.reshard()
-        for b in self.reduction_order.ready(ready):
-            self._reduce(b)
+        if not self._reduce_now:  # accumulating: summed in reduce_dtype where it is wider
+            for b in ready:
+                b.fold()
+        else:
+            for b in self.reduction_order.ready(ready):
+                self._reduce(b)
 
     def _reduce(self, bucket: GradBucket) -> None:
         self._finish_reductions(keep=self.config.max_inflight_reductions - 1)
@@ -413,6 +417,9 @@ class Engine:
                 if b in self._dirty:
                     b.reduce()
                     b.finish()
+        else:
+            for b in self.buckets:
+                b.fold()  # what came after a unit's fold (a unit reached again)
         for pool in pools(self.buckets):
             pool.release()  # kept through one backward, not between steps
         for unit in self.units:
@@ -472,9 +479,8 @@ class Engine:
             self.heap.after_step()
 
     def forget_order(self) -> None:
-        """After the ranks were found to run units in different orders (``grads.agreed``): the
-        ledger's digest restarts, and no prefetch follows this rank's own last forward order
-        (each rank's differs: the next forward's prefetches would pair different units)."""
+        """After the ranks ran units in different orders (``agreed``): the ledger's digest
+        restarts, and no prefetch follows this rank's own last forward order (it differs)."""
         self.ledger.order = 0
         self.forward_order = []
 

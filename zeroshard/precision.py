@@ -27,6 +27,7 @@ import logging
 import math
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -357,6 +358,21 @@ class LossScaler:
     def checks(self) -> bool:
         """Whether ``step`` must look for inf/NaN gradients."""
         return self.skip_nonfinite
+
+    def claim(self, optimizer: object) -> None:
+        """Bind this scaler to the one optimizer whose ``step`` updates it. Shared by two, it was
+        updated by each of their steps (a scale halved twice for one overflow, doubled every
+        growth_interval / 2 clean steps): a ValueError while another optimizer holds it."""
+        owner = getattr(self, "_owner", None)
+        held = owner() if owner is not None else None
+        if held is not None and held is not optimizer:
+            raise ValueError(
+                f"this {type(self).__name__} already belongs to another zeroshard optimizer, "
+                "whose step() updates it once per step: each optimizer needs a loss scaler of "
+                "its own (loss_scaler=zeroshard.DynamicLossScaler()); the loss is scaled by the "
+                "scaler of the optimizer whose backward() is called"
+            )
+        self._owner = weakref.ref(optimizer)
 
     def update(self, found_inf: bool) -> None:
         """Record one step's outcome (the same on every rank)."""

@@ -11,6 +11,7 @@ hooks. Every rank must call it with the same model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 import weakref
@@ -48,6 +49,9 @@ log = logging.getLogger(__name__)
 
 _SHARDED = "_zeroshard_sharded"
 """Set on each parameter of a sharded model: sharding a part of it again is refused."""
+
+
+_DATA_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
 def shard(
@@ -116,6 +120,19 @@ def shard(
             f"{type(model).__name__} cannot be sharded: its parameters are part of a sharded "
             "model already. Shard the whole model once, with a wrap policy for its blocks "
             "(zeroshard.wrap.by_class(Block)), not submodules one by one as with FSDP2"
+        )
+    wrapper = next((m for m in model.modules() if isinstance(m, _DATA_PARALLEL)), None)
+    if wrapper is not None:
+        raise ValueError(
+            f"the model holds a {type(wrapper).__name__}, whose own hooks all-reduce gradients "
+            "beside zeroshard's: shard the plain model (its .module) instead"
+        )
+    complex_ = next((n for n, p in model.named_parameters() if p.is_complex()), None)
+    if complex_ is not None:
+        raise ValueError(
+            f"parameter {complex_} is complex: zeroshard keeps real FP32 masters and unscales "
+            "real gradients; register it as real pairs (torch.view_as_real) and take "
+            "torch.view_as_complex in forward"
         )
     if any(type(p.data).__name__ == "DTensor" for p in model.parameters()):
         raise ValueError(
@@ -307,6 +324,21 @@ def _install_zero_grad(model: nn.Module, engine: Engine) -> None:
         module_zero_grad(set_to_none)
 
     model.zero_grad = zero_grad
+    for module in model.modules():
+        if module is not model and any(True for _ in module.parameters()):
+            module.zero_grad = functools.partial(_zero_part, module, engine, module.zero_grad)
+
+
+def _zero_part(module: nn.Module, engine: Engine, own: Callable, set_to_none: bool = True) -> None:
+    """``submodule.zero_grad()`` (a GAN's ``netD.zero_grad()`` inside one sharded model) drops
+    the gradients the engine holds for that submodule's parameters only; they came back at the
+    next step, added to the new ones."""
+    params = {id(p) for p in module.parameters()}
+    for b in engine.buckets:
+        slots = [i for i, s in enumerate(b.flat.slots) if id(s.param) in params]
+        if slots:
+            b.zero_slots(slots, keep_touched=not set_to_none)
+    own(set_to_none)
 
 
 def _checkpoint_keeper(

@@ -8,6 +8,7 @@ in several units (tied embeddings) is owned by their deepest common ancestor uni
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import warnings
 from collections.abc import Callable, Iterable
@@ -97,6 +98,16 @@ def by_size(min_num_params: int) -> WrapPolicy:
 
 def by_predicate(predicate: Callable[[str, nn.Module], bool]) -> WrapPolicy:
     """Every submodule ``(name, module)`` for which ``predicate`` is true."""
+    try:
+        inspect.signature(predicate).bind("name", nn.Module())
+    except TypeError:
+        raise TypeError(
+            f"by_predicate calls its predicate with (name, module), which {predicate!r} does "
+            "not take: write it as lambda name, module: ... (FSDP1's lambda_auto_wrap_policy "
+            "took the module alone)"
+        ) from None
+    except ValueError:  # a builtin without a signature: called as it is
+        pass
 
     def policy(model: nn.Module) -> list[str]:
         names = [name for name, m in model.named_modules() if name and predicate(name, m)]

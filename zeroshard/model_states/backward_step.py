@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroshard import collectives as C
-from zeroshard.model_states.grads import GradBucket, Reduction, agree, agreed
+from zeroshard.model_states.agreement import agree, agreed
+from zeroshard.model_states.grads import GradBucket, Reduction
 from zeroshard.precision import DynamicLossScaler
 
 if TYPE_CHECKING:

@@ -42,10 +42,10 @@ from torch import nn
 
 from zeroshard.engine import Engine, engine_of
 from zeroshard.model_states import bucket_owners, clipping
+from zeroshard.model_states.agreement import agree, agreed
 from zeroshard.model_states.backward_step import BackwardStep, check_step_in_backward
 from zeroshard.model_states.flat_param import check_requires_grad
 from zeroshard.model_states.grad_swap import GradSwapper
-from zeroshard.model_states.grads import agree, agreed
 from zeroshard.model_states.init import check_same_model
 from zeroshard.model_states.optimizer_args import (
     check_elementwise,
@@ -94,6 +94,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         buckets = list(self.engine.buckets)
         self.loss_scaler = loss_scaler or default_scaler({b.flat.param_dtype for b in buckets})
+        self.loss_scaler.claim(self)
         self.engine.scaling.warn_unscaled = isinstance(self.loss_scaler, DynamicLossScaler)
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = param_groups(model, params)

@@ -68,9 +68,17 @@ def check_elementwise(optimizer_cls: type, *, known: bool = False) -> None:
             f"settings, not a {type(optimizer_cls).__name__} built already: "
             "zeroshard.optimizer(model, torch.optim.AdamW, lr=...)"
         )
+    name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
+    overrides = _overridden_step(optimizer_cls)
+    if overrides and not known:
+        raise ValueError(
+            f"{name} overrides {overrides}: a sharded optimizer steps each rank's 1-D slice of "
+            "a parameter on its own, so a step that reads whole tensors (a per-tensor norm, as "
+            "LARS scales by) changes the result. If its step is element-wise, pass "
+            "elementwise=True"
+        )
     if known or (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, ELEMENTWISE)):
         return
-    name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
     raise ValueError(
         f"{name} is not a known element-wise optimizer: a sharded optimizer steps each rank's "
         "slice of a parameter on its own, which changes the result of optimizers with "
@@ -78,6 +86,20 @@ def check_elementwise(optimizer_cls: type, *, known: bool = False) -> None:
         f"{', '.join(c.__name__ for c in ELEMENTWISE)}. If {name} is element-wise, pass "
         "elementwise=True"
     )
+
+
+def _overridden_step(optimizer_cls: object) -> str | None:
+    """``"Base.step"`` when a subclass of a known element-wise optimizer redefines how it steps
+    (``step``, ``_init_group``); None otherwise, or for other classes."""
+    if not isinstance(optimizer_cls, type) or not issubclass(optimizer_cls, ELEMENTWISE):
+        return None
+    for cls in optimizer_cls.__mro__:
+        if cls in ELEMENTWISE:
+            return None
+        for method in ("step", "_init_group"):
+            if method in vars(cls):
+                return f"{method}() of {next(c for c in cls.__mro__ if c in ELEMENTWISE).__name__}"
+    return None
 
 
 def with_default_impl(

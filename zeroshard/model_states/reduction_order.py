@@ -15,7 +15,7 @@ none of their reductions overlapping the rest of backward.
 
 Stage 3 reduces each bucket as soon as it is ready (``in_order=False``): there the units'
 gathers already pair the ranks in each one's forward order, the step refuses ranks whose orders
-differ (``zeroshard.model_states.grads.agreed``), and a reduction waiting would keep a unit's
+differ (``zeroshard.model_states.agreement.agreed``), and a reduction waiting would keep a unit's
 full gradient alive.
 """
 

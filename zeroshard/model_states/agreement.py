@@ -1,0 +1,75 @@
+"""The step's agreement: one small all-reduce after backward in which every rank learns whether
+any rank saw inf/NaN, whether the ranks ran their units in the same order, and which parameters
+some rank's backward reached. Started by ``agree`` (overlapping what follows), read by
+``agreed``; the optimizer's ``step`` and the step in backward decide from it alike on every
+rank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from zeroshard import collectives as C
+from zeroshard.mesh import Mesh
+
+
+def agree(
+    found_inf: torch.Tensor, touched: torch.Tensor, mesh: Mesh, ledger: C.Ledger, *, async_op: bool
+) -> C.Handle:
+    """Start the agreement of every rank on [inf/NaN seen (``found_inf``: (1,) FP32, > 0 when
+    this rank saw one), the order of the units' collectives, one flag per parameter that
+    backward reached] (``touched``: 1D FP32, this rank's flags), MAX
+    over every rank, also with hybrid sharding ("touched" depends on each rank's data): a shard's
+    overflow is seen only by its owner, and a parameter is left out of the step only when no
+    rank reached it. The order rides as ``[d, -d]`` (``Ledger.order``): MAX of both gives the
+    largest and the smallest digest. Read the handle's output with ``agreed``."""
+    order = torch.tensor([ledger.order, -ledger.order], dtype=torch.float32, device=touched.device)
+    flags = torch.cat([found_inf, order, touched])
+    if mesh.world_size * mesh.tp_size == 1:
+        return C.Handle(None, flags)
+    whole = mesh.hybrid is not None or mesh.tp_size > 1
+    return C.all_reduce(
+        flags,
+        scope=C.WORLD if whole else C.SHARD,
+        # Tensor-parallel ranks too: each sees only its pieces of split parameters.
+        group=None if mesh.tp_size > 1 else mesh.group,
+        ledger=ledger,
+        label="found_inf",
+        op=dist.ReduceOp.MAX,
+        async_op=async_op,
+    )
+
+
+class OrderMismatch(RuntimeError):
+    """The ranks ran their units in different orders since the last step (``agreed``)."""
+
+
+def agreed(
+    flags: torch.Tensor, forget_order: Callable[[], None], *, stepped: int = 0
+) -> tuple[bool, list[bool]]:
+    """(inf/NaN seen on some rank, per parameter: reached on some rank) from ``agree``'s output
+    (a host sync). Raises ``OrderMismatch`` on every rank alike when the ranks' collectives
+    paired different units: the gradients are of mixed-up parameters, and no step may use them
+    (``stepped``: units that ``step_in_backward`` updated earlier in this backward, whose
+    collectives still matched). ``forget_order`` (the engine's) runs first: the digest restarts
+    and no prefetch follows the rank's own last order."""
+    values = flags.tolist()
+    if values[1] != -values[2]:
+        forget_order()
+        kept = (
+            f"{stepped} unit(s) updated earlier in this backward (step_in_backward) keep it, "
+            "the others are untouched"
+            if stepped
+            else "master weights are untouched"
+        )
+        raise OrderMismatch(
+            "the ranks ran the wrapped units in different orders since the last step, so each "
+            "collective paired one unit's shards on one rank with another unit's on another "
+            f"(the gradients are of mixed-up parameters, and the step is refused; {kept}). "
+            "Call the same units in the same order on every rank (branch on values all ranks "
+            "share, or keep rank-dependent paths inside one unit), and restart from the last "
+            "checkpoint: ranks that issued different numbers of collectives are out of step"
+        )
+    return values[0] > 0, [v > 0 for v in values[3:]]
