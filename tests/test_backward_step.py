@@ -186,6 +186,35 @@ def test_a_second_backward_before_the_step_is_an_error(workers2):
         assert "second backward before optimizer.step()" in msg and "sync=False" in msg, msg
 
 
+def _lr_set_after_the_backward(tensor_lr: bool) -> list:
+    model, opt = _make("gpt", 3, True)
+    x, y = batch("gpt", 0, 2)
+    said = []
+    for step in range(2):
+        opt.backward(loss_of("gpt", model, x, y))
+        if step == 0:  # a warm-up written between backward and step: the updates are done
+            for g in opt.param_groups:
+                if tensor_lr:
+                    g["lr"] = torch.tensor(0.0)
+                else:
+                    g["lr"] = 0.0
+        try:
+            said.append(opt.step())
+        except ValueError as e:
+            said.append(str(e))
+        opt.zero_grad()
+    return said
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_a_hyperparameter_set_after_the_backward_is_an_error(workers2, tensor_lr):
+    """A plain step would use it; the updates in backward used the old one (ignored before)."""
+    for first, second in workers2.run(_lr_set_after_the_backward, tensor_lr):
+        assert first.startswith("param group 0's lr changed from"), first
+        assert "Set hyperparameters before the backward" in first, first
+        assert second is True  # the next step, set before its backward, is taken
+
+
 def _two_optimizers(
     stage: int, kinds: tuple[bool, bool], rebuilt: bool, shared: bool, gan: bool = False
 ) -> dict:

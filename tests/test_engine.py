@@ -228,6 +228,14 @@ def _bad_inputs() -> bool:
     ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match=r"holds a DistributedDataParallel.*\(its \.module\)"):
         zeroshard.shard(ddp, stage=1)
+    # Two Parameters over one memory drifted apart
+    aliased = nn.Linear(2, 3)
+    aliased.wt = nn.Parameter(aliased.weight.data.t())
+    with pytest.raises(ValueError, match=r"parameters weight and wt share memory"):
+        zeroshard.shard(aliased, stage=3)
+    fused = torch.randn(2, 6)  # separate parts of one storage (a checkpoint's views): fine
+    parts = nn.ParameterList([nn.Parameter(fused[:, :3]), nn.Parameter(fused[:, 3:])])
+    zeroshard.shard(nn.ModuleDict({"parts": parts}), stage=3)
     # A complex parameter failed inside backward (no unscaling kernel for complex)
     complex_model = nn.Linear(2, 2)
     complex_model.c = nn.Parameter(torch.zeros(2, dtype=torch.complex64))

@@ -238,9 +238,61 @@ def _submodule_zero_grad(stage: int) -> float:
     return _diff(model, ref)
 
 
+def _grads_dropped_by_hand(how: str) -> float:
+    """Stage 0, gradients dropped before each backward the ways DDP's users do (``.grad`` set to
+    None by hand, or a torch optimizer over the parameters, stepping ``.grad``): the reduced
+    gradients of the step before came back, added to the new ones."""
+    model, ref = _pair(0)
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.5)
+        if how == "torch optimizer"
+        else zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    )
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(3):
+        if how == "torch optimizer":
+            opt.zero_grad()
+        else:
+            for p in model.parameters():
+                p.grad = None
+        ref_opt.zero_grad()
+        _losses(model, ref, *_batch(step))
+        opt.step()
+        ref_opt.step()
+    return _diff(model, ref)
+
+
+@pytest.mark.parametrize("how", ["by hand", "torch optimizer"])
+def test_stage_0_gradients_dropped_as_under_ddp(workers2, how):
+    assert max(workers2.run(_grads_dropped_by_hand, how)) < 1e-6
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_submodule_s_zero_grad_drops_its_gradients(workers2, stage):
     assert max(workers2.run(_submodule_zero_grad, stage)) < 1e-6
+
+
+def _backward_twice_through_one_graph(stage: int) -> float:
+    """``opt.backward(loss, retain_graph=True)`` then again: gradients summed, as torch's (the
+    keyword was a TypeError)."""
+    model, ref = _pair(stage)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    x, y, mine = _batch(0)
+    loss = nn.functional.mse_loss(model(x[mine]), y[mine])
+    opt.backward(loss, retain_graph=True)
+    opt.backward(loss)
+    ref_loss = nn.functional.mse_loss(ref(x), y)
+    ref_loss.backward(retain_graph=True)
+    ref_loss.backward()
+    opt.step()
+    ref_opt.step()
+    return _diff(model, ref)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_backward_takes_torch_s_keywords(workers2, stage):
+    assert max(workers2.run(_backward_twice_through_one_graph, stage)) < 1e-6
 
 
 class _LARS(torch.optim.SGD):

@@ -101,8 +101,9 @@ def summon_full_params(model, *, writeback: bool = True):
     in the compute dtype. Forward (and backward) inside work; with ``writeback`` the values
     written inside reach the FP32 masters on exit (unchanged ones keep full precision)."""
     from zeroshard.engine import engine_of
+    from zeroshard.summon import summon_full_params as summon
 
-    return engine_of(model).summon_full_params(writeback=writeback)
+    return summon(engine_of(model), writeback=writeback)
 
 
 def no_sync(model):

@@ -133,7 +133,7 @@ class Engine:
         self.reduction_order = ReductionOrder(self.buckets, in_order=not self.partition.parameters)
         """The one order in which every rank issues its reductions (stages 0-2; stage 3: each
         at once)."""
-        self._summoned = 0  # depth of summon_full_params
+        self.summoned = 0  # depth of summon_full_params
         self.discarding = 0  # of them, how many undo writes (writeback=False): no step inside
         self.untrusted: str | None = None  # why values are not to be used (checkpoint._load)
         self.to_reload: set[int] = set()  # ids of the model and optimizers that clear it loaded
@@ -261,7 +261,8 @@ class Engine:
                 or any(t.requires_grad for t in tensors_in(output))
             )
         )
-        if not keep and not self._summoned:
+        if not keep and not self.summoned:
+            output = _unalias(output, unit)
             unit.reshard()
         if root_entry:
             self.phase = Phase.IDLE
@@ -282,7 +283,7 @@ class Engine:
     def _free_unused_prefetches(self) -> None:
         """Units prefetched from the last forward's order that this forward skipped (layer drop,
         early exit): wait for their gather and free them, not hold them until the backward."""
-        if not self.partition.parameters or self._summoned:
+        if not self.partition.parameters or self.summoned:
             return
         used = set(self.forward_order)
         for u in self.units:
@@ -322,7 +323,7 @@ class Engine:
         for u in units:
             u.state, u.pending_uses, u.lender = TrainingState.IDLE, 0, None
             u.generation += 1
-            if not self._summoned:
+            if not self.summoned:
                 u.reshard()
 
     def _forward_raised(self) -> None:
@@ -346,7 +347,7 @@ class Engine:
 
     def _pre_backward(self, unit: Unit) -> None:
         if self.phase is not Phase.BACKWARD:  # the backward's first unit: once per backward
-            autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self._summoned)
+            autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self.summoned)
             self.scaling.begin_backward()
             self.phase = Phase.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -392,7 +393,7 @@ class Engine:
                 ready.append(b)
         # Free the gathered parameters, and finish the oldest reductions, before a new full
         # gradient is collected: none of them is alive next to it at this peak of backward.
-        if not self._summoned:
+        if not self.summoned:
             unit.reshard()
         if not self._reduce_now:  # accumulating: summed in reduce_dtype where it is wider
             for b in ready:
@@ -412,14 +413,13 @@ class Engine:
         for unit in [*reversed(self.forward_order), *self.units]:
             self._finish_unit(unit)
         self._finish_reductions(keep=0)
-        if self._reduce_now:
-            for b in self.buckets:  # every rank's set: the model ran alike on every rank
-                if b in self._dirty:
-                    b.reduce()
-                    b.finish()
-        else:
-            for b in self.buckets:
+        for b in self.buckets:  # every rank's set: the model ran alike on every rank
+            if not self._reduce_now:
                 b.fold()  # what came after a unit's fold (a unit reached again)
+            elif b in self._dirty or b.came_late():
+                b.reduce()
+                b.finish()
+            b.end_backward()
         for pool in pools(self.buckets):
             pool.release()  # kept through one backward, not between steps
         for unit in self.units:
@@ -492,13 +492,13 @@ class Engine:
         flight. (On a GPU the wait only orders the compute stream after the gathers.)"""
         if self.param_swap is not None:
             self.param_swap.params_changed()  # write changed masters, drop held ones
-            if not self._summoned:
+            if not self.summoned:
                 self._read_masters_ahead(self.forward_order, root=True)  # the next forward's
         handles = [f.refresh_full(async_op=True) for f in self.flat_params]
         for f, handle in zip(self.flat_params, handles):
             if handle is not None:
                 handle.wait()
-            elif self._summoned:
+            elif self.summoned:
                 f.regather()  # held gathered by summon_full_params: keep its views current
 
     def slots_touched(self) -> torch.Tensor:
@@ -533,7 +533,7 @@ class Engine:
         with torch.no_grad():
             for f in self.flat_params:
                 # Inside summon_full_params its exit writes back (or discards) what was written.
-                f.adopt_writes(gathered=not self._summoned)
+                f.adopt_writes(gathered=not self.summoned)
 
     # ----------------------------------------------------------------- user controls
     @contextlib.contextmanager
@@ -545,39 +545,21 @@ class Engine:
         finally:
             self.sync_grads = previous
 
-    @contextlib.contextmanager
-    def summon_full_params(self, *, writeback: bool = True) -> Iterator[None]:
-        """Every parameter gathered, as views in ``param_dtype`` with their own shapes. Forward
-        (and backward) inside work and keep everything gathered. With ``writeback``, elements
-        written inside are copied into the FP32 masters on exit (unchanged elements keep their
-        full-precision master values), so the next step and gather see them; without, undone."""
-        if self.phase is not Phase.IDLE:
-            raise RuntimeError("summon_full_params cannot be entered inside forward or backward")
-        self.adopt_writes()  # (and a write to a parameter at rest is an error before any gather)
-        gathered = [u for u in self.units if u.is_sharded]
-        for u in gathered:
-            u.unshard(async_op=False)
-            u.wait_unshard()
-        self._summoned += 1
-        self.discarding += not writeback
-        try:
-            nested = self._summoned > 1
-            with flat_param.discarding_writes(
-                self.flat_params, discard=not writeback, nested=nested
-            ):
-                yield
-        finally:
-            self._summoned -= 1
-            self.discarding -= not writeback
-            if writeback:
-                with torch.no_grad():
-                    for f in self.flat_params:
-                        f.write_back()
-            if not self._summoned:
-                for u in self.units:
-                    u.reshard()
-            if writeback:
-                self.params_changed()
+
+def _unalias(output: Any, unit: Unit) -> Any:
+    """``output`` with the tensors that are ``unit``'s gathered parameters, or views of them (a
+    learned position table returned whole or sliced), cloned before the unit reshards: they
+    pointed at the freed gather (a crash) or at the placeholder at rest (NaN). FSDP2 crashes."""
+    gathered = {
+        f.full.untyped_storage().data_ptr()
+        for f in unit.flat_params
+        if f.partition.parameters and f.state is flat_param.ShardState.UNSHARDED
+    }
+    if not gathered:
+        return output
+    return map_tensors(
+        lambda t: t.clone() if t.untyped_storage().data_ptr() in gathered else t, output
+    )
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

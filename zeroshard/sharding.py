@@ -127,6 +127,7 @@ def shard(
             f"the model holds a {type(wrapper).__name__}, whose own hooks all-reduce gradients "
             "beside zeroshard's: shard the plain model (its .module) instead"
         )
+    _check_no_shared_memory(model)
     complex_ = next((n for n, p in model.named_parameters() if p.is_complex()), None)
     if complex_ is not None:
         raise ValueError(
@@ -293,6 +294,33 @@ def shard(
         weakref.finalize(model, release_tf32)
     settle_collective_threads_at_exit()
     return model
+
+
+def _check_no_shared_memory(model: nn.Module) -> None:
+    """Two Parameters over the same elements (``Parameter(fc.weight.data.t())``): sharding gives
+    each its own master, and they drifted apart without a word (FSDP2 refuses them too).
+    Parameters over separate elements of one storage (a checkpoint's views of a fused tensor)
+    are fine."""
+    by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in model.named_parameters():  # each Parameter once (tied ones are one)
+        if p.device.type != "meta" and p.numel():
+            by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((name, p))
+    for params in by_storage.values():
+        if len(params) < 2:
+            continue
+        storage = params[0][1].untyped_storage()
+        owner = torch.zeros(storage.nbytes() // params[0][1].element_size(), dtype=torch.int32)
+        for i, (name, p) in enumerate(params, start=1):  # mark each one's elements
+            mine = owner.as_strided(p.shape, p.stride(), p.storage_offset())
+            if mine.any():
+                first = params[int(mine.max()) - 1][0]
+                raise ValueError(
+                    f"parameters {first} and {name} share memory (one a view of the other): "
+                    "sharded, each would get its own copy and they would drift apart; register "
+                    "one Parameter and derive the other from it in forward (e.g. "
+                    "self.fc.weight.t())"
+                )
+            mine.fill_(i)
 
 
 def _refuse_deepcopy(memo: dict) -> None:

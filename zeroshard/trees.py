@@ -34,9 +34,22 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """``tree`` with each tensor ``x`` replaced by ``fn(x)``. Containers (and dataclasses,
-    shallow-copied) are rebuilt only where ``fn`` changed something: ``tree`` itself when
-    nothing changed (a list the caller passes down for a unit to append to stays the caller's)."""
-    leaves, spec = tree_flatten(tree)
+    shallow-copied) are rebuilt only where ``fn`` changed something below them: a list or dict
+    the caller passes down beside a tensor, for a unit to append to (aux losses, a cache), stays
+    the caller's when its own contents are unchanged."""
+    if torch.is_tensor(tree):
+        return fn(tree)
+    if type(tree) in (list, tuple):
+        mapped = [map_tensors(fn, x) for x in tree]
+        if all(a is b for a, b in zip(mapped, tree)):
+            return tree
+        return type(tree)(mapped)
+    if type(tree) is dict:
+        mapped_items = {k: map_tensors(fn, v) for k, v in tree.items()}
+        if all(mapped_items[k] is v for k, v in tree.items()):
+            return tree
+        return mapped_items
+    leaves, spec = tree_flatten(tree)  # namedtuples, ModelOutput, ...: rebuilt whole
     new = [
         fn(x) if torch.is_tensor(x) else _map_dataclass(fn, x) if _is_dataclass_instance(x) else x
         for x in leaves

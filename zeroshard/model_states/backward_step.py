@@ -12,7 +12,9 @@ What changes for the caller (each refused with a clear error where it would be w
 - ``step()`` finishes the step (agrees on inf/NaN, refreshes parameters); the updates were
   applied during ``backward``. A second backward before ``step()`` is an error: accumulate
   gradients with ``backward(loss, sync=False)`` for all micro-batches but the last.
-- Every update of a step sees the hyperparameters (LR) current at its ``backward``.
+- Every update of a step sees the hyperparameters (LR) current at its ``backward``; one changed
+  between that ``backward`` and ``step()`` (which a plain step would use) is an error at
+  ``step()`` (it was ignored without a word).
 - Global-norm clipping needs every gradient before any update: refused.
 - FP16's dynamic loss scaling must skip whole steps: refused (train in bf16 or fp32).
 - Non-finite values never reach a master: a rank leaves its shard of a bucket untouched once
@@ -81,6 +83,8 @@ class BackwardStep:
         self.stepped: set[int] = set()
         """Buckets (ids) stepped since the last ``step()`` / ``zero_grad()``."""
         self._flags: dict[int, C.Handle] = {}  # per bucket: its agreement in flight
+        self._used: dict[int, dict] = {}
+        """Per user param group stepped since ``reset``: the hyperparameters it stepped with."""
         self._seen = torch.zeros(1, dtype=torch.float32, device=engine.mesh.device)
         """(1,) FP32, this rank: > 0 once a bucket reduced in this backward held inf/NaN."""
         ref = self._optimizer
@@ -138,13 +142,44 @@ class BackwardStep:
         if sg is not None and not (seen and optimizer.loss_scaler.checks):
             first = self._first_slot[id(bucket)]
             unused = {first + i for i, used in enumerate(touched) if not used}
+            for i in sg.groups:
+                self._used.setdefault(i, _hyperparameters(optimizer.param_groups[i]))
             with torch.no_grad():
                 optimizer._step_subgroup(sg, unused)
         bucket.shard_grad = None  # applied (or skipped): the memory this mode exists to free
 
+    def changed(self, param_groups: list[dict]) -> str | None:
+        """Why ``step()`` must fail once it is complete: a group's hyperparameters changed
+        after this step's updates were applied (an LR set between ``backward`` and ``step()``,
+        which a plain step would use); None when none did."""
+        for i, used in self._used.items():
+            now = _hyperparameters(param_groups[i])
+            keys = [k for k in used if not _same(used[k], now.get(k))]
+            if keys:
+                return (
+                    f"param group {i}'s {keys[0]} changed from {used[keys[0]]} to "
+                    f"{now.get(keys[0])} after the backward that applied this step: with "
+                    "step_in_backward each unit updates during backward with the values current "
+                    "then. Set hyperparameters before the backward (a scheduler's step() right "
+                    "after optimizer.step()), or drop step_in_backward"
+                )
+        return None
+
     def reset(self) -> None:
+        self._used.clear()
         self.stepped.clear()
         self._seen.zero_()
         for handle in self._flags.values():  # an interrupted backward: complete, then forget
             handle.wait()
         self._flags.clear()
+
+
+def _hyperparameters(group: dict) -> dict:
+    """A group's settings (not its parameters), tensors copied: an LR changed in place counts."""
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in group.items() if k != "params"}
+
+
+def _same(a: object, b: object) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+    return a == b

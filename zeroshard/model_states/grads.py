@@ -158,6 +158,12 @@ class GradBucket:
         """Per slot: a gradient reached it on this rank since ``zero`` (else the optimizer may
         leave the parameter alone, as torch does with a ``None`` gradient)."""
         self._reduced = False  # reduced since zero, and the buffer kept (not yet bound again)
+        self.issued = False
+        """Reduced (or reducing) in the current backward: a gradient that comes after that (its
+        parameter also read outside its unit, earlier in the forward, so that autograd finishes
+        it last) is reduced again at the end of the backward (``came_late``), as DDP's buckets
+        wait for every parameter's gradient."""
+        self.late = False  # such a gradient reached a post-accumulate hook (``as_views``)
         self._shown_version: int | None = None
         """Stage 0, ``shard_grad`` apart from ``full_grad``: the buffer's version counter when it
         was given the averaged gradient (``.grad`` shows it), to notice in-place edits."""
@@ -206,7 +212,10 @@ class GradBucket:
             self._unbind()
         elif self._reduced:
             # A second reduction before zero_grad: what was reduced stays apart, the local
-            # gradient starts afresh.
+            # gradient starts afresh. At stage 0, .grad dropped or replaced since (p.grad =
+            # None, a torch optimizer's zero_grad) is taken first, as under DDP (it was kept).
+            if self.reduction is Reduction.ALL_REDUCE and not self.issued:
+                self.adopt_rebinds(range(len(flat.slots)))
             self.adopt_edits()
             if self.shard_grad is not None and self._shard_grad_aliases_full():
                 self.shard_grad = self.shard_grad.clone()
@@ -256,6 +265,9 @@ class GradBucket:
         """Post-accumulate hook of slot ``i``: a fresh gradient goes into the bucket."""
         if param.grad is not None:
             self.touched[i] = True
+        if self.issued:  # a fresh tensor (reduce() left .grad unbound): reduced again at the end
+            self.late = True
+            return
         if self.full_grad is None or self._reduce is not None:
             return  # before bind (taken there) or while reducing (taken at the next bind)
         if not self._bound[i] or not self._is_region(i, param.grad):
@@ -338,10 +350,15 @@ class GradBucket:
             else:
                 if self.full_grad is None or self._reduced:
                     self.bind()  # every rank reduces every bucket, used or not
-                for i in range(len(self.flat.slots)):
-                    if not self._bound[i]:
-                        self._take(i)  # no gradient reached it here: zeros
+                for i, s in enumerate(self.flat.slots):
+                    if self._bound[i]:
+                        continue
+                    if s.param.grad is not None:
+                        self._take(i)
+                    else:  # no gradient reached it yet: zeros, and .grad left unbound, so that
+                        self._view(i).zero_()  # one coming later is a tensor of its own
             assert self.full_grad is not None
+            self.issued = True
             flat, mesh = self.flat, self.flat.mesh
             if self._acc is not None:  # the earlier micro-steps' sum (as_views: see _collect)
                 send, self._acc = self._acc.add_(self.full_grad), None
@@ -480,10 +497,30 @@ class GradBucket:
                     "each rank keeps only its shard of them, and .grad is None): compute "
                     "gradients with opt.backward(loss) or loss.backward(), edit them with "
                     "opt.clip_grad_norm or, at stage 0, through .grad after the backward, and "
-                    "leave .grad alone otherwise (set it back to None)"
+                    "leave .grad alone otherwise (set it back to None). Never set it? Then its "
+                    "weight was read outside its unit's forward, and the gradient came after the "
+                    "unit's backward: read it inside the unit, or wrap so that the module that "
+                    "reads it owns it"
                 )
         if changed and self._shown_version is not None and self.full_grad is not None:
             self._shown_version = self.full_grad._version  # adopted: not an edit to copy again
+
+    def came_late(self) -> bool:
+        """Whether a gradient came after this backward's reduction: in a hook (``as_views``),
+        or in autograd's own ``.grad`` (which ``_collect`` had emptied)."""
+        if not self.issued or self.as_views:
+            return self.late
+        return any(s.param.grad is not None for s in self.flat.slots)
+
+    def end_backward(self) -> None:
+        """The backward is over (late gradients reduced): at stage 0, ``.grad`` of parameters
+        no gradient reached on this rank show the averaged gradient too, as under DDP."""
+        self.issued = self.late = False
+        if self.reduction is Reduction.ALL_REDUCE and self._reduced and self.full_grad is not None:
+            for i, s in enumerate(self.flat.slots):
+                if not self._bound[i] and s.param.grad is None:
+                    s.param.grad = self._view(i)
+                    self._bound[i] = True
 
     def _free_full(self) -> None:
         if self.as_views:  # otherwise .grad are autograd's own, released at collection already
@@ -501,6 +538,7 @@ class GradBucket:
             self._reduce[0].wait()  # every rank issued it: complete it, then forget the result
             self._reduce = None
         self.shard_grad = self._acc = None
+        self.issued = self.late = False
         self._shown_version = None
         self.found_inf.zero_()
         self.zeroed.clear()

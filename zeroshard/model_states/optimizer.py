@@ -237,10 +237,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 grads += [b.shard_grad[s] for s in spans if s.stop > s.start]
         return grads
 
-    def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
-        """``loss.backward()`` (times the loss scale); with ``sync=False`` gradients only
-        accumulate locally (a gradient-accumulation micro-step), communicated by the next
-        synchronized backward."""
+    def backward(self, loss: torch.Tensor, *, sync: bool = True, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)`` (times the loss scale; ``retain_graph``, ``create_graph``
+        and ``inputs`` as torch's); with ``sync=False`` gradients only accumulate locally (a
+        gradient-accumulation micro-step), communicated by the next synchronized backward."""
         scale = self.loss_scaler.scale
         if scale != 1.0:
             loss = loss.float() * scale  # in FP32: an FP16 loss times 2**16 would overflow
@@ -248,7 +248,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         scaling.next_scale = scale  # each reduction removes it (GradScaling.begin_backward)
         try:
             with contextlib.nullcontext() if sync else self.engine.no_sync():
-                loss.backward()
+                loss.backward(**kwargs)
         finally:
             scaling.next_scale = None  # (a loss that reached no unit started no backward)
 
@@ -376,6 +376,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``step`` with ``step_in_backward``: the sub-groups stepped during backward; those
         reduced only in micro-steps (``reduce_every_micro_step`` without a synchronized
         backward) step now, then parameters are refreshed."""
+        problem = bs.changed(self.param_groups)
         if not found_inf:
             for sg in self._subgroups:
                 bucket = sg.bucket
@@ -388,6 +389,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if stepped_any:
             self.engine.params_changed()
         self.engine.end_step()
+        if problem:
+            raise ValueError(problem)
         return not found_inf
 
     def _step_in_memory(self, unused: set[int]) -> None:
