@@ -859,6 +859,7 @@ def test_requires_grad_changed_after_shard_is_an_error_not_ignored(workers2, sta
         want = "requires_grad changed after zeroshard.shard(): 0.weight (False -> True)"
         assert want in r["forward"] and want in r["optimizer"], r
         assert "set requires_grad before shard()" in r["forward"], r
+        assert "set_requires_grad(netD, False) around the generator's step" in r["forward"], r
         assert r["inference"] == (2, 5, 32), r
 
 

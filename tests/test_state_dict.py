@@ -536,6 +536,13 @@ def _wrapped_and_twice() -> dict:
         out["unknown"] = "loaded"
     except ValueError as exc:
         out["unknown"] = str(exc)
+    # keyed by position, as a plain torch optimizer's state dict is
+    sd["state"] = {i: v for i, v in enumerate(opt.state_dict()["state"].values())}
+    try:
+        opt.load_state_dict(sd)
+        out["by position"] = "loaded"
+    except ValueError as exc:
+        out["by position"] = str(exc)
     return out
 
 
@@ -546,6 +553,8 @@ def test_checkpoint_wrapped_models_sharding_twice_and_unknown_optimizer_keys(wor
         assert len(out["twice"]) == 2, out
         assert all("part of a sharded model already" in s for s in out["twice"]), out
         assert "names 4 parameter(s) the model does not have" in out["unknown"], out
+        assert out["by position"].startswith("the optimizer state dict is keyed by position")
+        assert "get_optimizer_state_dict(model, torch_optimizer)" in out["by position"], out
 
 
 def _tied_from_untied(stage: int) -> bool:

@@ -307,6 +307,13 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
     saved_state: dict[str, dict[str, Any]] = state_dict.get("state", {})
     known = {n for names in all_names.values() for n in names}
     unknown = [k for k in saved_state if k not in known]
+    if unknown and all(isinstance(k, int) for k in unknown):
+        raise ValueError(
+            f"the optimizer state dict is keyed by position ({unknown[0]!r}, ...), as a plain "
+            "torch optimizer's is; a zeroshard optimizer's is keyed by parameter name. Convert "
+            "it on the unsharded model: torch.distributed.checkpoint.state_dict."
+            "get_optimizer_state_dict(model, torch_optimizer) keys it by name"
+        )
     if unknown:  # else nothing would be loaded for them, without a word
         raise ValueError(
             f"the optimizer state dict names {len(unknown)} parameter(s) the model does not "

@@ -153,7 +153,8 @@ def check_requires_grad(flats: list[FlatParam]) -> None:
             f"requires_grad changed after zeroshard.shard(): {names}{more}; which parameters "
             "train is fixed when the model is sharded: set requires_grad before shard() (to "
             "unfreeze progressively, shard a fresh model with the new setting, e.g. from a "
-            "checkpoint)"
+            "checkpoint). A GAN's set_requires_grad(netD, False) around the generator's step "
+            "is not needed: drop it, and call each optimizer's zero_grad() before its backward"
         )
 
 
