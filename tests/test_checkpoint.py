@@ -668,7 +668,7 @@ def test_an_asynchronous_save_in_flight_at_exit_is_finished(tmp_path):
     assert ran.returncode == 0, ran.stderr[-3000:]
     said = [line for line in ran.stderr.splitlines() if line.startswith("zeroshard:")]
     want = f"zeroshard: finishing the asynchronous save of {tmp_path / 'step-2'} before exiting"
-    assert said == [want], ran.stderr[-3000:]
+    assert len(said) == 1 and said[0].startswith(want), ran.stderr[-3000:]
     for step in (1, 2):
         assert checkpoint.info(tmp_path / f"step-{step}").complete
 

@@ -132,6 +132,16 @@ def test_bf16_cast(trained, tmp_path):
     for name, (_, t) in stored.items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, full[name].bfloat16()), name
     assert result.total_size == sum(t.numel() * 2 for _, t in stored.values())
+    # A config that names its dtype (as a plain save_pretrained writes it) gets the files' one:
+    # it said float32, and from_pretrained upcast the BF16 files
+    config = _config()
+    config.dtype = torch.float32
+    export_safetensors(path, out, dtype="bf16", config=config)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert transformers.GPT2LMHeadModel.from_pretrained(out).dtype == torch.bfloat16
+    config.dtype = torch.bfloat16  # and BF16's config over FP32 files: they loaded rounded
+    export_safetensors(path, out, config=config)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
 
 
 def test_a_config_without_architectures_still_ties_and_files_are_readable(trained, tmp_path):

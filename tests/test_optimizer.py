@@ -267,6 +267,37 @@ def test_stage_0_gradients_dropped_as_under_ddp(workers2, how):
     assert max(workers2.run(_grads_dropped_by_hand, how)) < 1e-6
 
 
+def _overflow_then_submodule_zero_grads(stage: int, parts: int) -> list[bool]:
+    """FP16, the first loss overflows; gradients dropped only by submodules' ``zero_grad`` (all
+    of the model in one, or in two parts): the later steps are taken, as in torch (the inf/NaN
+    flag stayed set, and every step was skipped)."""
+    model, _ = _pair(stage, mixed_precision="fp16")
+    scaler = zeroshard.DynamicLossScaler(init_scale=2.0**8)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, loss_scaler=scaler)
+    children = [model.inp, model.blocks, model.head]
+    taken = []
+    for step in range(3):
+        if parts == 1:
+            for child in children:
+                child.zero_grad()
+        else:  # the model's root, whose bucket holds inp's and head's parameters, in two calls
+            model.inp.zero_grad()
+            model.head.zero_grad()
+            model.blocks.zero_grad()
+        x, y, mine = _batch(step)
+        loss = nn.functional.mse_loss(model(x[mine]).float(), y[mine])
+        opt.backward(loss * (1e30 if step == 0 else 1.0))
+        taken.append(opt.step())
+    return taken
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_an_overflow_dropped_by_submodules_zero_grad_is_forgotten(workers2, stage, parts):
+    for taken in workers2.run(_overflow_then_submodule_zero_grads, stage, parts):
+        assert taken == [False, True, True], taken
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_submodule_s_zero_grad_drops_its_gradients(workers2, stage):
     assert max(workers2.run(_submodule_zero_grad, stage)) < 1e-6
@@ -332,6 +363,10 @@ def test_a_subclass_that_steps_its_own_way_is_not_taken_as_element_wise(workers1
 def _shared_scaler() -> str:
     model, _ = _pair(3, mixed_precision="fp16")
     scaler = zeroshard.DynamicLossScaler()
+    with pytest.raises(ValueError):  # a parameter of another model: the scaler stays free
+        zeroshard.optimizer(
+            model, torch.optim.SGD, [nn.Parameter(torch.ones(1))], loss_scaler=scaler
+        )
     first = zeroshard.optimizer(model, torch.optim.SGD, [model.inp.weight], loss_scaler=scaler)
     try:
         zeroshard.optimizer(model, torch.optim.SGD, [model.head.weight], loss_scaler=scaler)
@@ -339,7 +374,11 @@ def _shared_scaler() -> str:
         said = str(e)
     else:
         return "a second optimizer took the first one's loss scaler"
-    del first  # freed: its scaler may serve another optimizer
+    # A rebuild over the same parameters replaces the first (kept alive, say by a scheduler)
+    # in every bucket: it hands its scaler on.
+    rebuilt = zeroshard.optimizer(model, torch.optim.SGD, [model.inp.weight], loss_scaler=scaler)
+    assert first is not None and rebuilt.loss_scaler is scaler
+    del first, rebuilt  # freed: its scaler may serve another optimizer
     zeroshard.optimizer(model, torch.optim.SGD, [model.head.weight], loss_scaler=scaler)
     return said
 

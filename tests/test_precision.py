@@ -455,7 +455,10 @@ def _accumulated_grad(stage: int, reduce_dtype: str, zero_between: bool) -> list
     if zero_between:
         opt.zero_grad()
     opt.backward(model(torch.full((2,), 2.0**-8)))
-    return zeroshard.engine_of(model).buckets[0].shard_grad.tolist()
+    shard = zeroshard.engine_of(model).buckets[0].shard_grad
+    # its own memory, not a view of a whole temporary FP32 send buffer (stage 1 kept one)
+    assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
+    return shard.tolist()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -344,7 +344,11 @@ def _finish_at_exit() -> None:
     if _pending is None or _pending.done():
         return
     path = _pending.path
-    print(f"zeroshard: finishing the asynchronous save of {path} before exiting", file=sys.stderr)
+    print(
+        f"zeroshard: finishing the asynchronous save of {path} before exiting (up to the "
+        "collective timeout if another rank is gone)",
+        file=sys.stderr,
+    )
     try:
         _pending.wait()
     except Exception as exc:  # the interpreter is exiting: say why, no traceback

@@ -38,7 +38,7 @@ from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, weakly, when_backward_reaches
 from zeroshard.mesh import Mesh
 from zeroshard.model_states import flat_param
-from zeroshard.model_states.grads import GradBucket, GradScaling, pools, warn_no_sharded_optimizer
+from zeroshard.model_states.grads import GradBucket, GradScaling, pools
 from zeroshard.model_states.reduction_order import ReductionOrder
 from zeroshard.module_hooks import install
 from zeroshard.precision import MixedPrecision
@@ -431,7 +431,7 @@ class Engine:
         unowned = self.partition.optimizer_states and not self.optimizers
         # (not for an input-only autograd.grad: no parameter's gradient was made)
         if self._reduce_now and unowned and any(any(b.touched) for b in self.buckets):
-            warn_no_sharded_optimizer()
+            _warn_no_sharded_optimizer()
         self.phase = Phase.IDLE
 
     @property
@@ -544,6 +544,18 @@ class Engine:
             yield
         finally:
             self.sync_grads = previous
+
+
+def _warn_no_sharded_optimizer() -> None:
+    """Gradients were reduced into shards, which only ``zeroshard.optimizer`` reads (``p.grad``
+    stays None at stages 1-3), and the model has no such optimizer (shown once by default:
+    one call site)."""
+    warnings.warn(
+        "gradients were reduced into zeroshard's shards, but the model has no "
+        "zeroshard.optimizer(model, ...): at stages 1-3 p.grad stays None, so a torch optimizer "
+        "over model.parameters() trains nothing; build the optimizer with zeroshard.optimizer",
+        stacklevel=3,
+    )
 
 
 def _unalias(output: Any, unit: Unit) -> Any:

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from zeroshard import checkpoint, precision
+from zeroshard.save_pretrained import record_dtype
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -311,7 +312,7 @@ def export_safetensors(
     n = len(shards)
     files = [SINGLE_FILE] if n == 1 else [_SHARD.format(i + 1, n) for i in range(n)]
     out.mkdir(parents=True, exist_ok=True)
-    weight_map = {}
+    weight_map, written = {}, set()  # (written: the files' floating dtypes)
     mode = 0o666 & ~_umask()  # what open() gives a new file
     for file, names in zip(files, shards, strict=True):
         tensors = _read(path, names, entries)
@@ -325,6 +326,7 @@ def export_safetensors(
                     f"{name} does not fit in {tensors[name].dtype}: values up to "
                     f"{t.abs().max().item():.3g} become inf; export with --dtype bf16 or as saved"
                 )
+        written |= {t.dtype for t in tensors.values() if t.is_floating_point()}
         tmp = out / (file + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.chmod(tmp, mode)  # safetensors writes 0600: unreadable to a server
@@ -345,6 +347,8 @@ def export_safetensors(
             stale.unlink()
     if config is not None:
         config.save_pretrained(out)
+        if len(written) == 1:  # the files' dtype, not the config's (from_pretrained reads it)
+            record_dtype(out, written.pop(), None)
     return ExportResult(
         out_dir=str(out),
         files=files,

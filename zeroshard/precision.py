@@ -359,13 +359,14 @@ class LossScaler:
         """Whether ``step`` must look for inf/NaN gradients."""
         return self.skip_nonfinite
 
-    def claim(self, optimizer: object) -> None:
+    def claim(self, optimizer: object, holds: Callable[[Any], bool]) -> None:
         """Bind this scaler to the one optimizer whose ``step`` updates it. Shared by two, it was
         updated by each of their steps (a scale halved twice for one overflow, doubled every
-        growth_interval / 2 clean steps): a ValueError while another optimizer holds it."""
+        growth_interval / 2 clean steps): a ValueError while another optimizer that still
+        ``holds`` gradients to step has it (one replaced by a rebuild hands it on)."""
         owner = getattr(self, "_owner", None)
         held = owner() if owner is not None else None
-        if held is not None and held is not optimizer:
+        if held is not None and held is not optimizer and holds(held):
             raise ValueError(
                 f"this {type(self).__name__} already belongs to another zeroshard optimizer, "
                 "whose step() updates it once per step: each optimizer needs a loss scaler of "

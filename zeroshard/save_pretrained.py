@@ -39,10 +39,15 @@ def install(model: nn.Module) -> None:
     if not callable(save) or not _takes(save, "state_dict"):
         return
 
+    signature = inspect.signature(save)
+
     @functools.wraps(save)
     def save_pretrained(save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs.get("state_dict") is not None:
-            return save(save_directory, *args, **kwargs)  # the caller's own arguments
+        if args:  # (save_directory, is_main_process, ...) by position: by name from here
+            kwargs = _by_name(signature, save_directory, *args, **kwargs)
+            save_directory = kwargs.pop(next(iter(signature.parameters)))
+        if kwargs.get("state_dict") is not None:
+            return save(save_directory, **kwargs)  # the caller's own state dict
         _check_every_rank_calls()  # called on rank 0 only (the DDP habit): said in a minute
         with diagnosed("save_pretrained", "the whole model", None):
             _save_everywhere(save, save_directory, kwargs, model)
@@ -92,7 +97,7 @@ def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: n
         if writer:
             dtype = next((v.dtype for v in state_dict.values() if v.is_floating_point()), None)
             save(save_directory, state_dict=state_dict, **kwargs)  # (empties state_dict)
-            _record_dtype(Path(save_directory), dtype, getattr(model, "config", None))
+            record_dtype(Path(save_directory), dtype, getattr(model, "config", None))
     except Exception as exc:
         error = f"save_pretrained failed on rank {dist.get_rank()}: {exc}"
         raise
@@ -104,7 +109,7 @@ def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: n
         raise RuntimeError(next(e for e in errors if e))
 
 
-def _record_dtype(folder: Path, dtype: torch.dtype | None, config: Any) -> None:
+def record_dtype(folder: Path, dtype: torch.dtype | None, config: Any) -> None:
     """transformers records ``model.dtype`` in ``config.json``, the first parameter's: at stages
     0-2 in mixed precision the compute copy's (bf16), while the files hold the masters in the
     original dtype, and ``from_pretrained`` would load them in bf16. The files' dtype is written
@@ -122,6 +127,17 @@ def _record_dtype(folder: Path, dtype: torch.dtype | None, config: Any) -> None:
     for key in keys:
         if config is not None and hasattr(config, key):
             setattr(config, key, name)
+
+
+def _by_name(signature: inspect.Signature, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Every argument of a call by its parameter's name (a TypeError as the call would give)."""
+    bound = signature.bind(*args, **kwargs).arguments
+    for name, p in signature.parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD and name in bound:
+            bound.update(bound.pop(name))  # what **kwargs collected
+        elif p.kind is inspect.Parameter.VAR_POSITIONAL and bound.get(name):
+            raise TypeError(f"save_pretrained takes no extra positional arguments: {bound[name]}")
+    return dict(bound)
 
 
 def _takes(fn: Any, name: str) -> bool:

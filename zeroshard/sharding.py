@@ -361,11 +361,16 @@ def _zero_part(module: nn.Module, engine: Engine, own: Callable, set_to_none: bo
     """``submodule.zero_grad()`` (a GAN's ``netD.zero_grad()`` inside one sharded model) drops
     the gradients the engine holds for that submodule's parameters only; they came back at the
     next step, added to the new ones."""
-    params = {id(p) for p in module.parameters()}
+    params, whole = {id(p) for p in module.parameters()}, 0
     for b in engine.buckets:
         slots = [i for i, s in enumerate(b.flat.slots) if id(s.param) in params]
-        if slots:
+        if len(slots) == len(b.flat.slots):  # all of it: its memory and inf/NaN flag go too
+            b.zero(keep_touched=not set_to_none)
+            whole += 1
+        elif slots:
             b.zero_slots(slots, keep_touched=not set_to_none)
+    if whole == len(engine.buckets):
+        engine.scaling.reset()  # nothing left of an accumulation
     own(set_to_none)
 
 

@@ -40,6 +40,11 @@ def _ids(bucket: GradBucket) -> set[int]:
     return {id(slot.param) for slot in bucket.flat.slots}
 
 
+def owns_any(optimizer: ShardedOptimizer) -> bool:
+    """Whether ``optimizer`` still owns a bucket (not replaced everywhere by a newer one)."""
+    return any(optimizer in _owners(b) for b in optimizer.engine.buckets)
+
+
 def claim(optimizer: ShardedOptimizer, step_in_backward: bool) -> list[GradBucket]:
     """Make ``optimizer`` (its parameters' ``id``s in ``optimizer._param_ids``) an owner of
     every bucket holding some of them; returns those buckets. A ValueError naming the fix, and

@@ -100,18 +100,6 @@ class GradScaling:
         self.loss_scale = scale
 
 
-def warn_no_sharded_optimizer() -> None:
-    """Gradients were reduced into shards, which only ``zeroshard.optimizer`` reads (``p.grad``
-    stays None at stages 1-3), and the model has no such optimizer (shown once by default:
-    one call site)."""
-    warnings.warn(
-        "gradients were reduced into zeroshard's shards, but the model has no "
-        "zeroshard.optimizer(model, ...): at stages 1-3 p.grad stays None, so a torch optimizer "
-        "over model.parameters() trains nothing; build the optimizer with zeroshard.optimizer",
-        stacklevel=3,
-    )
-
-
 def pools(buckets: list[GradBucket]) -> list[TensorPool]:
     """The distinct pools that the buckets' collected full gradients borrow memory from (stages
     2-3 on the CPU with ``ShardConfig.constant_buffers``)."""
@@ -186,6 +174,9 @@ class GradBucket:
         """The optimizers whose parameters it holds, weakly (``bucket_owners``)."""
         self.zeroed: weakref.WeakSet = weakref.WeakSet()
         """Owners that zeroed their part of a shared bucket since ``found_inf`` was reset."""
+        self._dropped: set[int] = set()
+        """Slots ``zero_slots`` dropped since the last reduction: once they are all of them (a
+        submodule's ``zero_grad`` each), nothing that raised ``found_inf`` is left."""
         if self.as_views:
             for i, s in enumerate(flat.slots):
                 s.param.register_post_accumulate_grad_hook(weakly(self._on_grad, i))
@@ -217,7 +208,7 @@ class GradBucket:
             if self.reduction is Reduction.ALL_REDUCE and not self.issued:
                 self.adopt_rebinds(range(len(flat.slots)))
             self.adopt_edits()
-            if self.shard_grad is not None and self._shard_grad_aliases_full():
+            if self.shard_grad is not None and self._in(self.shard_grad):
                 self.shard_grad = self.shard_grad.clone()
             self._unbind()
         self._reduced = False
@@ -333,11 +324,15 @@ class GradBucket:
                 self._acc = self.full_grad.to(self.reduce_dtype)
             else:
                 self._acc.add_(self.full_grad)
-        self._unbind()
+        if self.reduction is Reduction.SCATTER_AND_FREE:
+            self._free_full()  # (bind makes it again): only _acc is kept between micro-steps
+        else:
+            self._unbind()
 
-    def _shard_grad_aliases_full(self) -> bool:
-        assert self.shard_grad is not None and self.full_grad is not None
-        return self.shard_grad.untyped_storage().data_ptr() == self.full_grad.data_ptr()
+    def _in(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in ``full_grad``'s memory."""
+        full = self.full_grad
+        return full is not None and t.untyped_storage().data_ptr() == full.data_ptr()
 
     def reduce(self) -> None:
         """Start the gradient collective of this bucket's ``Reduction`` (async)."""
@@ -390,6 +385,7 @@ class GradBucket:
         handle, _send = self._reduce
         self._reduce = None
         out = handle.wait()
+        self._dropped.clear()  # new values, which may raise found_inf
         mesh = self.flat.mesh
         if mesh.hybrid is not None:
             # The shard group's sum of this 1/k shard, summed over the replicas holding it.
@@ -405,6 +401,8 @@ class GradBucket:
         if self.reduction is Reduction.ALL_REDUCE:
             out = out[self.flat.range[0] : self.flat.range[1]]
         reduced = out.to(self.flat.master_dtype)  # 1D range numel (alias when the same)
+        if reduced is out and self.reduction is Reduction.SCATTER_IN_PLACE and not self._in(out):
+            reduced = reduced.clone()  # else it kept a whole temporary send buffer alive
         # Average (FP16 was divided before summing), remove the loss scale and look for inf/NaN
         # in one fused pass, in the master dtype: unscaled in FP16, gradients below its range
         # (what the loss scale is for) were flushed to zero.
@@ -542,6 +540,7 @@ class GradBucket:
         self._shown_version = None
         self.found_inf.zero_()
         self.zeroed.clear()
+        self._dropped.clear()
         if not keep_touched:
             self.touched = [False] * len(self.flat.slots)
         if not self.as_views:
@@ -581,6 +580,9 @@ class GradBucket:
                 self.touched[i] = False
         if self._shown_version is not None and self.full_grad is not None:
             self._shown_version = self.full_grad._version  # these zeros are not a user's edit
+        self._dropped.update(slots)
+        if len(self._dropped) == len(self.flat.slots):
+            self.found_inf.zero_()
 
     def _zero_slot(self, i: int) -> None:
         """Slot ``i``'s ``.grad``: its region of ``full_grad``, zeroed; autograd adds to it."""

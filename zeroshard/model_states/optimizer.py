@@ -94,7 +94,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         buckets = list(self.engine.buckets)
         self.loss_scaler = loss_scaler or default_scaler({b.flat.param_dtype for b in buckets})
-        self.loss_scaler.claim(self)
         self.engine.scaling.warn_unscaled = isinstance(self.loss_scaler, DynamicLossScaler)
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = param_groups(model, params)
@@ -179,6 +178,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Per bucket of this optimizer's, the slots of its parameters."""
         if step_in_backward:
             self._backward_step = BackwardStep(self, self._buckets)
+        # Last, once nothing can fail (a refused call must leave the scaler free); an optimizer
+        # this one replaced in every bucket (a rebuild) hands its scaler on.
+        self.loss_scaler.claim(self, bucket_owners.owns_any)
         self.engine.optimizers.add(self)  # model.zero_grad() reaches this one's gradients too
 
     @property
