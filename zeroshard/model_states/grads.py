@@ -271,8 +271,9 @@ class GradBucket:
         flat = self.flat
         adding = self._acc is not None
         # Pooled only when nothing outlives the reduction: the shard is a tensor of its own.
-        self._pooled = pooled and not adding and self.pool is not None
-        self._pooled = self._pooled and not self.consumed_at_handoff
+        self._pooled = (
+            pooled and not adding and self.pool is not None and not self.consumed_at_handoff
+        )
         if adding:
             self.full_grad, self._acc = self._acc, None
         elif self._pooled:
@@ -289,7 +290,10 @@ class GradBucket:
                     if not adding:
                         view.zero_()
                     continue
-                view.add_(grad.reshape(-1)) if adding else view.copy_(grad.reshape(-1))
+                if adding:
+                    view.add_(grad.reshape(-1))
+                else:
+                    view.copy_(grad.reshape(-1))
                 self.touched[i] = True
                 s.param.grad = None
             if not adding:
