@@ -1482,25 +1482,16 @@ def test_a_write_to_a_gathered_root_and_a_frozen_model_s_root(workers2):
         assert out["after_step"] < 1e-6 and not out["frozen_root_gathered"], out
 
 
-class _ReadsAheadBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.tanh(self.fc(x))
-
-
 class _ReadsAhead(nn.Module):
     """The root reads the second block's weight before the blocks run: autograd finishes that
     weight's gradient last, after the block's own backward (and its bucket's reduction)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([_ReadsAheadBlock() for _ in range(2)])
+        self.blocks = nn.ModuleList([Cell() for _ in range(2)])
 
     def forward(self, x):
-        x = x @ self.blocks[1].fc.weight.t()
+        x = x @ self.blocks[1].lin.weight.t()
         for b in self.blocks:
             x = b(x)
         return x
@@ -1510,7 +1501,7 @@ def _weight_read_before_its_unit(stage: int, bucket_bytes: int) -> float:
     torch.manual_seed(0)
     ref = _ReadsAhead()
     model = zeroshard.shard(
-        copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_ReadsAheadBlock),
+        copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(Cell),
         config=ShardConfig(bucket_bytes=bucket_bytes),
     )  # fmt: skip
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
@@ -1604,7 +1595,7 @@ class _AddsPositionsLast(nn.Module):
     def __init__(self, whole: bool) -> None:
         super().__init__()
         self.positions = _Positions(whole)
-        self.blocks = nn.ModuleList([_ReadsAheadBlock() for _ in range(2)])
+        self.blocks = nn.ModuleList([Cell() for _ in range(2)])
 
     def forward(self, x):
         pe = self.positions(x.shape[0])  # used after the other units ran
@@ -1616,9 +1607,7 @@ class _AddsPositionsLast(nn.Module):
 def _unit_returns_its_parameter(whole: bool) -> float:
     torch.manual_seed(0)
     ref = _AddsPositionsLast(whole)
-    model = zeroshard.shard(
-        copy.deepcopy(ref), stage=3, wrap=wrap.by_class(_Positions, _ReadsAheadBlock)
-    )
+    model = zeroshard.shard(copy.deepcopy(ref), stage=3, wrap=wrap.by_class(_Positions, Cell))
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2):
