@@ -150,6 +150,45 @@ def _wait_until_mapped(pid: int, library: str, timeout_s: float = 60.0) -> None:
     raise AssertionError(f"{library} not loaded by process {pid} within {timeout_s} s")
 
 
+_SLOW_FIRST_IMPORT = """
+import importlib.abc, os, sys, time
+
+class _Slow(importlib.abc.MetaPathFinder):  # the command's first stdlib import, on a busy machine
+    def find_spec(self, name, path, target=None):
+        if name == "argparse":
+            sys.meta_path.remove(self)
+            open(os.environ["ZEROSHARD_TEST_MARK"], "w").close()
+            time.sleep(2)
+        return None
+
+sys.meta_path.insert(0, _Slow())
+"""
+
+
+def test_a_signal_during_the_command_s_first_imports_is_one_line(tmp_path):
+    """A Ctrl-C as ``python -m zeroshard.cli.main`` imports its first modules (torchrun's
+    agent forwards it to ranks just started): exit 130 with one line (a KeyboardInterrupt
+    traceback before, from inside ``import argparse``)."""
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_FIRST_IMPORT)
+    mark = tmp_path / "importing"
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zeroshard.cli.main", "plan", "--preset", "nano"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, PYTHONPATH=path, ZEROSHARD_TEST_MARK=str(mark)),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mark.exists(), "the command never imported argparse"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and out.strip() == "zeroshard: interrupted", out
+
+
 @pytest.mark.parametrize(
     "delay_s, signum", [(0.0, signal.SIGINT), (0.4, signal.SIGINT), (0.4, signal.SIGTERM)]
 )

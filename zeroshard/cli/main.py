@@ -9,6 +9,18 @@ exits with 130.
 
 from __future__ import annotations
 
+import signal
+
+_EARLY: list[int] = []
+"""SIGINT/SIGTERM that came while this module was imported as the command, before ``_parse``
+holds them: the stdlib imports below take tens of ms (seconds on a loaded machine), and a Ctrl-C
+there, as torchrun's agent forwards it to ranks just started, printed a traceback."""
+_BEFORE = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+if __name__ == "__main__":
+    for _sig, _was in _BEFORE.items():
+        if _was is not signal.SIG_IGN:  # (a job started in the background ignores SIGINT)
+            signal.signal(_sig, lambda signum, _: _EARLY.append(signum))
+
 import argparse
 import errno
 import gc
@@ -73,6 +85,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace | int:
     torch (seconds), and a Ctrl-C or SIGTERM then is only noted (``held_signals``)."""
     with held() as noted:
         args = build_parser().parse_args(argv)
+    if __name__ == "__main__":  # held() put the early handlers back: the original ones now
+        for sig, was in _BEFORE.items():
+            signal.signal(sig, was)
+    noted = _EARLY + noted
     return noted[0] if noted else args
 
 
