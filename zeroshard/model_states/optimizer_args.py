@@ -89,8 +89,8 @@ def check_elementwise(optimizer_cls: type, *, known: bool = False) -> None:
 
 
 def _overridden_step(optimizer_cls: object) -> str | None:
-    """``"Base.step"`` when a subclass of a known element-wise optimizer redefines how it steps
-    (``step``, ``_init_group``); None otherwise, or for other classes."""
+    """``"step() of Base"`` when a subclass of a known element-wise optimizer redefines how it
+    steps (``step``, ``_init_group``); None otherwise, or for other classes."""
     if not isinstance(optimizer_cls, type) or not issubclass(optimizer_cls, ELEMENTWISE):
         return None
     for cls in optimizer_cls.__mro__:
