@@ -38,6 +38,7 @@ from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, weakly, when_backward_reaches
 from zeroshard.mesh import Mesh
 from zeroshard.model_states import flat_param
+from zeroshard.model_states.agreement import reduced_again_anywhere
 from zeroshard.model_states.grads import GradBucket, GradScaling, pools
 from zeroshard.model_states.reduction_order import ReductionOrder
 from zeroshard.module_hooks import install
@@ -413,10 +414,12 @@ class Engine:
         for unit in [*reversed(self.forward_order), *self.units]:
             self._finish_unit(unit)
         self._finish_reductions(keep=0)
-        for b in self.buckets:  # every rank's set: the model ran alike on every rank
+        again = [b in self._dirty or b.came_late() for b in self.buckets]
+        again = reduced_again_anywhere(again, self.mesh) if self._reduce_now else again
+        for i, b in enumerate(self.buckets):
             if not self._reduce_now:
                 b.fold()  # what came after a unit's fold (a unit reached again)
-            elif b in self._dirty or b.came_late():
+            elif again[i]:
                 b.reduce()
                 b.finish()
             b.end_backward()

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from zeroshard import collectives as C
 from zeroshard.mesh import Mesh
+from zeroshard.watchdog import diagnosed
 
 
 def agree(
@@ -73,3 +74,17 @@ def agreed(
             "checkpoint: ranks that issued different numbers of collectives are out of step"
         )
     return values[0] > 0, [v > 0 for v in values[3:]]
+
+
+def reduced_again_anywhere(flags: list[bool], mesh: Mesh) -> list[bool]:
+    """Per bucket, whether some rank got gradients after its reduction in this backward (a unit
+    reached again, a weight read outside its unit: ``flags``, this rank's), by one small
+    all-reduce (MAX), so that every rank reduces the same buckets again (a rank alone in it
+    hung the others)."""
+    if mesh.world_size * mesh.tp_size == 1 or not flags:
+        return flags
+    agreed = torch.tensor([float(f) for f in flags], device=mesh.device)
+    group = None if mesh.tp_size > 1 else mesh.group  # (as ``agree``)
+    with diagnosed("all_reduce", "gradients after their reduction", group):
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    return [f > 0 for f in agreed.tolist()]
