@@ -300,27 +300,43 @@ def _check_no_shared_memory(model: nn.Module) -> None:
     """Two Parameters over the same elements (``Parameter(fc.weight.data.t())``): sharding gives
     each its own master, and they drifted apart without a word (FSDP2 refuses them too).
     Parameters over separate elements of one storage (a checkpoint's views of a fused tensor)
-    are fine."""
-    by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    are fine. Address ranges first; elements only where two ranges meet (interleaved views)."""
+    spans: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
     for name, p in model.named_parameters():  # each Parameter once (tied ones are one)
-        if p.device.type != "meta" and p.numel():
-            by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((name, p))
-    for params in by_storage.values():
-        if len(params) < 2:
+        if p.device.type == "meta" or not p.numel():
             continue
-        storage = params[0][1].untyped_storage()
-        owner = torch.zeros(storage.nbytes() // params[0][1].element_size(), dtype=torch.int32)
-        for i, (name, p) in enumerate(params, start=1):  # mark each one's elements
-            mine = owner.as_strided(p.shape, p.stride(), p.storage_offset())
-            if mine.any():
-                first = params[int(mine.max()) - 1][0]
-                raise ValueError(
-                    f"parameters {first} and {name} share memory (one a view of the other): "
-                    "sharded, each would get its own copy and they would drift apart; register "
-                    "one Parameter and derive the other from it in forward (e.g. "
-                    "self.fc.weight.t())"
-                )
-            mine.fill_(i)
+        extent = sum((n - 1) * st for n, st in zip(p.shape, p.stride())) + 1
+        start = p.data_ptr()
+        spans.setdefault(p.untyped_storage().data_ptr(), []).append(
+            (start, start + extent * p.element_size(), name, p)
+        )
+    for group in spans.values():
+        group.sort(key=lambda span: span[:2])
+        for i, (start, _, name, p) in enumerate(group):
+            for _, end, first, q in group[:i]:
+                if start < end and _same_elements(q, p):
+                    raise ValueError(
+                        f"parameters {first} and {name} share memory (one a view of the "
+                        "other): sharded, each would get its own copy and they would drift "
+                        "apart; register one Parameter and derive the other from it in forward "
+                        "(e.g. self.fc.weight.t())"
+                    )
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether views ``a`` and ``b`` of one storage (one dtype) share an element: marked in a
+    mask over the range of the storage they span (views of two dtypes over one byte range:
+    taken as sharing)."""
+    if a.dtype != b.dtype:
+        return True
+    lo = min(a.storage_offset(), b.storage_offset())
+    hi = max(
+        t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+        for t in (a, b)
+    )
+    mask = torch.zeros(hi - lo, dtype=torch.bool)
+    mask.as_strided(a.shape, a.stride(), a.storage_offset() - lo).fill_(True)
+    return bool(mask.as_strided(b.shape, b.stride(), b.storage_offset() - lo).any())
 
 
 def _refuse_deepcopy(memo: dict) -> None:
