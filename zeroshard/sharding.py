@@ -305,10 +305,9 @@ def _check_no_shared_memory(model: nn.Module) -> None:
     for name, p in model.named_parameters():  # each Parameter once (tied ones are one)
         if p.device.type == "meta" or not p.numel():
             continue
-        extent = sum((n - 1) * st for n, st in zip(p.shape, p.stride())) + 1
         start = p.data_ptr()
         spans.setdefault(p.untyped_storage().data_ptr(), []).append(
-            (start, start + extent * p.element_size(), name, p)
+            (start, start + _extent(p) * p.element_size(), name, p)
         )
     for group in spans.values():
         group.sort(key=lambda span: span[:2])
@@ -330,13 +329,15 @@ def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype:
         return True
     lo = min(a.storage_offset(), b.storage_offset())
-    hi = max(
-        t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
-        for t in (a, b)
-    )
+    hi = max(t.storage_offset() + _extent(t) for t in (a, b))
     mask = torch.zeros(hi - lo, dtype=torch.bool)
     mask.as_strided(a.shape, a.stride(), a.storage_offset() - lo).fill_(True)
     return bool(mask.as_strided(b.shape, b.stride(), b.storage_offset() - lo).any())
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements of its storage that view ``t`` spans, from its first to its last."""
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
 
 
 def _refuse_deepcopy(memo: dict) -> None:
