@@ -135,8 +135,10 @@ def _by_name(signature: inspect.Signature, *args: Any, **kwargs: Any) -> dict[st
     for name, p in signature.parameters.items():
         if p.kind is inspect.Parameter.VAR_KEYWORD and name in bound:
             bound.update(bound.pop(name))  # what **kwargs collected
-        elif p.kind is inspect.Parameter.VAR_POSITIONAL and bound.get(name):
-            raise TypeError(f"save_pretrained takes no extra positional arguments: {bound[name]}")
+        elif p.kind is inspect.Parameter.VAR_POSITIONAL and name in bound:
+            extra = bound.pop(name)  # (not a keyword of the call)
+            if extra:
+                raise TypeError(f"save_pretrained takes no extra positional arguments: {extra}")
     return dict(bound)
 
 

@@ -156,14 +156,13 @@ def check_divides(cfg: TrainConfig, nproc: int) -> None:
             "(--nproc) or pick a --tp that divides it"
         )
     dp = nproc // cfg.tp  # data-parallel ranks: a tensor-parallel group shares its batch
+    what = f"{dp} data-parallel ranks" if cfg.tp > 1 else f"{dp} ranks"
     if cfg.shard_group_size and dp % cfg.shard_group_size:
-        what = f"{dp} data-parallel ranks" if cfg.tp > 1 else f"{dp} ranks"
         raise UsageError(
             f"--shard-group-size {cfg.shard_group_size} does not divide the {what}; pass a "
             f"divisor of {dp} (the ranks of a node), or 0 to shard over every rank"
         )
     if cfg.batch_size % (dp * cfg.grad_accum):
-        what = f"{dp} data-parallel ranks" if cfg.tp > 1 else f"{dp} ranks"
         raise UsageError(
             f"global batch {cfg.batch_size} does not divide across {what} x "
             f"{cfg.grad_accum} micro-batches; use a --batch-size that is a multiple of "

@@ -143,7 +143,8 @@ class BackwardStep:
             first = self._first_slot[id(bucket)]
             unused = {first + i for i, used in enumerate(touched) if not used}
             for i in sg.groups:
-                self._used.setdefault(i, _hyperparameters(optimizer.param_groups[i]))
+                if i not in self._used:  # (per unit per step: copied once per group)
+                    self._used[i] = _hyperparameters(optimizer.param_groups[i])
             with torch.no_grad():
                 optimizer._step_subgroup(sg, unused)
         bucket.shard_grad = None  # applied (or skipped): the memory this mode exists to free

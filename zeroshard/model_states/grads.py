@@ -152,6 +152,7 @@ class GradBucket:
         it last) is reduced again at the end of the backward (``came_late``), as DDP's buckets
         wait for every parameter's gradient."""
         self.late = False  # such a gradient reached a post-accumulate hook (``as_views``)
+        self._unshown = False  # a slot was left unbound at this backward's reduction
         self._shown_version: int | None = None
         """Stage 0, ``shard_grad`` apart from ``full_grad``: the buffer's version counter when it
         was given the averaged gradient (``.grad`` shows it), to notice in-place edits."""
@@ -356,6 +357,7 @@ class GradBucket:
                         self._take(i)
                     else:  # no gradient reached it yet: zeros, and .grad left unbound, so that
                         self._view(i).zero_()  # one coming later is a tensor of its own
+                        self._unshown = True
             assert self.full_grad is not None
             self.issued = True
             flat, mesh = self.flat, self.flat.mesh
@@ -518,7 +520,8 @@ class GradBucket:
         """The backward is over (late gradients reduced): at stage 0, ``.grad`` of parameters
         no gradient reached on this rank show the averaged gradient too, as under DDP."""
         self.issued = self.late = False
-        if self.reduction is Reduction.ALL_REDUCE and self._reduced and self.full_grad is not None:
+        unshown, self._unshown = self._unshown, False  # (no walk of the slots otherwise)
+        if unshown and self.reduction is Reduction.ALL_REDUCE and self._reduced:  # (persistent)
             for i, s in enumerate(self.flat.slots):
                 if not self._bound[i] and s.param.grad is None:
                     s.param.grad = self._view(i)
@@ -540,7 +543,7 @@ class GradBucket:
             self._reduce[0].wait()  # every rank issued it: complete it, then forget the result
             self._reduce = None
         self.shard_grad = self._acc = None
-        self.issued = self.late = False
+        self.issued = self.late = self._unshown = False
         self._shown_version = None
         self.found_inf.zero_()
         self.zeroed.clear()
