@@ -32,3 +32,33 @@ def test_a_failing_rank_is_reported_with_its_traceback_and_the_pool_recovers():
             workers.run(_rank_one_fails)
         # The stuck peer was killed; the next run starts a fresh pool.
         assert workers.run(_rank_and_sum) == [(0, 3), (1, 3)]
+
+
+def _rank_zero_crashes() -> None:
+    import ctypes
+
+    if dist.get_rank() == 0:
+        ctypes.string_at(0)  # a segmentation fault, as a native bug gives
+
+
+def _rank_one_exits() -> None:
+    import os
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+
+
+def test_a_rank_that_dies_is_reported_with_its_signal_and_stack():
+    """A crash gives its signal and the Python stack where it happened (the worker's stderr
+    belongs to whichever test started the pool, so it is not where anyone looks)."""
+    with Workers(2, timeout_s=60) as workers:
+        with pytest.raises(WorkerError) as crashed:
+            workers.run(_rank_zero_crashes)
+        message = str(crashed.value)
+        assert message.startswith("rank 0 died running _rank_zero_crashes (SIGSEGV):"), message
+        assert "Segmentation fault" in message and "in _rank_zero_crashes" in message, message
+        with pytest.raises(
+            WorkerError, match=r"rank 1 died running _rank_one_exits \(exit code 3\)"
+        ):
+            workers.run(_rank_one_exits)
+        assert workers.run(_rank_and_sum) == [(0, 3), (1, 3)]

@@ -12,11 +12,14 @@ and kills the pool (its peers may be stuck in a collective); the next ``run`` st
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -61,7 +64,11 @@ def _worker_main(
     collective_timeout_s: float = 120.0,
     environ: dict[str, str] | None = None,
     path: list[str] | None = None,
+    fault_log: str | None = None,
 ) -> None:
+    if fault_log is not None:  # a crash (SIGSEGV, abort) leaves its Python stack where the
+        # parent reads it: this process's stderr belongs to whichever test started the pool
+        faulthandler.enable(open(fault_log, "w"))  # noqa: SIM115 (open until the process ends)
     if environ is not None:  # the test process's environment and import path now, not the
         os.environ.clear()  # fork server's (from when it started)
         os.environ.update(environ)
@@ -120,6 +127,7 @@ class Workers:
         self.collective_timeout_s = collective_timeout_s
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
+        self._logs = tempfile.TemporaryDirectory(prefix="zeroshard-workers-")
 
     def _start(self) -> None:
         """Start the ranks and wait until every one has joined the group; a start that fails
@@ -158,7 +166,11 @@ class Workers:
             p = ctx.Process(
                 target=_worker_main,
                 args=(rank, self.world_size, port, child, self.collective_timeout_s),
-                kwargs={"environ": dict(os.environ), "path": list(sys.path)},
+                kwargs={
+                    "environ": dict(os.environ),
+                    "path": list(sys.path),
+                    "fault_log": self._fault_log(rank),
+                },
                 daemon=True,
             )
             p.start()
@@ -189,14 +201,31 @@ class Workers:
                 try:
                     status, value = conn.recv()
                 except EOFError:
+                    how = self._death(rank)
                     self.close()
-                    raise WorkerError(f"rank {rank} died while running {fn.__name__}") from None
+                    raise WorkerError(f"rank {rank} died running {fn.__name__}{how}") from None
                 if status == "error":
                     self.close()
                     raise WorkerError(f"rank {rank} failed in {fn.__name__}:\n{value}")
                 results[rank] = value
                 del pending[rank]
         return [results[r] for r in range(self.world_size)]
+
+    def _fault_log(self, rank: int) -> str:
+        return os.path.join(self._logs.name, f"rank{rank}.fault")
+
+    def _death(self, rank: int) -> str:
+        """How rank ``rank`` ended (its exit code or signal) and the Python stack that the
+        fault handler wrote, if any."""
+        p = self._procs[rank]
+        p.join(timeout=5)
+        code = p.exitcode
+        how = f" ({signal.Signals(-code).name})" if code and code < 0 else f" (exit code {code})"
+        with contextlib.suppress(OSError), open(self._fault_log(rank)) as f:
+            stack = f.read().strip()
+            if stack:
+                how += f":\n{stack}"
+        return how
 
     def close(self) -> None:
         for conn in self._conns:
