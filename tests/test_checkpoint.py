@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -538,12 +540,17 @@ def _edges(base: str) -> bool:
     newest = checkpoint.step_path(folder, 2)
     for name, how, message in ((".metadata", "flip", "is corrupted"),
                                ("zeroshard.json", "cut", "is damaged"),
-                               ("__1_0.distcp", "cut", "is corrupted")):  # fmt: skip
+                               ("__1_0.distcp", "cut", "is corrupted"),
+                               ("rank-00001.pt", "cut", "is corrupted"),  # torch.load: OSError
+                               ("rank-00000.pt", "flip", "is corrupted")):  # fmt: skip
         _damage(newest, name, how)
         with pytest.raises(checkpoint.CheckpointError, match=re.escape(name) + " " + message):
             checkpoint.load(newest, model, opt)
         if how == "cut":  # incomplete: resume "auto" and restarts take the one before
             assert checkpoint.latest(folder) == checkpoint.step_path(folder, 1)
+        if name.startswith("rank-") and how == "cut":  # unchecked, it is still named
+            with pytest.raises(checkpoint.CheckpointError, match=name + " cannot be read"):
+                checkpoint.load(newest, model, opt, verify=False)
         if name.endswith(".distcp"):  # read had begun: the model is refused until a good load
             with pytest.raises(RuntimeError, match="partly overwritten"):
                 checkpoint.save(newest, model, opt, {"step": 2})
@@ -719,11 +726,12 @@ def _aux_run(base: str | None, stage: int, wrap_aux: bool, steps: range, load: b
 def _never_stepped(base: str, stage: int, wrap_aux: bool) -> dict:
     saved = _aux_run(base, stage, wrap_aux, range(4))
     plain = _aux_run(None, stage, wrap_aux, range(4))
-    resumed = _aux_run(base, stage, wrap_aux, range(1, 2), load=True)
+    resumed = _aux_run(base, stage, wrap_aux, range(1, 4), load=True)  # aux's first steps too
     return {
         "save_changes_nothing": saved[0] == plain[0]
         and all(torch.equal(a, b) for a, b in zip(saved[1], plain[1])),
-        "resumed": resumed[0] == saved[0][1:2],
+        "resumed": resumed[0] == saved[0][1:]
+        and all(torch.equal(a, b) for a, b in zip(resumed[1], saved[1])),
     }
 
 
@@ -732,7 +740,8 @@ def _never_stepped(base: str, stage: int, wrap_aux: bool) -> dict:
 def test_parameters_no_backward_reached_yet(workers2, tmp_path, stage, wrap_aux):
     """A checkpoint saved while some parameters have no optimizer state yet (an unused head,
     beside parameters that stepped, or a unit of its own) is written, does not change the
-    training that goes on, and resumes exactly."""
+    training that goes on, and resumes exactly: those parameters come back without state, so
+    their first step after the resume is Adam's first, as in the run that went on."""
     for r in workers2.run(_never_stepped, str(tmp_path / "ckpt"), stage, wrap_aux):
         assert r["save_changes_nothing"] and r["resumed"], r
 
@@ -871,38 +880,55 @@ def _train_both(model, opts: list, steps: range) -> list[float]:
     return losses
 
 
-def _several_optimizers(base: str, stage: int) -> tuple[bool, str, str]:
+def _refused(load: Callable[[], Any]) -> str:
+    try:
+        load()
+        return "loaded"
+    except (checkpoint.CheckpointError, ValueError) as exc:
+        return str(exc)
+
+
+def _several_optimizers(base: str, stage: int) -> dict[str, Any]:
     """Two optimizers saved and loaded as a list: the run goes on bit for bit (both optimizers'
-    states restored); one optimizer for a checkpoint of two, or one passed twice, is refused."""
+    states restored); one optimizer for a checkpoint of two, none, the two in the other order,
+    or one passed twice, is refused; ``model_only`` loads the weights alone."""
     model = _model(stage, "fp32")
     opts = _two_optimizers(model)
     _train_both(model, opts, range(2))
     checkpoint.save(base, model, opts, {"step": 2})
+    saved = zeroshard.full_state_dict(model, rank0_only=False)
     straight = _train_both(model, opts, range(2, 4))
     fresh = _model(stage, "fp32", seed=5)
     again = _two_optimizers(fresh)
+    out: dict[str, Any] = {
+        "reversed": _refused(lambda: checkpoint.load(base, fresh, again[::-1])),
+        "none": _refused(lambda: checkpoint.load(base, fresh, None)),
+        "one": _refused(lambda: checkpoint.load(base, fresh, again[0])),
+        "twice": _refused(lambda: checkpoint.save(base + "-twice", model, [opts[0], opts[0]])),
+        "model_only with one": _refused(
+            lambda: checkpoint.load(base, fresh, again, model_only=True)
+        ),
+    }
     assert checkpoint.load(base, fresh, again)["step"] == 2
-    same = _train_both(fresh, again, range(2, 4)) == straight
-    try:
-        checkpoint.load(base, fresh, again[0])
-        one = "loaded"
-    except checkpoint.CheckpointError as exc:
-        one = str(exc)
-    try:
-        checkpoint.save(base + "-twice", model, [opts[0], opts[0]])
-        twice = "saved"
-    except ValueError as exc:
-        twice = str(exc)
-    return same, one, twice
+    out["same"] = _train_both(fresh, again, range(2, 4)) == straight
+    weights = _model(1, "fp32", seed=7)  # fine-tuning from a training checkpoint
+    assert checkpoint.load(base, weights, None, model_only=True)["step"] == 2
+    mine = zeroshard.full_state_dict(weights, rank0_only=False)
+    out["weights"] = all(torch.equal(v, saved[k]) for k, v in mine.items())
+    return out
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_several_optimizers_resume_exactly(workers2, tmp_path, stage):
     # zeroshard.checkpoint took one optimizer: a second one's states were lost.
-    for same, one, twice in workers2.run(_several_optimizers, str(tmp_path / "ckpt"), stage):
-        assert same
-        assert "holds 2 optimizer(s), and 1 were passed" in one, one
-        assert "both hold" in twice, twice
+    for r in workers2.run(_several_optimizers, str(tmp_path / "ckpt"), stage):
+        assert r["same"] and r["weights"], r
+        assert "holds 2 optimizer(s), and 1 were passed" in r["one"], r
+        assert "were passed" in r["none"] and "model_only=True" in r["none"], r
+        assert "does not fit this model and optimizer" in r["reversed"], r
+        assert "in the order they were saved in" in r["reversed"], r
+        assert "both hold" in r["twice"], r
+        assert "pass None for the optimizer" in r["model_only with one"], r
 
 
 def _another_group_layout(base: str) -> str:

@@ -654,9 +654,10 @@ def test_no_split_modules_given_as_one_string(capsys, tmp_path, model_module, da
     assert code == 0 and summary["num_units"] == 4, err
 
 
-def test_hf_config(capsys, tmp_path, data_dir):
+def test_hf_config(capsys, tmp_path, data_dir, monkeypatch):
     pytest.importorskip("transformers")
-    config = tmp_path / "config.json"
+    config = tmp_path / "llcfg" / "config.json"
+    config.parent.mkdir()
     config.write_text(
         json.dumps(
             {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 32,
@@ -664,23 +665,27 @@ def test_hf_config(capsys, tmp_path, data_dir):
         )
     )  # fmt: skip
     flags = [*NANO, "--data-dir", str(data_dir), "--steps", "3", "--batch-size", "4"]
+    monkeypatch.chdir(tmp_path)  # a path relative to where it was trained
     code, err, records, summary = _train_in_process(
-        capsys, tmp_path / "run", *flags, "--hf", str(config), "--stage", "3", "--save-every", "3"
-    )
+        capsys, tmp_path / "run", *flags, "--hf", "llcfg/config.json", "--stage", "3",
+        "--save-every", "3",
+    )  # fmt: skip
     assert code == 0, err
     assert summary["model"] == "gpt2" and summary["num_units"] == 3  # root + 2 GPT2Block
     assert abs(summary["val_loss_first"] - math.log(256)) < 0.5  # random init: ~uniform
-    # Its export needs no --config: the run recorded it (it wrote no config.json, and the tied
-    # head twice, so from_pretrained could not load it)
-    assert (
-        main(["export", str(tmp_path / "run" / "ckpt" / "step-000003"), str(tmp_path / "hf")]) == 0
-    )
+    # Its export needs no --config, from any folder: the run recorded it (it wrote no
+    # config.json, and the tied head twice, so from_pretrained could not load it)
+    monkeypatch.chdir(tmp_path / "run")
+    assert main(["export", "ckpt/step-000003", str(tmp_path / "hf")]) == 0
     out = capsys.readouterr().out
     assert f"--config {config}: the --hf config of the run" in out, out
     assert "lm_head.weight: tied to transformer.wte.weight, not stored" in out, out
     import transformers
 
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.n_layer == 2
+    config.rename(tmp_path / "moved.json")  # the config gone: said, not silently dropped
+    assert main(["export", "ckpt/step-000003", str(tmp_path / "hf2")]) == 0
+    assert "no config.json is written; pass --config PATH" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -762,6 +767,31 @@ def test_divergence_is_an_error(capsys, tmp_path, precision, rule, data_dir):
     assert summary["status"] == "diverged" and summary["error"] in line
     step = int(line.split("step ")[1].split(":")[0])
     assert step < 100 and summary["skipped_steps"] >= (10 if precision == "fp32" else 1)
+
+
+def test_a_damaged_checkpoint_is_said_when_resuming(capsys, tmp_path, data_dir):
+    """``--resume auto`` passes over a newest checkpoint cut short and says so (it did without
+    a word); one damaged at the same size is found by its checksum at load: one line, exit 2
+    (a rank file gave torch.load's OSError / UnicodeDecodeError)."""
+    flags = [*NANO, "--data-dir", str(data_dir), "--batch-size", "2", "--save-every", "2"]
+    code, err, _, _ = _train_in_process(capsys, tmp_path, *flags, "--steps", "4")
+    assert code == 0, err
+    newest = tmp_path / "ckpt" / "step-000004" / "rank-00000.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    code = main(["train", *flags, "--steps", "6", "--resume", "auto", "--out-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"--resume auto: passing over {newest.parent}, which is damaged" in out, out
+    assert "resuming from" in out and "step-000002 (step 2)" in out, out
+    newest = tmp_path / "ckpt" / "step-000006" / "rank-00000.pt"
+    raw = bytearray(newest.read_bytes())  # flipped in its middle
+    raw[len(raw) // 2] ^= 0xFF
+    newest.write_bytes(bytes(raw))
+    for ckpt in ("auto", str(newest.parent)):
+        code = main(["train", *flags, "--steps", "8", "--resume", ckpt, "--out-dir", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err
+        assert "rank-00000.pt is corrupted" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_resume_inside_a_streak_of_skipped_steps_goes_on_counting_it(capsys, tmp_path, data_dir):

@@ -9,6 +9,7 @@ optimizer.backward(loss); optimizer.clip_grad_norm(1.0); optimizer.step(); optim
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -20,7 +21,10 @@ __version__ = "0.1.0"
 
 # Names are imported on first use (PEP 562), so that ``import zeroshard`` (and the command line,
 # whose Ctrl-C handler runs only once its module is imported) does not wait for torch.
-_SUBMODULES = ("checkpoint", "offload", "precision", "tensor_parallel", "wrap")
+_SUBMODULES = ("checkpoint", "export", "models", "offload", "planner", "precision",
+               "state_dict", "tensor_parallel", "wrap")  # fmt: skip
+"""The public modules, listed by ``dir(zeroshard)``; every submodule is an attribute (imported
+on first use, as ``zeroshard.export.export_safetensors`` in the README reads)."""
 _EXPORTS = {
     "Ledger": "zeroshard.collectives",
     "ShardConfig": "zeroshard.engine",
@@ -31,8 +35,8 @@ _EXPORTS = {
     "OffloadConfig": "zeroshard.offload",
     "TensorStore": "zeroshard.offload",
     "Tier": "zeroshard.offload",
-    "load_optimizer_state_dict": "zeroshard.optimizer_state_dict",
-    "optimizer_state_dict": "zeroshard.optimizer_state_dict",
+    "load_optimizer_state_dict": "zeroshard.optim_state_dict",
+    "optimizer_state_dict": "zeroshard.optim_state_dict",
     "DynamicLossScaler": "zeroshard.precision",
     "LossScaler": "zeroshard.precision",
     "MixedPrecision": "zeroshard.precision",
@@ -45,9 +49,9 @@ _EXPORTS = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f"zeroshard.{name}")
     if name not in _EXPORTS:
+        if name in _SUBMODULES or importlib.util.find_spec(f"zeroshard.{name}") is not None:
+            return importlib.import_module(f"zeroshard.{name}")
         raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # later lookups skip __getattr__

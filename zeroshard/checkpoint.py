@@ -100,6 +100,7 @@ from zeroshard.checkpoint_info import (  # noqa: F401 (the inspection API, re-ex
     CheckpointInfo,
     info,
     latest,
+    passed_over,
     read_meta,
     step_path,
     verify,
@@ -140,17 +141,19 @@ def _group(model, optimizer) -> dist.ProcessGroup | None:
 # --------------------------------------------------------------------- state
 
 
-def _state(model, optimizer) -> dict[str, Any]:
+def _state(model, optimizer, *, template: bool = False) -> dict[str, Any]:
     """What a checkpoint holds, in FSDP2's structure: every sharded tensor as this rank's own
     range (``FlatRange``: views, no collective; DCP writes and reads them as chunks). Several
     optimizers' states are merged as ``get_state_dict(model, optimizers=[...])`` merges them:
-    keyed by parameter name, their param groups one list, in order."""
-    from zeroshard.optimizer_state_dict import optimizer_state_dict
+    keyed by parameter name, their param groups one list, in order. Parameters without optimizer
+    state (no step reached them yet) have none in it, unless ``template`` (what a load reads
+    into: ``checks.unsaved_states`` then drops what the checkpoint does not hold)."""
+    from zeroshard.optim_state_dict import optimizer_state_dict
     from zeroshard.state_dict import local_state_dict
 
     optim: dict[str, Any] = {"state": {}, "param_groups": []}
     for opt in _optimizers(optimizer):
-        own = optimizer_state_dict(opt, local=True)
+        own = optimizer_state_dict(opt, local=True, template=template)
         shared = optim["state"].keys() & own["state"].keys()
         if shared:
             raise ValueError(
@@ -325,18 +328,6 @@ def _loss_scalers(optimizer) -> dict | list[dict]:
     return states if optimizer is None or isinstance(optimizer, list | tuple) else states[0]
 
 
-def _saved_loss_scalers(path: Path, optimizer, saved: dict | list[dict]) -> list[dict]:
-    """The saved loss scalers' states, one per optimizer passed (a CheckpointError naming the
-    fix when the counts differ)."""
-    saved = saved if isinstance(saved, list) else [saved]
-    if len(saved) != len(_optimizers(optimizer)):
-        raise CheckpointError(
-            f"checkpoint {path} holds {len(saved)} optimizer(s), and {len(_optimizers(optimizer))}"
-            " were passed: pass the optimizers it was saved with, as a list in the same order"
-        )
-    return saved
-
-
 def _finish_at_exit() -> None:
     """At exit: an asynchronous save still being written is finished first, as
     ``torch.distributed.checkpoint.async_save``'s is (its thread is a daemon: the interpreter
@@ -509,19 +500,33 @@ def _first_failure(exc) -> str:
 # --------------------------------------------------------------------- load
 
 
-def load(path: str | os.PathLike, model, optimizer, *, verify: bool = True) -> dict:  # noqa: F811
+def load(
+    path: str | os.PathLike,
+    model,
+    optimizer,
+    *,
+    verify: bool = True,  # noqa: F811 (the argument, not the function)
+    model_only: bool = False,
+) -> dict:
     """Load the checkpoint at ``path`` into ``model`` and ``optimizer`` (at any world size and
     stage) and restore the loss scaler and RNGs; returns the ``extra`` dict saved with it.
+    ``model_only``: load the model's parameters and buffers alone (fine-tuning from a training
+    checkpoint: ``optimizer`` is None, nothing else is restored).
 
     A collective: every rank of the model's group calls it.
     """
+    if model_only and _optimizers(optimizer):
+        raise ValueError(
+            "model_only=True loads the model alone: pass None for the optimizer (to resume "
+            "training, load the optimizer too: model_only=False)"
+        )
     wait()  # this process's asynchronous save in flight, if any
     group = _group(model, optimizer)
     with diagnosed("load", f"checkpoint {Path(path).name}", group):
-        return _load(Path(path).absolute(), model, optimizer, verify, group)
+        return _load(Path(path).absolute(), model, optimizer, verify, group, model_only)
 
 
-def _load(path: Path, model, optimizer, checksums: bool, group) -> dict:
+def _load(path: Path, model, optimizer, checksums: bool, group, model_only: bool) -> dict:
     """``load`` (a collective on ``group``). Once reading has begun, a failure (a corrupted
     file found when its last byte is hashed, after earlier bytes reached the tensors) leaves
     the engine ``untrusted`` (``Engine.check_trusted``): the next forward, step or save names
@@ -529,7 +534,7 @@ def _load(path: Path, model, optimizer, checksums: bool, group) -> dict:
     whole again clears it (``Engine.loaded``)."""
     engine = engine_of(model)
     try:
-        extra = _read(path, model, optimizer, checksums, group)
+        extra = _read(path, model, optimizer, checksums, group, model_only)
     except BaseException as exc:
         if getattr(exc, "_zeroshard_read_began", False):
             engine.untrusted = (
@@ -540,11 +545,14 @@ def _load(path: Path, model, optimizer, checksums: bool, group) -> dict:
             )
             engine.to_reload = {id(model), *(id(o) for o in _optimizers(optimizer))}
         raise
-    engine.untrusted, engine.to_reload = None, set()  # every part read whole
+    if model_only:
+        engine.loaded(model)
+    else:
+        engine.untrusted, engine.to_reload = None, set()  # every part read whole
     return extra
 
 
-def _read(path: Path, model, optimizer, checksums: bool, group) -> dict:
+def _read(path: Path, model, optimizer, checksums: bool, group, model_only: bool) -> dict:
     """``_load`` without the trust bookkeeping; an exception raised once tensors began to be
     overwritten is marked ``_zeroshard_read_began``."""
     rank = dist.get_rank(group)
@@ -553,12 +561,19 @@ def _read(path: Path, model, optimizer, checksums: bool, group) -> dict:
     from zeroshard.checkpoint_reader import Reader, read
 
     with _resident(model, optimizer):  # offloaded optimizer states: read into, then streamed out
-        state = _state(model, optimizer)
+        state = _state(model, optimizer, template=True)
         # each file read once, in threads; its checksum verified from the bytes read
         reader = Reader(path, meta["files"] if checksums else None)
-        own = torch.load(path / f"rank-{rank % meta['world_size']:05d}.pt", weights_only=True)
-        scalers = _saved_loss_scalers(path, optimizer, own["loss_scaler"])  # before any read
+        own = checks.rank_state(path, meta, rank, checksums, group)
+        scalers = []
+        if model_only:
+            del state["optim"]
+        else:
+            scalers = checks.loss_scalers(path, len(_optimizers(optimizer)), own["loss_scaler"])
         checks.names(path, reader, state)
+        if not model_only:
+            several = isinstance(optimizer, list | tuple) and len(optimizer) > 1
+            checks.optimizer_states(path, reader, state["optim"], several)
         try:
             read(state, reader, LoadPlanner(), group)
             model.load_state_dict(state["model"])
@@ -570,5 +585,6 @@ def _read(path: Path, model, optimizer, checksums: bool, group) -> dict:
             raise
     if meta["world_size"] == dist.get_world_size(group):  # else the model state's one copy
         rank_buffers.restore(model, own.get("buffers", {}))
-    rng.set_state(own["rng"])
+    if not model_only:
+        rng.set_state(own["rng"])
     return own["extra"]

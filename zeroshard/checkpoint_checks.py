@@ -1,7 +1,7 @@
 """What a checkpoint save or load refuses before it writes or reads a tensor
 (``zeroshard.checkpoint``): a target without the free space, an ``extra`` that
-``torch.load(weights_only=True)`` would not read back, a checkpoint of another model or
-param-group layout. Each is a one-line
+``torch.load(weights_only=True)`` would not read back, a checkpoint of another model,
+optimizer or param-group layout, a damaged rank file. Each is a one-line
 ``CheckpointError`` naming the fix, raised on every rank alike."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.checkpoint_files import CheckpointError, agree, gather
+from zeroshard.checkpoint_files import CheckpointError, agree, check_file, gather
 from zeroshard.flat_range import FlatRange
 from zeroshard.offload.nvme import free_bytes
 
@@ -75,12 +75,57 @@ def loadable(extra: dict, saved: bytes) -> None:
     raise CheckpointError("this rank's state could not be loaded back after torch.save")
 
 
+def loss_scalers(path: Path, given: int, saved: dict | list[dict]) -> list[dict]:
+    """The saved loss scalers' states (rank file), one per optimizer: ``given`` optimizers were
+    passed, and another count is a ``CheckpointError`` naming the fix."""
+    saved = saved if isinstance(saved, list) else [saved]
+    if len(saved) != given:
+        weights = ", or model_only=True to load only the model" if saved else ""
+        raise CheckpointError(
+            f"checkpoint {path} holds {len(saved)} optimizer(s), and {given} were passed: pass "
+            f"the optimizers it was saved with, as a list in the same order{weights}"
+        )
+    return saved
+
+
+def optimizer_states(path: Path, reader, template: dict[str, Any], several: bool) -> None:
+    """Fit a load template's ``optim`` (``state``: name -> key -> tensor, ``param_groups``) to
+    the checkpoint, in place: a parameter whose states it does not hold (no optimizer step had
+    reached it when it was saved) is dropped, so it is loaded without state and its first step
+    after the resume is Adam's first (bias correction), as in the run that was not interrupted.
+    State or param-group keys the checkpoint lacks (another optimizer class, or optimizers passed
+    in another order) are a one-line ``CheckpointError``."""
+    saved: dict[str, set[str]] = {}
+    for entry in reader.read_metadata().state_dict_metadata:
+        if entry.startswith("optim.state."):
+            name, key = entry.removeprefix("optim.state.").rsplit(".", 1)
+            saved.setdefault(name, set()).add(key)
+        elif entry.startswith("optim.param_groups."):
+            group, key = entry.removeprefix("optim.param_groups.").split(".")[:2]
+            saved.setdefault(f"param group {group}", set()).add(key)
+    states = template["state"]
+    for name in list(states):
+        if name not in saved:
+            del states[name]
+    ours = {f"param group {i}": set(g) for i, g in enumerate(template["param_groups"])}
+    for name, keys in [*((n, set(v)) for n, v in states.items()), *ours.items()]:
+        if not keys <= saved.get(name, set()):
+            order = ", passed as a list in the order they were saved in" if several else ""
+            what = name if name in ours else f"optimizer states of {name}"
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model and optimizer: its {what} holds "
+                f"{', '.join(sorted(saved.get(name, ()))) or 'nothing'}, where the optimizer "
+                f"given keeps {', '.join(sorted(keys))}; load it with the optimizer class(es) it "
+                f"was saved with{order}"
+            )
+
+
 def names(path: Path, reader, template: dict[str, Any]) -> None:
     """Compare the checkpoint's model entries with the model's (names and shapes), and its
     number of optimizer param groups with the optimizer's."""
     entries = reader.read_metadata().state_dict_metadata
     groups = sum(k.startswith("optim.param_groups.") and k.endswith(".params") for k in entries)
-    if groups != len(template["optim"]["param_groups"]):
+    if "optim" in template and groups != len(template["optim"]["param_groups"]):
         raise CheckpointError(
             f"checkpoint {path} was saved with {groups} optimizer param group(s), this optimizer "
             f"has {len(template['optim']['param_groups'])}: build it with the saved run's param "
@@ -114,3 +159,20 @@ def names(path: Path, reader, template: dict[str, Any]) -> None:
             f"checkpoint {path} is of another model ({'; '.join(parts)}); build the model it was "
             "saved from (same preset and configuration)"
         )
+
+
+def rank_state(path: Path, meta: dict[str, Any], rank: int, checksums: bool, group) -> dict:
+    """The rank file ``rank`` reads (``rank-<r>.pt`` of rank ``rank % saved world size``),
+    checked against its recorded size and checksum before ``torch.load`` sees it: a damaged one
+    is a ``CheckpointError`` naming it on every rank (``torch.load`` would raise an ``OSError``
+    or a ``UnicodeDecodeError`` naming nothing), before any tensor is overwritten."""
+    name = f"rank-{rank % meta['world_size']:05d}.pt"
+    problem = check_file(path, name, meta["files"][name]) if checksums else None
+    state = None
+    if problem is None:
+        try:
+            state = torch.load(path / name, weights_only=True)
+        except Exception as exc:  # verify=False, or a file damaged before its checksum was made
+            problem = f"checkpoint file {path / name} cannot be read ({type(exc).__name__}: {exc})"
+    agree(problem and problem.replace("\n", " "), group)
+    return state

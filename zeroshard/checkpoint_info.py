@@ -134,9 +134,35 @@ def latest(folder: str | os.PathLike) -> Path | None:
     """The complete numbered checkpoint (``step-*``) with the highest number in ``folder``
     (``info(...).complete``: one with a file missing or cut short is passed over). A checkpoint
     that a save stopped while replacing counts under its ``.old-`` name, the one it has then."""
-    folder = Path(folder)
+    for child in _numbered(Path(folder)):
+        try:
+            if info(child).complete:
+                return child
+        except FileNotFoundError:
+            continue  # pruned since it was listed (a running job saves into the folder)
+    return None
+
+
+def passed_over(folder: str | os.PathLike) -> list[CheckpointInfo]:
+    """The numbered checkpoints of ``folder`` newer than ``latest(folder)``, which it passed
+    over as incomplete (each with its ``problem``), newest first."""
+    out = []
+    for child in _numbered(Path(folder)):
+        try:
+            found = info(child)
+        except FileNotFoundError:
+            continue
+        if found.complete:
+            break
+        out.append(found)
+    return out
+
+
+def _numbered(folder: Path) -> list[Path]:
+    """The numbered checkpoints (``step-*``, with their metadata written) of ``folder``, newest
+    first; one that a save stopped while replacing under its ``.old-`` name."""
     if not folder.is_dir():
-        return None
+        return []
     found = []
     for child in folder.iterdir():
         stem, suffix = split_suffix(child.name)
@@ -148,10 +174,4 @@ def latest(folder: str | os.PathLike) -> Path | None:
         if suffix == OLD and (folder / stem / META_FILE).is_file():
             continue  # the replacement is in place: this is only left to remove
         found.append((int(m["num"]), child))
-    for _, child in sorted(found, reverse=True):
-        try:
-            if info(child).complete:
-                return child
-        except FileNotFoundError:
-            continue  # pruned since it was listed (a running job saves into the folder)
-    return None
+    return [child for _, child in sorted(found, reverse=True)]

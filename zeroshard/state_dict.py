@@ -53,8 +53,8 @@ then refreshes the compute copies.
 
 ``keep_vars=True`` changes nothing here: entries are new DTensors, not the parameters.
 
-``optimizer_state_dict`` (``zeroshard.optimizer_state_dict``) gives the optimizer's states in
-the same format.
+``zeroshard.optimizer_state_dict`` (module ``zeroshard.optim_state_dict``) gives the optimizer's
+states in the same format.
 """
 
 from __future__ import annotations

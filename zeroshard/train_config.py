@@ -168,6 +168,10 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, str) and value.startswith("~"):
                 object.__setattr__(self, name, os.path.expanduser(value))
+        for name in ("hf", "data"):  # inputs: the run's config.json must find them from any cwd
+            value = getattr(self, name)
+            if isinstance(value, str) and os.path.exists(value):
+                object.__setattr__(self, name, os.path.abspath(value))
         if self.model and self.hf:
             raise ValueError(
                 f"model = {self.model!r} and hf = {self.hf!r}: pass one of --model and --hf"

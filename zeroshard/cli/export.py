@@ -16,6 +16,7 @@ as that run's ``config.json`` records it, and says so.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,10 @@ def _ties(values: list[str] | None) -> dict[str, str] | None:
 
 def _run_s_hf_config(checkpoint: Path) -> Path | None:
     """The ``--hf`` config that ``zeroshard train`` recorded for the run whose checkpoint this
-    is (``OUT_DIR/config.json`` beside ``OUT_DIR/ckpt/step-N``), when it still exists."""
+    is (``OUT_DIR/config.json`` beside ``OUT_DIR/ckpt/step-N``; a relative path, as earlier
+    versions recorded it, is looked for from here and from the run's folder). One that no longer
+    exists is said on stderr: the export then has no config.json, which ``from_pretrained``
+    needs."""
     import json
 
     recorded = checkpoint.absolute().parent.parent / "config.json"
@@ -71,7 +75,17 @@ def _run_s_hf_config(checkpoint: Path) -> Path | None:
         hf = json.loads(recorded.read_text()).get("hf")
     except (OSError, ValueError, AttributeError):
         return None
-    return Path(hf) if isinstance(hf, str) and Path(hf).exists() else None
+    if not isinstance(hf, str):
+        return None
+    found = next((p for p in (Path(hf), recorded.parent / hf) if p.exists()), None)
+    if found is None:
+        print(
+            f"warning: the run that saved {checkpoint} was trained with --hf {hf}, which is not "
+            f"found from here or from {recorded.parent}: no config.json is written; pass "
+            "--config PATH (the model's config.json)",
+            file=sys.stderr,
+        )
+    return found
 
 
 def run(args: argparse.Namespace) -> int:

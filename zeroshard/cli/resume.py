@@ -112,6 +112,9 @@ def pin_resume(cfg: TrainConfig, launch: Launch) -> tuple[TrainConfig, bool]:
                 f"delete {earlier.parent}) to start afresh"
             )
         return cfg, False
+    if cfg.resume == "auto":  # a newer one that is damaged is not passed over without a word
+        for other in checkpoint.passed_over(path.parent):
+            print(f"--resume auto: passing over {other.path}, which is damaged: {other.problem}")
     found = checkpoint.info(path)  # FileNotFoundError when missing
     _check_not_a_folder_of_checkpoints(path, found)
     if not found.complete:

@@ -522,9 +522,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer state keyed by parameter name (``zeroshard.optimizer_state_dict``); the
+        """Optimizer state keyed by parameter name (``zeroshard.optim_state_dict``); the
         hooks of ``register_state_dict_pre_hook`` / ``_post_hook`` run as torch runs them."""
-        from zeroshard.optimizer_state_dict import optimizer_state_dict
+        from zeroshard.optim_state_dict import optimizer_state_dict
 
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -537,7 +537,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what ``state_dict`` returns (at any world size or stage, e.g. through DCP); the
         hooks of ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as torch runs them."""
-        from zeroshard.optimizer_state_dict import load_optimizer_state_dict
+        from zeroshard.optim_state_dict import load_optimizer_state_dict
         from zeroshard.state_dict import COLLECTIVE
 
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():

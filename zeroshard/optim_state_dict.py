@@ -10,12 +10,13 @@
      "param_groups": [{"lr": ..., "betas": ..., ..., "params": [fqn, ...]}]}
 
 A tied parameter's state is keyed by its first name in ``model.named_parameters()``. The loss
-scaler is not part of it: ``opt.loss_scaler.state_dict()`` is saved apart. Before the first
-step the sub-optimizers are first given their states as torch's ``get_optimizer_state_dict``
-does (a zero-gradient step at learning rate 0: zeros, ``step`` 1), so that a fresh optimizer's
-dict is a complete template for ``dcp.load``. Unlike torch's, those states are dropped again once
-the dict is made: asking for it does not change training (a unit no backward has reached yet
-would otherwise count its first real step as Adam's second).
+scaler is not part of it: ``opt.loss_scaler.state_dict()`` is saved apart. As in torch, a
+parameter no optimizer step has reached holds no state and is left out. Before the first step
+every parameter is first given states as torch's ``get_optimizer_state_dict`` does (a
+zero-gradient step at learning rate 0: zeros, ``step`` 1), so that a fresh optimizer's dict is a
+complete template for ``dcp.load``. Unlike torch's, those states are dropped again once the dict
+is made: asking for it does not change training (a unit no backward has reached yet would
+otherwise count its first real step as Adam's second).
 
 ``optimizer_state_dict(opt, local=True)`` gives each element-wise state as a ``FlatRange`` (this
 rank's own state tensor, no collective) instead: what ``zeroshard.checkpoint`` saves and loads
@@ -102,11 +103,30 @@ def _is_elementwise_state(value: Any, piece: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.ndim >= 1 and value.shape == piece.shape
 
 
-def _state_layout(opt: ShardedOptimizer) -> list[dict[int, dict[str, Any]]]:
+def _stepped(opt: ShardedOptimizer, first: dict[int, str]) -> set[str]:
+    """The (first) names of the parameters whose piece on this rank holds optimizer state: the
+    ones an optimizer step reached. A parameter no backward has reached yet has none, as in
+    torch, and a state dict leaves it out (``optimizer_state_dict``), so that a resumed run
+    gives its first real step Adam's first bias correction."""
+    out: set[str] = set()
+    for sg in opt._subgroups:
+        flat = sg.bucket.flat
+        by_start = {p.span.start: p for ps in sg.pieces for p in ps}
+        for i, (s, span) in enumerate(flat.pieces()):
+            start, stop = flat.piece_range(i)
+            piece = by_start.get(span.start) if stop > start else None
+            if piece is not None and sg.optimizer.state.get(piece.tensor):
+                out.add(first[id(s.param)])
+    return out
+
+
+def _state_layout(
+    opt: ShardedOptimizer, stepped: set[str] = frozenset()
+) -> tuple[list[dict[int, dict[str, Any]]], set[str]]:
     """Per bucket (engine order) and user group: each state key, either ``("elementwise",
     dtype)`` (a tensor shaped like the piece) or ``("value", v)`` (anything else, e.g. a 0-dim
-    ``step``), as the first rank holding such a piece has it; the same on every rank (one
-    object all-gather)."""
+    ``step``), as the first rank holding such a piece has it; and the union of every rank's
+    ``stepped`` names. The same on every rank (one object all-gather)."""
     subgroups = _subgroup_of(opt)
     mine: list[dict[int, dict[str, Any]]] = []
     for bucket in opt.engine.buckets:
@@ -126,15 +146,15 @@ def _state_layout(opt: ShardedOptimizer) -> list[dict[int, dict[str, Any]]]:
         mine.append(entry)
     mesh = opt.engine.mesh
     if mesh.world_size == 1:
-        return mine
+        return mine, set(stepped)
     every: list[Any] = [None] * mesh.world_size
-    dist.all_gather_object(every, mine, group=mesh.group)
+    dist.all_gather_object(every, (mine, stepped), group=mesh.group)
     merged: list[dict[int, dict[str, Any]]] = [{} for _ in opt.engine.buckets]
-    for rank_layout in every:
+    for rank_layout, _ in every:
         for bi, entry in enumerate(rank_layout):
             for gi, keys in entry.items():
                 merged[bi].setdefault(gi, keys)
-    return merged
+    return merged, set().union(*(names for _, names in every))
 
 
 def _copy_value(v: Any) -> Any:
@@ -142,25 +162,37 @@ def _copy_value(v: Any) -> Any:
 
 
 @torch.no_grad()
-def optimizer_state_dict(opt: ShardedOptimizer, *, local: bool = False) -> dict[str, Any]:
+def optimizer_state_dict(
+    opt: ShardedOptimizer, *, local: bool = False, template: bool | None = None
+) -> dict[str, Any]:
     """``opt``'s state in the format of ``get_optimizer_state_dict`` for an FSDP2 model (module
     docstring): per-parameter states keyed by name, element-wise states as ``(Shard(0),)``
     DTensors cut out of each sub-group's pieces, and the param groups with parameter names.
     With ``local``, element-wise states are ``FlatRange`` views of this rank's own state tensors
     instead (no collective for them; ``load_optimizer_state_dict`` takes them as read in place).
 
-    Sub-optimizers without state yet are first given one (``_init_states``: a zero-gradient step
-    at learning rate 0, as torch does), so the dict is a complete template. A collective: every
-    rank calls it (one flat buffer per state key is gathered at a time)."""
+    Parameters no optimizer step has reached hold no state and are left out, as torch's
+    optimizer leaves them, unless ``template``: then every trainable parameter gets one (for
+    those without, ``_init_states``' zero-gradient step at learning rate 0: zeros, ``step`` 1),
+    so that the dict is a complete template to load into. ``template=None`` (the default) is
+    True while no parameter has state (torch's ``get_optimizer_state_dict`` does the same). A
+    collective: every rank calls it (one flat buffer per state key is gathered at a time)."""
     engine = opt.engine
     if not local:
         refuse_split_pieces(engine, "opt.state_dict()")
     model = engine.model
     mesh = device_mesh(engine)
-    fresh = _init_states(opt)
     first = _first_names(model)
+    stepped = _stepped(opt, first)  # before _init_states gives the others states
+    fresh = _init_states(opt)
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
-    layout = _state_layout(opt)
+    layout, stepped = _state_layout(opt, stepped)
+    if template is None:
+        template = not stepped
+
+    def kept(p: torch.Tensor) -> bool:
+        return template or first[id(p)] in stepped
+
     subgroups = _subgroup_of(opt)
     per_param: dict[int, dict[str, Any]] = {}
     for bi, bucket in enumerate(engine.buckets):
@@ -175,11 +207,11 @@ def optimizer_state_dict(opt: ShardedOptimizer, *, local: bool = False) -> dict[
             entry_of = (_local_entries if local else _gathered_entries)(flat, sg, k, dtype, mesh)
             for i, s in enumerate(flat.slots):
                 gi = group_of.get(id(s.param))
-                if gi is not None and k in layout[bi].get(gi, {}):
+                if gi is not None and k in layout[bi].get(gi, {}) and kept(s.param):
                     per_param.setdefault(id(s.param), {})[k] = entry_of(i)
             del entry_of  # a gathered buffer is freed before the next key's
         for s in flat.slots:
-            gi = group_of.get(id(s.param))
+            gi = group_of.get(id(s.param)) if kept(s.param) else None
             for k, (kind, v) in layout[bi].get(gi, {}).items() if gi is not None else ():
                 if kind == "value":
                     per_param.setdefault(id(s.param), {})[k] = _copy_value(v)
@@ -329,7 +361,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
     # Which keys are element-wise, per bucket and group: from the running optimizer's own
     # states (a 0-dim parameter's ``exp_avg`` has the shape of ``step``), made if none yet.
     _init_states(opt)
-    layout = _state_layout(opt)
+    layout, _ = _state_layout(opt)
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     subgroups = _subgroup_of(opt)
     for bi, bucket in enumerate(engine.buckets):
