@@ -297,6 +297,7 @@ def test_resume_continues_the_same_curve(tmp_path, capsys, data_dir):
     out = capsys.readouterr().out
     assert "complete" in out and "step 4, world size 1, stage 3" in out, out
     assert "param dtype float32" in out and "parameters" in out and "bytes" in out, out
+    assert "(reduce float32), optimizer AdamW" in out, out
 
 
 def test_a_finished_run_s_folder_is_resumed_or_left_alone(capsys, tmp_path, data_dir):

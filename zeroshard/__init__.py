@@ -50,7 +50,9 @@ _EXPORTS = {
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
-        if name in _SUBMODULES or importlib.util.find_spec(f"zeroshard.{name}") is not None:
+        if name in _SUBMODULES or (
+            name.isidentifier() and importlib.util.find_spec(f"zeroshard.{name}") is not None
+        ):
             return importlib.import_module(f"zeroshard.{name}")
         raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -147,7 +147,7 @@ def _state(model, optimizer, *, template: bool = False) -> dict[str, Any]:
     optimizers' states are merged as ``get_state_dict(model, optimizers=[...])`` merges them:
     keyed by parameter name, their param groups one list, in order. Parameters without optimizer
     state (no step reached them yet) have none in it, unless ``template`` (what a load reads
-    into: ``checks.unsaved_states`` then drops what the checkpoint does not hold)."""
+    into: ``checks.optimizer_states`` then drops what the checkpoint does not hold)."""
     from zeroshard.optim_state_dict import optimizer_state_dict
     from zeroshard.state_dict import local_state_dict
 
@@ -198,7 +198,7 @@ def _step_count(optimizer) -> int:
     return 0
 
 
-def _metadata(model, step: int, world: int) -> dict[str, Any]:
+def _metadata(model, optimizer, step: int, world: int) -> dict[str, Any]:
     import zeroshard
 
     engine = engine_of(model)
@@ -213,6 +213,7 @@ def _metadata(model, step: int, world: int) -> dict[str, Any]:
         "param_dtype": ",".join(param_dtypes),
         "reduce_dtype": ",".join(reduce_dtypes),
         "num_params": tensor_parallel.whole_numel(model, engine.mesh.tp_size),
+        "optimizers": checks.class_names(_optimizers(optimizer)),
         "zeroshard_version": zeroshard.__version__,
         "torch_version": torch.__version__,
         "created_unix_s": round(time.time(), 3),
@@ -297,7 +298,7 @@ def _save(
     with _resident(model, optimizer):  # offloaded optimizer states: in memory until written/copied
         state = _state(model, optimizer)
         step = int(extra.get("step", _optimizer_step(optimizer)))
-        meta = _metadata(model, step, world)
+        meta = _metadata(model, optimizer, step, world)
         checks.space(path.parent, checks.local_bytes(state), group)
         tmp = path.with_name(path.name + TMP + broadcast(secrets.token_hex(4), group))
         tmp.mkdir(parents=True, exist_ok=True)
@@ -543,7 +544,7 @@ def _load(path: Path, model, optimizer, checksums: bool, group, model_only: bool
                 "state before training on or saving them: zeroshard.checkpoint.load, or "
                 "model.load_state_dict and each optimizer's load_state_dict"
             )
-            engine.to_reload = {id(model), *(id(o) for o in _optimizers(optimizer))}
+            engine.to_reload |= {id(model), *(id(o) for o in _optimizers(optimizer))}
         raise
     if model_only:
         engine.loaded(model)
@@ -572,8 +573,8 @@ def _read(path: Path, model, optimizer, checksums: bool, group, model_only: bool
             scalers = checks.loss_scalers(path, len(_optimizers(optimizer)), own["loss_scaler"])
         checks.names(path, reader, state)
         if not model_only:
-            several = isinstance(optimizer, list | tuple) and len(optimizer) > 1
-            checks.optimizer_states(path, reader, state["optim"], several)
+            checks.optimizers(path, meta.get("optimizers"), _optimizers(optimizer))
+            checks.optimizer_states(path, reader, state["optim"])
         try:
             read(state, reader, LoadPlanner(), group)
             model.load_state_dict(state["model"])

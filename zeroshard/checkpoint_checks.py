@@ -88,36 +88,51 @@ def loss_scalers(path: Path, given: int, saved: dict | list[dict]) -> list[dict]
     return saved
 
 
-def optimizer_states(path: Path, reader, template: dict[str, Any], several: bool) -> None:
+def class_names(optimizers: list) -> list[str]:
+    """Each optimizer's class, as ``zeroshard.json`` records it (``torch.optim.adamw.AdamW``)."""
+    return [f"{o.optimizer_cls.__module__}.{o.optimizer_cls.__qualname__}" for o in optimizers]
+
+
+def optimizers(path: Path, saved: list[str] | None, given: list) -> None:
+    """The optimizers ``given`` to a load are of the classes the checkpoint was saved with, in
+    the same order (``zeroshard.json``'s ``optimizers``; None: not recorded, nothing to
+    compare)."""
+    given = class_names(given)
+    if saved is None or saved == given:
+        return
+    short = [", ".join(name.rsplit(".", 1)[-1] for name in names) for names in (saved, given)]
+    raise CheckpointError(
+        f"checkpoint {path} was saved with optimizer(s) {short[0]}, and {short[1]} were given: "
+        "pass the optimizers it was saved with, of the same classes, as a list in the same order"
+    )
+
+
+def optimizer_states(path: Path, reader, template: dict[str, Any]) -> None:
     """Fit a load template's ``optim`` (``state``: name -> key -> tensor, ``param_groups``) to
     the checkpoint, in place: a parameter whose states it does not hold (no optimizer step had
     reached it when it was saved) is dropped, so it is loaded without state and its first step
-    after the resume is Adam's first (bias correction), as in the run that was not interrupted.
-    State or param-group keys the checkpoint lacks (another optimizer class, or optimizers passed
-    in another order) are a one-line ``CheckpointError``."""
-    saved: dict[str, set[str]] = {}
+    after the resume is Adam's first (bias correction), as in the run that was not interrupted;
+    a param-group key it lacks (``initial_lr`` of a scheduler made since, a key a newer torch
+    added) keeps the optimizer's value. State keys it lacks (an optimizer of another class, in
+    a checkpoint that does not record the classes) are a one-line ``CheckpointError``."""
+    saved: set[str] = set()  # every key and every prefix of one (values nested in lists)
     for entry in reader.read_metadata().state_dict_metadata:
-        if entry.startswith("optim.state."):
-            name, key = entry.removeprefix("optim.state.").rsplit(".", 1)
-            saved.setdefault(name, set()).add(key)
-        elif entry.startswith("optim.param_groups."):
-            group, key = entry.removeprefix("optim.param_groups.").split(".")[:2]
-            saved.setdefault(f"param group {group}", set()).add(key)
+        parts = entry.split(".")
+        saved.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
     states = template["state"]
     for name in list(states):
-        if name not in saved:
+        if f"optim.state.{name}" not in saved:
             del states[name]
-    ours = {f"param group {i}": set(g) for i, g in enumerate(template["param_groups"])}
-    for name, keys in [*((n, set(v)) for n, v in states.items()), *ours.items()]:
-        if not keys <= saved.get(name, set()):
-            order = ", passed as a list in the order they were saved in" if several else ""
-            what = name if name in ours else f"optimizer states of {name}"
+        elif missing := [k for k in states[name] if f"optim.state.{name}.{k}" not in saved]:
             raise CheckpointError(
-                f"checkpoint {path} does not fit this model and optimizer: its {what} holds "
-                f"{', '.join(sorted(saved.get(name, ()))) or 'nothing'}, where the optimizer "
-                f"given keeps {', '.join(sorted(keys))}; load it with the optimizer class(es) it "
-                f"was saved with{order}"
+                f"checkpoint {path} does not fit this model and optimizer: it holds no optimizer "
+                f"state {', '.join(sorted(missing))} for {name}, which the optimizer given keeps "
+                "(another optimizer class); load it with the optimizer class(es) it was saved "
+                "with, as a list in the same order"
             )
+    for i, group in enumerate(template["param_groups"]):
+        for key in [k for k in group if f"optim.param_groups.{i}.{k}" not in saved]:
+            del group[key]
 
 
 def names(path: Path, reader, template: dict[str, Any]) -> None:
@@ -167,12 +182,12 @@ def rank_state(path: Path, meta: dict[str, Any], rank: int, checksums: bool, gro
     is a ``CheckpointError`` naming it on every rank (``torch.load`` would raise an ``OSError``
     or a ``UnicodeDecodeError`` naming nothing), before any tensor is overwritten."""
     name = f"rank-{rank % meta['world_size']:05d}.pt"
-    problem = check_file(path, name, meta["files"][name]) if checksums else None
     state = None
-    if problem is None:
-        try:
+    try:  # (on every rank before agree: an OSError here would leave the others waiting)
+        problem = check_file(path, name, meta["files"][name]) if checksums else None
+        if problem is None:
             state = torch.load(path / name, weights_only=True)
-        except Exception as exc:  # verify=False, or a file damaged before its checksum was made
-            problem = f"checkpoint file {path / name} cannot be read ({type(exc).__name__}: {exc})"
+    except Exception as exc:  # verify=False, or a file damaged before its checksum was made
+        problem = f"checkpoint file {path / name} cannot be read ({type(exc).__name__}: {exc})"
     agree(problem and problem.replace("\n", " "), group)
     return state

@@ -42,6 +42,9 @@ class CheckpointInfo:
     reduce_dtype: str | None = None
     num_params: int | None = None
     zeroshard_version: str | None = None
+    optimizers: list[str] | None = None
+    """Each optimizer's class (``torch.optim.adamw.AdamW``), in the order saved (None: a
+    checkpoint of an earlier version, or one FSDP2 wrote)."""
     size_bytes: int = 0
     """Bytes of every file in the folder."""
 

@@ -67,7 +67,9 @@ class Reader(FileSystemReader):
         threads: int = _THREADS,
     ) -> None:
         super().__init__(path)
-        self.files = files
+        # The rank files are checked by the rank that reads each, before torch.load
+        # (checkpoint_checks.rank_state): not hashed twice.
+        self.files = files and {n: w for n, w in files.items() if not n.startswith("rank-")}
         self.threads = max(1, threads)
         self._metadata: Metadata | None = None
 

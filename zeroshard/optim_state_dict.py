@@ -103,58 +103,74 @@ def _is_elementwise_state(value: Any, piece: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.ndim >= 1 and value.shape == piece.shape
 
 
-def _stepped(opt: ShardedOptimizer, first: dict[int, str]) -> set[str]:
-    """The (first) names of the parameters whose piece on this rank holds optimizer state: the
-    ones an optimizer step reached. A parameter no backward has reached yet has none, as in
-    torch, and a state dict leaves it out (``optimizer_state_dict``), so that a resumed run
-    gives its first real step Adam's first bias correction."""
-    out: set[str] = set()
+def _stepped(opt: ShardedOptimizer, first: dict[int, str]) -> dict[str, dict[str, Any]]:
+    """The (first) names of the parameters whose piece on this rank holds optimizer state (the
+    ones an optimizer step reached), each with its own values of the states that are not
+    element-wise (``step``: a head switched on late has stepped fewer times than its unit's
+    other parameters). A parameter no backward has reached yet has none, as in torch, and a
+    state dict leaves it out (``optimizer_state_dict``), so that a resumed run gives its first
+    real step Adam's first bias correction."""
+    out: dict[str, dict[str, Any]] = {}
     for sg in opt._subgroups:
         flat = sg.bucket.flat
         by_start = {p.span.start: p for ps in sg.pieces for p in ps}
         for i, (s, span) in enumerate(flat.pieces()):
             start, stop = flat.piece_range(i)
             piece = by_start.get(span.start) if stop > start else None
-            if piece is not None and sg.optimizer.state.get(piece.tensor):
-                out.add(first[id(s.param)])
+            st = sg.optimizer.state.get(piece.tensor) if piece is not None else None
+            if st:
+                out[first[id(s.param)]] = {
+                    k: _host_copy(v)
+                    for k, v in st.items()
+                    if not _is_elementwise_state(v, piece.tensor)
+                }
     return out
 
 
+def _host_copy(v: Any) -> Any:
+    return v.detach().cpu().clone() if torch.is_tensor(v) else v
+
+
 def _state_layout(
-    opt: ShardedOptimizer, stepped: set[str] = frozenset()
-) -> tuple[list[dict[int, dict[str, Any]]], set[str]]:
+    opt: ShardedOptimizer, stepped: dict[str, dict[str, Any]] | None = None
+) -> tuple[list[dict[int, dict[str, Any]]], dict[str, dict[str, Any]]]:
     """Per bucket (engine order) and user group: each state key, either ``("elementwise",
     dtype)`` (a tensor shaped like the piece) or ``("value", v)`` (anything else, e.g. a 0-dim
-    ``step``), as the first rank holding such a piece has it; and the union of every rank's
-    ``stepped`` names. The same on every rank (one object all-gather)."""
+    ``step``), as the first rank holding a piece with state has it; and the union of every
+    rank's ``stepped``. The same on every rank (one object all-gather)."""
     subgroups = _subgroup_of(opt)
+    stepped = stepped or {}
     mine: list[dict[int, dict[str, Any]]] = []
     for bucket in opt.engine.buckets:
         entry: dict[int, dict[str, Any]] = {}
         sg = subgroups.get(id(bucket))
-        if sg is not None:
-            for gi, pieces in zip(sg.groups, sg.pieces):
-                st = sg.optimizer.state.get(pieces[0].tensor) if pieces else None
-                if not st:
-                    continue
-                entry[gi] = {
-                    k: ("elementwise", v.dtype)
-                    if _is_elementwise_state(v, pieces[0].tensor)
-                    else ("value", v.detach().cpu().clone() if torch.is_tensor(v) else v)
-                    for k, v in st.items()
-                }
+        for gi, pieces in zip(sg.groups, sg.pieces) if sg is not None else ():
+            # the first piece with state: pieces no step reached yet have none
+            with_state = ((p, st) for p in pieces if (st := sg.optimizer.state.get(p.tensor)))
+            piece, st = next(with_state, (None, None))
+            if piece is None:
+                continue
+            entry[gi] = {
+                k: ("elementwise", v.dtype)
+                if _is_elementwise_state(v, piece.tensor)
+                else ("value", _host_copy(v))
+                for k, v in st.items()
+            }
         mine.append(entry)
     mesh = opt.engine.mesh
     if mesh.world_size == 1:
-        return mine, set(stepped)
+        return mine, dict(stepped)
     every: list[Any] = [None] * mesh.world_size
     dist.all_gather_object(every, (mine, stepped), group=mesh.group)
     merged: list[dict[int, dict[str, Any]]] = [{} for _ in opt.engine.buckets]
-    for rank_layout, _ in every:
+    union: dict[str, dict[str, Any]] = {}
+    for rank_layout, names in every:
         for bi, entry in enumerate(rank_layout):
             for gi, keys in entry.items():
                 merged[bi].setdefault(gi, keys)
-    return merged, set().union(*(names for _, names in every))
+        for name, values in names.items():
+            union.setdefault(name, values)
+    return merged, union
 
 
 def _copy_value(v: Any) -> Any:
@@ -212,9 +228,10 @@ def optimizer_state_dict(
             del entry_of  # a gathered buffer is freed before the next key's
         for s in flat.slots:
             gi = group_of.get(id(s.param)) if kept(s.param) else None
+            own = stepped.get(first[id(s.param)], {})  # its own step count, where it has one
             for k, (kind, v) in layout[bi].get(gi, {}).items() if gi is not None else ():
                 if kind == "value":
-                    per_param.setdefault(id(s.param), {})[k] = _copy_value(v)
+                    per_param.setdefault(id(s.param), {})[k] = _copy_value(own.get(k, v))
     # Zero-element parameters are not in any FlatParam; FSDP2 gives them states of their shape.
     by_group: dict[int, dict[str, Any]] = {}
     for entry in layout:

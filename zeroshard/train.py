@@ -68,9 +68,11 @@ def resume_path(cfg: TrainConfig) -> Path | None:
         return Path(cfg.resume)
     found = checkpoint.latest(Path(cfg.out_dir) / "ckpt")
     if found is None:
+        damaged = checkpoint.passed_over(Path(cfg.out_dir) / "ckpt")
+        which = f" (damaged: {damaged[0].path}: {damaged[0].problem})" if damaged else ""
         raise FileNotFoundError(
-            f"--resume auto found no complete checkpoint in {Path(cfg.out_dir) / 'ckpt'}; "
-            "drop --resume to start afresh, or pass a checkpoint folder"
+            f"--resume auto found no complete checkpoint in {Path(cfg.out_dir) / 'ckpt'}"
+            f"{which}; drop --resume to start afresh, or pass a checkpoint folder"
         )
     return found
 
@@ -172,9 +174,11 @@ def plot(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-_PER_NODE = {"out_dir", "data_dir", "data", "resume", "offload_folder", "log", "progress_every"}
+_PER_NODE = {"out_dir", "data_dir", "data", "hf", "resume", "offload_folder", "log",
+             "progress_every"}  # fmt: skip
 """Settings each node of a multi-node job may set its own way: its paths (each node's copy of
-the data, its own disks), how it logs."""
+the data and of the ``--hf`` config, made absolute from its own folder: the models built from
+them are compared at ``shard()``; its own disks), how it logs."""
 
 
 def settings_differ(ours: dict, theirs: dict) -> list[str]:

@@ -47,10 +47,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{problem} ({found.size_bytes:,} bytes in its files)")
         return 1
     tp = f" (tensor-parallel {found.tensor_parallel})" if found.tensor_parallel > 1 else ""
+    classes = [name.rsplit(".", 1)[-1] for name in found.optimizers or []]
+    optimizers = f", optimizer {', '.join(classes)}" if classes else ""
     print(
         f"{found.path}: complete\n"
         f"  step {found.step}, world size {found.world_size}{tp}, stage {found.stage}, "
-        f"param dtype {found.param_dtype} (reduce {found.reduce_dtype})\n"
+        f"param dtype {found.param_dtype} (reduce {found.reduce_dtype})"
+        f"{optimizers}\n"
         f"  {found.num_params:,} parameters, {found.size_bytes / 2**20:.1f} MiB on disk "
         f"({found.size_bytes:,} bytes), zeroshard {found.zeroshard_version}"
     )
