@@ -580,3 +580,13 @@ def test_ci_0_is_the_engine_without_checkpoints(capsys, stage):
     allowance = _json([*flags, "--ci", "1"], capsys)["stages"][0]["device_bytes"]
     assert row["device_bytes"] != allowance
     assert "largest moment of the engine's step" in _run([*flags, "--ci", "0"], capsys)
+
+
+def test_accumulate_unreduced_flag(capsys):
+    argv = ["--params", "1B", "--dp", "8", "--stage", "1,3", "--offload", "none"]
+    plain = {r["stage"]: r for r in _json(argv, capsys)["stages"]}
+    unreduced = {r["stage"]: r for r in _json([*argv, "--accumulate-unreduced"], capsys)["stages"]}
+    # stage 3 holds the whole local gradient between micro-batches, as stage 1 always does
+    assert unreduced[3]["memory"]["device"]["grads"] == plain[1]["memory"]["device"]["grads"]
+    assert unreduced[3]["memory"]["device"]["grads"] > plain[3]["memory"]["device"]["grads"]
+    assert unreduced[1]["memory"] == plain[1]["memory"]

@@ -462,15 +462,19 @@ def _train_records(records: list[dict]) -> list[dict]:
 def test_grad_accum_equals_the_whole_batch(capsys, tmp_path, data_dir):
     data = ["--data-dir", str(data_dir), *NANO, "--steps", "3", "--batch-size", "8"]
     runs = {}
-    for accum in (1, 2, 4):
+    for accum in (1, 2, 4, "4u"):  # 4u: --accumulate-unreduced, one reduction per step
+        flags = ["--grad-accum", str(accum).rstrip("u")]
+        flags += ["--accumulate-unreduced", "true"] if accum == "4u" else []
         code, err, records, summary = _train_in_process(
-            capsys, tmp_path / f"a{accum}", *data, "--grad-accum", str(accum)
+            capsys, tmp_path / f"a{accum}", *data, *flags
         )
         assert code == 0, err
-        assert summary["grad_accum"] == accum
+        assert summary["grad_accum"] == int(str(accum).rstrip("u"))
+        # stage 3: ZeRO's partitioned gradients by default, as zeroshard plan counts them
+        assert summary["reduce_every_micro_batch"] == (accum in (2, 4)), summary
         runs[accum] = records
     whole = _train_records(runs[1])
-    for accum in (2, 4):
+    for accum in (2, 4, "4u"):
         micro = _train_records(runs[accum])
         # The same sequences, so the same mean loss and gradient norm (before clipping) at every
         # step: a missing 1/N would multiply the norm by N (AdamW alone would hide it).
@@ -908,7 +912,21 @@ NORMAL = ["--steps", "8", "--seq-len", "32", "--eval-every", "4", "--eval-batche
 NORMAL += ["--log-every", "2"]
 ENDINGS = [  # (name, flags, exit status); --steps 100000 runs until the signal
     ("stage 1", [*NORMAL, "--stage", "1"], 0),
-    ("stage 2 bf16", [*NORMAL, "--stage", "2", "--precision", "bf16"], 0),
+    (
+        "stage 2, grad-accum 2 unreduced, bf16",
+        [
+            *NORMAL,
+            "--stage",
+            "2",
+            "--precision",
+            "bf16",
+            "--grad-accum",
+            "2",
+            "--accumulate-unreduced",
+            "true",
+        ],
+        0,
+    ),  # fmt: skip
     ("stage 3", [*NORMAL, "--stage", "3"], 0),
     ("stage 3, grad-accum 2", [*NORMAL, "--stage", "3", "--grad-accum", "2"], 0),
     ("diverged", ["--lr", "1e9", "--warmup-steps", "0", "--steps", "100"], 3),
@@ -1064,7 +1082,8 @@ def test_every_way_a_two_rank_run_ends(tmp_path, data_dir, model_module):
             assert len(ours) <= 2 and "my model crashed" in stderr, stderr[-3000:]
             summary = json.loads((tmp_path / _folder(name) / "summary.json").read_text())
             assert summary["error"].startswith("rank 1 failed first (exit code 1"), summary
-    # Accumulation over 2 ranks: the same curve, and gradients reduced once per step.
+    # Accumulation over 2 ranks: the same curve, and gradients reduce-scattered every
+    # micro-batch (ZeRO-3's partitioned gradients: no whole gradient kept between them).
     runs = {}
     for name in ("stage 3", "stage 3, grad-accum 2"):
         folder = tmp_path / _folder(name)
@@ -1078,7 +1097,9 @@ def test_every_way_a_two_rank_run_ends(tmp_path, data_dir, model_module):
     assert [r["grad_norm"] for r in micro] == pytest.approx([r["grad_norm"] for r in whole])
     micro_bytes = micro_summary["comm_bytes_per_step_by_label"]
     whole_bytes = whole_summary["comm_bytes_per_step_by_label"]
-    assert micro_bytes["grads"] == whole_bytes["grads"] > 0, (micro_bytes, whole_bytes)
+    assert micro_bytes["grads"] == 2 * whole_bytes["grads"] > 0, (micro_bytes, whole_bytes)
+    unreduced = json.loads((tmp_path / _folder(ENDINGS[1][0]) / "summary.json").read_text())
+    assert unreduced["reduce_every_micro_batch"] is False, unreduced
     assert micro_bytes["params"] > whole_bytes["params"]  # stage 3 gathers per micro-batch
 
 

@@ -72,3 +72,13 @@ def test_stage3_root_kept_gathered_is_not_gathered_again():
     assert total_numel(collectives) == 3 * 1000 - 100
     with pytest.raises(ValueError, match="num_params_kept_gathered"):
         dp_communication(1000, stage=3, num_params_kept_gathered=1001)
+
+
+def test_unreduced_accumulation_reduces_once_per_step():
+    for stage in (2, 3):
+        every = dp_communication(1000, stage=stage)
+        once = dp_communication(1000, stage=stage, reduce_every_micro_batch=False)
+        grads = [c for c in every if c.label == "grads"]
+        assert grads and all(c.every_micro_batch for c in grads)
+        assert all(not c.every_micro_batch for c in once if c.label == "grads")
+        assert [c.num_bytes for c in once] == [c.num_bytes for c in every]

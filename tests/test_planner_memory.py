@@ -292,3 +292,71 @@ def test_offload_staging_matches_the_engine_s_buffers(workers2, tmp_path):
         # parameter, 5% more elements in a block this small (0.1% at the 3b preset).
         assert slots <= r["slot_bytes"] <= slots * 1.1, (r, slots)
         assert 0 < r["masters_outside_step"] <= st.MASTERS_AT_STEP * 4 * shard, r
+
+
+def test_accumulating_unreduced_holds_the_whole_gradient():
+    gpt = d.from_gpt("100m")
+    fp32 = m.BytesPerParam(params=4, grads=4, optimizer_states=8)
+    for stage in range(4):
+        base = MemoryConfig(stage=stage, num_dp_ranks=8, bytes_per_param=fp32)
+        plain = m.plan_memory(gpt, base).device["grads"]
+        unreduced = m.plan_memory(gpt, dataclasses.replace(base, accumulate_unreduced=True))
+        whole = 4 * gpt.num_params  # every rank's own local gradient instead of its shard
+        assert unreduced.device["grads"] == (whole if stage >= 2 else plain), stage
+        assert plain == (whole if stage < 2 else math.ceil(whole / 8)), stage
+
+
+def _two_micro_batches(model, opt, x, tracker=None) -> int | None:
+    """One step of two micro-batches, the first with ``sync=False``; with a ``tracker``, the
+    bytes it counts between them."""
+    opt.backward(model(x, x), sync=False)
+    between = None
+    if tracker is not None:
+        between = sum(s["Total"] for s in tracker.get_tracker_snapshot("current").values())
+        tracker.reset_mod_stats()  # (it tracks one forward per module)
+    opt.backward(model(x, x))
+    opt.step()
+    opt.zero_grad()
+    return between
+
+
+def _accumulation_bytes() -> dict:
+    """MemTracker's count of this rank's bytes between the two micro-batches of a step at stage
+    3, reducing each (ZeRO's partitioned gradients: the shards) or keeping them unreduced until
+    the last (``sync=False``: the whole local gradient)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import zeroshard
+    from zeroshard.models.gpt import GPT, Block, GPTConfig
+
+    out = {}
+    for unreduced in (False, True):
+        torch.manual_seed(0)
+        config = zeroshard.ShardConfig(reduce_every_micro_step=not unreduced)
+        model = GPT(GPTConfig(n_layer=8, n_embd=64, n_head=2, block_size=16, vocab_size=64))
+        out["num_params"] = sum(p.numel() for p in model.parameters())
+        model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(Block), config=config)
+        opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+        x = torch.randint(0, 64, (1, 4))
+        _two_micro_batches(model, opt, x)  # states exist before tracking
+        tracker = MemTracker()
+        tracker.track_external(*[f.master for f in zeroshard.engine_of(model).flat_params])
+        tracker.track_external(model, opt)
+        with tracker:
+            out[unreduced] = _two_micro_batches(model, opt, x, tracker)
+    return out
+
+
+def test_accumulating_unreduced_matches_the_measured_bytes(workers2):
+    # zeroshard train --grad-accum reduced once per step at stages 2-3, holding a whole
+    # gradient that zeroshard plan did not count; it now reduces every micro-batch unless
+    # --accumulate-unreduced, which zeroshard plan counts.
+    for r in workers2.run(_accumulation_bytes):
+        gpt = d.from_params(r["num_params"])
+        fp32 = m.BytesPerParam(params=4, grads=4, optimizer_states=8)
+        base = MemoryConfig(stage=3, num_dp_ranks=2, bytes_per_param=fp32)
+        extra = m.plan_memory(gpt, dataclasses.replace(base, accumulate_unreduced=True))
+        predicted = extra.device["grads"] - m.plan_memory(gpt, base).device["grads"]
+        measured = r[True] - r[False]
+        assert 0.9 * predicted <= measured <= 1.1 * predicted, (measured, predicted, r)

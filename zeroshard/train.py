@@ -268,6 +268,7 @@ def train(cfg: TrainConfig) -> dict:
                 checkpoint_every=cfg.checkpoint_every,
                 partition_activations=cfg.partition_activations,
                 shard_group_size=cfg.shard_group_size,
+                reduce_every_micro_step=not cfg.accumulate_unreduced,
             ),
             param_init_fn=built.param_init_fn, offload=cfg.offload(), mesh=mesh,
         )  # fmt: skip
@@ -298,6 +299,8 @@ def train(cfg: TrainConfig) -> dict:
             "shard_group_size": hybrid.shard_size if hybrid else 0,  # as the engine shards
             "precision": _precision_name(cfg.precision, policy),
             "grad_accum": cfg.grad_accum, "steps": cfg.steps, "data": data.source,
+            "reduce_every_micro_batch": cfg.grad_accum > 1 and cfg.stage >= 2
+            and not cfg.accumulate_unreduced,
             "vocab_size": data.vocab_size,
         }  # fmt: skip
         try:

@@ -147,6 +147,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "(zeroshard.optimizer(..., step_in_backward=True)), so gradient shards never accumulate "
         "(grads 0); stages 2 and 3 only",
     )
+    t.add_argument(
+        "--accumulate-unreduced",
+        action="store_true",
+        help="stages 2-3 with gradient accumulation: micro-batches keep their local gradients "
+        "whole and reduce once per step (zeroshard train --accumulate-unreduced, no_sync): the "
+        "whole gradient is on the device beside the shards",
+    )
     t.add_argument("--bucket", default="25MiB", help="communication bucket size")
     t.add_argument(
         "--fragmentation",
@@ -363,6 +370,7 @@ def _memory_config(
         num_units_prefetch=args.prefetch,
         bucket_bytes=units.parse_bytes(args.bucket),
         step_in_backward=args.step_in_backward,
+        accumulate_unreduced=args.accumulate_unreduced,
         fragmentation_fraction=args.fragmentation,
     )
 

@@ -65,6 +65,7 @@ def dp_communication(
     num_dp_ranks: int | None = None,
     shard_group_size: int | None = None,
     num_params_replicated: int = 0,
+    reduce_every_micro_batch: bool = True,
 ) -> tuple[Collective, ...]:
     """The collectives of one step and their per-device volume: 2 Psi elements for stages 0-2,
     3 Psi for stage 3 (Psi / Nm each with model parallelism). Gradients travel in
@@ -78,7 +79,10 @@ def dp_communication(
     neither; k must divide Nd). With k < Nd, stages 1-3 add the all-reduce of the 1/k gradient
     shard across groups (scope ``replicate``), 2 * ceil(Psi / k) elements, when the gradients are
     reduce-scattered (every micro-batch at stages 2-3). Stage 0 shards nothing: its all-reduce
-    spans every rank, as the engine ignores ``shard_group_size`` there."""
+    spans every rank, as the engine ignores ``shard_group_size`` there.
+
+    ``reduce_every_micro_batch=False`` (``MemoryConfig.accumulate_unreduced``): stages 2-3
+    reduce the gradients once per step, after the last micro-batch, as stages 0-1 do."""
     for name, value in (("num_params", num_params), ("num_mp_ranks", num_mp_ranks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -106,7 +110,7 @@ def dp_communication(
             when="backward",
             numel=numel,
             num_bytes=numel * reduce_dtype_bytes,
-            every_micro_batch=part.gradients,
+            every_micro_batch=part.gradients and reduce_every_micro_batch,
         )
 
     def params(when: str) -> Collective:

@@ -213,6 +213,12 @@ class MemoryConfig:
     never accumulate, so ``grads`` is 0 on every tier at every moment, and the timeline has no
     end-of-step optimizer moment. The reduce-scatter writes into the full gradient's own slice
     (no separate output buffer)."""
+    accumulate_unreduced: bool = False
+    """Gradient accumulation whose micro-batches do not reduce (``no_sync`` / ``sync=False``
+    at stages 2-3 without ``reduce_every_micro_step``; ``zeroshard train
+    --accumulate-unreduced``): every unit's local gradient is kept whole until the last one,
+    so the device holds the whole gradient (``bytes_per_param.grads`` x Psi / Nm) instead of
+    the shards. Nothing changes at stages 0-1, whose gradients are whole anyway."""
     activation_checkpointing: bool = True
     """False: no checkpoints; every block keeps what autograd saves from its forward to its
     backward, and the device is counted along the engine's timeline (module docstring)."""
@@ -413,12 +419,28 @@ def logits_bytes(*, micro_batch_size: int, seq_len: int, vocab_size: int) -> int
     return micro_batch_size * seq_len * vocab_size * LOGIT_BYTES_PER_ELEMENT
 
 
-def _stepped_in_backward(states: dict[Tier, dict[str, int]], config: MemoryConfig) -> None:
-    """With ``step_in_backward`` no gradient shard outlives its reduction (each is stepped and
-    dropped as the reduction finishes): ``grads`` is 0 on every tier."""
+def _grads_as_trained(
+    states: dict[Tier, dict[str, int]], model: ModelDescription, config: MemoryConfig
+) -> None:
+    """``grads`` as the step's schedule has them: with ``step_in_backward`` no gradient shard
+    outlives its reduction (each is stepped and dropped as the reduction finishes): 0 on every
+    tier; with ``accumulate_unreduced`` at stages 2-3 the device holds the whole local gradient
+    (stage 1's unpartitioned figure) between micro-batches; each unit's becomes its shard as the
+    last micro-batch reduces it, so the two are not counted together."""
     if config.step_in_backward:
         for tier in states.values():
             tier["grads"] = 0
+    if config.accumulate_unreduced and partition(config.stage).gradients:
+        whole = model_states(
+            model.num_params,
+            stage=1,  # gradients whole on every rank
+            num_dp_ranks=config.num_shard_ranks,
+            num_mp_ranks=config.num_mp_ranks,
+            bytes_per_param=config.bytes_per_param,
+            num_params_replicated=model.replicated_numel,
+            num_params_trainable=model.num_trainable_params,
+        )
+        states[Tier.DEVICE]["grads"] = whole[Tier.DEVICE]["grads"]
 
 
 def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdown:
@@ -450,7 +472,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             num_params_replicated=model.replicated_numel,
             num_params_trainable=model.num_trainable_params,
         )
-        _stepped_in_backward(states, c)
+        _grads_as_trained(states, model, c)
         moments = timeline.moments(model, c, states[Tier.DEVICE])
         for category in RESIDUAL_STATES:
             out[Tier.DEVICE][category] = max(m[category] for _, m in moments)
@@ -552,7 +574,7 @@ def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdow
         num_params_replicated=model.replicated_numel,
         num_params_trainable=model.num_trainable_params,
     )
-    _stepped_in_backward(states, config)
+    _grads_as_trained(states, model, config)
     residual = residual_states(model, config)
     tiers = {t: states[t] | residual.on(t) for t in TIERS}
     tiers[Tier.CPU]["offload_staging"] = offload_staging_bytes(model, config)
