@@ -569,12 +569,11 @@ def _read(path: Path, model, optimizer, checksums: bool, group, model_only: bool
         scalers = []
         if model_only:
             del state["optim"]
-        else:
+        else:  # the optimizers' count first: it names what the other checks would only imply
             scalers = checks.loss_scalers(path, len(_optimizers(optimizer)), own["loss_scaler"])
-        checks.names(path, reader, state)
-        if not model_only:
             checks.optimizers(path, meta.get("optimizers"), _optimizers(optimizer))
             checks.optimizer_states(path, reader, state["optim"])
+        checks.names(path, reader, state)
         try:
             read(state, reader, LoadPlanner(), group)
             model.load_state_dict(state["model"])

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from zeroshard.model_states.optimizer import ShardedOptimizer
-    from zeroshard.model_states.subgroups import SubGroup
+    from zeroshard.model_states.subgroups import Piece, SubGroup
 
 __all__ = ["load_optimizer_state_dict", "optimizer_state_dict"]
 
@@ -113,10 +113,7 @@ def _stepped(opt: ShardedOptimizer, first: dict[int, str]) -> dict[str, dict[str
     out: dict[str, dict[str, Any]] = {}
     for sg in opt._subgroups:
         flat = sg.bucket.flat
-        by_start = {p.span.start: p for ps in sg.pieces for p in ps}
-        for i, (s, span) in enumerate(flat.pieces()):
-            start, stop = flat.piece_range(i)
-            piece = by_start.get(span.start) if stop > start else None
+        for s, piece in zip(flat.slots, _slot_pieces(flat, sg)):
             st = sg.optimizer.state.get(piece.tensor) if piece is not None else None
             if st:
                 out[first[id(s.param)]] = {
@@ -124,6 +121,17 @@ def _stepped(opt: ShardedOptimizer, first: dict[int, str]) -> dict[str, dict[str
                     for k, v in st.items()
                     if not _is_elementwise_state(v, piece.tensor)
                 }
+    return out
+
+
+def _slot_pieces(flat: FlatParam, sg: SubGroup | None) -> list[Piece | None]:
+    """This rank's piece of each slot of ``flat`` (by index; one piece per parameter), or None
+    where it holds none of it."""
+    by_start = {p.span.start: p for ps in sg.pieces for p in ps} if sg is not None else {}
+    out: list[Piece | None] = []
+    for i, (_, span) in enumerate(flat.pieces()):
+        start, stop = flat.piece_range(i)
+        out.append(by_start.get(span.start) if stop > start else None)
     return out
 
 
@@ -296,20 +304,17 @@ def _local_entries(
     none. A piece without state (a parameter no backward has reached yet, beside others that
     stepped) is zeros, as ``_gathered_entries`` gives it; a load into it gives it that state.
     No collective."""
-    by_start = {p.span.start: p for ps in sg.pieces for p in ps} if sg is not None else {}
-    spans = flat.pieces()
+    pieces = _slot_pieces(flat, sg)
 
     def entry(index: int) -> FlatRange:
-        s = flat.slots[index]
-        start, stop = flat.piece_range(index)
-        piece = by_start.get(spans[index][1].start) if stop > start else None
+        s, piece = flat.slots[index], pieces[index]
         if piece is None:
             empty = torch.empty(0, dtype=dtype, device=flat.mesh.device)
             return FlatRange(s.shape, dtype, 0, empty)
         value = sg.optimizer.state.get(piece.tensor, {}).get(key)
         if value is None:
             value = torch.zeros(piece.tensor.numel(), dtype=dtype, device=flat.mesh.device)
-        return FlatRange(s.shape, dtype, start, value)
+        return FlatRange(s.shape, dtype, flat.piece_range(index)[0], value)
 
     return entry
 

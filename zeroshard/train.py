@@ -181,6 +181,13 @@ the data and of the ``--hf`` config, made absolute from its own folder: the mode
 them are compared at ``shard()``; its own disks), how it logs."""
 
 
+def _reduces_every_micro_step(model) -> bool:
+    """Whether the engine reduces a micro-batch's gradients at a backward that does not sync
+    (partitioned gradients with ``reduce_every_micro_step``: the stage table says which)."""
+    engine = zeroshard.engine_of(model)
+    return engine.partition.gradients and engine.config.reduce_every_micro_step
+
+
 def settings_differ(ours: dict, theirs: dict) -> list[str]:
     """The job settings (``asdict(TrainConfig)``) that differ, "name ours vs theirs"; the ones
     each node may set its own way (``_PER_NODE``) are left out."""
@@ -299,8 +306,7 @@ def train(cfg: TrainConfig) -> dict:
             "shard_group_size": hybrid.shard_size if hybrid else 0,  # as the engine shards
             "precision": _precision_name(cfg.precision, policy),
             "grad_accum": cfg.grad_accum, "steps": cfg.steps, "data": data.source,
-            "reduce_every_micro_batch": cfg.grad_accum > 1 and cfg.stage >= 2
-            and not cfg.accumulate_unreduced,
+            "reduce_every_micro_batch": cfg.grad_accum > 1 and _reduces_every_micro_step(model),
             "vocab_size": data.vocab_size,
         }  # fmt: skip
         try:

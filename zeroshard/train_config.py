@@ -90,9 +90,9 @@ class TrainConfig:
     forward/backward passes of batch_size / (ranks x grad_accum) sequences per rank."""
     accumulate_unreduced: bool = False
     """Stages 2-3 with grad_accum > 1: keep each unit's local gradient whole over the
-    micro-batches and reduce-scatter once per step (less communication, and a full gradient of
-    the model in memory, which zeroshard plan does not count); by default every micro-batch's
-    gradient is reduce-scattered into the shards, as ZeRO-2/3 (and zeroshard plan) have it."""
+    micro-batches and reduce-scatter once per step (less communication, and a whole gradient of
+    the model in memory: zeroshard plan --accumulate-unreduced counts it); by default every
+    micro-batch's gradient is reduce-scattered into the shards, as ZeRO-2/3 have it."""
     seq_len: int = 128
     """Tokens per sequence; at most the model's block size."""
     lr: float = 3e-3

@@ -152,7 +152,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="stages 2-3 with gradient accumulation: micro-batches keep their local gradients "
         "whole and reduce once per step (zeroshard train --accumulate-unreduced, no_sync): the "
-        "whole gradient is on the device beside the shards",
+        "whole gradient is on the device instead of the shards",
     )
     t.add_argument("--bucket", default="25MiB", help="communication bucket size")
     t.add_argument(
