@@ -200,7 +200,6 @@ class GradBucket:
             self.full_grad = torch.empty(
                 flat.padded_numel, dtype=flat.param_dtype, device=flat.mesh.device
             )
-            self.full_grad[flat.numel :].zero_()  # padding: part of every reduction
             self._unbind()
         elif self._reduced:
             # A second reduction before zero_grad: what was reduced stays apart, the local
@@ -212,6 +211,8 @@ class GradBucket:
             if self.shard_grad is not None and self._in(self.shard_grad):
                 self.shard_grad = self.shard_grad.clone()
             self._unbind()
+        # padding: part of every reduction (a kept buffer's may hold a NaN clip's 0 x NaN)
+        self.full_grad[flat.numel :].zero_()
         self._reduced = False
         self._shown_version = None
         for i, s in enumerate(flat.slots):
