@@ -231,6 +231,19 @@ def test_a_scaler_of_another_kind_keeps_its_own_scale():
     assert dynamic.scale == 2.0**15  # halved by its own overflow above, not set to 1.0
 
 
+def test_the_scale_applied_to_an_fp16_loss_stays_within_fp16():
+    """An FP16 loss's gradient is the scale itself, in FP16: 2**16 overflows (65504 at most)."""
+    half, full = torch.ones((), dtype=torch.float16), torch.ones(())
+    dynamic = DynamicLossScaler()
+    assert dynamic.scale_for(full) == 2.0**16
+    assert dynamic.scale_for(half) == dynamic.scale == 2.0**15
+    assert (half.float() * dynamic.scale).half().isfinite()
+    with pytest.raises(ValueError, match=r"overflows the gradient of a torch.float16 loss.*65504"):
+        LossScaler(scale=2.0**16).scale_for(half)
+    assert LossScaler(scale=40000.0).scale_for(half) == 40000.0  # within FP16's range
+    assert LossScaler(scale=2.0**16).scale_for(full) == 2.0**16
+
+
 # --------------------------------------------------------------------- 2 ranks
 
 
@@ -723,6 +736,34 @@ def test_fp16_where_the_device_cannot_names_bf16(monkeypatch):
 def test_shard_rejects_a_policy_of_the_wrong_type():
     with pytest.raises(TypeError, match="MixedPrecision or a name"):
         zeroshard.precision.policy_of(torch.bfloat16, torch.device("cpu"))  # type: ignore[arg-type]
+
+
+def _fp16_loss_steps(stage: int) -> dict:
+    """An FP16 model and an FP16 loss, the default scaler (2**16 at first), growing after
+    every 2 clean steps: no step may be skipped for the loss's own gradient."""
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3)), stage=stage, mixed_precision="fp16"
+    )
+    scaler = DynamicLossScaler(growth_interval=2)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1e-3, loss_scaler=scaler)
+    taken, scales = [], []
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        assert loss.dtype == torch.float16
+        opt.backward(loss)
+        scales.append(opt.loss_scaler.scale)
+        taken.append(opt.step())
+        opt.zero_grad()
+    return {"taken": taken, "scales": scales}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_fp16_loss_is_never_scaled_past_fp16(workers2, stage):
+    for r in workers2.run(_fp16_loss_steps, stage):
+        assert all(r["taken"]) and r["scales"] == [2.0**15] * 6, r
 
 
 def _fp16_plain_backwards(stage: int) -> dict:

@@ -375,6 +375,18 @@ class LossScaler:
             )
         self._owner = weakref.ref(optimizer)
 
+    def scale_for(self, loss: torch.Tensor) -> float:
+        """The scale to multiply ``loss`` by: the loss's own gradient is the scale, in the
+        loss's dtype, so above that dtype's range (FP16: 65504) every step would overflow. A
+        static scale there is a ValueError."""
+        if loss.dtype.is_floating_point and self.scale > torch.finfo(loss.dtype).max:
+            raise ValueError(
+                f"a loss scale of {self.scale:g} overflows the gradient of a {loss.dtype} loss "
+                f"(at most {torch.finfo(loss.dtype).max:g}): compute the loss in FP32 "
+                f"(loss.float()) or use a smaller scale"
+            )
+        return self.scale
+
     def update(self, found_inf: bool) -> None:
         """Record one step's outcome (the same on every rank)."""
         self.num_skipped += int(found_inf)
@@ -465,6 +477,12 @@ class DynamicLossScaler(LossScaler):
         self.scale = float(self.init_scale)
         self._hysteresis_left = self.hysteresis
 
+    def scale_for(self, loss: torch.Tensor) -> float:
+        """The scale, lowered to the largest power of two that a ``loss`` of its dtype can
+        carry as its gradient where it is above (an FP16 loss: 2**15; 2**16 overflowed)."""
+        self.scale = min(self.scale, _largest_power_of_two(loss.dtype))
+        return self.scale
+
     def update(self, found_inf: bool) -> None:
         super().update(found_inf)
         if not found_inf:
@@ -499,6 +517,13 @@ class DynamicLossScaler(LossScaler):
             return
         self._clean_steps = int(state.get("clean_steps", 0))
         self._hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))
+
+
+def _largest_power_of_two(dtype: torch.dtype) -> float:
+    """The largest power of two that ``dtype`` holds (inf for a non-float dtype)."""
+    if not dtype.is_floating_point:
+        return math.inf
+    return math.ldexp(1.0, math.frexp(torch.finfo(dtype).max)[1] - 1)
 
 
 def default_scaler(param_dtypes: set[torch.dtype]) -> LossScaler:

@@ -243,7 +243,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``loss.backward(**kwargs)`` (times the loss scale; ``retain_graph``, ``create_graph``
         and ``inputs`` as torch's); with ``sync=False`` gradients only accumulate locally (a
         gradient-accumulation micro-step), communicated by the next synchronized backward."""
-        scale = self.loss_scaler.scale
+        scale = self.loss_scaler.scale_for(loss)
         if scale != 1.0:
             loss = loss.float() * scale  # in FP32: an FP16 loss times 2**16 would overflow
         scaling = self.engine.scaling
