@@ -463,3 +463,99 @@ def test_a_subset_optimizer_with_gradients_on_nvme_does_not_clip_by_the_whole_mo
 ):
     for said in workers2.run(_clip_a_subset_with_gradients_on_nvme, str(tmp_path)):
         assert "takes the norm of every trainable parameter's gradient" in said, said
+
+
+def _backward_after_step(stage: int) -> dict:
+    """``backward(retain_graph=True)``, ``step()``, then a backward through the same graph:
+    torch raises (the weights it saved were changed in place); so must a sharded model, whose
+    backward would otherwise mix the old activations with the new weights. A forward after
+    the step trains as usual."""
+    model, ref = _pair(stage)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    x, y, mine = _batch(0)
+    out = {}
+    for name, net, o, rows in (("ours", model, opt, mine), ("torch", ref, ref_opt, slice(None))):
+        loss = nn.functional.mse_loss(net(x[rows]), y[rows])
+        (o.backward(loss, retain_graph=True) if o is opt else loss.backward(retain_graph=True))
+        o.step()
+        o.zero_grad()
+        try:
+            o.backward(loss) if o is opt else loss.backward()
+            out[name] = "accepted"
+        except RuntimeError as exc:
+            out[name] = str(exc)
+    opt.zero_grad()
+    for step in range(1, 3):  # fresh forwards: trained as torch trains
+        x, y, mine = _batch(step)
+        _losses(model, ref, x, y, mine)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    out["diff"] = _diff(model, ref)
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_backward_through_a_graph_from_before_the_step_raises(workers2, stage):
+    for r in workers2.run(_backward_after_step, stage):
+        assert "modified by an inplace operation" in r["torch"], r
+        assert "made before an optimizer step changed its parameters" in r["ours"], r
+        assert r["diff"] < 1e-6, r
+
+
+class _GAN(nn.Module):
+    """A generator and a discriminator in one sharded model, each with its own optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.D = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, z: torch.Tensor, which: str) -> torch.Tensor:
+        return self.G(z) if which == "G" else self.D(z)
+
+
+class _Queries(nn.Module):
+    """A unit that returns its own parameter (a leaf: its backward hook outlives the graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self) -> torch.Tensor:
+        return self.q
+
+
+def _graphs_still_valid(stage: int) -> list[str]:
+    """Patterns whose graphs a step does not make stale: the GAN loop (the generator's forward
+    made before the discriminator's step, backward through it after), and a unit returning
+    its own parameter; the steps each must take."""
+    torch.manual_seed(0)
+    gan = zeroshard.shard(_GAN(), stage=stage, wrap=zeroshard.wrap.by_class(nn.Sequential))
+    opt_g = zeroshard.optimizer(gan, torch.optim.Adam, list(gan.G.parameters()), lr=1e-3)
+    opt_d = zeroshard.optimizer(gan, torch.optim.Adam, list(gan.D.parameters()), lr=1e-3)
+    taken = []
+    for _ in range(2):
+        fake = gan(torch.randn(2, 4), "G")
+        opt_d.backward(gan(fake.detach(), "D").mean())
+        taken.append(f"D {opt_d.step()}")
+        opt_d.zero_grad()
+        opt_g.backward(-gan(fake, "D").mean())
+        taken.append(f"G {opt_g.step()}")
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+    net = nn.ModuleDict({"queries": _Queries(), "lin": nn.Linear(4, 4)})
+    net = zeroshard.shard(net, stage=stage, wrap=zeroshard.wrap.by_class(_Queries))
+    opt = zeroshard.optimizer(net, torch.optim.SGD, lr=0.1)
+    for _ in range(3):
+        opt.backward((net["lin"](torch.randn(2, 4)) @ net["queries"]().t()).sum())
+        taken.append(f"Q {opt.step()}")
+        opt.zero_grad()
+    return taken
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_graphs_a_step_leaves_valid_still_train(workers2, stage):
+    for r in workers2.run(_graphs_still_valid, stage):
+        assert r == ["D True", "G True"] * 2 + ["Q True"] * 3, r

@@ -79,6 +79,17 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def stale_graph(unit: str) -> RuntimeError:
+    """The error for a backward through a unit's forward made before an optimizer step changed
+    its parameters (``backward(retain_graph=True)``, ``step()``, then a backward again)."""
+    return RuntimeError(
+        f"backward through a forward of unit {unit or '<root>'} made before an optimizer step "
+        "changed its parameters (backward(retain_graph=True), step(), then backward again): "
+        "its gradients would mix old activations with new weights, and torch raises here too "
+        "(modified by an inplace operation); run the forward again after the step"
+    )
+
+
 def warn_graph_of_backward(partitioned: bool) -> None:
     """Warn when the backward running builds a graph of itself (``create_graph=True``: a
     gradient penalty, double backward) and the parameters are ``partitioned``. Autograd then

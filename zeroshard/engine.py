@@ -138,6 +138,7 @@ class Engine:
         self.discarding = 0  # of them, how many undo writes (writeback=False): no step inside
         self.untrusted: str | None = None  # why values are not to be used (checkpoint._load)
         self.to_reload: set[int] = set()  # ids of the model and optimizers that clear it loaded
+        self.run_id: str | None = None  # its checkpoints' run (zeroshard.checkpoint: keep)
         self.heap = (
             host_heap.HeapKeeper(config.trim_host_memory)
             if config.trim_host_memory and mesh.device.type == "cpu"
@@ -244,7 +245,8 @@ class Engine:
             # A recomputation: the backward that needs these parameters comes right after.
             if unit.recompute_use and torch.is_grad_enabled():
                 unit.recompute_use = False
-                when_backward_reaches(weakly(self._pre_backward, unit), output)
+                hook = weakly(self._pre_backward, unit, unit.made_at(output))
+                when_backward_reaches(hook, output)
             return output
         if unit.state is TrainingState.FORWARD:
             unit.to(TrainingState.IDLE)
@@ -273,7 +275,7 @@ class Engine:
             if self.mixed_precision.output_dtype is not None:
                 output = _cast_floats(output, self.mixed_precision.output_dtype)
         if grad:
-            when_backward_reaches(weakly(self._pre_backward, unit), output)
+            when_backward_reaches(weakly(self._pre_backward, unit, unit.made_at(output)), output)
         if self.checkpointing is not None:
             if root_entry:
                 self.checkpointing.close()
@@ -346,7 +348,9 @@ class Engine:
         if self.checkpointing is not None:
             self.checkpointing.close()
 
-    def _pre_backward(self, unit: Unit) -> None:
+    def _pre_backward(self, unit: Unit, made_at: int | None) -> None:
+        if made_at is not None and made_at != unit.updates:  # (a graph retained across a step)
+            raise autograd_hooks.stale_graph(unit.name)
         if self.phase is not Phase.BACKWARD:  # the backward's first unit: once per backward
             autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self.summoned)
             self.scaling.begin_backward()

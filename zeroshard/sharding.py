@@ -247,6 +247,7 @@ def shard(
             owners=list(
                 dict.fromkeys(m for regs, _, _ in s.params for m, _ in regs if m is not s.module)
             ),
+            params=[p for _, p, _ in s.params],
         )
         for i, (s, f) in enumerate(zip(specs, flats))
     ]

@@ -7,11 +7,13 @@ frees and reports."""
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from torch import nn
 
 from zeroshard.model_states.flat_param import FlatParam, ShardState
 from zeroshard.model_states.grads import GradBucket
+from zeroshard.trees import tensors_in
 
 __all__ = ["TrainingState", "Unit"]
 
@@ -56,9 +58,12 @@ class Unit:
         buckets: list[GradBucket],
         is_root: bool,
         owners: list[nn.Module] | None = None,
+        params: list[nn.Parameter] | None = None,
     ):
         self.name, self.module, self.flat_params, self.is_root = name, module, flat_params, is_root
         self.buckets = buckets
+        self.param_ids = {id(p) for p in params or ()}
+        """The parameters it owns (at stages 0-2 a FlatParam may hold other units' too)."""
         self.owners = owners or []
         """Submodules (other than ``module``) that register the unit's parameters."""
         self.lender: nn.Module | None = None  # the owner whose call is a use of the unit
@@ -69,6 +74,14 @@ class Unit:
         self.generation = 0
         """Bumped whenever ``pending_uses`` is reset: older uses no longer count."""
         self.recompute_use = False  # the current recomputation is a use (reentrant checkpoint)
+        self.updates = 0
+        """Optimizer steps that changed its parameters: a graph whose forward came before one
+        is stale (its backward would use the new weights; torch raises there)."""
+
+    def made_at(self, output: Any) -> int | None:
+        """``updates`` for the graph of this unit's ``output``; None for leaves only (a parameter
+        returned as it is), whose backward hook outlives the graph and fires in later ones."""
+        return self.updates if any(t.grad_fn is not None for t in tensors_in(output)) else None
 
     def to(self, state: TrainingState) -> None:
         assert state in _TRANSITIONS[self.state], (

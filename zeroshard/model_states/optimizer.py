@@ -366,13 +366,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._step_in_memory(unused)
             else:
                 self._step_swapped(self._swap, unused)
-            self.engine.params_changed()
+            self._changed()
             self.engine.end_step()
             taken = True
         said = self.loss_scaler.skip_warning()  # once the step is complete (warnings may raise)
         if said:
             warnings.warn(said, stacklevel=user_stacklevel())
         return taken
+
+    def _changed(self) -> None:
+        """A step changed this optimizer's parameters: refresh them; the units holding any of
+        them count it (a graph of an earlier forward is stale there)."""
+        self.engine.params_changed()
+        for unit in self.engine.units:
+            unit.updates += not unit.param_ids.isdisjoint(self._param_ids)
 
     def _finish_backward_step(self, bs: BackwardStep, found_inf: bool, unused: set[int]) -> bool:
         """``step`` with ``step_in_backward``: the sub-groups stepped during backward; those
@@ -389,7 +396,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stepped_any = bool(bs.stepped) or not found_inf
         bs.reset()
         if stepped_any:
-            self.engine.params_changed()
+            self._changed()
         self.engine.end_step()
         if problem:
             raise ValueError(problem)
