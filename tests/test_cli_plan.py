@@ -590,3 +590,11 @@ def test_accumulate_unreduced_flag(capsys):
     assert unreduced[3]["memory"]["device"]["grads"] == plain[1]["memory"]["device"]["grads"]
     assert unreduced[3]["memory"]["device"]["grads"] > plain[3]["memory"]["device"]["grads"]
     assert unreduced[1]["memory"] == plain[1]["memory"]
+
+
+def test_grad_accum_keeps_the_shards_of_a_step_in_backward(capsys):
+    argv = ["--params", "1B", "--dp", "8", "--stage", "3", "--offload", "none"]
+    plain = _json(argv, capsys)["stages"][0]["memory"]["device"]["grads"]
+    stepped = _json([*argv, "--step-in-backward"], capsys)["stages"][0]["memory"]["device"]
+    held = _json([*argv, "--step-in-backward", "--grad-accum", "4"], capsys)["stages"][0]
+    assert stepped["grads"] == 0 and held["memory"]["device"]["grads"] == plain > 0

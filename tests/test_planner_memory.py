@@ -348,6 +348,47 @@ def _accumulation_bytes() -> dict:
     return out
 
 
+def _stepped_in_backward_bytes() -> dict:
+    """MemTracker's count of this rank's bytes at stage 3 with ``step_in_backward``, between
+    the two micro-batches of a step (each reduced into the gradient shards, which wait for the
+    last micro-batch's backward to step them) and after the step (none held)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import zeroshard
+    from zeroshard.models.gpt import GPT, Block, GPTConfig
+
+    torch.manual_seed(0)
+    config = zeroshard.ShardConfig(reduce_every_micro_step=True)
+    model = GPT(GPTConfig(n_layer=8, n_embd=64, n_head=2, block_size=16, vocab_size=64))
+    num_params = sum(p.numel() for p in model.parameters())
+    model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(Block), config=config)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3, step_in_backward=True)
+    x = torch.randint(0, 64, (1, 4))
+    _two_micro_batches(model, opt, x)  # states exist before tracking
+    tracker = MemTracker()
+    tracker.track_external(*[f.master for f in zeroshard.engine_of(model).flat_params])
+    tracker.track_external(model, opt)
+    with tracker:
+        between = _two_micro_batches(model, opt, x, tracker)
+        after = sum(s["Total"] for s in tracker.get_tracker_snapshot("current").values())
+    return {"num_params": num_params, "between": between, "after": after}
+
+
+def test_stepping_in_backward_with_accumulation_holds_the_shards(workers2):
+    # The plan counted no gradient at all with step_in_backward; between micro-batches the
+    # shards wait for the last one's backward.
+    for r in workers2.run(_stepped_in_backward_bytes):
+        gpt = d.from_params(r["num_params"])
+        fp32 = m.BytesPerParam(params=4, grads=4, optimizer_states=8)
+        base = MemoryConfig(stage=3, num_dp_ranks=2, bytes_per_param=fp32, step_in_backward=True)
+        assert m.plan_memory(gpt, base).device["grads"] == 0
+        held = m.plan_memory(gpt, dataclasses.replace(base, grad_accum=2)).device["grads"]
+        assert held == math.ceil(4 * r["num_params"] / 2)
+        measured = r["between"] - r["after"]
+        assert 0.9 * held <= measured <= 1.1 * held, (measured, held, r)
+
+
 def test_accumulating_unreduced_matches_the_measured_bytes(workers2):
     # zeroshard train --grad-accum reduced once per step at stages 2-3, holding a whole
     # gradient that zeroshard plan did not count; it now reduces every micro-batch unless

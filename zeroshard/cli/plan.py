@@ -148,6 +148,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "(grads 0); stages 2 and 3 only",
     )
     t.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per optimizer step (with --step-in-backward the gradient shards "
+        "wait between them)",
+    )
+    t.add_argument(
         "--accumulate-unreduced",
         action="store_true",
         help="stages 2-3 with gradient accumulation: micro-batches keep their local gradients "
@@ -370,6 +378,7 @@ def _memory_config(
         num_units_prefetch=args.prefetch,
         bucket_bytes=units.parse_bytes(args.bucket),
         step_in_backward=args.step_in_backward,
+        grad_accum=args.grad_accum,
         accumulate_unreduced=args.accumulate_unreduced,
         fragmentation_fraction=args.fragmentation,
     )

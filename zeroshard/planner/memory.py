@@ -210,9 +210,12 @@ class MemoryConfig:
     step_in_backward: bool = False
     """The optimizer steps each unit's sub-group as its gradient reduction finishes and drops
     the shard (``zeroshard.optimizer(..., step_in_backward=True)``; stages 2-3): gradient shards
-    never accumulate, so ``grads`` is 0 on every tier at every moment, and the timeline has no
-    end-of-step optimizer moment. The reduce-scatter writes into the full gradient's own slice
-    (no separate output buffer)."""
+    never accumulate, so ``grads`` is 0 on every tier at every moment (with ``grad_accum`` > 1
+    the shards are held between micro-batches and stepped in the last one's backward), and the
+    timeline has no end-of-step optimizer moment. The reduce-scatter writes into the full
+    gradient's own slice (no separate output buffer)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
     accumulate_unreduced: bool = False
     """Gradient accumulation whose micro-batches do not reduce (``no_sync`` / ``sync=False``
     at stages 2-3 without ``reduce_every_micro_step``; ``zeroshard train
@@ -238,7 +241,7 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         partition(self.stage)  # ValueError for anything but 0-3
-        for name in ("num_dp_ranks", "num_mp_ranks", "micro_batch_size", "seq_len"):
+        for name in ("num_dp_ranks", "num_mp_ranks", "micro_batch_size", "seq_len", "grad_accum"):
             _at_least(name, getattr(self, name), 1)
         _at_least("num_layers_per_checkpoint", self.num_layers_per_checkpoint, 1)
         for name in ("num_units_prefetch", "bucket_bytes", "num_buckets"):
@@ -424,10 +427,11 @@ def _grads_as_trained(
 ) -> None:
     """``grads`` as the step's schedule has them: with ``step_in_backward`` no gradient shard
     outlives its reduction (each is stepped and dropped as the reduction finishes): 0 on every
-    tier; with ``accumulate_unreduced`` at stages 2-3 the device holds the whole local gradient
-    (stage 1's unpartitioned figure) between micro-batches; each unit's becomes its shard as the
-    last micro-batch reduces it, so the two are not counted together."""
-    if config.step_in_backward:
+    tier, unless ``grad_accum`` > 1 (the shards wait for the last micro-batch); with
+    ``accumulate_unreduced`` at stages 2-3 the device holds the whole local gradient (stage 1's
+    unpartitioned figure) between micro-batches; each unit's becomes its shard as the last
+    micro-batch reduces it, so the two are not counted together."""
+    if config.step_in_backward and (config.grad_accum == 1 or config.accumulate_unreduced):
         for tier in states.values():
             tier["grads"] = 0
     if config.accumulate_unreduced and partition(config.stage).gradients:
