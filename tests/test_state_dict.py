@@ -372,7 +372,7 @@ def _same_as_fsdp2(kind: str, stage: int) -> bool:
     their_opt = torch.optim.AdamW(groups(theirs), lr=1e-3)
     our_opt = zeroshard.optimizer(ours, torch.optim.AdamW, groups(ours), lr=1e-3)
 
-    def compare(exact: bool) -> None:
+    def compare(exact: bool, template: bool = False) -> None:
         a, b = ours.state_dict(), get_model_state_dict(theirs)
         assert sorted(a) == sorted(b), (sorted(a), sorted(b))
         for k in a:
@@ -395,8 +395,13 @@ def _same_as_fsdp2(kind: str, stage: int) -> bool:
                 ours_v, theirs_v = a["state"][fqn][k], b["state"][fqn][k]
                 if sizes[fqn] == 0 and k == "step":
                     # A zero-element parameter gets no gradient in FSDP2, so it never steps;
-                    # here it is not stepped at all and shows its group's count.
+                    # here it is not stepped at all: step 0.
+                    assert ours_v.item() == 0, fqn
                     ours_v, theirs_v = theirs_v.shape, ours_v.shape
+                elif template and k == "step":
+                    # torch's template step counts 1; ours 0, no real step (it loads as none)
+                    assert ours_v.item() == 0 and theirs_v.item() == 1, fqn
+                    ours_v = theirs_v
                 _same_entry(ours_v, theirs_v, f"{fqn}.{k}", exact)
         assert len(a["param_groups"]) == len(b["param_groups"])
         for ga, gb in zip(a["param_groups"], b["param_groups"]):
@@ -405,7 +410,7 @@ def _same_as_fsdp2(kind: str, stage: int) -> bool:
             for k in ("lr", "betas", "eps", "weight_decay"):
                 assert ga[k] == gb[k], k
 
-    compare(exact=True)  # the same weights, and templates (torch's zero-gradient lr-0 step)
+    compare(exact=True, template=True)  # the same weights, templates (a zero-gradient step)
     # Ours drops the template's states once the dict is made (asking for it does not change
     # training); torch keeps them, counting a step: drop them there too, to train alike.
     their_opt.state.clear()
@@ -430,6 +435,33 @@ def _same_as_fsdp2(kind: str, stage: int) -> bool:
                 _same_entry(v, their_osd["state"][fqn][k], f"{fqn}.{k}", exact=True)
     assert [g["lr"] for g in loaded["param_groups"]] == [1e-3, 1e-3]
     return True
+
+
+def _template_round_trip(stage: int) -> float:
+    """A fresh optimizer's state dict (a template: every parameter's states, zeros, step 0)
+    loaded back, then training: the same as never having asked (Adam's first step is its
+    first, not its second)."""
+    runs = []
+    for round_trip in (False, True):
+        torch.manual_seed(0)
+        model, policy = build("gpt")
+        model = zeroshard.shard(model, stage=stage, wrap=policy)
+        opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+        if round_trip:
+            template = opt.state_dict()
+            assert template["state"] and all(
+                st["step"].item() == 0 for st in template["state"].values()
+            )
+            opt.load_state_dict(template)
+            assert not any(o.state for o in opt.sub_optimizers)  # none, as a fresh one
+        _train(model, opt, "gpt", range(3))
+        runs.append(_summoned(model))
+    return max((runs[0][n] - runs[1][n]).abs().max().item() for n in runs[0])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_fresh_optimizer_s_template_loads_back_as_no_state(workers2, stage):
+    assert workers2.run(_template_round_trip, stage) == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -13,9 +13,10 @@ A tied parameter's state is keyed by its first name in ``model.named_parameters(
 scaler is not part of it: ``opt.loss_scaler.state_dict()`` is saved apart. As in torch, a
 parameter no optimizer step has reached holds no state and is left out. Before the first step
 every parameter is first given states as torch's ``get_optimizer_state_dict`` does (a
-zero-gradient step at learning rate 0: zeros, ``step`` 1), so that a fresh optimizer's dict is a
-complete template for ``dcp.load``. Unlike torch's, those states are dropped again once the dict
-is made: asking for it does not change training (a unit no backward has reached yet would
+zero-gradient step at learning rate 0: zeros), so that a fresh optimizer's dict is a complete
+template for ``dcp.load``. Unlike torch's, those states are dropped again once the dict is made,
+and their ``step`` reads 0, not 1: asking for the dict does not change training, and loading it
+back leaves those parameters without state (either way a unit no backward has reached yet would
 otherwise count its first real step as Adam's second).
 
 ``optimizer_state_dict(opt, local=True)`` gives each element-wise state as a ``FlatRange`` (this
@@ -197,7 +198,7 @@ def optimizer_state_dict(
 
     Parameters no optimizer step has reached hold no state and are left out, as torch's
     optimizer leaves them, unless ``template``: then every trainable parameter gets one (for
-    those without, ``_init_states``' zero-gradient step at learning rate 0: zeros, ``step`` 1),
+    those without, ``_init_states``' zero-gradient step at learning rate 0: zeros, ``step`` 0),
     so that the dict is a complete template to load into. ``template=None`` (the default) is
     True while no parameter has state (torch's ``get_optimizer_state_dict`` does the same). A
     collective: every rank calls it (one flat buffer per state key is gathered at a time)."""
@@ -236,11 +237,13 @@ def optimizer_state_dict(
             del entry_of  # a gathered buffer is freed before the next key's
         for s in flat.slots:
             gi = group_of.get(id(s.param)) if kept(s.param) else None
-            own = stepped.get(first[id(s.param)], {})  # its own step count, where it has one
+            own = stepped.get(first[id(s.param)])  # its own step count, where it has one
             for k, (kind, v) in layout[bi].get(gi, {}).items() if gi is not None else ():
                 if kind == "value":
-                    per_param.setdefault(id(s.param), {})[k] = _copy_value(own.get(k, v))
-    # Zero-element parameters are not in any FlatParam; FSDP2 gives them states of their shape.
+                    v = own.get(k, v) if own is not None else _unstepped_value(k, v)
+                    per_param.setdefault(id(s.param), {})[k] = _copy_value(v)
+    # Zero-element parameters are not in any FlatParam; FSDP2 gives them states of their shape
+    # (never stepped: step 0).
     by_group: dict[int, dict[str, Any]] = {}
     for entry in layout:
         for gi, keys_ in entry.items():
@@ -252,7 +255,7 @@ def optimizer_state_dict(
             per_param[id(p)] = {
                 k: _as_sharded(torch.zeros(p.shape, dtype=v, device=p.device), mesh, v)
                 if kind == "elementwise"
-                else _copy_value(v)
+                else _copy_value(_unstepped_value(k, v))
                 for k, (kind, v) in by_group[gi].items()
             }
     state: dict[str, dict[str, Any]] = {}
@@ -273,6 +276,23 @@ def optimizer_state_dict(
     for o in fresh:
         o.state.clear()
     return {"state": state, "param_groups": param_groups}
+
+
+def _unstepped_value(key: str, value: Any) -> Any:
+    """A template state's ``value`` of ``key``: ``step`` 0 (no real step reached it; a
+    load leaves it without state, as a fresh optimizer), not the template step's 1."""
+    if key != "step":
+        return value
+    return torch.zeros_like(value) if torch.is_tensor(value) else type(value)(0)
+
+
+def _never_stepped(state: dict[str, Any]) -> bool:
+    """Whether a saved parameter state is a template's (``step`` 0: no real step reached
+    it): loaded as no state, or the first real step would count as Adam's second."""
+    step = state.get("step")
+    if torch.is_tensor(step):
+        return step.numel() == 1 and step.item() == 0
+    return isinstance(step, (int, float)) and step == 0
 
 
 def _gathered_entries(
@@ -397,6 +417,8 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
             if not names:
                 continue
             st = saved_state[names[0]]
+            if _never_stepped(st):
+                continue
             kinds = layout[bi].get(group_of.get(id(s.param), -1), {})
             owner = next(
                 (
