@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,10 @@ from parity_models import batch, build, loss_of, param_groups
 
 import zeroshard
 from zeroshard import checkpoint, checkpoint_checks, checkpoint_files
+from zeroshard.checkpoint_files import STALE_TMP_S
 from zeroshard.models.gpt import GPT, GPTConfig
-from zeroshard.testing import Workers
-from zeroshard.watchdog import group_timeout_s
+from zeroshard.testing import Workers, impatient
+from zeroshard.watchdog import CollectiveTimeout, group_timeout_s
 
 GLOBAL_BATCH = 12  # divides across 1, 2, 3 and 4 ranks
 
@@ -326,7 +328,8 @@ def _publishing(base: str) -> bool:
     opt = _opt(model, "fp32")
     folder = Path(base) / "ckpt"
     if dist.get_rank() == 0:  # what a save killed before its rename leaves: removed by the next
-        (folder / "step-000000.tmp-dead").mkdir(parents=True)
+        (folder / "step-000000.tmp-dead").mkdir(parents=True)  # (another run's, untouched)
+        os.utime(folder / "step-000000.tmp-dead", (0, time.time() - STALE_TMP_S - 1))
     dist.barrier()
     for step in range(1, 5):
         _train(model, opt, range(step - 1, step))
@@ -533,7 +536,21 @@ def _edges(base: str) -> bool:
     # An extra value that load could not read back is refused before anything is written.
     with pytest.raises(checkpoint.CheckpointError, match=r"extra\['where'\] \(a PosixPath\)"):
         checkpoint.save(own / "ckpt", model, opt, {"where": Path(base)})
+    # One that cannot be pickled at all: named the same (a raw pickling AttributeError before).
+    with pytest.raises(checkpoint.CheckpointError, match=r"extra\['fn'\] \(a function\) could not"):
+        checkpoint.save(own / "ckpt", model, opt, {"fn": lambda step: step})
     assert not (own / "ckpt").exists()
+    # A path under ~ is the home folder's; the metadata file is not the checkpoint.
+    with mock.patch.dict(os.environ, {"HOME": str(Path(base) / "home")}):
+        checkpoint.save(checkpoint.step_path("~", 3), model, opt, keep=None)
+        assert checkpoint.latest("~") == Path(base) / "home" / "step-000003"
+        checkpoint.load("~/step-000003", model, opt)
+    with pytest.raises(checkpoint.CheckpointError, match=r"zeroshard.json is a file; a che"):
+        checkpoint.load(Path(base) / "home" / "step-000003" / "zeroshard.json", model, opt)
+    # The model and the optimizer swapped ("is not sharded" before).
+    for call in (checkpoint.save, checkpoint.load):
+        with pytest.raises(TypeError, match=r"the model comes first"):
+            call(own / "ckpt", opt, model)
     # A damaged .metadata or zeroshard.json: named, before anything is unpickled.
     folder = Path(base) / "ckpt"
     for step in (1, 2):
@@ -559,6 +576,17 @@ def _edges(base: str) -> bool:
         checkpoint.save(newest, model, opt, {"step": 2})  # a damaged checkpoint is replaced
         assert checkpoint.latest(folder) == newest
     return True
+
+
+def test_a_write_cut_short_inside_torch_save_is_said():
+    """torch.save's zip writer turns the OSError of a full disk met in the middle of a file
+    into "unexpected pos": the message says what it means."""
+    from types import SimpleNamespace
+
+    cut = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    said = checkpoint_checks.first_failure(SimpleNamespace(failures={1: (cut, ""), 3: (cut, "")}))
+    assert said.startswith("rank 1: RuntimeError: [enforce fail"), said
+    assert said.endswith("(a write stopped short: the file system took no more, e.g. a full disk)")
 
 
 def test_a_users_folder_values_and_damaged_metadata(workers2, tmp_path):
@@ -808,13 +836,28 @@ def _running_stats_resume(base: str, stage: int) -> torch.Tensor:
     return buffers["running_mean"]
 
 
+def _saved_running_mean(base: str, stage: int) -> torch.Tensor:
+    """The running mean of ``_norm_run``'s checkpoint loaded at this world size."""
+    model = zeroshard.shard(_WithNorm(), stage=stage, wrap=zeroshard.wrap.by_class("Linear"))
+    checkpoint.load(base, model, None, model_only=True)
+    return model.norm.running_mean.clone()
+
+
 @pytest.mark.parametrize("stage", [0, 3])
-def test_per_rank_running_statistics_resume_exactly(workers2, tmp_path, stage):
+def test_per_rank_running_statistics_resume_exactly(workers1, workers2, tmp_path, stage):
     """Buffers that each rank updates from its own batches (BatchNorm's running statistics,
     different on every rank) come back to the rank that had them: eval losses resume bit for
-    bit on every rank."""
+    bit on every rank. At another world size every rank gets rank 0's, as full_state_dict
+    gives them (DCP's balancing wrote rank 1's)."""
     first, second = workers2.run(_running_stats_resume, str(tmp_path), stage)
     assert not torch.equal(first, second)  # the ranks' statistics did differ
+    base = str(tmp_path / "two-steps")  # saved after its last step: the buffers saved
+    ranks = [
+        buffers["running_mean"]
+        for _, buffers in workers2.run(_norm_run, base, stage, range(2), False)
+    ]
+    (alone,) = workers1.run(_saved_running_mean, base, stage)
+    assert torch.equal(alone, ranks[0]) and not torch.equal(alone, ranks[1])
 
 
 def _another_optimizer(base: str) -> str:
@@ -914,6 +957,31 @@ def _refused(load: Callable[[], Any]) -> str:
         return "loaded"
     except (checkpoint.CheckpointError, ValueError) as exc:
         return str(exc)
+
+
+def _rank0_alone(base: str) -> str:
+    """``if rank == 0: checkpoint.save(...)``, the DDP habit: a one-line error naming it, not
+    a wait for the collective timeout; every rank's save after it works."""
+    model = _model(3, "fp32")
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    _train(model, opt, range(1))
+    said = ""
+    if dist.get_rank() == 0:
+        with impatient(), pytest.raises(CollectiveTimeout) as info:
+            checkpoint.save(Path(base) / "alone", model, opt)
+        said = str(info.value)
+    dist.barrier()
+    assert _refused(lambda: checkpoint.save(Path(base) / "all", model, opt)) == "loaded"
+    assert _refused(lambda: checkpoint.load(Path(base) / "all", model, opt)) == "loaded"
+    return said
+
+
+def test_a_save_on_rank_0_alone_is_named(workers2, tmp_path):
+    said = workers2.run(_rank0_alone, str(tmp_path))[0]
+    assert said.startswith("save of checkpoint alone timed out after 2 s on rank 0: rank 1 did "
+                           "not arrive"), said  # fmt: skip
+    assert "(save is a collective: every rank calls it, not under `if rank == 0:`" in said
+    assert not (tmp_path / "alone").exists()
 
 
 def _several_optimizers(base: str, stage: int) -> dict[str, Any]:
@@ -1054,3 +1122,38 @@ def _failed_load_then_a_good_one(base: str, how: str) -> bool:
 @pytest.mark.parametrize("how", ["checkpoint", "state dicts"])
 def test_a_failed_load_is_refused_until_a_good_one(workers2, tmp_path, how):
     assert all(workers2.run(_failed_load_then_a_good_one, str(tmp_path / how), how))
+
+
+def _unfrozen(base: str) -> dict:
+    """Saved with the first layer frozen, loaded into the same model with it trainable (an
+    embedding unfrozen after a warm-up): the weights all load, the optimizer states of the
+    layers that trained, and the unfrozen layer starts without any, as a fresh optimizer's."""
+
+    def built(frozen: bool):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8))
+        net[0].requires_grad_(not frozen)
+        net = zeroshard.shard(net, stage=3, wrap=zeroshard.wrap.by_class(torch.nn.Linear))
+        return net, zeroshard.optimizer(net, torch.optim.AdamW, lr=1e-2)
+
+    model, opt = built(frozen=True)
+    for _ in range(2):
+        opt.backward(model(torch.randn(2, 4)).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(Path(base) / "warm", model, opt, {"step": 2})
+    again, again_opt = built(frozen=False)
+    checkpoint.load(Path(base) / "warm", again, again_opt)
+    saved = zeroshard.full_state_dict(model, rank0_only=False)
+    loaded = zeroshard.full_state_dict(again, rank0_only=False)
+    states = again_opt.state_dict()["state"]
+    return {
+        "weights": all(torch.equal(v, loaded[k]) for k, v in saved.items()),
+        "states": sorted(states),
+        "steps": sorted({int(st["step"]) for st in states.values()}),
+    }
+
+
+def test_a_layer_unfrozen_after_the_save_starts_without_state(workers2, tmp_path):
+    for r in workers2.run(_unfrozen, str(tmp_path)):
+        assert r == {"weights": True, "states": ["1.bias", "1.weight"], "steps": [2]}, r

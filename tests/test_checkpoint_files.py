@@ -15,21 +15,25 @@ import pytest
 from zeroshard import checkpoint
 from zeroshard.checkpoint_files import (
     GONE,
+    LEGACY_RUN,
     META_FILE,
     OLD,
     TMP,
+    CheckpointError,
     prune,
     publish,
     replace_problem,
 )
-from zeroshard.checkpoint_info import FORMAT_VERSION
+from zeroshard.checkpoint_info import FORMAT_VERSION, read_meta
+
+RUN = "0123456789abcdef"
 
 
-def _complete(folder: Path, step: int) -> Path:
-    """A complete checkpoint as ``info`` sees one: metadata listing one data file."""
+def _complete(folder: Path, step: int, run: str | None = RUN) -> Path:
+    """A complete checkpoint of ``run`` as ``info`` sees one: metadata listing one data file."""
     folder.mkdir(parents=True)
     (folder / "__0_0.distcp").write_bytes(b"x" * step)
-    meta = {"format_version": FORMAT_VERSION, "step": step}
+    meta = {"format_version": FORMAT_VERSION, "step": step, "run_id": run}
     meta["files"] = {"__0_0.distcp": {"bytes": step, "xxh3_64": "unchecked"}}
     (folder / META_FILE).write_text(json.dumps(meta))
     return folder
@@ -38,22 +42,22 @@ def _complete(folder: Path, step: int) -> Path:
 def test_a_save_stopped_between_its_renames_keeps_the_replaced_checkpoint_found(tmp_path):
     _complete(tmp_path / "step-000001", 1)
     target = _complete(tmp_path / "step-000002", 2)
-    tmp = _complete(tmp_path / f"step-000002{TMP}abcd", 2)
+    tmp = _complete(tmp_path / f"step-000002{TMP}{RUN[:8]}abcd", 2)
     real = os.replace
 
     def the_first_only(src, dst):  # the process dies after the first rename
-        if not (tmp_path / f"step-000002{OLD}abcd").exists():
+        if not (tmp_path / f"step-000002{OLD}{RUN[:8]}abcd").exists():
             return real(src, dst)
         raise KeyboardInterrupt
 
     with mock.patch("os.replace", the_first_only), pytest.raises(KeyboardInterrupt):
         publish(tmp, target)
-    aside = tmp_path / f"step-000002{OLD}abcd"
+    aside = tmp_path / f"step-000002{OLD}{RUN[:8]}abcd"
     assert not target.exists() and aside.is_dir()
     assert checkpoint.latest(tmp_path) == aside  # not step 1
     assert checkpoint.info(aside).step == 2
     # The run goes on from it; its next save prunes the replaced one with the others.
-    prune(_complete(tmp_path / "step-000003", 3), keep=1)
+    prune(_complete(tmp_path / "step-000003", 3), keep=1, run_id=RUN)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003"]
 
 
@@ -61,7 +65,7 @@ def test_the_replaced_checkpoint_left_beside_its_replacement_is_removed(tmp_path
     new = _complete(tmp_path / "step-000002", 2)
     _complete(tmp_path / f"step-000002{OLD}abcd", 1)  # the save stopped before removing it
     assert checkpoint.latest(tmp_path) == new
-    prune(new, keep=3)
+    prune(new, keep=3, run_id=RUN)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002"]
 
 
@@ -74,11 +78,11 @@ def test_a_prune_cut_short_leaves_no_half_checkpoint_under_its_name(tmp_path):
         raise KeyboardInterrupt
 
     with mock.patch.object(shutil, "rmtree", cut_short), pytest.raises(KeyboardInterrupt):
-        prune(tmp_path / "step-000003", keep=1)
+        prune(tmp_path / "step-000003", keep=1, run_id=RUN)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names[0].startswith("step-000001" + GONE) and names[1:] == ["step-000002", "step-000003"]
     assert checkpoint.latest(tmp_path) == tmp_path / "step-000003"
-    prune(_complete(tmp_path / "step-000004", 4), keep=2)
+    prune(_complete(tmp_path / "step-000004", 4), keep=2, run_id=RUN)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000004"]
 
 
@@ -88,7 +92,7 @@ def test_a_replaced_checkpoint_cut_short_in_its_removal_is_not_a_checkpoint(tmp_
     _complete(tmp_path / "step-000001", 1)
     _complete(tmp_path / f"step-000009{OLD}ab{GONE}cd", 9)
     assert checkpoint.latest(tmp_path) == tmp_path / "step-000001"
-    prune(_complete(tmp_path / "step-000002", 2), keep=2)
+    prune(_complete(tmp_path / "step-000002", 2), keep=2, run_id=RUN)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002"]
 
 
@@ -99,18 +103,46 @@ def test_prune_keeps_other_series_and_logs_what_it_removes(tmp_path, caplog):
         _complete(tmp_path / f"epoch{n}", n)
     best = _complete(tmp_path / "best-epoch2", 2)
     with caplog.at_level("INFO", logger="zeroshard.checkpoint_files"):
-        prune(best, keep=1)
+        prune(best, keep=1, run_id=RUN)
         assert sorted(p.name for p in tmp_path.iterdir()) == [
             "best-epoch2", "epoch1", "epoch2", "epoch3"
         ]  # fmt: skip
-        prune(tmp_path / "epoch3", keep=2)
+        prune(tmp_path / "epoch3", keep=2, run_id=RUN)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best-epoch2", "epoch2", "epoch3"]
     assert [r.getMessage() for r in caplog.records] == [
         f"removing checkpoint {tmp_path / 'epoch1'}: keep=2 keeps the newest of epoch*"
     ]
 
 
+def test_prune_keeps_the_checkpoints_of_other_runs(tmp_path, caplog):
+    """``seed1`` ... ``seed4``: one prefix, four runs; a run's ``keep`` counts its own only
+    (one saved before runs were recorded is kept too)."""
+    for n in range(1, 4):
+        _complete(tmp_path / f"seed{n}", 100, run=f"run{n}")
+    _complete(tmp_path / "seed0", 100, run=None)
+    mine = [_complete(tmp_path / f"seed{n}", 100) for n in (4, 5, 6)]
+    (tmp_path / f"seed7{TMP}run2abcd").mkdir()  # another run's save in flight
+    (tmp_path / f"seed7{TMP}{RUN[:8]}abcd").mkdir()  # this run's, left by a killed save
+    with caplog.at_level("INFO", logger="zeroshard.checkpoint_files"):
+        prune(mine[-1], keep=1, run_id=RUN)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["seed0", "seed1", "seed2", "seed3", "seed6", f"seed7{TMP}run2abcd"]
+    assert "4 of other runs kept (seed0, seed1, seed2)" in caplog.text
+    # A run resumed from a checkpoint saved before runs were recorded continues that run.
+    prune(_complete(tmp_path / "seed9", 100, run=LEGACY_RUN), keep=1, run_id=LEGACY_RUN)
+    assert not (tmp_path / "seed0").exists() and (tmp_path / "seed1").exists()
+
+
 def test_a_file_on_the_way_to_the_path_is_named(tmp_path):
     (tmp_path / "afile").write_text("mine")
     said = replace_problem(tmp_path / "afile" / "sub" / "step-1")
     assert said.startswith(f"{tmp_path / 'afile'} is a file, and the checkpoint"), said
+
+
+def test_a_folder_of_other_files_is_not_called_an_incomplete_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"is not a zeroshard checkpoint \(none of a"):
+        read_meta(tmp_path)
+    (tmp_path / "rank-00000.pt").write_bytes(b"x")  # a save that stopped before its metadata
+    with pytest.raises(CheckpointError, match=r"is incomplete \(no zeroshard.json"):
+        read_meta(tmp_path)

@@ -183,7 +183,7 @@ def test_mistakes_are_one_line(trained, tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         export_safetensors(tmp_path / "missing", tmp_path / "out")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(checkpoint.CheckpointError, match="incomplete"):
+    with pytest.raises(checkpoint.CheckpointError, match="is not a zeroshard checkpoint"):
         export_safetensors(tmp_path / "empty", tmp_path / "out")
     with pytest.raises(checkpoint.CheckpointError, match=f"is not one: .* {path}$"):
         export_safetensors(path.parent, tmp_path / "out")  # a folder of checkpoints: the newest

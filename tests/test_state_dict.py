@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-from unittest import mock
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ from parity_models import batch, build, loss_of, param_groups
 from torch import nn
 
 import zeroshard
-from zeroshard import save_pretrained
+from zeroshard.testing import impatient
+from zeroshard.watchdog import CollectiveTimeout
 
 GLOBAL_BATCH = 8
 
@@ -643,10 +643,10 @@ def _save_pretrained(stage: int, folder: str, precision: str = "fp32") -> dict:
         failed = f"{type(exc).__name__}: {exc}"
     alone = ""
     if rank == 0:  # the DDP habit: it waited for the collective timeout (minutes)
-        with mock.patch.object(save_pretrained, "ARRIVAL_S", 1.0):
+        with impatient():
             try:
                 model.save_pretrained(os.path.join(folder, "alone"))
-            except ValueError as exc:
+            except CollectiveTimeout as exc:
                 alone = str(exc)
     dist.barrier()
     # is_main_process by position (the gather was skipped: placeholders written at stage 3)
@@ -678,4 +678,7 @@ def test_save_pretrained_writes_the_whole_model_once(workers2, stage, precision,
     assert out[0]["files"] == ["config.json", "generation_config.json", "model.safetensors"]
     assert out[0]["failed"].startswith(("NotADirectoryError", "FileExistsError")), out
     assert out[1]["failed"].startswith("RuntimeError: save_pretrained failed on rank 0"), out
-    assert "1 of 2 ranks called it within 1 s. Call it on every rank" in out[0]["alone"], out
+    alone = out[0]["alone"]
+    assert alone.startswith("save_pretrained of the whole model timed out after 2 s on rank 0: "
+                            "rank 1 did not arrive"), out  # fmt: skip
+    assert "save_pretrained is a collective: every rank calls it, not under `if rank" in alone

@@ -34,7 +34,8 @@ existing checkpoint at ``path`` is first renamed to ``<path>.old-<random>`` and 
 after the new one is in place: a crash leaves either the old or the new checkpoint whole (or,
 between the two renames, the old one under its ``.old-`` name, which ``load`` points to and
 ``latest`` returns). ``keep=K``: when ``path``'s name ends in digits (``step-000100``), complete
-sibling checkpoints of the same prefix beyond the newest K (by number) are removed, each renamed
+sibling checkpoints of the same prefix and run (``run_id``, named by a run's first save, taken
+over by a load) beyond the newest K (by number) are removed, each renamed
 to ``.gone-`` first (a removal cut short leaves no half checkpoint under a checkpoint's name),
 and so are what earlier saves left when they stopped: ``.tmp-`` folders of saves that died
 before their rename, ``.gone-`` folders, and ``.old-`` folders whose replacement is in place;
@@ -63,7 +64,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import io
 import json
 import os
 import secrets
@@ -81,6 +81,7 @@ import torch.distributed as dist
 from zeroshard import checkpoint_checks as checks
 from zeroshard import rank_buffers, rng, tensor_parallel
 from zeroshard.checkpoint_files import (
+    LEGACY_RUN,
     META_FILE,
     TMP,
     CheckpointError,
@@ -107,7 +108,7 @@ from zeroshard.checkpoint_info import (  # noqa: F401 (the inspection API, re-ex
 )
 from zeroshard.engine import engine_of
 from zeroshard.flat_range import FlatRange
-from zeroshard.watchdog import CollectiveTimeout, diagnosed, inherit_timeout
+from zeroshard.watchdog import CollectiveTimeout, diagnosed, every_rank_calls, inherit_timeout
 
 _WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap encoding and I/O
 
@@ -124,6 +125,11 @@ def _group(model, optimizer) -> dist.ProcessGroup | None:
     """The ranks a checkpoint of ``model`` is a collective of: the data-parallel group, or the
     whole job when the model is also split tensor-parallel (each rank holds parts of its own).
     A checkpoint is of a model and its optimizer(s) both."""
+    if hasattr(model, "param_groups") and hasattr(optimizer, "forward"):
+        raise TypeError(
+            "the model comes first: save/load(path, model, optimizer), got an optimizer as the "
+            "model and a module as the optimizer"
+        )
     for opt in _optimizers(optimizer):
         if getattr(opt, "engine", None) is not engine_of(model):
             raise TypeError(
@@ -137,6 +143,8 @@ def _group(model, optimizer) -> dist.ProcessGroup | None:
     mesh = engine_of(model).mesh
     return None if mesh.tp_size > 1 else mesh.group
 
+
+_EACH_RANK = "zeroshard.checkpoint: each rank writes and reads its own shards"
 
 # --------------------------------------------------------------------- state
 
@@ -198,10 +206,12 @@ def _step_count(optimizer) -> int:
     return 0
 
 
-def _metadata(model, optimizer, step: int, world: int) -> dict[str, Any]:
+def _metadata(model, optimizer, step: int, world: int, token: str) -> dict[str, Any]:
     import zeroshard
 
     engine = engine_of(model)
+    # A run's first save names it (``token``); a load (not model_only) continues a saved run.
+    engine.run_id = engine.run_id or token
     param_dtypes = sorted({str(f.param_dtype).removeprefix("torch.") for f in engine.flat_params})
     reduce_dtypes = sorted({str(b.reduce_dtype).removeprefix("torch.") for b in engine.buckets})
     return {
@@ -213,6 +223,7 @@ def _metadata(model, optimizer, step: int, world: int) -> dict[str, Any]:
         "param_dtype": ",".join(param_dtypes),
         "reduce_dtype": ",".join(reduce_dtypes),
         "num_params": tensor_parallel.whole_numel(model, engine.mesh.tp_size),
+        "run_id": engine.run_id,  # keep prunes this run's checkpoints only
         "optimizers": checks.class_names(_optimizers(optimizer)),
         "zeroshard_version": zeroshard.__version__,
         "torch_version": torch.__version__,
@@ -259,10 +270,12 @@ def save(
         if callable(getattr(value, "state_dict", None)):
             extra[key] = value.state_dict()
     group = _group(model, optimizer)
+    path = Path(path).expanduser().absolute()
+    every_rank_calls("save", f"checkpoint {path.name}", _EACH_RANK, group)
     # A rank that dies or stops during the save: one line naming it (CollectiveTimeout), not
     # the backend's error from inside DCP.
-    with diagnosed("save", f"checkpoint {Path(path).name}", group):
-        return _save(Path(path).absolute(), model, optimizer, extra, keep, async_save, group)
+    with diagnosed("save", f"checkpoint {path.name}", group):
+        return _save(path, model, optimizer, extra, keep, async_save, group)
 
 
 def _save(
@@ -279,9 +292,7 @@ def _save(
         "extra": extra,
         "buffers": rank_buffers.differing(model, group),  # e.g. BatchNorm's running statistics
     }
-    buffer = io.BytesIO()
-    torch.save(own, buffer)  # a snapshot of this rank's own state, as the bytes of its file
-    checks.loadable(extra, buffer.getvalue())
+    own_bytes = checks.rank_file(own, extra)  # a snapshot of this rank's own state
     # One exchange: every rank sees every path and problem, so every rank raises alike.
     said = gather((str(path), replace_problem(path)), group)
     paths = [p for p, _ in said]
@@ -297,12 +308,15 @@ def _save(
     path.parent.mkdir(parents=True, exist_ok=True)
     with _resident(model, optimizer):  # offloaded optimizer states: in memory until written/copied
         state = _state(model, optimizer)
+        if rank:  # buffers the ranks hold apart: the model state's is rank 0's (full_state_dict's)
+            state["model"] = {k: v for k, v in state["model"].items() if k not in own["buffers"]}
         step = int(extra.get("step", _optimizer_step(optimizer)))
-        meta = _metadata(model, optimizer, step, world)
+        token = broadcast(secrets.token_hex(8), group)
+        meta = _metadata(model, optimizer, step, world, token)
         checks.space(path.parent, checks.local_bytes(state), group)
-        tmp = path.with_name(path.name + TMP + broadcast(secrets.token_hex(4), group))
+        tmp = path.with_name(f"{path.name}{TMP}{meta['run_id'][:8]}{token[:4]}")
         tmp.mkdir(parents=True, exist_ok=True)
-        job = (tmp, path, state, buffer.getvalue(), meta, keep)
+        job = (tmp, path, state, own_bytes, meta, keep)
         if not async_save:
             _write_and_publish(*job, group)
             return path
@@ -458,8 +472,8 @@ def _write_and_publish(
         if rank == 0:  # every rank's writes have ended: DCP gathered their results
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
-            f"could not write checkpoint {path}: {_first_failure(exc)}; nothing was published "
-            "(the previous checkpoints are intact); free space or save elsewhere"
+            f"could not write checkpoint {path}: {checks.first_failure(exc)}; nothing was "
+            "published (the previous checkpoints are intact); free space or save elsewhere"
         ) from None
     gather(None, group)  # barrier: every rank's files are written
     files = hash_share(tmp, data_files(tmp), group)
@@ -471,7 +485,7 @@ def _write_and_publish(
             fsync_dir(tmp)
             publish(tmp, path)
             if keep is not None:
-                prune(path, keep)
+                prune(path, keep, meta["run_id"])
         except OSError as exc:
             error = f"could not publish checkpoint {path}: {exc}"
     agree(error, group)
@@ -489,13 +503,6 @@ def _without_zip_crc32() -> Iterator[None]:
         yield
     finally:
         torch.serialization.set_crc32_options(previous)
-
-
-def _first_failure(exc) -> str:
-    """``rank R: <the error>`` for the lowest failed rank of a DCP exception (one line)."""
-    rank = min(exc.failures)
-    error = exc.failures[rank][0]
-    return f"rank {rank}: {type(error).__name__}: {error}".replace("\n", " ")
 
 
 # --------------------------------------------------------------------- load
@@ -523,8 +530,10 @@ def load(
         )
     wait()  # this process's asynchronous save in flight, if any
     group = _group(model, optimizer)
-    with diagnosed("load", f"checkpoint {Path(path).name}", group):
-        return _load(Path(path).absolute(), model, optimizer, verify, group, model_only)
+    path = Path(path).expanduser().absolute()
+    every_rank_calls("load", f"checkpoint {path.name}", _EACH_RANK, group)
+    with diagnosed("load", f"checkpoint {path.name}", group):
+        return _load(path, model, optimizer, verify, group, model_only)
 
 
 def _load(path: Path, model, optimizer, checksums: bool, group, model_only: bool) -> dict:
@@ -587,4 +596,5 @@ def _read(path: Path, model, optimizer, checksums: bool, group, model_only: bool
         rank_buffers.restore(model, own.get("buffers", {}))
     if not model_only:
         rng.set_state(own["rng"])
+        engine_of(model).run_id = meta.get("run_id") or LEGACY_RUN  # saves continue its run
     return own["extra"]

@@ -51,28 +51,34 @@ def space(parent: Path, local_bytes: int, group) -> None:
     agree(error, group)
 
 
-def loadable(extra: dict, saved: bytes) -> None:
-    """``load`` reads a rank's own file with ``torch.load(weights_only=True)``: refuse, before
-    anything is written, an ``extra`` value it would refuse (numpy scalars, paths, objects)."""
+def rank_file(own: dict, extra: dict) -> bytes:
+    """``own`` (a rank file's state) as ``torch.save`` writes it. ``load`` reads it with
+    ``torch.load(weights_only=True)``: refuse, before anything is written, an ``extra`` value
+    that cannot be pickled (a lambda) or that it would refuse (numpy scalars, paths, objects)."""
     try:
-        torch.load(io.BytesIO(saved), weights_only=True)
-        return
-    except Exception:
-        pass
+        buffer = io.BytesIO()
+        torch.save(own, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+        return buffer.getvalue()
+    except Exception as exc:
+        failed = exc
     for key, value in extra.items():
-        one = io.BytesIO()
-        torch.save(value, one)
         try:
+            one = io.BytesIO()
+            torch.save(value, one)
             torch.load(io.BytesIO(one.getvalue()), weights_only=True)
         except Exception as exc:
             lines = [ln.strip() for ln in str(exc).splitlines() if "Unpickler error" in ln]
-            why = (lines or [type(exc).__name__])[0].split(". ")[0]
+            why = (lines or [f"{type(exc).__name__}: {exc}"])[0].split(". ")[0]
             raise CheckpointError(
-                f"extra[{key!r}] (a {type(value).__name__}) could not be loaded back ({why}); "
+                f"extra[{key!r}] (a {type(value).__name__}) could not be saved and loaded back "
+                f"({why}); "
                 "save tensors, numbers, strings, lists, tuples and dicts of them (e.g. float(x), "
                 "str(path), torch.tensor(array))"
             ) from None
-    raise CheckpointError("this rank's state could not be loaded back after torch.save")
+    raise CheckpointError(
+        f"this rank's state could not be saved and loaded back ({type(failed).__name__}: {failed})"
+    ) from failed
 
 
 def loss_scalers(path: Path, given: int, saved: dict | list[dict]) -> list[dict]:
@@ -144,7 +150,8 @@ def names(path: Path, reader, template: dict[str, Any]) -> None:
         raise CheckpointError(
             f"checkpoint {path} was saved with {groups} optimizer param group(s), this optimizer "
             f"has {len(template['optim']['param_groups'])}: build it with the saved run's param "
-            "groups (e.g. weight decay off for biases and norms)"
+            "groups (zeroshard train makes two: weight decay on matrices, off for biases and "
+            "norms), or load the weights alone (load(..., model_only=True))"
         )
     saved = {
         k.removeprefix("model."): getattr(v, "size", None)
@@ -191,3 +198,13 @@ def rank_state(path: Path, meta: dict[str, Any], rank: int, checksums: bool, gro
         problem = f"checkpoint file {path / name} cannot be read ({type(exc).__name__}: {exc})"
     agree(problem and problem.replace("\n", " "), group)
     return state
+
+
+def first_failure(exc) -> str:
+    """``rank R: <the error>`` for the lowest failed rank of a DCP exception (one line)."""
+    rank = min(exc.failures)
+    error = exc.failures[rank][0]
+    said = f"rank {rank}: {type(error).__name__}: {error}".replace("\n", " ")
+    if "unexpected pos" in str(error):  # torch.save's writer hides the OSError it met
+        said += " (a write stopped short: the file system took no more, e.g. a full disk)"
+    return said

@@ -6,10 +6,12 @@ see ``zeroshard.checkpoint`` for the folder's layout and the order in which it i
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,11 @@ import xxhash
 
 META_FILE = "zeroshard.json"
 TMP, OLD, GONE = ".tmp-", ".old-", ".gone-"
+STALE_TMP_S = 3600.0
+"""Another run's ``.tmp-`` folder unchanged this long (seconds) is a save that died."""
+LEGACY_RUN = "legacy"
+"""The run of checkpoints saved before runs were recorded (``run_id``), and of runs resumed
+from one."""
 """Suffixes of a save's folder before it is published, of the checkpoint it replaces while it
 does, and of one being removed (``prune``): each renamed in one step, so a crash at any moment
 leaves every complete checkpoint whole under a name that says what it is."""
@@ -132,7 +139,7 @@ def check_file(folder: Path, name: str, want: dict[str, Any]) -> str | None:
     return None
 
 
-_CHECKPOINT_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank-\d+\.pt|zeroshard\.json)$")
+CHECKPOINT_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|rank-\d+\.pt|zeroshard\.json)$")
 
 
 def replace_problem(path: Path) -> str | None:
@@ -152,7 +159,7 @@ def replace_problem(path: Path) -> str | None:
         )
     if not path.exists():
         return None
-    if not path.is_dir() or not all(_CHECKPOINT_FILE.match(f.name) for f in path.iterdir()):
+    if not path.is_dir() or not all(CHECKPOINT_FILE.match(f.name) for f in path.iterdir()):
         return (
             f"{path} exists and is not a zeroshard checkpoint: a save there would replace it and "
             "everything in it; save to another path (e.g. a subfolder), or remove it first"
@@ -170,29 +177,40 @@ def publish(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
     fsync_dir(path.parent)
     if old is not None:
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)  # (another run's prune may have removed it)
 
 
-def prune(path: Path, keep: int) -> None:
-    """Remove complete numbered siblings of ``path`` beyond the newest ``keep`` (never ``path``),
-    and what earlier saves of the same prefix left when they stopped: ``.tmp-`` folders of saves
-    that died before their rename (a killed rank: the run's saves go one at a time, so none is
-    in flight once ``path`` is in place), ``.gone-`` folders of removals cut short, and the
-    ``.old-`` folder of a replaced checkpoint whose replacement is in place."""
+def prune(path: Path, keep: int, run_id: str) -> None:
+    """Remove complete numbered siblings of ``path`` saved by run ``run_id`` beyond the newest
+    ``keep`` (never ``path``; another run's, e.g. ``seed1`` beside ``seed2``, are kept), and
+    what earlier saves of the same prefix left when they stopped: ``.tmp-`` folders of this
+    run's saves that died before their rename (named ``.tmp-<run_id[:8]>...``; a killed rank:
+    a run's saves go one at a time, so none is in flight once ``path`` is in place) and other
+    runs' untouched for ``STALE_TMP_S`` (one written now is a save in flight), ``.gone-``
+    folders of removals cut short, and the ``.old-`` folder of a replaced checkpoint whose
+    replacement is in place."""
     match = NUMBERED.match(path.name)
     if match is None:
         return
-    numbered = []
+    numbered, others = [], []
     for sibling in path.parent.iterdir():
         stem, suffix = split_suffix(sibling.name)
         m = NUMBERED.match(stem)
         if m is None or m["prefix"] != match["prefix"]:
             continue
         replaced = suffix == OLD and (sibling.with_name(stem) / META_FILE).is_file()
-        if suffix in (TMP, GONE) or replaced:
+        left = suffix == TMP and (sibling.name.rsplit(TMP, 1)[1].startswith(run_id[:8])
+                                  or _untouched(sibling, STALE_TMP_S))  # fmt: skip
+        if left or suffix == GONE or replaced:
             shutil.rmtree(sibling, ignore_errors=True)
         elif suffix in ("", OLD) and (sibling / META_FILE).is_file():
+            if _run_of(sibling) != run_id:
+                others.append(sibling.name)
+                continue
             numbered.append((int(m["num"]), sibling))  # a replaced one whose save stopped, too
+    if others:
+        log.info("keep=%d counts this run's checkpoints only: %d of other runs kept (%s)",
+                 keep, len(others), ", ".join(sorted(others)[:3]))  # fmt: skip
     numbered.sort()
     for _, sibling in numbered[: max(0, len(numbered) - keep)]:
         if sibling != path:
@@ -201,7 +219,25 @@ def prune(path: Path, keep: int) -> None:
             # Renamed first: a removal cut short leaves no half checkpoint under its own name.
             gone = sibling.with_name(sibling.name + GONE + os.urandom(4).hex())
             os.replace(sibling, gone)
-            shutil.rmtree(gone)
+            shutil.rmtree(gone, ignore_errors=True)  # (another run's prune may race it)
+
+
+def _untouched(folder: Path, seconds: float) -> bool:
+    """Whether nothing in ``folder`` (nor the folder) changed in the last ``seconds``."""
+    try:
+        newest = max([folder.stat().st_mtime, *(f.stat().st_mtime for f in folder.iterdir())])
+    except OSError:  # removed meanwhile
+        return False
+    return newest < time.time() - seconds
+
+
+def _run_of(checkpoint: Path) -> str | None:
+    """The ``run_id`` in a checkpoint's metadata (``LEGACY_RUN`` when saved before runs were
+    recorded; None when unreadable)."""
+    try:
+        return json.loads((checkpoint / META_FILE).read_text()).get("run_id") or LEGACY_RUN
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def split_suffix(name: str) -> tuple[str, str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroshard.checkpoint_files import (
+    CHECKPOINT_FILE,
     META_FILE,
     NUMBERED,
     OLD,
@@ -67,6 +68,9 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"no checkpoint at {path}; pass a folder written by zeroshard.checkpoint.save "
             "(zeroshard checkpoint info PATH checks one)"
         )
+    if path.is_file():
+        folder = path.parent if (path.parent / META_FILE).is_file() else "its folder"
+        raise CheckpointError(f"{path} is a file; a checkpoint is a folder: pass {folder}")
     if not (path / META_FILE).is_file():
         for folder in (path / "ckpt", path):  # a run's output folder, or its folder of them
             newest = latest(folder)
@@ -75,6 +79,11 @@ def read_meta(path: Path) -> dict[str, Any]:
                     f"{path} holds checkpoints but is not one: pass one of them, e.g. the newest, "
                     f"{newest}"
                 )
+        if path.is_dir() and not any(CHECKPOINT_FILE.match(f.name) for f in path.iterdir()):
+            raise CheckpointError(
+                f"{path} is not a zeroshard checkpoint (none of a checkpoint's files); pass a "
+                "folder written by zeroshard.checkpoint.save"
+            )
         raise CheckpointError(
             f"{path} is incomplete (no {META_FILE}: the save did not finish, or it is not a "
             "zeroshard checkpoint); load an earlier checkpoint"
@@ -99,7 +108,7 @@ def read_meta(path: Path) -> dict[str, Any]:
 def verify(path: str | os.PathLike) -> str | None:
     """In one process, no process group: why ``path``'s files are not as recorded at save (a
     file missing, resized or with another checksum), or None when every one matches."""
-    folder = Path(path)
+    folder = Path(path).expanduser()
     files = read_meta(folder)["files"]
     return next((p for n in sorted(files) if (p := check_file(folder, n, files[n]))), None)
 
@@ -107,7 +116,7 @@ def verify(path: str | os.PathLike) -> str | None:
 def info(path: str | os.PathLike) -> CheckpointInfo:
     """What a checkpoint folder holds and whether it is complete (file sizes; no checksums).
     Not a collective. ``FileNotFoundError`` when ``path`` does not exist."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint folder at {path}; pass a checkpoint folder")
     size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
@@ -130,14 +139,14 @@ def info(path: str | os.PathLike) -> CheckpointInfo:
 
 def step_path(folder: str | os.PathLike, step: int) -> Path:
     """Where a run keeps the checkpoint of ``step``: ``folder/step-000100``."""
-    return Path(folder) / f"step-{step:06d}"
+    return Path(folder).expanduser() / f"step-{step:06d}"
 
 
 def latest(folder: str | os.PathLike) -> Path | None:
     """The complete numbered checkpoint (``step-*``) with the highest number in ``folder``
     (``info(...).complete``: one with a file missing or cut short is passed over). A checkpoint
     that a save stopped while replacing counts under its ``.old-`` name, the one it has then."""
-    for child in _numbered(Path(folder)):
+    for child in _numbered(Path(folder).expanduser()):
         try:
             if info(child).complete:
                 return child
@@ -150,7 +159,7 @@ def passed_over(folder: str | os.PathLike) -> list[CheckpointInfo]:
     """The numbered checkpoints of ``folder`` newer than ``latest(folder)``, which it passed
     over as incomplete (each with its ``problem``), newest first."""
     out = []
-    for child in _numbered(Path(folder)):
+    for child in _numbered(Path(folder).expanduser()):
         try:
             found = info(child)
         except FileNotFoundError:

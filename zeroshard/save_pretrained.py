@@ -16,7 +16,6 @@ no ``state_dict`` is left as it is.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import inspect
 import json
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.state_dict import full_state_dict
-from zeroshard.watchdog import diagnosed
+from zeroshard.watchdog import diagnosed, every_rank_calls
 
 
 def install(model: nn.Module) -> None:
@@ -48,44 +47,12 @@ def install(model: nn.Module) -> None:
             save_directory = kwargs.pop(next(iter(signature.parameters)))
         if kwargs.get("state_dict") is not None:
             return save(save_directory, **kwargs)  # the caller's own state dict
-        _check_every_rank_calls()  # called on rank 0 only (the DDP habit): said in a minute
+        every_rank_calls("save_pretrained", "the whole model", "global rank 0 writes the "
+                         "files; is_main_process=... chooses another")  # fmt: skip
         with diagnosed("save_pretrained", "the whole model", None):
             _save_everywhere(save, save_directory, kwargs, model)
 
     model.save_pretrained = save_pretrained
-
-
-ARRIVAL_S = 60.0
-"""How long a rank waits in ``save_pretrained`` for every other rank to call it too: they come
-from the same training step, seconds apart. A rank alone (``if rank == 0:
-model.save_pretrained(...)``) would otherwise wait for the collective timeout (minutes)."""
-_calls = [0]  # this process's completed calls: the number of the next one
-
-
-def _check_every_rank_calls() -> None:
-    """Each rank checks in at the job's store under the number of this call; the last to come
-    lets every one go on. A ValueError naming the fix on the ranks that came when some rank
-    did not within ``ARRIVAL_S`` (a rank that never calls it is not waiting for anything);
-    they check out again, so that a call on every rank after it meets under the same number."""
-    world = dist.get_world_size()
-    if world == 1:
-        return
-    store = dist.distributed_c10d._get_default_store()
-    key = f"zeroshard/save_pretrained/{_calls[0]}"
-    if store.add(key, 1) == world:
-        store.set(key + "/all", "1")
-        _calls[0] += 1
-        return
-    try:
-        store.wait([key + "/all"], datetime.timedelta(seconds=ARRIVAL_S))
-        _calls[0] += 1
-    except (RuntimeError, dist.DistStoreError):  # (the store's timeout)
-        came = store.add(key, -1) + 1
-        raise ValueError(
-            f"save_pretrained of a sharded model is a collective: {came} of {world} ranks "
-            f"called it within {ARRIVAL_S:.0f} s. Call it on every rank, not under `if rank "
-            "== 0:` (global rank 0 writes the files; is_main_process=... chooses another)"
-        ) from None
 
 
 def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: nn.Module) -> None:

@@ -56,6 +56,21 @@ def process_context() -> Any:
     return ctx
 
 
+@contextlib.contextmanager
+def impatient(arrival_s: float = 1.0, timeout_s: float = 2.0) -> Any:
+    """Whole-model calls (``zeroshard.watchdog.every_rank_calls``) warn after ``arrival_s``
+    and give up after ``timeout_s`` instead of the group's collective timeout."""
+    from unittest import mock
+
+    from zeroshard import watchdog
+
+    with (
+        mock.patch.object(watchdog, "ARRIVAL_S", arrival_s),
+        mock.patch.object(watchdog, "group_timeout_s", lambda group: timeout_s),
+    ):
+        yield
+
+
 def _worker_main(
     rank: int,
     world_size: int,

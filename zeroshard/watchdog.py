@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import re
 import threading
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Lower-cased fragments of the backends' errors for a peer that is gone or too slow. Anything else
 # (a shape mismatch, a bad argument) is re-raised untouched: asking the store would only delay it.
@@ -316,3 +318,64 @@ def _message(r: TimeoutReport, *, store_answered: bool) -> str:
         f"it: one collective took longer than the timeout, or another group failed first; "
         f"{raise_it}"
     )
+
+
+ARRIVAL_S = 60.0
+"""How long a rank waits at a whole-model call (``checkpoint.save``, ``save_pretrained``) for
+every other rank to call it too before it warns (the group's collective timeout ends the wait):
+they come from the same training step, seconds apart. A rank alone (``if rank == 0: ...``, the
+DDP habit) would otherwise wait silently, then fail inside the collective."""
+_calls: dict[str, int] = {}  # this process's completed calls per op and group: the next number
+
+
+def every_rank_calls(
+    op: str, label: str, advice: str, group: dist.ProcessGroup | None = None
+) -> None:
+    """Each rank of ``group`` checks in at the job's store under the number of this call of
+    ``op``; the last to come lets every one go on. One that waited ``ARRIVAL_S`` warns; at the
+    group's collective timeout it raises ``CollectiveTimeout`` naming the ranks that did not
+    come and ``advice``, and checks out again, so that a later call on every rank meets under
+    the same number (a rank that never calls it is not waiting for anything). Without a store
+    (torchrun's agent killed: the ranks' last save) it checks nothing."""
+    pg = group if group is not None else dist.group.WORLD
+    ranks, me = tuple(dist.get_process_group_ranks(pg)), dist.get_rank()
+    if len(ranks) == 1:
+        return
+    name = f"{op}/{pg.group_name}"
+    key = f"zeroshard/calls/{name}/{_calls.get(name, 0)}"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{key}/{me}", "1")
+        if store.add(key, 1) == len(ranks):
+            store.set(key + "/all", "1")
+    except RuntimeError:  # no store (its host, torchrun's agent, is gone): the collective says
+        return
+    said = f"{op} is a collective: every rank calls it, not under `if rank == 0:` ({advice})"
+    timeout_s = group_timeout_s(group) or ARRIVAL_S
+    first_s = min(ARRIVAL_S, timeout_s)
+    if not _all_came(store, key, first_s):
+        if timeout_s > first_s:
+            log.warning("rank %d has waited %.0f s for the other ranks: %s", me, first_s, said)
+        if timeout_s <= first_s or not _all_came(store, key, timeout_s - first_s):
+            missing = tuple(r for r in ranks if not store.check([f"{key}/{r}"]))
+            store.delete_key(f"{key}/{me}")
+            store.add(key, -1)
+            report = TimeoutReport(
+                op=op, label=label, unit=None, rank=me, group_ranks=ranks, missing=missing,
+                elsewhere={}, timeout_s=timeout_s, backend_error="timed out",
+            )  # fmt: skip
+            message = _message(report, store_answered=True)
+            raise CollectiveTimeout(f"{message} ({said})", report=report)
+    _calls[name] = _calls.get(name, 0) + 1
+
+
+def _all_came(store: dist.Store, key: str, seconds: float) -> bool:
+    """Whether ``key``'s last rank came within ``seconds`` (or the store is gone: the collective
+    then says what happened)."""
+    try:
+        store.wait([key + "/all"], datetime.timedelta(seconds=max(seconds, 0.001)))
+        return True
+    except dist.DistNetworkError:
+        return True
+    except RuntimeError:  # (the store's timeout)
+        return False
