@@ -320,38 +320,11 @@ def _two_micro_batches(model, opt, x, tracker=None) -> int | None:
     return between
 
 
-def _accumulation_bytes() -> dict:
-    """MemTracker's count of this rank's bytes between the two micro-batches of a step at stage
-    3, reducing each (ZeRO's partitioned gradients: the shards) or keeping them unreduced until
-    the last (``sync=False``: the whole local gradient)."""
-    import torch
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    import zeroshard
-    from zeroshard.models.gpt import GPT, Block, GPTConfig
-
-    out = {}
-    for unreduced in (False, True):
-        torch.manual_seed(0)
-        config = zeroshard.ShardConfig(reduce_every_micro_step=not unreduced)
-        model = GPT(GPTConfig(n_layer=8, n_embd=64, n_head=2, block_size=16, vocab_size=64))
-        out["num_params"] = sum(p.numel() for p in model.parameters())
-        model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(Block), config=config)
-        opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
-        x = torch.randint(0, 64, (1, 4))
-        _two_micro_batches(model, opt, x)  # states exist before tracking
-        tracker = MemTracker()
-        tracker.track_external(*[f.master for f in zeroshard.engine_of(model).flat_params])
-        tracker.track_external(model, opt)
-        with tracker:
-            out[unreduced] = _two_micro_batches(model, opt, x, tracker)
-    return out
-
-
-def _stepped_in_backward_bytes() -> dict:
-    """MemTracker's count of this rank's bytes at stage 3 with ``step_in_backward``, between
-    the two micro-batches of a step (each reduced into the gradient shards, which wait for the
-    last micro-batch's backward to step them) and after the step (none held)."""
+def _tracked_accumulation(*, unreduced: bool, step_in_backward: bool = False) -> dict:
+    """MemTracker's count of this rank's bytes at stage 3 between the two micro-batches of a
+    step and after it, reducing each micro-batch (ZeRO's partitioned gradients: the shards) or
+    keeping them unreduced until the last (``sync=False``: the whole local gradient); with
+    ``step_in_backward`` the shards wait for the last micro-batch's backward to step them."""
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -359,11 +332,11 @@ def _stepped_in_backward_bytes() -> dict:
     from zeroshard.models.gpt import GPT, Block, GPTConfig
 
     torch.manual_seed(0)
-    config = zeroshard.ShardConfig(reduce_every_micro_step=True)
+    config = zeroshard.ShardConfig(reduce_every_micro_step=not unreduced)
     model = GPT(GPTConfig(n_layer=8, n_embd=64, n_head=2, block_size=16, vocab_size=64))
     num_params = sum(p.numel() for p in model.parameters())
     model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(Block), config=config)
-    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3, step_in_backward=True)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3, step_in_backward=step_in_backward)
     x = torch.randint(0, 64, (1, 4))
     _two_micro_batches(model, opt, x)  # states exist before tracking
     tracker = MemTracker()
@@ -375,10 +348,15 @@ def _stepped_in_backward_bytes() -> dict:
     return {"num_params": num_params, "between": between, "after": after}
 
 
+def _accumulation_bytes() -> dict:
+    runs = {unreduced: _tracked_accumulation(unreduced=unreduced) for unreduced in (False, True)}
+    return {"num_params": runs[True]["num_params"], **{u: r["between"] for u, r in runs.items()}}
+
+
 def test_stepping_in_backward_with_accumulation_holds_the_shards(workers2):
     # The plan counted no gradient at all with step_in_backward; between micro-batches the
     # shards wait for the last one's backward.
-    for r in workers2.run(_stepped_in_backward_bytes):
+    for r in workers2.run(_tracked_accumulation, unreduced=False, step_in_backward=True):
         gpt = d.from_params(r["num_params"])
         fp32 = m.BytesPerParam(params=4, grads=4, optimizer_states=8)
         base = MemoryConfig(stage=3, num_dp_ranks=2, bytes_per_param=fp32, step_in_backward=True)
