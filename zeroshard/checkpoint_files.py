@@ -21,14 +21,14 @@ import xxhash
 
 META_FILE = "zeroshard.json"
 TMP, OLD, GONE = ".tmp-", ".old-", ".gone-"
+"""Suffixes of a save's folder before it is published, of the checkpoint it replaces while it
+does, and of one being removed (``prune``): each renamed in one step, so a crash at any moment
+leaves every complete checkpoint whole under a name that says what it is."""
 STALE_TMP_S = 3600.0
 """Another run's ``.tmp-`` folder unchanged this long (seconds) is a save that died."""
 LEGACY_RUN = "legacy"
 """The run of checkpoints saved before runs were recorded (``run_id``), and of runs resumed
 from one."""
-"""Suffixes of a save's folder before it is published, of the checkpoint it replaces while it
-does, and of one being removed (``prune``): each renamed in one step, so a crash at any moment
-leaves every complete checkpoint whole under a name that says what it is."""
 _CHUNK_BYTES = 8 * 2**20  # read size when hashing
 _HASH_THREADS = 4  # files each rank hashes at once (xxhash and file reads release the GIL)
 log = logging.getLogger(__name__)
