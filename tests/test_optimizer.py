@@ -527,12 +527,13 @@ class _Queries(nn.Module):
         return self.q
 
 
-def _graphs_still_valid(stage: int) -> list[str]:
+def _graphs_still_valid(stage: int, wrap: bool) -> list[str]:
     """Patterns whose graphs a step does not make stale: the GAN loop (the generator's forward
-    made before the discriminator's step, backward through it after), and a unit returning
-    its own parameter; the steps each must take."""
+    made before the discriminator's step, backward through it after; G and D in units of their
+    own, or both in the root), and a unit returning its own parameter; the steps each takes."""
     torch.manual_seed(0)
-    gan = zeroshard.shard(_GAN(), stage=stage, wrap=zeroshard.wrap.by_class(nn.Sequential))
+    policy = zeroshard.wrap.by_class(nn.Sequential) if wrap else None
+    gan = zeroshard.shard(_GAN(), stage=stage, wrap=policy)
     opt_g = zeroshard.optimizer(gan, torch.optim.Adam, list(gan.G.parameters()), lr=1e-3)
     opt_d = zeroshard.optimizer(gan, torch.optim.Adam, list(gan.D.parameters()), lr=1e-3)
     taken = []
@@ -555,7 +556,8 @@ def _graphs_still_valid(stage: int) -> list[str]:
     return taken
 
 
+@pytest.mark.parametrize("wrap", [True, False])
 @pytest.mark.parametrize("stage", [0, 3])
-def test_graphs_a_step_leaves_valid_still_train(workers2, stage):
-    for r in workers2.run(_graphs_still_valid, stage):
+def test_graphs_a_step_leaves_valid_still_train(workers2, stage, wrap):
+    for r in workers2.run(_graphs_still_valid, stage, wrap):
         assert r == ["D True", "G True"] * 2 + ["Q True"] * 3, r

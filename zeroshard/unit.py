@@ -62,8 +62,8 @@ class Unit:
     ):
         self.name, self.module, self.flat_params, self.is_root = name, module, flat_params, is_root
         self.buckets = buckets
-        self.param_ids = {id(p) for p in params or ()}
-        """The parameters it owns (at stages 0-2 a FlatParam may hold other units' too)."""
+        self.param_ids = {id(p) for p in params or () if p.requires_grad}
+        """The trainable parameters it owns (at stages 0-2 a FlatParam may hold other units')."""
         self.owners = owners or []
         """Submodules (other than ``module``) that register the unit's parameters."""
         self.lender: nn.Module | None = None  # the owner whose call is a use of the unit
@@ -75,8 +75,10 @@ class Unit:
         """Bumped whenever ``pending_uses`` is reset: older uses no longer count."""
         self.recompute_use = False  # the current recomputation is a use (reentrant checkpoint)
         self.updates = 0
-        """Optimizer steps that changed its parameters: a graph whose forward came before one
-        is stale (its backward would use the new weights; torch raises there)."""
+        """Steps of an optimizer holding all its trainable parameters: a graph whose forward
+        came before one is stale (its backward would use the new weights; torch raises there).
+        Not counted for a unit that two optimizers share: one's step may leave a graph of the
+        other's parameters valid (a GAN's generator and discriminator in one unit)."""
 
     def made_at(self, output: Any) -> int | None:
         """``updates`` for the graph of this unit's ``output``; None for leaves only (a parameter

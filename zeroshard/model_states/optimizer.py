@@ -375,11 +375,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return taken
 
     def _changed(self) -> None:
-        """A step changed this optimizer's parameters: refresh them; the units holding any of
-        them count it (a graph of an earlier forward is stale there)."""
+        """A step changed this optimizer's parameters: refresh them; the units whose trainable
+        parameters it holds all count it (``Unit.updates``)."""
         self.engine.params_changed()
         for unit in self.engine.units:
-            unit.updates += not unit.param_ids.isdisjoint(self._param_ids)
+            unit.updates += bool(unit.param_ids) and unit.param_ids <= self._param_ids
 
     def _finish_backward_step(self, bs: BackwardStep, found_inf: bool, unused: set[int]) -> bool:
         """``step`` with ``step_in_backward``: the sub-groups stepped during backward; those
