@@ -299,6 +299,14 @@ def test_a_gan_loop_of_two_optimizers_as_in_torch(workers2, stage):
         assert max(diffs.values()) < 1e-6, diffs
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_gan_loop_steps_only_the_optimizer_whose_backward_runs(workers2, stage):
+    # Both step in backward; each one's loss reaches the other's parameters too, which must
+    # accumulate (as torch's .grad), not step: the discriminator stepped twice per iteration.
+    for diffs in workers2.run(_two_optimizers, stage, (True, True), False, False, True):
+        assert max(diffs.values()) < 1e-6, diffs
+
+
 def _an_overflow_in_one_optimizer(stage: int, sib: bool) -> tuple[list, list, float]:
     """Two optimizers over two branches in units of their own; ``a`` steps every iteration,
     ``b`` every second one (accumulating), and ``a``'s gradient overflows at the first. Returns

@@ -132,13 +132,13 @@ class Engine:
         self._again: set[Unit] = set()  # per backward: units finished, then reached again
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
         self.reduction_order = ReductionOrder(self.buckets, in_order=not self.partition.parameters)
-        """The one order in which every rank issues its reductions (stages 0-2; stage 3: each
-        at once)."""
+        """The one order of every rank's reductions (stages 0-2; stage 3: each at once)."""
         self.summoned = 0  # depth of summon_full_params
         self.discarding = 0  # of them, how many undo writes (writeback=False): no step inside
         self.untrusted: str | None = None  # why values are not to be used (checkpoint._load)
         self.to_reload: set[int] = set()  # ids of the model and optimizers that clear it loaded
         self.run_id: str | None = None  # its checkpoints' run (zeroshard.checkpoint: keep)
+        self.backward_by: object = None  # the optimizer whose backward() runs, if one does
         self.heap = (
             host_heap.HeapKeeper(config.trim_host_memory)
             if config.trim_host_memory and mesh.device.type == "cpu"

@@ -22,6 +22,9 @@ What changes for the caller (each refused with a clear error where it would be w
   rank to see one. Earlier buckets have stepped; ``step()`` returns False (counted as skipped,
   so divergence is still reported).
 - Parameters that no rank's backward reached are left out of the step, as in a plain step.
+- Only the optimizer whose ``backward()`` runs (or any, for a plain ``loss.backward()``) steps
+  in it: another's gradients accumulate, as torch's ``.grad`` do, until its ``step()`` or
+  ``zero_grad()`` (a GAN's generator loss reaches the discriminator's parameters too).
 
 Both rest on one small all-reduce (MAX) per bucket of [inf/NaN seen so far, a flag per
 parameter reached], started with the bucket's reduce-scatter and waited for when it finishes,
@@ -121,9 +124,11 @@ class BackwardStep:
         flags = self._flags.pop(id(bucket)).wait()
         seen, touched = agreed(flags, engine.forget_order, stepped=len(self.stepped))
         torch.maximum(self._seen, bucket.found_inf, out=self._seen)
-        if not engine.sync_grads:
-            # A micro-step that reduces (reduce_every_micro_step): the shard accumulates until
-            # the synchronized backward, apart from the full gradient it was reduced in.
+        if not engine.sync_grads or engine.backward_by not in (None, optimizer):
+            # A micro-step that reduces (reduce_every_micro_step), or another optimizer's
+            # backward (a GAN's generator loss reaching the discriminator: torch accumulates
+            # its .grad too): the shard accumulates until this optimizer's step or zero_grad,
+            # apart from the full gradient it was reduced in.
             if bucket.shard_grad is not None:
                 bucket.shard_grad = bucket.shard_grad.clone()
             return

@@ -248,11 +248,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             loss = loss.float() * scale  # in FP32: an FP16 loss times 2**16 would overflow
         scaling = self.engine.scaling
         scaling.next_scale = scale  # each reduction removes it (GradScaling.begin_backward)
+        self.engine.backward_by = self  # step_in_backward: another optimizer's do not step
         try:
             with contextlib.nullcontext() if sync else self.engine.no_sync():
                 loss.backward(**kwargs)
         finally:
             scaling.next_scale = None  # (a loss that reached no unit started no backward)
+            self.engine.backward_by = None
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale this optimizer's gradients so that their global ``norm_type``-norm (any
