@@ -598,3 +598,8 @@ def test_grad_accum_keeps_the_shards_of_a_step_in_backward(capsys):
     stepped = _json([*argv, "--step-in-backward"], capsys)["stages"][0]["memory"]["device"]
     held = _json([*argv, "--step-in-backward", "--grad-accum", "4"], capsys)["stages"][0]
     assert stepped["grads"] == 0 and held["memory"]["device"]["grads"] == plain > 0
+    # Along the engine's timeline (--ci 0) too; the advisor counts its own accumulation.
+    at = ["--preset", "100m", "--dp", "2", "--stage", "3", "--step-in-backward", "--ci", "0"]
+    one, four = (_json([*at, *more], capsys)["stages"][0] for more in ([], ["--grad-accum", "4"]))
+    assert one["memory"]["peak"]["grads"] == 0 < four["memory"]["peak"]["grads"]
+    assert four["memory"]["peak"]["grads"] == four["memory"]["device"]["grads"]

@@ -57,6 +57,16 @@ def test_accumulation_repeats_sharded_collectives_only():
     assert ranked.index(0) < ranked.index(2) < ranked.index(3)
 
 
+def test_accumulation_holds_the_shards_of_a_step_in_backward():
+    # Stepping in backward holds no gradient shard within one micro-batch; between several,
+    # each waits for the last one's backward (the row said "accum 4" and counted none).
+    memory = MemoryConfig(stage=3, step_in_backward=True)
+    for batch, shards in ((4, 0), (16, 10**9)):  # 4 devices, fp16 gradients: 2 Psi / 4
+        w = _workload(global_batch_size=batch, stages=(3,), offloads=("none",), memory=memory)
+        (c,) = advise(MODEL, _cluster(), w).feasible
+        assert c.memory.device["grads"] == shards / 2, (batch, c.num_micro_batches)
+
+
 def test_offload_traffic_by_hand():
     w = _workload(stages=(3,), offloads=("nvme-all",), memory=MemoryConfig(stage=0))
     (c,) = advise(MODEL, _cluster(), w).feasible

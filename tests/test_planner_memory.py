@@ -379,3 +379,23 @@ def test_accumulating_unreduced_matches_the_measured_bytes(workers2):
         predicted = extra.device["grads"] - m.plan_memory(gpt, base).device["grads"]
         measured = r[True] - r[False]
         assert 0.9 * predicted <= measured <= 1.1 * predicted, (measured, predicted, r)
+
+
+def test_the_timeline_holds_the_gradients_of_earlier_micro_batches():
+    # Along the engine's timeline (no activation checkpoints) the last micro-batch's moments
+    # hold what the earlier ones reduced: every shard (none with step_in_backward otherwise),
+    # or the whole local gradient when they are accumulated unreduced.
+    gpt = d.from_gpt("100m")
+    fp32 = m.BytesPerParam(params=4, grads=4, optimizer_states=8)
+    shards, whole = math.ceil(4 * gpt.num_params / 2), 4 * gpt.num_params
+    for sib in (False, True):
+        base = MemoryConfig(stage=3, num_dp_ranks=2, bytes_per_param=fp32, step_in_backward=sib,
+                            activation_checkpointing=False)  # fmt: skip
+        one = m.plan_memory(gpt, base)
+        four = m.plan_memory(gpt, dataclasses.replace(base, grad_accum=4))
+        unreduced = m.plan_memory(
+            gpt, dataclasses.replace(base, grad_accum=4, accumulate_unreduced=True)
+        )
+        assert four.peak["grads"] == shards and unreduced.peak["grads"] == whole, sib
+        if sib:  # no shard at all in one micro-batch
+            assert one.peak["grads"] == 0 and four.peak_bytes() > one.peak_bytes()

@@ -447,7 +447,7 @@ def plan(args) -> dict:
     """Everything ``zeroshard plan`` prints, as the JSON-ready dict (``planner.report``)."""
     _fit_to_model(args)
     model = _model(args)
-    for flag in ("dp", "mp", "seq", "devices_per_node"):
+    for flag in ("dp", "mp", "seq", "devices_per_node", "grad_accum"):
         flags.check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0, got {args.prefetch}")

@@ -346,6 +346,7 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
         micro_batch_size=mb,
         seq_len=workload.seq_len,
         num_layers_per_checkpoint=ci,
+        grad_accum=num_micro,
     )
     memory = plan_memory(model, config)
     need, have = memory.total_bytes(Tier.DEVICE), cluster.device_memory_bytes

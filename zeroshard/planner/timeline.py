@@ -231,9 +231,11 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     With ``step_in_backward`` each reduction's finish steps its unit's optimizer sub-group (fused
     AdamW: no temporaries) and drops its shard, and the reduce-scatter writes into the full
     gradient's own slice: no shard exists at any moment (``grads`` 0) and there is no
-    ``optimizer step`` moment. (A reduce dtype narrower than FP32 would add one transient FP32
-    shard at each finish: not counted; the planner's configurations reduce in the gradient's
-    dtype.)
+    ``optimizer step`` moment. With ``grad_accum`` > 1 the moments are the last micro-batch's,
+    with every gradient the earlier ones left (``memory._grads_as_trained``: the shards, or the
+    whole local gradient when accumulated unreduced). (A reduce dtype narrower than FP32 would
+    add one transient FP32 shard at each finish: not counted; the planner's configurations
+    reduce in the gradient's dtype.)
 
     Not counted: the optimizer's step counters (4 bytes per piece) and the scalar loss.
     """
@@ -284,6 +286,8 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         outputs exist; all of them and the root's when ``num_reduced > num_units``), with the
         residual categories given."""
         now = dict(states)
+        if c.grad_accum > 1:  # the last micro-batch's: the earlier ones' gradients all held
+            return now | dict.fromkeys(RESIDUAL_STATES, 0) | residual
         if part.gradients:  # shards appear as units are reduced
             reduced = model.num_params if num_reduced > num_units else numel(0, num_reduced)
             now["grads"] = math.ceil(states["grads"] * min(1.0, reduced / model.num_params))
