@@ -738,9 +738,10 @@ def test_shard_rejects_a_policy_of_the_wrong_type():
         zeroshard.precision.policy_of(torch.bfloat16, torch.device("cpu"))  # type: ignore[arg-type]
 
 
-def _fp16_loss_steps(stage: int) -> dict:
-    """An FP16 model and an FP16 loss, the default scaler (2**16 at first), growing after
-    every 2 clean steps: no step may be skipped for the loss's own gradient."""
+def _fp16_loss_steps(stage: int, promoted: bool) -> dict:
+    """An FP16 model and an FP16 loss (``promoted``: an FP16 term in an FP32 loss), the default
+    scaler (2**16 at first), growing after every 2 clean steps: no step may be skipped for
+    the scale itself."""
     torch.manual_seed(0)
     model = zeroshard.shard(
         nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3)), stage=stage, mixed_precision="fp16"
@@ -751,8 +752,11 @@ def _fp16_loss_steps(stage: int) -> dict:
     for step in range(6):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-        loss = nn.functional.cross_entropy(model(x), y)
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits, y)
         assert loss.dtype == torch.float16
+        if promoted:
+            loss = loss + 0 * logits.float().mean()
         opt.backward(loss)
         scales.append(opt.loss_scaler.scale)
         taken.append(opt.step())
@@ -760,9 +764,10 @@ def _fp16_loss_steps(stage: int) -> dict:
     return {"taken": taken, "scales": scales}
 
 
+@pytest.mark.parametrize("promoted", [False, True])
 @pytest.mark.parametrize("stage", [0, 3])
-def test_an_fp16_loss_is_never_scaled_past_fp16(workers2, stage):
-    for r in workers2.run(_fp16_loss_steps, stage):
+def test_an_fp16_loss_is_never_scaled_past_fp16(workers2, stage, promoted):
+    for r in workers2.run(_fp16_loss_steps, stage, promoted):
         assert all(r["taken"]) and r["scales"] == [2.0**15] * 6, r
 
 
@@ -801,7 +806,7 @@ def _fp16_plain_backwards(stage: int) -> dict:
 def test_fp16_backwards_outside_the_optimizer(workers2, stage):
     for out in workers2.run(_fp16_plain_backwards, stage):
         assert out["plain"] < 2e-3 and out["warned"], out
-        assert "scaled by 65536 but the unreduced gradients it adds to by 1" in out["mixed"]
+        assert "scaled by 32768 but the unreduced gradients it adds to by 1" in out["mixed"]
 
 
 def test_a_static_scale_warns_when_skipped_steps_repeat():

@@ -478,10 +478,18 @@ class DynamicLossScaler(LossScaler):
         self._hysteresis_left = self.hysteresis
 
     def scale_for(self, loss: torch.Tensor) -> float:
-        """The scale, lowered to the largest power of two that a ``loss`` of its dtype can
-        carry as its gradient where it is above (an FP16 loss: 2**15; 2**16 overflowed)."""
-        self.scale = min(self.scale, _largest_power_of_two(loss.dtype))
+        """The scale, kept within what a ``loss`` of its dtype carries as its gradient."""
+        self.fit(loss.dtype)
         return self.scale
+
+    def fit(self, dtype: torch.dtype) -> None:
+        """Keep the scale (and ``max_scale``) at most the largest power of two of ``dtype``: a
+        loss, or any scalar on its way to it, in that dtype carries the scale itself as its
+        gradient (FP16: 2**15; at 2**16 every step was skipped, and again at each growth).
+        ``zeroshard.optimizer`` fits it to FP16 for a model computing in FP16."""
+        cap = _largest_power_of_two(dtype)
+        self.max_scale = min(self.max_scale, max(cap, self.min_scale))
+        self.scale = min(self.scale, self.max_scale)
 
     def update(self, found_inf: bool) -> None:
         super().update(found_inf)

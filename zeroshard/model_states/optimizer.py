@@ -94,6 +94,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         buckets = list(self.engine.buckets)
         self.loss_scaler = loss_scaler or default_scaler({b.flat.param_dtype for b in buckets})
+        if isinstance(self.loss_scaler, DynamicLossScaler) and any(
+            b.flat.param_dtype == torch.float16 for b in buckets
+        ):
+            self.loss_scaler.fit(torch.float16)  # (an FP32 loss of FP16 terms overflowed too)
         self.engine.scaling.warn_unscaled = isinstance(self.loss_scaler, DynamicLossScaler)
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = param_groups(model, params)
