@@ -547,6 +547,11 @@ def _edges(base: str) -> bool:
         checkpoint.load("~/step-000003", model, opt)
     with pytest.raises(checkpoint.CheckpointError, match=r"zeroshard.json is a file; a che"):
         checkpoint.load(Path(base) / "home" / "step-000003" / "zeroshard.json", model, opt)
+    for step in (3, 7):  # (step 7 does not exist: it made a checkpoint named zeroshard.json)
+        where = Path(base) / "home" / f"step-00000{step}" / "zeroshard.json"
+        with pytest.raises(checkpoint.CheckpointError, match=r"names one of a checkpoint's fi"):
+            checkpoint.save(where, model, opt)
+    assert not (Path(base) / "home" / "step-000007").exists()
     # The model and the optimizer swapped ("is not sharded" before).
     for call in (checkpoint.save, checkpoint.load):
         with pytest.raises(TypeError, match=r"the model comes first"):

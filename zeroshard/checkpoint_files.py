@@ -151,6 +151,11 @@ def replace_problem(path: Path) -> str | None:
             f"{path} is a symbolic link: a save replaces the folder at its path, not what it "
             "points to; save to the target folder itself"
         )
+    if CHECKPOINT_FILE.match(path.name):
+        return (
+            f"{path} names one of a checkpoint's files; a checkpoint is a folder: save to "
+            f"{path.parent}"
+        )
     blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         return (
