@@ -80,13 +80,15 @@ def in_backward() -> bool:
 
 
 def stale_graph(unit: str) -> RuntimeError:
-    """The error for a backward through a unit's forward made before an optimizer step changed
-    its parameters (``backward(retain_graph=True)``, ``step()``, then a backward again)."""
+    """The error for a backward through a unit's forward made before an optimizer step (or a
+    ``load_state_dict``) changed its parameters (``backward(retain_graph=True)``, ``step()``,
+    then a backward again)."""
     return RuntimeError(
         f"backward through a forward of unit {unit or '<root>'} made before an optimizer step "
-        "changed its parameters (backward(retain_graph=True), step(), then backward again): "
-        "its gradients would mix old activations with new weights, and torch raises here too "
-        "(modified by an inplace operation); run the forward again after the step"
+        "or a load changed its parameters (backward(retain_graph=True), step(), then backward "
+        "again; or load_state_dict between the forward and its backward): its gradients would "
+        "mix old activations with new weights, and torch raises here too (modified by an "
+        "inplace operation); run the forward again after the step or load"
     )
 
 

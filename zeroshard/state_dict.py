@@ -414,6 +414,9 @@ class _Hooks:
         self.consumed = set()
         if not missing and module is self.engine.model:  # the whole model: values known again
             self.engine.loaded(module)
+        loaded = {id(p) for p in module.parameters()}  # a graph made before is stale there
+        for unit in self.engine.units:
+            unit.updates += not unit.param_ids.isdisjoint(loaded)
         if self.ranges_loaded:  # the compute copies follow the masters read in place
             self.ranges_loaded = False
             self.engine.params_changed()
