@@ -54,13 +54,16 @@ def _ref(value: Any) -> Callable[[], Any]:
         return lambda: value
 
 
-def when_backward_reaches(hook: Callable[[], None], tree: Any) -> None:
-    """Call ``hook`` when backward first reaches one of ``tree``'s tensors that require grad: on
-    a unit's outputs, as the unit's backward begins (gather again). A hook, not a wrapping
-    Function, so the outputs stay what the unit returned (in-place ops on them are fine)."""
+def when_backward_reaches(hook: Callable[[bool], None], tree: Any) -> None:
+    """Call ``hook(graph)`` when backward first reaches one of ``tree``'s tensors that require
+    grad: on a unit's outputs, as the unit's backward begins (gather again). A hook, not a
+    wrapping Function, so the outputs stay what the unit returned (in-place ops on them are
+    fine). ``graph``: whether any of them has a graph of its own; leaves only (a parameter
+    returned as it is) keep the hook past this graph, and it fires in later backwards."""
     tensors = [x for x in tensors_in(tree) if x.requires_grad]
     if tensors:
-        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: hook(), mode="any")
+        graph = any(x.grad_fn is not None for x in tensors)
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: hook(graph), mode="any")
 
 
 def on_backward(hook, tree: Any) -> tuple[Any, bool]:

@@ -245,8 +245,7 @@ class Engine:
             # A recomputation: the backward that needs these parameters comes right after.
             if unit.recompute_use and torch.is_grad_enabled():
                 unit.recompute_use = False
-                hook = weakly(self._pre_backward, unit, unit.made_at(output))
-                when_backward_reaches(hook, output)
+                when_backward_reaches(weakly(self._pre_backward, unit, unit.updates), output)
             return output
         if unit.state is TrainingState.FORWARD:
             unit.to(TrainingState.IDLE)
@@ -275,7 +274,7 @@ class Engine:
             if self.mixed_precision.output_dtype is not None:
                 output = _cast_floats(output, self.mixed_precision.output_dtype)
         if grad:
-            when_backward_reaches(weakly(self._pre_backward, unit, unit.made_at(output)), output)
+            when_backward_reaches(weakly(self._pre_backward, unit, unit.updates), output)
         if self.checkpointing is not None:
             if root_entry:
                 self.checkpointing.close()
@@ -348,8 +347,8 @@ class Engine:
         if self.checkpointing is not None:
             self.checkpointing.close()
 
-    def _pre_backward(self, unit: Unit, made_at: int | None) -> None:
-        if made_at is not None and made_at != unit.updates:  # (a graph retained across a step)
+    def _pre_backward(self, unit: Unit, made_at: int, graph: bool) -> None:
+        if graph and made_at != unit.updates:  # (a graph retained across a step or load)
             raise autograd_hooks.stale_graph(unit.name)
         if self.phase is not Phase.BACKWARD:  # the backward's first unit: once per backward
             autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self.summoned)

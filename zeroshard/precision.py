@@ -486,7 +486,7 @@ class DynamicLossScaler(LossScaler):
         """Keep the scale (and ``max_scale``) at most the largest power of two of ``dtype``: a
         loss, or any scalar on its way to it, in that dtype carries the scale itself as its
         gradient (FP16: 2**15; at 2**16 every step was skipped, and again at each growth).
-        ``zeroshard.optimizer`` fits it to FP16 for a model computing in FP16."""
+        ``default_scaler`` fits it to FP16 for a model computing in FP16."""
         cap = _largest_power_of_two(dtype)
         self.max_scale = min(self.max_scale, max(cap, self.min_scale))
         self.scale = min(self.scale, self.max_scale)
@@ -534,6 +534,12 @@ def _largest_power_of_two(dtype: torch.dtype) -> float:
     return math.ldexp(1.0, math.frexp(torch.finfo(dtype).max)[1] - 1)
 
 
-def default_scaler(param_dtypes: set[torch.dtype]) -> LossScaler:
-    """Dynamic scaling when any gradient is computed in FP16; else none (skip on inf/NaN)."""
-    return DynamicLossScaler() if torch.float16 in param_dtypes else LossScaler()
+def default_scaler(param_dtypes: set[torch.dtype], given: LossScaler | None = None) -> LossScaler:
+    """``given``, or dynamic scaling when any gradient is computed in FP16, else none (skip on
+    inf/NaN); a dynamic one of an FP16 model kept within FP16 (``fit``: an FP32 loss of FP16
+    terms overflows at 2**16 too)."""
+    fp16 = torch.float16 in param_dtypes
+    scaler = given or (DynamicLossScaler() if fp16 else LossScaler())
+    if fp16 and isinstance(scaler, DynamicLossScaler):
+        scaler.fit(torch.float16)
+    return scaler

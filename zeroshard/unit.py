@@ -7,13 +7,11 @@ frees and reports."""
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 from torch import nn
 
 from zeroshard.model_states.flat_param import FlatParam, ShardState
 from zeroshard.model_states.grads import GradBucket
-from zeroshard.trees import tensors_in
 
 __all__ = ["TrainingState", "Unit"]
 
@@ -79,11 +77,6 @@ class Unit:
         came before one is stale (its backward would use the new weights; torch raises there).
         Not counted for a unit that two optimizers share: one's step may leave a graph of the
         other's parameters valid (a GAN's generator and discriminator in one unit)."""
-
-    def made_at(self, output: Any) -> int | None:
-        """``updates`` for the graph of this unit's ``output``; None for leaves only (a parameter
-        returned as it is), whose backward hook outlives the graph and fires in later ones."""
-        return self.updates if any(t.grad_fn is not None for t in tensors_in(output)) else None
 
     def to(self, state: TrainingState) -> None:
         assert state in _TRANSITIONS[self.state], (

@@ -93,15 +93,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"{type(loss_scaler).__name__}"
             )
         buckets = list(self.engine.buckets)
-        self.loss_scaler = loss_scaler or default_scaler({b.flat.param_dtype for b in buckets})
-        if isinstance(self.loss_scaler, DynamicLossScaler) and any(
-            b.flat.param_dtype == torch.float16 for b in buckets
-        ):
-            self.loss_scaler.fit(torch.float16)  # (an FP32 loss of FP16 terms overflowed too)
+        self.loss_scaler = default_scaler({b.flat.param_dtype for b in buckets}, loss_scaler)
         self.engine.scaling.warn_unscaled = isinstance(self.loss_scaler, DynamicLossScaler)
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = param_groups(model, params)
         self._param_ids = {id(p) for g in user_groups for p in g["params"]}
+        self._whole_units = [  # units whose every trainable parameter it holds: Unit.updates
+            u for u in self.engine.units if u.param_ids and u.param_ids <= self._param_ids
+        ]
         given = defaults
         defaults = with_default_impl(optimizer_cls, given, self.engine.mesh.device)
         # A rank stepping in backward, or with other groups, would wait in other collectives.
@@ -384,8 +383,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """A step changed this optimizer's parameters: refresh them; the units whose trainable
         parameters it holds all count it (``Unit.updates``)."""
         self.engine.params_changed()
-        for unit in self.engine.units:
-            unit.updates += bool(unit.param_ids) and unit.param_ids <= self._param_ids
+        for unit in self._whole_units:
+            unit.updates += 1
 
     def _finish_backward_step(self, bs: BackwardStep, found_inf: bool, unused: set[int]) -> bool:
         """``step`` with ``step_in_backward``: the sub-groups stepped during backward; those
