@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from parity_models import batch, loss_of
 from swap_faults import flip_byte, refused_steps
 from test_state_swap import _files, _make, _max_diff, _params, _train
 
@@ -236,6 +237,28 @@ def _interrupt_parity(folder: str) -> float:
 def test_a_ctrl_c_during_a_masters_read_leaves_the_model_usable(workers2, tmp_path):
     for diff in workers2.run(_interrupt_parity, str(tmp_path)):
         assert diff == 0.0, diff
+
+
+def _infer(model, opt) -> None:
+    """A forward under ``torch.inference_mode()``: the masters it reads back are read again by
+    training, outside inference mode."""
+    x, y = batch("gpt", 99, 2)
+    with torch.inference_mode():
+        loss_of("gpt", model, x, y)
+
+
+def _inference_parity(folder: str) -> float:
+    return _max_diff(
+        _around(Offload(parameters="nvme", folder=folder), _infer, first=_infer),
+        _around(None, _infer, first=_infer),
+    )
+
+
+def test_inference_mode_forwards_leave_offloaded_masters_trainable(workers2, tmp_path):
+    # the masters read back under inference_mode were views torch refuses to write outside it:
+    # every later read of them failed, and training stopped
+    for diff in workers2.run(_inference_parity, str(tmp_path)):
+        assert diff == 0.0
 
 
 def test_writes_inside_summon_full_params_reach_offloaded_masters(workers2, tmp_path):

@@ -131,6 +131,13 @@ def _close_at_exit(backend: Any, executors: list[ThreadPoolExecutor | None], pid
         logger.warning("cleaning up an unclosed offload store failed: %s", exc)
 
 
+_outside_inference = torch.inference_mode(False)
+"""Store operations run outside inference mode: the views and buffers they make in the caller's
+thread are written by the I/O workers, outside it, which torch refuses for a view or tensor made
+in inference mode (a stage-3 forward under ``torch.inference_mode()`` with parameters on NVMe
+failed every later read of those masters)."""
+
+
 class TensorStore:
     """Named flat tensors on one tier, with asynchronous swap_out / swap_in / prefetch / release.
 
@@ -197,6 +204,7 @@ class TensorStore:
         discard_folder(Path(folder))
 
     # -- public operations -----------------------------------------------------------------------
+    @_outside_inference
     def swap_out(self, name: str, tensor: torch.Tensor) -> SwapHandle:
         """Start copying `tensor` into the tier under `name` (replacing any previous tensor)."""
         self._check_open()
@@ -227,6 +235,7 @@ class TensorStore:
 
         return self._chain(name, handle, start)
 
+    @_outside_inference
     def swap_in(self, name: str, into: torch.Tensor | None = None) -> SwapHandle:
         """Start copying tensor `name` into `into` (a new CPU tensor if None); wait() returns it.
 
@@ -255,6 +264,7 @@ class TensorStore:
 
         return self._chain(name, handle, start)
 
+    @_outside_inference
     def prefetch(self, names: Iterable[str]) -> list[SwapHandle]:
         """Read tensors ahead into free pool buffers, so a later swap_in only copies out.
 
@@ -330,6 +340,7 @@ class TensorStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @_outside_inference
     def empty_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host tensor that swaps to and from NVMe without a staging copy.
 
