@@ -241,6 +241,21 @@ def test_reopen_after_crash_then_discard(tmp_path):
     assert not folder.exists()
 
 
+def test_a_users_own_swp_files_are_never_taken_for_the_stores(tmp_path):
+    # an editor's swap file in the folder made the store refuse it as "an earlier run's", and
+    # discard, the advised fix, deleted it
+    folder = tmp_path / "swap"
+    folder.mkdir()
+    mine = {folder / "model.swp": b"vim", folder / ".train.py.swp": b"vim too"}
+    for path, data in mine.items():
+        path.write_bytes(data)
+    with TensorStore(nvme(folder)) as store:
+        store.swap_out("a", torch.ones(3000)).wait()
+    run_child(folder, "crash")
+    TensorStore.discard(folder)
+    assert {p: p.read_bytes() for p in folder.iterdir()} == mine
+
+
 def test_normal_exit_without_close_cleans_up(tmp_path):
     folder = tmp_path / "swap"
     run_child(folder, "exit")

@@ -42,6 +42,7 @@ __all__ = [
     "padded_bytes",
     "prepare_folder",
     "remove_if_empty",
+    "swap_files",
     "take_lock",
     "unusable_because",
 ]
@@ -90,6 +91,15 @@ def file_name(name: str) -> str:
     """A readable, collision-free file name for a tensor name (which may hold '/' or '..')."""
     readable = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80].lstrip(".")
     return f"{readable}-{xxhash.xxh64_hexdigest(name.encode())[:12]}{SUFFIX}"
+
+
+_FILE_NAME = re.compile(r"[A-Za-z0-9_.-]*-[0-9a-f]{12}" + re.escape(SUFFIX))
+
+
+def swap_files(folder: Path) -> list[Path]:
+    """The files in `folder` named as ``file_name`` names them: the store's own. A user's file
+    that merely ends in .swp (an editor's swap file) is not one, and is never deleted."""
+    return [p for p in folder.glob("*" + SUFFIX) if _FILE_NAME.fullmatch(p.name)]
 
 
 def unusable_because(error: OSError) -> str:
@@ -239,7 +249,7 @@ def _holder(pid: str) -> str:
 
 def holds_swap_files(folder: Path) -> bool:
     """Whether `folder` holds an index or swap files (an earlier run's store)."""
-    return (folder / INDEX_NAME).exists() or any(folder.glob("*" + SUFFIX))
+    return (folder / INDEX_NAME).exists() or bool(swap_files(folder))
 
 
 def discard_folder(folder: Path) -> None:
@@ -263,7 +273,7 @@ def discard_folder(folder: Path) -> None:
                 f"{folder} is in use by a live store ({_holder(_pid_in(fd))}); give each run its "
                 "own folder (--offload-folder), or stop that one"
             ) from None
-        for path in folder.glob("*" + SUFFIX):
+        for path in swap_files(folder):
             path.unlink(missing_ok=True)
         for name in (INDEX_NAME, INDEX_NAME + ".tmp", LOCK_NAME):
             (folder / name).unlink(missing_ok=True)

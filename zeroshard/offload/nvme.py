@@ -34,7 +34,6 @@ from .folder import (
     ALIGN_BYTES,
     LOCK_NAME,
     MEMORY_FILESYSTEMS,
-    SUFFIX,
     collect_if_held_here,
     discard_folder,
     file_name,
@@ -44,6 +43,7 @@ from .folder import (
     padded_bytes,
     prepare_folder,
     remove_if_empty,
+    swap_files,
     take_lock,
 )
 from .index import INDEX_NAME, IndexEntry, index_block_bytes, read_index, write_index
@@ -433,7 +433,7 @@ class NvmeBackend:
             size = file.stat().st_size if file.exists() else 0
             self._entries[e.meta.name] = _FileEntry(e.meta, file, size, e.checksums)
         known = {e.path for e in self._entries.values()}
-        for orphan in self.folder.glob("*" + SUFFIX):
+        for orphan in swap_files(self.folder):
             if orphan not in known:
                 # written after the last flush, so no checksum vouches for it: it cannot be used
                 logger.warning(
