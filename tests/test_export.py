@@ -267,3 +267,49 @@ def test_a_value_beyond_the_export_dtype_is_an_error(workers1, tmp_path):
         export_safetensors(path, tmp_path / "out", dtype="fp16")
     assert not list((tmp_path / "out").glob("*.safetensors"))
     assert export_safetensors(path, tmp_path / "bf16", dtype="bf16").files
+
+
+def _hf_configs() -> dict:
+    """Tiny configs without ``architectures`` (as ``XConfig(...)`` makes them), of models that
+    are not causal LMs: a seq2seq LM whose causal-LM class rewrites its config, and an image
+    classifier."""
+    bart = transformers.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    vit = transformers.ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        image_size=8, patch_size=4, num_labels=3,
+    )  # fmt: skip
+    return {
+        "bart": (bart, transformers.BartForConditionalGeneration),
+        "vit": (vit, transformers.ViTForImageClassification),
+    }
+
+
+def _save_hf(path: str, kind: str) -> None:
+    torch.manual_seed(0)
+    config, cls = _hf_configs()[kind]
+    model = zeroshard.shard(cls(config), stage=0)
+    checkpoint.save(path, model, zeroshard.optimizer(model, torch.optim.SGD, lr=0.1))
+
+
+@pytest.mark.parametrize("kind", ["bart", "vit"])
+def test_a_config_without_architectures_of_another_kind_of_model(workers1, tmp_path, kind):
+    # BART's config came back a decoder's (BartForCausalLM, built to check it, rewrote it), in
+    # the caller's object and in config.json; a ViT classifier's own config was refused
+    path = tmp_path / "ckpt"
+    workers1.run(_save_hf, str(path), kind)
+    config, cls = _hf_configs()[kind]
+    before = config.to_dict()
+    export_safetensors(path, tmp_path / "out", config=config)
+    assert config.to_dict() == before
+    written = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    for key in ("is_decoder", "is_encoder_decoder"):
+        assert getattr(written, key, None) == getattr(config, key, None), key
+    torch.manual_seed(0)
+    expected = cls(config).state_dict()
+    loaded = cls.from_pretrained(tmp_path / "out").state_dict()
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)

@@ -46,6 +46,7 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -152,30 +153,30 @@ def _config_tied(config: Any, model_cls: type | None) -> dict[str, str]:
 def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]]) -> type | None:
     """Raise when ``config``'s model does not hold the checkpoint's tensors (another model's
     config: ``from_pretrained`` would then initialize every weight at random, with a warning
-    only). The model is built on the meta device as the config's ``architectures`` names it,
-    else as a causal LM, a seq2seq LM or a base model, whichever shares most names; returns
-    the class of that model (None without a config)."""
+    only). The model is built on the meta device, from a copy of the config (some models'
+    constructors rewrite theirs: ``BartForCausalLM`` makes it a decoder), as the config's
+    ``architectures`` names it, else as whichever of transformers' model kinds (causal LM,
+    seq2seq LM, image classifier, ..., base model) holds most of the checkpoint's tensors with
+    their shapes; returns the class of that model (None without a config)."""
     if config is None:
         return None
-    import transformers
-
-    names = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
-    candidates = [c for c in names if c is not None] or [
-        transformers.AutoModelForCausalLM,
-        transformers.AutoModelForSeq2SeqLM,
-        transformers.AutoModel,
-    ]
     best: dict[str, torch.Size] = {}
     best_cls = None
-    for cls in candidates:
+    best_score = (-1, 0)
+    for cls in _model_kinds(config):
         try:
             with torch.device("meta"):
-                model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
-        except (ValueError, TypeError, KeyError):  # this kind of model does not fit the config
+                copy = deepcopy(config)
+                model = cls.from_config(copy) if hasattr(cls, "from_config") else cls(copy)
+        except Exception:  # this kind of model does not fit the config (ValueError, mostly)
             continue
         shapes = {k: v.shape for k, v in model.state_dict().items()}
-        if len(set(shapes) & set(entries)) > len(set(best) & set(entries)):
-            best, best_cls = shapes, type(model)
+        fits = sum(tuple(shapes.get(n, ())) == tuple(e[0]) for n, e in entries.items())
+        score = (fits, -len(set(shapes) - set(entries)))
+        if score > best_score:
+            best, best_cls, best_score = shapes, type(model), score
+        if fits == len(entries):
+            break  # every tensor, with its shape: this is the model
     shared = [n for n in entries if n in best]
     misshaped = [n for n in shared if tuple(best[n]) != tuple(entries[n][0])]
     if len(shared) * 2 < len(entries) or misshaped:
@@ -191,6 +192,19 @@ def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]
             "pass the config of the model that was trained, or none"
         )
     return best_cls
+
+
+def _model_kinds(config: Any) -> list[type]:
+    """The classes ``config``'s model may have been built as: those its ``architectures``
+    names, else every ``transformers.AutoModelFor*`` (language models first) and ``AutoModel``."""
+    import transformers
+
+    names = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
+    if named := [c for c in names if c is not None]:
+        return named
+    first = ["AutoModelForCausalLM", "AutoModelForSeq2SeqLM"]
+    rest = sorted(a for a in dir(transformers) if a.startswith("AutoModelFor") and a not in first)
+    return [getattr(transformers, a) for a in [*first, *rest, "AutoModel"]]
 
 
 def _tensor_entries(reader) -> dict[str, tuple[torch.Size, torch.dtype]]:
