@@ -1369,6 +1369,70 @@ def test_units_taking_and_returning_dataclasses(workers2, stage):
         assert diff < 0.05, diff  # ran, near the FP32 reference
 
 
+def _plain_object_outputs(stage: int, whole: bool) -> float:
+    """A root returning ``types.SimpleNamespace(logits=...)`` beside a
+    ``torch.distributions.Normal`` (a policy), its blocks returning objects of a class of their
+    own (or one unit for the whole model): trained against the unsharded model."""
+    import types
+
+    class State:  # not a dataclass, not a pytree node
+        def __init__(self, h: torch.Tensor) -> None:
+            self.h = h
+            self.me = self  # a cycle: each object is searched once
+
+    class Cell(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, state: torch.Tensor) -> State:
+            return State(torch.tanh(self.fc(state)))
+
+    class Policy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cells = nn.ModuleList(Cell() for _ in range(2))
+            self.mu, self.log_std = nn.Linear(8, 2), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> types.SimpleNamespace:
+            for cell in self.cells:
+                x = cell(x).h
+            normal = torch.distributions.Normal(self.mu(x), self.log_std(x).exp())
+            return types.SimpleNamespace(logits=x.sum(-1), policy=normal)
+
+    def loss_of(model: nn.Module, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        out = model(x)
+        return -out.policy.log_prob(a).mean() + out.logits.square().mean()
+
+    torch.manual_seed(0)
+    ref = Policy()
+    policy = None if whole else wrap.by_class(Cell)
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=policy)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, a = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 2, generator=g)
+        mine = slice(rank * 4, (rank + 1) * 4)
+        opt.backward(loss_of(model, x[mine], a[mine]))  # the ranks' mean: the whole's
+        opt.step()
+        opt.zero_grad()
+        loss_of(ref, x, a).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return _param_diff(model, ref)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("whole", [True, False], ids=["one-unit", "per-cell"])
+def test_units_returning_plain_objects(workers2, stage, whole):
+    # Tensors held by a plain object's attributes got no backward hook: the unit's backward was
+    # never seen, its gradients went to .grad, and step() failed on "set by hand"
+    for diff in workers2.run(_plain_object_outputs, stage, whole):
+        assert diff < 1e-6, diff
+
+
 def _step_after_unsynced_backwards(stage: int) -> tuple[str, float]:
     """Every backward of a step under no_sync: step() refuses (it would apply nothing, and
     zero_grad then dropped the accumulated gradients); a synchronized backward after it adds

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.trees import map_tensors, tensors_in
+from zeroshard.trees import map_tensors, tensors_in, tensors_reached
 
 
 class BackwardHook(torch.autograd.Function):
@@ -60,7 +60,7 @@ def when_backward_reaches(hook: Callable[[bool], None], tree: Any) -> None:
     wrapping Function, so the outputs stay what the unit returned (in-place ops on them are
     fine). ``graph``: whether any of them has a graph of its own; leaves only (a parameter
     returned as it is) keep the hook past this graph, and it fires in later backwards."""
-    tensors = [x for x in tensors_in(tree) if x.requires_grad]
+    tensors = [x for x in tensors_reached(tree) if x.requires_grad]
     if tensors:
         graph = any(x.grad_fn is not None for x in tensors)
         torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: hook(graph), mode="any")

@@ -48,7 +48,7 @@ from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
-from zeroshard.trees import map_tensors, tensors_in
+from zeroshard.trees import map_tensors, tensors_reached
 from zeroshard.unit import TrainingState, Unit
 from zeroshard.watchdog import CollectiveTimeout, is_comm_failure
 
@@ -260,7 +260,7 @@ class Engine:
             and not self.config.reshard_root_after_forward
             and (
                 any(f.requires_grad for f in unit.flat_params)
-                or any(t.requires_grad for t in tensors_in(output))
+                or any(t.requires_grad for t in tensors_reached(output))
             )
         )
         if not keep and not self.summoned:

@@ -2,12 +2,18 @@
 ``torch.utils._pytree`` knows (namedtuples, Hugging Face ``ModelOutput``), and also plain
 ``@dataclass`` instances, which pytree leaves whole (a unit returning ``Out(h=...)``: its
 tensors would get no backward hook and no cast). FSDP2 looks into dataclasses too.
+
+A unit's outputs are searched further, for its backward hook only (``tensors_reached``): the
+attributes of plain objects (``types.SimpleNamespace(logits=...)``, a class of the user's own, a
+``torch.distributions.Normal``), which pytree leaves whole too. Missed, the unit's backward was
+never seen: its gradients went to ``.grad`` and the step failed on "set by hand".
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +36,33 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
             for f in dataclasses.fields(leaf):
                 out += tensors_in(getattr(leaf, f.name))
     return out
+
+
+def tensors_reached(tree: Any) -> list[torch.Tensor]:
+    """``tensors_in(tree)`` and the tensors held by attributes of the plain objects in it
+    (objects with a ``__dict__``; not modules, classes or functions), each object once."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    # A loop, not a recursive closure: that is a reference cycle, which kept the outputs (and
+    # a discarded forward's graph, its gathered parameters) alive until the garbage collector.
+    pending = [tree]
+    while pending:
+        for leaf in tree_flatten(pending.pop())[0]:
+            if torch.is_tensor(leaf):
+                out.append(leaf)
+            elif (_is_dataclass_instance(leaf) or _is_plain_object(leaf)) and id(leaf) not in seen:
+                seen.add(id(leaf))
+                if _is_dataclass_instance(leaf):
+                    pending.append([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+                else:
+                    pending.append(list(vars(leaf).values()))
+    return out
+
+
+def _is_plain_object(x: Any) -> bool:
+    return hasattr(x, "__dict__") and not isinstance(
+        x, type | torch.nn.Module | types.FunctionType | types.MethodType | types.ModuleType
+    )
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
