@@ -181,7 +181,7 @@ def _build_hf(path: str, vocab_size: int) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError as exc:
         if "Unrecognized configuration class" not in str(exc):
             raise
@@ -191,6 +191,16 @@ def _build_hf(path: str, vocab_size: int) -> nn.Module:
             "encoder-decoders); use a decoder-only config (GPT-2, Llama, Qwen2, ...) or "
             "--model pkg.mod:factory for a model of your own"
         ) from None
+    named = list(getattr(config, "architectures", None) or [])
+    if named and type(model).__name__ not in named:
+        # it would train one model and its checkpoints and exports would name another
+        raise ValueError(
+            f"hf = {path!r}: its architectures name {', '.join(named)}, but --hf trains the "
+            f"causal language model {type(model).__name__} (AutoModelForCausalLM); set "
+            f'"architectures": ["{type(model).__name__}"] in the config (or drop it), or '
+            "train a model of your own with --model pkg.mod:factory"
+        )
+    return model
 
 
 def _check_heads(path: str, config: dict) -> None:
