@@ -132,6 +132,7 @@ def test_bf16_cast(trained, tmp_path):
     for name, (_, t) in stored.items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, full[name].bfloat16()), name
     assert result.total_size == sum(t.numel() * 2 for _, t in stored.values())
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"  # (named none)
     # A config that names its dtype (as a plain save_pretrained writes it) gets the files' one:
     # it said float32, and from_pretrained upcast the BF16 files
     config = _config()

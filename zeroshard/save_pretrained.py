@@ -80,13 +80,15 @@ def record_dtype(folder: Path, dtype: torch.dtype | None, config: Any) -> None:
     """transformers records ``model.dtype`` in ``config.json``, the first parameter's: at stages
     0-2 in mixed precision the compute copy's (bf16), while the files hold the masters in the
     original dtype, and ``from_pretrained`` would load them in bf16. The files' dtype is written
-    instead (in the file and in the model's config, where it was set too)."""
+    instead (in the file and in the model's config, where it was set too); a config.json that
+    names no dtype gets one (an export cast to bf16 said nothing of it)."""
     path = folder / "config.json"
     if dtype is None or not path.is_file():
         return
     name = str(dtype).removeprefix("torch.")
     saved = json.loads(path.read_text())
-    keys = [k for k in ("dtype", "torch_dtype") if k in saved and saved[k] != name]
+    present = [k for k in ("dtype", "torch_dtype") if k in saved]
+    keys = [k for k in present if saved[k] != name] if present else ["dtype"]  # (none: added)
     if not keys:
         return
     saved.update(dict.fromkeys(keys, name))
