@@ -476,6 +476,16 @@ def test_through_main(capsys, monkeypatch):
     assert main.main(["plan", "--params", "7.5B", "--dp", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["zeroshard plan: error: --dp must be at least 1, got 0"]
+    # a negative value after a space is a value, said negative (argparse took it for an
+    # option: the whole usage, then "expected one argument")
+    for argv, said in [
+        (["--params", "-7.5B"], "a count must be positive, got '-7.5B'"),
+        (["--params", "7.5B", "--memory", "-80GB"], "memory size must be positive"),
+        (["--params", "7.5B", "--memory", "1e400"], "memory size must be finite"),
+    ]:
+        assert main.main(["plan", *argv, "--dp", "64"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
 
 
 def test_measure_prints_the_calibration_table(capsys, monkeypatch):

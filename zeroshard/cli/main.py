@@ -26,8 +26,10 @@ import errno
 import gc
 import importlib
 import os
+import re
 import sys
 import warnings
+from typing import Any
 
 from zeroshard.cli.held_signals import held
 
@@ -66,8 +68,18 @@ def version() -> str:
         return __version__
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, taking any word that starts with a minus and a digit as a value: a negative
+    size (``--params -7.5B``) was read as an unknown option ("expected one argument" under the
+    whole usage) where ``--params=-7.5B`` was said to be negative. No option starts so."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="zeroshard",
         description="ZeRO / fully sharded data parallel training on torch.distributed.",
     )

@@ -36,7 +36,9 @@ def _not_negative(text: str, what: str) -> None:
 
 
 def _check(value: float, text: str, what: str) -> float:
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be finite, got {text!r} (beyond a float's range)")
+    if value <= 0:
         raise ValueError(f"{what} must be a positive size, got {text!r}")
     return value
 
