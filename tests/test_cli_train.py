@@ -133,7 +133,9 @@ def test_timeout_takes_durations(text, seconds):
     assert load_config(None, {"timeout": text}).timeout == seconds
 
 
-@pytest.mark.parametrize("text,shown", [("soon", "a number"), ("0s", "timeout = 0.0")])
+@pytest.mark.parametrize(
+    "text,shown", [("soon", "or a number with s, m or h"), ("0s", "timeout = 0.0")]
+)
 def test_bad_timeouts(capsys, tmp_path, text, shown):
     _expect_usage_error(capsys, ["train", "--timeout", text, "--out-dir", str(tmp_path)], shown)
 
@@ -755,6 +757,14 @@ def test_own_data_text_npy_and_tokenizer(capsys, tmp_path):
     )  # fmt: skip
     assert code == 0, err
     assert summary["vocab_size"] == 7 and abs(summary["val_loss_first"] - math.log(7)) < 0.5
+
+    # text long enough to train on, whose validation tenth is too short: that split is named
+    (tmp_path / "short.txt").write_text("the cat sat on the mat " * 35)  # 805 bytes
+    code, err, _, _ = _train_in_process(
+        capsys, tmp_path / "short", *common, "--data", str(tmp_path / "short.txt"),
+        "--seq-len", "16", "--batch-size", "4",
+    )  # fmt: skip
+    assert code == 2 and "error: the validation split: the global batch of" in err, err
 
 
 # --------------------------------------------------------------------------- divergence

@@ -90,6 +90,9 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
     pytest.importorskip("transformers")
     with pytest.raises(ValueError, match="not installed locally.*drop --tokenizer"):
         load_tokenizer(str(tmp_path / "no-such-tokenizer"))
+    (tmp_path / "empty").mkdir()  # a folder: said to hold no tokenizer, not "not installed"
+    with pytest.raises(ValueError, match="is a folder without a tokenizer.*save_pretrained"):
+        load_tokenizer(str(tmp_path / "empty"))
 
 
 def test_too_little_data(tmp_path):

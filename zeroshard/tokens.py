@@ -96,6 +96,13 @@ def load_tokenizer(name: str) -> Any:
         return AutoTokenizer.from_pretrained(name, local_files_only=True)
     except Exception as exc:  # OSError, ValueError, ...: transformers' many ways to say "absent"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if os.path.isdir(name):  # (not a name "not installed": transformers' line says little)
+            raise ValueError(
+                f"tokenizer = {name!r} is a folder without a tokenizer transformers can load "
+                "(a tokenizer.json, or a tokenizer_config.json with its vocabulary); pass the "
+                "folder a tokenizer was saved to (tokenizer.save_pretrained(folder)), or drop "
+                "--tokenizer for byte-level tokens"
+            ) from None
         raise ValueError(
             f"tokenizer = {name!r} is not installed locally ({first}); download it once "
             "(e.g. AutoTokenizer.from_pretrained(name).save_pretrained(folder)) and pass the "

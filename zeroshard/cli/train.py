@@ -149,6 +149,8 @@ def _from_flag(name: str, text: str) -> Any:
         return {"int": int, "float": float}.get(kind, str)(text)
     except ValueError:
         what = {"int": "an integer", "bool": "true or false"}.get(kind, "a number")
+        if name == "timeout":
+            what = "seconds, or a number with s, m or h (60, 90s, 5m, 1h)"
         flag = f"--{name.replace('_', '-')}"
         raise UsageError(
             f"{flag} {text!r}: {name} must be {what}, e.g. {flag} {str(field.default).lower()}"

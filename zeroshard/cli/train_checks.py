@@ -173,15 +173,21 @@ def check_divides(cfg: TrainConfig, nproc: int) -> None:
 def _check_batches(cfg: TrainConfig, nproc: int) -> None:
     """The data gives every rank its batches and validation batches (as ``train`` cuts them)."""
     data = load_data(cfg)
-    for tokens_N, num_eval in ((data.train, 0), (data.val, cfg.eval_batches)):
-        loader = BatchLoader.from_global_batch(
-            tokens_N,
-            global_batch_size=cfg.batch_size,
-            seq_len=cfg.seq_len,
-            world_size=nproc // cfg.tp,  # the data-parallel ranks
-        )
-        if num_eval:
-            loader.eval_batches(num_eval)
+    for split, tokens_N, num_eval in (
+        ("training", data.train, 0),
+        ("validation", data.val, cfg.eval_batches),
+    ):
+        try:
+            loader = BatchLoader.from_global_batch(
+                tokens_N,
+                global_batch_size=cfg.batch_size,
+                seq_len=cfg.seq_len,
+                world_size=nproc // cfg.tp,  # the data-parallel ranks
+            )
+            if num_eval:
+                loader.eval_batches(num_eval)
+        except ValueError as e:  # which split is too short: the loader knows only its tokens
+            raise ValueError(f"the {split} split: {e}") from None
 
 
 def make_out_dir(path: str) -> Path:
