@@ -788,6 +788,9 @@ def test_divergence_is_an_error(capsys, tmp_path, precision, rule, data_dir):
     assert summary["status"] == "diverged" and summary["error"] in line
     step = int(line.split("step ")[1].split(":")[0])
     assert step < 100 and summary["skipped_steps"] >= (10 if precision == "fp32" else 1)
+    # the diverging step, skipped as those before it, is the summary's last and is logged
+    train = [r for r in records if r["kind"] == "train"]
+    assert summary["last_step"] == step == train[-1]["step"], (summary, train[-1])
 
 
 def test_a_damaged_checkpoint_is_said_when_resuming(capsys, tmp_path, data_dir):

@@ -127,9 +127,9 @@ def next_token_loss(model, x_BT: torch.Tensor, y_BT: torch.Tensor, vocab_size: i
         logits_BTV = logits_of(model(x_BT))
     except IndexError as exc:  # an embedding smaller than the data's vocabulary, as a rule
         raise ValueError(
-            f"the model's forward failed on this data's token ids (up to {int(x_BT.max())}, "
-            f"{vocab_size} in the data): {exc}; give the model a vocabulary of at least "
-            f"{vocab_size}"
+            f"the model's forward failed on this batch, whose largest token id is "
+            f"{int(x_BT.max())} (the data's vocabulary has {vocab_size} ids, 0-{vocab_size - 1})"
+            f": {exc}; give the model a vocabulary of at least {vocab_size}"
         ) from exc
     if logits_BTV.size(-1) < vocab_size:
         raise ValueError(
@@ -360,7 +360,13 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
             with diagnosed("all_reduce", "the loss", None):
                 dist.all_reduce(loss)  # the global batch's loss, whatever the world size
             loss_value = loss.item() / dist.get_world_size()
-            guard.step(step, loss_value)  # skipped when some rank has inf/NaN gradients
+            try:
+                guard.step(step, loss_value)  # skipped when some rank has inf/NaN gradients
+            except Diverged:  # skipped, as those before it: the summary and metrics show it
+                done, since = step, _steps_since(step, records, start)
+                log(_train_record(step, loss_value, lr, norm, since, t_log, tokens_per_step,
+                                  device))  # fmt: skip
+                raise
             done = step
             opt.zero_grad()
             disk.collect()
