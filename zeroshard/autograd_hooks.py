@@ -58,12 +58,25 @@ def when_backward_reaches(hook: Callable[[bool], None], tree: Any) -> None:
     """Call ``hook(graph)`` when backward first reaches one of ``tree``'s tensors that require
     grad: on a unit's outputs, as the unit's backward begins (gather again). A hook, not a
     wrapping Function, so the outputs stay what the unit returned (in-place ops on them are
-    fine). ``graph``: whether any of them has a graph of its own; leaves only (a parameter
-    returned as it is) keep the hook past this graph, and it fires in later backwards."""
+    fine). ``graph``: whether the hooked tensors have a graph of their own.
+
+    Outputs with a graph are hooked, and their hook dies with it. Leaves (a parameter returned
+    as it is: a CLIP model's temperature beside its features) are hooked only when there is
+    nothing else, once: a hook on a leaf outlives the graph, so each forward added one for good,
+    and beside a graph's outputs it fired in the next step's backward as if that graph were
+    used again (a false "stale graph" error)."""
     tensors = [x for x in tensors_reached(tree) if x.requires_grad]
-    if tensors:
-        graph = any(x.grad_fn is not None for x in tensors)
-        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: hook(graph), mode="any")
+    with_graph = [x for x in tensors if x.grad_fn is not None]
+    if with_graph:
+        torch.autograd.graph.register_multi_grad_hook(with_graph, lambda _: hook(True), mode="any")
+    elif tensors:
+        handle = None
+
+        def once(_: Any) -> None:
+            handle.remove()
+            hook(False)
+
+        handle = torch.autograd.graph.register_multi_grad_hook(tensors, once, mode="any")
 
 
 def on_backward(hook, tree: Any) -> tuple[Any, bool]:
