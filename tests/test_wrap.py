@@ -148,3 +148,13 @@ def test_a_predicate_of_the_module_alone_is_named():
     with pytest.raises(TypeError, match=r"with \(name, module\).*lambda name, module"):
         wrap.by_predicate(lambda m: isinstance(m, nn.Linear))
     assert wrap.by_predicate(lambda name, m: isinstance(m, Block))(GPT(PRESETS["nano"]))
+
+
+def test_multihead_attentions_out_proj_stays_with_its_parent():
+    # MultiheadAttention reads out_proj.weight without calling out_proj: as a unit of its own
+    # (a Linear, so by_class(nn.Linear) matched it) it was never gathered at stage 3
+    model = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+    names = [s.name for s in wrap.units(model, wrap.by_class(nn.Linear))]
+    assert names == ["", "linear1", "linear2"]
+    assert "self_attn.out_proj.weight" in _names(wrap.units(model, wrap.by_class(nn.Linear)))[""]
+    assert [s.name for s in wrap.units(nn.MultiheadAttention(8, 2), wrap.by_size(1))] == [""]

@@ -203,6 +203,7 @@ def units(model: nn.Module, policy: WrapPolicy | None) -> list[UnitSpec]:
     missing = wanted - modules.keys()
     if missing:
         raise ValueError(f"wrap policy named modules that do not exist: {sorted(missing)}")
+    wanted -= _read_by_their_parent(modules)
     containers = sorted(n for n in wanted if isinstance(modules[n], _CONTAINERS))
     if containers:
         raise ValueError(
@@ -237,6 +238,18 @@ def units(model: nn.Module, policy: WrapPolicy | None) -> list[UnitSpec]:
         specs[owner].params.append((regs, p, names[0]))
     # A unit left with no parameters (all shared upward) would only add hook overhead.
     return [s for i, s in enumerate(specs) if i == 0 or s.params]
+
+
+def _read_by_their_parent(modules: dict[str, nn.Module]) -> set[str]:
+    """Submodules whose parent reads their parameters without calling them, so that a unit of
+    their own would never be entered: ``nn.MultiheadAttention.out_proj`` (a ``Linear``, matched
+    by ``by_class(nn.Linear)``; at stage 3 its weight stayed a NaN placeholder, the outputs
+    were NaN and every step was skipped). They stay in their parent's unit."""
+    return {
+        f"{name}.out_proj" if name else "out_proj"
+        for name, module in modules.items()
+        if isinstance(module, nn.MultiheadAttention)
+    }
 
 
 def _common_prefix(paths: Iterable[list[int]]) -> list[int]:
