@@ -52,6 +52,49 @@ def test_a_meta_model_is_materialized_and_trains(workers2, stage):
         assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
 
 
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0])
+
+
+def _meta_lstm(stage: int) -> float:
+    """An nn.LSTM built on meta, materialized, then trained against an eager copy of the weights
+    it was given."""
+    with torch.device("meta"):
+        meta = _Recurrent()
+    torch.manual_seed(0)
+    model = zeroshard.shard(meta, stage=stage, wrap=zeroshard.wrap.by_class(nn.LSTM))
+    ref = _Recurrent()
+    ref.load_state_dict(zeroshard.full_state_dict(model, rank0_only=False))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(2 * world, 5, 8, generator=g)
+        opt.backward(model(x[rank * 2 : (rank + 1) * 2]).square().mean())
+        opt.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with zeroshard.summon_full_params(model, writeback=False):
+        return max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_meta_lstm_is_materialized_and_trains(workers2, stage):
+    # an RNN's weakrefs to its weights made swap_tensors refuse them ("Cannot swap t1 because it
+    # has weakref associated with it"), at every stage
+    for diff in workers2.run(_meta_lstm, stage):
+        assert diff < 1e-6, diff
+
+
 def _meta_without_init() -> None:
     class Bare(nn.Module):
         def __init__(self) -> None:

@@ -81,10 +81,15 @@ class Materializer:
                 _check_kept(m, params)
 
     def _init_module(self, module: nn.Module) -> None:
+        rnn = isinstance(module, nn.RNNBase)
+        if rnn:  # its weakrefs to its weights make swap_tensors refuse them: remade below
+            module._flat_weight_refs = []
         for p in module.parameters(recurse=False):
             if p.device == META:
                 new = nn.Parameter(torch.empty_like(p, device=self.device), p.requires_grad)
                 torch.utils.swap_tensors(p, new)  # same object: ties and optimizer refs hold
+        if rnn:
+            module._init_flat_weights()
         made = []
         for name, b in module.named_buffers(recurse=False):
             if b.device == META:
