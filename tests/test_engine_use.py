@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import io
+import pickle
 import warnings
 
 import pytest
@@ -912,6 +914,12 @@ def _deepcopies(stage: int) -> dict:
             copy.deepcopy(obj)
         except TypeError as e:
             out[what] = str(e)
+    saves = (("pickle", pickle.dumps), ("torch.save", lambda m: torch.save(m, io.BytesIO())))
+    for what, save in saves:
+        try:  # it failed deep in pickle, on one of the engine's hooks
+            save(model)
+        except TypeError as e:
+            out[what] = str(e)
     # The way that works: a new model loading the full state dict (an EMA or teacher copy).
     twin, _ = build("gpt")
     twin.load_state_dict(zeroshard.full_state_dict(model, rank0_only=False))
@@ -927,6 +935,8 @@ def test_deep_copies_are_refused_with_the_way_that_works(workers2, stage):
         for what in ("model", "block"):
             assert "deep-copy the model before zeroshard.shard()" in r[what], r
             assert "zeroshard.full_state_dict(model, rank0_only=False)" in r[what], r
+        for what in ("pickle", "torch.save"):
+            assert "save its weights instead: torch.save(zeroshard.full_state_dict" in r[what], r
         assert r["twin"] < TOL, r
 
 

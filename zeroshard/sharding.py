@@ -275,6 +275,7 @@ def shard(
     _install_zero_grad(model, engine)
     for module in model.modules():
         module.__deepcopy__ = _refuse_deepcopy
+        module.__reduce_ex__ = _refuse_pickle
     setattr(model, _ATTR, engine)
     for p in model.parameters():
         setattr(p, _SHARDED, True)
@@ -350,6 +351,17 @@ def _refuse_deepcopy(memo: dict) -> None:
         "parameters live in the engine's shards and its hooks drive that engine; deep-copy the "
         "model before zeroshard.shard(), or build a new one and load "
         "zeroshard.full_state_dict(model, rank0_only=False) into it"
+    )
+
+
+def _refuse_pickle(protocol: int) -> None:
+    """``torch.save(model)`` or ``pickle.dumps(model)`` of a sharded model: it failed deep in
+    pickle on one of the engine's hooks. Refused, naming the ways to save that work."""
+    raise TypeError(
+        "pickling a model sharded by zeroshard (torch.save(model), pickle.dumps): its "
+        "parameters live in the engine's shards and its hooks drive that engine; save its "
+        "weights instead: torch.save(zeroshard.full_state_dict(model), path), "
+        "model.save_pretrained(...) or zeroshard.checkpoint.save(path, model, optimizer)"
     )
 
 
