@@ -75,6 +75,15 @@ def test_by_size_wraps_bottom_up_and_skips_containers():
 def test_wrapping_a_container_is_an_error():
     with pytest.raises(ValueError, match="ModuleList"):
         wrap.units(FrozenMLP(), wrap.by_predicate(lambda name, m: name == "layers"))
+    # parameter containers too: their parameters are read by the parent, never by a call (a
+    # ParameterDict unit was never gathered at stage 3), and by_size passes over them
+    model = nn.Module()
+    model.pd = nn.ParameterDict({"w": nn.Parameter(torch.ones(8, 8))})
+    model.pl = nn.ParameterList([nn.Parameter(torch.ones(8, 8))])
+    model.head = nn.Linear(8, 8)
+    with pytest.raises(ValueError, match=r"cannot wrap containers \['pd'\].*ParameterDict"):
+        wrap.units(model, wrap.by_class(nn.ParameterDict))
+    assert wrap.by_size(50)(model) == ["head"]
 
 
 def test_by_predicate_and_frozen_and_odd_parameters_are_kept():

@@ -18,7 +18,9 @@ from torch import nn
 
 WrapPolicy = Callable[[nn.Module], list[str]]
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+"""Modules without a forward: never entered, so never a unit (by_size passes over them; a
+ParameterDict made a unit never gathered at stage 3, its parameters NaN placeholders)."""
 _SEVERAL = (list, tuple, set, frozenset)
 
 
@@ -207,8 +209,9 @@ def units(model: nn.Module, policy: WrapPolicy | None) -> list[UnitSpec]:
     containers = sorted(n for n in wanted if isinstance(modules[n], _CONTAINERS))
     if containers:
         raise ValueError(
-            f"cannot wrap containers {containers}: a ModuleList/ModuleDict has no forward; "
-            "wrap the modules inside it instead"
+            f"cannot wrap containers {containers}: a ModuleList/ModuleDict/ParameterList/"
+            "ParameterDict has no forward; wrap the modules inside it, or the module that "
+            "reads its parameters, instead"
         )
     specs = [UnitSpec("", model)]
     specs += [UnitSpec(n, m) for n, m in model.named_modules() if n in wanted]
