@@ -1475,6 +1475,51 @@ def test_attention_layers_wrapped_per_linear(workers2, stage):
         assert diff < 1e-6, diff
 
 
+class _Recursive(nn.Module):
+    """A tree net's cell: it calls itself, then uses its own weights again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.gain = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        if depth > 0:
+            h = h + self(h, depth - 1)
+        return self.fc(h) * self.gain
+
+
+def _recursive_unit(stage: int) -> float:
+    torch.manual_seed(0)
+    ref = nn.Sequential(_Recursive(), nn.Linear(8, 8))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_Recursive))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * world, 8, generator=g)
+    with torch.no_grad():
+        gap = (model(x) - ref(x)).abs().max().item()
+    for _ in range(3):
+        x = torch.randn(2 * world, 8, generator=g)
+        opt.backward(model(x[rank * 2 : (rank + 1) * 2]).square().mean())
+        assert opt.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return max(gap, _param_diff(model, ref))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_unit_calling_itself(workers2, stage):
+    # at stage 3 the inner call's end resharded the unit under the outer call: its own
+    # parameter read the NaN placeholder after it, and every step was skipped
+    for diff in workers2.run(_recursive_unit, stage):
+        assert diff < 1e-6, diff
+
+
 def _step_after_unsynced_backwards(stage: int) -> tuple[str, float]:
     """Every backward of a step under no_sync: step() refuses (it would apply nothing, and
     zero_grad then dropped the accumulated gradients); a synchronized backward after it adds
