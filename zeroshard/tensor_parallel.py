@@ -217,7 +217,8 @@ def plan_for(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> d
         if style not in STYLES:
             raise ValueError(
                 f"tensor-parallel plan entry {pattern!r}: {style!r}; zeroshard splits layers "
-                f"{' or '.join(STYLES)} only: change the entry or pass --tp 1"
+                f"{' or '.join(STYLES)} only: change the entry or pass --tp 1 (zeroshard plan: "
+                "--mp 1)"
             )
         regex = re.compile(re.escape(root + pattern).replace(r"\*", r"[^.]+"))
         found = [name for name in modules if regex.fullmatch(name)]
@@ -272,7 +273,7 @@ def _declared_plan(model: nn.Module) -> tuple[dict[str, str], str]:
     raise ValueError(
         f"{type(model).__name__} has no tensor-parallel plan (no config.base_model_tp_plan, no "
         "tp_plan attribute): give it a tp_plan ({'layers.*.mlp.up': 'colwise', "
-        "'layers.*.mlp.down': 'rowwise', ...}) or pass --tp 1"
+        "'layers.*.mlp.down': 'rowwise', ...}) or pass --tp 1 (zeroshard plan: --mp 1)"
     )
 
 
@@ -283,7 +284,8 @@ def _style(name: str, module: nn.Module, style: str, tp: int):
     if not isinstance(module, nn.Linear):
         raise ValueError(
             f"tensor-parallel plan: {name} is a {type(module).__name__}, not an nn.Linear; "
-            "zeroshard splits Linear layers only: drop it from the plan or pass --tp 1"
+            "zeroshard splits Linear layers only: drop it from the plan or pass --tp 1 "
+            "(zeroshard plan: --mp 1)"
         )
     features = module.out_features if style == "colwise" else module.in_features
     if features % tp:
