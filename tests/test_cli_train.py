@@ -728,6 +728,21 @@ def test_hf_configs_it_cannot_train_are_one_line(capsys, tmp_path, data_dir, con
     assert not records
 
 
+def test_an_hf_config_naming_its_backbone_trains(capsys, tmp_path, data_dir):
+    """Hub configs often name the base model ("LlamaModel"): the causal LM built on it trains
+    (only another head, a classifier, is refused)."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
+        "intermediate_size": 64, "num_hidden_layers": 1, "vocab_size": 256,
+        "bos_token_id": 0, "eos_token_id": 0, "architectures": ["LlamaModel"],
+    }))  # fmt: skip
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1", "--batch-size", "2"]
+    code, err, _, _ = _train_in_process(capsys, tmp_path / "run", *flags, "--hf", str(path))
+    assert code == 0, err
+
+
 def test_own_data_text_npy_and_tokenizer(capsys, tmp_path):
     import numpy as np
     from test_tokens import _local_tokenizer

@@ -192,7 +192,8 @@ def _build_hf(path: str, vocab_size: int) -> nn.Module:
             "--model pkg.mod:factory for a model of your own"
         ) from None
     named = list(getattr(config, "architectures", None) or [])
-    if named and type(model).__name__ not in named:
+    base = type(getattr(model, "base_model", model)).__name__  # ("LlamaModel": its backbone)
+    if named and type(model).__name__ not in named and base not in named:
         # it would train one model and its checkpoints and exports would name another
         raise ValueError(
             f"hf = {path!r}: its architectures name {', '.join(named)}, but --hf trains the "
