@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -275,7 +276,7 @@ def shard(
     _install_zero_grad(model, engine)
     for module in model.modules():
         module.__deepcopy__ = _refuse_deepcopy
-        module.__reduce_ex__ = _refuse_pickle
+        module.__reduce_ex__ = functools.partial(_refuse_pickle, module)
     setattr(model, _ATTR, engine)
     for p in model.parameters():
         setattr(p, _SHARDED, True)
@@ -354,9 +355,12 @@ def _refuse_deepcopy(memo: dict) -> None:
     )
 
 
-def _refuse_pickle(protocol: int) -> None:
+def _refuse_pickle(module: nn.Module, protocol: int) -> Any:
     """``torch.save(model)`` or ``pickle.dumps(model)`` of a sharded model: it failed deep in
-    pickle on one of the engine's hooks. Refused, naming the ways to save that work."""
+    pickle on one of the engine's hooks. Refused, naming the ways to save that work;
+    ``copy.copy``, which reduces the same way, still makes its shallow copy."""
+    if sys._getframe(1).f_globals.get("__name__") == "copy":
+        return object.__reduce_ex__(module, protocol)
     raise TypeError(
         "pickling a model sharded by zeroshard (torch.save(model), pickle.dumps): its "
         "parameters live in the engine's shards and its hooks drive that engine; save its "
