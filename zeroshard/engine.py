@@ -200,10 +200,10 @@ class Engine:
         recompute = in_backward()
         root_entry = unit.is_root and entry
         raw_args, raw_kwargs = args, kwargs
-        if entry and not recompute:  # (a recomputation may stop before its end: not counted)
-            unit.depth = unit.depth + 1 if unit.state is TrainingState.FORWARD else 1
         if root_entry and not recompute:
             self._begin_forward()
+        if entry and not recompute:  # (a recomputation may stop before its end: not counted)
+            unit.depth = unit.depth + 1 if unit.state is TrainingState.FORWARD else 1
         if self._recording is not None and not recompute:
             self._recording[unit] = None
         unit.unshard(async_op=False)
@@ -243,9 +243,8 @@ class Engine:
     def _post_forward(
         self, unit: Unit, output: Any, *, entry: bool = True, keep: bool = False
     ) -> Any:
-        unit.depth -= entry and not in_backward()
-        if unit.depth > 0:  # a call of the module inside its own: the outer one goes on with it
-            return output  # (and its outputs' hook begins the unit's backward)
+        if entry and unit.depth > 1 and not in_backward():
+            return output  # called inside its own call, which goes on with it
         if in_backward():
             # A recomputation: the backward that needs these parameters comes right after.
             if unit.recompute_use and torch.is_grad_enabled():
@@ -259,11 +258,9 @@ class Engine:
         # The root stays gathered for its backward, which comes right after; not when nothing
         # of it trains and no output requires grad (a frozen reference model): none comes.
         # (Decided for the root's forward only: not a walk of every unit's output.)
-        trains = any(f.requires_grad for f in unit.flat_params)
-        keep = keep or (
-            root_entry and grad and not self.config.reshard_root_after_forward
-            and (trains or any(t.requires_grad for t in tensors_reached(output)))
-        )  # fmt: skip
+        keep = keep or (root_entry and grad and not self.config.reshard_root_after_forward and (
+            any(f.requires_grad for f in unit.flat_params)
+            or any(t.requires_grad for t in tensors_reached(output))))  # fmt: skip
         if not keep and not self.summoned:
             output = _unalias(output, unit)
             unit.reshard()
@@ -328,6 +325,9 @@ class Engine:
             u.generation += 1
             if not self.summoned:
                 u.reshard()
+
+    def _leave(self, unit: Unit) -> None:  # after each call of the unit, also one that raised
+        unit.depth = unit.depth if in_backward() else max(0, unit.depth - 1)
 
     def _forward_raised(self) -> None:
         """After the root's forward: when it raised (its ``post`` hook did not run, so the phase

@@ -37,6 +37,8 @@ def install(engine: Engine, unit: Unit) -> list[Any]:
     if unit.is_root:  # runs after ``post``, and also when the forward raised
         raised = eager(lambda m, a, o: engine._forward_raised())
         last.append(module.register_forward_hook(raised, always_call=True))
+    leave = eager(lambda m, a, o: engine._leave(unit))  # last, and also when it raised
+    last.append(module.register_forward_hook(leave, always_call=True))
     handles += last
     # A submodule holding the unit's parameters called on its own (T5's encoder in generate(),
     # an embedding applied outside the forward) is a use of the unit: gathered for it, and the

@@ -73,8 +73,8 @@ class Unit:
         """Bumped whenever ``pending_uses`` is reset: older uses no longer count."""
         self.recompute_use = False  # the current recomputation is a use (reentrant checkpoint)
         self.depth = 0  # calls of the module running now: > 1 when it calls itself (a tree net)
-        """Counted from 1 at each call that finds the unit out of its forward, so a call that
-        raised leaves no count behind."""
+        """Counted down by a hook that runs also when the call raised an Exception
+        (``Engine._leave``); from 1 when the unit is out of its forward (a Ctrl-C's leftover)."""
         self.updates = 0
         """Steps of an optimizer holding all its trainable parameters: a graph whose forward
         came before one is stale (its backward would use the new weights; torch raises there).
