@@ -1444,22 +1444,19 @@ def test_units_returning_plain_objects(workers2, stage, whole):
         assert diff < 1e-6, diff
 
 
-def _attention_layers(stage: int) -> float:
-    """torch's TransformerEncoderLayer wrapped per nn.Linear (MultiheadAttention's out_proj is
-    one, read by its parent without a call): evaluated and trained against the unsharded
-    model."""
-    torch.manual_seed(0)
-    ref = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
-    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(nn.Linear))
+def _evaluated_and_trained(model: nn.Module, ref: nn.Module, sample: tuple[int, ...]) -> float:
+    """The sharded ``model`` against ``ref`` (its unsharded twin): one ``no_grad`` forward, then
+    3 SGD steps on the mean square of the outputs, each rank on its half of the batch; the
+    largest gap of outputs or parameters. Every step must be taken."""
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2 * world, 5, 8, generator=g)
+    x = torch.randn(2 * world, *sample, generator=g)
     with torch.no_grad():
         gap = (model(x) - ref(x)).abs().max().item()
     for _ in range(3):
-        x = torch.randn(2 * world, 5, 8, generator=g)
+        x = torch.randn(2 * world, *sample, generator=g)
         opt.backward(model(x[rank * 2 : (rank + 1) * 2]).square().mean())
         assert opt.step()
         opt.zero_grad()
@@ -1467,6 +1464,16 @@ def _attention_layers(stage: int) -> float:
         ref_opt.step()
         ref_opt.zero_grad()
     return max(gap, _param_diff(model, ref))
+
+
+def _attention_layers(stage: int) -> float:
+    """torch's TransformerEncoderLayer wrapped per nn.Linear (MultiheadAttention's out_proj is
+    one, read by its parent without a call): evaluated and trained against the unsharded
+    model."""
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(nn.Linear))
+    return _evaluated_and_trained(model, ref, (5, 8))
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -1523,22 +1530,7 @@ def _recursive_unit(stage: int) -> float:
     torch.manual_seed(0)
     ref = _Retrying()
     model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_Recursive, _Flaky))
-    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(2 * world, 8, generator=g)
-    with torch.no_grad():
-        gap = (model(x) - ref(x)).abs().max().item()
-    for _ in range(3):
-        x = torch.randn(2 * world, 8, generator=g)
-        opt.backward(model(x[rank * 2 : (rank + 1) * 2]).square().mean())
-        assert opt.step()
-        opt.zero_grad()
-        ref(x).square().mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    return max(gap, _param_diff(model, ref))
+    return _evaluated_and_trained(model, ref, (8,))
 
 
 @pytest.mark.parametrize("stage", [0, 3])
