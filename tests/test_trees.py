@@ -39,3 +39,20 @@ def test_dataclasses_are_searched_and_copied_when_changed():
     doubled = map_tensors(lambda t: t * 2, out)
     assert doubled is not out and torch.equal(doubled.h, torch.full((1,), 2.0))
     assert torch.equal(out.h, torch.ones(1))  # the original is left alone
+
+
+def test_tensors_reached_looks_into_plain_objects_once_and_not_too_deep():
+    import types
+
+    from zeroshard.trees import MAX_OBJECT_DEPTH, tensors_reached
+
+    loc, scale, deep = torch.zeros(2), torch.ones(2), torch.full((1,), 7.0)
+    out = types.SimpleNamespace(policy=torch.distributions.Normal(loc, scale), logits=loc)
+    out.me = out  # a cycle: searched once
+    assert {id(t) for t in tensors_reached(out)} == {id(loc), id(scale)}
+    assert tensors_in(out) == []  # pytree leaves such an object whole
+    nest = deep
+    for _ in range(MAX_OBJECT_DEPTH + 1):
+        nest = types.SimpleNamespace(inner=nest)
+    assert tensors_reached(nest) == []  # deeper than the limit: a config, a dataset, ...
+    assert tensors_reached(nest.inner) == [deep]

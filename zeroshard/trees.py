@@ -45,18 +45,27 @@ def tensors_reached(tree: Any) -> list[torch.Tensor]:
     seen: set[int] = set()
     # A loop, not a recursive closure: that is a reference cycle, which kept the outputs (and
     # a discarded forward's graph, its gathered parameters) alive until the garbage collector.
-    pending = [tree]
+    # Plain objects deeper than MAX_OBJECT_DEPTH are not searched: an output holding a config,
+    # a tokenizer or a dataset would have its whole object graph walked at every forward.
+    pending = [(tree, 0)]
     while pending:
-        for leaf in tree_flatten(pending.pop())[0]:
+        node, depth = pending.pop()
+        for leaf in tree_flatten(node)[0]:
             if torch.is_tensor(leaf):
                 out.append(leaf)
-            elif (_is_dataclass_instance(leaf) or _is_plain_object(leaf)) and id(leaf) not in seen:
+            elif id(leaf) in seen:
+                continue
+            elif _is_dataclass_instance(leaf):  # as tensors_in, at any depth
                 seen.add(id(leaf))
-                if _is_dataclass_instance(leaf):
-                    pending.append([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
-                else:
-                    pending.append(list(vars(leaf).values()))
+                pending.append(([getattr(leaf, f.name) for f in dataclasses.fields(leaf)], depth))
+            elif _is_plain_object(leaf) and depth < MAX_OBJECT_DEPTH:
+                seen.add(id(leaf))
+                pending.append((list(vars(leaf).values()), depth + 1))
     return out
+
+
+MAX_OBJECT_DEPTH = 3
+"""Plain objects searched inside one another (a namespace holding a distribution: 2)."""
 
 
 def _is_plain_object(x: Any) -> bool:
