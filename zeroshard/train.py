@@ -360,17 +360,15 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
             with diagnosed("all_reduce", "the loss", None):
                 dist.all_reduce(loss)  # the global batch's loss, whatever the world size
             loss_value = loss.item() / dist.get_world_size()
+            diverged = None
             try:
                 guard.step(step, loss_value)  # skipped when some rank has inf/NaN gradients
-            except Diverged:  # skipped, as those before it: the summary and metrics show it
-                done, since = step, _steps_since(step, records, start)
-                log(_train_record(step, loss_value, lr, norm, since, t_log, tokens_per_step,
-                                  device))  # fmt: skip
-                raise
+            except Diverged as exc:  # skipped, as those before it: logged, then raised
+                diverged = exc
             done = step
             opt.zero_grad()
             disk.collect()
-            if step % cfg.log_every == 0 or step == cfg.steps:
+            if step % cfg.log_every == 0 or step == cfg.steps or diverged:
                 since = _steps_since(step, records, start)
                 rec = _train_record(step, loss_value, lr, norm, since, t_log, tokens_per_step,
                                     device)  # fmt: skip
@@ -381,6 +379,8 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
                     loss=f"{loss_value:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
                     mem_mib="/".join(f"{m:.0f}" for m in rec["rank_mem_mib"]),
                 )  # fmt: skip
+            if diverged:
+                raise diverged
             paused = time.perf_counter()
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 evaluate_at(step)
