@@ -3,6 +3,8 @@ ranks), and the per-layer activation formula against what autograd actually save
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -185,3 +187,44 @@ def test_calibration_hf_stage3_two_ranks(workers2, name, batch, seq):
             # Activations are most of the peak: the bound above is a bound on them.
             assert p["peak_moment"] == "loss backward"
             assert p["peak"]["activation_working"] > p["peak_bytes"] / 2
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # The reference GPT's formula (a preset): 12 hd of its 16 hd per token split, the layer
+        # norms' inputs and outputs and the rowwise biases whole.
+        Case(preset="tiny", stage=3, micro_batch_size=4, seq_len=64, tp=2),
+        Case(preset="tiny", stage=0, micro_batch_size=2, seq_len=16, tp=2),
+        # Measured on meta: what lies between Llama's colwise and rowwise projections (its
+        # base_model_tp_plan) counted 1/Nm, the norms and the rotary tables whole.
+        calibrate.HFCase(config="llama", stage=3, micro_batch_size=4, seq_len=64, tp=2),
+        calibrate.HFCase(config="llama", stage=2, micro_batch_size=2, seq_len=16, tp=2),
+    ],
+    ids=["gpt-s3", "gpt-s0", "llama-s3", "llama-s2"],
+)
+def test_calibration_tensor_parallel(workers2, case):
+    """Two gloo ranks as one tensor-parallel pair: model states and the per-rank peak against
+    MemTracker's. The activations between a colwise Linear and its rowwise partner are 1/Nm per
+    rank (both were over-predicted by 21-34% when they were counted whole)."""
+    if isinstance(case, calibrate.HFCase):
+        pytest.importorskip("transformers")
+        from test_planner_hf import HF_CONFIGS
+
+        case = dataclasses.replace(case, config=HF_CONFIGS[case.config])
+    for row in workers2.run(calibrate.calibrate, case):
+        p, meas = row["predicted"], row["measured"]
+        assert abs(calibrate.error(p["peak_bytes"], meas["peak_bytes"])) <= 0.02, row
+        assert calibrate.within_tolerance(row), calibrate.render([row])
+        assert set(meas["comm_numel"]) == set(p["comm_numel"])
+
+
+def test_calibration_one_rank_reduces_without_a_staging_copy(workers1):
+    """One data-parallel rank (a single process, or tensor parallelism over every rank): the
+    reduce-scatter is a copy into the shard, with no backend staging a third copy of the bucket
+    (gloo's did: 17% above the plan at the bucket's reduction)."""
+    rows = workers1.run(
+        calibrate.calibrate, Case(preset="tiny", stage=2, micro_batch_size=1, seq_len=8)
+    )
+    _check(rows)
+    assert rows[0]["predicted"]["peak_moment"] == "bucket reduction"

@@ -14,6 +14,7 @@ from torch import nn
 import zeroshard
 from zeroshard import checkpoint, tensor_parallel, wrap
 from zeroshard.models.gpt import GPT, Block, GPTConfig
+from zeroshard.planner import describe
 from zeroshard.train_config import TrainConfig
 
 CFG = GPTConfig(n_layer=3, n_embd=32, n_head=4, block_size=16)
@@ -381,6 +382,7 @@ def _plan_parity(kind: str) -> dict:
     device_mesh, mesh = tensor_parallel.mesh_2d(2)
     tensor_parallel.parallelize(model, device_mesh)
     split = sorted(n for n, s in tensor_parallel.splits(model).items() if s.dim is not None)
+    local = sum(p.numel() for p in model.parameters())
     model = zeroshard.shard(model, stage=3, mesh=mesh, wrap=wrap.by_class(block))
     # Adam's first steps move a weight whose gradient is near 0 by about lr whatever its sign:
     # the split sums round differently, so at lr 1e-2 one such weight of the tiny Llama differed
@@ -391,7 +393,7 @@ def _plan_parity(kind: str) -> dict:
     gens = (torch.Generator().manual_seed(step) for step in range(3))
     batches = ((torch.randint(0, 64, (4, 12), generator=g),) for g in gens)
     worst, param = tp_parity(model, ref, opt, ref_opt, mesh, batches, _loss)
-    return {"loss": worst, "param": param, "split": split}
+    return {"loss": worst, "param": param, "split": split, "local": local}
 
 
 @pytest.mark.parametrize("kind", ["own", "llama"])
@@ -400,6 +402,11 @@ def test_models_with_a_plan_of_their_own_match_single_process_training(workers4,
         pytest.importorskip("transformers")
     for r in workers4.run(_plan_parity, kind):
         assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
+    # The planner counts what a rank holds from the same plan: the split Linears 1/2 (not a
+    # colwise bias's partner), everything else whole (the planned MLP only, for "own").
+    own = kind == "own"
+    planned = describe.from_module(_Own if own else _llama, wrap="_Block" if own else None)
+    assert planned.mp_numel(2) == r["local"], (planned.mp_numel(2), r["local"])
     if kind == "own":
         assert r["split"] == [
             f"blocks.{i}.{n}.{p}"

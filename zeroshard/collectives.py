@@ -223,6 +223,17 @@ def _orphan(exchange: _Exchange) -> None:
             exchange.orphaned = True
 
 
+def _alone(group: dist.ProcessGroup | None) -> bool:
+    """A group of one rank: an all-gather or a reduce-scatter is a copy (none in place), where a
+    backend's own would stage a copy of its input besides."""
+    return dist.get_world_size(group) == 1
+
+
+def _copy(output: torch.Tensor, source: torch.Tensor) -> None:
+    if output.data_ptr() != source.data_ptr():
+        output.copy_(source)
+
+
 def _point_to_point(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bool:
     """Whether all-gathers and reduce-scatters run as sends and receives: on gloo (module
     docstring)."""
@@ -449,7 +460,9 @@ def all_gather(
     ``unit`` names the wrapped module for ``CollectiveTimeout`` (as do the functions below)."""
     ledger.record("all_gather", label, output.numel(), output.element_size(), scope, unit)
     with record_function("zeroshard::all_gather"), diagnosed("all_gather", label, group, unit=unit):
-        if _point_to_point(group, output):
+        if _alone(group):
+            work = _copy(output, shard)
+        elif _point_to_point(group, output):
             start = functools.partial(_gather_exchange, output, shard, group)
             work = _exchanged(shard, output, group, start, async_op)
         else:
@@ -474,7 +487,9 @@ def reduce_scatter(
         record_function("zeroshard::reduce_scatter"),
         diagnosed("reduce_scatter", label, group, unit=unit),
     ):
-        if _point_to_point(group, full):
+        if _alone(group):
+            work = _copy(output, full)
+        elif _point_to_point(group, full):
             start = functools.partial(_reduce_exchange, output, full, group)
             work = _exchanged(output, full, group, start, async_op)
         else:

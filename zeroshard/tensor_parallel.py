@@ -202,7 +202,7 @@ def plan_for(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> d
             f"{type(model).__name__}; drop sequence_parallel (partition_activations splits its "
             "activation checkpoints instead)"
         )
-    names, root = _declared_plan(model)
+    found = styles(model)
     modules = dict(model.named_modules())
     config = getattr(model, "config", None)
     for field in ("num_attention_heads", "num_key_value_heads"):
@@ -212,7 +212,22 @@ def plan_for(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> d
                 f"tensor parallelism splits attention by heads: {field}={heads} does not split "
                 f"in tp={tp}; use a tp that divides it"
             )
-    plan = {}
+    plan = {name: _style(name, modules[name], style, tp) for name, style in found.items()}
+    _check_pairs(plan, list(modules))
+    return plan
+
+
+def styles(model: nn.Module) -> dict[str, str]:
+    """``{module name: "colwise" | "rowwise"}``: the Linears ``plan_for`` splits, for any degree
+    (nothing about ``tp`` is checked here). A ValueError naming the fix when the model declares
+    no plan, a style is another, or an entry matches no module."""
+    if hasattr(model, "blocks") and hasattr(model, "cfg"):  # the reference GPT (gpt_plan)
+        pairs = (("attn.qkv", "colwise"), ("attn.proj", "rowwise"))
+        pairs += (("mlp.fc", "colwise"), ("mlp.proj", "rowwise"))
+        return {f"blocks.{i}.{n}": s for i in range(len(model.blocks)) for n, s in pairs}
+    names, root = _declared_plan(model)
+    modules = [name for name, _ in model.named_modules()]
+    found: dict[str, str] = {}
     for pattern, style in names.items():
         if style not in STYLES:
             raise ValueError(
@@ -221,16 +236,27 @@ def plan_for(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> d
                 "--mp 1)"
             )
         regex = re.compile(re.escape(root + pattern).replace(r"\*", r"[^.]+"))
-        found = [name for name in modules if regex.fullmatch(name)]
-        for name in found:
-            plan[name] = _style(name, modules[name], style, tp)
-        if not found:
+        matched = {name: style for name in modules if regex.fullmatch(name)}
+        if not matched:
             raise ValueError(
                 f"tensor-parallel plan entry {pattern!r} matches no module of "
                 f"{type(model).__name__}; fix the plan (names as in named_modules())"
             )
-    _check_pairs(plan, list(modules))
-    return plan
+        found |= matched
+    return found
+
+
+def split_numel(model: nn.Module) -> int:
+    """Parameters a tensor-parallel split cuts into pieces (``styles``): the weights of every
+    planned Linear and the biases of the colwise ones (a rowwise Linear's bias is added whole,
+    replicated). A ValueError when the model declares no plan."""
+    total = 0
+    for name, style in styles(model).items():
+        module = model.get_submodule(name)
+        total += module.weight.numel()
+        if style == "colwise" and getattr(module, "bias", None) is not None:
+            total += module.bias.numel()
+    return total
 
 
 def _check_pairs(plan: dict, order: list[str]) -> None:

@@ -63,6 +63,8 @@ class Case:
     step_in_backward: bool = False
     """Build the optimizer with ``step_in_backward=True`` (stages 2-3): each unit's sub-group
     steps as its reduction finishes."""
+    tp: int = 1
+    """Tensor-parallel degree Nm (``zeroshard.tensor_parallel``); ZeRO shards over the rest."""
 
 
 def _gpt_config(case: Case):
@@ -85,6 +87,8 @@ class HFCase:
     micro_batch_size: int = 2
     """Samples per rank per step."""
     seq_len: int = 16
+    tp: int = 1
+    """Tensor-parallel degree Nm, by the config's ``base_model_tp_plan``."""
     """Tokens per sample (encoder and decoder alike)."""
     num_steps: int = 2
     """Steps in all; the last one is measured."""
@@ -102,7 +106,8 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
     model = describe_case(case)
     return MemoryConfig(
         stage=case.stage,
-        num_dp_ranks=num_ranks,
+        num_dp_ranks=num_ranks // case.tp,
+        num_mp_ranks=case.tp,
         bytes_per_param=FP32_ADAMW,
         micro_batch_size=case.micro_batch_size,
         seq_len=_seq_len(case),
@@ -144,6 +149,8 @@ def predict(case: Case | HFCase, num_ranks: int) -> dict:
     collectives = comm.dp_communication(
         model.num_params,
         stage=case.stage,
+        num_mp_ranks=case.tp,
+        num_params_replicated=model.replicated_numel,
         param_dtype_bytes=4,
         reduce_dtype_bytes=4,
         num_params_kept_gathered=kept,
@@ -184,6 +191,7 @@ def measure(case: Case) -> dict:
         wrap=zeroshard.wrap.by_class(Block),
         num_steps=case.num_steps,
         step_in_backward=case.step_in_backward,
+        tp=case.tp,
     )
 
 
@@ -207,27 +215,36 @@ def measure_hf(case: HFCase) -> dict:
 
     meta = hf.build(case.config)
     policy, _ = describe.wrap_policy(meta, case.wrap or None)
-    return measure_module(build, loss, stage=case.stage, wrap=policy, num_steps=case.num_steps)
+    return measure_module(
+        build, loss, stage=case.stage, wrap=policy, num_steps=case.num_steps, tp=case.tp
+    )
 
 
 def measure_module(
-    build, loss, *, stage: int, wrap, num_steps: int, step_in_backward: bool = False
+    build, loss, *, stage: int, wrap, num_steps: int, step_in_backward: bool = False, tp: int = 1
 ) -> dict:
     """Shard ``build()`` at ``stage`` with ``wrap``, train it ``num_steps`` steps of FP32 AdamW
     (stepping in backward with ``step_in_backward``) on the current process group
     (``loss(model, generator)`` gives each step's loss) and measure the last step on this rank
-    (see the module): model states in bytes, peak bytes, elements moved per collective."""
+    (see the module): model states in bytes, peak bytes, elements moved per collective. With
+    ``tp`` > 1 the model is split tensor-parallel first (its plan, ``tensor_parallel.plan_for``)
+    and sharded over the data-parallel ranks; a tensor-parallel group draws the same batches."""
     import torch
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
 
     import zeroshard
+    from zeroshard import tensor_parallel
 
     torch.manual_seed(0)
-    model = zeroshard.shard(build(), stage=stage, wrap=wrap)
+    model, mesh = build(), None
+    if tp > 1:
+        device_mesh, mesh = tensor_parallel.mesh_2d(tp)
+        tensor_parallel.parallelize(model, device_mesh)
+    model = zeroshard.shard(model, stage=stage, wrap=wrap, mesh=mesh)
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3, step_in_backward=step_in_backward)
     engine = zeroshard.engine_of(model)
-    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+    gen = torch.Generator().manual_seed(1000 + (mesh.rank if mesh else dist.get_rank()))
 
     def forward_backward() -> None:
         # Inside a function: the batch and the loss are gone before model states are measured.

@@ -52,6 +52,13 @@ class TransformerShape:
         """Parameters of one block with biases: 12 hd^2 + 13 hd (the papers round to 12 hd^2)."""
         return 12 * self.hidden_size**2 + 13 * self.hidden_size
 
+    @property
+    def block_split_numel(self) -> int:
+        """Of ``block_numel``, what tensor parallelism cuts into pieces: the four Linears'
+        weights (12 hd^2) and the colwise ones' biases (3 hd + 4 hd); the layer norms and the
+        rowwise biases (6 hd) stay whole on every rank."""
+        return 12 * self.hidden_size**2 + 7 * self.hidden_size
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelDescription:
@@ -82,6 +89,10 @@ class ModelDescription:
     """What autograd saves per unit, measured on the built model (meta device) at the batch and
     sequence length planned (``zeroshard.planner.saved``); ``None``: the reference GPT's
     formulas from ``shape`` (a shape, a preset, or a model that takes no token ids)."""
+    tp_split_numel: int | None = None
+    """Parameters the model's tensor-parallel plan cuts into pieces
+    (``zeroshard.tensor_parallel.split_numel``), for a built model that declares one; ``None``:
+    the blocks' Linears of a shape, else everything outside the root."""
 
     def __post_init__(self) -> None:
         _positive_int("num_params", self.num_params)
@@ -142,13 +153,19 @@ class ModelDescription:
 
     @property
     def replicated_numel(self) -> int:
-        """Parameters every tensor-parallel rank holds whole: zeroshard's tensor parallelism
-        splits the blocks' layers and keeps the root unit's (embeddings, final norm, head)
-        replicated. 0 when the root is unknown (the papers' Psi / Nm for everything)."""
+        """Parameters every tensor-parallel rank holds whole: all but ``tp_split_numel`` (the
+        planned Linears of a built model), else a shape's all but its blocks' Linears, else the
+        root unit's (embeddings, final norm, head). 0 when neither is known (the papers' Psi /
+        Nm for everything)."""
+        if self.tp_split_numel is not None:
+            return self.num_params - self.tp_split_numel
+        if self.shape is not None and self.root_unit_numel is None:
+            split = self.shape.num_layers * self.shape.block_split_numel
+            return max(self.root_numel or 0, self.num_params - split)
         return self.root_numel or 0
 
     def mp_numel(self, num_mp_ranks: int) -> int:
-        """Parameters one tensor-parallel rank holds: the blocks' 1/Nm and the replicated root."""
+        """Parameters one tensor-parallel rank holds: the split ones' 1/Nm, the replicated whole."""
         replicated = self.replicated_numel
         return math.ceil((self.num_params - replicated) / num_mp_ranks) + replicated
 
@@ -244,6 +261,7 @@ def from_module(
     if num_params == 0:
         raise ValueError(f"{type(module).__name__} has no parameters; nothing to plan")
     policy, how = wrap_policy(module, wrap)
+    from zeroshard.tensor_parallel import split_numel
     from zeroshard.wrap import units
 
     specs = units(module, policy)
@@ -260,6 +278,10 @@ def from_module(
         )
         activations = None
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    try:
+        tp_split = split_numel(module)
+    except ValueError:  # no plan: zeroshard plan refuses --mp > 1 for it
+        tp_split = None
     return ModelDescription(
         num_params=num_params,
         num_trainable_params=trainable if trainable < num_params else None,
@@ -270,6 +292,7 @@ def from_module(
         wrap_policy=how,
         name=label,
         activations=activations,
+        tp_split_numel=tp_split,
     )
 
 

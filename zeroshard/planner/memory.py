@@ -561,7 +561,7 @@ def _measured_checkpoints(
     root = sum(s.before_unit_bytes) + s.tail_bytes
     out[Tier.DEVICE]["activation_working"] = span + root
     if c.placement.params is not Tier.DEVICE:
-        largest = model.activations.largest_param_numel
+        largest = model.activations.largest_param(c.num_mp_ranks)
         out[Tier.DEVICE]["model_state_working"] = (bpp.params + bpp.grads) * largest
     out[Tier.DEVICE]["logits"] = 2 * s.largest_tail_tensor_bytes
 

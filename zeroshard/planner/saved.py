@@ -87,11 +87,17 @@ class ActivationProfile:
     _cache: dict = field(default_factory=dict, repr=False)
 
     def at(
-        self, *, micro_batch_size: int, seq_len: int, activation_bytes: int = 4
+        self,
+        *,
+        micro_batch_size: int,
+        seq_len: int,
+        activation_bytes: int = 4,
+        num_mp_ranks: int = 1,
     ) -> SavedActivations:
         """The saved activations of one forward and loss at ``micro_batch_size x seq_len`` tokens
-        with ``activation_bytes`` per float element (measured once, then remembered)."""
-        key = (micro_batch_size, seq_len, activation_bytes)
+        with ``activation_bytes`` per float element, per rank of ``num_mp_ranks`` tensor-parallel
+        ranks (measured once, then remembered)."""
+        key = (micro_batch_size, seq_len, activation_bytes, num_mp_ranks)
         if key not in self._cache:
             try:
                 self._cache[key] = measure(
@@ -102,6 +108,7 @@ class ActivationProfile:
                     micro_batch_size=micro_batch_size,
                     seq_len=seq_len,
                     activation_bytes=activation_bytes,
+                    num_mp_ranks=num_mp_ranks,
                 )
             except Exception as exc:  # the model's own error (a sequence it does not take)
                 first = (str(exc).splitlines() or [""])[0][:200]
@@ -113,6 +120,22 @@ class ActivationProfile:
         if isinstance(found, Exception):
             raise found
         return found
+
+    def largest_param(self, num_mp_ranks: int = 1) -> int:
+        """Elements of the largest parameter piece a unit holds on one of ``num_mp_ranks``
+        tensor-parallel ranks (``largest_param_numel`` cut by the model's plan)."""
+        if num_mp_ranks == 1:
+            return self.largest_param_numel
+        from zeroshard.tensor_parallel import styles
+
+        planned = styles(self.module)
+        largest = 0
+        for name in self.unit_names:
+            for sub, m in self.module.get_submodule(name).named_modules(prefix=name):
+                for pname, p in m.named_parameters(recurse=False):
+                    cut = sub in planned and (pname == "weight" or planned[sub] == "colwise")
+                    largest = max(largest, -(-p.numel() // num_mp_ranks) if cut else p.numel())
+        return largest
 
 
 def at_config(model, config) -> SavedActivations | None:
@@ -126,6 +149,7 @@ def at_config(model, config) -> SavedActivations | None:
             micro_batch_size=config.micro_batch_size,
             seq_len=config.seq_len,
             activation_bytes=config.activation_bytes,
+            num_mp_ranks=config.num_mp_ranks,
         )
     except ValueError:
         return None
@@ -140,6 +164,7 @@ def problem(model, config) -> str | None:
             micro_batch_size=config.micro_batch_size,
             seq_len=config.seq_len,
             activation_bytes=config.activation_bytes,
+            num_mp_ranks=config.num_mp_ranks,
         )
     except ValueError as exc:  # remembered by the profile: the forward does not run again
         return str(exc)
@@ -188,10 +213,12 @@ def measure(
     micro_batch_size: int,
     seq_len: int,
     activation_bytes: int = 4,
+    num_mp_ranks: int = 1,
 ) -> SavedActivations:
     """Run one forward and loss of ``module`` (a copy, on meta, in the dtype of
     ``activation_bytes``) on ``micro_batch_size x seq_len`` random token ids, and sort what
-    autograd saves by unit (module docstring)."""
+    autograd saves by unit (module docstring); with ``num_mp_ranks`` > 1, what tensor
+    parallelism splits counts 1/Nm (``_TensorParallelSplit``)."""
     import torch
 
     model = copy.deepcopy(module).to(device="meta", dtype=getattr(torch, DTYPES[activation_bytes]))
@@ -206,13 +233,15 @@ def measure(
     saved: dict[int, tuple[int, int, object]] = {}  # storage -> (where, bytes, tensor kept alive)
     tail_params: dict[int, int] = {}  # parameter storage -> elements, saved after the last unit
 
+    split = _TensorParallelSplit(model, num_mp_ranks, params)
+
     def enter(i: int, args, kwargs) -> None:
         stack.append(where[0])
         where[0] = i
         tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
         first = next(tensors, None)
         if first is not None and not inputs[i]:
-            inputs[i] = first.numel() * first.element_size()
+            inputs[i] = split.nbytes(first, first.numel() * first.element_size())
 
     def leave(i: int) -> None:
         where[0] = stack.pop()
@@ -233,17 +262,21 @@ def measure(
             if where[0] == -1 - num_units:  # the root, after the last unit
                 tail_params[key] = storage.nbytes() // t.element_size()
         elif key not in saved:
-            saved[key] = (where[0], storage.nbytes(), t)
+            saved[key] = (where[0], split.nbytes(t, storage.nbytes()), t)
         return t
 
     shape = (micro_batch_size, seq_len)
     x = torch.randint(0, vocab_size, shape, device="meta")
     y = torch.randint(0, vocab_size, shape, device="meta")
     try:
-        with _cpu_attention_choice(), torch.autograd.graph.saved_tensors_hooks(pack, _same):
+        with (
+            _cpu_attention_choice(),
+            split,
+            torch.autograd.graph.saved_tensors_hooks(pack, _same),
+        ):
             loss = _loss(model, call, x, y, vocab_size)
     finally:
-        for h in handles:
+        for h in handles + split.handles:
             h.remove()
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"the forward returned {type(loss).__name__}, not a scalar loss")
@@ -269,6 +302,74 @@ def measure(
         largest_tail_tensor_bytes=tail_largest,
         tail_param_numel=sum(tail_params.values()),
     )
+
+
+class _TensorParallelSplit:
+    """Which tensors of a forward tensor parallelism splits across ``num_mp_ranks`` ranks, so
+    that each rank holds 1/Nm of them: a colwise Linear's output (``tensor_parallel.styles``),
+    everything computed from a split tensor (a dispatch mode follows every operator: the heads,
+    the attention, the activation function), up to a rowwise Linear's output, which is whole.
+    Tracked per storage; the split tensors are kept alive, so that a storage freed and made again
+    at the same address is not taken for one. Nothing is split with one rank, or without a
+    plan."""
+
+    def __init__(self, model, num_mp_ranks: int, params: set[int]) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from zeroshard.tensor_parallel import styles
+
+        self.num_mp_ranks, self.params, self.handles = num_mp_ranks, params, []
+        self.split: dict[int, object] = {}  # storage -> a tensor on it, kept alive
+        self.mode = contextlib.nullcontext()
+        if num_mp_ranks == 1:
+            return
+        for name, style in styles(model).items():
+            hook = self._mark if style == "colwise" else self._unmark
+            self.handles.append(model.get_submodule(name).register_forward_hook(hook))
+        tracker = self
+
+        class Spread(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if any(tracker.is_split(t) for t in _tensors((args, kwargs))):
+                    for t in _tensors(out):
+                        tracker.split[_key(t)] = t
+                return out
+
+        self.mode = Spread()
+
+    def __enter__(self):
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+    def is_split(self, t) -> bool:
+        key = _key(t)
+        return key in self.split and key not in self.params
+
+    def nbytes(self, t, num_bytes: int) -> int:
+        """``num_bytes`` of ``t``'s storage as one rank holds it."""
+        return -(-num_bytes // self.num_mp_ranks) if self.is_split(t) else num_bytes
+
+    def _mark(self, module, args, output) -> None:
+        for t in _tensors(output):
+            self.split[_key(t)] = t
+
+    def _unmark(self, module, args, output) -> None:
+        for t in _tensors(output):
+            self.split.pop(_key(t), None)
+
+
+def _key(t) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tensors(tree) -> list:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def _loss(model, call: str, x, y, vocab_size: int):

@@ -53,9 +53,11 @@ def saved_activation_bytes_per_layer(
     num_heads: int,
     activation_bytes: int = ACTIVATION_BYTES,
     flash_attention: bool = False,
+    num_mp_ranks: int = 1,
 ) -> int:
-    """What autograd keeps from one pre-LN block's forward to its backward (the reference GPT):
-    ``bsz * seq * (16 * hd * a + attention + 4 * 4)`` bytes, ``a`` bytes per activation.
+    """What autograd keeps from one pre-LN block's forward to its backward (the reference GPT),
+    per tensor-parallel rank: ``bsz * seq * (4 hd a + 12 hd a / Nm + attention / Nm + 4 * 4)``
+    bytes, ``a`` bytes per activation.
 
     The 16 hd elements per token: ln_1's input and output (2 hd), the fused qkv output (3 hd;
     q, k and v are views of it), the attention output (hd; its transpose-reshape is a view), the
@@ -65,9 +67,13 @@ def saved_activation_bytes_per_layer(
     saves a mean and a reciprocal deviation in fp32. Measured on CPU (``saved_tensors_hooks``):
     exactly 16 hd + heads + 4 fp32 elements per token. The ZeRO-Infinity paper's AWM counts
     16 hd *bytes* (8 fp16 elements), half of this; Megatron-LM's count (34 hd bytes in fp16 with
-    dropout masks) agrees with ours."""
+    dropout masks) agrees with ours. Split ``Nm`` ways by tensor parallelism (Megatron's
+    ``10 + 24 / t``): what lies between a column-parallel linear and its row-parallel partner
+    (qkv, the heads, the attention output, the MLP hidden: 12 hd and the attention term); the
+    layer norms' inputs and outputs (4 hd) are whole on every rank."""
     attention = num_heads * (STAT_BYTES if flash_attention else seq_len * activation_bytes)
-    per_token = 16 * hidden_size * activation_bytes + attention + 2 * 2 * STAT_BYTES
+    split = math.ceil((12 * hidden_size * activation_bytes + attention) / num_mp_ranks)
+    per_token = 4 * hidden_size * activation_bytes + split + 2 * 2 * STAT_BYTES
     return micro_batch_size * seq_len * per_token
 
 
@@ -145,13 +151,14 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
             ),
             at_post=tuple(kept(i) + s.unit_input_bytes[i] for i in fwd),
             after=s.before_unit_bytes[0] if num_units else 0,
-            grad_working=model.activations.largest_param_numel * g + held,
+            grad_working=model.activations.largest_param(c.num_mp_ranks) * g + held,
             held_grad=held,
         )
     shape = model.shape
     assert shape is not None
     nl, hd, a = shape.num_layers, shape.hidden_size, c.activation_bytes
     tokens = c.micro_batch_size * c.seq_len
+    hidden_grads = hd * a + math.ceil(4 * hd * a / c.num_mp_ranks)
     layer = saved_activation_bytes_per_layer(
         micro_batch_size=c.micro_batch_size,
         seq_len=c.seq_len,
@@ -159,6 +166,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         num_heads=shape.num_heads,
         activation_bytes=a,
         flash_attention=c.flash_attention,
+        num_mp_ranks=c.num_mp_ranks,
     )
     # Token ids (saved by the embedding), targets (by the loss), positions (one row, shared).
     ids = 2 * tokens * INDEX_BYTES + c.seq_len * INDEX_BYTES
@@ -169,11 +177,13 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         logits=logits_bytes(
             micro_batch_size=c.micro_batch_size, seq_len=c.seq_len, vocab_size=shape.vocab_size
         ),
-        # The gradients of the MLP hidden (4 hd) and of the residual stream (hd).
-        at_unit=tuple(max(0, nl - k) * layer + ids + tokens * 5 * hd * a for k in range(num_units)),
+        # The gradients of the MLP hidden (4 hd, split) and of the residual stream (hd).
+        at_unit=tuple(
+            max(0, nl - k) * layer + ids + tokens * hidden_grads for k in range(num_units)
+        ),
         at_post=tuple(max(0, nl - k - 1) * layer + ids + tokens * hd * a for k in range(num_units)),
         after=ids,
-        grad_working=(4 * hd * hd + hd) * g + tied,
+        grad_working=math.ceil((4 * hd * hd + hd) * g / c.num_mp_ranks) + tied,
         held_grad=tied,
     )
 
