@@ -590,6 +590,17 @@ def test_ci_0_is_the_engine_without_checkpoints(capsys, stage):
     allowance = _json([*flags, "--ci", "1"], capsys)["stages"][0]["device_bytes"]
     assert row["device_bytes"] != allowance
     assert "largest moment of the engine's step" in _run([*flags, "--ci", "0"], capsys)
+    # --timeline: checkpoints counted as the engine keeps them, as calibrate measures them.
+    timed = _json([*flags, "--ci", "2", "--timeline"], capsys)["stages"][0]
+    case = calibrate.Case(
+        preset="tiny", stage=stage, micro_batch_size=2, seq_len=64, checkpoint_every=2
+    )
+    predicted = calibrate.predict(case, 2)
+    assert timed["device_bytes"] == sum(predicted["peak"].values())
+    assert timed["memory"]["peak_moment"] == predicted["peak_moment"]
+    paper = _json([*flags, "--ci", "2"], capsys)["stages"][0]["device_bytes"]
+    assert timed["device_bytes"] < paper  # not every term at once
+    assert "one span recomputed at a time" in _run([*flags, "--ci", "2", "--timeline"], capsys)
 
 
 def test_accumulate_unreduced_flag(capsys):

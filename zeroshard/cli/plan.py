@@ -141,6 +141,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     t.add_argument("--prefetch", type=int, default=1, help="stage 3: units gathered ahead")
     t.add_argument(
+        "--timeline",
+        action="store_true",
+        help="with --ci 1 or more, count the device along zeroshard's engine timeline (spans "
+        "recomputed one at a time) instead of the papers' sum of every term; always so with "
+        "--ci 0",
+    )
+    t.add_argument(
         "--step-in-backward",
         action="store_true",
         help="stages 2-3: the optimizer steps each unit as its gradient is reduced "
@@ -347,20 +354,22 @@ def _memory_config(
     """The training configuration the flags describe, at stage 0 (3 with --step-in-backward;
     each row replaces it), over ``num_dp`` data-parallel ranks (default --dp).
     ``num_layers_per_checkpoint`` 0: no activation checkpointing, counted as the engine runs
-    (``calibrate.engine_config``'s buffers: in-flight reductions, the fused attention)."""
+    (``calibrate.engine_config``'s buffers: in-flight reductions, the fused attention); so are
+    checkpointed runs with ``--timeline``."""
     num_dp = num_dp or args.dp
     per_param, per_activation = flags.state_bytes(args)
     engine = {}
-    if num_layers_per_checkpoint == 0:
+    if num_layers_per_checkpoint == 0 or getattr(args, "timeline", False):
         from zeroshard.engine import ShardConfig
 
         engine = dict(
-            activation_checkpointing=False,
+            activation_checkpointing=num_layers_per_checkpoint > 0,
+            engine_timeline=True,
             num_buckets=ShardConfig().max_inflight_reductions,
             flash_attention=True,
             reduce_stages_input=False,
         )
-        num_layers_per_checkpoint = 1  # (unused without checkpoints)
+        num_layers_per_checkpoint = max(1, num_layers_per_checkpoint)
     return memory.MemoryConfig(
         **engine,
         stage=3 if args.step_in_backward else 0,

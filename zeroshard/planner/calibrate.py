@@ -65,6 +65,8 @@ class Case:
     steps as its reduction finishes."""
     tp: int = 1
     """Tensor-parallel degree Nm (``zeroshard.tensor_parallel``); ZeRO shards over the rest."""
+    checkpoint_every: int = 0
+    """Activation checkpointing every this many units (``ShardConfig.checkpoint_every``)."""
 
 
 def _gpt_config(case: Case):
@@ -104,6 +106,7 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
 
     engine = ShardConfig()
     model = describe_case(case)
+    ci = getattr(case, "checkpoint_every", 0)
     return MemoryConfig(
         stage=case.stage,
         num_dp_ranks=num_ranks // case.tp,
@@ -120,9 +123,11 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
         bucket_bytes=engine.bucket_bytes,
         num_buckets=engine.max_inflight_reductions,
         step_in_backward=getattr(case, "step_in_backward", False),
-        # No checkpointing in the engine; FP32 compute; scaled_dot_product_attention's fused
-        # kernel saves a log-sum-exp per head, not the probabilities (on CPU too: measured).
-        activation_checkpointing=False,
+        # Checkpointing as the case asks, counted along the engine timeline; FP32 compute; the
+        # fused attention kernel saves a log-sum-exp per head, not the probabilities (CPU too).
+        activation_checkpointing=bool(ci),
+        num_layers_per_checkpoint=max(1, ci),
+        engine_timeline=True,
         activation_bytes=4,
         flash_attention=True,
         # On gloo zeroshard's reduce-scatter is sends and receives into its output
@@ -192,6 +197,7 @@ def measure(case: Case) -> dict:
         num_steps=case.num_steps,
         step_in_backward=case.step_in_backward,
         tp=case.tp,
+        checkpoint_every=case.checkpoint_every,
     )
 
 
@@ -221,14 +227,23 @@ def measure_hf(case: HFCase) -> dict:
 
 
 def measure_module(
-    build, loss, *, stage: int, wrap, num_steps: int, step_in_backward: bool = False, tp: int = 1
+    build,
+    loss,
+    *,
+    stage: int,
+    wrap,
+    num_steps: int,
+    step_in_backward: bool = False,
+    tp: int = 1,
+    checkpoint_every: int = 0,
 ) -> dict:
     """Shard ``build()`` at ``stage`` with ``wrap``, train it ``num_steps`` steps of FP32 AdamW
     (stepping in backward with ``step_in_backward``) on the current process group
     (``loss(model, generator)`` gives each step's loss) and measure the last step on this rank
     (see the module): model states in bytes, peak bytes, elements moved per collective. With
     ``tp`` > 1 the model is split tensor-parallel first (its plan, ``tensor_parallel.plan_for``)
-    and sharded over the data-parallel ranks; a tensor-parallel group draws the same batches."""
+    and sharded over the data-parallel ranks; a tensor-parallel group draws the same batches.
+    ``checkpoint_every``: activation checkpointing every this many units."""
     import torch
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -241,7 +256,8 @@ def measure_module(
     if tp > 1:
         device_mesh, mesh = tensor_parallel.mesh_2d(tp)
         tensor_parallel.parallelize(model, device_mesh)
-    model = zeroshard.shard(model, stage=stage, wrap=wrap, mesh=mesh)
+    config = zeroshard.ShardConfig(checkpoint_every=checkpoint_every)
+    model = zeroshard.shard(model, stage=stage, wrap=wrap, mesh=mesh, config=config)
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3, step_in_backward=step_in_backward)
     engine = zeroshard.engine_of(model)
     gen = torch.Generator().manual_seed(1000 + (mesh.rank if mesh else dist.get_rank()))

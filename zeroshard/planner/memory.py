@@ -225,25 +225,26 @@ class MemoryConfig:
     activation_checkpointing: bool = True
     """False: no checkpoints; every block keeps what autograd saves from its forward to its
     backward, and the device is counted along the engine's timeline (module docstring)."""
+    engine_timeline: bool = False
+    """With checkpoints too, count the device along the engine's timeline (a span recomputed at
+    a time), not as the papers' sum of every term."""
     activation_bytes: int = ACTIVATION_BYTES
     """Bytes per activation element: 2 for fp16/bf16 compute, 4 for fp32."""
     flash_attention: bool = False
     """Attention saves one fp32 log-sum-exp per head and token (a fused kernel:
     ``scaled_dot_product_attention``, on CPU too) instead of the heads x seq probabilities."""
     reduce_stages_input: bool = False
-    """The backend allocates a copy of a reduce-scatter's input while it is waited for: one more
-    unit gradient at that moment (torch's gloo ``reduce_scatter_tensor`` does, measured on CPU;
-    NCCL reduces in place, and zeroshard's reduce-scatter on gloo is sends and receives,
-    ``zeroshard.collectives``, that stage nothing: with 2 ranks the peer's slice lands in the
-    output; with more, or in place, one receive buffer of at most 4 MiB, not counted)."""
+    """The backend copies a reduce-scatter's input while it is waited for: one more unit gradient
+    then (torch's gloo ``reduce_scatter_tensor`` does; NCCL reduces in place, and zeroshard's on
+    gloo, sends and receives, stages one receive buffer of at most 4 MiB, not counted)."""
     fragmentation_fraction: float = 0.1
     """Allowance for fragmentation, as a fraction of everything else on the device."""
 
     def __post_init__(self) -> None:
         partition(self.stage)  # ValueError for anything but 0-3
-        for name in ("num_dp_ranks", "num_mp_ranks", "micro_batch_size", "seq_len", "grad_accum"):
+        ones = ("num_dp_ranks", "num_mp_ranks", "micro_batch_size", "seq_len", "grad_accum")
+        for name in (*ones, "num_layers_per_checkpoint"):
             _at_least(name, getattr(self, name), 1)
-        _at_least("num_layers_per_checkpoint", self.num_layers_per_checkpoint, 1)
         for name in ("num_units_prefetch", "bucket_bytes", "num_buckets"):
             _at_least(name, getattr(self, name), 0)
         if self.shard_group_size is not None:
@@ -356,13 +357,8 @@ def model_states(
     _at_least("num_params", num_params, 1)
     _at_least("num_dp_ranks", num_dp_ranks, 1)
     _at_least("num_mp_ranks", num_mp_ranks, 1)
-    part = partition(stage)
-    placement = placement or Placement()
-    split = {
-        "params": part.parameters,
-        "grads": part.gradients,
-        "optimizer_states": part.optimizer_states,
-    }
+    p, placement = partition(stage), placement or Placement()
+    split = dict(params=p.parameters, grads=p.gradients, optimizer_states=p.optimizer_states)
     out = {t: dict.fromkeys(MODEL_STATES, 0) for t in TIERS}
     replicated = min(num_params_replicated, num_params)
     for category in MODEL_STATES:
@@ -450,9 +446,9 @@ def _grads_as_trained(
 def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdown:
     """Residual-state bytes per device, fragmentation excluded (``plan_memory`` adds it).
 
-    Along the engine's timeline (``activation_checkpointing=False``), each device category is its
-    largest over the step and ``peak`` the composition of the largest moment, model states
-    included (partitioned gradient shards only as far as they exist by then)."""
+    Along the engine's timeline (``activation_checkpointing=False`` or ``engine_timeline``), each
+    device category is its largest over the step and ``peak`` the composition of the largest
+    moment, model states included (partitioned gradient shards only as far as they exist)."""
     c, bpp = config, config.bytes_per_param
     part = partition(c.stage)
     out = {t: dict.fromkeys(RESIDUAL_STATES, 0) for t in TIERS}
@@ -462,9 +458,8 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
     if why:
         fallback = "the reference GPT's formulas" if shape is not None else "not counted"
         notes.append(f"activations not measured: {why}; {fallback}")
-    if (shape is not None or measured) and not c.activation_checkpointing:
-        # Imported here: the timeline builds on this module's configurations and formulas.
-        from zeroshard.planner import timeline
+    if (shape is not None or measured) and (c.engine_timeline or not c.activation_checkpointing):
+        from zeroshard.planner import timeline  # here: it builds on this module
 
         states = model_states(
             model.num_params,
@@ -481,8 +476,11 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
         for category in RESIDUAL_STATES:
             out[Tier.DEVICE][category] = max(m[category] for _, m in moments)
         when, peak = max(moments, key=lambda m: sum(m[1].values()))
-        if c.offload_activations or c.splits_checkpoints:
+        if not c.activation_checkpointing and (c.offload_activations or c.splits_checkpoints):
             notes.append("no checkpoints: partitioned or offloaded activations not modelled")
+        elif c.offload_activations:
+            total = timeline.activation_terms(model, c).checkpoints_total
+            out[Tier.CPU]["activation_checkpoints"] = total
         return MemoryBreakdown(
             device=out[Tier.DEVICE],
             cpu=out[Tier.CPU],

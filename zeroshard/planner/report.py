@@ -86,6 +86,7 @@ def plan_report(
         "nvme": (nvme_bytes, per_node),
     }
     shape = model.shape
+    out["timeline"] = base.engine_timeline or not base.activation_checkpointing
     if not base.activation_checkpointing:
         out["num_layers_per_checkpoint"] = 0  # none: each row's device is its largest moment
     elif shape is not None:
@@ -138,7 +139,7 @@ def plan_report(
             if memory.placement_problem(stage, placement, step_in_backward=base.step_in_backward):
                 continue
             config = replace(base, stage=stage, placement=placement)
-            if not base.activation_checkpointing:  # as the engine buckets gradients
+            if base.engine_timeline or not base.activation_checkpointing:  # as the engine does
                 per_unit = timeline.bucket_per_unit(model, stage, base.bucket_bytes)
                 config = replace(config, bucket_per_unit=per_unit)
             rows.append(_row(model, config, offload, ait, bw, links, peak, have))
@@ -354,15 +355,21 @@ def render_plan(out: dict, unit: str = "GB") -> str:
     lines.append(_table(header, body))
     notes = sorted({n for r in rows for n in r["memory"]["notes"] + r["communication"]["notes"]})
     lines += [f"note: {n}" for n in notes]
-    if out["num_layers_per_checkpoint"] == 0:
+    if out.get("timeline"):
         moments = ", ".join(
             f"stage {r['stage']}: {r['memory']['peak_moment']}"
             for r in rows
             if "peak_moment" in r["memory"]
         )
+        how = (
+            "no activation checkpoints (--ci 0, zeroshard train's default)"
+            if out["num_layers_per_checkpoint"] == 0
+            else f"checkpoints every {out['num_layers_per_checkpoint']} unit(s), one span "
+            "recomputed at a time (--timeline)"
+        )
         lines.append(
-            "no activation checkpoints (--ci 0, zeroshard train's default): device is the "
-            f"largest moment of the engine's step ({moments or 'no timeline for this model'})"
+            f"{how}: device is the largest moment of the engine's step "
+            f"({moments or 'no timeline for this model'})"
         )
     if "activation_checkpoint_bytes" in out:
         terms = [

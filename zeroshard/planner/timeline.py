@@ -102,17 +102,19 @@ def bucket_per_unit(model: ModelDescription, stage: int, bucket_bytes: int) -> b
 @dataclass(frozen=True, kw_only=True)
 class ActivationTerms:
     """The activation bytes alive at each moment of the timeline, and the transient gradients
-    beside them (``activation_terms``)."""
+    beside them (``activation_terms``). Checkpoints (the spans' inputs) are counted apart:
+    ``checkpoints_*`` are those on the device."""
 
     at_loss: int
-    """Everything saved, at the loss's backward."""
+    """Everything saved, at the loss's backward (checkpoints apart)."""
     logits: int
     """The loss's backward: the logits' share (the reference GPT: the saved fp32
     log-probabilities and two gradients of their size; measured: the two gradients, the saved
     log-probabilities being in ``at_loss``)."""
     at_unit: tuple[int, ...]
-    """At each unit's backward (backward order): the activations still saved and the residual
-    stream's and the largest intermediate gradients."""
+    """At each unit's backward (backward order): the activations still saved (with
+    checkpoints: its span's, recomputed) and the residual stream's and the largest intermediate
+    gradients."""
     at_post: tuple[int, ...]
     """At each unit's post-backward: that unit's activations freed, the residual stream's
     gradient held."""
@@ -124,41 +126,102 @@ class ActivationTerms:
     parameter the head and the loss use)."""
     held_grad: int
     """Of those, what outlives the unit's backward: the head's gradients."""
+    checkpoints_at_loss: int = 0
+    """Checkpoints on the device at the loss's backward: every span's input."""
+    checkpoints_at_unit: tuple[int, ...] = ()
+    """... at each unit's backward (backward order): the spans not passed yet."""
+    checkpoints_total: int = 0
+    """Every span's input, wherever kept (the CPU with ``offload_activations``)."""
+
+
+@dataclass(frozen=True)
+class _PerUnit:
+    """What autograd saves, per unit in forward order (see ``saved.SavedActivations``)."""
+
+    unit: tuple[int, ...]
+    before: tuple[int, ...]
+    tail: int
+    inputs: tuple[int, ...]
+    largest: tuple[int, ...]
 
 
 def activation_terms(model: ModelDescription, config: MemoryConfig) -> ActivationTerms:
     """``ActivationTerms`` for ``model`` trained as ``config``: measured on the model itself when
     it was built (``model.activations``, ``zeroshard.planner.saved``), else the reference GPT's
-    pre-LN block (``saved_activation_bytes_per_layer``) for ``model.shape``."""
+    pre-LN block (``saved_activation_bytes_per_layer``) for ``model.shape``.
+
+    With activation checkpointing every ``ci`` units (``config.activation_checkpointing``), as
+    the engine runs it (``zeroshard.residual_states.activations``): a span of ``ci`` units saves
+    only its input (1/Nm with Pa or sequence parallelism, on the CPU with
+    ``offload_activations``); backward recomputes the span when it reaches its last unit, so that
+    all of the span's activations exist then and are freed unit by unit. The span being
+    recomputed holds its input as its first unit's saved input (a whole one gathered anew when
+    the checkpoint is split)."""
     c, g = config, config.bytes_per_param.grads
     num_units = len(unit_numels(model))
     s = saved.at_config(model, c)
     if s is not None:
         assert len(s.unit_bytes) == num_units, (len(s.unit_bytes), num_units)
-        fwd = range(num_units - 1, -1, -1)  # the forward index of each unit in backward order
-
-        def kept(i: int) -> int:
-            """Saved by units before ``i`` and by the root before unit ``i`` (inclusive)."""
-            return sum(s.unit_bytes[:i]) + sum(s.before_unit_bytes[: i + 1])
-
-        held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
-        return ActivationTerms(
-            at_loss=s.total_bytes,
-            logits=2 * s.largest_tail_tensor_bytes,
-            at_unit=tuple(
-                kept(i) + s.unit_bytes[i] + s.unit_input_bytes[i] + s.largest_unit_tensor_bytes[i]
-                for i in fwd
-            ),
-            at_post=tuple(kept(i) + s.unit_input_bytes[i] for i in fwd),
-            after=s.before_unit_bytes[0] if num_units else 0,
-            grad_working=model.activations.largest_param(c.num_mp_ranks) * g + held,
-            held_grad=held,
+        per = _PerUnit(
+            s.unit_bytes,
+            s.before_unit_bytes,
+            s.tail_bytes,
+            s.unit_input_bytes,
+            s.largest_unit_tensor_bytes,
         )
+        held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
+        logits = 2 * s.largest_tail_tensor_bytes
+        grad_working = model.activations.largest_param(c.num_mp_ranks) * g + held
+    else:
+        per, logits, grad_working, held = _gpt_per_unit(model, c, num_units)
+    ci = c.num_layers_per_checkpoint if c.activation_checkpointing else 1
+    span = [i - i % ci for i in range(num_units)]  # the first unit of each unit's span
+    ckpt = [0] * num_units  # a span's input, on the device, at its first unit
+    total = 0
+    for i in range(0, num_units, ci) if c.activation_checkpointing else ():
+        piece = math.ceil(per.inputs[i] / c.num_mp_ranks) if c.splits_checkpoints else per.inputs[i]
+        total += piece
+        ckpt[i] = 0 if c.offload_activations else piece
+
+    def kept(i: int) -> int:
+        """Saved before unit ``i``'s own activations: earlier units' (with checkpoints, those
+        of its span, recomputed) and the root's before unit ``i`` (inclusive)."""
+        first = span[i] if c.activation_checkpointing else 0
+        return sum(per.unit[first:i]) + sum(per.before[: i + 1])
+
+    def checkpoints(i: int) -> int:
+        """Checkpoints on the device while unit ``i``'s span is recomputed: the earlier spans',
+        and its own piece when split (the whole one being the first unit's input)."""
+        return sum(ckpt[: span[i]]) + (ckpt[span[i]] if c.splits_checkpoints else 0)
+
+    fwd = range(num_units - 1, -1, -1)  # the forward index of each unit in backward order
+    saved_all = sum(per.before) + per.tail
+    if not c.activation_checkpointing:
+        saved_all += sum(per.unit)
+    return ActivationTerms(
+        at_loss=saved_all,
+        logits=logits,
+        at_unit=tuple(kept(i) + per.unit[i] + per.inputs[i] + per.largest[i] for i in fwd),
+        at_post=tuple(kept(i) + per.inputs[i] for i in fwd),
+        after=per.before[0] if num_units else 0,
+        grad_working=grad_working,
+        held_grad=held,
+        checkpoints_at_loss=sum(ckpt),
+        checkpoints_at_unit=tuple(checkpoints(i) for i in fwd),
+        checkpoints_total=total,
+    )
+
+
+def _gpt_per_unit(
+    model: ModelDescription, c: MemoryConfig, num_units: int
+) -> tuple[_PerUnit, int, int, int]:
+    """The reference GPT's pre-LN blocks for ``model.shape``, spread evenly over the units:
+    what they save, the logits' share, the largest gradients outside the flat buffers and the
+    head's held ones (``ActivationTerms``)."""
     shape = model.shape
     assert shape is not None
-    nl, hd, a = shape.num_layers, shape.hidden_size, c.activation_bytes
+    nl, hd, a, g = shape.num_layers, shape.hidden_size, c.activation_bytes, c.bytes_per_param.grads
     tokens = c.micro_batch_size * c.seq_len
-    hidden_grads = hd * a + math.ceil(4 * hd * a / c.num_mp_ranks)
     layer = saved_activation_bytes_per_layer(
         micro_batch_size=c.micro_batch_size,
         seq_len=c.seq_len,
@@ -172,20 +235,20 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
     ids = 2 * tokens * INDEX_BYTES + c.seq_len * INDEX_BYTES
     head = tokens * (2 * hd * a + 2 * STAT_BYTES)  # ln_f's input and output, its statistics
     tied = shape.vocab_size * hd * g if shape.tied_embeddings else 0
-    return ActivationTerms(
-        at_loss=nl * layer + head + ids,
-        logits=logits_bytes(
-            micro_batch_size=c.micro_batch_size, seq_len=c.seq_len, vocab_size=shape.vocab_size
-        ),
-        # The gradients of the MLP hidden (4 hd, split) and of the residual stream (hd).
-        at_unit=tuple(
-            max(0, nl - k) * layer + ids + tokens * hidden_grads for k in range(num_units)
-        ),
-        at_post=tuple(max(0, nl - k - 1) * layer + ids + tokens * hd * a for k in range(num_units)),
-        after=ids,
-        grad_working=math.ceil((4 * hd * hd + hd) * g / c.num_mp_ranks) + tied,
-        held_grad=tied,
+    n = max(1, num_units)
+    layers = [nl // n + (i < nl % n) for i in range(num_units)]
+    per = _PerUnit(
+        unit=tuple(k * layer for k in layers),
+        before=(ids, *[0] * (num_units - 1)),
+        tail=head,
+        inputs=(tokens * hd * a,) * num_units,  # the residual stream, and its gradient
+        largest=(math.ceil(tokens * 4 * hd * a / c.num_mp_ranks),) * num_units,  # MLP hidden
     )
+    logits = logits_bytes(
+        micro_batch_size=c.micro_batch_size, seq_len=c.seq_len, vocab_size=shape.vocab_size
+    )
+    grad_working = math.ceil((4 * hd * hd + hd) * g / c.num_mp_ranks) + tied
+    return per, logits, grad_working, tied
 
 
 def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int]) -> list[Moment]:
@@ -311,6 +374,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
             moment(
                 0,
                 activation_working=act.at_loss,
+                activation_checkpoints=act.checkpoints_at_loss,
                 logits=act.logits,
                 comm_buckets=full_grads(0, 0),
                 gathered_units=gathered(0, c.num_units_prefetch),
@@ -347,12 +411,17 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 moment(
                     reduced,
                     activation_working=act.at_unit[k],
+                    activation_checkpoints=act.checkpoints_at_unit[k],
                     model_state_working=act.grad_working,
                     **during,
                 ),
             )
         )
-        after = dict(activation_working=act.at_post[k], model_state_working=act.held_grad)
+        after = dict(
+            activation_working=act.at_post[k],
+            activation_checkpoints=act.checkpoints_at_unit[k],
+            model_state_working=act.held_grad,
+        )
         if own_grad(backward[k]):
             out.append(
                 (
