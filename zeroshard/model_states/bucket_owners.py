@@ -6,7 +6,10 @@ gradient at stage 3; consecutive units' at stages 0-2, up to ``ShardConfig.bucke
 each bucket records its owners: the live optimizers holding some of its parameters. An
 optimizer built over parameters that an older one holds in a bucket, all of them, replaces it
 there (an optimizer built anew, e.g. after a checkpoint is loaded, while the old object lives
-on in a scheduler); owners of distinct parameters of one bucket share it.
+on in a scheduler); owners of distinct parameters of one bucket share it. A replaced optimizer
+that is used again (``step``, ``zero_grad``: a head's optimizer, then one over the whole
+model) takes its buckets back as if built anew (``reclaim``), so each acts on the gradients of
+its own parameters, as torch's do.
 
 - ``zero_grad`` drops the buckets its optimizer owns alone; in a bucket shared with another
   optimizer it zeroes its own parameters' gradients only, keeping the memory (``opt_a.step();
@@ -76,6 +79,14 @@ def claim(optimizer: ShardedOptimizer, step_in_backward: bool) -> list[GradBucke
     return [b for b, _ in plan]
 
 
+def reclaim(optimizer: ShardedOptimizer) -> None:
+    """Before ``optimizer`` steps or zeroes: where a newer optimizer replaced it, it claims its
+    buckets again (``claim``; nothing changes where it owns them all). The same on every rank:
+    the calls are the program's."""
+    if any(optimizer not in _owners(b) for b in optimizer._buckets):
+        claim(optimizer, optimizer._backward_step is not None)
+
+
 def zero_grad(optimizer: ShardedOptimizer, set_to_none: bool) -> None:
     """``optimizer.zero_grad``'s effect on the buckets and the inf/NaN flag (module docstring):
     its own buckets (and those no optimizer owns) are dropped, in a shared one only its
@@ -90,10 +101,13 @@ def zero_grad(optimizer: ShardedOptimizer, set_to_none: bool) -> None:
         elif optimizer in owners:
             mine = [i for i, s in enumerate(b.flat.slots) if id(s.param) in optimizer._param_ids]
             b.zero_slots(mine, keep_touched=not set_to_none)
-            # Current owners only: one replaced here (still referenced, by an old scheduler)
-            # never calls zero_grad again, and the flag would then stay set for good.
-            b.zeroed.add(optimizer)
-            if all(o in b.zeroed for o in owners):
+            # Once the current owners' parameters are all zeroed (by any of them: they may
+            # overlap), nothing that raised the flag is left.
+            b.zeroed.update(mine)
+            held = {
+                i for o in owners for i, s in enumerate(b.flat.slots) if id(s.param) in o._param_ids
+            }
+            if held <= b.zeroed:
                 b.found_inf.zero_()
                 b.zeroed.clear()
     if not others:  # no gradient is left waiting: the next backward may use another scale

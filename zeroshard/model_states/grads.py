@@ -173,8 +173,8 @@ class GradBucket:
         dropped (``zero``, or ``bucket_owners.zero_grad`` once every owner zeroed its part)."""
         self.owners: list[weakref.ref] = []
         """The optimizers whose parameters it holds, weakly (``bucket_owners``)."""
-        self.zeroed: weakref.WeakSet = weakref.WeakSet()
-        """Owners that zeroed their part of a shared bucket since ``found_inf`` was reset."""
+        self.zeroed: set[int] = set()
+        """Slots of a shared bucket its owners zeroed since ``found_inf`` was reset."""
         self._dropped: set[int] = set()
         """Slots ``zero_slots`` dropped since the last reduction: once they are all of them (a
         submodule's ``zero_grad`` each), nothing that raised ``found_inf`` is left."""

@@ -356,6 +356,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "micro-batch's backward synchronized (opt.backward(loss), outside no_sync()), "
                 "then step(); the accumulated gradients are kept"
             )
+        bucket_owners.reclaim(self)  # replaced by a newer optimizer, then used: its own again
         if self._backward_step is None:
             self.engine.adopt_writes()  # (stepping in backward, the forward adopted them)
         self._adopt_grad_edits()  # before the agreement: a .grad set to None is no gradient
@@ -530,6 +531,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._backward_step.reset()
         if self._grad_swap is not None:
             self._grad_swap.zero()
+        bucket_owners.reclaim(self)
         bucket_owners.zero_grad(self, set_to_none)
 
     # ----------------------------------------------------------------- state
