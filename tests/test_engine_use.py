@@ -865,6 +865,27 @@ def test_requires_grad_changed_after_shard_is_an_error_not_ignored(workers2, sta
         assert r["inference"] == (2, 5, 32), r
 
 
+def _tied_after_shard(stage: int) -> str:
+    """A head tied to the embedding after ``shard()``, each in a unit of its own: at stage 3
+    the head read the embedding's parameter, at rest (NaN), and every step was skipped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.Linear(16, 32, bias=False))
+    model = zeroshard.shard(model, stage=stage, wrap=wrap.by_class(nn.Linear, nn.Embedding))
+    model[2].weight = model[0].weight
+    try:
+        model(torch.randint(0, 32, (2, 5)))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_weight_tied_after_shard_is_an_error(workers2, stage):
+    for message in workers2.run(_tied_after_shard, stage):
+        assert message.startswith("2.weight is not the parameter zeroshard.shard()"), message
+        assert "Tie or replace weights before shard()" in message, message
+
+
 def _module_zero_grad(stage: int) -> dict:
     """SGD steps with ``model.zero_grad()`` (the module's, as many loops call it) instead of the
     optimizer's, and what ``.grad`` shows after a backward."""

@@ -294,6 +294,7 @@ class Engine:
     def _begin_forward(self) -> None:
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
             flat_param.check_requires_grad(self.flat_params)
+        flat_param.check_registered(self.model, self.flat_params)
         self.check_trusted()
         self.adopt_writes()
         for pool in {id(f.buffers): f.buffers for f in self.flat_params}.values():
@@ -554,9 +555,8 @@ class Engine:
 
 
 def _warn_no_sharded_optimizer() -> None:
-    """Gradients were reduced into shards, which only ``zeroshard.optimizer`` reads (``p.grad``
-    stays None at stages 1-3), and the model has no such optimizer (shown once by default:
-    one call site)."""
+    """Gradients were reduced into shards, which only ``zeroshard.optimizer`` reads, and the
+    model has no such optimizer (shown once by default: one call site)."""
     warnings.warn(
         "gradients were reduced into zeroshard's shards, but the model has no "
         "zeroshard.optimizer(model, ...): at stages 1-3 p.grad stays None, so a torch optimizer "

@@ -158,6 +158,27 @@ def check_requires_grad(flats: list[FlatParam]) -> None:
         )
 
 
+def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
+    """Raise if a module holds another parameter than the one ``shard`` flattened under that
+    name: a weight tied or replaced after ``shard()`` (``model.head.weight = model.emb.weight``)
+    is read where the engine does not gather it (stage 3: NaN placeholders of another unit)."""
+    for f in flats:
+        if f.homes is None:  # (module, attribute, parameter) per name, found once
+            f.homes = [
+                (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], s.param, n)
+                for s in f.slots
+                for n in s.names
+            ]
+        for module, attr, param, name in f.homes:
+            if module._parameters.get(attr) is not param:
+                raise ValueError(
+                    f"{name} is not the parameter zeroshard.shard() flattened there: a weight "
+                    "tied or replaced after shard() (model.head.weight = model.emb.weight) is "
+                    "not gathered where it is read. Tie or replace weights before shard() "
+                    "(tied weights stay one parameter), or shard a fresh model"
+                )
+
+
 class FlatParam:
     """Parameters sharing ``requires_grad`` and dtype, as one flat buffer (module docstring)."""
 
@@ -189,6 +210,8 @@ class FlatParam:
             self.slots.append(Slot(p, names, p.shape, offset))
             offset += p.numel()
         self.numel = offset
+        self.homes: list[tuple[nn.Module, str, nn.Parameter, str]] | None = None
+        """Where the model registers each slot's parameter (``check_registered``)."""
         self.padded_numel = padded_numel(self.numel, mesh.shard_size)
         num_opt_shards = mesh.shard_size if partition.optimizer_states else 1
         self.range = shard_range(
