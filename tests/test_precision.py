@@ -725,6 +725,43 @@ def test_derived_buffers_keep_their_dtype(workers2):
     }  # fmt: skip
 
 
+class _SharedStat(nn.Module):
+    """Registers a buffer it may share with another module; updates it in place."""
+
+    def __init__(self, stat: torch.Tensor) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("ema", stat)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.ema.mul_(0.5).add_(x.detach().float().mean(0).to(self.ema.dtype))
+        return self.proj(x) + self.ema.to(x.dtype)
+
+
+def _shared_buffer(stage: int, policy: str) -> dict:
+    """One buffer registered in two modules (a shared running statistic) stays one tensor
+    when cast to ``buffer_dtype``: it came apart, each module updating its own copy."""
+    torch.manual_seed(0)
+    stat = torch.zeros(4)
+    model = nn.Sequential(_SharedStat(stat), _SharedStat(stat))
+    model = zeroshard.shard(model, stage=stage, mixed_precision=policy)
+    for _ in range(2):
+        model(torch.randn(2, 4)).float().sum()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    return {
+        "same": model[0].ema is model[1].ema,
+        "equal": torch.equal(full["0.ema"], full["1.ema"]),
+    }
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_buffer_shared_by_two_modules_stays_one(workers2, stage, policy):
+    for r in workers2.run(_shared_buffer, stage, policy):
+        assert r == {"same": True, "equal": True}, r
+
+
 def test_fp16_where_the_device_cannot_names_bf16(monkeypatch):
     monkeypatch.setattr("zeroshard.precision.supports", lambda dtype, device: False)
     monkeypatch.setattr("zeroshard.precision.bf16_support", lambda device: (False, "mocked"))

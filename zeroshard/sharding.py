@@ -564,7 +564,9 @@ def _move_buffers(model: nn.Module, mesh: Mesh, mp: MixedPrecision) -> None:
     """Buffers to the device, floating ones that are saved with the model (running statistics)
     in ``buffer_dtype``; non-persistent ones are constants a module derives and computes with in
     its own precision (RoPE's inverse frequencies: rounded to BF16 they are off by a radian at
-    position 8000) and keep their dtype. Rank 0's values on every rank."""
+    position 8000) and keep their dtype. Rank 0's values on every rank. A buffer registered in
+    several modules stays one tensor (an EMA two modules update in place)."""
+    moved: dict[tuple[int, torch.dtype], torch.Tensor] = {}
     for module in model.modules():
         derived = module._non_persistent_buffers_set
         for name, buf in module.named_buffers(recurse=False):
@@ -572,7 +574,9 @@ def _move_buffers(model: nn.Module, mesh: Mesh, mp: MixedPrecision) -> None:
             dtype = mp.buffer_dtype if cast else buf.dtype
             if dtype != buf.dtype:  # state dicts give it back in this one (as FSDP1 does)
                 module.__dict__.setdefault(BUFFER_DTYPES, {})[name] = buf.dtype
-            new = buf.to(device=mesh.device, dtype=dtype)
-            if mesh.world_size > 1:
-                C.broadcast(new, src=0, group=mesh.group)
-            module._buffers[name] = new
+            key = (id(buf), dtype)
+            if key not in moved:
+                moved[key] = buf.to(device=mesh.device, dtype=dtype)
+                if mesh.world_size > 1:
+                    C.broadcast(moved[key], src=0, group=mesh.group)
+            module._buffers[name] = moved[key]
