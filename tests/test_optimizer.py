@@ -658,3 +658,21 @@ def test_a_replaced_optimizer_used_again_acts_on_its_own_gradients(workers2, sta
     # gradients piled up (0.08-0.18 off torch, with no error).
     for diff in workers2.run(_replaced_then_used, stage, order):
         assert diff < 1e-5, diff
+
+
+def _warm(step: int) -> float:
+    return min(1.0, (step + 1) / 10)
+
+
+def _group_keys_with_addresses() -> str:
+    """A group key holding a function or an object of the user's: ranks agree on settings by
+    their text, which held each rank's own memory address ("another param groups on ranks
+    [1]")."""
+    model, _ = _pair(1)
+    groups = [{"params": model.parameters(), "lr_rule": _warm, "tag": object()}]
+    opt = zeroshard.optimizer(model, torch.optim.SGD, groups, lr=0.1)
+    return f"{len(opt.param_groups)} group, rule {opt.param_groups[0]['lr_rule'] is _warm}"
+
+
+def test_group_keys_are_compared_without_memory_addresses(workers2):
+    assert workers2.run(_group_keys_with_addresses) == ["1 group, rule True"] * 2

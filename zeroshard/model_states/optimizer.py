@@ -51,6 +51,8 @@ from zeroshard.model_states.optimizer_args import (
     check_elementwise,
     param_groups,
     probe,
+    rank_neutral,
+    step_inner,
     user_stacklevel,
     with_default_impl,
 )
@@ -102,20 +104,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
             u for u in self.engine.units if u.param_ids and u.param_ids <= self._param_ids
         ]
         given = defaults
-        defaults = with_default_impl(optimizer_cls, given, self.engine.mesh.device)
+        defaults = with_default_impl(optimizer_cls, given, self.engine.mesh.device, user_groups)
+
         # A rank stepping in backward, or with other groups, would wait in other collectives.
+        def settings(d: dict) -> list:  # the same text on every rank for the same program
+            return sorted((k, rank_neutral(v)) for k, v in d.items() if k != "params")
+
         check_same_model(model, self.engine.mesh, {
             "optimizer class": f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}",
             "step_in_backward": str(step_in_backward),
             "loss_scaler": type(self.loss_scaler).__name__,
-            "param groups": repr([
-                (len(g["params"]), sorted((k, repr(v)) for k, v in g.items() if k != "params"))
-                for g in user_groups
-            ]),
-            "optimizer settings": repr(sorted((k, repr(v)) for k, v in defaults.items())),
+            "param groups": repr([(len(g["params"]), settings(g)) for g in user_groups]),
+            "optimizer settings": repr(settings(defaults)),
         }, call="optimizer")  # fmt: skip
         class_defaults = probe(
-            optimizer_cls, defaults, given, user_groups, self.engine.mesh.device
+            optimizer_cls, defaults, given, user_groups, self.engine.mesh.device, known=elementwise
         )  # after check_same_model: a rank refused alone would leave the others waiting in it
         self._subgroups = build_subgroups(
             buckets, user_groups, optimizer_cls, defaults, self.engine.param_swap
@@ -507,7 +510,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     piece.tensor.grad = torch.zeros_like(piece.tensor)
                 else:
                     piece.tensor.grad = g[piece.span]
-        sg.optimizer.step()
+        step_inner(sg.optimizer)
         sg.bucket.flat.masters_ahead = True  # until the engine's refresh
         for pieces in sg.pieces:
             for piece in pieces:

@@ -7,6 +7,7 @@ picks when the caller picks none (fused Adam/AdamW where the device has it).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -90,26 +91,66 @@ def check_elementwise(optimizer_cls: type, *, known: bool = False) -> None:
 
 def _overridden_step(optimizer_cls: object) -> str | None:
     """``"step() of Base"`` when a subclass of a known element-wise optimizer redefines how it
-    steps (``step``, ``_init_group``); None otherwise, or for other classes."""
+    steps (``step``, ``_init_group``); None otherwise, or for other classes. torch's profiling
+    wrapper, which its first instance writes into the class (``_patch_step_function``), is not
+    a redefinition."""
     if not isinstance(optimizer_cls, type) or not issubclass(optimizer_cls, ELEMENTWISE):
         return None
-    for cls in optimizer_cls.__mro__:
+    mro = optimizer_cls.__mro__
+    for i, cls in enumerate(mro):
         if cls in ELEMENTWISE:
             return None
         for method in ("step", "_init_group"):
-            if method in vars(cls):
-                return f"{method}() of {next(c for c in cls.__mro__ if c in ELEMENTWISE).__name__}"
+            if method not in vars(cls):
+                continue
+            inherited = next(vars(c)[method] for c in mro[i + 1 :] if method in vars(c))
+            if _unhooked(vars(cls)[method]) is not _unhooked(inherited):
+                return f"{method}() of {next(c for c in mro if c in ELEMENTWISE).__name__}"
     return None
 
 
+def _unhooked(fn: Any) -> Any:
+    """``fn`` without torch's profiling wrappers (``Optimizer.profile_hook_step``)."""
+    while getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def step_inner(optimizer: torch.optim.Optimizer) -> None:
+    """Step one of a sharded optimizer's torch optimizers (a sub-group's) with its own step
+    hooks but not torch's global ones (``register_optimizer_step_pre_hook``): those run once
+    per step, around the user's optimizer's ``step``, not once per sub-group on 1-D pieces."""
+    args: tuple = (optimizer,)
+    with torch.autograd.profiler.record_function(f"{type(optimizer).__name__}.step (zeroshard)"):
+        for hook in optimizer._optimizer_step_pre_hooks.values():
+            hook(optimizer, args, {})
+        _unhooked(type(optimizer).step)(optimizer)
+        for hook in optimizer._optimizer_step_post_hooks.values():
+            hook(optimizer, args, {})
+
+
+def rank_neutral(value: Any) -> str:
+    """``repr(value)`` without memory addresses (``<function f at 0x7f...>``), which differ
+    between ranks for the same program: what ranks compare to agree on settings."""
+    return _ADDRESS.sub("", repr(value))
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def with_default_impl(
-    optimizer_cls: type, defaults: dict[str, Any], device: torch.device
+    optimizer_cls: type,
+    defaults: dict[str, Any],
+    device: torch.device,
+    groups: Iterable[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """``defaults`` with ``fused=True`` for Adam/AdamW where the device has fused kernels and the
-    caller chose no implementation (measured on CPU: several times the for-loop path)."""
+    caller chose no implementation, in its settings or in a param group's (measured on CPU:
+    several times the for-loop path)."""
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
-    if any(k in defaults for k in ("fused", "foreach", "capturable", "differentiable")):
+    chosen = ("fused", "foreach", "capturable", "differentiable")
+    if any(k in d for d in (defaults, *groups) for k in chosen):
         return defaults
     if not isinstance(optimizer_cls, type) or optimizer_cls.__name__ not in _FUSED:
         return defaults
@@ -136,20 +177,24 @@ def probe(
     given: dict[str, Any],
     groups: list[dict[str, Any]],
     device: torch.device,
+    *,
+    known: bool = False,
 ) -> dict[str, Any]:
     """The class's defaults with ``defaults``, from one-element optimizers on ``device``, one per
     group with its own settings: torch's refusal of any of them becomes an error naming the
     class and the settings given (``given``: the caller's own; ``lr="3e-3"`` surfaced as a bare
     "'<=' not supported between instances of 'float' and 'str'", in a group's only at the
     first step). Keys of a group that the class does not take (``"name"``, a scheduler's
-    ``"lr_scale"``) are kept in the group, as torch keeps them, and not probed."""
+    ``"lr_scale"``) are kept in the group, as torch keeps them, and not probed. A class whose
+    ``__init__`` registers step hooks is refused unless ``known`` element-wise: they run on each
+    rank's 1-D slices (a per-tensor gradient centralization or trust ratio would be wrong)."""
     out: dict[str, Any] = {}
     for group in [{}, *groups]:
         own = {k: v for k, v in group.items() if k != "params" and (not group or k in out)}
         try:
             one = torch.zeros(1, device=device, requires_grad=True)
-            made = optimizer_cls([one], **{**defaults, **own}).defaults
-            out = made if not group else out  # the caller's settings alone
+            made = optimizer_cls([one], **{**defaults, **own})
+            out = made.defaults if not group else out  # the caller's settings alone
         except (TypeError, ValueError) as exc:
             settings = ", ".join(f"{k}={v!r}" for k, v in {**given, **own}.items())
             hint = (
@@ -160,4 +205,16 @@ def probe(
             where = " in a param group" if group else ""
             name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
             raise type(exc)(f"{name}({settings}){where} refused its settings: {exc}{hint}") from exc
+        hooks = [
+            *made._optimizer_step_pre_hooks.values(),
+            *made._optimizer_step_post_hooks.values(),
+        ]
+        if hooks and not known:
+            raise ValueError(
+                f"{getattr(optimizer_cls, '__name__', optimizer_cls)} registers step hooks in its "
+                f"__init__ ({', '.join(getattr(h, '__qualname__', repr(h)) for h in hooks)}): a "
+                "sharded optimizer steps each rank's 1-D slice of a parameter, and they would run "
+                "on those slices (a per-tensor norm would be wrong); if they are element-wise, "
+                "pass elementwise=True"
+            )
     return out

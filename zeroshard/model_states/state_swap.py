@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from zeroshard.model_states.optimizer_args import step_inner
 from zeroshard.model_states.swap_space import check_host_memory, check_space
 from zeroshard.offload import (
     OffloadError,
@@ -127,7 +128,7 @@ def state_bytes_per_element(optimizer_cls: type, defaults: dict[str, Any]) -> in
     probe = torch.zeros(2, requires_grad=True)
     probe.grad = torch.zeros(2)
     opt = optimizer_cls([probe], **defaults)
-    opt.step()
+    step_inner(opt)  # (torch's global step hooks are the user's step's, not this probe's)
     st = opt.state[probe]
     return sum(
         v.element_size() for v in st.values() if torch.is_tensor(v) and v.shape == probe.shape
