@@ -231,6 +231,22 @@ def test_a_scaler_of_another_kind_keeps_its_own_scale():
     assert dynamic.scale == 2.0**15  # halved by its own overflow above, not set to 1.0
 
 
+def test_a_grad_scaler_state_is_read_as_a_dynamic_scalers():
+    """Moving an AMP run to zeroshard: ``torch.amp.GradScaler``'s state gives its scale, clean
+    steps and settings to a ``DynamicLossScaler`` (it was ignored: the scale stayed 65536), and
+    not to a static scaler (which took 1024 as a fixed scale)."""
+    amp = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    state = amp.state_dict()
+    state["_growth_tracker"] = 3
+    dynamic = DynamicLossScaler()
+    dynamic.load_state_dict(state)
+    assert (dynamic.scale, dynamic.growth_interval) == (1024.0, 7)
+    assert dynamic.state_dict()["clean_steps"] == 3
+    static = LossScaler()
+    static.load_state_dict(state)
+    assert static.scale == 1.0
+
+
 def test_the_scale_applied_to_an_fp16_loss_stays_within_fp16():
     """An FP16 loss's gradient is the scale itself, in FP16: 2**16 overflows (65504 at most)."""
     half, full = torch.ones((), dtype=torch.float16), torch.ones(())

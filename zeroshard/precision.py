@@ -424,8 +424,10 @@ class LossScaler:
 
     def same_kind(self, state: dict[str, Any]) -> bool:
         """Whether ``state`` came from a scaler of this one's class (older states, without a
-        ``kind``: told apart by the dynamic scaler's own fields)."""
-        kind = state.get("kind", "DynamicLossScaler" if "clean_steps" in state else "LossScaler")
+        ``kind``: told apart by the dynamic scaler's own fields; ``torch.amp.GradScaler``'s is
+        dynamic)."""
+        dynamic = "clean_steps" in state or "_growth_tracker" in state
+        kind = state.get("kind", "DynamicLossScaler" if dynamic else "LossScaler")
         return kind == type(self).__name__
 
 
@@ -523,8 +525,12 @@ class DynamicLossScaler(LossScaler):
         super().load_state_dict(state)
         if not self.same_kind(state):
             return
-        self._clean_steps = int(state.get("clean_steps", 0))
+        # torch.amp.GradScaler's state: its clean steps and settings, as its load_state_dict does.
+        self._clean_steps = int(state.get("clean_steps", state.get("_growth_tracker", 0)))
         self._hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))
+        for name in ("growth_factor", "backoff_factor", "growth_interval"):
+            if "_growth_tracker" in state and name in state:
+                setattr(self, name, type(getattr(self, name))(state[name]))
 
 
 def _largest_power_of_two(dtype: torch.dtype) -> float:
