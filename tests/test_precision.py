@@ -623,6 +623,88 @@ def test_every_unit_casts_its_inputs_as_fsdp2(workers2, stage):
         assert "dtype" in r["refused"], r  # without the cast: mixed dtypes in the second unit
 
 
+class _NormedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.fc(torch.tanh(self.norm(x)))
+
+
+class _Normed(nn.Module):
+    """Blocks whose LayerNorm is kept FP32 under a BF16 model, and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_NormedBlock() for _ in range(2)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _fp32_norms(stage: int) -> dict:
+    """``unit_precision={nn.LayerNorm: "fp32"}`` under BF16, against FSDP2 with the same
+    per-module policies (each LayerNorm ``fully_shard`` with an FP32 ``mp_policy``, the blocks
+    and the root with BF16 parameters and FP32 reduction): the same outputs and, after three
+    AdamW steps, the same weights; the norms compute in FP32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    ref = _Normed()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batches = [torch.randn(4, 8, generator=g) for _ in range(3)]
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = zeroshard.shard(
+        copy.deepcopy(ref), stage=stage, wrap=zeroshard.wrap.by_class(_NormedBlock),
+        mixed_precision=bf16, unit_precision={nn.LayerNorm: "fp32"},
+    )  # fmt: skip
+    seen = {}
+    for name in ("norm", "fc"):
+        module = getattr(model.blocks[0], name)
+        module.register_forward_hook(lambda m, a, o, name=name: seen.update({name: o.dtype}))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    fsdp = copy.deepcopy(ref)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)
+    for block in fsdp.blocks:
+        fully_shard(block.norm, mp_policy=fp32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in (*fsdp.blocks, fsdp):
+        fully_shard(m, mp_policy=mp)
+    fsdp_opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
+    same_out = True
+    for x in batches:
+        out, fsdp_out = model(x), fsdp(x)
+        same_out &= torch.equal(out, fsdp_out)
+        opt.backward(out.float().square().mean())
+        fsdp_out.float().square().mean().backward()
+        for o in (opt, fsdp_opt):
+            o.step()
+            o.zero_grad()
+    mine = zeroshard.full_state_dict(model, rank0_only=False)
+    theirs = {k: v.full_tensor() for k, v in fsdp.state_dict().items()}
+    worst = max((mine[k] - theirs[k]).abs().max().item() for k in theirs)
+    return {"out": same_out, "worst": worst, "norm": seen["norm"], "fc": seen["fc"]}
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_modules_with_a_policy_of_their_own_match_fsdp2(workers2, stage):
+    for r in workers2.run(_fp32_norms, stage):
+        assert r["out"] and r["worst"] < 1e-6, r
+        assert (r["norm"], r["fc"]) == (torch.float32, torch.bfloat16), r
+
+
+def test_unit_precision_mistakes_are_named(lone_process):
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="unit_precision: wrap policy by_class.LayerNorm"):
+        zeroshard.shard(model, mixed_precision="bf16", unit_precision={nn.LayerNorm: "fp32"})
+    with pytest.raises(TypeError, match="unit_precision keys are module classes"):
+        zeroshard.shard(nn.Linear(2, 2), unit_precision={3: "fp32"})
+
+
 def _float64(stage: int, folder: str | None) -> float:
     """A float64 model (scientific ML) trained 3 AdamW steps, against plain torch on the whole
     batch: the largest parameter difference. Its masters and gradient shards are float64 (with

@@ -212,7 +212,7 @@ class Engine:
             self._prefetch(self.forward_order, unit)
         if unit.state is TrainingState.IDLE and not recompute:
             unit.to(TrainingState.FORWARD)
-        mp = self.mixed_precision
+        mp = unit.precision  # the model's policy, or one of its own (shard's unit_precision)
         cast = mp.cast_root_inputs if unit.is_root else mp.cast_forward_inputs
         if entry and cast and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -257,7 +257,6 @@ class Engine:
         root_entry = unit.is_root and entry
         # The root stays gathered for its backward, which comes right after; not when nothing
         # of it trains and no output requires grad (a frozen reference model): none comes.
-        # (Decided for the root's forward only: not a walk of every unit's output.)
         keep = keep or (root_entry and grad and not self.config.reshard_root_after_forward and (
             any(f.requires_grad for f in unit.flat_params)
             or any(t.requires_grad for t in tensors_reached(output))))  # fmt: skip
@@ -269,8 +268,9 @@ class Engine:
             if self._recording is not None:
                 self.forward_order, self._recording = list(self._recording), None
                 self._free_unused_prefetches()
-            if self.mixed_precision.output_dtype is not None:
-                output = _cast_floats(output, self.mixed_precision.output_dtype)
+        cast = unit.precision.output_dtype if entry else None  # unit_precision: see shard
+        if cast is not None and (root_entry or unit.precision is not self.mixed_precision):
+            output = _cast_floats(output, cast)
         if grad:
             when_backward_reaches(weakly(self._pre_backward, unit, unit.updates), output)
         if self.checkpointing is not None:

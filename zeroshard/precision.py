@@ -23,16 +23,18 @@ BF16 is probed per device type (``bf16_support``): CPU instruction flags, the de
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +259,46 @@ def policy_of(value: MixedPrecision | str | None, device: torch.device) -> Mixed
             f"got {type(value).__name__}"
         )
     return value
+
+
+def unit_overrides(
+    given: Mapping[type | str, MixedPrecision | str] | None,
+    device: torch.device,
+    default: MixedPrecision,
+) -> dict[type | str, MixedPrecision]:
+    """What ``shard(unit_precision=...)`` accepts: ``{module class or class name: policy}``
+    (FSDP2's ``fully_shard(module, mp_policy=...)`` per module: a router or the norms kept in
+    FP32 under a BF16 model), each policy as ``mixed_precision`` takes it. A policy without an
+    ``output_dtype`` gives its outputs back in the ``default`` policy's ``param_dtype``, which
+    the module's parent computes in (FSDP2 leaves them: the parent's next layer fails on mixed
+    dtypes)."""
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping):
+        raise TypeError(
+            "unit_precision takes {module class or class name: policy}, e.g. "
+            f"{{nn.LayerNorm: 'fp32'}}; got {type(given).__name__}"
+        )
+    out = {}
+    for key, value in given.items():
+        if not (isinstance(key, str) or (isinstance(key, type) and issubclass(key, nn.Module))):
+            raise TypeError(f"unit_precision keys are module classes or class names, got {key!r}")
+        policy = policy_of(value, device)
+        if policy.output_dtype is None and default.param_dtype not in (None, policy.param_dtype):
+            policy = dataclasses.replace(policy, output_dtype=default.param_dtype)
+        out[key] = policy
+    return out
+
+
+def unit_policy(
+    module: nn.Module, default: MixedPrecision, overrides: Mapping[type | str, MixedPrecision]
+) -> MixedPrecision:
+    """The policy of the unit made of ``module``: the first override its class matches (an
+    instance of a class key, or a class named by a string key), else ``default``."""
+    for key, policy in overrides.items():
+        if type(module).__name__ == key if isinstance(key, str) else isinstance(module, key):
+            return policy
+    return default
 
 
 # --------------------------------------------------------------------- TF32, held and restored

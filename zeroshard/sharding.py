@@ -16,7 +16,7 @@ import logging
 import sys
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,14 +34,14 @@ from zeroshard.model_states.param_swap import ParamSwapper
 from zeroshard.model_states.partition import padded_numel
 from zeroshard.offload.folder import padded_bytes
 from zeroshard.offload.placement import Offload
-from zeroshard.precision import MixedPrecision, hold_tf32, policy_of
+from zeroshard.precision import MixedPrecision, hold_tf32, policy_of, unit_overrides, unit_policy
 from zeroshard.residual_states.activations import train_without_caches
 from zeroshard.residual_states.buffers import BufferPool, TensorPool
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.stages import Partition, partition
 from zeroshard.state_dict import install_state_dict_hooks
 from zeroshard.unit import Unit
-from zeroshard.wrap import UnitSpec, WrapPolicy, as_policy, units
+from zeroshard.wrap import UnitSpec, WrapPolicy, as_policy, units, with_classes
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -61,6 +61,7 @@ def shard(
     stage: int = 3,
     wrap: WrapPolicy | None = None,
     mixed_precision: MixedPrecision | str | None = None,
+    unit_precision: Mapping[type | str, MixedPrecision | str] | None = None,
     config: ShardConfig | None = None,
     mesh: Mesh | DeviceMesh | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
@@ -73,6 +74,9 @@ def shard(
     reads as ``by_class``) cuts the model into units, the root always being one.
     ``mixed_precision`` is a ``MixedPrecision`` policy or a name ("fp32", "tf32", "bf16", "fp16",
     "auto": ``zeroshard.precision.resolve``); master weights stay FP32 under every policy.
+    ``unit_precision`` ``{module class or name: policy}`` gives those modules a policy of their
+    own (FSDP2's per-module ``mp_policy``: ``{nn.LayerNorm: "fp32"}`` under "bf16"); each
+    becomes a unit, whose inputs are cast to its ``param_dtype``.
     Parameters keep their names and objects; their data move into per-unit flat buffers on
     ``mesh.device``. Every rank must call it with the same model structure (checked).
 
@@ -174,7 +178,10 @@ def shard(
         offload.check(part, mesh.device)
         offload.log_host_tiers(part, mesh.device, log)
     mixed_precision = policy_of(mixed_precision, mesh.device)
+    overrides = unit_overrides(unit_precision, mesh.device, mixed_precision)
+    wrap = with_classes(wrap, tuple(overrides), "unit_precision")
     specs = units(model, wrap)
+    policies = [unit_policy(s.module, mixed_precision, overrides) for s in specs]
     placed = "none"
     if offload is not None:  # the tiers, not the folder (each node may have its own)
         placed = ", ".join(
@@ -189,6 +196,7 @@ def shard(
     for name, value in (("mixed_precision", mixed_precision), ("ShardConfig", config)):
         for f in dataclasses.fields(value):  # one entry each: the error names the field
             settings[f"{name}.{f.name}"] = repr(getattr(value, f.name))
+    settings["unit_precision"] = repr(sorted((str(k), repr(v)) for k, v in overrides.items()))
     check_same_model(model, mesh, settings)
     ledger = C.Ledger()
     materialize = Materializer(model, mesh.device, param_init_fn)
@@ -206,23 +214,26 @@ def shard(
     pooled = config.constant_buffers and mesh.device.type == "cpu" and part.gradients
     grad_buffers = TensorPool(keep=config.max_inflight_reductions) if pooled else None
 
-    def make(params: list[tuple[nn.Parameter, list[str]]], dtype: torch.dtype) -> FlatParam:
+    policy_of_flat: dict[FlatParam, MixedPrecision] = {}
+
+    def make(params: list[tuple], dtype: torch.dtype, policy: MixedPrecision) -> FlatParam:
         materialize([p for p, _ in params])
         flat = FlatParam(
             params,
             mesh=mesh,
             partition=part,
-            param_dtype=_dtypes(mixed_precision, dtype)[0],
+            param_dtype=_dtypes(policy, dtype)[0],
             ledger=ledger,
             sync_module_states=config.sync_module_states,
             buffers=buffers,
         )
         if param_swap is not None:
             param_swap.adopt(flat)
+        policy_of_flat[flat] = policy
         return flat
 
     bucket_bytes = 0 if part.parameters else config.bucket_bytes
-    flats = _flat_params(specs, bucket_bytes, make, mixed_precision)
+    flats = _flat_params(specs, bucket_bytes, make, policies)
     if param_swap is not None:
         param_swap.finish_adopting()  # all dropped from memory
     scaling = GradScaling()
@@ -233,7 +244,7 @@ def shard(
                 buckets[f] = GradBucket(
                     f,
                     partition=part,
-                    reduce_dtype=_dtypes(mixed_precision, f.orig_dtype)[1],
+                    reduce_dtype=_dtypes(policy_of_flat[f], f.orig_dtype)[1],
                     scaling=scaling,
                     num_units=sum(f in fs for fs in flats),
                     pool=grad_buffers,
@@ -252,6 +263,8 @@ def shard(
         )
         for i, (s, f) in enumerate(zip(specs, flats))
     ]
+    for unit, policy in zip(unit_list, policies):
+        unit.precision = policy
     materialize.leftovers(model)
     _move_buffers(model, mesh, mixed_precision)
     engine = Engine(
@@ -487,28 +500,30 @@ def _master_bytes(specs: list[UnitSpec], shard_size: int) -> int:
 
 
 def _flat_params(
-    specs: list[UnitSpec], bucket_bytes: int, make, policy: MixedPrecision
+    specs: list[UnitSpec], bucket_bytes: int, make, policies: list[MixedPrecision]
 ) -> list[list[FlatParam]]:
-    """The FlatParams each unit uses: one per (requires_grad, dtype) group of its parameters.
+    """The FlatParams each unit uses: one per (requires_grad, dtype) group of its parameters,
+    made with the unit's mixed-precision policy (``policies``, one per spec).
 
     Partitioned parameters are gathered per unit, so each unit gets its own (``bucket_bytes`` 0).
-    Replicated parameters are never gathered: consecutive units then share one flat buffer of up
-    to ``bucket_bytes``, so that gradients are reduced in few, large collectives (DDP's buckets,
-    ZeRO-R's constant-size buffers) and the buffer is reduced once all its units' backward is done.
+    Replicated parameters are never gathered: units of one policy then share flat buffers of up
+    to ``bucket_bytes``, filled in unit order, so that gradients are reduced in few, large
+    collectives (DDP's buckets, ZeRO-R's constant-size buffers) and the buffer is reduced once
+    all its units' backward is done.
     """
     per_unit: list[list[FlatParam]] = [[] for _ in specs]
     module_names = {id(m): n for n, m in specs[0].module.named_modules(remove_duplicate=False)}
-    open_buckets: dict[tuple[bool, torch.dtype], tuple[list, list[int]]] = {}
+    open_buckets: dict[tuple, tuple[list, list[int], MixedPrecision]] = {}
 
-    def close(key: tuple[bool, torch.dtype]) -> None:
-        params, owners = open_buckets.pop(key)
-        flat = make(params, key[1])
+    def close(key: tuple) -> None:
+        params, owners, policy = open_buckets.pop(key)
+        flat = make(params, key[1], policy)
         for i in owners:
             per_unit[i].append(flat)
 
-    for i, spec in enumerate(specs):
+    for i, (spec, policy) in enumerate(zip(specs, policies)):
         groups = {
-            key: [
+            (*key, id(policy)): [
                 (p, [name] + [f"{module_names[id(m)]}.{a}".lstrip(".") for m, a in regs[1:]])
                 for regs, p, name in members
             ]
@@ -521,7 +536,7 @@ def _flat_params(
                 held = sum(p.numel() for p, _ in open_buckets[key][0])
                 if (held + numel) * elem_bytes > bucket_bytes:
                     close(key)
-            bucket = open_buckets.setdefault(key, ([], []))
+            bucket = open_buckets.setdefault(key, ([], [], policy))
             bucket[0].extend(params)
             bucket[1].append(i)
     for key in list(open_buckets):

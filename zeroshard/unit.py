@@ -12,6 +12,7 @@ from torch import nn
 
 from zeroshard.model_states.flat_param import FlatParam, ShardState
 from zeroshard.model_states.grads import GradBucket
+from zeroshard.precision import FP32, MixedPrecision
 
 __all__ = ["TrainingState", "Unit"]
 
@@ -64,6 +65,8 @@ class Unit:
         """The trainable parameters it owns (at stages 0-2 a FlatParam may hold other units')."""
         self.owners = owners or []
         """Submodules (other than ``module``) that register the unit's parameters."""
+        self.precision: MixedPrecision = FP32
+        """Its mixed-precision policy (``shard``'s ``mixed_precision``, or ``unit_precision``'s)."""
         self.lender: nn.Module | None = None  # the owner whose call is a use of the unit
         self.lent_gathered = False  # the unit was gathered already when lent: keep it so
         self.state = TrainingState.IDLE

@@ -178,6 +178,24 @@ def as_policy(wrap: object) -> WrapPolicy | None:
     raise TypeError(f"wrap= takes {_POLICIES}; got {wrap!r}")
 
 
+def with_classes(policy: WrapPolicy | None, classes: tuple, why: str) -> WrapPolicy | None:
+    """``policy``'s units and every submodule of ``classes`` (types or names) besides; ``why``
+    (what asked for them) names the fix when those match nothing."""
+    if not classes:
+        return policy
+    extra = by_class(*classes)
+
+    def both(model: nn.Module) -> list[str]:
+        try:
+            more = set(extra(model))
+        except ValueError as exc:
+            raise ValueError(f"{why}: {exc}") from None
+        names = _names(policy, model) | more if policy is not None else more
+        return [n for n, _ in model.named_modules() if n in names]
+
+    return both
+
+
 def _names(policy: WrapPolicy, model: nn.Module) -> set[str]:
     """The submodule names ``policy`` picks, checked to be names (FSDP1's ``lambda_fn(module)
     -> bool`` passed as a policy returned a bool)."""
