@@ -157,14 +157,18 @@ def test_a_config_without_architectures_still_ties_and_files_are_readable(traine
     assert mode == probe.stat().st_mode & 0o777, oct(mode)  # safetensors alone writes 0600
 
 
-def test_without_config_every_name_is_stored(trained, tmp_path):
+def test_without_config_the_ties_the_checkpoint_recorded_are_used(trained, tmp_path):
+    """The checkpoint records which names were one parameter (``zeroshard.json``'s "tied"): an
+    export without a config stores them once too (it stored the head twice); ``tied={}``
+    stores every name."""
     path, full = trained
+    assert checkpoint.read_meta(path)["tied"] == TIED
     result = export_safetensors(path, tmp_path / "hf", dtype=torch.float16)
     stored = _stored(tmp_path / "hf", result.files)
-    assert set(stored) == set(full) and result.tied == {}
+    assert set(stored) == set(full) - {"lm_head.weight"} and result.tied == TIED
     assert all(t.dtype == torch.float16 for _, t in stored.values())
-    explicit = export_safetensors(path, tmp_path / "tied", tied=TIED)
-    assert set(explicit.weight_map) == set(full) - {"lm_head.weight"}
+    every = export_safetensors(path, tmp_path / "every", tied={})
+    assert set(every.weight_map) == set(full) and every.tied == {}
 
 
 def test_declared_ties_are_checked(trained, tmp_path):
@@ -242,7 +246,7 @@ def test_cli_subprocess(trained, tmp_path):
                 p.wait()
     assert procs[0].returncode == 0, first_err
     assert sorted(p.name for p in out.iterdir()) == [SINGLE_FILE]
-    assert f"{len(full)} tensors" in first
+    assert f"{len(full) - 1} tensors" in first  # the head, tied (recorded), stored once
     assert procs[1].returncode == 0, second_err
     index = json.loads((tmp_path / "sharded" / INDEX_FILE).read_text())
     assert set(index["weight_map"]) == set(full) - {"lm_head.weight"}

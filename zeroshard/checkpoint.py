@@ -214,7 +214,7 @@ def _metadata(model, optimizer, step: int, world: int, token: str) -> dict[str, 
     engine.run_id = engine.run_id or token
     param_dtypes = sorted({str(f.param_dtype).removeprefix("torch.") for f in engine.flat_params})
     reduce_dtypes = sorted({str(b.reduce_dtype).removeprefix("torch.") for b in engine.buckets})
-    return {
+    return {  # "tied": {alias: source} of the parameters a model registers under several names
         "format_version": FORMAT_VERSION,
         "step": step,
         "world_size": world,
@@ -223,6 +223,7 @@ def _metadata(model, optimizer, step: int, world: int, token: str) -> dict[str, 
         "param_dtype": ",".join(param_dtypes),
         "reduce_dtype": ",".join(reduce_dtypes),
         "num_params": tensor_parallel.whole_numel(model, engine.mesh.tp_size),
+        "tied": {a: s.names[0] for f in engine.flat_params for s in f.slots for a in s.names[1:]},
         "run_id": engine.run_id,  # keep prunes this run's checkpoints only
         "optimizers": checks.class_names(_optimizers(optimizer)),
         "zeroshard_version": zeroshard.__version__,
@@ -272,8 +273,7 @@ def save(
     group = _group(model, optimizer)
     path = Path(path).expanduser().absolute()
     every_rank_calls("save", f"checkpoint {path.name}", _EACH_RANK, group)
-    # A rank that dies or stops during the save: one line naming it (CollectiveTimeout), not
-    # the backend's error from inside DCP.
+    # A rank dying or stopping in the save: one line naming it, not the backend's from DCP.
     with diagnosed("save", f"checkpoint {path.name}", group):
         return _save(path, model, optimizer, extra, keep, async_save, group)
 

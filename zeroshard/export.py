@@ -20,14 +20,16 @@ Files are written under temporary names and renamed; the index is written last, 
 removed.
 
 Tied weights. A zeroshard checkpoint stores tied parameters under every name (``lm_head.weight``
-and ``transformer.wte.weight`` of GPT-2 hold equal values), and neither the checkpoint nor
-``zeroshard.json`` records which names are tied, so by default every name is stored. A name is
-left out (stored once, under its source's name) only when it is declared tied:
+and ``transformer.wte.weight`` of GPT-2 hold equal values), and ``zeroshard.json`` records
+which names were one parameter (``"tied"``, ``{alias: source}``; checkpoints saved before it
+recorded none). A name is left out (stored once, under its source's name) when it is tied:
 
-* ``tied={"lm_head.weight": "transformer.wte.weight"}``: explicit ``{alias: source}`` pairs;
-* otherwise ``config``, a ``transformers`` config (or a folder / ``config.json`` holding one)
-  with ``tie_word_embeddings`` true whose ``architectures`` names a ``transformers`` model
-  class: that class's ``_tied_weights_keys`` (``{alias: source}`` in transformers >= 5).
+* ``tied={"lm_head.weight": "transformer.wte.weight"}``: explicit ``{alias: source}`` pairs,
+  and nothing else;
+* otherwise the checkpoint's recorded pairs, and those of ``config``, a ``transformers`` config
+  (or a folder / ``config.json`` holding one) with ``tie_word_embeddings`` true whose
+  ``architectures`` names a ``transformers`` model class: that class's ``_tied_weights_keys``
+  (``{alias: source}`` in transformers >= 5).
 
 A declared pair is checked before anything is written: same shape and ``torch.equal`` values
 (else a one-line ``ExportError``: dropping the alias would change the model); the check reads
@@ -293,7 +295,7 @@ def export_safetensors(
     out = Path(out_dir).absolute()
     cast = _dtype(dtype)
     limit = _shard_bytes(max_shard_bytes)
-    checkpoint.read_meta(path)  # one-line errors for a missing or incomplete checkpoint
+    recorded = checkpoint.read_meta(path).get("tied", {})  # (one-line errors, a bad folder)
     if out == path:
         raise ExportError(f"export into {out} would write into the checkpoint; pick another OUT")
     if out.exists() and not out.is_dir():
@@ -311,7 +313,7 @@ def export_safetensors(
         raise ExportError(f"checkpoint {path} holds no model tensors; nothing to export")
     config = _load_config(config)
     model_cls = _check_config(config, entries)
-    declared = dict(tied) if tied is not None else _config_tied(config, model_cls)
+    declared = dict(tied) if tied is not None else recorded | _config_tied(config, model_cls)
     dropped = _check_tied(path, declared, entries, explicit=tied is not None)
 
     def out_dtype(saved: torch.dtype) -> torch.dtype:

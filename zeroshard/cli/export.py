@@ -5,11 +5,12 @@
 
 Writes ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` and
 ``model.safetensors.index.json`` when the weights exceed ``--max-shard-size``), one output
-shard in memory at a time, in one process with no process group. Every name is stored unless
-declared tied: by ``--tie ALIAS=SOURCE`` (repeatable), or by the ``--config`` (a folder with a
-``config.json``, or the file) through ``tie_word_embeddings`` and its architecture's tied
-weights; ``--config`` is copied to OUT too, so OUT loads with ``from_pretrained``. Without
-``--config`` (and ``--tie``), a checkpoint of a ``zeroshard train --hf CONFIG`` run uses CONFIG,
+shard in memory at a time, in one process with no process group. Tied weights are stored once:
+those ``--tie ALIAS=SOURCE`` names (repeatable; then no others), else those the checkpoint
+recorded as one parameter and those the ``--config`` (a folder with a ``config.json``, or the
+file) declares through ``tie_word_embeddings`` and its architecture's tied weights;
+``--config`` is copied to OUT too, so OUT loads with ``from_pretrained``. Without ``--config``
+(and ``--tie``), a checkpoint of a ``zeroshard train --hf CONFIG`` run uses CONFIG,
 as that run's ``config.json`` records it, and says so.
 """
 
