@@ -1386,6 +1386,21 @@ def test_precision_auto_says_what_it_chose(capsys, tmp_path, data_dir):
     assert summary["precision"] in ("bf16 (auto)", "fp32 (auto)"), summary
 
 
+def test_fp32_modules_keep_the_named_classes_in_fp32(capsys, tmp_path, data_dir):
+    """``--fp32-modules LayerNorm`` under bf16: the norms compute in FP32 (``unit_precision``),
+    the rest in BF16; a class the model lacks is bad input (exit 2) listing its classes."""
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "2", "--batch-size", "2"]
+    flags += ["--precision", "bf16"]
+    code, err, records, _ = _train_in_process(
+        capsys, tmp_path / "ok", *flags, "--fp32-modules", "LayerNorm"
+    )
+    assert code == 0, err
+    assert len(_train_records(records)) == 2
+    code, err, _, _ = _train_in_process(capsys, tmp_path / "bad", *flags, "--fp32-modules", "Norm")
+    assert code == 2 and "fp32_modules = 'Norm': nano has no Norm module" in err, err
+    assert "LayerNorm" in err
+
+
 def _compare_configs(steps_per_rank: list[int], out_dirs: list[str]) -> str:
     import torch.distributed as dist
 

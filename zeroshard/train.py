@@ -269,8 +269,17 @@ def train(cfg: TrainConfig) -> dict:
                 stacklevel=2,
             )
         policy = zeroshard.precision.resolve(cfg.precision, device)
+        fp32 = {c.strip(): "fp32" for c in (cfg.fp32_modules or "").split(",") if c.strip()}
+        classes = sorted({type(m).__name__ for m in built.module.modules()})
+        if any(c not in classes for c in fp32):
+            missing = next(c for c in fp32 if c not in classes)
+            raise ValueError(
+                f"fp32_modules = {cfg.fp32_modules!r}: {built.name} has no {missing} module; "
+                f"its classes: {', '.join(classes)}"
+            )
         model = zeroshard.shard(
             built.module, stage=cfg.stage, wrap=wrap, mixed_precision=policy,
+            unit_precision=fp32 or None,
             config=zeroshard.ShardConfig(
                 checkpoint_every=cfg.checkpoint_every,
                 partition_activations=cfg.partition_activations,

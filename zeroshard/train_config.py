@@ -59,6 +59,9 @@ class TrainConfig:
     """ZeRO stage: 0 data parallel, 1 + optimizer states sharded, 2 + gradients, 3 + parameters."""
     precision: str = "fp32"
     """Compute precision; auto is BF16 where the device supports it, else FP32."""
+    fp32_modules: str | None = None
+    """Module class name(s), comma-separated, kept in FP32 under bf16/fp16 (norms, a MoE router):
+    each becomes a unit computing in FP32, its output cast back (FSDP2's per-module policy)."""
     checkpoint_every: int = 0
     """Activation checkpointing: spans of this many units keep only their input (0: off)."""
     tp: int = 1
@@ -401,6 +404,7 @@ def _check_field(name: str, value: Any, annotation: str, default: Any) -> None:
             "nn.Module), e.g. --model mypkg.models:build"
         )
     names = ("wrap", "hf", "data", "tokenizer", "out_dir", "resume", "offload_folder")
+    names += ("fp32_modules",)
     if name in names and not value.strip():
         raise ValueError(f"{name} = {value!r}: must not be empty")
 

@@ -77,7 +77,7 @@ def presets_text() -> str:
 _METAVARS = {
     "model": "PKG.MOD:FACTORY", "hf": "CONFIG.json", "wrap": "CLASS[,CLASS]", "data": "PATH",
     "tokenizer": "NAME", "out_dir": "DIR", "data_dir": "DIR", "resume": "PATH|auto",
-    "offload_folder": "DIR",
+    "offload_folder": "DIR", "fp32_modules": "CLASS[,CLASS]",
 }  # fmt: skip
 
 
