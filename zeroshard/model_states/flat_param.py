@@ -165,18 +165,26 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
     for f in flats:
         if f.homes is None:  # (module, attribute, parameter) per name, found once
             f.homes = [
-                (model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2], s.param, n)
+                (_module_at(model, n), n.rpartition(".")[2], s.param, n)
                 for s in f.slots
                 for n in s.names
             ]
         for module, attr, param, name in f.homes:
-            if module._parameters.get(attr) is not param:
+            if getattr(module, "_parameters", {}).get(attr) is not param:
                 raise ValueError(
                     f"{name} is not the parameter zeroshard.shard() flattened there: a weight "
                     "tied or replaced after shard() (model.head.weight = model.emb.weight) is "
                     "not gathered where it is read. Tie or replace weights before shard() "
                     "(tied weights stay one parameter), or shard a fresh model"
                 )
+
+
+def _module_at(model: nn.Module, name: str) -> nn.Module | None:
+    """The module registering parameter ``name``; None when that path is gone."""
+    try:
+        return model.get_submodule(name.rpartition(".")[0])
+    except AttributeError:
+        return None
 
 
 class FlatParam:
