@@ -8,6 +8,7 @@ the masters, in FP32 and in a narrower ``param_dtype`` alike.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -142,21 +143,57 @@ def test_a_write_to_a_parameter_at_rest_at_stage_3_is_an_error(workers2, where):
         assert "summon_full_params" in out["error"] and out["nan_again"], out
 
 
-def _cast_after_shard(stage: int) -> str:
-    model, _ = _setup(stage, "fp32")
+def _cast_after_shard(stage: int) -> dict:
+    """``model.half()`` after shard is an error; the parameters get the engine's memory back,
+    so the model trains on afterwards (it stayed broken: every call, ``load_state_dict``
+    included, raised the same error)."""
+    model, opt = _setup(stage, "fp32")
+    before = _masters(model)
     model.half()  # the module's parameters no longer view the engine's buffers
     try:
         model(torch.randn(2, WIDTH).half())
+        said = ""
     except ValueError as exc:
-        return str(exc)
-    return ""
+        said = str(exc)
+    model.load_state_dict(before)
+    _step(model, opt, 0)
+    return {"said": said, "trained": bool(torch.isfinite(_masters(model)["0.weight"]).all())}
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_cast_after_shard_is_an_error_naming_mixed_precision(workers2, stage):
-    for said in workers2.run(_cast_after_shard, stage):
-        assert said.startswith("0.weight's data was replaced after zeroshard.shard()"), said
-        assert "mixed_precision='bf16'" in said
+    for r in workers2.run(_cast_after_shard, stage):
+        assert r["said"].startswith("0.weight's data was replaced after zeroshard.shard()"), r
+        assert "mixed_precision='bf16'" in r["said"] and r["trained"], r
+
+
+def _replaced_in_place_of(stage: int) -> float:
+    """Data replaced in the parameters' own dtype and shape (``model.half().float()``, then
+    ``vector_to_parameters``) is taken as written values, as torch and FSDP2 take them: the
+    largest difference from plain torch doing the same, after a step."""
+    model, opt = _setup(stage, "fp32")
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(6)])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with zeroshard.summon_full_params(model) if stage == 3 else contextlib.nullcontext():
+        for m in (model, ref):
+            m.half().float()  # values rounded to FP16
+            vec = torch.nn.utils.parameters_to_vector(m.parameters())
+            torch.nn.utils.vector_to_parameters(vec * 0.5, m.parameters())
+    world = dist.get_world_size()
+    x = torch.randn(4 * world, WIDTH, generator=torch.Generator().manual_seed(7))
+    mine = x.chunk(world)[dist.get_rank()]
+    model(mine).square().mean().backward()
+    ref(x).square().mean().backward()
+    opt.step(), ref_opt.step()
+    full = _masters(model)
+    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_data_replaced_in_its_own_dtype_is_taken_as_written(workers2, stage):
+    for worst in workers2.run(_replaced_in_place_of, stage):
+        assert worst < 1e-5, worst
 
 
 def _resize_after_shard(stage: int) -> str:

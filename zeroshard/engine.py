@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zeroshard import autograd_hooks
+from zeroshard import autograd_hooks, call_frames
 from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, weakly, when_backward_reaches
 from zeroshard.mesh import Mesh
@@ -48,7 +48,7 @@ from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
-from zeroshard.trees import map_tensors, tensors_reached
+from zeroshard.trees import cast_floats, map_tensors, tensors_reached
 from zeroshard.unit import TrainingState, Unit
 from zeroshard.watchdog import CollectiveTimeout, is_comm_failure
 
@@ -120,8 +120,8 @@ class Engine:
         self.scaling = scaling  # shared with every bucket: the loss scale, found inf/NaN
         self.stage, self.partition = stage, partition(stage)
         self.config, self.mixed_precision, self.ledger = config, mixed_precision, ledger
-        self.phase = Phase.IDLE
-        self.sync_grads = True
+        self.phase, self.sync_grads = Phase.IDLE, True
+        self._forward_call: int | None = None  # the root's running call (call_frames.current)
         self.forward_order: list[Unit] = []  # last forward's units, first use first
         self._recording: dict[Unit, None] | None = None  # this forward's units, in order
         self._pending: deque[GradBucket] = deque()  # reductions in flight, oldest first
@@ -215,10 +215,10 @@ class Engine:
         mp = unit.precision  # the model's policy, or one of its own (shard's unit_precision)
         cast = mp.cast_root_inputs if unit.is_root else mp.cast_forward_inputs
         if entry and cast and mp.param_dtype is not None:
-            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+            args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         # A recomputation is a use of its own only when the first forward counted none: the
         # reentrant checkpoint runs that one without grad, then backward through the recomputed
-        # graph (a non-reentrant one only refills saved tensors of the first forward's graph).
+        # graph (a non-reentrant one refills saved tensors of the first forward's graph).
         unit.recompute_use = (
             recompute
             and unit.pending_uses == 0
@@ -260,8 +260,9 @@ class Engine:
         keep = keep or (root_entry and grad and not self.config.reshard_root_after_forward and (
             any(f.requires_grad for f in unit.flat_params)
             or any(t.requires_grad for t in tensors_reached(output))))  # fmt: skip
-        if not keep and not self.summoned:
+        if (root_entry or not keep) and not self.summoned:  # (the root reshards after backward)
             output = _unalias(output, unit)
+        if not keep and not self.summoned:
             unit.reshard()
         if root_entry:
             self.phase = Phase.IDLE
@@ -270,7 +271,7 @@ class Engine:
                 self._free_unused_prefetches()
         cast = unit.precision.output_dtype if entry else None  # unit_precision: see shard
         if cast is not None and (root_entry or unit.precision is not self.mixed_precision):
-            output = _cast_floats(output, cast)
+            output = cast_floats(output, cast)
         if grad:
             when_backward_reaches(weakly(self._pre_backward, unit, unit.updates), output)
         if self.checkpointing is not None:
@@ -292,9 +293,11 @@ class Engine:
                 u.reshard()
 
     def _begin_forward(self) -> None:
+        if self.phase is Phase.FORWARD and not call_frames.running(self._forward_call):
+            self._forward_raised()  # the last one was interrupted (Ctrl-C): no hook of it ran
+        self._forward_call = call_frames.current(self.model)
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
             flat_param.check_requires_grad(self.flat_params)
-        flat_param.check_registered(self.model, self.flat_params)
         self.check_trusted()
         self.adopt_writes()
         for pool in {id(f.buffers): f.buffers for f in self.flat_params}.values():
@@ -397,8 +400,8 @@ class Engine:
             self._units_left[b] = self._units_left.get(b, b.num_units) - 1
             if self._units_left[b] == 0:
                 ready.append(b)
-        # Free the gathered parameters, and finish the oldest reductions, before a new full
-        # gradient is collected: none of them is alive next to it at this peak of backward.
+        # Free the gathered parameters and finish the oldest reductions before a new full
+        # gradient is collected: none is alive beside it at this peak of backward.
         if not self.summoned:
             unit.reshard()
         if not self._reduce_now:  # accumulating: summed in reduce_dtype where it is wider
@@ -538,6 +541,7 @@ class Engine:
                 "(zeroshard.checkpoint) before destroying the group, and shard a new model in "
                 "the new one"
             )
+        flat_param.check_registered(self.model, self.flat_params)
         with torch.no_grad():
             for f in self.flat_params:
                 # Inside summon_full_params its exit writes back (or discards) what was written.
@@ -578,15 +582,6 @@ def _unalias(output: Any, unit: Unit) -> Any:
         return output
     return map_tensors(
         lambda t: t.clone() if t.untyped_storage().data_ptr() in gathered else t, output
-    )
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    """Cast the floating-point tensors in ``tree`` to ``dtype``; other leaves pass through.
-    ``tree`` itself when nothing needs a cast: its containers are rebuilt only then (a list
-    that the caller passes down for a unit to append to, aux losses, stays the caller's)."""
-    return map_tensors(
-        lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree
     )
 
 

@@ -55,7 +55,9 @@ def _lend_hooks(engine: Engine, unit: Unit, owner: nn.Module) -> list[Any]:
 
     give_back = eager(lambda m, args, output: engine._post_lend(unit, m, output))
     last = [owner.register_forward_hook(give_back)]
-    return [*last, owner.register_forward_pre_hook(eager(lend), with_kwargs=True)]
+    # First, as the unit's own gather: a pre-hook registered before shard() (prune's) reads the
+    # weights, which were the placeholders (NaN) at stage 3.
+    return [*last, owner.register_forward_pre_hook(eager(lend), with_kwargs=True, prepend=True)]
 
 
 def keep_last(module: nn.Module, handles: list[Any]) -> None:

@@ -5,10 +5,12 @@ writes taken into the FP32 masters on exit, or undone."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
 
+from zeroshard import call_frames
 from zeroshard.engine import Engine, Phase
 from zeroshard.model_states import flat_param
 
@@ -20,6 +22,8 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     ``writeback``, elements written inside are copied into the FP32 masters on exit (unchanged
     elements keep their full-precision master values), so the next step and gather see them;
     without, undone."""
+    if engine.phase is Phase.FORWARD and not call_frames.running(engine._forward_call):
+        engine._forward_raised()  # interrupted (Ctrl-C, which runs no hook of torch's): over
     if engine.phase is not Phase.IDLE:
         raise RuntimeError("summon_full_params cannot be entered inside forward or backward")
     engine.adopt_writes()  # (and a write to a parameter at rest is an error before any gather)
@@ -27,6 +31,13 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     for u in gathered:
         u.unshard(async_op=False)
         u.wait_unshard()
+    # Gathered whole, the model runs no collective: transformers' generate() need not keep the
+    # ranks stepping together (synced_gpus, which its FSDP mark turns on), so that one rank can
+    # generate alone (rank 0's evaluation); it hung in a collective the others never joined.
+    marked = [m for m in engine.model.modules() if getattr(m, "_is_fsdp_managed_module", 0)]
+    marked = marked if not engine.summoned else []
+    for m in marked:
+        m._is_fsdp_managed_module = False
     engine.summoned += 1
     engine.discarding += not writeback
     try:
@@ -36,12 +47,21 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     finally:
         engine.summoned -= 1
         engine.discarding -= not writeback
+        problem = None
         if writeback:
             with torch.no_grad():
                 for f in engine.flat_params:
+                    try:  # data replaced inside (p.data = ..., a parametrization baked): taken
+                        f.check_views()
+                    except ValueError as exc:  # (another dtype or shape: raised once resharded)
+                        problem = problem or exc
                     f.write_back()
         if not engine.summoned:
             for u in engine.units:
                 u.reshard()
+        for m in marked:
+            m._is_fsdp_managed_module = True
         if writeback:
             engine.params_changed()
+        if problem is not None and sys.exc_info()[0] is None:
+            raise problem

@@ -114,3 +114,12 @@ def _map_dataclass(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     for name, value in changed.items():
         object.__setattr__(new, name, value)  # frozen dataclasses too
     return new
+
+
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast the floating-point tensors in ``tree`` to ``dtype``; other leaves pass through.
+    ``tree`` itself when nothing needs a cast: its containers are rebuilt only then (a list
+    that the caller passes down for a unit to append to, aux losses, stays the caller's)."""
+    return map_tensors(
+        lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree
+    )

@@ -170,12 +170,15 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                 for n in s.names
             ]
         for module, attr, param, name in f.homes:
-            if getattr(module, "_parameters", {}).get(attr) is not param:
+            now = getattr(module, "_parameters", {}).get(attr)
+            # (A plain tensor there is torch.func.functional_call's, for the call's length.)
+            if now is not param and (now is None or isinstance(now, nn.Parameter)):
                 raise ValueError(
                     f"{name} is not the parameter zeroshard.shard() flattened there: a weight "
-                    "tied or replaced after shard() (model.head.weight = model.emb.weight) is "
-                    "not gathered where it is read. Tie or replace weights before shard() "
-                    "(tied weights stay one parameter), or shard a fresh model"
+                    "tied or replaced after shard() (model.head.weight = model.emb.weight, a "
+                    "module replaced, a parametrization removed) is not gathered where it is "
+                    "read, nor saved. Change the model before shard() (tied weights stay one "
+                    "parameter), or shard a fresh model"
                 )
 
 
@@ -311,31 +314,48 @@ class FlatParam:
         self._rest_versions = [s.param._version for s in self.slots]
 
     def check_views(self) -> None:
-        """Raise if a parameter no longer views this FlatParam's memory (``model.half()``,
-        ``model.to(dtype)`` or ``p.data = ...`` after ``shard``): the module would compute with
-        the replaced tensor while the engine trains its buffers (or, at stage 3, go back to
-        them at the next gather without a word)."""
+        """Parameters must view this FlatParam's memory. Data replaced in the same dtype and
+        shape while they view ``full`` (``p.data = t``, ``vector_to_parameters``, ``model.half()
+        .float()``) is copied in and the view restored, as a write to the parameter (the next
+        step starts from it, as it would unsharded). Anything else raises, the views restored
+        first so that the model stays usable: another dtype (``model.half()``) or shape
+        (``resize_token_embeddings``), or data replaced at rest (stage 3: the parameter holds
+        nothing there to replace)."""
         rest = self.state is ShardState.SHARDED
         base = _placeholder(self.orig_dtype, self.mesh.device) if rest else self.full
+        adopted = False
         for s in self.slots:
             at = base.data_ptr() + (0 if rest else s.offset * base.element_size())
             p = s.param
             if not s.numel or (p.data_ptr() == at and p.dtype == base.dtype and p.shape == s.shape):
                 continue  # still the engine's memory, as shard() left it
-            if p.shape != s.shape:
+            if not rest and p.dtype == base.dtype and p.shape == s.shape:
+                view = self.full[s.offset : s.offset + s.numel].view(s.shape)
+                view.copy_(p.data)
+                p.data, adopted = view, True
+                continue
+            shape, dtype = p.shape, p.dtype
+            self._use_rest_views() if rest else self._use_full_views()
+            if shape != s.shape:
                 raise ValueError(
                     f"{s.names[0]} was changed after zeroshard.shard() (its shape is now "
-                    f"{tuple(p.shape)}, it was {tuple(s.shape)}: e.g. "
+                    f"{tuple(shape)}, it was {tuple(s.shape)}: e.g. "
                     "resize_token_embeddings, or p.data = ...): the engine holds the parameters' "
-                    "memory in their shapes at shard(); change the model before sharding it"
+                    "memory in their shapes at shard(); change the model before sharding it "
+                    "(the parameter was given its memory back)"
                 )
+            what = f"it is {dtype}, the engine's {base.dtype}"
+            if dtype == base.dtype:
+                what = "at rest, stage 3: it holds nothing there"
             raise ValueError(
                 f"{s.names[0]}'s data was replaced after zeroshard.shard() (model.half(), "
-                f"model.to(dtype), p.data = ...; it is {p.dtype}, the engine's "
-                f"{base.dtype}): the engine holds the parameters' memory. Pick compute "
-                "dtypes with shard(..., mixed_precision='bf16'), convert before sharding, "
-                "or set values with model.load_state_dict()"
+                f"model.to(dtype), p.data = ...; {what}): the engine holds the parameters' "
+                "memory, given back to the parameter. Pick compute dtypes with shard(..., "
+                "mixed_precision='bf16'), convert before sharding, or set values with "
+                "model.load_state_dict() or inside zeroshard.summon_full_params(model)"
             )
+        if adopted:
+            self.write_back()
 
     def check_rest_writes(self) -> None:
         """Raise if a parameter at rest (a placeholder, stage 3) was written: ``fill_``-like
