@@ -23,7 +23,7 @@ def _with_gloo_s_own(fn, *args):
     too."""
     saved = C._point_to_point, C._alone
     C._point_to_point = lambda group, tensor: False  # the workers are reused: restored below
-    C._alone = lambda group: False
+    C._alone = lambda group, tensor: False
     try:
         return fn(*args)
     finally:

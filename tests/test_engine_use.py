@@ -871,18 +871,27 @@ def _tied_after_shard(stage: int) -> str:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.Linear(16, 32, bias=False))
     model = zeroshard.shard(model, stage=stage, wrap=wrap.by_class(nn.Linear, nn.Embedding))
+    model(torch.randint(0, 32, (2, 5)))  # (a module replaced after a forward is found too)
+    kept, model[1] = model[1], nn.Linear(16, 16)
+    try:
+        model(torch.randint(0, 32, (2, 5)))
+        return "no error"
+    except ValueError as e:
+        replaced = str(e)
+    model[1] = kept
     model[2].weight = model[0].weight
     try:
         model(torch.randint(0, 32, (2, 5)))
     except ValueError as e:
-        return str(e)
+        return replaced + "\n" + str(e)
     return "no error"
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_weight_tied_after_shard_is_an_error(workers2, stage):
     for message in workers2.run(_tied_after_shard, stage):
-        assert message.startswith("2.weight is not the parameter zeroshard.shard()"), message
+        assert message.startswith("1.weight is not the parameter zeroshard.shard()"), message
+        assert "\n2.weight is not the parameter zeroshard.shard()" in message, message
         assert "Change the model before shard()" in message, message
 
 

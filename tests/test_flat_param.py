@@ -196,6 +196,22 @@ def test_data_replaced_in_its_own_dtype_is_taken_as_written(workers2, stage):
         assert worst < 1e-5, worst
 
 
+def _swapped_data(stage: int) -> bool:
+    """Two parameters' data swapped (``a.data, b.data = b.data, a.data``), each the other's
+    memory in the engine: both must end up swapped (the second copied from the first's memory
+    after it was overwritten: both held one of them)."""
+    model, _ = _setup(stage, "fp32")
+    a, b = model[1].weight, model[2].weight
+    want_a, want_b = b.detach().clone(), a.detach().clone()
+    a.data, b.data = b.data, a.data
+    full = _masters(model)
+    return torch.equal(full["1.weight"], want_a) and torch.equal(full["2.weight"], want_b)
+
+
+def test_parameters_swapping_data_are_swapped(workers2):
+    assert workers2.run(_swapped_data, 2) == [True, True]
+
+
 def _resize_after_shard(stage: int) -> str:
     model, _ = _setup(stage, "fp32")
     with torch.no_grad():  # as resize_token_embeddings does: new data of another shape

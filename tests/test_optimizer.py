@@ -676,3 +676,23 @@ def _group_keys_with_addresses() -> str:
 
 def test_group_keys_are_compared_without_memory_addresses(workers2):
     assert workers2.run(_group_keys_with_addresses) == ["1 group, rule True"] * 2
+
+
+def _reclaim_from_step_in_backward() -> str:
+    """A head's optimizer used again after one over the whole model that steps in backward
+    replaced it: taking the head's bucket back silently stopped the other from updating the
+    head; it is an error."""
+    torch.manual_seed(0)
+    model = zeroshard.shard(Net(), stage=3, wrap=zeroshard.wrap.by_class(nn.Linear))
+    head = zeroshard.optimizer(model, torch.optim.SGD, model.head.parameters(), lr=0.1)
+    whole = zeroshard.optimizer(model, torch.optim.AdamW, lr=0.1, step_in_backward=True)
+    try:
+        head.zero_grad()
+    except ValueError as exc:
+        return str(exc)
+    return f"no error ({whole} lives)"
+
+
+def test_taking_buckets_back_from_a_step_in_backward_optimizer_is_an_error(workers2):
+    for said in workers2.run(_reclaim_from_step_in_backward):
+        assert said.startswith("this optimizer was replaced by a newer one"), said

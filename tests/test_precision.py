@@ -697,6 +697,17 @@ def test_modules_with_a_policy_of_their_own_match_fsdp2(workers2, stage):
         assert (r["norm"], r["fc"]) == (torch.float32, torch.bfloat16), r
 
 
+def test_a_batch_norm_kept_fp32_keeps_its_statistics_in_fp32(lone_process):
+    """``unit_precision={nn.BatchNorm1d: "fp32"}`` under bf16: its running statistics follow its
+    own policy (they were cast to the model's bf16: "expected scalar type Float")."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model = zeroshard.shard(
+        model, stage=3, mixed_precision="bf16", unit_precision={nn.BatchNorm1d: "fp32"}
+    )
+    model(torch.randn(5, 4)).float().sum().backward()
+    assert model[1].running_mean.dtype == torch.float32
+
+
 def test_unit_precision_mistakes_are_named(lone_process):
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="unit_precision: wrap policy by_class.LayerNorm"):

@@ -223,15 +223,30 @@ def _orphan(exchange: _Exchange) -> None:
             exchange.orphaned = True
 
 
-def _alone(group: dist.ProcessGroup | None) -> bool:
-    """A group of one rank: an all-gather or a reduce-scatter is a copy (none in place), where a
-    backend's own would stage a copy of its input besides."""
-    return dist.get_world_size(group) == 1
+def _alone(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bool:
+    """A group of one rank on the CPU: an all-gather or a reduce-scatter is a copy (none in
+    place), where gloo's own staged a copy of its input besides. (On an accelerator the
+    backend's stays: its work orders the side stream it runs on before the compute stream.)"""
+    return tensor.device.type == "cpu" and dist.get_world_size(group) == 1
 
 
 def _copy(output: torch.Tensor, source: torch.Tensor) -> None:
+    _check_buffers(source, output, 1)  # (one rank: the shard is the whole)
     if output.data_ptr() != source.data_ptr():
         output.copy_(source)
+
+
+def _check_buffers(shard: torch.Tensor, full: torch.Tensor, world: int) -> None:
+    """A gather's or a reduce-scatter's buffers (``shard``: 1/N of ``full``) must match: a
+    mismatch would otherwise hang, or cast silently."""
+    for t in (shard, full):
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"collective buffers must be 1D and contiguous, got {tuple(t.shape)}")
+    if shard.dtype != full.dtype or full.numel() != world * shard.numel():
+        raise ValueError(
+            f"collective buffers do not match: {full.numel()} {full.dtype} elements for {world} "
+            f"shards of {shard.numel()} {shard.dtype} ones"
+        )
 
 
 def _point_to_point(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bool:
@@ -425,18 +440,10 @@ def _exchanged(
     start: Callable[[], _Exchange],
     async_op: bool,
 ) -> _Exchange | None:
-    """Check a gather's or a reduce-scatter's buffers (``shard``: 1/N of ``full``), finish the
-    orphaned exchanges, then ``start()`` this one: a ``Handle``'s work, or finished here when the
-    caller is synchronous. A mismatch would otherwise hang, or cast silently."""
-    world = dist.get_world_size(group)
-    for t in (shard, full):
-        if t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"collective buffers must be 1D and contiguous, got {tuple(t.shape)}")
-    if shard.dtype != full.dtype or full.numel() != world * shard.numel():
-        raise ValueError(
-            f"collective buffers do not match: {full.numel()} {full.dtype} elements for {world} "
-            f"shards of {shard.numel()} {shard.dtype} ones"
-        )
+    """Check a gather's or a reduce-scatter's buffers (``_check_buffers``), finish the orphaned
+    exchanges, then ``start()`` this one: a ``Handle``'s work, or finished here when the caller
+    is synchronous."""
+    _check_buffers(shard, full, dist.get_world_size(group))
     _wait_orphans()
     exchange = start()
     if async_op:
@@ -460,7 +467,7 @@ def all_gather(
     ``unit`` names the wrapped module for ``CollectiveTimeout`` (as do the functions below)."""
     ledger.record("all_gather", label, output.numel(), output.element_size(), scope, unit)
     with record_function("zeroshard::all_gather"), diagnosed("all_gather", label, group, unit=unit):
-        if _alone(group):
+        if _alone(group, output):
             work = _copy(output, shard)
         elif _point_to_point(group, output):
             start = functools.partial(_gather_exchange, output, shard, group)
@@ -487,7 +494,7 @@ def reduce_scatter(
         record_function("zeroshard::reduce_scatter"),
         diagnosed("reduce_scatter", label, group, unit=unit),
     ):
-        if _alone(group):
+        if _alone(group, full):
             work = _copy(output, full)
         elif _point_to_point(group, full):
             start = functools.partial(_reduce_exchange, output, full, group)

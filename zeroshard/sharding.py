@@ -266,7 +266,8 @@ def shard(
     for unit, policy in zip(unit_list, policies):
         unit.precision = policy
     materialize.leftovers(model)
-    _move_buffers(model, mesh, mixed_precision)
+    own = {id(m): pol for spec, pol in zip(specs, policies) for m in spec.module.modules()}
+    _move_buffers(model, mesh, own, mixed_precision)
     engine = Engine(
         model,
         unit_list,
@@ -575,15 +576,17 @@ BUFFER_DTYPES = "_zeroshard_buffer_dtypes"
 """Attribute of a module whose buffers ``buffer_dtype`` cast: {buffer name: original dtype}."""
 
 
-def _move_buffers(model: nn.Module, mesh: Mesh, mp: MixedPrecision) -> None:
+def _move_buffers(model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecision) -> None:
     """Buffers to the device, floating ones that are saved with the model (running statistics)
     in ``buffer_dtype``; non-persistent ones are constants a module derives and computes with in
     its own precision (RoPE's inverse frequencies: rounded to BF16 they are off by a radian at
     position 8000) and keep their dtype. Rank 0's values on every rank. A buffer registered in
-    several modules stays one tensor (an EMA two modules update in place)."""
+    several modules stays one tensor (an EMA two modules update in place). ``own``: each
+    module's unit's policy by ``id`` (``unit_precision``'s, a BatchNorm kept FP32), else
+    ``default``."""
     moved: dict[tuple[int, torch.dtype], torch.Tensor] = {}
     for module in model.modules():
-        derived = module._non_persistent_buffers_set
+        mp, derived = own.get(id(module), default), module._non_persistent_buffers_set
         for name, buf in module.named_buffers(recurse=False):
             cast = buf.is_floating_point() and mp.buffer_dtype and name not in derived
             dtype = mp.buffer_dtype if cast else buf.dtype

@@ -5,7 +5,6 @@ writes taken into the FP32 masters on exit, or undone."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 
 import torch
@@ -31,19 +30,24 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     for u in gathered:
         u.unshard(async_op=False)
         u.wait_unshard()
-    # Gathered whole, the model runs no collective: transformers' generate() need not keep the
-    # ranks stepping together (synced_gpus, which its FSDP mark turns on), so that one rank can
-    # generate alone (rank 0's evaluation); it hung in a collective the others never joined.
+    # Gathered whole, the model runs no collective of zeroshard's: transformers' generate() need
+    # not keep the ranks stepping together (synced_gpus, which its FSDP mark turns on), so one
+    # rank can generate alone (rank 0's evaluation; it hung in a collective the others never
+    # joined). A tensor-parallel forward still all-reduces: every rank of a tp group runs it.
     marked = [m for m in engine.model.modules() if getattr(m, "_is_fsdp_managed_module", 0)]
     marked = marked if not engine.summoned else []
     for m in marked:
         m._is_fsdp_managed_module = False
     engine.summoned += 1
     engine.discarding += not writeback
+    raised = False
     try:
         nested = engine.summoned > 1
         with flat_param.discarding_writes(engine.flat_params, discard=not writeback, nested=nested):
             yield
+    except BaseException:
+        raised = True  # (its own error goes first; not sys.exc_info(): a caller's except block)
+        raise
     finally:
         engine.summoned -= 1
         engine.discarding -= not writeback
@@ -63,5 +67,5 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
             m._is_fsdp_managed_module = True
         if writeback:
             engine.params_changed()
-        if problem is not None and sys.exc_info()[0] is None:
+        if problem is not None and not raised:
             raise problem

@@ -160,32 +160,33 @@ def check_requires_grad(flats: list[FlatParam]) -> None:
 
 def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
     """Raise if a module holds another parameter than the one ``shard`` flattened under that
-    name: a weight tied or replaced after ``shard()`` (``model.head.weight = model.emb.weight``)
-    is read where the engine does not gather it (stage 3: NaN placeholders of another unit)."""
+    name: a weight tied or replaced after ``shard()`` (``model.head.weight = model.emb.weight``,
+    a module replaced) is read where the engine does not gather it (stage 3: NaN placeholders
+    of another unit), and is not saved. Modules are looked up by path at each call (a module
+    replaced after the first forward too), once per path."""
+    found: dict[str, nn.Module | None] = {}
     for f in flats:
-        if f.homes is None:  # (module, attribute, parameter) per name, found once
-            f.homes = [
-                (_module_at(model, n), n.rpartition(".")[2], s.param, n)
-                for s in f.slots
-                for n in s.names
-            ]
-        for module, attr, param, name in f.homes:
-            now = getattr(module, "_parameters", {}).get(attr)
-            # (A plain tensor there is torch.func.functional_call's, for the call's length.)
-            if now is not param and (now is None or isinstance(now, nn.Parameter)):
-                raise ValueError(
-                    f"{name} is not the parameter zeroshard.shard() flattened there: a weight "
-                    "tied or replaced after shard() (model.head.weight = model.emb.weight, a "
-                    "module replaced, a parametrization removed) is not gathered where it is "
-                    "read, nor saved. Change the model before shard() (tied weights stay one "
-                    "parameter), or shard a fresh model"
-                )
+        for s in f.slots:
+            for name in s.names:
+                path, _, attr = name.rpartition(".")
+                if path not in found:
+                    found[path] = _module_at(model, path)
+                now = getattr(found[path], "_parameters", {}).get(attr)
+                # (A plain tensor there is torch.func.functional_call's, for the call's length.)
+                if now is not s.param and (now is None or isinstance(now, nn.Parameter)):
+                    raise ValueError(
+                        f"{name} is not the parameter zeroshard.shard() flattened there: a "
+                        "weight tied or replaced after shard() (model.head.weight = "
+                        "model.emb.weight, a module replaced, a parametrization removed) is not "
+                        "gathered where it is read, nor saved. Change the model before shard() "
+                        "(tied weights stay one parameter), or shard a fresh model"
+                    )
 
 
-def _module_at(model: nn.Module, name: str) -> nn.Module | None:
-    """The module registering parameter ``name``; None when that path is gone."""
+def _module_at(model: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at ``path``; None when it is gone."""
     try:
-        return model.get_submodule(name.rpartition(".")[0])
+        return model.get_submodule(path)
     except AttributeError:
         return None
 
@@ -221,8 +222,6 @@ class FlatParam:
             self.slots.append(Slot(p, names, p.shape, offset))
             offset += p.numel()
         self.numel = offset
-        self.homes: list[tuple[nn.Module, str, nn.Parameter, str]] | None = None
-        """Where the model registers each slot's parameter (``check_registered``)."""
         self.padded_numel = padded_numel(self.numel, mesh.shard_size)
         num_opt_shards = mesh.shard_size if partition.optimizer_states else 1
         self.range = shard_range(
@@ -323,16 +322,17 @@ class FlatParam:
         nothing there to replace)."""
         rest = self.state is ShardState.SHARDED
         base = _placeholder(self.orig_dtype, self.mesh.device) if rest else self.full
-        adopted = False
+        adopted = []
         for s in self.slots:
             at = base.data_ptr() + (0 if rest else s.offset * base.element_size())
             p = s.param
             if not s.numel or (p.data_ptr() == at and p.dtype == base.dtype and p.shape == s.shape):
                 continue  # still the engine's memory, as shard() left it
             if not rest and p.dtype == base.dtype and p.shape == s.shape:
-                view = self.full[s.offset : s.offset + s.numel].view(s.shape)
-                view.copy_(p.data)
-                p.data, adopted = view, True
+                # Copied in below, once every replacement is read: one may be another slot's
+                # memory (a.data, b.data = b.data, a.data).
+                mine = p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+                adopted.append((s, p.data.clone() if mine else p.data))
                 continue
             shape, dtype = p.shape, p.dtype
             self._use_rest_views() if rest else self._use_full_views()
@@ -354,6 +354,10 @@ class FlatParam:
                 "mixed_precision='bf16'), convert before sharding, or set values with "
                 "model.load_state_dict() or inside zeroshard.summon_full_params(model)"
             )
+        for s, data in adopted:
+            view = self.full[s.offset : s.offset + s.numel].view(s.shape)
+            view.copy_(data)
+            s.param.data = view
         if adopted:
             self.write_back()
 
