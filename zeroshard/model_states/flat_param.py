@@ -163,8 +163,10 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
     name: a weight tied or replaced after ``shard()`` (``model.head.weight = model.emb.weight``,
     a module replaced) is read where the engine does not gather it (stage 3: NaN placeholders
     of another unit), and is not saved. Modules are looked up by path at each call (a module
-    replaced after the first forward too), once per path."""
+    replaced after the first forward too), once per path; a parameter the model registers
+    under another name (a parametrization removed: the same object moved) is still its own."""
     found: dict[str, nn.Module | None] = {}
+    registered: set[int] | None = None  # every parameter's id, when first needed
     for f in flats:
         for s in f.slots:
             for name in s.names:
@@ -172,8 +174,16 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                 if path not in found:
                     found[path] = _module_at(model, path)
                 now = getattr(found[path], "_parameters", {}).get(attr)
-                # (A plain tensor there is torch.func.functional_call's, for the call's length.)
-                if now is not s.param and (now is None or isinstance(now, nn.Parameter)):
+                # A plain tensor there is torch.func.functional_call's, for the call's length; a
+                # parameter moved elsewhere, the same object (remove_parametrizations), is fine.
+                if now is s.param or (now is not None and not isinstance(now, nn.Parameter)):
+                    continue
+                if registered is None:
+                    entries = [v for m in model.modules() for v in m._parameters.values()]
+                    if any(v is not None and not isinstance(v, nn.Parameter) for v in entries):
+                        return  # inside functional_call: parameters stand aside for its length
+                    registered = {id(v) for v in entries}
+                if id(s.param) not in registered:
                     raise ValueError(
                         f"{name} is not the parameter zeroshard.shard() flattened there: a "
                         "weight tied or replaced after shard() (model.head.weight = "
