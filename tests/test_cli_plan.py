@@ -517,6 +517,8 @@ def test_measure_mistakes():
     # It measures its own grid: model and training flags would be silently ignored.
     with pytest.raises(ValueError, match="would ignore --preset, --dp, --seq"):
         plan.run(_parse(["--measure", "--preset", "small", "--dp", "4", "--seq", "32"]))
+    with pytest.raises(ValueError, match="would ignore --ci"):  # its runs keep no checkpoints
+        plan.run(_parse(["--measure", "--ci", "1"]))
 
 
 def test_advise_device_type(capsys):

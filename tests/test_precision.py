@@ -708,12 +708,42 @@ def test_a_batch_norm_kept_fp32_keeps_its_statistics_in_fp32(lone_process):
     assert model[1].running_mean.dtype == torch.float32
 
 
+def _fp32_norms_checkpointed(stage: int) -> float:
+    """``unit_precision`` with activation checkpointing: a recomputed span casts the FP32 norm's
+    output back as its forward did (the recomputation fed FP32 into the BF16 Linear: "expected
+    m1 and m2 to have the same dtype"). The largest difference from the same run without."""
+    out = []
+    for every in (0, 1):
+        torch.manual_seed(0)
+        model = zeroshard.shard(
+            _Normed(), stage=stage, wrap=zeroshard.wrap.by_class(_NormedBlock),
+            mixed_precision="bf16", unit_precision={nn.LayerNorm: "fp32"},
+            config=zeroshard.ShardConfig(checkpoint_every=every),
+        )  # fmt: skip
+        opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(2):
+            opt.backward(model(torch.randn(4, 8, generator=g)).float().square().mean())
+            opt.step()
+            opt.zero_grad()
+        out.append(zeroshard.full_state_dict(model, rank0_only=False))
+    return max((out[0][k] - out[1][k]).abs().max().item() for k in out[0])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_modules_with_a_policy_of_their_own_recompute_alike(workers2, stage):
+    for worst in workers2.run(_fp32_norms_checkpointed, stage):
+        assert worst == 0.0, worst
+
+
 def test_unit_precision_mistakes_are_named(lone_process):
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="unit_precision: wrap policy by_class.LayerNorm"):
         zeroshard.shard(model, mixed_precision="bf16", unit_precision={nn.LayerNorm: "fp32"})
     with pytest.raises(TypeError, match="unit_precision keys are module classes"):
         zeroshard.shard(nn.Linear(2, 2), unit_precision={3: "fp32"})
+    with pytest.raises(TypeError, match=r"unit_precision\[<class .*LayerNorm'>\]: mixed_prec"):
+        zeroshard.shard(nn.Sequential(nn.LayerNorm(2)), unit_precision={nn.LayerNorm: 3})
 
 
 def _float64(stage: int, folder: str | None) -> float:

@@ -245,6 +245,9 @@ class Engine:
     ) -> Any:
         if entry and unit.depth > 1 and not in_backward():
             return output  # called inside its own call, which goes on with it
+        own = unit.precision  # unit_precision's: outputs back to the model's dtype, recomputed too
+        if entry and not unit.is_root and own is not self.mixed_precision and own.output_dtype:
+            output = cast_floats(output, own.output_dtype)
         if in_backward():
             # A recomputation: the backward that needs these parameters comes right after.
             if unit.recompute_use and torch.is_grad_enabled():
@@ -269,9 +272,8 @@ class Engine:
             if self._recording is not None:
                 self.forward_order, self._recording = list(self._recording), None
                 self._free_unused_prefetches()
-        cast = unit.precision.output_dtype if entry else None  # unit_precision: see shard
-        if cast is not None and (root_entry or unit.precision is not self.mixed_precision):
-            output = cast_floats(output, cast)
+        if root_entry and self.mixed_precision.output_dtype is not None:
+            output = cast_floats(output, self.mixed_precision.output_dtype)
         if grad:
             when_backward_reaches(weakly(self._pre_backward, unit, unit.updates), output)
         if self.checkpointing is not None:

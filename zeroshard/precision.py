@@ -283,7 +283,10 @@ def unit_overrides(
     for key, value in given.items():
         if not (isinstance(key, str) or (isinstance(key, type) and issubclass(key, nn.Module))):
             raise TypeError(f"unit_precision keys are module classes or class names, got {key!r}")
-        policy = policy_of(value, device)
+        try:
+            policy = policy_of(value, device)  # (None: the module's own dtype, as shard's None)
+        except TypeError as exc:
+            raise TypeError(f"unit_precision[{key!r}]: {exc}") from None
         if policy.output_dtype is None and default.param_dtype not in (None, policy.param_dtype):
             policy = dataclasses.replace(policy, output_dtype=default.param_dtype)
         out[key] = policy

@@ -111,9 +111,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--ci",
         "--checkpoint-every",
         dest="ci",
-        default="1",
-        help="blocks per activation checkpoint (list w/ --advise); 0: none, as zeroshard "
-        "train's default (--checkpoint-every 0): the device is then counted along the "
+        default=None,
+        help="blocks per activation checkpoint (list w/ --advise; default 1); 0: none, as "
+        "zeroshard train's default (--checkpoint-every 0): the device is then counted along the "
         "engine's timeline, its largest moment",
     )
     t.add_argument(
@@ -460,7 +460,7 @@ def plan(args) -> dict:
         flags.check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0, got {args.prefetch}")
-    batches, cis = flags.ints("--batch", args.batch), flags.ints("--ci", args.ci, low=0)
+    batches, cis = flags.ints("--batch", args.batch), flags.ints("--ci", args.ci or "1", low=0)
     if len(batches) > 1 or len(cis) > 1:
         raise ValueError("--batch and --ci take one value each unless --advise is given")
     config = _memory_config(args, micro_batch_size=batches[0], num_layers_per_checkpoint=cis[0])
@@ -530,7 +530,7 @@ def advice(args) -> dict:
         seq_len=args.seq,
         global_batch_size=args.global_batch,
         micro_batch_sizes=flags.ints("--batch", args.batch),
-        checkpoint_spans=_advised_spans(args.ci),
+        checkpoint_spans=_advised_spans(args.ci or "1"),
         stages=flags.stages(args.stage, args.step_in_backward),
         offloads=flags.offloads(args.offload),
         # The advisor sets stage, bsz, seq and ci per candidate; Nd is the devices over Nm.
