@@ -246,17 +246,24 @@ def styles(model: nn.Module) -> dict[str, str]:
     return found
 
 
-def split_numel(model: nn.Module) -> int:
-    """Parameters a tensor-parallel split cuts into pieces (``styles``): the weights of every
-    planned Linear and the biases of the colwise ones (a rowwise Linear's bias is added whole,
-    replicated). A ValueError when the model declares no plan."""
-    total = 0
+def split_params(model: nn.Module) -> dict[int, str]:
+    """``{id(parameter): its module's name}`` for each parameter a tensor-parallel split cuts
+    into pieces (``styles``): the weight of every planned Linear and the bias of the colwise
+    ones (a rowwise Linear's bias is added whole, replicated). A ValueError when the model
+    declares no plan."""
+    out = {}
     for name, style in styles(model).items():
         module = model.get_submodule(name)
-        total += module.weight.numel()
+        out[id(module.weight)] = name
         if style == "colwise" and getattr(module, "bias", None) is not None:
-            total += module.bias.numel()
-    return total
+            out[id(module.bias)] = name
+    return out
+
+
+def split_numel(model: nn.Module) -> int:
+    """Elements of the parameters a tensor-parallel split cuts (``split_params``)."""
+    cut = split_params(model)
+    return sum(p.numel() for p in model.parameters() if id(p) in cut)
 
 
 def _check_pairs(plan: dict, order: list[str]) -> None:

@@ -83,8 +83,11 @@ def reclaim(optimizer: ShardedOptimizer) -> None:
     """Before ``optimizer`` steps or zeroes: where a newer optimizer replaced it, it claims its
     buckets again (``claim``; nothing changes where it owns them all). The same on every rank:
     the calls are the program's."""
-    params = optimizer._param_ids
-    for b in (b for b in optimizer._buckets if optimizer not in _owners(b)):
+    params, stale = (
+        optimizer._param_ids,
+        [b for b in optimizer._buckets if optimizer not in _owners(b)],
+    )
+    for b in stale:
         ids = _ids(b)
         displaced = [o for o in _owners(b) if not (ids & o._param_ids) - params]
         if any(o._backward_step is not None for o in displaced):
@@ -93,7 +96,7 @@ def reclaim(optimizer: ShardedOptimizer) -> None:
                 "backward (step_in_backward): used again, it would take that one's gradients "
                 "from it. Use the newer one, or give the two optimizers distinct parameters"
             )
-    if any(optimizer not in _owners(b) for b in optimizer._buckets):
+    if stale:
         claim(optimizer, optimizer._backward_step is not None)
 
 

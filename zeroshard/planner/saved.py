@@ -126,15 +126,13 @@ class ActivationProfile:
         tensor-parallel ranks (``largest_param_numel`` cut by the model's plan)."""
         if num_mp_ranks == 1:
             return self.largest_param_numel
-        from zeroshard.tensor_parallel import styles
+        from zeroshard.tensor_parallel import split_params
 
-        planned = styles(self.module)
+        cut = split_params(self.module)
         largest = 0
         for name in self.unit_names:
-            for sub, m in self.module.get_submodule(name).named_modules(prefix=name):
-                for pname, p in m.named_parameters(recurse=False):
-                    cut = sub in planned and (pname == "weight" or planned[sub] == "colwise")
-                    largest = max(largest, -(-p.numel() // num_mp_ranks) if cut else p.numel())
+            for p in self.module.get_submodule(name).parameters():
+                largest = max(largest, -(-p.numel() // num_mp_ranks) if id(p) in cut else p.numel())
         return largest
 
 
