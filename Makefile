@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/zeroshard train --nproc 2 --config examples/demo.toml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
