@@ -126,6 +126,10 @@ def _param_diff(model, ref) -> float:
         )
 
 
+def _state_dict_diff(full: dict[str, torch.Tensor], ref) -> float:
+    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
 def _mean_over_ranks(x: torch.Tensor) -> float:
     x = x.detach().clone()
     dist.all_reduce(x)
@@ -314,11 +318,14 @@ def _summon(stage: int, bucket_bytes: int | None) -> dict:
     out = {"train": _train_both(model, ref, opt, ref_opt, kind, range(2))}
     # The gathered values are the reference's.
     out["summoned"] = _param_diff(model, ref)
-    # Writes inside persist (writeback is the default).
+    # Writes inside persist (writeback is the default), and a state dict (a save) taken inside
+    # holds them: at stage 3 it read the masters, which took them only on exit.
     with zeroshard.summon_full_params(model):
         _write(model)
+        inside = zeroshard.full_state_dict(model, rank0_only=False)
     _write(ref)
     out["summoned_after_write"] = _param_diff(model, ref)
+    out["state_dict_inside"] = _state_dict_diff(inside, ref)
     x, y = _global_batch(kind, 10)
     with torch.no_grad():
         out["forward_after_write"] = (model(_rows(x)) - ref(_rows(x))).abs().max().item()
@@ -350,6 +357,9 @@ def _backward_inside_summon(stage: int, bucket_bytes: int | None, step_inside: b
     for step in range(3):
         x, y = _global_batch(kind, step)
         with zeroshard.summon_full_params(model):
+            if step == 1:  # an edit, then a step inside: the step starts from the edit
+                _write(model)
+                _write(ref)
             loss = model(_rows(x), _rows(y))
             loss.backward()
             if step_inside:
@@ -380,6 +390,8 @@ def _summon_without_writeback(stage: int) -> dict:
     with zeroshard.summon_full_params(model, writeback=False):
         _write(model)  # seen inside, dropped on exit
         inside = model.blocks[0].mlp.fc.weight.clone()
+        with pytest.raises(ValueError, match="about to be undone; take it outside"):
+            zeroshard.full_state_dict(model, rank0_only=False)
     out["seen_inside"] = (inside - 0.5 * ref.blocks[0].mlp.fc.weight).abs().max().item()
     out["param"] = _param_diff(model, ref)  # the reference was not written
     out["train_after"] = _train_both(model, ref, opt, ref_opt, kind, range(2, 3))

@@ -546,8 +546,9 @@ class Engine:
         flat_param.check_registered(self.model, self.flat_params)
         with torch.no_grad():
             for f in self.flat_params:
-                # Inside summon_full_params its exit writes back (or discards) what was written.
-                f.adopt_writes(gathered=not self.summoned)
+                # Inside summon_full_params with writeback, taken now (a state dict or save
+                # inside sees them, and a step starts from them); discarded ones are left.
+                f.adopt_writes(gathered=not self.discarding)
 
     # ----------------------------------------------------------------- user controls
     @contextlib.contextmanager
