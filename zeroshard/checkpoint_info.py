@@ -84,6 +84,15 @@ def read_meta(path: Path) -> dict[str, Any]:
                 f"{path} is not a zeroshard checkpoint (none of a checkpoint's files); pass a "
                 "folder written by zeroshard.checkpoint.save"
             )
+        if (path / ".metadata").is_file() and ".tmp-" not in path.name:  # (ours are published
+            raise CheckpointError(  # with their META_FILE): FSDP2's, or META_FILE removed
+                f"{path} has no {META_FILE}: a torch.distributed.checkpoint folder that "
+                "zeroshard.checkpoint.save did not write (FSDP2's dcp.save writes these), or its "
+                f"{META_FILE} was removed. Read it with dcp.load({{'model': model.state_dict(), "
+                "'optim': opt.state_dict()}, checkpoint_id=PATH) under the keys it was saved "
+                "with, then model.load_state_dict and opt.load_state_dict; save it with zeroshard "
+                "to export it"
+            )
         raise CheckpointError(
             f"{path} is incomplete (no {META_FILE}: the save did not finish, or it is not a "
             "zeroshard checkpoint); load an earlier checkpoint"
