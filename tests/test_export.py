@@ -318,3 +318,39 @@ def test_a_config_without_architectures_of_another_kind_of_model(workers1, tmp_p
     loaded = cls.from_pretrained(tmp_path / "out").state_dict()
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+class _Shared(torch.nn.Module):
+    """One block registered at two indices (ALBERT-style sharing) and a head tied to the
+    embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = torch.nn.Linear(8, 8)
+        self.emb = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList([block, torch.nn.Linear(8, 8), block])
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def test_a_module_registered_twice_is_stored_once(lone_process, tmp_path):
+    # The checkpoint recorded tied parameters only, not a whole module at two places: its
+    # second name was exported as a copy.
+    model = zeroshard.shard(_Shared(), stage=3, wrap=zeroshard.wrap.by_class(torch.nn.Linear))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    opt.backward(model(torch.randint(0, 16, (2, 4))).square().mean())
+    opt.step()
+    checkpoint.save(tmp_path / "ck", model, opt, {"step": 1})
+    full = zeroshard.full_state_dict(model)
+    result = export_safetensors(tmp_path / "ck", tmp_path / "hf")
+    ties = {"layers.2.weight": "layers.0.weight", "layers.2.bias": "layers.0.bias"}
+    assert result.tied == {**ties, "head.weight": "emb.weight"}, result.tied
+    stored = _stored(tmp_path / "hf", result.files)
+    assert set(stored) == set(full) - set(result.tied)
+    assert all(torch.equal(stored[k][1], full[k]) for k in stored)

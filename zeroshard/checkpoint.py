@@ -192,8 +192,7 @@ def _resident(model, optimizer) -> Iterator[None]:
 
 
 def _optimizer_step(optimizer) -> int:
-    """The step count held by the (first) optimizer's state (0 before any step, or without
-    an optimizer)."""
+    """The (first) optimizer's state's step count (0 before any step, or without one)."""
     optimizers = _optimizers(optimizer)
     return _step_count(optimizers[0]) if optimizers else 0
 
@@ -208,6 +207,7 @@ def _step_count(optimizer) -> int:
 
 def _metadata(model, optimizer, step: int, world: int, token: str) -> dict[str, Any]:
     import zeroshard
+    from zeroshard.state_dict import _all_names  # (also a module registered twice)
 
     engine = engine_of(model)
     # A run's first save names it (``token``); a load (not model_only) continues a saved run.
@@ -223,7 +223,7 @@ def _metadata(model, optimizer, step: int, world: int, token: str) -> dict[str, 
         "param_dtype": ",".join(param_dtypes),
         "reduce_dtype": ",".join(reduce_dtypes),
         "num_params": tensor_parallel.whole_numel(model, engine.mesh.tp_size),
-        "tied": {a: s.names[0] for f in engine.flat_params for s in f.slots for a in s.names[1:]},
+        "tied": {a: names[0] for names in _all_names(model).values() for a in names[1:]},
         "run_id": engine.run_id,  # keep prunes this run's checkpoints only
         "optimizers": checks.class_names(_optimizers(optimizer)),
         "zeroshard_version": zeroshard.__version__,
