@@ -308,7 +308,8 @@ _CRASH = textwrap.dedent(
 
 
 def _restart(folder: str) -> dict:
-    model, opt = _make(1, Offload(optimizer="nvme", folder=folder))
+    nvme = Offload(optimizer="nvme", activations="nvme", folder=folder)
+    model, opt = _make(1, nvme, checkpoint_every=1)
     losses = _train(model, opt, range(2))
     torch.distributed.barrier()
     del model, opt
@@ -324,6 +325,11 @@ def test_a_crashed_runs_swap_files_are_discarded_at_restart(workers2, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 3, done.stderr
     assert any(f.endswith(".swp") for f in _files(tmp_path))  # what the crash left behind
+    # Its activation stores' too: one with files (the restart failed), one with its lock alone
+    # (left behind, empty).
+    shutil.copytree(tmp_path / "rank00000", tmp_path / "rank00000-activations")
+    (tmp_path / "rank00001-activations").mkdir()
+    (tmp_path / "rank00001-activations" / "LOCK").write_text("1")
     # As if the crashed run had 4 ranks, restarted at 2: ranks 2 and 3 are nobody's now.
     shutil.copytree(tmp_path / "rank00000", tmp_path / "rank00002")
     shutil.copytree(tmp_path / "rank00000", tmp_path / "rank00003-params")

@@ -53,11 +53,7 @@ from zeroshard.offload import (
     SwapHandle,
     TensorStore,
 )
-from zeroshard.offload.folder import (
-    collect_if_held_here,
-    holds_swap_files,
-    padded_bytes,
-)
+from zeroshard.offload.folder import clear_crashed, padded_bytes
 from zeroshard.offload.placement import discard_absent_ranks
 
 if TYPE_CHECKING:
@@ -540,10 +536,7 @@ def open_store(config: Any, mesh: Mesh) -> TensorStore:
     the folders of ranks the job does not have (a crashed larger run's) are discarded."""
     store, problem = None, None
     try:
-        collect_if_held_here(Path(config.folder))  # a store of this process no longer used
-        if holds_swap_files(config.folder):
-            TensorStore.discard(config.folder)  # refused while a live store holds it
-            log.warning("discarded the swap files a crashed run left in %s", config.folder)
+        clear_crashed(Path(config.folder))
         store = TensorStore(config)
     except (OffloadError, OSError) as exc:
         problem = exc

@@ -247,6 +247,17 @@ def _holder(pid: str) -> str:
     )
 
 
+def clear_crashed(folder: Path) -> None:
+    """Before a store takes ``folder``: a store of this process no longer used is collected, and
+    the swap files a crashed run left there are discarded (with the folder, so that the new
+    store makes it and removes it at its end); what they held comes back from checkpoints,
+    never from them."""
+    collect_if_held_here(folder)
+    if holds_swap_files(folder) or (folder / LOCK_NAME).exists():  # (its lock alone: emptied)
+        discard_folder(folder)  # refused while a live store holds it
+        logger.warning("discarded the swap files a crashed run left in %s", folder)
+
+
 def holds_swap_files(folder: Path) -> bool:
     """Whether `folder` holds an index or swap files (an earlier run's store)."""
     return (folder / INDEX_NAME).exists() or bool(swap_files(folder))

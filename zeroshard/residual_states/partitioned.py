@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from zeroshard import collectives as C
+from zeroshard.offload.folder import clear_crashed
 from zeroshard.offload.store import OffloadConfig, TensorStore
 from zeroshard.offload.tiers import SwapHandle, Tier
 
@@ -117,6 +119,8 @@ class CheckpointKeeper:
     def store(self) -> TensorStore | None:
         """The tensor store of offloaded pieces (opened at the first one)."""
         if self._store is None and self._store_config is not None:
+            if self._store_config.tier is Tier.NVME:
+                clear_crashed(Path(self._store_config.folder))  # (else left behind, empty)
             self._store = TensorStore(self._store_config)
         return self._store
 
