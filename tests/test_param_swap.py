@@ -164,8 +164,12 @@ def test_parameters_off_the_device_below_stage_3_are_refused_naming_stage_and_fi
             with pytest.raises(ValueError, match=f"at stage {stage} .*use stage=3"):
                 Offload(parameters=where, folder=folder).check(STAGES[stage], cpu)
     Offload(parameters="nvme", folder=str(tmp_path)).check(STAGES[3], cpu)
-    with pytest.raises(ValueError, match="param_prefetch"):
-        Offload(parameters="nvme", folder=str(tmp_path), param_prefetch=-1)
+    for bad in (-1, True, 2.0):  # (True passed as 1)
+        with pytest.raises(ValueError, match=f"param_prefetch={bad!r} must be an int >= 0"):
+            Offload(parameters="nvme", folder=str(tmp_path), param_prefetch=bad)
+    for where in (None, "cpu"):  # ignored without a word before
+        with pytest.raises(ValueError, match="param_prefetch is only used by parameters='nvme'"):
+            Offload(parameters=where, param_prefetch=3)
 
 
 def _refused_at_shard(folder: str) -> str:

@@ -116,8 +116,11 @@ class Offload:
             )
         if not on_disk and self.folder is not None:
             raise ValueError("folder= is only used by 'nvme' placements; drop it or use 'nvme'")
-        if not isinstance(self.param_prefetch, int) or self.param_prefetch < 0:
-            raise ValueError(f"param_prefetch={self.param_prefetch!r} must be an int >= 0")
+        prefetch = self.param_prefetch
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"param_prefetch={prefetch!r} must be an int >= 0")
+        if prefetch != 1 and self.parameters != "nvme":  # (else ignored without a word)
+            raise ValueError("param_prefetch is only used by parameters='nvme'; drop it")
         if self.gradients == "nvme" and self.optimizer != "nvme":
             raise ValueError(
                 "gradients='nvme' needs optimizer='nvme' (the step reads them back from the "
