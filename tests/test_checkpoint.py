@@ -1164,3 +1164,18 @@ def _unfrozen(base: str) -> dict:
 def test_a_layer_unfrozen_after_the_save_starts_without_state(workers2, tmp_path):
     for r in workers2.run(_unfrozen, str(tmp_path)):
         assert r == {"weights": True, "states": ["1.bias", "1.weight"], "steps": [2]}, r
+
+
+def test_the_step_of_an_optimizer_without_a_step_state(lone_process, tmp_path):
+    # SGD keeps no "step" in its states: a save without extra["step"] recorded step 0.
+    model = _model(3, "fp32")
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    _train(model, opt, range(3))
+    checkpoint.save(tmp_path / "a", model, opt)
+    assert checkpoint.info(tmp_path / "a").step == 3
+    fresh = _model(3, "fp32", seed=1)
+    fresh_opt = zeroshard.optimizer(fresh, torch.optim.SGD, lr=0.1, momentum=0.9)
+    checkpoint.load(tmp_path / "a", fresh, fresh_opt)
+    _train(fresh, fresh_opt, range(3, 4))
+    checkpoint.save(tmp_path / "b", fresh, fresh_opt)
+    assert checkpoint.info(tmp_path / "b").step == 4

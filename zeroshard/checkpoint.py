@@ -192,16 +192,14 @@ def _resident(model, optimizer) -> Iterator[None]:
 
 
 def _optimizer_step(optimizer) -> int:
-    """The (first) optimizer's state's step count (0 before any step, or without one)."""
-    optimizers = _optimizers(optimizer)
-    return _step_count(optimizers[0]) if optimizers else 0
-
-
-def _step_count(optimizer) -> int:
-    for sub in getattr(optimizer, "sub_optimizers", [optimizer]):
-        for st in sub.state.values():
-            if "step" in st:
-                return int(st["step"])
+    """The (first) optimizer's step count: its state's (Adam's "step"), else the steps it took
+    (``steps_taken``: SGD keeps no count); 0 without an optimizer."""
+    for opt in _optimizers(optimizer)[:1]:
+        for sub in getattr(opt, "sub_optimizers", [opt]):
+            for st in sub.state.values():
+                if "step" in st:
+                    return int(st["step"])
+        return int(getattr(opt, "steps_taken", 0))
     return 0
 
 
@@ -595,6 +593,8 @@ def _read(path: Path, model, optimizer, checksums: bool, group, model_only: bool
     if meta["world_size"] == dist.get_world_size(group):  # else the model state's one copy
         rank_buffers.restore(model, own.get("buffers", {}))
     if not model_only:
+        for opt in _optimizers(optimizer):
+            opt.steps_taken = meta["step"]
         rng.set_state(own["rng"])
         engine_of(model).run_id = meta.get("run_id") or LEGACY_RUN  # saves continue its run
     return own["extra"]

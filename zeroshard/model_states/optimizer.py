@@ -96,6 +96,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         buckets = list(self.engine.buckets)
         self.loss_scaler = default_scaler({b.flat.param_dtype for b in buckets}, loss_scaler)
+        self.steps_taken = 0
+        """Steps applied (not skipped) since construction, or the step of the checkpoint loaded:
+        the step a save records when the states keep no count (SGD)."""
         self.engine.scaling.warn_unscaled = isinstance(self.loss_scaler, DynamicLossScaler)
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = param_groups(model, params)
@@ -378,6 +381,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._changed()
             self.engine.end_step()
             taken = True
+        self.steps_taken += taken
         said = self.loss_scaler.skip_warning()  # once the step is complete (warnings may raise)
         if said:
             warnings.warn(said, stacklevel=user_stacklevel())
