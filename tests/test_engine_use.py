@@ -1961,7 +1961,7 @@ def test_a_unit_that_returns_its_own_parameter(workers2, whole):
 
 
 class _WritesItsInput(nn.Module):
-    """A block that starts with an in-place op on its input (``x.mul_``, then ``ReLU(inplace=True)``)."""
+    """A block that starts with in-place ops on its input (``x.mul_``, ``ReLU(inplace=True)``)."""
 
     def __init__(self) -> None:
         super().__init__()
