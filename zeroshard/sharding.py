@@ -31,7 +31,7 @@ from zeroshard.model_states.flat_param import FlatParam, master_dtype_of
 from zeroshard.model_states.grads import GradBucket, GradScaling
 from zeroshard.model_states.init import Materializer, check_same_model
 from zeroshard.model_states.param_swap import ParamSwapper
-from zeroshard.model_states.partition import padded_numel
+from zeroshard.model_states.partition import layout, padded_numel
 from zeroshard.offload.folder import padded_bytes
 from zeroshard.offload.placement import Offload
 from zeroshard.precision import MixedPrecision, hold_tf32, policy_of, unit_overrides, unit_policy
@@ -494,7 +494,7 @@ def _master_bytes(specs: list[UnitSpec], shard_size: int) -> int:
     total = 0
     for spec in specs:
         for (_, dtype), members in _groups(spec).items():
-            numel = sum(p.numel() for _, p, _ in members)
+            numel = layout([p.numel() for _, p, _ in members], dtype.itemsize)[1]
             per_rank = padded_numel(numel, shard_size) // shard_size
             total += padded_bytes(per_rank * master_dtype_of(dtype).itemsize)
     return total

@@ -49,7 +49,7 @@ from torch import nn
 
 from zeroshard import collectives as C
 from zeroshard.mesh import Mesh
-from zeroshard.model_states.partition import intersect, padded_numel, shard_range
+from zeroshard.model_states.partition import intersect, layout, padded_numel, shard_range
 from zeroshard.precision import MASTER_DTYPE
 from zeroshard.residual_states.buffers import BufferPool
 from zeroshard.stages import Partition
@@ -226,12 +226,12 @@ class FlatParam:
         self.orig_dtype = params[0][0].dtype
         self.param_dtype = param_dtype or self.orig_dtype
         self.master_dtype = master_dtype_of(self.orig_dtype)
-        self.slots: list[Slot] = []
-        offset = 0
-        for p, names in params:
-            self.slots.append(Slot(p, names, p.shape, offset))
-            offset += p.numel()
-        self.numel = offset
+        offsets, self.numel = layout([p.numel() for p, _ in params], self.orig_dtype.itemsize)
+        self.slots = [Slot(p, names, p.shape, o) for (p, names), o in zip(params, offsets)]
+        ends = [s.offset + s.numel for s in self.slots]
+        self.gaps = [(e, s.offset) for e, s in zip(ends, self.slots[1:]) if s.offset > e]
+        """``[start, end)`` of the elements between parameters (``layout``): zeros, as the
+        padding, in every gradient reduced."""
         self.padded_numel = padded_numel(self.numel, mesh.shard_size)
         num_opt_shards = mesh.shard_size if partition.optimizer_states else 1
         self.range = shard_range(

@@ -212,7 +212,7 @@ class GradBucket:
                 self.shard_grad = self.shard_grad.clone()
             self._unbind()
         # padding: part of every reduction (a kept buffer's may hold a NaN clip's 0 x NaN)
-        self.full_grad[flat.numel :].zero_()
+        self._zero_padding()
         self._reduced = False
         self._shown_version = None
         for i, s in enumerate(flat.slots):
@@ -299,7 +299,13 @@ class GradBucket:
                 self.touched[i] = True
                 s.param.grad = None
             if not adding:
-                self.full_grad[flat.numel :].zero_()
+                self._zero_padding()
+
+    def _zero_padding(self) -> None:
+        """Zeros where ``full_grad`` holds no parameter: the gaps between them and the tail."""
+        assert self.full_grad is not None
+        for lo, hi in (*self.flat.gaps, (self.flat.numel, self.flat.padded_numel)):
+            self.full_grad[lo:hi].zero_()
 
     @property
     def folds(self) -> bool:
@@ -543,9 +549,8 @@ class GradBucket:
         if self._reduce is not None:
             self._reduce[0].wait()  # every rank issued it: complete it, then forget the result
             self._reduce = None
-        self.shard_grad = self._acc = None
-        self.issued = self.late = self._unshown = False
-        self._shown_version = None
+        self.shard_grad = self._acc = self._shown_version = None
+        self.issued = self.late = self._unshown = self._reduced = False
         self.found_inf.zero_()
         self.zeroed.clear()
         self._dropped.clear()
@@ -554,7 +559,6 @@ class GradBucket:
         if not self.as_views:
             for s in self.flat.slots:
                 s.param.grad = None  # accumulated by autograd in no_sync micro-steps
-        self._reduced = False
         if self.full_grad is None:
             return
         if self.reduction is Reduction.SCATTER_AND_FREE:
@@ -580,8 +584,7 @@ class GradBucket:
             if self.full_grad is not None:
                 self._view(i).zero_()
             if self._acc is not None:
-                s = self.flat.slots[i]
-                self._acc[s.offset : s.offset + s.numel].zero_()
+                self._acc[self.flat.slots[i].offset :][: self.flat.slots[i].numel].zero_()
             if not self.as_views:
                 self.flat.slots[i].param.grad = None  # autograd's own (no_sync micro-steps)
             if not keep_touched:
@@ -594,7 +597,4 @@ class GradBucket:
 
     def _zero_slot(self, i: int) -> None:
         """Slot ``i``'s ``.grad``: its region of ``full_grad``, zeroed; autograd adds to it."""
-        view = self._view(i)
-        view.zero_()
-        self.flat.slots[i].param.grad = view
-        self._bound[i] = True
+        self.flat.slots[i].param.grad, self._bound[i] = self._view(i).zero_(), True

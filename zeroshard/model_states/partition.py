@@ -1,11 +1,29 @@
 """Pure arithmetic of flat, padded, sharded buffers (no tensors, no process groups).
 
-A unit's parameters are concatenated into one 1D buffer of ``numel`` elements, padded to
-``padded_numel``, a multiple of the world size N; rank r owns the contiguous range
-``[r * shard_numel, (r + 1) * shard_numel)``.
+A unit's parameters are concatenated into one 1D buffer of ``numel`` elements, each starting
+at a multiple of ``ALIGN_BYTES`` (``layout``), padded to ``padded_numel``, a multiple of the
+world size N; rank r owns the contiguous range ``[r * shard_numel, (r + 1) * shard_numel)``.
 """
 
 from __future__ import annotations
+
+ALIGN_BYTES = 16
+"""Where each parameter starts in a flat buffer, in bytes of the model's dtype: a view of a
+parameter as another dtype (``torch.view_as_complex`` of real pairs, which the complex
+parameters' error suggests) needs an even element offset, and vector loads prefer alignment."""
+
+
+def layout(numels: list[int], itemsize: int) -> tuple[list[int], int]:
+    """Each parameter's first element in a flat buffer of ``itemsize``-byte elements (offsets
+    rounded up to ``ALIGN_BYTES``, at least 2 elements), and the buffer's ``numel`` (the end
+    of the last one). Elements between parameters belong to none: zeros, as the padding."""
+    align = max(2, ALIGN_BYTES // itemsize)
+    offsets, end = [], 0
+    for n in numels:
+        start = -(-end // align) * align
+        offsets.append(start)
+        end = start + n
+    return offsets, end
 
 
 def padded_numel(numel: int, world_size: int) -> int:
