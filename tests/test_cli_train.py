@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -570,6 +571,19 @@ def build_frozen():
     return MyLM().requires_grad_(False)
 
 
+class SlowLM(MyLM):
+    def forward(self, idx):
+        import time
+
+        slow = self.training and self.forwards >= 2  # (the first evaluates, the next trains)
+        time.sleep(10.0 if slow else 0.0)  # a step that takes a while to end
+        return super().forward(idx)
+
+
+def build_slow():
+    return SlowLM()
+
+
 def build_sized(width):
     return MyLM()
 
@@ -1022,6 +1036,57 @@ def _end_two_ranks(
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == code, f"{name}: {stderr[-3000:]}"
     return stdout, stderr, waited
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
+def test_a_second_ctrl_c_while_the_ranks_stop_leaves_no_rank_running(
+    tmp_path, data_dir, model_module
+):
+    # The second signal raised inside the agent's wait for its ranks: it exited at once, and
+    # the ranks ran on without it, orphaned (and the output folder was unlocked under them).
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *TWO_RANKS, "--steps", "100000"]
+    cmd += [
+        "--save-every",
+        "1000",
+        "--model",
+        "my_models:build_slow",
+        "--data-dir",
+        str(data_dir),
+        "--out-dir",
+        str(out),
+    ]
+    env, ranks = {**os.environ, "OMP_NUM_THREADS": "1"}, []
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=env,
+    )  # fmt: skip
+    try:
+        _wait_for_first_step(proc, out)
+        ranks = list(_rank_pids(proc.pid).values())
+        assert len(ranks) == 2, ranks
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, twice: the terminal signals the group
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        alive = [pid for pid in ranks if _running(pid)]  # none outlived the command
+        stderr = proc.stderr.read()
+    finally:
+        for pid in [proc.pid, *ranks]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not alive, f"ranks {alive} outlived the command: {stderr[-3000:]}"
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "still stopping the ranks" in stderr and "Traceback" not in stderr, stderr[-3000:]
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _rank_pids(launcher: int) -> dict[int, int]:

@@ -44,6 +44,10 @@ HELD = (signal.SIGINT, signal.SIGTERM)
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"
 RANKS_SAID_WHY = (2, Diverged.exit_code, CollectiveTimeout.exit_code, 130, 143)
 """Exit statuses of ranks that printed their own line (bad input, divergence, timeout, signal)."""
+STILL_STOPPING = (
+    "zeroshard train: still stopping the ranks (each ends its step, then exits; killed after 30 s)"
+)
+"""Said to a second SIGINT or SIGTERM while the ranks stop (``_holding_agent``)."""
 FINAL = (2, Diverged.exit_code)
 """Exit statuses that a restart would only repeat (bad input; divergence, which a resume from
 the last checkpoint replays): the run ends at once, whatever ``--max-restarts`` has left."""
@@ -213,12 +217,20 @@ def _holding_agent(base: type, noted: list[int]) -> type:
             sigval = signal.Signals(noted[0])
             raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
+    def first_stops(signum: int, frame: Any) -> None:
+        # The agent then stops the ranks (the signal, up to 30 s, then SIGKILL): a second
+        # signal raised inside that wait, the agent exited at once and the ranks ran on,
+        # orphaned, writing into a folder no longer locked. Later ones are only answered.
+        for sig in HELD:
+            signal.signal(sig, lambda *_: print(STILL_STOPPING, file=sys.stderr, flush=True))
+        _terminate_process_handler(signum, frame)
+
     class HoldingAgent(base):  # type: ignore[misc, valid-type]
         def _start_workers(self, worker_group: Any) -> dict[int, Any]:
             stop_if_noted()
             pids = super()._start_workers(worker_group)
             for sig in HELD:
-                signal.signal(sig, _terminate_process_handler)
+                signal.signal(sig, first_stops)
             stop_if_noted()
             return pids
 
