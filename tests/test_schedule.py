@@ -37,3 +37,11 @@ def test_no_warmup_starts_at_the_peak_and_unknown_schedules_fail():
     assert lr_at(0, peak_lr=3.0, total_steps=10, schedule="cosine") == 3.0
     with pytest.raises(ValueError, match="choose one of cosine, linear, constant"):
         lr_at(0, peak_lr=1.0, total_steps=10, schedule="step")
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_a_warmup_that_ends_on_the_second_to_last_step(schedule):
+    # The last step, right after the warm-up, stayed at the peak instead of reaching lr/10.
+    lrs = [lr_at(s, peak_lr=1.0, total_steps=10, warmup_steps=9, schedule=schedule) for s in (8, 9)]
+    assert lrs == [1.0, pytest.approx(0.1)]
+    assert lr_at(0, peak_lr=1.0, total_steps=1, schedule=schedule) == 1.0  # one step: the peak

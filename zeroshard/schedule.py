@@ -38,6 +38,8 @@ def lr_at(
     if schedule == "constant":
         return peak_lr
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps))
+    if warmup_steps and step >= total_steps - 1:  # (also when it follows the warm-up's end
+        progress = 1.0  # at once: it had stayed at the peak; a one-step run stays there)
     if schedule == "cosine":
         shape = 0.5 * (1 + math.cos(math.pi * progress))  # 1 -> 0
     else:
