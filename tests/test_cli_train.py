@@ -399,6 +399,12 @@ def test_checkpoint_info_of_an_incomplete_save(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "incomplete" in out and "10 bytes" in out, out
     _expect_usage_error(capsys, ["checkpoint", "info", str(tmp_path / "none")], "none")
+    # Not a checkpoint at all (a run's folder of them is one such): no "(0 bytes in its
+    # files)", which read as an empty checkpoint.
+    (tmp_path / "notes" / "sub").mkdir(parents=True)  # folders only: 0 bytes of files
+    assert main(["checkpoint", "info", str(tmp_path / "notes")]) == 1
+    out = capsys.readouterr().out
+    assert "is not a zeroshard checkpoint" in out and "bytes" not in out, out
 
 
 def test_a_killed_launcher_s_ranks_save_the_step_and_stop(tmp_path, capsys, data_dir):

@@ -44,7 +44,10 @@ def run(args: argparse.Namespace) -> int:
         problem = found.problem or "incomplete"
         if not problem.startswith(found.path):  # read_meta's problems name the folder already
             problem = f"{found.path}: incomplete: {problem}"
-        print(f"{problem} ({found.size_bytes:,} bytes in its files)")
+        # (none: not a checkpoint at all, e.g. a run's folder of them; "0 bytes" read as empty)
+        print(
+            f"{problem} ({found.size_bytes:,} bytes in its files)" if found.size_bytes else problem
+        )
         return 1
     tp = f" (tensor-parallel {found.tensor_parallel})" if found.tensor_parallel > 1 else ""
     classes = [name.rsplit(".", 1)[-1] for name in found.optimizers or []]
