@@ -105,3 +105,26 @@ def test_tensorboard_event_files_hold_the_metrics(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(s.step, s.value) for s in events.Scalars("train/loss")] == [(5, 2.0)]
+
+
+def test_a_full_disk_names_the_file_and_leaves_the_summary_whole(tmp_path, monkeypatch):
+    # A buffered write to a full disk said only "No space left on device", and summary.json
+    # was left empty (written in place).
+    import errno
+    from pathlib import Path
+
+    log = MetricsLog(tmp_path, [], write=True, tensorboard=False)
+    summary = tmp_path / "summary.json"
+    run_log.write_atomically(summary, '{"status": "done"}\n')
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    monkeypatch.setattr(Path, "open", full)
+    with pytest.raises(OSError, match=r"No space left on device: '.*metrics.jsonl'"):
+        log({"kind": "train", "step": 0, "loss": 1.0})
+    with pytest.raises(OSError, match=r"No space left on device: '.*summary.json'"):
+        run_log.write_atomically(summary, '{"status": "failed"}\n')
+    monkeypatch.undo()
+    assert json.loads(summary.read_text()) == {"status": "done"}

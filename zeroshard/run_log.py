@@ -7,11 +7,14 @@ every ``every_s`` seconds (and at the end), so a log file gets lines, not carria
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
+import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -85,6 +88,28 @@ def _summary_writer(folder: Path, purge_step: int | None) -> Any:
     return SummaryWriter(log_dir=str(folder), purge_step=purge_step)
 
 
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An ``OSError`` inside names ``path`` when it names no file: a buffered write to a full
+    disk says only "No space left on device", and the one line the command prints should say
+    where."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or is left as it was (a full disk left a 0-byte
+    ``summary.json`` that readers then failed to parse)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with naming(path):
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
 def _line(record: dict) -> str:
     """``record`` as one line of strict JSON: a NaN or infinite value (a skipped step's loss)
     is ``null``, which every JSON reader takes (Python's ``NaN`` is not JSON)."""
@@ -106,13 +131,14 @@ class MetricsLog:
         purge = max((r["step"] for r in records), default=-1) + 1
         self.writer = _summary_writer(out / "tensorboard", purge) if write and tensorboard else None
         if write:  # the records kept from a resumed run, then appends
-            self.path.write_text("".join(map(_line, records)))
+            with naming(self.path):
+                self.path.write_text("".join(map(_line, records)))
 
     def __call__(self, record: dict) -> None:
         self.records.append(record)
         if not self.write:
             return
-        with self.path.open("a") as f:
+        with naming(self.path), self.path.open("a") as f:
             f.write(_line(record))
         if self.writer is not None:
             for key, value in record.items():  # (TensorBoard keeps each event's time itself)

@@ -41,7 +41,7 @@ from zeroshard import checkpoint, tensor_parallel
 from zeroshard.data import BatchLoader, Corpus
 from zeroshard.divergence import Diverged, DivergenceGuard
 from zeroshard.models.loading import build_model, logits_of
-from zeroshard.run_log import MetricsLog, Progress
+from zeroshard.run_log import MetricsLog, Progress, write_atomically
 from zeroshard.schedule import lr_at as schedule_lr_at
 from zeroshard.signals import StopOnSignal, Stopped
 from zeroshard.tokens import BYTE_VOCAB_SIZE, TokenData, load_tokens
@@ -566,13 +566,11 @@ def _write_summary(
     """Rank 0: ``summary.json``, then (``losses``) ``loss.png``."""
     if rank != 0:
         return
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomically(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     if losses:
         plot(records, out / "loss.png")
 
 
 def save_config(cfg: TrainConfig, path: Path) -> None:
     """Write ``cfg`` as JSON atomically (the torchrun workers read it back)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(asdict(cfg), indent=2) + "\n")

@@ -50,6 +50,7 @@ from zeroshard.cli.train_checks import (
 from zeroshard.divergence import Diverged
 from zeroshard.mesh import launched_by_torchrun, tear_down
 from zeroshard.models.gpt import PRESETS
+from zeroshard.run_log import write_atomically
 from zeroshard.signals import Stopped
 from zeroshard.train import TrainConfig, save_config, train
 from zeroshard.train_config import field_docs
@@ -279,9 +280,7 @@ def _blame(out: Path, rank: int, exit_code: int) -> None:
         f"rank {rank} failed first (exit code {exit_code}; its output says why); rank 0 then "
         f"saw: {summary.get('error')}"
     )
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomically(path, json.dumps(summary, indent=2) + "\n")
 
 
 def _put_back(saved: Path, previous: bytes | None) -> None:
