@@ -590,6 +590,21 @@ def build_slow():
     return SlowLM()
 
 
+class SlowEvalLM(MyLM):
+    trained = False
+
+    def forward(self, idx):
+        import time
+
+        self.trained |= self.training
+        time.sleep(2.0 if self.trained and not self.training else 0.0)  # after the first eval
+        return super().forward(idx)
+
+
+def build_slow_eval():
+    return SlowEvalLM()
+
+
 def build_sized(width):
     return MyLM()
 
@@ -1084,6 +1099,38 @@ def test_a_second_ctrl_c_while_the_ranks_stop_leaves_no_rank_running(
     assert not alive, f"ranks {alive} outlived the command: {stderr[-3000:]}"
     assert proc.returncode == 130, stderr[-3000:]
     assert "still stopping the ranks" in stderr and "Traceback" not in stderr, stderr[-3000:]
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
+def test_ctrl_c_during_an_evaluation_stops_it(tmp_path, data_dir, model_module):
+    # The evaluation (here 100 s) ran to its end before the stop was agreed; past the ranks' 4 s
+    # deadline they exited "did not reach a step boundary ... stopped without saving".
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *TWO_RANKS, "--steps", "100000"]
+    cmd += ["--eval-every", "2", "--eval-batches", "50", "--log-every", "1"]
+    cmd += ["--model", "my_models:build_slow_eval", "--data-dir", str(data_dir)]
+    proc = subprocess.Popen(
+        [*cmd, "--out-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        metrics = out / "metrics.jsonl"
+        while not metrics.is_file() or '"step": 2' not in metrics.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+        time.sleep(1.0)  # inside the step-2 evaluation
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+        waited = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted at step 2 by SIGINT" in stdout and waited < 5, (waited, stdout, stderr)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["last_step"] == 2, summary
 
 
 def _running(pid: int) -> bool:

@@ -139,13 +139,19 @@ def next_token_loss(model, x_BT: torch.Tensor, y_BT: torch.Tensor, vocab_size: i
     return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())
 
 
-def evaluate(model, batches, device, *, num_chunks: int, vocab_size: int) -> float:
+def evaluate(
+    model, batches, device, *, num_chunks: int, vocab_size: int, stop=None
+) -> float | None:
     """Mean validation loss over ``batches`` (this rank's share, each run as ``num_chunks``
-    equal micro-batches, as training runs them), averaged over ranks."""
+    equal micro-batches, as training runs them), averaged over ranks; None when ``stop()`` (a
+    collective: ``StopOnSignal.agreed``, asked before each batch) said to stop."""
     model.eval()
     total = torch.zeros(1, device=device)
     with torch.no_grad():
         for x, y in batches:
+            if stop is not None and stop():  # (a long evaluation held a Ctrl-C until its end)
+                model.train()
+                return None
             for x_i, y_i in zip(x.chunk(num_chunks), y.chunk(num_chunks)):
                 total += next_token_loss(model, x_i.to(device), y_i.to(device), vocab_size)
     model.train()
@@ -341,8 +347,13 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
     )  # fmt: skip
     disk = DiskTraffic(opt)
 
-    def evaluate_at(step: int) -> float:
-        val = evaluate(model, val_batches, device, num_chunks=cfg.grad_accum, vocab_size=vocab)
+    def evaluate_at(step: int) -> float | None:
+        val = evaluate(model, val_batches, device, num_chunks=cfg.grad_accum, vocab_size=vocab,
+                       stop=stopper.agreed if stopper is not None else None)  # fmt: skip
+        if val is None:  # stopped: the step's save and Stopped follow (at the start: no step)
+            if step == start:
+                raise Stopped(stopper.agreed(), step, None, stopper.cause)
+            return None
         log({"kind": "eval", "step": step, "val_loss": val})
         guard.check_validation(step, val)
         guard.check_masters(step)
