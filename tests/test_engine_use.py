@@ -1974,12 +1974,18 @@ class _WritesItsInput(nn.Module):
 def _in_place_on_input(stage: int) -> float:
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(6, 6), _WritesItsInput(), _WritesItsInput(), nn.Linear(6, 2))
-    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_WritesItsInput))
+    return _against_plain_torch(ref, stage, _WritesItsInput, (6,))
+
+
+def _against_plain_torch(ref: nn.Module, stage: int, unit: type, sample: tuple[int, ...]) -> float:
+    """``ref`` sharded at ``stage`` (each ``unit`` a unit) and itself, 3 SGD steps on global
+    batches of ``sample``-shaped rows: the largest parameter difference."""
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(unit))
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(3)
     for _ in range(3):
-        x = torch.randn(2 * PER_RANK_BATCH, 6, generator=g)
+        x = torch.randn(2 * PER_RANK_BATCH, *sample, generator=g)
         opt.backward(model(_rows(x)).square().mean())
         ref(x).square().mean().backward()
         for o in (opt, ref_opt):
@@ -2012,18 +2018,7 @@ class _Spectral(nn.Module):
 def _complex_view(stage: int) -> float:
     torch.manual_seed(0)
     ref = nn.Sequential(_Spectral(), nn.Flatten(), nn.Linear(32, 2))
-    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_Spectral))
-    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(3)
-    for _ in range(3):
-        x = torch.randn(2 * PER_RANK_BATCH, 4, 8, generator=g)
-        opt.backward(model(_rows(x)).square().mean())
-        ref(x).square().mean().backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    return _param_diff(model, ref)
+    return _against_plain_torch(ref, stage, _Spectral, (4, 8))
 
 
 @pytest.mark.parametrize("stage", STAGES)
