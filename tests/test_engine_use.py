@@ -390,8 +390,6 @@ def _summon_without_writeback(stage: int) -> dict:
     with zeroshard.summon_full_params(model, writeback=False):
         _write(model)  # seen inside, dropped on exit
         inside = model.blocks[0].mlp.fc.weight.clone()
-        with pytest.raises(ValueError, match="about to be undone; take it outside"):
-            zeroshard.full_state_dict(model, rank0_only=False)
     out["seen_inside"] = (inside - 0.5 * ref.blocks[0].mlp.fc.weight).abs().max().item()
     out["param"] = _param_diff(model, ref)  # the reference was not written
     out["train_after"] = _train_both(model, ref, opt, ref_opt, kind, range(2, 3))
@@ -1960,23 +1958,6 @@ def test_a_unit_that_returns_its_own_parameter(workers2, whole):
     assert max(workers2.run(_unit_returns_its_parameter, whole)) < 1e-6
 
 
-class _WritesItsInput(nn.Module):
-    """A block that starts with in-place ops on its input (``x.mul_``, ``ReLU(inplace=True)``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.act, self.lin = nn.ReLU(inplace=True), nn.Linear(6, 6)
-
-    def forward(self, x):
-        return self.lin(self.act(x.mul_(1.5)))
-
-
-def _in_place_on_input(stage: int) -> float:
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(6, 6), _WritesItsInput(), _WritesItsInput(), nn.Linear(6, 2))
-    return _against_plain_torch(ref, stage, _WritesItsInput, (6,))
-
-
 def _against_plain_torch(ref: nn.Module, stage: int, unit: type, sample: tuple[int, ...]) -> float:
     """``ref`` sharded at ``stage`` (each ``unit`` a unit) and itself, 3 SGD steps on global
     batches of ``sample``-shaped rows: the largest parameter difference."""
@@ -1992,13 +1973,6 @@ def _against_plain_torch(ref: nn.Module, stage: int, unit: type, sample: tuple[i
             o.step()
             o.zero_grad()
     return _param_diff(model, ref)
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_a_unit_that_writes_its_input_in_place(workers2, stage):
-    # Autograd refused it ("Output 0 of BackwardHook is a view and is being modified
-    # inplace") at every stage, as FSDP2 does; plain torch runs it.
-    assert max(workers2.run(_in_place_on_input, stage)) < TOL
 
 
 class _Spectral(nn.Module):

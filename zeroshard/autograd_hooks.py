@@ -17,16 +17,13 @@ from zeroshard.trees import map_tensors, tensors_in, tensors_reached
 
 class BackwardHook(torch.autograd.Function):
     """Identity whose backward calls ``hook``: on a unit's inputs, it fires once the unit's
-    backward for that use is done (reduce, free). Its outputs are aliases (``detach``: the same
-    memory and version counter), not the inputs returned as they are, which autograd makes
-    views that refuse in-place ops: a unit writing its input in place (``x.add_``, a
-    ``ReLU(inplace=True)`` first) failed at every stage, as under FSDP2, but runs in plain
-    torch; an alias behaves as there (a saved tensor overwritten is still caught)."""
+    backward for that use is done (reduce, free). (Its outputs are views: an in-place op on a
+    unit's input inside the unit's own forward is refused by autograd.)"""
 
     @staticmethod
     def forward(ctx, hook, *tensors):  # type: ignore[override]
         ctx.hook = hook
-        return tuple(t.detach() for t in tensors)
+        return tensors
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]

@@ -305,11 +305,6 @@ class _Hooks:
         self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict
     ) -> None:
         engine = self.engine
-        if engine.discarding:  # (writes inside are held by stages 0-2's live buffers only)
-            raise ValueError(
-                "state_dict inside summon_full_params(model, writeback=False), which undoes "
-                "writes on exit: it would hold values about to be undone; take it outside"
-            )
         engine.adopt_writes()
         names = _all_names(module)
         keep = True  # whether this rank returns the entries it cuts
