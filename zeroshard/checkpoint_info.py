@@ -84,7 +84,7 @@ def read_meta(path: Path) -> dict[str, Any]:
                 f"{path} is not a zeroshard checkpoint (none of a checkpoint's files); pass a "
                 "folder written by zeroshard.checkpoint.save"
             )
-        if (path / ".metadata").is_file() and ".tmp-" not in path.name:  # (ours are published
+        if (path / ".metadata").is_file() and TMP not in path.name:  # (ours are published
             raise CheckpointError(  # with their META_FILE): FSDP2's, or META_FILE removed
                 f"{path} has no {META_FILE}: a torch.distributed.checkpoint folder that "
                 "zeroshard.checkpoint.save did not write (FSDP2's dcp.save writes these), or its "

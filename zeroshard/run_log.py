@@ -106,8 +106,11 @@ def write_atomically(path: Path, text: str) -> None:
     ``summary.json`` that readers then failed to parse)."""
     tmp = path.with_name(path.name + ".tmp")
     with naming(path):
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)  # (replaced: gone already; failed: not left behind)
 
 
 def _line(record: dict) -> str:
@@ -130,9 +133,8 @@ class MetricsLog:
         # fresh run, all an earlier run left in the folder (metrics.jsonl is rewritten too).
         purge = max((r["step"] for r in records), default=-1) + 1
         self.writer = _summary_writer(out / "tensorboard", purge) if write and tensorboard else None
-        if write:  # the records kept from a resumed run, then appends
-            with naming(self.path):
-                self.path.write_text("".join(map(_line, records)))
+        if write:  # the records kept from a resumed run (whole or not at all), then appends
+            write_atomically(self.path, "".join(map(_line, records)))
 
     def __call__(self, record: dict) -> None:
         self.records.append(record)

@@ -221,8 +221,9 @@ def _holding_agent(base: type, noted: list[int]) -> type:
         # The agent then stops the ranks (the signal, up to 30 s, then SIGKILL): a second
         # signal raised inside that wait, the agent exited at once and the ranks ran on,
         # orphaned, writing into a folder no longer locked. Later ones are only answered.
+        said = (STILL_STOPPING + "\n").encode()  # (os.write: print can re-enter stderr)
         for sig in HELD:
-            signal.signal(sig, lambda *_: print(STILL_STOPPING, file=sys.stderr, flush=True))
+            signal.signal(sig, lambda *_: os.write(2, said))
         _terminate_process_handler(signum, frame)
 
     class HoldingAgent(base):  # type: ignore[misc, valid-type]
