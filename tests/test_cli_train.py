@@ -939,6 +939,10 @@ def test_a_signal_at_the_last_step_ends_the_run_as_done(capsys, tmp_path, data_d
     calls = []
 
     def at_the_last(self):
+        import sys
+
+        if sys._getframe(1).f_code.co_name != "_run":  # asked before each evaluation batch too
+            return 0
         calls.append(1)
         return signals.SIGINT if len(calls) == 3 else 0
 
