@@ -227,10 +227,11 @@ class GradBucket:
                 s.param.grad = None
         self._bound = [False] * len(self.flat.slots)
 
-    def _view(self, i: int) -> torch.Tensor:
-        assert self.full_grad is not None
-        s = self.flat.slots[i]
-        return self.full_grad[s.offset : s.offset + s.numel].view(s.shape)
+    def _view(self, i: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """Slot ``i``'s region of ``buffer`` (default ``full_grad``), in its shape."""
+        buffer, s = self.full_grad if buffer is None else buffer, self.flat.slots[i]
+        assert buffer is not None
+        return buffer[s.offset : s.offset + s.numel].view(s.shape)
 
     def _is_region(self, i: int, grad: torch.Tensor) -> bool:
         """Whether ``grad`` is slot ``i``'s region of ``full_grad`` (no view built: this runs
@@ -531,16 +532,14 @@ class GradBucket:
         if unshown and self.reduction is Reduction.ALL_REDUCE and self._reduced:  # (persistent)
             for i, s in enumerate(self.flat.slots):
                 if not self._bound[i] and s.param.grad is None:
-                    s.param.grad = self._view(i)
-                    self._bound[i] = True
+                    s.param.grad, self._bound[i] = self._view(i), True
 
     def _free_full(self) -> None:
         if self.as_views:  # otherwise .grad are autograd's own, released at collection already
             self._unbind()
         if self._pooled and self.full_grad is not None:
             self.pool.give(self.full_grad)
-            self._pooled = False
-        self.full_grad = None
+        self._pooled, self.full_grad = False, None
 
     def zero(self, *, keep_touched: bool = False) -> None:
         """Drop the reduced shard and the local gradient (keeping a persistent buffer), and a
@@ -584,7 +583,7 @@ class GradBucket:
             if self.full_grad is not None:
                 self._view(i).zero_()
             if self._acc is not None:
-                self._acc[self.flat.slots[i].offset :][: self.flat.slots[i].numel].zero_()
+                self._view(i, self._acc).zero_()
             if not self.as_views:
                 self.flat.slots[i].param.grad = None  # autograd's own (no_sync micro-steps)
             if not keep_touched:
@@ -597,4 +596,5 @@ class GradBucket:
 
     def _zero_slot(self, i: int) -> None:
         """Slot ``i``'s ``.grad``: its region of ``full_grad``, zeroed; autograd adds to it."""
-        self.flat.slots[i].param.grad, self._bound[i] = self._view(i).zero_(), True
+        view = self._view(i).zero_()
+        self.flat.slots[i].param.grad, self._bound[i] = view, True
