@@ -615,6 +615,32 @@ def build_exiting():
     sys.exit(3)
 
 
+class MaskedLM(MyLM):
+    def forward(self, idx, mask):  # a second argument that training does not pass
+        return super().forward(idx)
+
+
+class ReshapedLM(MyLM):
+    def __init__(self, reshape):
+        super().__init__()
+        self.reshape = reshape
+
+    def forward(self, idx):
+        return self.reshape(super().forward(idx))
+
+
+def build_needing_a_mask():
+    return MaskedLM()
+
+
+def build_vocab_second():  # (B, V, T), as F.cross_entropy takes them
+    return ReshapedLM(lambda logits: logits.transpose(1, 2))
+
+
+def build_one_short():
+    return ReshapedLM(lambda logits: logits[:, :-1])
+
+
 def build_declaring_a_string():
     model = MyLM()
     model._no_split_modules = "MyBlock"  # a str, not a list of them
@@ -675,6 +701,7 @@ def test_own_model_factory(capsys, tmp_path, model_module, data_dir):
         ("build", "MyBlock,Nope", "no submodule of MyLM is a Nope; classes of its submodules"),
         ("build", ",", "names no class"),
         ("build", "MyLM", "no submodule of MyLM is a MyLM"),
+        ("build_needing_a_mask", "MyBlock", "its forward cannot take that (missing a required"),
     ],
 )
 def test_a_factory_s_mistakes_are_one_line(
@@ -686,6 +713,23 @@ def test_a_factory_s_mistakes_are_one_line(
     code, err, _, _ = _train_in_process(capsys, tmp_path / "run", *flags)
     assert code == 2 and said in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "factory, shape",
+    [("build_vocab_second", "(2, 256, 16)"), ("build_one_short", "(2, 15, 256)")],
+)
+def test_logits_of_the_wrong_shape_are_named(
+    capsys, tmp_path, model_module, data_dir, factory, shape
+):
+    # Swapped axes read as "a vocabulary of at least 256"; one position short, as torch's
+    # "Expected input batch_size (30) to match target batch_size (32)".
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1", "--batch-size", "2"]
+    code, err, _, _ = _train_in_process(
+        capsys, tmp_path / "run", *flags, "--model", f"{model_module}:{factory}"
+    )
+    said = f"the model returned logits of shape {shape} for token ids of shape (2, 16)"
+    assert code == 2 and said in err and "Traceback" not in err, err
 
 
 def test_no_split_modules_given_as_one_string(capsys, tmp_path, model_module, data_dir):

@@ -124,7 +124,7 @@ def rank_memory_bytes(device: torch.device) -> int:
 def next_token_loss(model, x_BT: torch.Tensor, y_BT: torch.Tensor, vocab_size: int):
     """Mean cross-entropy (nats per token, FP32) of the model's logits against ``y_BT``."""
     try:
-        logits_BTV = logits_of(model(x_BT))
+        logits_BTV = logits_of(model(x_BT), x_BT)
     except IndexError as exc:  # an embedding smaller than the data's vocabulary, as a rule
         raise ValueError(
             f"the model's forward failed on this batch, whose largest token id is "

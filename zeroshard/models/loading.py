@@ -141,6 +141,7 @@ def build_model(
             raise ValueError(
                 f"model = {model!r} returned a {type(module).__name__}, not an nn.Module"
             )
+        _check_forward(module, model)
     else:
         with building:
             gpt = GPT(dataclasses.replace(preset(preset_name), vocab_size=vocab_size))
@@ -155,6 +156,21 @@ def build_model(
     declared = getattr(module, "_no_split_modules", None) or ()
     declared = (declared,) if isinstance(declared, str) else tuple(sorted(declared))
     return BuiltModel(module, wrap_names or declared, name)
+
+
+def _check_forward(module: nn.Module, spec: str) -> None:
+    """The module's forward can be called as training calls it, ``module(idx_BT)`` (a forward
+    needing more failed in the first step, a traceback from every rank)."""
+    try:
+        inspect.signature(module.forward).bind(None)
+    except TypeError as exc:
+        raise ValueError(
+            f"model = {spec!r}: training calls {type(module).__name__}(idx) with one tensor of "
+            f"token ids (B, T), and its forward cannot take that ({exc}); give its other "
+            "arguments defaults, or return a wrapper module whose forward takes the ids only"
+        ) from None
+    except ValueError:  # no signature to read: calling it will tell
+        pass
 
 
 def _check_wrap_names(module: nn.Module, names: tuple[str, ...]) -> None:
@@ -242,12 +258,23 @@ def hf_config(path: str) -> Any:
     return config
 
 
-def logits_of(output: Any) -> torch.Tensor:
-    """The logits (B, T, V) of a model's output: the tensor itself or its ``.logits``."""
+def logits_of(output: Any, idx_BT: torch.Tensor) -> torch.Tensor:
+    """The logits (B, T, V) of a model's output for the token ids ``idx_BT``: the tensor itself
+    or its ``.logits``; a ValueError naming the shape when it is not that (logits with swapped
+    axes, or one position short, were read as a small vocabulary or a batch-size mismatch)."""
     logits = getattr(output, "logits", output)
     if not isinstance(logits, torch.Tensor) or logits.ndim != 3:
+        got = type(output).__name__
+        if isinstance(logits, torch.Tensor):
+            got = f"a tensor of shape {tuple(logits.shape)}"
         raise ValueError(
-            f"the model returned {type(output).__name__}; a --model must return logits "
-            "(B, T, V) or an output with .logits"
+            f"the model returned {got}; a --model must return logits (B, T, V) or an output "
+            "with .logits"
+        )
+    if logits.shape[:2] != idx_BT.shape:
+        raise ValueError(
+            f"the model returned logits of shape {tuple(logits.shape)} for token ids of shape "
+            f"{tuple(idx_BT.shape)}; a --model must return logits (B, T, V): batch, then one "
+            "row per input position, then the vocabulary"
         )
     return logits
