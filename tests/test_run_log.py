@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import math
@@ -79,7 +80,9 @@ def test_metrics_go_to_jsonl_and_tensorboard(tmp_path, monkeypatch):
     assert other_rank.writer is None and not (tmp_path / "none").exists()
 
 
-@pytest.mark.skipif(not run_log.tensorboard_available(), reason="needs tensorboard (.[log])")
+@pytest.mark.skipif(
+    not importlib.util.find_spec("tensorboard"), reason="needs tensorboard (.[log])"
+)
 def test_tensorboard_event_files_hold_the_metrics(tmp_path):
     """The real SummaryWriter: its event files, read back by tensorboard, hold the scalars."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,12 +109,26 @@ def test_data_too_small_for_the_batch(capsys, tmp_path):
 
 
 def test_tensorboard_missing(capsys, tmp_path, monkeypatch):
-    import zeroshard.cli.train_checks
+    import importlib.util
 
-    monkeypatch.setattr(zeroshard.cli.train_checks, "tensorboard_available", lambda: False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else real(n, *a)
+    )
     argv = ["train", "--log", "tensorboard", "--preset", "nano", "--seq-len", "32"]
     err = _one_line_error(capsys, [*argv, "--out-dir", str(tmp_path)])
     assert "pip install tensorboard" in err and "metrics.jsonl" in err, err
+
+
+def test_tensorboard_that_fails_to_import(capsys, tmp_path, monkeypatch):
+    # Installed but broken (a protobuf it does not support): rank 0 crashed after launch.
+    pytest.importorskip("tensorboard")
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import then fails
+    argv = ["train", "--log", "tensorboard", "--preset", "nano", "--seq-len", "32"]
+    err = _one_line_error(capsys, [*argv, "--out-dir", str(tmp_path)])
+    assert "cannot import tensorboard (ModuleNotFoundError: " in err, err
+    assert "repair its install" in err, err
 
 
 def test_every_field_has_a_docstring_and_a_checked_type():

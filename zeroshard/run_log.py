@@ -77,9 +77,18 @@ class Progress:
         self.enabled = False
 
 
-def tensorboard_available() -> bool:
-    """Whether ``--log tensorboard`` can work (the ``tensorboard`` package is installed)."""
-    return importlib.util.find_spec("tensorboard") is not None
+def tensorboard_problem() -> str | None:
+    """Why ``--log tensorboard`` cannot work, or None: the package is missing, or installed
+    and failing to import (a protobuf it does not support, as a rule: it crashed rank 0 after
+    launch)."""
+    if importlib.util.find_spec("tensorboard") is None:
+        return "needs the tensorboard package, which is not installed; pip install tensorboard"
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except Exception as exc:  # whatever its dependencies raise
+        said = " ".join(str(exc).split())[:300] or type(exc).__name__
+        return f"cannot import tensorboard ({type(exc).__name__}: {said}); repair its install"
+    return None
 
 
 def _summary_writer(folder: Path, purge_step: int | None) -> Any:

@@ -17,7 +17,7 @@ from zeroshard.models.gpt import PRESETS
 from zeroshard.models.loading import hf_config, hf_context_len, import_factory, read_hf_config
 from zeroshard.offload.folder import LockHeld, pid_lock, unusable_because
 from zeroshard.residual_states.host_heap import memory_available_bytes
-from zeroshard.run_log import tensorboard_available
+from zeroshard.run_log import tensorboard_problem
 from zeroshard.tokens import check_data_path, load_tokenizer
 from zeroshard.train import TrainConfig, load_data
 
@@ -47,10 +47,10 @@ def check_inputs(cfg: TrainConfig, nproc: int, local_ranks: int | None = None) -
     _check_states_fit(cfg, nproc, local_ranks or nproc)
     if cfg.offload_folder is not None:
         _check_offload_folder(cfg.offload_folder, Path(cfg.out_dir) / "ckpt")
-    if cfg.log == "tensorboard" and not tensorboard_available():
+    problem = tensorboard_problem() if cfg.log == "tensorboard" else None
+    if problem:
         raise UsageError(
-            "log = 'tensorboard' needs the tensorboard package, which is not installed; "
-            "pip install tensorboard, or drop --log (metrics.jsonl is always written)"
+            f"log = 'tensorboard' {problem}, or drop --log (metrics.jsonl is always written)"
         )
 
 
