@@ -511,6 +511,18 @@ def test_lr_schedule(capsys, tmp_path, schedule, data_dir):
     assert got[-1] == pytest.approx(0.01 if schedule == "constant" else 0.001)  # lr/10, last
 
 
+def test_a_skipped_step_does_not_move_the_lr_schedule_on(capsys, tmp_path, model_module, data_dir):
+    # Step 2's gradients are NaN: it is skipped, and step 3 gets the rate step 2 had (DeepSpeed
+    # and Megatron step their schedulers only on applied updates).
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "5", "--batch-size", "2"]
+    flags += ["--lr", "0.01", "--warmup-steps", "4", "--lr-schedule", "linear"]
+    flags += ["--model", f"{model_module}:build_nan_in_step_2", "--wrap", "MyBlock"]
+    code, err, records, summary = _train_in_process(capsys, tmp_path / "run", *flags)
+    assert code == 0 and summary["skipped_steps"] == 1, err
+    got = [r["lr"] for r in _train_records(records)]
+    assert got == pytest.approx([0.0025, 0.005, 0.005, 0.0075, 0.01])
+
+
 MODEL_FILE = '''
 import torch
 from torch import nn
@@ -639,6 +651,17 @@ def build_vocab_second():  # (B, V, T), as F.cross_entropy takes them
 
 def build_one_short():
     return ReshapedLM(lambda logits: logits[:, :-1])
+
+
+class NaNStepLM(MyLM):
+    def forward(self, idx):
+        logits = super().forward(idx)
+        self.trained = getattr(self, "trained", 0) + self.training
+        return logits * float("nan") if self.training and self.trained == 2 else logits
+
+
+def build_nan_in_step_2():
+    return NaNStepLM()
 
 
 def build_declaring_a_string():

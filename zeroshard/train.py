@@ -372,7 +372,8 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
         t_start = t_log = time.perf_counter()
         batches = loader.iter(start_step=start, num_steps=max(0, cfg.steps - start))
         for step, (x, y) in enumerate(batches, start=start + 1):
-            lr = lr_at(step - 1, cfg)
+            lr = lr_at(step - 1 - guard.num_skipped, cfg)  # (a skipped step does not move
+            # the schedule on, as in DeepSpeed and Megatron: fp16's first overflows ate warm-up)
             for group in opt.param_groups:
                 group["lr"] = lr
             loss = _forward_backward(model, opt, x, y, cfg.grad_accum, device, vocab)
