@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from zeroshard.tokens import load_tokenizer, load_tokens
+from zeroshard.tokens import check_data_path, load_tokenizer, load_tokens
 
 
 def test_text_file_is_bytes_split_at_the_last_tenth(tmp_path):
@@ -93,6 +93,12 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()  # a folder: said to hold no tokenizer, not "not installed"
     with pytest.raises(ValueError, match="is a folder without a tokenizer.*save_pretrained"):
         load_tokenizer(str(tmp_path / "empty"))
+
+
+def test_a_named_pipe_is_not_data(tmp_path):
+    os.mkfifo(tmp_path / "fifo")  # was called "a folder without files"
+    with pytest.raises(ValueError, match="is not a regular file or folder .a named pipe"):
+        check_data_path(tmp_path / "fifo")
 
 
 def test_too_little_data(tmp_path):

@@ -79,6 +79,11 @@ def check_data_path(path: str | os.PathLike) -> None:
         raise ValueError(f"data = {str(path)!r} does not exist; pass a text file, folder or .npy")
     if _is_npy(p) and p.is_file():
         return
+    if not p.is_file() and not p.is_dir():  # (it was read as an empty folder)
+        raise ValueError(
+            f"data = {str(path)!r} is not a regular file or folder (a named pipe, socket or "
+            "device): every rank reads the data on its own; write it to a file and pass that"
+        )
     if p.is_dir() and not text_files(p):
         raise ValueError(f"data = {str(path)!r} is a folder without files; add text files")
 
