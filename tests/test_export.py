@@ -327,6 +327,7 @@ class _Shared(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         block = torch.nn.Linear(8, 8)
+        block.register_buffer("scale", torch.full((8,), 0.5))  # persistent: in the state dict
         self.emb = torch.nn.Embedding(16, 8)
         self.layers = torch.nn.ModuleList([block, torch.nn.Linear(8, 8), block])
         self.head = torch.nn.Linear(8, 16, bias=False)
@@ -335,7 +336,7 @@ class _Shared(torch.nn.Module):
     def forward(self, x):
         h = self.emb(x)
         for layer in self.layers:
-            h = torch.tanh(layer(h))
+            h = torch.tanh(layer(h)) * getattr(layer, "scale", 1.0)
         return self.head(h)
 
 
@@ -350,6 +351,7 @@ def test_a_module_registered_twice_is_stored_once(lone_process, tmp_path):
     full = zeroshard.full_state_dict(model)
     result = export_safetensors(tmp_path / "ck", tmp_path / "hf")
     ties = {"layers.2.weight": "layers.0.weight", "layers.2.bias": "layers.0.bias"}
+    ties["layers.2.scale"] = "layers.0.scale"  # (its buffers too: they were stored twice)
     assert result.tied == {**ties, "head.weight": "emb.weight"}, result.tied
     stored = _stored(tmp_path / "hf", result.files)
     assert set(stored) == set(full) - set(result.tied)

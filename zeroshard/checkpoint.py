@@ -205,14 +205,14 @@ def _optimizer_step(optimizer) -> int:
 
 def _metadata(model, optimizer, step: int, world: int, token: str) -> dict[str, Any]:
     import zeroshard
-    from zeroshard.state_dict import _all_names  # (also a module registered twice)
+    from zeroshard.state_dict import tied_names
 
     engine = engine_of(model)
     # A run's first save names it (``token``); a load (not model_only) continues a saved run.
     engine.run_id = engine.run_id or token
     param_dtypes = sorted({str(f.param_dtype).removeprefix("torch.") for f in engine.flat_params})
     reduce_dtypes = sorted({str(b.reduce_dtype).removeprefix("torch.") for b in engine.buckets})
-    return {  # "tied": {alias: source} of the parameters a model registers under several names
+    return {  # "tied": {alias: source} of what a model registers under several names
         "format_version": FORMAT_VERSION,
         "step": step,
         "world_size": world,
@@ -221,7 +221,7 @@ def _metadata(model, optimizer, step: int, world: int, token: str) -> dict[str, 
         "param_dtype": ",".join(param_dtypes),
         "reduce_dtype": ",".join(reduce_dtypes),
         "num_params": tensor_parallel.whole_numel(model, engine.mesh.tp_size),
-        "tied": {a: names[0] for names in _all_names(model).values() for a in names[1:]},
+        "tied": tied_names(model),
         "run_id": engine.run_id,  # keep prunes this run's checkpoints only
         "optimizers": checks.class_names(_optimizers(optimizer)),
         "zeroshard_version": zeroshard.__version__,

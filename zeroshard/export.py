@@ -21,8 +21,9 @@ removed.
 
 Tied weights. A zeroshard checkpoint stores tied parameters under every name (``lm_head.weight``
 and ``transformer.wte.weight`` of GPT-2 hold equal values), and ``zeroshard.json`` records
-which names were one parameter (``"tied"``, ``{alias: source}``; checkpoints saved before it
-recorded none). A name is left out (stored once, under its source's name) when it is tied:
+which names were one tensor, parameter or buffer (``"tied"``, ``{alias: source}``;
+checkpoints saved before it recorded none). A name is left out (stored once, under its
+source's name) when it is tied:
 
 * ``tied={"lm_head.weight": "transformer.wte.weight"}``: explicit ``{alias: source}`` pairs,
   and nothing else;

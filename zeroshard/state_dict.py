@@ -190,6 +190,20 @@ def _all_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """``{alias: source}``: each further name under which ``model`` registers a parameter or a
+    buffer (tied weights, a module registered at two places), as its state dict's keys have
+    them; ``source`` is the first name."""
+    pairs: dict[str, str] = {}
+    for named in (model.named_parameters, model.named_buffers):
+        first: dict[int, str] = {}
+        for name, tensor in named(remove_duplicate=False):
+            name = name.replace(_WRAPPED, "")
+            if first.setdefault(id(tensor), name) != name:
+                pairs[name] = first[id(tensor)]
+    return pairs
+
+
 def _first_names(model: nn.Module) -> dict[int, str]:
     """Each parameter's first name, as ``get_optimizer_state_dict`` keys optimizer states."""
     return {id(p): name.replace(_WRAPPED, "") for name, p in model.named_parameters()}
