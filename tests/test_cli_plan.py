@@ -74,18 +74,26 @@ def test_worked_example_json(capsys):
 
 def test_precision_sets_the_bytes_the_engine_keeps(capsys):
     """--precision fp32 is FP32 AdamW as the calibration measures it (4,4,8: the parameter is
-    its own master; 4-byte activations); bf16 and fp16 are ZeRO's 2,2,12, the default."""
+    its own master; 4-byte activations); bf16 and fp16 are the engine's mixed precision: FP32
+    masters and an FP32 gradient beside 2-byte copies (ZeRO's 2,2,12 is the default)."""
     from zeroshard.planner.calibrate import FP32_ADAMW
+    from zeroshard.planner.memory import ENGINE_MIXED
 
     model = ["--module", "test_cli_plan:tiny_gpt", "--dp", "2", "--seq", "64"]
     fp32 = _json([*model, "--precision", "fp32"], capsys)
     assert fp32 == _json([*model, "--bytes-per-param", "4,4,8", "--activation-bytes", "4"], capsys)
     assert fp32["bytes_per_param"] == vars(FP32_ADAMW)
-    assert _json([*model, "--precision", "bf16"], capsys) == _json(model, capsys)
+    mixed = _json([*model, "--precision", "bf16"], capsys)
+    assert mixed == _json([*model, "--precision", "fp16"], capsys)
+    assert mixed["bytes_per_param"] == vars(ENGINE_MIXED)
     plain = {s["stage"]: s["model_states_bytes"] for s in _json(model, capsys)["stages"]}
     wide = {s["stage"]: s["model_states_bytes"] for s in fp32["stages"]}
-    assert wide[0] == plain[0]  # 16 bytes a parameter, either way
+    engine = {s["stage"]: s["model_states_bytes"] for s in mixed["stages"]}
+    psi = mixed["model"]["num_params"]
+    assert wide[0] == plain[0] == 16 * psi  # 16 bytes a parameter, either way
     assert wide[1] > plain[1]  # fp32 shards 8 of 16 bytes, mixed precision 12
+    # bf16: 20 at stage 0; 4 + 16/2 at 1; 2 + 16/2 at 2; 16/2 at 3 (Nd = 2, even sizes)
+    assert [engine[k] / psi for k in range(4)] == pytest.approx([20, 12, 10, 8], rel=1e-3)
     with pytest.raises(ValueError, match="--precision fp32 sets --activation-bytes: pass one"):
         plan.run(_parse([*model, "--precision", "fp32", "--activation-bytes", "2"]))
     # The default is not train's: the table says so; --seq-len is train's name for --seq.

@@ -16,7 +16,9 @@ settings (``engine_config``): 4 + 4 + 8 bytes per parameter (FP32 AdamW whose ma
 parameter itself), the engine's prefetch depth and in-flight reductions, per-unit gradient
 reduction, no activation checkpointing, FP32 activations, fused attention, no fragmentation (the
 tracker counts live tensor bytes, not an allocator's reservations). ``Case.step_in_backward``
-builds the optimizer stepping in backward and predicts with ``MemoryConfig.step_in_backward``.
+builds the optimizer stepping in backward and predicts with ``MemoryConfig.step_in_backward``;
+``Case.precision`` bf16 / fp16 shards with that mixed precision and predicts with
+``memory.ENGINE_MIXED`` and 2-byte activations.
 
 ``HFCase`` does the same for a Hugging Face model built from a config dict (``measure_hf``),
 wrapped as ``describe.from_hf_config`` finds its units; ``measure_module`` is the shared run.
@@ -36,7 +38,13 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from zeroshard.planner import comm, describe, timeline
-from zeroshard.planner.memory import MODEL_STATES, BytesPerParam, MemoryConfig, plan_memory
+from zeroshard.planner.memory import (
+    ENGINE_MIXED,
+    MODEL_STATES,
+    BytesPerParam,
+    MemoryConfig,
+    plan_memory,
+)
 
 FP32_ADAMW = BytesPerParam(params=4, grads=4, optimizer_states=8)
 """FP32 AdamW: the FP32 parameter is the master (4), its gradient (4), momentum and variance (8)."""
@@ -67,6 +75,8 @@ class Case:
     """Tensor-parallel degree Nm (``zeroshard.tensor_parallel``); ZeRO shards over the rest."""
     checkpoint_every: int = 0
     """Activation checkpointing every this many units (``ShardConfig.checkpoint_every``)."""
+    precision: str = "fp32"
+    """fp32, or a mixed-precision preset of ``zeroshard.shard`` (bf16, fp16)."""
 
 
 def _gpt_config(case: Case):
@@ -100,6 +110,11 @@ def _seq_len(case: Case | HFCase) -> int:
     return case.seq_len or _gpt_config(case).block_size
 
 
+def _mixed_precision(case: Case | HFCase) -> str | None:
+    precision = getattr(case, "precision", "fp32")
+    return None if precision == "fp32" else precision
+
+
 def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
     """The planner's inputs that describe what the engine does for ``case`` on ``num_ranks``."""
     from zeroshard.engine import ShardConfig
@@ -107,11 +122,12 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
     engine = ShardConfig()
     model = describe_case(case)
     ci = getattr(case, "checkpoint_every", 0)
+    mixed = _mixed_precision(case)
     return MemoryConfig(
         stage=case.stage,
         num_dp_ranks=num_ranks // case.tp,
         num_mp_ranks=case.tp,
-        bytes_per_param=FP32_ADAMW,
+        bytes_per_param=FP32_ADAMW if mixed is None else ENGINE_MIXED,
         micro_batch_size=case.micro_batch_size,
         seq_len=_seq_len(case),
         # Prefetch depth. Stage 3 reduces unit by unit, up to max_inflight_reductions in flight
@@ -128,7 +144,7 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
         activation_checkpointing=bool(ci),
         num_layers_per_checkpoint=max(1, ci),
         engine_timeline=True,
-        activation_bytes=4,
+        activation_bytes=4 if mixed is None else 2,
         flash_attention=True,
         # On gloo zeroshard's reduce-scatter is sends and receives into its output
         # (zeroshard.collectives): no staging copy of the input while it is waited for.
@@ -198,6 +214,7 @@ def measure(case: Case) -> dict:
         step_in_backward=case.step_in_backward,
         tp=case.tp,
         checkpoint_every=case.checkpoint_every,
+        mixed_precision=_mixed_precision(case),
     )
 
 
@@ -236,8 +253,10 @@ def measure_module(
     step_in_backward: bool = False,
     tp: int = 1,
     checkpoint_every: int = 0,
+    mixed_precision: str | None = None,
 ) -> dict:
-    """Shard ``build()`` at ``stage`` with ``wrap``, train it ``num_steps`` steps of FP32 AdamW
+    """Shard ``build()`` at ``stage`` with ``wrap``, train it ``num_steps`` steps of AdamW (FP32,
+    or ``mixed_precision``'s policy)
     (stepping in backward with ``step_in_backward``) on the current process group
     (``loss(model, generator)`` gives each step's loss) and measure the last step on this rank
     (see the module): model states in bytes, peak bytes, elements moved per collective. With
@@ -257,7 +276,9 @@ def measure_module(
         device_mesh, mesh = tensor_parallel.mesh_2d(tp)
         tensor_parallel.parallelize(model, device_mesh)
     config = zeroshard.ShardConfig(checkpoint_every=checkpoint_every)
-    model = zeroshard.shard(model, stage=stage, wrap=wrap, mesh=mesh, config=config)
+    model = zeroshard.shard(
+        model, stage=stage, wrap=wrap, mesh=mesh, config=config, mixed_precision=mixed_precision
+    )
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3, step_in_backward=step_in_backward)
     engine = zeroshard.engine_of(model)
     gen = torch.Generator().manual_seed(1000 + (mesh.rank if mesh else dist.get_rank()))

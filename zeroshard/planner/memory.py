@@ -71,9 +71,17 @@ class BytesPerParam:
     """Low-precision gradients (2)."""
     optimizer_states: int = 12
     """K: fp32 master weights, momentum and variance (12); ZeRO-Infinity adds fp32 grads (16)."""
+    grad_master: int = 0
+    """An FP32 gradient shard (4) beside the low-precision gradients, partitioned as the
+    optimizer states are (zeroshard's mixed precision: the optimizer reads it); counted as
+    ``grads``."""
+    working_copies: bool = False
+    """``params`` and ``grads`` are low-precision working copies of FP32 states (the masters in
+    K, ``grad_master``): a stage that partitions them keeps none at rest, since each unit's are
+    gathered or produced and then freed (counted by the timeline), as zeroshard's engine does."""
 
     def __post_init__(self) -> None:
-        for name in ("params", "grads", "optimizer_states"):
+        for name in ("params", "grads", "optimizer_states", "grad_master"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"BytesPerParam.{name} must be an int >= 0, got {value!r}")
@@ -82,14 +90,19 @@ class BytesPerParam:
 
     @property
     def total(self) -> int:
-        """2 + 2 + K: 16 for ZeRO, 20 for ZeRO-Infinity."""
-        return self.params + self.grads + self.optimizer_states
+        """2 + 2 + K (+ the FP32 gradient): 16 for ZeRO, 20 for ZeRO-Infinity."""
+        return self.params + self.grads + self.optimizer_states + self.grad_master
 
 
 ZERO = BytesPerParam()
 """The ZeRO paper's 2 + 2 + 12 = 16 bytes per parameter."""
 ZERO_INFINITY = BytesPerParam(params=2, grads=2, optimizer_states=16)
 """The ZeRO-Infinity paper's 20 bytes per parameter (fp32 gradients counted with the optimizer)."""
+ENGINE_MIXED = BytesPerParam(grad_master=4, working_copies=True)
+"""zeroshard's BF16/FP16 AdamW: 2-byte compute copies of the parameters (replicated at stages
+0-2, gathered per unit at stage 3) and gradients (whole at stages 0-1, per unit at 2-3), FP32
+masters, momentum and variance (12) and an FP32 gradient (4) partitioned with the optimizer:
+20 bytes per parameter at stage 0, 4 + 16 / Nd at stage 1, 2 + 16 / Nd at 2, 16 / Nd at 3."""
 BYTES_PER_PARAM_PRESETS = {"zero": ZERO, "infinity": ZERO_INFINITY}
 
 
@@ -361,14 +374,20 @@ def model_states(
     split = dict(params=p.parameters, grads=p.gradients, optimizer_states=p.optimizer_states)
     out = {t: dict.fromkeys(MODEL_STATES, 0) for t in TIERS}
     replicated = min(num_params_replicated, num_params)
-    for category in MODEL_STATES:
+    elements_x_nm = num_params - replicated + replicated * num_mp_ranks
+    bpp = bytes_per_param
+    working = bpp.working_copies
+    parts = [(c, getattr(bpp, c), split[c], working and c != "optimizer_states") for c in split]
+    parts.append(("grads", bpp.grad_master, p.optimizer_states, False))
+    for category, per_param, partitioned, working_copy in parts:
+        if working_copy and partitioned:
+            continue  # gathered or produced per unit, then freed: none at rest
         # bytes * ((Psi - R) / Nm + R) / Nd, in integers: ceil(a / b) = -(-a // b)
-        elements_x_nm = num_params - replicated + replicated * num_mp_ranks
-        num_bytes = getattr(bytes_per_param, category) * elements_x_nm
+        num_bytes = per_param * elements_x_nm
         if category != "params" and num_params_trainable is not None:
             num_bytes = num_bytes * num_params_trainable // num_params
-        ways = num_mp_ranks * (num_dp_ranks if split[category] else 1)
-        out[placement.tier(category)][category] = -(-num_bytes // ways)
+        ways = num_mp_ranks * (num_dp_ranks if partitioned else 1)
+        out[placement.tier(category)][category] += -(-num_bytes // ways)
     return out
 
 

@@ -299,13 +299,16 @@ def _units_line(m: dict) -> str:
 
 def _mixed(bpp: dict) -> bool:
     """Whether the bytes per parameter are the article's 16-bit mixed precision (2 + 2 + 12)."""
-    return (bpp["params"], bpp["grads"], bpp["optimizer_states"]) == (2, 2, 12)
+    return (bpp["params"], bpp["grads"], bpp["optimizer_states"]) == (2, 2, 12) and not bpp.get(
+        "working_copies"
+    )
 
 
 def render_plan(out: dict, unit: str = "GB") -> str:
     """The plan's table and its notes, residual-state terms and intensities, for people."""
     m, bpp = out["model"], out["bytes_per_param"]
-    total = sum(bpp.values())
+    total = bpp["params"] + bpp["grads"] + bpp["optimizer_states"] + bpp.get("grad_master", 0)
+    fp32_grad = f" + {bpp['grad_master']} (FP32 gradient)" if bpp.get("grad_master") else ""
     num_groups = out.get("num_shard_groups", 1)
     hybrid = ""
     if num_groups > 1:
@@ -314,7 +317,12 @@ def render_plan(out: dict, unit: str = "GB") -> str:
     lines = [
         f"{m['name']}: Psi = {_count(m['num_params'])} parameters, Nd = {out['num_dp_ranks']}, "
         f"{hybrid}Nm = {out['num_mp_ranks']}, {bpp['params']} + {bpp['grads']} + "
-        f"{bpp['optimizer_states']} = {total} bytes per parameter",
+        f"{bpp['optimizer_states']}{fp32_grad} = {total} bytes per parameter"
+        + (
+            " (2-byte copies kept whole only where the stage replicates them)"
+            if bpp.get("working_copies")
+            else ""
+        ),
         f"memory per device; {unit} = {scale:,} bytes"
         + (
             "; 16-bit mixed precision (--precision fp32 for train's default)" if _mixed(bpp) else ""

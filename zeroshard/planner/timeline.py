@@ -31,8 +31,10 @@ from zeroshard.planner.memory import (
     ACTIVATION_BYTES,
     MODEL_STATES,
     RESIDUAL_STATES,
+    BytesPerParam,
     MemoryConfig,
     logits_bytes,
+    model_states,
 )
 from zeroshard.stages import partition
 
@@ -251,6 +253,23 @@ def _gpt_per_unit(
     return per, logits, grad_working, tied
 
 
+def _grad_master_bytes(model: ModelDescription, c: MemoryConfig) -> int:
+    """Device bytes of the FP32 gradient (``BytesPerParam.grad_master``) among ``states``."""
+    if not c.bytes_per_param.grad_master:
+        return 0
+    return model_states(
+        model.num_params,
+        stage=c.stage,
+        num_dp_ranks=c.num_shard_ranks,
+        num_mp_ranks=c.num_mp_ranks,
+        bytes_per_param=BytesPerParam(
+            params=0, grads=0, optimizer_states=0, grad_master=c.bytes_per_param.grad_master
+        ),
+        num_params_replicated=model.replicated_numel,
+        num_params_trainable=model.num_trainable_params,
+    )[Tier.DEVICE]["grads"]
+
+
 def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int]) -> list[Moment]:
     """Device bytes per category at each moment of a step that can be the peak, as zeroshard's
     engine runs a model wrapped one unit per block (the root unit owns the rest). ``states`` are
@@ -322,6 +341,8 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     grads_total = bpp.grads * model.mp_numel(mp)
     sib = c.step_in_backward
     num_inflight = c.num_buckets  # K, counting the reduction being started
+    # Replicated gradients: an FP32 gradient beside the working copies appears at the reduction.
+    late_grads = _grad_master_bytes(model, c) if on_device["grads"] and not part.gradients else 0
 
     def numel(first: int, count: int) -> int:
         """Parameters of ``count`` units from the ``first`` in backward order (clipped)."""
@@ -361,9 +382,12 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         now = dict(states)
         if c.grad_accum > 1:  # the last micro-batch's: the earlier ones' gradients all held
             return now | dict.fromkeys(RESIDUAL_STATES, 0) | residual
+        reduced = model.num_params if num_reduced > num_units else numel(0, num_reduced)
         if part.gradients:  # shards appear as units are reduced
-            reduced = model.num_params if num_reduced > num_units else numel(0, num_reduced)
             now["grads"] = math.ceil(states["grads"] * min(1.0, reduced / model.num_params))
+        elif late_grads:
+            late = late_grads - math.ceil(late_grads * min(1.0, reduced / model.num_params))
+            now["grads"] = states["grads"] - late
         if sib:
             now["grads"] = 0  # each shard is stepped and dropped as its reduction finishes
         return now | dict.fromkeys(RESIDUAL_STATES, 0) | residual
