@@ -318,9 +318,15 @@ def test_a_finished_run_s_folder_is_resumed_or_left_alone(capsys, tmp_path, data
             "holds checkpoints but is not one", f"--resume {tmp_path / 'ckpt' / 'step-000002'}",
             f"--resume auto --out-dir {tmp_path} ",
         )  # fmt: skip
-    # A fresh run into the same folder would mix its checkpoints with those.
+    # A fresh run into the same folder would mix its checkpoints with those; one that saves
+    # none would still rewrite that run's metrics, summary and config.json (resumes and exports
+    # read them).
     argv = ["train", *flags, "--out-dir", str(tmp_path)]
     _expect_usage_error(capsys, argv, "holds checkpoints of an earlier run", "--resume auto")
+    before = {n: (tmp_path / n).read_bytes() for n in ("metrics.jsonl", "config.json")}
+    argv = ["train", *flags, "--save-every", "0", "--out-dir", str(tmp_path)]
+    _expect_usage_error(capsys, argv, "holds checkpoints of an earlier run", "--resume auto")
+    assert before == {n: (tmp_path / n).read_bytes() for n in before}
     # A resume refused (a checkpoint of another model) leaves the folder's config as it was.
     before = (tmp_path / "config.json").read_bytes()
     other = [*flags, "--resume", "auto", "--steps", "3", "--preset", "tiny"]
@@ -792,6 +798,12 @@ def test_hf_config(capsys, tmp_path, data_dir, monkeypatch):
     import transformers
 
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.n_layer == 2
+    # The run's folder's config.json rewritten (an older version let a run that saved nothing
+    # start there): the checkpoint's own record of its settings still names the config.
+    recorded = tmp_path / "run" / "config.json"
+    recorded.write_text(json.dumps(json.loads(recorded.read_text()) | {"hf": "other.json"}))
+    assert main(["export", "ckpt/step-000003", str(tmp_path / "hf1")]) == 0
+    assert f"--config {config}: the --hf config of the run" in capsys.readouterr().out
     config.rename(tmp_path / "moved.json")  # the config gone: said, not silently dropped
     assert main(["export", "ckpt/step-000003", str(tmp_path / "hf2")]) == 0
     assert "no config.json is written; pass --config PATH" in capsys.readouterr().err

@@ -65,17 +65,16 @@ def _ties(values: list[str] | None) -> dict[str, str] | None:
 
 def _run_s_hf_config(checkpoint: Path) -> Path | None:
     """The ``--hf`` config that ``zeroshard train`` recorded for the run whose checkpoint this
-    is (``OUT_DIR/config.json`` beside ``OUT_DIR/ckpt/step-N``; a relative path, as earlier
-    versions recorded it, is looked for from here and from the run's folder). One that no longer
-    exists is said on stderr: the export then has no config.json, which ``from_pretrained``
-    needs."""
-    import json
+    is: the settings the checkpoint holds, else (older versions) ``OUT_DIR/config.json`` beside
+    ``OUT_DIR/ckpt/step-N``, which a later run into that folder may have rewritten (a relative
+    path, as earlier versions recorded it, is looked for from here and from the run's folder).
+    One that no longer exists is said on stderr: the export then has no config.json, which
+    ``from_pretrained`` needs."""
+    from zeroshard.cli.resume import saved_settings
 
     recorded = checkpoint.absolute().parent.parent / "config.json"
-    try:
-        hf = json.loads(recorded.read_text()).get("hf")
-    except (OSError, ValueError, AttributeError):
-        return None
+    settings = saved_settings(recorded, str(checkpoint), quiet=True)
+    hf = settings.get("hf") if isinstance(settings, dict) else None
     if not isinstance(hf, str):
         return None
     found = next((p for p in (Path(hf), recorded.parent / hf) if p.exists()), None)

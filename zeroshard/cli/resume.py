@@ -29,10 +29,11 @@ _BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eva
 """Settings that do not change what is trained: a resume may change them without a word."""
 
 
-def _saved_settings(saved: Path, resume: str | None) -> dict | None:
+def saved_settings(saved: Path, resume: str | None, *, quiet: bool = False) -> dict | None:
     """The settings of the run that saved the checkpoint ``resume``: recorded in the checkpoint
     (rank 0's file), else (a checkpoint of an older version) the ``config.json`` beside it,
-    ``saved`` (another run may have rewritten it since), else its own run folder's."""
+    ``saved`` (another run may have rewritten it since), else its own run folder's. An
+    unreadable file is said on stdout unless ``quiet``."""
     if resume:
         try:
             own = torch.load(Path(resume) / "rank-00000.pt", weights_only=True)["extra"]
@@ -46,17 +47,18 @@ def _saved_settings(saved: Path, resume: str | None) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        print(f"(the saved run's settings in {saved} are unreadable, not compared: {exc})")
+        if not quiet:
+            print(f"(the saved run's settings in {saved} are unreadable, not compared: {exc})")
         return None
 
 
 def say_changes(saved: Path, cfg: TrainConfig) -> None:
     """One line naming the settings of a resumed run that differ from those of the run that
-    saved its checkpoint (``_saved_settings``): allowed (a longer run, a new learning rate), but
+    saved its checkpoint (``saved_settings``): allowed (a longer run, a new learning rate), but
     the curve then is not the one an uninterrupted run would have drawn. A schedule stretched
     or shortened by new ``steps`` changes the learning rate from the resumed step on: said with
     both rates."""
-    before = _saved_settings(saved, cfg.resume)
+    before = saved_settings(saved, cfg.resume)
     if not isinstance(before, dict):
         return  # none saved: nothing to compare
     now = dataclasses.asdict(cfg)
@@ -90,14 +92,16 @@ _SCHEDULE = ("lr", "steps", "warmup_steps", "lr_schedule")
 
 def pin_resume(cfg: TrainConfig, launch: Launch) -> tuple[TrainConfig, bool]:
     """``--resume``: the checkpoint it names (``auto``: the newest), checked and printed. A run
-    that saves checkpoints and does not resume must not start into a folder holding an earlier
-    run's: they would be pruned together and ``--resume auto`` would pick the other run. A node
+    that does not resume must not start into a folder holding an earlier run's checkpoints:
+    they would be pruned together, ``--resume auto`` would pick the other run, and (saving or
+    not) it would rewrite that run's metrics, summary and config.json, which its resume and
+    export read. A node
     joining an elastic job that runs already finds that job's checkpoints there: its ranks
     resume from the newest, as the running ones do (``resume_after_restart``); True then (its
     launcher leaves the job's config.json alone)."""
     path = resume_path(cfg)
     if path is None:
-        earlier = checkpoint.latest(Path(cfg.out_dir) / "ckpt") if cfg.save_every else None
+        earlier = checkpoint.latest(Path(cfg.out_dir) / "ckpt")
         if earlier is not None and launch.joins_running_job():
             _check_joins_the_same_job(cfg, launch)
             print(
