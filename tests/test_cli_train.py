@@ -670,6 +670,29 @@ def build_nan_in_step_2():
     return NaNStepLM()
 
 
+class PositionalLM(MyLM):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(8, 16)  # 8 positions, for sequences of 16
+
+    def forward(self, idx):
+        self.pos(torch.arange(idx.size(1)))
+        return super().forward(idx)
+
+
+class ListBugLM(MyLM):
+    def forward(self, idx):
+        return [super().forward(idx)][1]  # a bug of its own, not an embedding's
+
+
+def build_with_8_positions():
+    return PositionalLM()
+
+
+def build_with_a_list_bug():
+    return ListBugLM()
+
+
 def build_declaring_a_string():
     model = MyLM()
     model._no_split_modules = "MyBlock"  # a str, not a list of them
@@ -759,6 +782,19 @@ def test_logits_of_the_wrong_shape_are_named(
     )
     said = f"the model returned logits of shape {shape} for token ids of shape (2, 16)"
     assert code == 2 and said in err and "Traceback" not in err, err
+
+
+def test_an_index_error_is_named_only_when_an_embedding_raised_it(
+    capsys, tmp_path, model_module, data_dir
+):
+    # Any IndexError was "give the model a vocabulary of at least 256", its traceback hidden.
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1", "--batch-size", "2"]
+    model = f"{model_module}:build_with_8_positions"
+    code, err, _, _ = _train_in_process(capsys, tmp_path / "pos", *flags, "--model", model)
+    assert code == 2 and "at least 16 positions (or lower --seq-len)" in err, err
+    model = f"{model_module}:build_with_a_list_bug"
+    with pytest.raises(IndexError, match="list index out of range"):  # (a crash: exit 1)
+        _train_in_process(capsys, tmp_path / "bug", *flags, "--model", model)
 
 
 def test_no_split_modules_given_as_one_string(capsys, tmp_path, model_module, data_dir):

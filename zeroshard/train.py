@@ -125,11 +125,15 @@ def next_token_loss(model, x_BT: torch.Tensor, y_BT: torch.Tensor, vocab_size: i
     """Mean cross-entropy (nats per token, FP32) of the model's logits against ``y_BT``."""
     try:
         logits_BTV = logits_of(model(x_BT), x_BT)
-    except IndexError as exc:  # an embedding smaller than the data's vocabulary, as a rule
+    except IndexError as exc:
+        if "index out of range in self" not in str(exc):  # not an embedding's: a bug, shown
+            raise
+        t = x_BT.size(-1)
         raise ValueError(
-            f"the model's forward failed on this batch, whose largest token id is "
-            f"{int(x_BT.max())} (the data's vocabulary has {vocab_size} ids, 0-{vocab_size - 1})"
-            f": {exc}; give the model a vocabulary of at least {vocab_size}"
+            f"an embedding of the model was indexed past its end ({exc}) by a batch of "
+            f"{t} positions whose largest token id is {int(x_BT.max())} (the data's vocabulary "
+            f"has {vocab_size} ids): give the model a vocabulary of at least {vocab_size} and "
+            f"at least {t} positions (or lower --seq-len)"
         ) from exc
     if logits_BTV.size(-1) < vocab_size:
         raise ValueError(
