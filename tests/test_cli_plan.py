@@ -8,7 +8,7 @@ from test_planner_hf import HF_CONFIGS
 
 from zeroshard.cli import plan
 from zeroshard.models.gpt import GPT, PRESETS
-from zeroshard.planner.memory import OFFLOADS
+from zeroshard.planner.memory import MODEL_STATES, OFFLOADS
 
 
 def _parse(argv):
@@ -599,7 +599,15 @@ def test_ci_0_is_the_engine_without_checkpoints(capsys, stage):
     assert out["num_layers_per_checkpoint"] == 0 and "activation_checkpoint_bytes" not in out
     allowance = _json([*flags, "--ci", "1"], capsys)["stages"][0]["device_bytes"]
     assert row["device_bytes"] != allowance
-    assert "largest moment of the engine's step" in _run([*flags, "--ci", "0"], capsys)
+    text = _run([*flags, "--ci", "0"], capsys)
+    assert "largest moment of the engine's step" in text
+    # The column holds the model states of that moment; at stages 2-3 the shards of units not
+    # reduced yet are missing from it, and the formula's figure at rest is said beside it.
+    at_rest = predicted["model_states_bytes"]
+    assert row["model_states_at_rest_bytes"] == at_rest
+    assert row["model_states_bytes"] == sum(predicted["peak"][c] for c in MODEL_STATES)
+    said = f"at rest after the step they are stage {stage} {at_rest / 1e9:.3g} GB"
+    assert (said in text) == (stage >= 2 and row["model_states_bytes"] != at_rest), text
     # --timeline: checkpoints counted as the engine keeps them, as calibrate measures them.
     timed = _json([*flags, "--ci", "2", "--timeline"], capsys)["stages"][0]
     case = calibrate.Case(

@@ -222,6 +222,7 @@ def _row(model, config, offload, ait, bw, links, peak, have) -> dict:
         "stage": config.stage,
         "offload": offload,
         "model_states_bytes": model_states,
+        "model_states_at_rest_bytes": mem.model_states_bytes(Tier.DEVICE),
         "residual_states_bytes": device_bytes - model_states,
         "device_bytes": device_bytes,
         "cpu_bytes": mem.total_bytes(Tier.CPU),
@@ -379,6 +380,15 @@ def render_plan(out: dict, unit: str = "GB") -> str:
             f"{how}: device is the largest moment of the engine's step "
             f"({moments or 'no timeline for this model'})"
         )
+        fewer = [r for r in rows if r["model_states_at_rest_bytes"] != r["model_states_bytes"]]
+        if fewer:  # (the gradient shards of units not reduced yet: stages 2-3)
+            at_rest = ", ".join(
+                f"stage {r['stage']} {_size(r['model_states_at_rest_bytes'], unit)}" for r in fewer
+            )
+            lines.append(
+                "model states are those alive at that moment, before every gradient exists; "
+                f"at rest after the step they are {at_rest}"
+            )
     if "activation_checkpoint_bytes" in out:
         terms = [
             ("activation checkpoints", "2*bsz*seq*hd*nl/ci", "activation_checkpoint_bytes"),
