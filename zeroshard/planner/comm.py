@@ -165,12 +165,19 @@ def by_scope(collectives: tuple[Collective, ...]) -> dict[str, tuple[Collective,
     return {s: tuple(c for c in collectives if c.scope == s) for s in (SHARD, REPLICATE)}
 
 
-def total_bytes(collectives: tuple[Collective, ...]) -> int:
-    return sum(c.num_bytes for c in collectives)
+def total_bytes(collectives: tuple[Collective, ...], num_micro_batches: int = 1) -> int:
+    """Bytes per optimizer step of ``num_micro_batches``: those that run every micro-batch
+    repeat."""
+    return sum(c.num_bytes * _repeats(c, num_micro_batches) for c in collectives)
 
 
-def total_numel(collectives: tuple[Collective, ...]) -> int:
-    return sum(c.numel for c in collectives)
+def total_numel(collectives: tuple[Collective, ...], num_micro_batches: int = 1) -> int:
+    """Elements per optimizer step (as ``total_bytes``)."""
+    return sum(c.numel * _repeats(c, num_micro_batches) for c in collectives)
+
+
+def _repeats(c: Collective, num_micro_batches: int | None) -> int:
+    return num_micro_batches if num_micro_batches and c.every_micro_batch else 1
 
 
 def scope_seconds(
@@ -189,9 +196,7 @@ def scope_seconds(
     out = {}
     for scope, bw in ((SHARD, intra_bandwidth_bytes_per_s), (REPLICATE, inter)):
         num_bytes = sum(
-            c.num_bytes * (num_micro_batches if num_micro_batches and c.every_micro_batch else 1)
-            for c in collectives
-            if c.scope == scope
+            c.num_bytes * _repeats(c, num_micro_batches) for c in collectives if c.scope == scope
         )
         out[scope] = comm_seconds(num_bytes, bw)
     return out

@@ -157,7 +157,7 @@ def _communication(model, config, net_bw, inter_bw) -> dict:
     """A row's collectives, in total and per scope: ``intra_group`` (inside a shard group: every
     rank without hybrid sharding) and ``inter_group`` (across shard groups), with their seconds
     (None without a network bandwidth)."""
-    k, nd = config.shard_group_size, config.num_dp_ranks
+    k, nd, micro = config.shard_group_size, config.num_dp_ranks, config.grad_accum
     collectives = comm.dp_communication(
         model.num_params,
         stage=config.stage,
@@ -182,19 +182,22 @@ def _communication(model, config, net_bw, inter_bw) -> dict:
     seconds = None
     if net_bw is not None:
         seconds = comm.scope_seconds(
-            collectives, intra_bandwidth_bytes_per_s=net_bw, inter_bandwidth_bytes_per_s=inter_bw
+            collectives,
+            intra_bandwidth_bytes_per_s=net_bw,
+            inter_bandwidth_bytes_per_s=inter_bw,
+            num_micro_batches=micro,
         )
-    out = {
-        "numel": comm.total_numel(collectives),
-        "bytes": comm.total_bytes(collectives),
+    out = {  # per optimizer step: what runs every micro-batch repeats (it was counted once)
+        "numel": comm.total_numel(collectives, micro),
+        "bytes": comm.total_bytes(collectives, micro),
         "seconds": None if seconds is None else sum(seconds.values()),
     }
     for key, (scope, group) in zip(
         ("intra_group", "inter_group"), comm.by_scope(collectives).items()
     ):
         out[key] = {
-            "numel": comm.total_numel(group),
-            "bytes": comm.total_bytes(group),
+            "numel": comm.total_numel(group, micro),
+            "bytes": comm.total_bytes(group, micro),
             "seconds": None if seconds is None else seconds[scope],
         }
     return out | {"collectives": [vars(c) for c in collectives], "notes": notes}
