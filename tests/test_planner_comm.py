@@ -82,3 +82,37 @@ def test_unreduced_accumulation_reduces_once_per_step():
         assert grads and all(c.every_micro_batch for c in grads)
         assert all(not c.every_micro_batch for c in once if c.label == "grads")
         assert [c.num_bytes for c in once] == [c.num_bytes for c in every]
+
+
+def _frozen_ledger(stage: int) -> dict[str, int]:
+    """Elements per collective of one step of a model whose first Linear is frozen."""
+    import torch
+
+    import zeroshard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
+    model[0].requires_grad_(False)
+    model = zeroshard.shard(model, stage=stage, wrap=zeroshard.wrap.by_class(torch.nn.Linear))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    for _ in range(2):
+        opt.backward(model(torch.randn(4, 16)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    last = zeroshard.engine_of(model).ledger.steps[-1]
+    return {f"{op}/{label}": e.numel for (op, label), e in last.items() if label != "found_inf"}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_frozen_parameters_move_no_gradient_and_are_not_gathered_after_a_step(workers2, stage):
+    # A third of the model frozen: the plan counted its gradient reduction (+50% at stage 0),
+    # and stages 1-2 gathered it again after every step, though the step leaves it unchanged.
+    measured = workers2.run(_frozen_ledger, stage)[0]
+    whole, trainable = 3 * (16 * 16 + 16), 2 * (16 * 16 + 16)
+    predicted: dict[str, int] = {}
+    for c in dp_communication(whole, stage=stage, num_params_trainable=trainable):
+        key = f"{c.op}/{c.label}"
+        predicted[key] = predicted.get(key, 0) + c.numel
+    assert measured == predicted
+    if stage in (1, 2):
+        assert measured["all_gather/params"] == trainable

@@ -26,7 +26,7 @@ import sys
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -497,8 +497,9 @@ class Engine:
         self.ledger.order = 0
         self.forward_order = []
 
-    def params_changed(self) -> None:
-        """The FP32 masters changed (an optimizer step, a load): refresh replicated parameters.
+    def params_changed(self, flats: Collection[flat_param.FlatParam] | None = None) -> None:
+        """The FP32 masters of ``flats`` (None: all) changed (an optimizer step, a load):
+        refresh replicated parameters (a step re-gathered frozen ones too: stages 1-2).
 
         Waited for here, not at the next forward: code between ``step()`` and the next forward
         (an EMA, a weight norm, an in-place write) must see the new values, not a gather in
@@ -507,8 +508,9 @@ class Engine:
             self.param_swap.params_changed()  # write changed masters, drop held ones
             if not self.summoned:
                 self._read_masters_ahead(self.forward_order, root=True)  # the next forward's
-        handles = [f.refresh_full(async_op=True) for f in self.flat_params]
-        for f, handle in zip(self.flat_params, handles):
+        changed = self.flat_params if flats is None else [f for f in self.flat_params if f in flats]
+        handles = [f.refresh_full(async_op=True) for f in changed]
+        for f, handle in zip(changed, handles):
             if handle is not None:
                 handle.wait()
             elif self.summoned:

@@ -390,7 +390,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _changed(self) -> None:
         """A step changed this optimizer's parameters: refresh them; the units whose trainable
         parameters it holds all count it (``Unit.updates``)."""
-        self.engine.params_changed()
+        self.engine.params_changed({b.flat for b in self._buckets})  # (the same on every rank)
         for unit in self._whole_units:
             unit.updates += 1
 

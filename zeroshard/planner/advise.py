@@ -401,6 +401,7 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
         num_params_kept_gathered=model.kept_gathered_numel,
         num_params_replicated=model.replicated_numel,
         reduce_every_micro_batch=not config.accumulate_unreduced,
+        num_params_trainable=model.num_trainable_params,
     )
     net, inter = cluster.net_bandwidth_bytes_per_s, cluster.inter_node_bandwidth_bytes_per_s
     if config.stage == 0 and k is not None and k < config.num_dp_ranks:

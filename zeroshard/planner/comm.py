@@ -66,6 +66,7 @@ def dp_communication(
     shard_group_size: int | None = None,
     num_params_replicated: int = 0,
     reduce_every_micro_batch: bool = True,
+    num_params_trainable: int | None = None,
 ) -> tuple[Collective, ...]:
     """The collectives of one step and their per-device volume: 2 Psi elements for stages 0-2,
     3 Psi for stage 3 (Psi / Nm each with model parallelism). Gradients travel in
@@ -82,7 +83,11 @@ def dp_communication(
     spans every rank, as the engine ignores ``shard_group_size`` there.
 
     ``reduce_every_micro_batch=False`` (``MemoryConfig.accumulate_unreduced``): stages 2-3
-    reduce the gradients once per step, after the last micro-batch, as stages 0-1 do."""
+    reduce the gradients once per step, after the last micro-batch, as stages 0-1 do.
+
+    ``num_params_trainable`` (None: all): frozen parameters have no gradient to reduce and are
+    not gathered again after a step, which leaves them as they were; stage 3 gathers them at
+    every use all the same (in proportion, with tensor parallelism)."""
     for name, value in (("num_params", num_params), ("num_mp_ranks", num_mp_ranks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -103,6 +108,11 @@ def dp_communication(
     kept_whole = min(num_params_kept_gathered, replicated)
     kept = kept_whole + math.ceil((num_params_kept_gathered - kept_whole) / num_mp_ranks)
 
+    def trained(numel: int) -> int:
+        if num_params_trainable is None:
+            return numel
+        return math.ceil(numel * min(num_params_trainable, num_params) / num_params)
+
     def grads(op: str, numel: int) -> Collective:
         return Collective(
             op=op,
@@ -114,7 +124,7 @@ def dp_communication(
         )
 
     def params(when: str) -> Collective:
-        numel = psi - kept if when == "backward" else psi
+        numel = {"backward": psi - kept, "after step": trained(psi)}.get(when, psi)
         return Collective(
             op="all_gather",
             label="params",
@@ -128,14 +138,14 @@ def dp_communication(
     if num_groups > 1 and part.optimizer_states:
         # This rank's 1/k gradient shard, all-reduced with its replicas in the other groups
         # (the ring's 2n, as the ledger counts it), right after each reduce-scatter.
-        numel = 2 * math.ceil(psi / shard_group_size)
+        numel = 2 * math.ceil(trained(psi) / shard_group_size)
         inter = (replace(grads("all_reduce", numel), scope=REPLICATE),)
     if part.parameters:
-        return params("forward"), params("backward"), grads("reduce_scatter", psi), *inter
+        return params("forward"), params("backward"), grads("reduce_scatter", trained(psi)), *inter
     if part.optimizer_states:
-        return grads("reduce_scatter", psi), *inter, params("after step")
+        return grads("reduce_scatter", trained(psi)), *inter, params("after step")
     # The ring all-reduce: a reduce-scatter and an all-gather of Psi each (the ledger's 2 numel).
-    return (grads("all_reduce", 2 * psi),)
+    return (grads("all_reduce", 2 * trained(psi)),)
 
 
 def num_shard_groups(num_dp_ranks: int | None, shard_group_size: int | None) -> int:

@@ -169,6 +169,7 @@ def _communication(model, config, net_bw, inter_bw) -> dict:
         num_params_kept_gathered=model.kept_gathered_numel,
         num_params_replicated=model.replicated_numel,
         reduce_every_micro_batch=not config.accumulate_unreduced,
+        num_params_trainable=model.num_trainable_params,
     )
     notes = []
     if config.stage == 0 and k is not None and k < nd:
