@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from dataclasses import dataclass, field
 
 DTYPES = {1: "bfloat16", 2: "bfloat16", 4: "float32", 8: "float64"}
@@ -269,6 +270,7 @@ def measure(
     try:
         with (
             _cpu_attention_choice(),
+            _unpacked_sequences(),
             split,
             torch.autograd.graph.saved_tensors_hooks(pack, _same),
         ):
@@ -383,6 +385,23 @@ def _loss(model, call: str, x, y, vocab_size: int):
 
 def _same(t):
     return t
+
+
+@contextlib.contextmanager
+def _unpacked_sequences():
+    """transformers looks for packed sequences in the position ids (``.item()`` of a comparison:
+    impossible on meta) when a model runs without a cache, as configs with ``use_cache: false``
+    do: the planner's batches hold one sequence per row, for which it finds none (None)."""
+    masking = sys.modules.get("transformers.masking_utils")
+    found = getattr(masking, "find_packed_sequence_indices", None)
+    if found is None:
+        yield
+        return
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = found
 
 
 @contextlib.contextmanager
