@@ -72,8 +72,8 @@ def test_module_instance():
 
 
 def test_module_errors():
-    with pytest.raises(TypeError):
-        d.from_module(42)
+    with pytest.raises(ValueError, match="takes an nn.Module or a callable, got 42"):
+        d.from_module(42)  # (a TypeError: a traceback from zeroshard plan)
     with pytest.raises(ValueError, match="no parameters"):
         d.from_module(nn.ReLU())
     with pytest.raises(ValueError, match="not an nn.Module"):

@@ -89,6 +89,9 @@ class ModelDescription:
     """What autograd saves per unit, measured on the built model (meta device) at the batch and
     sequence length planned (``zeroshard.planner.saved``); ``None``: the reference GPT's
     formulas from ``shape`` (a shape, a preset, or a model that takes no token ids)."""
+    buffer_bytes: int = 0
+    """Bytes of the model's buffers (BatchNorm statistics, rotary tables), for a built model:
+    whole on every rank at every stage (the engine shards parameters only)."""
     tp_split_numel: int | None = None
     """Parameters the model's tensor-parallel plan cuts into pieces
     (``zeroshard.tensor_parallel.split_numel``), for a built model that declares one; ``None``:
@@ -244,8 +247,8 @@ def from_module(
     from torch import nn
 
     if not isinstance(module, nn.Module):
-        if not callable(module):
-            raise TypeError(f"from_module takes an nn.Module or a callable, got {module!r}")
+        if not callable(module):  # (a TypeError was a traceback from zeroshard plan)
+            raise ValueError(f"from_module takes an nn.Module or a callable, got {module!r}")
         try:
             with torch.device("meta"):
                 module = module()
@@ -293,6 +296,7 @@ def from_module(
         name=label,
         activations=activations,
         tp_split_numel=tp_split,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
     )
 
 

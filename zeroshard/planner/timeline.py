@@ -380,8 +380,9 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         outputs exist; all of them and the root's when ``num_reduced > num_units``), with the
         residual categories given."""
         now = dict(states)
+        idle = dict.fromkeys(RESIDUAL_STATES, 0) | {"buffers": model.buffer_bytes}
         if c.grad_accum > 1:  # the last micro-batch's: the earlier ones' gradients all held
-            return now | dict.fromkeys(RESIDUAL_STATES, 0) | residual
+            return now | idle | residual
         reduced = model.num_params if num_reduced > num_units else numel(0, num_reduced)
         if part.gradients:  # shards appear as units are reduced
             now["grads"] = math.ceil(states["grads"] * min(1.0, reduced / model.num_params))
@@ -390,7 +391,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
             now["grads"] = states["grads"] - late
         if sib:
             now["grads"] = 0  # each shard is stepped and dropped as its reduction finishes
-        return now | dict.fromkeys(RESIDUAL_STATES, 0) | residual
+        return now | idle | residual
 
     out = [
         (
