@@ -2000,3 +2000,17 @@ def test_a_parameter_viewed_as_complex_after_an_odd_sized_one(workers2, stage):
     # Parameters lay end to end in the flat buffer: this one started at an odd element, and
     # view_as_complex raised "Tensor must have a storage_offset divisible by 2" at every stage.
     assert max(workers2.run(_complex_view, stage)) < TOL
+
+
+def test_a_submodule_of_a_sharded_model_is_named_as_such(lone_process):
+    # summon_full_params(model.layer) was told the layer "is not sharded; call shard first",
+    # which then refused it as part of a sharded model.
+    model = zeroshard.shard(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), stage=3, wrap=wrap.by_class(nn.Linear)
+    )
+    said = "Linear is a part of a sharded model; pass the mod"
+    for call in (zeroshard.summon_full_params, zeroshard.no_sync):
+        with pytest.raises(ValueError, match=said), call(model[0]):
+            pass
+    with pytest.raises(ValueError, match="ReLU is not sharded; call zeroshard.shard"):
+        zeroshard.engine_of(nn.ReLU())

@@ -1055,3 +1055,15 @@ def test_a_static_scale_warns_when_skipped_steps_repeat():
     dynamic = DynamicLossScaler()  # fp16: the lowered scale is the remedy, not a warning
     dynamic.update(True)
     assert dynamic.skip_warning() is None
+
+
+def test_torch_dtypes_and_their_names_are_policies():
+    # mixed_precision=torch.bfloat16 was a TypeError and "bfloat16" a ValueError.
+    from zeroshard.precision import PRESETS, policy_of
+
+    cpu = torch.device("cpu")
+    for given, name in [(torch.bfloat16, "bf16"), ("bfloat16", "bf16"), (torch.float32, "fp32")]:
+        assert policy_of(given, cpu) is PRESETS[name]
+    assert policy_of("Half", cpu) is PRESETS["fp16"]
+    with pytest.raises(ValueError, match="unknown precision torch.int8"):
+        policy_of(torch.int8, cpu)

@@ -55,7 +55,8 @@ from zeroshard.watchdog import CollectiveTimeout, is_comm_failure
 if TYPE_CHECKING:
     from zeroshard.model_states.param_swap import ParamSwapper
 
-_ATTR = "_zeroshard_engine"
+_ATTR, SHARDED_PARAM = "_zeroshard_engine", "_zeroshard_sharded"
+"""The sharded model's attribute; each of its parameters' (sharding a part again is refused)."""
 
 
 class Phase(enum.Enum):
@@ -498,12 +499,9 @@ class Engine:
         self.forward_order = []
 
     def params_changed(self, flats: Collection[flat_param.FlatParam] | None = None) -> None:
-        """The FP32 masters of ``flats`` (None: all) changed (an optimizer step, a load):
-        refresh replicated parameters (a step re-gathered frozen ones too: stages 1-2).
-
-        Waited for here, not at the next forward: code between ``step()`` and the next forward
-        (an EMA, a weight norm, an in-place write) must see the new values, not a gather in
-        flight. (On a GPU the wait only orders the compute stream after the gathers.)"""
+        """The FP32 masters of ``flats`` (None: all; a step's: not frozen ones) changed (a step,
+        a load): refresh replicated parameters, waited for here: code between ``step()`` and
+        the next forward (an EMA, an in-place write) must see the new values."""
         if self.param_swap is not None:
             self.param_swap.params_changed()  # write changed masters, drop held ones
             if not self.summoned:
@@ -591,10 +589,12 @@ def _unalias(output: Any, unit: Unit) -> Any:
 
 
 def engine_of(model: nn.Module) -> Engine:
-    """The engine of a model passed through ``shard``; a ValueError otherwise."""
+    """The engine of a model passed through ``shard``; a ValueError otherwise (one naming a
+    submodule of a sharded model as such: it was told to call ``shard``, which refuses it)."""
     engine = getattr(model, _ATTR, None)
     if engine is None:
-        raise ValueError(
-            f"{type(model).__name__} is not sharded; call zeroshard.shard(model, ...) first"
-        )
+        part = any(hasattr(p, SHARDED_PARAM) for p in model.parameters())
+        raise ValueError(f"{type(model).__name__} " + (
+            "is a part of a sharded model; pass the model that zeroshard.shard returned" if part
+            else "is not sharded; call zeroshard.shard(model, ...) first"))  # fmt: skip
     return engine

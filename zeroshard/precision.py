@@ -125,7 +125,9 @@ PRESETS: dict[str, MixedPrecision] = {
     "bf16": MixedPrecision(param_dtype=_BF16, reduce_dtype=_BF16, buffer_dtype=_BF16),
     "fp16": MixedPrecision(param_dtype=_F16, reduce_dtype=_F16, buffer_dtype=_F16),
 }
-"""The named policies; ``resolve`` adds "auto"."""
+"""The named policies; ``resolve`` adds "auto" and these aliases (torch's dtype names)."""
+_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+            _BF16: "bf16", _F16: "fp16", _F32: "fp32"}  # fmt: skip
 
 
 # --------------------------------------------------------------------- what the device can do
@@ -209,7 +211,7 @@ def _device_name(device: torch.device) -> str:
         return str(device)
 
 
-def resolve(name: str, device: torch.device | str) -> MixedPrecision:
+def resolve(name: str | torch.dtype, device: torch.device | str) -> MixedPrecision:
     """The policy for ``name`` ("fp32", "tf32", "bf16", "fp16" or "auto") on ``device``.
 
     "auto" picks BF16 where ``device`` has native BF16 (see ``bf16_support``: a CUDA, XPU or NPU
@@ -220,6 +222,7 @@ def resolve(name: str, device: torch.device | str) -> MixedPrecision:
     """
     device = torch.device(device)
     key = name.lower() if isinstance(name, str) else name
+    key = _ALIASES.get(key, key)
     if key == "auto":
         native, how = bf16_support(device)
         key = "bf16" if native else "fp32"
@@ -251,7 +254,7 @@ def policy_of(value: MixedPrecision | str | None, device: torch.device) -> Mixed
     """What ``shard(mixed_precision=...)`` accepts: a policy, a name for ``resolve``, or None."""
     if value is None:
         return FP32
-    if isinstance(value, str):
+    if isinstance(value, (str, torch.dtype)):  # (torch.bfloat16 was a TypeError)
         return resolve(value, device)
     if not isinstance(value, MixedPrecision):
         raise TypeError(

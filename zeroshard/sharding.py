@@ -25,7 +25,7 @@ from torch import nn
 
 from zeroshard import collectives as C
 from zeroshard import save_pretrained, tensor_parallel
-from zeroshard.engine import _ATTR, Engine, ShardConfig
+from zeroshard.engine import _ATTR, SHARDED_PARAM, Engine, ShardConfig
 from zeroshard.mesh import Mesh, settle_collective_threads_at_exit
 from zeroshard.model_states.flat_param import FlatParam, master_dtype_of
 from zeroshard.model_states.grads import GradBucket, GradScaling
@@ -47,9 +47,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
-
-_SHARDED = "_zeroshard_sharded"
-"""Set on each parameter of a sharded model: sharding a part of it again is refused."""
 
 
 _DATA_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)
@@ -120,7 +117,7 @@ def shard(
             f"{type(model).__name__} is already sharded; shard a model once (build a new one "
             "to change the stage or wrap policy)"
         )
-    if any(hasattr(p, _SHARDED) for p in model.parameters()):  # a part, or a whole, sharded
+    if any(hasattr(p, SHARDED_PARAM) for p in model.parameters()):  # a part, or a whole, sharded
         raise ValueError(
             f"{type(model).__name__} cannot be sharded: its parameters are part of a sharded "
             "model already. Shard the whole model once, with a wrap policy for its blocks "
@@ -293,7 +290,7 @@ def shard(
         module.__reduce_ex__ = functools.partial(_refuse_pickle, module)
     setattr(model, _ATTR, engine)
     for p in model.parameters():
-        setattr(p, _SHARDED, True)
+        setattr(p, SHARDED_PARAM, True)
     if engine.partition.parameters:
         # Every rank must run every forward (each gathers with the others): transformers'
         # generate() then keeps ranks that finished early stepping (synced_gpus), as it does
