@@ -90,6 +90,10 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
     pytest.importorskip("transformers")
     with pytest.raises(ValueError, match="not installed locally.*drop --tokenizer"):
         load_tokenizer(str(tmp_path / "no-such-tokenizer"))
+    (tmp_path / "config-only").mkdir()  # transformers loads a tokenizer of no vocabulary
+    (tmp_path / "config-only" / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="encodes text to no tokens .* vocabulary files"):
+        load_tokenizer(str(tmp_path / "config-only"))
     (tmp_path / "empty").mkdir()  # a folder: said to hold no tokenizer, not "not installed"
     with pytest.raises(ValueError, match="is a folder without a tokenizer.*save_pretrained"):
         load_tokenizer(str(tmp_path / "empty"))

@@ -75,7 +75,7 @@ def test_a_json_config_that_is_not_an_object(capsys, tmp_path, text):
         (["--model", "no.such.module:build"], ["no.such.module", "PYTHONPATH"]),
         (["--model", "json:no_such_factory"], ["no attribute 'no_such_factory'"]),
         (["--hf", "missing/config.json"], ["hf = 'missing/config.json'", "cannot read"]),
-        (["--data", "missing.txt"], ["data = 'missing.txt' does not exist"]),
+        (["--data", "missing.txt"], ["'missing.txt' does not exist (from the working directory"]),
         (["--model", "m:f", "--hf", "c.json"], ["pass one of --model and --hf"]),
         (["--nproc", "2", "--batch-size", "6", "--grad-accum", "2"], ["multiple of 4"]),
         (

@@ -76,7 +76,10 @@ def check_data_path(path: str | os.PathLike) -> None:
     """A ValueError (one line, with the fix) unless ``path`` is usable as ``--data``."""
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"data = {str(path)!r} does not exist; pass a text file, folder or .npy")
+        where = "" if p.is_absolute() else f" (from the working directory {Path.cwd()})"
+        raise ValueError(
+            f"data = {str(path)!r} does not exist{where}; pass a text file, folder or .npy"
+        )
     if _is_npy(p) and p.is_file():
         return
     if not p.is_file() and not p.is_dir():  # (it was read as an empty folder)
@@ -98,7 +101,7 @@ def load_tokenizer(name: str) -> Any:
             "drop --tokenizer for byte-level tokens"
         ) from None
     try:
-        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
     except Exception as exc:  # OSError, ValueError, ...: transformers' many ways to say "absent"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if os.path.isdir(name):  # (not a name "not installed": transformers' line says little)
@@ -113,6 +116,13 @@ def load_tokenizer(name: str) -> Any:
             "(e.g. AutoTokenizer.from_pretrained(name).save_pretrained(folder)) and pass the "
             "folder, or drop --tokenizer for byte-level tokens"
         ) from None
+    if not tokenizer("hello world", add_special_tokens=False)["input_ids"]:  # no vocabulary
+        raise ValueError(  # (a folder of only config.json loads one; the data was then blamed)
+            f"tokenizer = {name!r} encodes text to no tokens ({len(tokenizer)} entries): its "
+            "vocabulary files are missing; pass a folder a tokenizer was saved to "
+            "(tokenizer.save_pretrained(folder)), or drop --tokenizer for byte-level tokens"
+        )
+    return tokenizer
 
 
 def _smallest_dtype(vocab_size: int) -> np.dtype:
