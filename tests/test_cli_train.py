@@ -527,6 +527,16 @@ def test_a_skipped_step_does_not_move_the_lr_schedule_on(capsys, tmp_path, model
     assert code == 0 and summary["skipped_steps"] == 1, err
     got = [r["lr"] for r in _train_records(records)]
     assert got == pytest.approx([0.0025, 0.005, 0.005, 0.0075, 0.01])
+    # Resumed at step 3 with another peak: the rate said for step 4 is that of its third
+    # applied step (the skipped one counted, it said the fourth's).
+    flags[flags.index("--steps") + 1] = "3"
+    code, err, _, _ = _train_in_process(capsys, tmp_path / "saved", *flags, "--save-every", "3")
+    assert code == 0, err
+    resumed = [*flags, "--save-every", "3", "--steps", "5", "--lr", "0.02"]
+    resumed += ["--resume", str(tmp_path / "saved" / "ckpt" / "step-000003")]
+    assert main(["train", *resumed, "--out-dir", str(tmp_path / "resumed")]) == 0
+    said = "the learning rate of step 4, the first resumed, is 0.015 (linear schedule over 5 "
+    assert said in capsys.readouterr().out
 
 
 MODEL_FILE = '''

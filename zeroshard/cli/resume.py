@@ -29,6 +29,16 @@ _BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eva
 """Settings that do not change what is trained: a resume may change them without a word."""
 
 
+def _saved_extra(resume: str) -> dict:
+    """The ``extra`` a checkpoint holds (rank 0's file: the step, skipped steps, settings), or
+    {} when it cannot be read."""
+    try:
+        extra = torch.load(Path(resume) / "rank-00000.pt", weights_only=True)["extra"]
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError, pickle.UnpicklingError):
+        return {}
+    return extra if isinstance(extra, dict) else {}
+
+
 def saved_settings(saved: Path, resume: str | None, *, quiet: bool = False) -> dict | None:
     """The settings of the run that saved the checkpoint ``resume``: recorded in the checkpoint
     (rank 0's file), else (a checkpoint of an older version) the ``config.json`` beside it,
@@ -36,9 +46,8 @@ def saved_settings(saved: Path, resume: str | None, *, quiet: bool = False) -> d
     unreadable file is said on stdout unless ``quiet``."""
     if resume:
         try:
-            own = torch.load(Path(resume) / "rank-00000.pt", weights_only=True)["extra"]
-            return json.loads(own["settings"])
-        except (OSError, KeyError, TypeError, ValueError, RuntimeError, pickle.UnpicklingError):
+            return json.loads(_saved_extra(resume)["settings"])
+        except (KeyError, TypeError, ValueError):
             pass
         if not saved.is_file():  # resumed into another folder: the saved run's own
             saved = Path(resume).parent.parent / "config.json"  # RUN/ckpt/step-N -> RUN
@@ -73,11 +82,12 @@ def say_changes(saved: Path, cfg: TrainConfig) -> None:
     step = checkpoint.info(cfg.resume).step if cfg.resume else None
     if step is None or not all(k in before for k in _SCHEDULE):
         return  # a saved config of another version: nothing sure to say
+    applied = step - int(_saved_extra(cfg.resume).get("skipped", 0))  # (skips do not move it)
     try:
-        saved_rate = lr_at(step, dataclasses.replace(cfg, **{k: before[k] for k in _SCHEDULE}))
+        saved_rate = lr_at(applied, dataclasses.replace(cfg, **{k: before[k] for k in _SCHEDULE}))
     except (TypeError, ValueError):
         return
-    rate = lr_at(step, cfg)
+    rate = lr_at(applied, cfg)
     if not math.isclose(rate, saved_rate, rel_tol=1e-9):
         print(
             f"the learning rate of step {step + 1}, the first resumed, is {rate:.4g} "
