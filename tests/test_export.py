@@ -328,6 +328,7 @@ class _Shared(torch.nn.Module):
         super().__init__()
         block = torch.nn.Linear(8, 8)
         block.register_buffer("scale", torch.full((8,), 0.5))  # persistent: in the state dict
+        block.register_buffer("rot", torch.ones(8), persistent=False)  # not: no key, no tie
         self.emb = torch.nn.Embedding(16, 8)
         self.layers = torch.nn.ModuleList([block, torch.nn.Linear(8, 8), block])
         self.head = torch.nn.Linear(8, 16, bias=False)
@@ -352,6 +353,7 @@ def test_a_module_registered_twice_is_stored_once(lone_process, tmp_path):
     result = export_safetensors(tmp_path / "ck", tmp_path / "hf")
     ties = {"layers.2.weight": "layers.0.weight", "layers.2.bias": "layers.0.bias"}
     ties["layers.2.scale"] = "layers.0.scale"  # (its buffers too: they were stored twice)
+    assert checkpoint.read_meta(tmp_path / "ck")["tied"] == {**ties, "head.weight": "emb.weight"}
     assert result.tied == {**ties, "head.weight": "emb.weight"}, result.tied
     stored = _stored(tmp_path / "hf", result.files)
     assert set(stored) == set(full) - set(result.tied)

@@ -170,6 +170,55 @@ def test_a_meta_buffer_its_init_leaves_unset_is_refused(workers2):
     assert all(math.isnan(v) for v in workers2.run(_meta_buffer, False))
 
 
+class _Gated(nn.Linear):
+    """A Linear subclass with a parameter of its own that Linear's reset_parameters does not
+    set, and a causal mask buffer; ``sets`` names those its own reset_parameters sets."""
+
+    def __init__(self, sets: tuple[str, ...]) -> None:
+        super().__init__(4, 4)
+        self.sets = sets
+        self.gate = nn.Parameter(torch.ones(4))
+        self.register_buffer("keep", torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if "gate" in getattr(self, "sets", ()):
+            self.gate.fill_(1.0)
+        if "keep" in getattr(self, "sets", ()):
+            self.keep.copy_(torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+    def forward(self, x):
+        return super().forward(x) * self.gate * self.keep.sum(0)
+
+
+def _meta_tensors_no_init_sets(sets: tuple[str, ...]) -> str:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(_Gated(sets), nn.BatchNorm1d(4), nn.Linear(4, 4))
+        model[2].register_buffer("stats", model[1].running_mean)  # one buffer, two modules
+        model.append(nn.Linear(0, 0, bias=False))  # zero-size: nothing to initialize
+    try:
+        model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(nn.Linear))
+    except ValueError as exc:
+        return str(exc)
+    assert model[2].stats is model[1].running_mean  # the tie held
+    assert bool(model[0].keep.equal(torch.tril(torch.ones(4, 4, dtype=torch.bool))))
+    with zeroshard.summon_full_params(model):
+        return f"gate {model[0].gate.tolist()}"
+
+
+def test_meta_parameters_and_bool_buffers_no_init_sets_are_refused(workers2):
+    # The gate kept whatever memory held (7e14) and the bool mask was random, silently; a
+    # buffer shared by two modules was refused, and a zero-size Linear needed an init.
+    for sets, said in [(("keep",), "_Gated's parameter 'gate'"), (("gate",), "buffer 'keep'")]:
+        got = workers2.run(_meta_tensors_no_init_sets, sets)
+        assert all(said in s and "did not set it" in s for s in got), got
+    assert (
+        workers2.run(_meta_tensors_no_init_sets, ("gate", "keep"))
+        == ["gate [1.0, 1.0, 1.0, 1.0]"] * 2
+    )
+
+
 def _different_models() -> None:
     width = 8 if dist.get_rank() == 0 else 9
     with pytest.raises(ValueError, match="the model differs across ranks"):

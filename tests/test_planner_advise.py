@@ -342,3 +342,31 @@ def test_no_offloaded_candidate_on_accelerators():
     advice = _small_advice("cuda")
     assert {c.offload for c in advice.feasible} == {"none"}
     assert {c.stage for c in advice.feasible} == {0, 1, 2, 3}
+
+
+def test_streamed_parameters_of_mixed_precision_are_the_fp32_masters():
+    # The engine's BF16 keeps no 2-byte parameter at rest at stage 3: what streams from the
+    # CPU or NVMe is the FP32 master shard, three times a step (it was counted as free).
+    import sys
+
+    from zeroshard.planner import describe
+    from zeroshard.planner.memory import ENGINE_MIXED, ZERO, plan_memory
+
+    module = sys.modules["zeroshard.planner.advise"]
+    model = describe.from_gpt("1b")
+    cluster = module.Cluster(
+        num_devices=8, device_memory_bytes=16 * 2**30, peak_flops=1e14,
+        net_bandwidth_bytes_per_s=1e10, cpu_bandwidth_bytes_per_s=1e10,
+        nvme_bandwidth_bytes_per_s=1e9,
+    )  # fmt: skip
+    offload = {}
+    for bpp in (ZERO, ENGINE_MIXED):
+        cfg = MemoryConfig(
+            stage=3, num_dp_ranks=8, bytes_per_param=bpp, micro_batch_size=1, seq_len=1024,
+            placement=OFFLOADS["cpu-all"],
+        )  # fmt: skip
+        plan = plan_memory(model, cfg)
+        offload[bpp] = module._step_times(model, cluster, cfg, plan, 1)["offload"]
+    # 4 bytes instead of 2 for each of the three parameter reads and the gradient's write
+    more = (3 * (4 - 2) + (4 - 2)) * model.num_params / 8 / 1e10
+    assert offload[ENGINE_MIXED] == pytest.approx(offload[ZERO] + more, rel=1e-3)

@@ -250,16 +250,17 @@ def resolve(name: str | torch.dtype, device: torch.device | str) -> MixedPrecisi
     return PRESETS[key]
 
 
-def policy_of(value: MixedPrecision | str | None, device: torch.device) -> MixedPrecision:
-    """What ``shard(mixed_precision=...)`` accepts: a policy, a name for ``resolve``, or None."""
+def policy_of(value: Any, device: torch.device) -> MixedPrecision:
+    """What ``shard(mixed_precision=...)`` accepts: a MixedPrecision, a name or torch dtype for
+    ``resolve``, or None."""
     if value is None:
         return FP32
     if isinstance(value, (str, torch.dtype)):  # (torch.bfloat16 was a TypeError)
         return resolve(value, device)
     if not isinstance(value, MixedPrecision):
         raise TypeError(
-            f"mixed_precision must be a MixedPrecision or a name ({', '.join(PRESETS)}, auto), "
-            f"got {type(value).__name__}"
+            f"mixed_precision must be a MixedPrecision, a name ({', '.join(PRESETS)}, auto) "
+            f"or a torch dtype, got {type(value).__name__}"
         )
     return value
 

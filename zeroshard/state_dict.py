@@ -195,12 +195,15 @@ def tied_names(model: nn.Module) -> dict[str, str]:
     buffer (tied weights, a module registered at two places), as its state dict's keys have
     them; ``source`` is the first name."""
     pairs: dict[str, str] = {}
-    for named in (model.named_parameters, model.named_buffers):
-        first: dict[int, str] = {}
-        for name, tensor in named(remove_duplicate=False):
-            name = name.replace(_WRAPPED, "")
-            if first.setdefault(id(tensor), name) != name:
-                pairs[name] = first[id(tensor)]
+    buffers: dict[int, str] = {}  # persistent ones: non-persistent buffers have no key
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                full = f"{prefix}.{name}".lstrip(".").replace(_WRAPPED, "")
+                if buffers.setdefault(id(b), full) != full:
+                    pairs[full] = buffers[id(b)]
+    for names in _all_names(model).values():
+        pairs.update((alias, names[0]) for alias in names[1:])
     return pairs
 
 

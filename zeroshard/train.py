@@ -130,8 +130,9 @@ def next_token_loss(model, x_BT: torch.Tensor, y_BT: torch.Tensor, vocab_size: i
             raise
         t = x_BT.size(-1)
         raise ValueError(
-            f"an embedding of the model was indexed past its end ({exc}) by a batch of "
-            f"{t} positions whose largest token id is {int(x_BT.max())} (the data's vocabulary "
+            f"the model indexed past the end of a tensor, an embedding as a rule ({exc}), on "
+            f"a batch of {t} positions whose largest token id is {int(x_BT.max())} (the data's "
+            f"vocabulary "
             f"has {vocab_size} ids): give the model a vocabulary of at least {vocab_size} and "
             f"at least {t} positions (or lower --seq-len)"
         ) from exc

@@ -31,7 +31,7 @@ PRECISION_BYTES = {
 }
 """--precision -> (bytes per parameter, bytes per activation element) of the engine's AdamW run:
 FP32 keeps no separate master; BF16 and FP16 keep FP32 masters and an FP32 gradient shard beside
-2-byte working copies (``memory.ENGINE_MIXED``; ZeRO's 2 + 2 + 12 under-counted them by 15-20%
+2-byte working copies (``memory.ENGINE_MIXED``; ZeRO's 2 + 2 + 12 under-counted them by 11-20%
 at stages 0-2)."""
 
 

@@ -33,7 +33,7 @@ def _saved_extra(resume: str) -> dict:
     """The ``extra`` a checkpoint holds (rank 0's file: the step, skipped steps, settings), or
     {} when it cannot be read."""
     try:
-        extra = torch.load(Path(resume) / "rank-00000.pt", weights_only=True)["extra"]
+        extra = torch.load(Path(resume) / "rank-00000.pt", weights_only=True, mmap=True)["extra"]
     except (OSError, KeyError, TypeError, ValueError, RuntimeError, pickle.UnpicklingError):
         return {}
     return extra if isinstance(extra, dict) else {}

@@ -72,13 +72,14 @@ def _check_eager_build_fits(cfg: TrainConfig, local_ranks: int) -> None:
 
 def _check_states_fit(cfg: TrainConfig, nproc: int, local_ranks: int) -> None:
     """Training on the CPU, a preset's model states (weights, gradients, AdamW's states: 16
-    bytes per parameter, divided as the stage partitions them) that stay in memory must fit in
-    what this node has available, before launch: else the kernel kills a rank minutes later,
-    which the others report as a failed collective."""
+    bytes per parameter in FP32, up to 20 in BF16 / FP16, as the stage partitions them) that
+    stay in memory must fit in what this node has available, before launch: else the kernel
+    kills a rank minutes later, which the others report as a failed collective."""
     import torch
 
+    from zeroshard.cli.plan_flags import PRECISION_BYTES
     from zeroshard.offload import Tier
-    from zeroshard.planner.memory import Placement, model_states
+    from zeroshard.planner.memory import ENGINE_MIXED, Placement, model_states
 
     if cfg.model or cfg.hf or torch.accelerator.is_available():
         return  # sizes known once built; an accelerator's memory is not the host's
@@ -91,6 +92,7 @@ def _check_states_fit(cfg: TrainConfig, nproc: int, local_ranks: int) -> None:
         PRESETS[cfg.preset].num_params(), stage=cfg.stage,
         num_dp_ranks=cfg.shard_group_size or nproc // cfg.tp,  # hybrid: partitioned over k
         num_mp_ranks=cfg.tp, placement=placement,
+        bytes_per_param=PRECISION_BYTES.get(cfg.precision, (ENGINE_MIXED,))[0],  # auto: the more
     )  # fmt: skip
     need = local_ranks * sum(sum(v.values()) for t, v in states.items() if t is not Tier.NVME)
     available = memory_available_bytes()

@@ -37,10 +37,17 @@ class Materializer:
         self._owners: dict[int, nn.Module] = {}  # id(param) -> first registering module
         self._done: set[int] = set()  # id(param) of parameters initialized here
         self._ancestors: dict[int, list[nn.Module]] = {}  # id(module) -> parents, nearest first
+        # A buffer registered in several modules (a tie) is made once and checked at its first
+        # owner's init (id -> (the meta tensor, kept alive so that its id stays its, the real)).
+        self._buffer_owners: dict[int, nn.Module] = {}
+        self._buffers_made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._unchecked: list[tuple[nn.Module, str]] = []  # parameters made, checked at the end
         by_name = dict(model.named_modules())
         for name, module in by_name.items():
             for p in module.parameters(recurse=False):
                 self._owners.setdefault(id(p), module)
+            for b in module.buffers(recurse=False):
+                self._buffer_owners.setdefault(id(b), module)
             parts = name.split(".") if name else []
             self._ancestors[id(module)] = [
                 by_name[".".join(parts[:i])] for i in range(len(parts) - 1, -1, -1)
@@ -57,6 +64,21 @@ class Materializer:
             self._init_module(module)
         if _applies_to_any_module(self.param_init_fn):
             self._init_ancestors(modules, fresh)
+        self._check_params_set()
+
+    def _check_params_set(self) -> None:
+        """The parameters just made all hold values (they start as NaN): one that neither the
+        module's init nor an ancestor's set kept the memory it was given (garbage, trained on)."""
+        unchecked, self._unchecked = self._unchecked, []
+        for module, name in unchecked:
+            if _still_unset(module._parameters[name]):
+                raise ValueError(
+                    f"{type(module).__name__}'s parameter {name!r} was built on the meta device "
+                    "and its initialization (reset_parameters() or param_init_fn) did not set "
+                    "it (all of it): it would hold garbage; set it there (e.g. in a "
+                    "reset_parameters() of that module), or build the model on a real device "
+                    "(zeroshard train: drop --meta-init)"
+                )
 
     def _init_ancestors(self, modules: list[nn.Module], fresh: set[int]) -> None:
         """``param_init_fn`` on every ancestor of ``modules``, nearest first (the order of
@@ -84,17 +106,24 @@ class Materializer:
         rnn = isinstance(module, nn.RNNBase)
         if rnn:  # its weakrefs to its weights make swap_tensors refuse them: remade below
             module._flat_weight_refs = []
-        for p in module.parameters(recurse=False):
-            if p.device == META:
-                new = nn.Parameter(torch.empty_like(p, device=self.device), p.requires_grad)
+        needed = False  # (a module of zero-size tensors only has nothing to initialize)
+        for name, p in module._parameters.items():
+            if p is not None and p.device == META:
+                new = nn.Parameter(_unset(p, self.device), p.requires_grad)
                 torch.utils.swap_tensors(p, new)  # same object: ties and optimizer refs hold
+                self._unchecked.append((module, name))
+                needed |= p.numel() > 0
         if rnn:
             module._init_flat_weights()
         made = []
         for name, b in module.named_buffers(recurse=False):
             if b.device == META:
-                module._buffers[name] = _unset(b, self.device)
-                made.append(name)
+                key = id(b)
+                real = self._buffers_made.setdefault(key, (b, _unset(b, self.device)))[1]
+                module._buffers[name] = real
+                if self._buffer_owners.get(key, module) is module:
+                    made.append(name)
+                    needed |= b.numel() > 0
         # A parameter this module shares with a unit built before was initialized (and sharded)
         # with it: the init below runs on a scratch stand-in, so it is initialized once only.
         done = {
@@ -105,7 +134,8 @@ class Materializer:
             module._parameters[name] = nn.Parameter(scratch, p.requires_grad)
         before = dict(module._parameters)
         try:
-            self._run_init(module)
+            if needed:
+                self._run_init(module)
             _check_kept(module, before)
         finally:
             module._parameters.update(done)
@@ -143,6 +173,7 @@ class Materializer:
             )
             if on_meta:
                 self._init_module(module)
+        self._check_params_set()
 
 
 def _applies_to_any_module(fn: Callable[[nn.Module], None] | None) -> bool:
@@ -196,19 +227,26 @@ def _check_kept(module: nn.Module, before: dict[str, nn.Parameter | None]) -> No
 
 
 def _unset(b: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A buffer's real storage before its module's init: NaN (floating), the dtype's minimum
-    (integers), so that ``_still_unset`` sees one the init did not write."""
+    """A tensor's real storage before its module's init: NaN (floating), the dtype's minimum
+    (integers), alternating True and False (bool), so that ``_still_unset`` sees one the init
+    did not write (bool buffers kept whatever memory held: a causal mask, wrong at random)."""
     out = torch.empty_like(b, device=device)
     if out.is_floating_point() or out.is_complex():
         return out.fill_(float("nan"))
-    if out.dtype != torch.bool:
-        return out.fill_(torch.iinfo(out.dtype).min)
-    return out
+    if out.dtype == torch.bool:
+        return out.copy_(_alternating(out))
+    return out.fill_(torch.iinfo(out.dtype).min)
+
+
+def _alternating(b: torch.Tensor) -> torch.Tensor:
+    return (torch.arange(b.numel(), device=b.device) % 2 == 0).view(b.shape)
 
 
 def _still_unset(b: torch.Tensor) -> bool:
-    if b.numel() == 0 or b.dtype == torch.bool:
+    if b.numel() == 0:
         return False
+    if b.dtype == torch.bool:  # (one element cannot tell: True may be what the init set)
+        return b.numel() > 1 and torch.equal(b, _alternating(b))
     if b.is_floating_point() or b.is_complex():
         return bool(torch.isnan(b).any())
     return bool((b == torch.iinfo(b.dtype).min).all())

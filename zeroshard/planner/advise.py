@@ -40,6 +40,7 @@ from zeroshard.planner.memory import (
     placement_problem,
     plan_memory,
 )
+from zeroshard.planner.staging import MASTER_BYTES
 from zeroshard.planner.units import format_bytes
 from zeroshard.stages import partition
 
@@ -425,7 +426,12 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
         config.bytes_per_param.params * model.num_params / (num_mp * config.num_shard_ranks)
     )
     if p.params is not Tier.DEVICE:
-        traffic[p.params] += num_micro * 3 * memory.on(p.params)["params"]
+        streamed = memory.on(p.params)["params"]
+        if config.bytes_per_param.working_copies:  # none at rest: the FP32 masters stream
+            streamed = math.ceil(
+                MASTER_BYTES * model.num_params / (num_mp * config.num_shard_ranks)
+            )
+        traffic[p.params] += num_micro * 3 * streamed
     if p.grads is not Tier.DEVICE:
         traffic[p.grads] += num_micro * memory.on(p.grads)["grads"]
         if p.params is Tier.DEVICE:
