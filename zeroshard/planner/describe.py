@@ -92,6 +92,11 @@ class ModelDescription:
     buffer_bytes: int = 0
     """Bytes of the model's buffers (BatchNorm statistics, rotary tables), for a built model:
     whole on every rank at every stage (the engine shards parameters only)."""
+    cast_buffer_numel: int = 0
+    """Elements of its persistent floating buffers, among them: a mixed-precision preset keeps
+    those in its 2-byte buffer dtype (``memory.buffer_bytes``)."""
+    cast_buffer_bytes: int = 0
+    """Their bytes as built."""
     tp_split_numel: int | None = None
     """Parameters the model's tensor-parallel plan cuts into pieces
     (``zeroshard.tensor_parallel.split_numel``), for a built model that declares one; ``None``:
@@ -281,6 +286,12 @@ def from_module(
         )
         activations = None
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    cast = {  # persistent floating buffers, once each
+        id(b): b
+        for m in module.modules()
+        for n, b in m._buffers.items()
+        if b is not None and b.is_floating_point() and n not in m._non_persistent_buffers_set
+    }.values()
     try:
         tp_split = split_numel(module)
     except ValueError:  # no plan: zeroshard plan refuses --mp > 1 for it
@@ -297,6 +308,8 @@ def from_module(
         activations=activations,
         tp_split_numel=tp_split,
         buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+        cast_buffer_numel=sum(b.numel() for b in cast),
+        cast_buffer_bytes=sum(b.numel() * b.element_size() for b in cast),
     )
 
 

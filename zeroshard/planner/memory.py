@@ -397,6 +397,14 @@ def _grads_as_trained(
         states[Tier.DEVICE]["grads"] = whole[Tier.DEVICE]["grads"]
 
 
+def buffer_bytes(model: ModelDescription, bpp: BytesPerParam) -> int:
+    """The model's buffers on each rank: with the engine's mixed precision (``working_copies``)
+    its persistent floating ones in the 2-byte dtype of ``bpp.params``, the rest as built."""
+    if not bpp.working_copies:
+        return model.buffer_bytes
+    return model.buffer_bytes - model.cast_buffer_bytes + model.cast_buffer_numel * bpp.params
+
+
 def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdown:
     """Residual-state bytes per device, fragmentation excluded (``plan_memory`` adds it).
 
@@ -406,7 +414,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
     c, bpp = config, config.bytes_per_param
     part = partition(c.stage)
     out = {t: dict.fromkeys(RESIDUAL_STATES, 0) for t in TIERS}
-    out[Tier.DEVICE]["buffers"] = model.buffer_bytes
+    out[Tier.DEVICE]["buffers"] = buffer_bytes(model, bpp)
     notes = []
     shape, measured = model.shape, saved.at_config(model, c) is not None
     why = saved.problem(model, c)

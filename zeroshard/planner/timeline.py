@@ -33,6 +33,7 @@ from zeroshard.planner.memory import (
     RESIDUAL_STATES,
     BytesPerParam,
     MemoryConfig,
+    buffer_bytes,
     logits_bytes,
     model_states,
 )
@@ -380,7 +381,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         outputs exist; all of them and the root's when ``num_reduced > num_units``), with the
         residual categories given."""
         now = dict(states)
-        idle = dict.fromkeys(RESIDUAL_STATES, 0) | {"buffers": model.buffer_bytes}
+        idle = dict.fromkeys(RESIDUAL_STATES, 0) | {"buffers": buffer_bytes(model, bpp)}
         if c.grad_accum > 1:  # the last micro-batch's: the earlier ones' gradients all held
             return now | idle | residual
         reduced = model.num_params if num_reduced > num_units else numel(0, num_reduced)
