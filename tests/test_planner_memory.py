@@ -399,3 +399,15 @@ def test_the_timeline_holds_the_gradients_of_earlier_micro_batches():
         assert four.peak["grads"] == shards and unreduced.peak["grads"] == whole, sib
         if sib:  # no shard at all in one micro-batch
             assert one.peak["grads"] == 0 and four.peak_bytes() > one.peak_bytes()
+
+
+def test_mixed_precision_masters_are_every_parameter_s_and_stay_with_the_parameters():
+    # The engine keeps an FP32 master for frozen parameters too (the plan scaled it with the
+    # trainable fraction: 10-16% low), and Offload(optimizer=...) moves Adam's moments only.
+    states = m.model_states(
+        1000, stage=3, num_dp_ranks=2, bytes_per_param=m.ENGINE_MIXED,
+        num_params_trainable=500, placement=OFFLOADS["nvme-optimizer"],
+    )  # fmt: skip
+    assert states[Tier.DEVICE] == {"params": 0, "grads": 0, "optimizer_states": 4 * 1000 // 2}
+    assert states[Tier.NVME]["optimizer_states"] == 8 * 500 // 2
+    assert states[Tier.CPU]["grads"] == 4 * 500 // 2  # the FP32 gradient shard

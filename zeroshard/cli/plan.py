@@ -96,7 +96,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="the run's precision, as zeroshard train --precision: the bytes per parameter and "
         "activation the engine keeps (fp32, tf32: 4,4,8, the parameter is its own master, and "
-        "4-byte activations; bf16, fp16: 2,2,12 and 2)",
+        "4-byte activations; bf16, fp16: 2,2,12 + a 4-byte FP32 gradient, and 2)",
     )
     t.add_argument(
         "--seq",

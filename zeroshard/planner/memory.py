@@ -38,7 +38,7 @@ from zeroshard.planner.placement import Placement as Placement
 from zeroshard.planner.placement import at_stage as at_stage
 from zeroshard.planner.placement import offload_name as offload_name
 from zeroshard.planner.placement import placement_problem as placement_problem
-from zeroshard.planner.staging import offload_staging_bytes
+from zeroshard.planner.staging import MASTER_BYTES, offload_staging_bytes
 from zeroshard.stages import partition
 
 RESIDUAL_STATES = (
@@ -311,18 +311,24 @@ def model_states(
     replicated = min(num_params_replicated, num_params)
     elements_x_nm = num_params - replicated + replicated * num_mp_ranks
     bpp = bytes_per_param
-    working = bpp.working_copies
-    parts = [(c, getattr(bpp, c), split[c], working and c != "optimizer_states") for c in split]
-    parts.append(("grads", bpp.grad_master, p.optimizer_states, False))
-    for category, per_param, partitioned, working_copy in parts:
+    working, k = bpp.working_copies, bpp.optimizer_states
+    # (category, bytes per parameter, partitioned, a working copy, trained ones only, tier)
+    parts = [(c, getattr(bpp, c), split[c], working and c != "optimizer_states", c != "params", c)
+             for c in split]  # fmt: skip
+    parts.append(("grads", bpp.grad_master, p.optimizer_states, False, True, "grads"))
+    if working:  # the FP32 masters in K: every parameter's (frozen too), with the parameters
+        master = min(MASTER_BYTES, k)
+        parts[2] = (parts[2][0], k - master, *parts[2][2:])
+        parts.append(("optimizer_states", master, p.optimizer_states, False, False, "params"))
+    for category, per_param, partitioned, working_copy, trained, tier in parts:
         if working_copy and partitioned:
             continue  # gathered or produced per unit, then freed: none at rest
         # bytes * ((Psi - R) / Nm + R) / Nd, in integers: ceil(a / b) = -(-a // b)
         num_bytes = per_param * elements_x_nm
-        if category != "params" and num_params_trainable is not None:
+        if trained and num_params_trainable is not None:
             num_bytes = num_bytes * num_params_trainable // num_params
         ways = num_mp_ranks * (num_dp_ranks if partitioned else 1)
-        out[placement.tier(category)][category] += -(-num_bytes // ways)
+        out[placement.tier(tier)][category] += -(-num_bytes // ways)
     return out
 
 
