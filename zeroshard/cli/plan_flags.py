@@ -23,16 +23,7 @@ def ints(flag: str, text: str, *, low: int = 1) -> tuple[int, ...]:
     return values
 
 
-PRECISION_BYTES = {
-    "fp32": (memory.BytesPerParam(params=4, grads=4, optimizer_states=8), 4),
-    "tf32": (memory.BytesPerParam(params=4, grads=4, optimizer_states=8), 4),
-    "bf16": (memory.ENGINE_MIXED, 2),
-    "fp16": (memory.ENGINE_MIXED, 2),
-}
-"""--precision -> (bytes per parameter, bytes per activation element) of the engine's AdamW run:
-FP32 keeps no separate master; BF16 and FP16 keep FP32 masters and an FP32 gradient shard beside
-2-byte working copies (``memory.ENGINE_MIXED``; ZeRO's 2 + 2 + 12 under-counted them by 11-20%
-at stages 0-2)."""
+PRECISION_BYTES = memory.PRECISION_BYTES
 
 
 def state_bytes(args) -> tuple[memory.BytesPerParam, int]:

@@ -77,9 +77,8 @@ def _check_states_fit(cfg: TrainConfig, nproc: int, local_ranks: int) -> None:
     kills a rank minutes later, which the others report as a failed collective."""
     import torch
 
-    from zeroshard.cli.plan_flags import PRECISION_BYTES
     from zeroshard.offload import Tier
-    from zeroshard.planner.memory import ENGINE_MIXED, Placement, model_states
+    from zeroshard.planner.memory import ENGINE_MIXED, PRECISION_BYTES, Placement, model_states
 
     if cfg.model or cfg.hf or torch.accelerator.is_available():
         return  # sizes known once built; an accelerator's memory is not the host's

@@ -38,16 +38,9 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from zeroshard.planner import comm, describe, timeline
-from zeroshard.planner.memory import (
-    ENGINE_MIXED,
-    MODEL_STATES,
-    BytesPerParam,
-    MemoryConfig,
-    plan_memory,
-)
+from zeroshard.planner.memory import FP32_ADAMW as FP32_ADAMW  # (re-exported)
+from zeroshard.planner.memory import MODEL_STATES, PRECISION_BYTES, MemoryConfig, plan_memory
 
-FP32_ADAMW = BytesPerParam(params=4, grads=4, optimizer_states=8)
-"""FP32 AdamW: the FP32 parameter is the master (4), its gradient (4), momentum and variance (8)."""
 MODEL_STATES_TOLERANCE = 0.02
 """Relative error allowed on model states (the ZeRO formulas; padding aside they are exact)."""
 PEAK_TOLERANCE = 0.10
@@ -110,9 +103,8 @@ def _seq_len(case: Case | HFCase) -> int:
     return case.seq_len or _gpt_config(case).block_size
 
 
-def _mixed_precision(case: Case | HFCase) -> str | None:
-    precision = getattr(case, "precision", "fp32")
-    return None if precision == "fp32" else precision
+def _precision(case: Case | HFCase) -> str:
+    return getattr(case, "precision", "fp32")
 
 
 def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
@@ -122,12 +114,12 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
     engine = ShardConfig()
     model = describe_case(case)
     ci = getattr(case, "checkpoint_every", 0)
-    mixed = _mixed_precision(case)
+    bytes_per_param, activation_bytes = PRECISION_BYTES[_precision(case)]
     return MemoryConfig(
         stage=case.stage,
         num_dp_ranks=num_ranks // case.tp,
         num_mp_ranks=case.tp,
-        bytes_per_param=FP32_ADAMW if mixed is None else ENGINE_MIXED,
+        bytes_per_param=bytes_per_param,
         micro_batch_size=case.micro_batch_size,
         seq_len=_seq_len(case),
         # Prefetch depth. Stage 3 reduces unit by unit, up to max_inflight_reductions in flight
@@ -144,7 +136,7 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
         activation_checkpointing=bool(ci),
         num_layers_per_checkpoint=max(1, ci),
         engine_timeline=True,
-        activation_bytes=4 if mixed is None else 2,
+        activation_bytes=activation_bytes,
         flash_attention=True,
         # On gloo zeroshard's reduce-scatter is sends and receives into its output
         # (zeroshard.collectives): no staging copy of the input while it is waited for.
@@ -214,7 +206,7 @@ def measure(case: Case) -> dict:
         step_in_backward=case.step_in_backward,
         tp=case.tp,
         checkpoint_every=case.checkpoint_every,
-        mixed_precision=_mixed_precision(case),
+        mixed_precision=_precision(case),
     )
 
 

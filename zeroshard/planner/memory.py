@@ -108,7 +108,19 @@ ENGINE_MIXED = BytesPerParam(grad_master=4, working_copies=True)
 0-2, gathered per unit at stage 3) and gradients (whole at stages 0-1, per unit at 2-3), FP32
 masters, momentum and variance (12) and an FP32 gradient (4) partitioned with the optimizer:
 20 bytes per parameter at stage 0, 4 + 16 / Nd at stage 1, 2 + 16 / Nd at 2, 16 / Nd at 3."""
+FP32_ADAMW = BytesPerParam(params=4, grads=4, optimizer_states=8)
+"""FP32 AdamW: the FP32 parameter is the master (4), its gradient (4), momentum and variance (8)."""
 BYTES_PER_PARAM_PRESETS = {"zero": ZERO, "infinity": ZERO_INFINITY}
+PRECISION_BYTES = {
+    "fp32": (FP32_ADAMW, 4),
+    "tf32": (FP32_ADAMW, 4),
+    "bf16": (ENGINE_MIXED, 2),
+    "fp16": (ENGINE_MIXED, 2),
+}
+"""A precision (``zeroshard train --precision``) -> (bytes per parameter, bytes per activation
+element) of the engine's AdamW run: FP32 keeps no separate master; BF16 and FP16 keep FP32
+masters and an FP32 gradient shard beside 2-byte working copies (ZeRO's 2 + 2 + 12
+under-counted them by 11-20% at stages 0-2)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -311,24 +323,24 @@ def model_states(
     replicated = min(num_params_replicated, num_params)
     elements_x_nm = num_params - replicated + replicated * num_mp_ranks
     bpp = bytes_per_param
-    working, k = bpp.working_copies, bpp.optimizer_states
-    # (category, bytes per parameter, partitioned, a working copy, trained ones only, tier)
-    parts = [(c, getattr(bpp, c), split[c], working and c != "optimizer_states", c != "params", c)
-             for c in split]  # fmt: skip
-    parts.append(("grads", bpp.grad_master, p.optimizer_states, False, True, "grads"))
-    if working:  # the FP32 masters in K: every parameter's (frozen too), with the parameters
-        master = min(MASTER_BYTES, k)
-        parts[2] = (parts[2][0], k - master, *parts[2][2:])
-        parts.append(("optimizer_states", master, p.optimizer_states, False, False, "params"))
-    for category, per_param, partitioned, working_copy, trained, tier in parts:
-        if working_copy and partitioned:
-            continue  # gathered or produced per unit, then freed: none at rest
+
+    def add(category: str, per_param: int, partitioned: bool, *, trained: bool = True,
+            tier: str | None = None) -> None:  # fmt: skip
         # bytes * ((Psi - R) / Nm + R) / Nd, in integers: ceil(a / b) = -(-a // b)
         num_bytes = per_param * elements_x_nm
         if trained and num_params_trainable is not None:
             num_bytes = num_bytes * num_params_trainable // num_params
         ways = num_mp_ranks * (num_dp_ranks if partitioned else 1)
-        out[placement.tier(tier)][category] += -(-num_bytes // ways)
+        out[placement.tier(tier or category)][category] += -(-num_bytes // ways)
+
+    master = min(MASTER_BYTES, bpp.optimizer_states) if bpp.working_copies else 0
+    for category in ("params", "grads"):  # working copies: gathered or produced per unit, then
+        if not (bpp.working_copies and split[category]):  # freed: none at rest once partitioned
+            add(category, getattr(bpp, category), split[category], trained=category == "grads")
+    add("grads", bpp.grad_master, p.optimizer_states)
+    add("optimizer_states", bpp.optimizer_states - master, p.optimizer_states)
+    # The FP32 masters beside working copies: every parameter's (frozen too), on its tier.
+    add("optimizer_states", master, p.optimizer_states, trained=False, tier="params")
     return out
 
 
