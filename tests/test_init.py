@@ -411,3 +411,46 @@ def _init_fns_written_for_leaves() -> list[float]:
 def test_init_fns_written_for_leaves_are_called_on_leaves(workers2):
     for largest in workers2.run(_init_fns_written_for_leaves):
         assert all(w < 1.0 for w in largest), largest
+
+
+def _parent_rules_on_other_units(stage: int) -> dict:
+    """A parent holding only a buffer, whose init also writes children built in other units
+    (DistilBERT's ``Embeddings``: its sinusoidal position table and ``position_ids``): it ran
+    again for the buffer after sharding, and wrote the child's sharded storage (stage 3: a
+    RuntimeError on the placeholder). And torch's order, children before their parent: a
+    ``MultiheadAttention``'s zero ``out_proj.bias`` stays zero."""
+    import transformers
+
+    config = transformers.DistilBertConfig(
+        dim=32, hidden_dim=64, n_layers=2, n_heads=2, vocab_size=100,
+        max_position_embeddings=16, sinusoidal_pos_embds=True,
+    )  # fmt: skip
+    eager = transformers.DistilBertModel(config).state_dict()
+    with torch.device("meta"):
+        model = transformers.DistilBertModel(config)
+    wrap = zeroshard.wrap.by_class("TransformerBlock")
+    model = zeroshard.shard(model, stage=stage, wrap=wrap, param_init_fn=model._init_weights)
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+
+    def init(m: nn.Module) -> None:
+        getattr(m, "_reset_parameters", getattr(m, "reset_parameters", None))()
+
+    with torch.device("meta"):
+        mha = nn.Sequential(nn.MultiheadAttention(8, 2))
+    mha = zeroshard.shard(mha, stage=stage, wrap={nn.MultiheadAttention}, param_init_fn=init)
+    key = "embeddings.position_embeddings.weight"
+    bias = zeroshard.full_state_dict(mha, rank0_only=False)["0.out_proj.bias"]
+    return {
+        "positions": torch.equal(full[key], eager[key]),
+        "position_ids": torch.equal(model.embeddings.position_ids, torch.arange(16)[None]),
+        "out_proj_bias": bias.abs().max().item(),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_parents_init_reaches_no_child_of_another_unit(workers2, stage):
+    pytest.importorskip("transformers")
+    assert (
+        workers2.run(_parent_rules_on_other_units, stage)
+        == [{"positions": True, "position_ids": True, "out_proj_bias": 0.0}] * 2
+    )

@@ -59,9 +59,13 @@ class Materializer:
         if not any(p.device == META for p in params):
             return
         modules = list(dict.fromkeys(self._owners[id(p)] for p in params if p.device == META))
+        # Children first, as torch's constructors and ``model.apply`` run: a parent's rule on a
+        # child's parameter (MultiheadAttention's zero ``out_proj.bias``) is the one that stays.
+        modules.sort(key=lambda m: -len(self._ancestors[id(m)]))
         fresh = {id(p) for m in modules for p in m.parameters(recurse=False)} - self._done
+        mine = {id(m) for m in modules}
         for module in modules:
-            self._init_module(module)
+            self._init_module(module, fresh, mine)
         if _applies_to_any_module(self.param_init_fn):
             self._init_ancestors(modules, fresh)
         self._check_params_set()
@@ -97,12 +101,19 @@ class Materializer:
                 with torch.no_grad():
                     self.param_init_fn(ancestor)
             finally:
-                for module, kind, name, value in hidden:
-                    getattr(module, kind)[name] = value
+                _restore(hidden)
             for m, params in before:
                 _check_kept(m, params)
 
-    def _init_module(self, module: nn.Module) -> None:
+    def _init_module(
+        self, module: nn.Module, fresh: set[int] | None = None, mine: set[int] | None = None
+    ) -> None:
+        """Materialize ``module``'s own meta tensors and run its init, which sees as real only
+        the ``fresh`` parameters (ids; by default its own) and the buffers of ``mine``
+        (modules' ids): a rule that writes a child built in another unit (CLIP's
+        ``_init_child_weight``, DistilBERT's sinusoidal table, run again for the parent's
+        buffer) writes a meta stand-in, not the child's sharded storage (refused at stage 3,
+        drawn anew after sharding at stages 0-2)."""
         rnn = isinstance(module, nn.RNNBase)
         if rnn:  # its weakrefs to its weights make swap_tensors refuse them: remade below
             module._flat_weight_refs = []
@@ -133,11 +144,14 @@ class Materializer:
             scratch = torch.empty(p.shape, dtype=p.dtype, device=self.device)
             module._parameters[name] = nn.Parameter(scratch, p.requires_grad)
         before = dict(module._parameters)
+        seen = (fresh or set()) | {id(p) for p in before.values() if p is not None}
+        hidden = _stand_ins(module, seen, mine or {id(module)}) if needed else []
         try:
             if needed:
                 self._run_init(module)
             _check_kept(module, before)
         finally:
+            _restore(hidden)
             module._parameters.update(done)
         self._done.update(id(p) for p in module.parameters(recurse=False))
         unset = [n for n in made if _still_unset(module._buffers[n])]
@@ -209,6 +223,11 @@ def _stand_ins(
                     hidden.append((module, "_buffers", name, b))
                     module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=META)
     return hidden
+
+
+def _restore(hidden: list[tuple[nn.Module, str, str, torch.Tensor]]) -> None:
+    for module, kind, name, value in hidden:
+        getattr(module, kind)[name] = value
 
 
 def _check_kept(module: nn.Module, before: dict[str, nn.Parameter | None]) -> None:
