@@ -96,8 +96,11 @@ def test_from_hf_uses_no_split_modules():
     model = GPT(PRESETS["nano"])
     model._no_split_modules = ["Block"]
     assert wrap.from_hf(model)(model) == ["blocks.0", "blocks.1"]
-    with pytest.raises(ValueError, match="_no_split_modules"):
+    with pytest.raises(ValueError, match="_no_split_modules; use by_class"):
         wrap.from_hf(nn.Linear(2, 2))
+    # A model without it (DistilBERT's): its layers' class is suggested.
+    with pytest.raises(ValueError, match=r"by_class\('Block'\) for the layers of its blocks"):
+        wrap.from_hf(GPT(PRESETS["nano"]))
 
 
 def test_from_hf_on_a_real_transformers_model():

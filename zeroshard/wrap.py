@@ -135,8 +135,19 @@ def from_hf(model: nn.Module) -> WrapPolicy:
     if not names:
         raise ValueError(
             f"{type(model).__name__} has no _no_split_modules; use by_class(...) or by_size(...)"
+            + _block_hint(model)
         )
     return by_class(*names)
+
+
+def _block_hint(model: nn.Module) -> str:
+    """The classes of the longest ``ModuleList``'s items (a model's layers), as a suggestion."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return ""
+    name, layers = max(lists, key=lambda nm: len(nm[1]))
+    classes = ", ".join(repr(c) for c in dict.fromkeys(type(m).__name__ for m in layers))
+    return f", e.g. by_class({classes}) for the layers of its {name}"
 
 
 @dataclass
