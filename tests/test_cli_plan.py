@@ -550,6 +550,7 @@ def test_advise_device_type(capsys):
         (["--partition-activations"], "there are none (Nm = 1)"),
         (["--mp", "2", "--sequence-parallel", "--seq", "33"], "seq 33 does not split in Nm = 2"),
         (["--mp", "2", "--sequence-parallel", "--partition-activations"], "so does Pa"),
+        (["--precision", "fp16", "--step-in-backward"], "fp16's dynamic loss scaling"),
     ],
 )
 def test_the_table_refuses_what_the_engine_would(capsys, flags, message):
