@@ -322,3 +322,37 @@ def test_buffers_are_counted(workers2, stage, precision):
     measured = max(workers2.run(_table_lm_peak, stage, precision))
     tolerance = 0.02 if precision == "fp32" else calibrate.PEAK_TOLERANCE  # (BF16: +4.6%)
     assert abs(predicted - measured) <= tolerance * measured, (predicted, measured)
+
+
+class _FrozenEmbeddingLM(_TableLM):
+    """A large frozen embedding (a fine-tune's): no gradient, no optimizer state, an FP32
+    master all the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.blocks:
+            block.table = torch.zeros(1, 32)
+        self.emb = torch.nn.Embedding(4096, 32).requires_grad_(False)
+
+
+def _frozen_states(stage: int) -> int:
+    def loss(model, gen):
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+
+    wrap = zeroshard.wrap.by_class(_TableBlock)
+    measured = calibrate.measure_module(
+        _FrozenEmbeddingLM, loss, stage=stage, wrap=wrap, num_steps=2
+    )
+    return measured["model_states_bytes"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_frozen_parameters_are_measured_and_planned(workers2, stage):
+    # torch's MemTracker hooks every parameter's gradient: measuring a model with a frozen one
+    # raised "cannot register a hook on a tensor that doesn't require gradient".
+    model = describe.from_module(_FrozenEmbeddingLM, wrap="_TableBlock")
+    config = dataclasses.replace(calibrate.engine_config(Case(stage=stage), 2), micro_batch_size=4)
+    predicted = m.plan_memory(model, config).model_states_bytes()
+    for measured in workers2.run(_frozen_states, stage):
+        assert abs(predicted - measured) <= 0.001 * measured, (predicted, measured)

@@ -235,6 +235,13 @@ def measure_hf(case: HFCase) -> dict:
     )
 
 
+class _NoHook:
+    """A hook handle with nothing to remove."""
+
+    def remove(self) -> None:
+        pass
+
+
 def measure_module(
     build,
     loss,
@@ -287,6 +294,9 @@ def measure_module(
     flat = [t for t in flat + [b.full_grad for b in engine.buckets] if t is not None]
     tracker = MemTracker()
     tracker.track_external(model, opt.optimizer, *flat)
+    for p in model.parameters():  # (torch's tracker hooks every one: refused on a frozen one)
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
     with tracker:
         forward_backward()
         opt.step()
