@@ -205,6 +205,21 @@ def test_calibration_hf_stage3_two_ranks(workers2, name, batch, seq):
             assert p["peak"]["activation_working"] > p["peak_bytes"] / 2
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_calibration_mixture_of_experts(workers2, stage):
+    """Qwen2-MoE's experts multiply through ``torch._grouped_mm``, whose meta kernel took BF16
+    only: the forward on meta failed and the plan fell back to the GPT formulas (with a
+    warning). Measured now, its peak within tolerance of a real run's."""
+    pytest.importorskip("transformers")
+    from test_planner_hf import HF_CONFIGS
+
+    case = calibrate.HFCase(config=HF_CONFIGS["qwen2_moe"], stage=stage, micro_batch_size=4)
+    case = dataclasses.replace(case, seq_len=64)
+    assert calibrate.describe_case(case).activations is not None
+    for row in workers2.run(calibrate.calibrate, case):
+        assert calibrate.within_tolerance(row), calibrate.render([row])
+
+
 @pytest.mark.parametrize(
     "case",
     [

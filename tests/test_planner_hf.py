@@ -55,6 +55,20 @@ HF_CONFIGS = {
         vocab_size=256,
         max_position_embeddings=64,
     ),
+    "qwen2_moe": dict(  # a mixture of experts: torch._grouped_mm over the experts' weights
+        model_type="qwen2_moe",
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=128,
+    ),
 }
 # The class transformers builds for each, and the block the engine wraps.
 HF_CLASSES = {
@@ -62,6 +76,7 @@ HF_CLASSES = {
     "t5": ("T5ForConditionalGeneration", "T5Block"),
     "llama": ("LlamaForCausalLM", "LlamaDecoderLayer"),
     "bert": ("BertForMaskedLM", "BertLayer"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeDecoderLayer"),
 }
 
 

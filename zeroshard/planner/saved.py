@@ -270,6 +270,7 @@ def measure(
     try:
         with (
             _cpu_attention_choice(),
+            _meta_grouped_mm(),
             _unpacked_sequences(),
             split,
             torch.autograd.graph.saved_tensors_hooks(pack, _same),
@@ -402,6 +403,30 @@ def _unpacked_sequences():
         yield
     finally:
         masking.find_packed_sequence_indices = found
+
+
+@contextlib.contextmanager
+def _meta_grouped_mm():
+    """``torch._grouped_mm`` (Hugging Face's mixture-of-experts layers: Qwen2-MoE, Mixtral) on
+    meta: its meta kernel takes BF16 only, where the CPU's takes FP32 too. Below autograd, so
+    that autograd still saves the input and weights, an FP32 call returns an empty output of
+    its shape (a 2-D input by 3-D expert weights, grouped by ``offs``: rows x out features)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    grouped = torch.ops.aten._grouped_mm.default
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is grouped and args[0].is_meta and args[0].dim() == 2 and args[1].dim() == 3:
+                a, b = args[:2]
+                dtype = kwargs.get("out_dtype") or a.dtype
+                return torch.empty(a.shape[0], b.shape[-1], dtype=dtype, device="meta")
+            return func(*args, **kwargs)
+
+    with Mode():
+        yield
 
 
 @contextlib.contextmanager
