@@ -205,6 +205,20 @@ def test_calibration_hf_stage3_two_ranks(workers2, name, batch, seq):
             assert p["peak"]["activation_working"] > p["peak_bytes"] / 2
 
 
+@pytest.mark.parametrize("name, stage", [("llama", 0), ("t5", 3)])
+def test_calibration_hf_mixed_precision(workers2, name, stage):
+    """BF16 on Hugging Face families: FP32 masters and gradient beside BF16 working copies,
+    BF16 activations measured on meta (``HFCase`` ran FP32 only)."""
+    pytest.importorskip("transformers")
+    from test_planner_hf import HF_CONFIGS
+
+    case = calibrate.HFCase(
+        config=HF_CONFIGS[name], stage=stage, micro_batch_size=4, seq_len=64, precision="bf16"
+    )
+    for row in workers2.run(calibrate.calibrate, case):
+        assert calibrate.within_tolerance(row), calibrate.render([row])
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_calibration_mixture_of_experts(workers2, stage):
     """Qwen2-MoE's experts multiply through ``torch._grouped_mm``, whose meta kernel took BF16

@@ -92,19 +92,17 @@ class HFCase:
     micro_batch_size: int = 2
     """Samples per rank per step."""
     seq_len: int = 16
+    """Tokens per sample (encoder and decoder alike)."""
     tp: int = 1
     """Tensor-parallel degree Nm, by the config's ``base_model_tp_plan``."""
-    """Tokens per sample (encoder and decoder alike)."""
     num_steps: int = 2
     """Steps in all; the last one is measured."""
+    precision: str = "fp32"
+    """fp32, or a mixed-precision preset of ``zeroshard.shard`` (bf16, fp16)."""
 
 
 def _seq_len(case: Case | HFCase) -> int:
     return case.seq_len or _gpt_config(case).block_size
-
-
-def _precision(case: Case | HFCase) -> str:
-    return getattr(case, "precision", "fp32")
 
 
 def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
@@ -114,7 +112,7 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
     engine = ShardConfig()
     model = describe_case(case)
     ci = getattr(case, "checkpoint_every", 0)
-    bytes_per_param, activation_bytes = PRECISION_BYTES[_precision(case)]
+    bytes_per_param, activation_bytes = PRECISION_BYTES[case.precision]
     return MemoryConfig(
         stage=case.stage,
         num_dp_ranks=num_ranks // case.tp,
@@ -206,7 +204,7 @@ def measure(case: Case) -> dict:
         step_in_backward=case.step_in_backward,
         tp=case.tp,
         checkpoint_every=case.checkpoint_every,
-        mixed_precision=_precision(case),
+        mixed_precision=case.precision,
     )
 
 
@@ -231,8 +229,9 @@ def measure_hf(case: HFCase) -> dict:
     meta = hf.build(case.config)
     policy, _ = describe.wrap_policy(meta, case.wrap or None)
     return measure_module(
-        build, loss, stage=case.stage, wrap=policy, num_steps=case.num_steps, tp=case.tp
-    )
+        build, loss, stage=case.stage, wrap=policy, num_steps=case.num_steps, tp=case.tp,
+        mixed_precision=case.precision,
+    )  # fmt: skip
 
 
 class _NoHook:
