@@ -55,6 +55,16 @@ HF_CONFIGS = {
         vocab_size=256,
         max_position_embeddings=64,
     ),
+    "gpt_neo": dict(  # a causal-mask buffer, sliced in every layer
+        model_type="gpt_neo",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        attention_types=[[["global", "local"], 1]],
+        window_size=16,
+        vocab_size=256,
+        max_position_embeddings=512,
+    ),
     "qwen2_moe": dict(  # a mixture of experts: torch._grouped_mm over the experts' weights
         model_type="qwen2_moe",
         num_hidden_layers=2,
@@ -76,6 +86,7 @@ HF_CLASSES = {
     "t5": ("T5ForConditionalGeneration", "T5Block"),
     "llama": ("LlamaForCausalLM", "LlamaDecoderLayer"),
     "bert": ("BertForMaskedLM", "BertLayer"),
+    "gpt_neo": ("GPTNeoForCausalLM", "GPTNeoBlock"),
     "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeDecoderLayer"),
 }
 

@@ -13,9 +13,11 @@ from zeroshard.planner import describe, memory, timeline
 
 
 def _real_saved(model, unit_names, batch: int, seq: int, vocab: int, call: str) -> dict:
-    """Bytes of the distinct non-parameter storages autograd saves in a real CPU forward and
-    loss, by unit (forward index) and "root": the reference the meta measurement must match."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    """Bytes of the distinct storages autograd saves in a real CPU forward and loss, parameters
+    and buffers left out (they are model states and buffers: a saved view of one, BERT's
+    ``token_type_ids``, takes no memory), by unit (forward index) and "root": the reference
+    the meta measurement must match."""
+    params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     where, found = ["root"], {}
     for i, name in enumerate(unit_names):
         unit = model.get_submodule(name)

@@ -4,7 +4,8 @@ On the current process group, ``calibrate(case)`` builds a zeroshard GPT preset,
 unit per ``Block`` at the case's stage, trains it a couple of steps with FP32 AdamW and measures
 on this rank (DESIGN.md "Measuring"):
 
-- model states right after ``opt.step()`` (before ``zero_grad``): MemTracker's live bytes, and per
+- model states right after ``opt.step()`` (before ``zero_grad``): MemTracker's live bytes (the
+  model's buffers with them, predicted as the plan's ``buffers``), and per
   category from the engine's own storages (parameters: ``full`` and a separate ``master``;
   gradients: ``full_grad`` and ``shard_grad``; optimizer states: the inner optimizer's state);
 - the per-rank peak over one whole step (forward, backward, step, ``zero_grad``), MemTracker;
@@ -172,7 +173,8 @@ def predict(case: Case | HFCase, num_ranks: int) -> dict:
         comm_numel[key] = comm_numel.get(key, 0) + c.numel
     return {
         "model_states": {c: plan.device[c] for c in MODEL_STATES},
-        "model_states_bytes": plan.model_states_bytes(),
+        # What is alive after the step: MemTracker counts the model's buffers too.
+        "model_states_bytes": plan.model_states_bytes() + plan.device["buffers"],
         "peak_bytes": plan.peak_bytes(),
         "peak": plan.peak,
         "peak_moment": plan.peak_moment,

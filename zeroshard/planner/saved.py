@@ -223,6 +223,9 @@ def measure(
     model = copy.deepcopy(module).to(device="meta", dtype=getattr(torch, DTYPES[activation_bytes]))
     model.train()
     params = {p.untyped_storage()._cdata for p in model.parameters()}
+    # Buffers are counted as such, not where a unit saves them (or a view of them: GPT-Neo's
+    # causal mask, sliced in every layer, was counted whole once per layer).
+    buffers = {b.untyped_storage()._cdata for b in model.buffers()} - params
     units = [model.get_submodule(n) for n in unit_names]
     num_units = len(units)
     # The unit running, or -1 - k for the root after k units (a unit nested in another unit
@@ -260,7 +263,7 @@ def measure(
         if key in params:
             if where[0] == -1 - num_units:  # the root, after the last unit
                 tail_params[key] = storage.nbytes() // t.element_size()
-        elif key not in saved:
+        elif key not in saved and key not in buffers:
             saved[key] = (where[0], split.nbytes(t, storage.nbytes()), t)
         return t
 
