@@ -71,6 +71,14 @@ class Case:
     """Activation checkpointing every this many units (``ShardConfig.checkpoint_every``)."""
     precision: str = "fp32"
     """fp32, or a mixed-precision preset of ``zeroshard.shard`` (bf16, fp16)."""
+    grad_accum: int = 1
+    """Micro-batches per step: backward with ``sync=False`` before the last at stages 0-1 (and
+    at stages 2-3 with ``accumulate_unreduced``), else each one reduced."""
+    accumulate_unreduced: bool = False
+
+
+def case_grad_accum(case: Case | HFCase) -> int:
+    return getattr(case, "grad_accum", 1)
 
 
 def _gpt_config(case: Case):
@@ -130,6 +138,8 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
         bucket_bytes=engine.bucket_bytes,
         num_buckets=engine.max_inflight_reductions,
         step_in_backward=getattr(case, "step_in_backward", False),
+        grad_accum=getattr(case, "grad_accum", 1),
+        accumulate_unreduced=getattr(case, "accumulate_unreduced", False),
         # Checkpointing as the case asks, counted along the engine timeline; FP32 compute; the
         # fused attention kernel saves a log-sum-exp per head, not the probabilities (CPU too).
         activation_checkpointing=bool(ci),
@@ -166,11 +176,12 @@ def predict(case: Case | HFCase, num_ranks: int) -> dict:
         param_dtype_bytes=4,
         reduce_dtype_bytes=4,
         num_params_kept_gathered=kept,
+        reduce_every_micro_batch=not getattr(case, "accumulate_unreduced", False),
     )
     comm_numel: dict[str, int] = {}
     for c in collectives:
         key = f"{c.op}/{c.label}"
-        comm_numel[key] = comm_numel.get(key, 0) + c.numel
+        comm_numel[key] = comm_numel.get(key, 0) + comm.total_numel((c,), case_grad_accum(case))
     return {
         "model_states": {c: plan.device[c] for c in MODEL_STATES},
         # What is alive after the step: MemTracker counts the model's buffers too.
@@ -207,6 +218,8 @@ def measure(case: Case) -> dict:
         tp=case.tp,
         checkpoint_every=case.checkpoint_every,
         mixed_precision=case.precision,
+        grad_accum=case.grad_accum,
+        accumulate_unreduced=case.accumulate_unreduced,
     )
 
 
@@ -254,11 +267,14 @@ def measure_module(
     tp: int = 1,
     checkpoint_every: int = 0,
     mixed_precision: str | None = None,
+    grad_accum: int = 1,
+    accumulate_unreduced: bool = False,
 ) -> dict:
     """Shard ``build()`` at ``stage`` with ``wrap``, train it ``num_steps`` steps of AdamW (FP32,
     or ``mixed_precision``'s policy)
     (stepping in backward with ``step_in_backward``) on the current process group
-    (``loss(model, generator)`` gives each step's loss) and measure the last step on this rank
+    (``loss(model, generator)`` gives each micro-batch's loss, ``grad_accum`` per step, as
+    ``Case.grad_accum`` runs them) and measure the last step on this rank
     (see the module): model states in bytes, peak bytes, elements moved per collective. With
     ``tp`` > 1 the model is split tensor-parallel first (its plan, ``tensor_parallel.plan_for``)
     and sharded over the data-parallel ranks; a tensor-parallel group draws the same batches.
@@ -283,9 +299,14 @@ def measure_module(
     engine = zeroshard.engine_of(model)
     gen = torch.Generator().manual_seed(1000 + (mesh.rank if mesh else dist.get_rank()))
 
-    def forward_backward() -> None:
+    def forward_backward(tracker=None) -> None:
         # Inside a function: the batch and the loss are gone before model states are measured.
-        opt.backward(loss(model, gen))
+        for i in range(grad_accum):
+            last = i == grad_accum - 1
+            sync = last or (engine.partition.gradients and not accumulate_unreduced)
+            opt.backward(loss(model, gen) / grad_accum, sync=sync)
+            if tracker is not None and not last:  # (it refuses a module's second forward)
+                tracker.reset_mod_stats()
 
     for _ in range(num_steps - 1):
         forward_backward()
@@ -299,7 +320,7 @@ def measure_module(
         if not p.requires_grad:
             tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
     with tracker:
-        forward_backward()
+        forward_backward(tracker)
         opt.step()
         after_step = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
         states = _model_state_storages(engine, opt.optimizer)

@@ -343,7 +343,11 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     sib = c.step_in_backward
     num_inflight = c.num_buckets  # K, counting the reduction being started
     # Replicated gradients: an FP32 gradient beside the working copies appears at the reduction.
-    late_grads = _grad_master_bytes(model, c) if on_device["grads"] and not part.gradients else 0
+    # Stages 2-3 accumulating unreduced keep the whole local gradient instead (``grads``), and
+    # the FP32 shards appear as the last micro-batch reduces.
+    accumulating = c.accumulate_unreduced and c.grad_accum > 1 and part.gradients
+    late = on_device["grads"] and (accumulating or not part.gradients)
+    late_grads = _grad_master_bytes(model, c) if late else 0
 
     def numel(first: int, count: int) -> int:
         """Parameters of ``count`` units from the ``first`` in backward order (clipped)."""
@@ -359,6 +363,8 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         allocated at their first unit's backward."""
         if not part.gradients or not on_device["grads"]:
             return 0
+        if accumulating and not c.bucket_per_unit:  # the buckets are the local gradient,
+            return 0  # counted in ``grads``
         if c.bucket_per_unit:
             return grad_bytes(numel(first, count))
         return min(c.num_buckets * c.bucket_bytes, grads_total)
@@ -382,10 +388,10 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         residual categories given."""
         now = dict(states)
         idle = dict.fromkeys(RESIDUAL_STATES, 0) | {"buffers": buffer_bytes(model, bpp)}
-        if c.grad_accum > 1:  # the last micro-batch's: the earlier ones' gradients all held
-            return now | idle | residual
         reduced = model.num_params if num_reduced > num_units else numel(0, num_reduced)
-        if part.gradients:  # shards appear as units are reduced
+        if c.grad_accum > 1 and part.gradients and not late_grads:  # the last micro-batch's:
+            return now | idle | residual  # the earlier ones' gradients all held
+        if part.gradients and not accumulating:  # shards appear as units are reduced
             now["grads"] = math.ceil(states["grads"] * min(1.0, reduced / model.num_params))
         elif late_grads:
             late = late_grads - math.ceil(late_grads * min(1.0, reduced / model.num_params))
