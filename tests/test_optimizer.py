@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zeroshard
+from zeroshard.offload import Offload
 
 PER_RANK_BATCH = 2
 
@@ -236,6 +237,30 @@ def _submodule_zero_grad(stage: int) -> float:
         opt.step()
         ref_opt.step()
     return _diff(model, ref)
+
+
+def _some_submodules_zero_grad(stage: int, where: str, tmp: str) -> float:
+    """Only some submodules drop their gradients between steps (``inp`` a part of the root's
+    bucket, ``head`` the rest of it; ``blocks`` keep accumulating), gradients in memory or on
+    NVMe: with NVMe the stored shard was not dropped, and the next backward added onto it."""
+    offload = None if where == "memory" else Offload(optimizer="nvme", gradients="nvme", folder=tmp)
+    model, ref = _pair(stage, offload=offload)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        _losses(model, ref, *_batch(step))
+        opt.step()
+        ref_opt.step()
+        for m in (model, ref):
+            m.inp.zero_grad()
+            if step % 2:
+                m.head.zero_grad()
+    return _diff(model, ref)
+
+
+@pytest.mark.parametrize("stage, where", [(2, "nvme"), (3, "nvme"), (3, "memory")])
+def test_some_submodules_zero_grad_with_gradients_on_nvme(workers2, tmp_path, stage, where):
+    assert max(workers2.run(_some_submodules_zero_grad, stage, where, str(tmp_path))) < 1e-6
 
 
 def _grads_dropped_by_hand(how: str) -> float:

@@ -58,8 +58,13 @@ class GradSwapper:
             if swapper is not None:
                 swapper._handoff(bucket)
 
+        def on_zero(bucket: GradBucket, slots: list[int] | None) -> None:
+            swapper = ref()
+            if swapper is not None:
+                swapper._zeroed(bucket, slots)
+
         for b in buckets:
-            b.handoff = handoff
+            b.handoff, b.on_zero = handoff, on_zero
 
     def stats(self) -> dict[str, float]:
         """Bytes of gradient shards written and read back, and the seconds the optimizer
@@ -85,6 +90,10 @@ class GradSwapper:
         if i in self._stored and i not in self._mirrored:
             g.add_(self._read(i))  # reduced again since zero_grad: onto the stored one
         self._mirrored.discard(i)  # (a read-back copy was in shard_grad: the sum holds it)
+        self._store(i, g)
+        bucket.shard_grad = None  # in the store now; ``g`` lives until written
+
+    def _store(self, i: int, g: torch.Tensor) -> None:
         self._norms[i], self._coefs[i] = torch._foreach_norm([g])[0], []
         handle = self._timed(self.store.swap_out(self._name(i), g))
         self.write_bytes += g.numel() * g.element_size()
@@ -92,7 +101,38 @@ class GradSwapper:
             self._writing[i] = (handle, g)
         handle.add_done_callback(lambda h: self._written(i, h))
         self._stored.add(i)
-        bucket.shard_grad = None  # in the store now; ``g`` lives until written
+
+    def _zeroed(self, bucket: GradBucket, slots: list[int] | None) -> None:
+        """A submodule's ``zero_grad`` (``bucket.zero`` / ``zero_slots``): its stored shard is
+        forgotten, or stored again with those ``slots`` zeroed (the bucket zeroed them in a
+        read-back copy; the file still held them, and the next backward added onto it)."""
+        i = self._index[id(bucket)]
+        if i not in self._stored:
+            return
+        if slots is None:
+            self._drop(i)
+            return
+        if i in self._mirrored:  # zeroed in memory by the bucket
+            g, bucket.shard_grad = bucket.shard_grad, None
+            self._mirrored.discard(i)
+        else:
+            g = self._read(i)
+            pieces = bucket.flat.pieces()
+            for slot in slots:
+                g[pieces[slot][1]].zero_()
+        self._store(i, g)
+
+    def _drop(self, i: int) -> None:
+        handle = self._reading.pop(i, None)
+        if handle is not None:  # never leave a read running into memory we drop
+            with contextlib.suppress(Exception):
+                handle.wait()
+        if i in self._mirrored:
+            self._buckets[i].shard_grad = None
+        for kept in (self._stored, self._mirrored):
+            kept.discard(i)
+        self._norms.pop(i, None)
+        self._coefs.pop(i, None)
 
     def _written(self, i: int, handle: SwapHandle) -> None:
         """In an I/O thread: drop the source tensor of a finished write (frees its memory)."""
@@ -174,12 +214,5 @@ class GradSwapper:
 
     def zero(self) -> None:
         """``zero_grad``: forget the stored shards (their files are overwritten next time)."""
-        for handle in self._reading.values():
-            # never leave a read running into memory we drop; its error no longer matters
-            with contextlib.suppress(Exception):
-                handle.wait()
-        self._reading.clear()
-        for i in self._mirrored:
-            self._buckets[i].shard_grad = None
-        for kept in (self._stored, self._norms, self._coefs, self._mirrored):
-            kept.clear()
+        for i in {*self._stored, *self._reading}:
+            self._drop(i)

@@ -45,12 +45,9 @@ from zeroshard.streams import on_side_stream
 
 
 class Reduction(enum.Enum):
-    ALL_REDUCE = "all_reduce"
-    """Every rank keeps every gradient (optimizer states replicated)."""
-    SCATTER_IN_PLACE = "scatter_in_place"
-    """Reduce-scatter into this rank's slice of the persistent full gradient."""
-    SCATTER_AND_FREE = "scatter_and_free"
-    """Reduce-scatter into a new shard; the full gradient is freed right after."""
+    ALL_REDUCE = "all_reduce"  # every rank keeps every gradient (optimizer states replicated)
+    SCATTER_IN_PLACE = "scatter_in_place"  # into this rank's slice of the full gradient, kept
+    SCATTER_AND_FREE = "scatter_and_free"  # into a new shard; the full gradient freed right after
 
     @classmethod
     def of(cls, partition: Partition) -> Reduction:
@@ -65,14 +62,10 @@ class GradScaling:
     averages it (and raises the bucket's ``found_inf`` in, so that the optimizer's skip decision
     costs no extra pass over the gradients). One per engine, shared by its buckets."""
 
-    loss_scale: float = 1.0
-    """The scale the loss was multiplied by before the backward that made these gradients."""
-    next_scale: float | None = None
-    """Set by ``ShardedOptimizer.backward`` for the backward it runs: its loss's scale."""
-    accumulating: bool = False
-    """Gradients of an earlier backward wait unreduced (an accumulation micro-step)."""
-    warn_unscaled: bool = False
-    """The optimizer scales losses (FP16): a plain ``loss.backward()`` is worth a warning."""
+    loss_scale: float = 1.0  # what the loss was multiplied by before the backward
+    next_scale: float | None = None  # set by ``ShardedOptimizer.backward``: its loss's scale
+    accumulating: bool = False  # an earlier backward's gradients wait unreduced (micro-step)
+    warn_unscaled: bool = False  # the optimizer scales losses (FP16): a plain backward warns
 
     def reset(self) -> None:
         self.accumulating = False
@@ -164,6 +157,8 @@ class GradBucket:
         self.on_reduce: Callable[[GradBucket], None] | None = None
         """Called right after a reduction is issued (``touched`` final for it): the step in
         backward starts its small agreement collective there, to overlap the reduction."""
+        self.on_zero: Callable[[GradBucket, list[int] | None], None] | None = None
+        """Called as all gradients (None) or some slots' are dropped, for a shard handed off."""
         self.consumed_at_handoff = False
         """Set by a hand-off that drops ``shard_grad`` before it returns (the step in backward):
         the reduce-scatter then writes into this rank's slice of ``full_grad`` in place, which
@@ -548,6 +543,8 @@ class GradBucket:
         if self._reduce is not None:
             self._reduce[0].wait()  # every rank issued it: complete it, then forget the result
             self._reduce = None
+        if self.on_zero is not None:
+            self.on_zero(self, None)
         self.shard_grad = self._acc = self._shown_version = None
         self.issued = self.late = self._unshown = self._reduced = False
         self.found_inf.zero_()
@@ -593,6 +590,8 @@ class GradBucket:
         self._dropped.update(slots)
         if len(self._dropped) == len(self.flat.slots):
             self.found_inf.zero_()
+        if self.on_zero is not None:
+            self.on_zero(self, slots)
 
     def _zero_slot(self, i: int) -> None:
         """Slot ``i``'s ``.grad``: its region of ``full_grad``, zeroed; autograd adds to it."""
