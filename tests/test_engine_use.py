@@ -1103,6 +1103,39 @@ def test_generate_at_stage_3_with_a_prompt_per_rank(workers2, wrapped):
     assert workers2.run(_generate_own_prompts, wrapped) == [True, True]
 
 
+def _whisper_generates_per_rank_lengths() -> list[bool]:
+    """Whisper's own generate() declares ``synced_gpus=False`` and passes it on, so transformers
+    never saw the FSDP mark: at stage 3 the rank that stopped first left the other in a gather
+    (a hang, or gloo's abort). Each rank its own length; then rank 0 alone inside summon."""
+    import transformers
+
+    config = transformers.WhisperConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64,
+        num_mel_bins=8, max_source_positions=8, max_target_positions=32, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, decoder_start_token_id=3, suppress_tokens=None,
+        begin_suppress_tokens=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.WhisperForConditionalGeneration(config).eval()
+    model = copy.deepcopy(ref)
+    model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.from_hf(model)).eval()
+    feats = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    new = 3 + 3 * dist.get_rank()
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    with torch.no_grad():
+        same = [torch.equal(model.generate(feats, **kw), ref.generate(feats, **kw))]
+        with zeroshard.summon_full_params(model, writeback=False):
+            if dist.get_rank() == 0:
+                same.append(torch.equal(model.generate(feats, **kw), ref.generate(feats, **kw)))
+    return same
+
+
+def test_whisper_generates_at_stage_3_with_a_length_per_rank(workers2):
+    pytest.importorskip("transformers")
+    assert workers2.run(_whisper_generates_per_rank_lengths) == [[True, True], [True]]
+
+
 def _generate_on_rank_0_inside_summon() -> bool:
     """Rank 0 evaluates alone, the model gathered whole: transformers' generate() turned on
     synced_gpus for the sharded model and waited in an all-reduce the other rank never ran."""

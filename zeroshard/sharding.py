@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard import collectives as C
-from zeroshard import save_pretrained, tensor_parallel
+from zeroshard import generation, save_pretrained, tensor_parallel
 from zeroshard.engine import _ATTR, SHARDED_PARAM, Engine, ShardConfig
 from zeroshard.mesh import Mesh, settle_collective_threads_at_exit
 from zeroshard.model_states.flat_param import FlatParam, master_dtype_of
@@ -291,16 +291,8 @@ def shard(
     setattr(model, _ATTR, engine)
     for p in model.parameters():
         setattr(p, SHARDED_PARAM, True)
-    if engine.partition.parameters:
-        # Every rank must run every forward (each gathers with the others): transformers'
-        # generate() then keeps ranks that finished early stepping (synced_gpus), as it does
-        # for FSDP and DeepSpeed ZeRO-3, which it recognizes by this attribute: on the root and
-        # on every module that generates, for a model wrapped in one's own (peft's PeftModel)
-        # calls the inner one's generate(). Not on the others: Dynamo traces modules so marked
-        # as FSDP's (torch.compile of a block then compiled nothing).
-        for module in model.modules():
-            if module is model or callable(getattr(module, "generate", None)):
-                module._is_fsdp_managed_module = True
+    if engine.partition.parameters:  # every rank runs every forward of generate()
+        generation.mark(model)
     # Last, once nothing can fail: TF32 stays on while this model lives (process-global torch
     # state, restored by the last release; see hold_tf32).
     release_tf32 = hold_tf32(mixed_precision, mesh.device)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from zeroshard import call_frames
+from zeroshard import call_frames, generation
 from zeroshard.engine import Engine, Phase
 from zeroshard.model_states import flat_param
 
@@ -34,10 +34,10 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     # not keep the ranks stepping together (synced_gpus, which its FSDP mark turns on), so one
     # rank can generate alone (rank 0's evaluation; it hung in a collective the others never
     # joined). A tensor-parallel forward still all-reduces: every rank of a tp group runs it.
-    marked = [m for m in engine.model.modules() if getattr(m, "_is_fsdp_managed_module", 0)]
+    marked = [m for m in engine.model.modules() if getattr(m, generation.MARK, 0)]
     marked = marked if not engine.summoned else []
     for m in marked:
-        m._is_fsdp_managed_module = False
+        setattr(m, generation.MARK, False)
     engine.summoned += 1
     engine.discarding += not writeback
     raised = False
@@ -64,7 +64,7 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
             for u in engine.units:
                 u.reshard()
         for m in marked:
-            m._is_fsdp_managed_module = True
+            setattr(m, generation.MARK, True)
         if writeback:
             engine.params_changed()
         if problem is not None and not raised:
