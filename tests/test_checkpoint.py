@@ -547,6 +547,14 @@ def _edges(base: str) -> bool:
         checkpoint.save(checkpoint.step_path("~", 3), model, opt, keep=None)
         assert checkpoint.latest("~") == Path(base) / "home" / "step-000003"
         checkpoint.load("~/step-000003", model, opt)
+    # Loaded under inference_mode (an evaluation script's), the optimizer states were inference
+    # tensors, and the next step's in-place update of them failed.
+    with torch.inference_mode():
+        checkpoint.load(Path(base) / "home" / "step-000003", model, opt)
+    _train(model, opt, range(1))
+    with torch.inference_mode():
+        opt.load_state_dict(opt.state_dict())
+    _train(model, opt, range(1))
     with pytest.raises(checkpoint.CheckpointError, match=r"zeroshard.json is a file; a che"):
         checkpoint.load(Path(base) / "home" / "step-000003" / "zeroshard.json", model, opt)
     for step in (3, 7):  # (step 7 does not exist: it made a checkpoint named zeroshard.json)

@@ -530,7 +530,7 @@ def load(
     group = _group(model, optimizer)
     path = Path(path).expanduser().absolute()
     every_rank_calls("load", f"checkpoint {path.name}", _EACH_RANK, group)
-    with diagnosed("load", f"checkpoint {path.name}", group):
+    with diagnosed("load", f"checkpoint {path.name}", group), torch.inference_mode(False):
         return _load(path, model, optimizer, verify, group, model_only)
 
 

@@ -564,7 +564,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)
             state_dict = state_dict if returned is None else returned
-        with diagnosed("all_gather", COLLECTIVE, None):  # DTensors gathered: full_tensor()
+        # (Under inference_mode the states would be inference tensors: the step's in-place
+        # updates of them fail. torch's optimizer loads them as normal tensors there too.)
+        with diagnosed("all_gather", COLLECTIVE, None), torch.inference_mode(False):
             load_optimizer_state_dict(self, state_dict)
         self.engine.loaded(self)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
