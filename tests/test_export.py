@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from subprocess import PIPE
 
 import pytest
@@ -206,6 +207,12 @@ def test_damaged_checkpoints_and_a_file_as_out_are_refused(trained, tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ExportError, match="is a file, not a folder"):
         export_safetensors(path, tmp_path / "afile")
+    # Into the checkpoint or a folder inside it (a later save there failed on it, and pruning
+    # the checkpoint deleted the export without a word).
+    for out in (Path(path), Path(path) / "hf"):
+        with pytest.raises(ExportError, match="would write into the checkpoint"):
+            export_safetensors(path, out)
+    assert not (Path(path) / "hf").exists()
     damaged = tmp_path / "step-000002"
     shutil.copytree(path, damaged)
     data = sorted(damaged.glob("*.distcp"))[0]

@@ -297,8 +297,10 @@ def export_safetensors(
     cast = _dtype(dtype)
     limit = _shard_bytes(max_shard_bytes)
     recorded = checkpoint.read_meta(path).get("tied", {})  # (one-line errors, a bad folder)
-    if out == path:
-        raise ExportError(f"export into {out} would write into the checkpoint; pick another OUT")
+    if out.resolve() == path.resolve() or path.resolve() in out.resolve().parents:
+        raise ExportError(  # (inside it, a later save fails on it, and pruning deletes it)
+            f"export into {out} would write into the checkpoint {path}; pick an OUT outside it"
+        )
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} is a file, not a folder; pick another OUT")
     # Every file's size and checksum as recorded at save: never export damaged weights.
