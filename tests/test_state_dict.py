@@ -237,6 +237,12 @@ def _strictness(stage: int) -> bool:
     message = str(info.value)
     assert "size mismatch for blocks.0.mlp.fc.weight" in message
     assert "(3, 5)" in message and "(128, 32)" in message, message
+    # A tied parameter's first name of the wrong shape (the last one wins, as in torch, and was
+    # the only one checked: loaded "successfully").
+    wte = sd["wte.weight"]
+    bad = dict(sd, **{"wte.weight": torch.zeros(wte.shape[0] + 1, wte.shape[1])})
+    with pytest.raises(RuntimeError, match="size mismatch for wte.weight"):
+        model.load_state_dict(bad)
     # Nothing but the failed loads above: the model still holds its own values where the
     # partial load did not write.
     after = _summoned(model)

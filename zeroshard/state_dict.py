@@ -396,12 +396,15 @@ class _Hooks:
                     keys = [k for k in keys if k in state_dict]
                     if not keys:
                         continue
-                    # as torch: each name is copied into the one tensor, the last wins
-                    key = keys[-1]
-                    value = state_dict[key]
+                    # as torch: each name is copied into the one tensor, the last wins, and
+                    # each name's shape is checked (a tied alias's was not)
+                    key, value = keys[-1], state_dict[keys[-1]]
                     for k in keys:
-                        del state_dict[k]
+                        other = state_dict.pop(k)
                         self.consumed.add(k)
+                        wrong = isinstance(other, torch.Tensor) and other.shape != s.shape
+                        if k != key and wrong:
+                            error_msgs.append(_size_mismatch(k, other.shape, s.shape))
                     if isinstance(value, FlatRange):  # read into the master in place already
                         self.ranges_loaded = True
                         continue
@@ -412,11 +415,7 @@ class _Hooks:
                         )
                         continue
                     if value.shape != s.shape:  # a DTensor's shape is global
-                        error_msgs.append(
-                            f"size mismatch for {key}: copying a param with shape "
-                            f"{tuple(value.shape)} from checkpoint, the shape in current model is "
-                            f"{tuple(s.shape)}."
-                        )
+                        error_msgs.append(_size_mismatch(key, value.shape, s.shape))
                         continue
                     _write_slot(flat, i, _full_value(value))
             # Other entries (zero-element parameters, buffers) the default loader copies: as whole
@@ -437,6 +436,14 @@ class _Hooks:
         if self.ranges_loaded:  # the compute copies follow the masters read in place
             self.ranges_loaded = False
             self.engine.params_changed()
+
+
+def _size_mismatch(key: str, got: torch.Size, want: torch.Size) -> str:
+    """torch's own message."""
+    return (
+        f"size mismatch for {key}: copying a param with shape {tuple(got)} from checkpoint, the "
+        f"shape in current model is {tuple(want)}."
+    )
 
 
 def _local_range(flat: FlatParam, index: int) -> FlatRange:
