@@ -655,8 +655,9 @@ def _save_pretrained(stage: int, folder: str, precision: str = "fp32") -> dict:
             except CollectiveTimeout as exc:
                 alone = str(exc)
     dist.barrier()
-    # is_main_process by position (the gather was skipped: placeholders written at stage 3)
-    model.save_pretrained(os.path.join(folder, "model"), rank == 0)  # once rank 0 has written
+    # is_main_process by position (the gather was skipped: placeholders written at stage 3),
+    # on rank 1 (transformers 5 writes on rank 0 only: nothing was written, without a word)
+    model.save_pretrained(os.path.join(folder, "model"), rank == 1)  # once rank 1 has written
     files = sorted(os.listdir(os.path.join(folder, "model")))
     loaded = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(folder, "model")).eval()
     with torch.no_grad():

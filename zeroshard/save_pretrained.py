@@ -16,10 +16,11 @@ no ``state_dict`` is left as it is.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,8 @@ def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: n
     try:
         if writer:
             dtype = next((v.dtype for v in state_dict.values() if v.is_floating_point()), None)
-            save(save_directory, state_dict=state_dict, **kwargs)  # (empties state_dict)
+            with _writes_where_asked(model):
+                save(save_directory, state_dict=state_dict, **kwargs)  # (empties state_dict)
             record_dtype(Path(save_directory), dtype, getattr(model, "config", None))
     except Exception as exc:
         error = f"save_pretrained failed on rank {dist.get_rank()}: {exc}"
@@ -74,6 +76,21 @@ def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: n
         dist.all_gather_object(errors, error)
     if any(errors):
         raise RuntimeError(next(e for e in errors if e))
+
+
+@contextlib.contextmanager
+def _writes_where_asked(model: nn.Module) -> Iterator[None]:
+    """transformers 5 writes on global rank 0 only (``should_save_on_this_rank``), whatever
+    ``is_main_process`` says: a writer on another rank wrote nothing, without a word. The
+    gathered state dict is on the writer: it writes."""
+    if not callable(getattr(model, "should_save_on_this_rank", None)):
+        yield
+        return
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        yield
+    finally:
+        del model.should_save_on_this_rank
 
 
 def record_dtype(folder: Path, dtype: torch.dtype | None, config: Any) -> None:
