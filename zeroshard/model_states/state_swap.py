@@ -285,8 +285,10 @@ class StateSwapper(StopsOnFailure):
         s = self._swaps[i]
         if s.where is Where.NEW:
             s.where = Where.LOOSE if _layout(s.params, s.optimizer.state)[0] else Where.NEW
-        if s.where is Where.IN_SLOT and _layout(s.params, s.optimizer.state)[1] != s.record_bytes:
-            self._loosen(i)  # states made in this step (a parameter's first gradient): repacked
+        if s.where is Where.IN_SLOT and (
+            _layout(s.params, s.optimizer.state)[1] != s.record_bytes or self._rebound(i)
+        ):  # states made in this step (a parameter's first gradient), or replaced: repacked
+            self._loosen(i)
         if s.where is Where.LOOSE:
             self._pack(i)
         if s.where is Where.IN_SLOT:
@@ -344,9 +346,18 @@ class StateSwapper(StopsOnFailure):
         assert s.slot is not None
         own = self.store.empty_host((s.record_bytes,), torch.uint8)
         own.copy_(s.slot[: s.record_bytes])
-        self._point(i, own)
+        self._point(i, own, only_from=s.slot)
         self._release(i)
         s.where = Where.LOOSE
+
+    def _rebound(self, i: int) -> bool:
+        """Whether the step replaced a state of sub-group ``i`` with a new tensor instead of
+        updating its view of the slot (``state["buf"] = buf * m + g``, an optimizer of one's
+        own): the slot, which is written back, still held the old values."""
+        s = self._swaps[i]
+        assert s.slot is not None
+        states = (dict.__getitem__(s.optimizer.state, s.params[e.piece]) for e in s.layout)
+        return any(not _within(st[e.key], s.slot) for st, e in zip(states, s.layout))
 
     def store_all(self) -> None:
         """Stream every resident sub-group back out (bounded by the slots) and wait."""
@@ -509,13 +520,25 @@ class StateSwapper(StopsOnFailure):
         self._point(i, slot)
         s.where = Where.IN_SLOT
 
-    def _point(self, i: int, record: torch.Tensor) -> None:
-        """Make sub-group ``i``'s state dicts hold views of ``record`` (1D uint8)."""
+    def _point(self, i: int, record: torch.Tensor, only_from: torch.Tensor | None = None) -> None:
+        """Make sub-group ``i``'s state dicts hold views of ``record`` (1D uint8); with
+        ``only_from``, the states that are views of it alone (not those the step replaced)."""
         s = self._swaps[i]
         for e in s.layout:
             p = s.params[e.piece]
+            st = dict.__getitem__(s.optimizer.state, p)
+            if only_from is not None and not _within(st.get(e.key), only_from):
+                continue
             view = record[e.offset_bytes : e.offset_bytes + e.numel * e.dtype.itemsize]
-            dict.__getitem__(s.optimizer.state, p)[e.key] = view.view(e.dtype).view(p.shape)
+            st[e.key] = view.view(e.dtype).view(p.shape)
+
+
+def _within(t: Any, record: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor in ``record``'s memory."""
+    if not torch.is_tensor(t):
+        return False
+    start = record.untyped_storage().data_ptr()
+    return start <= t.data_ptr() < start + record.untyped_storage().nbytes()
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
