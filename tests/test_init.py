@@ -210,7 +210,7 @@ def _meta_tensors_no_init_sets(sets: tuple[str, ...]) -> str:
 def test_meta_parameters_and_bool_buffers_no_init_sets_are_refused(workers2):
     # The gate kept whatever memory held (7e14) and the bool mask was random, silently; a
     # buffer shared by two modules was refused, and a zero-size Linear needed an init.
-    for sets, said in [(("keep",), "_Gated's parameter 'gate'"), (("gate",), "buffer 'keep'")]:
+    for sets, said in [(("keep",), "_Gated's parameter '0.gate'"), (("gate",), "buffer '0.keep'")]:
         got = workers2.run(_meta_tensors_no_init_sets, sets)
         assert all(said in s and "did not set it" in s for s in got), got
     assert (

@@ -43,6 +43,7 @@ class Materializer:
         self._buffers_made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._unchecked: list[tuple[nn.Module, str]] = []  # parameters made, checked at the end
         by_name = dict(model.named_modules())
+        self._names = {id(m): name for name, m in by_name.items()}  # for the errors
         for name, module in by_name.items():
             for p in module.parameters(recurse=False):
                 self._owners.setdefault(id(p), module)
@@ -76,11 +77,13 @@ class Materializer:
         unchecked, self._unchecked = self._unchecked, []
         for module, name in unchecked:
             if _still_unset(module._parameters[name]):
+                where = ".".join(filter(None, (self._names.get(id(module)), name)))
                 raise ValueError(
-                    f"{type(module).__name__}'s parameter {name!r} was built on the meta device "
+                    f"{type(module).__name__}'s parameter {where!r} was built on the meta device "
                     "and its initialization (reset_parameters() or param_init_fn) did not set "
                     "it (all of it): it would hold garbage; set it there (e.g. in a "
-                    "reset_parameters() of that module), or build the model on a real device "
+                    "reset_parameters() of that module, or a param_init_fn that calls the "
+                    "model's own and then sets it), or build the model on a real device "
                     "(zeroshard train: drop --meta-init)"
                 )
 
@@ -156,8 +159,9 @@ class Materializer:
         self._done.update(id(p) for p in module.parameters(recurse=False))
         unset = [n for n in made if _still_unset(module._buffers[n])]
         if unset:
+            where = ".".join(filter(None, (self._names.get(id(module)), unset[0])))
             raise ValueError(
-                f"{type(module).__name__}'s buffer {unset[0]!r} was built on the meta device and "
+                f"{type(module).__name__}'s buffer {where!r} was built on the meta device and "
                 "its initialization (reset_parameters() or param_init_fn) did not set it: it "
                 "would hold garbage; set buffers there too, or build the model on a real device "
                 "(zeroshard train: drop --meta-init)"
