@@ -440,10 +440,19 @@ def _parent_rules_on_other_units(stage: int) -> dict:
     mha = zeroshard.shard(mha, stage=stage, wrap={nn.MultiheadAttention}, param_init_fn=init)
     key = "embeddings.position_embeddings.weight"
     bias = zeroshard.full_state_dict(mha, rank0_only=False)["0.out_proj.bias"]
+    # A tied weight whose other module is deeper than its owner: initialized by the owner
+    # alone (run first, the head's Linear gave it its own init, the padding row not zeroed).
+    with torch.device("meta"):
+        tied = nn.Sequential(nn.Embedding(10, 4, padding_idx=0), nn.Sequential(nn.Linear(4, 10)))
+        tied[1][0].weight = tied[0].weight
+    tied = zeroshard.shard(tied, stage=stage, wrap={nn.Sequential}, param_init_fn=init)
+    embedding = zeroshard.full_state_dict(tied, rank0_only=False)["0.weight"]
     return {
         "positions": torch.equal(full[key], eager[key]),
         "position_ids": torch.equal(model.embeddings.position_ids, torch.arange(16)[None]),
         "out_proj_bias": bias.abs().max().item(),
+        "padding_row": embedding[0].abs().max().item(),
+        "embedding_std_above_0.5": embedding[1:].std().item() > 0.5,  # N(0, 1), not kaiming's
     }
 
 
@@ -452,5 +461,14 @@ def test_a_parents_init_reaches_no_child_of_another_unit(workers2, stage):
     pytest.importorskip("transformers")
     assert (
         workers2.run(_parent_rules_on_other_units, stage)
-        == [{"positions": True, "position_ids": True, "out_proj_bias": 0.0}] * 2
+        == [
+            {
+                "positions": True,
+                "position_ids": True,
+                "out_proj_bias": 0.0,
+                "padding_row": 0.0,
+                "embedding_std_above_0.5": True,
+            }
+        ]
+        * 2  # fmt: skip
     )

@@ -121,8 +121,14 @@ class Materializer:
         if rnn:  # its weakrefs to its weights make swap_tensors refuse them: remade below
             module._flat_weight_refs = []
         needed = False  # (a module of zero-size tensors only has nothing to initialize)
+        # A tied parameter is made and initialized by its owner (its first registering module)
+        # alone: a deeper module sharing it, run first, would apply its own rule to it.
+        others = {
+            n for n, p in module._parameters.items()
+            if p is not None and p.device == META and self._owners.get(id(p), module) is not module
+        }  # fmt: skip
         for name, p in module._parameters.items():
-            if p is not None and p.device == META:
+            if p is not None and p.device == META and name not in others:
                 new = nn.Parameter(_unset(p, self.device), p.requires_grad)
                 torch.utils.swap_tensors(p, new)  # same object: ties and optimizer refs hold
                 self._unchecked.append((module, name))
@@ -139,9 +145,12 @@ class Materializer:
                     made.append(name)
                     needed |= b.numel() > 0
         # A parameter this module shares with a unit built before was initialized (and sharded)
-        # with it: the init below runs on a scratch stand-in, so it is initialized once only.
+        # with it, or is its owner's to make: the init below runs on a scratch stand-in, so it
+        # is initialized once only, by its owner.
         done = {
-            n: p for n, p in module._parameters.items() if p is not None and id(p) in self._done
+            n: p
+            for n, p in module._parameters.items()
+            if p is not None and (id(p) in self._done or n in others)
         }
         for name, p in done.items():
             scratch = torch.empty(p.shape, dtype=p.dtype, device=self.device)
@@ -156,7 +165,9 @@ class Materializer:
         finally:
             _restore(hidden)
             module._parameters.update(done)
-        self._done.update(id(p) for p in module.parameters(recurse=False))
+        self._done.update(
+            id(p) for n, p in module._parameters.items() if p is not None and n not in others
+        )
         unset = [n for n in made if _still_unset(module._buffers[n])]
         if unset:
             where = ".".join(filter(None, (self._names.get(id(module)), unset[0])))
