@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -658,6 +659,12 @@ def _save_pretrained(stage: int, folder: str, precision: str = "fp32") -> dict:
     # is_main_process by position (the gather was skipped: placeholders written at stage 3),
     # on rank 1 (transformers 5 writes on rank 0 only: nothing was written, without a word)
     model.save_pretrained(os.path.join(folder, "model"), rank == 1)  # once rank 1 has written
+    # is_main_process=True on every rank (DDP code's habit): one rank writes, not each at once
+    import transformers.modeling_utils as mu
+
+    writes = []
+    with mock.patch.object(mu, "safe_save_file", lambda *a, **k: writes.append(rank)):
+        model.save_pretrained(os.path.join(folder, "everyone"), is_main_process=True)
     files = sorted(os.listdir(os.path.join(folder, "model")))
     loaded = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(folder, "model")).eval()
     with torch.no_grad():
@@ -669,7 +676,7 @@ def _save_pretrained(stage: int, folder: str, precision: str = "fp32") -> dict:
         dtype = json.load(f).get("dtype")
     return {
         "failed": failed, "files": files, "same": same, "exact": exact, "tied": tied,
-        "dtype": dtype, "alone": alone,
+        "dtype": dtype, "alone": alone, "writes": writes,
     }  # fmt: skip
 
 
@@ -683,6 +690,7 @@ def test_save_pretrained_writes_the_whole_model_once(workers2, stage, precision,
     assert all(o["exact"] and o["tied"] and o["dtype"] == "float32" for o in out), out
     assert all(o["same"] for o in out) or precision == "bf16", out
     assert out[0]["files"] == ["config.json", "generation_config.json", "model.safetensors"]
+    assert [o["writes"] for o in out] == [[0], []], out
     assert out[0]["failed"].startswith(("NotADirectoryError", "FileExistsError")), out
     assert out[1]["failed"].startswith("RuntimeError: save_pretrained failed on rank 0"), out
     alone = out[0]["alone"]

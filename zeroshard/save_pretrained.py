@@ -6,12 +6,12 @@ cannot write ("Attempted to access the data pointer on an invalid python storage
 too), and older transformers write on every rank into the same files. ``install`` (called by
 ``shard``) replaces the model's ``save_pretrained`` with one that every rank of the job calls
 (a collective, as ``full_state_dict``): the FP32 masters, in each parameter's original dtype,
-are gathered to rank 0's CPU memory one flat at a time, and only the writer (global rank 0, or
-the ranks given ``is_main_process=True``) calls the original with them as ``state_dict``. It
-returns on every rank once the files are written, and a writer's error is raised on every rank
-(none is left waiting for the next collective). A ``state_dict`` of the caller's own (or
-positional arguments past the folder) goes through unchanged; a ``save_pretrained`` that takes
-no ``state_dict`` is left as it is.
+are gathered to the writer's CPU memory one flat at a time, and only the writer (global rank
+0, or the lowest rank given ``is_main_process=True``) calls the original with them as
+``state_dict``. It returns on every rank once the files are written, and a writer's error is
+raised on every rank (none is left waiting for the next collective). A ``state_dict`` of the
+caller's own (or positional arguments past the folder) goes through unchanged; a
+``save_pretrained`` that takes no ``state_dict`` is left as it is.
 """
 
 from __future__ import annotations
@@ -57,8 +57,12 @@ def install(model: nn.Module) -> None:
 
 
 def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: nn.Module) -> None:
-    """The collective part: gather, the writer saves, every rank learns of its error."""
-    writer = bool(kwargs.get("is_main_process", dist.get_rank() == 0))
+    """The collective part: gather, the writer saves, every rank learns of its error. The
+    writer is the lowest rank given ``is_main_process=True`` (rank 0 by default): one rank,
+    however many were given it (every rank, DDP code's habit, wrote the same files at once)."""
+    asked = [False] * dist.get_world_size()
+    dist.all_gather_object(asked, bool(kwargs.get("is_main_process", dist.get_rank() == 0)))
+    writer = dist.get_rank() == next((r for r, a in enumerate(asked) if a), None)
     state_dict = full_state_dict(model, rank0_only=not writer)
     error: str | None = None
     try:
@@ -86,11 +90,15 @@ def _writes_where_asked(model: nn.Module) -> Iterator[None]:
     if not callable(getattr(model, "should_save_on_this_rank", None)):
         yield
         return
+    own = model.__dict__.get("should_save_on_this_rank")  # (one of the caller's, put back)
     model.should_save_on_this_rank = lambda is_main_process: is_main_process
     try:
         yield
     finally:
-        del model.should_save_on_this_rank
+        if own is None:
+            del model.should_save_on_this_rank
+        else:
+            model.should_save_on_this_rank = own
 
 
 def record_dtype(folder: Path, dtype: torch.dtype | None, config: Any) -> None:
