@@ -357,7 +357,7 @@ class StateSwapper(StopsOnFailure):
         s = self._swaps[i]
         assert s.slot is not None
         states = (dict.__getitem__(s.optimizer.state, s.params[e.piece]) for e in s.layout)
-        return any(not _within(st[e.key], s.slot) for st, e in zip(states, s.layout))
+        return any(not _within(st.get(e.key), s.slot) for st, e in zip(states, s.layout))
 
     def store_all(self) -> None:
         """Stream every resident sub-group back out (bounded by the slots) and wait."""
@@ -537,8 +537,8 @@ def _within(t: Any, record: torch.Tensor) -> bool:
     """Whether ``t`` is a tensor in ``record``'s memory."""
     if not torch.is_tensor(t):
         return False
-    start = record.untyped_storage().data_ptr()
-    return start <= t.data_ptr() < start + record.untyped_storage().nbytes()
+    start = record.data_ptr()
+    return start <= t.data_ptr() < start + record.numel() * record.element_size()
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:

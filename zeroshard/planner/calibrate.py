@@ -492,13 +492,22 @@ def run_grid(
     return rows
 
 
+_LABELLED = {"precision": "fp32", "grad_accum": 1, "accumulate_unreduced": False}
+"""Settings of a case named beside its model in the table when not these defaults."""
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """One line per configuration: the worst rank's errors (ranks are symmetric here)."""
     by_config: dict[tuple, list[dict]] = {}
     for r in rows:
         case = r["case"]
         stage = f"{case['stage']}{'s' if case.get('step_in_backward') else ''}"
-        key = (case["preset"], stage, r["num_ranks"], case.get("micro_batch_size", 0))
+        name = case["preset"] + "".join(  # (rows differing in these alone stay apart)
+            f" {v}" if k == "precision" else f" {k}={v}"
+            for k, v in case.items()
+            if k in _LABELLED and v != _LABELLED[k]
+        )
+        key = (name, stage, r["num_ranks"], case.get("micro_batch_size", 0))
         key += (case.get("seq_len", 0),)
         by_config.setdefault(key, []).append(r)
     lines = []
