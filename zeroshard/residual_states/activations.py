@@ -44,8 +44,10 @@ def _first_tensor(tree: Any) -> torch.Tensor | None:
 @dataclass
 class _Call:
     """One unit's forward in a span, with what its recomputation needs to run it the same way:
-    the RNG state and autocast at its start (the model may draw random numbers or switch
-    autocast between units: LayerDrop, stochastic depth)."""
+    the RNG state, autocast and train/eval modes at its start (the model may draw random
+    numbers or switch autocast between units: LayerDrop, stochastic depth; ``model.eval()``
+    may come before the backward: dropout then recomputed nothing, and torch's checkpoint
+    failed on a different number of saved tensors)."""
 
     module: nn.Module
     rest: tuple
@@ -58,6 +60,8 @@ class _Call:
     """... and their RNG states."""
     autocast: tuple[dict, dict]
     """``torch.utils.checkpoint``'s (device, cpu) autocast kwargs."""
+    modes: list[bool]
+    """``training`` of ``module.modules()``, in order."""
 
 
 @dataclass
@@ -188,6 +192,7 @@ class SpanCheckpointing:
             devices,
             states,
             ckpt._get_autocast_kwargs(device_type=device_type),
+            [m.training for m in module.modules()],
         )
 
     def _open(self, args: tuple, devices: list[int]) -> _Span:
@@ -209,9 +214,14 @@ class SpanCheckpointing:
                         if device_type != "cpu" and torch.amp.is_autocast_available(device_type)
                         else contextlib.nullcontext()
                     )
-                    with autocast, torch.amp.autocast("cpu", **cpu_autocast):
-                        call_args = inputs if i == 0 else (_first_tensor(out), *call.rest)
-                        out = call.module(*call_args, **call.kwargs)
+                    modes = [m.training for m in call.module.modules()]
+                    _set_modes(call.module, call.modes)
+                    try:
+                        with autocast, torch.amp.autocast("cpu", **cpu_autocast):
+                            call_args = inputs if i == 0 else (_first_tensor(out), *call.rest)
+                            out = call.module(*call_args, **call.kwargs)
+                    finally:
+                        _set_modes(call.module, modes)
 
         early_stop = ckpt._enable_checkpoint_early_stop
         frame = ckpt._CheckpointFrame(
@@ -224,6 +234,11 @@ class SpanCheckpointing:
             frame.save_inputs(*args)
         self.num_spans += 1
         return _Span(frame, calls)
+
+
+def _set_modes(module: nn.Module, modes: list[bool]) -> None:
+    for m, training in zip(module.modules(), modes):
+        m.training = training
 
 
 def train_without_caches(model: nn.Module) -> list[Any]:
