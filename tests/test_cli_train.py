@@ -839,7 +839,7 @@ def test_hf_config(capsys, tmp_path, data_dir, monkeypatch):
     monkeypatch.chdir(tmp_path / "run")
     assert main(["export", "ckpt/step-000003", str(tmp_path / "hf")]) == 0
     out = capsys.readouterr().out
-    assert f"--config {config}: the --hf config of the run" in out, out
+    assert "--config: the checkpoint's copy of the --hf config of the run" in out, out
     assert "lm_head.weight: tied to transformer.wte.weight, not stored" in out, out
     import transformers
 
@@ -849,10 +849,19 @@ def test_hf_config(capsys, tmp_path, data_dir, monkeypatch):
     recorded = tmp_path / "run" / "config.json"
     recorded.write_text(json.dumps(json.loads(recorded.read_text()) | {"hf": "other.json"}))
     assert main(["export", "ckpt/step-000003", str(tmp_path / "hf1")]) == 0
-    assert f"--config {config}: the --hf config of the run" in capsys.readouterr().out
-    config.rename(tmp_path / "moved.json")  # the config gone: said, not silently dropped
+    assert "the checkpoint's copy of the --hf config" in capsys.readouterr().out
+    # The config edited after training (another activation, same shapes): the export and a
+    # resume used the file, another model, without a word. The checkpoint's copy is exported,
+    # and both say what changed.
+    recorded.write_text(json.dumps(json.loads(recorded.read_text()) | {"hf": str(config)}))
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"activation_function": "relu"}))
     assert main(["export", "ckpt/step-000003", str(tmp_path / "hf2")]) == 0
-    assert "no config.json is written; pass --config PATH" in capsys.readouterr().err
+    assert "activation_function None -> 'relu'" in capsys.readouterr().err  # (a default)
+    exported = json.loads((tmp_path / "hf2" / "config.json").read_text())
+    assert exported["activation_function"] == "gelu_new"
+    resume = ["--hf", str(config), "--stage", "3", "--steps", "4", "--resume", "auto"]
+    assert main(["train", *flags, *resume, "--out-dir", str(tmp_path / "run")]) == 0
+    assert f"--hf {config} edited since the save (activation_function" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

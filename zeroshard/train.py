@@ -340,6 +340,9 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
          summary: dict, device: torch.device) -> dict:  # fmt: skip
     """``train``'s steps from ``start`` and its summary (written by rank 0, also when the run
     diverges)."""
+    # The --hf config as built, kept with each checkpoint: export and resume read it, not a file
+    # edited since (it exported and resumed another model without a word).
+    hf_config = Path(cfg.hf).read_text() if cfg.hf else None
     rank, world = dist.get_rank(), dist.get_world_size()
     out, records, vocab = Path(cfg.out_dir), log.records, summary["vocab_size"]
     bar = Progress(
@@ -417,7 +420,7 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
                 where = checkpoint.step_path(out / "ckpt", step)
                 state = {"step": step, "skipped": guard.num_skipped,
                          "skipped_in_a_row": guard.num_consecutive_skipped,
-                         "settings": json.dumps(asdict(cfg))}  # fmt: skip
+                         "settings": json.dumps(asdict(cfg)), "hf_config": hf_config}  # fmt: skip
                 checkpoint.save(where, model, opt, state, keep=cfg.keep)
             paused = time.perf_counter() - paused
             t_start, t_log = t_start + paused, t_log + paused

@@ -17,7 +17,9 @@ as that run's ``config.json`` records it, and says so.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +72,7 @@ def _run_s_hf_config(checkpoint: Path) -> Path | None:
     path, as earlier versions recorded it, is looked for from here and from the run's folder).
     One that no longer exists is said on stderr: the export then has no config.json, which
     ``from_pretrained`` needs."""
-    from zeroshard.cli.resume import saved_settings
+    from zeroshard.cli.resume import _saved_extra, config_changes, saved_settings
 
     recorded = checkpoint.absolute().parent.parent / "config.json"
     settings = saved_settings(recorded, str(checkpoint), quiet=True)
@@ -78,6 +80,15 @@ def _run_s_hf_config(checkpoint: Path) -> Path | None:
     if not isinstance(hf, str):
         return None
     found = next((p for p in (Path(hf), recorded.parent / hf) if p.exists()), None)
+    kept = _saved_extra(str(checkpoint)).get("hf_config")
+    if isinstance(kept, str):  # the config as the run built it, whatever the file says now
+        edited = config_changes(kept, found.read_text()) if found is not None else "gone"
+        if edited:
+            print(f"note: --hf {hf} differs from the config the run trained with ({edited}); "
+                  "the checkpoint's own copy is exported", file=sys.stderr)  # fmt: skip
+        copy = Path(tempfile.mkdtemp(prefix=_KEPT)) / "config.json"  # (removed by ``run``)
+        copy.write_text(kept)
+        return copy
     if found is None:
         print(
             f"warning: the run that saved {checkpoint} was trained with --hf {hf}, which is not "
@@ -88,18 +99,28 @@ def _run_s_hf_config(checkpoint: Path) -> Path | None:
     return found
 
 
+_KEPT = "zeroshard-export-config-"
+
+
 def run(args: argparse.Namespace) -> int:
     config = args.config
     if config is None and args.tie is None and (config := _run_s_hf_config(args.checkpoint)):
-        print(f"--config {config}: the --hf config of the run that saved it")
-    result = export.export_safetensors(
-        args.checkpoint,
-        args.out,
-        dtype=args.dtype,
-        max_shard_bytes=args.max_shard_size,
-        tied=_ties(args.tie),
-        config=config,
-    )
+        if config.parent.name.startswith(_KEPT):
+            print("--config: the checkpoint's copy of the --hf config of the run that saved it")
+        else:
+            print(f"--config {config}: the --hf config of the run that saved it")
+    try:
+        result = export.export_safetensors(
+            args.checkpoint,
+            args.out,
+            dtype=args.dtype,
+            max_shard_bytes=args.max_shard_size,
+            tied=_ties(args.tie),
+            config=config,
+        )
+    finally:
+        if isinstance(config, Path) and config.parent.name.startswith(_KEPT):
+            shutil.rmtree(config.parent, ignore_errors=True)
     what = f"{len(result.weight_map)} tensors, {result.total_size:,} bytes"
     if result.dtype:
         what += f" as {result.dtype}"

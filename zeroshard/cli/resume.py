@@ -76,6 +76,10 @@ def say_changes(saved: Path, cfg: TrainConfig) -> None:
         for k, v in now.items()
         if k in before and k not in _BOOKKEEPING and before[k] != v
     ]
+    kept = _saved_extra(cfg.resume).get("hf_config") if cfg.resume else None
+    if cfg.hf and isinstance(kept, str):  # the file, edited since, builds another model
+        edited = config_changes(kept, Path(cfg.hf).read_text())
+        changed += [f"--hf {cfg.hf} edited since the save ({edited})"] if edited else []
     if not changed:
         return
     print(f"resuming with other settings than the saved run's: {', '.join(changed)}")
@@ -94,6 +98,18 @@ def say_changes(saved: Path, cfg: TrainConfig) -> None:
             f"({cfg.lr_schedule} schedule over {cfg.steps} steps); the saved run's schedule "
             f"gave it {saved_rate:.4g}"
         )
+
+
+def config_changes(kept: str, now: str) -> str:
+    """The keys of two JSON configs whose values differ, "a 1 -> 2, ..."; "" when the same."""
+    try:
+        a, b = json.loads(kept), json.loads(now)
+    except ValueError:
+        return "" if kept == now else "its text"
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return "" if a == b else "its content"
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    return ", ".join(f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in keys)
 
 
 _SCHEDULE = ("lr", "steps", "warmup_steps", "lr_schedule")
