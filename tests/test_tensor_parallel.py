@@ -435,7 +435,11 @@ def _gpt2():
     "build, tp, message",
     [
         (lambda: _own_with({"blocks.*.up": "colwise_gather_output"}), 2, "colwise or rowwise only"),
-        (lambda: _own_with({"blocks.*.nothing": "colwise"}), 2, "matches no module of _Own"),
+        (
+            lambda: _own_with({"blocks.*.nothing": "colwise"}),
+            2,
+            "matches no module of _Own; fix the plan .* or pass --tp 1",
+        ),
         (lambda: _own_with({"embed": "colwise"}), 2, "embed is a Embedding, not an nn.Linear"),
         (_Own, 3, r"blocks.0.up \(colwise\) has 64 output features, which do not split in tp=3"),
         (lambda: nn.Sequential(nn.Linear(4, 4)), 2, "Sequential has no tensor-parallel plan"),

@@ -240,7 +240,8 @@ def styles(model: nn.Module) -> dict[str, str]:
         if not matched:
             raise ValueError(
                 f"tensor-parallel plan entry {pattern!r} matches no module of "
-                f"{type(model).__name__}; fix the plan (names as in named_modules())"
+                f"{type(model).__name__}; fix the plan (names as in named_modules()) or pass "
+                "--tp 1 (zeroshard plan: --mp 1)"
             )
         found |= matched
     return found
