@@ -40,7 +40,7 @@ import zeroshard
 from zeroshard import checkpoint, tensor_parallel
 from zeroshard.data import BatchLoader, Corpus
 from zeroshard.divergence import Diverged, DivergenceGuard
-from zeroshard.models.loading import build_model, logits_of
+from zeroshard.models.loading import build_model, logits_of, read_hf_config
 from zeroshard.run_log import MetricsLog, Progress, write_atomically
 from zeroshard.schedule import lr_at as schedule_lr_at
 from zeroshard.signals import StopOnSignal, Stopped
@@ -342,7 +342,7 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
     diverges)."""
     # The --hf config as built, kept with each checkpoint: export and resume read it, not a file
     # edited since (it exported and resumed another model without a word).
-    hf_config = Path(cfg.hf).read_text() if cfg.hf else None
+    hf_config = json.dumps(read_hf_config(cfg.hf)) if cfg.hf else None
     rank, world = dist.get_rank(), dist.get_world_size()
     out, records, vocab = Path(cfg.out_dir), log.records, summary["vocab_size"]
     bar = Progress(

@@ -17,6 +17,7 @@ as that run's ``config.json`` records it, and says so.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -82,7 +83,7 @@ def _run_s_hf_config(checkpoint: Path) -> Path | None:
     found = next((p for p in (Path(hf), recorded.parent / hf) if p.exists()), None)
     kept = _saved_extra(str(checkpoint)).get("hf_config")
     if isinstance(kept, str):  # the config as the run built it, whatever the file says now
-        edited = config_changes(kept, found.read_text()) if found is not None else "gone"
+        edited = config_changes(kept, _read(found)) if found is not None else "gone"
         if edited:
             print(f"note: --hf {hf} differs from the config the run trained with ({edited}); "
                   "the checkpoint's own copy is exported", file=sys.stderr)  # fmt: skip
@@ -100,6 +101,16 @@ def _run_s_hf_config(checkpoint: Path) -> Path | None:
 
 
 _KEPT = "zeroshard-export-config-"
+
+
+def _read(hf: Path) -> str:
+    """An ``--hf`` config (a file or its folder) as JSON text; "" when it is no longer one."""
+    from zeroshard.models.loading import read_hf_config
+
+    try:
+        return json.dumps(read_hf_config(str(hf)))
+    except ValueError:
+        return ""
 
 
 def run(args: argparse.Namespace) -> int:

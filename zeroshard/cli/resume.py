@@ -22,6 +22,7 @@ import torch
 from zeroshard import checkpoint
 from zeroshard.cli.agent import Launch
 from zeroshard.cli.main import UsageError
+from zeroshard.models.loading import read_hf_config
 from zeroshard.train import TrainConfig, lr_at, resume_path, settings_differ
 
 _BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eval_batches",
@@ -78,7 +79,7 @@ def say_changes(saved: Path, cfg: TrainConfig) -> None:
     ]
     kept = _saved_extra(cfg.resume).get("hf_config") if cfg.resume else None
     if cfg.hf and isinstance(kept, str):  # the file, edited since, builds another model
-        edited = config_changes(kept, Path(cfg.hf).read_text())
+        edited = config_changes(kept, json.dumps(read_hf_config(cfg.hf)))
         changed += [f"--hf {cfg.hf} edited since the save ({edited})"] if edited else []
     if not changed:
         return
