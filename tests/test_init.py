@@ -447,12 +447,20 @@ def _parent_rules_on_other_units(stage: int) -> dict:
         tied[1][0].weight = tied[0].weight
     tied = zeroshard.shard(tied, stage=stage, wrap={nn.Sequential}, param_init_fn=init)
     embedding = zeroshard.full_state_dict(tied, rank0_only=False)["0.weight"]
+    # An RNN sharing its owner's weight, run first: its weakrefs to the weight made the owner's
+    # swap_tensors fail ("Cannot swap t1 because it has weakref associated with it").
+    with torch.device("meta"):
+        rnn = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.RNN(4, 4)))
+        rnn[1][0].weight_hh_l0 = rnn[0].weight
+    rnn = zeroshard.shard(rnn, stage=stage, wrap=None, param_init_fn=init)
+    rnn_out = rnn(torch.ones(2, 3, 4))[0]
     return {
         "positions": torch.equal(full[key], eager[key]),
         "position_ids": torch.equal(model.embeddings.position_ids, torch.arange(16)[None]),
         "out_proj_bias": bias.abs().max().item(),
         "padding_row": embedding[0].abs().max().item(),
         "embedding_std_above_0.5": embedding[1:].std().item() > 0.5,  # N(0, 1), not kaiming's
+        "rnn_finite": bool(torch.isfinite(rnn_out).all()),
     }
 
 
@@ -468,6 +476,7 @@ def test_a_parents_init_reaches_no_child_of_another_unit(workers2, stage):
                 "out_proj_bias": 0.0,
                 "padding_row": 0.0,
                 "embedding_std_above_0.5": True,
+                "rnn_finite": True,
             }
         ]
         * 2  # fmt: skip

@@ -89,6 +89,7 @@ def _run_s_hf_config(checkpoint: Path) -> Path | None:
                   "the checkpoint's own copy is exported", file=sys.stderr)  # fmt: skip
         copy = Path(tempfile.mkdtemp(prefix=_KEPT)) / "config.json"  # (removed by ``run``)
         copy.write_text(kept)
+        _MADE.add(copy)
         return copy
     if found is None:
         print(
@@ -101,6 +102,7 @@ def _run_s_hf_config(checkpoint: Path) -> Path | None:
 
 
 _KEPT = "zeroshard-export-config-"
+_MADE: set[Path] = set()  # the checkpoint's config copies this process wrote, to remove
 
 
 def _read(hf: Path) -> str:
@@ -116,7 +118,7 @@ def _read(hf: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     config = args.config
     if config is None and args.tie is None and (config := _run_s_hf_config(args.checkpoint)):
-        if config.parent.name.startswith(_KEPT):
+        if config in _MADE:
             print("--config: the checkpoint's copy of the --hf config of the run that saved it")
         else:
             print(f"--config {config}: the --hf config of the run that saved it")
@@ -130,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
             config=config,
         )
     finally:
-        if isinstance(config, Path) and config.parent.name.startswith(_KEPT):
+        if config in _MADE:
+            _MADE.discard(config)
             shutil.rmtree(config.parent, ignore_errors=True)
     what = f"{len(result.weight_map)} tensors, {result.total_size:,} bytes"
     if result.dtype:

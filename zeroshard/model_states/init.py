@@ -44,9 +44,14 @@ class Materializer:
         self._unchecked: list[tuple[nn.Module, str]] = []  # parameters made, checked at the end
         by_name = dict(model.named_modules())
         self._names = {id(m): name for name, m in by_name.items()}  # for the errors
+        # RNNs registering each parameter: their weakrefs to it must go around a swap by another
+        # module (a tie's owner), and be made again after.
+        self._rnns: dict[int, list[nn.RNNBase]] = {}
         for name, module in by_name.items():
             for p in module.parameters(recurse=False):
                 self._owners.setdefault(id(p), module)
+                if isinstance(module, nn.RNNBase):
+                    self._rnns.setdefault(id(p), []).append(module)
             for b in module.buffers(recurse=False):
                 self._buffer_owners.setdefault(id(b), module)
             parts = name.split(".") if name else []
@@ -130,7 +135,12 @@ class Materializer:
         for name, p in module._parameters.items():
             if p is not None and p.device == META and name not in others:
                 new = nn.Parameter(_unset(p, self.device), p.requires_grad)
+                tied_rnns = [m for m in self._rnns.get(id(p), []) if m is not module]
+                for m in tied_rnns:
+                    m._flat_weight_refs = []
                 torch.utils.swap_tensors(p, new)  # same object: ties and optimizer refs hold
+                for m in tied_rnns:
+                    m._init_flat_weights()
                 self._unchecked.append((module, name))
                 needed |= p.numel() > 0
         if rnn:
