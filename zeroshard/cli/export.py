@@ -73,7 +73,7 @@ def _run_s_hf_config(checkpoint: Path) -> Path | None:
     path, as earlier versions recorded it, is looked for from here and from the run's folder).
     One that no longer exists is said on stderr: the export then has no config.json, which
     ``from_pretrained`` needs."""
-    from zeroshard.cli.resume import _saved_extra, config_changes, saved_settings
+    from zeroshard.cli.resume import config_changes, saved_extra, saved_settings
 
     recorded = checkpoint.absolute().parent.parent / "config.json"
     settings = saved_settings(recorded, str(checkpoint), quiet=True)
@@ -81,7 +81,7 @@ def _run_s_hf_config(checkpoint: Path) -> Path | None:
     if not isinstance(hf, str):
         return None
     found = next((p for p in (Path(hf), recorded.parent / hf) if p.exists()), None)
-    kept = _saved_extra(str(checkpoint)).get("hf_config")
+    kept = saved_extra(str(checkpoint)).get("hf_config")
     if isinstance(kept, str):  # the config as the run built it, whatever the file says now
         edited = config_changes(kept, _read(found)) if found is not None else "gone"
         if edited:

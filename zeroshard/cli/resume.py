@@ -30,7 +30,7 @@ _BOOKKEEPING = {"resume", "out_dir", "data_dir", "log_every", "eval_every", "eva
 """Settings that do not change what is trained: a resume may change them without a word."""
 
 
-def _saved_extra(resume: str) -> dict:
+def saved_extra(resume: str) -> dict:
     """The ``extra`` a checkpoint holds (rank 0's file: the step, skipped steps, settings), or
     {} when it cannot be read."""
     try:
@@ -47,7 +47,7 @@ def saved_settings(saved: Path, resume: str | None, *, quiet: bool = False) -> d
     unreadable file is said on stdout unless ``quiet``."""
     if resume:
         try:
-            return json.loads(_saved_extra(resume)["settings"])
+            return json.loads(saved_extra(resume)["settings"])
         except (KeyError, TypeError, ValueError):
             pass
         if not saved.is_file():  # resumed into another folder: the saved run's own
@@ -77,7 +77,8 @@ def say_changes(saved: Path, cfg: TrainConfig) -> None:
         for k, v in now.items()
         if k in before and k not in _BOOKKEEPING and before[k] != v
     ]
-    kept = _saved_extra(cfg.resume).get("hf_config") if cfg.resume else None
+    extra = saved_extra(cfg.resume) if cfg.resume else {}
+    kept = extra.get("hf_config")
     if cfg.hf and isinstance(kept, str):  # the file, edited since, builds another model
         edited = config_changes(kept, json.dumps(read_hf_config(cfg.hf)))
         changed += [f"--hf {cfg.hf} edited since the save ({edited})"] if edited else []
@@ -87,7 +88,7 @@ def say_changes(saved: Path, cfg: TrainConfig) -> None:
     step = checkpoint.info(cfg.resume).step if cfg.resume else None
     if step is None or not all(k in before for k in _SCHEDULE):
         return  # a saved config of another version: nothing sure to say
-    applied = step - int(_saved_extra(cfg.resume).get("skipped", 0))  # (skips do not move it)
+    applied = step - int(extra.get("skipped", 0))  # (skips do not move it)
     try:
         saved_rate = lr_at(applied, dataclasses.replace(cfg, **{k: before[k] for k in _SCHEDULE}))
     except (TypeError, ValueError):

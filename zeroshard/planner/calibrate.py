@@ -77,8 +77,9 @@ class Case:
     accumulate_unreduced: bool = False
 
 
-def case_grad_accum(case: Case | HFCase) -> int:
-    return getattr(case, "grad_accum", 1)
+def _accumulation(case: Case | HFCase) -> tuple[int, bool]:
+    """``grad_accum`` and ``accumulate_unreduced`` (an ``HFCase`` runs one micro-batch)."""
+    return getattr(case, "grad_accum", 1), getattr(case, "accumulate_unreduced", False)
 
 
 def _gpt_config(case: Case):
@@ -138,8 +139,8 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
         bucket_bytes=engine.bucket_bytes,
         num_buckets=engine.max_inflight_reductions,
         step_in_backward=getattr(case, "step_in_backward", False),
-        grad_accum=getattr(case, "grad_accum", 1),
-        accumulate_unreduced=getattr(case, "accumulate_unreduced", False),
+        grad_accum=_accumulation(case)[0],
+        accumulate_unreduced=_accumulation(case)[1],
         # Checkpointing as the case asks, counted along the engine timeline; FP32 compute; the
         # fused attention kernel saves a log-sum-exp per head, not the probabilities (CPU too).
         activation_checkpointing=bool(ci),
@@ -176,12 +177,12 @@ def predict(case: Case | HFCase, num_ranks: int) -> dict:
         param_dtype_bytes=4,
         reduce_dtype_bytes=4,
         num_params_kept_gathered=kept,
-        reduce_every_micro_batch=not getattr(case, "accumulate_unreduced", False),
+        reduce_every_micro_batch=not _accumulation(case)[1],
     )
     comm_numel: dict[str, int] = {}
     for c in collectives:
         key = f"{c.op}/{c.label}"
-        comm_numel[key] = comm_numel.get(key, 0) + comm.total_numel((c,), case_grad_accum(case))
+        comm_numel[key] = comm_numel.get(key, 0) + comm.total_numel((c,), _accumulation(case)[0])
     return {
         "model_states": {c: plan.device[c] for c in MODEL_STATES},
         # What is alive after the step: MemTracker counts the model's buffers too.
