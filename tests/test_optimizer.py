@@ -147,6 +147,48 @@ def test_stage_0_takes_grads_set_by_hand(workers2, mode, precision):
         assert isinstance(r, float) and r < tol, r
 
 
+class Skipping(Net):
+    """Net whose block 1 no rank runs and whose block 2 only rank 0 runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](self.inp(x))
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            h = self.blocks[2](h)
+        return self.head(h)
+
+
+def _unused_at_stage_0() -> dict:
+    """A parameter no rank's backward reached shows ``.grad`` None, as under torch and DDP (it
+    showed zeros, and in-place writes to them were dropped by the step); one set by hand is
+    taken; one only another rank reached shows the averaged gradient."""
+    torch.manual_seed(0)
+    ref = Skipping()
+    model = zeroshard.shard(
+        copy.deepcopy(ref), stage=0, wrap=zeroshard.wrap.by_class(nn.Sequential)
+    )
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    x, y, mine = _batch(0)
+    nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+    unused = [p.grad for p in model.blocks[1].parameters()]
+    other_ranks = [p.grad is not None for p in model.blocks[2].parameters()]
+    nn.functional.mse_loss(ref(x[mine]), y[mine]).backward()  # (only block 1 is compared)
+    for m in (model, ref):
+        m.blocks[1][0].weight.grad = torch.ones_like(m.blocks[1][0].weight)
+    opt.step()
+    ref_opt.step()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()
+               if k.startswith("blocks.1"))  # fmt: skip
+    return {"unused": unused, "other_ranks": other_ranks, "diff": diff}
+
+
+def test_stage_0_shows_no_grad_where_no_rank_reached(workers2):
+    for r in workers2.run(_unused_at_stage_0):
+        assert r["unused"] == [None, None] and r["other_ranks"] == [True, True], r
+        assert r["diff"] < 1e-6, r
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_grads_set_by_hand_at_stages_1_to_3_are_an_error(workers2, stage):
     for r in workers2.run(_grads_set_by_hand, stage, "replaced", "fp32"):

@@ -485,7 +485,9 @@ class GradBucket:
             bound = self._bound[i] and self.full_grad is not None
             if bound and grad is not None and self._is_region(i, grad):
                 continue
-            if shown and self.shard_grad is not None and bound:
+            if shown and self.shard_grad is not None and self.full_grad is not None:
+                if not bound and grad is None:
+                    continue  # no rank's backward reached it (``end_backward``): none shown
                 span = self.flat.pieces()[i][1]
                 if grad is None:  # dropped: out of the step (and of a norm)
                     self.shard_grad[span].zero_()
@@ -521,13 +523,21 @@ class GradBucket:
 
     def end_backward(self) -> None:
         """The backward is over (late gradients reduced): at stage 0, ``.grad`` of parameters
-        no gradient reached on this rank show the averaged gradient too, as under DDP."""
+        no gradient reached on this rank show the averaged gradient too, as under DDP; those
+        that no rank's reached (all zeros) keep ``None``, as under torch and DDP. (One another
+        rank reached with an exactly zero average shows None too; the step still applies it.)"""
         self.issued = self.late = False
         unshown, self._unshown = self._unshown, False  # (no walk of the slots otherwise)
         if unshown and self.reduction is Reduction.ALL_REDUCE and self._reduced:  # (persistent)
-            for i, s in enumerate(self.flat.slots):
-                if not self._bound[i] and s.param.grad is None:
-                    s.param.grad, self._bound[i] = self._view(i), True
+            slots = [
+                i
+                for i, s in enumerate(self.flat.slots)
+                if not self._bound[i] and s.param.grad is None
+            ]
+            reached = torch.stack([self._view(i).ne(0).any() for i in slots]).tolist()
+            for i, any_rank in zip(slots, reached):
+                if any_rank:
+                    self.flat.slots[i].param.grad, self._bound[i] = self._view(i), True
 
     def _free_full(self) -> None:
         if self.as_views:  # otherwise .grad are autograd's own, released at collection already
