@@ -170,20 +170,67 @@ def test_a_nonfinite_gradient_on_one_rank_skips_on_every_rank(workers2):
                      "skipped": 1}, r  # fmt: skip
 
 
-def _two_backwards() -> str:
+def _two_backwards() -> list[str]:
+    """A second backward before the step, then one after a step without zero_grad: each an
+    error; zero_grad then recovers."""
     model, opt = _make("gpt", 3, True)
     x, y = batch("gpt", 0, 2)
-    opt.backward(loss_of("gpt", model, x, y))
-    try:
+    said = []
+    for steps in (0, 1):
+        opt.zero_grad()
         opt.backward(loss_of("gpt", model, x, y))
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+        if steps:
+            opt.step()
+        try:
+            opt.backward(loss_of("gpt", model, x, y))
+            said.append("no error")
+        except RuntimeError as e:
+            said.append(str(e))
+    opt.zero_grad()
+    opt.backward(loss_of("gpt", model, x, y))
+    said.append(f"stepped after zero_grad: {opt.step()}")
+    return said
 
 
-def test_a_second_backward_before_the_step_is_an_error(workers2):
-    for msg in workers2.run(_two_backwards):
-        assert "second backward before optimizer.step()" in msg and "sync=False" in msg, msg
+def test_a_second_backward_before_the_step_or_zero_grad_is_an_error(workers2):
+    for before_step, before_zero_grad, then in workers2.run(_two_backwards):
+        assert "second backward before optimizer.step()" in before_step, before_step
+        assert "sync=False" in before_step, before_step
+        assert "after optimizer.step() without zero_grad()" in before_zero_grad, before_zero_grad
+        assert then == "stepped after zero_grad: True"
+
+
+def _autograd_grad_of_the_inputs() -> list[bool]:
+    """``torch.autograd.grad`` of the input (a saliency map, a gradient penalty) before the
+    step's backward reaches no parameter: no update (it failed as a second backward). Per
+    stage: the parameters equal the plain step's."""
+    from torch import nn
+
+    same = []
+    for stage in (2, 3):
+        params = []
+        for sib in (False, True):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(4, 16), nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+                                nn.Linear(16, 1))  # fmt: skip
+            model = zeroshard.shard(net, stage=stage, wrap=zeroshard.wrap.by_size(200))
+            opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=0.1, step_in_backward=sib)
+            for step in range(2):
+                g = torch.Generator().manual_seed(step * 10 + torch.distributed.get_rank())
+                x = torch.randn(2, 4, generator=g).requires_grad_()
+                loss = model(x).square().mean()
+                (gx,) = torch.autograd.grad(loss, x, retain_graph=True)
+                opt.backward(loss * gx.square().sum())
+                opt.step()
+                opt.zero_grad()
+            with zeroshard.summon_full_params(model, writeback=False):
+                params.append([p.detach().clone() for p in model.parameters()])
+        same.append(all(torch.equal(a, b) for a, b in zip(*params)))
+    return same
+
+
+def test_autograd_grad_of_the_inputs_is_no_update(workers2):
+    assert workers2.run(_autograd_grad_of_the_inputs) == [[True, True]] * 2
 
 
 def _lr_set_after_the_backward(tensor_lr: bool) -> list:

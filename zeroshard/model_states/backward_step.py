@@ -15,13 +15,16 @@ What changes for the caller (each refused with a clear error where it would be w
 - Every update of a step sees the hyperparameters (LR) current at its ``backward``; one changed
   between that ``backward`` and ``step()`` (which a plain step would use) is an error at
   ``step()`` (it was ignored without a word).
+- An update consumes its gradients: a backward after ``step()`` without ``zero_grad()`` (which
+  torch would add to the gradients already applied) is an error naming the fix.
 - Global-norm clipping needs every gradient before any update: refused.
 - FP16's dynamic loss scaling must skip whole steps: refused (train in bf16 or fp32).
 - Non-finite values never reach a master: a rank leaves its shard of a bucket untouched once
   it has seen inf/NaN in this backward, and every rank does so from the bucket after the first
   rank to see one. Earlier buckets have stepped; ``step()`` returns False (counted as skipped,
   so divergence is still reported).
-- Parameters that no rank's backward reached are left out of the step, as in a plain step.
+- Parameters that no rank's backward reached are left out of the step, as in a plain step; a
+  backward that reaches none of a unit's (``torch.autograd.grad`` of the inputs) is no update.
 - Only the optimizer whose ``backward()`` runs (or any, for a plain ``loss.backward()``) steps
   in it: another's gradients accumulate, as torch's ``.grad`` do, until its ``step()`` or
   ``zero_grad()`` (a GAN's generator loss reaches the discriminator's parameters too).
@@ -85,6 +88,8 @@ class BackwardStep:
             index += len(b.touched)
         self.stepped: set[int] = set()
         """Buckets (ids) stepped since the last ``step()`` / ``zero_grad()``."""
+        self.consumed = False
+        """A ``step()`` applied (and freed) gradients, and no ``zero_grad()`` followed."""
         self._flags: dict[int, C.Handle] = {}  # per bucket: its agreement in flight
         self._used: dict[int, dict] = {}
         """Per user param group stepped since ``reset``: the hyperparameters it stepped with."""
@@ -124,6 +129,17 @@ class BackwardStep:
         flags = self._flags.pop(id(bucket)).wait()
         seen, touched = agreed(flags, engine.forget_order, stepped=len(self.stepped))
         torch.maximum(self._seen, bucket.found_inf, out=self._seen)
+        if not any(touched):  # no rank's backward reached it (``torch.autograd.grad`` for the
+            bucket.shard_grad = None  # inputs' gradients alone): zeros, and no update is due
+            return
+        if self.consumed and engine.backward_by in (None, optimizer):
+            raise RuntimeError(
+                f"step_in_backward: a backward after optimizer.step() without zero_grad() "
+                f"(unit {bucket.flat.name!r}): torch would add these gradients to the last "
+                "step's, which step_in_backward applied during that backward and freed. Call "
+                "optimizer.zero_grad() after each step(), or drop step_in_backward to "
+                "accumulate gradients across steps"
+            )
         if not engine.sync_grads or engine.backward_by not in (None, optimizer):
             # A micro-step that reduces (reduce_every_micro_step), or another optimizer's
             # backward (a GAN's generator loss reaching the discriminator: torch accumulates

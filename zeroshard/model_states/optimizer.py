@@ -407,6 +407,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 ):
                     self._step_subgroup(sg, unused)
         stepped_any = bool(bs.stepped) or not found_inf
+        bs.consumed = bs.consumed or bool(bs.stepped)  # (their shards are gone)
         bs.reset()
         if stepped_any:
             self._changed()
@@ -536,6 +537,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     stacklevel=user_stacklevel(),
                 )
             self._backward_step.reset()
+            self._backward_step.consumed = False
         if self._grad_swap is not None:
             self._grad_swap.zero()
         bucket_owners.reclaim(self)
