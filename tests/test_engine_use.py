@@ -403,6 +403,25 @@ def test_summon_full_params_without_writeback_discards_writes(workers2, stage):
     _check(workers2.run(_summon_without_writeback, stage))
 
 
+def _one_rank_inside_summon() -> dict:
+    """Rank 0 alone runs a forward inside ``summon_full_params`` that skips units (T5's
+    generate() runs the decoder's alone): its order must not become the one rank 0 prefetches
+    by at the next step (the ranks' gathers then differed: gloo aborted)."""
+    model, ref, opt, ref_opt, kind = _pair("skip", 3, None)
+    out = {"train": _train_both(model, ref, opt, ref_opt, kind, range(1))}
+    with torch.no_grad(), zeroshard.summon_full_params(model, writeback=False):
+        if dist.get_rank() == 0:
+            model.skip = {0, 1}
+            model(_global_batch(kind, 0)[0])
+            model.skip = set()
+    out["train_after"] = _train_both(model, ref, opt, ref_opt, kind, range(1, 3))
+    return out
+
+
+def test_a_forward_on_one_rank_inside_summon_full_params(workers2):
+    _check(workers2.run(_one_rank_inside_summon))
+
+
 # ----------------------------------------------------------------------------- 5: own calls
 def _submodules_alone(stage: int, bucket_bytes: int | None) -> dict:
     """Submodules called outside the model's forward (parts of a unit, a whole non-root unit,

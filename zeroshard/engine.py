@@ -124,7 +124,7 @@ class Engine:
         self.phase, self.sync_grads = Phase.IDLE, True
         self._forward_call: int | None = None  # the root's running call (call_frames.current)
         self.forward_order: list[Unit] = []  # last forward's units, first use first
-        self._recording: dict[Unit, None] | None = None  # this forward's units, in order
+        self._recording: dict[Unit, None] | None = None  # this one's (not summoned), in order
         self._pending: deque[GradBucket] = deque()  # reductions in flight, oldest first
         # Every FlatParam and bucket once, in unit order (units may share them at stages 0-2).
         self.flat_params = list(dict.fromkeys(f for u in unit_list for f in u.flat_params))
@@ -308,7 +308,7 @@ class Engine:
         self.phase = Phase.FORWARD
         if self.checkpointing is not None:
             self.checkpointing.close()
-        self._recording = {}
+        self._recording = None if self.summoned else {}  # (rank 0's generate() there alone)
         self._finish_reductions(keep=0)  # a backward not followed by a step left some in flight
         stale = [u for u in self.units if u.state is not TrainingState.IDLE]
         if stale:
