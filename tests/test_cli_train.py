@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -283,7 +284,19 @@ def test_resume_continues_the_same_curve(tmp_path, capsys, data_dir):
     assert main([*argv, "--out-dir", str(split)]) == 0
     assert sorted(p.name for p in (split / "ckpt").iterdir()) == ["step-000004"]
     capsys.readouterr()
+    # An evaluation that a stop cut short (its record missing) runs on resume.
+    lost = tmp_path / "lost"
+    shutil.copytree(split, lost)
+    lines = (lost / "metrics.jsonl").read_text().splitlines()
+    (lost / "metrics.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    assert json.loads(lines[-1]) | {"val_loss": 0} == {"kind": "eval", "step": 4, "val_loss": 0}
+    argv = ["train", *common, "--steps", "8", "--resume", "auto", "--out-dir", str(lost)]
+    assert main(argv) == 0, capsys.readouterr().err[-3000:]
+    relogged = [json.loads(line) for line in (lost / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in relogged] == [0, 2, 4, 4, 6, 8, 8]
+    assert relogged[3]["val_loss"] == json.loads(lines[-1])["val_loss"]
     argv = ["train", *common, "--steps", "8", "--resume", "auto", "--out-dir", str(split)]
+    capsys.readouterr()
     assert main(argv) == 0, capsys.readouterr().err[-3000:]
     said = capsys.readouterr().out
     assert f"resuming from {split / 'ckpt' / 'step-000004'} (step 4)" in said

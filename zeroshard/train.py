@@ -373,6 +373,9 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
     try:
         if start and records and records[0]["kind"] == "eval":
             first_val = records[0]["val_loss"]
+            evaluated = any(r["kind"] == "eval" and r["step"] == start for r in records)
+            if start % cfg.eval_every == 0 and not evaluated:  # the stop cut it short
+                evaluate_at(start)
         else:
             first_val = evaluate_at(start)
         # Throughput is of training steps after the first: evaluations and saves move the
