@@ -57,6 +57,8 @@ def test_npy_token_ids(tmp_path):
     with open(tmp_path / "UPPER.NPY", "wb") as f:
         np.save(f, ids)
     assert load_tokens(tmp_path / "UPPER.NPY").vocab_size == 1000
+    np.save(tmp_path / "small.npy", ids % 100)  # below 256 too (it gave 256: too large a model)
+    assert load_tokens(tmp_path / "small.npy").vocab_size == 100
 
 
 def _local_tokenizer(folder):

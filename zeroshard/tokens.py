@@ -150,7 +150,8 @@ def _npy_tokens(path: Path, tokenizer: Any) -> tuple[np.ndarray, int]:
             f"of {highest + 1:,} (largest known: about 260,000); check the ids, or pass the "
             "--tokenizer that made them"
         )
-    vocab = len(tokenizer) if tokenizer is not None else max(BYTE_VOCAB_SIZE, highest + 1)
+    # Without a tokenizer the ids are all that is known: a model of highest + 1 entries fits.
+    vocab = len(tokenizer) if tokenizer is not None else highest + 1
     if highest >= vocab:
         raise ValueError(
             f"data = {str(path)!r} holds token id {highest}, outside the tokenizer's vocabulary "
