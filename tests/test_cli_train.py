@@ -300,6 +300,7 @@ def test_resume_continues_the_same_curve(tmp_path, capsys, data_dir):
     assert main(argv) == 0, capsys.readouterr().err[-3000:]
     said = capsys.readouterr().out
     assert f"resuming from {split / 'ckpt' / 'step-000004'} (step 4)" in said
+    assert "other data" not in said  # (the same corpus)
     done = said.splitlines()[-1]  # its seconds are those of steps 5-8, trained by this command
     assert re.search(r"8 steps \(0 skipped\) in [\d.]+ s for steps 5-8, resumed at step 4 ", done)
     assert json.loads((split / "summary.json").read_text())["resumed_at_step"] == 4
@@ -933,11 +934,22 @@ def test_own_data_text_npy_and_tokenizer(capsys, tmp_path):
     (tmp_path / "texts").mkdir()
     for i in range(3):
         (tmp_path / "texts" / f"{i}.txt").write_text(f"file {i}: " + "the cat sat on the mat " * 40)
+    texts = ["--data", str(tmp_path / "texts")]
     code, err, _, summary = _train_in_process(
-        capsys, tmp_path / "bytes", *common, "--data", str(tmp_path / "texts")
+        capsys, tmp_path / "bytes", *common, *texts, "--save-every", "2"
     )
     assert code == 0, err
     assert summary["vocab_size"] == 256 and summary["data"] == str(tmp_path / "texts")
+    # Resumed on data changed since the save: said (it resumed without a word).
+    (tmp_path / "texts" / "1.txt").write_text("file 1: " + "a dog sat on the log " * 40)
+    more = [*common, *texts, "--steps", "3", "--resume", "auto", "--out-dir"]
+    assert main(["train", *more, str(tmp_path / "bytes")]) == 0
+    said = capsys.readouterr().out
+    assert re.search(
+        r"resuming on other data than the saved run's: 2,\d+ tokens \(vocabulary "
+        r"256\), CRC-32 \w{8} -> 2,\d+ tokens \(vocabulary 256\), CRC-32",
+        said,
+    )
 
     np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 1000, 4000))
     code, err, _, summary = _train_in_process(

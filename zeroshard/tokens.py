@@ -4,7 +4,7 @@ validation token arrays that ``zeroshard.data.BatchLoader`` cuts into batches.
 Rules (``load_tokens``):
 
 * ``PATH`` ending in ``.npy``: a 1D array of non-negative integer token ids, memory-mapped and used
-  as is; the vocabulary is the tokenizer's when one is given, else ``max(id) + 1`` (at least 256).
+  as is; the vocabulary is the tokenizer's when one is given, else ``max(id) + 1``.
 * A text file: its bytes. A folder: every regular file below it whose name does not start with
   ``.`` (hidden files and folders are skipped), sorted by path relative to the folder, in that
   order.
@@ -21,6 +21,7 @@ Rules (``load_tokens``):
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,22 @@ class TokenData:
     """Number of distinct token ids the model must cover (ids are ``< vocab_size``)."""
     source: str
     """Where the tokens came from, for messages."""
+
+    def fingerprint(self) -> str:
+        """What tells these tokens from others, for a resume to compare (``train``): their count,
+        vocabulary and a CRC-32 of both splits' bytes (above 256 MiB, of 64 windows of 1 MiB
+        spread over each, so that a large corpus costs no full read)."""
+        crc, window = 0, 1 << 20
+        for part in (self.train, self.val):
+            raw = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+            if raw.size > 256 * window:
+                starts = np.linspace(0, raw.size - window, 64).astype(np.int64)
+                raw = np.concatenate([raw[s : s + window] for s in starts])
+            crc = zlib.crc32(raw, crc)
+        return (
+            f"{self.train.size + self.val.size:,} tokens (vocabulary {self.vocab_size}), "
+            f"CRC-32 {crc:08x}"
+        )
 
 
 MAX_VOCAB_SIZE = 2**24

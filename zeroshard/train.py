@@ -54,10 +54,8 @@ __all__ = ["Diverged", "Stopped", "TrainConfig", "lr_at", "train"]
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based): ``cfg.lr_schedule`` after a linear
     warm-up of ``cfg.warmup_steps`` (``zeroshard.schedule.lr_at``)."""
-    return schedule_lr_at(
-        step, peak_lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
-        schedule=cfg.lr_schedule,
-    )  # fmt: skip
+    return schedule_lr_at(step, peak_lr=cfg.lr, total_steps=cfg.steps,
+                          warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule)  # fmt: skip
 
 
 def resume_path(cfg: TrainConfig) -> Path | None:
@@ -113,8 +111,7 @@ def _precision_name(asked: str, policy: object) -> str:
 
 
 def rank_memory_bytes(device: torch.device) -> int:
-    """This rank's memory now: bytes allocated on the accelerator (CUDA, XPU, NPU), or the
-    process's resident set on CPU."""
+    """This rank's memory now: bytes allocated on the accelerator, or the resident set on CPU."""
     if device.type != "cpu":
         return zeroshard.accelerator.memory_allocated_bytes(device)
     with open("/proc/self/statm") as f:
@@ -307,13 +304,16 @@ def train(cfg: TrainConfig) -> dict:
             weight_decay=cfg.weight_decay, step_in_backward=cfg.step_in_backward,
         )  # fmt: skip
 
-        out = Path(cfg.out_dir)
+        out, fingerprint = Path(cfg.out_dir), data.fingerprint()
         start, skipped, resume = 0, (0, 0), resume_path(cfg)
         if resume is not None:
             extra = checkpoint.load(resume, model, opt)  # restores RNGs and the loss scale too
             opt.param_groups[0]["weight_decay"] = cfg.weight_decay  # not the saved run's
             start = int(extra.get("step", checkpoint.info(resume).step))
             skipped = (int(extra.get("skipped", 0)), int(extra.get("skipped_in_a_row", 0)))
+            if first and extra.get("data", fingerprint) != fingerprint:  # (said, not refused)
+                print(f"resuming on other data than the saved run's: {extra['data']} -> "
+                      f"{fingerprint} ({data.source})", flush=True)  # fmt: skip
         records = _records_until(out / "metrics.jsonl", start) if start else []
         with diagnosed("barrier", "the start of training", None):
             dist.barrier()  # every rank has read the old metrics before rank 0 rewrites them
@@ -327,7 +327,7 @@ def train(cfg: TrainConfig) -> dict:
             "precision": _precision_name(cfg.precision, policy),
             "grad_accum": cfg.grad_accum, "steps": cfg.steps, "data": data.source,
             "reduce_every_micro_batch": cfg.grad_accum > 1 and _reduces_every_micro_step(model),
-            "vocab_size": data.vocab_size,
+            "vocab_size": data.vocab_size, "data_fingerprint": fingerprint,
         }  # fmt: skip
         try:
             return _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped,
@@ -423,7 +423,8 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
                 where = checkpoint.step_path(out / "ckpt", step)
                 state = {"step": step, "skipped": guard.num_skipped,
                          "skipped_in_a_row": guard.num_consecutive_skipped,
-                         "settings": json.dumps(asdict(cfg)), "hf_config": hf_config}  # fmt: skip
+                         "settings": json.dumps(asdict(cfg)), "hf_config": hf_config,
+                         "data": summary["data_fingerprint"]}  # fmt: skip
                 checkpoint.save(where, model, opt, state, keep=cfg.keep)
             paused = time.perf_counter() - paused
             t_start, t_log = t_start + paused, t_log + paused
