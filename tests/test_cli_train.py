@@ -446,6 +446,7 @@ def test_a_killed_launcher_s_ranks_save_the_step_and_stop(tmp_path, capsys, data
             proc.kill()
     assert proc.returncode == -signal.SIGKILL, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
+    assert "Broken pipe" not in stderr, stderr[-3000:]  # (the agent's store, gone: not used)
     saved = [line for line in stdout.splitlines() if line.startswith("interrupted at step ")]
     assert len(saved) == 1, stdout
     step = int(saved[0].split()[3])

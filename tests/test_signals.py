@@ -63,10 +63,16 @@ def test_stopped_says_where_it_saved():
 def _one_rank_loses_its_agent() -> tuple[int, str]:
     import torch.distributed as dist
 
+    import zeroshard.signals
+
     stopper = StopOnSignal(torch.device("cpu"), grace_s=60)
-    if dist.get_rank() == 1:
-        stopper._agent = -1  # not its parent: as if its agent had died and it was reparented
-    return stopper.agreed(), stopper.cause
+    kept = zeroshard.signals.AGENT_PID
+    if dist.get_rank() == 1:  # not its parent: as if its agent had died and it was reparented
+        zeroshard.signals.AGENT_PID = -1
+    try:
+        return stopper.agreed(), stopper.cause
+    finally:
+        zeroshard.signals.AGENT_PID = kept  # (the worker process serves later tests)
 
 
 def test_every_rank_names_an_agent_that_only_one_rank_saw_go(workers2):

@@ -38,6 +38,15 @@ class Stopped(Exception):
         return 128 + self.signum
 
 
+AGENT_PID = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+"""torchrun's agent, this rank's parent (None when not launched by torchrun)."""
+
+
+def agent_gone() -> bool:
+    """Whether torchrun's agent is gone (this rank reparented): its store is gone with it."""
+    return AGENT_PID is not None and os.getppid() != AGENT_PID
+
+
 _FIRST = 256
 """Above every signal number: ``agreed`` takes the largest of ``_FIRST - signum``."""
 
@@ -69,7 +78,6 @@ class StopOnSignal:
         self._flag = torch.zeros(2, device=device)  # (_FIRST - signal number, agent lost)
         self._old: dict[int, Any] = {}
         self._deadline: threading.Timer | None = None
-        self._agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self.cause = ""
 
     def __enter__(self) -> StopOnSignal:
@@ -110,8 +118,8 @@ class StopOnSignal:
     def agreed(self) -> int:
         """The signal number any rank got (the smallest), or 0. Once they agree, the deadline
         is off: the caller saves and stops in an orderly way."""
-        if not self.signum and self._agent is not None and os.getppid() != self._agent:
-            self.cause = f"the loss of torchrun's agent (pid {self._agent})"
+        if not self.signum and agent_gone():
+            self.cause = f"the loss of torchrun's agent (pid {AGENT_PID})"
             self._note(signal.SIGTERM, None)
         # The smallest signal number any rank got: Ctrl-C reaches every rank as SIGINT and the
         # agent then sends SIGTERM too; the launcher exits 130, and the line says SIGINT.

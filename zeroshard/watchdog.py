@@ -45,6 +45,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from zeroshard.signals import agent_gone
+
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -343,6 +345,8 @@ def every_rank_calls(
         return
     name = f"{op}/{pg.group_name}"
     key = f"zeroshard/calls/{name}/{_calls.get(name, 0)}"
+    if agent_gone():  # (its store would fail, after a C++ stack on stderr per rank)
+        return
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"{key}/{me}", "1")
