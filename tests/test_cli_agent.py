@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,8 +35,23 @@ AGENT = textwrap.dedent(
 
     if sys.argv[1] == "set-up":
         registry.get_rendezvous_handler = signalled(registry.get_rendezvous_handler, signal.SIGINT)
-    else:  # once the first rank is spawned, before the agent knows of it
+    elif sys.argv[1] == "spawn":  # once the first rank is spawned, before the agent knows of it
         api.SubprocessHandler.__init__ = signalled(api.SubprocessHandler.__init__, signal.SIGTERM)
+    else:  # once they train, inside torch's code, whose `finally` replaces the SignalException
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        real = LocalElasticAgent._monitor_workers
+
+        def monitor(self, group):
+            if os.path.exists(os.environ["METRICS"]):
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(5)
+                finally:  # as torch's metrics wrapper when `start = ...` had not run yet
+                    raise UnboundLocalError("cannot access local variable 'start'")
+            return real(self, group)
+
+        LocalElasticAgent._monitor_workers = monitor
     from zeroshard.cli.main import main
     sys.exit(main(sys.argv[2:]))
     """
@@ -57,6 +73,26 @@ def test_a_signal_while_the_agent_starts_stops_every_rank(tmp_path, moment, code
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == code, err[-3000:]
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
+def test_a_signal_whose_exception_torch_replaces_still_stops_every_rank(tmp_path):
+    """The agent's SignalException replaced by another exception in torch's code (1 Ctrl-C in
+    30): a traceback, exit 1, and the ranks said SIGTERM (the agent's shutdown) for SIGINT."""
+    flags = ["--nproc", "2", "--preset", "nano", "--seq-len", "16", "--batch-size", "4"]
+    flags += ["--steps", "100000", "--out-dir", str(tmp_path / "run")]
+    env = {**os.environ, "METRICS": str(tmp_path / "run" / "metrics.jsonl")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AGENT, "monitor", "train", *flags], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert re.search(r"^interrupted at step \d+ by SIGINT; no checkpoint saved", out, re.M), out
 
 
 def test_a_failed_rendezvous_is_one_line(monkeypatch, capsys, tmp_path):

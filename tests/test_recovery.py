@@ -175,7 +175,7 @@ def test_the_agent_restarts_only_what_a_restart_can_mend(code, restarts_left):
             failed = ProcessFailure(local_rank=1, pid=1, exitcode=code, error_file="")
             return RunResult(state=WorkerState.FAILED, failures={1: failed})
 
-    agent = _holding_agent(Agent, [])()
+    agent = _holding_agent(Agent, [], [])()
     assert agent._monitor_workers(None).is_failed()
     assert agent._remaining_restarts == restarts_left
 

@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,8 +131,9 @@ def run_agent(
         # The agent's own reports of forwarded signals and failed ranks would follow ours.
         for name in ("multiprocessing.api", "agent.server.api"):
             logging.getLogger(f"torch.distributed.elastic.{name}").setLevel(logging.CRITICAL)
+        stopping: list[int] = []
         try:
-            with _agent_env(launch, noted):
+            with _agent_env(launch, noted, stopping):
                 torchrun(_holding_argv(launch.torchrun_argv(config)))
         except SignalException as exc:  # forwarded to the ranks, which stopped and reported
             return 128 + int(exc.sigval)
@@ -157,6 +158,13 @@ def run_agent(
             if on_failure is not None:
                 on_failure(rank, first.exitcode)
             return 1
+        except Exception:
+            # The agent's SignalException, raised by the handler between two lines of torch's
+            # code, can be replaced there (an UnboundLocalError in its metrics' ``finally``):
+            # the ranks got the signal all the same (``first_stops``), stopped and reported.
+            if stopping:
+                return 128 + stopping[0]
+            raise
     return 0
 
 
@@ -171,7 +179,7 @@ def _holding_argv(argv: list[str]) -> list[str]:
 
 
 @contextmanager
-def _agent_env(launch: Launch, noted: list[int]) -> Iterator[None]:
+def _agent_env(launch: Launch, noted: list[int], stopping: list[int]) -> Iterator[None]:
     """torchrun's settings and agent class for this job, put back after."""
     import torch.distributed.launcher.api as launcher
 
@@ -189,7 +197,7 @@ def _agent_env(launch: Launch, noted: list[int]) -> Iterator[None]:
         env[RESUME_NEWEST] = "1"
     before = {name: os.environ.get(name) for name in env}
     agent = launcher.LocalElasticAgent
-    launcher.LocalElasticAgent = _holding_agent(agent, noted)
+    launcher.LocalElasticAgent = _holding_agent(agent, noted, stopping)
     os.environ.update(env)
     try:
         yield
@@ -202,11 +210,13 @@ def _agent_env(launch: Launch, noted: list[int]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _holding_agent(base: type, noted: list[int]) -> type:
+def _holding_agent(base: type, noted: list[int], stopping: list[int]) -> type:
     """``base`` (torchrun's LocalElasticAgent), which installs its own handler for ``HELD``
     only once its ranks are started (``--signals-to-handle`` leaves them out of its start),
     and then acts on a signal ``noted`` meanwhile (none is started when it came earlier); it
-    restarts no rank that failed with a ``FINAL`` status."""
+    restarts no rank that failed with a ``FINAL`` status. A signal that came once they were
+    started is sent to them at once and put in ``stopping``."""
+    workers: list[int] = []  # the ranks' pids
     from torch.distributed.elastic.multiprocessing.api import (
         SignalException,
         _terminate_process_handler,
@@ -224,12 +234,17 @@ def _holding_agent(base: type, noted: list[int]) -> type:
         said = (STILL_STOPPING + "\n").encode()  # (os.write: print can re-enter stderr)
         for sig in HELD:
             signal.signal(sig, lambda *_: os.write(2, said))
+        stopping.append(signum)
+        for pid in workers:  # the agent's own forwarding may be lost (``run_agent``)
+            with suppress(ProcessLookupError):
+                os.kill(pid, signum)
         _terminate_process_handler(signum, frame)
 
     class HoldingAgent(base):  # type: ignore[misc, valid-type]
         def _start_workers(self, worker_group: Any) -> dict[int, Any]:
             stop_if_noted()
             pids = super()._start_workers(worker_group)
+            workers[:] = pids.values()
             for sig in HELD:
                 signal.signal(sig, first_stops)
             stop_if_noted()
