@@ -189,6 +189,10 @@ def _two_backwards() -> list[str]:
     opt.zero_grad()
     opt.backward(loss_of("gpt", model, x, y))
     said.append(f"stepped after zero_grad: {opt.step()}")
+    for m in model.children():  # a submodule's zero_grad counts too (a GAN's netD.zero_grad())
+        m.zero_grad()
+    opt.backward(loss_of("gpt", model, x, y))
+    said[-1] += f", after the submodules': {opt.step()}"
     return said
 
 
@@ -197,17 +201,17 @@ def test_a_second_backward_before_the_step_or_zero_grad_is_an_error(workers2):
         assert "second backward before optimizer.step()" in before_step, before_step
         assert "sync=False" in before_step, before_step
         assert "after optimizer.step() without zero_grad()" in before_zero_grad, before_zero_grad
-        assert then == "stepped after zero_grad: True"
+        assert then == "stepped after zero_grad: True, after the submodules': True", then
 
 
 def _autograd_grad_of_the_inputs() -> list[bool]:
     """``torch.autograd.grad`` of the input (a saliency map, a gradient penalty) before the
     step's backward reaches no parameter: no update (it failed as a second backward). Per
-    stage: the parameters equal the plain step's."""
+    stage (and with ``zero_grad(set_to_none=False)``): the parameters equal the plain step's."""
     from torch import nn
 
     same = []
-    for stage in (2, 3):
+    for stage, set_to_none in ((2, True), (3, True), (3, False)):
         params = []
         for sib in (False, True):
             torch.manual_seed(0)
@@ -222,7 +226,7 @@ def _autograd_grad_of_the_inputs() -> list[bool]:
                 (gx,) = torch.autograd.grad(loss, x, retain_graph=True)
                 opt.backward(loss * gx.square().sum())
                 opt.step()
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=set_to_none)  # (False: kept zeros are not reached)
             with zeroshard.summon_full_params(model, writeback=False):
                 params.append([p.detach().clone() for p in model.parameters()])
         same.append(all(torch.equal(a, b) for a, b in zip(*params)))
@@ -230,7 +234,7 @@ def _autograd_grad_of_the_inputs() -> list[bool]:
 
 
 def test_autograd_grad_of_the_inputs_is_no_update(workers2):
-    assert workers2.run(_autograd_grad_of_the_inputs) == [[True, True]] * 2
+    assert workers2.run(_autograd_grad_of_the_inputs) == [[True, True, True]] * 2
 
 
 def _lr_set_after_the_backward(tensor_lr: bool) -> list:

@@ -78,7 +78,7 @@ def test_a_signal_while_the_agent_starts_stops_every_rank(tmp_path, moment, code
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
 def test_a_signal_whose_exception_torch_replaces_still_stops_every_rank(tmp_path):
     """The agent's SignalException replaced by another exception in torch's code (1 Ctrl-C in
-    30): a traceback, exit 1, and the ranks said SIGTERM (the agent's shutdown) for SIGINT."""
+    30) was a traceback, exit 1, and the ranks said SIGTERM (the agent's shutdown) for SIGINT."""
     flags = ["--nproc", "2", "--preset", "nano", "--seq-len", "16", "--batch-size", "4"]
     flags += ["--steps", "100000", "--out-dir", str(tmp_path / "run")]
     env = {**os.environ, "METRICS": str(tmp_path / "run" / "metrics.jsonl")}

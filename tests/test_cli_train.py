@@ -942,8 +942,10 @@ def test_own_data_text_npy_and_tokenizer(capsys, tmp_path):
     assert code == 0, err
     assert summary["vocab_size"] == 256 and summary["data"] == str(tmp_path / "texts")
     # Resumed on data changed since the save: said (it resumed without a word).
-    (tmp_path / "texts" / "1.txt").write_text("file 1: " + "a dog sat on the log " * 40)
-    more = [*common, *texts, "--steps", "3", "--resume", "auto", "--out-dir"]
+    shutil.copytree(tmp_path / "texts", tmp_path / "changed")
+    (tmp_path / "changed" / "1.txt").write_text("file 1: " + "a dog sat on the log " * 40)
+    more = [*common, "--data", str(tmp_path / "changed"), "--steps", "3", "--resume", "auto"]
+    more += ["--out-dir"]
     assert main(["train", *more, str(tmp_path / "bytes")]) == 0
     said = capsys.readouterr().out
     assert re.search(

@@ -160,21 +160,22 @@ class Skipping(Net):
 def _unused_at_stage_0() -> dict:
     """A parameter no rank's backward reached shows ``.grad`` None, as under torch and DDP (it
     showed zeros, and in-place writes to them were dropped by the step); one set by hand is
-    taken; one only another rank reached shows the averaged gradient."""
+    taken, once also through a second backward; one only another rank reached shows the
+    averaged gradient."""
     torch.manual_seed(0)
     ref = Skipping()
-    model = zeroshard.shard(
-        copy.deepcopy(ref), stage=0, wrap=zeroshard.wrap.by_class(nn.Sequential)
-    )
-    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    by_class = zeroshard.wrap.by_class(nn.Sequential)
+    model = zeroshard.shard(copy.deepcopy(ref), stage=0, wrap=by_class)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x, y, mine = _batch(0)
-    nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+    for m in (model, ref):  # (only block 1 is compared: the reference runs rank 0's path)
+        nn.functional.mse_loss(m(x[mine]), y[mine]).backward()
     unused = [p.grad for p in model.blocks[1].parameters()]
     other_ranks = [p.grad is not None for p in model.blocks[2].parameters()]
-    nn.functional.mse_loss(ref(x[mine]), y[mine]).backward()  # (only block 1 is compared)
     for m in (model, ref):
         m.blocks[1][0].weight.grad = torch.ones_like(m.blocks[1][0].weight)
+        nn.functional.mse_loss(m(x[mine]), y[mine]).backward()  # accumulates: taken once
     opt.step()
     ref_opt.step()
     full = zeroshard.full_state_dict(model, rank0_only=False)
@@ -187,6 +188,32 @@ def test_stage_0_shows_no_grad_where_no_rank_reached(workers2):
     for r in workers2.run(_unused_at_stage_0):
         assert r["unused"] == [None, None] and r["other_ranks"] == [True, True], r
         assert r["diff"] < 1e-6, r
+
+
+class ReadEarly(nn.Module):
+    """Block 1's only parameter is read before block 1 runs: its gradient comes after its
+    bucket's reduction, which is then reduced again at the end of the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([nn.Tanh(), nn.Tanh()])
+        self.blocks[1].w = nn.Parameter(torch.randn(8, 8) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) @ self.blocks[1].w.t()
+        return self.blocks[1](self.blocks[0](h))
+
+
+def test_stage_0_a_gradient_after_its_reduction(lone_process):
+    torch.manual_seed(0)
+    ref = ReadEarly()
+    wrap, config = zeroshard.wrap.by_class(nn.Tanh), zeroshard.ShardConfig(bucket_bytes=0)
+    model = zeroshard.shard(copy.deepcopy(ref), stage=0, wrap=wrap, config=config)
+    x = torch.randn(2, 4)
+    for m in (model, ref):
+        m(x).square().mean().backward()  # (it failed at the end of this backward)
+    assert torch.equal(model.blocks[1].w.grad, ref.blocks[1].w.grad)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -60,7 +60,7 @@ def test_stopped_says_where_it_saved():
     assert Stopped(signal.SIGTERM, 8, None).exit_code == 143
 
 
-def _one_rank_loses_its_agent() -> tuple[int, str]:
+def _one_rank_loses_its_agent() -> tuple[int, str, bool]:
     import torch.distributed as dist
 
     import zeroshard.signals
@@ -70,14 +70,16 @@ def _one_rank_loses_its_agent() -> tuple[int, str]:
     if dist.get_rank() == 1:  # not its parent: as if its agent had died and it was reparented
         zeroshard.signals.AGENT_PID = -1
     try:
-        return stopper.agreed(), stopper.cause
-    finally:
-        zeroshard.signals.AGENT_PID = kept  # (the worker process serves later tests)
+        agreed = stopper.agreed(), stopper.cause
+        return *agreed, zeroshard.signals.agent_gone()  # (every rank: the store check-in off)
+    finally:  # (the worker process serves later tests)
+        zeroshard.signals.AGENT_PID, zeroshard.signals._agent_gone = kept, False
 
 
 def test_every_rank_names_an_agent_that_only_one_rank_saw_go(workers2):
     """The rank that speaks (rank 0) says why even when only another rank saw the cause."""
-    (sig0, cause0), (sig1, cause1) = workers2.run(_one_rank_loses_its_agent)
+    (sig0, cause0, gone0), (sig1, cause1, gone1) = workers2.run(_one_rank_loses_its_agent)
+    assert gone0 and gone1
     assert sig0 == sig1 == signal.SIGTERM
     assert cause0 == "the loss of torchrun's agent"
     assert cause1 == "the loss of torchrun's agent (pid -1)"

@@ -39,12 +39,15 @@ class Stopped(Exception):
 
 
 AGENT_PID = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
-"""torchrun's agent, this rank's parent (None when not launched by torchrun)."""
+"""torchrun's agent, this rank's parent at import (None when not launched by torchrun; a
+process forked from a rank inherits it, and its parent is then another)."""
+_agent_gone = False  # set on every rank alike by ``StopOnSignal.agreed``
 
 
 def agent_gone() -> bool:
-    """Whether torchrun's agent is gone (this rank reparented): its store is gone with it."""
-    return AGENT_PID is not None and os.getppid() != AGENT_PID
+    """Whether some rank's torchrun agent is gone, as ``StopOnSignal.agreed`` told every rank at
+    once: the job's store may be gone with it (and a check-in there would differ by rank)."""
+    return _agent_gone
 
 
 _FIRST = 256
@@ -118,7 +121,7 @@ class StopOnSignal:
     def agreed(self) -> int:
         """The signal number any rank got (the smallest), or 0. Once they agree, the deadline
         is off: the caller saves and stops in an orderly way."""
-        if not self.signum and agent_gone():
+        if not self.signum and AGENT_PID is not None and os.getppid() != AGENT_PID:
             self.cause = f"the loss of torchrun's agent (pid {AGENT_PID})"
             self._note(signal.SIGTERM, None)
         # The smallest signal number any rank got: Ctrl-C reaches every rank as SIGINT and the
@@ -131,6 +134,9 @@ class StopOnSignal:
         signum = _FIRST - first if first else 0
         if agent_lost and not self.cause:  # another rank saw it first: the same words for all
             self.cause = "the loss of torchrun's agent"
+        if agent_lost:
+            global _agent_gone
+            _agent_gone = True
         if signum:
             self._disarm()
         return signum

@@ -44,19 +44,21 @@ class TokenData:
 
     def fingerprint(self) -> str:
         """What tells these tokens from others, for a resume to compare (``train``): their count,
-        vocabulary and a CRC-32 of both splits' bytes (above 256 MiB, of 64 windows of 1 MiB
-        spread over each, so that a large corpus costs no full read)."""
+        vocabulary and a CRC-32 of both splits' ids (whatever dtype holds them), read in windows
+        of 2**20 ids: every one up to 2**26 ids, else 64 spread over each split (a large corpus
+        costs no full read)."""
         crc, window = 0, 1 << 20
+        dtype = np.uint8 if self.vocab_size <= 256 else np.uint16 if self.vocab_size <= 65536 \
+            else np.int64  # fmt: skip
         for part in (self.train, self.val):
-            raw = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
-            if raw.size > 256 * window:
-                starts = np.linspace(0, raw.size - window, 64).astype(np.int64)
-                raw = np.concatenate([raw[s : s + window] for s in starts])
-            crc = zlib.crc32(raw, crc)
-        return (
-            f"{self.train.size + self.val.size:,} tokens (vocabulary {self.vocab_size}), "
-            f"CRC-32 {crc:08x}"
-        )
+            if part.size <= 64 * window:
+                starts = range(0, part.size, window)
+            else:
+                starts = np.linspace(0, part.size - window, 64).astype(np.int64).tolist()
+            for i in starts:
+                crc = zlib.crc32(np.ascontiguousarray(part[i : i + window], dtype=dtype), crc)
+        ids = self.train.size + self.val.size
+        return f"{ids:,} tokens (vocabulary {self.vocab_size}), CRC-32 {crc:08x}"
 
 
 MAX_VOCAB_SIZE = 2**24

@@ -345,7 +345,8 @@ def every_rank_calls(
         return
     name = f"{op}/{pg.group_name}"
     key = f"zeroshard/calls/{name}/{_calls.get(name, 0)}"
-    if agent_gone():  # (its store would fail, after a C++ stack on stderr per rank)
+    if agent_gone():  # (its store may fail, after a C++ stack on stderr per rank): skipped
+        # on every rank alike, so that none waits for another's check-in
         return
     try:
         store = dist.distributed_c10d._get_default_store()

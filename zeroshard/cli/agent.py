@@ -236,7 +236,7 @@ def _holding_agent(base: type, noted: list[int], stopping: list[int]) -> type:
             signal.signal(sig, lambda *_: os.write(2, said))
         stopping.append(signum)
         for pid in workers:  # the agent's own forwarding may be lost (``run_agent``)
-            with suppress(ProcessLookupError):
+            with suppress(OSError):
                 os.kill(pid, signum)
         _terminate_process_handler(signum, frame)
 
@@ -249,6 +249,10 @@ def _holding_agent(base: type, noted: list[int], stopping: list[int]) -> type:
                 signal.signal(sig, first_stops)
             stop_if_noted()
             return pids
+
+        def _stop_workers(self, *args: Any, **kwargs: Any) -> None:
+            workers.clear()  # (stopped: their pids may be another process's)
+            super()._stop_workers(*args, **kwargs)
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)

@@ -88,8 +88,9 @@ class BackwardStep:
             index += len(b.touched)
         self.stepped: set[int] = set()
         """Buckets (ids) stepped since the last ``step()`` / ``zero_grad()``."""
-        self.consumed = False
-        """A ``step()`` applied (and freed) gradients, and no ``zero_grad()`` followed."""
+        self.consumed: dict[int, int] = {}
+        """Per bucket (id) whose gradients a ``step()`` applied and freed: its ``zeroings`` then
+        (one since: a ``zero_grad``, the optimizer's, the model's or a submodule's, followed)."""
         self._flags: dict[int, C.Handle] = {}  # per bucket: its agreement in flight
         self._used: dict[int, dict] = {}
         """Per user param group stepped since ``reset``: the hyperparameters it stepped with."""
@@ -116,7 +117,8 @@ class BackwardStep:
         optimizer = self._optimizer()
         assert optimizer is not None
         engine = optimizer.engine
-        touched = torch.tensor(bucket.touched, dtype=torch.float32, device=engine.mesh.device)
+        touched = [bucket.reached, *bucket.touched]  # (reached: not zero_grad's kept zeros)
+        touched = torch.tensor(touched, dtype=torch.float32, device=engine.mesh.device)
         self._flags[id(bucket)] = agree(
             self._seen.clone(), touched, engine.mesh, engine.ledger, async_op=True
         )
@@ -127,12 +129,13 @@ class BackwardStep:
         assert optimizer is not None
         engine = optimizer.engine
         flags = self._flags.pop(id(bucket)).wait()
-        seen, touched = agreed(flags, engine.forget_order, stepped=len(self.stepped))
+        seen, (reached, *touched) = agreed(flags, engine.forget_order, stepped=len(self.stepped))
         torch.maximum(self._seen, bucket.found_inf, out=self._seen)
-        if not any(touched):  # no rank's backward reached it (``torch.autograd.grad`` for the
-            bucket.shard_grad = None  # inputs' gradients alone): zeros, and no update is due
+        if not reached:  # no rank's backward reached it since zero_grad (``torch.autograd.grad``
+            bucket.shard_grad = None  # of the inputs alone): zeros, and no update is due
             return
-        if self.consumed and engine.backward_by in (None, optimizer):
+        consumed = self.consumed.get(id(bucket)) == bucket.zeroings  # (its shard is gone)
+        if consumed and engine.backward_by in (None, optimizer):
             raise RuntimeError(
                 f"step_in_backward: a backward after optimizer.step() without zero_grad() "
                 f"(unit {bucket.flat.name!r}): torch would add these gradients to the last "

@@ -138,6 +138,8 @@ class GradBucket:
         self.touched = [False] * len(flat.slots)
         """Per slot: a gradient reached it on this rank since ``zero`` (else the optimizer may
         leave the parameter alone, as torch does with a ``None`` gradient)."""
+        self.reached = False  # a gradient came since ``zero`` (not one it kept: set_to_none=False)
+        self.zeroings = 0  # calls of ``zero`` and ``zero_slots``: the step in backward reads it
         self._reduced = False  # reduced since zero, and the buffer kept (not yet bound again)
         self.issued = False
         """Reduced (or reducing) in the current backward: a gradient that comes after that (its
@@ -246,14 +248,14 @@ class GradBucket:
             # A first gradient, or .grad replaced out of place (create_graph accumulation,
             # p.grad = f(p.grad)): either way the current .grad is the whole gradient.
             view.copy_(grad)
-            self.touched[i] = True
+            self.touched[i] = self.reached = True
         param.grad = view
         self._bound[i] = True
 
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
         """Post-accumulate hook of slot ``i``: a fresh gradient goes into the bucket."""
         if param.grad is not None:
-            self.touched[i] = True
+            self.touched[i] = self.reached = True
         if self.issued:  # a fresh tensor (reduce() left .grad unbound): reduced again at the end
             self.late = True
             return
@@ -292,7 +294,7 @@ class GradBucket:
                     view.add_(grad.reshape(-1))
                 else:
                     view.copy_(grad.reshape(-1))
-                self.touched[i] = True
+                self.touched[i] = self.reached = True
                 s.param.grad = None
             if not adding:
                 self._zero_padding()
@@ -496,8 +498,8 @@ class GradBucket:
                 else:  # replaced: the new tensor is the gradient
                     self._view(i).copy_(grad)
                     self.shard_grad[span].copy_(grad.reshape(-1)[: span.stop - span.start])
-                    slot.param.grad = self._view(i)
-                    self.touched[i] = True
+                    slot.param.grad, self._bound[i] = self._view(i), True
+                    self.touched[i] = self.reached = True
                 changed = True
             elif grad is not None:
                 raise ValueError(
@@ -524,18 +526,17 @@ class GradBucket:
     def end_backward(self) -> None:
         """The backward is over (late gradients reduced): at stage 0, ``.grad`` of parameters
         no gradient reached on this rank show the averaged gradient too, as under DDP; those
-        that no rank's reached (all zeros) keep ``None``, as under torch and DDP. (One another
-        rank reached with an exactly zero average shows None too; the step still applies it.)"""
+        that no rank's reached (all zeros in FP32) keep ``None``, as under torch and DDP. (One
+        another rank reached with an average of exactly zero shows None too; the step still
+        applies it.)"""
         self.issued = self.late = False
         unshown, self._unshown = self._unshown, False  # (no walk of the slots otherwise)
         if unshown and self.reduction is Reduction.ALL_REDUCE and self._reduced:  # (persistent)
-            slots = [
-                i
-                for i, s in enumerate(self.flat.slots)
-                if not self._bound[i] and s.param.grad is None
-            ]
-            reached = torch.stack([self._view(i).ne(0).any() for i in slots]).tolist()
-            for i, any_rank in zip(slots, reached):
+            shown, pieces = self.shard_grad, self.flat.pieces()
+            slots = [i for i, s in enumerate(self.flat.slots) if not self._bound[i]
+                     and s.param.grad is None and shown is not None]  # fmt: skip
+            reached = [shown[pieces[i][1]].ne(0).any() for i in slots]  # (none: bound since)
+            for i, any_rank in zip(slots, torch.stack(reached).tolist() if slots else []):
                 if any_rank:
                     self.flat.slots[i].param.grad, self._bound[i] = self._view(i), True
 
@@ -560,6 +561,7 @@ class GradBucket:
         self.found_inf.zero_()
         self.zeroed.clear()
         self._dropped.clear()
+        self.reached, self.zeroings = False, self.zeroings + 1
         if not keep_touched:
             self.touched = [False] * len(self.flat.slots)
         if not self.as_views:
@@ -598,6 +600,7 @@ class GradBucket:
         if self._shown_version is not None and self.full_grad is not None:
             self._shown_version = self.full_grad._version  # these zeros are not a user's edit
         self._dropped.update(slots)
+        self.zeroings += 1
         if len(self._dropped) == len(self.flat.slots):
             self.found_inf.zero_()
         if self.on_zero is not None:

@@ -407,7 +407,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 ):
                     self._step_subgroup(sg, unused)
         stepped_any = bool(bs.stepped) or not found_inf
-        bs.consumed = bs.consumed or bool(bs.stepped)  # (their shards are gone)
+        bs.consumed |= {id(b): b.zeroings for b in self._buckets if id(b) in bs.stepped}
         bs.reset()
         if stepped_any:
             self._changed()
@@ -537,7 +537,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     stacklevel=user_stacklevel(),
                 )
             self._backward_step.reset()
-            self._backward_step.consumed = False
         if self._grad_swap is not None:
             self._grad_swap.zero()
         bucket_owners.reclaim(self)
