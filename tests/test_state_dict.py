@@ -658,7 +658,13 @@ def _save_pretrained(stage: int, folder: str, precision: str = "fp32") -> dict:
     dist.barrier()
     # is_main_process by position (the gather was skipped: placeholders written at stage 3),
     # on rank 1 (transformers 5 writes on rank 0 only: nothing was written, without a word)
-    model.save_pretrained(os.path.join(folder, "model"), rank == 1)  # once rank 1 has written
+    # (state_dict=None: transformers' default, passed by HF's Trainer; it was a TypeError)
+    model.save_pretrained(os.path.join(folder, "model"), rank == 1, state_dict=None)
+    try:  # a part's own: it wrote DTensor shards (safetensors failed on one rank alone)
+        model.transformer.save_pretrained(os.path.join(folder, "part"))
+        part = "no error"
+    except ValueError as exc:
+        part = str(exc)
     # is_main_process=True on every rank (DDP code's habit): one rank writes, not each at once
     import transformers.modeling_utils as mu
 
@@ -676,7 +682,7 @@ def _save_pretrained(stage: int, folder: str, precision: str = "fp32") -> dict:
         dtype = json.load(f).get("dtype")
     return {
         "failed": failed, "files": files, "same": same, "exact": exact, "tied": tied,
-        "dtype": dtype, "alone": alone, "writes": writes,
+        "dtype": dtype, "alone": alone, "writes": writes, "part": part,
     }  # fmt: skip
 
 
@@ -691,6 +697,8 @@ def test_save_pretrained_writes_the_whole_model_once(workers2, stage, precision,
     assert all(o["same"] for o in out) or precision == "bf16", out
     assert out[0]["files"] == ["config.json", "generation_config.json", "model.safetensors"]
     assert [o["writes"] for o in out] == [[0], []], out
+    assert all(o["part"].startswith("transformer.save_pretrained: transformer is a part of a "
+                                    "sharded model") for o in out), out  # fmt: skip
     assert out[0]["failed"].startswith(("NotADirectoryError", "FileExistsError")), out
     assert out[1]["failed"].startswith("RuntimeError: save_pretrained failed on rank 0"), out
     alone = out[0]["alone"]

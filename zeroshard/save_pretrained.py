@@ -11,7 +11,8 @@ are gathered to the writer's CPU memory one flat at a time, and only the writer 
 ``state_dict``. It returns on every rank once the files are written, and a writer's error is
 raised on every rank (none is left waiting for the next collective). A ``state_dict`` of the
 caller's own (or positional arguments past the folder) goes through unchanged; a
-``save_pretrained`` that takes no ``state_dict`` is left as it is.
+``save_pretrained`` that takes no ``state_dict`` is left as it is. A part's own (a backbone's)
+is refused with the fix, on every rank before any collective.
 """
 
 from __future__ import annotations
@@ -48,12 +49,27 @@ def install(model: nn.Module) -> None:
             save_directory = kwargs.pop(next(iter(signature.parameters)))
         if kwargs.get("state_dict") is not None:
             return save(save_directory, **kwargs)  # the caller's own state dict
+        kwargs.pop("state_dict", None)  # (None: transformers' default, which HF's Trainer passes)
         every_rank_calls("save_pretrained", "the whole model", "global rank 0 writes the "
                          "files; is_main_process=... chooses another")  # fmt: skip
         with diagnosed("save_pretrained", "the whole model", None):
             _save_everywhere(save, save_directory, kwargs, model)
 
     model.save_pretrained = save_pretrained
+    for name, sub in model.named_modules():
+        if sub is not model and callable(getattr(sub, "save_pretrained", None)):
+            sub.save_pretrained = functools.partial(_part_refused, name)
+
+
+def _part_refused(name: str, *args: Any, **kwargs: Any) -> None:
+    """A part's own ``save_pretrained`` (a backbone, T5's encoder) would write this rank's
+    DTensor shards, which safetensors cannot (one rank failed and the others returned)."""
+    raise ValueError(
+        f"{name}.save_pretrained: {name} is a part of a sharded model, whose parameters each "
+        "rank holds only a shard of; call save_pretrained on the model that zeroshard.shard "
+        f"returned (it writes the whole model), or take the part's tensors from "
+        f"zeroshard.full_state_dict(model) (keys starting with {name + '.'!r})"
+    )
 
 
 def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: nn.Module) -> None:
