@@ -1114,6 +1114,15 @@ def _failed_load_then_a_good_one(base: str, how: str) -> bool:
     checkpoint.save(good, model, opt, {"step": 1})
     _train(model, opt, range(1, 2))
     checkpoint.save(bad, model, opt, {"step": 2})
+    # Cut short: refused before any read, the model untouched (it was partly overwritten).
+    cut = checkpoint.step_path(folder, 3)
+    checkpoint.save(cut, model, opt, {"step": 2})
+    _damage(cut, "__1_0.distcp", "cut")
+    before = zeroshard.full_state_dict(model, rank0_only=False)
+    with pytest.raises(checkpoint.CheckpointError, match=r"is corrupted \(it is [\d,]+ bytes, "):
+        checkpoint.load(cut, model, opt, verify=False)
+    after = zeroshard.full_state_dict(model, rank0_only=False)
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
     _damage(bad, "__1_0.distcp", "flip")
     with pytest.raises(checkpoint.CheckpointError, match="is corrupted"):
         checkpoint.load(bad, model, opt)

@@ -121,12 +121,15 @@ def missing(folder: Path, name: str) -> str:
     return f"checkpoint {folder} lacks its file {name}; it is damaged: {_use_another(folder)}"
 
 
-def corrupted(folder: Path, name: str) -> str:
-    """The error for a file whose size or checksum is not the one recorded at save."""
-    return (
-        f"checkpoint file {folder / name} is corrupted (its xxh3_64 checksum differs from the one "
-        f"recorded at save); {_use_another(folder)}"
+def corrupted(folder: Path, name: str, size: int | None = None, want: int | None = None) -> str:
+    """The error for a file whose checksum is not the one recorded at save, or whose ``size``
+    (bytes) is not ``want`` (the recorded size, or at least the end of a tensor it holds)."""
+    why = (
+        "its xxh3_64 checksum differs from the one recorded at save"
+        if size is None
+        else f"it is {size:,} bytes, {want:,} expected: cut short or appended to"
     )
+    return f"checkpoint file {folder / name} is corrupted ({why}); {_use_another(folder)}"
 
 
 def check_file(folder: Path, name: str, want: dict[str, Any]) -> str | None:
@@ -134,7 +137,10 @@ def check_file(folder: Path, name: str, want: dict[str, Any]) -> str | None:
     path = folder / name
     if not path.is_file():
         return missing(folder, name)
-    if path.stat().st_size != want["bytes"] or hash_file(path) != want["xxh3_64"]:
+    size = path.stat().st_size
+    if size != want["bytes"]:
+        return corrupted(folder, name, size, want["bytes"])
+    if hash_file(path) != want["xxh3_64"]:
         return corrupted(folder, name)
     return None
 

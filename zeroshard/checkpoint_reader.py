@@ -142,6 +142,13 @@ class Reader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
                 item
             )
+        for name, want in (self.files or {}).items():  # before any read, on every rank alike:
+            try:  # a cut-short file changed some tensors before it raised
+                size = (folder / name).stat().st_size
+            except FileNotFoundError:
+                raise CheckpointError(missing(folder, name)) from None
+            if size != want["bytes"]:
+                raise CheckpointError(corrupted(folder, name, size=size, want=want["bytes"]))
         names = sorted(set(per_file) | set(verify), key=lambda n: -self._size_of(folder, n))
         lock = threading.Lock()
         metadata = self.read_metadata()
@@ -198,7 +205,7 @@ class _File:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # two go 5x faster cold
             size = os.fstat(fd).st_size
             if self.verify and size != self._want["bytes"]:
-                raise CheckpointError(corrupted(self.folder, self.name))
+                raise CheckpointError(corrupted(self.folder, self.name, size, self._want["bytes"]))
             pos = 0
             for offset in sorted(chunks):
                 info, items = chunks[offset]
@@ -228,7 +235,8 @@ class _File:
             part = view[pos : min(total, pos + _CHUNK_BYTES)]
             got = os.preadv(fd, [part], offset + pos)
             if got <= 0:
-                raise CheckpointError(corrupted(self.folder, self.name))
+                size = os.fstat(fd).st_size
+                raise CheckpointError(corrupted(self.folder, self.name, size, offset + total))
             if self.hasher is not None:
                 self.hasher.update(part[:got])
             pos += got

@@ -35,7 +35,10 @@ from zeroshard.watchdog import diagnosed, every_rank_calls
 
 def install(model: nn.Module) -> None:
     """Replace ``model.save_pretrained`` (module docstring), if it has one that takes a
-    ``state_dict``."""
+    ``state_dict``; a part's own is refused (``_part_refused``)."""
+    for name, sub in model.named_modules():
+        if sub is not model and callable(getattr(sub, "save_pretrained", None)):
+            sub.save_pretrained = functools.partial(_part_refused, name)
     save = getattr(model, "save_pretrained", None)
     if not callable(save) or not _takes(save, "state_dict"):
         return
@@ -56,9 +59,6 @@ def install(model: nn.Module) -> None:
             _save_everywhere(save, save_directory, kwargs, model)
 
     model.save_pretrained = save_pretrained
-    for name, sub in model.named_modules():
-        if sub is not model and callable(getattr(sub, "save_pretrained", None)):
-            sub.save_pretrained = functools.partial(_part_refused, name)
 
 
 def _part_refused(name: str, *args: Any, **kwargs: Any) -> None:
