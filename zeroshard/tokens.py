@@ -48,8 +48,7 @@ class TokenData:
         of 2**20 ids: every one up to 2**26 ids, else 64 spread over each split (a large corpus
         costs no full read)."""
         crc, window = 0, 1 << 20
-        dtype = np.uint8 if self.vocab_size <= 256 else np.uint16 if self.vocab_size <= 65536 \
-            else np.int64  # fmt: skip
+        dtype = _smallest_dtype(self.vocab_size)
         for part in (self.train, self.val):
             if part.size <= 64 * window:
                 starts = range(0, part.size, window)

@@ -487,9 +487,9 @@ class GradBucket:
             bound = self._bound[i] and self.full_grad is not None
             if bound and grad is not None and self._is_region(i, grad):
                 continue
-            if shown and self.shard_grad is not None and self.full_grad is not None:
-                if not bound and grad is None:
-                    continue  # no rank's backward reached it (``end_backward``): none shown
+            # (unbound and None: no rank's backward reached it, ``end_backward``: none shown)
+            reduced = shown and self.shard_grad is not None and self.full_grad is not None
+            if reduced and (bound or grad is not None):
                 span = self.flat.pieces()[i][1]
                 if grad is None:  # dropped: out of the step (and of a norm)
                     self.shard_grad[span].zero_()
@@ -532,11 +532,13 @@ class GradBucket:
         self.issued = self.late = False
         unshown, self._unshown = self._unshown, False  # (no walk of the slots otherwise)
         if unshown and self.reduction is Reduction.ALL_REDUCE and self._reduced:  # (persistent)
-            shown, pieces = self.shard_grad, self.flat.pieces()
-            slots = [i for i, s in enumerate(self.flat.slots) if not self._bound[i]
-                     and s.param.grad is None and shown is not None]  # fmt: skip
-            reached = [shown[pieces[i][1]].ne(0).any() for i in slots]  # (none: bound since)
-            for i, any_rank in zip(slots, torch.stack(reached).tolist() if slots else []):
+            slots = [i for i, s in enumerate(self.flat.slots)
+                     if not self._bound[i] and s.param.grad is None]  # fmt: skip
+            if not slots or self.shard_grad is None:  # (bound since, by a late gradient)
+                return
+            pieces = self.flat.pieces()
+            reached = [self.shard_grad[pieces[i][1]].ne(0).any() for i in slots]  # FP32
+            for i, any_rank in zip(slots, torch.stack(reached).tolist()):
                 if any_rank:
                     self.flat.slots[i].param.grad, self._bound[i] = self._view(i), True
 
