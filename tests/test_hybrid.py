@@ -100,6 +100,67 @@ def test_parity_through_a_device_mesh_with_frozen_and_odd_parameters(workers4):
             assert r["replica_equal"], (kind, rank)
 
 
+def _hybrid_in_a_sub_mesh(stage: int) -> dict:
+    """Shard groups of one rank inside each data-parallel group of a (dp, tp) DeviceMesh's
+    "dp" dim ({0, 2} and {1, 3}), the model not split: each group trains its own copy."""
+    from zeroshard import tensor_parallel
+
+    dp = tensor_parallel.mesh_2d(2)[0]["dp"]
+    ranks = dist.get_process_group_ranks(dp.get_group())
+    torch.manual_seed(0)
+    ref, policy = build("gpt")
+    model = zeroshard.shard(
+        copy.deepcopy(ref), stage=stage, wrap=policy, mesh=dp,
+        config=ShardConfig(shard_group_size=1),
+    )  # fmt: skip
+    mesh = zeroshard.engine_of(model).mesh
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    i = ranks.index(dist.get_rank())
+    for step in range(3):
+        x, y = batch("gpt", step, PER_RANK_BATCH * len(ranks))
+        mine = slice(i * PER_RANK_BATCH, (i + 1) * PER_RANK_BATCH)
+        opt.backward(loss_of("gpt", model, x[mine], y[mine]))
+        opt.step()
+        opt.zero_grad()
+        loss_of("gpt", ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with zeroshard.summon_full_params(model):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"diff": diff, "shard_size": mesh.shard_size, "replicas": mesh.num_replicas}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_shard_groups_inside_a_sub_mesh(workers4, stage):
+    # Each data-parallel group made its DeviceMesh alone: new_group is a collective of the
+    # whole world, and every rank waited in it for ever.
+    for r in workers4.run(_hybrid_in_a_sub_mesh, stage):
+        assert r["diff"] < 1e-5 and r["shard_size"] == 1 and r["replicas"] == 2, r
+
+
+def _split_model_on_a_sub_mesh() -> str:
+    from zeroshard import tensor_parallel
+    from zeroshard.models.gpt import GPT, Block, GPTConfig
+
+    dm, _ = tensor_parallel.mesh_2d(2)
+    model = tensor_parallel.parallelize(GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4)), dm)
+    try:
+        zeroshard.shard(
+            model, stage=3, mesh=dm["dp"], wrap=zeroshard.wrap.by_class(Block),
+            config=ShardConfig(shard_group_size=1),
+        )  # fmt: skip
+    except ValueError as exc:
+        return str(exc)
+    return "sharded"
+
+
+def test_a_split_model_on_a_sub_mesh_is_refused_on_every_rank(workers4):
+    # The refusal came after the shard groups were made: a rank that got past them waited.
+    for said in workers4.run(_split_model_on_a_sub_mesh):
+        assert "split tensor-parallel, and the mesh has no tensor-parallel dim" in said, said
+
+
 # ----------------------------------------------------------------------------- ledger
 
 

@@ -210,14 +210,24 @@ class Mesh:
         if self.tp_group is not None:
             return self._with(self._hybrid_beside_tensor_parallel(k))
         group = self.group if self.group is not None else dist.group.WORLD
-        ranks = dist.get_process_group_ranks(group)
-        layout = torch.tensor(ranks, dtype=torch.int).view(n // k, k)
-        made = cached_mesh(
-            _HYBRID_MESHES,
-            (tuple(ranks), k, self.device.type),
-            lambda: DeviceMesh(self.device.type, layout, mesh_dim_names=HYBRID_DIMS),
-        )
-        return self._with(made)
+        groups = [(tuple(dist.get_process_group_ranks(group)), k)]
+        if self.group is not None:  # a DeviceMesh makes its groups over the whole world: every
+            # rank makes every data-parallel group's mesh, in one order (else they would wait)
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, groups[0])
+            groups = sorted(set(every))
+        mine = None
+        for ranks, size in groups:
+            layout = torch.tensor(ranks, dtype=torch.int).view(len(ranks) // size, size)
+            made = cached_mesh(
+                _HYBRID_MESHES,
+                (ranks, size, self.device.type),
+                lambda layout=layout: DeviceMesh(
+                    self.device.type, layout, mesh_dim_names=HYBRID_DIMS
+                ),
+            )
+            mine = made if self.global_rank in ranks else mine
+        return self._with(mine)
 
     def _hybrid_beside_tensor_parallel(self, k: int) -> DeviceMesh:
         """This rank's (replicate, shard) mesh of a 3-D (replicate, shard, tp) mesh over the

@@ -162,15 +162,17 @@ def shard(
                 mesh.device,
             )
     config = config or ShardConfig()
-    mesh = _hybrid_mesh(mesh, config.shard_group_size, part)
+    mesh = _as_mesh(mesh)
     if mesh.tp_size == 1 and tensor_parallel.is_tensor_parallel(model):
         # Its ranks hold different pieces under the same names: sharding over them would mix
-        # (and broadcast over) pieces of different tensors.
+        # (and broadcast over) pieces of different tensors. (Before the hybrid mesh's groups:
+        # every rank refuses, none waits in their making.)
         raise ValueError(
             f"{type(model).__name__} is split tensor-parallel, and the mesh has no tensor-parallel "
             "dim: pass mesh=dp_mesh, the data-parallel mesh from "
             "zeroshard.tensor_parallel.mesh_2d(tp)"
         )
+    mesh = _hybrid_mesh(mesh, config.shard_group_size, part)
     if offload is not None:
         offload.check(part, mesh.device)
         offload.log_host_tiers(part, mesh.device, log)
@@ -439,14 +441,19 @@ def _checkpoint_keeper(
     )
 
 
-def _hybrid_mesh(mesh: Mesh | DeviceMesh, shard_group_size: int, part: Partition) -> Mesh:
-    """``mesh`` as a ``Mesh``, with shard groups when asked (a collective: it makes groups)."""
-    if not isinstance(mesh, Mesh):
-        if not hasattr(mesh, "mesh_dim_names"):
-            raise TypeError(
-                f"mesh must be a zeroshard Mesh or a torch DeviceMesh, got {type(mesh).__name__}"
-            )
-        mesh = Mesh.from_device_mesh(mesh)
+def _as_mesh(mesh: Mesh | DeviceMesh) -> Mesh:
+    """``mesh`` as a ``Mesh`` (a torch ``DeviceMesh`` converted)."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if not hasattr(mesh, "mesh_dim_names"):
+        raise TypeError(
+            f"mesh must be a zeroshard Mesh or a torch DeviceMesh, got {type(mesh).__name__}"
+        )
+    return Mesh.from_device_mesh(mesh)
+
+
+def _hybrid_mesh(mesh: Mesh, shard_group_size: int, part: Partition) -> Mesh:
+    """``mesh`` with shard groups when asked (a collective: it makes groups)."""
     if shard_group_size:
         mesh = mesh.hybrid_sharded(shard_group_size)
     if mesh.hybrid is not None and not part.optimizer_states:

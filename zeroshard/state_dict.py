@@ -415,7 +415,8 @@ class _Hooks:
                         )
                         continue
                     if value.shape != s.shape:  # a DTensor's shape is global
-                        error_msgs.append(_size_mismatch(key, value.shape, s.shape))
+                        tp = self.engine.mesh.tp_size
+                        error_msgs.append(_size_mismatch(key, value.shape, s.shape, tp))
                         continue
                     _write_slot(flat, i, _full_value(value))
             # Other entries (zero-element parameters, buffers) the default loader copies: as whole
@@ -438,12 +439,19 @@ class _Hooks:
             self.engine.params_changed()
 
 
-def _size_mismatch(key: str, got: torch.Size, want: torch.Size) -> str:
-    """torch's own message."""
-    return (
+def _size_mismatch(key: str, got: torch.Size, want: torch.Size, tp: int = 1) -> str:
+    """torch's own message; with tensor parallelism, what to do when ``got`` is whole."""
+    said = (
         f"size mismatch for {key}: copying a param with shape {tuple(got)} from checkpoint, the "
         f"shape in current model is {tuple(want)}."
     )
+    if tp > 1 and got.numel() == want.numel() * tp:
+        said += (
+            f" It is the whole tensor; this tensor-parallel rank holds 1/{tp} of it: load whole "
+            "weights before tensor_parallel.parallelize, or through zeroshard.checkpoint (which "
+            "splits them)."
+        )
+    return said
 
 
 def _local_range(flat: FlatParam, index: int) -> FlatRange:

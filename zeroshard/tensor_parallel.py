@@ -373,6 +373,7 @@ def parallelize(
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t.data, src=first, group=group)
     _check_rng_at_first_forward(model, group)
+    _check_unsplit_inside_pairs_at_first_forward(model, plan)
     styles = {name: style for name, style in plan.items()}
     parallelize_module(model, tp_mesh, styles)
     for name in styles:
@@ -407,6 +408,56 @@ def _check_rng_at_first_forward(model: nn.Module, group) -> None:
             )
 
     handle = model.register_forward_pre_hook(check, prepend=True, with_kwargs=True)
+
+
+def _check_unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
+    """A module with parameters of its own that the plan does not split, run between a colwise
+    Linear and its rowwise partner (a norm of each head of q and k: Phi's ``qk_layernorm``,
+    Cohere's ``use_qk_norm``), sees this rank's heads only: its gradient is a part of the whole
+    and differs across the tensor-parallel ranks, so their replicas drift apart without an error
+    (or its shape fits no piece). Refused at the first forward, when the order is known; the
+    hooks are gone after it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    inside: list[str] = []  # the colwise Linear whose split output is in flight
+    handles: list[Any] = []
+
+    def opened(name: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            inside[:] = [name]
+
+        return hook
+
+    def closed(module: nn.Module, args: tuple, output: Any) -> None:
+        inside.clear()
+
+    def check(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            if inside:
+                done()
+                raise ValueError(
+                    f"tensor-parallel plan: {name} has parameters the plan does not split, and "
+                    f"runs after the colwise {inside[0]}, before its rowwise partner, on this "
+                    "rank's heads or features only (a per-head norm of q and k?): each rank "
+                    "would train it on a part of its gradient. zeroshard cannot split it: "
+                    "pass --tp 1 (or turn that option of the model off)"
+                )
+
+        return hook
+
+    def done(*_: Any) -> None:
+        for h in handles:
+            h.remove()
+
+    for name, module in model.named_modules():
+        style = plan.get(name)
+        if isinstance(style, ColwiseParallel):
+            handles.append(module.register_forward_hook(opened(name)))
+        elif isinstance(style, RowwiseParallel):
+            handles.append(module.register_forward_hook(closed))
+        elif style is None and next(module.parameters(recurse=False), None) is not None:
+            handles.append(module.register_forward_pre_hook(check(name)))
+    handles.append(model.register_forward_hook(done))
 
 
 def _check_same_inputs(args: Any, group) -> None:

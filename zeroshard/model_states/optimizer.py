@@ -56,7 +56,7 @@ from zeroshard.model_states.optimizer_args import (
     user_stacklevel,
     with_default_impl,
 )
-from zeroshard.model_states.state_swap import StateSwapper, state_bytes_per_element
+from zeroshard.model_states.state_swap import StateSwapper, state_bytes_per_group
 from zeroshard.model_states.subgroups import States, SubGroup, build_subgroups
 from zeroshard.offload.folder import padded_bytes
 from zeroshard.precision import DynamicLossScaler, LossScaler, default_scaler
@@ -128,7 +128,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )
         super().__init__(user_groups, class_defaults)
         self.optimizer_cls = optimizer_cls
-        self.state = States(self._subgroups)  # type: ignore[assignment]
+        self.state = States(self._subgroups)
         self._groups_fixed = True
         offload = getattr(self.engine, "offload", None)
         self._swap: StateSwapper | None = None
@@ -165,11 +165,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if offload.gradients == "nvme":
                 self._grad_swap = GradSwapper(self._swap.store, buckets, self._swap.timed)
         elif offload is not None and offload.optimizer == "cpu":
-            numel = sum(p.tensor.numel() for sg in self._subgroups for ps in sg.pieces for p in ps)
             log.info(
                 "optimizer states on the CPU tier: %d bytes (training runs on the CPU: they are "
                 "in host memory already, nothing moves)",
-                numel * state_bytes_per_element(optimizer_cls, defaults),
+                sum(
+                    n * p.tensor.numel()
+                    for sg in self._subgroups
+                    for n, ps in zip(state_bytes_per_group(optimizer_cls, defaults, sg), sg.pieces)
+                    for p in ps
+                ),
             )
         if step_in_backward and self.engine.param_swap is not None:
             raise ValueError(
@@ -543,6 +547,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket_owners.zero_grad(self, set_to_none)
 
     # ----------------------------------------------------------------- state
+    @property  # type: ignore[override]
+    def state(self) -> States:
+        """The sub-optimizers' states as one mapping (``States``) keyed by this rank's pieces:
+        read, deleted from or cleared as torch's, never assigned to."""
+        return self._states
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """``opt.state = defaultdict(dict)`` resets every state, as on torch's optimizer (the
+        view alone would be replaced, and the step go on with the old moments)."""
+        if isinstance(value, States):
+            self._states = value
+        elif len(value):
+            raise ValueError(
+                "opt.state can only be reset (opt.state = defaultdict(dict), or opt.state.clear()):"
+                " its keys are this rank's pieces of the sharded parameters; load states with "
+                "opt.load_state_dict(zeroshard.optimizer_state_dict(...)'s format)"
+            )
+        elif hasattr(self, "_states"):  # (torch's __init__ assigns an empty one first)
+            self._states.clear()
+
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state keyed by parameter name (``zeroshard.optim_state_dict``); the
         hooks of ``register_state_dict_pre_hook`` / ``_post_hook`` run as torch runs them."""

@@ -57,7 +57,23 @@ def param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[st
         if isinstance(g["params"], torch.Tensor):  # {"params": model.head.weight}: one tensor
             g["params"] = [g["params"]]
         g["params"] = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in g["params"]]
+        _check_listed_once(model, g["params"])
     return groups
+
+
+def _check_listed_once(model: nn.Module, params: list[Any]) -> None:
+    """A tensor twice in one group: torch warns (and means to refuse it); each listing would
+    step its own piece of the same master here, the update applied twice."""
+    seen: set[int] = set()
+    for p in params:
+        if isinstance(p, torch.Tensor) and id(p) in seen:
+            names = {id(q): n for n, q in model.named_parameters()}
+            raise ValueError(
+                f"parameter {names.get(id(p), 'of shape ' + str(tuple(p.shape)))!r} is listed "
+                "twice in one param group: list each parameter once (e.g. "
+                "list(dict.fromkeys(params)))"
+            )
+        seen.add(id(p))
 
 
 def check_elementwise(optimizer_cls: type, *, known: bool = False) -> None:

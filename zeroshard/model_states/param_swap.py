@@ -50,7 +50,7 @@ import torch
 
 from zeroshard.model_states.state_swap import StopsOnFailure, open_store
 from zeroshard.model_states.swap_space import check_space
-from zeroshard.offload import SwapHandle
+from zeroshard.offload import OffloadError, SwapHandle
 
 if TYPE_CHECKING:
     from zeroshard.mesh import Mesh
@@ -88,7 +88,7 @@ class ParamSwapper(StopsOnFailure):
         checked against the folder's free space (a collective) before the first is written."""
         self.store = open_store(offload.param_store_config(mesh.global_rank), mesh)
         try:
-            check_space(self.store.config.folder, need_bytes, mesh)
+            check_space(self.store, need_bytes, mesh)
         except BaseException:
             self.store.close()
             raise
@@ -298,7 +298,11 @@ class ParamSwapper(StopsOnFailure):
     def _write(self, m: _Master) -> None:
         assert m.resident and m.reading is None and m.writing is None
         self.write_bytes += m.nbytes
-        m.writing = self.store.swap_out(m.name, m.tensor)
+        try:
+            m.writing = self.store.swap_out(m.name, m.tensor)
+        except OffloadError as e:  # refused before it began: the disk filled up since the check
+            what = f"parameter master {m.name!r} could not be written"
+            raise self._stop(what, "parameters", e) from e
         self._writing.append(m)
 
     def _wait(self, m: _Master) -> None:

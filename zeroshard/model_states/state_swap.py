@@ -118,17 +118,34 @@ def _layout(params: list[torch.Tensor], states: dict) -> tuple[list[_Entry], int
     return entries, offset
 
 
-def state_bytes_per_element(optimizer_cls: type, defaults: dict[str, Any]) -> int:
+def state_bytes_per_element(
+    optimizer_cls: type, defaults: dict[str, Any], group: dict[str, Any] | None = None
+) -> int:
     """Bytes of element-wise state ``optimizer_cls`` keeps per parameter element (AdamW: 8),
-    measured on a two-element probe stepped once."""
+    measured on a two-element probe stepped once with ``group``'s settings over ``defaults``
+    (a group's own ``amsgrad=True`` or ``momentum`` adds states its defaults lack)."""
     probe = torch.zeros(2, requires_grad=True)
     probe.grad = torch.zeros(2)
-    opt = optimizer_cls([probe], **defaults)
+    settings = {k: v for k, v in (group or {}).items() if k != "params"}
+    opt = optimizer_cls([{**settings, "params": [probe]}], **defaults)
     step_inner(opt)  # (torch's global step hooks are the user's step's, not this probe's)
     st = opt.state[probe]
     return sum(
         v.element_size() for v in st.values() if torch.is_tensor(v) and v.shape == probe.shape
     )
+
+
+def state_bytes_per_group(optimizer_cls: type, defaults: dict[str, Any], sg: SubGroup) -> list[int]:
+    """``state_bytes_per_element`` of each of ``sg``'s torch param groups (one probe per
+    distinct setting)."""
+    seen: dict[str, int] = {}
+    out = []
+    for group in sg.optimizer.param_groups:
+        key = repr(sorted((k, repr(v)) for k, v in group.items() if k != "params"))
+        if key not in seen:
+            seen[key] = state_bytes_per_element(optimizer_cls, defaults, group)
+        out.append(seen[key])
+    return out
 
 
 class _SwappedState(defaultdict):
@@ -206,18 +223,18 @@ class StateSwapper(StopsOnFailure):
         self.index = index
         """Which of the model's optimizers' stores (``Offload.store_config``): 0 for the first."""
         config = offload.store_config(mesh.global_rank, index)
-        per_element = state_bytes_per_element(optimizer_cls, defaults)
+        per_element = [state_bytes_per_group(optimizer_cls, defaults, sg) for sg in subgroups]
         state_bytes = sum(  # each state tensor's file rounded up to 4096; per_element counts
             # 4-byte states: a float64 master's are 8 bytes
-            per_element * padded_bytes(p.tensor.numel() * p.tensor.element_size()) // 4
-            for sg in subgroups
-            for pieces in sg.pieces
+            n * padded_bytes(p.tensor.numel() * p.tensor.element_size()) // 4
+            for sg, sizes in zip(subgroups, per_element)
+            for n, pieces in zip(sizes, sg.pieces)
             for p in pieces
         )
         need_bytes = state_bytes + grad_bytes
         self.store = open_store(config, mesh)  # an unusable folder fails here, naming it
         try:
-            check_space(config.folder, need_bytes, mesh)
+            check_space(self.store, need_bytes, mesh)
         except BaseException:
             self.store.close()
             raise
@@ -235,8 +252,8 @@ class StateSwapper(StopsOnFailure):
         self._error: str | None = None
         self.max_record_bytes = max(
             (
-                per_element * sum(p.tensor.numel() for ps in sg.pieces for p in ps)
-                for sg in subgroups
+                sum(n * p.tensor.numel() for n, ps in zip(sizes, sg.pieces) for p in ps)
+                for sg, sizes in zip(subgroups, per_element)
             ),
             default=0,
         )
@@ -250,13 +267,13 @@ class StateSwapper(StopsOnFailure):
             self.store.close()
             raise
         log.info(
-            "offload to NVMe (%s, rank %d): %d bytes of optimizer states (%d per element) + %d "
-            "bytes of gradient shards in swap files; host staging: %d slots x ~%d bytes "
+            "offload to NVMe (%s, rank %d): %d bytes of optimizer states (up to %d per element) + "
+            "%d bytes of gradient shards in swap files; host staging: %d slots x ~%d bytes "
             "(states) + up to %d bytes of store pool (read-ahead; %s)",
             config.folder,
             mesh.rank,
             state_bytes,
-            per_element,
+            max((n for sizes in per_element for n in sizes), default=0),
             grad_bytes,
             min(NUM_SLOTS, len(subgroups)),
             self.max_record_bytes,
@@ -294,7 +311,12 @@ class StateSwapper(StopsOnFailure):
         if s.where is Where.IN_SLOT:
             assert s.slot is not None
             self.write_bytes += s.record_bytes
-            s.handle = self.timed(self.store.swap_out(s.name, s.slot[: s.record_bytes]))
+            try:
+                handle = self.store.swap_out(s.name, s.slot[: s.record_bytes])
+            except OffloadError as e:  # refused before it began: the disk filled up since
+                what = f"optimizer states {s.name!r} could not be written"
+                raise self._stop(what, "states", e) from e
+            s.handle = self.timed(handle)
             s.where = Where.WRITING
             self._writing.append(i)
 

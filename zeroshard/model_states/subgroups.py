@@ -7,6 +7,7 @@ as one mapping, as ``torch.optim.Optimizer.state`` is to tools that walk it."""
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,22 @@ class States(Mapping):
     def __iter__(self) -> Iterator[Any]:
         for m in self._maps:
             yield from m
+
+    def __delitem__(self, key: Any) -> None:
+        """Forget one piece's states: its next step starts them afresh, as torch's would."""
+        for m in self._maps:
+            if key in m:
+                m.get(key)  # an offloaded sub-group's states come back to memory first
+                dict.__delitem__(m, key)
+                return
+        self[key]  # the KeyError that says what the keys are
+
+    def clear(self) -> None:
+        """Forget every state (torch's ``opt.state.clear()``, or ``opt.state =
+        defaultdict(dict)`` to reset Adam's moments): the next step starts them afresh. A new
+        dict per sub-optimizer, as torch's ``load_state_dict`` gives (the swapper adopts it)."""
+        for sg in self._subgroups:
+            sg.optimizer.state = defaultdict(dict)
 
     def __len__(self) -> int:
         return sum(len(m) for m in self._maps)

@@ -8,8 +8,10 @@ wait for the others in its next collective, and report them as gone).
 
 from __future__ import annotations
 
+import os
+import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,21 +22,51 @@ from zeroshard.residual_states.host_heap import memory_available_bytes
 
 if TYPE_CHECKING:
     from zeroshard.mesh import Mesh
+    from zeroshard.offload import TensorStore
 
 
-def check_space(parent: Any, need_bytes: int, mesh: Mesh) -> None:
-    """Fail before step 1 when the folder cannot hold the states of this node's ranks (each
-    rank's need taken as the largest rank's, the ranks of a node sharing one disk)."""
-    parent = Path(parent)
-    short = _first_short(free_bytes(parent), need_bytes, mesh)
+_promised: weakref.WeakKeyDictionary[TensorStore, int] = weakref.WeakKeyDictionary()
+"""This process's stores that passed ``check_space`` -> the bytes it counted for them: until they
+have written them, the free space that the check saw still holds them."""
+
+
+def check_space(store: TensorStore, need_bytes: int, mesh: Mesh) -> None:
+    """Fail before step 1 when ``store``'s folder cannot hold the states of this node's ranks
+    (each rank's need taken as the largest rank's, the ranks of a node sharing one disk), counting
+    what this process's other live stores on that disk were promised and have not written yet
+    (a second optimizer, the masters beside the optimizer states, another model)."""
+    folder = Path(store.config.folder)
+    promised = _unwritten_on_the_disk_of(folder)
+    short = _first_short(free_bytes(folder), need_bytes + promised, mesh)
     if short is not None:
         where, free, node_bytes = short
+        others = (
+            f" ({promised} bytes a rank of them for this process's other offload stores on that "
+            "disk, not yet written)"
+            if promised
+            else ""
+        )
         raise SwapSpaceError(
-            f"offload folder {parent.parent} has {free} bytes free on {where}, the offloaded "
-            f"states of its {mesh.local_world_size} rank(s) need {node_bytes}: short by "
+            f"offload folder {folder.parent} has {free} bytes free on {where}, the offloaded "
+            f"states of its {mesh.local_world_size} rank(s) need {node_bytes}{others}: short by "
             f"{node_bytes - free} bytes; free space or pass Offload(folder=...) "
             "(--offload-folder) on a larger disk"
         )
+    _promised[store] = need_bytes
+
+
+def _unwritten_on_the_disk_of(folder: Path) -> int:
+    """Bytes the live stores of ``_promised`` on ``folder``'s filesystem have yet to write."""
+    device = os.stat(folder).st_dev
+    total = 0
+    for store, need in list(_promised.items()):
+        try:
+            same_disk = not store.closed and os.stat(store.config.folder).st_dev == device
+        except OSError:  # its folder is gone: it holds nothing there
+            continue
+        if same_disk:
+            total += max(0, need - store.stats()["stored_bytes"])
+    return total
 
 
 def check_host_memory(need_bytes: int, mesh: Mesh, slots: int) -> None:
