@@ -644,10 +644,11 @@ def test_stores_sharing_a_disk_count_each_others_unwritten_bytes(workers2, tmp_p
         assert "other offload stores on that disk, not yet written" in said, said
 
 
-def _disk_full_at_the_step(folder: str) -> list[str]:
+def _disk_full_at_the_step(folder: str, gradients: str | None) -> list[str]:
     from zeroshard.offload import nvme
 
-    model, opt = _make(1, Offload(optimizer="nvme", folder=folder))
+    stage = 1 if gradients is None else 2
+    model, opt = _make(stage, Offload(optimizer="nvme", gradients=gradients, folder=folder))
     said = []
     with mock.patch.object(nvme, "free_bytes", return_value=0):  # filled since the check
         for step in range(2):
@@ -658,9 +659,34 @@ def _disk_full_at_the_step(folder: str) -> list[str]:
     return said
 
 
-def test_a_disk_filled_after_the_check_stops_training(workers2, tmp_path):
-    # The refusal came out of step() as a SwapSpaceError after the update was applied; a
-    # retried step applied it twice.
-    for first, second in workers2.run(_disk_full_at_the_step, str(tmp_path)):
+@pytest.mark.parametrize("gradients", [None, "nvme"])
+def test_a_disk_filled_after_the_check_stops_training(workers2, tmp_path, gradients):
+    # The refusal came out of step() as a SwapSpaceError after the update was applied (a
+    # retried step applied it twice), or out of backward with the gradient summed in memory.
+    for first, second in workers2.run(_disk_full_at_the_step, str(tmp_path), gradients):
         assert "could not be written (SwapSpaceError" in first, first
         assert "training stopped" in first and second == first, (first, second)
+
+
+def _reset_between_steps(folder: str | None, how: str) -> list[torch.Tensor]:
+    """Two steps, the states reset (sub-group 0 being read ahead then), two more steps."""
+    from collections import defaultdict
+
+    model, opt = _make(1, None if folder is None else Offload(optimizer="nvme", folder=folder))
+    assert len(opt._subgroups) > 3  # more than the slots: sub-group 0 is read ahead
+    _train(model, opt, range(2))
+    if how == "clear":
+        opt.state.clear()
+    else:
+        opt.state = defaultdict(dict)
+    _train(model, opt, range(2, 4))
+    return _params(model)
+
+
+@pytest.mark.parametrize("how", ["clear", "assign"])
+def test_states_reset_while_read_ahead(workers2, tmp_path, how):
+    # The read ahead of sub-group 0 finished into the new dict: its old moments came back
+    # without their step count, and Adam failed with KeyError 'step'.
+    ref = workers2.run(_reset_between_steps, None, how)
+    for a, b in zip(ref, workers2.run(_reset_between_steps, str(tmp_path), how)):
+        assert _max_diff(a, b) == 0.0

@@ -445,7 +445,8 @@ def _size_mismatch(key: str, got: torch.Size, want: torch.Size, tp: int = 1) -> 
         f"size mismatch for {key}: copying a param with shape {tuple(got)} from checkpoint, the "
         f"shape in current model is {tuple(want)}."
     )
-    if tp > 1 and got.numel() == want.numel() * tp:
+    differ = [(g, w) for g, w in zip(got, want) if g != w]
+    if tp > 1 and len(got) == len(want) and len(differ) == 1 and differ[0][0] == differ[0][1] * tp:
         said += (
             f" It is the whole tensor; this tensor-parallel rank holds 1/{tp} of it: load whole "
             "weights before tensor_parallel.parallelize, or through zeroshard.checkpoint (which "

@@ -417,6 +417,7 @@ def _check_unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -
     and differs across the tensor-parallel ranks, so their replicas drift apart without an error
     (or its shape fits no piece). Refused at the first forward, when the order is known; the
     hooks are gone after it."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     inside: list[str] = []  # the colwise Linear whose split output is in flight
@@ -433,8 +434,7 @@ def _check_unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -
 
     def check(name: str):
         def hook(module: nn.Module, args: tuple) -> None:
-            if inside:
-                done()
+            if inside:  # (the hooks stay: a caught refusal refuses the next forward too)
                 raise ValueError(
                     f"tensor-parallel plan: {name} has parameters the plan does not split, and "
                     f"runs after the colwise {inside[0]}, before its rowwise partner, on this "
@@ -449,9 +449,10 @@ def _check_unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -
         for h in handles:
             h.remove()
 
+    handles.append(model.register_forward_pre_hook(lambda *_: inside.clear()))
     for name, module in model.named_modules():
         style = plan.get(name)
-        if isinstance(style, ColwiseParallel):
+        if isinstance(style, ColwiseParallel) and isinstance(style.output_layouts[0], Shard):
             handles.append(module.register_forward_hook(opened(name)))
         elif isinstance(style, RowwiseParallel):
             handles.append(module.register_forward_hook(closed))

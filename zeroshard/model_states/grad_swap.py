@@ -39,8 +39,11 @@ class GradSwapper:
         store: TensorStore,
         buckets: list[GradBucket],
         timed: Callable[[SwapHandle], SwapHandle],
+        stop: Callable[[str, str, BaseException], OffloadError],
     ) -> None:
-        self.store, self._buckets, self._timed = store, buckets, timed
+        """``stop``: the state swapper's (``StopsOnFailure.stop``): a gradient that cannot be
+        written stops training for good, the store being shared."""
+        self.store, self._buckets, self._timed, self._stop = store, buckets, timed, stop
         self._index = {id(b): i for i, b in enumerate(buckets)}
         self._lock = threading.Lock()  # _writing is also updated by I/O threads when done
         self._writing: dict[int, tuple[SwapHandle, torch.Tensor]] = {}  # keeps the source alive
@@ -95,7 +98,11 @@ class GradSwapper:
 
     def _store(self, i: int, g: torch.Tensor) -> None:
         self._norms[i], self._coefs[i] = torch._foreach_norm([g])[0], []
-        handle = self._timed(self.store.swap_out(self._name(i), g))
+        try:
+            handle = self._timed(self.store.swap_out(self._name(i), g))
+        except OffloadError as e:  # refused before it began: the disk filled up since
+            what = f"the gradient {self._name(i)} could not be written"
+            raise self._stop(what, "gradients", e) from e
         self.write_bytes += g.numel() * g.element_size()
         with self._lock:
             self._writing[i] = (handle, g)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -163,15 +163,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 index=min(set(range(len(taken) + 1)) - taken),
             )
             if offload.gradients == "nvme":
-                self._grad_swap = GradSwapper(self._swap.store, buckets, self._swap.timed)
+                self._grad_swap = GradSwapper(
+                    self._swap.store, buckets, self._swap.timed, self._swap.stop
+                )
         elif offload is not None and offload.optimizer == "cpu":
             log.info(
                 "optimizer states on the CPU tier: %d bytes (training runs on the CPU: they are "
                 "in host memory already, nothing moves)",
                 sum(
                     n * p.tensor.numel()
-                    for sg in self._subgroups
-                    for n, ps in zip(state_bytes_per_group(optimizer_cls, defaults, sg), sg.pieces)
+                    for sg, sizes in zip(
+                        self._subgroups,
+                        state_bytes_per_group(optimizer_cls, defaults, self._subgroups),
+                    )
+                    for n, ps in zip(sizes, sg.pieces)
                     for p in ps
                 ),
             )
@@ -557,16 +562,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         """``opt.state = defaultdict(dict)`` resets every state, as on torch's optimizer (the
         view alone would be replaced, and the step go on with the old moments)."""
-        if isinstance(value, States):
-            self._states = value
-        elif len(value):
+        if not hasattr(self, "_states"):  # (torch's __init__ assigns an empty dict first)
+            if isinstance(value, States):
+                self._states = value
+            return
+        if value is self._states:
+            return  # (an in-place operator's assignment: nothing to change)
+        if not isinstance(value, Mapping) or len(value):
             raise ValueError(
                 "opt.state can only be reset (opt.state = defaultdict(dict), or opt.state.clear()):"
                 " its keys are this rank's pieces of the sharded parameters; load states with "
                 "opt.load_state_dict(zeroshard.optimizer_state_dict(...)'s format)"
             )
-        elif hasattr(self, "_states"):  # (torch's __init__ assigns an empty one first)
-            self._states.clear()
+        self._states.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state keyed by parameter name (``zeroshard.optim_state_dict``); the

@@ -302,7 +302,7 @@ class ParamSwapper(StopsOnFailure):
             m.writing = self.store.swap_out(m.name, m.tensor)
         except OffloadError as e:  # refused before it began: the disk filled up since the check
             what = f"parameter master {m.name!r} could not be written"
-            raise self._stop(what, "parameters", e) from e
+            raise self.stop(what, "parameters", e) from e
         self._writing.append(m)
 
     def _wait(self, m: _Master) -> None:
@@ -314,7 +314,7 @@ class ParamSwapper(StopsOnFailure):
             handle.wait()
         except Exception as e:
             what = "read back" if m.reading is not None else "written"
-            raise self._stop(
+            raise self.stop(
                 f"parameter master {m.name!r} could not be {what}", "parameters", e
             ) from e
         finally:

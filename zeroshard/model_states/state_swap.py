@@ -135,16 +135,21 @@ def state_bytes_per_element(
     )
 
 
-def state_bytes_per_group(optimizer_cls: type, defaults: dict[str, Any], sg: SubGroup) -> list[int]:
-    """``state_bytes_per_element`` of each of ``sg``'s torch param groups (one probe per
+def state_bytes_per_group(
+    optimizer_cls: type, defaults: dict[str, Any], subgroups: list[SubGroup]
+) -> list[list[int]]:
+    """``state_bytes_per_element`` of each torch param group of each sub-group (one probe per
     distinct setting)."""
     seen: dict[str, int] = {}
     out = []
-    for group in sg.optimizer.param_groups:
-        key = repr(sorted((k, repr(v)) for k, v in group.items() if k != "params"))
-        if key not in seen:
-            seen[key] = state_bytes_per_element(optimizer_cls, defaults, group)
-        out.append(seen[key])
+    for sg in subgroups:
+        sizes = []
+        for group in sg.optimizer.param_groups:
+            key = repr(sorted((k, repr(v)) for k, v in group.items() if k != "params"))
+            if key not in seen:
+                seen[key] = state_bytes_per_element(optimizer_cls, defaults, group)
+            sizes.append(seen[key])
+        out.append(sizes)
     return out
 
 
@@ -190,13 +195,16 @@ class StopsOnFailure:
         if self._error is not None:
             raise OffloadError(self._error)
 
-    def _stop(self, what: str, noun: str, exc: BaseException) -> OffloadError:
-        """The error to raise for a swap that failed (``what``: which one, and how)."""
+    def stop(self, what: str, noun: str, exc: BaseException) -> OffloadError:
+        """The error to raise for a swap that failed (``what``: which one, and how); after a
+        first failure, the first's (later ones follow from it: "the store is closed")."""
+        self._in_step = False
+        if self._error is not None:
+            return OffloadError(self._error)
         self._error = (
             f"{what} ({type(exc).__name__}: {exc}); training stopped: these {noun} are not "
             "trusted. Restart from the last checkpoint"
         )
-        self._in_step = False
         try:
             self.store.close()  # the files are useless now: delete them (waits for the rest)
         except OSError as cleanup:  # (a folder gone read-only): the swap error is the news
@@ -223,7 +231,7 @@ class StateSwapper(StopsOnFailure):
         self.index = index
         """Which of the model's optimizers' stores (``Offload.store_config``): 0 for the first."""
         config = offload.store_config(mesh.global_rank, index)
-        per_element = [state_bytes_per_group(optimizer_cls, defaults, sg) for sg in subgroups]
+        per_element = state_bytes_per_group(optimizer_cls, defaults, subgroups)
         state_bytes = sum(  # each state tensor's file rounded up to 4096; per_element counts
             # 4-byte states: a float64 master's are 8 bytes
             n * padded_bytes(p.tensor.numel() * p.tensor.element_size()) // 4
@@ -315,7 +323,7 @@ class StateSwapper(StopsOnFailure):
                 handle = self.store.swap_out(s.name, s.slot[: s.record_bytes])
             except OffloadError as e:  # refused before it began: the disk filled up since
                 what = f"optimizer states {s.name!r} could not be written"
-                raise self._stop(what, "states", e) from e
+                raise self.stop(what, "states", e) from e
             s.handle = self.timed(handle)
             s.where = Where.WRITING
             self._writing.append(i)
@@ -456,7 +464,8 @@ class StateSwapper(StopsOnFailure):
                 s.where = Where.LOOSE  # torch made them outside the step (``_init_states``)
             return
         if s.slot is not None:
-            self._wait(i)  # in flight into or out of the slot the new dict no longer uses
+            if s.handle is not None:  # in flight into or out of the slot the new dict no
+                self._wait(i, point=False)  # longer uses: its states are not brought back
             self._release(i)
         s.optimizer.state = _SwappedState(self, i, s.optimizer.state)
         s.where = Where.LOOSE if _layout(s.params, s.optimizer.state)[0] else Where.NEW
@@ -491,8 +500,9 @@ class StateSwapper(StopsOnFailure):
         s.handle = self.timed(self.store.swap_in(s.name, into=s.slot[: s.record_bytes]))
         s.where = Where.READING
 
-    def _wait(self, i: int) -> None:
-        """Finish sub-group ``i``'s swap in flight: READING or WRITING become IN_SLOT."""
+    def _wait(self, i: int, *, point: bool = True) -> None:
+        """Finish sub-group ``i``'s swap in flight: READING or WRITING become IN_SLOT (a read's
+        states pointed at the slot unless not ``point``)."""
         s = self._swaps[i]
         assert s.handle is not None
         t0 = time.perf_counter()
@@ -500,10 +510,10 @@ class StateSwapper(StopsOnFailure):
             s.handle.wait()
         except Exception as e:
             what = "read back" if s.where is Where.READING else "written"
-            raise self._stop(f"optimizer states {s.name!r} could not be {what}", "states", e) from e
+            raise self.stop(f"optimizer states {s.name!r} could not be {what}", "states", e) from e
         finally:
             self.wait_s += time.perf_counter() - t0
-        if s.where is Where.READING:
+        if s.where is Where.READING and point:
             assert s.slot is not None
             self._point(i, s.slot)
         elif s.where is Where.WRITING:

@@ -42,7 +42,7 @@ def check_space(store: TensorStore, need_bytes: int, mesh: Mesh) -> None:
         where, free, node_bytes = short
         others = (
             f" ({promised} bytes a rank of them for this process's other offload stores on that "
-            "disk, not yet written)"
+            "disk, not yet written: del an optimizer or model no longer used)"
             if promised
             else ""
         )
