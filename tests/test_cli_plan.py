@@ -327,7 +327,9 @@ def test_advise(capsys):
         (["--params", "1B", "--batch", "1,2"], "unless --advise"),
         (["--params", "1B", "--target-efficiency", "0.9"], "--peak-flops"),
         (["--params", "1B", "--advise"], "--advise needs --memory"),
-        (["--params", "1B", "--unit", "parsecs"], "cannot read"),
+        (["--params", "1B", "--unit", "parsecs"], "is not a unit of bytes"),
+        (["--params", "1B", "--unit", "2GB"], "'2GB' is not a unit of bytes"),  # (read as 12e9)
+        (["--module", "test_cli_plan:tiny_gpt", "--wrap", ","], "--wrap ',' names no class"),
         ([], "no model given"),
         (["--preset", "1b", "--params", "1B"], "--params overrides"),
         (["--preset", "1b", "--layers", "2"], "describe the model once"),
@@ -490,6 +492,7 @@ def test_through_main(capsys, monkeypatch):
         (["--params", "-7.5B"], "a count must be positive, got '-7.5B'"),
         (["--params", "7.5B", "--memory", "-80GB"], "memory size must be positive"),
         (["--params", "7.5B", "--memory", "1e400"], "memory size must be finite"),
+        (["--params", "7.5B", "--unit", "2GB"], "unit '2GB' is not a unit of bytes"),
     ]:
         assert main.main(["plan", *argv, "--dp", "64"]) == 2
         err = capsys.readouterr().err.strip().splitlines()

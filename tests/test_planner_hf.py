@@ -143,8 +143,26 @@ def test_wrap_class_overrides_no_split_modules():
     model = d.from_hf_config(HF_CONFIGS["gpt2"], wrap=["GPT2MLP"])
     assert model.wrap_policy == "--wrap GPT2MLP"
     assert model.largest_unit_numel == 2 * 64 * 256 + 256 + 64  # c_fc and c_proj with biases
-    with pytest.raises(ValueError, match="matches no submodule"):
+    with pytest.raises(ValueError, match="no submodule of GPT2LMHeadModel is a NoSuchBlock"):
         d.from_hf_config(HF_CONFIGS["gpt2"], wrap="NoSuchBlock")
+    # A typo beside a class that matches: planned without a word, refused by zeroshard train.
+    with pytest.raises(ValueError, match="no submodule of GPT2LMHeadModel is a GPT2Blok"):
+        d.from_hf_config(HF_CONFIGS["gpt2"], wrap=["GPT2Block", "GPT2Blok"])
+
+
+def test_heads_that_do_not_divide_the_width_are_counted_as_built():
+    # Gemma's shape: head_dim of its own (5 heads of 32 in a width of 96). transformers builds
+    # and trains it; the plan refused it ("num_heads=5 does not divide hidden_size=96").
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(
+        model_type="gemma", num_hidden_layers=2, hidden_size=96, intermediate_size=192,
+        num_attention_heads=5, num_key_value_heads=1, head_dim=32, vocab_size=256,
+    )  # fmt: skip
+    model = d.from_hf_config(config)
+    built = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    assert model.num_params == sum(p.numel() for p in built.parameters())
+    assert model.activations is not None  # measured on the built model
 
 
 def test_config_file_and_config_object(tmp_path):
@@ -199,3 +217,13 @@ def test_a_config_without_cache_is_measured(name, recwarn):
     model = d.from_hf_config(config)
     said = [str(w.message) for w in recwarn]
     assert model.activations is not None and not any("meta device failed" in w for w in said)
+
+
+def test_the_fallback_warning_is_one_line():
+    # transformers' validation error spans lines; the warning embedded it verbatim.
+    pytest.importorskip("transformers")
+    config = HF_CONFIGS["llama"] | {"hidden_size": "64"}
+    with pytest.warns(UserWarning, match="counting with the GPT-shaped formula") as caught:
+        d.from_hf_config(config)
+    said = [str(w.message) for w in caught if "GPT-shaped" in str(w.message)]
+    assert said and all("\n" not in s for s in said), said

@@ -198,3 +198,17 @@ def _states(model):
 def test_description_units_must_add_up():
     with pytest.raises(ValueError, match="own 900 parameters, not num_params=1000"):
         d.ModelDescription(num_params=1000, root_unit_numel=300, block_unit_numels=(300, 300))
+
+
+@pytest.mark.parametrize(
+    "stage, offload", [(2, "cpu-optimizer"), (3, "cpu-optimizer"), (3, "nvme-everything")]
+)
+def test_offloaded_gradients_are_collected_and_reduced_on_the_device(stage, offload):
+    # The engine collects a unit's gradient on the device and reduce-scatters it there; only the
+    # reduced shard leaves. The plan showed no gradient buffer at any moment (8.6% under a
+    # measured stage-2 Qwen2 peak with the optimizer on the CPU).
+    on = _moments(WIDE, _engine(stage, num_buckets=1))
+    off = _moments(WIDE, _engine(stage, num_buckets=1, placement=m.OFFLOADS[offload]))
+    assert any(now["comm_buckets"] > 0 for now in on.values())
+    for name, now in off.items():
+        assert now["comm_buckets"] == on[name]["comm_buckets"], name

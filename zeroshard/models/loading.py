@@ -145,14 +145,14 @@ def build_model(
     else:
         with building:
             gpt = GPT(dataclasses.replace(preset(preset_name), vocab_size=vocab_size))
-        _check_wrap_names(gpt, wrap_names)
+        check_wrap_names(gpt, wrap_names)
         return BuiltModel(gpt, wrap_names or ("Block",), preset_name, gpt.init_module)
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError(
             f"{name} has no trainable parameter (every one has requires_grad=False, or it has "
             "none): there is nothing to train; leave some parameters trainable"
         )
-    _check_wrap_names(module, wrap_names)
+    check_wrap_names(module, wrap_names)
     declared = getattr(module, "_no_split_modules", None) or ()
     declared = (declared,) if isinstance(declared, str) else tuple(sorted(declared))
     return BuiltModel(module, wrap_names or declared, name)
@@ -173,7 +173,7 @@ def _check_forward(module: nn.Module, spec: str) -> None:
         pass
 
 
-def _check_wrap_names(module: nn.Module, names: tuple[str, ...]) -> None:
+def check_wrap_names(module: nn.Module, names: tuple[str, ...]) -> None:
     """Every class that --wrap names is the class of some submodule (one mistyped beside one
     that matches was ignored without a word)."""
     present = {type(m).__name__ for n, m in module.named_modules() if n}

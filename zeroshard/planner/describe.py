@@ -12,6 +12,7 @@ states and communication only.
 from __future__ import annotations
 
 import math
+import contextlib
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -320,7 +321,10 @@ def wrap_policy(module, wrap: str | Sequence[str] | None):
     from zeroshard import wrap as policies
 
     if wrap:
+        from zeroshard.models.loading import check_wrap_names
+
         names = (wrap,) if isinstance(wrap, str) else tuple(wrap)
+        check_wrap_names(module, names)  # as zeroshard train: a typo beside a match is named
         return policies.by_class(*names), "--wrap " + ",".join(names)
     declared = getattr(module, "_no_split_modules", None)
     if declared:
@@ -378,7 +382,8 @@ def from_hf_config(config, *, wrap: str | Sequence[str] | None = None) -> ModelD
         why = "transformers is not installed" if isinstance(exc, ImportError) else "building"
         warnings.warn(
             f"{name}: counting with the GPT-shaped formula, not the built model ({why}: "
-            f"{type(exc).__name__}: {exc}); the count and the units are estimates",
+            f"{type(exc).__name__}: {' '.join(str(exc).split())}); the count and the units are "
+            "estimates",
             stacklevel=2,
         )
         found = _hf_shape_terms(values, required=True)
@@ -387,7 +392,9 @@ def from_hf_config(config, *, wrap: str | Sequence[str] | None = None) -> ModelD
     shape = None
     if found is not None:
         found.pop("max_seq_len", None)
-        shape = TransformerShape(**found, tied_embeddings=_tied(module))
+        with contextlib.suppress(ValueError):  # heads not dividing the width (Gemma's own
+            # head_dim): transformers built it, so its measured activations stand alone
+            shape = TransformerShape(**found, tied_embeddings=_tied(module))
     return from_module(module, wrap=wrap, shape=shape, name=name)
 
 

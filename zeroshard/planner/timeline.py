@@ -361,8 +361,8 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         ``bucket_per_unit`` those of ``count`` units from ``first`` (each collected from
         autograd's gradients at its reduction, so none exists before); else the buckets,
         allocated at their first unit's backward."""
-        if not part.gradients or not on_device["grads"]:
-            return 0
+        if not part.gradients:  # (offloaded gradients too: the engine collects a unit's on
+            return 0  # the device and reduces it there; only the reduced shard moves)
         if accumulating and not c.bucket_per_unit:  # the buckets are the local gradient,
             return 0  # counted in ``grads``
         if c.bucket_per_unit:
@@ -372,7 +372,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     def own_grad(n: int) -> int:
         """A unit's gradient of ``n`` parameters outside the persistent buffers: autograd's own
         tensors until the collect (partitioned gradients, one bucket per unit)."""
-        if not (part.gradients and on_device["grads"] and c.bucket_per_unit):
+        if not (part.gradients and c.bucket_per_unit):
             return 0
         return grad_bytes(n)
 

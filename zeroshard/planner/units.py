@@ -22,6 +22,7 @@ _SIZE = re.compile(_NUMBER + r"(?P<prefix>[kKmMgGtTpP]i?)?(?P<unit>[bB])?$")
 _RATE = re.compile(_NUMBER + r"(?P<prefix>[kKmMgGtTpP]i?)?(?P<unit>[bB])?\s*(?:/\s*s|ps)$")
 _FLOPS = re.compile(_NUMBER + r"(?P<prefix>[kKmMgGtTpP])?\s*(?P<unit>flop/s|flops|flop)?$", re.I)
 _PLAIN = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?")
+_UNIT = re.compile(r"(?:[kKmMgGtTpP]i?)?B")
 _COUNT = re.compile(_NUMBER + r"(?P<prefix>[kKmMbBgGtT])?$")
 
 
@@ -103,6 +104,11 @@ def parse_count(text: str) -> int:
 
 def format_bytes(num_bytes: float, unit: str = "GB") -> str:
     """``num_bytes`` in ``unit`` with three significant digits: 31.40625e9 -> ``"31.4 GB"``."""
+    if not isinstance(unit, str) or not _UNIT.fullmatch(unit):  # ("2GB" read as 12e9 bytes)
+        raise ValueError(
+            f"unit {unit!r} is not a unit of bytes: write one such as GB, GiB, MB or B, with no "
+            "number (decimal kB/MB/GB/TB = 1000**n bytes, binary KiB/MiB/GiB/TiB = 1024**n)"
+        )
     scale = _sized(_SIZE, f"1{unit}", "unit", "GB")
     value = num_bytes / scale
     text = f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
