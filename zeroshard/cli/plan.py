@@ -306,7 +306,9 @@ def _model(args) -> planner.ModelDescription:
         return planner.from_gpt(args.preset)
     wrap = None if args.wrap is None else [c.strip() for c in args.wrap.split(",") if c.strip()]
     if wrap == []:  # ("--wrap ," planned by _no_split_modules without a word)
-        raise ValueError(f"--wrap {args.wrap!r} names no class; pass class names, e.g. --wrap Block")
+        raise ValueError(
+            f"--wrap {args.wrap!r} names no class; pass class names, e.g. --wrap Block"
+        )
     if args.hf:
         return planner.from_hf_config(args.hf, wrap=wrap)
     return planner.from_module(_import_factory(args.module), wrap=wrap)

@@ -11,8 +11,8 @@ states and communication only.
 
 from __future__ import annotations
 
-import math
 import contextlib
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
