@@ -79,14 +79,15 @@ def when_backward_reaches(hook: Callable[[bool], None], tree: Any) -> None:
         handle = torch.autograd.graph.register_multi_grad_hook(tensors, once, mode="any")
 
 
-def on_backward(hook, tree: Any) -> tuple[Any, bool]:
+def on_backward(hook, tree: Any, edits: list | None = None) -> tuple[Any, bool]:
     """``tree`` with its tensors that require grad passed through one ``BackwardHook(hook)``,
-    and whether there was any (if not, ``hook`` will never fire)."""
+    and whether there was any (if not, ``hook`` will never fire); ``edits``: as
+    ``trees.map_tensors``'."""
     hooked = {id(x): x for x in tensors_in(tree) if x.requires_grad}  # each tensor once
     if not hooked:
         return tree, False
     outs = dict(zip(hooked, BackwardHook.apply(hook, *hooked.values())))
-    return map_tensors(lambda x: outs.get(id(x), x), tree), True
+    return map_tensors(lambda x: outs.get(id(x), x), tree, edits), True
 
 
 def in_backward() -> bool:

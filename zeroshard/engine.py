@@ -48,7 +48,7 @@ from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
-from zeroshard.trees import cast_floats, map_tensors, tensors_reached
+from zeroshard.trees import cast_floats, map_tensors, tensors_reached, undo
 from zeroshard.unit import TrainingState, Unit
 from zeroshard.watchdog import CollectiveTimeout, is_comm_failure
 
@@ -198,6 +198,11 @@ class Engine:
         self, unit: Unit, args: tuple, kwargs: dict, *, entry: bool = True
     ) -> tuple[tuple, dict]:
         """Before a use of ``unit``: its module's own call (``entry``) or an owner's (a lend)."""
+        edits, call = None, None
+        if entry:  # the inputs' containers edited in place: undone by ``_leave``
+            edits = []
+            call = [edits, None, set()]  # (edits, the inputs given, ids of their tensors)
+            unit.edits.append(call)
         recompute = in_backward()
         root_entry = unit.is_root and entry
         raw_args, raw_kwargs = args, kwargs
@@ -216,7 +221,7 @@ class Engine:
         mp = unit.precision  # the model's policy, or one of its own (shard's unit_precision)
         cast = mp.cast_root_inputs if unit.is_root else mp.cast_forward_inputs
         if entry and cast and mp.param_dtype is not None:
-            args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
+            args, kwargs = cast_floats((args, kwargs), mp.param_dtype, edits)
         # A recomputation is a use of its own only when the first forward counted none: the
         # reentrant checkpoint runs that one without grad, then backward through the recomputed
         # graph (a non-reentrant one refills saved tensors of the first forward's graph).
@@ -229,13 +234,24 @@ class Engine:
             # A use whose inputs need no gradient cannot report its end: the count then stays
             # above 0 and the end-of-backward callback finishes the unit.
             use = _Use(self, unit)
-            (args, kwargs), hooked = on_backward(use, (args, kwargs))
+            (args, kwargs), hooked = on_backward(use, (args, kwargs), edits)
             use.counted = hooked
             unit.pending_uses += 1  # an unhooked use stays counted until the end of backward
             ckpt = self.checkpointing is not None and entry and unit in self._checkpointed
             if ckpt and not recompute:
                 self.checkpointing.enter(unit.module, raw_args, raw_kwargs)
+            if call is not None and not recompute:
+                call[1:] = [(args, kwargs), {id(t) for t in tensors_reached((args, kwargs))}]
         return args, kwargs
+
+    @staticmethod
+    def _side_outputs(unit: Unit) -> list[torch.Tensor]:
+        """Tensors with a graph that the call running put into its inputs' containers (an aux
+        loss appended to the caller's list): outputs too, whose backward needs the unit."""
+        inputs, seen = unit.edits[-1][1:] if unit.edits else (None, set())
+        if inputs is None:
+            return []
+        return [t for t in tensors_reached(inputs) if id(t) not in seen and t.grad_fn is not None]
 
     def _stop_dropping(self, module: nn.Module) -> None:
         if self.checkpointing is not None and not in_backward():
@@ -276,7 +292,8 @@ class Engine:
         if root_entry and self.mixed_precision.output_dtype is not None:
             output = cast_floats(output, self.mixed_precision.output_dtype)
         if grad:
-            when_backward_reaches(weakly(self._pre_backward, unit, unit.updates), output)
+            reached = (output, self._side_outputs(unit)) if entry else output
+            when_backward_reaches(weakly(self._pre_backward, unit, unit.updates), reached)
         if self.checkpointing is not None:
             if root_entry:
                 self.checkpointing.close()
@@ -335,6 +352,8 @@ class Engine:
 
     def _leave(self, unit: Unit) -> None:  # after each call of the unit, also one that raised
         unit.depth = unit.depth if in_backward() else max(0, unit.depth - 1)
+        if unit.edits:
+            undo(unit.edits.pop()[0])  # the caller's containers hold its own tensors again
 
     def _forward_raised(self) -> None:
         """After the root's forward: when it raised (its ``post`` hook did not run, so the phase

@@ -35,7 +35,19 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
         elif _is_dataclass_instance(leaf):
             for f in dataclasses.fields(leaf):
                 out += tensors_in(getattr(leaf, f.name))
+        elif _is_container_subclass(leaf):
+            out += tensors_in(_items(leaf))
     return out
+
+
+def _is_container_subclass(x: Any) -> bool:
+    """A dict, list or tuple of a class of the user's own (``class Out(dict)``, an EasyDict),
+    which pytree leaves whole."""
+    return isinstance(x, (dict, list, tuple)) and type(x) not in (dict, list, tuple)
+
+
+def _items(x: dict | list | tuple) -> list[Any]:
+    return list(x.values()) if isinstance(x, dict) else list(x)
 
 
 def tensors_reached(tree: Any) -> list[torch.Tensor]:
@@ -58,6 +70,9 @@ def tensors_reached(tree: Any) -> list[torch.Tensor]:
             elif _is_dataclass_instance(leaf):  # as tensors_in, at any depth
                 seen.add(id(leaf))
                 pending.append(([getattr(leaf, f.name) for f in dataclasses.fields(leaf)], depth))
+            elif _is_container_subclass(leaf):
+                seen.add(id(leaf))
+                pending.append((_items(leaf), depth))
             elif _is_plain_object(leaf) and depth < MAX_OBJECT_DEPTH:
                 seen.add(id(leaf))
                 pending.append((list(vars(leaf).values()), depth + 1))
@@ -74,15 +89,36 @@ def _is_plain_object(x: Any) -> bool:
     )
 
 
-def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+def map_tensors(
+    fn: Callable[[torch.Tensor], torch.Tensor], tree: Any, edits: list | None = None
+) -> Any:
     """``tree`` with each tensor ``x`` replaced by ``fn(x)``. Containers (and dataclasses,
-    shallow-copied) are rebuilt only where ``fn`` changed something below them: a list or dict
-    the caller passes down beside a tensor, for a unit to append to (aux losses, a cache), stays
-    the caller's when its own contents are unchanged."""
+    shallow-copied) are rebuilt only where ``fn`` changed something below them. With ``edits``
+    (a unit's inputs), lists, dicts and dataclass instances are changed in place instead, each
+    change recorded there for ``undo``: a list or dict that the caller passes down for the unit
+    to append to (aux losses, a cache) stays the caller's object, and what the unit adds to it
+    reaches the caller (a copy, made once it held a tensor needing grad, lost the appends)."""
     if torch.is_tensor(tree):
         return fn(tree)
+    if edits is not None and isinstance(tree, (list, dict)):
+        keys = range(len(tree)) if isinstance(tree, list) else list(tree)
+        for key in keys:
+            old = tree[key]
+            new = map_tensors(fn, old, edits)
+            if new is not old:
+                tree[key] = new
+                edits.append((tree, key, old, new))
+        return tree
+    if edits is not None and _is_dataclass_instance(tree):
+        for f in dataclasses.fields(tree):
+            old = getattr(tree, f.name)
+            new = map_tensors(fn, old, edits)
+            if new is not old:
+                object.__setattr__(tree, f.name, new)  # frozen dataclasses too
+                edits.append((tree, f.name, old, new))
+        return tree
     if type(tree) in (list, tuple):
-        mapped = [map_tensors(fn, x) for x in tree]
+        mapped = [map_tensors(fn, x, edits) for x in tree]
         if all(a is b for a, b in zip(mapped, tree)):
             return tree
         return type(tree)(mapped)
@@ -92,13 +128,36 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
             return tree
         return mapped_items
     leaves, spec = tree_flatten(tree)  # namedtuples, ModelOutput, ...: rebuilt whole
-    new = [
-        fn(x) if torch.is_tensor(x) else _map_dataclass(fn, x) if _is_dataclass_instance(x) else x
-        for x in leaves
-    ]
+
+    def leaf(x: Any) -> Any:
+        if torch.is_tensor(x):
+            return fn(x)
+        if _is_dataclass_instance(x):
+            return _map_dataclass(fn, x) if edits is None else map_tensors(fn, x, edits)
+        if edits is not None and isinstance(x, (list, dict)):  # of the user's class: in place
+            return map_tensors(fn, x, edits)
+        return x
+
+    new = [leaf(x) for x in leaves]
     if all(a is b for a, b in zip(new, leaves)):
         return tree
     return tree_unflatten(new, spec)
+
+
+def undo(edits: list) -> None:
+    """Put back what ``map_tensors(..., edits)`` replaced, where the replacement is still there
+    (a list entry found by identity: the unit may have inserted before it)."""
+    for container, key, old, new in reversed(edits):
+        if isinstance(container, list):
+            at = next((i for i, x in enumerate(container) if x is new), None)
+            if at is not None:
+                container[at] = old
+        elif isinstance(container, dict):
+            if key in container and container[key] is new:
+                container[key] = old
+        elif getattr(container, key, None) is new:
+            object.__setattr__(container, key, old)
+    edits.clear()
 
 
 def _map_dataclass(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
@@ -116,10 +175,9 @@ def _map_dataclass(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     return new
 
 
-def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    """Cast the floating-point tensors in ``tree`` to ``dtype``; other leaves pass through.
-    ``tree`` itself when nothing needs a cast: its containers are rebuilt only then (a list
-    that the caller passes down for a unit to append to, aux losses, stays the caller's)."""
+def cast_floats(tree: Any, dtype: torch.dtype, edits: list | None = None) -> Any:
+    """Cast the floating-point tensors in ``tree`` to ``dtype``; other leaves pass through
+    (``edits``: as ``map_tensors``')."""
     return map_tensors(
-        lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree
+        lambda x: x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x, tree, edits
     )

@@ -75,6 +75,10 @@ class Unit:
         self.generation = 0
         """Bumped whenever ``pending_uses`` is reset: older uses no longer count."""
         self.recompute_use = False  # the current recomputation is a use (reentrant checkpoint)
+        self.edits: list[list] = []
+        """Per call running now: what ``trees.map_tensors`` changed in the caller's containers
+        of inputs (in place; undone when the call ends), the inputs as given to the module, and
+        the ids of their tensors then (``Engine._side_outputs``)."""
         self.depth = 0  # calls of the module running now: > 1 when it calls itself (a tree net)
         """Counted down by a hook that runs also when the call raised an Exception
         (``Engine._leave``); from 1 when the unit is out of its forward (a Ctrl-C's leftover)."""
