@@ -2144,3 +2144,54 @@ def test_what_a_unit_adds_to_its_inputs_reaches_the_caller(workers2, stage, how,
     tol = 1e-5 if mixed_precision is None else 5e-2
     for diff, terms in workers2.run(_side_outputs, stage, how, mixed_precision):
         assert terms == 3 and diff < tol, (diff, terms)
+
+
+class _Appender(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, box, fail=None):
+        box["seen"] = box["t"]  # the input as the unit gets it (hooked, cast)
+        box["added"] = self.fc(x).sum()
+        if fail is not None:
+            raise fail
+        return self.fc(x)
+
+
+class _Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Appender()
+
+    def forward(self, x, box, fail=None):
+        return self.block(x, box, fail)
+
+
+def _inputs_given_back(mixed_precision: str | None) -> list[tuple]:
+    """The caller's dict after a call that returned, one that raised, and one interrupted
+    (KeyboardInterrupt skips the hooks after a call: put back at the next forward)."""
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        _Holder(), stage=3, wrap=wrap.by_class(_Appender), mixed_precision=mixed_precision
+    )
+    t, x = torch.ones(4, requires_grad=True), torch.randn(2, 4)
+    said, boxes = [], []
+    for fail in (None, ValueError("boom"), KeyboardInterrupt()):
+        box = {"t": t}
+        boxes.append(box)
+        with contextlib.suppress(ValueError, KeyboardInterrupt):
+            model(x, box, fail)
+        said.append((box["t"] is t, box["seen"] is not t, box["seen"].dtype, "added" in box))
+    model(x, {"t": t})  # the next forward puts the interrupted call's inputs back
+    said.append((boxes[-1]["t"] is t,))
+    return said
+
+
+@pytest.mark.parametrize("mixed_precision", [None, "bf16"])
+def test_a_unit_s_inputs_are_given_back_as_the_caller_passed_them(workers2, mixed_precision):
+    dtype = torch.float32 if mixed_precision is None else torch.bfloat16
+    for said in workers2.run(_inputs_given_back, mixed_precision):
+        returned, raised, interrupted, after = said
+        assert returned == raised == (True, True, dtype, True), said
+        assert interrupted[1:] == (True, dtype, True) and after == (True,), said

@@ -56,3 +56,51 @@ def test_tensors_reached_looks_into_plain_objects_once_and_not_too_deep():
         nest = types.SimpleNamespace(inner=nest)
     assert tensors_reached(nest) == []  # deeper than the limit: a config, a dataset, ...
     assert tensors_reached(nest.inner) == [deep]
+
+
+class _Converting(dict):
+    """Stores what it is given converted (an EasyDict turns dicts into its own class)."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, [value] if torch.is_tensor(value) else value)
+
+
+def test_inputs_are_edited_in_place_and_put_back():
+    """A unit's inputs (``edits``): the caller's list, dict and dataclass themselves, their
+    tensors replaced while it runs and put back after; what the unit added stays."""
+    from zeroshard.trees import undo
+
+    x, y, z = torch.ones(1), torch.zeros(1), torch.full((1,), 2.0)
+    aux, cache, out = [x], {"k": y, "n": 3}, Out(h=z, extra=[])
+    edits: list = []
+    tree = ((aux, cache), {"out": out})
+    mapped = map_tensors(lambda t: t * 10, tree, edits)
+    assert mapped[0][0] is aux and mapped[0][1] is cache and mapped[1]["out"] is out
+    assert aux[0].item() == 10 and cache["k"].item() == 0 and out.h.item() == 20
+    aux.insert(0, y)  # what a unit does with them
+    cache["new"] = z
+    undo(edits)
+    assert aux == [y, x] and aux[1] is x and cache["k"] is y and cache["new"] is z
+    assert out.h is z and edits == []
+
+
+def test_containers_of_other_classes_are_searched_and_never_broken():
+    """A dict or list of the user's own class (pytree leaves it whole) is searched and mapped;
+    one that refuses writes (torch.fx's immutable_list: rebuilt by pytree) or converts them
+    (left as it is) is never half-edited."""
+    from torch.fx.immutable_collections import immutable_list
+
+    class Out2(dict):
+        pass
+
+    x = torch.ones(1)
+    assert tensors_in((Out2(h=x),)) == [x]
+    for in_place in (False, True):
+        doubled = map_tensors(lambda t: t * 2, Out2(h=x), [] if in_place else None)
+        assert type(doubled) is Out2 and doubled["h"].item() == 2
+        frozen, edits = immutable_list([x]), [] if in_place else None
+        mapped = map_tensors(lambda t: t * 2, frozen, edits)
+        assert frozen[0] is x and mapped[0].item() == 2 and type(mapped) is immutable_list
+        converting, edits = _Converting(h=x), [] if in_place else None
+        assert map_tensors(lambda t: t * 2, converting, edits) is converting
+        assert dict.__getitem__(converting, "h") is x and not edits

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import sys
 import warnings
 import weakref
@@ -198,16 +199,18 @@ class Engine:
         self, unit: Unit, args: tuple, kwargs: dict, *, entry: bool = True
     ) -> tuple[tuple, dict]:
         """Before a use of ``unit``: its module's own call (``entry``) or an owner's (a lend)."""
-        edits, call = None, None
-        if entry:  # the inputs' containers edited in place: undone by ``_leave``
-            edits = []
-            call = [edits, None, set()]  # (edits, the inputs given, ids of their tensors)
-            unit.edits.append(call)
         recompute = in_backward()
         root_entry = unit.is_root and entry
         raw_args, raw_kwargs = args, kwargs
         if root_entry and not recompute:
             self._begin_forward()
+        edits, call = None, None
+        if entry:  # the inputs' containers edited in place: undone by ``_leave``
+            if not recompute and unit.state is not TrainingState.FORWARD:
+                _undo_calls([unit])  # an outer call: a Ctrl-C's leftovers (no hook of it ran)
+            edits = []
+            call = [edits, None, {}, next(_CALLS)]  # (edits, the inputs given, their tensors
+            unit.edits.append(call)  # by id, the order of the calls)
         if entry and not recompute:  # (a recomputation may stop before its end: not counted)
             unit.depth = unit.depth + 1 if unit.state is TrainingState.FORWARD else 1
         if self._recording is not None and not recompute:
@@ -241,17 +244,18 @@ class Engine:
             if ckpt and not recompute:
                 self.checkpointing.enter(unit.module, raw_args, raw_kwargs)
             if call is not None and not recompute:
-                call[1:] = [(args, kwargs), {id(t) for t in tensors_reached((args, kwargs))}]
+                call[1:3] = [(args, kwargs), {id(t): t for t in tensors_reached((args, kwargs))}]
         return args, kwargs
 
     @staticmethod
     def _side_outputs(unit: Unit) -> list[torch.Tensor]:
         """Tensors with a graph that the call running put into its inputs' containers (an aux
         loss appended to the caller's list): outputs too, whose backward needs the unit."""
-        inputs, seen = unit.edits[-1][1:] if unit.edits else (None, set())
+        inputs, seen = unit.edits[-1][1:3] if unit.edits else (None, {})
         if inputs is None:
             return []
-        return [t for t in tensors_reached(inputs) if id(t) not in seen and t.grad_fn is not None]
+        added = (t for t in tensors_reached(inputs) if seen.get(id(t)) is not t)
+        return [t for t in added if t.grad_fn is not None]
 
     def _stop_dropping(self, module: nn.Module) -> None:
         if self.checkpointing is not None and not in_backward():
@@ -344,6 +348,7 @@ class Engine:
         for pending in (self._units_left, self._again, self._dirty):
             pending.clear()
         self.reduction_order.forget()
+        _undo_calls(units)
         for u in units:
             u.state, u.pending_uses, u.lender, u.depth = TrainingState.IDLE, 0, None, 0
             u.generation += 1
@@ -617,3 +622,17 @@ def engine_of(model: nn.Module) -> Engine:
             "is a part of a sharded model; pass the model that zeroshard.shard returned" if part
             else "is not sharded; call zeroshard.shard(model, ...) first"))  # fmt: skip
     return engine
+
+
+_CALLS = itertools.count()
+"""Orders the calls of all units: an inner call's edits are undone before its caller's."""
+
+
+def _undo_calls(units: list[Unit]) -> None:
+    """Put back what the calls of ``units`` left edited in their inputs, the latest call first
+    (a KeyboardInterrupt skips the hooks that run after a call that raised)."""
+    calls = sorted((c for u in units for c in u.edits), key=lambda c: c[3], reverse=True)
+    for call in calls:
+        undo(call[0])
+    for u in units:
+        u.edits.clear()

@@ -18,7 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import (
+    SUPPORTED_NODES,
+    is_namedtuple_instance,
+    tree_flatten,
+    tree_unflatten,
+)
 
 
 def _is_dataclass_instance(x: Any) -> bool:
@@ -40,10 +45,14 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
     return out
 
 
-def _is_container_subclass(x: Any) -> bool:
-    """A dict, list or tuple of a class of the user's own (``class Out(dict)``, an EasyDict),
-    which pytree leaves whole."""
-    return isinstance(x, (dict, list, tuple)) and type(x) not in (dict, list, tuple)
+def _is_container_subclass(x: Any, kinds: tuple[type, ...] = (dict, list)) -> bool:
+    """A dict or list (or ``kinds``) of a class of the user's own (``class Out(dict)``, an
+    EasyDict), which pytree leaves whole."""
+    return isinstance(x, kinds) and type(x) not in (dict, list, tuple) and not _in_pytree(x)
+
+
+def _in_pytree(x: Any) -> bool:
+    return type(x) in SUPPORTED_NODES or is_namedtuple_instance(x)
 
 
 def _items(x: dict | list | tuple) -> list[Any]:
@@ -70,7 +79,7 @@ def tensors_reached(tree: Any) -> list[torch.Tensor]:
             elif _is_dataclass_instance(leaf):  # as tensors_in, at any depth
                 seen.add(id(leaf))
                 pending.append(([getattr(leaf, f.name) for f in dataclasses.fields(leaf)], depth))
-            elif _is_container_subclass(leaf):
+            elif _is_container_subclass(leaf, (dict, list, tuple)):  # (hooked, not rebuilt)
                 seen.add(id(leaf))
                 pending.append((_items(leaf), depth))
             elif _is_plain_object(leaf) and depth < MAX_OBJECT_DEPTH:
@@ -100,15 +109,12 @@ def map_tensors(
     reaches the caller (a copy, made once it held a tensor needing grad, lost the appends)."""
     if torch.is_tensor(tree):
         return fn(tree)
-    if edits is not None and isinstance(tree, (list, dict)):
-        keys = range(len(tree)) if isinstance(tree, list) else list(tree)
-        for key in keys:
-            old = tree[key]
-            new = map_tensors(fn, old, edits)
-            if new is not old:
-                tree[key] = new
-                edits.append((tree, key, old, new))
-        return tree
+    if isinstance(tree, (list, dict)) and (edits is not None or _is_container_subclass(tree)):
+        mapped = _map_items(fn, tree, edits)
+        if mapped is not None:
+            return mapped
+        if not _in_pytree(tree):
+            return tree  # neither written nor copied: left as it is
     if edits is not None and _is_dataclass_instance(tree):
         for f in dataclasses.fields(tree):
             old = getattr(tree, f.name)
@@ -134,7 +140,7 @@ def map_tensors(
             return fn(x)
         if _is_dataclass_instance(x):
             return _map_dataclass(fn, x) if edits is None else map_tensors(fn, x, edits)
-        if edits is not None and isinstance(x, (list, dict)):  # of the user's class: in place
+        if _is_container_subclass(x):  # of the user's class (pytree left it whole)
             return map_tensors(fn, x, edits)
         return x
 
@@ -144,12 +150,59 @@ def map_tensors(
     return tree_unflatten(new, spec)
 
 
+def _map_items(
+    fn: Callable[[torch.Tensor], torch.Tensor], tree: Any, edits: list | None
+) -> Any | None:
+    """A list or dict's items mapped: in place when ``edits`` is given (each change recorded),
+    else, or when its class refuses or converts what it is given (torch.fx's immutable_list, an
+    EasyDict), in a shallow copy; None when that fails too (nothing is changed)."""
+    keys = list(range(len(tree)) if isinstance(tree, list) else tree)
+    changed = {}
+    for key in keys:
+        new = map_tensors(fn, tree[key], edits)
+        if new is not tree[key]:
+            changed[key] = new
+    if not changed:
+        return tree
+    if edits is not None:
+        done = []
+        for key, new in changed.items():
+            old = tree[key]
+            done.append((key, old, new))
+            if not _set(tree, key, new):
+                base = dict if isinstance(tree, dict) else list  # (its own setter converts)
+                for k, o, _ in reversed(done):  # back as it was: copied below instead
+                    base.__setitem__(tree, k, o)
+                break
+        else:
+            edits += [(tree, key, old, new) for key, old, new in done]
+            return tree
+    try:
+        copied = copy.copy(tree)
+    except Exception:
+        return None
+    if all(_set(copied, key, new) for key, new in changed.items()):
+        return copied
+    return None
+
+
+def _set(container: Any, key: Any, value: Any) -> bool:
+    """``container[key] = value``; whether it holds ``value`` itself afterwards."""
+    try:
+        container[key] = value
+        return container[key] is value
+    except Exception:
+        return False
+
+
 def undo(edits: list) -> None:
     """Put back what ``map_tensors(..., edits)`` replaced, where the replacement is still there
     (a list entry found by identity: the unit may have inserted before it)."""
     for container, key, old, new in reversed(edits):
         if isinstance(container, list):
-            at = next((i for i, x in enumerate(container) if x is new), None)
+            at = key if key < len(container) and container[key] is new else None
+            if at is None:  # the unit inserted before it: found by identity
+                at = next((i for i, x in enumerate(container) if x is new), None)
             if at is not None:
                 container[at] = old
         elif isinstance(container, dict):
