@@ -185,6 +185,13 @@ class ModelDescription:
         return self.root_numel or 0
 
 
+def trained_bytes(model: ModelDescription, num_bytes: int) -> int:
+    """``num_bytes`` of every parameter scaled to the trainable ones: frozen parameters get no
+    gradient, so the gradient buckets (only trainable parameters' slots) hold that much."""
+    trainable = model.num_trainable_params
+    return num_bytes if trainable is None else num_bytes * trainable // model.num_params
+
+
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from zeroshard.offload.tiers import Tier
 from zeroshard.planner import saved
 from zeroshard.planner.comm import num_shard_groups
-from zeroshard.planner.describe import ModelDescription
+from zeroshard.planner.describe import ModelDescription, trained_bytes
 from zeroshard.planner.placement import MODEL_STATES as MODEL_STATES  # (re-exported: the
 from zeroshard.planner.placement import OFFLOADS as OFFLOADS  # planner's names are memory's)
 from zeroshard.planner.placement import Placement as Placement
@@ -512,7 +512,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             # unit's unsharded gradients before they are reduce-scattered.
             gathered = (1 + c.num_units_prefetch) * unit * bpp.params + unit * bpp.grads
             out[Tier.DEVICE]["gathered_units"] = math.ceil(gathered / c.num_mp_ranks)
-    grads_bytes = bpp.grads * model.mp_numel(c.num_mp_ranks)
+    grads_bytes = trained_bytes(model, bpp.grads * model.mp_numel(c.num_mp_ranks))
     out[Tier.DEVICE]["comm_buckets"] = min(c.num_buckets * c.bucket_bytes, grads_bytes)
     return MemoryBreakdown(
         device=out[Tier.DEVICE], cpu=out[Tier.CPU], nvme=out[Tier.NVME], notes=tuple(notes)
