@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from zeroshard.model_states.grads import GradBucket
+from zeroshard.model_states.state_swap import stopping_on_refusal
 from zeroshard.offload import OffloadError, SwapHandle, TensorStore
 
 
@@ -98,11 +99,9 @@ class GradSwapper:
 
     def _store(self, i: int, g: torch.Tensor) -> None:
         self._norms[i], self._coefs[i] = torch._foreach_norm([g])[0], []
-        try:
+        what = f"the gradient {self._name(i)} could not be written"
+        with stopping_on_refusal(self._stop, what, "gradients"):
             handle = self._timed(self.store.swap_out(self._name(i), g))
-        except OffloadError as e:  # refused before it began: the disk filled up since
-            what = f"the gradient {self._name(i)} could not be written"
-            raise self._stop(what, "gradients", e) from e
         self.write_bytes += g.numel() * g.element_size()
         with self._lock:
             self._writing[i] = (handle, g)

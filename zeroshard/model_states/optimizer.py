@@ -56,7 +56,11 @@ from zeroshard.model_states.optimizer_args import (
     user_stacklevel,
     with_default_impl,
 )
-from zeroshard.model_states.state_swap import StateSwapper, state_bytes_per_group
+from zeroshard.model_states.state_swap import (
+    StateSwapper,
+    record_bytes,
+    state_bytes_per_group,
+)
 from zeroshard.model_states.subgroups import States, SubGroup, build_subgroups
 from zeroshard.offload.folder import padded_bytes
 from zeroshard.precision import DynamicLossScaler, LossScaler, default_scaler
@@ -167,18 +171,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     self._swap.store, buckets, self._swap.timed, self._swap.stop
                 )
         elif offload is not None and offload.optimizer == "cpu":
+            per_group = state_bytes_per_group(optimizer_cls, defaults, self._subgroups)
             log.info(
                 "optimizer states on the CPU tier: %d bytes (training runs on the CPU: they are "
                 "in host memory already, nothing moves)",
-                sum(
-                    n * p.tensor.numel()
-                    for sg, sizes in zip(
-                        self._subgroups,
-                        state_bytes_per_group(optimizer_cls, defaults, self._subgroups),
-                    )
-                    for n, ps in zip(sizes, sg.pieces)
-                    for p in ps
-                ),
+                sum(map(record_bytes, self._subgroups, per_group)),
             )
         if step_in_backward and self.engine.param_swap is not None:
             raise ValueError(

@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zeroshard.model_states.state_swap import StopsOnFailure, open_store
+from zeroshard.model_states.state_swap import StopsOnFailure, open_store, stopping_on_refusal
 from zeroshard.model_states.swap_space import check_space
-from zeroshard.offload import OffloadError, SwapHandle
+from zeroshard.offload import SwapHandle
 
 if TYPE_CHECKING:
     from zeroshard.mesh import Mesh
@@ -298,11 +298,9 @@ class ParamSwapper(StopsOnFailure):
     def _write(self, m: _Master) -> None:
         assert m.resident and m.reading is None and m.writing is None
         self.write_bytes += m.nbytes
-        try:
+        what = f"parameter master {m.name!r} could not be written"
+        with stopping_on_refusal(self.stop, what, "parameters"):
             m.writing = self.store.swap_out(m.name, m.tensor)
-        except OffloadError as e:  # refused before it began: the disk filled up since the check
-            what = f"parameter master {m.name!r} could not be written"
-            raise self.stop(what, "parameters", e) from e
         self._writing.append(m)
 
     def _wait(self, m: _Master) -> None:

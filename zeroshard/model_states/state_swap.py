@@ -33,11 +33,13 @@ Every read is checksummed by the store; a failed or corrupted read stops trainin
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
 import weakref
 from collections import defaultdict, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,7 +141,7 @@ def state_bytes_per_group(
     optimizer_cls: type, defaults: dict[str, Any], subgroups: list[SubGroup]
 ) -> list[list[int]]:
     """``state_bytes_per_element`` of each torch param group of each sub-group (one probe per
-    distinct setting)."""
+    distinct setting). ``record_bytes`` sums them over a sub-group's pieces."""
     seen: dict[str, int] = {}
     out = []
     for sg in subgroups:
@@ -151,6 +153,12 @@ def state_bytes_per_group(
             sizes.append(seen[key])
         out.append(sizes)
     return out
+
+
+def record_bytes(sg: SubGroup, per_element: list[int]) -> int:
+    """Bytes of sub-group ``sg``'s element-wise states (``per_element``: of each torch param
+    group, from ``state_bytes_per_group``), unpadded."""
+    return sum(n * p.tensor.numel() for n, pieces in zip(per_element, sg.pieces) for p in pieces)
 
 
 class _SwappedState(defaultdict):
@@ -181,6 +189,18 @@ class _SwappedState(defaultdict):
     def values(self):  # type: ignore[override]
         self._touch()
         return super().values()
+
+
+@contextlib.contextmanager
+def stopping_on_refusal(
+    stop: Callable[[str, str, BaseException], OffloadError], what: str, noun: str
+) -> Iterator[None]:
+    """A swap the store refuses before it begins (the disk filled up since the check) stops
+    training as one that failed does (``StopsOnFailure.stop``): the step may be half applied."""
+    try:
+        yield
+    except OffloadError as e:
+        raise stop(what, noun, e) from e
 
 
 class StopsOnFailure:
@@ -259,10 +279,7 @@ class StateSwapper(StopsOnFailure):
         self._in_step = False
         self._error: str | None = None
         self.max_record_bytes = max(
-            (
-                sum(n * p.tensor.numel() for n, ps in zip(sizes, sg.pieces) for p in ps)
-                for sg, sizes in zip(subgroups, per_element)
-            ),
+            (record_bytes(sg, sizes) for sg, sizes in zip(subgroups, per_element)),
             default=0,
         )
         self.need_bytes = need_bytes
@@ -319,11 +336,9 @@ class StateSwapper(StopsOnFailure):
         if s.where is Where.IN_SLOT:
             assert s.slot is not None
             self.write_bytes += s.record_bytes
-            try:
+            what = f"optimizer states {s.name!r} could not be written"
+            with stopping_on_refusal(self.stop, what, "states"):
                 handle = self.store.swap_out(s.name, s.slot[: s.record_bytes])
-            except OffloadError as e:  # refused before it began: the disk filled up since
-                what = f"optimizer states {s.name!r} could not be written"
-                raise self.stop(what, "states", e) from e
             s.handle = self.timed(handle)
             s.where = Where.WRITING
             self._writing.append(i)

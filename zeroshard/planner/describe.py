@@ -185,11 +185,10 @@ class ModelDescription:
         return self.root_numel or 0
 
 
-def trained_bytes(model: ModelDescription, num_bytes: int) -> int:
-    """``num_bytes`` of every parameter scaled to the trainable ones: frozen parameters get no
-    gradient, so the gradient buckets (only trainable parameters' slots) hold that much."""
-    trainable = model.num_trainable_params
-    return num_bytes if trainable is None else num_bytes * trainable // model.num_params
+def trained_bytes(num_bytes: int, num_params: int, num_trainable: int | None) -> int:
+    """``num_bytes`` of all ``num_params`` parameters scaled to the ``num_trainable`` ones
+    (None: all train): frozen parameters have no gradient and no optimizer state."""
+    return num_bytes if num_trainable is None else num_bytes * num_trainable // num_params
 
 
 def _positive_int(name: str, value: object) -> None:

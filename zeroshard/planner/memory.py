@@ -328,8 +328,8 @@ def model_states(
             tier: str | None = None) -> None:  # fmt: skip
         # bytes * ((Psi - R) / Nm + R) / Nd, in integers: ceil(a / b) = -(-a // b)
         num_bytes = per_param * elements_x_nm
-        if trained and num_params_trainable is not None:
-            num_bytes = num_bytes * num_params_trainable // num_params
+        if trained:
+            num_bytes = trained_bytes(num_bytes, num_params, num_params_trainable)
         ways = num_mp_ranks * (num_dp_ranks if partitioned else 1)
         out[placement.tier(tier or category)][category] += -(-num_bytes // ways)
 
@@ -512,7 +512,9 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             # unit's unsharded gradients before they are reduce-scattered.
             gathered = (1 + c.num_units_prefetch) * unit * bpp.params + unit * bpp.grads
             out[Tier.DEVICE]["gathered_units"] = math.ceil(gathered / c.num_mp_ranks)
-    grads_bytes = trained_bytes(model, bpp.grads * model.mp_numel(c.num_mp_ranks))
+    grads_bytes = trained_bytes(  # the buckets hold the trainable parameters' slots only
+        bpp.grads * model.mp_numel(c.num_mp_ranks), model.num_params, model.num_trainable_params
+    )
     out[Tier.DEVICE]["comm_buckets"] = min(c.num_buckets * c.bucket_bytes, grads_bytes)
     return MemoryBreakdown(
         device=out[Tier.DEVICE], cpu=out[Tier.CPU], nvme=out[Tier.NVME], notes=tuple(notes)

@@ -339,7 +339,9 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     num_units, root = len(backward), model.root_numel or 0
     act = activation_terms(model, c)
     on_device = {m: c.placement.tier(m) is Tier.DEVICE for m in MODEL_STATES}
-    grads_total = trained_bytes(model, bpp.grads * model.mp_numel(mp))
+    grads_total = trained_bytes(
+        bpp.grads * model.mp_numel(mp), model.num_params, model.num_trainable_params
+    )
     sib = c.step_in_backward
     num_inflight = c.num_buckets  # K, counting the reduction being started
     # Replicated gradients: an FP32 gradient beside the working copies appears at the reduction.
