@@ -49,3 +49,56 @@ def test_a_nan_step_clipped_is_skipped_and_training_goes_on(workers2, stage):
     for r in workers2.run(_nan_step_then_clean, stage):
         assert r["taken"] == [True, False, True, True, True, True], r
         assert r["diff"] < 1e-6, r
+
+
+def _float64_clip(stage: int, gain: float) -> dict:
+    """A float64 model clipped: the norm and the update are torch's in float64, also where
+    the norm passes FP32's range (a norm taken in FP32 was inf and zeroed every gradient)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1)
+    ref = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3)).double()
+    wrap = zeroshard.wrap.by_class(nn.Linear)
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    x = torch.randn(4 * world, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = x[:, :3].sin()
+    (nn.functional.mse_loss(ref(x), y) * gain).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    part = slice(4 * rank, 4 * rank + 4)
+    opt.backward(nn.functional.mse_loss(model(x[part]), y[part]) * gain)
+    norm = opt.clip_grad_norm(0.5)
+    taken = opt.step()
+    with zeroshard.summon_full_params(model):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"rel": abs(norm.item() / ref_norm.item() - 1), "dtype": norm.dtype, "taken": taken,
+            "diff": diff}  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("gain", [1.0, 1e25])
+def test_a_float64_model_is_clipped_in_float64(workers2, stage, gain):
+    for r in workers2.run(_float64_clip, stage, gain):
+        assert r["dtype"] == torch.float64 and r["taken"], r
+        assert r["rel"] < 1e-12 and r["diff"] < 1e-12, r
+
+
+def _max_norm_with_a_nan(stage: int) -> list:
+    """norm_type=inf with a NaN gradient in one rank's shard only (the last parameter's, on
+    the last rank: gloo's MAX keeps rank 0's finite value): every rank returns NaN, as
+    torch's clip does."""
+    torch.manual_seed(0)
+    sharded = zeroshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), stage=stage)
+    opt = zeroshard.optimizer(sharded, torch.optim.SGD, lr=0.1,
+                              loss_scaler=zeroshard.LossScaler(warn_on_skip=False))  # fmt: skip
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    opt.backward(sharded(x).pow(2).mean() + (sharded[1].bias * float("nan")).sum())
+    norms = [opt.clip_grad_norm(1.0, norm_type=float("inf")).item()]
+    opt.step()
+    return norms
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_max_norm_of_a_nan_gradient_is_nan_on_every_rank(workers2, stage):
+    for r in workers2.run(_max_norm_with_a_nan, stage):
+        assert all(n != n for n in r), r

@@ -53,22 +53,28 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
         )
     grads = opt._shard_grads()
     largest = math.isinf(p)
-    # 1D FP32, this rank: the sum of p-th powers of its shard's elements, or their maximum
-    total = torch.zeros(1, dtype=torch.float32, device=opt.engine.mesh.device)
     # one fused norm per buffer: no gradient-sized temporaries (those on NVMe were taken
     # when they were written, with the same per-tensor kernel)
     if opt._grad_swap is not None:
         norms = opt._grad_swap.norms()
     else:  # (none at all: a norm of 0, as torch's clip returns it)
         norms = torch._foreach_norm(grads, p) if grads else []
+    # FP32 at least, FP64 for a float64 model (whose norm can pass FP32's range, as torch's)
+    dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
+    # 1D, this rank: the sum of p-th powers of its shard's elements, or their maximum and
+    # whether one is NaN (a MAX reduction by gloo can drop another rank's NaN; torch's is NaN)
+    total = torch.zeros(2 if largest else 1, dtype=dtype, device=opt.engine.mesh.device)
     if norms:
-        stacked = torch.stack(norms).float()
-        total += stacked.max() if largest else stacked.pow(p).sum()
+        stacked = torch.stack(norms).to(dtype)
+        if largest:
+            total[0], total[1] = stacked.nan_to_num(nan=0.0).max(), stacked.isnan().any()
+        else:
+            total += stacked.pow(p).sum()
     mesh = opt.engine.mesh
     if mesh.tp_size > 1 and not largest:
         # Tensor-parallel ranks hold different pieces of split parameters (summed over the
         # group below) and the same gradient of replicated ones (to be counted once).
-        total -= _tp_replicated_power(opt, p) * (1 - 1 / mesh.tp_size)
+        total -= _tp_replicated_power(opt, p, dtype) * (1 - 1 / mesh.tp_size)
     op = dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM
     if opt.engine.partition.optimizer_states and mesh.shard_size > 1:
         # The shard group's ranks hold disjoint shards that together make every gradient;
@@ -92,7 +98,10 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
             op=op,
             async_op=False,
         )
-    norm = total[0] if largest else total.clamp(min=0).pow(1 / p)[0]
+    if largest:
+        norm = torch.where(total[1] > 0, torch.full_like(total[0], math.nan), total[0])
+    else:
+        norm = total.clamp(min=0).pow(1 / p)[0]
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if opt._grad_swap is not None:
         opt._grad_swap.scale(coef)  # stored ones are multiplied when read back
@@ -101,9 +110,9 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
     return norm
 
 
-def _tp_replicated_power(opt: ShardedOptimizer, p: float) -> torch.Tensor:
-    """Sum of p-th powers of this rank's shard gradients of the parameters that tensor
-    parallelism replicates (not split: ``zeroshard.tensor_parallel``)."""
+def _tp_replicated_power(opt: ShardedOptimizer, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """Sum of p-th powers (in ``dtype``) of this rank's shard gradients of the parameters that
+    tensor parallelism replicates (not split: ``zeroshard.tensor_parallel``)."""
     if opt._grad_swap is not None:
         raise ValueError(
             "clip_grad_norm with tensor parallelism needs the gradients in memory; keep "
@@ -119,7 +128,7 @@ def _tp_replicated_power(opt: ShardedOptimizer, p: float) -> torch.Tensor:
         and not getattr(slot.param, "_zeroshard_tp_split", False)
         and piece.stop > piece.start
     ]
-    power = torch.zeros(1, dtype=torch.float32, device=opt.engine.mesh.device)
+    power = torch.zeros(1, dtype=dtype, device=opt.engine.mesh.device)
     if pieces:
-        power += torch.stack(torch._foreach_norm(pieces, p)).float().pow(p).sum()
+        power += torch.stack(torch._foreach_norm(pieces, p)).to(dtype).pow(p).sum()
     return power
