@@ -941,6 +941,98 @@ def test_a_checkpoint_of_another_optimizer_is_a_one_line_error(workers2, tmp_pat
         assert "\n" not in recorded + unrecorded
 
 
+def _other_hyperparameters(base: str, stage: int, cls: type, saved: dict, given: dict) -> float:
+    """Saved with one setting of an optimizer class, loaded into the same class built with
+    another that keeps other states (amsgrad's ``max_exp_avg_sq``, SGD's momentum): the saved
+    groups and states are taken whole, as torch's ``load_state_dict`` takes them, and training
+    goes on as the run that was not interrupted, computed here by plain torch on every rank's
+    rows (``checkpoint.load`` read only the states the given optimizer kept: momentum
+    restarted at 0, 2e-1 off, or a KeyError at the next step). Returns the largest difference
+    of the parameters."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+
+    def train(model, opt, steps: range) -> None:
+        for step in steps:
+            x = torch.randn(2 * world, 6, generator=torch.Generator().manual_seed(step))
+            if isinstance(opt, zeroshard.ShardedOptimizer):
+                opt.backward(model(x[2 * rank : 2 * rank + 2]).pow(2).mean())
+            else:
+                model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    ref = build()
+    train(ref, cls(ref.parameters(), lr=0.05, **saved), range(6))
+    model = zeroshard.shard(build(), stage=stage)
+    opt = zeroshard.optimizer(model, cls, lr=0.05, **saved)
+    train(model, opt, range(3))
+    checkpoint.save(base, model, opt)
+    model = zeroshard.shard(build(), stage=stage)
+    opt = zeroshard.optimizer(model, cls, lr=0.05, **given)
+    checkpoint.load(base, model, opt)
+    train(model, opt, range(3, 6))
+    with zeroshard.summon_full_params(model):
+        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize(
+    "cls, saved, given",
+    [
+        (torch.optim.Adam, {"amsgrad": True}, {}),
+        (torch.optim.Adam, {}, {"amsgrad": True}),
+        (torch.optim.SGD, {"momentum": 0.9}, {}),
+        (torch.optim.SGD, {}, {"momentum": 0.9}),
+        (torch.optim.RMSprop, {"centered": True, "momentum": 0.5}, {}),
+    ],
+)
+def test_a_checkpoint_loads_into_its_optimizer_class_built_otherwise(
+    workers2, tmp_path, stage, cls, saved, given
+):
+    for diff in workers2.run(_other_hyperparameters, str(tmp_path), stage, cls, saved, given):
+        assert diff < 1e-6, diff
+
+
+def _initial_lr(base: str) -> dict:
+    """A scheduler's ``initial_lr`` saved in the groups is loaded into an optimizer made
+    without one (it was dropped: a scheduler resumed with ``last_epoch`` raised KeyError, one
+    made fresh took the decayed lr as its base), as torch's ``load_state_dict`` gives it."""
+    model = _model(3, "fp32")
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+    for _ in range(3):
+        _train(model, opt, range(1))
+        sched.step()
+    checkpoint.save(base, model, opt)
+    other = _model(3, "fp32")
+    fresh = zeroshard.optimizer(other, torch.optim.AdamW, lr=0.1)
+    checkpoint.load(base, other, fresh)
+    # torch: the same schedule on a plain optimizer, its state dict loaded into a fresh one
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    plain_sched = torch.optim.lr_scheduler.LambdaLR(plain, lambda s: 1 / (1 + s))
+    for _ in range(3):
+        plain.step()
+        plain_sched.step()
+    reloaded = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    reloaded.load_state_dict(plain.state_dict())
+    out = {}
+    for name, o in (("ours", fresh), ("torch", reloaded)):
+        again = torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s), last_epoch=2)
+        o.step()
+        again.step()
+        out[name] = (o.param_groups[0]["initial_lr"], o.param_groups[0]["lr"])
+    return out
+
+
+def test_a_schedulers_initial_lr_is_loaded(workers2, tmp_path):
+    for r in workers2.run(_initial_lr, str(tmp_path)):
+        assert r["ours"] == r["torch"] and r["ours"][0] == 0.1, r
+
+
 def _two_optimizers(model) -> list:
     """AdamW over the first half of the parameters, SGD with momentum over the rest."""
     params = list(model.parameters())

@@ -149,19 +149,23 @@ _EACH_RANK = "zeroshard.checkpoint: each rank writes and reads its own shards"
 # --------------------------------------------------------------------- state
 
 
-def _state(model, optimizer, *, template: bool = False) -> dict[str, Any]:
+def _state(model, optimizer, *, saved: tuple | None = None) -> dict[str, Any]:
     """What a checkpoint holds, in FSDP2's structure: every sharded tensor as this rank's own
     range (``FlatRange``: views, no collective; DCP writes and reads them as chunks). Several
     optimizers' states are merged as ``get_state_dict(model, optimizers=[...])`` merges them:
     keyed by parameter name, their param groups one list, in order. Parameters without optimizer
-    state (no step reached them yet) have none in it, unless ``template`` (what a load reads
-    into: ``checks.optimizer_states`` then drops what the checkpoint does not hold)."""
+    state (no step reached them yet) have none in it, unless it is a load's template (``saved``:
+    what the checkpoint holds, ``checks.saved_optimizer``): then every parameter has its states
+    and every entry the checkpoint holds is there to read into (``checks.optimizer_states``
+    then drops what it does not hold)."""
     from zeroshard.optim_state_dict import optimizer_state_dict
     from zeroshard.state_dict import local_state_dict
 
     optim: dict[str, Any] = {"state": {}, "param_groups": []}
     for opt in _optimizers(optimizer):
-        own = optimizer_state_dict(opt, local=True, template=template)
+        own = optimizer_state_dict(opt, local=True, template=saved is not None)
+        if saved is not None:
+            _add_saved_entries(opt, own, saved, len(optim["param_groups"]))
         shared = optim["state"].keys() & own["state"].keys()
         if shared:
             raise ValueError(
@@ -175,6 +179,47 @@ def _state(model, optimizer, *, template: bool = False) -> dict[str, Any]:
     mesh = engine_of(model).mesh
     tensor_parallel.place_pieces(model, state, mesh.tp_rank, mesh.tp_size)
     return state
+
+
+def _add_saved_entries(opt, own: dict[str, Any], saved: tuple, first_group: int) -> None:
+    """A load template of one optimizer (``own``) given the entries that the checkpoint holds
+    and the optimizer keeps none of (saved with other hyperparameters: SGD's
+    ``momentum_buffer``, Adam's ``max_exp_avg_sq``; a scheduler's ``initial_lr``): this rank's
+    range of zeros for element-wise states (shaped as the saved parameter), a placeholder for
+    the rest, so that the load reads them and the optimizer ends as the saved one, as torch's
+    ``load_state_dict`` takes the saved groups and states whole. Its groups are the
+    checkpoint's from ``first_group``."""
+    from zeroshard.optim_state_dict import local_state_entry
+
+    states, groups, shapes = saved
+    held = _held_names(opt)
+    for name, keys in states.items():
+        for key, md in keys.items():
+            if name not in held or key in own["state"].get(name, {}):
+                continue
+            size = getattr(md, "size", None)
+            entry = None
+            if size is not None and len(size) and tuple(size) == shapes.get(name):
+                entry = local_state_entry(opt, name, key, md.properties.dtype)
+            own["state"].setdefault(name, {})[key] = _placeholder(md) if entry is None else entry
+    for j, group in enumerate(own["param_groups"]):
+        for key, md in groups.get(first_group + j, {}).items():
+            group.setdefault(key, _placeholder(md))
+
+
+def _held_names(opt) -> set[str]:
+    """The (first) names of the parameters ``opt`` steps."""
+    from zeroshard.state_dict import _first_names
+
+    first = _first_names(opt.engine.model)
+    return {first[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in first}
+
+
+def _placeholder(md) -> torch.Tensor | None:
+    """What a load reads a saved entry of storage metadata ``md`` into: a tensor of its size
+    and dtype, or None for bytes (DCP puts the value read in its place)."""
+    size = getattr(md, "size", None)
+    return None if size is None else torch.empty(tuple(size), dtype=md.properties.dtype)
 
 
 @contextlib.contextmanager
@@ -569,9 +614,9 @@ def _read(path: Path, model, optimizer, checksums: bool, group, model_only: bool
     from zeroshard.checkpoint_reader import Reader, read
 
     with _resident(model, optimizer):  # offloaded optimizer states: read into, then streamed out
-        state = _state(model, optimizer, template=True)
         # each file read once, in threads; its checksum verified from the bytes read
         reader = Reader(path, meta["files"] if checksums else None)
+        state = _state(model, optimizer, saved=checks.saved_optimizer(reader))
         own = checks.rank_state(path, meta, rank, checksums, group)
         scalers = []
         if model_only:
@@ -579,7 +624,8 @@ def _read(path: Path, model, optimizer, checksums: bool, group, model_only: bool
         else:  # the optimizers' count first: it names what the other checks would only imply
             scalers = checks.loss_scalers(path, len(_optimizers(optimizer)), own["loss_scaler"])
             checks.optimizers(path, meta.get("optimizers"), _optimizers(optimizer))
-            checks.optimizer_states(path, reader, state["optim"])
+            classes_known = meta.get("optimizers") is not None
+            checks.optimizer_states(path, reader, state["optim"], classes_known)
         checks.names(path, reader, state)
         try:
             read(state, reader, LoadPlanner(), group)

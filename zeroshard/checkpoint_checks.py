@@ -113,23 +113,49 @@ def optimizers(path: Path, saved: list[str] | None, given: list) -> None:
     )
 
 
-def optimizer_states(path: Path, reader, template: dict[str, Any]) -> None:
+def saved_optimizer(reader) -> tuple[dict, dict, dict]:
+    """The optimizer entries a checkpoint holds, from its metadata alone: per parameter name,
+    each state key's storage metadata (a tensor's ``size`` and ``properties.dtype``, or
+    bytes); per param group index, each key's; and each model entry's whole shape."""
+    states: dict[str, dict[str, Any]] = {}
+    groups: dict[int, dict[str, Any]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for entry, md in reader.read_metadata().state_dict_metadata.items():
+        if entry.startswith("model.") and getattr(md, "size", None) is not None:
+            shapes[entry.removeprefix("model.")] = tuple(md.size)
+        elif entry.startswith("optim.state."):
+            name, _, key = entry.removeprefix("optim.state.").rpartition(".")
+            states.setdefault(name, {})[key] = md
+        elif entry.startswith("optim.param_groups."):
+            index, _, key = entry.removeprefix("optim.param_groups.").partition(".")
+            groups.setdefault(int(index), {})[key.split(".")[0]] = md
+    return states, groups, shapes
+
+
+def optimizer_states(path: Path, reader, template: dict[str, Any], classes_known: bool) -> None:
     """Fit a load template's ``optim`` (``state``: name -> key -> tensor, ``param_groups``) to
     the checkpoint, in place: a parameter whose states it does not hold (no optimizer step had
     reached it when it was saved) is dropped, so it is loaded without state and its first step
     after the resume is Adam's first (bias correction), as in the run that was not interrupted;
     a param-group key it lacks (``initial_lr`` of a scheduler made since, a key a newer torch
-    added) keeps the optimizer's value. State keys it lacks (an optimizer of another class, in
-    a checkpoint that does not record the classes) are a one-line ``CheckpointError``."""
+    added) keeps the optimizer's value. A state key it lacks is dropped when the checkpoint
+    records the optimizer classes and they matched (saved with other hyperparameters, e.g.
+    ``amsgrad=False``: its groups bring them back, as torch's ``load_state_dict``); else
+    (another optimizer class, in a checkpoint that does not record them) a one-line
+    ``CheckpointError``."""
     saved: set[str] = set()  # every key and every prefix of one (values nested in lists)
     for entry in reader.read_metadata().state_dict_metadata:
         parts = entry.split(".")
         saved.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
     states = template["state"]
     for name in list(states):
+        missing = [k for k in states[name] if f"optim.state.{name}.{k}" not in saved]
         if f"optim.state.{name}" not in saved:
             del states[name]
-        elif missing := [k for k in states[name] if f"optim.state.{name}.{k}" not in saved]:
+        elif missing and classes_known:
+            for key in missing:
+                del states[name][key]
+        elif missing:
             raise CheckpointError(
                 f"checkpoint {path} does not fit this model and optimizer: it holds no optimizer "
                 f"state {', '.join(sorted(missing))} for {name}, which the optimizer given keeps "
