@@ -1,9 +1,10 @@
-"""zeroshard.model_states.flat_param: replicated parameters between steps (stages 0-2).
+"""zeroshard.model_states.flat_param: the parameters a user holds.
 
-The parameters a user holds are views into a FlatParam's ``full`` buffer, refreshed from the
-FP32 masters after each step. Code between ``step()`` and the next forward (an EMA, a weight
-norm, ``nn.init`` under ``no_grad``) must see the stepped values, and what it writes must reach
-the masters, in FP32 and in a narrower ``param_dtype`` alike.
+At stages 0-2 they are views into a FlatParam's ``full`` buffer, refreshed from the FP32
+masters after each step. Code between ``step()`` and the next forward (an EMA, a weight norm,
+``nn.init`` under ``no_grad``) must see the stepped values, and what it writes must reach the
+masters, in FP32 and in a narrower ``param_dtype`` alike. At stage 3 they are placeholders at
+rest, and what is written while they are held gathered reaches the masters too.
 """
 
 from __future__ import annotations
@@ -290,3 +291,138 @@ def _named_and_unsharded_optimizers() -> dict:
 def test_named_parameters_and_the_missing_optimizer_warning(workers2):
     expected = {"trained": True, "state_by_param": True}
     assert workers2.run(_named_and_unsharded_optimizers) == [expected] * 2
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class _Net(nn.Module):
+    """A root (``inp``, ``head``) around two block units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.blocks = nn.ModuleList([_Block() for _ in range(2)])
+
+    def forward(self, x):
+        return self.head(self.blocks[1](self.blocks[0](self.inp(x))))
+
+
+def _net(stage: int, precision: str, **optimizer_kw):
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        _Net(), stage=stage, wrap=zeroshard.wrap.by_class(_Block), mixed_precision=precision
+    )
+    return model, zeroshard.optimizer(model, torch.optim.SGD, lr=0.0, **optimizer_kw)
+
+
+def _by_parts(model, x):
+    """The loop over submodules of a user who never calls the root (which would cast the
+    inputs to ``param_dtype``)."""
+    h = model.inp(x.to(model.inp.weight.dtype))
+    for block in model.blocks:
+        h = block(h)
+    return model.head(h)
+
+
+def _writes_kept(stage: int, precision: str, sib: bool, where: str) -> list[float]:
+    """A write under ``no_grad`` to parameters that are held (the root at stage 3 between a
+    forward and its backward; any parameter at stages 1-2), ``where``: "between" a forward and
+    its backward, or "before" a forward of submodules called on their own (no root forward).
+    With lr 0 the step changes nothing, so each written bias must come out written: it was
+    lost at stage 3 (the root resharded after backward without the write) and with
+    ``step_in_backward`` at stages 1-2 in a narrower dtype (the refresh after the in-backward
+    update overwrote it). Returns each written bias' change (1.0 expected)."""
+    model, opt = _net(stage, precision, step_in_backward=sib)
+    written = [model.head.bias] + ([model.blocks[1].fc.bias] if stage < 3 else [])
+    with zeroshard.summon_full_params(model):
+        before = [p.detach().float().clone() for p in written]
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    if where == "before":
+        with torch.no_grad():
+            for p in written:
+                p.add_(1.0)
+    loss = (model(x) if where == "between" else _by_parts(model, x)).float().square().mean()
+    if where == "between":
+        with torch.no_grad():
+            for p in written:
+                p.add_(1.0)
+    opt.backward(loss)
+    opt.step()
+    with zeroshard.summon_full_params(model):
+        return [(p.detach().float() - b).mean().item() for p, b in zip(written, before)]
+
+
+# (at stage 3 the root is at rest before a forward: a write there is an error, tested above)
+@pytest.mark.parametrize(
+    "stage, precision, sib, where",
+    [(3, "fp32", False, "between"), (3, "bf16", False, "between"), (3, "bf16", True, "between"),
+     (2, "bf16", True, "between"), (2, "bf16", True, "before"), (2, "fp32", True, "before"),
+     (1, "bf16", False, "between"), (1, "bf16", False, "before")],
+)  # fmt: skip
+def test_writes_to_held_parameters_survive_the_step(workers2, stage, precision, sib, where):
+    for changes in workers2.run(_writes_kept, stage, precision, sib, where):
+        assert all(abs(c - 1.0) < 1e-2 for c in changes), changes
+
+
+def _grads_of_parameters(stage: int) -> dict:
+    """``torch.autograd.grad`` and ``backward(inputs=...)`` with respect to parameters at stage 3
+    in BF16: a parameter at rest was an FP32 placeholder, and each change of its dtype through
+    ``.data`` dropped its gradient accumulator, so autograd no longer found it in the forward's
+    graph ("appears to not have been used in the graph"; with ``inputs=`` nothing trained).
+    Returns the gradient of a block's bias and the parameters after a step on one block's
+    gradients only, to compare with stage 2."""
+    model, opt = _net(stage, "bf16")
+    opt.param_groups[0]["lr"] = 0.5
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = {"dtype at rest": str(model.blocks[0].fc.bias.dtype)}
+    (grad,) = torch.autograd.grad(model(x).float().square().mean(), model.blocks[0].fc.bias)
+    out["grad"] = grad.float()
+    opt.backward(model(x).float().square().mean(), inputs=list(model.blocks[1].parameters()))
+    opt.step()
+    out["params"] = zeroshard.full_state_dict(model, rank0_only=False)
+    return out
+
+
+def test_gradients_with_respect_to_parameters_at_stage_3_in_bf16(workers2):
+    stage2 = workers2.run(_grads_of_parameters, 2)
+    for ours, ref in zip(workers2.run(_grads_of_parameters, 3), stage2):
+        assert ours["dtype at rest"] == "torch.bfloat16", ours["dtype at rest"]
+        assert torch.equal(ours["grad"], ref["grad"])
+        moved = [k for k, v in ours["params"].items() if not torch.equal(v, _initial()[k])]
+        assert sorted(moved) == ["blocks.1.fc.bias", "blocks.1.fc.weight"], moved
+        for k, v in ours["params"].items():
+            assert torch.equal(v, ref["params"][k]), k
+
+
+def _initial() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return _Net().state_dict()
+
+
+def _unfrozen_by_parts(stage: int) -> str:
+    """A parameter unfrozen after ``shard()`` in a loop that calls submodules only: refused as
+    through the root (it never trained, silently)."""
+    torch.manual_seed(0)
+    net = _Net()
+    net.blocks[1].requires_grad_(False)
+    model = zeroshard.shard(net, stage=stage, wrap=zeroshard.wrap.by_class(_Block))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    model.blocks[1].requires_grad_(True)
+    try:
+        opt.backward(_by_parts(model, torch.randn(3, 4)).square().mean())
+    except ValueError as exc:
+        return str(exc)
+    return "trained"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_parameter_unfrozen_after_shard_is_refused_in_a_loop_over_submodules(workers2, stage):
+    for message in workers2.run(_unfrozen_by_parts, stage):
+        assert "requires_grad changed after zeroshard.shard(): blocks.1.fc.weight" in message

@@ -204,6 +204,8 @@ class Engine:
         raw_args, raw_kwargs = args, kwargs
         if root_entry and not recompute:
             self._begin_forward()
+        elif entry and not recompute and self.phase is Phase.IDLE:
+            self._begin_alone(unit)
         edits, call = None, None
         if entry:  # the inputs' containers edited in place: undone by ``_leave``
             if not recompute and unit.state is not TrainingState.FORWARD:
@@ -287,7 +289,7 @@ class Engine:
         if (root_entry or not keep) and not self.summoned:  # (the root reshards after backward)
             output = _unalias(output, unit)
         if not keep and not self.summoned:
-            unit.reshard()
+            unit.reshard(adopt=True)
         if root_entry:
             self.phase = Phase.IDLE
             if self._recording is not None:
@@ -341,6 +343,20 @@ class Engine:
                 stacklevel=4,
             )
             self._start_clean(stale)
+
+    def _begin_alone(self, unit: Unit) -> None:
+        """A unit entered with no root forward running (a submodule called on its own: T5's
+        encoder in ``generate()``, a loop over blocks): the root's checks of its parameters,
+        which ``_begin_forward`` would have made (a ``requires_grad`` switched since
+        ``shard()``; a write to them adopted into the masters)."""
+        if unit.state is not TrainingState.IDLE:
+            return
+        if torch.is_grad_enabled():
+            flat_param.check_requires_grad(unit.flat_params)
+        self.check_trusted()
+        with torch.no_grad():
+            for f in unit.flat_params:
+                f.adopt_writes(gathered=not self.discarding)
 
     def _start_clean(self, units: list[Unit]) -> None:
         """Forget ``units``' part in a forward or backward that ended by an exception: their
@@ -429,8 +445,8 @@ class Engine:
                 ready.append(b)
         # Free the gathered parameters and finish the oldest reductions before a new full
         # gradient is collected: none is alive beside it at this peak of backward.
-        if not self.summoned:
-            unit.reshard()
+        if not self.summoned:  # (a write between the root's forward and backward: kept)
+            unit.reshard(adopt=True)
         if not self._reduce_now:  # accumulating: summed in reduce_dtype where it is wider
             for b in ready:
                 b.fold()

@@ -102,8 +102,12 @@ class Unit:
         for f in self.flat_params:
             f.wait_unshard()
 
-    def reshard(self) -> None:
+    def reshard(self, *, adopt: bool = False) -> None:
+        """Free the gathered parameters; with ``adopt``, writes made to them while gathered are
+        copied into the masters first (``FlatParam.adopt_gathered_writes``)."""
         for f in self.flat_params:
+            if adopt:
+                f.adopt_gathered_writes()
             f.reshard()
 
     @property

@@ -6,8 +6,11 @@ working); what their ``.data`` is depends on the storage state (``ShardState``):
 
     UNSHARDED  every parameter is a view into ``full`` with its own shape, in ``param_dtype``.
                Always so when parameters are replicated (stages 0-2).
-    SHARDED    (partitioned parameters, stage 3, at rest) every parameter keeps its shape, dtype
-               and device, but its data is one placeholder element broadcast to that shape
+    SHARDED    (partitioned parameters, stage 3, at rest) every parameter keeps its shape, device
+               and dtype (``param_dtype``, as gathered: a change of dtype through ``p.data``
+               would drop its gradient accumulator, and ``autograd.grad`` or ``backward(
+               inputs=...)`` would no longer find it in a forward's graph), but its data is one
+               placeholder element broadcast to that shape
                (stride 0): NaN for floating point. Reading it never touches freed memory and
                gives NaN, not a silently wrong number; writing it raises (torch refuses writes
                to overlapping memory). Shape-based code (``p.ndim >= 2`` for weight decay,
@@ -317,7 +320,7 @@ class FlatParam:
             s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
 
     def _use_rest_views(self) -> None:
-        placeholder = _placeholder(self.orig_dtype, self.mesh.device)
+        placeholder = _placeholder(self.full.dtype, self.mesh.device)
         for s in self.slots:
             s.param.data = placeholder.expand(s.shape)
         self._rest_versions = [s.param._version for s in self.slots]
@@ -331,7 +334,7 @@ class FlatParam:
         (``resize_token_embeddings``), or data replaced at rest (stage 3: the parameter holds
         nothing there to replace)."""
         rest = self.state is ShardState.SHARDED
-        base = _placeholder(self.orig_dtype, self.mesh.device) if rest else self.full
+        base = _placeholder(self.full.dtype, self.mesh.device) if rest else self.full
         adopted = []
         for s in self.slots:
             at = base.data_ptr() + (0 if rest else s.offset * base.element_size())
@@ -380,7 +383,7 @@ class FlatParam:
             return
         written = [s for s, v in zip(self.slots, self._rest_versions) if s.param._version != v]
         if written:
-            _placeholder(self.orig_dtype, self.mesh.device, reset=True)
+            _placeholder(self.full.dtype, self.mesh.device, reset=True)
             self._use_rest_views()
             raise ValueError(
                 f"{written[0].names[0]} was written while at rest (stage 3 keeps no values of "
@@ -502,12 +505,8 @@ class FlatParam:
         self.check_views()
         self.check_rest_writes()
         if self.partition.parameters:
-            held = self.state is ShardState.UNSHARDED and self._gather is None
-            if gathered and held and self._gathered_versions is not None and not self.masters_ahead:
-                versions = [s.param._version for s in self.slots]
-                if versions != self._gathered_versions:
-                    self.write_back()
-                    self._gathered_versions = versions
+            if gathered:
+                self.adopt_gathered_writes()
             return
         if self._versions is None or self.masters_ahead:
             return
@@ -515,6 +514,20 @@ class FlatParam:
         if versions != self._versions:
             self.write_back()
             self._versions = versions
+
+    def adopt_gathered_writes(self) -> None:
+        """Partitioned parameters held gathered: copy into the master the elements written to
+        them since the gather (the root between a forward and its backward; a unit's own
+        forward writing its weights under ``no_grad``), which a reshard would drop with
+        ``full`` (a NaN-free ``fill_`` at rest is ``check_rest_writes``' error instead)."""
+        held = self.state is ShardState.UNSHARDED and self._gather is None
+        if not held or self._gathered_versions is None or self.masters_ahead:
+            return
+        versions = [s.param._version for s in self.slots]
+        if versions != self._gathered_versions:
+            with torch.no_grad():
+                self.write_back()
+            self._gathered_versions = versions
 
     # ----------------------------------------------------------------- per-parameter access
     def master_piece(self, index: int) -> torch.Tensor:
