@@ -83,16 +83,16 @@ def test_a_float64_model_is_clipped_in_float64(workers2, stage, gain):
         assert r["rel"] < 1e-12 and r["diff"] < 1e-12, r
 
 
-def _max_norm_with_a_nan(stage: int) -> list:
+def _max_norm_with_a_nan(stage: int, bad: float = float("nan")) -> list:
     """norm_type=inf with a NaN gradient in one rank's shard only (the last parameter's, on
     the last rank: gloo's MAX keeps rank 0's finite value): every rank returns NaN, as
-    torch's clip does."""
+    torch's clip does; an infinite one gives inf (not the largest finite float)."""
     torch.manual_seed(0)
     sharded = zeroshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), stage=stage)
     opt = zeroshard.optimizer(sharded, torch.optim.SGD, lr=0.1,
                               loss_scaler=zeroshard.LossScaler(warn_on_skip=False))  # fmt: skip
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
-    opt.backward(sharded(x).pow(2).mean() + (sharded[1].bias * float("nan")).sum())
+    opt.backward(sharded(x).pow(2).mean() + (sharded[1].bias * bad).sum())
     norms = [opt.clip_grad_norm(1.0, norm_type=float("inf")).item()]
     opt.step()
     return norms
@@ -102,3 +102,31 @@ def _max_norm_with_a_nan(stage: int) -> list:
 def test_the_max_norm_of_a_nan_gradient_is_nan_on_every_rank(workers2, stage):
     for r in workers2.run(_max_norm_with_a_nan, stage):
         assert all(n != n for n in r), r
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_the_max_norm_of_an_infinite_gradient_is_inf(workers2, stage):
+    for r in workers2.run(_max_norm_with_a_nan, stage, float("inf")):
+        assert r == [float("inf")], r
+
+
+def _float64_optimizer_of_one_rank_s_range() -> tuple[float, float]:
+    """A float64 model's optimizer over a parameter that lies in rank 0's range alone (another
+    optimizer over the rest): rank 1 holds none of its gradients, and must still reduce the
+    norm in the same dtype as rank 0 (gloo aborted on 8 against 4 bytes)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 8)).double()
+    model = zeroshard.shard(copy.deepcopy(ref), stage=2)
+    first = zeroshard.optimizer(model, torch.optim.SGD, [model[0].weight], lr=0.1)
+    zeroshard.optimizer(model, torch.optim.SGD, [p for p in model.parameters()
+                                                 if p is not model[0].weight], lr=0.1)  # fmt: skip
+    x = torch.randn(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ref(x).pow(2).mean().backward()
+    part = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+    first.backward(model(x[part]).pow(2).mean())
+    return first.clip_grad_norm(1.0).item(), ref[0].weight.grad.norm().item()
+
+
+def test_a_float64_norm_over_another_rank_s_gradients_only(workers2):
+    for ours, torch_norm in workers2.run(_float64_optimizer_of_one_rank_s_range):
+        assert abs(ours / torch_norm - 1) < 1e-12, (ours, torch_norm)

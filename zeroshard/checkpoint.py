@@ -189,10 +189,11 @@ def _add_saved_entries(opt, own: dict[str, Any], saved: tuple, first_group: int)
     the rest, so that the load reads them and the optimizer ends as the saved one, as torch's
     ``load_state_dict`` takes the saved groups and states whole. Its groups are the
     checkpoint's from ``first_group``."""
-    from zeroshard.optim_state_dict import local_state_entry
+    from zeroshard.optim_state_dict import local_state_entries
 
     states, groups, shapes = saved
     held = _held_names(opt)
+    local = local_state_entries(opt)
     for name, keys in states.items():
         for key, md in keys.items():
             if name not in held or key in own["state"].get(name, {}):
@@ -200,7 +201,7 @@ def _add_saved_entries(opt, own: dict[str, Any], saved: tuple, first_group: int)
             size = getattr(md, "size", None)
             entry = None
             if size is not None and len(size) and tuple(size) == shapes.get(name):
-                entry = local_state_entry(opt, name, key, md.properties.dtype)
+                entry = local(name, key, md.properties.dtype)
             own["state"].setdefault(name, {})[key] = _placeholder(md) if entry is None else entry
     for j, group in enumerate(own["param_groups"]):
         for key, md in groups.get(first_group + j, {}).items():

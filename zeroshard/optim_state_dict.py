@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from zeroshard.model_states.optimizer import ShardedOptimizer
     from zeroshard.model_states.subgroups import Piece, SubGroup
 
-__all__ = ["load_optimizer_state_dict", "local_state_entry", "optimizer_state_dict"]
+__all__ = ["load_optimizer_state_dict", "local_state_entries", "optimizer_state_dict"]
 
 _IMPL_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Param-group keys that say how this process computes a step, not where training is: kept from
@@ -339,21 +339,30 @@ def _local_entries(
     return entry
 
 
-def local_state_entry(opt: ShardedOptimizer, name: str, key: str, dtype: torch.dtype) -> Any:
-    """Element-wise state ``key`` of the parameter ``name`` (its first name) as
-    ``optimizer_state_dict(opt, local=True)`` gives it, zeros where ``opt`` keeps none of it
-    yet: what a load reads a state saved with other hyperparameters into (this rank's
-    ``FlatRange``; None where ``opt`` does not step ``name``). No collective."""
+def local_state_entries(opt: ShardedOptimizer) -> Callable[[str, str, torch.dtype], Any]:
+    """``entry(name, key, dtype)``: element-wise state ``key`` of the parameter ``name`` (its
+    first name) as ``optimizer_state_dict(opt, local=True)`` gives it, zeros where ``opt``
+    keeps none of it yet: what a load reads a state saved with other hyperparameters into
+    (this rank's ``FlatRange``; None where ``opt`` does not step ``name``). No collective."""
     engine = opt.engine
     first = _first_names(engine.model)
     held = {id(p) for g in opt.param_groups for p in g["params"]}
     subgroups = _subgroup_of(opt)
-    for bucket in engine.buckets:
-        for i, s in enumerate(bucket.flat.slots):
-            if id(s.param) in held and first.get(id(s.param)) == name:
-                sg = subgroups.get(id(bucket))
-                return _local_entries(bucket.flat, sg, key, dtype, device_mesh(engine))(i)
-    return None
+    where = {
+        first[id(s.param)]: (bucket, i)
+        for bucket in engine.buckets
+        for i, s in enumerate(bucket.flat.slots)
+        if id(s.param) in held and id(s.param) in first
+    }
+    mesh = device_mesh(engine)
+
+    def entry(name: str, key: str, dtype: torch.dtype) -> Any:
+        if name not in where:
+            return None
+        bucket, index = where[name]
+        return _local_entries(bucket.flat, subgroups.get(id(bucket)), key, dtype, mesh)(index)
+
+    return entry
 
 
 def _match_groups(opt: ShardedOptimizer, saved: list[dict[str, Any]], first: dict[int, str]):

@@ -59,15 +59,18 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
         norms = opt._grad_swap.norms()
     else:  # (none at all: a norm of 0, as torch's clip returns it)
         norms = torch._foreach_norm(grads, p) if grads else []
-    # FP32 at least, FP64 for a float64 model (whose norm can pass FP32's range, as torch's)
-    dtype = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
+    # FP32 at least, FP64 for a float64 model (whose norm can pass FP32's range, as torch's):
+    # from the buckets, which every rank has (a rank may hold no gradient of this optimizer)
+    wide = any(b.flat.master_dtype == torch.float64 for b in opt._buckets)
+    dtype = torch.float64 if wide else torch.float32
     # 1D, this rank: the sum of p-th powers of its shard's elements, or their maximum and
     # whether one is NaN (a MAX reduction by gloo can drop another rank's NaN; torch's is NaN)
     total = torch.zeros(2 if largest else 1, dtype=dtype, device=opt.engine.mesh.device)
     if norms:
         stacked = torch.stack(norms).to(dtype)
         if largest:
-            total[0], total[1] = stacked.nan_to_num(nan=0.0).max(), stacked.isnan().any()
+            total[0] = stacked.nan_to_num(nan=0.0, posinf=math.inf).max()  # (inf stays inf)
+            total[1] = stacked.isnan().any()
         else:
             total += stacked.pow(p).sum()
     mesh = opt.engine.mesh

@@ -253,7 +253,8 @@ class FlatParam:
         ``adopt_writes`` (None: nothing to adopt)."""
         self._gathered_versions: list[int] | None = None
         """Partitioned: the version counters when ``full`` was last gathered (a write to the
-        gathered parameters, between a forward and its backward, is adopted as above)."""
+        gathered parameters, between a forward and its backward or inside a unit's forward, is
+        adopted as above, at the latest when the engine reshards it)."""
 
     # ----------------------------------------------------------------- construction
     def _init_storage(self, sync_module_states: bool) -> None:
