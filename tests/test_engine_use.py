@@ -2195,3 +2195,54 @@ def test_a_unit_s_inputs_are_given_back_as_the_caller_passed_them(workers2, mixe
         returned, raised, interrupted, after = said
         assert returned == raised == (True, True, dtype, True), said
         assert interrupted[1:] == (True, dtype, True) and after == (True,), said
+
+
+class _Tanh(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def _checkpoint_around_the_model(stage: int, reentrant: bool) -> float:
+    """``torch.utils.checkpoint`` around the whole sharded model (a user's wrapper, one call
+    per step): the recomputation runs each unit's own submodules (its Linear), which must not
+    count as further uses of the unit. With a reentrant checkpoint they reset the root's use,
+    its backward never began, and the root's parameters (every parameter at stages 0-2, where
+    the root's bucket holds them all) trained on nothing: 2e-1 off torch, the step returning
+    True. SGD at lr 1 against plain torch on every rank's rows."""
+    from torch.utils.checkpoint import checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(4)
+    ref = nn.Sequential(nn.Linear(8, 16), _Tanh(), _Tanh(), nn.Linear(16, 3))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_Tanh))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4 * world, 8, generator=gen), torch.randn(4 * world, 3, generator=gen)
+        mine = slice(4 * rank, 4 * rank + 4)
+
+        def loss_of(m, rows, x=x, y=y):
+            out = checkpoint(m, x[rows].requires_grad_(), use_reentrant=reentrant)
+            return nn.functional.mse_loss(out, y[rows])
+
+        opt.backward(loss_of(model, mine))
+        assert opt.step()
+        opt.zero_grad()
+        for r in range(world):
+            (loss_of(ref, slice(4 * r, 4 * r + 4)) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with zeroshard.summon_full_params(model):
+        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpoint_around_the_whole_model(workers2, stage, reentrant):
+    for diff in workers2.run(_checkpoint_around_the_model, stage, reentrant):
+        assert diff < 1e-6, diff

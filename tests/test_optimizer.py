@@ -850,3 +850,43 @@ def test_a_parameter_listed_twice_in_a_group_is_refused(workers2):
     # Each listing stepped its own piece of one master: the update applied twice (torch warns).
     for said in workers2.run(_listed_twice):
         assert "'head.weight' is listed twice in one param group" in said, said
+
+
+def _two_models_one_loss(stage: int, how: str) -> dict:
+    """An encoder and a decoder sharded apart, each with its own optimizer, one loss through
+    both (``opt_enc.backward(loss)``). ``how``: "fp16" (the loss scaled by the encoder's
+    scaler: the decoder's reductions must remove that scale too; they kept it, gradients
+    32768x), "gan" (``step_in_backward`` on both: the encoder's backward must not step the
+    decoder, whose gradients wait for its own step; it stepped it), "accumulate"
+    (``step_in_backward``, two micro-steps with ``sync=False`` then synced: the decoder
+    accumulates too; it stepped in the first and raised in the second). Against plain torch
+    in FP32 on every rank's rows."""
+    torch.manual_seed(0)
+    ref_enc, ref_dec = nn.Linear(4, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 1))
+    sib = how != "fp16"
+    mp = "fp16" if how == "fp16" else None
+    enc = zeroshard.shard(copy.deepcopy(ref_enc), stage=stage, mixed_precision=mp)
+    dec = zeroshard.shard(copy.deepcopy(ref_dec), stage=stage, mixed_precision=mp)
+    opt_enc = zeroshard.optimizer(enc, torch.optim.SGD, lr=0.1, step_in_backward=sib)
+    opt_dec = zeroshard.optimizer(dec, torch.optim.SGD, lr=0.1, step_in_backward=sib)
+    x, y, mine = _batch(0)
+    micro = 2 if how == "accumulate" else 1
+    for i in range(micro):
+        loss = nn.functional.mse_loss(dec(enc(x[mine])).float(), y[mine]) / micro
+        opt_enc.backward(loss, sync=i == micro - 1)
+    with zeroshard.summon_full_params(dec):
+        dec_moved = max((a - b).abs().max().item() for a, b in
+                        zip(dec.parameters(), ref_dec.parameters()))  # fmt: skip
+    taken = [opt_enc.step(), opt_dec.step()]
+    nn.functional.mse_loss(ref_dec(ref_enc(x)), y).backward()
+    torch.optim.SGD([*ref_enc.parameters(), *ref_dec.parameters()], lr=0.1).step()
+    return {"dec moved before its step": dec_moved if sib else 0.0, "taken": taken,
+            "diff": max(_diff(enc, ref_enc), _diff(dec, ref_dec))}  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("how", ["fp16", "gan", "accumulate"])
+def test_one_loss_through_two_models_sharded_apart(workers2, stage, how):
+    for r in workers2.run(_two_models_one_loss, stage, how):
+        assert r["dec moved before its step"] == 0.0 and r["taken"] == [True, True], r
+        assert r["diff"] < (1e-3 if how == "fp16" else 1e-6), r

@@ -697,6 +697,46 @@ def test_modules_with_a_policy_of_their_own_match_fsdp2(workers2, stage):
         assert (r["norm"], r["fc"]) == (torch.float32, torch.bfloat16), r
 
 
+def _policy_of_its_own_in_a_model_of_its_own_dtype(stage: int, model_dtype: str) -> dict:
+    """``unit_precision`` with ``mixed_precision`` left at None (the model's own dtype): the
+    overridden modules' outputs go back to the model's dtype, as with the dtype named (they
+    stayed in the module's: the parent's next layer failed on mixed dtypes). A FP32 model with
+    BF16 blocks, and a BF16 model (as ``from_pretrained(torch_dtype=bf16)`` gives) with FP32
+    norms: the same losses and weights as with ``mixed_precision`` naming the model's dtype."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[model_dtype]
+    override = {_NormedBlock: "bf16"} if model_dtype == "fp32" else {nn.LayerNorm: "fp32"}
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batches = [torch.randn(4, 8, generator=g, dtype=dtype) for _ in range(2)]
+    runs = {}
+    for named in (None, model_dtype):
+        torch.manual_seed(0)
+        model = zeroshard.shard(
+            _Normed().to(dtype), stage=stage, wrap=zeroshard.wrap.by_class(_NormedBlock),
+            mixed_precision=named, unit_precision=override,
+        )  # fmt: skip
+        opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+        losses = []
+        for x in batches:
+            out = model(x)
+            loss = out.float().square().mean()
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[named] = (out.dtype, losses, zeroshard.full_state_dict(model, rank0_only=False))
+    (dt, losses, state), (named_dt, named_losses, named_state) = runs[None], runs[model_dtype]
+    same = all(torch.equal(v, named_state[k]) for k, v in state.items())
+    return {"dtype": dt, "named": named_dt, "losses": losses == named_losses, "same": same}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("model_dtype", ["fp32", "bf16"])
+def test_a_policy_of_its_own_in_a_model_kept_in_its_dtype(workers2, stage, model_dtype):
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[model_dtype]
+    for r in workers2.run(_policy_of_its_own_in_a_model_of_its_own_dtype, stage, model_dtype):
+        assert r == {"dtype": dtype, "named": dtype, "losses": True, "same": True}, r
+
+
 def _llama_fp32_norms(stage: int) -> tuple[list[float], list[float], float]:
     """A Hugging Face Llama, its RMSNorms kept FP32 (``unit_precision``) under BF16 parameters
     and FP32 reduction, against FSDP2 with the same per-module policies: losses of four SGD

@@ -141,6 +141,7 @@ class Engine:
         self.to_reload: set[int] = set()  # ids of the model and optimizers that clear it loaded
         self.run_id: str | None = None  # its checkpoints' run (zeroshard.checkpoint: keep)
         self.backward_by: object = None  # the optimizer whose backward() runs, if one does
+        _LIVE.add(self)
         self.heap = (
             host_heap.HeapKeeper(config.trim_host_memory)
             if config.trim_host_memory and mesh.device.type == "cpu"
@@ -184,8 +185,8 @@ class Engine:
 
     # ----------------------------------------------------------------- hooks
     def _pre_lend(self, unit: Unit, owner: nn.Module, args: tuple, kwargs: dict):
-        if unit.lender is not None or unit.state is not TrainingState.IDLE:
-            return None  # inside the unit's own forward or backward
+        if unit.lender is not None or unit.state is not TrainingState.IDLE or unit.recomputing:
+            return None  # inside the unit's own forward, recomputation or backward
         unit.lender, unit.lent_gathered = owner, not unit.is_sharded
         return self._pre_forward(unit, args, kwargs, entry=False)
 
@@ -215,6 +216,8 @@ class Engine:
             unit.edits.append(call)  # by id, the order of the calls)
         if entry and not recompute:  # (a recomputation may stop before its end: not counted)
             unit.depth = unit.depth + 1 if unit.state is TrainingState.FORWARD else 1
+        elif entry:  # (as depth, by its calls: a reentrant checkpoint's runs whole, `_leave`)
+            unit.recomputing += 1
         if self._recording is not None and not recompute:
             self._recording[unit] = None
         unit.unshard(async_op=False)
@@ -373,6 +376,8 @@ class Engine:
 
     def _leave(self, unit: Unit) -> None:  # after each call of the unit, also one that raised
         unit.depth = unit.depth if in_backward() else max(0, unit.depth - 1)
+        if in_backward():
+            unit.recomputing = max(0, unit.recomputing - 1)
         if unit.edits:
             undo(unit.edits.pop()[0])  # the caller's containers hold its own tensors again
 
@@ -626,6 +631,16 @@ def _unalias(output: Any, unit: Unit) -> Any:
     return map_tensors(
         lambda t: t.clone() if t.untyped_storage().data_ptr() in gathered else t, output
     )
+
+
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def live_engines() -> list[Engine]:
+    """Every engine of this process whose model is alive: one loss may reach several sharded
+    models (an encoder and a decoder sharded apart, a GAN's discriminator in the generator's
+    loss), and an optimizer's backward speaks for all of them."""
+    return list(_LIVE)
 
 
 def engine_of(model: nn.Module) -> Engine:

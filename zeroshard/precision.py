@@ -269,13 +269,15 @@ def unit_overrides(
     given: Mapping[type | str, MixedPrecision | str] | None,
     device: torch.device,
     default: MixedPrecision,
+    model: nn.Module | None = None,
 ) -> dict[type | str, MixedPrecision]:
     """What ``shard(unit_precision=...)`` accepts: ``{module class or class name: policy}``
     (FSDP2's ``fully_shard(module, mp_policy=...)`` per module: a router or the norms kept in
     FP32 under a BF16 model), each policy as ``mixed_precision`` takes it. A policy without an
     ``output_dtype`` gives its outputs back in the ``default`` policy's ``param_dtype``, which
     the module's parent computes in (FSDP2 leaves them: the parent's next layer fails on mixed
-    dtypes)."""
+    dtypes); when that keeps the model's own dtype (None), in the dtype of ``model``'s first
+    floating-point parameter outside the overridden modules."""
     if given is None:
         return {}
     if not isinstance(given, Mapping):
@@ -288,13 +290,29 @@ def unit_overrides(
         if not (isinstance(key, str) or (isinstance(key, type) and issubclass(key, nn.Module))):
             raise TypeError(f"unit_precision keys are module classes or class names, got {key!r}")
         try:
-            policy = policy_of(value, device)  # (None: the module's own dtype, as shard's None)
+            out[key] = policy_of(value, device)  # (None: the module's own dtype, as shard's None)
         except TypeError as exc:
             raise TypeError(f"unit_precision[{key!r}]: {exc}") from None
-        if policy.output_dtype is None and default.param_dtype not in (None, policy.param_dtype):
-            policy = dataclasses.replace(policy, output_dtype=default.param_dtype)
-        out[key] = policy
+    back = default.param_dtype or _dtype_outside(model, out)
+    for key, policy in out.items():
+        if policy.output_dtype is None and back not in (None, policy.param_dtype):
+            out[key] = dataclasses.replace(policy, output_dtype=back)
     return out
+
+
+def _dtype_outside(model: nn.Module | None, overrides: Mapping[type | str, Any]) -> Any:
+    """The dtype of ``model``'s first floating-point parameter outside the modules that
+    ``overrides`` match (None if none): what the rest of the model computes in."""
+    if model is None:
+        return None
+    inside = {
+        id(p)
+        for m in model.modules()
+        if _override_of(m, overrides) is not None
+        for p in m.parameters()
+    }
+    floats = (p for p in model.parameters() if p.is_floating_point() and id(p) not in inside)
+    return next((p.dtype for p in floats), None)
 
 
 def unit_policy(
@@ -302,10 +320,15 @@ def unit_policy(
 ) -> MixedPrecision:
     """The policy of the unit made of ``module``: the first override its class matches (an
     instance of a class key, or a class named by a string key), else ``default``."""
+    found = _override_of(module, overrides)
+    return default if found is None else found
+
+
+def _override_of(module: nn.Module, overrides: Mapping[type | str, Any]) -> Any:
     for key, policy in overrides.items():
         if type(module).__name__ == key if isinstance(key, str) else isinstance(module, key):
             return policy
-    return default
+    return None
 
 
 # --------------------------------------------------------------------- TF32, held and restored

@@ -120,9 +120,10 @@ def _writes_where_asked(model: nn.Module) -> Iterator[None]:
 def record_dtype(folder: Path, dtype: torch.dtype | None, config: Any) -> None:
     """transformers records ``model.dtype`` in ``config.json``, the first parameter's: in mixed
     precision the compute copy's (bf16, at stage 3 too: placeholders at rest have it), while
-    the files hold the masters in the original dtype, and ``from_pretrained`` would load them in bf16. The files' dtype is written
-    instead (in the file and in the model's config, where it was set too); a config.json that
-    names no dtype gets one (an export cast to bf16 said nothing of it)."""
+    the files hold the masters in the original dtype, and ``from_pretrained`` would load them
+    in bf16. The files' dtype is written instead (in the file and in the model's config, where
+    it was set too); a config.json that names no dtype gets one (an export cast to bf16 said
+    nothing of it)."""
     path = folder / "config.json"
     if dtype is None or not path.is_file():
         return

@@ -177,7 +177,7 @@ def shard(
         offload.check(part, mesh.device)
         offload.log_host_tiers(part, mesh.device, log)
     mixed_precision = policy_of(mixed_precision, mesh.device)
-    overrides = unit_overrides(unit_precision, mesh.device, mixed_precision)
+    overrides = unit_overrides(unit_precision, mesh.device, mixed_precision, model)
     wrap = with_classes(wrap, tuple(overrides), "unit_precision")
     specs = units(model, wrap)
     policies = [unit_policy(s.module, mixed_precision, overrides) for s in specs]

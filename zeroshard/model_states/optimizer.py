@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeroshard.engine import Engine, engine_of
+from zeroshard.engine import Engine, engine_of, live_engines
 from zeroshard.model_states import bucket_owners, clipping
 from zeroshard.model_states.agreement import agree, agreed
 from zeroshard.model_states.backward_step import BackwardStep, check_step_in_backward
@@ -261,15 +261,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         scale = self.loss_scaler.scale_for(loss)
         if scale != 1.0:
             loss = loss.float() * scale  # in FP32: an FP16 loss times 2**16 would overflow
-        scaling = self.engine.scaling
-        scaling.next_scale = scale  # each reduction removes it (GradScaling.begin_backward)
-        self.engine.backward_by = self  # step_in_backward: another optimizer's do not step
+        # Every sharded model the loss may reach, not only this optimizer's (a decoder sharded
+        # apart from its encoder, a GAN's discriminator in the generator's loss): each removes
+        # this loss's scale in its reductions (GradScaling.begin_backward), accumulates in a
+        # micro-step, and, with step_in_backward, leaves its own optimizers' steps alone.
+        engines = [self.engine, *(e for e in live_engines() if e is not self.engine)]
+        for engine in engines:
+            engine.scaling.next_scale, engine.backward_by = scale, self
         try:
-            with contextlib.nullcontext() if sync else self.engine.no_sync():
+            with contextlib.ExitStack() as micro_step:
+                for engine in engines if not sync else ():
+                    micro_step.enter_context(engine.no_sync())
                 loss.backward(**kwargs)
         finally:
-            scaling.next_scale = None  # (a loss that reached no unit started no backward)
-            self.engine.backward_by = None
+            for engine in engines:  # (a loss that reached no unit started no backward)
+                engine.scaling.next_scale, engine.backward_by = None, None
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale this optimizer's gradients so that their global ``norm_type``-norm (any
