@@ -2067,6 +2067,10 @@ def test_a_submodule_of_a_sharded_model_is_named_as_such(lone_process):
             pass
     with pytest.raises(ValueError, match="ReLU is not sharded; call zeroshard.shard"):
         zeroshard.engine_of(nn.ReLU())
+    # A user's wrapper around the sharded model was told it "is a part" of one.
+    wrapper = nn.ModuleDict({"net": model})
+    with pytest.raises(ValueError, match=r"ModuleDict holds a sharded model \(net\); pass"):
+        zeroshard.optimizer(wrapper, torch.optim.SGD, lr=0.1)
 
 
 @dataclasses.dataclass

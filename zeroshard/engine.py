@@ -648,9 +648,13 @@ def engine_of(model: nn.Module) -> Engine:
     submodule of a sharded model as such: it was told to call ``shard``, which refuses it)."""
     engine = getattr(model, _ATTR, None)
     if engine is None:
+        held = next((n for n, m in model.named_modules() if getattr(m, _ATTR, None)), None)
         part = any(hasattr(p, SHARDED_PARAM) for p in model.parameters())
         raise ValueError(f"{type(model).__name__} " + (
-            "is a part of a sharded model; pass the model that zeroshard.shard returned" if part
+            f"holds a sharded model ({held}); pass the model that zeroshard.shard returned"
+            if held is not None
+            else "is a part of a sharded model; pass the model that zeroshard.shard returned"
+            if part
             else "is not sharded; call zeroshard.shard(model, ...) first"))  # fmt: skip
     return engine
 

@@ -121,7 +121,9 @@ def shard(
         raise ValueError(
             f"{type(model).__name__} cannot be sharded: its parameters are part of a sharded "
             "model already. Shard the whole model once, with a wrap policy for its blocks "
-            "(zeroshard.wrap.by_class(Block)), not submodules one by one as with FSDP2"
+            "(zeroshard.wrap.by_class(Block)), not submodules one by one as with FSDP2; two "
+            "models that share a module (an embedding) are sharded together: put both in one "
+            "nn.ModuleDict, shard it, and call its entries"
         )
     wrapper = next((m for m in model.modules() if isinstance(m, _DATA_PARALLEL)), None)
     if wrapper is not None:
