@@ -135,6 +135,15 @@ def test_timeout_takes_durations(text, seconds):
     assert load_config(None, {"timeout": text}).timeout == seconds
 
 
+def test_a_flag_naming_the_model_replaces_the_file_s(tmp_path):
+    # The file's hf with --model was refused as if both flags were given ("pass one of").
+    path = tmp_path / "run.toml"
+    path.write_text('hf = "llama.json"\nsteps = 7\n')
+    cfg = load_config(path, {"model": "pkg.mod:factory"})
+    assert (cfg.model, cfg.hf, cfg.steps) == ("pkg.mod:factory", None, 7)
+    assert load_config(path, {"steps": "8"}).hf == "llama.json"
+
+
 @pytest.mark.parametrize(
     "text,shown", [("soon", "or a number with s, m or h"), ("0s", "timeout = 0.0")]
 )
@@ -388,6 +397,11 @@ def test_a_rolled_back_resume_new_weight_decay_and_a_torn_metrics_line(capsys, t
     # a later --resume auto to continue, on records of both runs.
     no_save = [*argv, "--save-every", "0"]  # (the last value given counts)
     _expect_usage_error(capsys, no_save, "holds later checkpoints", "another --out-dir")
+    # Into another run's folder: its records up to step 4 were kept before the resumed run's
+    # (and its first validation loss in the summary), without a word.
+    into_b = ["train", *flags, "--steps", "6", "--resume", str(ckpt / "step-000004")]
+    into_b += ["--out-dir", str(tmp_path / "b")]
+    _expect_usage_error(capsys, into_b, "holds another run's metrics.jsonl", "a new --out-dir")
     # A torn last metrics line (killed while writing it) does not block the resume, and a new
     # weight decay is the one trained with, not the checkpoint's.
     with open(tmp_path / "a" / "metrics.jsonl", "a") as f:

@@ -215,7 +215,7 @@ def prune(path: Path, keep: int, run_id: str) -> None:
         if left or suffix == GONE or replaced:
             shutil.rmtree(sibling, ignore_errors=True)
         elif suffix in ("", OLD) and (sibling / META_FILE).is_file():
-            if _run_of(sibling) != run_id:
+            if run_of(sibling) != run_id:
                 others.append(sibling.name)
                 continue
             numbered.append((int(m["num"]), sibling))  # a replaced one whose save stopped, too
@@ -242,7 +242,7 @@ def _untouched(folder: Path, seconds: float) -> bool:
     return newest < time.time() - seconds
 
 
-def _run_of(checkpoint: Path) -> str | None:
+def run_of(checkpoint: Path) -> str | None:
     """The ``run_id`` in a checkpoint's metadata (``LEGACY_RUN`` when saved before runs were
     recorded; None when unreadable)."""
     try:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from zeroshard import checkpoint
+from zeroshard.checkpoint_files import run_of
 from zeroshard.cli.agent import Launch
 from zeroshard.cli.main import UsageError
 from zeroshard.models.loading import read_hf_config
@@ -157,6 +158,7 @@ def pin_resume(cfg: TrainConfig, launch: Launch) -> tuple[TrainConfig, bool]:
             f"{cfg.steps}: nothing left to train; pass --steps above {found.step} to train on"
         )
     _check_no_later(cfg, path, found.step)
+    _check_same_run(cfg, path)
     print(f"resuming from {path} (step {found.step})")
     return dataclasses.replace(cfg, resume=str(path)), False
 
@@ -208,6 +210,30 @@ def _check_no_later(cfg: TrainConfig, path: Path, step: int | None) -> None:
         f"step {step} on, and a restart or a later --resume auto would continue it: pass "
         f"another --out-dir for the new branch, or move the later checkpoints out of {folder} "
         f"(e.g. into {folder}-abandoned)"
+    )
+
+
+def _check_same_run(cfg: TrainConfig, path: Path) -> None:
+    """A checkpoint resumed into an out_dir that holds another run's metrics would splice the
+    two: that run's records up to the step kept before the resumed one's, its first validation
+    loss in the summary, its curve in loss.png. The out_dir is the checkpoint's own run when
+    the checkpoint lies in its ckpt folder or one of that folder's checkpoints has the same
+    run id (a copy of it); an out_dir without metrics.jsonl is a new one."""
+    out = Path(cfg.out_dir)
+    if not (out / "metrics.jsonl").exists():
+        return
+    folder = (out / "ckpt").resolve()
+    if path.resolve().parent == folder:
+        return
+    run = run_of(path)
+    own = folder.glob("step-*") if folder.is_dir() else ()
+    if run is not None and any(run_of(c) == run for c in own):
+        return
+    raise UsageError(
+        f"--resume {path}: --out-dir {cfg.out_dir} holds another run's metrics.jsonl, which "
+        "the resumed run would continue (its records, first validation loss and curve mixed "
+        f"with this one's): pass the checkpoint's own run folder ({path.parent.parent}) or a "
+        "new --out-dir"
     )
 
 

@@ -95,7 +95,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--nproc", metavar="N", help="local processes to launch (default: 1)")
     p.add_argument(
-        "--port", metavar="N", default="0", help="rendezvous port, 1-65535 (default: a free one)"
+        "--port", metavar="N", default="0", help="rendezvous port, 1-65535 (default: 0, a free one)"
     )
     p.add_argument(
         "--max-restarts", metavar="N", default="0",
@@ -214,8 +214,15 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> TrainConfig:
                 f"config file {path}: unknown key(s) {', '.join(unknown)}; "
                 f"valid keys: {', '.join(sorted(known))}"
             )
-    values.update({k: _from_flag(k, v) for k, v in overrides.items() if v is not None})
+    flags = {k: _from_flag(k, v) for k, v in overrides.items() if v is not None}
+    if flags.keys() & _MODEL_SOURCES:  # one choice: a flag's replaces the file's other one
+        values = {k: v for k, v in values.items() if k not in _MODEL_SOURCES}
+    values.update(flags)
     return TrainConfig(**values)
+
+
+_MODEL_SOURCES = {"model", "hf"}
+"""``TrainConfig`` fields that each name the model to train (the preset is used without)."""
 
 
 def run(args: argparse.Namespace) -> int:
