@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -15,10 +16,11 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from zeroshard.cli.main import main
+from zeroshard.cli.main import UsageError, main
 from zeroshard.cli.train import load_config
 from zeroshard.cli.train_checks import hold_out_dir
 from zeroshard.train import lr_at
@@ -136,12 +138,48 @@ def test_timeout_takes_durations(text, seconds):
 
 
 def test_a_flag_naming_the_model_replaces_the_file_s(tmp_path):
-    # The file's hf with --model was refused as if both flags were given ("pass one of").
+    # The file's hf with --model was refused as if both flags were given ("pass one of"), and
+    # --preset was ignored beside it.
     path = tmp_path / "run.toml"
     path.write_text('hf = "llama.json"\nsteps = 7\n')
     cfg = load_config(path, {"model": "pkg.mod:factory"})
     assert (cfg.model, cfg.hf, cfg.steps) == ("pkg.mod:factory", None, 7)
     assert load_config(path, {"steps": "8"}).hf == "llama.json"
+    cfg = load_config(path, {"preset": "small"})
+    assert (cfg.preset, cfg.hf, cfg.model) == ("small", None, None)
+
+
+def test_which_out_dir_is_the_resumed_run_s(tmp_path):
+    """``--resume PATH`` into a folder holding metrics.jsonl: refused when they are another
+    run's, taken when they are the checkpoint's run (in its ckpt folder, a copy of one of
+    its checkpoints elsewhere) or the same command's (it failed before its first save)."""
+    from zeroshard.cli.resume import _check_same_run
+
+    def checkpoint_of(path: Path, run: str) -> Path:
+        path.mkdir(parents=True)
+        (path / "zeroshard.json").write_text(json.dumps({"run_id": run}))
+        return path
+
+    base = checkpoint_of(tmp_path / "base" / "ckpt" / "step-000004", "A")
+    (tmp_path / "base" / "metrics.jsonl").write_text("{}\n")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("{}\n")
+
+    def check(out: Path, path: Path) -> str:
+        try:
+            _check_same_run(argparse.Namespace(out_dir=str(out)), path)
+        except UsageError as exc:
+            return str(exc)
+        return "taken"
+
+    assert check(tmp_path / "base", base) == "taken"
+    assert "holds another run's metrics.jsonl" in check(other, base)
+    assert "its own run's folder" in check(other, base)
+    copy = checkpoint_of(tmp_path / "archive" / "step-000004", "A")
+    assert check(tmp_path / "base", copy) == "taken"
+    (other / "config.json").write_text(json.dumps({"resume": str(base)}))
+    assert check(other, base) == "taken"  # the same command again
 
 
 @pytest.mark.parametrize(

@@ -2250,3 +2250,38 @@ def _checkpoint_around_the_model(stage: int, reentrant: bool) -> float:
 def test_a_checkpoint_around_the_whole_model(workers2, stage, reentrant):
     for diff in workers2.run(_checkpoint_around_the_model, stage, reentrant):
         assert diff < 1e-6, diff
+
+
+class _Interrupted(_Tanh):
+    boom = False
+
+    def forward(self, x):
+        if self.boom and torch._C._current_graph_task_id() != -1:
+            raise KeyboardInterrupt  # (a Ctrl-C inside the recomputation: no hook of its end)
+        return super().forward(x)
+
+
+def test_a_ctrl_c_inside_a_recomputation_is_forgotten(lone_process):
+    """Interrupted inside a reentrant checkpoint's recomputation, a unit stayed "recomputing"
+    for good: its own submodules called alone (an owner's lend) were then refused their gather
+    and computed on the placeholders (NaN)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(4)
+    ref = nn.Sequential(nn.Linear(8, 16), _Interrupted(), _Interrupted(), nn.Linear(16, 3))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=3, wrap=wrap.by_class(_Interrupted))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1.0)
+    x, y = torch.randn(4, 8), torch.randn(4, 3)
+    _Interrupted.boom = True
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            out = checkpoint(model, x.requires_grad_(), use_reentrant=True)
+            opt.backward(nn.functional.mse_loss(out, y))
+    finally:
+        _Interrupted.boom = False
+    opt.zero_grad()
+    opt.backward(nn.functional.mse_loss(model(x), y))  # a step after it starts clean
+    opt.zero_grad()
+    with torch.no_grad():
+        h = torch.randn(2, 16)
+        assert torch.allclose(model[1].lin(h), ref[1].lin(h)), "the unit's Linear alone"

@@ -890,3 +890,25 @@ def test_one_loss_through_two_models_sharded_apart(workers2, stage, how):
     for r in workers2.run(_two_models_one_loss, stage, how):
         assert r["dec moved before its step"] == 0.0 and r["taken"] == [True, True], r
         assert r["diff"] < (1e-3 if how == "fp16" else 1e-6), r
+
+
+def test_a_frozen_model_in_some_micro_steps_only(lone_process):
+    """A frozen model (a perceptual or reference net, no gradients) reached by one micro-step's
+    loss only: a trained model's backward speaks for the models it reaches, but one without
+    trainable parameters keeps nothing unreduced (it was left accumulating, and a later
+    backward at another loss scale raised "scaled by 8192 but the unreduced gradients it adds
+    to by 1024")."""
+    torch.manual_seed(0)
+    trained = zeroshard.shard(nn.Linear(4, 4), stage=2)
+    frozen = zeroshard.shard(nn.Linear(4, 1).requires_grad_(False), stage=2)
+    scaler = zeroshard.DynamicLossScaler(init_scale=1024, growth_interval=1)
+    opt = zeroshard.optimizer(trained, torch.optim.SGD, lr=0.01, loss_scaler=scaler)
+    x = torch.randn(8, 4)
+    for step in range(3):
+        first = frozen(trained(x)) if step == 0 else trained(x)
+        opt.backward(first.square().mean(), sync=False)
+        opt.backward(trained(x).square().mean())
+        assert opt.step()
+        opt.zero_grad()
+    opt.backward(frozen(trained(x)).square().mean())  # (raised)
+    assert not zeroshard.engine_of(frozen).scaling.accumulating

@@ -185,7 +185,8 @@ class Engine:
 
     # ----------------------------------------------------------------- hooks
     def _pre_lend(self, unit: Unit, owner: nn.Module, args: tuple, kwargs: dict):
-        if unit.lender is not None or unit.state is not TrainingState.IDLE or unit.recomputing:
+        recomputing = unit.recomputing and in_backward()
+        if unit.lender is not None or unit.state is not TrainingState.IDLE or recomputing:
             return None  # inside the unit's own forward, recomputation or backward
         unit.lender, unit.lent_gathered = owner, not unit.is_sharded
         return self._pre_forward(unit, args, kwargs, entry=False)
@@ -370,6 +371,7 @@ class Engine:
         _undo_calls(units)
         for u in units:
             u.state, u.pending_uses, u.lender, u.depth = TrainingState.IDLE, 0, None, 0
+            u.recomputing = 0
             u.generation += 1
             if not self.summoned:
                 u.reshard()
@@ -483,6 +485,7 @@ class Engine:
             pool.release()  # kept through one backward, not between steps
         for unit in self.units:
             unit.to(TrainingState.IDLE)
+            unit.recomputing = 0  # (a Ctrl-C inside one runs no hook of its end)
         for pending in (self._units_left, self._again, self._dirty):
             pending.clear()
         self.reduction_order.end_backward(self.mesh)

@@ -80,9 +80,9 @@ class Unit:
         of inputs (in place; undone when the call ends), the inputs as given to the module, and
         the ids of their tensors then (``Engine._side_outputs``)."""
         self.depth = 0  # calls of the module running now: > 1 when it calls itself (a tree net)
-        self.recomputing = 0  # its recomputations running now (in a backward): not counted above
         """Counted down by a hook that runs also when the call raised an Exception
         (``Engine._leave``); from 1 when the unit is out of its forward (a Ctrl-C's leftover)."""
+        self.recomputing = 0  # its recomputations running now (in a backward): not counted above
         self.updates = 0
         """Steps of an optimizer holding all its trainable parameters: a graph whose forward
         came before one is stale (its backward would use the new weights; torch raises there).

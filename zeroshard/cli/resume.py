@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from zeroshard import checkpoint
-from zeroshard.checkpoint_files import run_of
+from zeroshard.checkpoint_files import LEGACY_RUN, run_of
 from zeroshard.cli.agent import Launch
 from zeroshard.cli.main import UsageError
 from zeroshard.models.loading import read_hf_config
@@ -158,7 +158,8 @@ def pin_resume(cfg: TrainConfig, launch: Launch) -> tuple[TrainConfig, bool]:
             f"{cfg.steps}: nothing left to train; pass --steps above {found.step} to train on"
         )
     _check_no_later(cfg, path, found.step)
-    _check_same_run(cfg, path)
+    if not launch.joins_running_job():  # (that job's folder: its metrics are the run's)
+        _check_same_run(cfg, path)
     print(f"resuming from {path} (step {found.step})")
     return dataclasses.replace(cfg, resume=str(path)), False
 
@@ -218,7 +219,9 @@ def _check_same_run(cfg: TrainConfig, path: Path) -> None:
     two: that run's records up to the step kept before the resumed one's, its first validation
     loss in the summary, its curve in loss.png. The out_dir is the checkpoint's own run when
     the checkpoint lies in its ckpt folder or one of that folder's checkpoints has the same
-    run id (a copy of it); an out_dir without metrics.jsonl is a new one."""
+    run id (a copy of it), or the folder's last run resumed from this very checkpoint (the same
+    command again, after a failure before its first save); an out_dir without metrics.jsonl is
+    a new one."""
     out = Path(cfg.out_dir)
     if not (out / "metrics.jsonl").exists():
         return
@@ -227,13 +230,21 @@ def _check_same_run(cfg: TrainConfig, path: Path) -> None:
         return
     run = run_of(path)
     own = folder.glob("step-*") if folder.is_dir() else ()
-    if run is not None and any(run_of(c) == run for c in own):
+    if run is not None and run != LEGACY_RUN and any(run_of(c) == run for c in own):
         return
+    try:
+        last = json.loads((out / "config.json").read_text()).get("resume")
+    except (OSError, ValueError, AttributeError):
+        last = None
+    if last and Path(last).resolve() == path.resolve():
+        return
+    own_run = (
+        f"its own run's folder ({path.parent.parent}) or " if path.parent.name == "ckpt" else ""
+    )
     raise UsageError(
         f"--resume {path}: --out-dir {cfg.out_dir} holds another run's metrics.jsonl, which "
         "the resumed run would continue (its records, first validation loss and curve mixed "
-        f"with this one's): pass the checkpoint's own run folder ({path.parent.parent}) or a "
-        "new --out-dir"
+        f"with this one's): pass {own_run}a new --out-dir"
     )
 
 

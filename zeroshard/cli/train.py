@@ -221,7 +221,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**values)
 
 
-_MODEL_SOURCES = {"model", "hf"}
+_MODEL_SOURCES = {"model", "hf", "preset"}
 """``TrainConfig`` fields that each name the model to train (the preset is used without)."""
 
 

@@ -265,7 +265,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # apart from its encoder, a GAN's discriminator in the generator's loss): each removes
         # this loss's scale in its reductions (GradScaling.begin_backward), accumulates in a
         # micro-step, and, with step_in_backward, leaves its own optimizers' steps alone.
-        engines = [self.engine, *(e for e in live_engines() if e is not self.engine)]
+        others = (e for e in live_engines() if e is not self.engine and e.buckets)  # (trained)
+        engines = [self.engine, *others]
+        outer = [(e.scaling.next_scale, e.backward_by) for e in engines]  # (a nested backward)
         for engine in engines:
             engine.scaling.next_scale, engine.backward_by = scale, self
         try:
@@ -274,8 +276,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     micro_step.enter_context(engine.no_sync())
                 loss.backward(**kwargs)
         finally:
-            for engine in engines:  # (a loss that reached no unit started no backward)
-                engine.scaling.next_scale, engine.backward_by = None, None
+            for engine, (next_scale, by) in zip(engines, outer):  # (a loss that reached no
+                engine.scaling.next_scale, engine.backward_by = next_scale, by  # unit began none)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale this optimizer's gradients so that their global ``norm_type``-norm (any
