@@ -192,7 +192,7 @@ def _add_saved_entries(opt, own: dict[str, Any], saved: tuple, first_group: int)
     from zeroshard.optim_state_dict import local_state_entries
 
     states, groups, shapes = saved
-    held = _held_names(opt)
+    held = {name for group in own["param_groups"] for name in group["params"]}  # (first names)
     local = local_state_entries(opt)
     for name, keys in states.items():
         for key, md in keys.items():
@@ -206,14 +206,6 @@ def _add_saved_entries(opt, own: dict[str, Any], saved: tuple, first_group: int)
     for j, group in enumerate(own["param_groups"]):
         for key, md in groups.get(first_group + j, {}).items():
             group.setdefault(key, _placeholder(md))
-
-
-def _held_names(opt) -> set[str]:
-    """The (first) names of the parameters ``opt`` steps."""
-    from zeroshard.state_dict import _first_names
-
-    first = _first_names(opt.engine.model)
-    return {first[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in first}
 
 
 def _placeholder(md) -> torch.Tensor | None:

@@ -358,9 +358,7 @@ class Engine:
         if torch.is_grad_enabled():
             flat_param.check_requires_grad(unit.flat_params)
         self.check_trusted()
-        with torch.no_grad():
-            for f in unit.flat_params:
-                f.adopt_writes(gathered=not self.discarding)
+        self.adopt_writes(unit.flat_params)
 
     def _start_clean(self, units: list[Unit]) -> None:
         """Forget ``units``' part in a forward or backward that ended by an exception: their
@@ -580,20 +578,24 @@ class Engine:
         if not self.to_reload:
             self.untrusted = None
 
-    def adopt_writes(self) -> None:
+    def adopt_writes(self, flats: Collection[flat_param.FlatParam] | None = None) -> None:
         """Copy into the masters what was written to replicated parameters that compute in a
         narrower dtype (``nn.init``, ``p.mul_`` under ``no_grad``) since the last call
-        (``FlatParam.adopt_writes``): before a forward, a step, a state dict, a save."""
-        if not torch.distributed.is_initialized():  # (else torch's TypeError deep in a mesh)
-            raise RuntimeError(
-                "the process group this model was sharded over is gone "
-                "(dist.destroy_process_group()); a sharded model lives in its group: save it "
-                "(zeroshard.checkpoint) before destroying the group, and shard a new model in "
-                "the new one"
-            )
-        flat_param.check_registered(self.model, self.flat_params)
+        (``FlatParam.adopt_writes``): before a forward, a step, a state dict, a save; ``flats``
+        alone (a unit entered on its own, a bucket about to step in backward), else all, the
+        model's registration checked first."""
+        if flats is None:
+            if not torch.distributed.is_initialized():  # (else torch's TypeError in a mesh)
+                raise RuntimeError(
+                    "the process group this model was sharded over is gone "
+                    "(dist.destroy_process_group()); a sharded model lives in its group: save "
+                    "it (zeroshard.checkpoint) before destroying the group, and shard a new "
+                    "model in the new one"
+                )
+            flat_param.check_registered(self.model, self.flat_params)
+            flats = self.flat_params
         with torch.no_grad():
-            for f in self.flat_params:
+            for f in flats:
                 # Inside summon_full_params with writeback, taken now (a state dict or save
                 # inside sees them, and a step starts from them); discarded ones are left.
                 f.adopt_writes(gathered=not self.discarding)

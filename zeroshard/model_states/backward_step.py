@@ -162,8 +162,7 @@ class BackwardStep:
         # Writes since the forward adopted them (between it and this backward, or with no root
         # forward at all: submodules called on their own) reach the master before it steps,
         # or the refresh after the step would overwrite them.
-        with torch.no_grad():
-            bucket.flat.adopt_writes(gathered=not engine.discarding)
+        engine.adopt_writes([bucket.flat])
         # This rank's inf/NaN so far (its shard of this bucket included), or any rank's before
         # this bucket's reduction started.
         seen = seen or bool(self._seen.item() > 0)

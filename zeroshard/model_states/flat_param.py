@@ -320,8 +320,13 @@ class FlatParam:
         for s in self.slots:
             s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
 
+    def _placeholder(self, *, reset: bool = False) -> torch.Tensor:
+        """What the parameters view at rest: the shared element in ``full``'s dtype (SHARDED
+        above)."""
+        return _placeholder(self.full.dtype, self.mesh.device, reset=reset)
+
     def _use_rest_views(self) -> None:
-        placeholder = _placeholder(self.full.dtype, self.mesh.device)
+        placeholder = self._placeholder()
         for s in self.slots:
             s.param.data = placeholder.expand(s.shape)
         self._rest_versions = [s.param._version for s in self.slots]
@@ -335,7 +340,7 @@ class FlatParam:
         (``resize_token_embeddings``), or data replaced at rest (stage 3: the parameter holds
         nothing there to replace)."""
         rest = self.state is ShardState.SHARDED
-        base = _placeholder(self.full.dtype, self.mesh.device) if rest else self.full
+        base = self._placeholder() if rest else self.full
         adopted = []
         for s in self.slots:
             at = base.data_ptr() + (0 if rest else s.offset * base.element_size())
@@ -384,7 +389,7 @@ class FlatParam:
             return
         written = [s for s, v in zip(self.slots, self._rest_versions) if s.param._version != v]
         if written:
-            _placeholder(self.full.dtype, self.mesh.device, reset=True)
+            self._placeholder(reset=True)
             self._use_rest_views()
             raise ValueError(
                 f"{written[0].names[0]} was written while at rest (stage 3 keeps no values of "
