@@ -216,6 +216,10 @@ sys.meta_path.insert(0, _Slow())
 """
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_signal_during_the_command_s_first_imports_is_one_line(tmp_path):
     """A Ctrl-C as ``python -m zeroshard.cli.main`` imports its first modules (torchrun's
     agent forwards it to ranks just started): exit 130 with one line (a KeyboardInterrupt
@@ -227,6 +231,7 @@ def test_a_signal_during_the_command_s_first_imports_is_one_line(tmp_path):
         [sys.executable, "-m", "zeroshard.cli.main", "plan", "--preset", "nano"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONPATH=path, ZEROSHARD_TEST_MARK=str(mark)),
+        preexec_fn=_default_sigint,  # (a suite run in the background inherits SIGINT ignored)
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
