@@ -22,10 +22,10 @@ import zeroshard
 WIDTH = 512  # large enough that a refresh still in flight after step() is seen
 
 
-def _setup(stage: int, precision: str, **optimizer_kw):
+def _setup(stage: int, precision: str, *, policy=None, **optimizer_kw):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(6)])
-    model = zeroshard.shard(model, stage=stage, mixed_precision=precision)
+    model = zeroshard.shard(model, stage=stage, mixed_precision=precision, wrap=policy)
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2, **optimizer_kw)
     return model, opt
 
@@ -147,8 +147,8 @@ def test_a_write_to_a_parameter_at_rest_at_stage_3_is_an_error(workers2, where):
 def _cast_after_shard(stage: int) -> dict:
     """``model.half()`` after shard is an error; the parameters get the engine's memory back,
     so the model trains on afterwards (it stayed broken: every call, ``load_state_dict``
-    included, raised the same error)."""
-    model, opt = _setup(stage, "fp32")
+    included, raised the same error; then each call gave one unit's back, one per call)."""
+    model, opt = _setup(stage, "fp32", policy=zeroshard.wrap.by_class(nn.Linear))
     before = _masters(model)
     model.half()  # the module's parameters no longer view the engine's buffers
     try:
@@ -156,6 +156,7 @@ def _cast_after_shard(stage: int) -> dict:
         said = ""
     except ValueError as exc:
         said = str(exc)
+    model(torch.randn(2, WIDTH))  # every unit's parameters given back at once (one per call)
     model.load_state_dict(before)
     _step(model, opt, 0)
     return {"said": said, "trained": bool(torch.isfinite(_masters(model)["0.weight"]).all())}

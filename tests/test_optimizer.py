@@ -7,6 +7,8 @@ unsharded reference on the whole batch in the same process, and compares them.""
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -912,3 +914,23 @@ def test_a_frozen_model_in_some_micro_steps_only(lone_process):
         opt.zero_grad()
     opt.backward(frozen(trained(x)).square().mean())  # (raised)
     assert not zeroshard.engine_of(frozen).scaling.accumulating
+
+
+def _copied() -> list[str]:
+    """What ``torch.save``, ``pickle.dumps`` and ``copy.deepcopy`` of the optimizer say (a bare
+    weakref TypeError; a deep copy whose ``step()`` raised AttributeError)."""
+    model = zeroshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), stage=3)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    said = []
+    for copy_it in (lambda: torch.save(opt, io.BytesIO()), lambda: pickle.dumps(opt)):
+        with pytest.raises(TypeError) as info:
+            copy_it()
+        said.append(str(info.value))
+    with pytest.raises(TypeError) as info:
+        copy.deepcopy(opt)
+    return [*said, str(info.value)]
+
+
+def test_the_optimizer_is_not_copied_or_pickled(workers2):
+    for said in workers2.run(_copied):
+        assert all("a zeroshard optimizer" in s and "state_dict()" in s for s in said), said

@@ -286,6 +286,22 @@ def _whole(model) -> dict[str, torch.Tensor]:
     return tensor_parallel.gather_tensor_parallel(model, full, mesh.tp_group)
 
 
+def _rank0_only(stage: int) -> tuple[int, int]:
+    """``full_state_dict(model)`` (``rank0_only``) at tp=2: (entries, whole elements) here."""
+    model, _ = _tp_model(2, stage, seed=0)
+    full = zeroshard.full_state_dict(model)
+    return len(full), sum(t.numel() for t in full.values())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_rank0_only_is_the_first_rank_alone(workers2, stage):
+    # Every tp rank of data-parallel rank 0 got the whole model (two copies in host memory, two
+    # writers of one file).
+    (entries, numel), elsewhere = workers2.run(_rank0_only, stage)
+    whole = sum(p.numel() for p in GPT(CFG).state_dict().values())
+    assert entries and numel == whole and elsewhere == (0, 0), (entries, numel, whole, elsewhere)
+
+
 def _tp_checkpoints(base: str, stage: int) -> dict:
     """Save at tp=2 x dp=2, then: resume at tp=2 (bit-identical), load at tp=1 x dp=4 (the same
     parameters, the same curve within rounding), and save there and load back at tp=2."""

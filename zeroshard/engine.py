@@ -206,7 +206,7 @@ class Engine:
         raw_args, raw_kwargs = args, kwargs
         if root_entry and not recompute:
             self._begin_forward()
-        elif entry and not recompute and self.phase is Phase.IDLE:
+        elif entry and not recompute and self.phase is not Phase.FORWARD:
             self._begin_alone(unit)
         edits, call = None, None
         if entry:  # the inputs' containers edited in place: undone by ``_leave``
@@ -336,15 +336,19 @@ class Engine:
         if self.checkpointing is not None:
             self.checkpointing.close()
         self._recording = None if self.summoned else {}  # (rank 0's generate() there alone)
-        self._finish_reductions(keep=0)  # a backward not followed by a step left some in flight
+        self._clean_after_backward()
+
+    def _clean_after_backward(self) -> None:
+        """Before a forward: finish the reductions that a backward not followed by a step left
+        in flight, and start clean from one that never finished (an exception inside it)."""
+        self._finish_reductions(keep=0)
         stale = [u for u in self.units if u.state is not TrainingState.IDLE]
         if stale:
-            # A backward that never finished (an exception inside it): start clean.
             warnings.warn(
                 f"units {[u.name or '<root>' for u in stale]} were left in "
                 f"{sorted({u.state.value for u in stale})} by a backward that did not finish; "
                 "their gradients for it are discarded",
-                stacklevel=4,
+                stacklevel=5,
             )
             self._start_clean(stale)
 
@@ -353,6 +357,9 @@ class Engine:
         encoder in ``generate()``, a loop over blocks): the root's checks of its parameters,
         which ``_begin_forward`` would have made (a ``requires_grad`` switched since
         ``shard()``; a write to them adopted into the masters)."""
+        if self.phase is Phase.BACKWARD:  # (outside any backward: it raised, its end never ran)
+            self._clean_after_backward()
+            self.phase = Phase.IDLE
         if unit.state is not TrainingState.IDLE:
             return
         if torch.is_grad_enabled():
@@ -380,6 +387,24 @@ class Engine:
             unit.recomputing = max(0, unit.recomputing - 1)
         if unit.edits:
             undo(unit.edits.pop()[0])  # the caller's containers hold its own tensors again
+        left_in_forward = unit.state is TrainingState.FORWARD and not in_backward()
+        if left_in_forward and not unit.is_root and unit.depth == 0:  # (its post hook did
+            self._call_raised(unit)  # not run: the call raised)
+
+    def _call_raised(self, unit: Unit, *, keep: bool = False) -> None:
+        """A call of a unit other than the root (its module's, or a lend to an owner) raised:
+        undo what its pre hook did, the unit idle again and freed (unless ``keep``: gathered
+        before the lend). The root's ``_forward_raised`` cleans up after a whole forward; a
+        unit called on its own, or whose error the model caught and went on, has only this
+        (its next backward found it still in forward). Not after a failed collective (see
+        ``_forward_raised``)."""
+        if _comm_failed():
+            return
+        unit.lender = None
+        if unit.state is TrainingState.FORWARD:
+            unit.to(TrainingState.IDLE)
+        if not keep and not self.summoned:
+            unit.reshard()
 
     def _forward_raised(self) -> None:
         """After the root's forward: when it raised (its ``post`` hook did not run, so the phase
@@ -388,10 +413,7 @@ class Engine:
         catches the error (an out-of-memory retried with a smaller batch) gets it back. Not
         after a failed collective: freeing would wait for the gathers in flight, each another
         timeout before the error reaches the caller; the next forward cleans up then."""
-        if self.phase is not Phase.FORWARD or in_backward():
-            return
-        raised = sys.exc_info()[1]  # torch runs this hook inside its ``except`` block
-        if isinstance(raised, CollectiveTimeout) or (raised and is_comm_failure(raised)):
+        if self.phase is not Phase.FORWARD or in_backward() or _comm_failed():
             return
         self.phase, self._recording = Phase.IDLE, None
         self._start_clean(
@@ -553,12 +575,26 @@ class Engine:
             if not self.summoned:
                 self._read_masters_ahead(self.forward_order, root=True)  # the next forward's
         changed = self.flat_params if flats is None else [f for f in self.flat_params if f in flats]
+        self._drop_stale_gathers(changed)
         handles = [f.refresh_full(async_op=True) for f in changed]
         for f, handle in zip(changed, handles):
             if handle is not None:
                 handle.wait()
             elif self.summoned:
                 f.regather()  # held gathered by summon_full_params: keep its views current
+
+    def _drop_stale_gathers(self, changed: list[flat_param.FlatParam]) -> None:
+        """Partitioned units still gathered from masters that have just changed, and used by no
+        running pass (prefetched by a backward that raised, then a step): freed, so that their
+        next use gathers the new values instead of computing with the old ones. Local (no
+        collective): the ranks need not agree on what they hold."""
+        if self.summoned or not self.partition.parameters:
+            return
+        dead = self.phase is Phase.BACKWARD and not in_backward()  # (its end never ran)
+        for u in self.units:
+            unused = u.state is TrainingState.IDLE or dead
+            if unused and u.is_gathered and any(f in changed for f in u.flat_params):
+                u.reshard()
 
     def slots_touched(self) -> torch.Tensor:
         """1D, one FP32 flag per trainable parameter (buckets in order, slots in order): 1 where
@@ -595,6 +631,14 @@ class Engine:
             flat_param.check_registered(self.model, self.flat_params)
             flats = self.flat_params
         with torch.no_grad():
+            problem = None
+            for f in flats:  # every flat's views given back before one error is raised
+                try:  # (model.half() recovers in one call, not one per unit)
+                    f.check_views()
+                except ValueError as exc:
+                    problem = problem or exc
+            if problem is not None:
+                raise problem
             for f in flats:
                 # Inside summon_full_params with writeback, taken now (a state dict or save
                 # inside sees them, and a step starts from them); discarded ones are left.
@@ -639,6 +683,13 @@ def _unalias(output: Any, unit: Unit) -> Any:
 
 
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _comm_failed() -> bool:
+    """Inside a hook that torch runs in its ``except`` block (``always_call``): whether the
+    error is a failed or timed-out collective."""
+    raised = sys.exc_info()[1]
+    return isinstance(raised, CollectiveTimeout) or (raised is not None and is_comm_failure(raised))
 
 
 def live_engines() -> list[Engine]:

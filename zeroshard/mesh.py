@@ -149,6 +149,12 @@ class Mesh:
         parallel), for per-rank file names."""
         return dist.get_rank() if dist.is_initialized() else self.rank
 
+    @property
+    def is_first(self) -> bool:
+        """Whether this is the mesh's first rank (data-parallel and tensor-parallel rank 0;
+        global rank 0 in a mesh over the whole job): the one ``rank0_only`` results go to."""
+        return self.rank == 0 and self.tp_rank == 0
+
     # ----------------------------------------------------------------- sharding queries
     @property
     def shard_size(self) -> int:

@@ -54,9 +54,14 @@ def _lend_hooks(engine: Engine, unit: Unit, owner: nn.Module) -> list[Any]:
         return engine._pre_lend(unit, m, args, kwargs)
 
     give_back = eager(lambda m, args, output: engine._post_lend(unit, m, output))
+
+    def raised(m: nn.Module, args: tuple, output: Any) -> None:
+        if unit.lender is m:  # still lent: give_back did not run, the owner's call raised
+            engine._call_raised(unit, keep=unit.lent_gathered)
+
+    # After ``give_back``, and also when the owner's call raised.
     last = [owner.register_forward_hook(give_back)]
-    # First, as the unit's own gather: a pre-hook registered before shard() (prune's) reads the
-    # weights, which were the placeholders (NaN) at stage 3.
+    last.append(owner.register_forward_hook(eager(raised), always_call=True))
     return [*last, owner.register_forward_pre_hook(eager(lend), with_kwargs=True, prepend=True)]
 
 

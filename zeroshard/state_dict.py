@@ -332,7 +332,7 @@ class _Hooks:
             convert = lambda t, dtype: _as_sharded(t, mesh, dtype)  # noqa: E731
         else:
             rank0_only, cpu_offload = self.full
-            keep = not rank0_only or engine.mesh.rank == 0
+            keep = not rank0_only or engine.mesh.is_first
             device = torch.device("cpu") if cpu_offload else None
             convert = lambda t, dtype: t.to(device=device, dtype=dtype, copy=True)  # noqa: E731
 
@@ -542,6 +542,6 @@ def full_state_dict(
 
         sd = gather_tensor_parallel(model, sd, mesh.tp_group)
         sd = {k: v.cpu() if cpu_offload else v for k, v in sd.items()}
-    if rank0_only and mesh.rank != 0:
+    if rank0_only and not mesh.is_first:  # (not every tp rank of data-parallel rank 0)
         return {}
     return sd

@@ -69,6 +69,13 @@ from zeroshard.watchdog import diagnosed
 log = logging.getLogger(__name__)
 
 
+_NOT_A_COPY = (
+    "a zeroshard optimizer: its states are this rank's shards, stepped with its model's "
+    "engine (a copy would hold neither); save optimizer.state_dict(), or the whole run with "
+    "zeroshard.checkpoint.save(path, model, optimizer)"
+)
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """Steps only this rank's shard of the master weights with ``optimizer_cls``.
 
@@ -509,6 +516,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 out |= swapper.stats()
                 swapper.reset_stats()
         return out
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise TypeError(f"copy.deepcopy of {_NOT_A_COPY}")
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise TypeError(f"pickling (torch.save, pickle.dumps) of {_NOT_A_COPY}")
 
     def close(self) -> None:
         """Delete the swap files of offloaded optimizer states (also done when this optimizer
