@@ -894,6 +894,42 @@ def test_one_loss_through_two_models_sharded_apart(workers2, stage, how):
         assert r["diff"] < (1e-3 if how == "fp16" else 1e-6), r
 
 
+def _overflow_in_the_other_model(stage: int, order: str, both: bool) -> dict:
+    """FP16, an encoder and a decoder sharded apart, one loss scaled by the encoder's scaler
+    (``opt_enc.backward``); the decoder's gradients overflow (its input is large), with
+    ``both`` the encoder's too (the loss is inf). Each optimizer skips on its own gradients, as
+    ``torch.amp.GradScaler.step`` does per optimizer, and the scale that overflowed is lowered
+    once, in either order of the steps (the decoder's unused scaler was lowered instead, and
+    the encoder's grew: every later step of the decoder overflowed again)."""
+    torch.manual_seed(0)
+    enc, dec = nn.Linear(4, 8), nn.Linear(8, 1)
+    with torch.no_grad():
+        enc.weight.mul_(2000.0)  # h ~ 1e3: dec.weight's gradient ~ h * 2**15 overflows
+    enc = zeroshard.shard(enc, stage=stage, mixed_precision="fp16")
+    dec = zeroshard.shard(dec, stage=stage, mixed_precision="fp16")
+    scalers = [zeroshard.DynamicLossScaler(init_scale=2.0**15) for _ in range(2)]
+    opt_enc = zeroshard.optimizer(enc, torch.optim.SGD, lr=0.1, loss_scaler=scalers[0])
+    opt_dec = zeroshard.optimizer(dec, torch.optim.SGD, lr=0.1, loss_scaler=scalers[1])
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    loss = dec(enc(x * (1e4 if both else 1.0))).float().mean()
+    opt_enc.backward(loss)
+    if order == "enc_first":
+        taken = [opt_enc.step(), opt_dec.step()]
+    else:
+        dec_taken = opt_dec.step()
+        taken = [opt_enc.step(), dec_taken]
+    return {"taken": taken, "scales": [s.scale for s in scalers], "loss": loss.item()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("order", ["enc_first", "dec_first"])
+@pytest.mark.parametrize("both", [False, True], ids=["decoder", "both"])
+def test_an_overflow_in_the_other_model_lowers_the_scale_used(workers2, stage, order, both):
+    for r in workers2.run(_overflow_in_the_other_model, stage, order, both):
+        assert r["taken"] == [not both, False], r
+        assert r["scales"] == [2.0**14, 2.0**15], r
+
+
 def test_a_frozen_model_in_some_micro_steps_only(lone_process):
     """A frozen model (a perceptual or reference net, no gradients) reached by one micro-step's
     loss only: a trained model's backward speaks for the models it reaches, but one without

@@ -459,10 +459,16 @@ class LossScaler:
             )
         return self.scale
 
-    def update(self, found_inf: bool) -> None:
-        """Record one step's outcome (the same on every rank)."""
+    def update(self, found_inf: bool, *, scaled_here: bool = True) -> None:
+        """Record one step's outcome (the same on every rank); ``scaled_here``: whether the
+        gradients carry this scaler's scale (not another optimizer's, whose ``backward`` took
+        the loss through this one's model too: that scaler is told, ``overflowed_elsewhere``)."""
         self.num_skipped += int(found_inf)
         self.num_skipped_in_a_row = self.num_skipped_in_a_row + 1 if found_inf else 0
+
+    def overflowed_elsewhere(self) -> None:
+        """Gradients of a loss this scaler scaled overflowed in a model that another optimizer
+        steps (one loss through two models sharded apart): a static scale changes nothing."""
 
     def skip_warning(self) -> str | None:
         """After ``update``: what to warn about the step just skipped, at the 1st, 10th, 100th
@@ -531,6 +537,9 @@ class DynamicLossScaler(LossScaler):
     scale: float = field(default=0.0, init=False)
     _clean_steps: int = field(default=0, init=False, repr=False)
     _hysteresis_left: int = field(default=0, init=False, repr=False)
+    _losses: int = field(default=0, init=False, repr=False)  # losses scaled so far
+    _own_inf_for: int = field(default=-1, init=False, repr=False)  # (which loss's overflow
+    _foreign_inf_for: int = field(default=-1, init=False, repr=False)  # was seen where)
 
     def __post_init__(self) -> None:
         if not 0 < self.min_scale <= self.init_scale <= self.max_scale:
@@ -554,6 +563,7 @@ class DynamicLossScaler(LossScaler):
     def scale_for(self, loss: torch.Tensor) -> float:
         """The scale, kept within what a ``loss`` of its dtype carries as its gradient."""
         self.fit(loss.dtype)
+        self._losses += 1
         return self.scale
 
     def fit(self, dtype: torch.dtype) -> None:
@@ -565,15 +575,32 @@ class DynamicLossScaler(LossScaler):
         self.max_scale = min(self.max_scale, max(cap, self.min_scale))
         self.scale = min(self.scale, self.max_scale)
 
-    def update(self, found_inf: bool) -> None:
+    def update(self, found_inf: bool, *, scaled_here: bool = True) -> None:
         super().update(found_inf)
-        if not found_inf:
-            self._clean_steps += 1
-            self._hysteresis_left = self.hysteresis
-            if self._clean_steps >= self.growth_interval:
-                self.scale = min(self.scale * self.growth_factor, self.max_scale)
-                self._clean_steps = 0
+        if not scaled_here:
+            return  # another scaler's scale: that one lowers (``overflowed_elsewhere``)
+        if found_inf:
+            self._own_inf_for = self._losses
+            if self._foreign_inf_for != self._losses:  # (once per loss, as one torch scaler)
+                self._lower()
             return
+        if self._foreign_inf_for == self._losses:
+            return  # this loss overflowed in another model: not a clean step
+        self._clean_steps += 1
+        self._hysteresis_left = self.hysteresis
+        if self._clean_steps >= self.growth_interval:
+            self.scale = min(self.scale * self.growth_factor, self.max_scale)
+            self._clean_steps = 0
+
+    def overflowed_elsewhere(self) -> None:
+        """Lower the scale for an overflow of this scaler's loss in a model another optimizer
+        steps (its skip decision is its own, as ``torch.amp.GradScaler.step`` per optimizer;
+        the scale is lowered once per loss, as by one scaler's ``update()`` after both steps)."""
+        if self._losses not in (self._own_inf_for, self._foreign_inf_for):
+            self._lower()
+        self._foreign_inf_for = self._losses
+
+    def _lower(self) -> None:
         self._clean_steps = 0
         if self.scale <= self.min_scale:
             raise FloatingPointError(

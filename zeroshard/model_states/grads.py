@@ -32,6 +32,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from zeroshard.model_states.partition import shard_range
 from zeroshard.residual_states.buffers import TensorPool
 from zeroshard.stages import Partition
 from zeroshard.streams import on_side_stream
+
+if TYPE_CHECKING:
+    from zeroshard.precision import LossScaler
 
 
 class Reduction(enum.Enum):
@@ -64,6 +68,8 @@ class GradScaling:
 
     loss_scale: float = 1.0  # what the loss was multiplied by before the backward
     next_scale: float | None = None  # set by ``ShardedOptimizer.backward``: its loss's scale
+    next_scaler: LossScaler | None = None  # and the scaler it came from
+    scaler: LossScaler | None = None  # the last backward's (None: a plain one, unscaled)
     accumulating: bool = False  # an earlier backward's gradients wait unreduced (micro-step)
     warn_unscaled: bool = False  # the optimizer scales losses (FP16): a plain backward warns
 
@@ -74,7 +80,7 @@ class GradScaling:
         """At a backward's start: its loss's scale (1 for a plain ``loss.backward()``) is the
         one its reduction removes, and must be that of unreduced gradients it adds to."""
         plain, scale = self.next_scale is None, self.next_scale or 1.0
-        self.next_scale = None
+        self.scaler, self.next_scale, self.next_scaler = self.next_scaler, None, None
         if plain and self.warn_unscaled:
             self.warn_unscaled = False  # once
             warnings.warn(

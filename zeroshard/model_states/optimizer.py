@@ -274,17 +274,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # micro-step, and, with step_in_backward, leaves its own optimizers' steps alone.
         others = (e for e in live_engines() if e is not self.engine and e.buckets)  # (trained)
         engines = [self.engine, *others]
-        outer = [(e.scaling.next_scale, e.backward_by) for e in engines]  # (a nested backward)
-        for engine in engines:
+        outer = [(e.scaling.next_scale, e.scaling.next_scaler, e.backward_by) for e in engines]
+        for engine in engines:  # (outer: a nested backward's)
             engine.scaling.next_scale, engine.backward_by = scale, self
+            engine.scaling.next_scaler = self.loss_scaler
         try:
             with contextlib.ExitStack() as micro_step:
                 for engine in engines if not sync else ():
                     micro_step.enter_context(engine.no_sync())
                 loss.backward(**kwargs)
         finally:
-            for engine, (next_scale, by) in zip(engines, outer):  # (a loss that reached no
-                engine.scaling.next_scale, engine.backward_by = next_scale, by  # unit began none)
+            for engine, (next_scale, scaler, by) in zip(engines, outer):  # (a loss that
+                engine.scaling.next_scale, engine.backward_by = next_scale, by  # reached no
+                engine.scaling.next_scaler = scaler  # unit began no backward)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale this optimizer's gradients so that their global ``norm_type``-norm (any
@@ -388,7 +390,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.engine.adopt_writes()  # (stepping in backward, the forward adopted them)
         self._adopt_grad_edits()  # before the agreement: a .grad set to None is no gradient
         found_inf, unused = self._agree()
-        self.loss_scaler.update(found_inf)
+        # The scale in these gradients: another optimizer's when its backward took the loss
+        # through this model too (one loss through two models sharded apart); that scaler
+        # lowers its scale for the overflow, this one keeps its own.
+        used = self.engine.scaling.scaler
+        here = used is None or used is self.loss_scaler
+        self.loss_scaler.update(found_inf, scaled_here=here)
+        if found_inf and not here:
+            used.overflowed_elsewhere()
         if self._backward_step is not None:
             taken = self._finish_backward_step(self._backward_step, found_inf, unused)
         elif found_inf:
