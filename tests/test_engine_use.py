@@ -846,6 +846,34 @@ def test_a_step_after_a_backward_that_raised_at_once(workers2, stage, how):
     _check(workers2.run(_backward_failed_then_step, stage, how))
 
 
+def _lent_after_a_backward_that_raised(stage: int) -> dict:
+    """A backward that raised at its start, a step, then the tied head (the root's ``lm_head``,
+    lent the root) and a block called on their own: the lend found the root still "in
+    backward" and computed on its NaN placeholders at stage 3."""
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, None, optim="sgd")
+    for step, fails in ((0, False), (1, True)):
+        x, y = _global_batch(kind, step)
+        for net, rows in ((model, _rows), (ref, lambda t: t)):
+            loss = _loss(kind, net, rows(x), rows(y))
+            if fails:
+                loss.register_hook(_nan_check)
+            with contextlib.suppress(RuntimeError):
+                loss.backward()
+    opt.step()
+    ref_opt.step()
+    h = torch.randn(2, 3, ref.cfg.n_embd, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the backward that did not finish, said)
+        head = (model.lm_head(h) - ref.lm_head(h)).abs().max().item()
+        block = (model.blocks[1](h) - ref.blocks[1](h)).abs().max().item()
+    return {"head": head, "block": block, "param": _param_diff(model, ref)}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_lend_after_a_backward_that_raised(workers2, stage):
+    _check(workers2.run(_lent_after_a_backward_that_raised, stage))
+
+
 def _a_call_raised(stage: int, where: str, loop: bool) -> dict:
     """A call that raised inside a unit outside the root's forward, caught: the unit's own
     (``blocks[1]`` given a bad shape), a submodule holding its parameters (``blocks[1].mlp``,

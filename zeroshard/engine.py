@@ -185,6 +185,7 @@ class Engine:
 
     # ----------------------------------------------------------------- hooks
     def _pre_lend(self, unit: Unit, owner: nn.Module, args: tuple, kwargs: dict):
+        self._after_raised_backward()
         recomputing = unit.recomputing and in_backward()
         if unit.lender is not None or unit.state is not TrainingState.IDLE or recomputing:
             return None  # inside the unit's own forward, recomputation or backward
@@ -338,6 +339,13 @@ class Engine:
         self._recording = None if self.summoned else {}  # (rank 0's generate() there alone)
         self._clean_after_backward()
 
+    def _after_raised_backward(self) -> None:
+        """Outside any backward with the phase still BACKWARD, the last backward raised (its
+        end never ran): clean up before a unit is used on its own (the root's forward does)."""
+        if self.phase is Phase.BACKWARD and not in_backward():
+            self._clean_after_backward()
+            self.phase = Phase.IDLE
+
     def _clean_after_backward(self) -> None:
         """Before a forward: finish the reductions that a backward not followed by a step left
         in flight, and start clean from one that never finished (an exception inside it)."""
@@ -357,9 +365,7 @@ class Engine:
         encoder in ``generate()``, a loop over blocks): the root's checks of its parameters,
         which ``_begin_forward`` would have made (a ``requires_grad`` switched since
         ``shard()``; a write to them adopted into the masters)."""
-        if self.phase is Phase.BACKWARD:  # (outside any backward: it raised, its end never ran)
-            self._clean_after_backward()
-            self.phase = Phase.IDLE
+        self._after_raised_backward()
         if unit.state is not TrainingState.IDLE:
             return
         if torch.is_grad_enabled():
