@@ -894,40 +894,52 @@ def test_one_loss_through_two_models_sharded_apart(workers2, stage, how):
         assert r["diff"] < (1e-3 if how == "fp16" else 1e-6), r
 
 
-def _overflow_in_the_other_model(stage: int, order: str, both: bool) -> dict:
+def _overflow_in_the_other_model(stage: int, order: str, both: bool, settings: dict) -> dict:
     """FP16, an encoder and a decoder sharded apart, one loss scaled by the encoder's scaler
-    (``opt_enc.backward``); the decoder's gradients overflow (its input is large), with
-    ``both`` the encoder's too (the loss is inf). Each optimizer skips on its own gradients, as
-    ``torch.amp.GradScaler.step`` does per optimizer, and the scale that overflowed is lowered
-    once, in either order of the steps (the decoder's unused scaler was lowered instead, and
-    the encoder's grew: every later step of the decoder overflowed again)."""
+    (``opt_enc.backward``), three steps; the decoder's gradients overflow (its input is large),
+    with ``both`` the encoder's too (the loss is inf). Each optimizer skips on its own
+    gradients, as ``torch.amp.GradScaler.step`` does per optimizer, and the scale that
+    overflowed is lowered as one torch scaler's ``update()`` after both steps would, in either
+    order of the steps (the decoder's unused scaler was lowered instead, and the encoder's
+    grew: every later step of the decoder overflowed again; then, with the encoder stepping
+    first, its clean step reset hysteresis and growth before the decoder's overflow came)."""
     torch.manual_seed(0)
     enc, dec = nn.Linear(4, 8), nn.Linear(8, 1)
     with torch.no_grad():
         enc.weight.mul_(2000.0)  # h ~ 1e3: dec.weight's gradient ~ h * 2**15 overflows
     enc = zeroshard.shard(enc, stage=stage, mixed_precision="fp16")
     dec = zeroshard.shard(dec, stage=stage, mixed_precision="fp16")
-    scalers = [zeroshard.DynamicLossScaler(init_scale=2.0**15) for _ in range(2)]
+    scalers = [zeroshard.DynamicLossScaler(init_scale=2.0**15, **settings) for _ in range(2)]
     opt_enc = zeroshard.optimizer(enc, torch.optim.SGD, lr=0.1, loss_scaler=scalers[0])
     opt_dec = zeroshard.optimizer(dec, torch.optim.SGD, lr=0.1, loss_scaler=scalers[1])
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
-    loss = dec(enc(x * (1e4 if both else 1.0))).float().mean()
-    opt_enc.backward(loss)
-    if order == "enc_first":
-        taken = [opt_enc.step(), opt_dec.step()]
-    else:
-        dec_taken = opt_dec.step()
-        taken = [opt_enc.step(), dec_taken]
-    return {"taken": taken, "scales": [s.scale for s in scalers], "loss": loss.item()}
+    taken = []
+    for _ in range(3):
+        opt_enc.backward(dec(enc(x * (1e4 if both else 1.0))).float().mean())
+        if order == "enc_first":
+            taken.append([opt_enc.step(), opt_dec.step()])
+        else:
+            dec_taken = opt_dec.step()
+            taken.append([opt_enc.step(), dec_taken])
+        opt_enc.zero_grad()
+        opt_dec.zero_grad()
+    return {"taken": taken, "scales": [s.scale for s in scalers]}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("order", ["enc_first", "dec_first"])
 @pytest.mark.parametrize("both", [False, True], ids=["decoder", "both"])
-def test_an_overflow_in_the_other_model_lowers_the_scale_used(workers2, stage, order, both):
-    for r in workers2.run(_overflow_in_the_other_model, stage, order, both):
-        assert r["taken"] == [not both, False], r
-        assert r["scales"] == [2.0**14, 2.0**15], r
+@pytest.mark.parametrize(
+    "settings, scale",
+    [({}, 2.0**12), ({"hysteresis": 2}, 2.0**14), ({"growth_interval": 1}, 2.0**12)],
+    ids=["default", "hysteresis", "growth"],
+)
+def test_an_overflow_in_the_other_model_lowers_the_scale_used(
+    workers2, stage, order, both, settings, scale
+):
+    for r in workers2.run(_overflow_in_the_other_model, stage, order, both, settings):
+        assert r["taken"] == [[not both, False]] * 3, r
+        assert r["scales"] == [scale, 2.0**15], r
 
 
 def test_a_frozen_model_in_some_micro_steps_only(lone_process):
@@ -953,8 +965,8 @@ def test_a_frozen_model_in_some_micro_steps_only(lone_process):
 
 
 def _copied() -> list[str]:
-    """What ``torch.save``, ``pickle.dumps`` and ``copy.deepcopy`` of the optimizer say (a bare
-    weakref TypeError; a deep copy whose ``step()`` raised AttributeError)."""
+    """What ``torch.save``, ``pickle.dumps``, ``copy.copy`` and ``copy.deepcopy`` of the
+    optimizer say (a bare weakref TypeError; a copy whose ``step()`` raised AttributeError)."""
     model = zeroshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), stage=3)
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
     said = []
@@ -962,9 +974,11 @@ def _copied() -> list[str]:
         with pytest.raises(TypeError) as info:
             copy_it()
         said.append(str(info.value))
-    with pytest.raises(TypeError) as info:
-        copy.deepcopy(opt)
-    return [*said, str(info.value)]
+    for copy_it in (copy.copy, copy.deepcopy):
+        with pytest.raises(TypeError) as info:
+            copy_it(opt)
+        said.append(str(info.value))
+    return said
 
 
 def test_the_optimizer_is_not_copied_or_pickled(workers2):

@@ -341,10 +341,15 @@ class Engine:
 
     def _after_raised_backward(self) -> None:
         """Outside any backward with the phase still BACKWARD, the last backward raised (its
-        end never ran): clean up before a unit is used on its own (the root's forward does)."""
-        if self.phase is Phase.BACKWARD and not in_backward():
-            self._clean_after_backward()
-            self.phase = Phase.IDLE
+        end never ran): clean up before a unit is used on its own (the root's forward does),
+        or ``summon_full_params``. Not inside the root's forward (an ``autograd.grad`` there
+        that raised and was caught: the forward goes on)."""
+        if self.phase is not Phase.BACKWARD or in_backward():
+            return
+        if self._forward_call is not None and call_frames.running(self._forward_call):
+            return
+        self._clean_after_backward()
+        self.phase = Phase.IDLE
 
     def _clean_after_backward(self) -> None:
         """Before a forward: finish the reductions that a backward not followed by a step left

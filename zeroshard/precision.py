@@ -540,6 +540,7 @@ class DynamicLossScaler(LossScaler):
     _losses: int = field(default=0, init=False, repr=False)  # losses scaled so far
     _own_inf_for: int = field(default=-1, init=False, repr=False)  # (which loss's overflow
     _foreign_inf_for: int = field(default=-1, init=False, repr=False)  # was seen where)
+    _before_clean: tuple = field(default=(-1,), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.min_scale <= self.init_scale <= self.max_scale:
@@ -586,6 +587,8 @@ class DynamicLossScaler(LossScaler):
             return
         if self._foreign_inf_for == self._losses:
             return  # this loss overflowed in another model: not a clean step
+        # Undone if the other model's step, later, finds this loss overflowed there.
+        self._before_clean = (self._losses, self.scale, self._clean_steps, self._hysteresis_left)
         self._clean_steps += 1
         self._hysteresis_left = self.hysteresis
         if self._clean_steps >= self.growth_interval:
@@ -596,9 +599,12 @@ class DynamicLossScaler(LossScaler):
         """Lower the scale for an overflow of this scaler's loss in a model another optimizer
         steps (its skip decision is its own, as ``torch.amp.GradScaler.step`` per optimizer;
         the scale is lowered once per loss, as by one scaler's ``update()`` after both steps)."""
-        if self._losses not in (self._own_inf_for, self._foreign_inf_for):
-            self._lower()
+        if self._losses in (self._own_inf_for, self._foreign_inf_for):
+            return
         self._foreign_inf_for = self._losses
+        if self._before_clean[0] == self._losses:  # counted clean by this one's own step
+            self.scale, self._clean_steps, self._hysteresis_left = self._before_clean[1:]
+        self._lower()
 
     def _lower(self) -> None:
         self._clean_steps = 0

@@ -395,7 +395,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # lowers its scale for the overflow, this one keeps its own.
         used = self.engine.scaling.scaler
         here = used is None or used is self.loss_scaler
-        self.loss_scaler.update(found_inf, scaled_here=here)
+        if here:  # (a scaler of the user's own may take found_inf alone)
+            self.loss_scaler.update(found_inf)
+        else:
+            self.loss_scaler.update(found_inf, scaled_here=False)
         if found_inf and not here:
             used.overflowed_elsewhere()
         if self._backward_step is not None:
@@ -528,6 +531,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __deepcopy__(self, memo: dict) -> None:
         raise TypeError(f"copy.deepcopy of {_NOT_A_COPY}")
+
+    def __copy__(self) -> None:
+        raise TypeError(f"copy.copy of {_NOT_A_COPY}")
 
     def __reduce_ex__(self, protocol: int) -> Any:
         raise TypeError(f"pickling (torch.save, pickle.dumps) of {_NOT_A_COPY}")
