@@ -62,6 +62,8 @@ def _lend_hooks(engine: Engine, unit: Unit, owner: nn.Module) -> list[Any]:
     # After ``give_back``, and also when the owner's call raised.
     last = [owner.register_forward_hook(give_back)]
     last.append(owner.register_forward_hook(eager(raised), always_call=True))
+    # First, as the unit's own gather: a pre-hook registered before shard() (prune's) reads the
+    # weights, which were the placeholders (NaN) at stage 3.
     return [*last, owner.register_forward_pre_hook(eager(lend), with_kwargs=True, prepend=True)]
 
 
