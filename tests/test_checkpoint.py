@@ -806,22 +806,36 @@ def test_parameters_no_backward_reached_yet(workers2, tmp_path, stage, wrap_aux)
 
 
 class _WithNorm(torch.nn.Module):
-    """BatchNorm between two layers: each rank's batches move its own running statistics."""
+    """BatchNorm between two layers: each rank's batches move its own running statistics;
+    ``wrapped``: the norm inside torch's ``checkpoint_wrapper`` (a level that state-dict keys
+    leave out)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wrapped: bool = False) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
         super().__init__()
         self.inp, self.norm = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
         self.out = torch.nn.Linear(8, 4)
+        if wrapped:
+            self.norm = checkpoint_wrapper(self.norm)
 
     def forward(self, x):
         return self.out(torch.relu(self.norm(self.inp(x))))
 
+    def norm_buffers(self) -> dict[str, torch.Tensor]:
+        norm = getattr(self.norm, "_checkpoint_wrapped_module", self.norm)
+        return {k: v.clone() for k, v in norm.named_buffers()}
 
-def _norm_run(base: str, stage: int, steps: range, load: bool) -> tuple[list, dict]:
+
+def _norm_run(
+    base: str, stage: int, steps: range, load: bool, wrapped: bool = False
+) -> tuple[list, dict]:
     """Steps of ``_WithNorm``, saved after step 1 (or loaded from there); each rank's losses
     in eval mode and its buffers at the end."""
     torch.manual_seed(0)
-    model = zeroshard.shard(_WithNorm(), stage=stage, wrap=zeroshard.wrap.by_class("Linear"))
+    model = zeroshard.shard(_WithNorm(wrapped), stage=stage, wrap=zeroshard.wrap.by_class("Linear"))
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
     if load:
         checkpoint.load(base, model, opt)
@@ -838,40 +852,43 @@ def _norm_run(base: str, stage: int, steps: range, load: bool) -> tuple[list, di
             losses.append(torch.nn.functional.mse_loss(model(x), y).item())
         if not load and step == 1:
             checkpoint.save(base, model, opt)
-    return losses, {k: v.clone() for k, v in model.norm.named_buffers()}
+    return losses, model.norm_buffers()
 
 
-def _running_stats_resume(base: str, stage: int) -> torch.Tensor:
+def _running_stats_resume(base: str, stage: int, wrapped: bool) -> torch.Tensor:
     path = _path(base, f"norm-{stage}")
-    losses, buffers = _norm_run(path, stage, range(4), load=False)
-    resumed, resumed_buffers = _norm_run(path, stage, range(2, 4), load=True)
+    losses, buffers = _norm_run(path, stage, range(4), False, wrapped)
+    resumed, resumed_buffers = _norm_run(path, stage, range(2, 4), True, wrapped)
     assert resumed == losses[2:], (losses, resumed)  # eval mode: the running statistics count
     for name, value in buffers.items():
         assert torch.equal(resumed_buffers[name], value), name
     return buffers["running_mean"]
 
 
-def _saved_running_mean(base: str, stage: int) -> torch.Tensor:
+def _saved_running_mean(base: str, stage: int, wrapped: bool) -> torch.Tensor:
     """The running mean of ``_norm_run``'s checkpoint loaded at this world size."""
-    model = zeroshard.shard(_WithNorm(), stage=stage, wrap=zeroshard.wrap.by_class("Linear"))
+    model = _WithNorm(wrapped)
+    model = zeroshard.shard(model, stage=stage, wrap=zeroshard.wrap.by_class("Linear"))
     checkpoint.load(base, model, None, model_only=True)
-    return model.norm.running_mean.clone()
+    return model.norm_buffers()["running_mean"]
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "checkpoint_wrapper"])
 @pytest.mark.parametrize("stage", [0, 3])
-def test_per_rank_running_statistics_resume_exactly(workers1, workers2, tmp_path, stage):
+def test_per_rank_running_statistics_resume_exactly(workers1, workers2, tmp_path, stage, wrapped):
     """Buffers that each rank updates from its own batches (BatchNorm's running statistics,
     different on every rank) come back to the rank that had them: eval losses resume bit for
     bit on every rank. At another world size every rank gets rank 0's, as full_state_dict
-    gives them (DCP's balancing wrote rank 1's)."""
-    first, second = workers2.run(_running_stats_resume, str(tmp_path), stage)
+    gives them (DCP's balancing wrote rank 1's; so it did under torch's checkpoint_wrapper
+    until the buffers' names were taken as the keys have them)."""
+    first, second = workers2.run(_running_stats_resume, str(tmp_path), stage, wrapped)
     assert not torch.equal(first, second)  # the ranks' statistics did differ
     base = str(tmp_path / "two-steps")  # saved after its last step: the buffers saved
     ranks = [
         buffers["running_mean"]
-        for _, buffers in workers2.run(_norm_run, base, stage, range(2), False)
+        for _, buffers in workers2.run(_norm_run, base, stage, range(2), False, wrapped)
     ]
-    (alone,) = workers1.run(_saved_running_mean, base, stage)
+    (alone,) = workers1.run(_saved_running_mean, base, stage, wrapped)
     assert torch.equal(alone, ranks[0]) and not torch.equal(alone, ranks[1])
 
 

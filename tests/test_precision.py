@@ -957,6 +957,25 @@ def test_derived_buffers_keep_their_dtype(workers2):
     }  # fmt: skip
 
 
+def _wrapped_buffer_dtypes(stage: int) -> set[str]:
+    """The dtypes that state dicts give BatchNorm's statistics (BF16 in the model) inside
+    torch's ``checkpoint_wrapper``: BF16, as their keys leave the wrapper's level out."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model = nn.Sequential(checkpoint_wrapper(block), nn.Linear(4, 2))
+    model = zeroshard.shard(model, stage=stage, mixed_precision="bf16", wrap=nn.BatchNorm1d)
+    model(torch.randn(2, 4))
+    dicts = [model.state_dict(), zeroshard.full_state_dict(model, rank0_only=False)]
+    return {str(d[f"0.1.{name}"].dtype) for d in dicts for name in ("running_mean", "running_var")}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_buffers_inside_a_checkpoint_wrapper_come_back_in_their_dtype(workers2, stage):
+    assert workers2.run(_wrapped_buffer_dtypes, stage) == [{"torch.float32"}] * 2
+
+
 class _SharedStat(nn.Module):
     """Registers a buffer it may share with another module; updates it in place."""
 
@@ -971,26 +990,44 @@ class _SharedStat(nn.Module):
         return self.proj(x) + self.ema.to(x.dtype)
 
 
-def _shared_buffer(stage: int, policy: str) -> dict:
+class _KeptStat(_SharedStat):
+    """Kept FP32 by ``unit_precision``."""
+
+
+class _DerivedStat(_SharedStat):
+    """Registers the shared buffer non-persistent (kept in its dtype)."""
+
+    def __init__(self, stat: torch.Tensor) -> None:
+        super().__init__(stat)
+        self.register_buffer("ema", stat, persistent=False)
+
+
+def _shared_buffer(stage: int, policy: str, second: str) -> dict:
     """One buffer registered in two modules (a shared running statistic) stays one tensor
-    when cast to ``buffer_dtype``: it came apart, each module updating its own copy."""
+    when cast to ``buffer_dtype``: it came apart, each module updating its own copy; so it
+    did when the second registration asked for another dtype (a module kept FP32 by
+    ``unit_precision``, a non-persistent registration)."""
     torch.manual_seed(0)
     stat = torch.zeros(4)
-    model = nn.Sequential(_SharedStat(stat), _SharedStat(stat))
-    model = zeroshard.shard(model, stage=stage, mixed_precision=policy)
+    other = {"same": _SharedStat, "kept": _KeptStat, "derived": _DerivedStat}[second]
+    model = nn.Sequential(_SharedStat(stat), other(stat))
+    kw = {"unit_precision": {_KeptStat: "fp32"}} if second == "kept" else {}
+    model = zeroshard.shard(model, stage=stage, mixed_precision=policy, **kw)
     for _ in range(2):
         model(torch.randn(2, 4)).float().sum()
     full = zeroshard.full_state_dict(model, rank0_only=False)
     return {
         "same": model[0].ema is model[1].ema,
-        "equal": torch.equal(full["0.ema"], full["1.ema"]),
+        "equal": torch.equal(full["0.ema"], full.get("1.ema", model[1].ema.float())),
     }
 
 
-@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "policy, second", [("fp32", "same"), ("bf16", "same"), ("bf16", "kept"), ("bf16", "derived")]
+)
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_buffer_shared_by_two_modules_stays_one(workers2, stage, policy):
-    for r in workers2.run(_shared_buffer, stage, policy):
+def test_a_buffer_shared_by_two_modules_stays_one(workers2, stage, policy, second):
+    for r in workers2.run(_shared_buffer, stage, policy, second):
         assert r == {"same": True, "equal": True}, r
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint_files import gather
+from zeroshard.state_dict import key_of
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -24,7 +25,7 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     for prefix, module in model.named_modules():
         for name, buf in module._buffers.items():
             if buf is not None and name not in module._non_persistent_buffers_set:
-                found[f"{prefix}.{name}" if prefix else name] = buf
+                found[key_of(f"{prefix}.{name}" if prefix else name)] = buf
     return found
 
 

@@ -579,20 +579,30 @@ def _move_buffers(model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecisi
     in ``buffer_dtype``; non-persistent ones are constants a module derives and computes with in
     its own precision (RoPE's inverse frequencies: rounded to BF16 they are off by a radian at
     position 8000) and keep their dtype. Rank 0's values on every rank. A buffer registered in
-    several modules stays one tensor (an EMA two modules update in place). ``own``: each
+    several modules stays one tensor (an EMA two modules update in place), in the dtype of its
+    first registration in module order. ``own``: each
     module's unit's policy by ``id`` (``unit_precision``'s, a BatchNorm kept FP32), else
     ``default``."""
-    moved: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    registered, dtypes = [], {}  # (module, name, buffer); id -> the dtype it is given
     for module in model.modules():
         mp, derived = own.get(id(module), default), module._non_persistent_buffers_set
-        for name, buf in module.named_buffers(recurse=False):
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
             cast = buf.is_floating_point() and mp.buffer_dtype and name not in derived
             dtype = mp.buffer_dtype if cast else buf.dtype
-            if dtype != buf.dtype:  # state dicts give it back in this one (as FSDP1 does)
-                module.__dict__.setdefault(BUFFER_DTYPES, {})[name] = buf.dtype
-            key = (id(buf), dtype)
-            if key not in moved:
-                moved[key] = buf.to(device=mesh.device, dtype=dtype)
-                if mesh.world_size > 1:
-                    C.broadcast(moved[key], src=0, group=mesh.group)
-            module._buffers[name] = moved[key]
+            registered.append((module, name, buf))
+            # One tensor however many registrations, in the dtype the first one asks for (they
+            # were cast apart when another asked otherwise: unit_precision's FP32, or
+            # non-persistent there, and each update was seen by one name only).
+            dtypes.setdefault(id(buf), dtype)
+    moved: dict[int, torch.Tensor] = {}
+    for module, name, buf in registered:
+        dtype = dtypes[id(buf)]
+        if dtype != buf.dtype:  # state dicts give it back in this one (as FSDP1 does)
+            module.__dict__.setdefault(BUFFER_DTYPES, {})[name] = buf.dtype
+        if id(buf) not in moved:
+            moved[id(buf)] = buf.to(device=mesh.device, dtype=dtype)
+            if mesh.world_size > 1:
+                C.broadcast(moved[id(buf)], src=0, group=mesh.group)
+        module._buffers[name] = moved[id(buf)]

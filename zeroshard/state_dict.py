@@ -181,6 +181,12 @@ _WRAPPED = "_checkpoint_wrapped_module."
 take out of the keys (``get_state_dict`` does alike): names here are the keys' names."""
 
 
+def key_of(name: str) -> str:
+    """The state-dict key of a parameter or buffer named ``name`` in ``named_modules()``'s
+    terms (torch's ``checkpoint_wrapper`` inserts a level that its keys leave out)."""
+    return name.replace(_WRAPPED, "")
+
+
 def _all_names(model: nn.Module) -> dict[int, list[str]]:
     """Every name each parameter is registered under (tied parameters have several), keyed by
     ``id``, in ``state_dict`` order."""
@@ -494,7 +500,7 @@ def _buffers_in_their_dtype(module: nn.Module, state_dict: dict, prefix: str) ->
 
     for name, sub in module.named_modules():
         for buf_name, dtype in getattr(sub, BUFFER_DTYPES, {}).items():
-            key = f"{prefix}{name}.{buf_name}" if name else prefix + buf_name
+            key = key_of(f"{prefix}{name}.{buf_name}" if name else prefix + buf_name)
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor) and value.dtype != dtype:
                 state_dict[key] = value.to(dtype)

@@ -329,9 +329,9 @@ def check_same_model(
     differ = [r for r, row in enumerate(rows) if row[0] != rows[0][0]]
     if differ:
         raise ValueError(
-            f"the model differs across ranks: ranks {differ} have other parameter names, shapes, "
-            "dtypes or requires_grad than rank 0; build the same model on every rank before "
-            "zeroshard.shard()"
+            f"the model differs across ranks: ranks {differ} have other parameter or buffer "
+            "names, shapes, dtypes or requires_grad than rank 0; build the same model on every "
+            "rank before zeroshard.shard()"
         )
     for i, name in enumerate(names[1:], start=1):
         differ = [r for r, row in enumerate(rows) if row[i] != rows[0][i]]
