@@ -374,12 +374,15 @@ def test_publishing_keep_overwrite_and_space(workers2, tmp_path):
     assert all(workers2.run(_publishing, str(tmp_path)))
 
 
-def _disk_fills_up(base: str) -> bool:
+def _disk_fills_up(base: str, where: str) -> bool:
     """ENOSPC in the middle of a save (after the space check passed), on rank 1 only: every rank
     raises one line, nothing is published, no temporary folder is left, and the previous
-    checkpoint, even at the same path, stays whole and loadable."""
+    checkpoint, even at the same path, stays whole and loadable. ``where``: in every stream,
+    or EIO at the fsync of the files that DCP's writer threads write (they dropped the error:
+    the save returned and published a checkpoint that could not be loaded)."""
     import contextlib
     import errno
+    import threading
 
     from torch.distributed.checkpoint import filesystem
 
@@ -411,7 +414,19 @@ def _disk_fills_up(base: str) -> bool:
         with real(fs, path, mode) as stream:
             yield Full(stream) if "w" in mode else stream
 
-    patch = mock.patch.object(filesystem.FileSystem, "create_stream", full_disk)
+    def fsync(fd):  # in DCP's writer threads (not in the thread that started them)
+        if getattr(threading.current_thread(), "_target", None) is writer_thread:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_fsync(fd)
+
+    writer_thread = filesystem._write_files_from_queue
+
+    real_fsync = os.fsync
+    if where == "every_stream":
+        patch = mock.patch.object(filesystem.FileSystem, "create_stream", full_disk)
+    else:
+        patch = mock.patch.object(filesystem.os, "fsync", fsync)
+    said = "No space left" if where == "every_stream" else "Input/output error"
     on_rank_1 = patch if dist.get_rank() == 1 else contextlib.nullcontext()
     cases = [(checkpoint.step_path(folder, 2), False), (good, False), (good, True)]
     for target, async_save in cases:  # a new path; over the previous one; in the background
@@ -419,7 +434,7 @@ def _disk_fills_up(base: str) -> bool:
             handle = checkpoint.save(target, model, opt, {"step": 2}, async_save=async_save)
             handle.wait() if async_save else None
         message = str(info.value)
-        assert "rank 1: OSError" in message and "No space left" in message, message
+        assert "rank 1: OSError" in message and said in message, message
         assert "intact" in message and "\n" not in message, message
         dist.barrier()
         assert sorted(p.name for p in folder.iterdir()) == ["step-000001"]
@@ -431,8 +446,9 @@ def _disk_fills_up(base: str) -> bool:
     return True
 
 
-def test_a_full_disk_leaves_the_previous_checkpoint_whole(workers2, tmp_path):
-    assert all(workers2.run(_disk_fills_up, str(tmp_path)))
+@pytest.mark.parametrize("where", ["every_stream", "writer_thread"])
+def test_a_full_disk_leaves_the_previous_checkpoint_whole(workers2, tmp_path, where):
+    assert all(workers2.run(_disk_fills_up, str(tmp_path), where))
 
 
 # --------------------------------------------------------------------- bad input

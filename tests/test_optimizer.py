@@ -984,3 +984,68 @@ def _copied() -> list[str]:
 def test_the_optimizer_is_not_copied_or_pickled(workers2):
     for said in workers2.run(_copied):
         assert all("a zeroshard optimizer" in s and "state_dict()" in s for s in said), said
+
+
+def _step_raised_partway(stage: int) -> dict:
+    """A step that raised in its second sub-group (an out-of-memory, a Ctrl-C there): the
+    first sub-group keeps its update, as a torch optimizer's parameters do, and every rank's
+    parameters follow the masters (a rank's own slice is its master's memory at stages 1-2:
+    the ranks' parameters differed by 1.5, and a step with no gradient then moved them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    wrap, config = zeroshard.wrap.by_class(nn.Linear), zeroshard.ShardConfig(bucket_bytes=0)
+    model = zeroshard.shard(model, stage=stage, wrap=wrap, config=config)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).square().mean().backward()
+
+    def out_of_memory(*args):
+        raise RuntimeError("out of memory")
+
+    handle = opt.sub_optimizers[1].register_step_pre_hook(out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        opt.step()
+    handle.remove()
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    masters = zeroshard.full_state_dict(model, rank0_only=False)
+    opt.zero_grad()
+    opt.step()  # no gradient: nothing moves
+    return {
+        "params": params,
+        "off masters": max((params[k] - masters[k]).abs().max().item() for k in params),
+        "moved": max((p - params[k]).abs().max().item() for k, p in model.named_parameters()),
+        "subgroups": len(opt.sub_optimizers),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_step_that_raised_partway_leaves_the_ranks_alike(workers2, stage):
+    first, second = workers2.run(_step_raised_partway, stage)
+    for r in (first, second):
+        assert r["subgroups"] >= 2 and r["off masters"] == 0 and r["moved"] == 0, r
+    assert all(torch.equal(v, second["params"][k]) for k, v in first["params"].items())
+
+
+def _load_a_bad_shape() -> list[str]:
+    """An optimizer state dict with one entry of the wrong shape: the error on every rank and
+    nothing loaded (the rank holding that piece raised alone, the other waited in a gather
+    until the group's timeout)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(nn.Linear))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.0)
+    model(torch.randn(2, 4)).square().mean().backward()
+    opt.step()
+    saved = opt.state_dict()
+    bad = {**saved, "state": {k: dict(v) for k, v in saved["state"].items()}}
+    bad["state"]["3.bias"]["exp_avg"] = torch.zeros(3, 3)
+    bad["param_groups"] = [dict(g, lr=1.0) for g in saved["param_groups"]]
+    with pytest.raises(ValueError) as info:
+        opt.load_state_dict(bad)
+    return [str(info.value), opt.param_groups[0]["lr"]]
+
+
+def test_an_optimizer_state_of_the_wrong_shape_is_refused_on_every_rank(workers2):
+    for said, lr in workers2.run(_load_a_bad_shape):
+        assert said.startswith("optimizer state 'exp_avg' of 3.bias has shape (3, 3)"), said
+        assert said.endswith("nothing was loaded") and lr == 1e-3, (said, lr)

@@ -486,7 +486,7 @@ def _write_and_publish(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from zeroshard.checkpoint_planner import SavePlanner
+    from zeroshard.checkpoint_planner import SavePlanner, Writer
 
     rank = dist.get_rank(group)
     error = None
@@ -500,7 +500,7 @@ def _write_and_publish(
         if rank == 0:  # nothing else writes into it now
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=_WRITE_THREADS)
+    writer = Writer(tmp, sync_files=True, thread_count=_WRITE_THREADS)
     try:
         with _without_zip_crc32():
             dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group)

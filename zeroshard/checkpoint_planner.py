@@ -1,4 +1,5 @@
-"""DCP's default save and load planners, taught to find the boxes of ``FlatRange`` entries.
+"""DCP's default save and load planners, taught to find the boxes of ``FlatRange`` entries;
+its file-system writer, taught to fail when one of its threads did.
 
 Everything else (flattening nested state dicts, de-duplicating replicated entries, building the
 global metadata, resharding reads) is DCP's own. Imported when a checkpoint is saved or loaded:
@@ -7,9 +8,11 @@ global metadata, resharding reads) is DCP's own. Imported when a checkpoint is s
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -24,6 +27,31 @@ class SavePlanner(DefaultSavePlanner):
         if isinstance(obj, FlatRange):
             return obj.box(index.offset).to(obj.dtype)
         return super().lookup_object(index)
+
+
+class Writer(FileSystemWriter):
+    """DCP's file-system writer, raising when a data file was not written whole: its writer
+    threads drop their exceptions (to ``threading.excepthook``), so a file that one of them
+    could not write (EIO at its fsync) left its entries out of the metadata, and the save
+    returned, its checkpoint published, listed by ``latest()`` and refused at load."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        failed: list[BaseException] = []
+        hook = threading.excepthook
+        threading.excepthook = lambda args: failed.append(args.exc_value)
+        try:
+            future = super().write_data(plan, planner)
+        finally:
+            threading.excepthook = hook
+        written = {result.index for result in future.value()}
+        missing = [item.index.fqn for item in plan.items if item.index not in written]
+        if missing:
+            why = f"{type(failed[0]).__name__}: {failed[0]}" if failed else "a writer stopped"
+            raise OSError(
+                f"{len(missing)} of {len(plan.items)} entries were not written (e.g. "
+                f"{missing[0]}): {why}"
+            )
+        return future
 
 
 class LoadPlanner(DefaultLoadPlanner):

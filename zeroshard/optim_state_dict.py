@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from zeroshard.checkpoint_files import gather
 from zeroshard.flat_range import FlatRange
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.state_dict import (
@@ -422,6 +423,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
             "get_optimizer_state_dict / set_optimizer_state_dict do not apply to a zeroshard "
             "optimizer: use opt.state_dict() / opt.load_state_dict())"
         )
+    groups_before = [dict(g) for g in opt.param_groups]
     for g, saved in zip(opt.param_groups, _match_groups(opt, state_dict["param_groups"], first)):
         for k, v in saved.items():
             if k not in ("params", "param_names") and k not in _IMPL_KEYS:
@@ -432,6 +434,10 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
     layout, _ = _state_layout(opt)
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     subgroups = _subgroup_of(opt)
+    # Checked whole before anything is loaded, and agreed: the rank whose piece holds a bad
+    # entry raised alone, and the others waited in the next gather.
+    problem: str | None = None
+    loads = []
     for bi, bucket in enumerate(engine.buckets):
         flat: FlatParam = bucket.flat
         sg = subgroups.get(id(bucket))
@@ -462,7 +468,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
                     elementwise = kinds[k][0] == "elementwise"
                 else:
                     elementwise = torch.is_tensor(v) and v.ndim >= 1 and v.shape == s.shape
-                if owner is None:
+                if owner is None or problem is not None:
                     continue
                 piece = pieces[owner]
                 if isinstance(v, FlatRange):  # read in place (checkpoint.load): the state itself
@@ -470,10 +476,11 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
                     continue
                 if elementwise:
                     if v.numel() != s.numel:
-                        raise ValueError(
+                        problem = (
                             f"optimizer state {k!r} of {names[0]} has shape {tuple(v.shape)}, "
                             f"the parameter {tuple(s.shape)}"
                         )
+                        continue
                     buf = assembled[owner].get(k)
                     if buf is None:
                         buf = torch.zeros(
@@ -492,4 +499,14 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
         for tg, gi in zip(groups, sg.groups):
             tg.update({k: v for k, v in opt.param_groups[gi].items() if k != "params"})
         packed["state"] = {j: st for j, st in enumerate(assembled) if st}
-        sg.optimizer.load_state_dict(packed)
+        loads.append((sg.optimizer, packed))
+    mesh = engine.mesh
+    if mesh.world_size * mesh.tp_size > 1:
+        group = None if mesh.tp_size > 1 else mesh.group
+        problem = next((p for p in gather(problem, group) if p), None)
+    if problem is not None:
+        for g, before in zip(opt.param_groups, groups_before):
+            g.update(before)
+        raise ValueError(f"{problem}: nothing was loaded")
+    for optimizer, packed in loads:
+        optimizer.load_state_dict(packed)

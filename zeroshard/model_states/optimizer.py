@@ -64,7 +64,7 @@ from zeroshard.model_states.state_swap import (
 from zeroshard.model_states.subgroups import States, SubGroup, build_subgroups
 from zeroshard.offload.folder import padded_bytes
 from zeroshard.precision import DynamicLossScaler, LossScaler, default_scaler
-from zeroshard.watchdog import diagnosed
+from zeroshard.watchdog import CollectiveTimeout, diagnosed, is_comm_failure
 
 log = logging.getLogger(__name__)
 
@@ -407,10 +407,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.engine.end_step()
             taken = False
         else:
-            if self._swap is None:
-                self._step_in_memory(unused)
-            else:
-                self._step_swapped(self._swap, unused)
+            try:
+                if self._swap is None:
+                    self._step_in_memory(unused)
+                else:
+                    self._step_swapped(self._swap, unused)
+            except BaseException as exc:
+                # Raised partway (an out-of-memory, a Ctrl-C in one sub-group): the sub-groups
+                # stepped keep their update, as a torch optimizer's parameters do, and every
+                # rank's replicas follow them (at stages 1-2 a rank's own slice is its master:
+                # the ranks' parameters differed, and the next step moved them to the masters).
+                if not (isinstance(exc, CollectiveTimeout) or is_comm_failure(exc)):
+                    self._changed()
+                raise
             self._changed()
             self.engine.end_step()
             taken = True
