@@ -499,10 +499,19 @@ def _bad_input(base: str) -> bool:
         checkpoint.load(good, model, opt)
     # Its other files' bytes reached the tensors before the damage was found: the model says
     # so at its next use (it trained on a mix of two states before).
+    # So do its exports (full_state_dict, save_pretrained) and summon_full_params: they gave
+    # the half-loaded values without a word.
     x, y = batch("gpt", 0, 2)
-    for use in (lambda: model(x), opt.step, lambda: checkpoint.save(good + "-2", model, opt)):
+
+    def summon():
+        with zeroshard.summon_full_params(model):
+            pass
+
+    uses = [lambda: model(x), opt.step, lambda: checkpoint.save(good + "-2", model, opt)]
+    for use in (*uses, lambda: zeroshard.full_state_dict(model), summon):
         with pytest.raises(RuntimeError, match=r"partly overwritten by zeroshard.checkpoint.load"):
             use()
+    model.state_dict(), opt.state_dict()  # (templates that a load fills: not refused)
     dist.barrier()
     if rank == 0:
         os.remove(Path(good) / "zeroshard.json")
@@ -1225,6 +1234,14 @@ def test_a_model_built_in_bf16_resumes_exactly(workers2, tmp_path, stage):
     assert all(workers2.run(_bf16_model_resume, str(tmp_path / "ckpt"), stage))
 
 
+def _whole_values(model) -> dict[str, torch.Tensor]:
+    """The model's state dict with every sharded entry gathered whole (a collective)."""
+    return {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+        for k, v in model.state_dict().items()
+    }
+
+
 def _failed_load_then_a_good_one(base: str, how: str) -> bool:
     """A load that fails midway (a corrupted data file: its checksum is known once its last
     byte is read) leaves the model refusing to train or save, until the model and optimizer
@@ -1243,10 +1260,10 @@ def _failed_load_then_a_good_one(base: str, how: str) -> bool:
     cut = checkpoint.step_path(folder, 3)
     checkpoint.save(cut, model, opt, {"step": 2})
     _damage(cut, "__1_0.distcp", "cut")
-    before = zeroshard.full_state_dict(model, rank0_only=False)
+    before = _whole_values(model)
     with pytest.raises(checkpoint.CheckpointError, match=r"is corrupted \(it is [\d,]+ bytes, "):
         checkpoint.load(cut, model, opt, verify=False)
-    after = zeroshard.full_state_dict(model, rank0_only=False)
+    after = _whole_values(model)  # (full_state_dict is refused until a good load)
     assert all(torch.equal(v, after[k]) for k, v in before.items())
     _damage(bad, "__1_0.distcp", "flip")
     with pytest.raises(checkpoint.CheckpointError, match="is corrupted"):

@@ -575,8 +575,10 @@ def load(
 def _load(path: Path, model, optimizer, checksums: bool, group, model_only: bool) -> dict:
     """``load`` (a collective on ``group``). Once reading has begun, a failure (a corrupted
     file found when its last byte is hashed, after earlier bytes reached the tensors) leaves
-    the engine ``untrusted`` (``Engine.check_trusted``): the next forward, step or save names
-    it, instead of training on a mix of two states; loading the model and its optimizers
+    the engine ``untrusted`` (``Engine.check_trusted``): the next forward, step, save,
+    ``full_state_dict`` (``save_pretrained``) or ``summon_full_params`` names it, instead of
+    training on, or exporting, a mix of two states (the sharded state dicts stay: templates
+    that a load fills); loading the model and its optimizers
     whole again clears it (``Engine.loaded``)."""
     engine = engine_of(model)
     try:
@@ -586,7 +588,7 @@ def _load(path: Path, model, optimizer, checksums: bool, group, model_only: bool
             engine.untrusted = (
                 f"the model and its optimizer were partly overwritten by "
                 f"zeroshard.checkpoint.load({str(path)!r}), which failed ({exc}); load a good "
-                "state before training on or saving them: zeroshard.checkpoint.load, or "
+                "state before training on, saving or reading them: zeroshard.checkpoint.load, or "
                 "model.load_state_dict and each optimizer's load_state_dict"
             )
             engine.to_reload |= {id(model), *(id(o) for o in _optimizers(optimizer))}

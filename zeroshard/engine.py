@@ -346,7 +346,8 @@ class Engine:
         that raised and was caught: the forward goes on)."""
         if self.phase is not Phase.BACKWARD or in_backward():
             return
-        if self._forward_call is not None and call_frames.running(self._forward_call):
+        in_root = self.root.state is TrainingState.FORWARD  # (and its call on the stack: an
+        if in_root and call_frames.running(self._forward_call):  # id alone may be reused)
             return
         self._clean_after_backward()
         self.phase = Phase.IDLE

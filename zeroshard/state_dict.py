@@ -328,6 +328,8 @@ class _Hooks:
         self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict
     ) -> None:
         engine = self.engine
+        if self.full is not None:  # (not the sharded ones: templates that a load fills)
+            engine.check_trusted()
         engine.adopt_writes()
         names = _all_names(module)
         keep = True  # whether this rank returns the entries it cuts

@@ -24,6 +24,7 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     if engine.phase is Phase.FORWARD and not call_frames.running(engine._forward_call):
         engine._forward_raised()  # interrupted (Ctrl-C, which runs no hook of torch's): over
     engine._after_raised_backward()  # (a backward that raised, caught: over too)
+    engine.check_trusted()
     if engine.phase is not Phase.IDLE:
         raise RuntimeError("summon_full_params cannot be entered inside forward or backward")
     engine.adopt_writes()  # (and a write to a parameter at rest is an error before any gather)
