@@ -506,6 +506,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
         problem = next((p for p in gather(problem, group) if p), None)
     if problem is not None:
         for g, before in zip(opt.param_groups, groups_before):
+            g.clear()  # (without the saved groups' keys it lacked: initial_lr)
             g.update(before)
         raise ValueError(f"{problem}: nothing was loaded")
     for optimizer, packed in loads:
