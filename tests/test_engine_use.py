@@ -921,7 +921,7 @@ def _a_call_raised(stage: int, where: str, loop: bool) -> dict:
     return {"loss": diff, "param": _param_diff(model, ref), "held": float(len(held))}
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", [1, 3])  # (every stage failed before; 0 and 2 as 1)
 @pytest.mark.parametrize("where", ["unit", "lend", "root"])
 @pytest.mark.parametrize("loop", [False, True], ids=["root_forward", "block_loop"])
 def test_a_call_that_raised_outside_the_root_forward(workers2, stage, where, loop):
