@@ -10,11 +10,12 @@ from zeroshard.models.gpt import GPT, PRESETS, Block, GPTConfig
 
 
 class Cell(nn.Module):
-    """One small unit (8 -> 8): the same-size units of the per-rank path tests."""
+    """One small unit (``width`` -> ``width``, 8 by default): the same-size units of the
+    per-rank path tests."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 8) -> None:
         super().__init__()
-        self.lin = nn.Linear(8, 8)
+        self.lin = nn.Linear(width, width)
 
     def forward(self, x):
         return torch.tanh(self.lin(x))

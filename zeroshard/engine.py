@@ -51,7 +51,7 @@ from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
 from zeroshard.trees import cast_floats, map_tensors, tensors_reached, undo
 from zeroshard.unit import TrainingState, Unit
-from zeroshard.watchdog import CollectiveTimeout, is_comm_failure
+from zeroshard.watchdog import collective_failed
 
 if TYPE_CHECKING:
     from zeroshard.model_states.param_swap import ParamSwapper
@@ -700,8 +700,7 @@ _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 def _comm_failed() -> bool:
     """Inside a hook that torch runs in its ``except`` block (``always_call``): whether the
     error is a failed or timed-out collective."""
-    raised = sys.exc_info()[1]
-    return isinstance(raised, CollectiveTimeout) or (raised is not None and is_comm_failure(raised))
+    return collective_failed(sys.exc_info()[1])
 
 
 def live_engines() -> list[Engine]:

@@ -122,6 +122,12 @@ def is_comm_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(f in text for f in _COMM_FAILURES)
 
 
+def collective_failed(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a collective that failed or timed out (ours or the backend's): no
+    further collective may be issued in cleaning up after it."""
+    return isinstance(exc, CollectiveTimeout) or (exc is not None and is_comm_failure(exc))
+
+
 @contextlib.contextmanager
 def diagnosed(
     op: str, label: str, group: dist.ProcessGroup | None, *, unit: str | None = None

@@ -64,7 +64,7 @@ from zeroshard.model_states.state_swap import (
 from zeroshard.model_states.subgroups import States, SubGroup, build_subgroups
 from zeroshard.offload.folder import padded_bytes
 from zeroshard.precision import DynamicLossScaler, LossScaler, default_scaler
-from zeroshard.watchdog import CollectiveTimeout, diagnosed, is_comm_failure
+from zeroshard.watchdog import collective_failed, diagnosed
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +417,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 # stepped keep their update, as a torch optimizer's parameters do, and every
                 # rank's replicas follow them (at stages 1-2 a rank's own slice is its master:
                 # the ranks' parameters differed, and the next step moved them to the masters).
-                if not (isinstance(exc, CollectiveTimeout) or is_comm_failure(exc)):
+                if not collective_failed(exc):
                     self._changed()
                 raise
             self._changed()
