@@ -1025,10 +1025,11 @@ def test_a_step_that_raised_partway_leaves_the_ranks_alike(workers2, stage):
     assert all(torch.equal(v, second["params"][k]) for k, v in first["params"].items())
 
 
-def _load_a_bad_shape() -> list[str]:
-    """An optimizer state dict with one entry of the wrong shape: the error on every rank and
-    nothing loaded (the rank holding that piece raised alone, the other waited in a gather
-    until the group's timeout)."""
+def _load_a_bad_entry(bad_entry: str) -> list[str]:
+    """An optimizer state dict with one entry of the wrong shape, or one state missing: the
+    error on every rank and nothing loaded (the rank holding that piece raised alone, the other
+    waited in a gather until the group's timeout; a missing state was loaded and the step of
+    that rank alone failed)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
     model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(nn.Linear))
@@ -1037,14 +1038,22 @@ def _load_a_bad_shape() -> list[str]:
     opt.step()
     saved = opt.state_dict()
     bad = {**saved, "state": {k: dict(v) for k, v in saved["state"].items()}}
-    bad["state"]["3.bias"]["exp_avg"] = torch.zeros(3, 3)
+    if bad_entry == "shape":
+        bad["state"]["3.bias"]["exp_avg"] = torch.zeros(3, 3)
+    else:
+        del bad["state"]["3.bias"]["exp_avg_sq"]
     bad["param_groups"] = [dict(g, lr=1.0) for g in saved["param_groups"]]
     with pytest.raises(ValueError) as info:
         opt.load_state_dict(bad)
     return [str(info.value), opt.param_groups[0]["lr"]]
 
 
-def test_an_optimizer_state_of_the_wrong_shape_is_refused_on_every_rank(workers2):
-    for said, lr in workers2.run(_load_a_bad_shape):
-        assert said.startswith("optimizer state 'exp_avg' of 3.bias has shape (3, 3)"), said
+@pytest.mark.parametrize("bad_entry", ["shape", "missing"])
+def test_a_bad_optimizer_state_entry_is_refused_on_every_rank(workers2, bad_entry):
+    expected = {
+        "shape": "optimizer state 'exp_avg' of 3.bias has shape (3, 3)",
+        "missing": "optimizer state of 3.bias lacks 'exp_avg_sq' (it has 'exp_avg', 'step';",
+    }[bad_entry]
+    for said, lr in workers2.run(_load_a_bad_entry, bad_entry):
+        assert said.startswith(expected), said
         assert said.endswith("nothing was loaded") and lr == 1e-3, (said, lr)

@@ -438,6 +438,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
     # entry raised alone, and the others waited in the next gather.
     problem: str | None = None
     loads = []
+    saved_keys = {k for st in saved_state.values() if not _never_stepped(st) for k in st}
     for bi, bucket in enumerate(engine.buckets):
         flat: FlatParam = bucket.flat
         sg = subgroups.get(id(bucket))
@@ -492,6 +493,15 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
                     buf[lo : lo + (b - a)].copy_(v.reshape(-1)[a:b])
                 else:
                     assembled[owner].setdefault(k, _copy_value(v))
+            # A state that the others have and this one lacks (a toggled option, such as
+            # amsgrad, drops a key from all of them): else the step of this rank alone fails.
+            lacking = sorted((set(kinds) & saved_keys) - set(st))
+            if owner is not None and problem is None and lacking:
+                problem = (
+                    f"optimizer state of {names[0]} lacks {', '.join(map(repr, lacking))} (it "
+                    f"has {', '.join(map(repr, sorted(st)))}; the running optimizer keeps "
+                    f"{', '.join(map(repr, sorted(kinds)))})"
+                )
         if sg is None:
             continue
         packed = sg.optimizer.state_dict()
