@@ -61,6 +61,22 @@ def test_a_save_stopped_between_its_renames_keeps_the_replaced_checkpoint_found(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003"]
 
 
+def test_a_rename_that_failed_puts_the_replaced_checkpoint_back(tmp_path):
+    target = _complete(tmp_path / "step-000002", 2)
+    tmp = _complete(tmp_path / f"step-000002{TMP}{RUN[:8]}abcd", 3)
+    real = os.replace
+
+    def refused(src, dst):
+        if Path(src) == tmp:
+            raise PermissionError(13, "Permission denied", str(src))
+        return real(src, dst)
+
+    with mock.patch("os.replace", refused), pytest.raises(PermissionError):
+        publish(tmp, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, tmp.name])
+    assert checkpoint.info(target).step == 2
+
+
 def test_the_replaced_checkpoint_left_beside_its_replacement_is_removed(tmp_path):
     new = _complete(tmp_path / "step-000002", 2)
     _complete(tmp_path / f"step-000002{OLD}abcd", 1)  # the save stopped before removing it

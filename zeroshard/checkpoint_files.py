@@ -179,13 +179,20 @@ def replace_problem(path: Path) -> str | None:
 
 
 def publish(tmp: Path, path: Path) -> None:
-    """Rank 0: rename ``tmp`` to ``path``; an existing ``path`` is moved aside, then removed."""
+    """Rank 0: rename ``tmp`` to ``path``; an existing ``path`` is moved aside, then removed (put
+    back if the rename fails)."""
     old = None
     if path.exists():
         old = path.with_name(path.name + OLD + tmp.name.rsplit(TMP, 1)[1])
         os.replace(path, old)
         fsync_dir(path.parent)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # (a rename that failed, not a process that died: that one stays aside)
+        if old is not None:  # the previous checkpoint back under its name
+            os.replace(old, path)
+            fsync_dir(path.parent)
+        raise
     fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)  # (another run's prune may have removed it)
