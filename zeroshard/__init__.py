@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from zeroshard.collectives import Ledger
+    from zeroshard.loss_scaling import LossScaler
     from zeroshard.model_states.optimizer import ShardedOptimizer
-    from zeroshard.precision import LossScaler
 
 __version__ = "0.1.0"
 
@@ -37,8 +37,8 @@ _EXPORTS = {
     "Tier": "zeroshard.offload",
     "load_optimizer_state_dict": "zeroshard.optim_state_dict",
     "optimizer_state_dict": "zeroshard.optim_state_dict",
-    "DynamicLossScaler": "zeroshard.precision",
-    "LossScaler": "zeroshard.precision",
+    "DynamicLossScaler": "zeroshard.loss_scaling",
+    "LossScaler": "zeroshard.loss_scaling",
     "MixedPrecision": "zeroshard.precision",
     "shard": "zeroshard.sharding",
     "STAGES": "zeroshard.stages",

@@ -20,8 +20,8 @@ import math
 
 import torch
 
+from zeroshard.loss_scaling import DynamicLossScaler
 from zeroshard.model_states.optimizer import ShardedOptimizer
-from zeroshard.precision import DynamicLossScaler
 
 _ADVICE = "lower the learning rate (--lr) or lengthen the warm-up (--warmup-steps)"
 _BEFORE_UPDATE = (

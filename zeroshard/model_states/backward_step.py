@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroshard import collectives as C
+from zeroshard.loss_scaling import DynamicLossScaler
 from zeroshard.model_states.agreement import agree, agreed
 from zeroshard.model_states.grads import GradBucket, Reduction
-from zeroshard.precision import DynamicLossScaler
 
 if TYPE_CHECKING:
     from zeroshard.model_states.optimizer import ShardedOptimizer

@@ -45,7 +45,7 @@ from zeroshard.stages import Partition
 from zeroshard.streams import on_side_stream
 
 if TYPE_CHECKING:
-    from zeroshard.precision import LossScaler
+    from zeroshard.loss_scaling import LossScaler
 
 
 class Reduction(enum.Enum):

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from zeroshard.engine import Engine, engine_of, live_engines
+from zeroshard.loss_scaling import DynamicLossScaler, LossScaler, default_scaler
 from zeroshard.model_states import bucket_owners, clipping
 from zeroshard.model_states.agreement import agree, agreed
 from zeroshard.model_states.backward_step import BackwardStep, check_step_in_backward
@@ -63,7 +64,6 @@ from zeroshard.model_states.state_swap import (
 )
 from zeroshard.model_states.subgroups import States, SubGroup, build_subgroups
 from zeroshard.offload.folder import padded_bytes
-from zeroshard.precision import DynamicLossScaler, LossScaler, default_scaler
 from zeroshard.watchdog import collective_failed, diagnosed
 
 log = logging.getLogger(__name__)
