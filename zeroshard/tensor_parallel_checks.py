@@ -1,0 +1,122 @@
+"""Checks at the first training forward of a tensor-parallel model: what would otherwise let
+the ranks of a tensor-parallel group compute pieces of different models without an error
+(random generators seeded per rank, a batch split by the global rank, a module with parameters
+of its own between a column-parallel Linear and its row-parallel partner). Each check's hooks
+remove themselves once it ran (``tensor_parallel.parallelize`` installs them)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def rng_at_first_forward(model: nn.Module, group) -> None:
+    """Tensor-parallel ranks compute the replicated activations each on its own: dropout there
+    must draw the same numbers on every rank of the group, else the replicas (and Pa's
+    checkpoint pieces) silently differ. At the first training forward, a warning when this
+    rank's CPU generator is not the others' (one all-gather of its 5 KB state, once). In the
+    same forward, one of the inputs' fingerprint: the ranks of a group must see the same batch
+    (split by the data-parallel rank, not the global one, DDP's habit), else each computes its
+    pieces from other rows and the result is no model's, without an error."""
+
+    def check(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        handle.remove()
+        _same_inputs((args, kwargs), group)
+        if _differs(torch.get_rng_state(), group):
+            warnings.warn(
+                "the tensor-parallel ranks' random number generators differ (seeded per rank?): "
+                "dropout on activations they share draws different masks on each, and their "
+                "copies diverge; seed every rank of a tensor-parallel group alike "
+                "(torch.manual_seed(seed), the same seed)",
+                stacklevel=2,
+            )
+
+    handle = model.register_forward_pre_hook(check, prepend=True, with_kwargs=True)
+
+
+def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
+    """A module with parameters of its own that the plan does not split, run between a colwise
+    Linear and its rowwise partner (a norm of each head of q and k: Phi's ``qk_layernorm``,
+    Cohere's ``use_qk_norm``), sees this rank's heads only: its gradient is a part of the whole
+    and differs across the tensor-parallel ranks, so their replicas drift apart without an error
+    (or its shape fits no piece). Refused at the first forward, when the order is known; the
+    hooks are gone after it."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    inside: list[str] = []  # the colwise Linear whose split output is in flight
+    handles: list[Any] = []
+
+    def opened(name: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            inside[:] = [name]
+
+        return hook
+
+    def closed(module: nn.Module, args: tuple, output: Any) -> None:
+        inside.clear()
+
+    def check(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            if inside:  # (the hooks stay: a caught refusal refuses the next forward too)
+                raise ValueError(
+                    f"tensor-parallel plan: {name} has parameters the plan does not split, and "
+                    f"runs after the colwise {inside[0]}, before its rowwise partner, on this "
+                    "rank's heads or features only (a per-head norm of q and k?): each rank "
+                    "would train it on a part of its gradient. zeroshard cannot split it: "
+                    "pass --tp 1 (or turn that option of the model off)"
+                )
+
+        return hook
+
+    def done(*_: Any) -> None:
+        for h in handles:
+            h.remove()
+
+    handles.append(model.register_forward_pre_hook(lambda *_: inside.clear()))
+    for name, module in model.named_modules():
+        style = plan.get(name)
+        if isinstance(style, ColwiseParallel) and isinstance(style.output_layouts[0], Shard):
+            handles.append(module.register_forward_hook(opened(name)))
+        elif isinstance(style, RowwiseParallel):
+            handles.append(module.register_forward_hook(closed))
+        elif style is None and next(module.parameters(recurse=False), None) is not None:
+            handles.append(module.register_forward_pre_hook(check(name)))
+    handles.append(model.register_forward_hook(done))
+
+
+def _same_inputs(args: Any, group) -> None:
+    """A warning when the ranks of the tensor-parallel ``group`` got other inputs: (count,
+    elements, sum, sum of squares) of the tensors in ``args`` in FP64, all-gathered once."""
+    from zeroshard.trees import tensors_in
+
+    tensors = [t.detach() for t in tensors_in(args)]
+    if not tensors:
+        return
+    parts = [
+        [1.0, t.numel(), t.double().sum().item(), t.double().square().sum().item()] for t in tensors
+    ]
+    mine = torch.tensor(
+        [sum(c) for c in zip(*parts)], dtype=torch.float64, device=tensors[0].device
+    )
+    if _differs(mine, group):
+        warnings.warn(
+            "the ranks of a tensor-parallel group got different inputs at the first training "
+            "forward: they compute one model's pieces and must see the same batch; split the "
+            "data by the data-parallel rank (mesh_2d's Mesh: mesh.rank of mesh.world_size), "
+            "not by the global rank",
+            stacklevel=2,
+        )
+
+
+def _differs(mine: torch.Tensor, group) -> bool:
+    """Whether some rank of ``group`` holds another ``mine`` (one all-gather)."""
+    seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(seen, mine, group=group)
+    return any(not torch.equal(s, seen[0]) for s in seen)
