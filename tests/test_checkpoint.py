@@ -21,7 +21,7 @@ import torch.distributed as dist
 from parity_models import batch, build, loss_of, param_groups
 
 import zeroshard
-from zeroshard import checkpoint, checkpoint_checks, checkpoint_files
+from zeroshard import checkpoint, checkpoint_async, checkpoint_checks, checkpoint_files
 from zeroshard.checkpoint_files import STALE_TMP_S
 from zeroshard.models.gpt import GPT, GPTConfig
 from zeroshard.testing import Workers, impatient
@@ -664,7 +664,7 @@ def _async_save(base: str) -> bool:
         go.set()
         assert handle.wait() == folder / "step-000002" and handle.done()
     # Its collectives give up on a stuck peer after the job's timeout, not gloo's 30 minutes.
-    (background,) = checkpoint._BACKGROUND_GROUPS.values()
+    (background,) = checkpoint_async._BACKGROUND_GROUPS.values()
     assert group_timeout_s(background) == group_timeout_s(None)
     # A second save waits for the first: both published, in order.
     first = checkpoint.save(

@@ -62,14 +62,11 @@ the path or raises the save's error; the next ``save`` or ``load`` waits for it 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
 import secrets
 import shutil
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,8 +75,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard import checkpoint_async, rank_buffers, rng, tensor_parallel
 from zeroshard import checkpoint_checks as checks
-from zeroshard import rank_buffers, rng, tensor_parallel
+from zeroshard.checkpoint_async import SaveHandle  # noqa: F401 (re-exported)
 from zeroshard.checkpoint_files import (
     LEGACY_RUN,
     META_FILE,
@@ -107,8 +105,7 @@ from zeroshard.checkpoint_info import (  # noqa: F401 (the inspection API, re-ex
     verify,
 )
 from zeroshard.engine import engine_of
-from zeroshard.flat_range import FlatRange
-from zeroshard.watchdog import CollectiveTimeout, diagnosed, every_rank_calls, inherit_timeout
+from zeroshard.watchdog import diagnosed, every_rank_calls
 
 _WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap encoding and I/O
 
@@ -356,21 +353,9 @@ def _save(
         if not async_save:
             _write_and_publish(*job, group)
             return path
-        job = (tmp, path, _snapshot(state), *job[3:])  # copies, taken while resident
-    background = _background_group(group)
-    handle = SaveHandle(path)
-    handle._thread = threading.Thread(
-        target=handle._run, args=(job, background), name=f"zeroshard-save-{path.name}", daemon=True
-    )
-    global _pending, _exit_hook
-    if not _exit_hook:
-        _exit_hook = True
-        # Run by threading's shutdown, before concurrent.futures' own exit hook (registered
-        # earlier; they run in reverse), which refuses the save's writer threads new work.
-        getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
-    _pending = handle
-    handle._thread.start()
-    return handle
+        copied = checkpoint_async.snapshot(state)  # copies, taken while resident
+        job = (tmp, path, copied, *job[3:])
+    return checkpoint_async.start(path, lambda g: _write_and_publish(*job, g), group)
 
 
 def _loss_scalers(optimizer) -> dict | list[dict]:
@@ -379,96 +364,9 @@ def _loss_scalers(optimizer) -> dict | list[dict]:
     return states if optimizer is None or isinstance(optimizer, list | tuple) else states[0]
 
 
-def _finish_at_exit() -> None:
-    """At exit: an asynchronous save still being written is finished first, as
-    ``torch.distributed.checkpoint.async_save``'s is (its thread is a daemon: the interpreter
-    would stop it mid-write, and gloo aborted the process under it)."""
-    if _pending is None or _pending.done():
-        return
-    path = _pending.path
-    print(
-        f"zeroshard: finishing the asynchronous save of {path} before exiting (up to the "
-        "collective timeout if another rank is gone)",
-        file=sys.stderr,
-    )
-    try:
-        _pending.wait()
-    except Exception as exc:  # the interpreter is exiting: say why, no traceback
-        print(f"zeroshard: the asynchronous save of {path} failed: {exc}", file=sys.stderr)
-
-
-class SaveHandle:
-    """An asynchronous ``save`` in flight: ``done()`` says whether it has ended, ``wait()``
-    blocks until then and returns the checkpoint's path, or raises the save's error."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def _run(self, job: tuple, group) -> None:
-        try:
-            with diagnosed("save", f"checkpoint {self.path.name}", group):
-                _write_and_publish(*job, group)
-        except BaseException as exc:  # re-raised by wait(), in the caller's thread
-            self._error = exc
-
-    def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> Path:
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise TimeoutError(f"checkpoint {self.path} is still being saved")
-        global _pending
-        if _pending is self:
-            _pending = None
-        if isinstance(self._error, CollectiveTimeout):
-            raise CollectiveTimeout(str(self._error), report=self._error.report) from self._error
-        if isinstance(self._error, CheckpointError):
-            raise CheckpointError(str(self._error)) from self._error
-        if self._error is not None:
-            raise CheckpointError(
-                f"asynchronous save of checkpoint {self.path} failed: {self._error}"
-            ) from self._error
-        return self.path
-
-
-_pending: SaveHandle | None = None  # this process's asynchronous save in flight
-_exit_hook = False  # _finish_at_exit registered (once per process)
-_BACKGROUND_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
 def wait() -> Path | None:
     """Wait for this process's asynchronous save in flight, if any: its path, or its error."""
-    return None if _pending is None else _pending.wait()
-
-
-def _background_group(group) -> dist.ProcessGroup:
-    """A gloo group of ``group``'s ranks for the background thread's collectives (created once:
-    they must not interleave with the training thread's on the same group)."""
-    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    if ranks not in _BACKGROUND_GROUPS:
-        _BACKGROUND_GROUPS[ranks] = dist.new_group(
-            list(ranks), backend="gloo", use_local_synchronization=True
-        )
-        inherit_timeout(_BACKGROUND_GROUPS[ranks])  # else gloo's 30 minutes for a stuck peer
-    return _BACKGROUND_GROUPS[ranks]
-
-
-def _snapshot(tree: Any) -> Any:
-    """A copy of a (nested) state dict whose tensors (DTensors: their local shards) are new
-    CPU tensors: what training does next cannot change it."""
-    if isinstance(tree, dict):
-        return {k: _snapshot(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_snapshot(v) for v in tree)
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, FlatRange):
-        return tree.snapshot()
-    return tree
+    return checkpoint_async.wait()
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
