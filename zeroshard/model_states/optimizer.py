@@ -11,7 +11,7 @@ sub-group: the seam through which a lower memory tier can stream them (ZeRO-Offl
 original parameters and the hyperparameters, which LR schedulers change and ``step`` hands on to
 every sub-group. After the step, the engine refreshes replicated parameters (its own schedule).
 
-Loss scaling lives here too (``zeroshard.precision``): ``backward`` multiplies the loss by the
+Loss scaling lives here too (``zeroshard.loss_scaling``): ``backward`` multiplies the loss by the
 scaler's scale; each gradient reduction removes it and looks for inf/NaN in the pass that
 averages the reduced values (``GradScaling``); ``step`` agrees on the outcome with one small
 all-reduce ("found_inf") and either steps or skips (master weights, optimizer states and step
@@ -32,7 +32,6 @@ give the same result as unsharded training; others (LBFGS, Adafactor, LAMB, Muon
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -42,7 +41,7 @@ from torch import nn
 
 from zeroshard.engine import Engine, engine_of, live_engines
 from zeroshard.loss_scaling import DynamicLossScaler, LossScaler, default_scaler
-from zeroshard.model_states import bucket_owners, clipping
+from zeroshard.model_states import bucket_owners, clipping, streamed_step
 from zeroshard.model_states.agreement import agree, agreed
 from zeroshard.model_states.backward_step import BackwardStep, check_step_in_backward
 from zeroshard.model_states.flat_param import check_requires_grad
@@ -59,15 +58,9 @@ from zeroshard.model_states.optimizer_args import (
 )
 from zeroshard.model_states.state_swap import (
     StateSwapper,
-    record_bytes,
-    state_bytes_per_group,
 )
 from zeroshard.model_states.subgroups import States, SubGroup, build_subgroups
-from zeroshard.offload.folder import padded_bytes
 from zeroshard.watchdog import collective_failed, diagnosed
-
-log = logging.getLogger(__name__)
-
 
 _NOT_A_COPY = (
     "a zeroshard optimizer: its states are this rank's shards, stepped with its model's "
@@ -141,49 +134,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer_cls = optimizer_cls
         self.state = States(self._subgroups)
         self._groups_fixed = True
-        offload = getattr(self.engine, "offload", None)
         self._swap: StateSwapper | None = None
         """With ``Offload(optimizer="nvme")``: the sub-groups' states in swap files, streamed
         around each step (``zeroshard.model_states.state_swap``)."""
         self._grad_swap: GradSwapper | None = None
         """With ``Offload(gradients="nvme")``: reduced gradient shards written as each
         reduction finishes and read back at the step (``zeroshard.model_states.grad_swap``)."""
-        if offload is not None and offload.optimizer == "nvme":  # on every rank: a collective
-            if offload.gradients == "nvme" and any(
-                o._param_ids != self._param_ids for o in self.engine.optimizers
-            ):
-                raise ValueError(
-                    "a second optimizer over other parameters of a model whose gradients are "
-                    "on NVMe: each reduced gradient goes to one optimizer's swap files. Keep "
-                    "gradients in memory (Offload(gradients='cpu' or None)), or use one "
-                    "optimizer with param groups"
-                )
-            grad_bytes = 0
-            if offload.gradients == "nvme":
-                masters = [b.flat.master_view for b in buckets if b.flat.master_view is not None]
-                grad_bytes = sum(padded_bytes(m.numel() * m.element_size()) for m in masters)
-            # Another live optimizer of the model (a GAN's) keeps its store: the lowest free one.
-            taken = {o._swap.index for o in self.engine.optimizers if o._swap is not None}
-            self._swap = StateSwapper(
-                self._subgroups,
-                offload,
-                self.engine.mesh,
-                optimizer_cls,
-                defaults,
-                grad_bytes=grad_bytes,
-                index=min(set(range(len(taken) + 1)) - taken),
-            )
-            if offload.gradients == "nvme":
-                self._grad_swap = GradSwapper(
-                    self._swap.store, buckets, self._swap.timed, self._swap.stop
-                )
-        elif offload is not None and offload.optimizer == "cpu":
-            per_group = state_bytes_per_group(optimizer_cls, defaults, self._subgroups)
-            log.info(
-                "optimizer states on the CPU tier: %d bytes (training runs on the CPU: they are "
-                "in host memory already, nothing moves)",
-                sum(map(record_bytes, self._subgroups, per_group)),
-            )
+        self._swap, self._grad_swap = streamed_step.swappers(self, optimizer_cls, defaults)
         if step_in_backward and self.engine.param_swap is not None:
             raise ValueError(
                 "step_in_backward with Offload(parameters='nvme') is not implemented: the masters "
@@ -409,9 +366,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             try:
                 if self._swap is None:
-                    self._step_in_memory(unused)
+                    streamed_step.step_in_memory(self, unused)
                 else:
-                    self._step_swapped(self._swap, unused)
+                    streamed_step.step_swapped(self, self._swap, unused)
             except BaseException as exc:
                 # Raised partway (an out-of-memory, a Ctrl-C in one sub-group): the sub-groups
                 # stepped keep their update, as a torch optimizer's parameters do, and every
@@ -457,59 +414,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if problem:
             raise ValueError(problem)
         return not found_inf
-
-    def _step_in_memory(self, unused: set[int]) -> None:
-        """Every sub-group in turn; with offloaded masters (``param_swap``) sub-group
-        ``i + 1``'s is read while ``i`` steps, and each is written back after its step."""
-        masters, subgroups = self.engine.param_swap, self._subgroups
-        if masters is None:
-            for sg in subgroups:
-                self._step_subgroup(sg, unused)
-            return
-        masters.begin_step()
-        try:
-            for i, sg in enumerate(subgroups):
-                following = subgroups[i + 1].bucket.flat if i + 1 < len(subgroups) else None
-                masters.before(sg.bucket.flat, following)
-                self._step_subgroup(sg, unused)
-                masters.after(sg.bucket.flat)
-        except BaseException:
-            masters.abort_step()
-            raise
-        masters.end_step()
-
-    def _step_swapped(self, swap: StateSwapper, unused: set[int]) -> None:
-        """Sub-group ``i + 1``'s states (and offloaded master) are read while ``i`` steps and
-        ``i - 1`` is written."""
-        swap.begin_step()
-        grads, subgroups = self._grad_swap, self._subgroups
-        masters = self.engine.param_swap
-        if masters is not None:
-            masters.begin_step()
-        try:
-            for i, sg in enumerate(subgroups):
-                swap.before(i)
-                if masters is not None:
-                    following = subgroups[i + 1].bucket.flat if i + 1 < len(subgroups) else None
-                    masters.before(sg.bucket.flat, following)
-                if grads is not None:
-                    if i + 1 < len(subgroups):
-                        grads.prefetch(subgroups[i + 1].bucket)
-                    grads.restore(sg.bucket)
-                self._step_subgroup(sg, unused)
-                if grads is not None:
-                    grads.consume(sg.bucket)
-                swap.after(i)
-                if masters is not None:
-                    masters.after(sg.bucket.flat)
-        except BaseException:
-            swap.abort_step()
-            if masters is not None:
-                masters.abort_step()
-            raise
-        swap.end_step()
-        if masters is not None:
-            masters.end_step()
 
     @contextlib.contextmanager
     def states_in_memory(self) -> Iterator[None]:
