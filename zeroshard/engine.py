@@ -37,10 +37,11 @@ from torch import nn
 from zeroshard import autograd_hooks, call_frames
 from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, weakly, when_backward_reaches
+from zeroshard.loss_scaling import GradScaling
 from zeroshard.mesh import Mesh
 from zeroshard.model_states import flat_param
 from zeroshard.model_states.agreement import reduced_again_anywhere
-from zeroshard.model_states.grads import GradBucket, GradScaling, pools
+from zeroshard.model_states.grads import GradBucket, pools
 from zeroshard.model_states.reduction_order import ReductionOrder
 from zeroshard.module_hooks import install
 from zeroshard.precision import MixedPrecision

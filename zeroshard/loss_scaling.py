@@ -4,7 +4,8 @@ FP16's narrow range lets small gradients underflow: the loss is multiplied by a 
 backward and the FP32 shard gradients divided by it before the step. A step whose gradients
 hold inf/NaN on any rank is skipped (master weights and optimizer states untouched); a
 ``DynamicLossScaler`` then lowers the scale, and raises it again after ``growth_interval``
-clean steps, as ``torch.amp.GradScaler`` does.
+clean steps, as ``torch.amp.GradScaler`` does. ``GradScaling`` is the engine's side: the scale
+of the loss whose gradients are being reduced, removed in the pass that averages them.
 
     zeroshard.optimizer(model, AdamW, lr=3e-4, loss_scaler=DynamicLossScaler(growth_interval=1000))
 """
@@ -12,6 +13,7 @@ clean steps, as ``torch.amp.GradScaler`` does.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -252,6 +254,45 @@ class DynamicLossScaler(LossScaler):
         for name in ("growth_factor", "backoff_factor", "growth_interval"):
             if "_growth_tracker" in state and name in state:
                 setattr(self, name, type(getattr(self, name))(state[name]))
+
+
+@dataclass
+class GradScaling:
+    """The loss scale that every bucket removes from its reduced gradient in the one pass that
+    averages it (and raises the bucket's ``found_inf`` in, so that the optimizer's skip decision
+    costs no extra pass over the gradients). One per engine, shared by its buckets."""
+
+    loss_scale: float = 1.0  # what the loss was multiplied by before the backward
+    next_scale: float | None = None  # set by ``ShardedOptimizer.backward``: its loss's scale
+    next_scaler: LossScaler | None = None  # and the scaler it came from
+    scaler: LossScaler | None = None  # the last backward's (None: a plain one, unscaled)
+    accumulating: bool = False  # an earlier backward's gradients wait unreduced (micro-step)
+    warn_unscaled: bool = False  # the optimizer scales losses (FP16): a plain backward warns
+
+    def reset(self) -> None:
+        self.accumulating = False
+
+    def begin_backward(self) -> None:
+        """At a backward's start: its loss's scale (1 for a plain ``loss.backward()``) is the
+        one its reduction removes, and must be that of unreduced gradients it adds to."""
+        plain, scale = self.next_scale is None, self.next_scale or 1.0
+        self.scaler, self.next_scale, self.next_scaler = self.next_scaler, None, None
+        if plain and self.warn_unscaled:
+            self.warn_unscaled = False  # once
+            warnings.warn(
+                "a backward outside opt.backward(loss) with FP16 loss scaling: its loss is not "
+                "scaled, so small gradients may underflow to zero; call opt.backward(loss) (and "
+                "opt.backward(loss, sync=False) for accumulation micro-steps)",
+                stacklevel=2,
+            )
+        if self.accumulating and scale != self.loss_scale:
+            raise ValueError(
+                f"this backward's loss is scaled by {scale:g} but the unreduced gradients it "
+                f"adds to by {self.loss_scale:g} (opt.backward scales by the loss scaler's "
+                "scale, a plain loss.backward() does not): use opt.backward(loss, sync=False) "
+                "for every accumulation micro-step and opt.backward(loss) for the last"
+            )
+        self.loss_scale = scale
 
 
 def _largest_power_of_two(dtype: torch.dtype) -> float:

@@ -26,9 +26,10 @@ from torch import nn
 from zeroshard import collectives as C
 from zeroshard import generation, save_pretrained, tensor_parallel
 from zeroshard.engine import _ATTR, SHARDED_PARAM, Engine, ShardConfig
+from zeroshard.loss_scaling import GradScaling
 from zeroshard.mesh import Mesh, settle_collective_threads_at_exit
 from zeroshard.model_states.flat_param import FlatParam, master_dtype_of
-from zeroshard.model_states.grads import GradBucket, GradScaling
+from zeroshard.model_states.grads import GradBucket
 from zeroshard.model_states.init import Materializer, check_same_model
 from zeroshard.model_states.param_swap import ParamSwapper
 from zeroshard.model_states.partition import layout, padded_numel

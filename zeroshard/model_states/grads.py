@@ -28,10 +28,8 @@ reduce-scatter is done (at ``finish``, deferred by ``ShardConfig.max_inflight_re
 from __future__ import annotations
 
 import enum
-import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,7 +43,7 @@ from zeroshard.stages import Partition
 from zeroshard.streams import on_side_stream
 
 if TYPE_CHECKING:
-    from zeroshard.loss_scaling import LossScaler
+    from zeroshard.loss_scaling import GradScaling
 
 
 class Reduction(enum.Enum):
@@ -58,45 +56,6 @@ class Reduction(enum.Enum):
         if not partition.optimizer_states:
             return cls.ALL_REDUCE
         return cls.SCATTER_AND_FREE if partition.gradients else cls.SCATTER_IN_PLACE
-
-
-@dataclass
-class GradScaling:
-    """The loss scale that every bucket removes from its reduced gradient in the one pass that
-    averages it (and raises the bucket's ``found_inf`` in, so that the optimizer's skip decision
-    costs no extra pass over the gradients). One per engine, shared by its buckets."""
-
-    loss_scale: float = 1.0  # what the loss was multiplied by before the backward
-    next_scale: float | None = None  # set by ``ShardedOptimizer.backward``: its loss's scale
-    next_scaler: LossScaler | None = None  # and the scaler it came from
-    scaler: LossScaler | None = None  # the last backward's (None: a plain one, unscaled)
-    accumulating: bool = False  # an earlier backward's gradients wait unreduced (micro-step)
-    warn_unscaled: bool = False  # the optimizer scales losses (FP16): a plain backward warns
-
-    def reset(self) -> None:
-        self.accumulating = False
-
-    def begin_backward(self) -> None:
-        """At a backward's start: its loss's scale (1 for a plain ``loss.backward()``) is the
-        one its reduction removes, and must be that of unreduced gradients it adds to."""
-        plain, scale = self.next_scale is None, self.next_scale or 1.0
-        self.scaler, self.next_scale, self.next_scaler = self.next_scaler, None, None
-        if plain and self.warn_unscaled:
-            self.warn_unscaled = False  # once
-            warnings.warn(
-                "a backward outside opt.backward(loss) with FP16 loss scaling: its loss is not "
-                "scaled, so small gradients may underflow to zero; call opt.backward(loss) (and "
-                "opt.backward(loss, sync=False) for accumulation micro-steps)",
-                stacklevel=2,
-            )
-        if self.accumulating and scale != self.loss_scale:
-            raise ValueError(
-                f"this backward's loss is scaled by {scale:g} but the unreduced gradients it "
-                f"adds to by {self.loss_scale:g} (opt.backward scales by the loss scaler's "
-                "scale, a plain loss.backward() does not): use opt.backward(loss, sync=False) "
-                "for every accumulation micro-step and opt.backward(loss) for the last"
-            )
-        self.loss_scale = scale
 
 
 def pools(buckets: list[GradBucket]) -> list[TensorPool]:
