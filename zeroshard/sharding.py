@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard import collectives as C
-from zeroshard import generation, save_pretrained, tensor_parallel
+from zeroshard import generation, model_checks, save_pretrained, tensor_parallel
 from zeroshard.engine import _ATTR, SHARDED_PARAM, Engine, ShardConfig
 from zeroshard.loss_scaling import GradScaling
 from zeroshard.mesh import Mesh, settle_collective_threads_at_exit
@@ -132,7 +132,7 @@ def shard(
             f"the model holds a {type(wrapper).__name__}, whose own hooks all-reduce gradients "
             "beside zeroshard's: shard the plain model (its .module) instead"
         )
-    _check_no_shared_memory(model)
+    model_checks.no_shared_memory(model)
     complex_ = next((n for n, p in model.named_parameters() if p.is_complex()), None)
     if complex_ is not None:
         raise ValueError(
@@ -146,7 +146,7 @@ def shard(
             "ran on it): zeroshard shards plain parameters; split a model tensor-parallel with "
             "zeroshard.tensor_parallel (zeroshard train --tp N) instead"
         )
-    _check_embeddings(model)
+    model_checks.trainable_embeddings(model)
     devices = {p.device for p in model.parameters()} - {torch.device("meta")}
     if len(devices) > 1:
         raise ValueError(
@@ -305,50 +305,6 @@ def shard(
         weakref.finalize(model, release_tf32)
     settle_collective_threads_at_exit()
     return model
-
-
-def _check_no_shared_memory(model: nn.Module) -> None:
-    """Two Parameters over the same elements (``Parameter(fc.weight.data.t())``): sharding gives
-    each its own master, and they drifted apart without a word (FSDP2 refuses them too).
-    Parameters over separate elements of one storage (a checkpoint's views of a fused tensor)
-    are fine. Address ranges first; elements only where two ranges meet (interleaved views)."""
-    spans: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
-    for name, p in model.named_parameters():  # each Parameter once (tied ones are one)
-        if p.device.type == "meta" or not p.numel():
-            continue
-        start = p.data_ptr()
-        spans.setdefault(p.untyped_storage().data_ptr(), []).append(
-            (start, start + _extent(p) * p.element_size(), name, p)
-        )
-    for group in spans.values():
-        group.sort(key=lambda span: span[:2])
-        for i, (start, _, name, p) in enumerate(group):
-            for _, end, first, q in group[:i]:
-                if start < end and _same_elements(q, p):
-                    raise ValueError(
-                        f"parameters {first} and {name} share memory (one a view of the "
-                        "other): sharded, each would get its own copy and they would drift "
-                        "apart; register one Parameter and derive the other from it in forward "
-                        "(e.g. self.fc.weight.t())"
-                    )
-
-
-def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether views ``a`` and ``b`` of one storage (one dtype) share an element: marked in a
-    mask over the range of the storage they span (views of two dtypes over one byte range:
-    taken as sharing)."""
-    if a.dtype != b.dtype:
-        return True
-    lo = min(a.storage_offset(), b.storage_offset())
-    hi = max(t.storage_offset() + _extent(t) for t in (a, b))
-    mask = torch.zeros(hi - lo, dtype=torch.bool)
-    mask.as_strided(a.shape, a.stride(), a.storage_offset() - lo).fill_(True)
-    return bool(mask.as_strided(b.shape, b.stride(), b.storage_offset() - lo).any())
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Elements of its storage that view ``t`` spans, from its first to its last."""
-    return sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
 
 
 def _refuse_deepcopy(memo: dict) -> None:
@@ -542,33 +498,6 @@ def _flat_params(
     for key in list(open_buckets):
         close(key)
     return per_unit
-
-
-def _check_embeddings(model: nn.Module) -> None:
-    """A ValueError naming the module and the fix for a trainable embedding that the engine
-    cannot train as torch does: sparse gradients (the flat buckets hold dense ones) or
-    ``max_norm`` (its forward renormalizes rows of the weight in place: a write to the gathered
-    copy, lost at stage 3, partly kept at stages 1-2, and left to drift between the replicas at
-    stage 0)."""
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.Embedding | nn.EmbeddingBag) or not m.weight.requires_grad:
-            continue
-        which = f"module {name or '<root>'!r} ({type(m).__name__})"
-        if m.sparse:
-            raise ValueError(
-                f"{which} has sparse=True: its gradients are sparse tensors, which the flat "
-                "gradient buckets cannot hold; build it with sparse=False (dense gradients, "
-                "with an element-wise optimizer such as Adam instead of SparseAdam) or freeze it"
-            )
-        if m.max_norm is not None:
-            raise ValueError(
-                f"{which} has max_norm={m.max_norm}: its forward rescales rows of the weight in "
-                "place, a write to the gathered parameter that sharding does not keep (lost at "
-                "stage 3, in part at stages 1-2, different on each replica at stage 0); build "
-                "it with max_norm=None and bound the norms another way (a penalty, or "
-                "renormalize inside zeroshard.summon_full_params(model) after each step), or "
-                "freeze it"
-            )
 
 
 BUFFER_DTYPES = "_zeroshard_buffer_dtypes"
