@@ -494,16 +494,8 @@ def advice(args) -> dict:
     """The advisor's ranking, as the JSON-ready dict (``planner.report``)."""
     _fit_to_model(args)
     model = _model(args)
-    missing = [
-        f
-        for f, v in (
-            ("--memory", args.memory),
-            ("--peak-flops", args.peak_flops),
-            ("--net-bandwidth", args.net_bandwidth),
-            ("--global-batch", args.global_batch),
-        )
-        if v is None
-    ]
+    needed = ("memory", "peak_flops", "net_bandwidth", "global_batch")
+    missing = ["--" + f.replace("_", "-") for f in needed if getattr(args, f) is None]
     if missing:
         raise ValueError(f"--advise needs {', '.join(missing)} too")
     for flag in ("dp", "mp", "seq", "devices", "global_batch", "top", "devices_per_node"):
