@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from zeroshard.model_states.grads import GradBucket
-from zeroshard.model_states.state_swap import stopping_on_refusal
+from zeroshard.model_states.swappers import stopping_on_refusal
 from zeroshard.offload import OffloadError, SwapHandle, TensorStore
 
 

@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zeroshard.model_states.state_swap import StopsOnFailure, open_store, stopping_on_refusal
 from zeroshard.model_states.swap_space import check_space
+from zeroshard.model_states.swappers import StopsOnFailure, open_store, stopping_on_refusal
 from zeroshard.offload import SwapHandle
 
 if TYPE_CHECKING:
