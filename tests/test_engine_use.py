@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import gc
 import io
+import math
 import pickle
 import warnings
 
@@ -781,7 +782,7 @@ def test_skipped_prefetches_are_freed_and_dropped_graphs_leave_no_uses(workers2)
 
 
 def _backward_interrupted(stage: int) -> dict:
-    """An exception in the middle of a backward: the next forward warns, starts clean, and
+    """An exception in the middle of a backward: ``zero_grad()`` warns, starts clean, and
     training goes on as the reference's (which never took the interrupted step)."""
     model, ref, opt, ref_opt, kind = _pair("gpt", stage, None)
     x, y = _global_batch(kind, 0)
@@ -794,9 +795,9 @@ def _backward_interrupted(stage: int) -> dict:
     loss = model(_rows(x), _rows(y)) + out.square().mean()
     with contextlib.suppress(KeyboardInterrupt):
         loss.backward()
-    opt.zero_grad()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        opt.zero_grad()
         diff = _train_both(model, ref, opt, ref_opt, kind, range(1, 4))
     warned = any("did not finish" in str(w.message) for w in caught)
     return {"loss": diff, "param": _param_diff(model, ref), "warned": float(not warned)}
@@ -848,6 +849,87 @@ def _backward_failed_then_step(stage: int, how: str) -> dict:
 @pytest.mark.parametrize("how", ["hook", "second_backward"])
 def test_a_step_after_a_backward_that_raised_at_once(workers2, stage, how):
     _check(workers2.run(_backward_failed_then_step, stage, how))
+
+
+def _raise_in_backward(*_: object) -> None:
+    raise RuntimeError("a check inside backward")
+
+
+def _step_after_a_backward_that_raised_midway(stage: int) -> dict:
+    """A backward that raised midway (a hook on a block's backward: the head and the blocks
+    after it have their gradients, the rest not), caught, then ``step()``: refused on every
+    rank with nothing moved (stages 0-2 stepped on zero gradients, Adam moving every unit of
+    the unfinished bucket by lr; stage 3 called the root's leftover ``.grad`` set by hand);
+    after ``zero_grad()`` training goes on as the reference's, which skipped that batch."""
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, None)
+    _train_both(model, ref, opt, ref_opt, kind, range(0, 1))
+    x, y = _global_batch(kind, 1)
+    handle = model.blocks[0].register_full_backward_hook(_raise_in_backward)
+    with contextlib.suppress(RuntimeError):
+        _loss(kind, model, _rows(x), _rows(y)).backward()
+    handle.remove()
+    before = [
+        p.detach().clone() for p in zeroshard.full_state_dict(model, rank0_only=False).values()
+    ]
+    said = ""
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        said = str(exc)
+    after = zeroshard.full_state_dict(model, rank0_only=False).values()
+    moved = max((a - b).abs().max().item() for a, b in zip(after, before))
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the next forward says the backward did not finish)
+        diff = _train_both(model, ref, opt, ref_opt, kind, range(2, 4))
+    refused = said.startswith("optimizer.step(): the last backward raised after it had made")
+    return {"loss": diff, "param": _param_diff(model, ref), "moved": moved, "said": 1.0 - refused}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_step_after_a_backward_that_raised_midway_is_refused(workers2, stage):
+    _check(workers2.run(_step_after_a_backward_that_raised_midway, stage))
+
+
+def _step_in_backward_after_a_backward_that_raised(zero_grad: bool) -> dict:
+    """step_in_backward, a backward that raised after some units had stepped in it: they keep
+    their update (said once), and training goes on, with or without ``zero_grad()`` after the
+    failure; without it, every later step failed ("received gradients again after its update
+    in this step (a second backward before optimizer.step())")."""
+    model, _, _, _, kind = _pair("gpt", 3, None)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, step_in_backward=True)
+    said, losses = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            x, y = _global_batch(kind, step)
+            handle = model.blocks[0].register_full_backward_hook(_raise_in_backward)
+            try:
+                if step != 1:
+                    handle.remove()
+                loss = _loss(kind, model, _rows(x), _rows(y))
+                losses.append(loss.item())
+                opt.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            except RuntimeError as exc:
+                said.append(str(exc))
+                if zero_grad:
+                    opt.zero_grad()
+            finally:
+                handle.remove()
+    kept = [
+        str(w.message) for w in caught if "had already applied step_in_backward" in str(w.message)
+    ]
+    return {"said": said, "kept": kept, "losses": losses}
+
+
+@pytest.mark.parametrize("zero_grad", [True, False])
+def test_step_in_backward_goes_on_after_a_backward_that_raised(workers2, zero_grad):
+    for r in workers2.run(_step_in_backward_after_a_backward_that_raised, zero_grad):
+        assert r["said"] == ["a check inside backward"], r
+        assert len(r["kept"]) == 1 and "unit(s): they keep it" in r["kept"][0], r
+        assert len(r["losses"]) == 4 and all(math.isfinite(v) for v in r["losses"]), r
 
 
 def _lent_after_a_backward_that_raised(stage: int) -> dict:

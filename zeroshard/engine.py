@@ -21,9 +21,7 @@ only when the first forward ran without grad (reentrant checkpointing).
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
-import sys
 import warnings
 import weakref
 from collections import deque
@@ -34,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zeroshard import autograd_hooks, call_frames
+from zeroshard import autograd_hooks, call_frames, unwind
 from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, weakly, when_backward_reaches
 from zeroshard.loss_scaling import GradScaling
@@ -50,23 +48,14 @@ from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
-from zeroshard.trees import cast_floats, map_tensors, tensors_reached, undo
-from zeroshard.unit import TrainingState, Unit
-from zeroshard.watchdog import collective_failed
+from zeroshard.trees import cast_floats, map_tensors, tensors_reached
+from zeroshard.unit import Phase, TrainingState, Unit
 
 if TYPE_CHECKING:
     from zeroshard.model_states.param_swap import ParamSwapper
 
 _ATTR, SHARDED_PARAM = "_zeroshard_engine", "_zeroshard_sharded"
 """The sharded model's attribute; each of its parameters' (sharding a part again is refused)."""
-
-
-class Phase(enum.Enum):
-    """Where the whole model is in a training step (the engine's own state)."""
-
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
 
 
 class _Use:
@@ -101,7 +90,7 @@ class _Use:
             unit.pending_uses -= 1
 
 
-class Engine:
+class Engine(unwind.Unwinding):
     """Per-model state of zeroshard: the units, the stage's partition and the schedule."""
 
     def __init__(
@@ -125,6 +114,8 @@ class Engine:
         self.config, self.mixed_precision, self.ledger = config, mixed_precision, ledger
         self.phase, self.sync_grads = Phase.IDLE, True
         self._forward_call: int | None = None  # the root's running call (call_frames.current)
+        self._arrivals_at: int | None = None  # gradients made before the running backward began
+        self._partial = False  # a backward that raised had made gradients (``unwind``)
         self.forward_order: list[Unit] = []  # last forward's units, first use first
         self._recording: dict[Unit, None] | None = None  # this one's (not summoned), in order
         self._pending: deque[GradBucket] = deque()  # reductions in flight, oldest first
@@ -213,7 +204,7 @@ class Engine:
         edits, call = None, None
         if entry:  # the inputs' containers edited in place: undone by ``_leave``
             if not recompute and unit.state is not TrainingState.FORWARD:
-                _undo_calls([unit])  # an outer call: a Ctrl-C's leftovers (no hook of it ran)
+                unwind.undo_calls([unit])  # an outer call: a Ctrl-C's leftovers (no hook of it ran)
             edits = []
             call = [edits, None, {}, next(_CALLS)]  # (edits, the inputs given, their tensors
             unit.edits.append(call)  # by id, the order of the calls)
@@ -340,33 +331,6 @@ class Engine:
         self._recording = None if self.summoned else {}  # (rank 0's generate() there alone)
         self._clean_after_backward()
 
-    def _after_raised_backward(self) -> None:
-        """Outside any backward with the phase still BACKWARD, the last backward raised (its
-        end never ran): clean up before a unit is used on its own (the root's forward does),
-        or ``summon_full_params``. Not inside the root's forward (an ``autograd.grad`` there
-        that raised and was caught: the forward goes on)."""
-        if self.phase is not Phase.BACKWARD or in_backward():
-            return
-        in_root = self.root.state is TrainingState.FORWARD  # (and its call on the stack: an
-        if in_root and call_frames.running(self._forward_call):  # id alone may be reused)
-            return
-        self._clean_after_backward()
-        self.phase = Phase.IDLE
-
-    def _clean_after_backward(self) -> None:
-        """Before a forward: finish the reductions that a backward not followed by a step left
-        in flight, and start clean from one that never finished (an exception inside it)."""
-        self._finish_reductions(keep=0)
-        stale = [u for u in self.units if u.state is not TrainingState.IDLE]
-        if stale:
-            warnings.warn(
-                f"units {[u.name or '<root>' for u in stale]} were left in "
-                f"{sorted({u.state.value for u in stale})} by a backward that did not finish; "
-                "their gradients for it are discarded",
-                stacklevel=5,
-            )
-            self._start_clean(stale)
-
     def _begin_alone(self, unit: Unit) -> None:
         """A unit entered with no root forward running (a submodule called on its own: T5's
         encoder in ``generate()``, a loop over blocks): the root's checks of its parameters,
@@ -380,61 +344,6 @@ class Engine:
         self.check_trusted()
         self.adopt_writes(unit.flat_params)
 
-    def _start_clean(self, units: list[Unit]) -> None:
-        """Forget ``units``' part in a forward or backward that ended by an exception: their
-        uses, their state, and their gathered parameters (kept while summoned)."""
-        for pending in (self._units_left, self._again, self._dirty):
-            pending.clear()
-        self.reduction_order.forget()
-        _undo_calls(units)
-        for u in units:
-            u.state, u.pending_uses, u.lender, u.depth = TrainingState.IDLE, 0, None, 0
-            u.recomputing = 0
-            u.generation += 1
-            if not self.summoned:
-                u.reshard()
-
-    def _leave(self, unit: Unit) -> None:  # after each call of the unit, also one that raised
-        unit.depth = unit.depth if in_backward() else max(0, unit.depth - 1)
-        if in_backward():
-            unit.recomputing = max(0, unit.recomputing - 1)
-        if unit.edits:
-            undo(unit.edits.pop()[0])  # the caller's containers hold its own tensors again
-        left_in_forward = unit.state is TrainingState.FORWARD and not in_backward()
-        if left_in_forward and not unit.is_root and unit.depth == 0:  # (its post hook did
-            self._call_raised(unit)  # not run: the call raised)
-
-    def _call_raised(self, unit: Unit, *, keep: bool = False) -> None:
-        """A call of a unit other than the root (its module's, or a lend to an owner) raised:
-        undo what its pre hook did, the unit idle again and freed (unless ``keep``: gathered
-        before the lend). The root's ``_forward_raised`` cleans up after a whole forward; a
-        unit called on its own, or whose error the model caught and went on, has only this
-        (its next backward found it still in forward). Not after a failed collective (see
-        ``_forward_raised``)."""
-        if _comm_failed():
-            return
-        unit.lender = None
-        if unit.state is TrainingState.FORWARD:
-            unit.to(TrainingState.IDLE)
-        if not keep and not self.summoned:
-            unit.reshard()
-
-    def _forward_raised(self) -> None:
-        """After the root's forward: when it raised (its ``post`` hook did not run, so the phase
-        is still FORWARD), free at once what the forward held (gathered units, the open span
-        of activation checkpoints), not only when the next forward starts: a caller that
-        catches the error (an out-of-memory retried with a smaller batch) gets it back. Not
-        after a failed collective: freeing would wait for the gathers in flight, each another
-        timeout before the error reaches the caller; the next forward cleans up then."""
-        if self.phase is not Phase.FORWARD or in_backward() or _comm_failed():
-            return
-        self.phase, self._recording = Phase.IDLE, None
-        self._start_clean(
-            [u for u in self.units if u.state is not TrainingState.IDLE or u.is_gathered]
-        )
-        if self.checkpointing is not None:
-            self.checkpointing.close()
-
     def _pre_backward(self, unit: Unit, made_at: int, graph: bool) -> None:
         if graph and made_at != unit.updates:  # (a graph retained across a step or load)
             raise autograd_hooks.stale_graph(unit.name)
@@ -442,6 +351,7 @@ class Engine:
             autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self.summoned)
             self.scaling.begin_backward()
             self.phase = Phase.BACKWARD
+            self._arrivals_at = self.arrivals()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # another use of the unit got here first
@@ -523,6 +433,7 @@ class Engine:
             pending.clear()
         self.reduction_order.end_backward(self.mesh)
         self.scaling.accumulating = not self._reduce_now
+        self._arrivals_at, self._partial = None, False
         unowned = self.partition.optimizer_states and not self.optimizers
         # (not for an input-only autograd.grad: no parameter's gradient was made)
         if self._reduce_now and unowned and any(any(b.touched) for b in self.buckets):
@@ -698,12 +609,6 @@ def _unalias(output: Any, unit: Unit) -> Any:
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
-def _comm_failed() -> bool:
-    """Inside a hook that torch runs in its ``except`` block (``always_call``): whether the
-    error is a failed or timed-out collective."""
-    return collective_failed(sys.exc_info()[1])
-
-
 def live_engines() -> list[Engine]:
     """Every engine of this process whose model is alive: one loss may reach several sharded
     models (an encoder and a decoder sharded apart, a GAN's discriminator in the generator's
@@ -729,13 +634,3 @@ def engine_of(model: nn.Module) -> Engine:
 
 _CALLS = itertools.count()
 """Orders the calls of all units: an inner call's edits are undone before its caller's."""
-
-
-def _undo_calls(units: list[Unit]) -> None:
-    """Put back what the calls of ``units`` left edited in their inputs, the latest call first
-    (a KeyboardInterrupt skips the hooks that run after a call that raised)."""
-    calls = sorted((c for u in units for c in u.edits), key=lambda c: c[3], reverse=True)
-    for call in calls:
-        undo(call[0])
-    for u in units:
-        u.edits.clear()

@@ -17,6 +17,15 @@ from zeroshard.precision import FP32, MixedPrecision
 __all__ = ["TrainingState", "Unit"]
 
 
+class Phase(enum.Enum):
+    """Where the whole model is in a training step (the engine's own state, beside
+    each unit's ``TrainingState``)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
 class TrainingState(enum.Enum):
     """Where one unit is in a training step; checked at every transition.
 

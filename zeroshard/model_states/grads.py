@@ -104,6 +104,7 @@ class GradBucket:
         """Per slot: a gradient reached it on this rank since ``zero`` (else the optimizer may
         leave the parameter alone, as torch does with a ``None`` gradient)."""
         self.reached = False  # a gradient came since ``zero`` (not one it kept: set_to_none=False)
+        self.arrivals = 0  # gradients autograd produced, ever: a backward that raised left some?
         self.zeroings = 0  # calls of ``zero`` and ``zero_slots``: the step in backward reads it
         self._reduced = False  # reduced since zero, and the buffer kept (not yet bound again)
         self.issued = False
@@ -221,6 +222,7 @@ class GradBucket:
         """Post-accumulate hook of slot ``i``: a fresh gradient goes into the bucket."""
         if param.grad is not None:
             self.touched[i] = self.reached = True
+            self.arrivals += 1
         if self.issued:  # a fresh tensor (reduce() left .grad unbound): reduced again at the end
             self.late = True
             return

@@ -335,6 +335,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "undoes writes to the parameters on exit: whether the step should be undone "
                 "too is ambiguous; step outside it, or inside summon_full_params(model)"
             )
+        partial = self.engine.partial_gradients()
+        if partial is not None:  # (the ranks' backwards got as far as each one's error)
+            stepped = self._backward_step.stepped if self._backward_step is not None else ()
+            raise RuntimeError(
+                f"optimizer.step(): {partial}. Nothing was stepped; call opt.zero_grad() to "
+                "drop them, then run the forward and backward again"
+                + (
+                    f" (step_in_backward had updated {len(stepped)} unit(s) in that backward "
+                    "already: those updates stay)"
+                    if stepped
+                    else ""
+                )
+            )
         if self.engine.scaling.accumulating:  # else the step applies nothing, without a word
             raise ValueError(
                 "optimizer.step() after a backward with sync=False (or inside no_sync()): its "
@@ -479,7 +492,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients. ``set_to_none=False`` as in torch: parameters that had a gradient
         keep a zero one, so the next step updates them (momentum, weight decay) even if no
-        backward reaches them; with True (the default) such parameters are left alone."""
+        backward reaches them; with True (the default) such parameters are left alone. Also
+        what a backward that raised left (``Engine.partial_gradients``)."""
+        self.engine.gradients_discarded()
         if self._backward_step is not None:
             if self._backward_step.stepped:
                 warnings.warn(
@@ -496,6 +511,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._grad_swap.zero()
         bucket_owners.reclaim(self)
         bucket_owners.zero_grad(self, set_to_none)
+
+    def backward_raised(self) -> None:
+        """The engine's cleanup after a backward that raised: with step_in_backward, the units
+        it had updated keep their update (no step can be undone), said once; the next backward
+        steps every unit again."""
+        bs = self._backward_step
+        if bs is None:
+            return
+        if bs.stepped:
+            warnings.warn(
+                f"a backward that raised had already applied step_in_backward's update to "
+                f"{len(bs.stepped)} unit(s): they keep it (an applied step cannot be undone), "
+                "and the next step updates every unit",
+                stacklevel=user_stacklevel(),
+            )
+        bs.reset()
 
     # ----------------------------------------------------------------- state
     @property  # type: ignore[override]

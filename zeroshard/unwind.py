@@ -1,0 +1,174 @@
+"""Unwinding the engine's schedule after an exception: a root forward, a unit's own call or a
+backward that raised (an out-of-memory caught and retried, a NaN check hooked on the loss, a
+Ctrl-C), so that the next forward, step or ``summon_full_params`` starts from idle units with
+nothing gathered that is stale. Not after a failed collective: freeing would wait for the
+gathers in flight, each another timeout; the next forward cleans up then.
+
+``Unwinding`` is the ``Engine``'s part that does it, on the engine's own attributes (``units``,
+``root``, ``phase``, ``summoned``, ``checkpointing``, the running pass's pending sets and
+``reduction_order``).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+from zeroshard import call_frames
+from zeroshard.autograd_hooks import in_backward
+from zeroshard.trees import undo
+from zeroshard.unit import Phase, TrainingState, Unit
+from zeroshard.watchdog import collective_failed
+
+
+class Unwinding:
+    """The ``Engine``'s methods that clean up after a call that raised."""
+
+    def _after_raised_backward(self, *, dropping: bool = False) -> None:
+        """Outside any backward with the phase still BACKWARD, the last backward raised (its
+        end never ran): clean up before a unit is used on its own (the root's forward does),
+        or ``summon_full_params``. Not inside the root's forward (an ``autograd.grad`` there
+        that raised and was caught: the forward goes on)."""
+        if self.phase is not Phase.BACKWARD or in_backward():
+            return
+        in_root = self.root.state is TrainingState.FORWARD  # (and its call on the stack: an
+        if in_root and call_frames.running(self._forward_call):  # id alone may be reused)
+            return
+        self._clean_after_backward(dropping=dropping)
+        self.phase = Phase.IDLE
+
+    def arrivals(self) -> int:
+        """Gradients autograd has made into gradient views (``as_views`` buckets), ever."""
+        return sum(b.arrivals for b in self.buckets)
+
+    def _made_gradients(self) -> bool:
+        """Whether the backward whose end never ran had made gradients: counted where they
+        arrive into views, else found on the parameters of units it reached (a backward that
+        raised at once, at a hook on the loss, made none: the step takes the gradients of
+        before it, as torch's does)."""
+        if self._arrivals_at is None:
+            return False
+        if self.arrivals() != self._arrivals_at:
+            return True
+        for u in self.units:
+            if u.state is TrainingState.POST_BACKWARD:
+                return True
+            if u.state is TrainingState.PRE_BACKWARD:
+                own = [s.param for b in u.buckets if not b.as_views for s in b.flat.slots]
+                if any(p.grad is not None for p in own):
+                    return True
+        return False
+
+    def partial_gradients(self) -> str | None:
+        """Why the gradients are not to be stepped on, if they are not: the last backward
+        raised after it had made some (its end never ran), and neither ``zero_grad`` nor a
+        backward that finished came since. A step would take part of a batch's gradient,
+        reduced for some units and not others, and on each rank as far as its backward got."""
+        if in_backward() or not (self._partial or self._made_gradients()):
+            return None
+        return (
+            "the last backward raised after it had made gradients for some of the model's "
+            "parameters: they hold part of that batch's gradient, and a step would train on it"
+        )
+
+    def gradients_discarded(self) -> None:
+        """``zero_grad``: what a backward that raised left goes with the rest (after its
+        cleanup)."""
+        self._after_raised_backward(dropping=True)
+        self._arrivals_at, self._partial = None, False
+
+    def _clean_after_backward(self, *, dropping: bool = False) -> None:
+        """Before a forward: finish the reductions that a backward not followed by a step left
+        in flight, and start clean from one that never finished (an exception inside it);
+        ``dropping``: for ``zero_grad``, which drops the gradients that one made."""
+        self._finish_reductions(keep=0)
+        stale = [u for u in self.units if u.state is not TrainingState.IDLE]
+        if not stale:
+            return
+        self._partial = self._partial or self._made_gradients()  # (read before the states go)
+        for opt in self.optimizers:
+            opt.backward_raised()  # step_in_backward: updates it applied stay, said once
+        warnings.warn(
+            f"units {[u.name or '<root>' for u in stale]} were left in "
+            f"{sorted({u.state.value for u in stale})} by a backward that did not finish; "
+            "they start clean"
+            + (
+                ", and zero_grad() drops the gradients it made"
+                if dropping
+                else ". The gradients it made stay, as torch's would (the next backward adds "
+                "to them): opt.zero_grad() drops them"
+            ),
+            stacklevel=5,
+        )
+        self._start_clean(stale)
+
+    def _start_clean(self, units: list[Unit]) -> None:
+        """Forget ``units``' part in a forward or backward that ended by an exception: their
+        uses, their state, and their gathered parameters (kept while summoned)."""
+        for pending in (self._units_left, self._again, self._dirty):
+            pending.clear()
+        self.reduction_order.forget()
+        undo_calls(units)
+        for u in units:
+            u.state, u.pending_uses, u.lender, u.depth = TrainingState.IDLE, 0, None, 0
+            u.recomputing = 0
+            u.generation += 1
+            if not self.summoned:
+                u.reshard()
+
+    def _leave(self, unit: Unit) -> None:  # after each call of the unit, also one that raised
+        unit.depth = unit.depth if in_backward() else max(0, unit.depth - 1)
+        if in_backward():
+            unit.recomputing = max(0, unit.recomputing - 1)
+        if unit.edits:
+            undo(unit.edits.pop()[0])  # the caller's containers hold its own tensors again
+        left_in_forward = unit.state is TrainingState.FORWARD and not in_backward()
+        if left_in_forward and not unit.is_root and unit.depth == 0:  # (its post hook did
+            self._call_raised(unit)  # not run: the call raised)
+
+    def _call_raised(self, unit: Unit, *, keep: bool = False) -> None:
+        """A call of a unit other than the root (its module's, or a lend to an owner) raised:
+        undo what its pre hook did, the unit idle again and freed (unless ``keep``: gathered
+        before the lend). The root's ``_forward_raised`` cleans up after a whole forward; a
+        unit called on its own, or whose error the model caught and went on, has only this
+        (its next backward found it still in forward). Not after a failed collective (see
+        ``_forward_raised``)."""
+        if comm_failed():
+            return
+        unit.lender = None
+        if unit.state is TrainingState.FORWARD:
+            unit.to(TrainingState.IDLE)
+        if not keep and not self.summoned:
+            unit.reshard()
+
+    def _forward_raised(self) -> None:
+        """After the root's forward: when it raised (its ``post`` hook did not run, so the phase
+        is still FORWARD), free at once what the forward held (gathered units, the open span
+        of activation checkpoints), not only when the next forward starts: a caller that
+        catches the error (an out-of-memory retried with a smaller batch) gets it back. Not
+        after a failed collective: freeing would wait for the gathers in flight, each another
+        timeout before the error reaches the caller; the next forward cleans up then."""
+        if self.phase is not Phase.FORWARD or in_backward() or comm_failed():
+            return
+        self.phase, self._recording = Phase.IDLE, None
+        self._start_clean(
+            [u for u in self.units if u.state is not TrainingState.IDLE or u.is_gathered]
+        )
+        if self.checkpointing is not None:
+            self.checkpointing.close()
+
+
+def comm_failed() -> bool:
+    """Inside a hook that torch runs in its ``except`` block (``always_call``): whether the
+    error is a failed or timed-out collective."""
+    return collective_failed(sys.exc_info()[1])
+
+
+def undo_calls(units: list[Unit]) -> None:
+    """Put back what the calls of ``units`` left edited in their inputs, the latest call first
+    (a KeyboardInterrupt skips the hooks that run after a call that raised)."""
+    calls = sorted((c for u in units for c in u.edits), key=lambda c: c[3], reverse=True)
+    for call in calls:
+        undo(call[0])
+    for u in units:
+        u.edits.clear()
