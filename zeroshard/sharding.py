@@ -342,6 +342,7 @@ def _install_zero_grad(model: nn.Module, engine: Engine) -> None:
     module_zero_grad = model.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
+        engine.gradients_discarded()  # (what a backward that raised left: with the rest)
         for opt in list(engine.optimizers):
             opt.zero_grad(set_to_none)
         for b in engine.buckets:  # every gradient: buckets shared by optimizers freed too
