@@ -263,6 +263,28 @@ def test_writes_inside_an_inner_summon_without_writeback_are_undone(workers2, st
         assert load.startswith("load_state_dict inside summon_full_params"), out
 
 
+def _summon_with_writeback_inside_one_without(stage: int, precision: str) -> float:
+    """Writes inside ``summon_full_params(writeback=False)``, then a helper's own summon
+    (``writeback=True``) running a forward: the outer level undoes everything. The inner exit
+    wrote them into the masters at stage 3 (0.1 off), and at stages 0-2 in BF16 the forward's
+    adoption of writes did (and rounded the masters to BF16)."""
+    model, _ = _setup(stage, precision, policy=zeroshard.wrap.by_class(nn.Linear))
+    before = _masters(model)
+    with zeroshard.summon_full_params(model, writeback=False):
+        with torch.no_grad():
+            model[1].weight.add_(0.1)
+        with zeroshard.summon_full_params(model), torch.no_grad():
+            model[2].bias.mul_(2.0)
+            model(torch.randn(2, WIDTH))
+    after = _masters(model)
+    return max((after[k] - v).abs().max().item() for k, v in before.items())
+
+
+@pytest.mark.parametrize("stage, precision", [(0, "bf16"), (2, "bf16"), (3, "fp32"), (3, "bf16")])
+def test_a_summon_inside_one_without_writeback_writes_nothing_back(workers2, stage, precision):
+    assert workers2.run(_summon_with_writeback_inside_one_without, stage, precision) == [0.0, 0.0]
+
+
 def _named_and_unsharded_optimizers() -> dict:
     """``zeroshard.optimizer`` takes ``named_parameters()`` as torch.optim does; a backward at
     stage 2 with no zeroshard optimizer on the model (a torch one over ``parameters()`` would

@@ -566,7 +566,7 @@ class Engine(unwind.Unwinding):
             for f in flats:
                 # Inside summon_full_params with writeback, taken now (a state dict or save
                 # inside sees them, and a step starts from them); discarded ones are left.
-                f.adopt_writes(gathered=not self.discarding)
+                f.adopt_writes(keep=not self.discarding)
 
     # ----------------------------------------------------------------- user controls
     @contextlib.contextmanager

@@ -20,7 +20,8 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     own shapes. Forward (and backward) inside work and keep everything gathered. With
     ``writeback``, elements written inside are copied into the FP32 masters on exit (unchanged
     elements keep their full-precision master values), so the next step and gather see them;
-    without, undone."""
+    without, undone. Nested, a level inside one without ``writeback`` writes nothing back:
+    the outer one undoes its writes too."""
     if engine.phase is Phase.FORWARD and not call_frames.running(engine._forward_call):
         engine._forward_raised()  # interrupted (Ctrl-C, which runs no hook of torch's): over
     engine._after_raised_backward()  # (a backward that raised, caught: over too)
@@ -40,6 +41,9 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     marked = marked if not engine.summoned else []
     for m in marked:
         setattr(m, generation.MARK, False)
+    # Inside a level that discards, nothing reaches the masters: the outermost discarding
+    # level decides (an inner writeback=True, a helper's own summon, kept its writes there).
+    writeback = writeback and not engine.discarding
     engine.summoned += 1
     engine.discarding += not writeback
     raised = False

@@ -500,19 +500,21 @@ class FlatParam:
             return None  # the parameter is the master, read-only at rest, or all there is
         return [s.param._version for s in self.slots]
 
-    def adopt_writes(self, *, gathered: bool = True) -> None:
+    def adopt_writes(self, *, keep: bool = True) -> None:
         """Copy into the master the elements written to the parameters (``nn.init``, ``p.mul_``
         under ``no_grad``) since ``full`` last equaled the cast master, so that the next step
         starts from them as it would unsharded: replicated parameters computing in a narrower
-        dtype than their master (in FP32 the parameter is the master's memory), and with
-        ``gathered``, partitioned ones held gathered (the root between a forward and its
-        backward; at rest they are read-only). Writes are found by the parameters' version
-        counters: one through ``p.data`` is not seen."""
+        dtype than their master (in FP32 the parameter is the master's memory), and
+        partitioned ones held gathered (the root between a forward and its backward; at rest
+        they are read-only). Not unless ``keep`` (inside ``summon_full_params(writeback=False)``,
+        which undoes them: a forward there left them in the masters). Writes are found by the
+        parameters' version counters: one through ``p.data`` is not seen."""
         self.check_views()
         self.check_rest_writes()
+        if not keep:
+            return
         if self.partition.parameters:
-            if gathered:
-                self.adopt_gathered_writes()
+            self.adopt_gathered_writes()
             return
         if self._versions is None or self.masters_ahead:
             return
