@@ -14,7 +14,7 @@ Per use of a unit U (``TrainingState`` says what is alive in each state):
     end of backward          finish units no hook finished, wait for every reduction
 
 A unit may be used any number of times per forward, and forwards may repeat before a backward:
-uses are counted (``_Use``); a recomputation in backward (activation checkpointing) is a new use
+uses are counted (``unit.Use``); a recomputation in backward (activation checkpointing) is a new use
 only when the first forward ran without grad (reentrant checkpointing).
 """
 
@@ -48,46 +48,14 @@ from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
-from zeroshard.trees import cast_floats, map_tensors, tensors_reached
-from zeroshard.unit import Phase, TrainingState, Unit
+from zeroshard.trees import cast_floats, tensors_reached
+from zeroshard.unit import Phase, TrainingState, Unit, Use
 
 if TYPE_CHECKING:
     from zeroshard.model_states.param_swap import ParamSwapper
 
 _ATTR, SHARDED_PARAM = "_zeroshard_engine", "_zeroshard_sharded"
 """The sharded model's attribute; each of its parameters' (sharding a part again is refused)."""
-
-
-class _Use:
-    """One forward use of a unit, as the hook on its inputs: called when backward reaches them.
-
-    Counted in ``unit.pending_uses`` while alive; a use whose graph is freed without a backward
-    (a forward with grad never backpropagated) uncounts itself, so that later backwards still
-    finish the unit as soon as its last real use is done. It holds the engine and the unit
-    weakly: a graph kept after its model is dropped (the last ``loss``) keeps neither alive."""
-
-    __slots__ = ("_engine", "_unit", "generation", "fired", "counted")
-
-    def __init__(self, engine: Engine, unit: Unit) -> None:
-        self._engine, self._unit = weakref.ref(engine), weakref.ref(unit)
-        self.generation = unit.generation
-        self.fired, self.counted = False, False  # counted: once it hooks the use's inputs
-
-    def __call__(self) -> None:
-        self.fired = True
-        engine, unit = self._engine(), self._unit()
-        if engine is not None and unit is not None and self.generation == unit.generation:
-            engine._post_backward(unit)
-
-    def __del__(self) -> None:
-        unit = self._unit()
-        if (
-            unit is not None
-            and self.counted
-            and not self.fired
-            and self.generation == unit.generation
-        ):
-            unit.pending_uses -= 1
 
 
 class Engine(unwind.Unwinding):
@@ -235,7 +203,7 @@ class Engine(unwind.Unwinding):
         if torch.is_grad_enabled() and (not recompute or unit.recompute_use):
             # A use whose inputs need no gradient cannot report its end: the count then stays
             # above 0 and the end-of-backward callback finishes the unit.
-            use = _Use(self, unit)
+            use = Use(self, unit)
             (args, kwargs), hooked = on_backward(use, (args, kwargs), edits)
             use.counted = hooked
             unit.pending_uses += 1  # an unhooked use stays counted until the end of backward
@@ -284,7 +252,7 @@ class Engine(unwind.Unwinding):
             any(f.requires_grad for f in unit.flat_params)
             or any(t.requires_grad for t in tensors_reached(output))))  # fmt: skip
         if (root_entry or not keep) and not self.summoned:  # (the root reshards after backward)
-            output = _unalias(output, unit)
+            output = unit.unalias(output)
         if not keep and not self.summoned:
             unit.reshard(adopt=True)
         if root_entry:
@@ -587,22 +555,6 @@ def _warn_no_sharded_optimizer() -> None:
         "zeroshard.optimizer(model, ...): at stages 1-3 p.grad stays None, so a torch optimizer "
         "over model.parameters() trains nothing; build the optimizer with zeroshard.optimizer",
         stacklevel=3,
-    )
-
-
-def _unalias(output: Any, unit: Unit) -> Any:
-    """``output`` with the tensors that are ``unit``'s gathered parameters, or views of them (a
-    learned position table returned whole or sliced), cloned before the unit reshards: they
-    pointed at the freed gather (a crash) or at the placeholder at rest (NaN). FSDP2 crashes."""
-    gathered = {
-        f.full.untyped_storage().data_ptr()
-        for f in unit.flat_params
-        if f.partition.parameters and f.state is flat_param.ShardState.UNSHARDED
-    }
-    if not gathered:
-        return output
-    return map_tensors(
-        lambda t: t.clone() if t.untyped_storage().data_ptr() in gathered else t, output
     )
 
 

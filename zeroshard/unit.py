@@ -1,20 +1,27 @@
 """A unit: one wrapped module (a transformer block, or the root for what no block owns), the
 flat storage of the parameters it owns (its ``FlatParam`` objects, one per dtype group) and
-where it is in a training step (``TrainingState``, checked at every transition). The engine
+where it is in a training step (``TrainingState``, checked at every transition; ``Phase`` is
+the whole model's), and its uses in a forward (``Use``: each backward reaching one). The engine
 (``zeroshard.engine``) drives the units through forward and backward; a unit only gathers,
 frees and reports."""
 
 from __future__ import annotations
 
 import enum
+import weakref
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from zeroshard.model_states.flat_param import FlatParam, ShardState
 from zeroshard.model_states.grads import GradBucket
 from zeroshard.precision import FP32, MixedPrecision
+from zeroshard.trees import map_tensors
 
-__all__ = ["TrainingState", "Unit"]
+if TYPE_CHECKING:
+    from zeroshard.engine import Engine
+
+__all__ = ["Phase", "TrainingState", "Unit", "Use"]
 
 
 class Phase(enum.Enum):
@@ -120,6 +127,22 @@ class Unit:
                 f.adopt_gathered_writes()
             f.reshard()
 
+    def unalias(self, output: Any) -> Any:
+        """``output`` with the tensors that are this unit's gathered parameters, or views of
+        them (a learned position table returned whole or sliced), cloned before the unit
+        reshards: they pointed at the freed gather (a crash) or at the placeholder at rest
+        (NaN). FSDP2 crashes."""
+        gathered = {
+            f.full.untyped_storage().data_ptr()
+            for f in self.flat_params
+            if f.partition.parameters and f.state is ShardState.UNSHARDED
+        }
+        if not gathered:
+            return output
+        return map_tensors(
+            lambda t: t.clone() if t.untyped_storage().data_ptr() in gathered else t, output
+        )
+
     @property
     def is_sharded(self) -> bool:
         return any(f.state is ShardState.SHARDED for f in self.flat_params)
@@ -129,3 +152,35 @@ class Unit:
         """Partitioned parameters gathered or being gathered."""
         parts = [f for f in self.flat_params if f.partition.parameters]
         return any(f.state is ShardState.UNSHARDED or f.gathering for f in parts)
+
+
+class Use:
+    """One forward use of a unit, as the hook on its inputs: called when backward reaches them.
+
+    Counted in ``unit.pending_uses`` while alive; a use whose graph is freed without a backward
+    (a forward with grad never backpropagated) uncounts itself, so that later backwards still
+    finish the unit as soon as its last real use is done. It holds the engine and the unit
+    weakly: a graph kept after its model is dropped (the last ``loss``) keeps neither alive."""
+
+    __slots__ = ("_engine", "_unit", "generation", "fired", "counted")
+
+    def __init__(self, engine: Engine, unit: Unit) -> None:
+        self._engine, self._unit = weakref.ref(engine), weakref.ref(unit)
+        self.generation = unit.generation
+        self.fired, self.counted = False, False  # counted: once it hooks the use's inputs
+
+    def __call__(self) -> None:
+        self.fired = True
+        engine, unit = self._engine(), self._unit()
+        if engine is not None and unit is not None and self.generation == unit.generation:
+            engine._post_backward(unit)
+
+    def __del__(self) -> None:
+        unit = self._unit()
+        if (
+            unit is not None
+            and self.counted
+            and not self.fired
+            and self.generation == unit.generation
+        ):
+            unit.pending_uses -= 1
