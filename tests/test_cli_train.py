@@ -934,6 +934,13 @@ def test_hf_config(capsys, tmp_path, data_dir, monkeypatch):
     resume = ["--hf", str(config), "--stage", "3", "--steps", "4", "--resume", "auto"]
     assert main(["train", *flags, *resume, "--out-dir", str(tmp_path / "run")]) == 0
     assert f"--hf {config} edited since the save (activation_function" in capsys.readouterr().out
+    # Another file than the run's (it said "edited since the save" of a file never edited)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(json.loads(config.read_text()) | {"activation_function": "gelu"}))
+    resume = ["--hf", str(other), "--stage", "3", "--steps", "5", "--resume", "auto"]
+    assert main(["train", *flags, *resume, "--out-dir", str(tmp_path / "run")]) == 0
+    said = capsys.readouterr().out
+    assert f"--hf {other} another model's config (activation_function None -> 'gelu')" in said
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,10 @@ def test_stopped_says_where_it_saved():
         "by SIGTERM; saved step 8 to ck/step-000008"
     )
     assert Stopped(signal.SIGTERM, 8, None).exit_code == 143
+    # Before this run's first step (its first evaluation): --save-every was no remedy.
+    assert str(Stopped(signal.SIGINT, 20, None, started=False)).endswith(
+        "step 20 by SIGINT; nothing trained in this run yet: no checkpoint saved"
+    )
 
 
 def _one_rank_loses_its_agent() -> tuple[int, str, bool]:

@@ -23,13 +23,20 @@ import torch.distributed as dist
 
 class Stopped(Exception):
     """Raised by ``train`` on every rank when SIGINT/SIGTERM stopped the run after ``step``;
-    ``path`` is the checkpoint of that step (None when checkpoints are off)."""
+    ``path`` is the checkpoint of that step (None when checkpoints are off, or when it stopped
+    before this run's first step: not ``started``)."""
 
-    def __init__(self, signum: int, step: int, path: Path | None, cause: str = "") -> None:
+    def __init__(
+        self, signum: int, step: int, path: Path | None, cause: str = "", *, started: bool = True
+    ) -> None:
         cause = cause or signal.Signals(signum).name
-        saved = f"saved step {step} to {path}" if path is not None else "no checkpoint saved"
-        hint = "" if path is not None else " (--save-every N keeps progress)"
-        super().__init__(f"interrupted at step {step} by {cause}; {saved}{hint}")
+        if path is not None:
+            saved = f"saved step {step} to {path}"
+        elif not started:  # (in the evaluation before this run's first step)
+            saved = "nothing trained in this run yet: no checkpoint saved"
+        else:
+            saved = "no checkpoint saved (--save-every N keeps progress)"
+        super().__init__(f"interrupted at step {step} by {cause}; {saved}")
         self.signum, self.step, self.path = signum, step, path
 
     @property

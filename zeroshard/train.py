@@ -360,7 +360,7 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
                        stop=stopper.agreed if stopper is not None else None)  # fmt: skip
         if val is None:  # stopped: the step's save and Stopped follow (at the start: no step)
             if step == start:
-                raise Stopped(stopper.agreed(), step, None, stopper.cause)
+                raise Stopped(stopper.agreed(), step, None, stopper.cause, started=False)
             return None
         log({"kind": "eval", "step": step, "val_loss": val})
         guard.check_validation(step, val)

@@ -82,7 +82,8 @@ def say_changes(saved: Path, cfg: TrainConfig) -> None:
     kept = extra.get("hf_config")
     if cfg.hf and isinstance(kept, str):  # the file, edited since, builds another model
         edited = config_changes(kept, json.dumps(read_hf_config(cfg.hf)))
-        changed += [f"--hf {cfg.hf} edited since the save ({edited})"] if edited else []
+        how = "edited since the save" if before.get("hf") == cfg.hf else "another model's config"
+        changed += [f"--hf {cfg.hf} {how} ({edited})"] if edited else []
     if not changed:
         return
     print(f"resuming with other settings than the saved run's: {', '.join(changed)}")
