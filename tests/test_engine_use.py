@@ -891,6 +891,81 @@ def test_a_step_after_a_backward_that_raised_midway_is_refused(workers2, stage):
     _check(workers2.run(_step_after_a_backward_that_raised_midway, stage))
 
 
+class _Checked(Cell):
+    """A Cell whose output's gradient goes through a check that raises while ``failing``."""
+
+    failing = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        if self.failing:
+            y.register_hook(_raise_in_backward)
+        return y
+
+
+def _input_gradient_raised_then_step(stage: int) -> dict:
+    """A finished backward, then an input-only ``autograd.grad`` (a saliency map) that raised
+    midway, caught, after the units past the failing one had finished: it made no parameter
+    gradient, and the step takes the finished backward's (it was refused, a whole batch's
+    valid gradients to be dropped). SGD against plain torch on every rank's rows."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), _Checked(16), Cell(16), Cell(16), nn.Linear(16, 3))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(Cell))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    x, x2 = torch.randn(2 * PER_RANK_BATCH, 8), torch.randn(2, 8, requires_grad=True)
+    model(_rows(x)).square().mean().backward()
+    ref(x).square().mean().backward()
+    model[1].failing = True
+    out = model(x2)
+    model[1].failing = False
+    with contextlib.suppress(RuntimeError):
+        torch.autograd.grad(out.square().mean(), x2)
+    opt.step()
+    ref_opt.step()
+    return {"param": _param_diff(model, ref)}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_input_gradient_that_raised_leaves_the_step_alone(workers2, stage):
+    _check(workers2.run(_input_gradient_raised_then_step, stage))
+
+
+def _two_optimizers_after_a_backward_that_raised(stage: int) -> list[str]:
+    """Two optimizers over one model (blocks; the rest), a backward that raised midway: one
+    optimizer's ``zero_grad()`` drops its own part only, so the other's step is still refused
+    (it stepped on the partial gradients at stages 0-2)."""
+    model, _, _, _, kind = _pair("gpt", stage, None)
+    blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    first = zeroshard.optimizer(model, torch.optim.SGD, blocks, lr=0.1)
+    second = zeroshard.optimizer(model, torch.optim.SGD, rest, lr=0.1)
+    x, y = _global_batch(kind, 0)
+    handle = model.blocks[1].register_full_backward_hook(_raise_in_backward)
+    with contextlib.suppress(RuntimeError):
+        _loss(kind, model, _rows(x), _rows(y)).backward()
+    handle.remove()
+    said = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first.zero_grad()
+        for opt in (second, first):
+            try:
+                opt.step()
+                said.append("stepped")
+            except RuntimeError as exc:
+                said.append(str(exc).split(":")[0])
+            opt.zero_grad()
+        second.step()  # both dropped theirs: nothing left to refuse
+    return said
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_optimizer_s_zero_grad_leaves_the_other_s_step_refused(workers2, stage):
+    for said in workers2.run(_two_optimizers_after_a_backward_that_raised, stage):
+        assert said == ["optimizer.step()", "stepped"], said
+
+
 def _step_in_backward_after_a_backward_that_raised(zero_grad: bool) -> dict:
     """step_in_backward, a backward that raised after some units had stepped in it: they keep
     their update (said once), and training goes on, with or without ``zero_grad()`` after the

@@ -84,6 +84,7 @@ class Engine(unwind.Unwinding):
         self._forward_call: int | None = None  # the root's running call (call_frames.current)
         self._arrivals_at: int | None = None  # gradients made before the running backward began
         self._partial = False  # a backward that raised had made gradients (``unwind``)
+        self._zeroed_by: set[int] = set()  # optimizers that dropped their part of those since
         self.forward_order: list[Unit] = []  # last forward's units, first use first
         self._recording: dict[Unit, None] | None = None  # this one's (not summoned), in order
         self._pending: deque[GradBucket] = deque()  # reductions in flight, oldest first
@@ -320,6 +321,7 @@ class Engine(unwind.Unwinding):
             self.scaling.begin_backward()
             self.phase = Phase.BACKWARD
             self._arrivals_at = self.arrivals()
+            self._zeroed_by.clear()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # another use of the unit got here first

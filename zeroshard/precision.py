@@ -34,6 +34,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.loss_scaling import (  # noqa: F401 (their home before: old imports work)
+    DynamicLossScaler,
+    LossScaler,
+    default_scaler,
+)
+
 log = logging.getLogger(__name__)
 
 MASTER_DTYPE = torch.float32

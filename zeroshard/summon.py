@@ -42,8 +42,9 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     for m in marked:
         setattr(m, generation.MARK, False)
     # Inside a level that discards, nothing reaches the masters: the outermost discarding
-    # level decides (an inner writeback=True, a helper's own summon, kept its writes there).
-    writeback = writeback and not engine.discarding
+    # level decides (an inner writeback=True, a helper's own summon, kept its writes there);
+    # its writes stay visible until that level's exit undoes them.
+    keep = writeback and not engine.discarding
     engine.summoned += 1
     engine.discarding += not writeback
     raised = False
@@ -58,7 +59,7 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
         engine.summoned -= 1
         engine.discarding -= not writeback
         problem = None
-        if writeback:
+        if keep:
             with torch.no_grad():
                 for f in engine.flat_params:
                     try:  # data replaced inside (p.data = ..., a parametrization baked): taken
@@ -71,7 +72,7 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
                 u.reshard()
         for m in marked:
             setattr(m, generation.MARK, True)
-        if writeback:
+        if keep:
             engine.params_changed()
         if problem is not None and not raised:
             raise problem

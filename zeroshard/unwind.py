@@ -38,32 +38,29 @@ class Unwinding:
         self.phase = Phase.IDLE
 
     def arrivals(self) -> int:
-        """Gradients autograd has made into gradient views (``as_views`` buckets), ever."""
+        """Gradients of autograd's that the buckets have taken in, ever (a counter)."""
         return sum(b.arrivals for b in self.buckets)
 
     def _made_gradients(self) -> bool:
-        """Whether the backward whose end never ran had made gradients: counted where they
-        arrive into views, else found on the parameters of units it reached (a backward that
-        raised at once, at a hook on the loss, made none: the step takes the gradients of
-        before it, as torch's does)."""
+        """Whether the backward whose end never ran had made gradients: those the buckets took
+        in (into views as they came, or collected from finished units), and those still on the
+        parameters of units it had reached (an input-only ``autograd.grad`` makes none, nor
+        does a backward that raised at once, at a hook on the loss: the step takes the
+        gradients of before it, as torch's does)."""
         if self._arrivals_at is None:
             return False
         if self.arrivals() != self._arrivals_at:
             return True
-        for u in self.units:
-            if u.state is TrainingState.POST_BACKWARD:
-                return True
-            if u.state is TrainingState.PRE_BACKWARD:
-                own = [s.param for b in u.buckets if not b.as_views for s in b.flat.slots]
-                if any(p.grad is not None for p in own):
-                    return True
-        return False
+        reached = [u for u in self.units if u.state is TrainingState.PRE_BACKWARD]
+        own = [s.param for u in reached for b in u.buckets if not b.as_views for s in b.flat.slots]
+        return any(p.grad is not None for p in own)
 
     def partial_gradients(self) -> str | None:
         """Why the gradients are not to be stepped on, if they are not: the last backward
-        raised after it had made some (its end never ran), and neither ``zero_grad`` nor a
-        backward that finished came since. A step would take part of a batch's gradient,
-        reduced for some units and not others, and on each rank as far as its backward got."""
+        raised after it had made some (its end never ran), and neither ``zero_grad`` (of every
+        optimizer of the model, or the model's) nor a backward that finished came since. A
+        step would take part of a batch's gradient, reduced for some units and not others.
+        Each rank decides from its own backward (no collective)."""
         if in_backward() or not (self._partial or self._made_gradients()):
             return None
         return (
@@ -71,11 +68,19 @@ class Unwinding:
             "parameters: they hold part of that batch's gradient, and a step would train on it"
         )
 
-    def gradients_discarded(self) -> None:
-        """``zero_grad``: what a backward that raised left goes with the rest (after its
-        cleanup)."""
+    def gradients_discarded(self, by: object | None = None) -> None:
+        """``zero_grad`` of the optimizer ``by`` (its parameters' gradients), or of the model
+        (None: all of them): what a backward that raised left goes with the rest once every
+        optimizer of the model has dropped its part."""
         self._after_raised_backward(dropping=True)
+        if self._arrivals_at is None and not self._partial:
+            return
+        if by is not None:
+            self._zeroed_by.add(id(by))
+            if not {id(o) for o in self.optimizers} <= self._zeroed_by:
+                return
         self._arrivals_at, self._partial = None, False
+        self._zeroed_by.clear()
 
     def _clean_after_backward(self, *, dropping: bool = False) -> None:
         """Before a forward: finish the reductions that a backward not followed by a step left
@@ -88,16 +93,17 @@ class Unwinding:
         self._partial = self._partial or self._made_gradients()  # (read before the states go)
         for opt in self.optimizers:
             opt.backward_raised()  # step_in_backward: updates it applied stay, said once
+        if dropping or not self._partial:
+            after = "" if not self._partial else ", and zero_grad() drops the gradients it made"
+        else:
+            after = (
+                ". The gradients it made stay, as torch's would (the next backward adds to "
+                "them): opt.zero_grad() drops them"
+            )
         warnings.warn(
             f"units {[u.name or '<root>' for u in stale]} were left in "
             f"{sorted({u.state.value for u in stale})} by a backward that did not finish; "
-            "they start clean"
-            + (
-                ", and zero_grad() drops the gradients it made"
-                if dropping
-                else ". The gradients it made stay, as torch's would (the next backward adds "
-                "to them): opt.zero_grad() drops them"
-            ),
+            f"they start clean{after}",
             stacklevel=5,
         )
         self._start_clean(stale)

@@ -30,20 +30,17 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from zeroshard import collectives as C
 from zeroshard.autograd_hooks import weakly
+from zeroshard.loss_scaling import GradScaling
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.model_states.partition import shard_range
 from zeroshard.residual_states.buffers import TensorPool
 from zeroshard.stages import Partition
 from zeroshard.streams import on_side_stream
-
-if TYPE_CHECKING:
-    from zeroshard.loss_scaling import GradScaling
 
 
 class Reduction(enum.Enum):
@@ -104,7 +101,7 @@ class GradBucket:
         """Per slot: a gradient reached it on this rank since ``zero`` (else the optimizer may
         leave the parameter alone, as torch does with a ``None`` gradient)."""
         self.reached = False  # a gradient came since ``zero`` (not one it kept: set_to_none=False)
-        self.arrivals = 0  # gradients autograd produced, ever: a backward that raised left some?
+        self.arrivals = 0  # autograd's gradients taken in, ever (a backward that raised made any?)
         self.zeroings = 0  # calls of ``zero`` and ``zero_slots``: the step in backward reads it
         self._reduced = False  # reduced since zero, and the buffer kept (not yet bound again)
         self.issued = False
@@ -262,6 +259,7 @@ class GradBucket:
                 else:
                     view.copy_(grad.reshape(-1))
                 self.touched[i] = self.reached = True
+                self.arrivals += 1
                 s.param.grad = None
             if not adding:
                 self._zero_padding()

@@ -494,7 +494,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         keep a zero one, so the next step updates them (momentum, weight decay) even if no
         backward reaches them; with True (the default) such parameters are left alone. Also
         what a backward that raised left (``Engine.partial_gradients``)."""
-        self.engine.gradients_discarded()
+        self.engine.gradients_discarded(by=self)
         if self._backward_step is not None:
             if self._backward_step.stepped:
                 warnings.warn(
