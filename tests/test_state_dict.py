@@ -591,6 +591,7 @@ def test_checkpoint_wrapped_models_sharding_twice_and_unknown_optimizer_keys(wor
         assert out["load"] == "<All keys matched successfully>", out
         assert len(out["twice"]) == 2, out
         assert all("part of a sharded model already" in s for s in out["twice"]), out
+        assert all("each model a unit (wrap=zeroshard.wrap.by_class(" in s for s in out["twice"])
         assert "names 4 parameter(s) the model does not have" in out["unknown"], out
         assert out["by position"].startswith("the optimizer state dict is keyed by position")
         assert "get_optimizer_state_dict(model, torch_optimizer)" in out["by position"], out

@@ -124,7 +124,9 @@ def shard(
             "model already. Shard the whole model once, with a wrap policy for its blocks "
             "(zeroshard.wrap.by_class(Block)), not submodules one by one as with FSDP2; two "
             "models that share a module (an embedding) are sharded together: put both in one "
-            "nn.ModuleDict, shard it, and call its entries"
+            "nn.ModuleDict, shard it with each model a unit (wrap=zeroshard.wrap.by_class("
+            "Encoder, Decoder)), and call its entries (the dict's own forward never runs: "
+            "what only its root holds is not gathered at stage 3)"
         )
     wrapper = next((m for m in model.modules() if isinstance(m, _DATA_PARALLEL)), None)
     if wrapper is not None:
