@@ -489,29 +489,44 @@ def _groups(model):
     return param_groups(model, 0.1)
 
 
-def _dcp_save(path: str, stage: int) -> dict:
+def _state_dicts(model, opt, torch_api: bool) -> dict:
+    """The model's and the optimizer's state dicts, by their own methods or by torch's
+    ``get_state_dict`` (FSDP2's recipe)."""
+    if not torch_api:
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def _dcp_save(path: str, stage: int, torch_api: bool = False) -> dict:
     """Train 3 steps, save through DCP, then continue 3 more: the reference continuation."""
     import torch.distributed.checkpoint as dcp
 
     model = _fresh("gpt", stage, "fp32", seed=0)
     opt = zeroshard.optimizer(model, torch.optim.AdamW, _groups(model), lr=1e-3)
     _train(model, opt, "gpt", range(3))
-    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    dcp.save(_state_dicts(model, opt, torch_api), checkpoint_id=path)
     losses = _train(model, opt, "gpt", range(3, 6))
     return {"losses": losses, "params": zeroshard.full_state_dict(model, rank0_only=False)}
 
 
-def _dcp_load(path: str, stage: int) -> dict:
+def _dcp_load(path: str, stage: int, torch_api: bool = False) -> dict:
     """A fresh model and optimizer (other initial values, no step yet) loaded from ``path``,
     then the same 3 steps."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     model = _fresh("gpt", stage, "fp32", seed=7)
     opt = zeroshard.optimizer(model, torch.optim.AdamW, _groups(model), lr=0.5)
-    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    sd = _state_dicts(model, opt, torch_api)
     dcp.load(sd, checkpoint_id=path)
-    model.load_state_dict(sd["model"])
-    opt.load_state_dict(sd["optim"])
+    if torch_api:
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    else:
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 1e-3]  # the saved hyperparameters
     losses = _train(model, opt, "gpt", range(3, 6))
     return {"losses": losses, "params": zeroshard.full_state_dict(model, rank0_only=False)}
@@ -530,6 +545,19 @@ def test_dcp_reshards_to_other_world_sizes_and_stages(workers1, workers2, worker
     for r in workers4.run(_dcp_load, path, 3):
         _same_run(reference, r)
     for r in workers2.run(_dcp_load, path, 1):  # saved at stage 3, loaded at stage 1
+        _same_run(reference, r)
+
+
+def test_torch_s_state_dict_functions_save_and_load_a_zeroshard_optimizer(workers2, tmp_path):
+    """FSDP2's recipe (``get_state_dict``, ``dcp.save``; a fresh model's ``get_state_dict``
+    as the template, ``dcp.load``, ``set_state_dict``): the optimizer's states came out keyed
+    by position, a checkpoint no template could load, and on a fresh optimizer torch's
+    zero-gradient step was refused as gradients "set by hand"."""
+    path = str(tmp_path / "ckpt")
+    reference = workers2.run(_dcp_save, path, 3, True)[0]
+    for r in workers2.run(_dcp_load, path, 3, True):
+        _same_run(reference, r)
+    for r in workers2.run(_dcp_load, path, 1, False):  # and with zeroshard's own template
         _same_run(reference, r)
 
 
@@ -666,6 +694,11 @@ def _save_pretrained(stage: int, folder: str, precision: str = "fp32") -> dict:
         part = "no error"
     except ValueError as exc:
         part = str(exc)
+    try:  # this rank's shards as its state_dict: the writer failed alone, the rest returned
+        model.save_pretrained(os.path.join(folder, "shards"), state_dict=model.state_dict())
+        shards = "no error"
+    except ValueError as exc:
+        shards = str(exc)
     # is_main_process=True on every rank (DDP code's habit): one rank writes, not each at once
     import transformers.modeling_utils as mu
 
@@ -683,7 +716,7 @@ def _save_pretrained(stage: int, folder: str, precision: str = "fp32") -> dict:
         dtype = json.load(f).get("dtype")
     return {
         "failed": failed, "files": files, "same": same, "exact": exact, "tied": tied,
-        "dtype": dtype, "alone": alone, "writes": writes, "part": part,
+        "dtype": dtype, "alone": alone, "writes": writes, "part": part, "shards": shards,
     }  # fmt: skip
 
 
@@ -700,6 +733,8 @@ def test_save_pretrained_writes_the_whole_model_once(workers2, stage, precision,
     assert [o["writes"] for o in out] == [[0], []], out
     assert all(o["part"].startswith("transformer.save_pretrained: transformer is a part of a "
                                     "sharded model") for o in out), out  # fmt: skip
+    shards = "save_pretrained(state_dict=...): transformer.wte.weight is a DTensor, this rank's"
+    assert stage == 0 or all(o["shards"].startswith(shards) for o in out), out
     assert out[0]["failed"].startswith(("NotADirectoryError", "FileExistsError")), out
     assert out[1]["failed"].startswith("RuntimeError: save_pretrained failed on rank 0"), out
     alone = out[0]["alone"]

@@ -50,7 +50,9 @@ def install(model: nn.Module) -> None:
         if args:  # (save_directory, is_main_process, ...) by position: by name from here
             kwargs = _by_name(signature, save_directory, *args, **kwargs)
             save_directory = kwargs.pop(next(iter(signature.parameters)))
-        if kwargs.get("state_dict") is not None:
+        given = kwargs.get("state_dict")
+        if given is not None:
+            _refuse_shards(given)
             return save(save_directory, **kwargs)  # the caller's own state dict
         kwargs.pop("state_dict", None)  # (None: transformers' default, which HF's Trainer passes)
         every_rank_calls("save_pretrained", "the whole model", "global rank 0 writes the "
@@ -59,6 +61,23 @@ def install(model: nn.Module) -> None:
             _save_everywhere(save, save_directory, kwargs, model)
 
     model.save_pretrained = save_pretrained
+
+
+def _refuse_shards(state_dict: Any) -> None:
+    """A ``state_dict`` of this rank's shards (``model.state_dict()``'s DTensors): the writer
+    failed in safetensors ("invalid python storage") and the other ranks returned with no
+    weights written. The same on every rank (each holds its own shards), so every rank raises."""
+    from torch.distributed.tensor import DTensor
+
+    values = state_dict.values() if isinstance(state_dict, dict) else ()
+    name = next((k for k, v in zip(state_dict, values) if isinstance(v, DTensor)), None)
+    if name is not None:
+        raise ValueError(
+            f"save_pretrained(state_dict=...): {name} is a DTensor, this rank's shard "
+            "(model.state_dict() of a sharded model); pass zeroshard.full_state_dict(model) "
+            "(whole tensors, on rank 0), or call model.save_pretrained(path) without a "
+            "state_dict: it gathers the model and rank 0 writes it"
+        )
 
 
 def _part_refused(name: str, *args: Any, **kwargs: Any) -> None:

@@ -301,6 +301,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         then returns its loss, as torch's does. Called once only: the element-wise optimizers
         that a sharded one accepts never re-evaluate it (LBFGS is refused).
         """
+        from zeroshard.optim_state_dict import called_by_torch
+
+        if called_by_torch("_init_optim_state"):  # its zero gradients, set by hand, at lr 0
+            for g in self.param_groups:  # (state_dict() makes the states a template needs)
+                for p in g["params"]:
+                    p.grad = None
+            return None
         if closure is None:
             return self._step()
         with torch.enable_grad():
@@ -556,11 +563,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state keyed by parameter name (``zeroshard.optim_state_dict``); the
         hooks of ``register_state_dict_pre_hook`` / ``_post_hook`` run as torch runs them."""
-        from zeroshard.optim_state_dict import optimizer_state_dict
+        from zeroshard.optim_state_dict import (
+            called_by_torch,
+            keyed_by_position,
+            optimizer_state_dict,
+        )
 
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = optimizer_state_dict(self)
+        if called_by_torch("_get_optim_state_dict", depth=1):  # it keys them by name again
+            state_dict = keyed_by_position(self, state_dict)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             returned = post_hook(self, state_dict)
             state_dict = state_dict if returned is None else returned
