@@ -54,17 +54,22 @@ def test_a_forward_interrupted_by_ctrl_c_is_over(workers2):
             assert r == {"left": True, "idle": True, "warned": []}, r
 
 
-def test_a_call_runs_while_its_frame_is_on_the_stack():
+def test_a_call_runs_while_a_call_of_its_module_is_on_the_stack():
     seen = {}
 
     class Probe(nn.Module):
-        def forward(self, x):
+        def forward(self, x, again: bool = False):
+            if again:
+                return self(x)
             seen["call"] = call_frames.current(self)
-            seen["inside"] = call_frames.running(seen["call"])
+            seen["inside"] = call_frames.running(seen["call"], self)
+            seen["besides"] = call_frames.running(seen["call"], self, besides_current=True)
             return x
 
     probe = Probe()
     probe(torch.ones(1))
-    assert seen["call"] is not None and seen["inside"]
-    assert not call_frames.running(seen["call"])  # returned
-    assert call_frames.current(probe) is None and call_frames.running(None)  # unknown: running
+    assert seen["call"] is not None and seen["inside"] and not seen["besides"]
+    assert not call_frames.running(seen["call"], probe)  # returned
+    probe(torch.ones(1), again=True)  # called from inside a call of its own
+    assert seen["besides"]
+    assert call_frames.current(probe) is None and call_frames.running(None, probe)  # unknown

@@ -4,8 +4,8 @@ torch runs a module's ``always_call`` forward hooks when its forward raises an `
 not a ``BaseException``: a ``KeyboardInterrupt`` (Ctrl-C) in a forward leaves the engine
 believing the forward runs on, and ``summon_full_params`` refused ("inside forward or
 backward") until another forward cleaned up. The root's call is recorded as the id of its
-``Module._call_impl`` frame (an id, not the frame: a frame holds every local of the forward);
-the call still runs while that frame is on the caller's stack.
+``Module._call_impl`` frame (an id, not the frame: a frame holds every local of the forward),
+and it still runs while a call of that module is on the caller's stack.
 """
 
 from __future__ import annotations
@@ -28,14 +28,21 @@ def current(module: nn.Module) -> int | None:
     return None
 
 
-def running(call: int | None) -> bool:
-    """Whether the call recorded by ``current`` is on this thread's stack (an unknown one,
-    None, counts as running: nothing is undone on a guess)."""
+def running(call: int | None, module: nn.Module, *, besides_current: bool = False) -> bool:
+    """Whether the call of ``module`` that ``current`` recorded as ``call`` may still run: a
+    call of ``module`` (a ``Module._call_impl`` frame of it) is on this thread's stack, not
+    counting the innermost one with ``besides_current`` (asked from inside a new call). An
+    unknown call (None: none that ``current`` could see, as under ``torch.compile``) counts as
+    running: nothing is undone on a guess. Matched by the module, not by the frame's id: a
+    frame object freed when its call ended leaves its id to a later one (the Ctrl-C'd
+    forward's was taken by a frame of the ``summon_full_params`` that followed, which then
+    refused "inside forward")."""
     if call is None:
         return True
+    calls = 0
     frame = sys._getframe(1)
     while frame is not None:
-        if id(frame) == call:
-            return True
+        if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is module:
+            calls += 1
         frame = frame.f_back
-    return False
+    return calls > (1 if besides_current else 0)

@@ -285,7 +285,8 @@ class Engine(unwind.Unwinding):
                 u.reshard()
 
     def _begin_forward(self) -> None:
-        if self.phase is Phase.FORWARD and not call_frames.running(self._forward_call):
+        running = call_frames.running(self._forward_call, self.model, besides_current=True)
+        if self.phase is Phase.FORWARD and not running:
             self._forward_raised()  # the last one was interrupted (Ctrl-C): no hook of it ran
         self._forward_call = call_frames.current(self.model)
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)

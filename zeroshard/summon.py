@@ -22,7 +22,9 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     elements keep their full-precision master values), so the next step and gather see them;
     without, undone. Nested, a level inside one without ``writeback`` writes nothing back:
     the outer one undoes its writes too."""
-    if engine.phase is Phase.FORWARD and not call_frames.running(engine._forward_call):
+    if engine.phase is Phase.FORWARD and not call_frames.running(
+        engine._forward_call, engine.model
+    ):
         engine._forward_raised()  # interrupted (Ctrl-C, which runs no hook of torch's): over
     engine._after_raised_backward()  # (a backward that raised, caught: over too)
     engine.check_trusted()

@@ -31,8 +31,8 @@ class Unwinding:
         that raised and was caught: the forward goes on)."""
         if self.phase is not Phase.BACKWARD or in_backward():
             return
-        in_root = self.root.state is TrainingState.FORWARD  # (and its call on the stack: an
-        if in_root and call_frames.running(self._forward_call):  # id alone may be reused)
+        in_root = self.root.state is TrainingState.FORWARD  # (and its call on the stack)
+        if in_root and call_frames.running(self._forward_call, self.model):
             return
         self._clean_after_backward(dropping=dropping)
         self.phase = Phase.IDLE
