@@ -1040,19 +1040,24 @@ def _load_a_bad_entry(bad_entry: str) -> list[str]:
     bad = {**saved, "state": {k: dict(v) for k, v in saved["state"].items()}}
     if bad_entry == "shape":
         bad["state"]["3.bias"]["exp_avg"] = torch.zeros(3, 3)
-    else:
+    elif bad_entry == "missing":
         del bad["state"]["3.bias"]["exp_avg_sq"]
+    else:  # AdamW's states into an SGD with momentum (it kept none of them, then stepped)
+        opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1e-3, momentum=0.9)
+        model(torch.randn(2, 4)).square().mean().backward()
+        opt.step()
     bad["param_groups"] = [dict(g, lr=1.0) for g in saved["param_groups"]]
     with pytest.raises(ValueError) as info:
         opt.load_state_dict(bad)
     return [str(info.value), opt.param_groups[0]["lr"]]
 
 
-@pytest.mark.parametrize("bad_entry", ["shape", "missing"])
+@pytest.mark.parametrize("bad_entry", ["shape", "missing", "class"])
 def test_a_bad_optimizer_state_entry_is_refused_on_every_rank(workers2, bad_entry):
     expected = {
         "shape": "optimizer state 'exp_avg' of 3.bias has shape (3, 3)",
         "missing": "optimizer state of 3.bias lacks 'exp_avg_sq' (it has 'exp_avg', 'step';",
+        "class": "optimizer state of 0.weight holds 'exp_avg', 'exp_avg_sq', 'step', none of",
     }[bad_entry]
     for said, lr in workers2.run(_load_a_bad_entry, bad_entry):
         assert said.startswith(expected), said

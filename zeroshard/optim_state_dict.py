@@ -540,6 +540,13 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
             # A state that the others have and this one lacks (a toggled option, such as
             # amsgrad, drops a key from all of them): else the step of this rank alone fails.
             lacking = sorted((set(kinds) & saved_keys) - set(st))
+            if owner is not None and problem is None and kinds and not set(kinds) & set(st):
+                problem = (
+                    f"optimizer state of {names[0]} holds {', '.join(map(repr, sorted(st)))}, "
+                    f"none of what the running {type(sg.optimizer).__name__} keeps "
+                    f"({', '.join(map(repr, sorted(kinds)))}): a state dict of another "
+                    "optimizer class; load one of the same class (or start its states fresh)"
+                )
             if owner is not None and problem is None and lacking:
                 problem = (
                     f"optimizer state of {names[0]} lacks {', '.join(map(repr, lacking))} (it "
