@@ -10,7 +10,8 @@ are gathered to the writer's CPU memory one flat at a time, and only the writer 
 0, or the lowest rank given ``is_main_process=True``) calls the original with them as
 ``state_dict``. It returns on every rank once the files are written, and a writer's error is
 raised on every rank (none is left waiting for the next collective). A ``state_dict`` of the
-caller's own (or positional arguments past the folder) goes through unchanged; a
+caller's own goes through unchanged, unless it holds this rank's DTensor shards (refused on
+every rank, naming ``full_state_dict``); a
 ``save_pretrained`` that takes no ``state_dict`` is left as it is. A part's own (a backbone's)
 is refused with the fix, on every rank before any collective.
 """

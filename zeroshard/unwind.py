@@ -93,8 +93,10 @@ class Unwinding:
         self._partial = self._partial or self._made_gradients()  # (read before the states go)
         for opt in self.optimizers:
             opt.backward_raised()  # step_in_backward: updates it applied stay, said once
-        if dropping or not self._partial:
-            after = "" if not self._partial else ", and zero_grad() drops the gradients it made"
+        if not self._partial:
+            after = ""
+        elif dropping:
+            after = ", and zero_grad() drops the gradients it made"
         else:
             after = (
                 ". The gradients it made stay, as torch's would (the next backward adds to "

@@ -301,9 +301,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         then returns its loss, as torch's does. Called once only: the element-wise optimizers
         that a sharded one accepts never re-evaluate it (LBFGS is refused).
         """
-        from zeroshard.optim_state_dict import called_by_torch
-
-        if called_by_torch("_init_optim_state"):  # its zero gradients, set by hand, at lr 0
+        if self.steps_taken == 0 and _torch_initializes_states():  # (only a fresh one's)
             for g in self.param_groups:  # (state_dict() makes the states a template needs)
                 for p in g["params"]:
                     p.grad = None
@@ -344,16 +342,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         partial = self.engine.partial_gradients()
         if partial is not None:  # (the ranks' backwards got as far as each one's error)
-            stepped = self._backward_step.stepped if self._backward_step is not None else ()
+            n = len(self._backward_step.stepped) if self._backward_step is not None else 0
+            kept = f" (step_in_backward had updated {n} unit(s) in it: they stay)" if n else ""
             raise RuntimeError(
-                f"optimizer.step(): {partial}. Nothing was stepped; call opt.zero_grad() to "
-                "drop them, then run the forward and backward again"
-                + (
-                    f" (step_in_backward had updated {len(stepped)} unit(s) in that backward "
-                    "already: those updates stay)"
-                    if stepped
-                    else ""
-                )
+                f"optimizer.step(): {partial}{kept}. Nothing was stepped; call opt.zero_grad() "
+                "to drop them, then run the forward and backward again"
             )
         if self.engine.scaling.accumulating:  # else the step applies nothing, without a word
             raise ValueError(
@@ -595,3 +588,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.engine.loaded(self)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _torch_initializes_states() -> bool:
+    """Whether this ``step`` is the zero-gradient one (gradients set by hand, learning rate 0)
+    of torch's ``get_state_dict`` / ``set_state_dict`` on an optimizer with no state yet."""
+    from zeroshard.optim_state_dict import called_by_torch
+
+    return called_by_torch("_init_optim_state", depth=5)
