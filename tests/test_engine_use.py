@@ -1627,6 +1627,39 @@ def test_stage_0_two_backwards_before_a_step_sum_their_averages(workers2, precis
     assert max(workers2.run(_stage0_two_backwards_then_torch_clip, precision)) < tol
 
 
+def _stage0_fp16_small_gradients_through_torch_clip() -> dict:
+    """FP16 at stage 0, a loss of about 1e-6 (gradients below FP16's normal range once
+    unscaled, what the loss scale is for), torch's ``clip_grad_norm_`` through ``.grad`` that
+    clips nothing, one SGD step: the gradient the step took, against plain torch's FP32 one."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=0, mixed_precision="fp16")
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1e5)
+    x = torch.randn(2 * PER_RANK_BATCH, 16, generator=torch.Generator().manual_seed(1))
+    (ref(x).square().mean() * 1e-6).backward()
+    before = zeroshard.full_state_dict(model, rank0_only=False)
+    opt.backward(model(_rows(x)).float().square().mean() * 1e-6)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    opt.step()
+    after = zeroshard.full_state_dict(model, rank0_only=False)
+    used = {k: (before[k] - after[k]) / 1e5 for k in after}
+    true = dict(ref.named_parameters())
+    return {
+        "error": max(
+            (used[k] - t.grad).norm().item() / t.grad.norm().item() for k, t in true.items()
+        ),
+        "zeros": sum(int((used[k] == 0).sum()) for k in true),
+    }
+
+
+def test_stage_0_fp16_keeps_the_unscaled_gradient_through_torch_s_clip(workers2):
+    # torch's clip multiplies .grad by 1.0 when it clips nothing: the step took FP16's rounding
+    # of the unscaled average, where most of these gradients read as zero (all 200 of the
+    # first layer's: 1.0 off). Now only the values an edit changed are taken.
+    for r in workers2.run(_stage0_fp16_small_gradients_through_torch_clip):
+        assert r["error"] < 1e-2 and r["zeros"] == 0, r
+
+
 def test_a_forward_whose_gather_failed_waits_no_more(lone_process):
     """A gather that timed out (a peer hung) ends the forward at once: the clean-up after an
     exception does not wait for it again (another timeout before the error reached the caller;

@@ -42,8 +42,11 @@ def test_minimum_scale_is_a_clear_error():
     s = DynamicLossScaler(init_scale=4.0, min_scale=2.0)
     s.update(True)
     assert s.scale == 2.0
-    with pytest.raises(FloatingPointError, match="minimum loss scale 2.0"):
+    with pytest.raises(FloatingPointError, match="minimum loss scale 2.0") as raised:
         s.update(True)
+    # NaN from a stage-3 parameter read at rest halves the scale to its minimum too: the error
+    # names that cause, not only divergence (it advised a lower learning rate alone).
+    assert "NaN placeholder" in str(raised.value) and "2 step(s) skipped" in str(raised.value)
 
 
 def test_scaler_state_round_trips_and_config_errors():
@@ -120,6 +123,10 @@ def test_a_static_scale_warns_when_skipped_steps_repeat():
     assert "summon_full_params" in said[0] and "(1 step(s) in a row, 13 in all" in said[2]
     assert s.num_skipped == 13 and s.num_skipped_in_a_row == 1
     assert LossScaler(warn_on_skip=False).skip_warning() is None
+    assert "static scale" not in said[0]
+    large = LossScaler(scale=2.0**17)  # its FP16 gradients overflow at every step
+    large.update(True)
+    assert "a static scale of 131072 may itself overflow FP16" in large.skip_warning()
     dynamic = DynamicLossScaler()  # fp16: the lowered scale is the remedy, not a warning
     dynamic.update(True)
     assert dynamic.skip_warning() is None

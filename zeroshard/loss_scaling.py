@@ -21,6 +21,17 @@ from typing import Any
 
 import torch
 
+NONFINITE_CAUSES = (
+    "At stage 3 a parameter read outside its own unit's forward reads its NaN placeholder at "
+    "rest: a penalty over model.parameters() in the loss (compute it in a module's forward), or "
+    "a module using another unit's weight directly, e.g. F.linear(h, self.embed.weight) for a "
+    "tied head (call the owning module, or wrap both in one unit); or run forward and backward "
+    "inside `with zeroshard.summon_full_params(model):`. Otherwise lower the learning rate or "
+    "look for inf/NaN in the data"
+)
+"""Why gradients hold inf/NaN when no loss scale is to blame (the skip warning's and the
+dynamic scaler's error's advice)."""
+
 
 @dataclass(kw_only=True)
 class LossScaler:
@@ -94,17 +105,17 @@ class LossScaler:
         n = self.num_skipped_in_a_row
         if not (self.warn_on_skip and n and 10 ** (len(str(n)) - 1) == n):
             return None
+        too_large = (
+            f"a static scale of {self.scale:g} may itself overflow FP16 gradients "
+            "(DynamicLossScaler finds one that fits); "
+            if self.scale > 1
+            else ""
+        )
         return (
             f"optimizer step skipped: gradients hold inf/NaN on some rank ({n} step(s) in a "
             f"row, {self.num_skipped} in all; master weights untouched). A static loss scale "
-            "lowers nothing, so steps stay skipped while the cause stays. At stage 3 a "
-            "parameter read outside its own unit's forward reads its NaN placeholder at rest: "
-            "a penalty over model.parameters() in the loss (compute it in a module's forward), "
-            "or a module using another unit's weight directly, e.g. F.linear(h, "
-            "self.embed.weight) for a tied head (call the owning module, or wrap both in one "
-            "unit); or run forward and backward inside `with "
-            "zeroshard.summon_full_params(model):`. Otherwise lower the learning rate or look "
-            "for inf/NaN in the data (LossScaler(warn_on_skip=False) silences this)"
+            f"lowers nothing, so steps stay skipped while the cause stays: {too_large}"
+            f"{NONFINITE_CAUSES} (LossScaler(warn_on_skip=False) silences this)"
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -228,9 +239,11 @@ class DynamicLossScaler(LossScaler):
         self._clean_steps = 0
         if self.scale <= self.min_scale:
             raise FloatingPointError(
-                f"gradients hold inf/NaN at the minimum loss scale {self.min_scale}: training "
-                "diverged (an FP16 range problem would have cleared by now); lower the learning "
-                "rate, clip gradients, or train in bf16"
+                f"gradients hold inf/NaN at the minimum loss scale {self.min_scale} "
+                f"({self.num_skipped_in_a_row} step(s) skipped in a row): no scale clears "
+                f"them, so FP16's range is not the cause. {NONFINITE_CAUSES}; if the loss was "
+                "finite until lately, training diverged: lower the learning rate, clip "
+                "gradients, or train in bf16"
             )
         self._hysteresis_left -= 1
         if self._hysteresis_left <= 0:

@@ -56,6 +56,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 """Accepted dtype names (config files and the CLI speak in names)."""
 
+ARITHMETIC_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The floating-point dtypes a precision field may take (float8 has no arithmetic of its own)."""
+
 
 def dtype_of(value: torch.dtype | str | None, *, what: str = "dtype") -> torch.dtype | None:
     """``value`` as a floating-point ``torch.dtype``; a ValueError naming the choices otherwise."""
@@ -70,6 +73,11 @@ def dtype_of(value: torch.dtype | str | None, *, what: str = "dtype") -> torch.d
             ) from None
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
         raise ValueError(f"{what} must be a floating-point torch.dtype or a name, got {value!r}")
+    if value not in ARITHMETIC_DTYPES:  # float8: storage formats, no sums (gloo's nor torch's)
+        raise ValueError(
+            f"{what} {value} is a storage format that collectives cannot sum nor modules "
+            "compute in; choose torch.float32, torch.bfloat16, torch.float16 or torch.float64"
+        )
     return value
 
 

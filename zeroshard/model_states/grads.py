@@ -385,8 +385,7 @@ class GradBucket:
         divisor = self.scaling.loss_scale
         if self.reduce_dtype != torch.float16:
             divisor *= self.flat.mesh.world_size
-        inv = torch.full((1,), 1.0 / divisor, dtype=torch.float32, device=out.device)
-        torch._amp_foreach_non_finite_check_and_unscale_([reduced], self.found_inf, inv)
+        unscale(reduced, divisor, self.found_inf)
         accumulated = self.shard_grad is not None
         if not accumulated:
             self.shard_grad = reduced
@@ -426,12 +425,16 @@ class GradBucket:
         (``torch.nn.utils.clip_grad_norm_``, a mask, a rescale; the buffer's version counter
         says so) is the one the step takes, as under DDP; unchanged, the step keeps the FP32
         reduced values, not their rounding to ``param_dtype``. (In FP32 the two are one tensor
-        and edits need nothing.)"""
+        and edits need nothing.) Only the values the edit changed are taken: a no-op edit (torch's
+        ``clip_grad_norm_`` multiplies by 1.0 when it does not clip) kept FP16's rounding, where
+        small unscaled gradients read as zero, as if it were the gradient."""
         if self._shown_version is None or self.full_grad is None or self.shard_grad is None:
             return
         if self.full_grad._version != self._shown_version:
             lo, hi = self.flat.range
-            self.shard_grad.copy_(self.full_grad[lo:hi])
+            edited = self.full_grad[lo:hi]
+            changed = edited != self.shard_grad.to(edited.dtype)  # (what ``.grad`` showed)
+            self.shard_grad.copy_(torch.where(changed, edited, self.shard_grad))
             self._shown_version = self.full_grad._version
 
     def adopt_rebinds(self, slots: list[int]) -> None:
@@ -577,3 +580,16 @@ class GradBucket:
         """Slot ``i``'s ``.grad``: its region of ``full_grad``, zeroed; autograd adds to it."""
         view = self._view(i).zero_()
         self.flat.slots[i].param.grad, self._bound[i] = view, True
+
+
+def unscale(reduced: torch.Tensor, divisor: float, found_inf: torch.Tensor) -> None:
+    """Divide ``reduced`` (1D, the master dtype) by ``divisor`` in place and set ``found_inf``
+    ((1,) FP32) to 1 where it holds inf/NaN: torch's fused pass, whose inverse is FP32; a
+    float64 master divides in float64 (an FP32 inverse of 1/3 or 1/6 would cost it all but
+    FP32's precision)."""
+    if reduced.dtype != torch.float64:
+        inv = torch.full((1,), 1.0 / divisor, dtype=torch.float32, device=reduced.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([reduced], found_inf, inv)
+        return
+    found_inf.copy_(torch.maximum(found_inf, (~reduced.isfinite()).any().to(found_inf.dtype)))
+    reduced.div_(divisor)
