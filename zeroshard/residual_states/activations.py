@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 import torch.utils.checkpoint as ckpt
 from torch import nn
 
-from zeroshard.residual_states.partitioned import CheckpointKeeper
+from zeroshard.residual_states.partitioned import CheckpointKeeper, check_version, version_of
 from zeroshard.trees import tensors_in
 
 
@@ -62,6 +63,18 @@ class _Call:
     """``torch.utils.checkpoint``'s (device, cpu) autocast kwargs."""
     modes: list[bool]
     """``training`` of ``module.modules()``, in order."""
+    versions: list[tuple[weakref.ref, int | None]]
+    """Each tensor in ``rest`` and ``kwargs`` at the call (weakly) and its version: written in
+    place since, the recomputation would run on other values."""
+
+    def check_unchanged(self) -> None:
+        """Before the recomputation: autograd's error if a tensor of the call was written in
+        place since the forward (as for a tensor autograd saved)."""
+        name = type(self.module).__name__
+        for ref, version in self.versions:
+            t = ref()
+            if t is not None:
+                check_version(t, version, f"a tensor given to {name} beside its input")
 
 
 @dataclass
@@ -193,6 +206,7 @@ class SpanCheckpointing:
             states,
             ckpt._get_autocast_kwargs(device_type=device_type),
             [m.training for m in module.modules()],
+            [(weakref.ref(t), version_of(t)) for t in tensors_in((args[1:], kwargs))],
         )
 
     def _open(self, args: tuple, devices: list[int]) -> _Span:
@@ -202,6 +216,8 @@ class SpanCheckpointing:
         device_type = self.device.type
 
         def recompute(*inputs: Any) -> None:
+            for call in calls:
+                call.check_unchanged()
             with torch.random.fork_rng(devices=devices, device_type=device_type):
                 out: Any = None
                 for i, call in enumerate(calls):

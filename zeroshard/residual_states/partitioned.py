@@ -64,7 +64,7 @@ class _Packed:
     """One saved checkpoint: this rank's piece (on the device, or in the store under ``name``)."""
 
     __slots__ = ("shape", "dtype", "device", "numel", "whole", "piece", "tier", "name", "fetch")
-    __slots__ += ("__weakref__",)
+    __slots__ += ("version", "__weakref__")
 
     def __init__(self, t: torch.Tensor, *, whole: bool) -> None:
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
@@ -74,6 +74,7 @@ class _Packed:
         self.tier = "device"
         self.name: str | None = None  # the store's name while the piece lives there
         self.fetch: SwapHandle | None = None  # a read back under way (prefetch)
+        self.version = version_of(t)  # (whole: written in place since, it is another tensor)
 
 
 class CheckpointKeeper:
@@ -208,6 +209,7 @@ class CheckpointKeeper:
         self._checking = False
         if packed.whole:
             assert packed.piece is not None
+            check_version(packed.piece, packed.version, "a checkpointed span's input")
             return packed.piece
         self._prefetch_before(packed)
         piece = self._read(packed)
@@ -259,3 +261,27 @@ class CheckpointKeeper:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (None for an inference tensor, which has none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def check_version(t: torch.Tensor, version: int | None, what: str) -> None:
+    """Raise autograd's error when ``t``, kept to recompute a span from (not saved by autograd,
+    which would have checked it), was written in place since (``version``, from
+    ``version_of``): the recomputation would compute another forward's gradient."""
+    now = version_of(t)
+    if version is None or now is None or now == version:
+        return
+    raise RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: {what} ({t.dtype}, shape {tuple(t.shape)}) is at version {now}; expected "
+        f"version {version} instead. Activation checkpointing (checkpoint_every) recomputes the "
+        "span from it in backward: after the units that take a tensor, replace it (x = x + y) "
+        "rather than write it in place (x += y)"
+    )
