@@ -393,3 +393,38 @@ def test_a_tensor_written_after_its_span_is_autograd_s_error(workers2, stage, wr
             else:
                 assert isinstance(r, str) and "modified by an inplace operation" in r, (every, r)
                 assert "x = x + y" in r, r
+
+
+def _most_gathered_in_recomputation(every: int) -> dict:
+    """Stage 3, the 5-block GPT with spans of ``every`` blocks: the most block units gathered
+    at once (seen as each block's forward starts, recomputations included), and the gap to
+    unsharded training."""
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = zeroshard.shard(
+        copy.deepcopy(ref),
+        stage=3,
+        wrap=zeroshard.wrap.by_class(Block),
+        config=ShardConfig(checkpoint_every=every),
+    )
+    engine = zeroshard.engine_of(model)
+    most = [0]
+
+    def count(*_):
+        most[0] = max(most[0], sum(u.is_gathered for u in engine.units if not u.is_root))
+
+    for unit in engine.units[1:]:
+        unit.module.register_forward_pre_hook(count)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    result = train_gpt_both(model, ref, opt, ref_opt, 2)
+    return dict(result, most=most[0])
+
+
+def test_a_recomputed_span_keeps_no_more_units_gathered_than_a_backward(workers2):
+    # Every unit of a span stayed gathered from its recomputation to its own backward: with
+    # spans of 5 blocks, the whole model at once. Now the unit whose backward runs, the
+    # prefetched one, and the one being recomputed.
+    for r in workers2.run(_most_gathered_in_recomputation, 5):
+        assert r["most"] == 3, r
+        assert r["loss"] < 1e-5 and r["param"] < 1e-5, r

@@ -205,6 +205,21 @@ def test_calibration_hf_stage3_two_ranks(workers2, name, batch, seq):
             assert p["peak"]["activation_working"] > p["peak_bytes"] / 2
 
 
+@pytest.mark.parametrize("ci", [2, 4])
+def test_calibration_hf_with_activation_checkpoints(workers2, ci):
+    """T5 (2 + 2 blocks) with checkpoints every ``ci`` units: the engine starts a span at the
+    decoder's first block (fed its own embeddings, not the encoder's output), so ``ci`` = 4
+    runs the spans of 2. The plan cut one span across encoder and decoder: +33%."""
+    pytest.importorskip("transformers")
+    from test_planner_hf import HF_CONFIGS
+
+    case = calibrate.HFCase(
+        config=HF_CONFIGS["t5"], stage=3, micro_batch_size=4, seq_len=32, checkpoint_every=ci
+    )
+    for row in workers2.run(calibrate.calibrate, case):
+        assert calibrate.within_tolerance(row), calibrate.render([row])
+
+
 @pytest.mark.parametrize("name, stage", [("llama", 0), ("t5", 3)])
 def test_calibration_hf_mixed_precision(workers2, name, stage):
     """BF16 on Hugging Face families: FP32 masters and gradient beside BF16 working copies,

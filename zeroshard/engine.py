@@ -15,7 +15,8 @@ Per use of a unit U (``TrainingState`` says what is alive in each state):
 
 A unit may be used any number of times per forward, and forwards may repeat before a backward:
 uses are counted (``unit.Use``); a recomputation in backward (activation checkpointing) is a new use
-only when the first forward ran without grad (reentrant checkpointing).
+only when the first forward ran without grad (reentrant checkpointing). What is gathered ahead
+(prefetch) and freed early (a unit recomputed before its backward) is ``zeroshard.prefetch``'s.
 """
 
 from __future__ import annotations
@@ -26,13 +27,12 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Collection, Iterator
-from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from zeroshard import autograd_hooks, call_frames, unwind
+from zeroshard import autograd_hooks, call_frames, prefetch, unwind
 from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, weakly, when_backward_reaches
 from zeroshard.loss_scaling import GradScaling
@@ -58,7 +58,7 @@ _ATTR, SHARDED_PARAM = "_zeroshard_engine", "_zeroshard_sharded"
 """The sharded model's attribute; each of its parameters' (sharding a part again is refused)."""
 
 
-class Engine(unwind.Unwinding):
+class Engine(unwind.Unwinding, prefetch.Prefetching):
     """Per-model state of zeroshard: the units, the stage's partition and the schedule."""
 
     def __init__(
@@ -237,11 +237,13 @@ class Engine(unwind.Unwinding):
         own = unit.precision  # unit_precision's: outputs back to the model's dtype, recomputed too
         if entry and not unit.is_root and own is not self.mixed_precision and own.output_dtype:
             output = cast_floats(output, own.output_dtype)
-        if in_backward():
-            # A recomputation: the backward that needs these parameters comes right after.
+        if in_backward():  # a recomputation
             if unit.recompute_use and torch.is_grad_enabled():
                 unit.recompute_use = False
                 when_backward_reaches(weakly(self._pre_backward, unit, unit.updates), output)
+            if self._free_after_recompute(unit):
+                output = unit.unalias(output)
+                unit.reshard()
             return output
         if unit.state is TrainingState.FORWARD:
             unit.to(TrainingState.IDLE)
@@ -272,17 +274,6 @@ class Engine(unwind.Unwinding):
             elif entry and unit in self._checkpointed:
                 self.checkpointing.note_output(unit.module, output)
         return output
-
-    def _free_unused_prefetches(self) -> None:
-        """Units prefetched from the last forward's order that this forward skipped (layer drop,
-        early exit): wait for their gather and free them, not hold them until the backward."""
-        if not self.partition.parameters or self.summoned:
-            return
-        used = set(self.forward_order)
-        for u in self.units:
-            skipped = not u.is_root and u not in used and u.state is TrainingState.IDLE
-            if skipped and u.is_gathered:
-                u.reshard()
 
     def _begin_forward(self) -> None:
         running = call_frames.running(self._forward_call, self.model, besides_current=True)
@@ -418,34 +409,6 @@ class Engine(unwind.Unwinding):
     def _finish_reductions(self, *, keep: int) -> None:
         while len(self._pending) > keep:
             self._pending.popleft().finish()
-
-    def _prefetch(self, order: list[Unit], current: Unit | None) -> None:
-        """Start gathering the next ``num_prefetch`` sharded units after ``current`` in
-        ``order`` (from the start when ``current`` is None)."""
-        start = order.index(current) + 1 if current is not None and current in order else 0
-        if self.param_swap is not None:
-            self._read_masters_ahead(order[start:])
-        for nxt in islice(self._upcoming(order[start:]), self.config.num_prefetch):
-            if nxt.is_sharded:
-                nxt.unshard(async_op=True)
-
-    def _upcoming(self, order: list[Unit], *, root: bool = False) -> Iterator[Unit]:
-        """The units of ``order`` a gather may be needed for next: not the root (it stays
-        gathered between forward and backward) unless ``root``, and in backward none that
-        backward has reached already."""
-        for nxt in order:
-            reached = self.phase is Phase.BACKWARD and nxt.state is not TrainingState.IDLE
-            if not reached and (root or not nxt.is_root):
-                yield nxt
-
-    def _read_masters_ahead(self, order: list[Unit], *, root: bool = False) -> None:
-        """Start reading the offloaded masters of the next ``param_swap.window`` sharded units
-        of ``order`` (those a gather will need soon); the root only when ``root``."""
-        assert self.param_swap is not None
-        window = islice(self._upcoming(order, root=root), self.param_swap.window)
-        self.param_swap.read_ahead(
-            [f for u in window if u.is_sharded and not u.is_gathered for f in u.flat_params]
-        )
 
     # ----------------------------------------------------------------- after a step
     def end_step(self) -> None:

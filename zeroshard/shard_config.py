@@ -14,7 +14,8 @@ class ShardConfig:
 
     num_prefetch: int = 1
     """Units gathered ahead of the one computing (forward and backward; partitioned parameters
-    only). At most ``1 + num_prefetch`` non-root units are gathered at once."""
+    only). At most ``1 + num_prefetch`` non-root units are gathered at once, one more while
+    backward recomputes a span of ``checkpoint_every`` units longer than that."""
     reshard_root_after_forward: bool = False
     """Free the root unit's parameters after forward too (saves memory, costs one more
     all-gather of the root per step)."""

@@ -109,6 +109,8 @@ class HFCase:
     """Steps in all; the last one is measured."""
     precision: str = "fp32"
     """fp32, or a mixed-precision preset of ``zeroshard.shard`` (bf16, fp16)."""
+    checkpoint_every: int = 0
+    """Activation checkpointing every this many units (``ShardConfig.checkpoint_every``)."""
 
 
 def _seq_len(case: Case | HFCase) -> int:
@@ -121,7 +123,7 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
 
     engine = ShardConfig()
     model = describe_case(case)
-    ci = getattr(case, "checkpoint_every", 0)
+    ci = case.checkpoint_every
     bytes_per_param, activation_bytes = PRECISION_BYTES[case.precision]
     return MemoryConfig(
         stage=case.stage,
@@ -246,7 +248,7 @@ def measure_hf(case: HFCase) -> dict:
     policy, _ = describe.wrap_policy(meta, case.wrap or None)
     return measure_module(
         build, loss, stage=case.stage, wrap=policy, num_steps=case.num_steps, tp=case.tp,
-        mixed_precision=case.precision,
+        mixed_precision=case.precision, checkpoint_every=case.checkpoint_every,
     )  # fmt: skip
 
 

@@ -55,6 +55,10 @@ class SavedActivations:
     largest_tail_tensor_bytes: int
     """The root's largest storage saved after the last unit (the loss's log-probabilities in a
     language model): the loss's backward holds two gradients of that size."""
+    chained: tuple[bool, ...] = ()
+    """Per unit, in forward order: whether its first positional input is the previous unit's
+    first output, unchanged (a span of activation checkpointing goes on across it; T5's
+    decoder, fed other tensors, starts one). Empty: every unit chained."""
     tail_param_numel: int
     """Elements of the root's parameters that autograd saves after the last unit (the final norm,
     the output projection, a tied embedding): their gradients exist from the head's backward
@@ -220,6 +224,8 @@ def measure(
     parallelism splits counts 1/Nm (``_TensorParallelSplit``)."""
     import torch
 
+    from zeroshard.trees import tensors_in
+
     model = copy.deepcopy(module).to(device="meta", dtype=getattr(torch, DTYPES[activation_bytes]))
     model.train()
     params = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -237,25 +243,33 @@ def measure(
 
     split = _TensorParallelSplit(model, num_mp_ranks, params)
 
+    chained = [False] * num_units
+    last_output: list = [None, 0]  # the previous unit's first output, and its version
+
     def enter(i: int, args, kwargs) -> None:
         stack.append(where[0])
+        if where[0] < 0 and args:  # (as the engine joins a span: ``activations.enter``)
+            out, version = last_output
+            chained[i] = args[0] is out and out is not None and out._version == version
         where[0] = i
         tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
         first = next(tensors, None)
         if first is not None and not inputs[i]:
             inputs[i] = split.nbytes(first, first.numel() * first.element_size())
 
-    def leave(i: int) -> None:
+    def leave(i: int, output) -> None:
         where[0] = stack.pop()
         if where[0] < 0:
             where[0] = -2 - i  # the root, after unit i
+            first = tensors_in(output)
+            last_output[:] = [first[0], first[0]._version] if first else [None, 0]
 
     handles = []
     for i, unit in enumerate(units):
         handles.append(
             unit.register_forward_pre_hook(lambda m, a, kw, i=i: enter(i, a, kw), with_kwargs=True)
         )
-        handles.append(unit.register_forward_hook(lambda m, a, o, i=i: leave(i)))
+        handles.append(unit.register_forward_hook(lambda m, a, o, i=i: leave(i, o)))
 
     def pack(t):
         storage = t.untyped_storage()
@@ -304,6 +318,7 @@ def measure(
         unit_input_bytes=tuple(inputs),
         largest_unit_tensor_bytes=tuple(largest),
         largest_tail_tensor_bytes=tail_largest,
+        chained=tuple(chained),
         tail_param_numel=sum(tail_params.values()),
     )
 

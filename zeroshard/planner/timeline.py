@@ -135,6 +135,8 @@ class ActivationTerms:
     """... at each unit's backward (backward order): the spans not passed yet."""
     checkpoints_total: int = 0
     """Every span's input, wherever kept (the CPU with ``offload_activations``)."""
+    span_first: tuple[int, ...] = ()
+    """With checkpoints: per unit in forward order, the first unit of its span."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,7 @@ class _PerUnit:
     tail: int
     inputs: tuple[int, ...]
     largest: tuple[int, ...]
+    chained: tuple[bool, ...] = ()
 
 
 def activation_terms(model: ModelDescription, config: MemoryConfig) -> ActivationTerms:
@@ -171,6 +174,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
             s.tail_bytes,
             s.unit_input_bytes,
             s.largest_unit_tensor_bytes,
+            s.chained,
         )
         held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
         logits = 2 * s.largest_tail_tensor_bytes
@@ -178,10 +182,10 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
     else:
         per, logits, grad_working, held = _gpt_per_unit(model, c, num_units)
     ci = c.num_layers_per_checkpoint if c.activation_checkpointing else 1
-    span = [i - i % ci for i in range(num_units)]  # the first unit of each unit's span
+    span = spans(num_units, ci, per.chained)  # the first unit of each unit's span
     ckpt = [0] * num_units  # a span's input, on the device, at its first unit
     total = 0
-    for i in range(0, num_units, ci) if c.activation_checkpointing else ():
+    for i in sorted(set(span)) if c.activation_checkpointing else ():
         piece = math.ceil(per.inputs[i] / c.num_mp_ranks) if c.splits_checkpoints else per.inputs[i]
         total += piece
         ckpt[i] = 0 if c.offload_activations else piece
@@ -212,7 +216,19 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         checkpoints_at_loss=sum(ckpt),
         checkpoints_at_unit=tuple(checkpoints(i) for i in fwd),
         checkpoints_total=total,
+        span_first=tuple(span) if c.activation_checkpointing else (),
     )
+
+
+def spans(num_units: int, ci: int, chained: tuple[bool, ...] = ()) -> list[int]:
+    """The first unit of each unit's span (forward order), as the engine forms them: up to
+    ``ci`` consecutive units while each one's input is the previous one's output (``chained``,
+    measured; empty: all)."""
+    first: list[int] = []
+    for i in range(num_units):
+        joins = i > 0 and (not chained or chained[i]) and i - first[-1] < ci
+        first.append(first[-1] if joins else i)
+    return first
 
 
 def _gpt_per_unit(
@@ -384,6 +400,17 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
             return 0
         return bpp.params * root * with_root + math.ceil(bpp.params * numel(first, count) / mp)
 
+    def recomputed(k: int) -> int:
+        """Stage 3: the unit gathered for its recomputation beside this one and the prefetched
+        ones, when unit ``k`` (backward order) ends a span of checkpoints longer than
+        ``1 + num_units_prefetch``: the span's other units are gathered one at a time and freed
+        until their own backward (``Engine._free_after_recompute``)."""
+        i, first = num_units - 1 - k, act.span_first
+        if not (part.parameters and first) or (i + 1 < num_units and first[i + 1] == first[i]):
+            return 0
+        freed = backward[::-1][first[i] : max(first[i], i - c.num_units_prefetch)]
+        return math.ceil(bpp.params * max(freed, default=0) / mp)
+
     def moment(num_reduced: int, **residual: int) -> dict[str, int]:
         """Model states once ``num_reduced`` units' reductions have started (their shard-sized
         outputs exist; all of them and the root's when ``num_reduced > num_units``), with the
@@ -436,7 +463,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         reduced = 0 if single_bucket else k
         prefetched = gathered(k + 1, c.num_units_prefetch, with_root=True)
         during = dict(
-            gathered_units=gathered(k, 1 + c.num_units_prefetch),
+            gathered_units=gathered(k, 1 + c.num_units_prefetch) + recomputed(k),
             comm_buckets=full_grads(k - in_flight, in_flight),
         )
         out.append(
