@@ -413,7 +413,9 @@ def test_calibration_gradient_accumulation(workers2, stage, precision, unreduced
     """Two micro-batches per step. The FP32 gradient of mixed precision appears at the last
     micro-batch's reduction (stages 0-1, and stages 2-3 accumulating unreduced): it was
     counted from the start (+12-18%). At stage 2 accumulating unreduced the buckets are the
-    local gradient: counted twice (+17%). Collectives that run every micro-batch, twice."""
+    local gradient: counted twice (+17%). Collectives that run every micro-batch, twice. The
+    model states at rest after the step hold the gradient shards only (accumulating
+    unreduced, the whole local gradient was counted there: +20-25%)."""
     case = Case(
         preset="tiny", stage=stage, seq_len=64, precision=precision, grad_accum=2,
         accumulate_unreduced=unreduced,
@@ -423,4 +425,5 @@ def test_calibration_gradient_accumulation(workers2, stage, precision, unreduced
             abs(calibrate.error(row["predicted"]["peak_bytes"], row["measured"]["peak_bytes"]))
             < 0.005
         ), calibrate.render([row])
+        assert calibrate.within_tolerance(row), calibrate.render([row])
         assert row["predicted"]["comm_numel"] == row["measured"]["comm_numel"]

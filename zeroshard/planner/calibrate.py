@@ -188,7 +188,7 @@ def predict(case: Case | HFCase, num_ranks: int) -> dict:
     return {
         "model_states": {c: plan.device[c] for c in MODEL_STATES},
         # What is alive after the step: MemTracker counts the model's buffers too.
-        "model_states_bytes": plan.model_states_bytes() + plan.device["buffers"],
+        "model_states_bytes": plan.model_states_at_rest_bytes() + plan.device["buffers"],
         "peak_bytes": plan.peak_bytes(),
         "peak": plan.peak,
         "peak_moment": plan.peak_moment,

@@ -270,6 +270,10 @@ class MemoryBreakdown:
     holds every category at its own largest, so its total bounds this one from above."""
     peak_moment: str | None = None
     """When ``peak`` happens: ``"loss backward"``, ``"unit backward k"``, ``"optimizer step"``."""
+    grads_at_rest: int | None = None
+    """Device gradient bytes after the step where they differ from ``device["grads"]`` (stages
+    2-3 accumulating unreduced hold the whole local gradient between micro-batches, and only
+    the shards once the last one is reduced)."""
 
     def on(self, tier: Tier | str) -> dict[str, int]:
         return getattr(self, Tier(tier).value)
@@ -280,6 +284,11 @@ class MemoryBreakdown:
 
     def model_states_bytes(self, tier: Tier | str = Tier.DEVICE) -> int:
         return sum(self.on(tier)[c] for c in MODEL_STATES)
+
+    def model_states_at_rest_bytes(self) -> int:
+        """Device model states after the step (``grads_at_rest`` for the gradients)."""
+        grads = self.device["grads"] if self.grads_at_rest is None else self.grads_at_rest
+        return self.model_states_bytes(Tier.DEVICE) - self.device["grads"] + grads
 
     def residual_states_bytes(self, tier: Tier | str = Tier.DEVICE) -> int:
         return sum(self.on(tier)[c] for c in RESIDUAL_STATES)
@@ -390,6 +399,11 @@ def logits_bytes(*, micro_batch_size: int, seq_len: int, vocab_size: int) -> int
     return micro_batch_size * seq_len * vocab_size * LOGIT_BYTES_PER_ELEMENT
 
 
+def _unreduced(config: MemoryConfig) -> bool:
+    """Stages 2-3 accumulating the whole local gradient between micro-batches."""
+    return config.accumulate_unreduced and partition(config.stage).gradients
+
+
 def _grads_as_trained(
     states: dict[Tier, dict[str, int]], model: ModelDescription, config: MemoryConfig
 ) -> None:
@@ -402,7 +416,7 @@ def _grads_as_trained(
     if config.step_in_backward and (config.grad_accum == 1 or config.accumulate_unreduced):
         for tier in states.values():
             tier["grads"] = 0
-    if config.accumulate_unreduced and partition(config.stage).gradients:
+    if _unreduced(config):
         whole = model_states(
             model.num_params,
             stage=1,  # gradients whole on every rank
@@ -559,6 +573,8 @@ def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdow
         num_params_replicated=model.replicated_numel,
         num_params_trainable=model.num_trainable_params,
     )
+    at_rest = states[Tier.DEVICE]["grads"]  # (the shards; step_in_backward: stepped, dropped)
+    at_rest = 0 if config.step_in_backward else at_rest
     _grads_as_trained(states, model, config)
     residual = residual_states(model, config)
     tiers = {t: states[t] | residual.on(t) for t in TIERS}
@@ -576,4 +592,5 @@ def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdow
         notes=residual.notes,
         peak=peak,
         peak_moment=residual.peak_moment,
+        grads_at_rest=at_rest if _unreduced(config) else None,
     )

@@ -226,7 +226,7 @@ def _row(model, config, offload, ait, bw, links, peak, have) -> dict:
         "stage": config.stage,
         "offload": offload,
         "model_states_bytes": model_states,
-        "model_states_at_rest_bytes": mem.model_states_bytes(Tier.DEVICE),
+        "model_states_at_rest_bytes": mem.model_states_at_rest_bytes(),
         "residual_states_bytes": device_bytes - model_states,
         "device_bytes": device_bytes,
         "cpu_bytes": mem.total_bytes(Tier.CPU),
