@@ -109,7 +109,7 @@ def test_a_corrupted_master_stops_training_naming_the_tensor(workers2, tmp_path)
     for first, second, *files in workers2.run(_corrupt, str(tmp_path)):
         assert "master[6]:" in first, first
         assert "checksum" in first.lower() or "corrupt" in first.lower(), first
-        assert "Restart from the last checkpoint" in first
+        assert "Restart the run from the last checkpoint" in first
         assert second == first
         assert files == []
 

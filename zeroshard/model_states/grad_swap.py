@@ -150,9 +150,12 @@ class GradSwapper:
 
     def _start_read(self, i: int) -> None:
         if i in self._stored and i not in self._reading:
-            meta = self.store.meta(self._name(i))
-            into = self.store.empty_host((meta.numel,), meta.dtype)  # the master's dtype
-            self._reading[i] = self._timed(self.store.swap_in(self._name(i), into=into))
+            # (a store closed by a failure of the states sharing it: that failure is the news)
+            what = f"the gradient {self._name(i)} could not be read back"
+            with stopping_on_refusal(self._stop, what, "gradients"):
+                meta = self.store.meta(self._name(i))
+                into = self.store.empty_host((meta.numel,), meta.dtype)  # the master's dtype
+                self._reading[i] = self._timed(self.store.swap_in(self._name(i), into=into))
             self.read_bytes += meta.numel * into.element_size()
 
     def _read(self, i: int) -> torch.Tensor:
@@ -162,10 +165,8 @@ class GradSwapper:
         try:
             g = self._reading.pop(i).wait()
         except Exception as e:
-            raise OffloadError(
-                f"the gradient {self._name(i)} could not be read back ({type(e).__name__}: {e}); "
-                "training stopped: it is not trusted. Restart from the last checkpoint"
-            ) from e
+            what = f"the gradient {self._name(i)} could not be read back"
+            raise self._stop(what, "gradients", e) from e
         finally:
             self.wait_s += time.perf_counter() - t0
         if self._error is not None:

@@ -55,7 +55,8 @@ class StopsOnFailure:
             return OffloadError(self._error)
         self._error = (
             f"{what} ({type(exc).__name__}: {exc}); training stopped: these {noun} are not "
-            "trusted. Restart from the last checkpoint"
+            "trusted. Restart the run from the last checkpoint (a new process: this one's "
+            "offloaded states are closed)"
         )
         try:
             self.store.close()  # the files are useless now: delete them (waits for the rest)
