@@ -87,6 +87,32 @@ def _meta_lstm(stage: int) -> float:
         return max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
 
 
+def _meta_weights(stage: int, bucket_bytes: int, frozen: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = GPT(CFG)
+    if frozen:  # (a unit of two groups: frozen and trained)
+        meta.blocks[1].attn.requires_grad_(False)
+    model = zeroshard.shard(
+        meta,
+        stage=stage,
+        wrap=zeroshard.wrap.by_class(Block),
+        param_init_fn=meta.init_module,
+        config=zeroshard.ShardConfig(bucket_bytes=bucket_bytes),
+    )
+    return zeroshard.full_state_dict(model, rank0_only=False)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_meta_init_gives_the_same_weights_at_every_stage_and_bucket_size(workers2, frozen):
+    # Buckets of several units (stages 0-2) took the init's random numbers in another order.
+    runs = [(3, 25 << 20), (0, 25 << 20), (1, 25 << 20), (2, 25 << 20), (2, 1)]
+    first, *others = [workers2.run(_meta_weights, s, b, frozen)[0] for s, b in runs]
+    for (stage, bucket), weights in zip(runs[1:], others):
+        for name, value in first.items():
+            assert torch.equal(weights[name], value), (stage, bucket, name)
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_meta_lstm_is_materialized_and_trains(workers2, stage):
     # an RNN's weakrefs to its weights made swap_tensors refuse them ("Cannot swap t1 because it

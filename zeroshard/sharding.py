@@ -237,7 +237,7 @@ def shard(
         return flat
 
     bucket_bytes = 0 if part.parameters else config.bucket_bytes
-    flats = _flat_params(specs, bucket_bytes, make, policies)
+    flats = _flat_params(specs, bucket_bytes, make, policies, materialize)
     if param_swap is not None:
         param_swap.finish_adopting()  # all dropped from memory
     scaling = GradScaling()
@@ -459,10 +459,17 @@ def _master_bytes(specs: list[UnitSpec], shard_size: int) -> int:
 
 
 def _flat_params(
-    specs: list[UnitSpec], bucket_bytes: int, make, policies: list[MixedPrecision]
+    specs: list[UnitSpec],
+    bucket_bytes: int,
+    make,
+    policies: list[MixedPrecision],
+    materialize=lambda params: None,
 ) -> list[list[FlatParam]]:
     """The FlatParams each unit uses: one per (requires_grad, dtype) group of its parameters,
-    made with the unit's mixed-precision policy (``policies``, one per spec).
+    made with the unit's mixed-precision policy (``policies``, one per spec). A model on meta
+    is ``materialize``d a whole unit at a time, in unit order, whatever the buckets: the random
+    numbers its init draws come in the same order at every stage and bucket size (several
+    units per bucket took them in another order: other initial weights at stages 0-2).
 
     Partitioned parameters are gathered per unit, so each unit gets its own (``bucket_bytes`` 0).
     Replicated parameters are never gathered: units of one policy then share flat buffers of up
@@ -488,6 +495,7 @@ def _flat_params(
             ]
             for key, members in _groups(spec).items()
         }
+        materialize([p for params in groups.values() for p, _ in params])
         for key, params in groups.items():
             elem_bytes = _dtypes(policy, key[1])[0].itemsize
             numel = sum(p.numel() for p, _ in params)
