@@ -136,9 +136,11 @@ def test_offload_rows_and_efficiency(capsys):
         (2, "none"),
         (2, "cpu-optimizer"),
         (2, "nvme-optimizer"),  # as the engine runs it, and the benchmark measures it
+        (2, "nvme-states"),  # Offload(optimizer="nvme", gradients="nvme"): it had no row
         (3, "none"),
         (3, "cpu-optimizer"),
         (3, "nvme-optimizer"),
+        (3, "nvme-states"),
         (3, "cpu-all"),
         (3, "nvme-all"),
         (3, "nvme-everything"),
@@ -155,6 +157,10 @@ def test_offload_rows_and_efficiency(capsys):
     # Offload(gradients="nvme") too: the gradient shards move from the CPU column to NVMe.
     every, nvme_all = by[(3, "nvme-everything")]["memory"], by[(3, "nvme-all")]["memory"]
     assert every["cpu"]["grads"] == 0 and every["nvme"]["grads"] == nvme_all["cpu"]["grads"] > 0
+    states = by[(2, "nvme-states")]["memory"]
+    assert states["nvme"]["grads"] > 0 and states["nvme"]["optimizer_states"] > 0
+    assert states["device"]["grads"] == states["device"]["optimizer_states"] == 0
+    assert states["device"]["params"] > 0
 
 
 def test_memory_gb_and_gib_told_apart(capsys):

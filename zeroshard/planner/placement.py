@@ -35,6 +35,8 @@ OFFLOADS: dict[str, Placement] = {
     "none": Placement(),
     "cpu-optimizer": Placement(grads=Tier.CPU, optimizer_states=Tier.CPU),  # ZeRO-Offload
     "nvme-optimizer": Placement(grads=Tier.CPU, optimizer_states=Tier.NVME),
+    # Offload(optimizer="nvme", gradients="nvme"): stages 2-3, parameters on the device
+    "nvme-states": Placement(grads=Tier.NVME, optimizer_states=Tier.NVME),
     "cpu-all": Placement(params=Tier.CPU, grads=Tier.CPU, optimizer_states=Tier.CPU),
     "nvme-all": Placement(params=Tier.NVME, grads=Tier.CPU, optimizer_states=Tier.NVME),
     # zeroshard's Offload(parameters="nvme", gradients="nvme", optimizer="nvme")
