@@ -209,6 +209,16 @@ def test_a_missing_config_is_one_line_naming_the_fix(tmp_path):
         hf.load_config(str(tmp_path / "nowhere.json"))
 
 
+@pytest.mark.parametrize("key, value", [("n_layer", 0), ("n_positions", 0), ("vocab_size", -2)])
+def test_a_size_of_zero_or_less_is_named(tmp_path, key, value):
+    # 0 layers said the wrap class matched nothing; 0 positions advised "--seq 0 or less";
+    # a vocabulary of 0 was planned.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(HF_CONFIGS["gpt2"], **{key: value})))
+    with pytest.raises(ValueError, match=rf"config\.json: {key} = {value}; it counts something"):
+        hf.load_config(str(path))
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_a_config_without_cache_is_measured(name, recwarn):
     # use_cache false: transformers looks for packed sequences with .item(), which meta cannot

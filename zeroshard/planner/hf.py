@@ -34,6 +34,7 @@ def load_config(path: str) -> dict:
             raise ValueError(f"{file} is not a JSON config: {exc}") from None
         if not isinstance(found, dict):
             raise ValueError(f"{file} holds a JSON {type(found).__name__}, not a config object")
+        _check_sizes(found, file)
         return found
     try:
         from transformers import AutoConfig
@@ -49,6 +50,23 @@ def load_config(path: str) -> dict:
             f"{path!r} is not a config.json file, a folder holding one, or a hub name in the "
             f"local cache ({type(exc).__name__}); pass the path of the model's config.json"
         ) from None
+
+
+SIZE_KEYS = (
+    "n_layer", "num_hidden_layers", "num_layers", "vocab_size", "n_embd", "hidden_size",
+    "d_model", "n_head", "num_attention_heads", "num_heads", "n_positions",
+    "max_position_embeddings", "intermediate_size", "d_ff", "n_inner",
+)  # fmt: skip
+"""Config fields that count something (layers, tokens, features, heads): positive when set."""
+
+
+def _check_sizes(config: dict, file: str) -> None:
+    """A size field of 0 or less is named with its value (it was planned as given, or failed
+    later on a symptom: a wrap class matching nothing for 0 layers)."""
+    for key in SIZE_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            raise ValueError(f"{file}: {key} = {value}; it counts something: set it to 1 or more")
 
 
 def config_values(config) -> Mapping:
