@@ -157,6 +157,10 @@ def test_offload_rows_and_efficiency(capsys):
     # Offload(gradients="nvme") too: the gradient shards move from the CPU column to NVMe.
     every, nvme_all = by[(3, "nvme-everything")]["memory"], by[(3, "nvme-all")]["memory"]
     assert every["cpu"]["grads"] == 0 and every["nvme"]["grads"] == nvme_all["cpu"]["grads"] > 0
+    low = _json(["--preset", "1b", "--dp", "8", "--offload", "all", "--stage", "1"], capsys)
+    assert "nvme-states" not in {
+        r["offload"] for r in low["stages"]
+    }  # (stage 1: nvme-optimizer's twin)
     states = by[(2, "nvme-states")]["memory"]
     assert states["nvme"]["grads"] > 0 and states["nvme"]["optimizer_states"] > 0
     assert states["device"]["grads"] == states["device"]["optimizer_states"] == 0

@@ -1627,10 +1627,12 @@ def test_stage_0_two_backwards_before_a_step_sum_their_averages(workers2, precis
     assert max(workers2.run(_stage0_two_backwards_then_torch_clip, precision)) < tol
 
 
-def _stage0_fp16_small_gradients_through_torch_clip() -> dict:
+def _stage0_fp16_small_gradients_edited(edit: str) -> dict:
     """FP16 at stage 0, a loss of about 1e-6 (gradients below FP16's normal range once
-    unscaled, what the loss scale is for), torch's ``clip_grad_norm_`` through ``.grad`` that
-    clips nothing, one SGD step: the gradient the step took, against plain torch's FP32 one."""
+    unscaled, what the loss scale is for), one SGD step after an edit through ``.grad``:
+    torch's ``clip_grad_norm_`` that clips nothing ("clip"), or a mask zeroing the first
+    layer's weight gradient ("mask"). The gradient the step took, against plain torch's FP32
+    one (masked alike)."""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
     model = zeroshard.shard(copy.deepcopy(ref), stage=0, mixed_precision="fp16")
@@ -1639,25 +1641,36 @@ def _stage0_fp16_small_gradients_through_torch_clip() -> dict:
     (ref(x).square().mean() * 1e-6).backward()
     before = zeroshard.full_state_dict(model, rank0_only=False)
     opt.backward(model(_rows(x)).float().square().mean() * 1e-6)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    if edit == "clip":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    else:
+        model[0].weight.grad.zero_()
+        ref[0].weight.grad.zero_()
     opt.step()
     after = zeroshard.full_state_dict(model, rank0_only=False)
     used = {k: (before[k] - after[k]) / 1e5 for k in after}
-    true = dict(ref.named_parameters())
+    true = {k: t.grad for k, t in ref.named_parameters()}
     return {
         "error": max(
-            (used[k] - t.grad).norm().item() / t.grad.norm().item() for k, t in true.items()
+            (used[k] - t).norm().item() / max(t.norm().item(), 1e-30)
+            for k, t in true.items()
+            if t.any()
         ),
-        "zeros": sum(int((used[k] == 0).sum()) for k in true),
+        "zeros": sum(int((used[k] == 0).sum()) for k in true if true[k].any()),
+        "masked moved": used["0.weight"].abs().max().item(),
     }
 
 
-def test_stage_0_fp16_keeps_the_unscaled_gradient_through_torch_s_clip(workers2):
+@pytest.mark.parametrize("edit", ["clip", "mask"])
+def test_stage_0_fp16_keeps_the_unscaled_gradient_through_torch_s_clip(workers2, edit):
     # torch's clip multiplies .grad by 1.0 when it clips nothing: the step took FP16's rounding
     # of the unscaled average, where most of these gradients read as zero (all 200 of the
-    # first layer's: 1.0 off). Now only the values an edit changed are taken.
-    for r in workers2.run(_stage0_fp16_small_gradients_through_torch_clip):
-        assert r["error"] < 1e-2 and r["zeros"] == 0, r
+    # first layer's: 1.0 off). Now only parameters an edit changed are taken, whole: a mask of
+    # zeros over values FP16 showed as zero is taken too (elementwise, 183 of 256 moved).
+    for r in workers2.run(_stage0_fp16_small_gradients_edited, edit):
+        assert (
+            r["error"] < 1e-2 and r["zeros"] == 0 and (r["masked moved"] == 0) == (edit == "mask")
+        ), r
 
 
 def test_a_forward_whose_gather_failed_waits_no_more(lone_process):

@@ -103,6 +103,50 @@ def _meta_weights(stage: int, bucket_bytes: int, frozen: bool) -> dict[str, torc
     return zeroshard.full_state_dict(model, rank0_only=False)
 
 
+def _most_materialized(frozen: bool) -> tuple[int, int]:
+    """Stage 3, a GPT on meta: the most parameter elements materialized and not yet in a
+    FlatParam at once during shard(), and the largest unit's elements."""
+    from unittest import mock
+
+    from zeroshard import sharding
+
+    live, most, units = [0], [0], []
+    materialize, flat_param = sharding.Materializer.__call__, sharding.FlatParam
+
+    def counted_materialize(self, params):
+        n = sum(p.numel() for p in params if p.is_meta)
+        materialize(self, params)
+        live[0] += n
+        most[0] = max(most[0], live[0])
+        units.append(n)
+
+    def counted_flat(params, **kw):
+        live[0] -= sum(p.numel() for p, _ in params)
+        return flat_param(params, **kw)
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = GPT(CFG)
+    if frozen:
+        meta.blocks[1].attn.requires_grad_(False)
+    with (
+        mock.patch.object(sharding.Materializer, "__call__", counted_materialize),
+        mock.patch.object(sharding, "FlatParam", counted_flat),
+    ):
+        zeroshard.shard(
+            meta, stage=3, wrap=zeroshard.wrap.by_class(Block), param_init_fn=meta.init_module
+        )
+    return most[0], max(units)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_meta_model_is_materialized_one_unit_at_a_time(workers2, frozen):
+    # Materialized per unit (the same weights at every stage), a unit's FlatParams were made
+    # only when the next unit came: two units alive at once, and a frozen group to the end.
+    for most, unit in workers2.run(_most_materialized, frozen):
+        assert most == unit, (most, unit)
+
+
 @pytest.mark.parametrize("frozen", [False, True])
 def test_meta_init_gives_the_same_weights_at_every_stage_and_bucket_size(workers2, frozen):
     # Buckets of several units (stages 0-2) took the init's random numbers in another order.

@@ -495,17 +495,21 @@ def _flat_params(
             ]
             for key, members in _groups(spec).items()
         }
-        materialize([p for params in groups.values() for p, _ in params])
-        for key, params in groups.items():
+        for key, params in groups.items():  # full buckets made first (sizes known on meta)
             elem_bytes = _dtypes(policy, key[1])[0].itemsize
             numel = sum(p.numel() for p, _ in params)
             if key in open_buckets:
                 held = sum(p.numel() for p, _ in open_buckets[key][0])
                 if (held + numel) * elem_bytes > bucket_bytes:
                     close(key)
+        materialize([p for params in groups.values() for p, _ in params])
+        for key, params in groups.items():
             bucket = open_buckets.setdefault(key, ([], [], policy))
             bucket[0].extend(params)
             bucket[1].append(i)
+        if not bucket_bytes:  # one FlatParam per unit and group: made now
+            for key in list(open_buckets):
+                close(key)
     for key in list(open_buckets):
         close(key)
     return per_unit

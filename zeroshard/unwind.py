@@ -108,7 +108,9 @@ class Unwinding:
             f"they start clean{after}",
             stacklevel=5,
         )
-        self._start_clean(stale)
+        # (and units its prefetch gathered: their gathers stayed in flight, memory held)
+        ahead = [u for u in self.units if u.state is TrainingState.IDLE and u.is_gathered]
+        self._start_clean(stale + ahead)
 
     def _start_clean(self, units: list[Unit]) -> None:
         """Forget ``units``' part in a forward or backward that ended by an exception: their

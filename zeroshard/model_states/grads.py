@@ -425,15 +425,23 @@ class GradBucket:
         (``torch.nn.utils.clip_grad_norm_``, a mask, a rescale; the buffer's version counter
         says so) is the one the step takes, as under DDP; unchanged, the step keeps the FP32
         reduced values, not their rounding to ``param_dtype``. (In FP32 the two are one tensor
-        and edits need nothing.) Only the values the edit changed are taken: a no-op edit (torch's
-        ``clip_grad_norm_`` multiplies by 1.0 when it does not clip) kept FP16's rounding, where
-        small unscaled gradients read as zero, as if it were the gradient."""
+        and edits need nothing.) Only parameters whose ``.grad`` the edit changed somewhere are
+        taken, whole: a no-op edit (torch's ``clip_grad_norm_`` multiplies by 1.0 when it does
+        not clip) kept FP16's rounding, where small unscaled gradients read as zero, as if it
+        were the gradient; a mask writing zeros where FP16 showed zeros is taken with the rest
+        of its parameter. (One whose every value showed as zero cannot tell a zeroing from no
+        edit: drop it with ``p.grad = None``.)"""
         if self._shown_version is None or self.full_grad is None or self.shard_grad is None:
             return
         if self.full_grad._version != self._shown_version:
             lo, hi = self.flat.range
             edited = self.full_grad[lo:hi]
             changed = edited != self.shard_grad.to(edited.dtype)  # (what ``.grad`` showed)
+            spans = [span for _, span in self.flat.pieces() if span.stop > span.start]
+            hit = torch.stack([changed[span].any() for span in spans]).tolist() if spans else []
+            for span, edited_here in zip(spans, hit):  # (one host sync for all of them)
+                if edited_here:
+                    changed[span] = True
             self.shard_grad.copy_(torch.where(changed, edited, self.shard_grad))
             self._shown_version = self.full_grad._version
 

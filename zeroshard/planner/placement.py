@@ -78,7 +78,9 @@ def placement_problem(
 def at_stage(placement: Placement, stage: int) -> Placement:
     """``placement`` as the engine runs it at ``stage``: below stage 2 the gradients are not
     partitioned and stay on the device (an offloaded optimizer takes each rank's slice of them
-    at the step), whatever the named placement (``OFFLOADS``) says for them."""
-    if placement.grads is Tier.DEVICE or partition(stage).gradients:
+    at the step), whatever the named placement (``OFFLOADS``) says for them. Not gradients on
+    NVMe: that placement (``nvme-states``) is refused there (``placement_problem``), not made
+    another one's twin."""
+    if placement.grads in (Tier.DEVICE, Tier.NVME) or partition(stage).gradients:
         return placement
     return replace(placement, grads=Tier.DEVICE)

@@ -138,6 +138,9 @@ class SpanCheckpointing:
         if not joins:
             self.close()
             span = self._span = self._open(args, call.devices)
+            # positional ones are the frame's saved inputs (copies with Pa/offload; checked
+            # at their unpack when kept whole)
+            call.versions = [(weakref.ref(t), version_of(t)) for t in tensors_in(kwargs)]
         assert span is not None
         span.calls.append(call)
         span.hooks = ckpt._checkpoint_hook(span.frame)
@@ -152,6 +155,8 @@ class SpanCheckpointing:
         if span is not None and span.hooks is not None:
             hooks, span.hooks = span.hooks, None
             hooks.__exit__(None, None, None)
+            call = span.calls[-1]  # written from here on (after the unit ran): the error
+            call.versions = [(r, version_of(t)) for r, _ in call.versions if (t := r()) is not None]
 
     def note_output(self, module: nn.Module, output: Any) -> None:
         """The unit's output as the model receives it: the next unit continues the chain if its
