@@ -551,3 +551,33 @@ def test_the_peak_loses_the_gradient_shards(workers2):
         # them are alive at the peak). Here only the one in flight is, so the peak drops by most
         # of the rank's shard bytes.
         assert r[True] <= r[False] - 0.6 * r["shards"], r
+
+
+def _step_twice(stage: int) -> dict:
+    """One backward, then step() twice: the second is refused and changes nothing; after
+    zero_grad and another backward, training goes on as with steps taken once."""
+    model, opt = _make("gpt", stage, True)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    x, y = batch("gpt", 0, PER_RANK_BATCH * world)
+    mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
+    opt.backward(loss_of("gpt", model, x[mine], y[mine]))
+    assert opt.step()
+    before = zeroshard.full_state_dict(model, rank0_only=False)
+    with pytest.raises(ValueError, match="step_in_backward=True: its gradients were applied") as e:
+        opt.step()
+    after = zeroshard.full_state_dict(model, rank0_only=False)
+    opt.zero_grad()
+    opt.backward(loss_of("gpt", model, x[mine], y[mine]))
+    assert opt.step()  # (the refusal is gone once new gradients came)
+    return {
+        "said": str(e.value),
+        "moved": max((after[k] - v).abs().max().item() for k, v in before.items()),
+    }
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_second_step_after_one_backward_is_refused(workers2, stage):
+    # It stepped again on zero gradients (momentum and Adam's moments moved on), silently:
+    # torch's second step takes the same gradients again, which were freed in backward here.
+    for r in workers2.run(_step_twice, stage):
+        assert r["moved"] == 0.0, r

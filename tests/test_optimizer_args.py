@@ -63,6 +63,8 @@ def test_parameters_given_as_torch_optim_refuses_them_are_named(lone_process):
         zeroshard.optimizer(model, torch.optim.SGD, [], lr=0.1)
     with pytest.raises(ValueError, match=r"needs a 'params' key; got keys \['lr'\]"):
         zeroshard.optimizer(model, torch.optim.SGD, [{"lr": 0.1}], lr=0.1)
+    with pytest.raises(TypeError, match="param groups mix dicts with a Parameter"):  # (dict())
+        zeroshard.optimizer(model, torch.optim.SGD, [{"params": [model.bias]}, model.weight])
     instance = torch.optim.SGD(model.parameters(), lr=0.1)
     for elementwise in (False, True):
         with pytest.raises(TypeError, match=r"the optimizer class \(torch.optim.AdamW\)"):

@@ -132,10 +132,19 @@ def _init_subgroup(o: torch.optim.Optimizer) -> None:
         if "lr" in group:
             lrs.append(group["lr"])
             group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
-    o.step()
+    # Weight decay off too: SGD's momentum buffer took weight_decay * p from the zero
+    # gradients, and a template loaded back (no ``step`` to tell it from a trained one) moved
+    # the next steps.
+    decays = [group.get("weight_decay") for group in o.param_groups]
     for group in o.param_groups:
+        if "weight_decay" in group:
+            group["weight_decay"] = 0.0
+    o.step()
+    for group, decay in zip(o.param_groups, decays):
         if "lr" in group:
             group["lr"] = lrs.pop(0)
+        if decay is not None:
+            group["weight_decay"] = decay
         for p in group["params"]:
             p.grad = None
 
@@ -425,6 +434,15 @@ def _match_groups(opt: ShardedOptimizer, saved: list[dict[str, Any]], first: dic
                 f"({len(saved)} saved, {len(opt.param_groups)} here); build the optimizer with "
                 "the saved run's param groups (e.g. weight decay off for biases and norms)"
             )
+        taken = [j for j, g in enumerate(out) if hits and g is saved[hits[0]]]
+        if taken:  # (one saved group split in two: its hyperparameters would go to both)
+            raise ValueError(
+                f"param groups {taken[0]} and {i} of the optimizer hold parameters of saved param "
+                f"group {hits[0]}: the checkpoint has another group layout ({len(saved)} saved, "
+                f"{len(opt.param_groups)} here; torch refuses it too); build the optimizer with "
+                "the saved run's param groups, or load the model alone and start the optimizer "
+                "fresh"
+            )
         if hits:
             out.append(saved[hits[0]])
         elif len(saved) == len(opt.param_groups):
@@ -474,7 +492,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
                 g[k] = v
     # Which keys are element-wise, per bucket and group: from the running optimizer's own
     # states (a 0-dim parameter's ``exp_avg`` has the shape of ``step``), made if none yet.
-    _init_states(opt)
+    fresh = _init_states(opt)
     layout, _ = _state_layout(opt)
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     subgroups = _subgroup_of(opt)
@@ -569,6 +587,8 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
         for g, before in zip(opt.param_groups, groups_before):
             g.clear()  # (without the saved groups' keys it lacked: initial_lr)
             g.update(before)
+        for o in fresh:  # (a fresh optimizer stays fresh: Adam's template says step 1)
+            o.state.clear()
         raise ValueError(f"{problem}: nothing was loaded")
     for optimizer, packed in loads:
         optimizer.load_state_dict(packed)

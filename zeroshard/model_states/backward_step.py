@@ -194,6 +194,19 @@ class BackwardStep:
                 )
         return None
 
+    def again(self, buckets: list) -> str | None:
+        """Why ``step()`` may not run: a second one after the same backward, whose gradients
+        were applied and freed unit by unit (``consumed``, no ``zero_grad`` since): it stepped
+        on zeros, where torch's would take the same gradients again."""
+        if all(id(b) in self.stepped or self.consumed.get(id(b)) != b.zeroings for b in buckets):
+            return None
+        return (
+            "optimizer.step() again after the step of the same backward with "
+            "step_in_backward=True: its gradients were applied and freed in backward, so they "
+            "cannot be applied twice; call opt.zero_grad() and run another backward, or use "
+            "step_in_backward=False"
+        )
+
     def reset(self) -> None:
         self._used.clear()
         self.stepped.clear()

@@ -299,8 +299,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``closure`` (as torch's, and PyTorch Lightning's, optimizers take it): called once,
         with gradients enabled, before the step (it runs the forward and backward); the step
         then returns its loss, as torch's does. Called once only: the element-wise optimizers
-        that a sharded one accepts never re-evaluate it (LBFGS is refused).
-        """
+        that a sharded one accepts never re-evaluate it (LBFGS is refused)."""
         if self.steps_taken == 0 and _torch_initializes_states():  # (only a fresh one's)
             for g in self.param_groups:  # (state_dict() makes the states a template needs)
                 for p in g["params"]:
@@ -408,8 +407,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _finish_backward_step(self, bs: BackwardStep, found_inf: bool, unused: set[int]) -> bool:
         """``step`` with ``step_in_backward``: the sub-groups stepped during backward; those
-        reduced only in micro-steps (``reduce_every_micro_step`` without a synchronized
-        backward) step now, then parameters are refreshed."""
+        reduced only in micro-steps (``reduce_every_micro_step``, no synchronized backward) step
+        now, then parameters are refreshed. A second step is refused (``BackwardStep.again``)."""
+        if (again := bs.again(self._buckets)) is not None:
+            self.engine.end_step()
+            raise ValueError(again)
         problem = bs.changed(self.param_groups)
         if not found_inf:
             for sg in self._subgroups:

@@ -46,6 +46,12 @@ def param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[st
     params = list(params)
     if not params:
         raise ValueError("the optimizer got an empty parameter list")
+    if isinstance(params[0], dict) and not all(isinstance(g, dict) for g in params):
+        other = next(g for g in params if not isinstance(g, dict))
+        raise TypeError(
+            f"param groups mix dicts with a {type(other).__name__}: each group must be a dict "
+            "(put it in one: {'params': [tensor]})"
+        )
     groups = (
         [dict(g) for g in params]
         if params and isinstance(params[0], dict)
