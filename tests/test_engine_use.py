@@ -2607,3 +2607,38 @@ def test_a_ctrl_c_inside_a_recomputation_is_forgotten(lone_process):
     with torch.no_grad():
         h = torch.randn(2, 16)
         assert torch.allclose(model[1].lin(h), ref[1].lin(h)), "the unit's Linear alone"
+
+
+def _under_torch_func(stage: int) -> list[str]:
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)),
+        stage=stage,
+        wrap=wrap.by_class(nn.Linear),
+    )
+    params = {k: v.clone() for k, v in zeroshard.full_state_dict(model, rank0_only=False).items()}
+    x = torch.randn(4, 8)
+
+    def loss(p, xi):
+        return functional_call(model, p, (xi,)).pow(2).mean()
+
+    said = []
+    for run in (
+        lambda: grad(loss)(params, x),
+        lambda: vmap(grad(loss), in_dims=(None, 0))(params, x[:, None]),
+    ):
+        with pytest.raises(RuntimeError, match="torch.func transforms") as e:
+            run()
+        said.append(str(e.value))
+    model(x).sum().backward()  # (the model still trains)
+    return said
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_torch_func_transforms_are_one_line_naming_the_way(workers2, stage):
+    # They failed deep in the engine: "autograd.Function ... must override setup_context"
+    # (stages 0-2), "Cannot access storage of TensorWrapper" (stage 3).
+    for said in workers2.run(_under_torch_func, stage):
+        assert all("unsharded copy" in s for s in said), said

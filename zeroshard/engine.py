@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zeroshard import autograd_hooks, call_frames, prefetch, unwind
+from zeroshard import autograd_hooks, call_frames, model_checks, prefetch, unwind
 from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, weakly, when_backward_reaches
 from zeroshard.loss_scaling import GradScaling
@@ -163,6 +163,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         self, unit: Unit, args: tuple, kwargs: dict, *, entry: bool = True
     ) -> tuple[tuple, dict]:
         """Before a use of ``unit``: its module's own call (``entry``) or an owner's (a lend)."""
+        model_checks.no_functorch_transform()
         recompute = in_backward()
         root_entry = unit.is_root and entry
         raw_args, raw_kwargs = args, kwargs

@@ -1,6 +1,7 @@
 """What ``shard()`` refuses in a model before it changes anything: parameters that would train
 apart from torch's (two Parameters over the same elements; an embedding with sparse gradients
-or ``max_norm``), each a ValueError naming the module and the fix."""
+or ``max_norm``), each a ValueError naming the module and the fix; and what no forward of a
+sharded model can run under (``torch.func`` transforms)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,16 @@ def trainable_embeddings(model: nn.Module) -> None:
                 "renormalize inside zeroshard.summon_full_params(model) after each step), or "
                 "freeze it"
             )
+
+
+def no_functorch_transform() -> None:
+    """A forward under ``torch.func.grad`` / ``vmap`` / ``jacrev``: the engine's hooks (an
+    ``autograd.Function`` without ``setup_context``) and gathered storages (memory swapped in from
+    a pool) are not functorch's, and it failed deep inside them. One line naming the way."""
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            "torch.func transforms (grad, vmap, jacrev, ...) cannot run a sharded model's "
+            "forward: compute them on an unsharded copy, e.g. copy = MyModel(); "
+            "copy.load_state_dict(zeroshard.full_state_dict(model, rank0_only=False)); "
+            "torch.func.functional_call(model, ...) without a transform works"
+        )

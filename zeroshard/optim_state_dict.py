@@ -37,6 +37,7 @@ import torch.distributed as dist
 from zeroshard.checkpoint_files import gather
 from zeroshard.flat_range import FlatRange
 from zeroshard.model_states.flat_param import FlatParam
+from zeroshard.optim_state_checks import match_groups, warn_dropped
 from zeroshard.state_dict import (
     _all_names,
     _as_sharded,
@@ -420,42 +421,6 @@ def local_state_entries(opt: ShardedOptimizer) -> Callable[[str, str, torch.dtyp
     return entry
 
 
-def _match_groups(opt: ShardedOptimizer, saved: list[dict[str, Any]], first: dict[int, str]):
-    """For each of ``opt``'s param groups, the saved group holding its parameters (by name,
-    else by position)."""
-    where = {name: j for j, g in enumerate(saved) for name in g.get("params", [])}
-    out = []
-    for i, g in enumerate(opt.param_groups):
-        hits = sorted({where[first[id(p)]] for p in g["params"] if first.get(id(p)) in where})
-        if len(hits) > 1:  # the hyperparameters would be one saved group's for all of them
-            raise ValueError(
-                f"param group {i} of the optimizer holds parameters of saved param groups "
-                f"{', '.join(map(str, hits))}: the checkpoint has another group layout "
-                f"({len(saved)} saved, {len(opt.param_groups)} here); build the optimizer with "
-                "the saved run's param groups (e.g. weight decay off for biases and norms)"
-            )
-        taken = [j for j, g in enumerate(out) if hits and g is saved[hits[0]]]
-        if taken:  # (one saved group split in two: its hyperparameters would go to both)
-            raise ValueError(
-                f"param groups {taken[0]} and {i} of the optimizer hold parameters of saved param "
-                f"group {hits[0]}: the checkpoint has another group layout ({len(saved)} saved, "
-                f"{len(opt.param_groups)} here; torch refuses it too); build the optimizer with "
-                "the saved run's param groups, or load the model alone and start the optimizer "
-                "fresh"
-            )
-        if hits:
-            out.append(saved[hits[0]])
-        elif len(saved) == len(opt.param_groups):
-            out.append(saved[i])
-        else:
-            raise ValueError(
-                f"cannot match param group {i} of the optimizer to the saved param groups: "
-                f"none of its parameters is named in them and the group counts differ "
-                f"({len(opt.param_groups)} here, {len(saved)} saved)"
-            )
-    return out
-
-
 @torch.no_grad()
 def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """Load what ``optimizer_state_dict`` returns (per parameter name: DTensors of any mesh, e.g.
@@ -486,7 +451,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
             "get_optimizer_state_dict(model, opt) give)"
         )
     groups_before = [dict(g) for g in opt.param_groups]
-    for g, saved in zip(opt.param_groups, _match_groups(opt, state_dict["param_groups"], first)):
+    for g, saved in zip(opt.param_groups, match_groups(opt, state_dict["param_groups"], first)):
         for k, v in saved.items():
             if k not in ("params", "param_names") and k not in _IMPL_KEYS:
                 g[k] = v
@@ -592,3 +557,13 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
         raise ValueError(f"{problem}: nothing was loaded")
     for optimizer, packed in loads:
         optimizer.load_state_dict(packed)
+    trained = {
+        n
+        for g in opt.param_groups
+        for p in g["params"]
+        if p.requires_grad
+        for n in all_names[id(p)]
+    }
+    warn_dropped(
+        [k for k, st in saved_state.items() if k not in trained and not _never_stepped(st)]
+    )
