@@ -121,13 +121,6 @@ def test_engine_timeline_post_backward_follows_the_engines_schedule():
     assert not any("wait" in name for name in _moments(WIDE, _engine(3, num_buckets=1)))
 
 
-def test_spans_break_where_the_units_do_not_chain():
-    assert t.spans(5, 2) == [0, 0, 2, 2, 4]
-    assert t.spans(4, 9) == [0, 0, 0, 0]
-    # T5: the decoder's first block is fed the decoder's embeddings, not the encoder's output.
-    assert t.spans(4, 4, (False, True, False, True)) == [0, 0, 2, 2]
-
-
 def test_a_recomputed_span_gathers_one_unit_more_at_stage_3():
     # WIDE has 4 blocks. With one span of all 4, the last block's backward recomputes the
     # other three one at a time beside it and the prefetched one; spans of 2 need no more.

@@ -28,7 +28,13 @@ import warnings
 from dataclasses import dataclass, field, replace
 
 from zeroshard.planner.bandwidth import flops_per_iteration, flops_per_iteration_params
-from zeroshard.planner.comm import REPLICATE, SHARD, dp_communication, scope_seconds
+from zeroshard.planner.comm import (
+    REPLICATE,
+    SHARD,
+    dp_communication,
+    gathered_again,
+    scope_seconds,
+)
 from zeroshard.planner.describe import ModelDescription
 from zeroshard.planner.memory import (
     OFFLOADS,
@@ -403,6 +409,7 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
         num_params_replicated=model.replicated_numel,
         reduce_every_micro_batch=not config.accumulate_unreduced,
         num_params_trainable=model.num_trainable_params,
+        num_params_gathered_again=gathered_again(model, config),
     )
     net, inter = cluster.net_bandwidth_bytes_per_s, cluster.inter_node_bandwidth_bytes_per_s
     if config.stage == 0 and k is not None and k < config.num_dp_ranks:

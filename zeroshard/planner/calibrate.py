@@ -169,7 +169,8 @@ def predict(case: Case | HFCase, num_ranks: int) -> dict:
     from zeroshard.engine import ShardConfig
 
     model = describe_case(case)
-    plan = plan_memory(model, engine_config(case, num_ranks))
+    config = engine_config(case, num_ranks)
+    plan = plan_memory(model, config)
     kept = 0 if ShardConfig().reshard_root_after_forward else model.kept_gathered_numel
     collectives = comm.dp_communication(
         model.num_params,
@@ -180,6 +181,7 @@ def predict(case: Case | HFCase, num_ranks: int) -> dict:
         reduce_dtype_bytes=4,
         num_params_kept_gathered=kept,
         reduce_every_micro_batch=not _accumulation(case)[1],
+        num_params_gathered_again=comm.gathered_again(model, config),
     )
     comm_numel: dict[str, int] = {}
     for c in collectives:

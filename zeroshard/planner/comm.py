@@ -67,6 +67,7 @@ def dp_communication(
     num_params_replicated: int = 0,
     reduce_every_micro_batch: bool = True,
     num_params_trainable: int | None = None,
+    num_params_gathered_again: int = 0,
 ) -> tuple[Collective, ...]:
     """The collectives of one step and their per-device volume: 2 Psi elements for stages 0-2,
     3 Psi for stage 3 (Psi / Nm each with model parallelism). Gradients travel in
@@ -81,6 +82,9 @@ def dp_communication(
     shard across groups (scope ``replicate``), 2 * ceil(Psi / k) elements, when the gradients are
     reduce-scattered (every micro-batch at stages 2-3). Stage 0 shards nothing: its all-reduce
     spans every rank, as the engine ignores ``shard_group_size`` there.
+
+    ``num_params_gathered_again``: stage 3 parameters gathered once more in backward (units a
+    checkpoint's recomputation gathered and freed before their own backward, ``gathered_again``).
 
     ``reduce_every_micro_batch=False`` (``MemoryConfig.accumulate_unreduced``): stages 2-3
     reduce the gradients once per step, after the last micro-batch, as stages 0-1 do.
@@ -124,7 +128,8 @@ def dp_communication(
         )
 
     def params(when: str) -> Collective:
-        numel = {"backward": psi - kept, "after step": trained(psi)}.get(when, psi)
+        again = math.ceil(num_params_gathered_again / num_mp_ranks)
+        numel = {"backward": psi - kept + again, "after step": trained(psi)}.get(when, psi)
         return Collective(
             op="all_gather",
             label="params",
@@ -217,3 +222,24 @@ def comm_seconds(num_bytes: float, bandwidth_bytes_per_s: float) -> float:
     if not bandwidth_bytes_per_s > 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth_bytes_per_s!r}")
     return num_bytes / bandwidth_bytes_per_s
+
+
+def gathered_again(model, config) -> int:
+    """Stage 3 with activation checkpoints: the parameters of the units each step's backward
+    recomputes, frees and gathers again (``spans.recompute_freed``), for
+    ``dp_communication``; 0 otherwise. ``model``: a ``ModelDescription``, ``config``: a
+    ``MemoryConfig``."""
+    from zeroshard.planner import saved, spans, timeline
+
+    if not (partition(config.stage).parameters and config.activation_checkpointing):
+        return 0
+    if model.block_unit_numels is None and model.shape is None:
+        return 0  # (a parameter count alone: no units to gather)
+    numels = timeline.unit_numels(model)
+    measured = saved.at_config(model, config)
+    chained = measured.chained if measured is not None else ()
+    first = tuple(spans.first_units(len(numels), config.num_layers_per_checkpoint, chained))
+    prefetch = config.num_units_prefetch
+    return sum(
+        numels[j] for i in range(len(numels)) for j in spans.recompute_freed(first, i, prefetch)
+    )

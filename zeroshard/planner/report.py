@@ -170,6 +170,7 @@ def _communication(model, config, net_bw, inter_bw) -> dict:
         num_params_replicated=model.replicated_numel,
         reduce_every_micro_batch=not config.accumulate_unreduced,
         num_params_trainable=model.num_trainable_params,
+        num_params_gathered_again=comm.gathered_again(model, config),
     )
     notes = []
     if config.stage == 0 and k is not None and k < nd:

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from zeroshard.offload.tiers import Tier
-from zeroshard.planner import saved
+from zeroshard.planner import saved, spans
 from zeroshard.planner.describe import ModelDescription, trained_bytes
 from zeroshard.planner.memory import (
     ACTIVATION_BYTES,
@@ -182,7 +182,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
     else:
         per, logits, grad_working, held = _gpt_per_unit(model, c, num_units)
     ci = c.num_layers_per_checkpoint if c.activation_checkpointing else 1
-    span = spans(num_units, ci, per.chained)  # the first unit of each unit's span
+    span = spans.first_units(num_units, ci, per.chained)  # the first unit of each unit's span
     ckpt = [0] * num_units  # a span's input, on the device, at its first unit
     total = 0
     for i in sorted(set(span)) if c.activation_checkpointing else ():
@@ -218,17 +218,6 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         checkpoints_total=total,
         span_first=tuple(span) if c.activation_checkpointing else (),
     )
-
-
-def spans(num_units: int, ci: int, chained: tuple[bool, ...] = ()) -> list[int]:
-    """The first unit of each unit's span (forward order), as the engine forms them: up to
-    ``ci`` consecutive units while each one's input is the previous one's output (``chained``,
-    measured; empty: all)."""
-    first: list[int] = []
-    for i in range(num_units):
-        joins = i > 0 and (not chained or chained[i]) and i - first[-1] < ci
-        first.append(first[-1] if joins else i)
-    return first
 
 
 def _gpt_per_unit(
@@ -402,14 +391,11 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
 
     def recomputed(k: int) -> int:
         """Stage 3: the unit gathered for its recomputation beside this one and the prefetched
-        ones, when unit ``k`` (backward order) ends a span of checkpoints longer than
-        ``1 + num_units_prefetch``: the span's other units are gathered one at a time and freed
-        until their own backward (``Engine._free_after_recompute``)."""
-        i, first = num_units - 1 - k, act.span_first
-        if not (part.parameters and first) or (i + 1 < num_units and first[i + 1] == first[i]):
+        ones, where unit ``k`` (backward order) ends a span (``spans.recompute_freed``)."""
+        if not part.parameters:
             return 0
-        freed = backward[::-1][first[i] : max(first[i], i - c.num_units_prefetch)]
-        return math.ceil(bpp.params * max(freed, default=0) / mp)
+        freed = spans.recompute_freed(act.span_first, num_units - 1 - k, c.num_units_prefetch)
+        return math.ceil(bpp.params * max((backward[-1 - j] for j in freed), default=0) / mp)
 
     def moment(num_reduced: int, **residual: int) -> dict[str, int]:
         """Model states once ``num_reduced`` units' reductions have started (their shard-sized
