@@ -55,8 +55,12 @@ class Prefetching:
             return False
         if unit.state is not TrainingState.IDLE or not unit.is_gathered:
             return False
-        backward_order = self.forward_order[::-1]
-        return unit not in islice(self._upcoming(backward_order), self.config.num_prefetch)
+        # The unit whose backward runs is reached (a span's last, non-reentrant); with none
+        # reached (a reentrant checkpoint recomputes before any unit's backward), the first
+        # upcoming one computes next: kept with the prefetched ones.
+        running = any(u.state is TrainingState.PRE_BACKWARD for u in self.units if not u.is_root)
+        window = self.config.num_prefetch + (not running)
+        return unit not in islice(self._upcoming(self.forward_order[::-1]), window)
 
     def _free_unused_prefetches(self) -> None:
         """Units prefetched from the last forward's order that this forward skipped (layer drop,
