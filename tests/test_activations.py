@@ -446,3 +446,43 @@ def test_a_recomputed_span_keeps_no_more_units_gathered_than_a_backward(workers2
     for r in workers2.run(_most_gathered_in_recomputation, 5):
         assert r["most"] == 3, r
         assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
+
+
+class _OwnSpan(torch.nn.Module):
+    """Five blocks under one checkpoint of the model's own (reentrant or not)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = torch.nn.ModuleList(_ResBlock() for _ in range(5))
+        self.head = torch.nn.Linear(16, 1)
+
+    def _blocks(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+    def forward(self, x):
+        x = torch.utils.checkpoint.checkpoint(self._blocks, x, use_reentrant=self.reentrant)
+        return self.head(x).square().mean()
+
+
+def _gathered_in_backward(reentrant: bool) -> int:
+    torch.manual_seed(0)
+    model = zeroshard.shard(_OwnSpan(reentrant), stage=3, wrap=zeroshard.wrap.by_class(_ResBlock))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    x = torch.randn(4, 16, requires_grad=reentrant)  # (a reentrant one needs an input with grad)
+    opt.backward(model(x))
+    opt.step()
+    return sum(
+        e.numel
+        for (op, label), e in zeroshard.ledger(model).steps[-1].items()
+        if op == "all_gather"
+    )
+
+
+def test_a_reentrant_recomputation_gathers_no_more_than_another(workers2):
+    # With no unit reached yet, the unit computing next was freed after its recomputation and
+    # gathered again at once: one more gather per span than a non-reentrant checkpoint.
+    reentrant, other = (workers2.run(_gathered_in_backward, r)[0] for r in (True, False))
+    assert reentrant == other, (reentrant, other)
