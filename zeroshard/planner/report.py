@@ -72,6 +72,7 @@ def plan_report(
         "micro_batch_size": base.micro_batch_size,
         "seq_len": base.seq_len,
         "num_layers_per_checkpoint": base.num_layers_per_checkpoint,
+        "accumulate_unreduced": base.accumulate_unreduced and base.grad_accum > 1,
         "device_memory_bytes": device_memory_bytes,
         "cpu_memory_bytes": cpu_memory_bytes,
         "nvme_bytes": nvme_bytes,
@@ -386,13 +387,18 @@ def render_plan(out: dict, unit: str = "GB") -> str:
             f"({moments or 'no timeline for this model'})"
         )
         fewer = [r for r in rows if r["model_states_at_rest_bytes"] != r["model_states_bytes"]]
-        if fewer:  # (the gradient shards of units not reduced yet: stages 2-3)
+        if fewer:  # (gradient shards not reduced yet, or the local gradient accumulated)
             at_rest = ", ".join(
                 f"stage {r['stage']} {_size(r['model_states_at_rest_bytes'], unit)}" for r in fewer
             )
+            why = (
+                "with the whole local gradient held between micro-batches"
+                if out.get("accumulate_unreduced")
+                else "before every gradient exists"
+            )
             lines.append(
-                "model states are those alive at that moment, before every gradient exists; "
-                f"at rest after the step they are {at_rest}"
+                f"model states are those alive at that moment, {why}; at rest after the step "
+                f"they are {at_rest}"
             )
     if "activation_checkpoint_bytes" in out:
         terms = [
