@@ -384,6 +384,10 @@ def test_a_finished_run_s_folder_is_resumed_or_left_alone(capsys, tmp_path, data
             "holds checkpoints but is not one", f"--resume {tmp_path / 'ckpt' / 'step-000002'}",
             f"--resume auto --out-dir {tmp_path} ",
         )  # fmt: skip
+        # ``checkpoint info`` of it: the wrong path (exit 2, as export says), not damage (1)
+        assert main(["checkpoint", "info", str(given)]) == 2
+        out = capsys.readouterr().out
+        assert "holds checkpoints but is not one" in out and "bytes" not in out, out
     # A fresh run into the same folder would mix its checkpoints with those; one that saves
     # none would still rewrite that run's metrics, summary and config.json (resumes and exports
     # read them).
@@ -476,10 +480,11 @@ def test_checkpoint_info_of_an_incomplete_save(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "incomplete" in out and "10 bytes" in out, out
     _expect_usage_error(capsys, ["checkpoint", "info", str(tmp_path / "none")], "none")
-    # Not a checkpoint at all (a run's folder of them is one such): no "(0 bytes in its
-    # files)", which read as an empty checkpoint.
-    (tmp_path / "notes" / "sub").mkdir(parents=True)  # folders only: 0 bytes of files
-    assert main(["checkpoint", "info", str(tmp_path / "notes")]) == 1
+    # Not a checkpoint at all (a run's folder of them is one such): the wrong path, exit 2 (as
+    # export says), and no "(N bytes in its files)", which read as a damaged checkpoint.
+    (tmp_path / "notes" / "sub").mkdir(parents=True)
+    (tmp_path / "notes" / "loss.png").write_bytes(b"x" * 7)
+    assert main(["checkpoint", "info", str(tmp_path / "notes")]) == 2
     out = capsys.readouterr().out
     assert "is not a zeroshard checkpoint" in out and "bytes" not in out, out
 

@@ -39,6 +39,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written or read as asked; the message says what to do."""
 
 
+class NotACheckpoint(CheckpointError):
+    """A folder passed as a checkpoint that is none (a run's folder of them, an export): the
+    caller's mistake, not a damaged checkpoint."""
+
+
 # --------------------------------------------------------------------- collectives on objects
 
 

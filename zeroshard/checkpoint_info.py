@@ -17,6 +17,7 @@ from zeroshard.checkpoint_files import (
     OLD,
     TMP,
     CheckpointError,
+    NotACheckpoint,
     check_file,
     split_suffix,
 )
@@ -75,12 +76,12 @@ def read_meta(path: Path) -> dict[str, Any]:
         for folder in (path / "ckpt", path):  # a run's output folder, or its folder of them
             newest = latest(folder)
             if newest is not None:
-                raise CheckpointError(
+                raise NotACheckpoint(
                     f"{path} holds checkpoints but is not one: pass one of them, e.g. the newest, "
                     f"{newest}"
                 )
         if path.is_dir() and not any(CHECKPOINT_FILE.match(f.name) for f in path.iterdir()):
-            raise CheckpointError(
+            raise NotACheckpoint(
                 f"{path} is not a zeroshard checkpoint (none of a checkpoint's files); pass a "
                 "folder written by zeroshard.checkpoint.save"
             )

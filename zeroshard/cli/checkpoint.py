@@ -2,7 +2,7 @@
 
 It reads ``zeroshard.json`` and the file sizes (``--verify`` also recomputes every file's
 checksum); it loads nothing and needs no process group. Exit status 0 for a complete
-checkpoint, 1 for an incomplete or damaged one.
+checkpoint, 1 for an incomplete or damaged one, 2 for a path that is none (a run's folder).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroshard import checkpoint
+from zeroshard.checkpoint_files import CheckpointError, NotACheckpoint
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -32,6 +33,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        checkpoint.read_meta(args.path)
+    except NotACheckpoint as exc:  # (a run's folder, an export: the wrong path, exit 2)
+        print(exc)
+        return 2
+    except (CheckpointError, OSError):
+        pass  # (what info tells: incomplete or damaged)
     found = checkpoint.info(args.path)
     if found.complete and args.verify:
         problem = checkpoint.verify(args.path)
