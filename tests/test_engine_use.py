@@ -2642,3 +2642,31 @@ def test_torch_func_transforms_are_one_line_naming_the_way(workers2, stage):
     # (stages 0-2), "Cannot access storage of TensorWrapper" (stage 3).
     for said in workers2.run(_under_torch_func, stage):
         assert all("unsharded copy" in s for s in said), said
+
+
+def _adapter_added_after_shard(stage: int) -> list[str]:
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)),
+        stage=stage,
+        wrap=wrap.by_class(nn.Linear),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    model.add_module("adapter", nn.Linear(2, 2))  # (trained by an optimizer of its own)
+    model.add_module("frozen", nn.Linear(2, 2).requires_grad_(False))  # (nothing to average)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.backward(model(torch.randn(4, 8)).sum() + model.adapter(torch.ones(2)).sum())
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in said if "added after" in str(w.message)]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_module_added_after_shard_is_said_to_train_apart_per_rank(workers2, stage):
+    # Its gradients were never averaged: each rank trained its own adapter (5e-2 apart after
+    # 3 steps), without a word. Said once; a frozen one is fine.
+    for said in workers2.run(_adapter_added_after_shard, stage):
+        assert len(said) == 1 and "2 trainable parameter(s)" in said[0], said
+        assert "'adapter.weight'" in said[0], said

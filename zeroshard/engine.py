@@ -91,6 +91,11 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         # Every FlatParam and bucket once, in unit order (units may share them at stages 0-2).
         self.flat_params = list(dict.fromkeys(f for u in unit_list for f in u.flat_params))
         self.buckets = list(dict.fromkeys(b for u in unit_list for b in u.buckets))
+        # The parameters shard() flattened (ids): one added later trains apart per rank (said
+        # once, ``model_checks.added_parameters``; None once said).
+        self._known_params: set[int] | None = {
+            id(s.param) for f in self.flat_params for s in f.slots
+        }
         self._units_left: dict[GradBucket, int] = {}  # per backward: units yet to finish
         self._again: set[Unit] = set()  # per backward: units finished, then reached again
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
@@ -283,6 +288,10 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         self._forward_call = call_frames.current(self.model)
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
             flat_param.check_requires_grad(self.flat_params)
+            if self._known_params is not None and model_checks.added_parameters(
+                self.model, self._known_params
+            ):
+                self._known_params = None  # (said once)
         self.check_trusted()
         self.adopt_writes()
         for pool in {id(f.buffers): f.buffers for f in self.flat_params}.values():

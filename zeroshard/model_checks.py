@@ -5,6 +5,8 @@ sharded model can run under (``torch.func`` transforms)."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -91,3 +93,24 @@ def no_functorch_transform() -> None:
             "copy.load_state_dict(zeroshard.full_state_dict(model, rank0_only=False)); "
             "torch.func.functional_call(model, ...) without a transform works"
         )
+
+
+def added_parameters(model: nn.Module, known: set[int]) -> bool:
+    """Warn (and return True) when the model holds trainable parameters that ``shard()`` did not
+    flatten (``known``: their ids): a module added afterwards (an adapter) that a torch optimizer
+    of its own trains. Nothing averages its gradients across ranks, so each rank trains its own
+    copy (as under DDP and FSDP2, silently)."""
+    added = [
+        name
+        for name, p in model.named_parameters()
+        if isinstance(p, nn.Parameter) and p.requires_grad and id(p) not in known
+    ]
+    if not added:
+        return False
+    warnings.warn(
+        f"{len(added)} trainable parameter(s) added after zeroshard.shard() (e.g. {added[0]!r}): "
+        "their gradients are not averaged across ranks, so each rank trains its own copy. Add "
+        "the module before shard() (LoRA adapters too), or all-reduce their gradients yourself",
+        stacklevel=4,
+    )
+    return True
