@@ -2609,15 +2609,20 @@ def test_a_ctrl_c_inside_a_recomputation_is_forgotten(lone_process):
         assert torch.allclose(model[1].lin(h), ref[1].lin(h)), "the unit's Linear alone"
 
 
-def _under_torch_func(stage: int) -> list[str]:
-    from torch.func import functional_call, grad, vmap
-
+def _small_mlp(stage: int) -> nn.Module:
+    """A seeded 8-8-2 MLP sharded at ``stage``, each Linear a unit."""
     torch.manual_seed(0)
-    model = zeroshard.shard(
+    return zeroshard.shard(
         nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)),
         stage=stage,
         wrap=wrap.by_class(nn.Linear),
     )
+
+
+def _under_torch_func(stage: int) -> list[str]:
+    from torch.func import functional_call, grad, vmap
+
+    model = _small_mlp(stage)
     params = {k: v.clone() for k, v in zeroshard.full_state_dict(model, rank0_only=False).items()}
     x = torch.randn(4, 8)
 
@@ -2645,12 +2650,7 @@ def test_torch_func_transforms_are_one_line_naming_the_way(workers2, stage):
 
 
 def _adapter_added_after_shard(stage: int) -> list[str]:
-    torch.manual_seed(0)
-    model = zeroshard.shard(
-        nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)),
-        stage=stage,
-        wrap=wrap.by_class(nn.Linear),
-    )
+    model = _small_mlp(stage)
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
     model.add_module("adapter", nn.Linear(2, 2))  # (trained by an optimizer of its own)
     model.add_module("frozen", nn.Linear(2, 2).requires_grad_(False))  # (nothing to average)
