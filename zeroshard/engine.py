@@ -96,6 +96,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         self._known_params: set[int] | None = {
             id(s.param) for f in self.flat_params for s in f.slots
         }
+        self._registrations = -1  # ``model_checks.registrations()`` at the last look
         self._units_left: dict[GradBucket, int] = {}  # per backward: units yet to finish
         self._again: set[Unit] = set()  # per backward: units finished, then reached again
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
@@ -288,10 +289,11 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         self._forward_call = call_frames.current(self.model)
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
             flat_param.check_requires_grad(self.flat_params)
-            if self._known_params is not None and model_checks.added_parameters(
-                self.model, self._known_params
-            ):
-                self._known_params = None  # (said once)
+            seen = model_checks.registrations()  # (a walk only after a registration)
+            if self._known_params is not None and seen != self._registrations:
+                self._registrations = seen
+                if model_checks.added_parameters(self.model, self._known_params):
+                    self._known_params = None  # (said once)
         self.check_trusted()
         self.adopt_writes()
         for pool in {id(f.buffers): f.buffers for f in self.flat_params}.values():

@@ -95,6 +95,25 @@ def no_functorch_transform() -> None:
         )
 
 
+_registered = [0, False]  # modules and parameters registered in this process; hooks installed
+
+
+def registrations() -> int:
+    """How many modules and parameters this process has registered since the first call (torch's
+    global registration hooks, installed then: they count and change nothing). A forward walks
+    the model for ``added_parameters`` only when it moved, not at every forward."""
+    if not _registered[1]:
+        from torch.nn.modules import module as torch_module
+
+        def count(*_: object) -> None:
+            _registered[0] += 1
+
+        torch_module.register_module_module_registration_hook(count)
+        torch_module.register_module_parameter_registration_hook(count)
+        _registered[1] = True
+    return _registered[0]
+
+
 def added_parameters(model: nn.Module, known: set[int]) -> bool:
     """Warn (and return True) when the model holds trainable parameters that ``shard()`` did not
     flatten (``known``: their ids): a module added afterwards (an adapter) that a torch optimizer
