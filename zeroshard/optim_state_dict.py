@@ -125,27 +125,19 @@ def _init_states(opt: ShardedOptimizer) -> list[torch.optim.Optimizer]:
 
 
 def _init_subgroup(o: torch.optim.Optimizer) -> None:
-    """``_init_states`` of one sub-optimizer."""
-    lrs = []
-    for group in o.param_groups:
+    """``_init_states`` of one sub-optimizer: a step on zero gradients at learning rate 0 and
+    without weight decay (SGD's momentum buffer took ``weight_decay * p`` from it, and a
+    template loaded back, with no ``step`` to tell it from a trained state, moved the next
+    steps); the settings are put back after."""
+    kept = [{k: g[k] for k in ("lr", "weight_decay") if k in g} for g in o.param_groups]
+    for group, settings in zip(o.param_groups, kept):
         for p in group["params"]:
             p.grad = torch.zeros_like(p)
-        if "lr" in group:
-            lrs.append(group["lr"])
-            group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
-    # Weight decay off too: SGD's momentum buffer took weight_decay * p from the zero
-    # gradients, and a template loaded back (no ``step`` to tell it from a trained one) moved
-    # the next steps.
-    decays = [group.get("weight_decay") for group in o.param_groups]
-    for group in o.param_groups:
-        if "weight_decay" in group:
-            group["weight_decay"] = 0.0
+        for k, v in settings.items():
+            group[k] = torch.zeros_like(v) if torch.is_tensor(v) else 0.0
     o.step()
-    for group, decay in zip(o.param_groups, decays):
-        if "lr" in group:
-            group["lr"] = lrs.pop(0)
-        if decay is not None:
-            group["weight_decay"] = decay
+    for group, settings in zip(o.param_groups, kept):
+        group.update(settings)
         for p in group["params"]:
             p.grad = None
 
