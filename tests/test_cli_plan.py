@@ -327,7 +327,23 @@ def test_advise(capsys):
         (["--layers", "0", "--hidden", "64", "--heads", "4"], "--layers must be at least 1"),
         (["--layers", "2", "--hidden", "64"], "needs --heads"),
         (["--params", "1B", "--memory", "80GX"], "cannot read memory size"),
-        (["--params", "1B", "--memory", "0GB"], "positive"),
+        (["--params", "1B", "--memory", "0GB"], "--memory: memory size must be a positive"),
+        (["--params", "1B", "--bucket", "0"], "--bucket: memory size must be a positive"),
+        (["--params", "1B", "--cpu-memory", "0"], "--cpu-memory: memory size must be"),
+        (
+            ["--params", "1B", "--fragmentation", "-0.5"],
+            r"--fragmentation is a fraction in \[0, 1\)",
+        ),
+        (
+            ["--params", "1B", "--advise", "--memory", "8GB", "--global-batch", "8"]
+            + ["--peak-flops", "1T", "--net-bandwidth", "1GB/s", "--grad-accum", "4"],
+            "would ignore --grad-accum 4; drop it",
+        ),
+        (
+            ["--params", "1B", "--advise", "--memory", "8GB", "--global-batch", "8"]
+            + ["--peak-flops", "1T", "--net-bandwidth", "1GB/s", "--devices", "2", "--dp", "4"],
+            "--dp 4 x --mp 1 is not --devices 2",
+        ),
         (["--params", "1B", "--memory", "80Gb"], "bits"),
         (["--params", "1B", "--bandwidth", "fast", "--peak-flops", "70T"], "bandwidth"),
         (["--params", "1B", "--stage", "4"], "--stage takes 0, 1, 2 or 3"),
@@ -554,6 +570,40 @@ def test_advise_device_type(capsys):
     with pytest.raises(SystemExit):
         _parse([*argv, "--device-type", "tpu"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeline", [["--ci", "2", "--timeline"], ["--ci", "2"], []])
+def test_advise_counts_the_memory_the_table_counts(capsys, timeline):
+    """Every candidate's device bytes are the table's for the same configuration: along the
+    engine's timeline with ``--timeline`` (the advisor summed each category's largest value,
+    30% above the table at stage 3, and refused configurations the table said fit)."""
+    shape = ["--preset", "tiny", "--batch", "4", "--seq", "128", "--precision", "fp32"]
+    table = _json([*shape, *timeline, "--dp", "2"], capsys)["stages"]
+    argv = [*shape, *timeline, "--advise", "--devices", "2", "--global-batch", "8"]
+    argv += ["--peak-flops", "1TFLOP/s", "--net-bandwidth", "10GB/s", "--memory", "1GB"]
+    advised = _json(argv, capsys)["feasible"]
+    by_stage = {c["stage"]: c["device_bytes"] for c in advised if c["offload"] == "none"}
+    assert by_stage == {r["stage"]: r["device_bytes"] for r in table if r["offload"] == "none"}
+    fits = min(by_stage.values())  # exactly the smallest: that stage alone fits
+    argv[argv.index("--memory") + 1] = str(fits)
+    assert [c["device_bytes"] for c in _json(argv, capsys)["feasible"]] == [fits]
+
+
+def test_advise_on_a_cpu_device_shows_its_whole_need(capsys):
+    """Training on the CPU, a candidate's device bytes include what it places on the CPU tier
+    (the same memory), as its fit is checked: the column showed the device tier alone (19%
+    below the need at which it was refused)."""
+    argv = ["--preset", "nano", "--advise", "--devices", "2", "--memory", "1GB"]
+    argv += ["--global-batch", "8", "--peak-flops", "1TFLOP/s", "--net-bandwidth", "10GB/s"]
+    argv += ["--bandwidth", "10GB/s", "--device-type", "cpu", "--batch", "4", "--seq", "64"]
+    argv += ["--offload", "cpu-optimizer", "--stage", "2"]
+    (c,) = _json(argv, capsys)["feasible"]
+    memory = c["memory"]
+    peak = sum((memory.get("peak") or memory["device"]).values())
+    assert sum(memory["cpu"].values()) > 0
+    assert c["device_bytes"] == peak + sum(memory["cpu"].values())
+    argv[argv.index("--memory") + 1] = str(c["device_bytes"] - 1)
+    assert "needs" in _json(argv, capsys)["rejected"][0]["problem"]
 
 
 @pytest.mark.parametrize(

@@ -101,14 +101,20 @@ def test_memory_limit_rejects_with_reason():
 
 
 def test_cpu_capacity_is_per_node():
+    """Training on the CPU, the node's memory holds every device's whole need (its device and
+    CPU tiers): checked per node of ``num_devices_per_node`` (the CPU tier alone was checked,
+    and 4 devices' worth of memory passed a node that holds one's)."""
     w = _workload(stages=(2,), offloads=("cpu-optimizer",))
-    # 14 bytes per parameter over 4 ranks go to the CPU: 3.5 GB a rank, 14 GB a node of 4.
-    ok = advise(MODEL, _cluster(cpu_memory_bytes=14 * 10**9), w)
+    (c,) = advise(MODEL, _cluster(), w).feasible
+    assert c.device_bytes == c.memory.peak_bytes() + c.memory.total_bytes(Tier.CPU)
+    ok = advise(MODEL, _cluster(cpu_memory_bytes=4 * c.device_bytes), w)
     assert len(ok.feasible) == 1
-    tight = advise(MODEL, _cluster(cpu_memory_bytes=13 * 10**9), w)
+    tight = advise(MODEL, _cluster(cpu_memory_bytes=4 * c.device_bytes - 1), w)
     assert not tight.feasible
     assert "of cpu per node" in tight.rejected[0].problem
-    two_nodes = advise(MODEL, _cluster(cpu_memory_bytes=13 * 10**9, num_devices_per_node=2), w)
+    two_nodes = advise(
+        MODEL, _cluster(cpu_memory_bytes=2 * c.device_bytes, num_devices_per_node=2), w
+    )
     assert len(two_nodes.feasible) == 1
 
 

@@ -276,7 +276,7 @@ def _model(args) -> planner.ModelDescription:
         raise ValueError(f"describe the model once; got {' and '.join(sources)}")
     if args.wrap is not None and sources not in (["hf"], ["module"]):
         raise ValueError("--wrap names the units of a --module or --hf model; drop it")
-    num_params = units.parse_count(args.params) if args.params else None
+    num_params = flags.opt(units.parse_count, args, "params") if args.params else None
     if not sources:
         if num_params is None:
             raise ValueError(
@@ -389,11 +389,11 @@ def _memory_config(
         offload_activations=args.offload_activations,
         activation_bytes=per_activation,
         num_units_prefetch=args.prefetch,
-        bucket_bytes=units.parse_bytes(args.bucket),
+        bucket_bytes=flags.opt(units.parse_bytes, args, "bucket"),
         step_in_backward=args.step_in_backward,
         grad_accum=args.grad_accum,
         accumulate_unreduced=args.accumulate_unreduced,
-        fragmentation_fraction=args.fragmentation,
+        fragmentation_fraction=flags.fraction("--fragmentation", args.fragmentation),
     )
 
 
@@ -476,15 +476,15 @@ def plan(args) -> dict:
         config,
         stages=flags.stages(args.stage, args.step_in_backward),
         offloads=flags.offloads(args.offload),
-        bandwidth_bytes_per_s=flags.opt(units.parse_bandwidth, args.bandwidth),
-        net_bandwidth_bytes_per_s=flags.opt(units.parse_bandwidth, args.net_bandwidth),
+        bandwidth_bytes_per_s=flags.opt(units.parse_bandwidth, args, "bandwidth"),
+        net_bandwidth_bytes_per_s=flags.opt(units.parse_bandwidth, args, "net_bandwidth"),
         inter_node_bandwidth_bytes_per_s=flags.opt(
-            units.parse_bandwidth, args.inter_node_bandwidth
+            units.parse_bandwidth, args, "inter_node_bandwidth"
         ),
-        peak_flops=flags.opt(units.parse_flops, args.peak_flops),
-        device_memory_bytes=flags.opt(units.parse_bytes, args.memory),
-        cpu_memory_bytes=flags.opt(units.parse_bytes, args.cpu_memory),
-        nvme_bytes=flags.opt(units.parse_bytes, args.nvme),
+        peak_flops=flags.opt(units.parse_flops, args, "peak_flops"),
+        device_memory_bytes=flags.opt(units.parse_bytes, args, "memory"),
+        cpu_memory_bytes=flags.opt(units.parse_bytes, args, "cpu_memory"),
+        nvme_bytes=flags.opt(units.parse_bytes, args, "nvme"),
         devices_per_node=args.devices_per_node,
         target_efficiency=args.target_efficiency,
     )
@@ -500,7 +500,19 @@ def advice(args) -> dict:
         raise ValueError(f"--advise needs {', '.join(missing)} too")
     for flag in ("dp", "mp", "seq", "devices", "global_batch", "top", "devices_per_node"):
         flags.check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
-    bw = flags.opt(units.parse_bandwidth, args.bandwidth)
+    if args.grad_accum != 1:
+        raise ValueError(
+            f"--advise derives the accumulation steps from --global-batch / (Nd x micro-batch) "
+            f"for each candidate and would ignore --grad-accum {args.grad_accum}; drop it, or "
+            "set --global-batch"
+        )
+    if args.devices and args.dp != 1 and args.dp * args.mp != args.devices:
+        raise ValueError(
+            f"--dp {args.dp} x --mp {args.mp} is not --devices {args.devices}: --advise trains "
+            f"on every device (Nd = devices / Nm = {args.devices // args.mp}); drop --dp, or "
+            "make them agree"
+        )
+    bw = flags.opt(units.parse_bandwidth, args, "bandwidth")
     num_devices = args.devices or args.dp * args.mp
     if num_devices % args.mp:
         raise ValueError(
@@ -509,17 +521,17 @@ def advice(args) -> dict:
         )
     cluster = planner.Cluster(
         num_devices=num_devices,
-        device_memory_bytes=units.parse_bytes(args.memory),
-        peak_flops=units.parse_flops(args.peak_flops),
-        net_bandwidth_bytes_per_s=units.parse_bandwidth(args.net_bandwidth),
+        device_memory_bytes=flags.opt(units.parse_bytes, args, "memory"),
+        peak_flops=flags.opt(units.parse_flops, args, "peak_flops"),
+        net_bandwidth_bytes_per_s=flags.opt(units.parse_bandwidth, args, "net_bandwidth"),
         inter_node_bandwidth_bytes_per_s=flags.opt(
-            units.parse_bandwidth, args.inter_node_bandwidth
+            units.parse_bandwidth, args, "inter_node_bandwidth"
         ),
         cpu_bandwidth_bytes_per_s=bw,
-        nvme_bandwidth_bytes_per_s=flags.opt(units.parse_bandwidth, args.nvme_bandwidth) or bw,
+        nvme_bandwidth_bytes_per_s=flags.opt(units.parse_bandwidth, args, "nvme_bandwidth") or bw,
         num_devices_per_node=args.devices_per_node,
-        cpu_memory_bytes=flags.opt(units.parse_bytes, args.cpu_memory),
-        nvme_bytes=flags.opt(units.parse_bytes, args.nvme),
+        cpu_memory_bytes=flags.opt(units.parse_bytes, args, "cpu_memory"),
+        nvme_bytes=flags.opt(units.parse_bytes, args, "nvme"),
         device_type=args.device_type,
     )
     workload = planner.Workload(

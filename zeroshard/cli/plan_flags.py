@@ -91,5 +91,20 @@ def stages(text: str | None, step_in_backward: bool = False) -> tuple[int, ...]:
     return stages
 
 
-def opt(parse, text):
-    return None if text is None else parse(text)
+def opt(parse, args, dest: str):
+    """``args.<dest>`` read by ``parse`` (None when not given); a value it refuses is an error
+    naming the flag (``--bucket: memory size must be a positive size, got '0'``)."""
+    text = getattr(args, dest)
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise ValueError(f"--{dest.replace('_', '-')}: {exc}") from None
+
+
+def fraction(flag: str, value: float) -> float:
+    """A fraction in [0, 1), or an error naming ``flag``."""
+    if not 0 <= value < 1:
+        raise ValueError(f"{flag} is a fraction in [0, 1), got {value}")
+    return value

@@ -47,6 +47,7 @@ from zeroshard.planner.memory import (
     plan_memory,
 )
 from zeroshard.planner.staging import MASTER_BYTES
+from zeroshard.planner.timeline import as_engine_buckets
 from zeroshard.planner.units import format_bytes
 from zeroshard.stages import partition
 
@@ -163,6 +164,10 @@ class Candidate:
     (across shard groups: hybrid sharding; 0 otherwise) and offload."""
     problem: str | None
     """Why it does not fit (None when it does)."""
+    device_bytes: int | None = None
+    """The device's peak, as ``zeroshard plan`` reports it (the engine's timeline where the
+    workload follows it), plus the CPU tier where the CPU is the device; None when the memory
+    was not planned."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,7 +221,7 @@ def advise(model: ModelDescription, cluster: Cluster, workload: Workload) -> Adv
     # Fastest first; on a tie (to 6 digits) the larger micro-batch, which uses a device better
     # than this model counts, then the smaller footprint.
     feasible.sort(
-        key=lambda c: (float(f"{c.step_seconds:.6g}"), -c.micro_batch_size, c.memory.total_bytes())
+        key=lambda c: (float(f"{c.step_seconds:.6g}"), -c.micro_batch_size, c.device_bytes)
     )
     return Advice(feasible=tuple(feasible), rejected=tuple(rejected), notes=tuple(notes))
 
@@ -312,6 +317,7 @@ def layout_problem(model: ModelDescription, config: MemoryConfig) -> str | None:
 def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
     def candidate(memory=None, num_micro=0, times=None, problem=None) -> Candidate:
         return Candidate(
+            device_bytes=None if memory is None else _device_need(memory, cluster),
             stage=stage,
             offload=offload,
             num_layers_per_checkpoint=ci,
@@ -355,10 +361,8 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
         num_layers_per_checkpoint=ci,
         grad_accum=num_micro,
     )
-    memory = plan_memory(model, config)
-    need, have = memory.total_bytes(Tier.DEVICE), cluster.device_memory_bytes
-    if _cpu_is_device(cluster):
-        need += memory.total_bytes(Tier.CPU)
+    memory = plan_memory(model, as_engine_buckets(model, config))
+    need, have = _device_need(memory, cluster), cluster.device_memory_bytes
     if need > have:
         return reject(
             f"needs {format_bytes(need)} per device, has {format_bytes(have)}", memory, num_micro
@@ -366,6 +370,8 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
     per_node = cluster.devices_per_node
     for tier, have in ((Tier.CPU, cluster.cpu_memory_bytes), (Tier.NVME, cluster.nvme_bytes)):
         need = memory.total_bytes(tier) * per_node
+        if tier is Tier.CPU and _cpu_is_device(cluster):  # every device is in the node's RAM
+            need = _device_need(memory, cluster) * per_node
         if have is not None and need > have:
             return reject(
                 f"needs {format_bytes(need)} of {tier.value} per node, has {format_bytes(have)}",
@@ -374,6 +380,12 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
             )
     times = _step_times(model, cluster, config, memory, num_micro)
     return candidate(memory, num_micro, times)
+
+
+def _device_need(memory: MemoryBreakdown, cluster: Cluster) -> int:
+    """Bytes per device: its peak (along the engine's timeline where the plan follows it, as
+    ``zeroshard plan`` reports it), and the CPU tier too where the CPU is the device."""
+    return memory.peak_bytes() + (memory.total_bytes(Tier.CPU) if _cpu_is_device(cluster) else 0)
 
 
 def _cpu_is_device(cluster: Cluster) -> bool:

@@ -282,6 +282,7 @@ def from_module(
     specs = units(module, policy)
     numels = [sum(p.numel() for _, p, _ in spec.params) for spec in specs]
     label = name or type(module).__name__
+    _warn_nested(label, [s.name for s in specs[1:]], numels[1:])
     try:
         activations = profile(module, tuple(s.name for s in specs[1:]))
     except ValueError as exc:  # what the model's forward raised, on every way of calling it
@@ -318,6 +319,23 @@ def from_module(
         cast_buffer_numel=sum(b.numel() for b in cast),
         cast_buffer_bytes=sum(b.numel() * b.element_size() for b in cast),
     )
+
+
+def _warn_nested(label: str, names: list[str], numels: list[int]) -> None:
+    """Warn when a unit holds another (``--wrap GPT2MLP,GPT2Block``): the timeline runs units one
+    after another, while the engine keeps an outer unit gathered through its inner units'."""
+    outer = [
+        (n, size) for n, size in zip(names, numels) if any(m.startswith(n + ".") for m in names)
+    ]
+    if outer:
+        name, size = max(outer, key=lambda o: o[1])
+        warnings.warn(
+            f"{label}: units nest ({name} holds another unit); the plan runs units one after "
+            "another, but an outer unit stays gathered while its inner units run: at stage 3 "
+            f"the peak can be up to {size:,} more gathered elements (its own parameters) than "
+            "planned; wrap one level (the blocks) for an exact plan",
+            stacklevel=3,
+        )
 
 
 def wrap_policy(module, wrap: str | Sequence[str] | None):

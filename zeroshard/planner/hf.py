@@ -55,18 +55,28 @@ def load_config(path: str) -> dict:
 SIZE_KEYS = (
     "n_layer", "num_hidden_layers", "num_layers", "vocab_size", "n_embd", "hidden_size",
     "d_model", "n_head", "num_attention_heads", "num_heads", "n_positions",
-    "max_position_embeddings", "intermediate_size", "d_ff", "n_inner",
+    "max_position_embeddings", "intermediate_size", "d_ff", "n_inner", "num_key_value_heads",
 )  # fmt: skip
 """Config fields that count something (layers, tokens, features, heads): positive when set."""
 
 
 def _check_sizes(config: dict, file: str) -> None:
-    """A size field of 0 or less is named with its value (it was planned as given, or failed
-    later on a symptom: a wrap class matching nothing for 0 layers)."""
+    """A size field of 0 or less, or given as text, is named with its value (it was planned as
+    given, or failed later on a symptom: a wrap class matching nothing for 0 layers, "invalid
+    literal for int()" naming no field); so are grouped-query heads that do not group."""
     for key in SIZE_KEYS:
         value = config.get(key)
+        if isinstance(value, str):
+            raise ValueError(f"{file}: {key} = {value!r}; it counts something: write a number")
         if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
             raise ValueError(f"{file}: {key} = {value}; it counts something: set it to 1 or more")
+    heads, groups = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(groups, int) and heads % groups:
+        raise ValueError(
+            f"{file}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = "
+            f"{groups}; grouped-query attention shares each key/value head among a whole number "
+            "of query heads: use a divisor of num_attention_heads"
+        )
 
 
 def config_values(config) -> Mapping:
@@ -77,11 +87,15 @@ def config_values(config) -> Mapping:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
-    """transformers logs config advice (token ids, ``is_decoder``) while building; the planner
-    has nothing to do with it. The verbosity is restored on the way out."""
-    from transformers.utils import logging
-
+def quiet_transformers():
+    """transformers logs config advice (token ids, ``is_decoder``, ``loss_type``) while building
+    and running a model; the planner has nothing to do with it. The verbosity is restored on the
+    way out; without transformers nothing is done."""
+    try:
+        from transformers.utils import logging
+    except ImportError:
+        yield
+        return
     before = logging.get_verbosity()
     logging.set_verbosity_error()
     try:
@@ -98,7 +112,7 @@ def build(config, *, device: str = "meta"):
     import torch
     import transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         if not isinstance(config, transformers.PretrainedConfig):
             values = dict(config_values(config))
             model_type = values.get("model_type")

@@ -140,9 +140,7 @@ def plan_report(
             if memory.placement_problem(stage, placement, step_in_backward=base.step_in_backward):
                 continue
             config = replace(base, stage=stage, placement=placement)
-            if base.engine_timeline or not base.activation_checkpointing:  # as the engine does
-                per_unit = timeline.bucket_per_unit(model, stage, base.bucket_bytes)
-                config = replace(config, bucket_per_unit=per_unit)
+            config = timeline.as_engine_buckets(model, config)
             rows.append(_row(model, config, offload, ait, bw, links, peak, have))
     if not rows:
         raise ValueError(
@@ -219,10 +217,9 @@ def _row(model, config, offload, ait, bw, links, peak, have) -> dict:
     eff = None
     if streams and bw is not None and peak is not None:
         eff = bandwidth.combined_efficiency(streams, [bw] * len(streams), peak)
-    device_bytes = mem.total_bytes(Tier.DEVICE)
+    device_bytes = mem.peak_bytes()  # along the engine's timeline: its largest moment
     model_states = mem.model_states_bytes(Tier.DEVICE)
-    if mem.peak is not None:  # along the engine's timeline: its largest moment
-        device_bytes = sum(mem.peak.values())
+    if mem.peak is not None:
         model_states = sum(mem.peak[c] for c in memory.MODEL_STATES)
     out = {
         "stage": config.stage,
@@ -257,7 +254,7 @@ def advice_report(model: ModelDescription, cluster: Cluster, workload: Workload)
             "ci": c.num_layers_per_checkpoint,
             "micro_batch_size": c.micro_batch_size,
             "num_micro_batches": c.num_micro_batches,
-            "device_bytes": None if c.memory is None else c.memory.total_bytes(Tier.DEVICE),
+            "device_bytes": c.device_bytes,
             "memory": None if c.memory is None else c.memory.to_dict(),
             "step_seconds": c.step_seconds,
             "time_seconds": c.time_seconds,

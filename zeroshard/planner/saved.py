@@ -26,6 +26,8 @@ import copy
 import sys
 from dataclasses import dataclass, field
 
+from zeroshard.planner import hf
+
 DTYPES = {1: "bfloat16", 2: "bfloat16", 4: "float32", 8: "float64"}
 """The dtype the model runs in per ``activation_bytes`` (no float8 compute on meta: 1 runs in
 bf16, an over-estimate)."""
@@ -286,6 +288,7 @@ def measure(
     y = torch.randint(0, vocab_size, shape, device="meta")
     try:
         with (
+            hf.quiet_transformers(),
             _cpu_attention_choice(),
             _meta_grouped_mm(),
             _unpacked_sequences(),

@@ -22,7 +22,7 @@ bytes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zeroshard.offload.tiers import Tier
 from zeroshard.planner import saved, spans
@@ -100,6 +100,15 @@ def bucket_per_unit(model: ModelDescription, stage: int, bucket_bytes: int) -> b
         return False
     sizes = [model.root_numel or 0, *unit_numels(model)]
     return all(4 * (a + b) > bucket_bytes for a, b in zip(sizes, sizes[1:]))
+
+
+def as_engine_buckets(model: ModelDescription, config: MemoryConfig) -> MemoryConfig:
+    """``config`` with the engine's gradient buckets (``bucket_per_unit``) where the plan follows
+    the engine (its timeline, or no checkpoints); the papers' sum keeps the given buckets."""
+    if config.engine_timeline or not config.activation_checkpointing:
+        per_unit = bucket_per_unit(model, config.stage, config.bucket_bytes)
+        return replace(config, bucket_per_unit=per_unit)
+    return config
 
 
 @dataclass(frozen=True, kw_only=True)
