@@ -374,6 +374,48 @@ def test_publishing_keep_overwrite_and_space(workers2, tmp_path):
     assert all(workers2.run(_publishing, str(tmp_path)))
 
 
+def _folder_and_prune_failures(base: str) -> bool:
+    """A checkpoint folder one rank cannot make stops every rank with its reason (that rank
+    raised a bare PermissionError alone, the others waited for it in a collective); an old
+    checkpoint that ``keep`` cannot remove is a warning, the new one saved (it was "could not
+    publish" the new one, which was in place, and ``zeroshard train`` stopped with exit 2)."""
+    import warnings
+
+    model = _model(3, "fp32")
+    opt = _opt(model, "fp32")
+    _train(model, opt, range(1))
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if "denied" in str(self) and dist.get_rank() == 1:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    with mock.patch.object(Path, "mkdir", mkdir), pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.save(Path(base) / "denied" / "step-000001", model, opt, {"step": 1})
+    assert "Permission denied" in str(e.value) and "every rank can write" in str(e.value)
+    folder = Path(base) / "ckpt"
+    checkpoint.save(checkpoint.step_path(folder, 1), model, opt, {"step": 1}, keep=1)
+
+    def prune(*args):
+        raise PermissionError(1, "Operation not permitted", str(folder / "step-000001"))
+
+    with mock.patch.object(checkpoint, "prune", prune), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        saved = checkpoint.save(checkpoint.step_path(folder, 2), model, opt, {"step": 2}, keep=1)
+    assert saved == checkpoint.step_path(folder, 2).absolute()
+    assert checkpoint.latest(folder) == checkpoint.step_path(folder, 2)
+    said = [str(x.message) for x in w if "could not be removed" in str(x.message)]
+    assert len(said) == (dist.get_rank() == 0), said  # rank 0 prunes
+    with pytest.raises(TypeError, match="extra is a dict of your own values"):
+        checkpoint.save(checkpoint.step_path(folder, 3), model, opt, 5)
+    return True
+
+
+def test_a_folder_or_an_old_checkpoint_a_rank_cannot_touch(workers2, tmp_path):
+    assert all(workers2.run(_folder_and_prune_failures, str(tmp_path)))
+
+
 def _disk_fills_up(base: str, where: str) -> bool:
     """ENOSPC in the middle of a save (after the space check passed), on rank 1 only: every rank
     raises one line, nothing is published, no temporary folder is left, and the previous
@@ -713,23 +755,29 @@ def _rerun():
 
 _EXITS_WHILE_SAVING = """
 import sys, time, torch, zeroshard
+import torch.distributed as dist
 from zeroshard import checkpoint
 write = checkpoint._write_and_publish
 def slow(*args):
     time.sleep(0.5)  # still writing when the script ends
+    if sys.argv[3] == "fails":
+        raise OSError(28, "No space left on device")
     write(*args)
 checkpoint._write_and_publish = slow
 zeroshard.Mesh.from_env(backend="gloo", device="cpu")
 model = zeroshard.shard(torch.nn.Linear(4, 4), stage=3)
 opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
-for step in (1, 2):  # the second waits for the first
-    checkpoint.save(f"{sys.argv[1]}/step-{step}", model, opt, async_save=True)
+checkpoint.save(f"{sys.argv[1]}/step-1", model, opt, async_save=True)
+if sys.argv[3] == "fails":
+    time.sleep(1.0)  # it failed meanwhile, and no one waits for it
+else:  # the second waits for the first
+    checkpoint.save(f"{sys.argv[1]}/step-2", model, opt, async_save=True)
+if sys.argv[2] == "destroy":
+    dist.destroy_process_group()  # most scripts' last line
 """
 
 
-def test_an_asynchronous_save_in_flight_at_exit_is_finished(tmp_path):
-    """As torch.distributed.checkpoint's async_save: the process exits once it is written (it
-    was lost, with a warning per save made, and gloo aborted the process under it)."""
+def _exit_while_saving(folder, ending: str, write: str):
     import subprocess
     import sys
 
@@ -738,15 +786,36 @@ def test_an_asynchronous_save_in_flight_at_exit_is_finished(tmp_path):
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     ran = subprocess.run(
-        [sys.executable, "-c", _EXITS_WHILE_SAVING, str(tmp_path)],
+        [sys.executable, "-c", _EXITS_WHILE_SAVING, str(folder), ending, write],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr[-3000:]
     said = [line for line in ran.stderr.splitlines() if line.startswith("zeroshard:")]
-    want = f"zeroshard: finishing the asynchronous save of {tmp_path / 'step-2'} before exiting"
-    assert len(said) == 1 and said[0].startswith(want), ran.stderr[-3000:]
+    return said, ran.stderr[-3000:]
+
+
+@pytest.mark.parametrize("ending", ["exit", "destroy"])
+def test_an_asynchronous_save_in_flight_at_exit_is_finished(tmp_path, ending):
+    """As torch.distributed.checkpoint's async_save: the process exits once it is written (it
+    was lost, with a warning per save made, and gloo aborted the process under it); also when
+    the script ends with ``dist.destroy_process_group()``, which took the save's group from
+    under it (the checkpoint lost, the script exiting 0)."""
+    said, err = _exit_while_saving(tmp_path, ending, "writes")
+    before = "exiting" if ending == "exit" else "destroying the process group"
+    want = f"zeroshard: finishing the asynchronous save of {tmp_path / 'step-2'} before {before}"
+    assert len(said) == 1 and said[0].startswith(want), err
     for step in (1, 2):
         assert checkpoint.info(tmp_path / f"step-{step}").complete
+
+
+@pytest.mark.parametrize("ending", ["exit", "destroy"])
+def test_an_asynchronous_save_that_failed_unwaited_is_said_at_exit(tmp_path, ending):
+    """A save that failed in the background before the exit, and that no one waited for,
+    was lost without a word (only one still running at exit was reported)."""
+    said, err = _exit_while_saving(tmp_path, ending, "fails")
+    want = f"zeroshard: the asynchronous save of {tmp_path / 'step-1'} failed: "
+    assert len(said) == 1 and said[0].startswith(want) and "No space left" in said[0], err
+    assert checkpoint.latest(tmp_path) is None
 
 
 def test_async_save_snapshots_then_writes_in_the_background(workers2, tmp_path):

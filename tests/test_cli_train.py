@@ -1074,15 +1074,20 @@ def test_divergence_is_an_error(capsys, tmp_path, precision, rule, data_dir):
     assert summary["last_step"] == step == train[-1]["step"], (summary, train[-1])
 
 
-def test_a_damaged_checkpoint_is_said_when_resuming(capsys, tmp_path, data_dir):
-    """``--resume auto`` passes over a newest checkpoint cut short and says so (it did without
-    a word); one damaged at the same size is found by its checksum at load: one line, exit 2
-    (a rank file gave torch.load's OSError / UnicodeDecodeError)."""
+@pytest.mark.parametrize("damage", ["cut short", "metadata lost"])
+def test_a_damaged_checkpoint_is_said_when_resuming(capsys, tmp_path, data_dir, damage):
+    """``--resume auto`` passes over a newest checkpoint cut short, or without its
+    ``zeroshard.json`` (a copy of the run's folder cut short), and says so (it did without a
+    word); one damaged at the same size is found by its checksum at load: one line, exit 2 (a
+    rank file gave torch.load's OSError / UnicodeDecodeError)."""
     flags = [*NANO, "--data-dir", str(data_dir), "--batch-size", "2", "--save-every", "2"]
     code, err, _, _ = _train_in_process(capsys, tmp_path, *flags, "--steps", "4")
     assert code == 0, err
     newest = tmp_path / "ckpt" / "step-000004" / "rank-00000.pt"
-    newest.write_bytes(newest.read_bytes()[:100])
+    if damage == "cut short":
+        newest.write_bytes(newest.read_bytes()[:100])
+    else:
+        (newest.parent / "zeroshard.json").unlink()
     code = main(["train", *flags, "--steps", "6", "--resume", "auto", "--out-dir", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 0, err

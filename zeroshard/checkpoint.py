@@ -68,6 +68,7 @@ import os
 import secrets
 import shutil
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -292,6 +293,11 @@ def save(
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int or None (keep all), got {keep!r}")
     wait()  # the previous asynchronous save: published (or its error raised) first
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(
+            f"extra is a dict of your own values to keep (e.g. {{'step': 100, 'scheduler': "
+            f"sched}}), got {type(extra).__name__}; pass extra={{'step': ...}}"
+        )
     extra = dict(extra or {})
     step = extra.get("step", 0)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -338,7 +344,7 @@ def _save(
     problem = next((e for _, e in said if e), None)
     if problem:
         raise CheckpointError(problem)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_folder(path.parent, path, group)
     with _resident(model, optimizer):  # offloaded optimizer states: in memory until written/copied
         state = _state(model, optimizer)
         if rank:  # buffers the ranks hold apart: the model state's is rank 0's (full_state_dict's)
@@ -348,7 +354,7 @@ def _save(
         meta = _metadata(model, optimizer, step, world, token)
         checks.space(path.parent, checks.local_bytes(state), group)
         tmp = path.with_name(f"{path.name}{TMP}{meta['run_id'][:8]}{token[:4]}")
-        tmp.mkdir(parents=True, exist_ok=True)
+        _make_folder(tmp, path, group)
         job = (tmp, path, state, own_bytes, meta, keep)
         if not async_save:
             _write_and_publish(*job, group)
@@ -356,6 +362,18 @@ def _save(
         copied = checkpoint_async.snapshot(state)  # copies, taken while resident
         job = (tmp, path, copied, *job[3:])
     return checkpoint_async.start(path, lambda g: _write_and_publish(*job, g), group)
+
+
+def _make_folder(folder: Path, path: Path, group) -> None:
+    """``mkdir -p folder`` on every rank, agreed: a rank that cannot (its own file system's
+    permissions) stops every rank with its reason, instead of raising alone while the others
+    wait for it in the next collective."""
+    error = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        error = f"could not save checkpoint {path}: {exc}; save to a folder every rank can write"
+    agree(error, group)
 
 
 def _loss_scalers(optimizer) -> dict | list[dict]:
@@ -418,11 +436,18 @@ def _write_and_publish(
             fsync_file(tmp / META_FILE)
             fsync_dir(tmp)
             publish(tmp, path)
-            if keep is not None:
-                prune(path, keep, meta["run_id"])
         except OSError as exc:
             error = f"could not publish checkpoint {path}: {exc}"
     agree(error, group)
+    if rank == 0 and keep is not None:
+        try:
+            prune(path, keep, meta["run_id"])
+        except OSError as exc:  # the new checkpoint is in place: a warning, not a failed save
+            warnings.warn(
+                f"checkpoint {path} is saved, but an older one could not be removed to keep "
+                f"{keep} ({exc}); delete it by hand",
+                stacklevel=2,
+            )
 
 
 @contextlib.contextmanager

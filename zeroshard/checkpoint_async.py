@@ -9,6 +9,7 @@ flight per process (``wait``); at exit, a save still being written is finished f
 from __future__ import annotations
 
 import atexit
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -39,6 +40,7 @@ def start(path: Path, write: Callable[[dist.ProcessGroup], None], group) -> Save
         # Run by threading's shutdown, before concurrent.futures' own exit hook (registered
         # earlier; they run in reverse), which refuses the save's writer threads new work.
         getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
+        _finish_before_destroy()
     _pending = handle
     handle._thread.start()
     return handle
@@ -48,18 +50,40 @@ def _finish_at_exit() -> None:
     """At exit: an asynchronous save still being written is finished first, as
     ``torch.distributed.checkpoint.async_save``'s is (its thread is a daemon: the interpreter
     would stop it mid-write, and gloo aborted the process under it)."""
-    if _pending is None or _pending.done():
+    _finish_pending("exiting")
+
+
+def _finish_pending(before: str) -> None:
+    """Finish this process's asynchronous save that no one waited for, saying so on stderr,
+    and say so if it failed (a failure no one waited for was lost without a word)."""
+    if _pending is None:
         return
     path = _pending.path
-    print(
-        f"zeroshard: finishing the asynchronous save of {path} before exiting (up to the "
-        "collective timeout if another rank is gone)",
-        file=sys.stderr,
-    )
+    if not _pending.done():
+        print(
+            f"zeroshard: finishing the asynchronous save of {path} before {before} (up to the "
+            "collective timeout if another rank is gone)",
+            file=sys.stderr,
+        )
     try:
         _pending.wait()
-    except Exception as exc:  # the interpreter is exiting: say why, no traceback
+    except Exception as exc:  # said in one line, no traceback: the caller is leaving
         print(f"zeroshard: the asynchronous save of {path} failed: {exc}", file=sys.stderr)
+
+
+def _finish_before_destroy() -> None:
+    """``dist.destroy_process_group()``, most scripts' last line, first finishes the save in
+    flight: it took the save's group from under it (the checkpoint was lost, and the script
+    exited 0). ``zeroshard.mesh.tear_down`` calls torch's own function."""
+    destroy = dist.destroy_process_group
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group=None):
+        if threading.current_thread() is threading.main_thread():
+            _finish_pending("destroying the process group")
+        return destroy(group)
+
+    dist.destroy_process_group = destroy_process_group
 
 
 class SaveHandle:

@@ -181,8 +181,10 @@ def passed_over(folder: str | os.PathLike) -> list[CheckpointInfo]:
 
 
 def _numbered(folder: Path) -> list[Path]:
-    """The numbered checkpoints (``step-*``, with their metadata written) of ``folder``, newest
-    first; one that a save stopped while replacing under its ``.old-`` name."""
+    """The numbered checkpoints (``step-*``) of ``folder``, newest first; one that a save
+    stopped while replacing under its ``.old-`` name. Those without metadata are listed too
+    (``info`` says why they are incomplete): one that lost its ``zeroshard.json`` (a copy cut
+    short) was passed over by ``--resume auto`` without a word."""
     if not folder.is_dir():
         return []
     found = []
@@ -191,7 +193,7 @@ def _numbered(folder: Path) -> list[Path]:
         m = NUMBERED.match(stem)
         if not m or m["prefix"] != "step-" or suffix not in ("", OLD):
             continue
-        if not (child / META_FILE).is_file():
+        if not child.is_dir():
             continue
         if suffix == OLD and (folder / stem / META_FILE).is_file():
             continue  # the replacement is in place: this is only left to remove

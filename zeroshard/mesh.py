@@ -470,8 +470,11 @@ def tear_down(*, clean: bool) -> None:
     gc.collect()
     if clean:
         dist.barrier()
+    # torch's own function: ``dist.destroy_process_group`` may be the one that first finishes
+    # an asynchronous save (``checkpoint_async``), which the command line has waited for.
+    destroy = dist.distributed_c10d.destroy_process_group
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not dist.group.WORLD:
-            dist.destroy_process_group(group)
-    dist.destroy_process_group()
+            destroy(group)
+    destroy()
     gc.collect()  # the last references to the destroyed groups, while the interpreter lives
