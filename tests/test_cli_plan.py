@@ -589,6 +589,12 @@ def test_advise_counts_the_memory_the_table_counts(capsys, timeline):
     assert [c["device_bytes"] for c in _json(argv, capsys)["feasible"]] == [fits]
 
 
+def test_train_s_tp_flag_is_plan_s_mp(capsys):
+    # "unrecognized arguments: --tp 2": train's name for the degree, refused by plan.
+    argv = ["--preset", "nano", "--dp", "2"]
+    assert _json([*argv, "--tp", "2"], capsys) == _json([*argv, "--mp", "2"], capsys)
+
+
 def test_advise_on_a_cpu_device_shows_its_whole_need(capsys):
     """Training on the CPU, a candidate's device bytes include what it places on the CPU tier
     (the same memory), as its fit is checked: the column showed the device tier alone (19%

@@ -213,7 +213,7 @@ def plan_for(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> d
                 f"in tp={tp}; use a tp that divides it"
             )
     plan = {name: _style(name, modules[name], style, tp) for name, style in found.items()}
-    _check_pairs(plan, list(modules))
+    _check_pairs(plan)
     return plan
 
 
@@ -267,28 +267,25 @@ def split_numel(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) in cut)
 
 
-def _check_pairs(plan: dict, order: list[str]) -> None:
-    """Every colwise Linear must meet a rowwise one later in module order, and every rowwise
-    one a colwise before it (Megatron's pairs): a colwise one left alone would end the model
-    on 1/tp of its features, a rowwise one alone would sum unsplit inputs tp times."""
+def _check_pairs(plan: dict) -> None:
+    """A plan with colwise Linears has rowwise ones, and the reverse (Megatron's pairs): a
+    colwise one left alone would end the model on 1/tp of its features, a rowwise one alone
+    would sum unsplit inputs tp times. Which pairs with which is checked in the order they
+    run, at the first forward (``tensor_parallel_checks``): the module order is not it."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    open_col = None
-    for name in (n for n in order if n in plan):
-        if isinstance(plan[name], ColwiseParallel):
-            open_col = open_col or name
-        elif open_col is None:
-            raise ValueError(
-                f"tensor-parallel plan: {name} is rowwise with no colwise layer before it; "
-                "its input would not be split. Pair it with the colwise layer that feeds it"
-            )
-        else:
-            open_col = None
-    if open_col is not None:
+    col = next((n for n in plan if isinstance(plan[n], ColwiseParallel)), None)
+    row = next((n for n in plan if not isinstance(plan[n], ColwiseParallel)), None)
+    if row is None:
         raise ValueError(
-            f"tensor-parallel plan: {open_col} is colwise with no rowwise layer after it, so "
+            f"tensor-parallel plan: {col} is colwise with no rowwise layer after it, so "
             "its output would stay split (1/tp of its features); add the rowwise layer that "
             "consumes it, or drop the entry"
+        )
+    if col is None:
+        raise ValueError(
+            f"tensor-parallel plan: {row} is rowwise with no colwise layer before it; "
+            "its input would not be split. Pair it with the colwise layer that feeds it"
         )
 
 
@@ -355,6 +352,18 @@ def parallelize(
         raise ValueError(
             "parallelize() of a model zeroshard.shard() has sharded already: split it first, "
             "then shard it (parallelize(model, mesh); zeroshard.shard(model, ..., mesh=dp))"
+        )
+    if splits(model):
+        raise ValueError(
+            "parallelize() of a model it has split already (its split Linears hold 1/tp of "
+            "their weights): call it once per model"
+        )
+    names = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
+    if device_mesh.ndim > 1 and "tp" not in names:
+        raise ValueError(
+            f"parallelize() splits over a mesh dim named 'tp'; this mesh's dims are {names}: "
+            "make it with zeroshard.tensor_parallel.mesh_2d(tp) (dims 'dp', 'tp'), or name "
+            "yours so"
         )
     tp_mesh = device_mesh["tp"] if device_mesh.ndim > 1 else device_mesh
     tp = tp_mesh.size()

@@ -41,17 +41,47 @@ def rng_at_first_forward(model: nn.Module, group) -> None:
 
 
 def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
-    """A module with parameters of its own that the plan does not split, run between a colwise
-    Linear and its rowwise partner (a norm of each head of q and k: Phi's ``qk_layernorm``,
-    Cohere's ``use_qk_norm``), sees this rank's heads only: its gradient is a part of the whole
-    and differs across the tensor-parallel ranks, so their replicas drift apart without an error
-    (or its shape fits no piece). Refused at the first forward, when the order is known; the
-    hooks are gone after it."""
+    """The first forward checks the pairs in the order they run: a rowwise Linear with no
+    colwise one run before it, or a colwise one whose split output reaches the end of the
+    forward, is refused (the plan's module order cannot tell: a feed-forward registering ``w1,
+    w2, w3`` runs ``w1`` and ``w3`` before ``w2``). And a parameter the plan does not split,
+    used between a colwise Linear and its rowwise partner (a norm of each head of q and k:
+    Phi's ``qk_layernorm``; a learned temperature of the attention module holding the pair),
+    sees this rank's heads only: its gradient is a part of the whole and differs across the
+    tensor-parallel ranks, so their replicas drift apart without an error. Every torch call of
+    the first forward is looked at (a ``TorchFunctionMode``): one taking such a parameter while
+    a pair is open is refused, naming it. The hooks are gone after a forward that passed."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.overrides import TorchFunctionMode
 
     inside: list[str] = []  # the colwise Linear whose split output is in flight
     handles: list[Any] = []
+    split = {f"{name}.": None for name in plan}
+    unsplit = {  # the Parameter objects stay the module's through sharding
+        id(p): name
+        for name, p in model.named_parameters()
+        if not any(name.startswith(prefix) for prefix in split)
+    }
+
+    class Uses(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if inside:
+                from zeroshard.trees import tensors_in
+
+                for t in tensors_in((args, kwargs or {})):
+                    if id(t) in unsplit:
+                        raise ValueError(
+                            f"tensor-parallel plan: {unsplit[id(t)]} is not split by the plan, "
+                            f"and is used after the colwise {inside[0]}, before its rowwise "
+                            "partner, on this rank's heads or features only (a per-head norm "
+                            "of q and k, a learned temperature?): each rank would train it on "
+                            "a part of its gradient. zeroshard cannot split it: pass --tp 1 (or "
+                            "turn that option of the model off)"
+                        )
+            return func(*args, **(kwargs or {}))
+
+    mode = Uses()
 
     def opened(name: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -59,35 +89,45 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
 
         return hook
 
-    def closed(module: nn.Module, args: tuple, output: Any) -> None:
-        inside.clear()
-
-    def check(name: str):
+    def fed(name: str):
         def hook(module: nn.Module, args: tuple) -> None:
-            if inside:  # (the hooks stay: a caught refusal refuses the next forward too)
+            if not inside:
                 raise ValueError(
-                    f"tensor-parallel plan: {name} has parameters the plan does not split, and "
-                    f"runs after the colwise {inside[0]}, before its rowwise partner, on this "
-                    "rank's heads or features only (a per-head norm of q and k?): each rank "
-                    "would train it on a part of its gradient. zeroshard cannot split it: "
-                    "pass --tp 1 (or turn that option of the model off)"
+                    f"tensor-parallel plan: {name} is rowwise with no colwise layer run before "
+                    "it; its input is not split. Pair it with the colwise layer that feeds it"
                 )
 
         return hook
 
+    def closed(module: nn.Module, args: tuple, output: Any) -> None:
+        inside.clear()
+
+    def enter(*_: Any) -> None:
+        inside.clear()
+        mode.__enter__()
+
+    def leave(module: nn.Module, args: tuple, output: Any) -> None:
+        mode.__exit__(None, None, None)  # (always called: a refusal leaves the mode too)
+
     def done(*_: Any) -> None:
+        if inside:  # (the hooks stay: a caught refusal refuses the next forward too)
+            raise ValueError(
+                f"tensor-parallel plan: {inside[0]} is colwise with no rowwise layer run after "
+                "it, so the output stays split (1/tp of its features); add the rowwise layer "
+                "that consumes it, or drop the entry"
+            )
         for h in handles:
             h.remove()
 
-    handles.append(model.register_forward_pre_hook(lambda *_: inside.clear()))
+    handles.append(model.register_forward_pre_hook(enter))
     for name, module in model.named_modules():
         style = plan.get(name)
         if isinstance(style, ColwiseParallel) and isinstance(style.output_layouts[0], Shard):
             handles.append(module.register_forward_hook(opened(name)))
         elif isinstance(style, RowwiseParallel):
+            handles.append(module.register_forward_pre_hook(fed(name)))
             handles.append(module.register_forward_hook(closed))
-        elif style is None and next(module.parameters(recurse=False), None) is not None:
-            handles.append(module.register_forward_pre_hook(check(name)))
+    handles.append(model.register_forward_hook(leave, always_call=True))
     handles.append(model.register_forward_hook(done))
 
 

@@ -68,7 +68,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     t = p.add_argument_group("training")
     t.add_argument("--dp", type=int, default=1, help="data-parallel degree Nd")
-    t.add_argument("--mp", type=int, default=1, help="model-parallel degree Nm")
+    t.add_argument(
+        "--mp", "--tp", type=int, default=1, help="model-parallel degree Nm (train's --tp)"
+    )
     t.add_argument(
         "--shard-group-size",
         type=int,
