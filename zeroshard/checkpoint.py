@@ -438,16 +438,24 @@ def _write_and_publish(
             publish(tmp, path)
         except OSError as exc:
             error = f"could not publish checkpoint {path}: {exc}"
-    agree(error, group)
-    if rank == 0 and keep is not None:
-        try:
-            prune(path, keep, meta["run_id"])
-        except OSError as exc:  # the new checkpoint is in place: a warning, not a failed save
-            warnings.warn(
-                f"checkpoint {path} is saved, but an older one could not be removed to keep "
-                f"{keep} ({exc}); delete it by hand",
-                stacklevel=2,
-            )
+        else:
+            _prune(path, keep, meta["run_id"])
+    agree(error, group)  # (after the prune: no rank sees the folder mid-prune)
+
+
+def _prune(path: Path, keep: int | None, run_id: str) -> None:
+    """``checkpoint_files.prune`` once ``path`` is published: an older checkpoint it cannot
+    remove is a warning (the new one is in place), not a failed save."""
+    if keep is None:
+        return
+    try:
+        prune(path, keep, run_id)
+    except OSError as exc:
+        warnings.warn(
+            f"checkpoint {path} is saved, but an older one could not be removed to keep {keep} "
+            f"({exc}); delete it by hand",
+            stacklevel=2,
+        )
 
 
 @contextlib.contextmanager
