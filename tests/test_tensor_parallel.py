@@ -480,6 +480,32 @@ def test_models_with_a_plan_of_their_own_match_single_process_training(workers4,
         assert len(r["split"]) == 2 * 7 and all(".layers." in n for n in r["split"]), r
 
 
+def _linear_units_parity() -> dict:
+    """Stage 3 with every Linear and LayerNorm a unit of its own, two units prefetched: the
+    rowwise Linear's output (an async collective's result, no storage of its own) crashed the
+    unit's end-of-forward check ("invalid python storage"), and a LayerNorm unit prefetched
+    between a pair is no use of its parameters there."""
+    torch.manual_seed(0)
+    ref, model = GPT(CFG), GPT(CFG)
+    model.load_state_dict(ref.state_dict())
+    device_mesh, mesh = tensor_parallel.mesh_2d(2)
+    tensor_parallel.parallelize(model, device_mesh)
+    config = zeroshard.ShardConfig(num_prefetch=2)
+    units = wrap.by_class(nn.Linear, nn.LayerNorm)
+    model = zeroshard.shard(model, stage=3, mesh=mesh, wrap=units, config=config)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    gens = (torch.Generator().manual_seed(step) for step in range(3))
+    batches = ((torch.randint(0, CFG.vocab_size, (4, 8), generator=g),) for g in gens)
+    worst, param = tp_parity(model, ref, opt, ref_opt, mesh, batches, lambda m, x: m(x, x))
+    return {"loss": worst, "param": param}
+
+
+def test_linears_as_units_of_their_own(workers4):
+    for r in workers4.run(_linear_units_parity):
+        assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
+
+
 def _own_with(plan: dict) -> _Own:
     model = _Own()
     model.tp_plan = plan

@@ -66,7 +66,9 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
 
     class Uses(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if inside:
+            # (attribute reads and writes, ``p.data = ...``, ``p._version``, are the engine's
+            # gathers and checks of the units it enters or prefetches: no computation)
+            if inside and getattr(func, "__name__", None) not in ("__get__", "__set__"):
                 from zeroshard.trees import tensors_in
 
                 for t in tensors_in((args, kwargs or {})):

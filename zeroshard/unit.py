@@ -11,6 +11,7 @@ import enum
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from zeroshard.model_states.flat_param import FlatParam, ShardState
@@ -139,9 +140,7 @@ class Unit:
         }
         if not gathered:
             return output
-        return map_tensors(
-            lambda t: t.clone() if t.untyped_storage().data_ptr() in gathered else t, output
-        )
+        return map_tensors(lambda t: t.clone() if _storage_ptr(t) in gathered else t, output)
 
     @property
     def is_sharded(self) -> bool:
@@ -184,3 +183,13 @@ class Use:
             and self.generation == unit.generation
         ):
             unit.pending_uses -= 1
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """Where ``t``'s storage starts; None for a tensor with no storage of its own to read (a
+    wrapper subclass: the async result of a functional collective, which a rowwise Linear of
+    a tensor-parallel unit returns, raised "invalid python storage"), which no gather holds."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
