@@ -416,6 +416,29 @@ def test_a_folder_or_an_old_checkpoint_a_rank_cannot_touch(workers2, tmp_path):
     assert all(workers2.run(_folder_and_prune_failures, str(tmp_path)))
 
 
+def _compiled(base: str) -> dict:
+    """A checkpoint of ``torch.compile(model)`` holds the model's own names (every key was
+    ``_orig_mod.``-prefixed: refused by the uncompiled model, exported as weights no model has),
+    and loads into the uncompiled model, which then trains on as the compiled one does."""
+    model = _model(3, "fp32")
+    compiled = torch.compile(model, backend="eager")
+    opt = _opt(compiled, "fp32")
+    _train(compiled, opt, range(2))
+    names = list(zeroshard.full_state_dict(compiled, rank0_only=False))
+    checkpoint.save(base, compiled, opt, {"step": 2})
+    straight = _train(compiled, opt, range(2, 4))
+    fresh = _model(3, "fp32", seed=5)
+    again = _opt(fresh, "fp32")
+    assert checkpoint.load(base, fresh, again)["step"] == 2
+    return {"names": names, "same": _train(fresh, again, range(2, 4)) == straight}
+
+
+def test_a_compiled_model_s_checkpoint_has_the_model_s_names(workers2, tmp_path):
+    for r in workers2.run(_compiled, str(tmp_path / "ckpt")):
+        assert r["names"] and not [n for n in r["names"] if "_orig_mod" in n], r["names"][:3]
+        assert r["same"], r
+
+
 def _disk_fills_up(base: str, where: str) -> bool:
     """ENOSPC in the middle of a save (after the space check passed), on rank 1 only: every rank
     raises one line, nothing is published, no temporary folder is left, and the previous

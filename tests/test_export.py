@@ -26,6 +26,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from safetensors import safe_open  # noqa: E402
 
 TIED = {"lm_head.weight": "transformer.wte.weight"}
+CONFIGS = ["config.json", "generation_config.json"]
 
 
 def _train_and_save(path: str) -> dict:
@@ -89,7 +90,7 @@ def test_single_file_loads_with_from_pretrained(trained, tmp_path):
     out = tmp_path / "hf"
     result = export_safetensors(path, out, config=_config())
     assert result.files == [SINGLE_FILE] and result.index is None
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", SINGLE_FILE]
+    assert sorted(p.name for p in out.iterdir()) == [*CONFIGS, SINGLE_FILE]
     assert result.tied == TIED
     stored = _stored(out, [SINGLE_FILE])
     assert set(stored) == set(full) - {"lm_head.weight"}  # tied: stored once
@@ -121,7 +122,7 @@ def test_small_shards_write_an_index(trained, tmp_path):
     assert (_logits(hf) - _reference_logits(full)).abs().max().item() <= 1e-6
     # exporting again as one file removes the shards and the index of the earlier export
     export_safetensors(path, out, config=_config())
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", SINGLE_FILE]
+    assert sorted(p.name for p in out.iterdir()) == [*CONFIGS, SINGLE_FILE]
 
 
 def test_bf16_cast(trained, tmp_path):
@@ -170,6 +171,33 @@ def test_without_config_the_ties_the_checkpoint_recorded_are_used(trained, tmp_p
     assert all(t.dtype == torch.float16 for _, t in stored.values())
     every = export_safetensors(path, tmp_path / "every", tied={})
     assert set(every.weight_map) == set(full) and every.tied == {}
+
+
+def test_the_generation_config_and_the_class_go_with_the_export(trained, tmp_path):
+    """A chat model's generation config (its stop tokens) beside the config given was left
+    behind: the export generated 20 tokens past eos [2, 7, 9]; a config object naming no class
+    gave a config.json without ``architectures``, which serving stacks read."""
+    path, full = trained
+    folder = tmp_path / "pretrained"
+    _config().save_pretrained(folder)
+    chat = transformers.GenerationConfig(eos_token_id=[2, 7, 9], max_new_tokens=5)
+    chat.save_pretrained(folder)
+    for given in (folder, folder / "config.json"):
+        export_safetensors(path, tmp_path / "hf", config=given)
+        hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+        assert hf.generation_config.eos_token_id == [2, 7, 9], given
+        assert hf.generation_config.max_new_tokens == 5, given
+    config = _config()
+    config.architectures = None
+    export_safetensors(path, tmp_path / "bare", config=config)
+    assert config.architectures is None  # (the caller's object is left alone)
+    written = json.loads((tmp_path / "bare" / "config.json").read_text())
+    assert written["architectures"] == ["GPT2LMHeadModel"]
+    defaults = transformers.GenerationConfig.from_model_config(_config()).to_dict()
+    saved = transformers.GenerationConfig.from_pretrained(tmp_path / "bare").to_dict()
+    assert {k: saved[k] for k in ("bos_token_id", "eos_token_id")} == {
+        k: defaults[k] for k in ("bos_token_id", "eos_token_id")
+    }
 
 
 def test_declared_ties_are_checked(trained, tmp_path):
@@ -302,8 +330,9 @@ def _hf_configs() -> dict:
 
 def _save_hf(path: str, kind: str) -> None:
     torch.manual_seed(0)
-    config, cls = _hf_configs()[kind]
-    model = zeroshard.shard(cls(config), stage=0)
+    config, cls = _hf_configs()[kind.removesuffix("_bf16")]
+    model = cls(config).to(torch.bfloat16) if kind.endswith("_bf16") else cls(config)
+    model = zeroshard.shard(model, stage=0)
     checkpoint.save(path, model, zeroshard.optimizer(model, torch.optim.SGD, lr=0.1))
 
 
@@ -325,6 +354,20 @@ def test_a_config_without_architectures_of_another_kind_of_model(workers1, tmp_p
     loaded = cls.from_pretrained(tmp_path / "out").state_dict()
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+def test_a_bf16_model_s_export_names_its_masters_dtype(workers1, tmp_path):
+    """A BF16 BART: FP32 masters beside its BF16 ``final_logits_bias`` buffer. With two dtypes
+    in the files config.json named none, and from_pretrained loaded the FP32 masters in BF16
+    (7.2e-4 off the files after a step)."""
+    path = tmp_path / "ckpt"
+    workers1.run(_save_hf, str(path), "bart_bf16")
+    config, cls = _hf_configs()["bart"]
+    export_safetensors(path, tmp_path / "out", config=config)
+    stored = _stored(tmp_path / "out", [SINGLE_FILE])
+    assert {t.dtype for _, t in stored.values()} == {torch.float32, torch.bfloat16}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+    assert cls.from_pretrained(tmp_path / "out").dtype == torch.float32
 
 
 class _Shared(torch.nn.Module):

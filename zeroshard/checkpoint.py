@@ -309,6 +309,7 @@ def save(
     for key, value in extra.items():  # schedulers and other stateful objects: their state
         if callable(getattr(value, "state_dict", None)):
             extra[key] = value.state_dict()
+    model = _uncompiled(model)
     group = _group(model, optimizer)
     path = Path(path).expanduser().absolute()
     every_rank_calls("save", f"checkpoint {path.name}", _EACH_RANK, group)
@@ -362,6 +363,13 @@ def _save(
         copied = checkpoint_async.snapshot(state)  # copies, taken while resident
         job = (tmp, path, copied, *job[3:])
     return checkpoint_async.start(path, lambda g: _write_and_publish(*job, g), group)
+
+
+def _uncompiled(model):
+    """The model ``torch.compile`` wraps: its names (``state_dict.uncompiled``)."""
+    from zeroshard.state_dict import uncompiled
+
+    return uncompiled(model)
 
 
 def _make_folder(folder: Path, path: Path, group) -> None:
@@ -496,6 +504,7 @@ def load(
             "training, load the optimizer too: model_only=False)"
         )
     wait()  # this process's asynchronous save in flight, if any
+    model = _uncompiled(model)
     group = _group(model, optimizer)
     path = Path(path).expanduser().absolute()
     every_rank_calls("load", f"checkpoint {path.name}", _EACH_RANK, group)

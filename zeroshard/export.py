@@ -35,8 +35,11 @@ source's name) when it is tied:
 A declared pair is checked before anything is written: same shape and ``torch.equal`` values
 (else a one-line ``ExportError``: dropping the alias would change the model); the check reads
 the two tensors of each pair once more, on their own. ``from_pretrained``
-re-ties the alias to its source. ``config`` is also written to ``out_dir`` (``config.json``), so
-the folder loads with ``from_pretrained`` as it is.
+re-ties the alias to its source. ``config`` is also written to ``out_dir`` (``config.json``, with
+``architectures`` naming the model class the tensors fit when the config named none), and so is
+a generation config (``generation_config.json``: the one beside a config given as a folder or
+file, else the model class's defaults from the config, as ``save_pretrained`` writes them), so
+the folder loads and generates with ``from_pretrained`` as it is.
 
 ``dtype`` casts floating-point tensors (integer and boolean ones are kept as they are).
 """
@@ -48,6 +51,7 @@ import json
 import os
 import re
 import warnings
+from collections import Counter
 from collections.abc import Mapping
 from copy import deepcopy
 from pathlib import Path
@@ -127,6 +131,24 @@ def _load_config(config: Any) -> Any:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {path}; pass a transformers config or folder")
     return transformers.AutoConfig.from_pretrained(path)
+
+
+def _write_config(out: Path, config: Any, source: Any, model_cls: type | None) -> None:
+    """``config.json`` and ``generation_config.json`` into ``out`` (module docstring); the
+    caller's config object is left as it was."""
+    import transformers
+
+    config = deepcopy(config)
+    if not getattr(config, "architectures", None) and model_cls is not None:
+        config.architectures = [model_cls.__name__]  # (serving stacks read it)
+    config.save_pretrained(out)
+    folder = None
+    if isinstance(source, str | os.PathLike):
+        folder = Path(source) if Path(source).is_dir() else Path(source).parent
+    if folder is not None and (folder / "generation_config.json").is_file():
+        transformers.GenerationConfig.from_pretrained(folder).save_pretrained(out)
+    elif model_cls is not None and model_cls.can_generate():
+        transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
 def _umask() -> int:
@@ -314,7 +336,7 @@ def export_safetensors(
     entries = _tensor_entries(dcp.FileSystemReader(path))
     if not entries:
         raise ExportError(f"checkpoint {path} holds no model tensors; nothing to export")
-    config = _load_config(config)
+    source, config = config, _load_config(config)
     model_cls = _check_config(config, entries)
     declared = dict(tied) if tied is not None else recorded | _config_tied(config, model_cls)
     dropped = _check_tied(path, declared, entries, explicit=tied is not None)
@@ -331,7 +353,7 @@ def export_safetensors(
     n = len(shards)
     files = [SINGLE_FILE] if n == 1 else [_SHARD.format(i + 1, n) for i in range(n)]
     out.mkdir(parents=True, exist_ok=True)
-    weight_map, written = {}, set()  # (written: the files' floating dtypes)
+    weight_map, written = {}, Counter()  # (written: elements per floating dtype)
     mode = 0o666 & ~_umask()  # what open() gives a new file
     for file, names in zip(files, shards, strict=True):
         tensors = _read(path, names, entries)
@@ -345,7 +367,9 @@ def export_safetensors(
                     f"{name} does not fit in {tensors[name].dtype}: values up to "
                     f"{t.abs().max().item():.3g} become inf; export with --dtype bf16 or as saved"
                 )
-        written |= {t.dtype for t in tensors.values() if t.is_floating_point()}
+        for t in tensors.values():
+            if t.is_floating_point():
+                written[t.dtype] += t.numel()
         tmp = out / (file + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.chmod(tmp, mode)  # safetensors writes 0600: unreadable to a server
@@ -365,9 +389,10 @@ def export_safetensors(
         if stale.is_file() and _OURS.match(stale.name) and stale.name not in keep:
             stale.unlink()
     if config is not None:
-        config.save_pretrained(out)
-        if len(written) == 1:  # the files' dtype, not the config's (from_pretrained reads it)
-            record_dtype(out, written.pop(), None)
+        _write_config(out, config, source, model_cls)
+        if written:  # the files' dtype, not the config's (from_pretrained reads it): that of
+            # most elements (a bf16 model's masters are FP32 beside a bf16 buffer of its own)
+            record_dtype(out, written.most_common(1)[0][0], None)
     return ExportResult(
         out_dir=str(out),
         files=files,

@@ -22,7 +22,8 @@ import contextlib
 import functools
 import inspect
 import json
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: n
     error: str | None = None
     try:
         if writer:
-            dtype = next((v.dtype for v in state_dict.values() if v.is_floating_point()), None)
+            dtype = weights_dtype(state_dict.values())
             with _writes_where_asked(model):
                 save(save_directory, state_dict=state_dict, **kwargs)  # (empties state_dict)
             record_dtype(Path(save_directory), dtype, getattr(model, "config", None))
@@ -135,6 +136,16 @@ def _writes_where_asked(model: nn.Module) -> Iterator[None]:
             del model.should_save_on_this_rank
         else:
             model.should_save_on_this_rank = own
+
+
+def weights_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
+    """The floating dtype of most elements of ``tensors`` (None without floating ones): a bf16
+    model's FP32 masters, not the bf16 buffer that may come first."""
+    counts: Counter[torch.dtype] = Counter()
+    for t in tensors:
+        if t.is_floating_point():
+            counts[t.dtype] += t.numel()
+    return counts.most_common(1)[0][0] if counts else None
 
 
 def record_dtype(folder: Path, dtype: torch.dtype | None, config: Any) -> None:

@@ -508,6 +508,17 @@ def _buffers_in_their_dtype(module: nn.Module, state_dict: dict, prefix: str) ->
                 state_dict[key] = value.to(dtype)
 
 
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile(model)`` wraps (its ``_orig_mod``), else ``model``: the names
+    of the uncompiled model, as torch's ``get_state_dict`` gives them (the wrapper's
+    ``state_dict`` prefixes every key with ``_orig_mod.``: a checkpoint of the compiled model
+    was another model's to the uncompiled one, and its export loaded as random weights)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (imported by torch.compile)
+    while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model
+
+
 def _hooks(model: nn.Module) -> _Hooks:
     from zeroshard.engine import engine_of
 
@@ -519,6 +530,7 @@ def local_state_dict(model: nn.Module) -> dict[str, Any]:
     ``zeroshard.flat_range``) instead of a DTensor for every sharded parameter: no collective,
     no copy. What ``zeroshard.checkpoint`` saves and loads into (in place, through DCP);
     ``model.load_state_dict`` of it then refreshes the compute copies."""
+    model = uncompiled(model)
     hooks = _hooks(model)
     hooks.local = True
     try:
@@ -537,6 +549,7 @@ def full_state_dict(
     ``{}``; with ``cpu_offload`` the tensors are copied to the CPU as they are cut. A
     tensor-parallel model's split parameters are gathered whole over its tp group (each rank's
     pieces under the whole tensors' names before: half a model in ``save_pretrained``)."""
+    model = uncompiled(model)
     hooks = _hooks(model)
     mesh = hooks.engine.mesh
     split = mesh.tp_size > 1  # every rank cuts its pieces on the device, then they are gathered
