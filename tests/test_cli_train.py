@@ -1791,3 +1791,27 @@ def test_throughput_counts_the_steps_this_process_trained():
     assert _steps_since(20, records, start=15) == 5  # resumed at 15
     assert _steps_since(20, records, start=0) == 10
     assert _steps_since(4, [{"kind": "eval", "step": 0}], start=0) == 4
+
+
+def test_hf_weights_beside_the_config_are_said_to_be_unread(tmp_path):
+    """A pretrained model's folder given to --hf trained from random weights without a word."""
+    import warnings
+
+    from zeroshard.cli.train_checks import check_inputs
+    from zeroshard.train_config import TrainConfig
+
+    pytest.importorskip("transformers")
+    folder = tmp_path / "pretrained"
+    folder.mkdir()
+    config = dict(model_type="gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=300)
+    (folder / "config.json").write_text(json.dumps(config | {"n_positions": 64}))
+    cfg = TrainConfig(hf=str(folder), seq_len=32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_inputs(cfg, 1)
+        assert not [w for w in caught if "is not read" in str(w.message)]
+        (folder / "model.safetensors").write_bytes(b"")
+        check_inputs(cfg, 1)
+    said = [str(w.message) for w in caught if "is not read" in str(w.message)]
+    assert len(said) == 1 and "model.safetensors is not read" in said[0], said
+    assert "from_pretrained(folder)" in said[0]

@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import socket
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def check_inputs(cfg: TrainConfig, nproc: int, local_ranks: int | None = None) -
     if cfg.model:
         import_factory(cfg.model)
     if cfg.hf:
+        _say_weights_are_not_read(Path(cfg.hf))
         context = hf_context_len(read_hf_config(cfg.hf))
         hf_config(cfg.hf)  # transformers' own checks, here rather than on every rank
         if context is not None and cfg.seq_len > context:
@@ -51,6 +53,20 @@ def check_inputs(cfg: TrainConfig, nproc: int, local_ranks: int | None = None) -
     if problem:
         raise UsageError(
             f"log = 'tensorboard' {problem}, or drop --log (metrics.jsonl is always written)"
+        )
+
+
+def _say_weights_are_not_read(hf: Path) -> None:
+    """``--hf`` builds from the config alone: a folder that holds weights (a pretrained model)
+    trained from random ones without a word."""
+    folder = hf if hf.is_dir() else hf.parent
+    weights = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("pytorch_model*.bin"))
+    if weights:
+        warnings.warn(
+            f"--hf builds the model from {folder}'s config with random weights; its "
+            f"{weights[0].name} is not read: to fine-tune those weights, pass --model with a "
+            "factory returning transformers.AutoModelForCausalLM.from_pretrained(folder)",
+            stacklevel=2,
         )
 
 
