@@ -409,6 +409,9 @@ def _folder_and_prune_failures(base: str) -> bool:
     assert len(said) == (dist.get_rank() == 0), said  # rank 0 prunes
     with pytest.raises(TypeError, match="extra is a dict of your own values"):
         checkpoint.save(checkpoint.step_path(folder, 3), model, opt, 5)
+    import types  # any mapping is one
+
+    checkpoint.save(folder / "mapped", model, opt, types.MappingProxyType({"step": 3}))
     return True
 
 
@@ -430,13 +433,25 @@ def _compiled(base: str) -> dict:
     fresh = _model(3, "fp32", seed=5)
     again = _opt(fresh, "fp32")
     assert checkpoint.load(base, fresh, again)["step"] == 2
-    return {"names": names, "same": _train(fresh, again, range(2, 4)) == straight}
+    same = _train(fresh, again, range(2, 4)) == straight
+    # as an earlier version saved it: every model key behind "_orig_mod."
+    with mock.patch("zeroshard.state_dict.uncompiled", lambda m: m):
+        checkpoint.save(base + "-old", compiled, opt, {"step": 4})
+    old = _model(3, "fp32", seed=7)
+    assert checkpoint.load(base + "-old", old, _opt(old, "fp32"))["step"] == 4
+    later = zeroshard.full_state_dict(old, rank0_only=False)
+    now = zeroshard.full_state_dict(compiled, rank0_only=False)
+    return {"names": names, "same": same, "old": all(torch.equal(now[k], later[k]) for k in now)}
 
 
 def test_a_compiled_model_s_checkpoint_has_the_model_s_names(workers2, tmp_path):
+    from zeroshard.export import export_safetensors
+
     for r in workers2.run(_compiled, str(tmp_path / "ckpt")):
         assert r["names"] and not [n for n in r["names"] if "_orig_mod" in n], r["names"][:3]
-        assert r["same"], r
+        assert r["same"] and r["old"], r
+    exported = export_safetensors(tmp_path / "ckpt-old", tmp_path / "out")
+    assert set(exported.weight_map) <= set(r["names"]), list(exported.weight_map)[:3]
 
 
 def _disk_fills_up(base: str, where: str) -> bool:

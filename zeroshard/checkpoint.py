@@ -69,7 +69,7 @@ import secrets
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -293,7 +293,7 @@ def save(
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int or None (keep all), got {keep!r}")
     wait()  # the previous asynchronous save: published (or its error raised) first
-    if extra is not None and not isinstance(extra, dict):
+    if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(
             f"extra is a dict of your own values to keep (e.g. {{'step': 100, 'scheduler': "
             f"sched}}), got {type(extra).__name__}; pass extra={{'step': ...}}"
@@ -561,10 +561,12 @@ def _read(path: Path, model, optimizer, checksums: bool, group, model_only: bool
             checks.optimizers(path, meta.get("optimizers"), _optimizers(optimizer))
             classes_known = meta.get("optimizers") is not None
             checks.optimizer_states(path, reader, state["optim"], classes_known)
+        prefix = checks.compiled_prefix(reader, state)  # read under the names it was saved
+        state["model"] = {prefix + k: v for k, v in state["model"].items()}
         checks.names(path, reader, state)
         try:
             read(state, reader, LoadPlanner(), group)
-            model.load_state_dict(state["model"])
+            model.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()})
             for opt, scaler in zip(_optimizers(optimizer), scalers):
                 opt.load_state_dict(state["optim"])  # each takes its own parameters' (by name)
                 opt.loss_scaler.load_state_dict(scaler)

@@ -74,7 +74,10 @@ def _finish_pending(before: str) -> None:
 def _finish_before_destroy() -> None:
     """``dist.destroy_process_group()``, most scripts' last line, first finishes the save in
     flight: it took the save's group from under it (the checkpoint was lost, and the script
-    exited 0). ``zeroshard.mesh.tear_down`` calls torch's own function."""
+    exited 0). Called through ``torch.distributed``'s attribute only: a name imported before
+    (``from torch.distributed import destroy_process_group``) is torch's own function, which
+    cannot be reached; ``checkpoint.wait()`` first is the way that works for every script.
+    ``zeroshard.mesh.tear_down`` calls torch's own function."""
     destroy = dist.destroy_process_group
 
     @functools.wraps(destroy)

@@ -167,6 +167,22 @@ def optimizer_states(path: Path, reader, template: dict[str, Any], classes_known
             del group[key]
 
 
+COMPILED = "_orig_mod."
+"""What ``torch.compile``'s wrapper puts before every name: checkpoints of a compiled model that
+zeroshard saved before it used the model's own names carry it."""
+
+
+def compiled_prefix(reader, template: dict[str, Any]) -> str:
+    """``COMPILED`` when the checkpoint's model entries are the model's names behind it (a
+    compiled model's checkpoint of an earlier version), else ``""``."""
+    entries = reader.read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model.") for k in entries if k.startswith("model.")}
+    ours = set(template["model"])
+    if ours and saved and saved != ours and saved == {COMPILED + k for k in ours}:
+        return COMPILED
+    return ""
+
+
 def names(path: Path, reader, template: dict[str, Any]) -> None:
     """Compare the checkpoint's model entries with the model's (names and shapes), and its
     number of optimizer param groups with the optimizer's."""

@@ -51,7 +51,6 @@ import json
 import os
 import re
 import warnings
-from collections import Counter
 from collections.abc import Mapping
 from copy import deepcopy
 from pathlib import Path
@@ -60,7 +59,8 @@ from typing import Any
 import torch
 
 from zeroshard import checkpoint, precision
-from zeroshard.save_pretrained import record_dtype
+from zeroshard.checkpoint_checks import COMPILED
+from zeroshard.save_pretrained import record_dtype, weights_dtype
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -232,12 +232,17 @@ def _model_kinds(config: Any) -> list[type]:
     return [getattr(transformers, a) for a in [*first, *rest, "AutoModel"]]
 
 
-def _tensor_entries(reader) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """``{name: (global shape, dtype)}`` of the checkpoint's model tensors, in saved order."""
+def _tensor_entries(reader) -> dict[str, tuple[torch.Size, torch.dtype, str]]:
+    """``{name: (global shape, dtype, saved name)}`` of the checkpoint's model tensors, in saved
+    order. Names are the model's own: a compiled model's checkpoint of an earlier version saved
+    them behind ``_orig_mod.`` (exported so, they loaded as no model's weights)."""
     entries = {}
     for key, md in reader.read_metadata().state_dict_metadata.items():
         if key.startswith(_PREFIX) and hasattr(md, "size") and hasattr(md, "properties"):
-            entries[key.removeprefix(_PREFIX)] = (torch.Size(md.size), md.properties.dtype)
+            name = key.removeprefix(_PREFIX)
+            entries[name] = (torch.Size(md.size), md.properties.dtype, name)
+    if entries and all(n.startswith(COMPILED) for n in entries):
+        entries = {n.removeprefix(COMPILED): e for n, e in entries.items()}
     return entries
 
 
@@ -245,13 +250,13 @@ def _read(reader_path: Path, names: list[str], entries) -> dict[str, torch.Tenso
     """Full tensors of ``names`` read from the checkpoint (single process)."""
     import torch.distributed.checkpoint as dcp
 
-    model = {n: torch.empty(entries[n][0], dtype=entries[n][1]) for n in names}
+    model = {entries[n][2]: torch.empty(entries[n][0], dtype=entries[n][1]) for n in names}
     if model:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             reader = dcp.FileSystemReader(reader_path)
             dcp.load({"model": model}, storage_reader=reader, no_dist=True)
-    return model
+    return {n: model[entries[n][2]] for n in names}
 
 
 def _check_tied(path: Path, pairs: dict[str, str], entries, *, explicit: bool) -> dict[str, str]:
@@ -318,7 +323,10 @@ def export_safetensors(
     out = Path(out_dir).absolute()
     cast = _dtype(dtype)
     limit = _shard_bytes(max_shard_bytes)
-    recorded = checkpoint.read_meta(path).get("tied", {})  # (one-line errors, a bad folder)
+    recorded = {  # (one-line errors, a bad folder)
+        a.removeprefix(COMPILED): b.removeprefix(COMPILED)
+        for a, b in checkpoint.read_meta(path).get("tied", {}).items()
+    }
     if out.resolve() == path.resolve() or path.resolve() in out.resolve().parents:
         raise ExportError(  # (inside it, a later save fails on it, and pruning deletes it)
             f"export into {out} would write into the checkpoint {path}; pick an OUT outside it"
@@ -346,14 +354,14 @@ def export_safetensors(
 
     sizes = {
         name: shape.numel() * out_dtype(saved).itemsize
-        for name, (shape, saved) in entries.items()
+        for name, (shape, saved, _) in entries.items()
         if name not in dropped
     }
     shards = _plan_shards(sizes, limit)
     n = len(shards)
     files = [SINGLE_FILE] if n == 1 else [_SHARD.format(i + 1, n) for i in range(n)]
     out.mkdir(parents=True, exist_ok=True)
-    weight_map, written = {}, Counter()  # (written: elements per floating dtype)
+    weight_map = {}
     mode = 0o666 & ~_umask()  # what open() gives a new file
     for file, names in zip(files, shards, strict=True):
         tensors = _read(path, names, entries)
@@ -367,9 +375,6 @@ def export_safetensors(
                     f"{name} does not fit in {tensors[name].dtype}: values up to "
                     f"{t.abs().max().item():.3g} become inf; export with --dtype bf16 or as saved"
                 )
-        for t in tensors.values():
-            if t.is_floating_point():
-                written[t.dtype] += t.numel()
         tmp = out / (file + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.chmod(tmp, mode)  # safetensors writes 0600: unreadable to a server
@@ -390,9 +395,14 @@ def export_safetensors(
             stale.unlink()
     if config is not None:
         _write_config(out, config, source, model_cls)
-        if written:  # the files' dtype, not the config's (from_pretrained reads it): that of
-            # most elements (a bf16 model's masters are FP32 beside a bf16 buffer of its own)
-            record_dtype(out, written.most_common(1)[0][0], None)
+        # The files' dtype, not the config's (from_pretrained reads it): that of most elements
+        # (a bf16 model's masters are FP32 beside a bf16 buffer of its own).
+        files_dtype = weights_dtype(
+            torch.empty(shape, dtype=out_dtype(saved), device="meta")
+            for name, (shape, saved, _) in entries.items()
+            if name not in dropped
+        )
+        record_dtype(out, files_dtype, None)
     return ExportResult(
         out_dir=str(out),
         files=files,
