@@ -57,11 +57,9 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
 
     inside: list[str] = []  # the colwise Linear whose split output is in flight
     handles: list[Any] = []
-    split = {f"{name}.": None for name in plan}
+    split = tuple(f"{name}." for name in plan)
     unsplit = {  # the Parameter objects stay the module's through sharding
-        id(p): name
-        for name, p in model.named_parameters()
-        if not any(name.startswith(prefix) for prefix in split)
+        id(p): name for name, p in model.named_parameters() if not name.startswith(split)
     }
 
     class Uses(TorchFunctionMode):
