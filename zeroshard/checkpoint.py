@@ -106,6 +106,7 @@ from zeroshard.checkpoint_info import (  # noqa: F401 (the inspection API, re-ex
     verify,
 )
 from zeroshard.engine import engine_of
+from zeroshard.state_dict import uncompiled
 from zeroshard.watchdog import diagnosed, every_rank_calls
 
 _WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap encoding and I/O
@@ -309,7 +310,7 @@ def save(
     for key, value in extra.items():  # schedulers and other stateful objects: their state
         if callable(getattr(value, "state_dict", None)):
             extra[key] = value.state_dict()
-    model = _uncompiled(model)
+    model = uncompiled(model)  # (a torch.compile wrapper: the model's own names)
     group = _group(model, optimizer)
     path = Path(path).expanduser().absolute()
     every_rank_calls("save", f"checkpoint {path.name}", _EACH_RANK, group)
@@ -363,13 +364,6 @@ def _save(
         copied = checkpoint_async.snapshot(state)  # copies, taken while resident
         job = (tmp, path, copied, *job[3:])
     return checkpoint_async.start(path, lambda g: _write_and_publish(*job, g), group)
-
-
-def _uncompiled(model):
-    """The model ``torch.compile`` wraps: its names (``state_dict.uncompiled``)."""
-    from zeroshard.state_dict import uncompiled
-
-    return uncompiled(model)
 
 
 def _make_folder(folder: Path, path: Path, group) -> None:
@@ -504,7 +498,7 @@ def load(
             "training, load the optimizer too: model_only=False)"
         )
     wait()  # this process's asynchronous save in flight, if any
-    model = _uncompiled(model)
+    model = uncompiled(model)  # (a torch.compile wrapper: the model's own names)
     group = _group(model, optimizer)
     path = Path(path).expanduser().absolute()
     every_rank_calls("load", f"checkpoint {path.name}", _EACH_RANK, group)

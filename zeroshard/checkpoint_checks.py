@@ -16,6 +16,7 @@ import torch.distributed as dist
 from zeroshard.checkpoint_files import CheckpointError, agree, check_file, gather
 from zeroshard.flat_range import FlatRange
 from zeroshard.offload.nvme import free_bytes
+from zeroshard.state_dict import COMPILED
 
 SPACE_MARGIN = 1.05  # free space wanted over the estimate (DCP metadata, pickled extras)
 SPACE_PER_RANK = 2**20  # and per rank: each file's headers (a small model's may double it)
@@ -165,11 +166,6 @@ def optimizer_states(path: Path, reader, template: dict[str, Any], classes_known
     for i, group in enumerate(template["param_groups"]):
         for key in [k for k in group if f"optim.param_groups.{i}.{k}" not in saved]:
             del group[key]
-
-
-COMPILED = "_orig_mod."
-"""What ``torch.compile``'s wrapper puts before every name: checkpoints of a compiled model that
-zeroshard saved before it used the model's own names carry it."""
 
 
 def compiled_prefix(reader, template: dict[str, Any]) -> str:

@@ -59,8 +59,8 @@ from typing import Any
 import torch
 
 from zeroshard import checkpoint, precision
-from zeroshard.checkpoint_checks import COMPILED
 from zeroshard.save_pretrained import record_dtype, weights_dtype
+from zeroshard.state_dict import COMPILED
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

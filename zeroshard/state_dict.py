@@ -508,10 +508,15 @@ def _buffers_in_their_dtype(module: nn.Module, state_dict: dict, prefix: str) ->
                 state_dict[key] = value.to(dtype)
 
 
+COMPILED = "_orig_mod."
+"""What ``torch.compile``'s wrapper puts before every name in its ``state_dict``: checkpoints of a
+compiled model that zeroshard saved before it used the model's own names carry it."""
+
+
 def uncompiled(model: nn.Module) -> nn.Module:
     """The module ``torch.compile(model)`` wraps (its ``_orig_mod``), else ``model``: the names
     of the uncompiled model, as torch's ``get_state_dict`` gives them (the wrapper's
-    ``state_dict`` prefixes every key with ``_orig_mod.``: a checkpoint of the compiled model
+    ``state_dict`` prefixes every key with ``COMPILED``: a checkpoint of the compiled model
     was another model's to the uncompiled one, and its export loaded as random weights)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (imported by torch.compile)
     while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):

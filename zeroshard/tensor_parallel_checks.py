@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroshard.trees import tensors_in
+
 
 def rng_at_first_forward(model: nn.Module, group) -> None:
     """Tensor-parallel ranks compute the replicated activations each on its own: dropout there
@@ -67,8 +69,6 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
             # (attribute reads and writes, ``p.data = ...``, ``p._version``, are the engine's
             # gathers and checks of the units it enters or prefetches: no computation)
             if inside and getattr(func, "__name__", None) not in ("__get__", "__set__"):
-                from zeroshard.trees import tensors_in
-
                 for t in tensors_in((args, kwargs or {})):
                     if id(t) in unsplit:
                         raise ValueError(
@@ -134,8 +134,6 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
 def _same_inputs(args: Any, group) -> None:
     """A warning when the ranks of the tensor-parallel ``group`` got other inputs: (count,
     elements, sum, sum of squares) of the tensors in ``args`` in FP64, all-gathered once."""
-    from zeroshard.trees import tensors_in
-
     tensors = [t.detach() for t in tensors_in(args)]
     if not tensors:
         return
