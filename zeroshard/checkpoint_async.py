@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -49,8 +50,14 @@ def start(path: Path, write: Callable[[dist.ProcessGroup], None], group) -> Save
 def _finish_at_exit() -> None:
     """At exit: an asynchronous save still being written is finished first, as
     ``torch.distributed.checkpoint.async_save``'s is (its thread is a daemon: the interpreter
-    would stop it mid-write, and gloo aborted the process under it)."""
+    would stop it mid-write, and gloo aborted the process under it). If a save that no one
+    waited for failed, the process exits 1: a script whose checkpoint was lost ended 0, and a
+    scheduler took the run as a success."""
     _finish_pending("exiting")
+    if _lost:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _finish_pending(before: str) -> None:
@@ -68,7 +75,12 @@ def _finish_pending(before: str) -> None:
     try:
         _pending.wait()
     except Exception as exc:  # said in one line, no traceback: the caller is leaving
-        print(f"zeroshard: the asynchronous save of {path} failed: {exc}", file=sys.stderr)
+        global _lost
+        _lost = True
+        print(
+            f"zeroshard: the asynchronous save of {path} failed: {exc}; the process exits 1",
+            file=sys.stderr,
+        )
 
 
 def _finish_before_destroy() -> None:
@@ -129,6 +141,7 @@ class SaveHandle:
 
 _pending: SaveHandle | None = None  # this process's asynchronous save in flight
 _exit_hook = False  # _finish_at_exit registered (once per process)
+_lost = False  # a save no one waited for failed: the process exits 1
 _BACKGROUND_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
