@@ -70,6 +70,38 @@ def test_no_offered_row_is_an_error():
         )
 
 
+@pytest.mark.parametrize(
+    "stage, offload, in_backward, why",
+    [
+        (3, "nvme-states", True, "step_in_backward: states or gradients on NVMe"),
+        (1, "nvme-states", False, "gradients leave the device only when partitioned"),
+        (2, "cpu-all", False, "parameters are streamed from CPU/NVMe per unit only when"),
+    ],
+)
+def test_a_refused_placement_is_refused_for_its_own_reason(stage, offload, in_backward, why):
+    """The error names the reason of the placement refused (it said "offloading needs stage >=
+    1, and parameters or NVMe need stage 3" whatever it was: at stage 3 with step_in_backward,
+    or for nvme-states at stage 1, which stage 2 plans)."""
+    config = MemoryConfig(stage=stage, step_in_backward=in_backward)
+    with pytest.raises(ValueError, match=f"stage {stage} {offload}: {why}"):
+        report.plan_report(d.from_params(10**6), config, stages=(stage,), offloads=(offload,))
+
+
+def test_rows_left_out_are_said_in_a_note():
+    """Placements that some stages cannot run are noted with the reason (their rows vanished
+    without a word)."""
+    config = MemoryConfig(stage=3, step_in_backward=True)
+    out = report.plan_report(
+        d.from_params(10**6), config, stages=(3,), offloads=("nvme-states", "cpu-all")
+    )
+    assert [r["offload"] for r in out["stages"]] == ["cpu-all"]
+    assert out["not_planned"] == [
+        "not planned: stage 3 nvme-states: step_in_backward: states or gradients on NVMe are "
+        "streamed in step order, not during backward (the engine refuses it)"
+    ]
+    assert "note: not planned: stage 3 nvme-states: step_in_backward" in report.render_plan(out)
+
+
 def test_finite_replaces_inf_and_nan_with_none():
     out = report.finite({"a": [1.0, math.inf], "b": {"c": math.nan}, "d": "x"})
     assert out == {"a": [1.0, None], "b": {"c": None}, "d": "x"}

@@ -133,22 +133,25 @@ def plan_report(
             raise ValueError("--target-efficiency needs --peak-flops, e.g. --peak-flops 70TFLOP/s")
         out["target_efficiency"] = target_efficiency
         out["required_bandwidth_bytes_per_s"] = ait.required_bandwidths(peak, target_efficiency)
-    rows = []
+    rows, skipped = [], {}
     for stage in stages:
         for offload in offloads:
             placement = memory.at_stage(OFFLOADS[offload], stage)
-            if memory.placement_problem(stage, placement, step_in_backward=base.step_in_backward):
+            why = memory.placement_problem(stage, placement, step_in_backward=base.step_in_backward)
+            if why:
+                skipped.setdefault(why, []).append(f"stage {stage} {offload}")
                 continue
             config = replace(base, stage=stage, placement=placement)
             config = timeline.as_engine_buckets(model, config)
             rows.append(_row(model, config, offload, ait, bw, links, peak, have))
+    not_planned = [f"not planned: {', '.join(which)}: {why}" for why, which in skipped.items()]
     if not rows:
         raise ValueError(
             f"no stage in --stage {','.join(map(str, stages))} supports --offload "
-            f"{','.join(offloads)}; offloading needs stage >= 1, and parameters or NVMe need "
-            "stage 3"
+            f"{','.join(offloads)}; " + "; ".join(n.removeprefix("not planned: ") for n in not_planned)
         )
     out["stages"] = rows
+    out["not_planned"] = not_planned
     return out
 
 
@@ -366,7 +369,7 @@ def render_plan(out: dict, unit: str = "GB") -> str:
         body.append(line)
     lines.append(_table(header, body))
     notes = sorted({n for r in rows for n in r["memory"]["notes"] + r["communication"]["notes"]})
-    lines += [f"note: {n}" for n in notes]
+    lines += [f"note: {n}" for n in notes + out.get("not_planned", [])]
     if out.get("timeline"):
         moments = ", ".join(
             f"stage {r['stage']}: {r['memory']['peak_moment']}"
