@@ -13,7 +13,7 @@ from parity_models import train_tp_both
 import zeroshard
 from zeroshard import collectives as C
 from zeroshard import tensor_parallel
-from zeroshard.models.gpt import GPTConfig
+from zeroshard.models.gpt import GPT, Block, GPTConfig
 from zeroshard.planner.describe import from_gpt
 from zeroshard.planner.memory import MemoryConfig, Placement, plan_memory
 from zeroshard.residual_states.partitioned import CheckpointKeeper
@@ -268,3 +268,39 @@ def test_pa_refuses_a_span_input_split_over_tensor_parallel_ranks(workers4):
     for message in workers4.run(_split_input_with_pa):
         assert "differs across the tensor-parallel ranks" in message, message
         assert "wrap whole blocks" in message and "seed the tensor-parallel ranks alike" in message
+
+
+def _swap_traffic(folder: str) -> dict:
+    """Two steps with every block's checkpoint on NVMe (no tensor parallelism): the swap
+    traffic ``offload_stats`` and ``zeroshard train``'s records count per step."""
+    from zeroshard.train import DiskTraffic
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        GPT(CFG),
+        stage=2,
+        wrap=zeroshard.wrap.by_class(Block),
+        config=zeroshard.ShardConfig(checkpoint_every=1),
+        offload=zeroshard.Offload(activations="nvme", folder=folder),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    traffic = DiskTraffic(opt)
+    for _ in range(2):
+        x = torch.randint(0, CFG.vocab_size, (PER_RANK, SEQ))
+        opt.backward(model(x, x))
+        opt.step()
+        opt.zero_grad()
+        stats = opt.offload_stats()
+    return {"offloaded": traffic.offloaded, "stats": stats}
+
+
+def test_activation_swap_traffic_is_counted(workers2, tmp_path):
+    """Checkpoints on NVMe are disk traffic like the model states' (``zeroshard train``'s
+    records left them out, and had no disk fields at all with only activations on NVMe)."""
+    numel = PER_RANK * SEQ * CFG.n_embd
+    for r in workers2.run(_swap_traffic, str(tmp_path)):
+        assert r["offloaded"], r
+        stats = r["stats"]
+        assert stats["activation_write_bytes"] == CFG.n_layer * numel * 4, r
+        assert stats["activation_read_bytes"] == CFG.n_layer * numel * 4, r
+        assert stats["activation_wait_s"] >= 0.0, r

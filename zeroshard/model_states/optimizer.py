@@ -447,11 +447,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 swap.store_all()
 
     def offload_stats(self) -> dict[str, float]:
-        """I/O of offloaded states, masters and gradients since the last call (bytes read and
-        written, seconds any swap was in flight and seconds the caller blocked on one); empty
-        without NVMe offload. ``1 - wait_s / io_s`` is the fraction of I/O hidden behind compute."""
+        """I/O of offloaded states, masters, gradients and activation checkpoints since the last
+        call (bytes read and written, seconds any swap was in flight and seconds the caller
+        blocked on one); empty without NVMe offload. ``1 - wait_s / io_s`` is the fraction of
+        I/O hidden behind compute."""
         out: dict[str, float] = {}
-        for swapper in (self._swap, self.engine.param_swap, self._grad_swap):
+        keeper = self.engine.checkpointing and self.engine.checkpointing.keeper
+        for swapper in (self._swap, self.engine.param_swap, self._grad_swap, keeper or None):
             if swapper is not None:
                 out |= swapper.stats()
                 swapper.reset_stats()

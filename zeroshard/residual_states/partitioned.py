@@ -28,6 +28,7 @@ label "activations": one per checkpoint per recomputation.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,7 @@ class CheckpointKeeper:
         self._order: list[weakref.ref[_Packed]] = []  # this forward's checkpoints, in order
         self._checking = self.parts > 1  # until the first backward (see _check_replicated)
         self.bytes = CheckpointBytes()
+        self.reset_stats()
 
     @property
     def store(self) -> TensorStore | None:
@@ -124,6 +126,21 @@ class CheckpointKeeper:
                 clear_crashed(Path(self._store_config.folder))  # (else left behind, empty)
             self._store = TensorStore(self._store_config)
         return self._store
+
+    def stats(self) -> dict[str, float]:
+        """Bytes of checkpoint pieces written to and read back from the swap files, and the
+        seconds backward blocked on a read, since ``reset_stats``; empty unless on NVMe."""
+        if self.offload != "nvme":
+            return {}
+        return {
+            "activation_read_bytes": self.read_bytes,
+            "activation_write_bytes": self.write_bytes,
+            "activation_wait_s": self.wait_s,
+        }
+
+    def reset_stats(self) -> None:
+        self.read_bytes = self.write_bytes = 0
+        self.wait_s = 0.0
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -152,6 +169,7 @@ class CheckpointKeeper:
             assert store is not None
             # Written asynchronously; the store holds the device copy until then, not us.
             store.swap_out(packed.name, packed.piece)
+            self.write_bytes += nbytes
             packed.piece = None
         weakref.finalize(packed, self._forget, packed.name, nbytes, packed.tier)
         self.bytes.add(packed.tier, nbytes)
@@ -236,12 +254,16 @@ class CheckpointKeeper:
         if packed.fetch is None:
             packed.fetch = self._start_read(packed)
         fetch, packed.fetch = packed.fetch, None
-        return fetch.wait()
+        start = time.perf_counter()
+        piece = fetch.wait()
+        self.wait_s += time.perf_counter() - start
+        return piece
 
     def _start_read(self, packed: _Packed) -> SwapHandle:
         store = self.store
         assert store is not None and packed.name is not None
         into = torch.empty(self._chunk(packed.numel), dtype=packed.dtype, device=packed.device)
+        self.read_bytes += _nbytes(into)
         return store.swap_in(packed.name, into=into)
 
     def _prefetch_before(self, packed: _Packed) -> None:
