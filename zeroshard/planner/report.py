@@ -144,14 +144,14 @@ def plan_report(
             config = replace(base, stage=stage, placement=placement)
             config = timeline.as_engine_buckets(model, config)
             rows.append(_row(model, config, offload, ait, bw, links, peak, have))
-    not_planned = [f"not planned: {', '.join(which)}: {why}" for why, which in skipped.items()]
+    reasons = [f"{', '.join(which)}: {why}" for why, which in skipped.items()]
     if not rows:
         raise ValueError(
             f"no stage in --stage {','.join(map(str, stages))} supports --offload "
-            f"{','.join(offloads)}; " + "; ".join(n.removeprefix("not planned: ") for n in not_planned)
+            f"{','.join(offloads)}; " + "; ".join(reasons)
         )
     out["stages"] = rows
-    out["not_planned"] = not_planned
+    out["not_planned"] = [f"not planned: {r}" for r in reasons]
     return out
 
 
