@@ -253,7 +253,11 @@ def _bad_inputs() -> bool:
     # max_norm renormalizes the weight in place in forward: lost at stage 3, without a word
     with pytest.raises(ValueError, match=r"module 'emb' \(EmbeddingBag\) has max_norm=1.0"):
         zeroshard.shard(nn.ModuleDict({"emb": nn.EmbeddingBag(5, 2, max_norm=1.0)}), stage=3)
-    frozen.append(nn.Embedding(5, 2, max_norm=1.0).requires_grad_(False))  # nothing to train
+    # Frozen, it still writes its weight in forward: the saved weight then differed between
+    # replicas at stage 0 and was a patchwork of the ranks' writes at stage 3 (accepted before)
+    renormed = nn.Embedding(5, 2, max_norm=1.0).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"module '1' \(Embedding\) has max_norm=1.0"):
+        zeroshard.shard(nn.Sequential(nn.Linear(2, 2), renormed), stage=0)
     flagged = nn.Linear(2, 2)
     flagged.sparse = True  # a flag of the user's own (sparse attention): not an embedding's
     zeroshard.shard(nn.Sequential(frozen, flagged), stage=3)

@@ -60,12 +60,13 @@ def trainable_embeddings(model: nn.Module) -> None:
     cannot train as torch does: sparse gradients (the flat buckets hold dense ones) or
     ``max_norm`` (its forward renormalizes rows of the weight in place: a write to the gathered
     copy, lost at stage 3, partly kept at stages 1-2, and left to drift between the replicas at
-    stage 0)."""
+    stage 0; also for a frozen weight, whose saved values then differ from torch's, a patchwork
+    of the ranks' writes at stage 3)."""
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Embedding | nn.EmbeddingBag) or not m.weight.requires_grad:
+        if not isinstance(m, nn.Embedding | nn.EmbeddingBag):
             continue
         which = f"module {name or '<root>'!r} ({type(m).__name__})"
-        if m.sparse:
+        if m.sparse and m.weight.requires_grad:
             raise ValueError(
                 f"{which} has sparse=True: its gradients are sparse tensors, which the flat "
                 "gradient buckets cannot hold; build it with sparse=False (dense gradients, "
@@ -77,8 +78,7 @@ def trainable_embeddings(model: nn.Module) -> None:
                 "place, a write to the gathered parameter that sharding does not keep (lost at "
                 "stage 3, in part at stages 1-2, different on each replica at stage 0); build "
                 "it with max_norm=None and bound the norms another way (a penalty, or "
-                "renormalize inside zeroshard.summon_full_params(model) after each step), or "
-                "freeze it"
+                "renormalize inside zeroshard.summon_full_params(model) after each step)"
             )
 
 
