@@ -100,6 +100,9 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         self._units_left: dict[GradBucket, int] = {}  # per backward: units yet to finish
         self._again: set[Unit] = set()  # per backward: units finished, then reached again
         self._dirty: dict[GradBucket, None] = {}  # their buckets, to reduce once more at the end
+        self._no_grads = False  # per backward: it makes no parameter's gradient (_makes_grads)
+        self._held: list[GradBucket] = []  # buckets ready meanwhile, reduced if one comes
+        self._unbound: dict[GradBucket, None] = {}  # and those not bound for it meanwhile
         self.reduction_order = ReductionOrder(self.buckets, in_order=not self.partition.parameters)
         """The one order of every rank's reductions (stages 0-2; stage 3: each at once)."""
         self.summoned = 0  # depth of summon_full_params
@@ -322,11 +325,15 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             raise autograd_hooks.stale_graph(unit.name)
         if self.phase is not Phase.BACKWARD:  # the backward's first unit: once per backward
             autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self.summoned)
-            self.scaling.begin_backward()
+            self._no_grads = not _makes_grads(self.flat_params)
+            if not self._no_grads:
+                self.scaling.begin_backward()
             self.phase = Phase.BACKWARD
             self._arrivals_at = self.arrivals()
             self._zeroed_by.clear()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        elif self._no_grads and _makes_grads(unit.flat_params):
+            self._grads_after_all()
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # another use of the unit got here first
         if unit.state is TrainingState.POST_BACKWARD:
@@ -337,7 +344,10 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         unit.unshard(async_op=False)
         unit.wait_unshard()
         for b in unit.buckets:
-            b.bind()
+            if self._no_grads:
+                self._unbound[b] = None
+            else:
+                b.bind()
         if self.partition.parameters:
             backward_order = self.forward_order[::-1]
             self._prefetch(backward_order, None if unit.is_root else unit)
@@ -371,11 +381,31 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         # gradient is collected: none is alive beside it at this peak of backward.
         if not self.summoned:  # (a write between the root's forward and backward: kept)
             unit.reshard(adopt=True)
-        if not self._reduce_now:  # accumulating: summed in reduce_dtype where it is wider
+        if self._no_grads:
+            self._held += ready
+        elif not self._reduce_now:  # accumulating: summed in reduce_dtype where it is wider
             for b in ready:
                 b.fold()
         else:
             for b in self.reduction_order.ready(ready):
+                self._reduce(b)
+
+    def _grads_after_all(self) -> None:
+        """A backward taken for one that makes no parameter's gradient makes some after all:
+        a reentrant checkpoint's inner backward (``torch.utils.checkpoint(use_reentrant=True)``)
+        accumulates into parameters its outer graph did not reach. Begun as usual from here:
+        the buckets bound (taking what came meanwhile), those ready reduced."""
+        self._no_grads = False
+        self.scaling.begin_backward()
+        for b in self._unbound:
+            b.bind()
+        self._unbound.clear()
+        held, self._held = self._held, []
+        if not self._reduce_now:
+            for b in held:
+                b.fold()
+        else:
+            for b in self.reduction_order.ready(held):
                 self._reduce(b)
 
     def _reduce(self, bucket: GradBucket) -> None:
@@ -385,9 +415,18 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
 
     def _end_backward(self) -> None:
         """Autograd's final callback: finish the units no hook finished, in the same order on
-        every rank (every rank reduces every bucket, so the collectives match), then wait."""
+        every rank (every rank reduces every bucket, so the collectives match), then wait.
+        A backward that made no parameter's gradient (``torch.autograd.grad`` of inputs only:
+        an adversarial example, a saliency map) reduces nothing, as under DDP: it ran a full
+        reduction of zeros, which hung when one rank took it alone (inside
+        ``summon_full_params``, or an example made on one rank's batch only)."""
+        if self._no_grads and self._grads_came():
+            self._grads_after_all()
         for unit in [*reversed(self.forward_order), *self.units]:
             self._finish_unit(unit)
+        if self._no_grads:
+            self._end_without_grads()
+            return
         self._finish_reductions(keep=0)
         again = [b in self._dirty or b.came_late() for b in self.buckets]
         again = reduced_again_anywhere(again, self.mesh) if self._reduce_now else again
@@ -412,6 +451,28 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         # (not for an input-only autograd.grad: no parameter's gradient was made)
         if self._reduce_now and unowned and any(any(b.touched) for b in self.buckets):
             _warn_no_sharded_optimizer()
+        self.phase = Phase.IDLE
+
+    def _grads_came(self) -> bool:
+        """Whether a gradient reached a parameter during this backward, in a graph task of its
+        own (a reentrant checkpoint's, which the running one's ``_makes_grads`` cannot see)."""
+        if self.arrivals() != self._arrivals_at:
+            return True
+        own = (s.param for b in self.buckets if not b.as_views for s in b.flat.slots)
+        return any(p.grad is not None for p in own)
+
+    def _end_without_grads(self) -> None:
+        """The end of a backward that made no parameter's gradient: units back to idle, no
+        collective, the gradients and the reduction order as they were before it."""
+        for pool in pools(self.buckets):
+            pool.release()
+        for unit in self.units:
+            unit.to(TrainingState.IDLE)
+            unit.recomputing = 0
+        for pending in (self._units_left, self._again, self._dirty, self._held, self._unbound):
+            pending.clear()
+        self._no_grads = False
+        self._arrivals_at = None
         self.phase = Phase.IDLE
 
     @property
@@ -564,3 +625,21 @@ def engine_of(model: nn.Module) -> Engine:
 
 _CALLS = itertools.count()
 """Orders the calls of all units: an inner call's edits are undone before its caller's."""
+
+
+def _makes_grads(flats: Collection[flat_param.FlatParam]) -> bool:
+    """Whether the running backward accumulates a gradient into any trainable parameter of
+    ``flats``: ``loss.backward()``, ``backward(inputs=...)`` with parameters among them; not
+    one of other inputs only, and never ``torch.autograd.grad``, which returns gradients
+    instead (as under DDP, nothing is reduced; torch refuses the question there). Asked of
+    autograd's running graph task, during backward only."""
+    for f in flats:
+        for s in f.slots:
+            if s.param.requires_grad:
+                node = torch.autograd.graph.get_gradient_edge(s.param).node
+                try:
+                    if torch._C._will_engine_execute_node(node):
+                        return True
+                except RuntimeError:  # "... but we are currently running autograd.grad()"
+                    return False
+    return False

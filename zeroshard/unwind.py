@@ -115,8 +115,9 @@ class Unwinding:
     def _start_clean(self, units: list[Unit]) -> None:
         """Forget ``units``' part in a forward or backward that ended by an exception: their
         uses, their state, and their gathered parameters (kept while summoned)."""
-        for pending in (self._units_left, self._again, self._dirty):
+        for pending in (self._units_left, self._again, self._dirty, self._held, self._unbound):
             pending.clear()
+        self._no_grads = False
         self.reduction_order.forget()
         undo_calls(units)
         for u in units:

@@ -102,6 +102,7 @@ class GradBucket:
         leave the parameter alone, as torch does with a ``None`` gradient)."""
         self.reached = False  # a gradient came since ``zero`` (not one it kept: set_to_none=False)
         self.arrivals = 0  # autograd's gradients taken in, ever (a backward that raised made any?)
+        self._stray = False  # one came before any buffer (no backward of the engine's bound it)
         self.zeroings = 0  # calls of ``zero`` and ``zero_slots``: the step in backward reads it
         self._reduced = False  # reduced since zero, and the buffer kept (not yet bound again)
         self.issued = False
@@ -178,6 +179,7 @@ class GradBucket:
         for i, s in enumerate(flat.slots):
             if not self._bound[i] and s.param.grad is not None:
                 self._take(i)  # accumulated before the buffer existed (e.g. outside the hooks)
+        self._stray = False
 
     def _unbind(self) -> None:
         """Every region free for a first gradient; ``.grad`` that are not views of it (fresh
@@ -224,6 +226,7 @@ class GradBucket:
             self.late = True
             return
         if self.full_grad is None or self._reduce is not None:
+            self._stray = self._stray or self.full_grad is None
             return  # before bind (taken there) or while reducing (taken at the next bind)
         if not self._bound[i] or not self._is_region(i, param.grad):
             self._take(i)
@@ -456,6 +459,8 @@ class GradBucket:
         ValueError naming the parameter, where it was ignored. Decided from what the caller's
         code did, not from which parameters this rank's data reached: ranks agree."""
         shown = self.reduction is Reduction.ALL_REDUCE and self._reduced
+        if not shown and self._reduced_zeros(slots):
+            shown = True
         changed = False
         for i in slots:
             slot = self.flat.slots[i]
@@ -491,6 +496,27 @@ class GradBucket:
                 )
         if changed and self._shown_version is not None and self.full_grad is not None:
             self._shown_version = self.full_grad._version  # adopted: not an edit to copy again
+
+    def _reduced_zeros(self, slots: list[int]) -> bool:
+        """Stage 0 with nothing reduced since the gradients were dropped, and a ``.grad`` of
+        ``slots`` put there by hand (``torch.autograd.grad``'s, which reduces nothing, as under
+        DDP): the state a reduction of zeros leaves, so that the step takes what was put there,
+        as DDP's optimizer does. Not for gradients autograd accumulated with no backward of
+        the engine's around them (a loss of the parameters alone): those stay an error."""
+        if self.reduction is not Reduction.ALL_REDUCE or self._stray or any(self._bound):
+            return False
+        if all(self.flat.slots[i].param.grad is None for i in slots):
+            return False
+        flat, device = self.flat, self.flat.mesh.device
+        if self.full_grad is None:
+            self.full_grad = torch.empty(flat.padded_numel, dtype=flat.param_dtype, device=device)
+        self.full_grad.zero_()
+        lo, hi = flat.range
+        self.shard_grad = self.full_grad[lo:hi].to(flat.master_dtype)  # (alias when the same)
+        aliased = self.shard_grad.data_ptr() == self.full_grad[lo:hi].data_ptr()
+        self._shown_version = None if aliased else self.full_grad._version
+        self._reduced = True
+        return True
 
     def came_late(self) -> bool:
         """Whether a gradient came after this backward's reduction: in a hook (``as_views``),
@@ -535,7 +561,7 @@ class GradBucket:
         if self.on_zero is not None:
             self.on_zero(self, None)
         self.shard_grad = self._acc = self._shown_version = None
-        self.issued = self.late = self._unshown = self._reduced = False
+        self.issued = self.late = self._unshown = self._reduced = self._stray = False
         self.found_inf.zero_()
         self.zeroed.clear()
         self._dropped.clear()
