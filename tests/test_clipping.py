@@ -130,3 +130,20 @@ def _float64_optimizer_of_one_rank_s_range() -> tuple[float, float]:
 def test_a_float64_norm_over_another_rank_s_gradients_only(workers2):
     for ours, torch_norm in workers2.run(_float64_optimizer_of_one_rank_s_range):
         assert abs(ours / torch_norm - 1) < 1e-12, (ours, torch_norm)
+
+
+def test_numbers_in_another_form_are_taken_as_torch_takes_them(lone_process):
+    """torch's clip takes ``float(max_norm)``: a 0-dim tensor or a number's text clips alike
+    (a text failed deep inside, "unsupported operand type(s) for /"); what is no number is a
+    TypeError naming both arguments."""
+    norms = []
+    for max_norm in (0.01, torch.tensor(0.01), "0.01"):
+        torch.manual_seed(0)
+        model = zeroshard.shard(nn.Linear(4, 2), stage=2)
+        opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+        opt.backward(model(torch.randn(3, 4)).square().mean())
+        opt.clip_grad_norm(max_norm)
+        norms.append(opt.clip_grad_norm(float("inf")).item())  # measures only
+    assert norms[0] == pytest.approx(0.01, rel=1e-4) and norms[0] == norms[1] == norms[2]
+    with pytest.raises(TypeError, match=r"clip_grad_norm takes numbers, got max_norm=None"):
+        opt.clip_grad_norm(None)

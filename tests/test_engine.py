@@ -228,6 +228,20 @@ def _bad_inputs() -> bool:
     ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match=r"holds a DistributedDataParallel.*\(its \.module\)"):
         zeroshard.shard(ddp, stage=1)
+    # DTensor parameters (FSDP2, torch's tensor parallelism): the memory check below failed on
+    # them first ("Attempted to access the data pointer on an invalid python storage")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    for how in ("fully_shard", "parallelize_module"):
+        split = nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 2))
+        if how == "fully_shard":
+            fully_shard(split[0])
+        else:
+            parallelize_module(split, init_device_mesh("cpu", (2,)), {"0": ColwiseParallel()})
+        with pytest.raises(ValueError, match=r"holds DTensor parameters \(torch's paralleli"):
+            zeroshard.shard(split, stage=3)
     # Two Parameters over one memory drifted apart
     aliased = nn.Linear(2, 3)
     aliased.wt = nn.Parameter(aliased.weight.data.t())

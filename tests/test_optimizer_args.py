@@ -195,3 +195,15 @@ def test_a_group_choosing_foreach_is_not_given_fused(lone_process):
     full = zeroshard.full_state_dict(model, rank0_only=False)
     for name, want in ref.state_dict().items():
         assert torch.allclose(full[name], want, atol=1e-6), name
+
+
+def test_backward_of_something_not_a_tensor_is_named(lone_process):
+    """``opt.backward(loss.item())`` or of a list failed inside the loss scaler ("'float'
+    object has no attribute 'dtype'")."""
+    model = zeroshard.shard(nn.Linear(4, 2), stage=3)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    loss = model(torch.randn(3, 4)).square().mean()
+    for wrong, name in ((loss.item(), "float"), ([loss], "list")):
+        with pytest.raises(TypeError, match=f"backward\\(\\) takes the loss tensor, got {name}"):
+            opt.backward(wrong)
+    opt.backward(loss)  # the graph is still there

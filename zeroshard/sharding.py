@@ -134,6 +134,13 @@ def shard(
             f"the model holds a {type(wrapper).__name__}, whose own hooks all-reduce gradients "
             "beside zeroshard's: shard the plain model (its .module) instead"
         )
+    # (before the memory check, whose storage pointers a DTensor refuses)
+    if any(type(p.data).__name__ == "DTensor" for p in model.parameters()):
+        raise ValueError(
+            "the model holds DTensor parameters (torch's parallelize_module or fully_shard "
+            "ran on it): zeroshard shards plain parameters; split a model tensor-parallel with "
+            "zeroshard.tensor_parallel (zeroshard train --tp N) instead"
+        )
     model_checks.no_shared_memory(model)
     complex_ = next((n for n, p in model.named_parameters() if p.is_complex()), None)
     if complex_ is not None:
@@ -141,12 +148,6 @@ def shard(
             f"parameter {complex_} is complex: zeroshard keeps real FP32 masters and unscales "
             "real gradients; register it as real pairs (torch.view_as_real) and take "
             "torch.view_as_complex in forward"
-        )
-    if any(type(p.data).__name__ == "DTensor" for p in model.parameters()):
-        raise ValueError(
-            "the model holds DTensor parameters (torch's parallelize_module or fully_shard "
-            "ran on it): zeroshard shards plain parameters; split a model tensor-parallel with "
-            "zeroshard.tensor_parallel (zeroshard train --tp N) instead"
         )
     model_checks.trainable_embeddings(model)
     devices = {p.device for p in model.parameters()} - {torch.device("meta")}

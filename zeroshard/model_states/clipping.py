@@ -28,7 +28,12 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
     optimizer's are its own; with no gradient at all the norm is 0). The norm takes the
     shard group's shards (every element once; with hybrid sharding the replicas in other
     groups are not counted again): a sum of p-th powers, or a maximum."""
-    p = float(norm_type)
+    try:  # as torch's: a number, a 0-dim tensor, its text
+        max_norm, p = float(max_norm), float(norm_type)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"clip_grad_norm takes numbers, got max_norm={max_norm!r}, norm_type={norm_type!r}"
+        ) from None
     if not p > 0:
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
     if opt._backward_step is not None:

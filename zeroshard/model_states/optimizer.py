@@ -222,6 +222,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``loss.backward(**kwargs)`` (times the loss scale; ``retain_graph``, ``create_graph``
         and ``inputs`` as torch's); with ``sync=False`` gradients only accumulate locally (a
         gradient-accumulation micro-step), communicated by the next synchronized backward."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"backward() takes the loss tensor, got {type(loss).__name__}: pass the loss "
+                "itself, not loss.item() or a list (sum several losses first)"
+            )
         scale = self.loss_scaler.scale_for(loss)
         if scale != 1.0:
             loss = loss.float() * scale  # in FP32: an FP16 loss times 2**16 would overflow
