@@ -164,3 +164,99 @@ def _reentrant(stage: int, by_linear: bool) -> float:
 def test_a_reentrant_checkpoint_s_gradients_are_reduced(workers2, stage, by_linear):
     for r in workers2.run(_reentrant, stage, by_linear):
         assert r < 1e-6, r
+
+
+def _mid_accumulation(stage: int, precision: str | None) -> dict:
+    """Input gradients between two accumulation micro-steps (stage 3's local gradients wait in
+    ``.grad`` there: taken for gradients a reentrant checkpoint made, they were reduced, and in
+    FP16 the loss scaler refused the backward)."""
+    ref = _net()
+    model = zeroshard.shard(
+        copy.deepcopy(ref), stage=stage, wrap=LINEARS, mixed_precision=precision
+    )
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ledger = zeroshard.ledger(model)
+    rank = dist.get_rank()
+    (x0, y0), (x1, y1) = _batch(0, rank), _batch(1, rank)
+    opt.backward(nn.functional.mse_loss(model(x0).float(), y0) / 2, sync=False)
+    before = ledger.bytes(labels=("grads",))
+    _perturbed(model, x1, y1)
+    moved = ledger.bytes(labels=("grads",)) - before
+    opt.backward(nn.functional.mse_loss(model(x1).float(), y1) / 2)
+    opt.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        xs, ys = zip(*(_batch(step, r) for r in range(2)))
+        (nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)) / 2).backward()
+    ref_opt.step()
+    return {"moved": moved, "diff": _diff(model, ref)}
+
+
+@pytest.mark.parametrize("precision", [None, "fp16"])
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_input_gradients_between_accumulation_micro_steps(workers2, stage, precision):
+    for r in workers2.run(_mid_accumulation, stage, precision):
+        assert r["moved"] == 0, r
+        assert r["diff"] < (1e-6 if precision is None else 1e-2), r
+
+
+def _own_gradients_after_zeros(kind: str) -> float:
+    """Stage 0, the same batch on every rank: ``zero_grad(set_to_none=False)`` (zeros bound
+    to the buffer), then ``autograd.grad``'s gradients put into ``.grad`` by hand, as a DDP
+    user would; the step takes them (it refused them as "set by hand" after the zeros)."""
+    ref = _net()
+    model = zeroshard.shard(copy.deepcopy(ref), stage=0, wrap=LINEARS)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x, y = _batch(0, 0)
+    for _ in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            (m if kind == "model" else o).zero_grad(set_to_none=False)
+            params = list(m.parameters())
+            for p, g in zip(params, torch.autograd.grad(nn.functional.mse_loss(m(x), y), params)):
+                p.grad = g
+            o.step()
+    return _diff(model, ref)
+
+
+@pytest.mark.parametrize("kind", ["optimizer", "model"])
+def test_own_gradients_put_over_kept_zeros_are_taken(workers2, kind):
+    for r in workers2.run(_own_gradients_after_zeros, kind):
+        assert r < 1e-6, r
+
+
+def _penalty_alone(stage: int, after_backward: bool) -> str | float:
+    """A loss of the parameters alone, backpropagated on its own: it reaches no unit, so no
+    backward reduces it. At stage 0 after a reduction it adds to the averaged ``.grad`` that
+    the step takes, as under DDP (the same on every rank: exact); elsewhere it was dropped
+    without a word (stages 0-1: the step took zeros for it)."""
+    ref = _net()
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=LINEARS)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    rank = dist.get_rank()
+    for step in range(2):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            if after_backward or step == 0:
+                ranks = [0, 1] if m is ref else [rank]
+                xs, ys = zip(*(_batch(step, r) for r in ranks))
+                nn.functional.mse_loss(m(torch.cat(xs)), torch.cat(ys)).backward()
+            if step == 1:
+                (0.05 * sum(p.square().sum() for p in m.parameters())).backward()
+            try:
+                o.step()
+            except ValueError as e:
+                return str(e)
+    return _diff(model, ref)
+
+
+@pytest.mark.parametrize("after_backward", [False, True], ids=["alone", "after_a_backward"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_penalty_backpropagated_alone(workers2, stage, after_backward):
+    for r in workers2.run(_penalty_alone, stage, after_backward):
+        if stage == 0 and after_backward:
+            assert isinstance(r, float) and r < 1e-6, r
+        else:
+            assert isinstance(r, str), r
+            assert "backward that ran through none of its units" in r or "set by hand" in r, r

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -50,21 +49,18 @@ def start(path: Path, write: Callable[[dist.ProcessGroup], None], group) -> Save
 def _finish_at_exit() -> None:
     """At exit: an asynchronous save still being written is finished first, as
     ``torch.distributed.checkpoint.async_save``'s is (its thread is a daemon: the interpreter
-    would stop it mid-write, and gloo aborted the process under it). If a save that no one
-    waited for failed, the process exits 1: a script whose checkpoint was lost ended 0, and a
-    scheduler took the run as a success."""
+    would stop it mid-write, and gloo aborted the process under it). A failure is said on
+    stderr; the exit status stays the script's (forcing it here would skip the interpreter's
+    own shutdown: atexit handlers, unflushed files)."""
     _finish_pending("exiting")
-    if _lost:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
 
 
-def _finish_pending(before: str) -> None:
+def _finish_pending(before: str) -> CheckpointError | None:
     """Finish this process's asynchronous save that no one waited for, saying so on stderr,
-    and say so if it failed (a failure no one waited for was lost without a word)."""
+    and say so if it failed (a failure no one waited for was lost without a word); the
+    failure, if any."""
     if _pending is None:
-        return
+        return None
     path = _pending.path
     if not _pending.done():
         print(
@@ -75,18 +71,17 @@ def _finish_pending(before: str) -> None:
     try:
         _pending.wait()
     except Exception as exc:  # said in one line, no traceback: the caller is leaving
-        global _lost
-        _lost = True
-        print(
-            f"zeroshard: the asynchronous save of {path} failed: {exc}; the process exits 1",
-            file=sys.stderr,
-        )
+        print(f"zeroshard: the asynchronous save of {path} failed: {exc}", file=sys.stderr)
+        return CheckpointError(f"the asynchronous save of {path} failed: {exc}")
+    return None
 
 
 def _finish_before_destroy() -> None:
     """``dist.destroy_process_group()``, most scripts' last line, first finishes the save in
     flight: it took the save's group from under it (the checkpoint was lost, and the script
-    exited 0). Called through ``torch.distributed``'s attribute only: a name imported before
+    exited 0). A save that failed is raised there, once the group is destroyed, so that the
+    script exits 1 (it exited 0 with the loss said on stderr, and a scheduler took the run as
+    a success). Called through ``torch.distributed``'s attribute only: a name imported before
     (``from torch.distributed import destroy_process_group``) is torch's own function, which
     cannot be reached; ``checkpoint.wait()`` first is the way that works for every script.
     ``zeroshard.mesh.tear_down`` calls torch's own function."""
@@ -94,9 +89,12 @@ def _finish_before_destroy() -> None:
 
     @functools.wraps(destroy)
     def destroy_process_group(group=None):
+        failed = None
         if threading.current_thread() is threading.main_thread():
-            _finish_pending("destroying the process group")
-        return destroy(group)
+            failed = _finish_pending("destroying the process group")
+        destroy(group)
+        if failed is not None:
+            raise failed
 
     dist.destroy_process_group = destroy_process_group
 
@@ -141,7 +139,6 @@ class SaveHandle:
 
 _pending: SaveHandle | None = None  # this process's asynchronous save in flight
 _exit_hook = False  # _finish_at_exit registered (once per process)
-_lost = False  # a save no one waited for failed: the process exits 1
 _BACKGROUND_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 

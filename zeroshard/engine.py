@@ -103,6 +103,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         self._no_grads = False  # per backward: it makes no parameter's gradient (_makes_grads)
         self._held: list[GradBucket] = []  # buckets ready meanwhile, reduced if one comes
         self._unbound: dict[GradBucket, None] = {}  # and those not bound for it meanwhile
+        self._grads_before: list[tuple[int, int] | None] = []  # and ``_own_grads`` at its start
         self.reduction_order = ReductionOrder(self.buckets, in_order=not self.partition.parameters)
         """The one order of every rank's reductions (stages 0-2; stage 3: each at once)."""
         self.summoned = 0  # depth of summon_full_params
@@ -326,7 +327,9 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         if self.phase is not Phase.BACKWARD:  # the backward's first unit: once per backward
             autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self.summoned)
             self._no_grads = not _makes_grads(self.flat_params)
-            if not self._no_grads:
+            if self._no_grads:
+                self._grads_before = self._own_grads()
+            else:
                 self.scaling.begin_backward()
             self.phase = Phase.BACKWARD
             self._arrivals_at = self.arrivals()
@@ -456,10 +459,13 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
     def _grads_came(self) -> bool:
         """Whether a gradient reached a parameter during this backward, in a graph task of its
         own (a reentrant checkpoint's, which the running one's ``_makes_grads`` cannot see)."""
-        if self.arrivals() != self._arrivals_at:
-            return True
-        own = (s.param for b in self.buckets if not b.as_views for s in b.flat.slots)
-        return any(p.grad is not None for p in own)
+        return self.arrivals() != self._arrivals_at or self._own_grads() != self._grads_before
+
+    def _own_grads(self) -> list[tuple[int, int] | None]:
+        """Which autograd ``.grad`` the buckets without views hold (stage 3's), and their
+        versions: accumulation micro-steps leave theirs there, which autograd adds to."""
+        own = (s.param.grad for b in self.buckets if not b.as_views for s in b.flat.slots)
+        return [None if g is None else (id(g), g._version) for g in own]
 
     def _end_without_grads(self) -> None:
         """The end of a backward that made no parameter's gradient: units back to idle, no

@@ -102,7 +102,7 @@ class GradBucket:
         leave the parameter alone, as torch does with a ``None`` gradient)."""
         self.reached = False  # a gradient came since ``zero`` (not one it kept: set_to_none=False)
         self.arrivals = 0  # autograd's gradients taken in, ever (a backward that raised made any?)
-        self._stray = False  # one came before any buffer (no backward of the engine's bound it)
+        self._arrived: set[int] = set()  # slots a gradient reached since a backward ended
         self.zeroings = 0  # calls of ``zero`` and ``zero_slots``: the step in backward reads it
         self._reduced = False  # reduced since zero, and the buffer kept (not yet bound again)
         self.issued = False
@@ -179,7 +179,6 @@ class GradBucket:
         for i, s in enumerate(flat.slots):
             if not self._bound[i] and s.param.grad is not None:
                 self._take(i)  # accumulated before the buffer existed (e.g. outside the hooks)
-        self._stray = False
 
     def _unbind(self) -> None:
         """Every region free for a first gradient; ``.grad`` that are not views of it (fresh
@@ -222,11 +221,11 @@ class GradBucket:
         if param.grad is not None:
             self.touched[i] = self.reached = True
             self.arrivals += 1
+            self._arrived.add(i)
         if self.issued:  # a fresh tensor (reduce() left .grad unbound): reduced again at the end
             self.late = True
             return
         if self.full_grad is None or self._reduce is not None:
-            self._stray = self._stray or self.full_grad is None
             return  # before bind (taken there) or while reducing (taken at the next bind)
         if not self._bound[i] or not self._is_region(i, param.grad):
             self._take(i)
@@ -459,6 +458,16 @@ class GradBucket:
         ValueError naming the parameter, where it was ignored. Decided from what the caller's
         code did, not from which parameters this rank's data reached: ranks agree."""
         shown = self.reduction is Reduction.ALL_REDUCE and self._reduced
+        stray = sorted(self._arrived.intersection(slots))
+        if stray and not shown:  # (shown: added to the average, as under DDP)
+            raise ValueError(
+                f"a gradient reached {self.flat.slots[stray[0]].names[0]} after "
+                "the last backward through the model ended, from a backward that ran through "
+                "none of its units (a loss of the parameters alone, such as a penalty "
+                "backpropagated on its own): no backward reduced them over the ranks, and the "
+                "step would have taken none of them; add the term to the loss before its "
+                "backward (loss = loss + penalty)"
+            )
         if not shown and self._reduced_zeros(slots):
             shown = True
         changed = False
@@ -503,9 +512,9 @@ class GradBucket:
         DDP): the state a reduction of zeros leaves, so that the step takes what was put there,
         as DDP's optimizer does. Not for gradients autograd accumulated with no backward of
         the engine's around them (a loss of the parameters alone): those stay an error."""
-        if self.reduction is not Reduction.ALL_REDUCE or self._stray or any(self._bound):
+        if self.reduction is not Reduction.ALL_REDUCE:
             return False
-        if all(self.flat.slots[i].param.grad is None for i in slots):
+        if not any(self._by_hand(i) for i in slots):
             return False
         flat, device = self.flat, self.flat.mesh.device
         if self.full_grad is None:
@@ -517,6 +526,13 @@ class GradBucket:
         self._shown_version = None if aliased else self.full_grad._version
         self._reduced = True
         return True
+
+    def _by_hand(self, i: int) -> bool:
+        """Whether slot ``i``'s ``.grad`` was put there by hand (not its region of the buffer,
+        to which ``zero_grad(set_to_none=False)`` or a backward bound it)."""
+        grad = self.flat.slots[i].param.grad
+        bound = self._bound[i] and self.full_grad is not None
+        return grad is not None and not (bound and self._is_region(i, grad))
 
     def came_late(self) -> bool:
         """Whether a gradient came after this backward's reduction: in a hook (``as_views``),
@@ -532,6 +548,7 @@ class GradBucket:
         another rank reached with an average of exactly zero shows None too; the step still
         applies it.)"""
         self.issued = self.late = False
+        self._arrived.clear()
         unshown, self._unshown = self._unshown, False  # (no walk of the slots otherwise)
         if unshown and self.reduction is Reduction.ALL_REDUCE and self._reduced:  # (persistent)
             slots = [i for i, s in enumerate(self.flat.slots)
@@ -561,7 +578,8 @@ class GradBucket:
         if self.on_zero is not None:
             self.on_zero(self, None)
         self.shard_grad = self._acc = self._shown_version = None
-        self.issued = self.late = self._unshown = self._reduced = self._stray = False
+        self.issued = self.late = self._unshown = self._reduced = False
+        self._arrived.clear()
         self.found_inf.zero_()
         self.zeroed.clear()
         self._dropped.clear()
@@ -604,6 +622,7 @@ class GradBucket:
         if self._shown_version is not None and self.full_grad is not None:
             self._shown_version = self.full_grad._version  # these zeros are not a user's edit
         self._dropped.update(slots)
+        self._arrived.difference_update(slots)
         self.zeroings += 1
         if len(self._dropped) == len(self.flat.slots):
             self.found_inf.zero_()
