@@ -121,7 +121,7 @@ def test_cpu_capacity_is_per_node():
 def test_not_offered_and_not_divisible():
     advice = advise(MODEL, _cluster(), _workload(global_batch_size=6, micro_batch_sizes=(1, 2)))
     problems = {(c.stage, c.offload, c.micro_batch_size): c.problem for c in advice.rejected}
-    assert "stage >= 1" in problems[(0, "cpu-optimizer", 1)]
+    assert "gradients leave the device only when partitioned" in problems[(1, "nvme-states", 1)]
     assert "stage 3" in problems[(2, "cpu-all", 1)]
     assert "not a multiple" in problems[(0, "none", 1)]  # 6 samples over 4 ranks
     assert not advice.feasible

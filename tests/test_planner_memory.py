@@ -66,9 +66,12 @@ def test_placement_moves_bytes_between_tiers():
 
 def test_placement_problems():
     assert m.placement_problem(0, OFFLOADS["none"]) is None
-    assert "stage >= 1" in m.placement_problem(0, OFFLOADS["cpu-optimizer"])
+    # The engine runs optimizer states off the device at stage 0 too (each rank all of them):
+    # refused here before ("offloading needs the optimizer states partitioned").
+    for name in ("cpu-optimizer", "nvme-optimizer"):
+        assert m.placement_problem(0, m.at_stage(OFFLOADS[name], 0)) is None
     assert "stage 3" in m.placement_problem(2, OFFLOADS["cpu-all"])
-    # What the engine runs: optimizer states on NVMe from stage 1, gradients left on the device.
+    # What the engine runs: gradients left on the device below stage 2.
     assert m.placement_problem(2, OFFLOADS["nvme-optimizer"]) is None
     assert m.placement_problem(2, m.Placement(optimizer_states=Tier.CPU)) is None
     assert "stage >= 2" in m.placement_problem(1, OFFLOADS["cpu-optimizer"])
@@ -411,3 +414,42 @@ def test_mixed_precision_masters_are_every_parameter_s_and_stay_with_the_paramet
     assert states[Tier.DEVICE] == {"params": 0, "grads": 0, "optimizer_states": 4 * 1000 // 2}
     assert states[Tier.NVME]["optimizer_states"] == 8 * 500 // 2
     assert states[Tier.CPU]["grads"] == 4 * 500 // 2  # the FP32 gradient shard
+
+
+def _nvme_bytes_measured(folder: str, stage: int) -> int:
+    """This rank's swap files after two steps with the optimizer states on NVMe."""
+    import os
+
+    import torch
+
+    import zeroshard
+    from zeroshard.models.gpt import GPT, Block, preset
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        GPT(preset("tiny")), stage=stage, wrap=zeroshard.wrap.by_class(Block),
+        offload=zeroshard.Offload(optimizer="nvme", folder=folder),
+    )  # fmt: skip
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    x = torch.randint(0, 256, (1, 16))
+    for _ in range(2):
+        opt.backward(model(x, x))
+        opt.step()
+        opt.zero_grad()
+    mine = os.path.join(folder, f"rank{torch.distributed.get_rank():05d}")
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(mine) for f in fs)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_optimizer_states_on_nvme_at_stages_0_and_1_as_planned(workers2, tmp_path, stage):
+    """The engine runs optimizer states on NVMe at stage 0 too (each rank all of them), which
+    the plan refused ("offloading needs the optimizer states partitioned")."""
+    from zeroshard.models.gpt import preset
+
+    placement = m.at_stage(OFFLOADS["nvme-optimizer"], stage)
+    assert m.placement_problem(stage, placement) is None
+    fp32 = m.BytesPerParam(params=4, grads=4, optimizer_states=8)
+    config = MemoryConfig(stage=stage, num_dp_ranks=2, placement=placement, bytes_per_param=fp32)
+    planned = m.plan_memory(d.from_gpt(preset("tiny")), config).nvme["optimizer_states"]
+    for measured in workers2.run(_nvme_bytes_measured, str(tmp_path), stage):
+        assert abs(measured - planned) <= 0.1 * planned, (measured, planned)

@@ -63,9 +63,6 @@ def placement_problem(
             "step_in_backward: states or gradients on NVMe are streamed in step order, not "
             "during backward (the engine refuses it)"
         )
-    offloaded = [c for c in MODEL_STATES if placement.tier(c) is not Tier.DEVICE]
-    if offloaded and not part.optimizer_states:
-        return "offloading needs the optimizer states partitioned (stage >= 1)"
     if placement.params is not Tier.DEVICE and not part.parameters:
         return "parameters are streamed from CPU/NVMe per unit only when partitioned (stage 3)"
     if placement.grads is not Tier.DEVICE and not part.gradients:
