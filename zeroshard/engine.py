@@ -386,7 +386,13 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             unit.reshard(adopt=True)
         if self._no_grads:
             self._held += ready
-        elif not self._reduce_now:  # accumulating: summed in reduce_dtype where it is wider
+        else:
+            self._reduce_ready(ready)
+
+    def _reduce_ready(self, ready: list[GradBucket]) -> None:
+        """Buckets whose units are all done: folded while accumulating (summed in
+        ``reduce_dtype`` where it is wider), else reduced in the ranks' one order."""
+        if not self._reduce_now:
             for b in ready:
                 b.fold()
         else:
@@ -404,12 +410,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             b.bind()
         self._unbound.clear()
         held, self._held = self._held, []
-        if not self._reduce_now:
-            for b in held:
-                b.fold()
-        else:
-            for b in self.reduction_order.ready(held):
-                self._reduce(b)
+        self._reduce_ready(held)
 
     def _reduce(self, bucket: GradBucket) -> None:
         self._finish_reductions(keep=self.config.max_inflight_reductions - 1)
@@ -440,13 +441,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
                 b.reduce()
                 b.finish()
             b.end_backward()
-        for pool in pools(self.buckets):
-            pool.release()  # kept through one backward, not between steps
-        for unit in self.units:
-            unit.to(TrainingState.IDLE)
-            unit.recomputing = 0  # (a Ctrl-C inside one runs no hook of its end)
-        for pending in (self._units_left, self._again, self._dirty):
-            pending.clear()
+        self._units_to_idle()
         self.reduction_order.end_backward(self.mesh)
         self.scaling.accumulating = not self._reduce_now
         self._arrivals_at, self._partial = None, False
@@ -470,16 +465,21 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
     def _end_without_grads(self) -> None:
         """The end of a backward that made no parameter's gradient: units back to idle, no
         collective, the gradients and the reduction order as they were before it."""
+        self._units_to_idle()
+        self._no_grads = False
+        self._arrivals_at = None
+        self.phase = Phase.IDLE
+
+    def _units_to_idle(self) -> None:
+        """At a backward's end: gather buffers released (kept through one backward, not
+        between steps), every unit idle, the backward's pending sets emptied."""
         for pool in pools(self.buckets):
             pool.release()
         for unit in self.units:
             unit.to(TrainingState.IDLE)
-            unit.recomputing = 0
+            unit.recomputing = 0  # (a Ctrl-C inside one runs no hook of its end)
         for pending in (self._units_left, self._again, self._dirty, self._held, self._unbound):
             pending.clear()
-        self._no_grads = False
-        self._arrivals_at = None
-        self.phase = Phase.IDLE
 
     @property
     def _reduce_now(self) -> bool:
