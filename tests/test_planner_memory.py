@@ -254,25 +254,30 @@ def test_masters_read_ahead_outside_the_step_fit_the_step_s_count():
     assert read_ahead <= st.MASTERS_AT_STEP
 
 
-def _staging_measured(folder: str) -> dict:
+def _two_steps_offloaded(stage: int, offload, rows: int, seq: int):
+    """The tiny GPT sharded with ``offload`` after two AdamW steps: its optimizer."""
     import torch
 
     import zeroshard
     from zeroshard.models.gpt import GPT, Block, preset
 
     torch.manual_seed(0)
-    model = zeroshard.shard(
-        GPT(preset("tiny")), stage=3, wrap=zeroshard.wrap.by_class(Block),
-        offload=zeroshard.Offload(optimizer="nvme", gradients="nvme", parameters="nvme",
-                                  folder=folder),
-    )  # fmt: skip
+    wrap = zeroshard.wrap.by_class(Block)
+    model = zeroshard.shard(GPT(preset("tiny")), stage=stage, wrap=wrap, offload=offload)
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
-    x = torch.randint(0, 256, (2, 32))
+    x = torch.randint(0, 256, (rows, seq))
     for _ in range(2):
         opt.backward(model(x, x))
         opt.step()
         opt.zero_grad()
-    stats = opt.offload_stats()
+    return opt
+
+
+def _staging_measured(folder: str) -> dict:
+    from zeroshard.offload import Offload
+
+    everything = Offload(optimizer="nvme", gradients="nvme", parameters="nvme", folder=folder)
+    stats = _two_steps_offloaded(3, everything, 2, 32).offload_stats()
     return {"slot_bytes": stats["slot_bytes"], "masters_outside_step": stats[
         "param_max_resident_bytes"]}  # fmt: skip
 
@@ -422,22 +427,13 @@ def _nvme_bytes_measured(folder: str, stage: int) -> int:
 
     import torch
 
-    import zeroshard
-    from zeroshard.models.gpt import GPT, Block, preset
+    from zeroshard.offload import Offload
 
-    torch.manual_seed(0)
-    model = zeroshard.shard(
-        GPT(preset("tiny")), stage=stage, wrap=zeroshard.wrap.by_class(Block),
-        offload=zeroshard.Offload(optimizer="nvme", folder=folder),
-    )  # fmt: skip
-    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
-    x = torch.randint(0, 256, (1, 16))
-    for _ in range(2):
-        opt.backward(model(x, x))
-        opt.step()
-        opt.zero_grad()
+    opt = _two_steps_offloaded(stage, Offload(optimizer="nvme", folder=folder), 1, 16)
     mine = os.path.join(folder, f"rank{torch.distributed.get_rank():05d}")
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(mine) for f in fs)
+    measured = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(mine) for f in fs)
+    opt.close()  # (its swap files go with it)
+    return measured
 
 
 @pytest.mark.parametrize("stage", [0, 1])
