@@ -453,10 +453,13 @@ class GradBucket:
         (``p.grad = p.grad * 3``) is the slot's gradient for the step, as DDP takes it (also
         for a parameter this rank's backward did not reach, or from ``torch.autograd.grad``:
         this rank's own values then, as under DDP), and ``None`` leaves the parameter out of
-        it, as torch's optimizers do. Elsewhere the step never reads ``.grad`` (stages 1-3
-        keep only reduced shards; stage 0 before any reduction): one set by hand is a
-        ValueError naming the parameter, where it was ignored. Decided from what the caller's
-        code did, not from which parameters this rank's data reached: ranks agree."""
+        it, as torch's optimizers do; with nothing reduced since the gradients were dropped it
+        is taken over zeros (``_reduced_zeros``). Elsewhere the step never reads ``.grad``
+        (stages 1-3 keep only reduced shards): one set by hand is a ValueError naming the
+        parameter, where it was ignored; so is a gradient that came after the last backward's
+        end from one that reached no unit (``_arrived``), except added to a shown average.
+        Decided from what the caller's code did, not from which parameters this rank's data
+        reached: ranks agree."""
         shown = self.reduction is Reduction.ALL_REDUCE and self._reduced
         stray = sorted(self._arrived.intersection(slots))
         if stray and not shown:  # (shown: added to the average, as under DDP)
@@ -464,8 +467,8 @@ class GradBucket:
                 f"a gradient reached {self.flat.slots[stray[0]].names[0]} after "
                 "the last backward through the model ended, from a backward that ran through "
                 "none of its units (a loss of the parameters alone, such as a penalty "
-                "backpropagated on its own): no backward reduced them over the ranks, and the "
-                "step would have taken none of them; add the term to the loss before its "
+                "backpropagated on its own): no backward reduced it over the ranks, and the "
+                "step would have taken none of it; add the term to the loss before its "
                 "backward (loss = loss + penalty)"
             )
         if not shown and self._reduced_zeros(slots):
