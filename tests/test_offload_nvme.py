@@ -282,6 +282,31 @@ def test_a_folder_lock_names_its_holder(tmp_path):
     os.close(take_lock(tmp_path))  # free again once the holder closed it
 
 
+def test_a_folder_removed_as_its_lock_is_taken_is_made_again(tmp_path, monkeypatch):
+    """A finished store of this process empties and removes its folder from a finalizer that
+    may run late, between a new store's making of the folder and its lock: the lock failed
+    with FileNotFoundError (a flaky failure of the suite); the folder is made again."""
+    from zeroshard.offload import folder
+
+    where = tmp_path / "rank00000"
+    where.mkdir()
+    lock = folder.pid_lock
+    calls = []
+
+    def removed_first(path, *args):
+        calls.append(path)
+        if len(calls) == 1:
+            where.rmdir()  # the late finalizer
+        return lock(path, *args)
+
+    monkeypatch.setattr(folder, "pid_lock", removed_first)
+    fd = folder.take_lock(where)
+    try:
+        assert len(calls) == 2 and (where / folder.LOCK_NAME).exists()
+    finally:
+        os.close(fd)
+
+
 def test_a_lock_file_deleted_as_it_is_taken_is_not_held(tmp_path, monkeypatch):
     """Its holder deleted the lock file (with the folder's contents) after this process opened
     it and before it locked it: the lock of a deleted file excludes nobody, so the file now at

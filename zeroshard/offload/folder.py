@@ -193,14 +193,25 @@ def _pid_in(fd: int) -> str:
 
 def take_lock(folder: Path) -> int:
     """Lock `folder` for this process (``pid_lock`` on its LOCK file); the lock's fd. The pid
-    written into LOCK names the holder in the error another store gets."""
-    try:
-        return pid_lock(folder / LOCK_NAME)
-    except LockHeld as held:
-        raise OffloadSetupError(
-            f"{folder} is in use by a live store ({_holder(held.pid)}); give each store, e.g. "
-            "each rank or each run, its own folder (--offload-folder)"
-        ) from None
+    written into LOCK names the holder in the error another store gets. The folder is made
+    again if it went as we took it: a finished store of this process empties and removes it
+    from its finalizer, which may run late (a flaky FileNotFoundError on LOCK)."""
+    for attempt in range(_LOCK_TRIES):
+        try:
+            return pid_lock(folder / LOCK_NAME)
+        except LockHeld as held:
+            raise OffloadSetupError(
+                f"{folder} is in use by a live store ({_holder(held.pid)}); give each store, "
+                "e.g. each rank or each run, its own folder (--offload-folder)"
+            ) from None
+        except FileNotFoundError:
+            if attempt == _LOCK_TRIES - 1:
+                raise
+            folder.mkdir(parents=True, exist_ok=True)
+    raise AssertionError("unreachable")
+
+
+_LOCK_TRIES = 100
 
 
 def collect_if_held_here(folder: Path) -> None:
