@@ -260,3 +260,62 @@ def test_a_penalty_backpropagated_alone(workers2, stage, after_backward):
         else:
             assert isinstance(r, str), r
             assert "backward that ran through none of its units" in r or "set by hand" in r, r
+
+
+def _zero_grad_drops_autograd_s_own(stage: int, how: str) -> dict:
+    """A ``.grad`` the engine did not make (set by hand, or a penalty's backward that reached
+    no unit) before ``opt.zero_grad()``: dropped like the rest (stages 0-2 kept it when no
+    buffer held the gradients, and the next backward added it into the step)."""
+    ref = _net()
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=LINEARS)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    if how == "by_hand":
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+    else:
+        (0.1 * sum(p.square().sum() for p in model.parameters())).backward()
+    opt.zero_grad()
+    left = [n for n, p in model.named_parameters() if p.grad is not None]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        for m, o, ranks in ((ref, ref_opt, [0, 1]), (model, opt, [dist.get_rank()])):
+            xs, ys = zip(*(_batch(step, r) for r in ranks))
+            o.zero_grad()
+            nn.functional.mse_loss(m(torch.cat(xs)), torch.cat(ys)).backward()
+            o.step()
+    return {"left": left, "diff": _diff(model, ref)}
+
+
+@pytest.mark.parametrize("how", ["by_hand", "penalty"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_grad_drops_gradients_the_engine_did_not_make(workers2, stage, how):
+    for r in workers2.run(_zero_grad_drops_autograd_s_own, stage, how):
+        assert r["left"] == [] and r["diff"] < 1e-6, r
+
+
+def _refused_after_stepping_in_backward() -> dict:
+    """Stage 2 with ``step_in_backward``: ``step()`` refuses a penalty backpropagated on its
+    own after the units stepped in backward; every rank's replicas follow those updates (each
+    rank kept only its own slice updated: 9e-3 apart)."""
+    torch.manual_seed(0)
+    model = zeroshard.shard(_net(), stage=2, wrap=LINEARS)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, step_in_backward=True)
+    x, y = _batch(0, dist.get_rank())
+    nn.functional.mse_loss(model(x), y).backward()
+    (0.01 * sum(p.square().sum() for p in model.parameters())).backward()
+    said = None
+    try:
+        opt.step()
+    except ValueError as e:
+        said = str(e)
+    opt.zero_grad()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(every, flat)
+    return {"said": said, "apart": (every[0] - every[1]).abs().max().item()}
+
+
+def test_a_refused_step_keeps_the_updates_made_in_backward_on_every_rank(workers2):
+    for r in workers2.run(_refused_after_stepping_in_backward):
+        assert r["said"] and "ran through none of its units" in r["said"], r
+        assert r["apart"] == 0.0, r

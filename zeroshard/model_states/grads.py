@@ -589,17 +589,15 @@ class GradBucket:
         self.reached, self.zeroings = False, self.zeroings + 1
         if not keep_touched:
             self.touched = [False] * len(self.flat.slots)
-        if not self.as_views:
-            for s in self.flat.slots:
-                s.param.grad = None  # accumulated by autograd in no_sync micro-steps
+        for s in self.flat.slots:  # also autograd's own: no_sync micro-steps' (not as_views),
+            s.param.grad = None  # or made outside the engine's backwards (by hand, a penalty)
         if self.full_grad is None:
             return
         if self.reduction is Reduction.SCATTER_AND_FREE:
             self._free_full()
             return
         # persistent: keep the allocation; the next gradients overwrite it
-        for i, slot in enumerate(self.flat.slots):
-            slot.param.grad = None
+        for i in range(len(self.flat.slots)):
             self._bound[i] = False
             if keep_touched and self.touched[i] and self.reduction is Reduction.ALL_REDUCE:
                 self._zero_slot(i)  # stage 0: a zero .grad, as torch and DDP leave it
@@ -618,8 +616,8 @@ class GradBucket:
                 self._view(i).zero_()
             if self._acc is not None:
                 self._view(i, self._acc).zero_()
-            if not self.as_views:
-                self.flat.slots[i].param.grad = None  # autograd's own (no_sync micro-steps)
+            if not self.as_views or not self._bound[i]:
+                self.flat.slots[i].param.grad = None  # autograd's own, not a view of ours
             if not keep_touched:
                 self.touched[i] = False
         if self._shown_version is not None and self.full_grad is not None:

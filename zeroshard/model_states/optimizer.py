@@ -362,7 +362,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket_owners.reclaim(self)  # replaced by a newer optimizer, then used: its own again
         if self._backward_step is None:
             self.engine.adopt_writes()  # (stepping in backward, the forward adopted them)
-        self._adopt_grad_edits()  # before the agreement: a .grad set to None is no gradient
+        try:
+            self._adopt_grad_edits()  # before the agreement: a .grad set to None is no gradient
+        except ValueError:
+            bs = self._backward_step
+            if bs is not None:  # units stepped in backward: their updates stay
+                self._end_backward_step(bs, changed=bool(bs.stepped))
+            raise
         found_inf, unused = self._agree()
         # The scale in these gradients: another optimizer's when its backward took the loss
         # through this model too (one loss through two models sharded apart); that scaler
@@ -425,15 +431,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     bucket.shard_grad is not None or any(bucket.touched)
                 ):
                     self._step_subgroup(sg, unused)
-        stepped_any = bool(bs.stepped) or not found_inf
-        bs.consumed |= {id(b): b.zeroings for b in self._buckets if id(b) in bs.stepped}
-        bs.reset()
-        if stepped_any:
-            self._changed()
-        self.engine.end_step()
+        self._end_backward_step(bs, changed=bool(bs.stepped) or not found_inf)
         if problem:
             raise ValueError(problem)
         return not found_inf
+
+    def _end_backward_step(self, bs: BackwardStep, *, changed: bool) -> None:
+        """The end of a step with ``step_in_backward``, also one that raised after units had
+        stepped in backward: their updates stay, and every rank's replicas follow them (a
+        refused step left each rank with only its own slice updated at stage 2)."""
+        bs.consumed |= {id(b): b.zeroings for b in self._buckets if id(b) in bs.stepped}
+        bs.reset()
+        if changed:
+            self._changed()
+        self.engine.end_step()
 
     @contextlib.contextmanager
     def states_in_memory(self) -> Iterator[None]:
