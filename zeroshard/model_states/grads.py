@@ -477,9 +477,9 @@ class GradBucket:
         for i in slots:
             slot = self.flat.slots[i]
             grad = slot.param.grad
+            if grad is not None and not self._by_hand(i):
+                continue  # its region of the buffer, as bound
             bound = self._bound[i] and self.full_grad is not None
-            if bound and grad is not None and self._is_region(i, grad):
-                continue
             # (unbound and None: no rank's backward reached it, ``end_backward``: none shown)
             reduced = shown and self.shard_grad is not None and self.full_grad is not None
             if reduced and (bound or grad is not None):

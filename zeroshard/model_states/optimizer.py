@@ -468,8 +468,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         blocked on one); empty without NVMe offload. ``1 - wait_s / io_s`` is the fraction of
         I/O hidden behind compute."""
         out: dict[str, float] = {}
-        keeper = self.engine.checkpointing and self.engine.checkpointing.keeper
-        for swapper in (self._swap, self.engine.param_swap, self._grad_swap, keeper or None):
+        spans = self.engine.checkpointing  # (activation checkpoints: their keeper's swaps)
+        keeper = spans.keeper if spans else None
+        for swapper in (self._swap, self.engine.param_swap, self._grad_swap, keeper):
             if swapper is not None:
                 out |= swapper.stats()
                 swapper.reset_stats()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import gc
+import itertools
 import logging
 import mmap
 import os
@@ -196,7 +197,7 @@ def take_lock(folder: Path) -> int:
     written into LOCK names the holder in the error another store gets. The folder is made
     again if it went as we took it: a finished store of this process empties and removes it
     from its finalizer, which may run late (a flaky FileNotFoundError on LOCK)."""
-    for attempt in range(_LOCK_TRIES):
+    for attempt in itertools.count(1):
         try:
             return pid_lock(folder / LOCK_NAME)
         except LockHeld as held:
@@ -205,10 +206,9 @@ def take_lock(folder: Path) -> int:
                 "e.g. each rank or each run, its own folder (--offload-folder)"
             ) from None
         except FileNotFoundError:
-            if attempt == _LOCK_TRIES - 1:
+            if attempt == _LOCK_TRIES:
                 raise
             folder.mkdir(parents=True, exist_ok=True)
-    raise AssertionError("unreachable")
 
 
 _LOCK_TRIES = 100
