@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -187,6 +188,39 @@ def test_collectives_dropped_unwaited_are_finished_by_the_next(pool, request):
     reference = workers.run(_with_gloo_s_own, _interleaved)
     for mine, theirs in zip(dropped, reference, strict=True):
         assert mine["left"] == 0, mine["left"]
+        for a, b in zip(mine["results"], theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def _interrupted_wait_then_continue() -> dict:
+    """A synchronous gather whose wait raises on rank 0 (a Ctrl-C while rank 1 is late): its
+    receives stay posted, so it is finished at the next collective's start, as a dropped
+    handle's is, and its output gets the late rank's shard; nothing stays in flight."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = torch.zeros(world * 5)
+    raised = False
+    if rank == 0:
+        real = C._Exchange.wait
+        with mock.patch.object(C._Exchange, "wait", side_effect=KeyboardInterrupt):
+            try:
+                C.all_gather(out, _inputs(5, 3), group=None, ledger=C.Ledger(), async_op=False)
+            except KeyboardInterrupt:
+                raised = True
+        assert C._Exchange.wait is real
+    else:
+        time.sleep(0.2)
+        C.all_gather(out, _inputs(5, 3), group=None, ledger=C.Ledger(), async_op=False)
+    results = _interleaved()
+    return {"raised": raised, "out": out, "left": len(C._IN_FLIGHT), "results": results}
+
+
+def test_a_synchronous_collective_whose_wait_raised_is_finished_by_the_next(workers2):
+    first, second = workers2.run(_interrupted_wait_then_continue)
+    assert first["raised"] and not second["raised"]
+    reference = workers2.run(_with_gloo_s_own, _interleaved)
+    for mine, theirs in zip((first, second), reference, strict=True):
+        assert mine["left"] == 0, mine["left"]  # it stayed in flight for good
+        torch.testing.assert_close(mine["out"], second["out"], rtol=0, atol=0)
         for a, b in zip(mine["results"], theirs, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 

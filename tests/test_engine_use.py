@@ -808,6 +808,43 @@ def test_training_goes_on_after_an_interrupted_backward(workers2, stage):
     _check(workers2.run(_backward_interrupted, stage))
 
 
+def _reduction_wait_interrupted(stage: int) -> dict:
+    """Ctrl-C inside the wait for a gradient reduction (every rank, at its first bucket):
+    ``zero_grad()`` finishes that reduction before its pooled buffer goes back (the handle
+    was dropped unwaited and the buffer lent again while sends from it were in flight), and
+    training goes on as the reference's."""
+    from unittest import mock
+
+    import zeroshard.collectives as C
+    from zeroshard.model_states.grads import GradBucket
+
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, None)
+    x, y = _global_batch(kind, 0)
+    real, hit = GradBucket.finish, []
+
+    def finish(bucket):
+        if not hit:
+            hit.append(bucket)
+            with mock.patch.object(C.Handle, "wait", side_effect=KeyboardInterrupt):
+                real(bucket)
+        real(bucket)
+
+    with mock.patch.object(GradBucket, "finish", finish), contextlib.suppress(KeyboardInterrupt):
+        _loss(kind, model, _rows(x), _rows(y)).backward()
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("the last backward did not finish")
+        opt.zero_grad()
+    left = len(C._IN_FLIGHT)
+    diff = _train_both(model, ref, opt, ref_opt, kind, range(1, 4))
+    return {"loss": diff, "param": _param_diff(model, ref), "hit": float(not hit), "left": left}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_training_goes_on_after_a_reduction_s_wait_was_interrupted(workers2, stage):
+    _check(workers2.run(_reduction_wait_interrupted, stage))
+
+
 def _nan_check(grad: torch.Tensor) -> None:
     raise RuntimeError("NaN check")
 

@@ -452,3 +452,54 @@ def _unfrozen_by_parts(stage: int) -> str:
 def test_a_parameter_unfrozen_after_shard_is_refused_in_a_loop_over_submodules(workers2, stage):
     for message in workers2.run(_unfrozen_by_parts, stage):
         assert "requires_grad changed after zeroshard.shard(): blocks.1.fc.weight" in message
+
+
+def _gather_interrupted(stage: int) -> dict:
+    """Rank 0's synchronous gather of unit ``f`` raises in its wait (a Ctrl-C while rank 1 is
+    late), then it gathers the next unit ``g``, of the same size, from the pool: ``f`` keeps its
+    memory (its receives are posted into it) instead of handing it to ``g``, where rank 1's late
+    shard of ``f`` landed; a later wait finishes ``f``'s gather with the right values."""
+    import time
+    from unittest import mock
+
+    import zeroshard.collectives as C
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    model = zeroshard.shard(model, stage=stage, wrap=zeroshard.wrap.by_class(nn.Linear))
+    f, g = [x for x in zeroshard.engine_of(model).flat_params if x.partition.parameters][:2]
+    assert f.padded_numel == g.padded_numel
+    kept = None
+    if dist.get_rank() == 0:
+        real, calls = C._Exchange.wait, []
+
+        def interrupted(exchange):
+            calls.append(exchange)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return real(exchange)
+
+        with mock.patch.object(C._Exchange, "wait", interrupted):
+            with pytest.raises(KeyboardInterrupt):
+                f.unshard(async_op=False)
+            kept = f.full.untyped_storage().nbytes()
+            g.unshard(async_op=False)
+            assert g.full.data_ptr() != f.full.data_ptr()
+            f.wait_unshard()
+    else:
+        time.sleep(0.3)
+        f.unshard(async_op=False)
+        f.wait_unshard()
+        g.unshard(async_op=False)
+    g.wait_unshard()
+    out = {"kept": kept, "nbytes": f.full.numel() * f.full.element_size()}
+    out.update(f=f.full.clone(), g=g.full.clone())
+    for x in (f, g):
+        x.reshard()
+    return out
+
+
+def test_a_gather_whose_wait_raised_keeps_its_memory_until_waited(workers2):
+    first, second = workers2.run(_gather_interrupted, 3)
+    assert first["kept"] == first["nbytes"] > 0, first["kept"]
+    assert torch.equal(first["f"], second["f"]) and torch.equal(first["g"], second["g"])

@@ -448,7 +448,13 @@ def _exchanged(
     exchange = start()
     if async_op:
         return exchange
-    exchange.wait()
+    try:
+        exchange.wait()
+    except BaseException:
+        # (a Ctrl-C, a late peer) Its receives stay posted, into buffers it holds: finished at
+        # the next exchange's start, as a dropped handle's are, rather than never.
+        exchange.orphaned = True
+        raise
     return None
 
 

@@ -11,11 +11,13 @@ and kills the pool (its peers may be stuck in a collective); the next ``run`` st
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import faulthandler
 import gc
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -25,6 +27,9 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+_RAN_KEPT = 40
+"""How many of the functions a pool's processes ran last a death report names."""
 
 
 class WorkerError(AssertionError):
@@ -69,6 +74,15 @@ def impatient(arrival_s: float = 1.0, timeout_s: float = 2.0) -> Any:
         mock.patch.object(watchdog, "group_timeout_s", lambda group: timeout_s),
     ):
         yield
+
+
+def _by_value(reply: Any) -> bytes:
+    """``reply`` pickled with the standard pickler, tensors copied into the bytes.
+    ``Connection.send`` pickles with multiprocessing's, for which torch registers reducers
+    that move a CPU tensor's storage into shared memory in place and free its heap memory: a
+    result that is a live tensor of the test (a parameter, a gradient) had its memory changed
+    under the library, in the process that runs the next tests."""
+    return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _worker_main(
@@ -118,9 +132,10 @@ def _worker_main(
             break
         fn, args, kwargs = msg
         try:
-            conn.send(("ok", fn(*args, **kwargs)))
+            reply = ("ok", fn(*args, **kwargs))
         except BaseException:  # report everything, including assertion failures
-            conn.send(("error", traceback.format_exc()))
+            reply = ("error", traceback.format_exc())
+        conn.send_bytes(_by_value(reply))
     # The interpreter's last garbage collections walk every object torch made (most of a
     # second); frozen, the worker exits at once.
     gc.freeze()
@@ -142,6 +157,9 @@ class Workers:
         self.collective_timeout_s = collective_timeout_s
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
+        self._ran: collections.deque[str] = collections.deque(maxlen=_RAN_KEPT)
+        """The functions the current processes ran last, named when one dies: a crash (a heap
+        corrupted by a write after free) may come from an earlier test in the same process."""
         self._logs = tempfile.TemporaryDirectory(prefix="zeroshard-workers-")
 
     def _start(self) -> None:
@@ -199,6 +217,7 @@ class Workers:
             self._start()
         for conn in self._conns:
             conn.send((fn, args, kwargs))
+        self._ran.append(f"{fn.__module__}.{fn.__qualname__}")
         results: dict[int, Any] = {}
         deadline = time.monotonic() + self.timeout_s
         pending = dict(enumerate(self._conns))
@@ -214,7 +233,7 @@ class Workers:
                 if conn not in ready:
                     continue
                 try:
-                    status, value = conn.recv()
+                    status, value = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     how = self._death(rank)
                     self.close()
@@ -240,6 +259,9 @@ class Workers:
             stack = f.read().strip()
             if stack:
                 how += f":\n{stack}"
+        earlier = list(self._ran)[-_RAN_KEPT:-1]
+        if earlier:
+            how += "\nthe same processes ran before it (oldest first): " + ", ".join(earlier)
         return how
 
     def close(self) -> None:
@@ -252,6 +274,7 @@ class Workers:
                 p.kill()
                 p.join()
         self._procs, self._conns = [], []
+        self._ran.clear()
 
     def __enter__(self) -> Workers:
         return self

@@ -409,10 +409,15 @@ class FlatParam:
         nbytes = self.padded_numel * self.full.element_size()
         self.buffers.lend(self, self.full.untyped_storage(), nbytes)
         try:
-            self._gather = self._gather_from_master(async_op=async_op)
+            self._gather = self._gather_from_master(async_op=True)
         except BaseException:  # a Ctrl-C in a master's read from NVMe, a failed fetch
             self.buffers.take_back(self, self.full.untyped_storage())
             raise
+        if not async_op:
+            # Waited here, not inside the gather: a wait that raises (a Ctrl-C, a late peer)
+            # leaves the receives posted into the lent memory, and ``_gather`` set, so the
+            # memory goes back to the pool only after a later wait (reshard's) finishes them.
+            self._gather.wait()
 
     def wait_unshard(self) -> None:
         if self._gather is not None:

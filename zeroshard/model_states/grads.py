@@ -361,8 +361,8 @@ class GradBucket:
         if self._reduce is None:
             return
         handle, _send = self._reduce
-        self._reduce = None
         out = handle.wait()
+        self._reduce = None  # (after the wait: one that raised is waited again by zero())
         self._dropped.clear()  # new values, which may raise found_inf
         mesh = self.flat.mesh
         if mesh.hybrid is not None:
