@@ -135,7 +135,11 @@ def _worker_main(
             reply = ("ok", fn(*args, **kwargs))
         except BaseException:  # report everything, including assertion failures
             reply = ("error", traceback.format_exc())
-        conn.send_bytes(_by_value(reply))
+        try:
+            data = _by_value(reply)
+        except Exception:  # a result that does not pickle
+            data = _by_value(("error", traceback.format_exc()))
+        conn.send_bytes(data)
     # The interpreter's last garbage collections walk every object torch made (most of a
     # second); frozen, the worker exits at once.
     gc.freeze()
@@ -217,7 +221,7 @@ class Workers:
             self._start()
         for conn in self._conns:
             conn.send((fn, args, kwargs))
-        self._ran.append(f"{fn.__module__}.{fn.__qualname__}")
+        self._ran.append(f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}")
         results: dict[int, Any] = {}
         deadline = time.monotonic() + self.timeout_s
         pending = dict(enumerate(self._conns))
