@@ -552,10 +552,32 @@ def test_measure_mistakes():
     with pytest.raises(ValueError, match="--measure-steps"):
         plan.run(_parse(["--measure", "--measure-steps", "1"]))
     # It measures its own grid: model and training flags would be silently ignored.
-    with pytest.raises(ValueError, match="would ignore --preset, --dp, --seq"):
+    with pytest.raises(ValueError, match="would ignore --preset, --dp;"):
         plan.run(_parse(["--measure", "--preset", "small", "--dp", "4", "--seq", "32"]))
-    with pytest.raises(ValueError, match="would ignore --ci"):  # its runs keep no checkpoints
-        plan.run(_parse(["--measure", "--ci", "1"]))
+    with pytest.raises(ValueError, match="would ignore --dp"):
+        plan.run(_parse(["--measure", "--dp", "4"]))
+    with pytest.raises(ValueError, match="--measure-ranks 3 is not a multiple of --mp 2"):
+        plan.run(_parse(["--measure", "--measure-ranks", "2,3", "--mp", "2"]))
+    with pytest.raises(ValueError, match="--measure takes one --ci"):
+        plan.run(_parse(["--measure", "--ci", "1,2"]))
+    with pytest.raises(ValueError, match="--accumulate-unreduced needs --grad-accum 2"):
+        plan.run(_parse(["--measure", "--accumulate-unreduced"]))
+
+
+def test_measure_runs_the_training_flags(capsys):
+    """--ci, --mp, --precision, --grad-accum and --seq reach the measured runs (they were
+    refused: the planner's activation checkpointing and tensor parallelism could only be
+    checked through Python), and each row names them."""
+    argv = ["--measure", "--measure-presets", "nano", "--measure-ranks", "2", "--stage", "3"]
+    argv += ["--mp", "2", "--ci", "1", "--precision", "bf16", "--grad-accum", "2", "--seq", "32"]
+    rows, text = plan.measure(_parse(argv))
+    assert {r["rank"] for r in rows} == {0, 1}
+    for r in rows:
+        case = r["case"]
+        assert (case["tp"], case["checkpoint_every"], case["precision"]) == (2, 1, "bf16"), case
+        assert (case["grad_accum"], case["seq_len"], case["stage"]) == (2, 32, 3), case
+    assert "| nano tp=2 checkpoint_every=1 bf16 grad_accum=2 | 4x32 | 3 | 2 |" in text, text
+    assert "1 of 1 configurations within tolerance" in text, text
 
 
 def test_advise_device_type(capsys):

@@ -242,8 +242,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 MEASURE_FLAGS = {"measure", "measure_presets", "measure_ranks", "measure_batch", "measure_steps",
-                 "stage", "step_in_backward", "json", "unit"}  # fmt: skip
-"""What ``--measure`` reads; it runs its own grid of GPT presets and ignores the rest."""
+                 "stage", "step_in_backward", "json", "unit", "seq", "ci", "mp", "precision",
+                 "grad_accum", "accumulate_unreduced"}  # fmt: skip
+"""What ``--measure`` reads: its own grid of GPT presets, run as these training flags say; it
+would ignore the rest."""
 
 
 def _check_measure_flags(args) -> None:
@@ -255,8 +257,9 @@ def _check_measure_flags(args) -> None:
     if ignored:
         raise ValueError(
             f"--measure runs its own grid (--measure-presets, --measure-ranks, --measure-batch, "
-            f"--measure-steps, --stage) and would ignore {', '.join(ignored)}; drop them, or plan "
-            "without --measure"
+            f"--measure-steps, --stage; --seq, --ci, --mp, --precision, --grad-accum, "
+            f"--accumulate-unreduced, --step-in-backward) and would ignore {', '.join(ignored)}; "
+            "drop them, or plan without --measure"
         )
 
 
@@ -572,12 +575,35 @@ def measure(args) -> tuple[list[dict], str]:
     if args.measure_steps < 2:
         raise ValueError("--measure-steps must be >= 2: the first step creates optimizer states")
     stages = flags.stages(args.stage, args.step_in_backward)
+    ranks = flags.ints("--measure-ranks", args.measure_ranks)
+    flags.check_positive("--mp", args.mp)
+    flags.check_positive("--grad-accum", args.grad_accum)
+    if args.seq is not None:
+        flags.check_positive("--seq", args.seq)
+    cis = flags.ints("--ci", args.ci or "0", low=0)
+    if len(cis) != 1:
+        raise ValueError(f"--measure takes one --ci, got {args.ci!r}")
+    odd = [n for n in ranks if n % args.mp]
+    if odd:
+        raise ValueError(
+            f"--measure-ranks {','.join(map(str, odd))} is not a multiple of --mp {args.mp}: "
+            "each job splits its ranks into tensor-parallel groups of --mp; pick rank counts "
+            "that --mp divides"
+        )
+    if args.accumulate_unreduced and args.grad_accum < 2:
+        raise ValueError("--accumulate-unreduced needs --grad-accum 2 or more")
     rows = calibrate.run_grid(
         presets=presets,
         stages=tuple(f"{s}s" for s in stages) if args.step_in_backward else stages,
-        ranks=flags.ints("--measure-ranks", args.measure_ranks),
+        ranks=ranks,
         micro_batch_size=args.measure_batch,
+        seq_len=args.seq,
         num_steps=args.measure_steps,
+        tp=args.mp,
+        checkpoint_every=cis[0],
+        precision=args.precision or "fp32",
+        grad_accum=args.grad_accum,
+        accumulate_unreduced=args.accumulate_unreduced,
     )
     return rows, calibrate.render(rows)
 

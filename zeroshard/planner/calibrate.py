@@ -417,6 +417,11 @@ def _worker(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=0, help="tokens per sample (0: block_size)")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ci", type=int, default=0, help="checkpoint every this many units")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--accumulate-unreduced", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     Mesh.from_env(backend="gloo", device="cpu")
@@ -433,6 +438,11 @@ def _worker(argv: list[str]) -> int:
                 seq_len=args.seq or None,
                 num_steps=args.steps,
                 step_in_backward=in_backward,
+                tp=args.tp,
+                checkpoint_every=args.ci,
+                precision=args.precision,
+                grad_accum=args.grad_accum,
+                accumulate_unreduced=args.accumulate_unreduced,
             )
             mine = calibrate(case)
             everyone: list = [None] * dist.get_world_size()
@@ -454,11 +464,17 @@ def run_grid(
     micro_batch_size: int = 4,
     seq_len: int | None = None,
     num_steps: int = 2,
+    tp: int = 1,
+    checkpoint_every: int = 0,
+    precision: str = "fp32",
+    grad_accum: int = 1,
+    accumulate_unreduced: bool = False,
     timeout_s: float = 600.0,
 ) -> list[dict]:
     """Every (preset, stage) on every rank count, each rank count one torchrun job on this
     machine (gloo, one thread per rank). One row per configuration and rank. A stage written
-    ``"3s"`` (or ``"2s"``) builds the optimizer with ``step_in_backward``."""
+    ``"3s"`` (or ``"2s"``) builds the optimizer with ``step_in_backward``; the other settings
+    are ``Case``'s, the same for every case."""
     rows: list[dict] = []
     for n in ranks:
         with tempfile.TemporaryDirectory() as tmp:
@@ -476,6 +492,11 @@ def run_grid(
                 f"--batch={micro_batch_size}",
                 f"--seq={seq_len or 0}",
                 f"--steps={num_steps}",
+                f"--tp={tp}",
+                f"--ci={checkpoint_every}",
+                f"--precision={precision}",
+                f"--grad-accum={grad_accum}",
+                *(["--accumulate-unreduced"] if accumulate_unreduced else []),
                 f"--out={out}",
             ]
             env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -497,7 +518,8 @@ def run_grid(
     return rows
 
 
-_LABELLED = {"precision": "fp32", "grad_accum": 1, "accumulate_unreduced": False}
+_LABELLED = {"precision": "fp32", "tp": 1, "checkpoint_every": 0, "grad_accum": 1,
+             "accumulate_unreduced": False}  # fmt: skip
 """Settings of a case named beside its model in the table when not these defaults."""
 
 
