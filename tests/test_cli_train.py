@@ -1165,28 +1165,42 @@ def test_a_full_disk_while_logging_is_one_line_and_exit_2(capsys, tmp_path, data
     )
 
 
-def test_a_signal_at_the_last_step_ends_the_run_as_done(capsys, tmp_path, data_dir, monkeypatch):
+@pytest.mark.parametrize("during", [False, True])
+def test_a_signal_at_the_last_step_ends_the_run_as_done(
+    capsys, tmp_path, data_dir, monkeypatch, during
+):
     """The run is over: its summary is written, and it exits 0 (it said "interrupted" and
-    exited 130 without one, and a resume found nothing left to train)."""
+    exited 130 without one, and a resume found nothing left to train). A signal that came
+    while the last step trained is seen first by the final evaluation, which it cuts short:
+    the summary's last validation loss is then the one before (it failed with a KeyError
+    traceback, exit 1, and no summary)."""
     import signal as signals
 
     from zeroshard.signals import StopOnSignal
 
-    calls = []
+    calls, came = [], []  # the loop's questions after each step; the signal, once it came
 
     def at_the_last(self):
         import sys
 
-        if sys._getframe(1).f_code.co_name != "_run":  # asked before each evaluation batch too
-            return 0
-        calls.append(1)
-        return signals.SIGINT if len(calls) == 3 else 0
+        pending = bool(came)  # (asked before each evaluation batch too)
+        if sys._getframe(1).f_code.co_name == "_run":
+            calls.append(1)
+            if len(calls) == 3 - during:
+                came.append(1)  # after the final evaluation, or just after step 2's question
+                pending = not during
+        return signals.SIGINT if pending else 0
 
     monkeypatch.setattr(StopOnSignal, "agreed", at_the_last)
     flags = [*NANO, "--data-dir", str(data_dir), "--steps", "3", "--batch-size", "2"]
     code, err, _, summary = _train_in_process(capsys, tmp_path, *flags, "--save-every", "3")
     assert code == 0 and summary["status"] == "done", err
     assert (tmp_path / "ckpt" / "step-000003").is_dir()
+    assert summary["val_loss_last_step"] == (0 if during else 3), summary
+    from zeroshard.cli.train import _cut
+
+    said = _cut(summary)  # in the line that ends the run
+    assert said == (" (at step 0: a signal cut the last one short)" if during else ""), said
 
 
 def test_non_finite_validation_loss_is_divergence(capsys, tmp_path, model_module, data_dir):

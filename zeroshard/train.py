@@ -446,13 +446,17 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
     finally:
         bar.close()
     trained_s, elapsed = time.perf_counter() - t_start, time.perf_counter() - t_wall
+    # The last evaluation done: the final step's, unless a signal cut it short (the run is
+    # done all the same: the one before it, at an earlier step).
+    last_eval = next(r for r in reversed(records) if r["kind"] == "eval")
     steps = zeroshard.ledger(model).steps
     last = steps[-1] if steps else {}  # none when a restart resumed the final checkpoint
     summary.update(
         status="done", skipped_steps=guard.num_skipped, resumed_at_step=start, last_step=done,
         seconds=round(elapsed, 1),
         tokens_per_s=round(tokens_per_step * max(1, cfg.steps - start - 1) / trained_s),
-        val_loss_first=round(first_val, 4), val_loss_last=round(records[-1]["val_loss"], 4),
+        val_loss_first=round(first_val, 4), val_loss_last=round(last_eval["val_loss"], 4),
+        val_loss_last_step=last_eval["step"],
         comm_bytes_per_step=sum(e.bytes for e in last.values()),
         comm_bytes_per_step_by_label=_bytes_by_label(last),
         peak_rss_mib=[round(b / 2**20, 1) for b in _gather_ints(peak_rss_bytes(), device)],

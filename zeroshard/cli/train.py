@@ -518,9 +518,16 @@ def _train_here(cfg: TrainConfig, out: Path) -> int:
         f"{summary['steps']} steps ({summary['skipped_steps']} skipped) in "
         f"{summary['seconds']} s{_here(summary)} ({summary['tokens_per_s']:,} tokens/s training); "
         "validation loss "
-        f"{summary['val_loss_first']} -> {summary['val_loss_last']}; outputs in {out}",
+        f"{summary['val_loss_first']} -> {summary['val_loss_last']}{_cut(summary)}; outputs in "
+        f"{out}",
         0,
     )
+
+
+def _cut(summary: dict) -> str:
+    """Where the last validation loss was taken when a signal cut the final evaluation short."""
+    at = summary.get("val_loss_last_step", summary["steps"])
+    return "" if at == summary["steps"] else f" (at step {at}: a signal cut the last one short)"
 
 
 def _layout(summary: dict) -> str:
