@@ -39,6 +39,21 @@ def test_folder_is_its_visible_files_in_path_order(tmp_path):
         load_tokens(tmp_path)
 
 
+def test_a_linked_folder_is_read_once(tmp_path):
+    """A link to a folder of shards is read, as a link to a file is (it was left out without
+    a word); a link back up does not loop, and no folder is read twice."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "s.txt").write_bytes(b"S" * 50)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_bytes(b"A" * 50)
+    (corpus / "linked").symlink_to(shards)
+    (shards / "up").symlink_to(corpus)  # a cycle: corpus/linked/up is corpus again
+    data = load_tokens(corpus)
+    assert bytes(data.train) + bytes(data.val) == b"A" * 50 + b"S" * 50
+
+
 def test_npy_token_ids(tmp_path):
     ids = np.arange(3000, dtype=np.int32) % 1000
     np.save(tmp_path / "ids.npy", ids)

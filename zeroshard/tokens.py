@@ -68,11 +68,18 @@ billions of rows."""
 
 def text_files(path: Path) -> list[Path]:
     """``path`` itself when it is a file, else the non-hidden regular files below it, sorted
-    (named pipes, sockets, devices and dangling links are not text: left out, not read)."""
+    (named pipes, sockets, devices and dangling links are not text: left out, not read).
+    Links to folders are followed as links to files are (a folder of data shards linked in
+    was left out without a word); a folder reached twice (a link back up) is read once."""
     if path.is_file():
         return [path]
-    found = []
-    for folder, dirnames, filenames in os.walk(path):
+    found, seen = [], set()
+    for folder, dirnames, filenames in os.walk(path, followlinks=True):
+        st = os.stat(folder)
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         found += [Path(folder, n) for n in filenames if not n.startswith(".")]
     found = [f for f in found if f.is_file()]
