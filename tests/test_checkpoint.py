@@ -454,6 +454,37 @@ def test_a_compiled_model_s_checkpoint_has_the_model_s_names(workers2, tmp_path)
     assert set(exported.weight_map) <= set(r["names"]), list(exported.weight_map)[:3]
 
 
+def _compiled_blocks(base: str) -> dict:
+    """Blocks compiled inside the model (``torch.compile(block)``): ``full_state_dict`` gives
+    the model's own names, as torch's ``get_state_dict`` does (``_orig_mod.`` was inside every
+    block's keys: save_pretrained and export wrote weights no model has); a checkpoint that
+    differs from the model only by that level is refused naming it and the fix."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = _model(3, "fp32")
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend="eager")
+    opt = _opt(model, "fp32")
+    _train(model, opt, range(1))
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    theirs = list(get_model_state_dict(model, options=None))
+    checkpoint.save(base, model, opt, {"step": 1})
+    plain = _model(3, "fp32")
+    refused = ""
+    try:
+        checkpoint.load(base, plain, _opt(plain, "fp32"))
+    except checkpoint.CheckpointError as exc:
+        refused = str(exc)
+    return {"names": list(full), "theirs": theirs, "refused": refused}
+
+
+def test_blocks_compiled_inside_the_model_keep_the_model_s_names(workers2, tmp_path):
+    for r in workers2.run(_compiled_blocks, str(tmp_path / "ckpt")):
+        assert sorted(r["names"]) == sorted(r["theirs"]), (r["names"][:3], r["theirs"][:3])
+        assert not [n for n in r["names"] if "_orig_mod" in n], r["names"][:3]
+        assert "differ only by torch.compile's '_orig_mod.' level" in r["refused"], r["refused"]
+
+
 def _disk_fills_up(base: str, where: str) -> bool:
     """ENOSPC in the middle of a save (after the space check passed), on rank 1 only: every rank
     raises one line, nothing is published, no temporary folder is left, and the previous

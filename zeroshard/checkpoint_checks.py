@@ -16,7 +16,7 @@ import torch.distributed as dist
 from zeroshard.checkpoint_files import CheckpointError, agree, check_file, gather
 from zeroshard.flat_range import FlatRange
 from zeroshard.offload.nvme import free_bytes
-from zeroshard.state_dict import COMPILED
+from zeroshard.state_dict import COMPILED, own_key
 
 SPACE_MARGIN = 1.05  # free space wanted over the estimate (DCP metadata, pickled extras)
 SPACE_PER_RANK = 2**20  # and per rank: each file's headers (a small model's may double it)
@@ -215,10 +215,19 @@ def names(path: Path, reader, template: dict[str, Any]) -> None:
             more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
             parts.append(f"{len(names)} {what}: {', '.join(names[:3])}{more}")
     if parts:
-        raise CheckpointError(
-            f"checkpoint {path} is of another model ({'; '.join(parts)}); build the model it was "
-            "saved from (same preset and configuration)"
-        )
+        fix = "build the model it was saved from (same preset and configuration)"
+        if (
+            missing
+            and unexpected
+            and {own_key(k) for k in missing} == {own_key(k) for k in unexpected}
+        ):
+            fix = (
+                "the names differ only by torch.compile's '_orig_mod.' level: blocks compiled "
+                "with torch.compile(block) were saved into or loaded from a model whose blocks "
+                "are not (or the reverse); compile them the same way as the saving run, or in "
+                "place with block.compile(), which keeps the names"
+            )
+        raise CheckpointError(f"checkpoint {path} is of another model ({'; '.join(parts)}); {fix}")
 
 
 def rank_state(path: Path, meta: dict[str, Any], rank: int, checksums: bool, group) -> dict:

@@ -60,6 +60,7 @@ states in the same format.
 from __future__ import annotations
 
 import math
+import re
 import sys
 import types
 import weakref
@@ -513,6 +514,16 @@ COMPILED = "_orig_mod."
 compiled model that zeroshard saved before it used the model's own names carry it."""
 
 
+_COMPILED_LEVEL = re.compile(r"(?:^|(?<=\.))_orig_mod\.")
+
+
+def own_key(key: str) -> str:
+    """``key`` without the levels that ``torch.compile``'s wrappers put in it (a block compiled
+    by ``torch.compile(block)`` inside the model: ``blocks.0._orig_mod.fc.weight``), as
+    torch's ``get_state_dict`` names it."""
+    return _COMPILED_LEVEL.sub("", key)
+
+
 def uncompiled(model: nn.Module) -> nn.Module:
     """The module ``torch.compile(model)`` wraps (its ``_orig_mod``), else ``model``: the names
     of the uncompiled model, as torch's ``get_state_dict`` gives them (the wrapper's
@@ -570,4 +581,6 @@ def full_state_dict(
         sd = {k: v.cpu() if cpu_offload else v for k, v in sd.items()}
     if rank0_only and not mesh.is_first:  # (not every tp rank of data-parallel rank 0)
         return {}
-    return sd
+    # Blocks compiled inside the model: their wrappers' level left out (save_pretrained and
+    # export wrote weights no model has, "blocks.0._orig_mod.fc.weight").
+    return {own_key(k): v for k, v in sd.items()}
