@@ -111,7 +111,9 @@ class TrainConfig:
     optimizer_step: str = "after_backward"
     """When each unit's optimizer update runs: after_backward (one step per batch), or
     in_backward (stages 2-3: each unit steps as soon as its gradient shard is reduced, so the
-    shards never pile up; no gradient clipping, no fp16)."""
+    shards never pile up; no gradient clipping, no fp16). In_backward, a step whose gradients
+    hold inf/NaN keeps the updates of the units that stepped before any rank saw it: it counts
+    as skipped (the schedule holds) but is only partly so."""
     max_skipped_steps: int = 10
     """Consecutive steps with non-finite gradients after which training stops as diverged (fp32,
     tf32, bf16); fp16 uses the loss scaler's rule (inf/NaN at the minimum loss scale)."""
