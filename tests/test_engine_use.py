@@ -906,6 +906,95 @@ def test_training_goes_on_after_a_reduction_s_wait_was_interrupted(workers2, sta
     _check(workers2.run(_reduction_wait_interrupted, stage))
 
 
+def _interrupting(nth: int):
+    """``dist.Work.wait`` raising KeyboardInterrupt as its ``nth`` call returns: where a Ctrl-C
+    that came while blocked in a wait is raised (the work done); the calls made, in a list."""
+    from unittest import mock
+
+    real, calls = dist.Work.wait, []
+
+    def wait(work, *args, **kwargs):
+        out = real(work, *args, **kwargs)
+        calls.append(work)
+        if len(calls) == nth:
+            raise KeyboardInterrupt
+        return out
+
+    return mock.patch.object(dist.Work, "wait", wait), calls
+
+
+def _signal_as_a_wait_returned(stage: int, nth: int) -> dict:
+    """A Ctrl-C raised as a point-to-point wait of a forward or backward returned, every rank
+    at the same wait: the next forward or ``zero_grad()`` waited that work again, and gloo's
+    sends and receives never return from a second wait (a hang). Training goes on as the
+    reference's, which skipped the interrupted step; nothing stays in flight."""
+    import zeroshard.collectives as C
+
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, None)
+    x, y = _global_batch(kind, 0)
+    patch, calls = _interrupting(nth)
+    with patch, contextlib.suppress(KeyboardInterrupt):
+        opt.backward(_loss(kind, model, _rows(x), _rows(y)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("the last backward did not finish")
+        opt.zero_grad()
+    diff = _train_both(model, ref, opt, ref_opt, kind, range(1, 4))
+    return {"loss": diff, "param": _param_diff(model, ref), "hit": float(len(calls) < nth),
+            "left": len(C._IN_FLIGHT)}  # fmt: skip
+
+
+@pytest.mark.parametrize(("stage", "nth"), [(1, 1), (2, 1), (3, 1), (3, 4), (3, 12)])
+def test_training_goes_on_after_a_signal_raised_as_a_wait_returned(workers2, stage, nth):
+    _check(workers2.run(_signal_as_a_wait_returned, stage, nth))
+
+
+def _signal_in_the_step_s_refresh(stage: int) -> dict:
+    """A Ctrl-C raised as a wait of ``step()``'s refresh of the replicated parameters returned:
+    the other refreshes were dropped, and the ranks' replicas differed (4.3e-3 at stage 1)
+    until a later collective landed; now every refresh finishes before the interrupt is
+    raised, and the step stands, as the reference's."""
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, None)
+    x, y = _global_batch(kind, 0)
+    _loss(kind, model, _rows(x), _rows(y)).backward()
+    _loss(kind, ref, x, y).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    from unittest import mock
+
+    from zeroshard.engine import Engine
+
+    real = Engine.params_changed
+
+    def params_changed(engine, flats=None):
+        patch, _ = _interrupting(1)  # the refresh's first wait
+        with patch:
+            real(engine, flats)
+
+    raised = False
+    with mock.patch.object(Engine, "params_changed", params_changed):
+        try:
+            opt.step()
+        except KeyboardInterrupt:
+            raised = True
+    mine = torch.cat([p.detach().flatten().float() for p in model.parameters()])
+    other = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(other, mine)
+    apart = max(float((o - mine).abs().max()) for o in other)
+    opt.zero_grad()
+    diff = _train_both(model, ref, opt, ref_opt, kind, range(1, 3))
+    return {
+        "loss": diff,
+        "param": _param_diff(model, ref),
+        "raised": float(not raised),
+        "apart": apart,
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_signal_in_the_step_s_refresh_leaves_every_replica_stepped(workers2, stage):
+    _check(workers2.run(_signal_in_the_step_s_refresh, stage))
+
+
 def _nan_check(grad: torch.Tensor) -> None:
     raise RuntimeError("NaN check")
 

@@ -298,19 +298,36 @@ class _Exchange:
 
     def __init__(self, sends: list[dist.Work], receives: list[dist.Work]) -> None:
         self._sends, self._receives = sends, receives
+        self._done: set[int] = set()  # (ids of the works waited: kept alive by the lists)
         self.orphaned = False
         """Its handle was dropped before ``wait``: finished by ``_wait_orphans``."""
         with _IN_FLIGHT_LOCK:
             _IN_FLIGHT.add(self)
 
+    def _wait_once(self, work: dist.Work) -> None:
+        """Wait for ``work`` unless it was: gloo's sends and receives never return from a
+        second wait. A Ctrl-C that came while blocked in one is raised as it returns, the work
+        done: the exchange waited again (the next forward's, ``zero_grad``'s) hung for good."""
+        if id(work) in self._done:
+            return
+        try:
+            work.wait()
+        except Exception:  # the backend's failure: a later wait raises it again
+            raise
+        except BaseException:  # a signal's, raised as the wait returned
+            if work.is_completed():
+                self._done.add(id(work))
+            raise
+        self._done.add(id(work))
+
     def _receive(self) -> None:
         for work in self._receives:
-            work.wait()
+            self._wait_once(work)
 
     def wait(self) -> None:
         self._receive()
         for work in self._sends:
-            work.wait()
+            self._wait_once(work)
         with _IN_FLIGHT_LOCK:
             _IN_FLIGHT.discard(self)
 
@@ -375,13 +392,14 @@ class _ReduceExchange(_Exchange):
         return self._recv(self._inbox[: hi - lo], source, c), lo, hi
 
     def _receive(self) -> None:
-        for work, lo, hi in self._direct:
-            work.wait()
+        while self._direct:  # (one at a time: a wait interrupted is taken up where it was)
+            work, lo, hi = self._direct[0]
+            self._wait_once(work)
             self._output[lo:hi].add_(self._own[lo:hi])
-        self._direct = []
+            self._direct.pop(0)
         while self._current is not None:
             work, lo, hi = self._current
-            work.wait()
+            self._wait_once(work)
             self._output[lo:hi].add_(self._inbox[: hi - lo])
             self._current = self._post_next()
 

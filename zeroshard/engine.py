@@ -513,12 +513,23 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
                 self._read_masters_ahead(self.forward_order, root=True)  # the next forward's
         changed = self.flat_params if flats is None else [f for f in self.flat_params if f in flats]
         self._drop_stale_gathers(changed)
-        handles = [f.refresh_full(async_op=True) for f in changed]
-        for f, handle in zip(changed, handles):
-            if handle is not None:
-                handle.wait()
-            elif self.summoned:
-                f.regather()  # held gathered by summon_full_params: keep its views current
+        pending = list(zip(changed, [f.refresh_full(async_op=True) for f in changed]))
+        interrupted: BaseException | None = None
+        while pending:
+            f, handle = pending[0]
+            try:
+                if handle is not None:
+                    handle.wait()
+                elif self.summoned:
+                    f.regather()  # held gathered by summon_full_params: keep its views current
+            except Exception:  # a failed collective: the group is broken
+                raise
+            except BaseException as exc:  # a Ctrl-C: every refresh finishes first, so that no
+                interrupted = interrupted or exc  # rank's replicas are left behind the others'
+                continue  # (the wait taken up again: waits are idempotent)
+            pending.pop(0)
+        if interrupted is not None:
+            raise interrupted
 
     def _drop_stale_gathers(self, changed: list[flat_param.FlatParam]) -> None:
         """Partitioned units still gathered from masters that have just changed, and used by no

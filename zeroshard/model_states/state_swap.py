@@ -319,7 +319,21 @@ class StateSwapper(StopsOnFailure):
             self.timed(handle)
 
     def abort_step(self) -> None:
+        """A step raised partway: the sub-group it raised in, resident in its slot and maybe
+        partly updated, is written back as a stepped one is, and the one read ahead goes back
+        to the store. Their slots stayed held otherwise, and with every slot held the next
+        step found none to read into ("every slot held by a resident sub-group", at every
+        step after). A failure of the store here is left for its next use to raise: the
+        step's own exception is the one on its way."""
         self._in_step = False
+        try:
+            for i, s in enumerate(self._swaps):
+                if s.where is Where.READING:
+                    self._retire(i)
+                elif s.where is Where.IN_SLOT:
+                    self.after(i)
+        except Exception:  # (self.stop keeps the store's error: raised at its next use)
+            log.warning("cleaning up after an interrupted step", exc_info=True)
 
     # ----------------------------------------------------------------- outside the step
     def touch(self, i: int) -> None:
