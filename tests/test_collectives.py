@@ -4,6 +4,7 @@ temporary as large as their output, and train exactly as gloo's own."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -223,6 +224,26 @@ def test_a_synchronous_collective_whose_wait_raised_is_finished_by_the_next(work
         torch.testing.assert_close(mine["out"], second["out"], rtol=0, atol=0)
         for a, b in zip(mine["results"], theirs, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def _backend_failure_not_waited_again() -> dict:
+    """A synchronous gather whose wait failed in the backend (a timeout, a closed pair): the
+    group is broken, and it is dropped, not waited again at every later collective's start
+    (each another error under that collective's name, or another timeout)."""
+    world = dist.get_world_size()
+    failing = mock.patch.object(C._Exchange, "wait", side_effect=RuntimeError("pair closed"))
+    with failing, contextlib.suppress(RuntimeError):
+        C.all_gather(torch.zeros(world * 5), _inputs(5, 4), group=None, ledger=C.Ledger(),
+                     async_op=False)  # fmt: skip
+    return {"left": len(C._IN_FLIGHT)}
+
+
+def test_a_collective_that_failed_in_the_backend_is_not_waited_again():
+    from zeroshard.testing import Workers
+
+    with Workers(2, timeout_s=60) as workers:  # (its own: the posted messages are left)
+        for r in workers.run(_backend_failure_not_waited_again):
+            assert r["left"] == 0, r
 
 
 def _mismatched() -> str:

@@ -545,67 +545,6 @@ def test_torch_compile_of_a_model_checkpointing_every_block(workers2):
     assert not any(r["nothing_compiled"] for r in results)  # the rest of the model compiled
 
 
-class _Layered(nn.Module):
-    """A block of three layers that own parameters, its body optionally checkpointed."""
-
-    def __init__(self, width: int, checkpointed: bool) -> None:
-        super().__init__()
-        self.ln, self.fc, self.fc2 = nn.LayerNorm(width), nn.Linear(width, 32), nn.Linear(32, width)
-        self.checkpointed = checkpointed
-
-    def body(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.nn.functional.gelu(self.fc(self.ln(x))))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.checkpointed:
-            return x + torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
-        return x + self.body(x)
-
-
-def _graphs_per_forward(stage: int, checkpointed: bool) -> dict:
-    """Graphs torch.compile(model) runs per forward and the ops inside them (a counting
-    backend), with a reference: the same model unsharded."""
-    counts = {"graphs": 0, "ops": 0}
-
-    def backend(gm, example_inputs):
-        ops = sum(node.op == "call_function" for node in gm.graph.nodes)
-
-        def run(*args):
-            counts["graphs"] += 1
-            counts["ops"] += ops
-            return gm.forward(*args)
-
-        return run
-
-    def net() -> nn.Module:
-        torch.manual_seed(0)
-        blocks = [_Layered(16, checkpointed) for _ in range(4)]
-        return nn.Sequential(*blocks, nn.Linear(16, 1))
-
-    out = {}
-    torch._dynamo.reset()
-    for name, model in (("plain", net()), ("sharded", None)):
-        if model is None:
-            model = zeroshard.shard(net(), stage=stage, wrap=wrap.by_class(_Layered))
-        compiled = torch.compile(model, backend=backend)
-        for _ in range(3):  # (the last forward counted: after the first steps' compiles)
-            counts.update(graphs=0, ops=0)
-            compiled(torch.randn(4, 16)).sum().backward()
-        out[name] = dict(counts)
-    return out
-
-
-@pytest.mark.parametrize("checkpointed", [False, True])
-@pytest.mark.parametrize("stage", [0, 3])
-def test_a_compiled_block_is_one_graph_not_one_per_layer(workers2, stage, checkpointed):
-    # The engine's eager hooks on every layer owning parameters were graph breaks: 21 graphs
-    # of one op each per forward here, and a checkpointed body ran eagerly (5 ops compiled
-    # of 13).
-    for r in workers2.run(_graphs_per_forward, stage, checkpointed):
-        assert r["sharded"]["ops"] == r["plain"]["ops"], r
-        assert r["sharded"]["graphs"] <= 5, r  # a graph per unit (4 blocks, the root's head)
-
-
 # ----------------------------------------------------------------------------- 7: changing paths
 def _changing_path(
     stage: int, bucket_bytes: int | None, optim: str, num_prefetch: int, set_to_none: bool = True

@@ -298,7 +298,9 @@ class _Exchange:
 
     def __init__(self, sends: list[dist.Work], receives: list[dist.Work]) -> None:
         self._sends, self._receives = sends, receives
-        self._done: set[int] = set()  # (ids of the works waited: kept alive by the lists)
+        self._done: dict[int, dist.Work] = {}
+        """The works waited, by id: held here, so that no later work takes a freed one's id
+        (a reduce-scatter drops each receive once added, and posts the next)."""
         self.orphaned = False
         """Its handle was dropped before ``wait``: finished by ``_wait_orphans``."""
         with _IN_FLIGHT_LOCK:
@@ -316,9 +318,9 @@ class _Exchange:
             raise
         except BaseException:  # a signal's, raised as the wait returned
             if work.is_completed():
-                self._done.add(id(work))
+                self._done[id(work)] = work
             raise
-        self._done.add(id(work))
+        self._done[id(work)] = work
 
     def _receive(self) -> None:
         for work in self._receives:
@@ -468,9 +470,13 @@ def _exchanged(
         return exchange
     try:
         exchange.wait()
+    except Exception:  # the backend failed: the group is broken, nothing is waited again
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.discard(exchange)
+        raise
     except BaseException:
-        # (a Ctrl-C, a late peer) Its receives stay posted, into buffers it holds: finished at
-        # the next exchange's start, as a dropped handle's are, rather than never.
+        # A Ctrl-C: its receives stay posted, into buffers it holds: finished at the next
+        # exchange's start, as a dropped handle's are, rather than never.
         exchange.orphaned = True
         raise
     return None

@@ -526,7 +526,9 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
                 raise
             except BaseException as exc:  # a Ctrl-C: every refresh finishes first, so that no
                 interrupted = interrupted or exc  # rank's replicas are left behind the others'
-                continue  # (the wait taken up again: waits are idempotent)
+                if handle is None:  # a regather, not to be issued twice: its interrupted gather
+                    pending.pop(0)  # is finished at the next collective's start (an orphan)
+                continue  # (a handle's wait taken up again: waits are idempotent)
             pending.pop(0)
         if interrupted is not None:
             raise interrupted

@@ -49,45 +49,22 @@ def install(engine: Engine, unit: Unit) -> list[Any]:
 
 
 def _lend_hooks(engine: Engine, unit: Unit, owner: nn.Module) -> list[Any]:
-    """The hooks that make an owner's call on its own a use of ``unit``. Inside the unit's own
-    forward (the usual call) they do nothing, and decide so in code torch.compile traces: an
-    eager hook is a graph break, and these on every layer that owns parameters split a compiled
-    block into a graph per layer (nothing fused across them; a user's ``checkpoint`` of the
-    block body then ran eagerly)."""
-    from zeroshard.unit import Phase, TrainingState
-
     def lend(m: nn.Module, args: tuple, kwargs: dict) -> Any:
         keep_last(m, last)
         return engine._pre_lend(unit, m, args, kwargs)
 
-    lend_eagerly = eager(lend)
     give_back = eager(lambda m, args, output: engine._post_lend(unit, m, output))
 
     def raised(m: nn.Module, args: tuple, output: Any) -> None:
-        engine._call_raised(unit, keep=unit.lent_gathered)
+        if unit.lender is m:  # still lent: give_back did not run, the owner's call raised
+            engine._call_raised(unit, keep=unit.lent_gathered)
 
-    raised_eagerly = eager(raised)
-
-    def pre(m: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if unit.state is TrainingState.FORWARD and engine.phase is Phase.FORWARD:
-            return None  # inside the unit's forward: not a lend (what _pre_lend finds)
-        return lend_eagerly(m, args, kwargs)
-
-    def post(m: nn.Module, args: tuple, output: Any) -> Any:
-        if unit.lender is not m:  # not lent to this owner: nothing to give back
-            return None
-        return give_back(m, args, output)
-
-    def after(m: nn.Module, args: tuple, output: Any) -> None:
-        if unit.lender is m:  # still lent: ``post`` did not run, the owner's call raised
-            raised_eagerly(m, args, output)
-
-    # After ``post``, and also when the owner's call raised.
-    last = [owner.register_forward_hook(post)]
-    last.append(owner.register_forward_hook(after, always_call=True))
+    # After ``give_back``, and also when the owner's call raised.
+    last = [owner.register_forward_hook(give_back)]
+    last.append(owner.register_forward_hook(eager(raised), always_call=True))
     # First, as the unit's own gather: a pre-hook registered before shard() (prune's) reads the
     # weights, which were the placeholders (NaN) at stage 3.
-    return [*last, owner.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)]
+    return [*last, owner.register_forward_pre_hook(eager(lend), with_kwargs=True, prepend=True)]
 
 
 def keep_last(module: nn.Module, handles: list[Any]) -> None:

@@ -117,9 +117,11 @@ def step_swapped(opt: ShardedOptimizer, swap: StateSwapper, unused: set[int]) ->
             if masters is not None:
                 masters.after(sg.bucket.flat)
     except BaseException:
-        swap.abort_step()
-        if masters is not None:
-            masters.abort_step()
+        try:
+            swap.abort_step()
+        finally:  # (also when a second Ctrl-C lands in the first's cleanup)
+            if masters is not None:
+                masters.abort_step()
         raise
     swap.end_step()
     if masters is not None:
