@@ -514,7 +514,7 @@ COMPILED = "_orig_mod."
 compiled model that zeroshard saved before it used the model's own names carry it."""
 
 
-_COMPILED_LEVEL = re.compile(r"(?:^|(?<=\.))_orig_mod\.")
+_COMPILED_LEVEL = re.compile(r"(?:^|(?<=\.))" + re.escape(COMPILED))
 
 
 def own_key(key: str) -> str:
@@ -581,6 +581,6 @@ def full_state_dict(
         sd = {k: v.cpu() if cpu_offload else v for k, v in sd.items()}
     if rank0_only and not mesh.is_first:  # (not every tp rank of data-parallel rank 0)
         return {}
-    # Blocks compiled inside the model: their wrappers' level left out (save_pretrained and
-    # export wrote weights no model has, "blocks.0._orig_mod.fc.weight").
+    # Blocks compiled inside the model: their wrappers' level left out (save_pretrained wrote
+    # weights no model has, "blocks.0._orig_mod.fc.weight").
     return {own_key(k): v for k, v in sd.items()}

@@ -461,12 +461,17 @@ def _check_tp_plan(args) -> None:
         raise ValueError(f"--mp {args.mp}: {exc}") from None
 
 
+def _check_counts(args) -> None:
+    """The training flags that count something are at least 1 (--seq when given)."""
+    for flag in ("dp", "mp", "seq", "devices_per_node", "grad_accum"):
+        flags.check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
+
+
 def plan(args) -> dict:
     """Everything ``zeroshard plan`` prints, as the JSON-ready dict (``planner.report``)."""
     _fit_to_model(args)
     model = _model(args)
-    for flag in ("dp", "mp", "seq", "devices_per_node", "grad_accum"):
-        flags.check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    _check_counts(args)
     if args.prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0, got {args.prefetch}")
     batches, cis = flags.ints("--batch", args.batch), flags.ints("--ci", args.ci or "1", low=0)
@@ -576,10 +581,7 @@ def measure(args) -> tuple[list[dict], str]:
         raise ValueError("--measure-steps must be >= 2: the first step creates optimizer states")
     stages = flags.stages(args.stage, args.step_in_backward)
     ranks = flags.ints("--measure-ranks", args.measure_ranks)
-    flags.check_positive("--mp", args.mp)
-    flags.check_positive("--grad-accum", args.grad_accum)
-    if args.seq is not None:
-        flags.check_positive("--seq", args.seq)
+    _check_counts(args)
     cis = flags.ints("--ci", args.ci or "0", low=0)
     if len(cis) != 1:
         raise ValueError(f"--measure takes one --ci, got {args.ci!r}")
