@@ -192,6 +192,8 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             unit.depth = unit.depth + 1 if unit.state is TrainingState.FORWARD else 1
         elif entry:  # (as depth, by its calls: a reentrant checkpoint's runs whole, `_leave`)
             unit.recomputing += 1
+        if entry and unit.lending is not None:
+            unit.lending.detach()  # no lend inside its own call; `_leave` attaches them again
         if self._recording is not None and not recompute:
             self._recording[unit] = None
         unit.unshard(async_op=False)
@@ -478,6 +480,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         for unit in self.units:
             unit.to(TrainingState.IDLE)
             unit.recomputing = 0  # (a Ctrl-C inside one runs no hook of its end)
+            unit.lend_again()
         for pending in (self._units_left, self._again, self._dirty, self._held, self._unbound):
             pending.clear()
 

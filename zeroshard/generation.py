@@ -2,11 +2,12 @@
 every forward, since each forward gathers with the other ranks.
 
 transformers keeps ranks that finished early stepping (``synced_gpus``) for FSDP and DeepSpeed
-ZeRO-3, which it recognizes by an attribute, ``_is_fsdp_managed_module``: ``mark`` sets it on the
-root and on every module that generates (a model wrapped in one's own, peft's ``PeftModel``,
-calls the inner one's ``generate()``); not on the others, since Dynamo traces modules so marked as
-FSDP's (``torch.compile`` of a block then compiled nothing). ``summon_full_params`` lifts the
-mark while the model is whole, for a rank that generates alone.
+ZeRO-3, which it recognizes by an attribute, ``_is_fsdp_managed_module``: ``mark`` sets it on
+every module that generates (a model wrapped in one's own, peft's ``PeftModel``, calls the inner
+one's ``generate()``); not on the others, since Dynamo takes modules so marked for FSDP1's and
+runs them eagerly (``torch.compile`` of a block, or of a root without ``generate``, then compiled
+nothing of it). ``summon_full_params`` lifts the mark while the model is whole, for a rank that
+generates alone.
 
 Some models' own ``generate`` (Whisper's, SeamlessM4T's) declares ``synced_gpus=False`` and passes
 it on, so transformers never looks at the mark: at stage 3 a rank that stopped first left the
@@ -29,7 +30,7 @@ def mark(model: nn.Module) -> None:
     """Mark ``model`` (stage 3) for transformers' ``generate()``: see the module docstring."""
     for module in model.modules():
         generate = getattr(module, "generate", None)
-        if module is model or callable(generate):
+        if callable(generate):
             setattr(module, MARK, True)
         if callable(generate) and _synced_off_by_default(generate):
             module.generate = _synced_as_marked(module, generate)

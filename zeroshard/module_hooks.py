@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from zeroshard.engine import Engine
     from zeroshard.unit import Unit
 
-__all__ = ["eager", "install", "keep_last"]
+__all__ = ["Lending", "eager", "install", "keep_last"]
 
 
 def install(engine: Engine, unit: Unit) -> list[Any]:
@@ -43,28 +43,74 @@ def install(engine: Engine, unit: Unit) -> list[Any]:
     # A submodule holding the unit's parameters called on its own (T5's encoder in generate(),
     # an embedding applied outside the forward) is a use of the unit: gathered for it, and the
     # unit's backward ends only once the call's gradient is in (else reduced too early).
-    for owner in unit.owners:
-        handles += _lend_hooks(engine, unit, owner)
+    if unit.owners:
+        unit.lending = Lending(engine, unit)
+        handles.append(unit.lending)
     return handles
 
 
-def _lend_hooks(engine: Engine, unit: Unit, owner: nn.Module) -> list[Any]:
-    def lend(m: nn.Module, args: tuple, kwargs: dict) -> Any:
-        keep_last(m, last)
-        return engine._pre_lend(unit, m, args, kwargs)
+class Lending:
+    """The hooks on ``unit.owners`` that make a call of one of them a use of the unit (a lend).
+    Attached while the unit is outside its own calls (``detach`` as one starts, ``attach``
+    once the last ends), the only time a lend can happen: inside, they would do nothing, and
+    as eager hooks they were graph breaks around every layer of a compiled block (a graph per
+    layer, nothing fused); without them torch.compile traces the block's body whole. Detached,
+    they are removed from the modules, not skipped, so that Dynamo neither traces nor guards on
+    them (hooks kept and skipped inside made it guard on each one's id: a recompile per unit)."""
 
-    give_back = eager(lambda m, args, output: engine._post_lend(unit, m, output))
+    def __init__(self, engine: Engine, unit: Unit) -> None:
+        self._hooks = [_LendHooks(engine, unit, owner) for owner in unit.owners]
+        self.attached = False
+        self.attach()
 
-    def raised(m: nn.Module, args: tuple, output: Any) -> None:
-        if unit.lender is m:  # still lent: give_back did not run, the owner's call raised
-            engine._call_raised(unit, keep=unit.lent_gathered)
+    def attach(self) -> None:
+        if not self.attached:
+            for hooks in self._hooks:
+                hooks.register()
+            self.attached = True
 
-    # After ``give_back``, and also when the owner's call raised.
-    last = [owner.register_forward_hook(give_back)]
-    last.append(owner.register_forward_hook(eager(raised), always_call=True))
-    # First, as the unit's own gather: a pre-hook registered before shard() (prune's) reads the
-    # weights, which were the placeholders (NaN) at stage 3.
-    return [*last, owner.register_forward_pre_hook(eager(lend), with_kwargs=True, prepend=True)]
+    def detach(self) -> None:
+        if self.attached:
+            for hooks in self._hooks:
+                hooks.remove()
+            self.attached = False
+
+    remove = detach  # (with the engine's other handles)
+
+
+class _LendHooks:
+    """One owner's lend hooks, made once, registered at each ``attach``."""
+
+    def __init__(self, engine: Engine, unit: Unit, owner: nn.Module) -> None:
+        self.owner, self.last = owner, []  # the forward hooks' handles (``keep_last``'s)
+        self.pre_handle: Any = None
+
+        def lend(m: nn.Module, args: tuple, kwargs: dict) -> Any:
+            keep_last(m, self.last)
+            return engine._pre_lend(unit, m, args, kwargs)
+
+        def raised(m: nn.Module, args: tuple, output: Any) -> None:
+            if unit.lender is m:  # still lent: give_back did not run, the owner's call raised
+                engine._call_raised(unit, keep=unit.lent_gathered)
+
+        self.lend, self.raised = eager(lend), eager(raised)
+        self.give_back = eager(lambda m, args, output: engine._post_lend(unit, m, output))
+
+    def register(self) -> None:
+        owner = self.owner
+        # After ``give_back``, and also when the owner's call raised.
+        self.last[:] = [
+            owner.register_forward_hook(self.give_back),
+            owner.register_forward_hook(self.raised, always_call=True),
+        ]
+        # First, as the unit's own gather: a pre-hook registered before shard() (prune's)
+        # reads the weights, which were the placeholders (NaN) at stage 3.
+        self.pre_handle = owner.register_forward_pre_hook(self.lend, with_kwargs=True, prepend=True)
+
+    def remove(self) -> None:
+        for handle in (*self.last, self.pre_handle):
+            handle.remove()
+        self.last.clear()
 
 
 def keep_last(module: nn.Module, handles: list[Any]) -> None:

@@ -21,6 +21,7 @@ from zeroshard.trees import map_tensors
 
 if TYPE_CHECKING:
     from zeroshard.engine import Engine
+    from zeroshard.module_hooks import Lending
 
 __all__ = ["Phase", "TrainingState", "Unit", "Use"]
 
@@ -86,6 +87,7 @@ class Unit:
         """Its mixed-precision policy (``shard``'s ``mixed_precision``, or ``unit_precision``'s)."""
         self.lender: nn.Module | None = None  # the owner whose call is a use of the unit
         self.lent_gathered = False  # the unit was gathered already when lent: keep it so
+        self.lending: Lending | None = None  # the owners' hooks for lends (``module_hooks``)
         self.state = TrainingState.IDLE
         self.pending_uses = 0
         """Forward uses (with grad) whose backward has not reached the unit's inputs yet."""
@@ -111,6 +113,12 @@ class Unit:
             f"unit {self.name or '<root>'}: {self.state.value} -> {state.value}"
         )
         self.state = state
+
+    def lend_again(self) -> None:
+        """Out of all its calls (none running, none recomputing): a call of one of its owners
+        is a lend again (``module_hooks.Lending``)."""
+        if self.lending is not None and self.depth == 0 and self.recomputing == 0:
+            self.lending.attach()
 
     def unshard(self, *, async_op: bool = True) -> None:
         for f in self.flat_params:

@@ -124,6 +124,7 @@ class Unwinding:
             u.state, u.pending_uses, u.lender, u.depth = TrainingState.IDLE, 0, None, 0
             u.recomputing = 0
             u.generation += 1
+            u.lend_again()  # (a Ctrl-C in its call ran no `_leave`)
             if not self.summoned:
                 u.reshard()
 
@@ -133,6 +134,7 @@ class Unwinding:
             unit.recomputing = max(0, unit.recomputing - 1)
         if unit.edits:
             undo(unit.edits.pop()[0])  # the caller's containers hold its own tensors again
+        unit.lend_again()
         left_in_forward = unit.state is TrainingState.FORWARD and not in_backward()
         if left_in_forward and not unit.is_root and unit.depth == 0:  # (its post hook did
             self._call_raised(unit)  # not run: the call raised)
