@@ -562,6 +562,9 @@ def test_measure_mistakes():
         plan.run(_parse(["--measure", "--ci", "1,2"]))
     with pytest.raises(ValueError, match="--accumulate-unreduced needs --grad-accum 2"):
         plan.run(_parse(["--measure", "--accumulate-unreduced"]))
+    # Refused before any job (it failed inside the measured run, with its traceback).
+    with pytest.raises(ValueError, match="--step-in-backward cannot be combined with fp16"):
+        plan.run(_parse(["--measure", "--stage", "2", "--precision", "fp16", "--step-in-backward"]))
 
 
 def test_measure_runs_the_training_flags(capsys):

@@ -114,7 +114,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--checkpoint-every",
         dest="ci",
         default=None,
-        help="blocks per activation checkpoint (list w/ --advise; default 1); 0: none, as "
+        help="blocks per activation checkpoint (list w/ --advise; default 1, with --measure "
+        "0); 0: none, as "
         "zeroshard train's default (--checkpoint-every 0): the device is then counted along the "
         "engine's timeline, its largest moment",
     )
@@ -580,6 +581,7 @@ def measure(args) -> tuple[list[dict], str]:
     if args.measure_steps < 2:
         raise ValueError("--measure-steps must be >= 2: the first step creates optimizer states")
     stages = flags.stages(args.stage, args.step_in_backward)
+    flags.check_step_in_backward(args)
     ranks = flags.ints("--measure-ranks", args.measure_ranks)
     _check_counts(args)
     cis = flags.ints("--ci", args.ci or "0", low=0)

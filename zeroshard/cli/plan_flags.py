@@ -37,14 +37,19 @@ def state_bytes(args) -> tuple[memory.BytesPerParam, int]:
             raise ValueError(
                 f"--precision {args.precision} sets {' and '.join(given)}: pass one or the other"
             )
-        if args.precision == "fp16" and getattr(args, "step_in_backward", False):
-            raise ValueError(  # the engine's refusal (model_states/backward_step.py)
-                "--step-in-backward cannot be combined with fp16's dynamic loss scaling, which "
-                "must skip whole steps; plan bf16 or fp32, or drop --step-in-backward"
-            )
+        check_step_in_backward(args)
         return PRECISION_BYTES[args.precision]
     per_param = bytes_per_param(args.bytes_per_param or "zero")
     return per_param, args.activation_bytes or 2
+
+
+def check_step_in_backward(args) -> None:
+    """The engine's refusal (``model_states/backward_step.py``), before any work."""
+    if args.precision == "fp16" and getattr(args, "step_in_backward", False):
+        raise ValueError(
+            "--step-in-backward cannot be combined with fp16's dynamic loss scaling, which "
+            "must skip whole steps; plan bf16 or fp32, or drop --step-in-backward"
+        )
 
 
 def bytes_per_param(text: str) -> memory.BytesPerParam:
