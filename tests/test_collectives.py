@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import signal
 import threading
 import time
 from unittest import mock
@@ -224,6 +226,51 @@ def test_a_synchronous_collective_whose_wait_raised_is_finished_by_the_next(work
         torch.testing.assert_close(mine["out"], second["out"], rtol=0, atol=0)
         for a, b in zip(mine["results"], theirs, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def _signal_right_after_a_message_is_added() -> dict:
+    """An in-place reduce-scatter in messages of 1000 bytes whose wait on rank 0 gets a SIGINT
+    while it adds the second message (sent from inside the call that posts the next receive,
+    which follows the addition): Python raised the KeyboardInterrupt before the bookkeeping
+    that marks the message added, and the wait taken up again added it twice."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    full = _inputs(world * 999, 9)
+    n = full.numel() // world
+    expected = full[rank * n : (rank + 1) * n].clone()
+    C.reduce_scatter(expected, full.clone(), group=None, ledger=C.Ledger(), async_op=False)
+    own = full[rank * n : (rank + 1) * n]
+    handle = C.reduce_scatter(own, full, group=None, ledger=C.Ledger())
+    raised = False
+    if rank == 0:
+        real, calls = C._ReduceExchange._post_next, []
+
+        def post_next(self):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+            return real(self)
+
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with mock.patch.object(C._ReduceExchange, "_post_next", post_next):
+                handle.wait()
+        except KeyboardInterrupt:
+            raised = True
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    handle.wait()  # taken up where it was
+    return {
+        "raised": raised,
+        "diff": (own - expected).abs().max().item(),
+        "left": len(C._IN_FLIGHT),
+    }
+
+
+def test_a_signal_during_a_message_s_addition_does_not_add_it_twice(workers2):
+    first, second = workers2.run(_in_messages_of, 1000, _signal_right_after_a_message_is_added)
+    assert first["raised"] and not second["raised"]
+    for r in (first, second):
+        assert r["diff"] == 0 and r["left"] == 0, r
 
 
 def _backend_failure_not_waited_again() -> dict:

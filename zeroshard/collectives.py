@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from zeroshard.signals import deferred
 from zeroshard.watchdog import diagnosed
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
@@ -394,16 +395,21 @@ class _ReduceExchange(_Exchange):
         return self._recv(self._inbox[: hi - lo], source, c), lo, hi
 
     def _receive(self) -> None:
-        while self._direct:  # (one at a time: a wait interrupted is taken up where it was)
+        # One message at a time: a wait interrupted is taken up where it was. A message's
+        # addition and its bookkeeping run as one (``deferred``): a Ctrl-C that came during the
+        # addition was raised right after it, and the message was added again when taken up.
+        while self._direct:
             work, lo, hi = self._direct[0]
             self._wait_once(work)
-            self._output[lo:hi].add_(self._own[lo:hi])
-            self._direct.pop(0)
+            with deferred():
+                self._output[lo:hi].add_(self._own[lo:hi])
+                self._direct.pop(0)
         while self._current is not None:
             work, lo, hi = self._current
             self._wait_once(work)
-            self._output[lo:hi].add_(self._inbox[: hi - lo])
-            self._current = self._post_next()
+            with deferred():
+                self._output[lo:hi].add_(self._inbox[: hi - lo])
+                self._current = self._post_next()
 
 
 def _peers(group: dist.ProcessGroup | None) -> tuple[int, list[int], list[int]]:

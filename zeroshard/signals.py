@@ -10,10 +10,12 @@ reach that agreement. Used by ``zeroshard.train`` for the whole run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,33 @@ def agent_gone() -> bool:
     """Whether some rank's torchrun agent is gone, as ``StopOnSignal.agreed`` told every rank at
     once: the job's store may be gone with it (and a check-in there would differ by rank)."""
     return _agent_gone
+
+
+_ASYNC = frozenset(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM")
+    if hasattr(signal, name)
+)
+"""Signals whose Python handler may raise (KeyboardInterrupt, a user's own): ``deferred``'s."""
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Signals held back (blocked) for the block, delivered when it ends: a KeyboardInterrupt
+    lands before or after it, never inside it. For a few statements that must run together (an
+    addition and the bookkeeping that says it was made: an interrupt between them, the work
+    taken up again, added twice). Main thread only, where Python runs its handlers; elsewhere,
+    and without ``pthread_sigmask`` (Windows), a no-op."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNC)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 _FIRST = 256
