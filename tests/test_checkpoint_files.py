@@ -149,6 +149,25 @@ def test_prune_keeps_the_checkpoints_of_other_runs(tmp_path, caplog):
     assert not (tmp_path / "seed0").exists() and (tmp_path / "seed1").exists()
 
 
+def test_a_damaged_checkpoint_takes_no_place_among_those_kept(tmp_path):
+    """A run resumed below a damaged checkpoint (``step-000012``, a file cut short, which
+    ``latest`` passes over) keeps the newest ``keep`` complete ones: the damaged one counted
+    as complete, and each later save removed a good one (keep=3 left 2 loadable)."""
+    for step in (4, 8, 12):
+        _complete(tmp_path / f"step-{step:06d}", step)
+    os.truncate(tmp_path / "step-000012" / "__0_0.distcp", 3)
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-000008"
+    for step in (9, 10):
+        prune(_complete(tmp_path / f"step-{step:06d}", step), keep=3, run_id=RUN)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step-000008", "step-000009", "step-000010", "step-000012"]
+    # Older than every kept one, a damaged checkpoint goes with the rest.
+    os.truncate(tmp_path / "step-000008" / "__0_0.distcp", 3)
+    prune(_complete(tmp_path / "step-000011", 11), keep=2, run_id=RUN)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step-000010", "step-000011", "step-000012"]
+
+
 def test_a_file_on_the_way_to_the_path_is_named(tmp_path):
     (tmp_path / "afile").write_text("mine")
     said = replace_problem(tmp_path / "afile" / "sub" / "step-1")

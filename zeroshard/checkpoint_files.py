@@ -235,8 +235,16 @@ def prune(path: Path, keep: int, run_id: str) -> None:
         log.info("keep=%d counts this run's checkpoints only: %d of other runs kept (%s)",
                  keep, len(others), ", ".join(sorted(others)[:3]))  # fmt: skip
     numbered.sort()
-    for _, sibling in numbered[: max(0, len(numbered) - keep)]:
-        if sibling != path:
+    # Only complete checkpoints count: a damaged one (a file cut short, which ``latest`` passes
+    # over) took a place for good, and each later save removed a good one to make room. One
+    # older than every kept checkpoint goes with the rest; a newer one is left (a save of its
+    # step replaces it).
+    from zeroshard.checkpoint_info import info  # (it reads this module's names)
+
+    whole = [(n, s) for n, s in numbered if s == path or info(s).complete]
+    oldest_kept = whole[-keep][0] if len(whole) >= keep else -1
+    for num, sibling in numbered:
+        if num < oldest_kept and sibling != path:
             log.info("removing checkpoint %s: keep=%d keeps the newest of %s*", sibling, keep,
                      match["prefix"])  # fmt: skip
             # Renamed first: a removal cut short leaves no half checkpoint under its own name.
