@@ -1109,9 +1109,12 @@ def test_a_resume_inside_a_streak_of_skipped_steps_goes_on_counting_it(capsys, t
     flags += ["--lr", "1e9", "--warmup-steps", "0", "--save-every", "5"]
     code, err, _, _ = _train_in_process(capsys, tmp_path, *flags)
     assert code == 3 and "diverged at step 11: 10 consecutive" in err, err
-    # step-10's checkpoint was saved 9 skipped steps into the streak: the next one ends it.
+    assert "lower the learning rate" in err, err
+    # step-10's checkpoint was saved 9 skipped steps into the streak: the next one ends it,
+    # with the same advice (its run took step 1: it said "so not the learning rate").
     code, err, _, _ = _train_in_process(capsys, tmp_path, *flags, "--resume", "auto")
     assert code == 3 and "diverged at step 11: 10 consecutive" in err, err
+    assert "lower the learning rate" in err and "not the learning rate" not in err, err
 
 
 def test_a_second_command_into_a_running_jobs_out_dir_is_refused(

@@ -57,6 +57,7 @@ class DivergenceGuard:
         max_skipped_steps: int,
         num_skipped: int = 0,
         num_consecutive_skipped: int = 0,
+        num_taken: int = 0,
     ) -> None:
         self.opt = opt
         opt.loss_scaler.warn_on_skip = False  # the guard says it, with the training's advice
@@ -66,9 +67,10 @@ class DivergenceGuard:
         self.num_consecutive_skipped = num_consecutive_skipped
         """Skipped steps in a row up to now (a resume inside a streak goes on counting it)."""
         self.last_loss = math.nan
-        self.num_taken = 0
-        """Steps taken by this process (0: nothing updated yet, the model is as built or
-        loaded)."""
+        self.num_taken = num_taken
+        """Steps taken in the whole run (0: nothing updated yet, the model is as built; a
+        resumed run starts from its checkpoint's, whose run may have trained it into the
+        streak)."""
 
     def _advice(self, advice: str = _ADVICE) -> str:
         """``advice``; where nothing was updated yet, what else it can be (stage 3's usual

@@ -351,7 +351,7 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
     )  # fmt: skip
     guard = DivergenceGuard(
         opt, max_skipped_steps=cfg.max_skipped_steps, num_skipped=skipped[0],
-        num_consecutive_skipped=skipped[1],
+        num_consecutive_skipped=skipped[1], num_taken=start - skipped[0],
     )  # fmt: skip
     disk = DiskTraffic(opt)
 
