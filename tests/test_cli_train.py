@@ -1598,6 +1598,15 @@ def test_a_refused_run_leaves_no_output_folder(capsys, tmp_path, data_dir, model
     before = (run / "config.json").read_bytes()
     assert main(["train", *flags, "--out-dir", str(run)]) == 2
     assert (run / "config.json").read_bytes() == before
+    # Refused by a rank at the first step (the model's logits one position short), after rank 0
+    # wrote its metrics, summary and plot: nothing trained, so nothing kept (they stayed, with
+    # the parents made for them), and a run's folder keeps its run's files.
+    short = [*good, "--model", "my_models:build_one_short"]
+    assert main(["train", *short, "--out-dir", str(out)]) == 2
+    assert not (tmp_path / "runs").exists(), list((tmp_path / "runs").rglob("*"))
+    files = {p.name: p.read_bytes() for p in run.iterdir()}
+    assert main(["train", *short, "--out-dir", str(run)]) == 2
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == files
     capsys.readouterr()
     # A second command into a folder that a first one created and holds: refused, deleting
     # nothing of the first's, which removes the folder at its end (its run left nothing).

@@ -247,7 +247,7 @@ def _launch(
     copy of their own beside it, which a later command cannot rewrite under them (every restart
     reads it again)."""
     saved = out / "config.json"
-    previous = saved.read_bytes() if saved.is_file() else None
+    previous = _run_files(out)
     remove_dead_launchers_configs(out)
     if cfg.resume:
         say_changes(saved, cfg)
@@ -270,7 +270,7 @@ def _launch(
         raise
     finally:
         if refused and not joining and not _trained_since(out, started):
-            _put_back(saved, previous)  # the folder's run is still the one it held, if any
+            _put_back(out, previous)  # the folder's run is still the one it held, if any
 
 
 def _blame(out: Path, rank: int, exit_code: int) -> None:
@@ -290,17 +290,40 @@ def _blame(out: Path, rank: int, exit_code: int) -> None:
     write_atomically(path, json.dumps(summary, indent=2) + "\n")
 
 
-def _put_back(saved: Path, previous: bytes | None) -> None:
-    """``saved`` (config.json) as it was before this command: ``previous``, or none."""
-    if previous is not None:
-        saved.write_bytes(previous)
-    else:
-        saved.unlink(missing_ok=True)
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png")
+"""What a run writes in its folder before its first step, and at its end (not checkpoints)."""
+
+
+def _run_files(out: Path) -> dict[str, bytes | None]:
+    """``RUN_FILES`` in ``out`` as they are (None: absent), for ``_put_back``."""
+    return {name: (out / name).read_bytes() if (out / name).is_file() else None
+            for name in RUN_FILES}  # fmt: skip
+
+
+def _put_back(out: Path, files: dict[str, bytes | None]) -> None:
+    """The run's files in ``out`` as they were before this command (``_run_files``): a run
+    refused before it trained a step leaves a folder that existed as it was, and one it created
+    with nothing in it but the launcher's files (removed then, ``hold_out_dir``)."""
+    for name, content in files.items():
+        if content is not None:
+            (out / name).write_bytes(content)
+        else:
+            (out / name).unlink(missing_ok=True)
 
 
 def _trained_since(out: Path, t: float) -> bool:
-    """Whether a run wrote its metrics in ``out`` since ``t`` (rank 0 rewrites the file once the
-    model is built and the checkpoint loaded: what fails before that trained nothing)."""
+    """Whether a run trained a step in ``out`` since ``t``: by its ``summary.json`` (rank 0's,
+    written also when a run fails in training) a step past the one it started from; without one
+    written since, whether rank 0 rewrote its metrics (once the model is built and the
+    checkpoint loaded: what failed before that trained nothing). A rank that refused the first
+    step's input (a vocabulary too small for the data, a model's logits of the wrong shape)
+    trained nothing either."""
+    try:
+        if (out / "summary.json").stat().st_mtime >= t:
+            summary = json.loads((out / "summary.json").read_text())
+            return summary.get("last_step", 0) > summary.get("resumed_at_step", 0)
+    except (OSError, ValueError, AttributeError):
+        pass
     try:
         return (out / "metrics.jsonl").stat().st_mtime >= t
     except OSError:
