@@ -262,6 +262,15 @@ def test_a_config_of_another_model_is_refused(trained, tmp_path):
     )  # fmt: skip
     with pytest.raises(ExportError, match="describes another model than the checkpoint's"):
         export_safetensors(path, tmp_path / "out", config=llama)
+    # The same body with a classifier's head: it was exported, and from_pretrained dropped the
+    # trained head (unexpected lm_head.weight) and made a random one (missing score.weight).
+    classifier = _config()
+    classifier.architectures = ["GPT2ForSequenceClassification"]
+    said = r"as GPT2ForSequenceClassification, 1 of the checkpoint's tensors are not in it "
+    said += r"\(lm_head.weight\); it has 1 parameters the checkpoint lacks \(score.weight\)"
+    with pytest.raises(ExportError, match=said):
+        export_safetensors(path, tmp_path / "out", config=classifier)
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_subprocess(trained, tmp_path):

@@ -186,7 +186,7 @@ def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]
     if config is None:
         return None
     best: dict[str, torch.Size] = {}
-    best_cls = None
+    best_cls, best_params = None, set()
     best_score = (-1, 0)
     for cls in _model_kinds(config):
         try:
@@ -200,6 +200,7 @@ def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]
         score = (fits, -len(set(shapes) - set(entries)))
         if score > best_score:
             best, best_cls, best_score = shapes, type(model), score
+            best_params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         if fits == len(entries):
             break  # every tensor, with its shape: this is the model
     shared = [n for n in entries if n in best]
@@ -215,6 +216,20 @@ def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]
         raise ExportError(
             f"--config describes another model than the checkpoint's: {what} (e.g. {example}); "
             "pass the config of the model that was trained, or none"
+        )
+    # The same body with another head (a classifier's config for a language model's
+    # checkpoint): from_pretrained would drop the trained head and make one at random.
+    dropped = [n for n in entries if n not in best]
+    made = sorted(best_params - set(entries))
+    if dropped or made:
+        name = best_cls.__name__ if best_cls is not None else "the config's model"
+        parts = [f"{len(dropped)} of the checkpoint's tensors are not in it ({dropped[0]})"] * bool(
+            dropped
+        ) + [f"it has {len(made)} parameters the checkpoint lacks ({made[0]})"] * bool(made)
+        raise ExportError(
+            f"--config describes another model than the checkpoint's: as {name}, "
+            f"{'; '.join(parts)}, which from_pretrained would drop or initialize at random; "
+            "pass the config of the model that was trained (its architectures too), or none"
         )
     return best_cls
 
