@@ -2878,3 +2878,36 @@ def test_a_module_added_after_shard_is_said_to_train_apart_per_rank(workers2, st
     for said in workers2.run(_adapter_added_after_shard, stage):
         assert len(said) == 1 and "2 trainable parameter(s)" in said[0], said
         assert "'adapter.weight'" in said[0], said
+
+
+def _backward_after_the_model_is_freed(stage: int) -> str:
+    """A loss kept while its model and optimizer are deleted (a notebook cell rebuilding
+    them), then backpropagated."""
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        nn.Sequential(nn.Linear(8, 16), _Tanh(), _Tanh(), nn.Linear(16, 4)),
+        stage=stage,
+        wrap=wrap.by_class(_Tanh),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    loss = model(torch.randn(4, 8)).square().mean()
+    del model, opt
+    gc.collect()
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_backward_after_its_model_was_freed(workers2, stage):
+    # Stage 3: torch's "setStorage: ... out of bounds for storage of size 0" from inside
+    # autograd (the unit's gathered storage freed with the engine). Stages 0-2 hold their
+    # parameters whole: the backward runs, into gradients no one reads.
+    for said in workers2.run(_backward_after_the_model_is_freed, stage):
+        if stage == 3:
+            assert said.startswith("backward through unit '<root>' of a sharded model (stage 3)")
+            assert "Keep the model alive until the backward has run" in said, said
+        else:
+            assert said == "", said

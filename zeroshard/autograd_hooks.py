@@ -31,18 +31,22 @@ class BackwardHook(torch.autograd.Function):
         return (None, *grads)
 
 
-def weakly(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+def weakly(method: Callable[..., Any], *args: Any, gone: str | None = None) -> Callable[..., Any]:
     """``method(*args, *more)`` (a bound method; ``more``: what the hook is called with) as a
     hook that keeps neither its object nor ``args`` alive (plain values such as ints are held
     as they are): a graph or a parameter outliving its model (the last ``loss`` kept by the
     caller) must not keep the model's memory and swap files. Once one is gone it does
-    nothing."""
+    nothing, or raises ``RuntimeError(gone)`` when given (what is gone was needed)."""
     owner, func = weakref.ref(method.__self__), method.__func__
     refs = [_ref(a) for a in args]
 
     def call(*more: Any) -> Any:
         live = [owner(), *(r() for r in refs)]
-        return None if any(x is None for x in live) else func(*live, *more)
+        if all(x is not None for x in live):
+            return func(*live, *more)
+        if gone is not None:
+            raise RuntimeError(gone)
+        return None
 
     return call
 

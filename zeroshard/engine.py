@@ -26,7 +26,7 @@ import itertools
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -253,7 +253,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         if in_backward():  # a recomputation
             if unit.recompute_use and torch.is_grad_enabled():
                 unit.recompute_use = False
-                when_backward_reaches(weakly(self._pre_backward, unit, unit.updates), output)
+                when_backward_reaches(self._when_reached(unit), output)
             if self._free_after_recompute(unit):
                 output = unit.unalias(output)
                 unit.reshard()
@@ -280,7 +280,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             output = cast_floats(output, self.mixed_precision.output_dtype)
         if grad:
             reached = (output, self._side_outputs(unit)) if entry else output
-            when_backward_reaches(weakly(self._pre_backward, unit, unit.updates), reached)
+            when_backward_reaches(self._when_reached(unit), reached)
         if self.checkpointing is not None:
             if root_entry:
                 self.checkpointing.close()
@@ -322,6 +322,20 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             flat_param.check_requires_grad(unit.flat_params)
         self.check_trusted()
         self.adopt_writes(unit.flat_params)
+
+    def _when_reached(self, unit: Unit) -> Callable[[bool], None]:
+        """``_pre_backward`` of ``unit`` as the hook on its outputs, which keeps neither alive;
+        at stage 3, a backward that reaches it once they are freed is an error that says so
+        (the unit's parameters went with them: torch failed on a storage of size 0)."""
+        gone = None
+        if self.partition.parameters:
+            gone = (
+                f"backward through unit {unit.name or '<root>'!r} of a sharded model (stage 3) "
+                "that was freed after this forward (del model and its optimizer): its "
+                "parameters went with it, and the backward needs them. Keep the model alive "
+                "until the backward has run"
+            )
+        return weakly(self._pre_backward, unit, unit.updates, gone=gone)
 
     def _pre_backward(self, unit: Unit, made_at: int, graph: bool) -> None:
         if graph and made_at != unit.updates:  # (a graph retained across a step or load)
