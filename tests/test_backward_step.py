@@ -581,3 +581,25 @@ def test_a_second_step_after_one_backward_is_refused(workers2, stage):
     # torch's second step takes the same gradients again, which were freed in backward here.
     for r in workers2.run(_step_twice, stage):
         assert r["moved"] == 0.0, r
+
+
+def _a_new_optimizer_after_the_backward(stage: int) -> dict:
+    """An optimizer made again (a notebook cell run twice) between the backward of one with
+    step_in_backward, which applied and freed the gradients, and the step: the new one's step
+    returned True and applied nothing (torch's steps on the same .grad)."""
+    model, opt = _make("gpt", stage, True)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    x, y = batch("gpt", 0, PER_RANK_BATCH * world)
+    mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
+    opt.backward(loss_of("gpt", model, x[mine], y[mine]))
+    again = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match="applied and freed during the last backward by an"):
+        again.step()
+    again.zero_grad()  # then it trains as any optimizer
+    opt.backward(loss_of("gpt", model, x[mine], y[mine]))  # (its backward: plain reductions)
+    return {"stepped": again.step()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_another_optimizer_cannot_step_on_gradients_applied_in_backward(workers2, stage):
+    assert workers2.run(_a_new_optimizer_after_the_backward, stage) == [{"stepped": True}] * 2

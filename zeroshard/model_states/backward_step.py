@@ -176,6 +176,7 @@ class BackwardStep:
             with torch.no_grad():
                 optimizer._step_subgroup(sg, unused)
         bucket.shard_grad = None  # applied (or skipped): the memory this mode exists to free
+        bucket.applied_by = (self._optimizer, bucket.zeroings)
 
     def changed(self, param_groups: list[dict]) -> str | None:
         """Why ``step()`` must fail once it is complete: a group's hyperparameters changed
@@ -214,6 +215,22 @@ class BackwardStep:
         for handle in self._flags.values():  # an interrupted backward: complete, then forget
             handle.wait()
         self._flags.clear()
+
+
+def applied_elsewhere(optimizer: ShardedOptimizer) -> str | None:
+    """Why ``optimizer.step()`` may not run: another optimizer's step in backward applied and
+    freed the gradients of some of its buckets, and no zero_grad came since (an optimizer
+    made again after that backward: it stepped on nothing and returned True)."""
+    for b in optimizer._buckets:
+        by = b.applied_by
+        if by is not None and by[1] == b.zeroings and by[0]() is not optimizer:
+            return (
+                f"optimizer.step(): the gradients of unit {b.flat.name or '<root>'!r} were "
+                "applied and freed during the last backward by another optimizer, made with "
+                "step_in_backward=True; this one has none to apply, where torch's would step "
+                "on the same .grad. Call zero_grad() and run another backward before stepping it"
+            )
+    return None
 
 
 def _hyperparameters(group: dict) -> dict:

@@ -104,6 +104,10 @@ class GradBucket:
         self.arrivals = 0  # autograd's gradients taken in, ever (a backward that raised made any?)
         self._arrived: set[int] = set()  # slots a gradient reached since a backward ended
         self.zeroings = 0  # calls of ``zero`` and ``zero_slots``: the step in backward reads it
+        self.applied_by: tuple[weakref.ref, int] | None = None
+        """(weakref to the optimizer, ``zeroings`` then) of the last step in backward that
+        applied this bucket's gradient and freed it: until a zero_grad, no other optimizer has
+        a gradient of it to step on."""
         self._reduced = False  # reduced since zero, and the buffer kept (not yet bound again)
         self.issued = False
         """Reduced (or reducing) in the current backward: a gradient that comes after that (its

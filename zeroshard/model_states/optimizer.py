@@ -41,7 +41,7 @@ from torch import nn
 
 from zeroshard.engine import Engine, engine_of, live_engines
 from zeroshard.loss_scaling import DynamicLossScaler, LossScaler, default_scaler
-from zeroshard.model_states import bucket_owners, clipping, streamed_step
+from zeroshard.model_states import backward_step, bucket_owners, clipping, streamed_step
 from zeroshard.model_states.agreement import agree, agreed
 from zeroshard.model_states.backward_step import BackwardStep, check_step_in_backward
 from zeroshard.model_states.flat_param import check_requires_grad
@@ -360,6 +360,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "then step(); the accumulated gradients are kept"
             )
         bucket_owners.reclaim(self)  # replaced by a newer optimizer, then used: its own again
+        if (elsewhere := backward_step.applied_elsewhere(self)) is not None:
+            raise RuntimeError(elsewhere)
         if self._backward_step is None:
             self.engine.adopt_writes()  # (stepping in backward, the forward adopted them)
         try:
