@@ -184,6 +184,44 @@ def test_a_meta_module_without_reset_parameters_needs_an_init_fn(workers2):
     workers2.run(_meta_without_init)
 
 
+def _shard_again_after_a_failed_one(stage: int) -> str:
+    """The fix the first error names, tried on the same object (a notebook): the failed
+    shard() had materialized and flattened units, and the retry took the leftovers for
+    weights (NaN in blocks.0 at stages 0-2, every step skipped; at stage 3 the placeholders
+    called parameters that share memory)."""
+
+    class Gain(nn.Module):  # no reset_parameters(): an init_fn must set it
+        def __init__(self) -> None:
+            super().__init__()
+            self.g = nn.Parameter(torch.ones(16))
+
+        def forward(self, x):
+            return x * self.g
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, Gain):
+            nn.init.ones_(module.g)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 16), Gain()))
+    with pytest.raises(ValueError, match="give it one"):
+        zeroshard.shard(model, stage=stage, wrap=zeroshard.wrap.by_class(Gain))
+    try:
+        zeroshard.shard(model, stage=stage, wrap=zeroshard.wrap.by_class(Gain), param_init_fn=init)
+    except ValueError as exc:
+        return str(exc)
+    return "sharded"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_shard_again_after_a_failed_one_is_refused(workers2, stage):
+    for said in workers2.run(_shard_again_after_a_failed_one, stage):
+        assert said.startswith("Sequential was left partly sharded by a shard() that failed"), said
+        assert "Build the model again" in said, said
+
+
 def _replacing_init() -> str:
     def init(module: nn.Module) -> None:  # a new Parameter, not a write into the one built
         for name, p in list(module.named_parameters(recurse=False)):

@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 _DATA_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
+_FAILED = "_zeroshard_failed_shard"
+"""Set on every module of a model whose ``shard()`` failed once it had begun changing it: why."""
+
+
 def shard(
     model: nn.Module,
     *,
@@ -117,6 +121,15 @@ def shard(
         raise ValueError(
             f"{type(model).__name__} is already sharded; shard a model once (build a new one "
             "to change the stage or wrap policy)"
+        )
+    failed = next((why for m in model.modules() if (why := getattr(m, _FAILED, None))), None)
+    if failed is not None:
+        raise ValueError(
+            f"{type(model).__name__} was left partly sharded by a shard() that failed ({failed}):"
+            " its parameters were already being materialized and moved into flat shards, and "
+            "another shard() would take those leftovers (NaN placeholders, values of the "
+            "failed init) for its weights. Build the model again (under torch.device('meta') "
+            "too) and shard it once"
         )
     if any(hasattr(p, SHARDED_PARAM) for p in model.parameters()):  # a part, or a whole, sharded
         raise ValueError(
@@ -238,7 +251,13 @@ def shard(
         return flat
 
     bucket_bytes = 0 if part.parameters else config.bucket_bytes
-    flats = _flat_params(specs, bucket_bytes, make, policies, materialize)
+    try:
+        flats = _flat_params(specs, bucket_bytes, make, policies, materialize)
+    except BaseException as exc:
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+        for m in model.modules():  # (a submodule sharded on its own is refused too)
+            setattr(m, _FAILED, why)
+        raise
     if param_swap is not None:
         param_swap.finish_adopting()  # all dropped from memory
     scaling = GradScaling()
