@@ -223,9 +223,11 @@ def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]
     made = sorted(best_params - set(entries))
     if dropped or made:
         name = best_cls.__name__ if best_cls is not None else "the config's model"
-        parts = [f"{len(dropped)} of the checkpoint's tensors are not in it ({dropped[0]})"] * bool(
-            dropped
-        ) + [f"it has {len(made)} parameters the checkpoint lacks ({made[0]})"] * bool(made)
+        parts = []
+        if dropped:
+            parts.append(f"{len(dropped)} of the checkpoint's tensors are not in it ({dropped[0]})")
+        if made:
+            parts.append(f"it has {len(made)} parameters the checkpoint lacks ({made[0]})")
         raise ExportError(
             f"--config describes another model than the checkpoint's: as {name}, "
             f"{'; '.join(parts)}, which from_pretrained would drop or initialize at random; "

@@ -30,9 +30,10 @@ def mark(model: nn.Module) -> None:
     """Mark ``model`` (stage 3) for transformers' ``generate()``: see the module docstring."""
     for module in model.modules():
         generate = getattr(module, "generate", None)
-        if callable(generate):
-            setattr(module, MARK, True)
-        if callable(generate) and _synced_off_by_default(generate):
+        if not callable(generate):
+            continue
+        setattr(module, MARK, True)
+        if _synced_off_by_default(generate):
             module.generate = _synced_as_marked(module, generate)
 
 
