@@ -132,6 +132,38 @@ def test_a_rank_that_skips_a_checkpoint_is_named(op, tmp_path):
     assert seconds < DEADLINE_S, seconds
 
 
+def _called_on_rank_0_alone(op: str) -> tuple[str, str, float] | str:
+    """Rank 0 alone calls a collective that was not watched: gloo's raw "Timed out waiting
+    ... for send operation" (opt.state_dict(), under `if rank == 0:` as with DDP), or in
+    ``zeroshard train`` a peer stalled in an evaluation while rank 0 asked whether to stop."""
+    from zeroshard.signals import StopOnSignal
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), stage=3)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW)
+    opt.backward(model(torch.randn(2, 8)).square().mean())
+    opt.step()
+    if dist.get_rank() == 1:
+        return "skipped"
+    run = {"optimizer state dict": opt.state_dict, "stop agreement": StopOnSignal(
+        torch.device("cpu")).agreed}[op]  # fmt: skip
+    return _caught(run)
+
+
+@pytest.mark.parametrize("op", ["optimizer state dict", "stop agreement"])
+def test_a_collective_called_on_one_rank_is_named(op):
+    with Workers(2, timeout_s=60, collective_timeout_s=TIMEOUT_S) as workers:
+        first, second = workers.run(_called_on_rank_0_alone, op)
+    assert second == "skipped"
+    kind, message, seconds = first
+    assert kind == "timeout", first
+    _assert_one_line(message)
+    head = {"optimizer state dict": "all_gather of the state dict", "stop agreement":
+            "all_reduce of the stop agreement"}[op]  # fmt: skip
+    assert message.startswith(head) and "rank 1 did not arrive" in message, message
+    assert seconds < DEADLINE_S, seconds
+
+
 def test_ranks_in_different_collectives_say_so():
     with Workers(2, timeout_s=60, collective_timeout_s=TIMEOUT_S) as workers:
         first, second = workers.run(_different_collectives)

@@ -165,7 +165,10 @@ class StopOnSignal:
         self._flag.copy_(
             torch.tensor([_FIRST - self.signum if self.signum else 0, bool(self.cause)])
         )
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        from zeroshard.watchdog import diagnosed  # (it reads agent_gone from here)
+
+        with diagnosed("all_reduce", "the stop agreement (any rank signalled?)", None):
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
         first, agent_lost = (int(v) for v in self._flag.tolist())
         signum = _FIRST - first if first else 0
         if agent_lost and not self.cause:  # another rank saw it first: the same words for all

@@ -584,10 +584,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             keyed_by_position,
             optimizer_state_dict,
         )
+        from zeroshard.state_dict import COLLECTIVE
 
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = optimizer_state_dict(self)
+        with diagnosed("all_gather", COLLECTIVE, None):  # (as load_state_dict's)
+            state_dict = optimizer_state_dict(self)
         if called_by_torch("_get_optim_state_dict", depth=1):  # it keys them by name again
             state_dict = keyed_by_position(self, state_dict)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
