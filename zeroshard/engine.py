@@ -156,6 +156,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
 
     # ----------------------------------------------------------------- hooks
     def _pre_lend(self, unit: Unit, owner: nn.Module, args: tuple, kwargs: dict):
+        self._after_interrupted_forward()
         self._after_raised_backward()
         recomputing = unit.recomputing and in_backward()
         if unit.lender is not None or unit.state is not TrainingState.IDLE or recomputing:
@@ -179,8 +180,10 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         raw_args, raw_kwargs = args, kwargs
         if root_entry and not recompute:
             self._begin_forward()
-        elif entry and not recompute and self.phase is not Phase.FORWARD:
-            self._begin_alone(unit)
+        elif entry and not recompute:
+            self._after_interrupted_forward()  # (a Ctrl-C'd forward, then a block on its own)
+            if self.phase is not Phase.FORWARD:
+                self._begin_alone(unit)
         edits, call = None, None
         if entry:  # the inputs' containers edited in place: undone by ``_leave``
             if not recompute and unit.state is not TrainingState.FORWARD:
@@ -192,8 +195,11 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             unit.depth = unit.depth + 1 if unit.state is TrainingState.FORWARD else 1
         elif entry:  # (as depth, by its calls: a reentrant checkpoint's runs whole, `_leave`)
             unit.recomputing += 1
-        if entry and unit.lending is not None:
-            unit.lending.detach()  # no lend inside its own call; `_leave` attaches them again
+        if entry and unit.lending is not None and not unit.is_root:
+            # No lend inside its own call; `_leave` attaches them again. (The root's stay: a
+            # Ctrl-C in a forward runs no `_leave`, and a layer of the root called on its own
+            # after it must still find its hooks, which clean up the interrupted forward.)
+            unit.lending.detach()
         if self._recording is not None and not recompute:
             self._recording[unit] = None
         unit.unshard(async_op=False)

@@ -56,7 +56,9 @@ class Lending:
     as eager hooks they were graph breaks around every layer of a compiled block (a graph per
     layer, nothing fused); without them torch.compile traces the block's body whole. Detached,
     they are removed from the modules, not skipped, so that Dynamo neither traces nor guards on
-    them (hooks kept and skipped inside made it guard on each one's id: a recompile per unit)."""
+    them (hooks kept and skipped inside made it guard on each one's id: a recompile per unit).
+    The root's stay attached (``Engine._pre_forward``): its own code compiles eagerly in most
+    models anyway (a loop over blocks), and a Ctrl-C in a forward leaves them in place."""
 
     def __init__(self, engine: Engine, unit: Unit) -> None:
         self._hooks = [_LendHooks(engine, unit, owner) for owner in unit.owners]

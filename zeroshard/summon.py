@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from zeroshard import call_frames, generation
+from zeroshard import generation
 from zeroshard.engine import Engine, Phase
 from zeroshard.model_states import flat_param
 
@@ -22,10 +22,7 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     elements keep their full-precision master values), so the next step and gather see them;
     without, undone. Nested, a level inside one without ``writeback`` writes nothing back:
     the outer one undoes its writes too."""
-    if engine.phase is Phase.FORWARD and not call_frames.running(
-        engine._forward_call, engine.model
-    ):
-        engine._forward_raised()  # interrupted (Ctrl-C, which runs no hook of torch's): over
+    engine._after_interrupted_forward()  # (Ctrl-C'd, which runs no hook of torch's: over)
     engine._after_raised_backward()  # (a backward that raised, caught: over too)
     engine.check_trusted()
     if engine.phase is not Phase.IDLE:

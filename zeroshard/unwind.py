@@ -37,6 +37,16 @@ class Unwinding:
         self._clean_after_backward(dropping=dropping)
         self.phase = Phase.IDLE
 
+    def _after_interrupted_forward(self) -> None:
+        """Outside any backward with the phase still FORWARD and the model's forward no longer
+        on the stack, that forward was interrupted (a Ctrl-C runs no hook of torch's): over,
+        before a unit is used on its own or ``summon_full_params`` (the root's next forward
+        does the same). Not inside the root's forward."""
+        if self.phase is not Phase.FORWARD or in_backward():
+            return
+        if not call_frames.running(self._forward_call, self.model):
+            self._forward_raised()
+
     def arrivals(self) -> int:
         """Gradients of autograd's that the buckets have taken in, ever (a counter)."""
         return sum(b.arrivals for b in self.buckets)
