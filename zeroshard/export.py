@@ -201,8 +201,8 @@ def _check_config(config: Any, entries: dict[str, tuple[torch.Size, torch.dtype]
         if score > best_score:
             best, best_cls, best_score = shapes, type(model), score
             best_params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        if fits == len(entries):
-            break  # every tensor, with its shape: this is the model
+        if fits == len(entries) and set(shapes) <= set(entries):
+            break  # every tensor, with its shape, and nothing more: this is the model
     shared = [n for n in entries if n in best]
     misshaped = [n for n in shared if tuple(best[n]) != tuple(entries[n][0])]
     if len(shared) * 2 < len(entries) or misshaped:

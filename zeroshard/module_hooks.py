@@ -72,10 +72,12 @@ class Lending:
             self.attached = True
 
     def detach(self) -> None:
-        if self.attached:
+        # (Each owner's hooks register and remove once whatever the calls before: a Ctrl-C
+        # partway through either loop leaves no hook twice, and the next call completes it.)
+        if self.attached or any(h.registered for h in self._hooks):
+            self.attached = False
             for hooks in self._hooks:
                 hooks.remove()
-            self.attached = False
 
     remove = detach  # (with the engine's other handles)
 
@@ -98,7 +100,13 @@ class _LendHooks:
         self.lend, self.raised = eager(lend), eager(raised)
         self.give_back = eager(lambda m, args, output: engine._post_lend(unit, m, output))
 
+    @property
+    def registered(self) -> bool:
+        return self.pre_handle is not None or bool(self.last)
+
     def register(self) -> None:
+        if self.registered:
+            return
         owner = self.owner
         # After ``give_back``, and also when the owner's call raised.
         self.last[:] = [
@@ -110,9 +118,12 @@ class _LendHooks:
         self.pre_handle = owner.register_forward_pre_hook(self.lend, with_kwargs=True, prepend=True)
 
     def remove(self) -> None:
-        for handle in (*self.last, self.pre_handle):
+        for handle in self.last:
             handle.remove()
         self.last.clear()
+        if self.pre_handle is not None:
+            self.pre_handle.remove()
+            self.pre_handle = None
 
 
 def keep_last(module: nn.Module, handles: list[Any]) -> None:

@@ -251,12 +251,16 @@ def shard(
         return flat
 
     bucket_bytes = 0 if part.parameters else config.bucket_bytes
+    meta = [p for p in model.parameters() if p.is_meta]
     try:
         flats = _flat_params(specs, bucket_bytes, make, policies, materialize)
     except BaseException as exc:
-        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
-        for m in model.modules():  # (a submodule sharded on its own is refused too)
-            setattr(m, _FAILED, why)
+        # Changed already (a parameter materialized, or moved into a FlatParam): marked, so
+        # that a second shard() is refused rather than take the leftovers for weights.
+        if policy_of_flat or any(not p.is_meta for p in meta):
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+            for m in model.modules():  # (a submodule sharded on its own is refused too)
+                setattr(m, _FAILED, why)
         raise
     if param_swap is not None:
         param_swap.finish_adopting()  # all dropped from memory

@@ -59,7 +59,7 @@ def agent_gone() -> bool:
     return _agent_gone
 
 
-_ASYNC = frozenset(
+_ASYNC = tuple(
     getattr(signal, name)
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM")
     if hasattr(signal, name)
@@ -69,21 +69,45 @@ _ASYNC = frozenset(
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
-    """Signals held back (blocked) for the block, delivered when it ends: a KeyboardInterrupt
-    lands before or after it, never inside it. For a few statements that must run together (an
-    addition and the bookkeeping that says it was made: an interrupt between them, the work
-    taken up again, added twice). Main thread only, where Python runs its handlers; elsewhere,
-    and without ``pthread_sigmask`` (Windows), a no-op."""
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not (
-        threading.main_thread()
-    ):
+    """Python's signal handlers held back for the block and run when it ends: a
+    KeyboardInterrupt lands before or after it, never inside it. For a few statements that
+    must run together (an addition and the bookkeeping that says it was made: an interrupt
+    between them, the work taken up again, added twice). The handlers are swapped for one that
+    notes the signal, not the signal blocked: the OS may deliver it to any thread (gloo's), and
+    Python runs the handler in the main thread at its next check whatever the mask. Main
+    thread only, where Python runs its handlers; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNC)
+    noted: list[int] = []
+    held: dict[int, Any] = {}
+    open_ = [True]
+
+    def note(signum: int, frame: Any) -> None:
+        if open_[0]:
+            noted.append(signum)
+        else:  # (still installed: a signal that came while the handlers were put back)
+            held[signum](signum, frame)
+
     try:
+        for sig in _ASYNC:
+            handler = signal.getsignal(sig)
+            if callable(handler):
+                held[sig] = handler
+                signal.signal(sig, note)
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        open_[0] = False
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+        raised: BaseException | None = None
+        for sig in noted:  # every handler runs; the first exception (KeyboardInterrupt) is
+            try:  # raised here, once the block is done
+                held[sig](sig, None)
+            except BaseException as exc:
+                raised = raised or exc
+        if raised is not None:
+            raise raised
 
 
 _FIRST = 256

@@ -438,7 +438,7 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
         # error's line, and the last step completed (updated, or skipped for inf/NaN).
         status = next((s for t, s in _ENDINGS if isinstance(exc, t)), "failed")
         summary.update(status=status, error=_first_line(exc), skipped_steps=guard.num_skipped,
-                       last_step=done)  # fmt: skip
+                       resumed_at_step=start, last_step=done)  # fmt: skip
         with suppress(Exception):  # never in place of the error being raised
             # (no plot when interrupted: matplotlib's import and drawing would delay the stop)
             _write_summary(summary, records, out, rank, losses=not isinstance(exc, Stopped))
