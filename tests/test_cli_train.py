@@ -1607,6 +1607,15 @@ def test_a_refused_run_leaves_no_output_folder(capsys, tmp_path, data_dir, model
     files = {p.name: p.read_bytes() for p in run.iterdir()}
     assert main(["train", *short, "--out-dir", str(run)]) == 2
     assert {p.name: p.read_bytes() for p in run.iterdir()} == files
+    # Resumed, then refused at its first step: the failed summary lacked resumed_at_step, so
+    # the resumed step counted as trained and the run's files were not put back.
+    saved = tmp_path / "saved"
+    mine = [*good, "--model", "my_models:build", "--save-every", "1"]
+    assert main(["train", *mine, "--out-dir", str(saved)]) == 0
+    files = {p.name: p.read_bytes() for p in saved.iterdir() if p.is_file()}
+    resumed = [*good, "--model", "my_models:build_one_short", "--steps", "2", "--resume", "auto"]
+    assert main(["train", *resumed, "--out-dir", str(saved)]) == 2
+    assert {p.name: p.read_bytes() for p in saved.iterdir() if p.is_file()} == files
     capsys.readouterr()
     # A second command into a folder that a first one created and holds: refused, deleting
     # nothing of the first's, which removes the folder at its end (its run left nothing).

@@ -273,6 +273,23 @@ def test_a_config_of_another_model_is_refused(trained, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_config_without_architectures_finds_the_exact_model_kind():
+    """A T5 encoder's tensors and a T5 config naming no class: the search stopped at the first
+    kind holding every tensor (T5ForConditionalGeneration, with a decoder the checkpoint lacks),
+    which the check of parameters made at random then refused."""
+    import transformers
+
+    from zeroshard.export import _check_config
+
+    config = transformers.T5Config(
+        vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2
+    )  # fmt: skip
+    with torch.device("meta"):
+        encoder = transformers.T5EncoderModel(config)
+    entries = {k: (v.shape, v.dtype) for k, v in encoder.state_dict().items()}
+    assert _check_config(config, entries) is transformers.T5EncoderModel
+
+
 def test_cli_subprocess(trained, tmp_path):
     path, full = trained
     out = tmp_path / "hf"
