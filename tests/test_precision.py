@@ -964,3 +964,50 @@ def test_torch_dtypes_and_their_names_are_policies():
     assert policy_of("Half", cpu) is PRESETS["fp16"]
     with pytest.raises(ValueError, match="unknown precision torch.int8"):
         policy_of(torch.int8, cpu)
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(self.ln(x))
+
+
+def _nested_overrides(stage: int, model: str | None, blocks: str, norms: str) -> dict:
+    """A unit_precision unit (the norm) inside another (the block): the norm's output went
+    back to the model's dtype, not the block's, and the block's next layer failed ("mat1 and
+    mat2 must have the same dtype"). Its output now has the block's dtype; the forward
+    against plain torch computing each part in its dtype."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(_Inner(), _Inner(), nn.Linear(16, 4))
+    sharded = zeroshard.shard(
+        copy.deepcopy(ref), stage=stage, wrap=zeroshard.wrap.by_class(_Inner),
+        mixed_precision=model, unit_precision={_Inner: blocks, nn.LayerNorm: norms},
+    )  # fmt: skip
+    seen = []  # what the block's next layer gets from the norm
+    sharded[0].fc.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    x = torch.randn(4, 16)
+    out = sharded(x)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, None: torch.float32}
+    h = x.to(dt[model])  # (the root casts its inputs)
+    for block in ref[:2]:  # each in the blocks' dtype, its norm in the norms'
+        ln, fc = copy.deepcopy(block.ln).to(dt[norms]), copy.deepcopy(block.fc).to(dt[blocks])
+        h = h.to(dt[blocks])
+        h = h + fc(ln(h.to(dt[norms])).to(dt[blocks]))
+    want = copy.deepcopy(ref[2]).to(dt[model])(h.to(dt[model]))
+    return {"norm_out": seen[0], "diff": (out.float() - want.float()).abs().max().item()}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize(
+    "model, blocks, norms", [("bf16", "fp32", "fp32"), (None, "bf16", "fp32")]
+)  # fmt: skip
+def test_a_unit_precision_unit_inside_another_gives_back_its_dtype(
+    workers2, stage, model, blocks, norms
+):
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16}[blocks]
+    tol = 2**-6 if model == "bf16" else 1e-6  # (a BF16 head: an ulp or so of its outputs)
+    for r in workers2.run(_nested_overrides, stage, model, blocks, norms):
+        assert r["norm_out"] == want and r["diff"] <= tol, r

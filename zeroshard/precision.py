@@ -312,6 +312,47 @@ def unit_overrides(
     return out
 
 
+def outputs_to_parents(
+    names: list[str],
+    modules: list[nn.Module],
+    policies: list[MixedPrecision],
+    default: MixedPrecision,
+    given: Mapping[type | str, MixedPrecision | str] | None,
+    device: torch.device,
+) -> list[MixedPrecision]:
+    """The units' policies (``unit_policy``'s, one per unit ``names[i]`` / ``modules[i]``) with
+    the outputs of an overridden unit inside another overridden unit given back in that unit's
+    dtype, not the model's (``unit_overrides`` decides per class: FP32 norms inside FP32
+    blocks of a BF16 model gave the blocks' next layer BF16 inputs, "mat1 and mat2 must have
+    the same dtype"). An ``output_dtype`` the caller named stays."""
+    if not given:
+        return policies
+    named = {k: v for k, v in given.items() if policy_of(v, device).output_dtype is not None}
+    out = list(policies)
+    overridden = [i for i, policy in enumerate(policies) if policy is not default]
+    for i in overridden:
+        if _override_of(modules[i], named) is not None:
+            continue
+        outer = [j for j in overridden if j != i and _inside(names[i], names[j])]
+        if not outer:
+            continue
+        parent = max(outer, key=lambda j: len(names[j]))  # the nearest
+        want = policies[parent].param_dtype or _own_dtype(modules[parent])
+        if want is None:
+            continue
+        keep = want == (policies[i].param_dtype or _own_dtype(modules[i]))
+        out[i] = dataclasses.replace(policies[i], output_dtype=None if keep else want)
+    return out
+
+
+def _inside(name: str, outer: str) -> bool:
+    return outer == "" or name.startswith(outer + ".")
+
+
+def _own_dtype(module: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+
 def _dtype_outside(model: nn.Module | None, overrides: Mapping[type | str, Any]) -> Any:
     """The dtype of ``model``'s first floating-point parameter outside the modules that
     ``overrides`` match (None if none): what the rest of the model computes in."""

@@ -35,7 +35,14 @@ from zeroshard.model_states.param_swap import ParamSwapper
 from zeroshard.model_states.partition import layout, padded_numel
 from zeroshard.offload.folder import padded_bytes
 from zeroshard.offload.placement import Offload
-from zeroshard.precision import MixedPrecision, hold_tf32, policy_of, unit_overrides, unit_policy
+from zeroshard.precision import (
+    MixedPrecision,
+    hold_tf32,
+    outputs_to_parents,
+    policy_of,
+    unit_overrides,
+    unit_policy,
+)
 from zeroshard.residual_states.activations import train_without_caches
 from zeroshard.residual_states.buffers import BufferPool, TensorPool
 from zeroshard.residual_states.partitioned import CheckpointKeeper
@@ -200,6 +207,10 @@ def shard(
     wrap = with_classes(wrap, tuple(overrides), "unit_precision")
     specs = units(model, wrap)
     policies = [unit_policy(s.module, mixed_precision, overrides) for s in specs]
+    policies = outputs_to_parents(
+        [s.name for s in specs], [s.module for s in specs], policies, mixed_precision,
+        unit_precision, mesh.device,
+    )  # fmt: skip
     placed = "none"
     if offload is not None:  # the tiers, not the folder (each node may have its own)
         placed = ", ".join(
