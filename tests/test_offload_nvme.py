@@ -359,3 +359,20 @@ def test_a_store_of_this_process_left_to_the_cycle_collector_gives_its_folder_ba
         new.close()
     finally:
         gc.enable()
+
+
+def test_a_store_closed_late_leaves_a_new_store_s_files_in_its_old_folder(tmp_path):
+    """A model's store collected late (a reference cycle: after the folder was deleted and
+    a new model's store made it again) deleted the new store's swap files, which carry the
+    same names, and its lock: the new model's next read failed "swap file ... is missing"."""
+    import shutil
+
+    folder = tmp_path / "swap"
+    old = TensorStore(config(folder))
+    old.swap_out("w", torch.ones(100)).wait()
+    shutil.rmtree(folder)  # the user's clean start
+    with TensorStore(config(folder)) as new:
+        new.swap_out("w", torch.full((100,), 2.0)).wait()
+        old.close()
+        assert torch.equal(new.swap_in("w").wait(), torch.full((100,), 2.0))
+        assert (folder / nvme_mod.LOCK_NAME).exists()

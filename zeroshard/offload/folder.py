@@ -172,7 +172,7 @@ def pid_lock(path: Path, mode: int = 0o600) -> int:
             holder = _pid_in(fd)
             os.close(fd)
             raise LockHeld(holder) from None
-        if _still_at(fd, path):
+        if still_at(fd, path):
             break
         os.close(fd)  # its holder deleted it as we opened it: lock the file there now
     os.ftruncate(fd, 0)
@@ -180,7 +180,7 @@ def pid_lock(path: Path, mode: int = 0o600) -> int:
     return fd
 
 
-def _still_at(fd: int, path: Path) -> bool:
+def still_at(fd: int, path: Path) -> bool:
     """Whether the open file ``fd`` is still the one at ``path`` (not deleted or replaced)."""
     try:
         return os.path.samestat(os.fstat(fd), os.stat(path))

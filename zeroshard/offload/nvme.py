@@ -43,6 +43,7 @@ from .folder import (
     padded_bytes,
     prepare_folder,
     remove_if_empty,
+    still_at,
     swap_files,
     take_lock,
 )
@@ -444,17 +445,21 @@ class NvmeBackend:
                 orphan.unlink()
 
     def close(self, keep: bool) -> None:
-        """Flush the index and keep the files (to reopen later), or delete everything."""
-        if keep:
+        """Flush the index and keep the files (to reopen later), or delete everything. Not
+        in a folder that is no longer this store's (deleted, and another store made it again
+        and locked it: its files carry the same names; a store collected late deleted them)."""
+        ours = still_at(self._lock_fd, self.folder / LOCK_NAME)
+        if ours and keep:
             self.flush()
-        else:
+        elif ours:
             for entry in self._entries.values():
                 entry.path.unlink(missing_ok=True)
             for name in (INDEX_NAME, INDEX_NAME + ".tmp"):
                 (self.folder / name).unlink(missing_ok=True)
         self._entries.clear()
         self.pool.close()
-        (self.folder / LOCK_NAME).unlink(missing_ok=True)
+        if ours:
+            (self.folder / LOCK_NAME).unlink(missing_ok=True)
         os.close(self._lock_fd)
-        if not keep and self.created_folder:
+        if ours and not keep and self.created_folder:
             remove_if_empty(self.folder)
