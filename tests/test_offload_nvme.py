@@ -376,3 +376,13 @@ def test_a_store_closed_late_leaves_a_new_store_s_files_in_its_old_folder(tmp_pa
         old.close()
         assert torch.equal(new.swap_in("w").wait(), torch.full((100,), 2.0))
         assert (folder / nvme_mod.LOCK_NAME).exists()
+
+
+def test_a_store_whose_lock_file_was_deleted_still_cleans_up_and_keeps(tmp_path):
+    folder = tmp_path / "swap"
+    store = TensorStore(config(folder))
+    store.swap_out("w", torch.ones(100)).wait()
+    (folder / nvme_mod.LOCK_NAME).unlink()  # by hand; the folder is still the store's
+    store.close(keep=True)
+    with TensorStore.reopen(folder) as again:
+        assert torch.equal(again.swap_in("w").wait(), torch.ones(100))

@@ -1011,3 +1011,51 @@ def test_a_unit_precision_unit_inside_another_gives_back_its_dtype(
     tol = 2**-6 if model == "bf16" else 1e-6  # (a BF16 head: an ulp or so of its outputs)
     for r in workers2.run(_nested_overrides, stage, model, blocks, norms):
         assert r["norm_out"] == want and r["diff"] <= tol, r
+
+
+class _Sub(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(self.ln(x))
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.sub = nn.Linear(16, 16), _Sub()
+
+    def forward(self, x):
+        return self.sub(self.fc(x))
+
+
+def _default_unit_inside_an_overridden_one(stage: int) -> dict:
+    """A unit of the model's policy (``_Sub``, FP32) inside one of its own (``_Outer``, BF16),
+    holding a FP32 norm: the norm's outputs went to the BF16 block, not to the FP32 unit that
+    uses them (a dtype error), and the unit gave BF16 back nothing. Each output now goes to
+    the unit around it; units given the same change share a bucket (they were one each)."""
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        nn.Sequential(_Outer(), _Outer(), nn.Linear(16, 4)), stage=stage,
+        wrap=zeroshard.wrap.by_class(_Sub), mixed_precision="fp32",
+        unit_precision={_Outer: "bf16", nn.LayerNorm: MixedPrecision(param_dtype=torch.float32)},
+    )  # fmt: skip
+    seen = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(lambda m, a, n=name: seen.update({n: a[0].dtype}))
+    model(torch.randn(4, 16))
+    flats = len(zeroshard.engine_of(model).flat_params)
+    return {"inputs": seen, "flats": flats}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_unit_inside_one_with_its_own_policy_gives_back_its_dtype(workers2, stage):
+    for r in workers2.run(_default_unit_inside_an_overridden_one, stage):
+        f32, b16 = torch.float32, torch.bfloat16
+        assert r["inputs"] == {"0.fc": b16, "0.sub.fc": f32, "1.fc": b16, "1.sub.fc": f32,
+                               "2": f32}, r  # fmt: skip
+        # stage 0: the root, the two blocks, their subs, their norms, each group one bucket
+        assert stage == 3 or r["flats"] == 4, r

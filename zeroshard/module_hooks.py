@@ -74,7 +74,7 @@ class Lending:
     def detach(self) -> None:
         # (Each owner's hooks register and remove once whatever the calls before: a Ctrl-C
         # partway through either loop leaves no hook twice, and the next call completes it.)
-        if self.attached or any(h.registered for h in self._hooks):
+        if self.attached or any(h.any_registered for h in self._hooks):
             self.attached = False
             for hooks in self._hooks:
                 hooks.remove()
@@ -101,21 +101,22 @@ class _LendHooks:
         self.give_back = eager(lambda m, args, output: engine._post_lend(unit, m, output))
 
     @property
-    def registered(self) -> bool:
+    def any_registered(self) -> bool:
         return self.pre_handle is not None or bool(self.last)
 
     def register(self) -> None:
-        if self.registered:
-            return
+        """Each hook once: what a call cut short (a Ctrl-C) left out is added."""
         owner = self.owner
-        # After ``give_back``, and also when the owner's call raised.
-        self.last[:] = [
-            owner.register_forward_hook(self.give_back),
-            owner.register_forward_hook(self.raised, always_call=True),
-        ]
-        # First, as the unit's own gather: a pre-hook registered before shard() (prune's)
-        # reads the weights, which were the placeholders (NaN) at stage 3.
-        self.pre_handle = owner.register_forward_pre_hook(self.lend, with_kwargs=True, prepend=True)
+        if not self.last:  # after ``give_back``, and also when the owner's call raised
+            self.last[:] = [
+                owner.register_forward_hook(self.give_back),
+                owner.register_forward_hook(self.raised, always_call=True),
+            ]
+        if self.pre_handle is None:  # first, as the unit's own gather: a pre-hook registered
+            # before shard() (prune's) reads the weights, the placeholders (NaN) at stage 3
+            self.pre_handle = owner.register_forward_pre_hook(
+                self.lend, with_kwargs=True, prepend=True
+            )
 
     def remove(self) -> None:
         for handle in self.last:

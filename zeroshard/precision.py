@@ -318,30 +318,44 @@ def outputs_to_parents(
     policies: list[MixedPrecision],
     default: MixedPrecision,
     given: Mapping[type | str, MixedPrecision | str] | None,
+    overrides: Mapping[type | str, MixedPrecision],
     device: torch.device,
 ) -> list[MixedPrecision]:
-    """The units' policies (``unit_policy``'s, one per unit ``names[i]`` / ``modules[i]``) with
-    the outputs of an overridden unit inside another overridden unit given back in that unit's
-    dtype, not the model's (``unit_overrides`` decides per class: FP32 norms inside FP32
-    blocks of a BF16 model gave the blocks' next layer BF16 inputs, "mat1 and mat2 must have
-    the same dtype"). An ``output_dtype`` the caller named stays."""
+    """The units' policies (``unit_policy``'s, one per unit ``names[i]`` / ``modules[i]``, the
+    root first) with each unit's outputs given back in the dtype its enclosing unit computes
+    in, where one of the two has a policy of its own (``unit_overrides`` decides per class, as
+    if the parent were the model: FP32 norms inside FP32 blocks of a BF16 model gave the
+    blocks' next layer BF16 inputs, "mat1 and mat2 must have the same dtype"). An
+    ``output_dtype`` the caller named stays. Units given the same change share one policy
+    object (units are bucketed by policy at stages 0-2)."""
     if not given:
         return policies
     named = {k: v for k, v in given.items() if policy_of(v, device).output_dtype is not None}
-    out = list(policies)
-    overridden = [i for i, policy in enumerate(policies) if policy is not default]
-    for i in overridden:
+    model_dtype = default.param_dtype or _dtype_outside(modules[0], overrides)
+
+    def computes_in(i: int) -> torch.dtype | None:
+        if policies[i] is default:
+            return model_dtype
+        return policies[i].param_dtype or _own_dtype(modules[i])
+
+    out, made = list(policies), {}
+    for i in range(1, len(names)):
         if _override_of(modules[i], named) is not None:
             continue
-        outer = [j for j in overridden if j != i and _inside(names[i], names[j])]
-        if not outer:
+        parent = max(
+            (j for j in range(len(names)) if j != i and _inside(names[i], names[j])),
+            key=lambda j: len(names[j]),
+        )  # the nearest enclosing unit (the root encloses all)
+        if policies[i] is default and policies[parent] is default:
+            continue  # (both compute in the model's dtype)
+        want = computes_in(parent)
+        output = None if want in (None, computes_in(i)) else want
+        if output == policies[i].output_dtype:
             continue
-        parent = max(outer, key=lambda j: len(names[j]))  # the nearest
-        want = policies[parent].param_dtype or _own_dtype(modules[parent])
-        if want is None:
-            continue
-        keep = want == (policies[i].param_dtype or _own_dtype(modules[i]))
-        out[i] = dataclasses.replace(policies[i], output_dtype=None if keep else want)
+        key = (id(policies[i]), output)
+        if key not in made:
+            made[key] = dataclasses.replace(policies[i], output_dtype=output)
+        out[i] = made[key]
     return out
 
 

@@ -209,7 +209,7 @@ def shard(
     policies = [unit_policy(s.module, mixed_precision, overrides) for s in specs]
     policies = outputs_to_parents(
         [s.name for s in specs], [s.module for s in specs], policies, mixed_precision,
-        unit_precision, mesh.device,
+        unit_precision, overrides, mesh.device,
     )  # fmt: skip
     placed = "none"
     if offload is not None:  # the tiers, not the folder (each node may have its own)
@@ -245,7 +245,10 @@ def shard(
 
     policy_of_flat: dict[FlatParam, MixedPrecision] = {}
 
+    changing: list[bool] = []  # once make() ran: the model's parameters are being replaced
+
     def make(params: list[tuple], dtype: torch.dtype, policy: MixedPrecision) -> FlatParam:
+        changing.append(True)
         materialize([p for p, _ in params])
         flat = FlatParam(
             params,
@@ -268,7 +271,7 @@ def shard(
     except BaseException as exc:
         # Changed already (a parameter materialized, or moved into a FlatParam): marked, so
         # that a second shard() is refused rather than take the leftovers for weights.
-        if policy_of_flat or any(not p.is_meta for p in meta):
+        if changing or any(not p.is_meta for p in meta):
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
             for m in model.modules():  # (a submodule sharded on its own is refused too)
                 setattr(m, _FAILED, why)

@@ -59,12 +59,10 @@ def agent_gone() -> bool:
     return _agent_gone
 
 
-_ASYNC = tuple(
-    getattr(signal, name)
-    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM")
-    if hasattr(signal, name)
-)
-"""Signals whose Python handler may raise (KeyboardInterrupt, a user's own): ``deferred``'s."""
+_ASYNC = (signal.SIGINT, signal.SIGTERM)
+"""The signals that stop a training run (Ctrl-C, a scheduler's), whose Python handlers raise
+or note a stop: ``deferred``'s. (Swapping a handler puts Python's own C handler back in place:
+one that ``faulthandler.register`` chained over it is gone; other signals are left alone.)"""
 
 
 @contextlib.contextmanager
@@ -98,9 +96,14 @@ def deferred() -> Iterator[None]:
         yield
     finally:
         open_[0] = False
-        for sig, handler in held.items():
-            signal.signal(sig, handler)
         raised: BaseException | None = None
+        for sig, handler in held.items():
+            while True:  # (a signal pending at this call runs its handler first, and may raise)
+                try:
+                    signal.signal(sig, handler)
+                    break
+                except BaseException as exc:
+                    raised = raised or exc
         for sig in noted:  # every handler runs; the first exception (KeyboardInterrupt) is
             try:  # raised here, once the block is done
                 held[sig](sig, None)

@@ -137,6 +137,7 @@ class NvmeBackend:
                 "tensors also sit in the page cache (RAM) until the kernel evicts them",
             )
         self._lock_fd = take_lock(folder)
+        self._folder_id = _identity(folder)  # (``close``: still this store's folder?)
         self._entries: dict[str, _FileEntry] = {}
         self._dirty: set[str] = set()  # written since the last flush: fsync before the index
         self._mutex = threading.Lock()  # guards _reserved_bytes and _dirty
@@ -448,7 +449,10 @@ class NvmeBackend:
         """Flush the index and keep the files (to reopen later), or delete everything. Not
         in a folder that is no longer this store's (deleted, and another store made it again
         and locked it: its files carry the same names; a store collected late deleted them)."""
-        ours = still_at(self._lock_fd, self.folder / LOCK_NAME)
+        lock = self.folder / LOCK_NAME
+        ours = _identity(self.folder) == self._folder_id and (
+            still_at(self._lock_fd, lock) or not lock.exists()  # (its lock deleted by hand)
+        )
         if ours and keep:
             self.flush()
         elif ours:
@@ -463,3 +467,12 @@ class NvmeBackend:
         os.close(self._lock_fd)
         if ours and not keep and self.created_folder:
             remove_if_empty(self.folder)
+
+
+def _identity(folder: Path) -> tuple[int, int] | None:
+    """(device, inode) of ``folder``, None when it is gone."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
