@@ -1013,33 +1013,24 @@ def test_a_unit_precision_unit_inside_another_gives_back_its_dtype(
         assert r["norm_out"] == want and r["diff"] <= tol, r
 
 
-class _Sub(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
-
-    def forward(self, x):
-        return x + self.fc(self.ln(x))
-
-
 class _Outer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.fc, self.sub = nn.Linear(16, 16), _Sub()
+        self.fc, self.sub = nn.Linear(16, 16), _Inner()
 
     def forward(self, x):
         return self.sub(self.fc(x))
 
 
 def _default_unit_inside_an_overridden_one(stage: int) -> dict:
-    """A unit of the model's policy (``_Sub``, FP32) inside one of its own (``_Outer``, BF16),
+    """A unit of the model's policy (``_Inner``, FP32) inside one of its own (``_Outer``, BF16),
     holding a FP32 norm: the norm's outputs went to the BF16 block, not to the FP32 unit that
     uses them (a dtype error), and the unit gave BF16 back nothing. Each output now goes to
     the unit around it; units given the same change share a bucket (they were one each)."""
     torch.manual_seed(0)
     model = zeroshard.shard(
         nn.Sequential(_Outer(), _Outer(), nn.Linear(16, 4)), stage=stage,
-        wrap=zeroshard.wrap.by_class(_Sub), mixed_precision="fp32",
+        wrap=zeroshard.wrap.by_class(_Inner), mixed_precision="fp32",
         unit_precision={_Outer: "bf16", nn.LayerNorm: MixedPrecision(param_dtype=torch.float32)},
     )  # fmt: skip
     seen = {}
