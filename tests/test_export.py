@@ -159,6 +159,19 @@ def test_a_config_without_architectures_still_ties_and_files_are_readable(traine
     assert mode == probe.stat().st_mode & 0o777, oct(mode)  # safetensors alone writes 0600
 
 
+def test_a_tied_checkpoint_exported_with_an_untied_config_stores_the_head(trained, tmp_path):
+    """The checkpoint's recorded tie dropped lm_head.weight even though the config's model
+    keeps its own head (tie_word_embeddings false): from_pretrained made one at random (logits
+    0.68 off). The config's ties decide."""
+    path, full = trained
+    config = _config()
+    config.tie_word_embeddings = False
+    result = export_safetensors(path, tmp_path / "hf", config=config)
+    assert result.tied == {} and set(result.weight_map) == set(full)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert torch.equal(loaded.lm_head.weight, full["lm_head.weight"])
+
+
 def test_without_config_the_ties_the_checkpoint_recorded_are_used(trained, tmp_path):
     """The checkpoint records which names were one parameter (``zeroshard.json``'s "tied"): an
     export without a config stores them once too (it stored the head twice); ``tied={}``

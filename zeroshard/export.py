@@ -27,10 +27,12 @@ source's name) when it is tied:
 
 * ``tied={"lm_head.weight": "transformer.wte.weight"}``: explicit ``{alias: source}`` pairs,
   and nothing else;
-* otherwise the checkpoint's recorded pairs, and those of ``config``, a ``transformers`` config
-  (or a folder / ``config.json`` holding one) with ``tie_word_embeddings`` true whose
-  ``architectures`` names a ``transformers`` model class: that class's ``_tied_weights_keys``
-  (``{alias: source}`` in transformers >= 5).
+* otherwise, with ``config`` (a ``transformers`` config, or a folder / ``config.json`` holding
+  one), the pairs of the model it describes: with ``tie_word_embeddings`` true, the
+  ``_tied_weights_keys`` of the class its ``architectures`` names (``{alias: source}`` in
+  transformers >= 5), and none when false (a tied checkpoint exported as an untied model
+  stores both: its head was left out, and ``from_pretrained`` made one at random);
+* otherwise the checkpoint's recorded pairs.
 
 A declared pair is checked before anything is written: same shape and ``torch.equal`` values
 (else a one-line ``ExportError``: dropping the alias would change the model); the check reads
@@ -363,7 +365,14 @@ def export_safetensors(
         raise ExportError(f"checkpoint {path} holds no model tensors; nothing to export")
     source, config = config, _load_config(config)
     model_cls = _check_config(config, entries)
-    declared = dict(tied) if tied is not None else recorded | _config_tied(config, model_cls)
+    # A config names the model exported: its own ties, not the trained model's (a tied
+    # checkpoint given an untied config dropped the head, which from_pretrained made at random).
+    if tied is not None:
+        declared = dict(tied)
+    elif config is not None:
+        declared = _config_tied(config, model_cls)
+    else:
+        declared = recorded
     dropped = _check_tied(path, declared, entries, explicit=tied is not None)
 
     def out_dtype(saved: torch.dtype) -> torch.dtype:
