@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -1604,6 +1605,9 @@ def test_a_refused_run_leaves_no_output_folder(capsys, tmp_path, data_dir, model
     short = [*good, "--model", "my_models:build_one_short"]
     assert main(["train", *short, "--out-dir", str(out)]) == 2
     assert not (tmp_path / "runs").exists(), list((tmp_path / "runs").rglob("*"))
+    if importlib.util.find_spec("tensorboard"):  # (its event file stayed, so did the folder)
+        assert main(["train", *short, "--log", "tensorboard", "--out-dir", str(out)]) == 2
+        assert not (tmp_path / "runs").exists(), list((tmp_path / "runs").rglob("*"))
     files = {p.name: p.read_bytes() for p in run.iterdir()}
     assert main(["train", *short, "--out-dir", str(run)]) == 2
     assert {p.name: p.read_bytes() for p in run.iterdir()} == files

@@ -294,21 +294,37 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png")
 """What a run writes in its folder before its first step, and at its end (not checkpoints)."""
 
 
-def _run_files(out: Path) -> dict[str, bytes | None]:
-    """``RUN_FILES`` in ``out`` as they are (None: absent), for ``_put_back``."""
-    return {name: (out / name).read_bytes() if (out / name).is_file() else None
-            for name in RUN_FILES}  # fmt: skip
+_EVENTS = "tensorboard"  # (--log tensorboard's folder: event files are only added to)
 
 
-def _put_back(out: Path, files: dict[str, bytes | None]) -> None:
+def _run_files(out: Path) -> dict[str, Any]:
+    """``RUN_FILES`` in ``out`` as they are (None: absent), and the names of the TensorBoard
+    event files (None: no folder), for ``_put_back``."""
+    files: dict[str, Any] = {
+        name: (out / name).read_bytes() if (out / name).is_file() else None for name in RUN_FILES
+    }
+    events = out / _EVENTS
+    files[_EVENTS] = {p.name for p in events.iterdir()} if events.is_dir() else None
+    return files
+
+
+def _put_back(out: Path, files: dict[str, Any]) -> None:
     """The run's files in ``out`` as they were before this command (``_run_files``): a run
     refused before it trained a step leaves a folder that existed as it was, and one it created
     with nothing in it but the launcher's files (removed then, ``hold_out_dir``)."""
+    events = files.pop(_EVENTS)
     for name, content in files.items():
         if content is not None:
             (out / name).write_bytes(content)
         else:
             (out / name).unlink(missing_ok=True)
+    if (out / _EVENTS).is_dir():  # the event files this run added go
+        for path in (out / _EVENTS).iterdir():
+            if path.is_file() and (events is None or path.name not in events):
+                path.unlink(missing_ok=True)
+        if events is None:
+            with contextlib.suppress(OSError):
+                (out / _EVENTS).rmdir()
 
 
 def _trained_since(out: Path, t: float) -> bool:
