@@ -39,10 +39,12 @@ def running(call: int | None, module: nn.Module, *, besides_current: bool = Fals
     refused "inside forward")."""
     if call is None:
         return True
-    calls = 0
+    needed = 2 if besides_current else 1  # (stops at it: the root's call is a few frames up)
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is module:
-            calls += 1
+            needed -= 1
+            if not needed:
+                return True
         frame = frame.f_back
-    return calls > (1 if besides_current else 0)
+    return False

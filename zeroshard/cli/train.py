@@ -312,8 +312,9 @@ def _put_back(out: Path, files: dict[str, Any]) -> None:
     """The run's files in ``out`` as they were before this command (``_run_files``): a run
     refused before it trained a step leaves a folder that existed as it was, and one it created
     with nothing in it but the launcher's files (removed then, ``hold_out_dir``)."""
-    events = files.pop(_EVENTS)
-    for name, content in files.items():
+    events = files[_EVENTS]
+    for name in RUN_FILES:
+        content = files[name]
         if content is not None:
             (out / name).write_bytes(content)
         else:
