@@ -405,6 +405,7 @@ class FlatParam:
         if self.state is ShardState.UNSHARDED or self._gather is not None:
             return
         self.check_rest_writes()
+        self.check_views()  # (data replaced at rest: the gather would drop it without a word)
         # Refill the same storage object: views that autograd saved in forward see the refill.
         nbytes = self.padded_numel * self.full.element_size()
         self.buffers.lend(self, self.full.untyped_storage(), nbytes)
@@ -421,6 +422,10 @@ class FlatParam:
 
     def wait_unshard(self) -> None:
         if self._gather is not None:
+            if self.state is ShardState.SHARDED:
+                # Replaced since the gather began (it was read ahead): an error before the views
+                # go to ``full``, the gather left to finish as after an interrupted wait.
+                self.check_views()
             self._gather.wait()
             self._gather = None
             if self.master_swap is not None:
@@ -532,11 +537,13 @@ class FlatParam:
     def adopt_gathered_writes(self) -> None:
         """Partitioned parameters held gathered: copy into the master the elements written to
         them since the gather (the root between a forward and its backward; a unit's own
-        forward writing its weights under ``no_grad``), which a reshard would drop with
-        ``full`` (a NaN-free ``fill_`` at rest is ``check_rest_writes``' error instead)."""
+        forward writing its weights under ``no_grad``, or replacing their data: ``p.data =
+        t``), which a reshard would drop with ``full`` (a NaN-free ``fill_`` at rest is ``check_rest_writes``' error instead)."""
         held = self.state is ShardState.UNSHARDED and self._gather is None
         if not held or self._gathered_versions is None or self.masters_ahead:
             return
+        with torch.no_grad():
+            self.check_views()  # ``p.data = t`` in its forward (MoCo's momentum encoder)
         versions = [s.param._version for s in self.slots]
         if versions != self._gathered_versions:
             with torch.no_grad():
