@@ -589,3 +589,28 @@ def test_a_parents_init_reaches_no_child_of_another_unit(workers2, stage):
         ]
         * 2  # fmt: skip
     )
+
+
+def _buffers_of_every_kind(sync: bool) -> dict[str, list]:
+    """Each rank registers its own values (rank + 1) in buffers of dtypes gloo does not
+    broadcast and a sparse one (a graph's adjacency, of another size on each rank): ``shard()``
+    raised "Invalid scalar type" or c10d's "Could not run 'c10d::broadcast_' with arguments
+    from the 'SparseCPU' backend", also with ``sync_module_states=False``."""
+    r = dist.get_rank() + 1
+    model = nn.Linear(3, 2)
+    for dtype in (torch.int16, torch.uint16, torch.uint32, torch.float8_e4m3fn, torch.int64):
+        model.register_buffer(f"b_{str(dtype)[6:]}", torch.full((3,), r).to(dtype))
+    i = torch.tensor([[0] * r, list(range(r))])
+    model.register_buffer("adjacency", torch.sparse_coo_tensor(i, torch.full((r,), 0.5), (3, 3)))
+    model = zeroshard.shard(model, stage=0, config=zeroshard.ShardConfig(sync_module_states=sync))
+    return {n: b.to_dense().float().tolist() for n, b in model.named_buffers()}
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_buffers_of_any_dtype_or_layout_are_rank_0_s(workers2, sync):
+    got = workers2.run(_buffers_of_every_kind, sync)
+    for rank, buffers in enumerate(got):
+        want = got[0] if sync else buffers
+        assert buffers == want and len(buffers) == 6, (rank, buffers)
+        assert buffers["b_int16"] == [1.0 + (rank if not sync else 0)] * 3, buffers
+    assert sync or got[0] != got[1]

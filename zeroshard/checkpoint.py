@@ -319,11 +319,26 @@ def save(
         return _save(path, model, optimizer, extra, keep, async_save, group)
 
 
+def _refuse_sparse_buffers(model: torch.nn.Module) -> None:
+    """Every rank alike, before any exchange: torch.distributed.checkpoint writes strided
+    tensors only ("Cannot access storage of SparseTensorImpl")."""
+    buffers = rank_buffers.persistent_buffers(model)
+    sparse = [name for name, b in buffers.items() if b.layout is not torch.strided]
+    if sparse:
+        raise CheckpointError(
+            f"buffer {sparse[0]!r} is a sparse tensor ({buffers[sparse[0]].layout}), which "
+            "checkpoints do not hold (torch.distributed.checkpoint writes strided tensors): "
+            "register it with register_buffer(..., persistent=False) and build it again after "
+            "a load, or keep it dense"
+        )
+
+
 def _save(
     path: Path, model, optimizer, extra: dict, keep: int | None, async_save: bool, group
 ) -> Path | SaveHandle:
     """``save`` once the arguments are checked (a collective on ``group``)."""
     engine_of(model).check_trusted()
+    _refuse_sparse_buffers(model)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     own = {
         "rank": rank,

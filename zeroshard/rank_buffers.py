@@ -30,6 +30,8 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _digest(tensor: torch.Tensor) -> str:
+    if tensor.layout is not torch.strided:  # (a graph's sparse adjacency)
+        tensor = tensor.to_dense()
     data = tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
     return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
 

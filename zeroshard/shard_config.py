@@ -32,7 +32,8 @@ class ShardConfig:
     stages 2-3 (1: a unit's reduction overlaps the next unit's backward, then is finished
     before that unit's gradient is collected)."""
     sync_module_states: bool = True
-    """Broadcast rank 0's parameters at shard time so every rank starts identical."""
+    """Broadcast rank 0's parameters and buffers at shard time so every rank starts identical
+    (False: each rank keeps its own; they must then agree, as FSDP2 assumes)."""
     checkpoint_every: int = 0
     """Activation checkpointing (ZeRO-R, the article's ``ci``): spans of this many chained units
     keep only their inputs for backward and recompute the rest (0: off; 1: every unit on its

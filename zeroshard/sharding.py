@@ -309,7 +309,7 @@ def shard(
         unit.precision = policy
     materialize.leftovers(model)
     own = {id(m): pol for spec, pol in zip(specs, policies) for m in spec.module.modules()}
-    _move_buffers(model, mesh, own, mixed_precision)
+    _move_buffers(model, mesh, own, mixed_precision, sync=config.sync_module_states)
     engine = Engine(
         model,
         unit_list,
@@ -557,11 +557,14 @@ BUFFER_DTYPES = "_zeroshard_buffer_dtypes"
 """Attribute of a module whose buffers ``buffer_dtype`` cast: {buffer name: original dtype}."""
 
 
-def _move_buffers(model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecision) -> None:
+def _move_buffers(
+    model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecision, *, sync: bool
+) -> None:
     """Buffers to the device, floating ones that are saved with the model (running statistics)
     in ``buffer_dtype``; non-persistent ones are constants a module derives and computes with in
     its own precision (RoPE's inverse frequencies: rounded to BF16 they are off by a radian at
-    position 8000) and keep their dtype. Rank 0's values on every rank. A buffer registered in
+    position 8000) and keep their dtype. Rank 0's values on every rank with ``sync``
+    (``sync_module_states``), whatever their dtype or layout. A buffer registered in
     several modules stays one tensor (an EMA two modules update in place), in the dtype of its
     first registration in module order. ``own``: each
     module's unit's policy by ``id`` (``unit_precision``'s, a BatchNorm kept FP32), else
@@ -586,6 +589,29 @@ def _move_buffers(model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecisi
             module.__dict__.setdefault(BUFFER_DTYPES, {})[name] = buf.dtype
         if id(buf) not in moved:
             moved[id(buf)] = buf.to(device=mesh.device, dtype=dtype)
-            if mesh.world_size > 1:
-                C.broadcast(moved[id(buf)], src=0, group=mesh.group)
+            if sync and mesh.world_size > 1:
+                moved[id(buf)] = _rank0s(moved[id(buf)], mesh)
         module._buffers[name] = moved[id(buf)]
+
+
+_BROADCAST_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                     torch.int32, torch.int8, torch.uint8, torch.bool}  # fmt: skip
+"""What every backend broadcasts as it is (gloo lacks int16, the unsigned ints but uint8, and
+the float8s: "Invalid scalar type")."""
+
+
+def _rank0s(buf: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """Rank 0's value of ``buf`` (on every rank of ``mesh.group``): in place where the
+    backends take its dtype, else through its bytes; a sparse one (a graph's adjacency), whose
+    size differs between ranks, as an object."""
+    if buf.layout is not torch.strided:
+        box = [buf.cpu() if mesh.rank == 0 else None]
+        torch.distributed.broadcast_object_list(box, group_src=0, group=mesh.group)
+        return box[0].to(mesh.device)
+    if buf.dtype in _BROADCAST_DTYPES:
+        C.broadcast(buf, src=0, group=mesh.group)
+        return buf
+    data = buf.detach().contiguous().reshape(-1).view(torch.uint8)
+    C.broadcast(data, src=0, group=mesh.group)
+    buf.copy_(data.view(buf.dtype).view(buf.shape))
+    return buf
