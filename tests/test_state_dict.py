@@ -216,6 +216,35 @@ def test_torch_save_load_and_plain_state_dicts(workers2, stage, tmp_path):
     assert all(workers2.run(_files_and_plain_dicts, stage, str(tmp_path)))
 
 
+def _spectral_norm_dicts(stage: int) -> list[str]:
+    """A model with ``nn.utils.spectral_norm`` (SN-GAN's discriminators) loads a dict without
+    torch's ``_metadata`` (``dict(sd)``, ``full_state_dict``, a checkpoint's) as torch does: its
+    hook tells an up-to-date dict by ``weight_orig``, which the engine had taken out first
+    ("Missing key(s): 0.weight"). The keys whose values differ from the trained model's."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 1))
+
+    model = zeroshard.shard(make(), stage=stage)
+    opt = zeroshard.optimizer(model, torch.optim.Adam, lr=1e-2)
+    opt.backward(model(torch.randn(2, 4)).mean())
+    opt.step()
+    want = zeroshard.full_state_dict(model, rank0_only=False)
+    wrong = []
+    for sd in (dict(model.state_dict()), want):
+        fresh = zeroshard.shard(make(), stage=stage)
+        assert not fresh.load_state_dict(sd).missing_keys
+        got = zeroshard.full_state_dict(fresh, rank0_only=False)
+        wrong += [k for k in want if not torch.equal(got[k], want[k])]
+    return wrong
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_spectral_norm_loads_a_dict_without_metadata(workers2, stage):
+    assert workers2.run(_spectral_norm_dicts, stage) == [[], []]
+
+
 def _strictness(stage: int) -> bool:
     torch.manual_seed(0)
     ref, _ = build("gpt")

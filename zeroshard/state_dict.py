@@ -293,7 +293,7 @@ class _Hooks:
         self.hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet(model.modules())
         for m in model.modules():
             m.register_state_dict_post_hook(self._when_outermost(self.state_dict_post_hook))
-            m.register_load_state_dict_pre_hook(self._when_outermost(self.load_pre_hook))
+            m.register_load_state_dict_pre_hook(self._load_pre_hook_of_each)
             m.register_load_state_dict_post_hook(self._when_outermost(self.load_post_hook))
 
     def _when_outermost(self, hook: Callable) -> Callable:
@@ -306,6 +306,20 @@ class _Hooks:
                 hook(module, *args)
 
         return run
+
+    def _load_pre_hook_of_each(
+        self, module: nn.Module, state_dict: dict, prefix: str, *args: Any
+    ) -> None:
+        """The load's pre-hook for the user's call; on every module, its own entries that the
+        engine took are taken out of ``state_dict`` (torch copies them right after the module's
+        pre-hooks), not before: a hook registered before ``shard()`` reads them as torch leaves
+        them (``spectral_norm``'s tells an up-to-date dict by its ``weight_orig``)."""
+        if self._outermost(module, "load_state_dict"):
+            self.load_pre_hook(module, state_dict, prefix, *args)
+        for name in module._parameters:
+            key = prefix + name  # (under checkpoint_wrapper's own name, which its hook adds)
+            if key.replace(_WRAPPED, "") in self.consumed:
+                state_dict.pop(key, None)
 
     def _outermost(self, module: nn.Module, method: str) -> bool:
         """Whether this ``module.<method>()`` call is not part of the same call on another module
@@ -409,7 +423,7 @@ class _Hooks:
                     # each name's shape is checked (a tied alias's was not)
                     key, value = keys[-1], state_dict[keys[-1]]
                     for k in keys:
-                        other = state_dict.pop(k)
+                        other = state_dict[k]  # (taken out by its module's hook)
                         self.consumed.add(k)
                         wrong = isinstance(other, torch.Tensor) and other.shape != s.shape
                         if k != key and wrong:
