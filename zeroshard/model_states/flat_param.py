@@ -538,7 +538,8 @@ class FlatParam:
         """Partitioned parameters held gathered: copy into the master the elements written to
         them since the gather (the root between a forward and its backward; a unit's own
         forward writing its weights under ``no_grad``, or replacing their data: ``p.data =
-        t``), which a reshard would drop with ``full`` (a NaN-free ``fill_`` at rest is ``check_rest_writes``' error instead)."""
+        t``), which a reshard would drop with ``full`` (a NaN-free ``fill_`` at rest is
+        ``check_rest_writes``' error instead)."""
         held = self.state is ShardState.UNSHARDED and self._gather is None
         if not held or self._gathered_versions is None or self.masters_ahead:
             return
