@@ -291,6 +291,35 @@ def test_torch_s_grad_scaler(workers2, stage):
             assert "mixed_precision='fp16'" in r, r
 
 
+def _grad_scaler_in_bf16() -> float:
+    """Stage 0 with ``mixed_precision="bf16"``, where ``.grad`` shows a BF16 copy of the FP32
+    average that the step takes: GradScaler's unscale kernel writes it in place without a version
+    bump, and the step took the FP32 values still scaled (an update 1024 times too large). The
+    difference from the same model trained without a scaler (a power-of-two scale is exact)."""
+    models = [_pair(0, mixed_precision="bf16")[0] for _ in range(2)]
+    opts = [zeroshard.optimizer(m, torch.optim.SGD, lr=0.5) for m in models]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(2):
+        x, y, mine = _batch(step)
+        for m, o in zip(models, opts):
+            loss = nn.functional.mse_loss(m(x[mine]).float(), y[mine])
+            if o is opts[0]:
+                scaler.scale(loss).backward()
+                scaler.step(o)
+                scaler.update()
+            else:
+                loss.backward()
+                o.step()
+            o.zero_grad()
+    a, b = (zeroshard.full_state_dict(m, rank0_only=False) for m in models)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_torch_s_grad_scaler_with_bf16_gradients_shown(workers2):
+    for worst in workers2.run(_grad_scaler_in_bf16):
+        assert worst < 1e-6, worst
+
+
 def _submodule_zero_grad(stage: int) -> float:
     """Gradients dropped by each submodule's own ``zero_grad`` (a GAN's ``netD.zero_grad()``)
     against torch's: they came back at the next step, added to the new ones."""

@@ -119,6 +119,9 @@ class GradBucket:
         self._shown_version: int | None = None
         """Stage 0, ``shard_grad`` apart from ``full_grad``: the buffer's version counter when it
         was given the averaged gradient (``.grad`` shows it), to notice in-place edits."""
+        self._shown_sum: torch.Tensor | None = None
+        """And the sum of what it showed (FP32, 1 element): kernels that write in place without
+        a version bump (GradScaler's ``_amp_foreach_non_finite_check_and_unscale_``)."""
         self.handoff: Callable[[GradBucket], None] | None = None
         """Called after each reduction of a partitioned gradient, ``shard_grad`` then holding the
         reduced shard: the hand-off to a lower memory tier (``zeroshard.model_states.grad_swap``),
@@ -423,8 +426,25 @@ class GradBucket:
             self.full_grad[lo:hi].copy_(self.shard_grad)
         elif averaged.data_ptr() != self.full_grad.data_ptr():
             self.full_grad.copy_(averaged)
-        aliased = self.shard_grad.data_ptr() == self.full_grad.data_ptr()
+        self._note_shown(aliased=self.shard_grad.data_ptr() == self.full_grad.data_ptr())
+
+    def _note_shown(self, *, aliased: bool) -> None:
+        """What ``.grad`` shows now is the reference for ``adopt_edits`` (nothing to note when
+        ``.grad`` is the step's own memory: FP32)."""
+        assert self.full_grad is not None
+        lo, hi = self.flat.range
         self._shown_version = None if aliased else self.full_grad._version
+        self._shown_sum = None if aliased else self.full_grad[lo:hi].sum(dtype=torch.float32)
+
+    def _edited(self) -> bool:
+        """Whether ``.grad`` changed since ``_note_shown``: its version, or else its sum (one
+        read of it, stage 0 in mixed precision only; a NaN that was there is no change)."""
+        assert self.full_grad is not None and self._shown_sum is not None
+        if self.full_grad._version != self._shown_version:
+            return True
+        lo, hi = self.flat.range
+        now, then = self.full_grad[lo:hi].sum(dtype=torch.float32), self._shown_sum
+        return bool((now != then) & ~(now.isnan() & then.isnan()))
 
     def adopt_edits(self) -> None:
         """Stage 0: a gradient changed in place through ``.grad`` since the reduction
@@ -439,7 +459,7 @@ class GradBucket:
         edit: drop it with ``p.grad = None``.)"""
         if self._shown_version is None or self.full_grad is None or self.shard_grad is None:
             return
-        if self.full_grad._version != self._shown_version:
+        if self._edited():
             lo, hi = self.flat.range
             edited = self.full_grad[lo:hi]
             changed = edited != self.shard_grad.to(edited.dtype)  # (what ``.grad`` showed)
@@ -449,7 +469,7 @@ class GradBucket:
                 if edited_here:
                     changed[span] = True
             self.shard_grad.copy_(torch.where(changed, edited, self.shard_grad))
-            self._shown_version = self.full_grad._version
+            self._note_shown(aliased=False)
 
     def adopt_rebinds(self, slots: list[int]) -> None:
         """``.grad`` of ``slots`` reassigned by hand. At stage 0 after a reduction, where
@@ -511,7 +531,7 @@ class GradBucket:
                     "reads it owns it"
                 )
         if changed and self._shown_version is not None and self.full_grad is not None:
-            self._shown_version = self.full_grad._version  # adopted: not an edit to copy again
+            self._note_shown(aliased=False)  # adopted: not an edit to copy again
 
     def _reduced_zeros(self, slots: list[int]) -> bool:
         """Stage 0 with nothing reduced since the gradients were dropped, and a ``.grad`` of
@@ -529,8 +549,7 @@ class GradBucket:
         self.full_grad.zero_()
         lo, hi = flat.range
         self.shard_grad = self.full_grad[lo:hi].to(flat.master_dtype)  # (alias when the same)
-        aliased = self.shard_grad.data_ptr() == self.full_grad[lo:hi].data_ptr()
-        self._shown_version = None if aliased else self.full_grad._version
+        self._note_shown(aliased=self.shard_grad.data_ptr() == self.full_grad[lo:hi].data_ptr())
         self._reduced = True
         return True
 
@@ -584,7 +603,7 @@ class GradBucket:
             self._reduce = None
         if self.on_zero is not None:
             self.on_zero(self, None)
-        self.shard_grad = self._acc = self._shown_version = None
+        self.shard_grad = self._acc = self._shown_version = self._shown_sum = None
         self.issued = self.late = self._unshown = self._reduced = False
         self._arrived.clear()
         self.found_inf.zero_()
@@ -625,7 +644,7 @@ class GradBucket:
             if not keep_touched:
                 self.touched[i] = False
         if self._shown_version is not None and self.full_grad is not None:
-            self._shown_version = self.full_grad._version  # these zeros are not a user's edit
+            self._note_shown(aliased=False)  # these zeros are not a user's edit
         self._dropped.update(slots)
         self._arrived.difference_update(slots)
         self.zeroings += 1
