@@ -176,6 +176,18 @@ def test_global_step_hooks_run_once_per_step_on_the_users_optimizer(lone_process
     assert calls == [("pre", type(opt)), ("post", type(opt))], calls
 
 
+def test_load_pre_hooks_edit_a_copy_of_the_caller_s_dict(lone_process):
+    """As torch: a pre-hook stripping a key of the caller's own (an epoch kept beside the
+    states) edits a copy; it removed the key from the caller's dict."""
+    model = zeroshard.shard(nn.Sequential(nn.Linear(4, 4)), stage=1)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=0.1)
+    opt.register_load_state_dict_pre_hook(lambda o, sd: sd.pop("epoch") and None)
+    sd = opt.state_dict()
+    sd["epoch"] = 3
+    opt.load_state_dict(sd)
+    assert sd["epoch"] == 3
+
+
 def test_a_group_choosing_foreach_is_not_given_fused(lone_process):
     """zeroshard builds Adam/AdamW fused unless told otherwise: a group's own ``foreach=True``
     is telling it (torch refused "fused and foreach cannot be True together")."""

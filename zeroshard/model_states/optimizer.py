@@ -603,6 +603,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         from zeroshard.optim_state_dict import load_optimizer_state_dict
         from zeroshard.state_dict import COLLECTIVE
 
+        state_dict = state_dict.copy()  # hooks edit this copy, not the caller's (as torch)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)
             state_dict = state_dict if returned is None else returned
