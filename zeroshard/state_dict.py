@@ -274,6 +274,18 @@ def _cutter(flat: FlatParam, convert: Callable) -> Callable[[FlatParam, int], to
 # --------------------------------------------------------------------- model hooks
 
 
+class _Save:
+    """One ``state_dict()`` of the model under way: how its entries are made, and the flats
+    gathered for them until their last entry is cut (each module fills its own parameters'
+    entries at its turn, so that hooks of submodules see and edit real values)."""
+
+    def __init__(self, root: nn.Module, prefix: str, convert: Callable, keep: bool) -> None:
+        self.root, self.prefix, self.convert, self.keep = root, prefix, convert, keep
+        self.left: dict[FlatParam, int] = {}
+        """Entries still to cut from each flat in this call (one per registration)."""
+        self.cutters: dict[FlatParam, Callable[[FlatParam, int], torch.Tensor]] = {}
+
+
 class _Hooks:
     """The state-dict hooks of one sharded model (registered on each of its modules)."""
 
@@ -286,40 +298,39 @@ class _Hooks:
         self.ranges_loaded = False
         """Whether the last load's values were read into the masters in place (FlatRange)."""
         self.consumed: set[str] = set()
-        """Keys the last load's pre-hook consumed (not missing, whatever the default says)."""
-        # On every module of the model, so that a submodule's own state_dict() (a head's, a
-        # block's) is in the same format; each acts only for the call the user made (the
-        # outermost of them), not for torch's recursion into the submodules.
+        """Keys the last load took (not missing, whatever the default says)."""
+        self.loading = False
+        """A ``load_state_dict`` of the model under way: each module takes its entries."""
+        self.saving: _Save | None = None
+        self.slot_of = {
+            id(s.param): (f, i) for f in engine.flat_params for i, s in enumerate(f.slots)
+        }
+        self._load_ids: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+        # On every module of the model: a submodule's own state_dict() (a head's, a block's) is
+        # in the same format, and each module's entries are made (saving) and taken (loading)
+        # at its own turn, between the hooks of the user's that run before and after torch's
+        # own work there (a checkpoint-upgrade hook renaming or converting its keys).
         self.hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet(model.modules())
         for m in model.modules():
-            m.register_state_dict_post_hook(self._when_outermost(self.state_dict_post_hook))
-            m.register_load_state_dict_pre_hook(self._load_pre_hook_of_each)
-            m.register_load_state_dict_post_hook(self._when_outermost(self.load_post_hook))
+            m.register_state_dict_pre_hook(self._state_dict_pre_hook_of_each)
+            handle = m.register_state_dict_post_hook(self._function(self._fill_own))
+            m._state_dict_hooks.move_to_end(handle.id, last=False)  # before the user's own
+            self._load_ids[m] = m.register_load_state_dict_pre_hook(self._load_pre_hook_of_each).id
+            m.register_load_state_dict_post_hook(self._load_post_hook_of_each)
 
-    def _when_outermost(self, hook: Callable) -> Callable:
-        """``hook``, run only for the user's call (a function, not a bound method: torch marks
-        a state-dict post-hook with an attribute); returns None, as torch wants of hooks."""
-        method = "state_dict" if hook == self.state_dict_post_hook else "load_state_dict"
+    @staticmethod
+    def _function(method: Callable) -> Callable:
+        """``method`` as a function (torch marks a state-dict post-hook with an attribute);
+        returns None, as torch wants of hooks."""
 
-        def run(module: nn.Module, *args: Any) -> None:
-            if self._outermost(module, method):
-                hook(module, *args)
+        def run(*args: Any) -> None:
+            method(*args)
 
         return run
 
-    def _load_pre_hook_of_each(
-        self, module: nn.Module, state_dict: dict, prefix: str, *args: Any
-    ) -> None:
-        """The load's pre-hook for the user's call; on every module, its own entries that the
-        engine took are taken out of ``state_dict`` (torch copies them right after the module's
-        pre-hooks), not before: a hook registered before ``shard()`` reads them as torch leaves
-        them (``spectral_norm``'s tells an up-to-date dict by its ``weight_orig``)."""
+    def _load_post_hook_of_each(self, module: nn.Module, incompatible_keys: Any) -> None:
         if self._outermost(module, "load_state_dict"):
-            self.load_pre_hook(module, state_dict, prefix, *args)
-        for name in module._parameters:
-            key = prefix + name  # (under checkpoint_wrapper's own name, which its hook adds)
-            if key.replace(_WRAPPED, "") in self.consumed:
-                state_dict.pop(key, None)
+            self.load_post_hook(module, incompatible_keys)
 
     def _outermost(self, module: nn.Module, method: str) -> bool:
         """Whether this ``module.<method>()`` call is not part of the same call on another module
@@ -338,15 +349,17 @@ class _Hooks:
         return True
 
     # ------------------------------------------------------------- state_dict
+    def _state_dict_pre_hook_of_each(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self._outermost(module, "state_dict"):
+            self.state_dict_pre_hook(module, prefix)
+
     @torch.no_grad()
-    def state_dict_post_hook(
-        self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict
-    ) -> None:
+    def state_dict_pre_hook(self, module: nn.Module, prefix: str) -> None:
+        """The user's call begins: the checks, and how entries are made."""
         engine = self.engine
         if self.full is not None:  # (not the sharded ones: templates that a load fills)
             engine.check_trusted()
         engine.adopt_writes()
-        names = _all_names(module)
         keep = True  # whether this rank returns the entries it cuts
         if self.full is None and not self.local:
             refuse_split_pieces(engine, "model.state_dict()")
@@ -358,27 +371,46 @@ class _Hooks:
             keep = not rank0_only or engine.mesh.is_first
             device = torch.device("cpu") if cpu_offload else None
             convert = lambda t, dtype: t.to(device=device, dtype=dtype, copy=True)  # noqa: E731
+        self.saving = save = _Save(module, prefix, convert, keep)
+        for _, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in self.slot_of:
+                flat = self.slot_of[id(p)][0]
+                save.left[flat] = save.left.get(flat, 0) + 1
 
-        in_flats: set[int] = set()
-        for flat in engine.flat_params:  # in the same order on every rank (gathers)
-            if not any(id(s.param) in names for s in flat.slots):
-                continue  # none of the module's (a submodule's call): nothing to gather
-            value_of = _local_range if self.local else _cutter(flat, convert)
-            for i, s in enumerate(flat.slots):
-                in_flats.add(id(s.param))
-                keys = [prefix + n for n in names.get(id(s.param), [])]
-                keys = [k for k in keys if k in state_dict]
-                if not keys or not keep:
-                    continue  # (the other ranks' collectives still needed this rank's shard)
-                value = value_of(flat, i)
-                for k in keys:
-                    state_dict[k] = value
-            del value_of  # a gathered buffer is freed before the next flat's
-        # Zero-element parameters stay plain parameters: the same layout, nothing to gather.
-        for module_name, p in module.named_parameters(remove_duplicate=False):
-            key = prefix + module_name
-            if id(p) not in in_flats and key in state_dict and keep:
-                state_dict[key] = convert(p.detach(), p.dtype)
+    @torch.no_grad()
+    def _fill_own(
+        self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict
+    ) -> None:
+        """This module's parameters' entries, from the masters (torch put the parameters there:
+        placeholders at stage 3), before the user's hooks on it run; a flat is gathered when
+        its first entry is cut (in the same order on every rank) and freed after its last."""
+        save = self.saving
+        if save is None:
+            return
+        for name, p in module._parameters.items():
+            key = prefix + name
+            if p is None or key not in state_dict:
+                continue
+            if id(p) not in self.slot_of:  # zero-element: a plain parameter, nothing to gather
+                if save.keep:
+                    state_dict[key] = save.convert(p.detach(), p.dtype)
+                continue
+            flat, index = self.slot_of[id(p)]
+            if flat not in save.cutters:
+                save.cutters[flat] = _local_range if self.local else _cutter(flat, save.convert)
+            if save.keep:  # (the other ranks' collectives still needed this rank's shard)
+                state_dict[key] = save.cutters[flat](flat, index)
+            save.left[flat] -= 1
+            if not save.left[flat]:
+                del save.cutters[flat]  # a gathered buffer is freed before the next flat's
+        if module is save.root and prefix == save.prefix:
+            self.saving = None
+            self.state_dict_post_hook(module, state_dict, prefix, save.keep)
+
+    def state_dict_post_hook(
+        self, module: nn.Module, state_dict: dict, prefix: str, keep: bool
+    ) -> None:
+        """The user's call ends: buffers in their declared dtype, entries on the CPU."""
         if keep:
             _buffers_in_their_dtype(module, state_dict, prefix)
         if self.full is not None and self.full[1] and keep:
@@ -387,6 +419,18 @@ class _Hooks:
                     state_dict[key] = value.detach().cpu()
 
     # ------------------------------------------------------------- load_state_dict
+    def _load_pre_hook_of_each(
+        self, module: nn.Module, state_dict: dict, prefix: str, *args: Any
+    ) -> None:
+        """The load's setup for the user's call; then, on every module, its own entries taken
+        out of ``state_dict`` into the masters (torch copies them right after the module's
+        pre-hooks): after the hooks of the user's on it, which may rename or convert them
+        (``spectral_norm``'s tells an up-to-date dict by its ``weight_orig``)."""
+        if self._outermost(module, "load_state_dict"):
+            self.load_pre_hook(module, state_dict, prefix, *args)
+        if self.loading:
+            self._take_own(module, state_dict, prefix, error_msgs=args[-1])
+
     @torch.no_grad()
     def load_pre_hook(
         self,
@@ -406,49 +450,57 @@ class _Hooks:
                 "writes on exit: whether the load should be undone too is ambiguous; load "
                 "outside it"
             )
-        with diagnosed("all_gather", COLLECTIVE, None):  # DTensors gathered: full_tensor()
-            engine.adopt_writes()
-            names = _all_names(module)
-            self.consumed = set()
-            self.ranges_loaded = False
-            for flat in engine.flat_params:
-                if flat.gathering:
-                    flat.wait_unshard()
-                for i, s in enumerate(flat.slots):
-                    keys = [prefix + n for n in names.get(id(s.param), [])]
-                    keys = [k for k in keys if k in state_dict]
-                    if not keys:
-                        continue
-                    # as torch: each name is copied into the one tensor, the last wins, and
-                    # each name's shape is checked (a tied alias's was not)
-                    key, value = keys[-1], state_dict[keys[-1]]
-                    for k in keys:
-                        other = state_dict[k]  # (taken out by its module's hook)
-                        self.consumed.add(k)
-                        wrong = isinstance(other, torch.Tensor) and other.shape != s.shape
-                        if k != key and wrong:
-                            error_msgs.append(_size_mismatch(k, other.shape, s.shape))
-                    if isinstance(value, FlatRange):  # read into the master in place already
-                        self.ranges_loaded = True
-                        continue
-                    if not isinstance(value, torch.Tensor):
-                        error_msgs.append(
-                            f'While copying the parameter named "{key}", expected torch.Tensor '
-                            f"or Tensor-like object from checkpoint but received {type(value)}"
-                        )
-                        continue
-                    if value.shape != s.shape:  # a DTensor's shape is global
-                        tp = self.engine.mesh.tp_size
-                        error_msgs.append(_size_mismatch(key, value.shape, s.shape, tp))
-                        continue
-                    _write_slot(flat, i, _full_value(value))
-            # Other entries (zero-element parameters, buffers) the default loader copies: as whole
-            # tensors, in the same order on every rank (gathering DTensors is a collective).
+        engine.adopt_writes()
+        self.consumed = set()
+        self.ranges_loaded = False
+        for flat in engine.flat_params:
+            if flat.gathering:
+                flat.wait_unshard()
+        # Ours last on each submodule (hooks the user registered after shard() included); on
+        # this one, which runs its hooks now, after those registered before shard().
+        for m in module.modules():
+            if m is not module and m in self._load_ids:
+                m._load_state_dict_pre_hooks.move_to_end(self._load_ids[m])
+        self.loading = True
+        # Other entries (zero-element parameters, buffers) the default loader copies: as whole
+        # tensors, in the same order on every rank (gathering DTensors is a collective).
+        names = _all_names(module)
+        params = {prefix + n for i in self.slot_of if i in names for n in names[i]}
+        with diagnosed("all_gather", COLLECTIVE, None):
             for key in list(state_dict):
-                if key.startswith(prefix) and _is_dtensor(state_dict[key]):
-                    state_dict[key] = state_dict[key].full_tensor()
+                value = state_dict[key]
+                if key.startswith(prefix) and key not in params and _is_dtensor(value):
+                    state_dict[key] = value.full_tensor()
+
+    @torch.no_grad()
+    def _take_own(
+        self, module: nn.Module, state_dict: dict, prefix: str, error_msgs: list[str]
+    ) -> None:
+        """This module's parameters' entries into the masters (and the compute copies held
+        gathered); as torch, a parameter under several names takes each, the last wins."""
+        for name, p in module._parameters.items():
+            key = prefix + name  # (under checkpoint_wrapper's own level, which its hook adds)
+            if p is None or id(p) not in self.slot_of or key not in state_dict:
+                continue
+            value = state_dict.pop(key)
+            self.consumed.add(key.replace(_WRAPPED, ""))
+            flat, index = self.slot_of[id(p)]
+            shape = flat.slots[index].shape
+            if isinstance(value, FlatRange):  # read into the master in place already
+                self.ranges_loaded = True
+            elif not isinstance(value, torch.Tensor):
+                error_msgs.append(
+                    f'While copying the parameter named "{key}", expected torch.Tensor '
+                    f"or Tensor-like object from checkpoint but received {type(value)}"
+                )
+            elif value.shape != shape:  # a DTensor's shape is global
+                error_msgs.append(_size_mismatch(key, value.shape, shape, self.engine.mesh.tp_size))
+            else:
+                with diagnosed("all_gather", COLLECTIVE, None):  # a DTensor's full_tensor()
+                    _write_slot(flat, index, _full_value(value))
 
     def load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
+        self.loading = False
         missing = incompatible_keys.missing_keys
         missing[:] = [k for k in missing if k.replace(_WRAPPED, "") not in self.consumed]
         self.consumed = set()
