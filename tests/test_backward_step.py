@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from parity_models import batch, build, loss_of, param_groups
 
 import zeroshard
@@ -444,6 +445,51 @@ def _after_a_replacement_and_an_overflow(stage: int) -> list[bool]:
 def test_a_replaced_optimizer_does_not_hold_back_the_new_one(workers2, stage):
     for taken in workers2.run(_after_a_replacement_and_an_overflow, stage):
         assert taken == [False, True, True], taken
+
+
+def _half_replaced() -> tuple[str, float]:
+    """Fine-tuning the last block with a new optimizer while the old one, which stepped in
+    backward, lives on in its scheduler: the old one went on updating the other blocks in
+    every backward (0.01 off torch after one step), then failed with "received gradients again
+    after its update". Refused, naming the fix; after it, the new one trains as torch."""
+    import gc
+
+    from torch import nn
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)])
+
+    ref, model = build(), zeroshard.shard(build(), stage=3, wrap=zeroshard.wrap.by_class(nn.Linear))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2, step_in_backward=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    try:
+        zeroshard.optimizer(model, torch.optim.SGD, list(model[2].parameters()), lr=0.1)
+        said = "no error"
+    except ValueError as exc:
+        said = str(exc)
+    del sched, opt
+    gc.collect()
+    before = zeroshard.full_state_dict(model, rank0_only=False)
+    ref.load_state_dict(before)
+    new = zeroshard.optimizer(model, torch.optim.SGD, list(model[2].parameters()), lr=0.1)
+    ref_opt = torch.optim.SGD(ref[2].parameters(), lr=0.1)
+    xs = torch.cat([torch.randn(2, 4, generator=torch.Generator().manual_seed(r)) for r in (0, 1)])
+    model(x).square().mean().backward()
+    ref(xs).square().mean().backward()
+    new.step(), ref_opt.step()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    return said, max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+def test_an_optimizer_half_replacing_one_that_steps_in_backward_is_refused(workers2):
+    for said, diff in workers2.run(_half_replaced):
+        assert "replaces an older one that steps in backward" in said, said
+        assert "del sched, opt" in said and diff < 1e-6, (said, diff)
 
 
 def _split_unit(stage: int, sib_first: bool) -> str:

@@ -68,15 +68,41 @@ def claim(optimizer: ShardedOptimizer, step_in_backward: bool) -> list[GradBucke
                 f"step_in_backward: the parameters of {b.flat.name!r} are split between two "
                 "optimizers, and one of them steps during backward, which hands their whole "
                 "gradient to one optimizer; give them all to one optimizer (param groups set "
-                f"their own lr, weight decay...), {split}, or drop step_in_backward"
+                f"their own lr, weight decay...), {split}, or drop step_in_backward (the other "
+                "one an optimizer you replace? delete it, and whatever holds it such as its "
+                "learning-rate scheduler, before building the new one)"
             )
         plan.append((b, kept))
+    _refuse_half_replacing(optimizer, plan)
     for b, kept in plan:
         if not kept and b.handoff is not None and b.consumed_at_handoff:
             b.on_reduce = b.handoff = None  # a replaced optimizer that stepped in backward
             b.consumed_at_handoff = False
         b.owners = [weakref.ref(o) for o in (*kept, optimizer)]
     return [b for b, _ in plan]
+
+
+def _refuse_half_replacing(
+    optimizer: ShardedOptimizer, plan: list[tuple[GradBucket, list[ShardedOptimizer]]]
+) -> None:
+    """A ValueError when ``optimizer`` would replace one that steps in backward in some of its
+    buckets and leave it the others: torch's replaced optimizer acts no more, that one would
+    go on updating the others in every backward (kept alive by a learning-rate scheduler)."""
+    taken = {id(b) for b, _ in plan}
+    for b, kept in plan:
+        for old in _owners(b):
+            if old is optimizer or old in kept or old._backward_step is None:
+                continue
+            left = [o.flat.name for o in old._buckets if id(o) not in taken and old in _owners(o)]
+            if left:
+                raise ValueError(
+                    "this optimizer replaces an older one that steps in backward "
+                    f"(step_in_backward) over {b.flat.name!r} but not over {left[0]!r}"
+                    f"{f' and {len(left) - 1} more' if len(left) > 1 else ''}, which the older "
+                    "one would go on updating in every backward: delete the older optimizer "
+                    "and whatever holds it (its learning-rate scheduler: del sched, opt) before "
+                    "building this one, or build this one over all of its parameters"
+                )
 
 
 def reclaim(optimizer: ShardedOptimizer) -> None:
