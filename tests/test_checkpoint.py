@@ -1508,3 +1508,35 @@ def test_a_sparse_buffer_is_refused_before_any_write(workers2, tmp_path):
         assert refused.startswith("buffer 'adjacency' is a sparse tensor"), refused
         assert "persistent=False" in refused and saved == "saved"
     assert [p.name for p in tmp_path.iterdir()] == ["step-0"]
+
+
+def _quantization_aware(path: str) -> float:
+    """A model prepared for quantization-aware training: its observers' scales are sized at the
+    first forward (per channel), so a fresh model's are not the saved ones' shape, and the load
+    refused "checkpoint ... is of another model (... mis-shaped ...fake_quant.scale (saved (8,),
+    model (1,)))": they are read at the saved shape, and the module's own load resizes them, as
+    torch's load_state_dict does. The largest difference from the saved model's evaluation."""
+    import torch.ao.quantization as Q
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        model.qconfig = Q.get_default_qat_qconfig("x86")
+        return zeroshard.shard(Q.prepare_qat(model), stage=3)
+
+    model = make()
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    opt.backward(model(torch.randn(6, 4)).square().mean())
+    opt.step()
+    checkpoint.save(Path(path) / "step-1", model, opt, {"step": 1})
+    fresh = make()
+    checkpoint.load(
+        Path(path) / "step-1", fresh, zeroshard.optimizer(fresh, torch.optim.SGD, lr=0.1)
+    )
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return (fresh.eval()(x) - model.eval()(x)).abs().max().item()
+
+
+def test_observers_sized_at_the_first_forward_are_loaded(workers2, tmp_path):
+    assert workers2.run(_quantization_aware, str(tmp_path)) == [0.0, 0.0]

@@ -179,9 +179,11 @@ def compiled_prefix(reader, template: dict[str, Any]) -> str:
     return ""
 
 
-def names(path: Path, reader, template: dict[str, Any]) -> None:
+def names(path: Path, reader, template: dict[str, Any], resizable: set[str] = frozenset()) -> None:
     """Compare the checkpoint's model entries with the model's (names and shapes), and its
-    number of optimizer param groups with the optimizer's."""
+    number of optimizer param groups with the optimizer's. Entries in ``resizable`` (buffers
+    whose module loads them itself, resizing them: quantization observers, sized at the first
+    forward) are read at their saved shape instead (a new tensor in ``template``)."""
     entries = reader.read_metadata().state_dict_metadata
     groups = sum(k.startswith("optim.param_groups.") and k.endswith(".params") for k in entries)
     if "optim" in template and groups != len(template["optim"]["param_groups"]):
@@ -197,6 +199,11 @@ def names(path: Path, reader, template: dict[str, Any]) -> None:
         if k.startswith("model.")
     }
     ours = {k: getattr(v, "size", lambda: None)() for k, v in template["model"].items()}
+    for k in resizable:
+        size, mine = saved.get(k), template["model"].get(k)
+        if size is not None and isinstance(mine, torch.Tensor) and tuple(size) != mine.shape:
+            template["model"][k] = mine.new_empty(tuple(size))
+            ours[k] = template["model"][k].size()
     missing = [k for k in ours if k not in saved]
     unexpected = [k for k in saved if k not in ours]
     misshaped = [
