@@ -315,6 +315,7 @@ class _Hooks:
             m.register_state_dict_pre_hook(self._state_dict_pre_hook_of_each)
             handle = m.register_state_dict_post_hook(self._function(self._fill_own))
             m._state_dict_hooks.move_to_end(handle.id, last=False)  # before the user's own
+            m.register_state_dict_post_hook(self._function(self._finish_saving))
             self._load_ids[m] = m.register_load_state_dict_pre_hook(self._load_pre_hook_of_each).id
             m.register_load_state_dict_post_hook(self._load_post_hook_of_each)
 
@@ -403,7 +404,14 @@ class _Hooks:
             save.left[flat] -= 1
             if not save.left[flat]:
                 del save.cutters[flat]  # a gathered buffer is freed before the next flat's
-        if module is save.root and prefix == save.prefix:
+
+    def _finish_saving(
+        self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict
+    ) -> None:
+        """After the hooks registered before ``shard()`` on the user's module (a
+        checkpoint_wrapper's, which takes its level out of the keys)."""
+        save = self.saving
+        if save is not None and module is save.root and prefix == save.prefix:
             self.saving = None
             self.state_dict_post_hook(module, state_dict, prefix, save.keep)
 
