@@ -123,3 +123,20 @@ def test_format_three_significant_digits():
     assert format_bytes(2**30, "GiB") == "1 GiB"
     assert format_rate(1.2305e12) == "1.23 TB/s"
     assert format_rate(356e6) == "356 MB/s"
+
+
+def test_decimal_counts_and_sizes_are_read_exactly():
+    """In floats 4.1 * 1e9 is 4099999999.9999995: "4.1B" was "not a whole number of elements"
+    (72 of "0.1K" ... "99.9B"), and "8.3MB" 8300001 bytes once rounded up."""
+    from fractions import Fraction
+
+    for whole in range(1, 1000):
+        for prefix, scale in (("K", 10**3), ("M", 10**6), ("B", 10**9)):
+            text = f"{whole / 10:g}{prefix}"
+            assert parse_count(text) == Fraction(text[:-1]) * scale, text
+    assert parse_bytes("8.3MB") == 8_300_000 and parse_bytes("16.1MB") == 16_100_000
+
+
+def test_a_value_rounding_up_to_the_next_unit_is_written_in_it():
+    assert format_rate(999.6e9) == "1 TB/s"  # (was "1e+03 GB/s")
+    assert format_bytes(999.5, "B") == "1,000 B"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
 BINARY = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50}
@@ -36,6 +37,17 @@ def _not_negative(text: str, what: str) -> None:
         raise ValueError(f"{what} must be positive, got {text!r}")
 
 
+def _exact(match: re.Match, scale: int, text: str, what: str) -> Fraction:
+    """The number ``match`` read times ``scale``, exactly (4.1 * 1e9 in floats is
+    4099999999.9999995: not a whole count, and one byte more once rounded up)."""
+    value = Fraction(match["num"]) * scale
+    try:
+        _check(float(value), text, what)
+    except OverflowError:
+        raise ValueError(f"{what} must be finite, got {text!r} (beyond a float's range)") from None
+    return value
+
+
 def _check(value: float, text: str, what: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{what} must be finite, got {text!r} (beyond a float's range)")
@@ -44,7 +56,7 @@ def _check(value: float, text: str, what: str) -> float:
     return value
 
 
-def _sized(pattern: re.Pattern, text: str, what: str, example: str) -> float:
+def _sized(pattern: re.Pattern, text: str, what: str, example: str) -> Fraction:
     if not isinstance(text, str):
         raise TypeError(f"{what} must be a string such as {example!r}, got {type(text).__name__}")
     _not_negative(text, what)
@@ -59,7 +71,7 @@ def _sized(pattern: re.Pattern, text: str, what: str, example: str) -> float:
             f"{what} {text!r} is in bits (lowercase b); write bytes with an uppercase B, "
             "e.g. 100Gb/s is 12.5GB/s"
         )
-    return _check(float(match["num"]) * _scale(match["prefix"]), text, what)
+    return _exact(match, _scale(match["prefix"]), text, what)
 
 
 def parse_bytes(text: str) -> int:
@@ -74,7 +86,7 @@ def parse_bandwidth(text: str) -> float:
     if isinstance(text, str) and _PLAIN.fullmatch(text.strip()):
         _not_negative(text, "bandwidth")
         return _check(float(text), text, "bandwidth")
-    return _sized(_RATE, text, "bandwidth", "70GB/s")
+    return float(_sized(_RATE, text, "bandwidth", "70GB/s"))
 
 
 def parse_flops(text: str) -> float:
@@ -96,8 +108,8 @@ def parse_count(text: str) -> int:
     match = _COUNT.fullmatch(text.strip())
     if match is None:
         raise ValueError(f"cannot read count {text!r}; write e.g. '7.5B', '350M' or '1.2e9'")
-    value = _check(float(match["num"]) * COUNT[(match["prefix"] or "").lower()], text, "a count")
-    if value != int(value):
+    value = _exact(match, COUNT[(match["prefix"] or "").lower()], text, "a count")
+    if value.denominator != 1:
         raise ValueError(f"count {text!r} is not a whole number of elements")
     return int(value)
 
@@ -109,15 +121,16 @@ def format_bytes(num_bytes: float, unit: str = "GB") -> str:
             f"unit {unit!r} is not a unit of bytes: write one such as GB, GiB, MB or B, with no "
             "number (decimal kB/MB/GB/TB = 1000**n bytes, binary KiB/MiB/GiB/TiB = 1024**n)"
         )
-    scale = _sized(_SIZE, f"1{unit}", "unit", "GB")
+    scale = float(_sized(_SIZE, f"1{unit}", "unit", "GB"))
     value = num_bytes / scale
-    text = f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    text = f"{value:.3g}" if abs(float(f"{value:.3g}")) < 1000 else f"{value:,.0f}"
     return f"{text} {unit}"
 
 
 def format_rate(bytes_per_s: float) -> str:
     """A bandwidth in the decimal unit that keeps it readable: 1.2305e12 -> ``"1.23 TB/s"``."""
+    rounded = float(f"{bytes_per_s:.3g}")  # (999.6e9 is 1 TB/s, not "1e+03 GB/s")
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if bytes_per_s >= scale:
+        if rounded >= scale:
             return f"{bytes_per_s / scale:.3g} {unit}/s"
     return f"{bytes_per_s:.3g} B/s"
