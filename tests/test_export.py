@@ -447,3 +447,15 @@ def test_a_module_registered_twice_is_stored_once(lone_process, tmp_path):
     stored = _stored(tmp_path / "hf", result.files)
     assert set(stored) == set(full) - set(result.tied)
     assert all(torch.equal(stored[k][1], full[k]) for k in stored)
+
+
+def test_paths_under_the_home_folder(trained, tmp_path, monkeypatch):
+    """``~`` as checkpoint.save takes it: export wrote into a literal "~" folder under the
+    working directory, and refused a checkpoint path that save had accepted."""
+    path, _ = trained
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(path, tmp_path / "ck")
+    result = export_safetensors("~/ck", "~/hf", config=_config())
+    assert result.out_dir == str(tmp_path / "hf") and (tmp_path / "hf" / SINGLE_FILE).is_file()
+    assert not (tmp_path / "~").exists()

@@ -324,3 +324,14 @@ def test_a_forked_child_leaves_the_parent_s_files(tmp_path):
     assert not (tmp_path / "child").exists()  # the parent's own exit still cleans up
     assert torch.equal(store.swap_in("a").wait(), torch.arange(3000.0))
     store.close()
+
+
+def test_a_folder_under_the_home_folder(tmp_path, monkeypatch):
+    """``~`` as Offload(folder=) and checkpoints take it (the swap files went to a literal "~"
+    folder under the working directory)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    s = TensorStore(OffloadConfig(tier=Tier.NVME, folder="~/swap", block_bytes=BLOCK))
+    s.swap_out("w", torch.ones(10)).wait()
+    assert (tmp_path / "swap" / "LOCK").exists() and not (tmp_path / "~").exists()
+    s.close()

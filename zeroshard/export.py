@@ -338,8 +338,8 @@ def export_safetensors(
     ``out_dir`` (see the module docstring). Not a collective: one process, no process group."""
     from safetensors.torch import save_file
 
-    path = Path(checkpoint_dir).absolute()
-    out = Path(out_dir).absolute()
+    path = Path(checkpoint_dir).expanduser().absolute()
+    out = Path(out_dir).expanduser().absolute()
     cast = _dtype(dtype)
     limit = _shard_bytes(max_shard_bytes)
     recorded = {  # (one-line errors, a bad folder)

@@ -93,6 +93,10 @@ class OffloadConfig:
             raise ValueError(f"tier={self.tier!r}: pass Tier.DEVICE, Tier.CPU or Tier.NVME")
         if self.tier is Tier.NVME and self.folder is None:
             raise ValueError("tier=NVME needs folder=, a directory on the disk for the swap files")
+        if isinstance(self.folder, (str, os.PathLike)) and os.fspath(self.folder).startswith("~"):
+            # (a literal "~" folder under the working directory otherwise, as checkpoints do)
+            home = os.path.expanduser(self.folder)
+            object.__setattr__(self, "folder", home if isinstance(self.folder, str) else Path(home))
         if self.tier is not Tier.NVME and self.folder is not None:
             raise ValueError("folder= is only used by Tier.NVME; drop it or set tier=Tier.NVME")
         if self.block_bytes < ALIGN_BYTES or self.block_bytes % ALIGN_BYTES:
@@ -192,16 +196,16 @@ class TensorStore:
         fail their checksum on swap_in (SwapIntegrityError) or, if new, were never indexed.
         """
         if config is None:  # take the block size the files were written with
-            block_bytes = index_block_bytes(Path(folder)) or OffloadConfig.block_bytes
+            block_bytes = index_block_bytes(Path(folder).expanduser()) or OffloadConfig.block_bytes
             config = OffloadConfig(tier=Tier.NVME, folder=folder, block_bytes=block_bytes)
-        if config.tier is not Tier.NVME or Path(config.folder) != Path(folder):
+        if config.tier is not Tier.NVME or Path(config.folder) != Path(folder).expanduser():
             raise ValueError("reopen needs an NVMe config whose folder= is the folder reopened")
         return cls(config, _resume=True)
 
     @staticmethod
     def discard(folder: str | os.PathLike) -> None:
         """Delete the swap files a crashed run left in `folder` (refused while a store holds it)."""
-        discard_folder(Path(folder))
+        discard_folder(Path(folder).expanduser())
 
     # -- public operations -----------------------------------------------------------------------
     @_outside_inference
