@@ -614,3 +614,14 @@ def test_buffers_of_any_dtype_or_layout_are_rank_0_s(workers2, sync):
         assert buffers == want and len(buffers) == 6, (rank, buffers)
         assert buffers["b_int16"] == [1.0 + (rank if not sync else 0)] * 3, buffers
     assert sync or got[0] != got[1]
+
+
+@pytest.mark.parametrize("init", ["reset_parameters", lambda: None])
+def test_a_param_init_fn_that_is_not_a_function_of_a_module_is_refused_first(lone_process, init):
+    """It failed inside the first unit's materialization ("'str' object is not callable"),
+    and the model, left partly sharded, was refused by the shard() with the fix."""
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="param_init_fn is called with each module"):
+        zeroshard.shard(net, wrap=nn.Linear, param_init_fn=init)
+    zeroshard.shard(net, wrap=nn.Linear)  # the model is as it was

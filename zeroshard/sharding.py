@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import sys
 import warnings
@@ -62,6 +63,22 @@ _DATA_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 _FAILED = "_zeroshard_failed_shard"
 """Set on every module of a model whose ``shard()`` failed once it had begun changing it: why."""
+
+
+def _check_init_fn(param_init_fn: Any) -> None:
+    """A TypeError before anything is materialized (the model was left partly sharded, and
+    refused again, by a ``param_init_fn`` that is not a function of one module)."""
+    if param_init_fn is None:
+        return
+    said = f"param_init_fn is called with each module to initialize; got {param_init_fn!r}"
+    if not callable(param_init_fn):
+        raise TypeError(f"{said}: pass a function, e.g. lambda m: m.reset_parameters()")
+    try:
+        inspect.signature(param_init_fn).bind(nn.Module())
+    except TypeError:
+        raise TypeError(f"{said}, which does not take one module: write lambda m: ...") from None
+    except ValueError:  # a builtin without a signature: called as it is
+        pass
 
 
 def shard(
@@ -124,6 +141,7 @@ def shard(
     wrap = as_policy(wrap)
     if offload is not None and not isinstance(offload, Offload):
         raise TypeError(f"offload must be a zeroshard.Offload, got {type(offload).__name__}")
+    _check_init_fn(param_init_fn)
     if getattr(model, _ATTR, None) is not None:
         raise ValueError(
             f"{type(model).__name__} is already sharded; shard a model once (build a new one "
