@@ -219,3 +219,18 @@ def test_backward_of_something_not_a_tensor_is_named(lone_process):
         with pytest.raises(TypeError, match=f"backward\\(\\) takes the loss tensor, got {name}"):
             opt.backward(wrong)
     opt.backward(loss)  # the graph is still there
+
+
+def test_state_dict_functions_name_what_they_take(lone_process):
+    """Raw AttributeErrors ("no attribute 'engine'", "no attribute 'mesh'") and KeyError
+    'param_groups' for plausible mix-ups; ``device_mesh`` takes the sharded model too."""
+    model = zeroshard.shard(nn.Sequential(nn.Linear(4, 4)), stage=1)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=0.1)
+    for wrong in (model, torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)):
+        with pytest.raises(TypeError, match="takes the optimizer zeroshard.optimizer"):
+            zeroshard.optimizer_state_dict(wrong)
+    with pytest.raises(ValueError, match="a model's state dict goes to model.load_state_dict"):
+        opt.load_state_dict(model.state_dict())
+    assert zeroshard.device_mesh(model) is zeroshard.device_mesh(zeroshard.engine_of(model))
+    with pytest.raises(ValueError, match="not sharded"):
+        zeroshard.device_mesh(nn.Linear(2, 2))

@@ -250,6 +250,7 @@ def optimizer_state_dict(
     so that the dict is a complete template to load into. ``template=None`` (the default) is
     True while no parameter has state (torch's ``get_optimizer_state_dict`` does the same). A
     collective: every rank calls it (one flat buffer per state key is gathered at a time)."""
+    _check_sharded(opt, "optimizer_state_dict")
     engine = opt.engine
     if not local:
         refuse_split_pieces(engine, "opt.state_dict()")
@@ -414,6 +415,16 @@ def local_state_entries(opt: ShardedOptimizer) -> Callable[[str, str, torch.dtyp
 
 
 @torch.no_grad()
+def _check_sharded(opt: Any, what: str) -> None:
+    from zeroshard.model_states.optimizer import ShardedOptimizer
+
+    if not isinstance(opt, ShardedOptimizer):
+        raise TypeError(
+            f"{what} takes the optimizer zeroshard.optimizer(model, ...) returned, got "
+            f"{type(opt).__name__}: a torch optimizer's own state_dict() is its format"
+        )
+
+
 def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """Load what ``optimizer_state_dict`` returns (per parameter name: DTensors of any mesh, e.g.
     resharded by ``dcp.load``, or plain full tensors) into ``opt``'s sub-groups, at any world
@@ -421,6 +432,13 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
     parameters (by name, else by position), except the implementation choices ``foreach``,
     ``fused``, ``capturable``, ``differentiable`` (kept). A collective (DTensors are gathered
     one parameter and key at a time)."""
+    _check_sharded(opt, "load_optimizer_state_dict")
+    if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
+        keys = list(state_dict)[:3] if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(
+            f"not an optimizer state dict (no 'param_groups'; it holds {keys}): load what "
+            "opt.state_dict() returned; a model's state dict goes to model.load_state_dict()"
+        )
     engine = opt.engine
     model = engine.model
     first = _first_names(model)

@@ -101,11 +101,17 @@ saving under ``if rank == 0:`` leaves the other ranks out of it."""
 # --------------------------------------------------------------------- mesh and layout
 
 
-def device_mesh(engine: Engine) -> DeviceMesh:
+def device_mesh(engine: Engine | nn.Module) -> DeviceMesh:
     """The ``DeviceMesh`` of ``engine``'s state-dict DTensors (built once, cached): the 1-D mesh
     of its data-parallel group, or with hybrid sharding the 2-D ("replicate", "shard") mesh, as
-    FSDP2's HSDP has it (entries ``(Replicate(), Shard(0))``: replicas hold the same rows)."""
+    FSDP2's HSDP has it (entries ``(Replicate(), Shard(0))``: replicas hold the same rows).
+    ``engine`` may be the sharded model."""
     from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(engine, nn.Module):
+        from zeroshard.engine import engine_of
+
+        engine = engine_of(uncompiled(engine))  # (an unsharded model: the error says so)
 
     mesh = getattr(engine, _MESH_ATTR, None)
     if mesh is None:
