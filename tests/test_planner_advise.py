@@ -376,3 +376,17 @@ def test_streamed_parameters_of_mixed_precision_are_the_fp32_masters():
     # 4 bytes instead of 2 for each of the three parameter reads and the gradient's write
     more = (3 * (4 - 2) + (4 - 2)) * model.num_params / 8 / 1e10
     assert offload[ENGINE_MIXED] == pytest.approx(offload[ZERO] + more, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        ({"micro_batch_sizes": (0,)}, ValueError, "positive ints, got 0"),  # ZeroDivisionError
+        ({"micro_batch_sizes": "12"}, TypeError, "a tuple of values"),  # a raw TypeError
+        ({"offloads": "none"}, TypeError, "a tuple of values"),  # "unknown offload 'n'"
+        ({"checkpoint_spans": (1.5,)}, ValueError, "positive ints, got 1.5"),
+    ],
+)
+def test_a_workload_s_choices_are_checked(kw, error, match):
+    with pytest.raises(error, match=match):
+        _workload(**kw)

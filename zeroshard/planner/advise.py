@@ -139,8 +139,16 @@ class Workload:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Workload.{name} must be a positive int, got {value!r}")
         for name in ("micro_batch_sizes", "checkpoint_spans", "stages", "offloads"):
-            if not getattr(self, name):
+            values = getattr(self, name)
+            if isinstance(values, (str, int)):  # ("none" read letter by letter)
+                raise TypeError(f"Workload.{name} is a tuple of values, got {values!r}")
+            if not values:
                 raise ValueError(f"Workload.{name} is empty; give at least one value")
+        for name in ("micro_batch_sizes", "checkpoint_spans"):
+            bad = [v for v in getattr(self, name) if isinstance(v, bool) or not isinstance(v, int)]
+            bad += [v for v in getattr(self, name) if isinstance(v, int) and v < 1]
+            if bad:
+                raise ValueError(f"Workload.{name} holds positive ints, got {bad[0]!r}")
         unknown = [o for o in self.offloads if o not in OFFLOADS]
         if unknown:
             raise ValueError(f"unknown offload {unknown[0]!r}; choose from {', '.join(OFFLOADS)}")
