@@ -1540,3 +1540,15 @@ def _quantization_aware(path: str) -> float:
 
 def test_observers_sized_at_the_first_forward_are_loaded(workers2, tmp_path):
     assert workers2.run(_quantization_aware, str(tmp_path)) == [0.0, 0.0]
+
+
+def test_arguments_that_are_not_a_model_or_a_step(lone_process, tmp_path):
+    """save(path, None, opt) was "'NoneType' object has no attribute ..."; step_path(f, -5)
+    gave "step--00005"."""
+    model = zeroshard.shard(torch.nn.Linear(2, 2), stage=1)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="take the sharded model, got None"):
+        checkpoint.save(tmp_path / "c", None, opt)
+    with pytest.raises(ValueError, match="an int >= 0; got -5"):
+        checkpoint.step_path(tmp_path, -5)
+    assert checkpoint.step_path(tmp_path, np.int64(7)).name == "step-000007"

@@ -235,3 +235,10 @@ def test_a_script_that_ends_right_after_a_collective_exits_cleanly(tmp_path):
     cmd += ["--master-port", str(free_port()), str(script)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), "60", 0, True])
+def test_a_timeout_that_is_not_a_number_of_seconds_is_refused(lone_process, timeout_s):
+    """inf was timedelta's OverflowError and "60" a TypeError comparing str with int."""
+    with pytest.raises(ValueError, match="timeout_s must be a positive, finite number"):
+        Mesh.from_env(device="cpu", timeout_s=timeout_s)

@@ -335,3 +335,12 @@ def test_a_folder_under_the_home_folder(tmp_path, monkeypatch):
     s.swap_out("w", torch.ones(10)).wait()
     assert (tmp_path / "swap" / "LOCK").exists() and not (tmp_path / "~").exists()
     s.close()
+
+
+def test_prefetch_of_one_name_is_a_type_error(tmp_path):
+    """A bare name was read letter by letter ("no tensor 'l' in the store")."""
+    s = TensorStore(OffloadConfig(tier=Tier.NVME, folder=tmp_path / "s", block_bytes=BLOCK))
+    s.swap_out("layer", torch.ones(10)).wait()
+    with pytest.raises(TypeError, match="a list of names"):
+        s.prefetch("layer")
+    s.close()

@@ -70,6 +70,8 @@ def test_by_size_wraps_bottom_up_and_skips_containers():
     ]
     with pytest.raises(ValueError, match="positive"):
         wrap.by_size(0)
+    with pytest.raises(TypeError, match="a whole number"):
+        wrap.by_size(float("inf"))  # (an OverflowError)
 
 
 def test_wrapping_a_container_is_an_error():

@@ -129,6 +129,8 @@ def _group(model, optimizer) -> dist.ProcessGroup | None:
             "the model comes first: save/load(path, model, optimizer), got an optimizer as the "
             "model and a module as the optimizer"
         )
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"save/load(path, model, optimizer) take the sharded model, got {model!r}")
     for opt in _optimizers(optimizer):
         if getattr(opt, "engine", None) is not engine_of(model):
             raise TypeError(

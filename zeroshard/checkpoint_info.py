@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,8 @@ def info(path: str | os.PathLike) -> CheckpointInfo:
 
 def step_path(folder: str | os.PathLike, step: int) -> Path:
     """Where a run keeps the checkpoint of ``step``: ``folder/step-000100``."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"step is a step count, an int >= 0; got {step!r}")
     return Path(folder).expanduser() / f"step-{step:06d}"
 
 

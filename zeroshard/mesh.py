@@ -356,8 +356,14 @@ class Mesh:
         where = placement(device=device, backend=backend, local_rank=local_rank)
         dev = where.device
         set_device(where)
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not 0 < timeout_s < 10**9  # (inf: timedelta's OverflowError)
+        ):
+            raise ValueError(
+                f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}"
+            )
         if dist.is_initialized() and timeout_s is not None:
             running = group_timeout_s(None)
             if running is not None and abs(running - timeout_s) > 1e-3:

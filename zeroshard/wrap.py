@@ -9,6 +9,7 @@ in several units (tied embeddings) is owned by their deepest common ancestor uni
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterable
@@ -68,7 +69,8 @@ def by_size(min_num_params: int) -> WrapPolicy:
     """Bottom-up: a submodule becomes a unit once its subtree holds at least ``min_num_params``
     parameter elements not already owned by a unit below it."""
     count = min_num_params  # 1e6 as FSDP's users write it, or a numpy int: a whole number
-    if isinstance(count, bool) or not isinstance(count, numbers.Real) or count != int(count):
+    whole = isinstance(count, numbers.Real) and math.isfinite(count) and count == int(count)
+    if isinstance(count, bool) or not whole:
         raise TypeError(f"by_size takes a parameter count (a whole number), got {count!r}")
     min_num_params = int(count)
     if min_num_params <= 0:

@@ -276,6 +276,8 @@ class TensorStore:
         block that found none is simply read by the swap_in. Memory tiers need no prefetch.
         """
         self._check_open()
+        if isinstance(names, str):  # (read letter by letter: "no tensor 'l' in the store")
+            raise TypeError(f"prefetch takes a list of names, got the one name {names!r}")
         handles = []
         for name in names:
             meta = self.meta(name)
