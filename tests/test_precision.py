@@ -55,7 +55,17 @@ def test_float8_is_refused_where_it_is_named(field):
 
 def test_unknown_precision_name_lists_the_choices():
     with pytest.raises(ValueError, match="fp32, tf32, bf16, fp16, auto"):
-        resolve("fp64", "cpu")
+        resolve("fp12", "cpu")
+
+
+def test_dtype_names_as_torch_writes_them():
+    """"torch.bfloat16" was refused by shard() and MixedPrecision (export took it), and a
+    float64 model's own dtype was "unknown precision torch.float64"."""
+    assert resolve("torch.bfloat16", "cpu") == resolve("bf16", "cpu")
+    assert MixedPrecision(param_dtype="torch.float64").param_dtype == torch.float64
+    for name in ("fp64", "torch.float64", torch.float64):
+        with pytest.raises(ValueError, match="leave mixed_precision unset"):
+            resolve(name, "cpu")
 
 
 def test_reduce_narrower_than_param_warns():

@@ -96,8 +96,6 @@ class ExportResult:
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``dtype`` through the one table of dtype names (``zeroshard.precision.DTYPES``)."""
-    if isinstance(dtype, str):
-        dtype = dtype.lower().removeprefix("torch.")
     try:
         return precision.dtype_of(dtype, what="export dtype")
     except ValueError as exc:

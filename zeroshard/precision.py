@@ -53,8 +53,11 @@ DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
 }
-"""Accepted dtype names (config files and the CLI speak in names)."""
+"""Accepted dtype names (config files and the CLI speak in names), also as ``torch.<name>``."""
 
 ARITHMETIC_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The floating-point dtypes a precision field may take (float8 has no arithmetic of its own)."""
@@ -66,7 +69,7 @@ def dtype_of(value: torch.dtype | str | None, *, what: str = "dtype") -> torch.d
         return None
     if isinstance(value, str):
         try:
-            return DTYPES[value.lower()]
+            return DTYPES[value.lower().removeprefix("torch.")]
         except KeyError:
             raise ValueError(
                 f"unknown {what} {value!r}; choose one of: {', '.join(DTYPES)}"
@@ -233,8 +236,13 @@ def resolve(name: str | torch.dtype, device: torch.device | str) -> MixedPrecisi
     still runs BF16, emulated). "tf32" where TF32 does not exist warns at ``shard`` time.
     """
     device = torch.device(device)
-    key = name.lower() if isinstance(name, str) else name
+    key = name.lower().removeprefix("torch.") if isinstance(name, str) else name
     key = _ALIASES.get(key, key)
+    if key in ("float64", "double", "fp64", torch.float64):
+        raise ValueError(
+            f"precision {name!r}: leave mixed_precision unset (None) to compute in the model's "
+            "own dtypes (a float64 model trains in float64 on float64 masters)"
+        )
     if key == "auto":
         native, how = bf16_support(device)
         key = "bf16" if native else "fp32"
