@@ -225,6 +225,14 @@ def test_model_states_errors():
         m.BytesPerParam(params=0, grads=0, optimizer_states=0)
     with pytest.raises(ValueError):
         m.Placement(params="tape")
+    # negative bytes came out of these (grads -10, optimizer states -60), or ten times too many
+    for kw, match in [
+        ({"num_params_trainable": -5}, "num_params_trainable must be >= 0"),
+        ({"num_params_replicated": -1000}, "num_params_replicated must be >= 0"),
+        ({"num_params_trainable": 1000}, "more than num_params=100"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            m.model_states(100, stage=3, num_dp_ranks=1, **kw)
 
 
 def test_offload_staging_by_hand():

@@ -59,8 +59,8 @@ def test_unknown_precision_name_lists_the_choices():
 
 
 def test_dtype_names_as_torch_writes_them():
-    """"torch.bfloat16" was refused by shard() and MixedPrecision (export took it), and a
-    float64 model's own dtype was "unknown precision torch.float64"."""
+    """The name "torch.bfloat16" was refused by shard() and MixedPrecision (export took it),
+    and a float64 model's own dtype was "unknown precision torch.float64"."""
     assert resolve("torch.bfloat16", "cpu") == resolve("bf16", "cpu")
     assert MixedPrecision(param_dtype="torch.float64").param_dtype == torch.float64
     for name in ("fp64", "torch.float64", torch.float64):

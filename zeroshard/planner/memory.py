@@ -326,6 +326,14 @@ def model_states(
     _at_least("num_params", num_params, 1)
     _at_least("num_dp_ranks", num_dp_ranks, 1)
     _at_least("num_mp_ranks", num_mp_ranks, 1)
+    _at_least("num_params_replicated", num_params_replicated, 0)  # (negative bytes came out)
+    if num_params_trainable is not None:
+        _at_least("num_params_trainable", num_params_trainable, 0)
+        if num_params_trainable > num_params:
+            raise ValueError(
+                f"num_params_trainable={num_params_trainable} is more than num_params="
+                f"{num_params}: the trainable parameters are some of them"
+            )
     p, placement = partition(stage), placement or Placement()
     split = dict(params=p.parameters, grads=p.gradients, optimizer_states=p.optimizer_states)
     out = {t: dict.fromkeys(MODEL_STATES, 0) for t in TIERS}
