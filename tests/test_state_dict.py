@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 from unittest import mock
 
 import pytest
@@ -14,6 +15,7 @@ from parity_models import batch, build, loss_of, param_groups
 from torch import nn
 
 import zeroshard
+from zeroshard.state_dict import local_state_dict
 from zeroshard.testing import impatient
 from zeroshard.watchdog import CollectiveTimeout
 
@@ -971,3 +973,147 @@ def test_states_of_parameters_frozen_since_the_save_are_said_to_be_left_out(work
     # trained again, restarted Adam at step 1 (0.5 off torch, which keeps them).
     for said in workers2.run(_frozen_since_the_save):
         assert len(said) == 1 and "'0." in said[0] and "torch.no_grad()" in said[0], said
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))  # the root's own parameter
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4)) for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+
+
+def _legacy_head(module, sd, prefix, *args) -> None:
+    """An old checkpoint kept the head apart: loaded by the head's own load_state_dict."""
+    if prefix + "old_head" in sd:
+        module.head.load_state_dict(sd.pop(prefix + "old_head"))
+
+
+def _gain(module, sd, prefix, *args) -> None:
+    if prefix + "gain" in sd:
+        sd[prefix + "scale"] = sd.pop(prefix + "gain")
+
+
+def _hooks_on_the_model(stage: int) -> list[dict]:
+    """Hooks on the model the user calls, registered after shard(): a pre-hook renaming the
+    root's own parameter (torch's copy into the stage-3 placeholder raised; in BF16 the value
+    was rounded), a nested load of a submodule inside a pre-hook (raised "Missing key(s)"), a
+    nested state_dict() of a submodule inside a post-hook (NaN at stage 3), and what a load
+    post-hook of a submodule sees as missing (every parameter of it). Against torch's."""
+    torch.manual_seed(1)
+    src = _Head()
+    sd = {k: v for k, v in src.state_dict().items() if not k.startswith("head.")}
+    sd["old_head"], sd["gain"] = src.head.state_dict(), sd.pop("scale") * 3
+    out = []
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = _Head()
+        if sharded:
+            model = zeroshard.shard(model, stage=stage, wrap=zeroshard.wrap.by_class(nn.Sequential))
+        model.register_load_state_dict_pre_hook(_legacy_head)
+        model.register_load_state_dict_pre_hook(_gain)
+        seen = []
+        model.blocks[0].register_load_state_dict_post_hook(
+            lambda m, keys, seen=seen: seen.append(list(keys.missing_keys))
+        )
+        result = model.load_state_dict(dict(sd), strict=False)
+        copies = []
+        model.register_state_dict_post_hook(
+            lambda m, d, prefix, meta, copies=copies: copies.append(
+                _full(m.head.state_dict()["weight"])
+            )
+        )
+        saved = {k: _full(v) for k, v in model.state_dict().items()}
+        out.append({"missing": result.missing_keys, "seen": seen, "saved": saved, "copy": copies})
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hooks_on_the_model_called(workers2, stage):
+    for torch_s, ours in workers2.run(_hooks_on_the_model, stage):
+        assert ours["missing"] == torch_s["missing"] and ours["seen"] == torch_s["seen"], ours
+        assert all(torch.equal(ours["saved"][k], v) for k, v in torch_s["saved"].items())
+        assert torch.equal(ours["copy"][0], torch_s["copy"][0])
+
+
+def _partial_dicts_and_foreign_ranges(stage: int) -> dict:
+    """torch's set_model_state_dict(full_state_dict=True, strict=False) fills a key the dict
+    lacks with the model's own parameter (at stage 3 the NaN placeholder, written into the
+    master); another model's local_state_dict was taken as read in place ("All keys matched",
+    nothing loaded)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    def make(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4)))
+        return zeroshard.shard(net, stage=stage, wrap=zeroshard.wrap.by_class(nn.Sequential))
+
+    model, other = make(1), make(2)
+    before = zeroshard.full_state_dict(model, rank0_only=False)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4)))
+    sd = plain.state_dict()
+    del sd["1.0.weight"]
+    opts = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, dict(sd), options=opts)
+    after = zeroshard.full_state_dict(model, rank0_only=False)
+    other.load_state_dict(local_state_dict(model))
+    copied = zeroshard.full_state_dict(other, rank0_only=False)
+    return {
+        "kept": torch.equal(after["1.0.weight"], before["1.0.weight"]),
+        "loaded": torch.equal(after["0.0.weight"], sd["0.0.weight"]),
+        "copied": all(torch.equal(copied[k], after[k]) for k in after),
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_partial_dicts_and_another_model_s_ranges(workers2, stage):
+    for r in workers2.run(_partial_dicts_and_foreign_ranges, stage):
+        assert r == {"kept": True, "loaded": True, "copied": True}, r
+
+
+class _Kernel(nn.Linear):
+    """Saves its weight under a key of its own (TF-ported and quantized layers)."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        destination[prefix + "kernel"] = self.weight.detach().t()
+        destination[prefix + "bias"] = self.bias.detach()
+
+
+def _own_save(stage: int) -> dict:
+    """At stage 3 such a module saved the NaN placeholder, and every unit stayed gathered until
+    the end of the call (its entry never cut); refused there now, naming summon_full_params,
+    inside which it saves its values; other units are freed as they are passed."""
+    import zeroshard.state_dict as S
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4)) for _ in range(6)], _Kernel(4, 4))
+    want = net[-1].weight.detach().t().clone()
+    model = zeroshard.shard(net, stage=stage, wrap=zeroshard.wrap.by_class(nn.Sequential))
+    live, most = set(), 0
+    gather = S._gather_flat
+
+    def counted(flat, local):
+        nonlocal most
+        out = gather(flat, local)
+        live.add(id(out))
+        most = max(most, len(live))
+        weakref.finalize(out, live.discard, id(out))
+        return out
+
+    said = ""
+    with mock.patch.object(S, "_gather_flat", counted):
+        try:
+            zeroshard.full_state_dict(model, rank0_only=False)
+        except ValueError as exc:
+            said = str(exc)
+        with zeroshard.summon_full_params(model):
+            kernel = zeroshard.full_state_dict(model, rank0_only=False)["6.kernel"]
+    return {"said": said, "most": most, "kernel": torch.equal(kernel, want)}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_module_saving_under_keys_of_its_own(workers2, stage):
+    for r in workers2.run(_own_save, stage):
+        assert r["kernel"] and r["most"] <= 2, r
+        assert ("keys of its own" in r["said"]) == (stage == 3), r

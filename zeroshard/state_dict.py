@@ -288,8 +288,22 @@ class _Save:
     def __init__(self, root: nn.Module, prefix: str, convert: Callable, keep: bool) -> None:
         self.root, self.prefix, self.convert, self.keep = root, prefix, convert, keep
         self.left: dict[FlatParam, int] = {}
-        """Entries still to cut from each flat in this call (one per registration)."""
+        """Registrations still to visit of each flat's parameters in this call."""
         self.cutters: dict[FlatParam, Callable[[FlatParam, int], torch.Tensor]] = {}
+
+
+class _Load:
+    """One ``load_state_dict()`` of the model under way."""
+
+    def __init__(self, root: nn.Module, prefix: str) -> None:
+        self.root, self.prefix = root, prefix
+        self.consumed: set[str] = set()
+        """Keys taken (not missing, whatever the default says)."""
+        self.ranges_loaded = False
+        """Whether values were read into the masters in place (FlatRange)."""
+        self.deferred: list[tuple[dict, int, Any]] = []
+        """The user's pre-hooks on ``root`` registered after ``shard()``, run before the
+        engine's take there: (hooks, key, hook) to put back."""
 
 
 class _Hooks:
@@ -301,13 +315,9 @@ class _Hooks:
         """(rank0_only, cpu_offload) while ``full_state_dict`` runs; None: sharded entries."""
         self.local = False
         """Whether ``local_state_dict`` runs: ``FlatRange`` entries, nothing gathered."""
-        self.ranges_loaded = False
-        """Whether the last load's values were read into the masters in place (FlatRange)."""
-        self.consumed: set[str] = set()
-        """Keys the last load took (not missing, whatever the default says)."""
-        self.loading = False
-        """A ``load_state_dict`` of the model under way: each module takes its entries."""
-        self.saving: _Save | None = None
+        self.saves: list[_Save] = []
+        self.loads: list[_Load] = []
+        """The calls under way, innermost last (a hook may call a submodule's own)."""
         self.slot_of = {
             id(s.param): (f, i) for f in engine.flat_params for i, s in enumerate(f.slots)
         }
@@ -319,11 +329,12 @@ class _Hooks:
         self.hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet(model.modules())
         for m in model.modules():
             m.register_state_dict_pre_hook(self._state_dict_pre_hook_of_each)
-            handle = m.register_state_dict_post_hook(self._function(self._fill_own))
-            m._state_dict_hooks.move_to_end(handle.id, last=False)  # before the user's own
+            first = m.register_state_dict_post_hook(self._function(self._fill_own))
+            m._state_dict_hooks.move_to_end(first.id, last=False)  # before the user's own
             m.register_state_dict_post_hook(self._function(self._finish_saving))
             self._load_ids[m] = m.register_load_state_dict_pre_hook(self._load_pre_hook_of_each).id
-            m.register_load_state_dict_post_hook(self._load_post_hook_of_each)
+            first = m.register_load_state_dict_post_hook(self._load_post_hook_of_each)
+            m._load_state_dict_post_hooks.move_to_end(first.id, last=False)
 
     @staticmethod
     def _function(method: Callable) -> Callable:
@@ -335,25 +346,20 @@ class _Hooks:
 
         return run
 
-    def _load_post_hook_of_each(self, module: nn.Module, incompatible_keys: Any) -> None:
-        if self._outermost(module, "load_state_dict"):
-            self.load_post_hook(module, incompatible_keys)
-
     def _outermost(self, module: nn.Module, method: str) -> bool:
-        """Whether this ``module.<method>()`` call is not part of the same call on another module
-        of this model (torch's recursion into submodules): read from the call stack, which stays
-        right when a call raised midway, as a counter would not."""
-        frame = sys._getframe(2)
-        while frame is not None:
-            caller = None
-            if frame.f_code.co_name == method:
-                caller = frame.f_locals.get("self")
-            elif frame.f_code is _TORCH_LOAD:  # load_state_dict's recursion, one per module
-                caller = frame.f_locals.get("module")
-            if caller is not None and caller is not module and caller in self.hooked:
-                return False
-            frame = frame.f_back
-        return True
+        """Whether this ``module.<method>()`` call is the user's, not torch's recursion into the
+        submodules of a call on another module of this model: read from the call stack (which
+        stays right when a call raised midway, as a counter would not). A call made inside a
+        hook (a submodule's own ``state_dict()``) is the user's."""
+        frame = _own_frame(module, method)
+        caller = frame.f_back if frame is not None else None
+        if caller is None:
+            return True
+        if method == "state_dict":
+            parent = caller.f_locals.get("self") if caller.f_code.co_name == method else None
+        else:
+            parent = caller.f_locals.get("module") if caller.f_code is _TORCH_LOAD else None
+        return parent is None or parent not in self.hooked
 
     # ------------------------------------------------------------- state_dict
     def _state_dict_pre_hook_of_each(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -378,11 +384,13 @@ class _Hooks:
             keep = not rank0_only or engine.mesh.is_first
             device = torch.device("cpu") if cpu_offload else None
             convert = lambda t, dtype: t.to(device=device, dtype=dtype, copy=True)  # noqa: E731
-        self.saving = save = _Save(module, prefix, convert, keep)
+        self.saves = [s for s in self.saves if _running(s.root, "state_dict")]  # (raised)
+        save = _Save(module, prefix, convert, keep)
         for _, p in module.named_parameters(remove_duplicate=False):
             if id(p) in self.slot_of:
                 flat = self.slot_of[id(p)][0]
                 save.left[flat] = save.left.get(flat, 0) + 1
+        self.saves.append(save)
 
     @torch.no_grad()
     def _fill_own(
@@ -390,35 +398,58 @@ class _Hooks:
     ) -> None:
         """This module's parameters' entries, from the masters (torch put the parameters there:
         placeholders at stage 3), before the user's hooks on it run; a flat is gathered when
-        its first entry is cut (in the same order on every rank) and freed after its last."""
-        save = self.saving
-        if save is None:
+        its first entry is cut (in the same order on every rank) and freed once its last
+        parameter's module was visited."""
+        if not self.saves:
             return
+        save = self.saves[-1]
         for name, p in module._parameters.items():
             key = prefix + name
-            if p is None or key not in state_dict:
-                continue
-            if id(p) not in self.slot_of:  # zero-element: a plain parameter, nothing to gather
-                if save.keep:
+            if p is None or id(p) not in self.slot_of:
+                if p is not None and key in state_dict and save.keep:  # zero-element: plain
                     state_dict[key] = save.convert(p.detach(), p.dtype)
                 continue
             flat, index = self.slot_of[id(p)]
-            if flat not in save.cutters:
-                save.cutters[flat] = _local_range if self.local else _cutter(flat, save.convert)
-            if save.keep:  # (the other ranks' collectives still needed this rank's shard)
-                state_dict[key] = save.cutters[flat](flat, index)
-            save.left[flat] -= 1
-            if not save.left[flat]:
-                del save.cutters[flat]  # a gathered buffer is freed before the next flat's
+            if key in state_dict:
+                if flat not in save.cutters:
+                    save.cutters[flat] = _local_range if self.local else _cutter(flat, save.convert)
+                if save.keep:  # (the other ranks' collectives still needed this rank's shard)
+                    state_dict[key] = save.cutters[flat](flat, index)
+            elif _saves_itself(module) and flat.state is ShardState.SHARDED:
+                raise ValueError(
+                    f"{type(module).__name__} at {prefix or 'the root'} saves its parameters "
+                    f"under keys of its own (_save_to_state_dict), which would hold {name!r} at "
+                    "rest at stage 3 (NaN placeholders): take the state dict inside "
+                    "zeroshard.summon_full_params(model), or train it at stage 1-2"
+                )
+            save.left[flat] = left = save.left.get(flat, 1) - 1
+            if left <= 0:
+                save.cutters.pop(flat, None)  # a gathered buffer is freed before the next's
+        if _saves_itself(module):
+            self._copy_views(module, state_dict, prefix)
+
+    def _copy_views(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
+        """Entries a module's own ``_save_to_state_dict`` made as views of its parameters
+        (``weight.t()``), copied: held gathered (inside ``summon_full_params``) that memory is
+        given back after, and the entry read freed memory (a segmentation fault)."""
+        held = {
+            self.slot_of[id(p)][0].full.untyped_storage().data_ptr()
+            for p in module._parameters.values()
+            if p is not None and id(p) in self.slot_of
+        }
+        for key, value in list(state_dict.items()):
+            own = key.startswith(prefix) and "." not in key[len(prefix) :]
+            plain = isinstance(value, torch.Tensor) and not _is_dtensor(value)
+            if own and plain and value.untyped_storage().data_ptr() in held:
+                state_dict[key] = value.clone()
 
     def _finish_saving(
         self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict
     ) -> None:
         """After the hooks registered before ``shard()`` on the user's module (a
         checkpoint_wrapper's, which takes its level out of the keys)."""
-        save = self.saving
-        if save is not None and module is save.root and prefix == save.prefix:
-            self.saving = None
+        if self.saves and module is self.saves[-1].root and prefix == self.saves[-1].prefix:
+            save = self.saves.pop()
             self.state_dict_post_hook(module, state_dict, prefix, save.keep)
 
     def state_dict_post_hook(
@@ -442,7 +473,7 @@ class _Hooks:
         (``spectral_norm``'s tells an up-to-date dict by its ``weight_orig``)."""
         if self._outermost(module, "load_state_dict"):
             self.load_pre_hook(module, state_dict, prefix, *args)
-        if self.loading:
+        if self.loads:
             self._take_own(module, state_dict, prefix, error_msgs=args[-1])
 
     @torch.no_grad()
@@ -465,17 +496,29 @@ class _Hooks:
                 "outside it"
             )
         engine.adopt_writes()
-        self.consumed = set()
-        self.ranges_loaded = False
         for flat in engine.flat_params:
             if flat.gathering:
                 flat.wait_unshard()
-        # Ours last on each submodule (hooks the user registered after shard() included); on
-        # this one, which runs its hooks now, after those registered before shard().
+        for stale in [x for x in self.loads if not _running(x.root, "load_state_dict")]:
+            self.loads.remove(stale)  # (it raised midway: its deferred hooks go back)
+            for hooks, key, hook in stale.deferred:
+                hooks[key] = hook
+        # Ours last on each submodule (hooks the user registered after shard() included).
         for m in module.modules():
             if m is not module and m in self._load_ids:
                 m._load_state_dict_pre_hooks.move_to_end(self._load_ids[m])
-        self.loading = True
+        load = _Load(module, prefix)
+        self.loads.append(load)
+        # On this one, which runs its hooks now: those after ours run first, here, and are
+        # left out of the rest of torch's loop over them (values replaced, put back at the end).
+        args = (state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys)
+        hooks = module._load_state_dict_pre_hooks
+        keys = list(hooks)
+        for key in keys[keys.index(self._load_ids[module]) + 1 :]:
+            hook = hooks[key]
+            hooks[key] = _skipped
+            load.deferred.append((hooks, key, hook))
+            hook(*args, error_msgs)
         # Other entries (zero-element parameters, buffers) the default loader copies: as whole
         # tensors, in the same order on every rank (gathering DTensors is a collective).
         names = _all_names(module)
@@ -491,17 +534,21 @@ class _Hooks:
         self, module: nn.Module, state_dict: dict, prefix: str, error_msgs: list[str]
     ) -> None:
         """This module's parameters' entries into the masters (and the compute copies held
-        gathered); as torch, a parameter under several names takes each, the last wins."""
+        gathered); as torch, a parameter under several names takes each, the last wins. The
+        parameter itself given as its value (torch's ``set_model_state_dict`` fills keys a
+        dict lacks so) keeps the master as it is: at stage 3 it is the NaN placeholder."""
+        load = self.loads[-1]
         for name, p in module._parameters.items():
             key = prefix + name  # (under checkpoint_wrapper's own level, which its hook adds)
             if p is None or id(p) not in self.slot_of or key not in state_dict:
                 continue
             value = state_dict.pop(key)
-            self.consumed.add(key.replace(_WRAPPED, ""))
+            load.consumed.add(key.replace(_WRAPPED, ""))
             flat, index = self.slot_of[id(p)]
             shape = flat.slots[index].shape
-            if isinstance(value, FlatRange):  # read into the master in place already
-                self.ranges_loaded = True
+            if isinstance(value, FlatRange):
+                load.ranges_loaded = True
+                _read_range(flat, index, value, key, error_msgs)
             elif not isinstance(value, torch.Tensor):
                 error_msgs.append(
                     f'While copying the parameter named "{key}", expected torch.Tensor '
@@ -509,23 +556,86 @@ class _Hooks:
                 )
             elif value.shape != shape:  # a DTensor's shape is global
                 error_msgs.append(_size_mismatch(key, value.shape, shape, self.engine.mesh.tp_size))
-            else:
+            elif _is_dtensor(value) or not _same_memory(value, p):
                 with diagnosed("all_gather", COLLECTIVE, None):  # a DTensor's full_tensor()
                     _write_slot(flat, index, _full_value(value))
 
-    def load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
-        self.loading = False
+    def _load_post_hook_of_each(self, module: nn.Module, incompatible_keys: Any) -> None:
+        """First on each module: the keys taken are not missing, for the hooks of the user's
+        after it too; the end of the user's call."""
+        if not self.loads:
+            return
+        load = self.loads[-1]
         missing = incompatible_keys.missing_keys
-        missing[:] = [k for k in missing if k.replace(_WRAPPED, "") not in self.consumed]
-        self.consumed = set()
-        if not missing and module is self.engine.model:  # the whole model: values known again
-            self.engine.loaded(module)
+        missing[:] = [k for k in missing if k.replace(_WRAPPED, "") not in load.consumed]
+        if module is load.root and self._outermost(module, "load_state_dict"):
+            self.loads.pop()
+            self.load_post_hook(module, load, incompatible_keys)
+
+    def load_post_hook(self, module: nn.Module, load: _Load, incompatible_keys: Any) -> None:
+        for hooks, key, hook in load.deferred:
+            hooks[key] = hook
+        if not incompatible_keys.missing_keys and module is self.engine.model:
+            self.engine.loaded(module)  # the whole model: values known again
         loaded = {id(p) for p in module.parameters()}  # a graph made before is stale there
         for unit in self.engine.units:
             unit.updates += not unit.param_ids.isdisjoint(loaded)
-        if self.ranges_loaded:  # the compute copies follow the masters read in place
-            self.ranges_loaded = False
+        if load.ranges_loaded:  # the compute copies follow the masters read in place
             self.engine.params_changed()
+
+
+def _own_frame(module: nn.Module, method: str) -> types.FrameType | None:
+    """The innermost frame of a call of ``method`` on ``module`` (for ``load_state_dict``, its
+    inner ``load(module, ...)``, which runs for each module), if one is on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if method == "state_dict":
+            if frame.f_code.co_name == method and frame.f_locals.get("self") is module:
+                return frame
+        elif frame.f_code is _TORCH_LOAD and frame.f_locals.get("module") is module:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _running(module: nn.Module, method: str) -> bool:
+    return _own_frame(module, method) is not None
+
+
+def _skipped(*args: Any) -> None:
+    """A pre-hook the load ran already (``_Hooks.load_pre_hook``)."""
+
+
+def _saves_itself(module: nn.Module) -> bool:
+    return type(module)._save_to_state_dict is not nn.Module._save_to_state_dict
+
+
+def _same_memory(value: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether ``value`` is the parameter's own data (at rest, any placeholder of its shape:
+    they hold no value)."""
+    return value.data_ptr() == p.data_ptr() and value.shape == p.shape
+
+
+def _read_range(flat: FlatParam, index: int, value: FlatRange, key: str, errors: list[str]) -> None:
+    """A ``FlatRange`` entry: read in place already when it views this slot's master range
+    (``zeroshard.checkpoint``), else copied there when it is a range of the same place (another
+    model's ``local_state_dict`` at the same layout); any other is an error (it was taken as
+    read, and nothing was loaded)."""
+    mine = _local_range(flat, index)
+    if value.data.data_ptr() == mine.data.data_ptr() and value.data.numel() == mine.data.numel():
+        return
+    if (value.shape, value.start, value.data.numel()) == (
+        mine.shape,
+        mine.start,
+        mine.data.numel(),
+    ):
+        mine.data.copy_(value.data)
+        return
+    errors.append(
+        f"{key} is a FlatRange of another layout (a local_state_dict of a model sharded over "
+        "other ranks or stages): load a full or DTensor state dict (model.state_dict(), "
+        "zeroshard.full_state_dict) instead"
+    )
 
 
 def _size_mismatch(key: str, got: torch.Size, want: torch.Size, tp: int = 1) -> str:
