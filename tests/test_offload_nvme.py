@@ -386,3 +386,28 @@ def test_a_store_whose_lock_file_was_deleted_still_cleans_up_and_keeps(tmp_path)
     store.close(keep=True)
     with TensorStore.reopen(folder) as again:
         assert torch.equal(again.swap_in("w").wait(), torch.ones(100))
+
+
+_DIES_WITH_A_WORKER = """
+import os, sys, time, torch
+from zeroshard.offload import OffloadConfig, TensorStore, Tier
+s = TensorStore(OffloadConfig(tier=Tier.NVME, folder=sys.argv[1], block_bytes=8192))
+s.swap_out("w", torch.ones(10)).wait()
+if os.fork() == 0:  # a DataLoader worker, forked after the store opened
+    time.sleep(5)
+    os._exit(0)
+os.kill(os.getpid(), 9)  # the rank dies (OOM killer, scheduler); its worker lives on
+"""
+
+
+def test_a_dead_rank_s_forked_worker_does_not_hold_its_folder(tmp_path):
+    """flock belongs to the open file, which fork shares: the worker held the dead rank's
+    folder until it exited, and a restart there was refused as "in use by a live store"."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "swap"
+    done = subprocess.run([sys.executable, "-c", _DIES_WITH_A_WORKER, str(folder)], timeout=60)
+    assert done.returncode == -9
+    TensorStore.discard(folder)  # refused while a live store, or a copy of its lock, holds it
+    assert not any(folder.glob("*.swp"))

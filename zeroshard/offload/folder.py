@@ -177,7 +177,37 @@ def pid_lock(path: Path, mode: int = 0o600) -> int:
         os.close(fd)  # its holder deleted it as we opened it: lock the file there now
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
+    st = os.fstat(fd)
+    _HELD[fd] = (st.st_dev, st.st_ino)
     return fd
+
+
+def release_lock(fd: int) -> None:
+    """Let go of a lock ``pid_lock`` took (close its fd)."""
+    _HELD.pop(fd, None)
+    os.close(fd)
+
+
+_HELD: dict[int, tuple[int, int]] = {}
+"""This process's lock fds (``pid_lock``) -> their files' (device, inode)."""
+
+
+def _close_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker), its copies of the parent's lock fds are closed:
+    an flock belongs to the open file, which fork shares, so a rank killed with its workers
+    alive held its folders until they exited, and a restart there was refused as "in use by a
+    live store". The parent's lock stays (its own fd still holds it)."""
+    for fd, ident in list(_HELD.items()):
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == ident:
+                os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 def still_at(fd: int, path: Path) -> bool:
@@ -250,12 +280,27 @@ def _held_here(folder: Path) -> bool:
 def _holder(pid: str) -> str:
     """Who holds a folder's lock, for an error: another process, or this one."""
     if pid != str(os.getpid()):
+        if pid.isdigit() and not _alive(int(pid)):
+            return (
+                f"pid {pid}, which has exited: a process it started holds the lock until it "
+                "exits (one forked with a copy of it); stop that one or wait for it"
+            )
         return f"pid {pid}"
     return (
         f"pid {pid}, this process: another model or optimizer of it that is still referenced, "
         "by a name or by a tensor it computed (the last loss's graph holds the model: del "
         "loss, model, opt)"
     )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # (another user's)
+    return True
 
 
 def clear_crashed(folder: Path) -> None:

@@ -42,6 +42,7 @@ from .folder import (
     holds_swap_files,
     padded_bytes,
     prepare_folder,
+    release_lock,
     remove_if_empty,
     still_at,
     swap_files,
@@ -146,7 +147,7 @@ class NvmeBackend:
         if resume:
             self._load_index()
         elif holds_swap_files(folder):
-            os.close(self._lock_fd)
+            release_lock(self._lock_fd)
             raise OffloadError(
                 f"{folder} holds swap files of an earlier run; resume them with "
                 f"TensorStore.reopen({str(folder)!r}) or delete them with "
@@ -464,7 +465,7 @@ class NvmeBackend:
         self.pool.close()
         if ours:
             (self.folder / LOCK_NAME).unlink(missing_ok=True)
-        os.close(self._lock_fd)
+        release_lock(self._lock_fd)
         if ours and not keep and self.created_folder:
             remove_if_empty(self.folder)
 
