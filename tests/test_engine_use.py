@@ -2952,3 +2952,60 @@ def _a_block_alone_after_a_ctrl_c(stage: int, which: int) -> float:
 def test_a_block_called_alone_after_a_ctrl_c_in_a_forward(workers2, stage, which):
     for diff in workers2.run(_a_block_alone_after_a_ctrl_c, stage, which):
         assert diff < 1e-6, diff
+
+
+def _in_another_thread(fn) -> str:
+    import threading
+
+    said = []
+
+    def run() -> None:
+        try:
+            fn()
+            said.append("ran")
+        except RuntimeError as exc:
+            said.append(str(exc))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return said[0]
+
+
+def _a_second_thread(stage: int) -> dict:
+    """An evaluation (or a local_state_dict) in a second thread while the training thread's step
+    is open: the units' states are the model's, not the thread's, and the training thread's
+    backward failed inside ("unit 0: forward -> pre_backward", "lend: this owner holds a buffer
+    already") or trained on mixed-up weights. Refused in the second thread; between steps it
+    runs. The training thread trains as torch."""
+    from zeroshard.state_dict import local_state_dict
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(nn.Linear))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4 * dist.get_world_size(), 8, generator=torch.Generator().manual_seed(0))
+    mine = x.chunk(dist.get_world_size())[dist.get_rank()]
+
+    def evaluate() -> None:
+        with torch.no_grad():
+            model(mine)
+
+    loss = model(mine).square().mean()
+    during = [_in_another_thread(evaluate), _in_another_thread(lambda: local_state_dict(model))]
+    opt.backward(loss)
+    opt.step()
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    between = _in_another_thread(evaluate)
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return {"during": during, "between": between, "diff": diff}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_second_thread_is_refused_during_a_step(workers2, stage):
+    for r in workers2.run(_a_second_thread, stage):
+        assert all("in the middle of a step of another thread" in s for s in r["during"]), r
+        assert r["between"] == "ran" and r["diff"] < 1e-6, r

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import warnings
 import weakref
 from collections import deque
@@ -58,6 +59,10 @@ _ATTR, SHARDED_PARAM = "_zeroshard_engine", "_zeroshard_sharded"
 """The sharded model's attribute; each of its parameters' (sharding a part again is refused)."""
 
 
+_THREADS = threading.Lock()
+"""Makes ``Engine.check_thread``'s check and claim one step."""
+
+
 class Engine(unwind.Unwinding, prefetch.Prefetching):
     """Per-model state of zeroshard: the units, the stage's partition and the schedule."""
 
@@ -81,6 +86,10 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         self.stage, self.partition = stage, partition(stage)
         self.config, self.mixed_precision, self.ledger = config, mixed_precision, ledger
         self.phase, self.sync_grads = Phase.IDLE, True
+        self.step_thread: int | None = None
+        """The thread whose forward ran last; while its step is open (a forward running, or
+        its backward to come or running) another thread's use of the model is an error."""
+        self._backward_due = False  # the last root forward's outputs require grad
         self._forward_call: int | None = None  # the root's running call (call_frames.current)
         self._arrivals_at: int | None = None  # gradients made before the running backward began
         self._partial = False  # a backward that raised had made gradients (``unwind``)
@@ -178,6 +187,8 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         recompute = in_backward()
         root_entry = unit.is_root and entry
         raw_args, raw_kwargs = args, kwargs
+        if entry and not recompute:
+            self.check_thread(claim=True)
         if root_entry and not recompute:
             self._begin_forward()
         elif entry and not recompute:
@@ -279,6 +290,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             unit.reshard(adopt=True)
         if root_entry:
             self.phase = Phase.IDLE
+            self._backward_due = grad and any(t.requires_grad for t in tensors_reached(output))
             if self._recording is not None:
                 self.forward_order, self._recording = list(self._recording), None
                 self._free_unused_prefetches()
@@ -293,6 +305,25 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             elif entry and unit in self._checkpointed:
                 self.checkpointing.note_output(unit.module, output)
         return output
+
+    def check_thread(self, *, claim: bool = False) -> None:
+        """A RuntimeError when another thread's step is open (units are per model, not per
+        thread: an evaluation in a second thread moved them under the training thread's backward,
+        which failed inside, or trained on mixed-up weights). ``claim``: a forward of this thread
+        begins. A backward is not checked: autograd runs it in threads of its own."""
+        me = threading.get_ident()
+        with _THREADS:
+            other = self.step_thread not in (None, me)
+            if other and (self.phase is not Phase.IDLE or self._backward_due):
+                raise RuntimeError(
+                    f"the sharded model is in the middle of a step of another thread "
+                    f"({self.step_thread}: a forward running, or the backward of its forward "
+                    "to come): a sharded model runs one forward and backward at a time. "
+                    "Evaluate in the training thread between steps (or in another process); "
+                    "a forward whose backward never comes runs under torch.no_grad()"
+                )
+            if claim:
+                self.step_thread = me
 
     def _begin_forward(self) -> None:
         running = call_frames.running(self._forward_call, self.model, besides_current=True)
@@ -471,7 +502,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         # (not for an input-only autograd.grad: no parameter's gradient was made)
         if self._reduce_now and unowned and any(any(b.touched) for b in self.buckets):
             _warn_no_sharded_optimizer()
-        self.phase = Phase.IDLE
+        self.phase, self._backward_due = Phase.IDLE, False
 
     def _grads_came(self) -> bool:
         """Whether a gradient reached a parameter during this backward, in a graph task of its
@@ -490,7 +521,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         self._units_to_idle()
         self._no_grads = False
         self._arrivals_at = None
-        self.phase = Phase.IDLE
+        self.phase, self._backward_due = Phase.IDLE, False
 
     def _units_to_idle(self) -> None:
         """At a backward's end: gather buffers released (kept through one backward, not

@@ -370,6 +370,7 @@ class _Hooks:
     def state_dict_pre_hook(self, module: nn.Module, prefix: str) -> None:
         """The user's call begins: the checks, and how entries are made."""
         engine = self.engine
+        engine.check_thread()  # (local_state_dict in a monitor thread: states mixed up)
         if self.full is not None:  # (not the sharded ones: templates that a load fills)
             engine.check_trusted()
         engine.adopt_writes()
@@ -489,6 +490,7 @@ class _Hooks:
         error_msgs: list[str],
     ) -> None:
         engine = self.engine
+        engine.check_thread()
         if engine.discarding:
             raise ValueError(
                 "load_state_dict inside summon_full_params(model, writeback=False), which undoes "

@@ -22,6 +22,7 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     elements keep their full-precision master values), so the next step and gather see them;
     without, undone. Nested, a level inside one without ``writeback`` writes nothing back:
     the outer one undoes its writes too."""
+    engine.check_thread()  # (before the checks below take another thread's step as over)
     engine._after_interrupted_forward()  # (Ctrl-C'd, which runs no hook of torch's: over)
     engine._after_raised_backward()  # (a backward that raised, caught: over too)
     engine.check_trusted()
