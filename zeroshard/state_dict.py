@@ -416,32 +416,36 @@ class _Hooks:
                     save.cutters[flat] = _local_range if self.local else _cutter(flat, save.convert)
                 if save.keep:  # (the other ranks' collectives still needed this rank's shard)
                     state_dict[key] = save.cutters[flat](flat, index)
-            elif _saves_itself(module) and flat.state is ShardState.SHARDED:
-                raise ValueError(
-                    f"{type(module).__name__} at {prefix or 'the root'} saves its parameters "
-                    f"under keys of its own (_save_to_state_dict), which would hold {name!r} at "
-                    "rest at stage 3 (NaN placeholders): take the state dict inside "
-                    "zeroshard.summon_full_params(model), or train it at stage 1-2"
-                )
             save.left[flat] = left = save.left.get(flat, 1) - 1
             if left <= 0:
                 save.cutters.pop(flat, None)  # a gathered buffer is freed before the next's
         if _saves_itself(module):
-            self._copy_views(module, state_dict, prefix)
+            self._own_entries(module, state_dict, prefix)
 
-    def _copy_views(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
-        """Entries a module's own ``_save_to_state_dict`` made as views of its parameters
-        (``weight.t()``), copied: held gathered (inside ``summon_full_params``) that memory is
-        given back after, and the entry read freed memory (a segmentation fault)."""
-        held = {
-            self.slot_of[id(p)][0].full.untyped_storage().data_ptr()
-            for p in module._parameters.values()
-            if p is not None and id(p) in self.slot_of
-        }
+    def _own_entries(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
+        """Entries a module's own ``_save_to_state_dict`` made of its parameters under keys of
+        its own (``kernel = weight.t()``: TF-ported and quantized layers). Views of a unit held
+        gathered (inside ``summon_full_params``) are copied: that memory is given back after,
+        and the entry read freed memory (a segmentation fault). Views of a placeholder (stage 3,
+        at rest) are an error: they were saved as NaN."""
+        flats = [
+            self.slot_of[id(p)][0] for p in module._parameters.values() if id(p) in self.slot_of
+        ]
+        held = {f.full.untyped_storage().data_ptr() for f in flats}
+        rest = {f._placeholder().untyped_storage().data_ptr() for f in flats}
         for key, value in list(state_dict.items()):
             own = key.startswith(prefix) and "." not in key[len(prefix) :]
-            plain = isinstance(value, torch.Tensor) and not _is_dtensor(value)
-            if own and plain and value.untyped_storage().data_ptr() in held:
+            if not own or not isinstance(value, torch.Tensor) or _is_dtensor(value):
+                continue
+            where = value.untyped_storage().data_ptr()
+            if where in rest and all(f.state is ShardState.SHARDED for f in flats):
+                raise ValueError(
+                    f"{type(module).__name__} at {prefix or 'the root'} saves its parameters "
+                    f"under keys of its own (_save_to_state_dict: {key!r}), which hold nothing "
+                    "at rest at stage 3 (NaN placeholders): take the state dict inside "
+                    "zeroshard.summon_full_params(model), or train it at stage 1-2"
+                )
+            if where in held:
                 state_dict[key] = value.clone()
 
     def _finish_saving(
