@@ -3001,6 +3001,14 @@ def _a_second_thread(stage: int) -> dict:
     between = _in_another_thread(evaluate)
     full = zeroshard.full_state_dict(model, rank0_only=False)
     diff = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+    def dies_before_its_backward() -> None:
+        model(mine).sum()
+        raise RuntimeError("its loss failed")
+
+    _in_another_thread(dies_before_its_backward)  # (a thread that ended holds no step open)
+    with torch.no_grad():
+        model(mine)
     return {"during": during, "between": between, "diff": diff}
 
 

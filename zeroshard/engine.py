@@ -59,6 +59,12 @@ _ATTR, SHARDED_PARAM = "_zeroshard_engine", "_zeroshard_sharded"
 """The sharded model's attribute; each of its parameters' (sharding a part again is refused)."""
 
 
+def _alive(ident: int) -> bool:
+    """Whether the thread ``ident`` still runs (one that ended holds no step open: it raised
+    between its forward and backward)."""
+    return any(t.ident == ident for t in threading.enumerate())
+
+
 _THREADS = threading.Lock()
 """Makes ``Engine.check_thread``'s check and claim one step."""
 
@@ -313,7 +319,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         begins. A backward is not checked: autograd runs it in threads of its own."""
         me = threading.get_ident()
         with _THREADS:
-            other = self.step_thread not in (None, me)
+            other = self.step_thread not in (None, me) and _alive(self.step_thread)
             if other and (self.phase is not Phase.IDLE or self._backward_due):
                 raise RuntimeError(
                     f"the sharded model is in the middle of a step of another thread "

@@ -281,22 +281,32 @@ def _cutter(flat: FlatParam, convert: Callable) -> Callable[[FlatParam, int], to
 
 
 class _Save:
-    """One ``state_dict()`` of the model under way: how its entries are made, and the flats
-    gathered for them until their last entry is cut (each module fills its own parameters'
-    entries at its turn, so that hooks of submodules see and edit real values)."""
+    """One ``state_dict()`` of the model under way: how its entries are made, and the values
+    cut so far. Each module fills its own parameters' entries at its turn, so that hooks of
+    submodules see and edit real values; a flat is gathered once, at the first entry of it that
+    is reached, and every slot of it is cut then (one flat gathered at a time, as before; tied
+    names share one tensor, as torch's)."""
 
-    def __init__(self, root: nn.Module, prefix: str, convert: Callable, keep: bool) -> None:
+    def __init__(
+        self, root: nn.Module, prefix: str, convert: Callable, keep: bool, frame: Any
+    ) -> None:
         self.root, self.prefix, self.convert, self.keep = root, prefix, convert, keep
-        self.left: dict[FlatParam, int] = {}
-        """Registrations still to visit of each flat's parameters in this call."""
-        self.cutters: dict[FlatParam, Callable[[FlatParam, int], torch.Tensor]] = {}
+        self.frame = frame
+        """The root's own frame of the call (a call that raised midway is no longer on the
+        stack: dropped at the next)."""
+        self.values: dict[tuple[int, int], Any] = {}
+        """(id(flat), slot) -> the entry cut."""
+        self.cut: set[int] = set()
+        """ids of the flats cut (gathered) already."""
+        self.params = {id(p) for p in root.parameters()}
+        """The call's parameters (a submodule's call cuts its own slots of a unit only)."""
 
 
 class _Load:
     """One ``load_state_dict()`` of the model under way."""
 
-    def __init__(self, root: nn.Module, prefix: str) -> None:
-        self.root, self.prefix = root, prefix
+    def __init__(self, root: nn.Module, prefix: str, frame: Any) -> None:
+        self.root, self.prefix, self.frame = root, prefix, frame
         self.consumed: set[str] = set()
         """Keys taken (not missing, whatever the default says)."""
         self.ranges_loaded = False
@@ -353,6 +363,8 @@ class _Hooks:
         hook (a submodule's own ``state_dict()``) is the user's."""
         frame = _own_frame(module, method)
         caller = frame.f_back if frame is not None else None
+        while caller is not None and _is_own(caller, module, method):
+            caller = caller.f_back  # (an override of state_dict() calling super()'s)
         if caller is None:
             return True
         if method == "state_dict":
@@ -385,42 +397,43 @@ class _Hooks:
             keep = not rank0_only or engine.mesh.is_first
             device = torch.device("cpu") if cpu_offload else None
             convert = lambda t, dtype: t.to(device=device, dtype=dtype, copy=True)  # noqa: E731
-        self.saves = [s for s in self.saves if _running(s.root, "state_dict")]  # (raised)
-        save = _Save(module, prefix, convert, keep)
-        for _, p in module.named_parameters(remove_duplicate=False):
-            if id(p) in self.slot_of:
-                flat = self.slot_of[id(p)][0]
-                save.left[flat] = save.left.get(flat, 0) + 1
-        self.saves.append(save)
+        self.saves = [s for s in self.saves if _on_stack(s.frame)]  # (one that raised: gone)
+        self.saves.append(_Save(module, prefix, convert, keep, _own_frame(module, "state_dict")))
 
     @torch.no_grad()
     def _fill_own(
         self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict
     ) -> None:
         """This module's parameters' entries, from the masters (torch put the parameters there:
-        placeholders at stage 3), before the user's hooks on it run; a flat is gathered when
-        its first entry is cut (in the same order on every rank) and freed once its last
-        parameter's module was visited."""
+        placeholders at stage 3), before the user's hooks on it run."""
         if not self.saves:
             return
         save = self.saves[-1]
         for name, p in module._parameters.items():
             key = prefix + name
-            if p is None or id(p) not in self.slot_of:
-                if p is not None and key in state_dict and save.keep:  # zero-element: plain
+            if p is None or key not in state_dict:
+                continue
+            if id(p) not in self.slot_of:  # zero-element: a plain parameter, nothing to gather
+                if save.keep:
                     state_dict[key] = save.convert(p.detach(), p.dtype)
                 continue
             flat, index = self.slot_of[id(p)]
-            if key in state_dict:
-                if flat not in save.cutters:
-                    save.cutters[flat] = _local_range if self.local else _cutter(flat, save.convert)
-                if save.keep:  # (the other ranks' collectives still needed this rank's shard)
-                    state_dict[key] = save.cutters[flat](flat, index)
-            save.left[flat] = left = save.left.get(flat, 1) - 1
-            if left <= 0:
-                save.cutters.pop(flat, None)  # a gathered buffer is freed before the next's
+            if id(flat) not in save.cut:
+                self._cut(save, flat)
+            if save.keep:  # (the other ranks' collectives still needed this rank's shard)
+                state_dict[key] = save.values[(id(flat), index)]
         if _saves_itself(module):
             self._own_entries(module, state_dict, prefix)
+
+    def _cut(self, save: _Save, flat: FlatParam) -> None:
+        """Every slot of ``flat`` cut (gathered here when partitioned, in the same order on
+        every rank: the first entry of each reached), the gathered buffer freed after."""
+        save.cut.add(id(flat))
+        cut = _local_range if self.local else _cutter(flat, save.convert)
+        if save.keep:
+            for index, s in enumerate(flat.slots):
+                if id(s.param) in save.params:
+                    save.values[(id(flat), index)] = cut(flat, index)
 
     def _own_entries(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
         """Entries a module's own ``_save_to_state_dict`` made of its parameters under keys of
@@ -505,7 +518,7 @@ class _Hooks:
         for flat in engine.flat_params:
             if flat.gathering:
                 flat.wait_unshard()
-        for stale in [x for x in self.loads if not _running(x.root, "load_state_dict")]:
+        for stale in [x for x in self.loads if not _on_stack(x.frame)]:
             self.loads.remove(stale)  # (it raised midway: its deferred hooks go back)
             for hooks, key, hook in stale.deferred:
                 hooks[key] = hook
@@ -513,7 +526,7 @@ class _Hooks:
         for m in module.modules():
             if m is not module and m in self._load_ids:
                 m._load_state_dict_pre_hooks.move_to_end(self._load_ids[m])
-        load = _Load(module, prefix)
+        load = _Load(module, prefix, _own_frame(module, "load_state_dict"))
         self.loads.append(load)
         # On this one, which runs its hooks now: those after ours run first, here, and are
         # left out of the rest of torch's loop over them (values replaced, put back at the end).
@@ -590,22 +603,27 @@ class _Hooks:
             self.engine.params_changed()
 
 
+def _is_own(frame: types.FrameType, module: nn.Module, method: str) -> bool:
+    """Whether ``frame`` is of a call of ``method`` on ``module`` (for ``load_state_dict``, its
+    inner ``load(module, ...)``, which runs for each module)."""
+    if method == "state_dict":
+        return frame.f_code.co_name == method and frame.f_locals.get("self") is module
+    return frame.f_code is _TORCH_LOAD and frame.f_locals.get("module") is module
+
+
 def _own_frame(module: nn.Module, method: str) -> types.FrameType | None:
-    """The innermost frame of a call of ``method`` on ``module`` (for ``load_state_dict``, its
-    inner ``load(module, ...)``, which runs for each module), if one is on the stack."""
+    """The innermost frame of a call of ``method`` on ``module`` on the stack, if any."""
     frame = sys._getframe(1)
-    while frame is not None:
-        if method == "state_dict":
-            if frame.f_code.co_name == method and frame.f_locals.get("self") is module:
-                return frame
-        elif frame.f_code is _TORCH_LOAD and frame.f_locals.get("module") is module:
-            return frame
+    while frame is not None and not _is_own(frame, module, method):
         frame = frame.f_back
-    return None
+    return frame
 
 
-def _running(module: nn.Module, method: str) -> bool:
-    return _own_frame(module, method) is not None
+def _on_stack(target: Any) -> bool:
+    frame = sys._getframe(1)
+    while frame is not None and frame is not target:
+        frame = frame.f_back
+    return frame is not None
 
 
 def _skipped(*args: Any) -> None:
