@@ -3,6 +3,7 @@ inputs, files, FSDP2 itself as the reference for the structure, and DCP reshardi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import weakref
@@ -1171,3 +1172,65 @@ def test_an_overridden_state_dict_tied_names_and_a_load_that_raised(workers2, st
     aside out of every later load."""
     for r in workers2.run(_overrides_ties_and_interruptions, stage):
         assert r == {"values": True, "dtensors": True, "tied": True, "late calls": 3}, r
+
+
+def _nested_calls_that_raise_and_threads(stage: int) -> dict:
+    """A submodule's state_dict() raising inside a hook of the model's, caught: the outer call
+    went on with the dead inner one ("KeyError: (id, 0)"); a pre-hook removed by its handle
+    during a load came back; a second thread's state_dict() while one is under way mixed the
+    two up (NaN at stage 3): refused."""
+    import threading
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 2))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=nn.Linear)
+    boom = [False]
+
+    def refuse(module, prefix, keep_vars) -> None:
+        if boom[0]:
+            raise KeyError("inner")
+
+    def nested(module, sd, prefix, meta) -> None:
+        boom[0] = True
+        with contextlib.suppress(KeyError):
+            model[1].state_dict()
+        boom[0] = False
+
+    model[1][0].register_state_dict_pre_hook(refuse)
+    handle = model[0].register_state_dict_post_hook(nested)
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    handle.remove()
+    calls = []
+    root = model.register_load_state_dict_pre_hook(lambda *args: calls.append(1))
+    model[2].register_load_state_dict_pre_hook(lambda *args: root.remove())
+    model.load_state_dict(ref.state_dict())
+    model.load_state_dict(ref.state_dict())
+    inside, release, said = threading.Event(), threading.Event(), []
+
+    def waits(module, sd, prefix, meta) -> None:
+        if threading.current_thread().name == "A":
+            inside.set()
+            release.wait(30)
+
+    model[0].register_state_dict_post_hook(waits)
+    a = threading.Thread(target=model.state_dict, name="A")
+    a.start()
+    inside.wait(30)
+    try:
+        model.state_dict()
+    except RuntimeError as exc:
+        said.append(str(exc))
+    release.set()
+    a.join()
+    return {
+        "values": all(torch.equal(full[k], v) for k, v in ref.state_dict().items()),
+        "calls": len(calls),
+        "said": said,
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_nested_calls_that_raise_removed_hooks_and_threads(workers2, stage):
+    for r in workers2.run(_nested_calls_that_raise_and_threads, stage):
+        assert r["values"] and r["calls"] == 1, r
+        assert len(r["said"]) == 1 and "by another thread (A)" in r["said"][0], r

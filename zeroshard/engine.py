@@ -59,12 +59,6 @@ _ATTR, SHARDED_PARAM = "_zeroshard_engine", "_zeroshard_sharded"
 """The sharded model's attribute; each of its parameters' (sharding a part again is refused)."""
 
 
-def _alive(ident: int) -> bool:
-    """Whether the thread ``ident`` still runs (one that ended holds no step open: it raised
-    between its forward and backward)."""
-    return any(t.ident == ident for t in threading.enumerate())
-
-
 _THREADS = threading.Lock()
 """Makes ``Engine.check_thread``'s check and claim one step."""
 
@@ -92,7 +86,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         self.stage, self.partition = stage, partition(stage)
         self.config, self.mixed_precision, self.ledger = config, mixed_precision, ledger
         self.phase, self.sync_grads = Phase.IDLE, True
-        self.step_thread: int | None = None
+        self.step_thread: threading.Thread | None = None
         """The thread whose forward ran last; while its step is open (a forward running, or
         its backward to come or running) another thread's use of the model is an error."""
         self._backward_due = False  # the last root forward's outputs require grad
@@ -317,13 +311,14 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         thread: an evaluation in a second thread moved them under the training thread's backward,
         which failed inside, or trained on mixed-up weights). ``claim``: a forward of this thread
         begins. A backward is not checked: autograd runs it in threads of its own."""
-        me = threading.get_ident()
+        me = threading.current_thread()
         with _THREADS:
-            other = self.step_thread not in (None, me) and _alive(self.step_thread)
+            owner = self.step_thread  # (a thread that ended holds no step open)
+            other = owner is not None and owner is not me and owner.is_alive()
             if other and (self.phase is not Phase.IDLE or self._backward_due):
                 raise RuntimeError(
                     f"the sharded model is in the middle of a step of another thread "
-                    f"({self.step_thread}: a forward running, or the backward of its forward "
+                    f"({owner.name}: a forward running, or the backward of its forward "
                     "to come): a sharded model runs one forward and backward at a time. "
                     "Evaluate in the training thread between steps (or in another process); "
                     "a forward whose backward never comes runs under torch.no_grad()"

@@ -62,6 +62,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+import threading
 import types
 import weakref
 from collections.abc import Callable
@@ -291,7 +292,7 @@ class _Save:
         self, root: nn.Module, prefix: str, convert: Callable, keep: bool, frame: Any
     ) -> None:
         self.root, self.prefix, self.convert, self.keep = root, prefix, convert, keep
-        self.frame = frame
+        self.frame, self.thread = frame, threading.current_thread()
         """The root's own frame of the call (a call that raised midway is no longer on the
         stack: dropped at the next)."""
         self.values: dict[tuple[int, int], Any] = {}
@@ -307,6 +308,7 @@ class _Load:
 
     def __init__(self, root: nn.Module, prefix: str, frame: Any) -> None:
         self.root, self.prefix, self.frame = root, prefix, frame
+        self.thread = threading.current_thread()
         self.consumed: set[str] = set()
         """Keys taken (not missing, whatever the default says)."""
         self.ranges_loaded = False
@@ -356,6 +358,24 @@ class _Hooks:
 
         return run
 
+    def _live(self, calls: list) -> bool:
+        """Drop the calls on top of ``calls`` that raised midway (their frames are gone; a
+        load's hooks set aside go back): whether one is left. A call of another thread under
+        way is a RuntimeError (one model's calls are one thread's at a time)."""
+        while calls and calls[-1].thread is threading.current_thread():
+            if _on_stack(calls[-1].frame):
+                return True
+            stale = calls.pop()
+            if isinstance(stale, _Load):
+                _put_back(stale)
+        if calls and calls[-1].thread.is_alive():
+            raise RuntimeError(
+                f"a state dict of this model is being made or loaded by another thread "
+                f"({calls[-1].thread.name}): one at a time (the two mixed up their entries)"
+            )
+        calls.clear()  # (of a thread that ended)
+        return False
+
     def _outermost(self, module: nn.Module, method: str) -> bool:
         """Whether this ``module.<method>()`` call is the user's, not torch's recursion into the
         submodules of a call on another module of this model: read from the call stack (which
@@ -397,7 +417,7 @@ class _Hooks:
             keep = not rank0_only or engine.mesh.is_first
             device = torch.device("cpu") if cpu_offload else None
             convert = lambda t, dtype: t.to(device=device, dtype=dtype, copy=True)  # noqa: E731
-        self.saves = [s for s in self.saves if _on_stack(s.frame)]  # (one that raised: gone)
+        self._live(self.saves)
         self.saves.append(_Save(module, prefix, convert, keep, _own_frame(module, "state_dict")))
 
     @torch.no_grad()
@@ -406,7 +426,7 @@ class _Hooks:
     ) -> None:
         """This module's parameters' entries, from the masters (torch put the parameters there:
         placeholders at stage 3), before the user's hooks on it run."""
-        if not self.saves:
+        if not self._live(self.saves):
             return
         save = self.saves[-1]
         for name, p in module._parameters.items():
@@ -466,7 +486,11 @@ class _Hooks:
     ) -> None:
         """After the hooks registered before ``shard()`` on the user's module (a
         checkpoint_wrapper's, which takes its level out of the keys)."""
-        if self.saves and module is self.saves[-1].root and prefix == self.saves[-1].prefix:
+        if (
+            self._live(self.saves)
+            and module is self.saves[-1].root
+            and prefix == self.saves[-1].prefix
+        ):
             save = self.saves.pop()
             self.state_dict_post_hook(module, state_dict, prefix, save.keep)
 
@@ -491,7 +515,7 @@ class _Hooks:
         (``spectral_norm``'s tells an up-to-date dict by its ``weight_orig``)."""
         if self._outermost(module, "load_state_dict"):
             self.load_pre_hook(module, state_dict, prefix, *args)
-        if self.loads:
+        if self._live(self.loads):
             self._take_own(module, state_dict, prefix, error_msgs=args[-1])
 
     @torch.no_grad()
@@ -518,10 +542,7 @@ class _Hooks:
         for flat in engine.flat_params:
             if flat.gathering:
                 flat.wait_unshard()
-        for stale in [x for x in self.loads if not _on_stack(x.frame)]:
-            self.loads.remove(stale)  # (it raised midway: its deferred hooks go back)
-            for hooks, key, hook in stale.deferred:
-                hooks[key] = hook
+        self._live(self.loads)
         # Ours last on each submodule (hooks the user registered after shard() included).
         for m in module.modules():
             if m is not module and m in self._load_ids:
@@ -582,7 +603,7 @@ class _Hooks:
     def _load_post_hook_of_each(self, module: nn.Module, incompatible_keys: Any) -> None:
         """First on each module: the keys taken are not missing, for the hooks of the user's
         after it too; the end of the user's call."""
-        if not self.loads:
+        if not self._live(self.loads):
             return
         load = self.loads[-1]
         missing = incompatible_keys.missing_keys
@@ -592,8 +613,7 @@ class _Hooks:
             self.load_post_hook(module, load, incompatible_keys)
 
     def load_post_hook(self, module: nn.Module, load: _Load, incompatible_keys: Any) -> None:
-        for hooks, key, hook in load.deferred:
-            hooks[key] = hook
+        _put_back(load)
         if not incompatible_keys.missing_keys and module is self.engine.model:
             self.engine.loaded(module)  # the whole model: values known again
         loaded = {id(p) for p in module.parameters()}  # a graph made before is stale there
@@ -624,6 +644,15 @@ def _on_stack(target: Any) -> bool:
     while frame is not None and frame is not target:
         frame = frame.f_back
     return frame is not None
+
+
+def _put_back(load: _Load) -> None:
+    """The user's pre-hooks that ``load`` set aside, where they still are (one removed by its
+    handle meanwhile stays removed)."""
+    for hooks, key, hook in load.deferred:
+        if hooks.get(key) is _skipped:
+            hooks[key] = hook
+    load.deferred.clear()
 
 
 def _skipped(*args: Any) -> None:
