@@ -1552,3 +1552,25 @@ def test_arguments_that_are_not_a_model_or_a_step(lone_process, tmp_path):
     with pytest.raises(ValueError, match="an int >= 0; got -5"):
         checkpoint.step_path(tmp_path, -5)
     assert checkpoint.step_path(tmp_path, np.int64(7)).name == "step-000007"
+
+
+def _hook_computing_on_entries(path: str) -> str:
+    """A state_dict hook converting its entries (to BF16 for a smaller file) failed inside the
+    save with "'FlatRange' object has no attribute 'to'"; one naming the hook and the fix."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    net[1].register_state_dict_post_hook(
+        lambda m, sd, prefix, meta: sd.update({prefix + "weight": sd[prefix + "weight"].bfloat16()})
+    )
+    model = zeroshard.shard(net, stage=3, wrap=torch.nn.Linear)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    try:
+        checkpoint.save(Path(path) / "step-1", model, opt, {"step": 1})
+    except TypeError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_state_dict_hook_computing_on_entries_is_named(workers2, tmp_path):
+    for said in workers2.run(_hook_computing_on_entries, str(tmp_path)):
+        assert said.startswith("a state_dict hook of this model computes on its entries"), said
+        assert "rename or drop keys only" in said

@@ -794,6 +794,15 @@ def local_state_dict(model: nn.Module) -> dict[str, Any]:
     hooks.local = True
     try:
         return model.state_dict()
+    except (AttributeError, TypeError) as exc:
+        if "FlatRange" not in str(exc):
+            raise
+        raise TypeError(
+            f"a state_dict hook of this model computes on its entries ({exc}), which "
+            "zeroshard.checkpoint takes as ranges of the masters, read and written in place "
+            "(FlatRange): let the hook rename or drop keys only, or save with "
+            "torch.distributed.checkpoint.save(model.state_dict(), ...)"
+        ) from exc
     finally:
         hooks.local = False
 
