@@ -106,7 +106,7 @@ from zeroshard.checkpoint_info import (  # noqa: F401 (the inspection API, re-ex
     verify,
 )
 from zeroshard.engine import engine_of
-from zeroshard.state_dict import key_of, uncompiled
+from zeroshard.state_dict import uncompiled
 from zeroshard.watchdog import diagnosed, every_rank_calls
 
 _WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap encoding and I/O
@@ -555,14 +555,12 @@ def _resizable_buffers(model: torch.nn.Module) -> set[str]:
     """State-dict keys of the buffers whose module loads them itself (overrides
     ``_load_from_state_dict``: quantization's observers and fake-quantizers, whose scales take
     the saved shape there)."""
-    keys = set()
-    for prefix, module in model.named_modules():
-        if type(module)._load_from_state_dict is torch.nn.Module._load_from_state_dict:
-            continue
-        for name, buf in module._buffers.items():
-            if buf is not None and name not in module._non_persistent_buffers_set:
-                keys.add(key_of(f"{prefix}.{name}" if prefix else name))
-    return keys
+    own = torch.nn.Module._load_from_state_dict
+    return {
+        key
+        for key, module, _ in rank_buffers.each_persistent_buffer(model)
+        if type(module)._load_from_state_dict is not own
+    }
 
 
 def _read(path: Path, model, optimizer, checksums: bool, group, model_only: bool) -> dict:

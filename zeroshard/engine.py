@@ -281,16 +281,15 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         root_entry = unit.is_root and entry
         # The root stays gathered for its backward, which comes right after; not when nothing
         # of it trains and no output requires grad (a frozen reference model): none comes.
+        backward_due = root_entry and grad and any(t.requires_grad for t in tensors_reached(output))
         keep = keep or (root_entry and grad and not self.config.reshard_root_after_forward and (
-            any(f.requires_grad for f in unit.flat_params)
-            or any(t.requires_grad for t in tensors_reached(output))))  # fmt: skip
+            any(f.requires_grad for f in unit.flat_params) or backward_due))  # fmt: skip
         if (root_entry or not keep) and not self.summoned:  # (the root reshards after backward)
             output = unit.unalias(output)
         if not keep and not self.summoned:
             unit.reshard(adopt=True)
         if root_entry:
-            self.phase = Phase.IDLE
-            self._backward_due = grad and any(t.requires_grad for t in tensors_reached(output))
+            self.phase, self._backward_due = Phase.IDLE, backward_due
             if self._recording is not None:
                 self.forward_order, self._recording = list(self._recording), None
                 self._free_unused_prefetches()
@@ -312,6 +311,8 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         which failed inside, or trained on mixed-up weights). ``claim``: a forward of this thread
         begins. A backward is not checked: autograd runs it in threads of its own."""
         me = threading.current_thread()
+        if self.step_thread is me:
+            return  # (every unit's entry asks: no lock for the thread of the step)
         with _THREADS:
             owner = self.step_thread  # (a thread that ended holds no step open)
             other = owner is not None and owner is not me and owner.is_alive()

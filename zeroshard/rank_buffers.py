@@ -11,6 +11,7 @@ own values and continues bit for bit. At another world size the model state's co
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -19,14 +20,18 @@ from zeroshard.checkpoint_files import gather
 from zeroshard.state_dict import key_of
 
 
-def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Name (as in ``model.state_dict()``) -> buffer, for the buffers a state dict holds."""
-    found = {}
+def each_persistent_buffer(model: nn.Module) -> Iterator[tuple[str, nn.Module, torch.Tensor]]:
+    """(name as in ``model.state_dict()``, its module, the buffer) for the buffers a state
+    dict holds."""
     for prefix, module in model.named_modules():
         for name, buf in module._buffers.items():
             if buf is not None and name not in module._non_persistent_buffers_set:
-                found[key_of(f"{prefix}.{name}" if prefix else name)] = buf
-    return found
+                yield key_of(f"{prefix}.{name}" if prefix else name), module, buf
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Name (as in ``model.state_dict()``) -> buffer, for the buffers a state dict holds."""
+    return {key: buf for key, _, buf in each_persistent_buffer(model)}
 
 
 def _digest(tensor: torch.Tensor) -> str:
