@@ -750,3 +750,51 @@ def test_whole_weights_loaded_into_a_split_model_say_what_to_do(workers2):
     for said in workers2.run(_whole_weights_into_pieces):
         assert "size mismatch for blocks.0.attn.qkv.weight" in said, said
         assert "It is the whole tensor; this tensor-parallel rank holds 1/2 of it" in said, said
+
+
+def _renaming_hooks(module: nn.Module) -> None:
+    """A state_dict post-hook naming ``module``'s own weights ``.w`` and a load pre-hook naming
+    them back (a model ported from another library's names)."""
+
+    def rename(mod, sd, prefix, meta):
+        for key in [k for k in sd if k.startswith(prefix) and k.endswith(".weight")]:
+            if "." not in key[len(prefix) : -len(".weight")]:
+                sd[key[: -len("eight")]] = sd.pop(key)
+
+    def back(mod, sd, prefix, *args):
+        for key in [k for k in sd if k.startswith(prefix) and k.endswith(".w")]:
+            sd[key + "eight"] = sd.pop(key)
+
+    module._register_state_dict_hook(rename)
+    module._register_load_state_dict_pre_hook(back, with_module=True)
+
+
+def _renamed_split_weights(base: str, stage: int) -> dict:
+    """tp=2: a post-hook renames split weights; full_state_dict and checkpoints hold them whole."""
+    torch.manual_seed(0)
+    reference = GPT(CFG).state_dict()
+    model, _ = _tp_model(2, stage, seed=0)
+    _renaming_hooks(model.blocks[0].attn)
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    renamed = dict(reference)
+    for name in ("blocks.0.attn.qkv", "blocks.0.attn.proj"):
+        renamed[f"{name}.w"] = renamed.pop(f"{name}.weight")
+    out = {"keys": sorted(full) == sorted(renamed)}
+    out["whole"] = out["keys"] and all(torch.equal(full[k], v) for k, v in renamed.items())
+    checkpoint.save(base, model, None)
+    for tp in (1, 2):
+        loaded, _ = _tp_model(tp, stage, seed=tp + 1)
+        _renaming_hooks(loaded.blocks[0].attn)
+        checkpoint.load(base, loaded, None)
+        out[f"tp{tp}"] = torch.equal(
+            _whole(loaded)["blocks.0.attn.qkv.w"], renamed["blocks.0.attn.qkv.w"]
+        )
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_split_weights_renamed_by_a_hook_are_saved_whole(workers2, tmp_path, stage):
+    # Each tp rank's piece under the whole tensor's new name (qkv.w of (48, 32) for (96, 32)):
+    # the pieces were gathered by their original names after the hooks had run.
+    for r in workers2.run(_renamed_split_weights, str(tmp_path / "ck"), stage):
+        assert r == {"keys": True, "whole": True, "tp1": True, "tp2": True}, r

@@ -178,7 +178,7 @@ def _state(model, optimizer, *, saved: tuple | None = None) -> dict[str, Any]:
         optim["param_groups"] += own["param_groups"]
     state = {"model": local_state_dict(model), "optim": optim}
     mesh = engine_of(model).mesh
-    tensor_parallel.place_pieces(model, state, mesh.tp_rank, mesh.tp_size)
+    tensor_parallel.place_pieces(model, state["optim"], mesh.tp_rank, mesh.tp_size)
     return state
 
 

@@ -441,9 +441,26 @@ class _Hooks:
             if id(flat) not in save.cut:
                 self._cut(save, flat)
             if save.keep:  # (the other ranks' collectives still needed this rank's shard)
-                state_dict[key] = save.values[(id(flat), index)]
+                state_dict[key] = self._unsplit(module, name, save.values[(id(flat), index)])
         if _saves_itself(module):
             self._own_entries(module, state_dict, prefix)
+
+    def _unsplit(self, module: nn.Module, name: str, value: Any) -> Any:
+        """The entry of ``module``'s parameter ``name`` as the unsplit model has it, where
+        tensor parallelism split it: whole (gathered over the tp group) in ``full_state_dict``,
+        placed in the whole tensor in ``local_state_dict`` (a checkpoint's). Done here, before
+        the user's hooks on the module may rename the entry."""
+        mesh = self.engine.mesh
+        if mesh.tp_size == 1:
+            return value
+        from zeroshard import tensor_parallel
+
+        split = tensor_parallel.split_of(module, name)
+        if split is None:
+            return value
+        if self.local:
+            return value.placed(tensor_parallel.placed(split, mesh.tp_rank, mesh.tp_size))
+        return tensor_parallel.whole_tensor(value, split, mesh.tp_group)
 
     def _cut(self, save: _Save, flat: FlatParam) -> None:
         """Every slot of ``flat`` cut (gathered here when partitioned, in the same order on
@@ -815,8 +832,8 @@ def full_state_dict(
 
     A collective at stage >= 1: every rank calls it. With ``rank0_only`` the other ranks get
     ``{}``; with ``cpu_offload`` the tensors are copied to the CPU as they are cut. A
-    tensor-parallel model's split parameters are gathered whole over its tp group (each rank's
-    pieces under the whole tensors' names before: half a model in ``save_pretrained``)."""
+    tensor-parallel model's split parameters are gathered whole over its tp group as each
+    module's entries are made, before the user's state-dict hooks may rename them."""
     model = uncompiled(model)
     hooks = _hooks(model)
     mesh = hooks.engine.mesh
@@ -826,11 +843,8 @@ def full_state_dict(
         sd = model.state_dict()
     finally:
         hooks.full = None
-    if split:
-        from zeroshard.tensor_parallel import gather_tensor_parallel
-
-        sd = gather_tensor_parallel(model, sd, mesh.tp_group)
-        sd = {k: v.cpu() if cpu_offload else v for k, v in sd.items()}
+    if split and cpu_offload:  # (whole already: each module's entries gathered as made)
+        sd = {k: v.cpu() for k, v in sd.items()}
     if rank0_only and not mesh.is_first:  # (not every tp rank of data-parallel rank 0)
         return {}
     # Blocks compiled inside the model: their wrappers' level left out (save_pretrained wrote

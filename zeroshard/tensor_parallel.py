@@ -473,29 +473,31 @@ def splits(model: nn.Module) -> dict[str, _Split]:
     return out
 
 
-def place_pieces(model: nn.Module, state: dict[str, Any], tp_rank: int, tp_size: int) -> None:
-    """A checkpoint's state of ``model`` (``{"model": ..., "optim": ...}`` of ``FlatRange``
-    entries: ``zeroshard.checkpoint``), in place: split parameters' entries placed as parts of
-    the whole tensors (``Split``), so that the files hold the unsplit model and load at any
-    tensor-parallel degree."""
+def place_pieces(model: nn.Module, optim: dict[str, Any], tp_rank: int, tp_size: int) -> None:
+    """A checkpoint's optimizer state of ``model`` (``FlatRange`` entries of
+    ``zeroshard.checkpoint``), in place: split parameters' element-wise states placed as parts
+    of the whole tensors (``Split``), so that the files hold the unsplit model and load at any
+    tensor-parallel degree.
+    (The model's own entries are placed as its state dict is made, under whatever names the
+    user's state-dict hooks give them: ``zeroshard.state_dict``.)"""
     from zeroshard.checkpoint_files import CheckpointError
 
     for name, split in splits(model).items():
         if split.dim is None:
             continue
-        where = Split(split.dim, tp_rank, tp_size, split.groups)
-        entries = [(state["model"], name)] if name in state["model"] else []
-        optim = state["optim"]["state"].get(name, {})
+        where = placed(split, tp_rank, tp_size)
+        states = optim["state"].get(name, {})
         # Element-wise states, not scalars such as Adam's step (the same on every rank).
-        entries += [(optim, key) for key, value in optim.items() if _is_elementwise(value)]
-        for tree, key in entries:
-            if not isinstance(tree[key], FlatRange):  # the same name, another piece per rank
+        for key, value in states.items():
+            if not _is_elementwise(value):
+                continue
+            if not isinstance(value, FlatRange):  # the same name, another piece per rank
                 raise CheckpointError(
                     f"{name} is split tensor-parallel but its state {key!r} is a "
-                    f"{type(tree[key]).__name__}, not this rank's range; checkpoints of it need "
+                    f"{type(value).__name__}, not this rank's range; checkpoints of it need "
                     "a model sharded by zeroshard.shard"
                 )
-            tree[key] = tree[key].placed(where)
+            states[key] = value.placed(where)
 
 
 def _is_elementwise(value: Any) -> bool:
@@ -514,7 +516,6 @@ def gather_tensor_parallel(
     """``state`` (a state dict of ``model`` on this rank: local pieces) with every tensor whole:
     split ones all-gathered over the tensor-parallel ``group``, in the unsplit model's layout,
     and DTensors over the data-parallel ranks made full. A collective over every rank."""
-    tp = dist.get_world_size(group)
     # DTensors over the data-parallel ranks (a sharded model's state dict): whole on this rank.
     out = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
     for name, split in splits(model).items():
@@ -522,13 +523,32 @@ def gather_tensor_parallel(
             continue
         if out[name].shape != model.get_parameter(name).shape:
             continue  # whole already (zeroshard.full_state_dict gathers them)
-        local = out[name].contiguous()
-        pieces = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(pieces, local, group=group)
-        if split.groups > 1:
-            blocks = [p.chunk(split.groups, dim=split.dim) for p in pieces]
-            whole = torch.cat([b[g] for g in range(split.groups) for b in blocks], dim=split.dim)
-        else:
-            whole = torch.cat(pieces, dim=split.dim)
-        out[name] = whole
+        out[name] = whole_tensor(out[name], split, group)
     return out
+
+
+def split_of(module: nn.Module, name: str) -> _Split | None:
+    """How ``module``'s own parameter ``name`` is split across its tensor-parallel group; None
+    where every rank holds it whole."""
+    split = getattr(module, _LOCAL, {}).get(name)
+    return split if split is not None and split.dim is not None else None
+
+
+def whole_tensor(
+    local: torch.Tensor, split: _Split, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The unsplit tensor of which ``local`` is this rank's piece (``split``), in the unsplit
+    model's layout: all-gathered over the tensor-parallel ``group`` (every rank of it calls)."""
+    local = local.contiguous()
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local, group=group)
+    if split.groups > 1:
+        blocks = [p.chunk(split.groups, dim=split.dim) for p in pieces]
+        return torch.cat([b[g] for g in range(split.groups) for b in blocks], dim=split.dim)
+    return torch.cat(pieces, dim=split.dim)
+
+
+def placed(split: _Split, tp_rank: int, tp_size: int) -> Split:
+    """Where tensor-parallel rank ``tp_rank``'s piece of a ``split`` parameter lies in the whole
+    tensor, as a checkpoint saves it."""
+    return Split(split.dim, tp_rank, tp_size, split.groups)
