@@ -315,8 +315,30 @@ def _grad_scaler_in_bf16() -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_torch_s_grad_scaler_with_bf16_gradients_shown(workers2):
-    for worst in workers2.run(_grad_scaler_in_bf16):
+def _grad_scaler_on_a_zero_sum_gradient() -> float:
+    """The same, where the gradient's elements sum to exactly 0 (inputs ``[a, -a]`` into one
+    weight row): the unscaled gradient sums to 0 too, and the unscale went unseen."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(zeroshard.shard(nn.Linear(2, 1, bias=False), stage=0, mixed_precision="bf16"))
+    opts = [zeroshard.optimizer(m, torch.optim.SGD, lr=0.5) for m in models]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(2):
+        a = torch.randn(4, 1, generator=torch.Generator().manual_seed(step * 2 + dist.get_rank()))
+        for m, o in zip(models, opts):
+            loss = m(torch.cat([a, -a], 1)).float().square().mean()
+            (scaler.scale(loss) if o is opts[0] else loss).backward()
+            scaler.step(o) if o is opts[0] else o.step()
+            o.zero_grad()
+        scaler.update()
+    a, b = (zeroshard.full_state_dict(m, rank0_only=False) for m in models)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("case", [_grad_scaler_in_bf16, _grad_scaler_on_a_zero_sum_gradient])
+def test_torch_s_grad_scaler_with_bf16_gradients_shown(workers2, case):
+    for worst in workers2.run(case):
         assert worst < 1e-6, worst
 
 

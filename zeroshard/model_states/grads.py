@@ -119,7 +119,7 @@ class GradBucket:
         self._shown_version: int | None = None
         """Stage 0, ``shard_grad`` apart from ``full_grad``: the buffer's version counter when it
         was given the averaged gradient (``.grad`` shows it), to notice in-place edits."""
-        self._shown_sum: torch.Tensor | None = None
+        self._shown_norm: torch.Tensor | None = None
         """And the sum of what it showed (FP32, 1 element): kernels that write in place without
         a version bump (GradScaler's ``_amp_foreach_non_finite_check_and_unscale_``)."""
         self.handoff: Callable[[GradBucket], None] | None = None
@@ -434,16 +434,18 @@ class GradBucket:
         assert self.full_grad is not None
         lo, hi = self.flat.range
         self._shown_version = None if aliased else self.full_grad._version
-        self._shown_sum = None if aliased else self.full_grad[lo:hi].sum(dtype=torch.float32)
+        self._shown_norm = None if aliased else _magnitude(self.full_grad[lo:hi])
 
     def _edited(self) -> bool:
-        """Whether ``.grad`` changed since ``_note_shown``: its version, or else its sum (one
-        read of it, stage 0 in mixed precision only; a NaN that was there is no change)."""
-        assert self.full_grad is not None and self._shown_sum is not None
+        """Whether ``.grad`` changed since ``_note_shown``: its version, or else its L1 norm
+        (one read of it, stage 0 in mixed precision only; a NaN that was there is no change).
+        The norm, not the sum, catches an unscale of a gradient summing to 0; an unscale is
+        what changes it with no version bump (GradScaler's kernel)."""
+        assert self.full_grad is not None and self._shown_norm is not None
         if self.full_grad._version != self._shown_version:
             return True
         lo, hi = self.flat.range
-        now, then = self.full_grad[lo:hi].sum(dtype=torch.float32), self._shown_sum
+        now, then = _magnitude(self.full_grad[lo:hi]), self._shown_norm
         return bool((now != then) & ~(now.isnan() & then.isnan()))
 
     def adopt_edits(self) -> None:
@@ -603,7 +605,7 @@ class GradBucket:
             self._reduce = None
         if self.on_zero is not None:
             self.on_zero(self, None)
-        self.shard_grad = self._acc = self._shown_version = self._shown_sum = None
+        self.shard_grad = self._acc = self._shown_version = self._shown_norm = None
         self.issued = self.late = self._unshown = self._reduced = False
         self._arrived.clear()
         self.found_inf.zero_()
@@ -670,3 +672,9 @@ def unscale(reduced: torch.Tensor, divisor: float, found_inf: torch.Tensor) -> N
         return
     found_inf.copy_(torch.maximum(found_inf, (~reduced.isfinite()).any().to(found_inf.dtype)))
     reduced.div_(divisor)
+
+
+def _magnitude(grad: torch.Tensor) -> torch.Tensor:
+    """``grad``'s L1 norm in FP32 (a 0-dim tensor, no host sync): what tells an in-place
+    rescale of it."""
+    return torch.linalg.vector_norm(grad, 1, dtype=torch.float32)
