@@ -113,14 +113,21 @@ def test_writes_to_parameters_at_rest_reach_the_masters(
         assert result == {"seen": True, "same": True, "edit_kept": True}
 
 
-def _fill_at_rest(where: str) -> dict:
+def _fill_at_rest(where: str, how: str) -> dict:
     """Stage 3: a fill-like write to a parameter at rest (it succeeds on the stride-0
-    placeholder, and wrote the element every placeholder shares) is an error at the next
-    forward, summon or state dict, and the placeholders read NaN again after it."""
+    placeholder) is an error at the next forward, summon or state dict, and the placeholders
+    read NaN again after it. Through ``.data`` (``p.data.zero_()``: no version bump) the write
+    was lost without a word, and the placeholder it wrote was every model's: another model's
+    parameters at rest read 0.5 instead of NaN."""
     model, opt = _setup(3, "fp32")
+    other, _ = _setup(3, "fp32")
     _step(model, opt, 0)
     with torch.no_grad():
-        nn.init.constant_(model[2].weight, 0.5)
+        if how == "init":
+            nn.init.constant_(model[2].weight, 0.5)
+        else:
+            model[2].weight.data.fill_(0.5)
+    out = {"other_nan": bool(other[2].weight.isnan().all())}
     try:
         if where == "forward":
             model(torch.randn(2, WIDTH))
@@ -129,19 +136,22 @@ def _fill_at_rest(where: str) -> dict:
                 pass
         else:
             model.state_dict()
-        error = ""
+        out["error"] = ""
     except ValueError as exc:
-        error = str(exc)
-    out = {"error": error, "nan_again": bool(model[0].weight.isnan().all())}
+        out["error"] = str(exc)
+    out["nan_again"] = bool(model[2].weight.isnan().all())
     _step(model, opt, 1)  # and training goes on
     return out
 
 
+@pytest.mark.parametrize("how", ["init", "data"])
 @pytest.mark.parametrize("where", ["forward", "summon", "state_dict"])
-def test_a_write_to_a_parameter_at_rest_at_stage_3_is_an_error(workers2, where):
-    for out in workers2.run(_fill_at_rest, where):
-        assert out["error"].startswith("2.weight was written while at rest"), out
+def test_a_write_to_a_parameter_at_rest_at_stage_3_is_an_error(workers2, where, how):
+    said = "2.weight" if how == "init" else "2.weight (through .data)"
+    for out in workers2.run(_fill_at_rest, where, how):
+        assert out["error"].startswith(f"{said} was written while at rest"), out
         assert "summon_full_params" in out["error"] and out["nan_again"], out
+        assert out["other_nan"], out
 
 
 def _cast_after_shard(stage: int) -> dict:

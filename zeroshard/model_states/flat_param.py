@@ -85,23 +85,20 @@ class Slot:
         return self.shape.numel()
 
 
-_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+def _unset(dtype: torch.dtype) -> float | int | bool:
+    """What a parameter at rest reads: NaN for floats, the minimum for integers."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
 
 
-def _placeholder(dtype: torch.dtype, device: torch.device, *, reset: bool = False) -> torch.Tensor:
-    """One element (NaN for floats, the minimum for integers) shared by every parameter at rest;
-    ``reset``: written back to that value (after a write to a parameter at rest)."""
-    key = (dtype, device)
-    if key not in _PLACEHOLDERS or reset:
-        if dtype.is_floating_point or dtype.is_complex:
-            fill: float | int | bool = float("nan")
-        else:
-            fill = False if dtype == torch.bool else torch.iinfo(dtype).min
-        if key in _PLACEHOLDERS:
-            _PLACEHOLDERS[key].fill_(fill)  # in place: every parameter at rest views it
-        else:
-            _PLACEHOLDERS[key] = torch.full((), fill, dtype=dtype, device=device)  # 0-dim
-    return _PLACEHOLDERS[key]
+def _written(elements: torch.Tensor) -> list[int]:
+    """Indices of the placeholder ``elements`` that no longer hold ``_unset`` (one host read)."""
+    if elements.dtype.is_floating_point or elements.dtype.is_complex:
+        unset = elements.isnan()
+    else:
+        unset = elements == _unset(elements.dtype)
+    return [] if bool(unset.all()) else (~unset).nonzero().flatten().tolist()
 
 
 def master_dtype_of(dtype: torch.dtype) -> torch.dtype:
@@ -321,14 +318,24 @@ class FlatParam:
             s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
 
     def _placeholder(self, *, reset: bool = False) -> torch.Tensor:
-        """What the parameters view at rest: the shared element in ``full``'s dtype (SHARDED
-        above)."""
-        return _placeholder(self.full.dtype, self.mesh.device, reset=reset)
+        """What the parameters view at rest (SHARDED above): one element per slot, of this
+        FlatParam's own, in ``full``'s dtype (shape ``(len(slots),)``), so that a write no
+        version counter sees (``p.data.zero_()``) reaches no other parameter and names its
+        own; ``reset``: written back to ``_unset``."""
+        dtype = self.full.dtype
+        elements = self.__dict__.get("_rest_elements")
+        if elements is None or elements.dtype != dtype:
+            n = len(self.slots)
+            elements = torch.full((n,), _unset(dtype), dtype=dtype, device=self.mesh.device)
+            self._rest_elements = elements
+        elif reset:
+            elements.fill_(_unset(dtype))
+        return elements
 
     def _use_rest_views(self) -> None:
         placeholder = self._placeholder()
-        for s in self.slots:
-            s.param.data = placeholder.expand(s.shape)
+        for i, s in enumerate(self.slots):
+            s.param.data = placeholder[i].expand(s.shape)
         self._rest_versions = [s.param._version for s in self.slots]
 
     def check_views(self) -> None:
@@ -342,8 +349,8 @@ class FlatParam:
         rest = self.state is ShardState.SHARDED
         base = self._placeholder() if rest else self.full
         adopted = []
-        for s in self.slots:
-            at = base.data_ptr() + (0 if rest else s.offset * base.element_size())
+        for i, s in enumerate(self.slots):
+            at = base.data_ptr() + (i if rest else s.offset) * base.element_size()
             p = s.param
             if not s.numel or (p.data_ptr() == at and p.dtype == base.dtype and p.shape == s.shape):
                 continue  # still the engine's memory, as shard() left it
@@ -383,17 +390,25 @@ class FlatParam:
 
     def check_rest_writes(self) -> None:
         """Raise if a parameter at rest (a placeholder, stage 3) was written: ``fill_``-like
-        writes (``nn.init.zeros_``, ``constant_``) succeed on a stride-0 view, write the one
-        element every placeholder shares and would be lost at the next gather. The placeholder
-        is restored first."""
+        writes (``nn.init.zeros_``, ``constant_``, ``p.data.zero_()``) succeed on a stride-0
+        view, write the parameter's placeholder element and would be lost at the next gather.
+        The placeholder is restored first. Writes through ``p.data`` (its own version counter:
+        the classic ``_init_weights``) are found by the elements' values, on the CPU only (on
+        an accelerator that read would wait for the device at every gather; there the write
+        stays in the parameter's own element, which no other parameter reads)."""
         if self.state is not ShardState.SHARDED:
             return
-        written = [s for s, v in zip(self.slots, self._rest_versions) if s.param._version != v]
+        written = [
+            s.names[0] for s, v in zip(self.slots, self._rest_versions) if s.param._version != v
+        ]
+        elements = self._placeholder()
+        if not written and elements.device.type == "cpu":
+            written = [f"{self.slots[i].names[0]} (through .data)" for i in _written(elements)]
         if written:
             self._placeholder(reset=True)
             self._use_rest_views()
             raise ValueError(
-                f"{written[0].names[0]} was written while at rest (stage 3 keeps no values of "
+                f"{written[0]} was written while at rest (stage 3 keeps no values of "
                 "a parameter between uses, so the write would be lost): write parameters inside "
                 "`with zeroshard.summon_full_params(model):`, or before zeroshard.shard()"
             )
