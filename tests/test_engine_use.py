@@ -1744,19 +1744,32 @@ def _parametrized_and_hooked(stage: int) -> dict:
     with zeroshard.summon_full_params(model):
         P.remove_parametrizations(model[0].fc, "weight")
     full = zeroshard.full_state_dict(model, rank0_only=False)
+    # Another model's nn.Parameters (an EMA copy's, MAML's fast weights): refused as "a weight
+    # tied or replaced after shard()", with a warning of parameters "added after shard()".
+    fast, fast_ref = ({k: nn.Parameter(v.clone()) for k, v in other.items()} for _ in range(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = functional_call(model, fast, (x,))
+    grads = torch.autograd.grad(out.square().sum(), list(fast.values()))
+    out_ref = functional_call(ref, fast_ref, (x,))
+    want = torch.autograd.grad(out_ref.square().sum(), list(fast_ref.values()))
     return {
         "baked": torch.equal(full["0.fc.weight"], ref[0].fc.weight),
         "alone": torch.allclose(alone, ref[1].fc(x)),
         "functional": torch.allclose(
             functional_call(model, other, (x,)), functional_call(ref, other, (x,))
         ),
+        "parameters": torch.allclose(out, out_ref),
+        "grads": all(torch.allclose(g, w) for g, w in zip(grads, want)),
+        "warned": [str(w.message) for w in caught if "added after" in str(w.message)],
     }
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_parametrizations_prune_and_functional_call(workers2, stage):
     for r in workers2.run(_parametrized_and_hooked, stage):
-        assert r == {"baked": True, "alone": True, "functional": True}, r
+        want = {"functional": True, "parameters": True, "grads": True, "warned": []}
+        assert r == {"baked": True, "alone": True, **want}, r
 
 
 def _stage0_grads_as_ddp(precision: str) -> dict:

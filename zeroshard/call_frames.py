@@ -48,3 +48,18 @@ def running(call: int | None, module: nn.Module, *, besides_current: bool = Fals
                 return True
         frame = frame.f_back
     return False
+
+
+def in_functional_call() -> bool:
+    """Whether torch's ``functional_call`` (``torch.func``'s or ``nn.utils.stateless``'s) runs
+    on this thread's stack: for its length the model's modules hold the caller's tensors,
+    parameters of another model too (an EMA copy's, MAML's fast weights), in place of theirs."""
+    from torch.nn.utils import stateless
+
+    code = stateless._functional_call.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False

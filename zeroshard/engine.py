@@ -335,7 +335,11 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
             flat_param.check_requires_grad(self.flat_params)
             seen = model_checks.registrations()  # (a walk only after a registration)
-            if self._known_params is not None and seen != self._registrations:
+            if (
+                self._known_params is not None
+                and seen != self._registrations
+                and not call_frames.in_functional_call()  # (its tensors stand in for a call)
+            ):
                 self._registrations = seen
                 if model_checks.added_parameters(self.model, self._known_params):
                     self._known_params = None  # (said once)

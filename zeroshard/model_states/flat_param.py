@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from zeroshard import call_frames
 from zeroshard import collectives as C
 from zeroshard.mesh import Mesh
 from zeroshard.model_states.partition import intersect, layout, padded_numel, shard_range
@@ -180,7 +181,9 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                     continue
                 if registered is None:
                     entries = [v for m in model.modules() for v in m._parameters.values()]
-                    if any(v is not None and not isinstance(v, nn.Parameter) for v in entries):
+                    if call_frames.in_functional_call() or any(
+                        v is not None and not isinstance(v, nn.Parameter) for v in entries
+                    ):
                         return  # inside functional_call: parameters stand aside for its length
                     registered = {id(v) for v in entries}
                 if id(s.param) not in registered:
