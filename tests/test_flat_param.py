@@ -172,6 +172,44 @@ def _cast_after_shard(stage: int) -> dict:
     return {"said": said, "trained": bool(torch.isfinite(_masters(model)["0.weight"]).all())}
 
 
+def _moved_after_shard(stage: int, swap: bool) -> dict:
+    """``model.to("meta")`` after shard is an error naming the move, and the model trains on as
+    an unmoved twin: it raised "not the parameter zeroshard.shard() flattened there" (with a
+    warning of 12 parameters added), or under torch's ``swap_module_params_on_conversion``
+    "Cannot copy out of meta tensor" / "incompatible tensor type" from inside the engine, and
+    every later call (a state dict too) failed the same way."""
+    model, opt = _setup(stage, "fp32", policy=zeroshard.wrap.by_class(nn.Linear))
+    twin, twin_opt = _setup(stage, "fp32", policy=zeroshard.wrap.by_class(nn.Linear))
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        model.to("meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model(torch.randn(2, WIDTH))
+            said = ""
+        except ValueError as exc:
+            said = str(exc)
+    for m, o in ((model, opt), (twin, twin_opt)):
+        _step(m, o, 0)
+    a, b = _masters(model), _masters(twin)
+    return {
+        "said": said,
+        "warned": [str(w.message)[:60] for w in caught],
+        "same": all(torch.equal(a[k], b[k]) for k in b),
+    }
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_move_after_shard_is_an_error_and_the_model_trains_on(workers2, stage, swap):
+    for r in workers2.run(_moved_after_shard, stage, swap):
+        assert r["said"].startswith("0.weight was moved to meta after zeroshard.shard()"), r
+        assert r["warned"] == [] and r["same"], r
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_cast_after_shard_is_an_error_naming_mixed_precision(workers2, stage):
     for r in workers2.run(_cast_after_shard, stage):

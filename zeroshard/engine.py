@@ -334,6 +334,9 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         self._forward_call = call_frames.current(self.model)
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
             flat_param.check_requires_grad(self.flat_params)
+        self.check_trusted()
+        self.adopt_writes()  # (parameters replaced are an error before they count as added)
+        if torch.is_grad_enabled():
             seen = model_checks.registrations()  # (a walk only after a registration)
             if (
                 self._known_params is not None
@@ -343,8 +346,6 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
                 self._registrations = seen
                 if model_checks.added_parameters(self.model, self._known_params):
                     self._known_params = None  # (said once)
-        self.check_trusted()
-        self.adopt_writes()
         for pool in {id(f.buffers): f.buffers for f in self.flat_params}.values():
             pool.settle()  # the last step's use of gather buffers is the next one's
         self.phase = Phase.FORWARD

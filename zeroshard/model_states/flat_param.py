@@ -179,6 +179,9 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                 # parameter moved elsewhere, the same object (remove_parametrizations), is fine.
                 if now is s.param or (now is not None and not isinstance(now, nn.Parameter)):
                     continue
+                if now is not None and now.device != s.param.device:  # model.to("meta")
+                    _put_back(model, flats)
+                    raise ValueError(moved_message(name, now.device, s.param.device))
                 if registered is None:
                     entries = [v for m in model.modules() for v in m._parameters.values()]
                     if call_frames.in_functional_call() or any(
@@ -194,6 +197,41 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                         "gathered where it is read, nor saved. Change the model before shard() "
                         "(tied weights stay one parameter), or shard a fresh model"
                     )
+
+
+def _put_back(model: nn.Module, flats: list[FlatParam]) -> None:
+    """Every flattened parameter registered again under its names where a parameter on another
+    device took its place (``model.to(device)`` made new ones)."""
+    for f in flats:
+        for s in f.slots:
+            for name in s.names:
+                path, _, attr = name.rpartition(".")
+                module = _module_at(model, path)
+                now = getattr(module, "_parameters", {}).get(attr)
+                if isinstance(now, nn.Parameter) and now.device != s.param.device:
+                    module._parameters[attr] = s.param
+
+
+def moved_message(name: str, now: torch.device, engine: torch.device) -> str:
+    """The error for a parameter moved to another device after ``shard()``."""
+    return (
+        f"{name} was moved to {now} after zeroshard.shard() (model.to(...)): the engine holds "
+        f"the parameters' memory on {engine}, given back to them. Move the model before "
+        "shard() (a model built on the meta device: shard(..., param_init_fn=...) "
+        "materializes it)"
+    )
+
+
+def _point(p: nn.Parameter, view: torch.Tensor) -> None:
+    """``p.data = view``; a parameter whose tensor was swapped for another kind
+    (``model.to("meta")`` under torch's ``swap_module_params_on_conversion``) is swapped back,
+    keeping its attributes."""
+    try:
+        p.data = view
+    except RuntimeError:
+        kept = dict(p.__dict__)
+        torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
+        p.__dict__.update(kept)
 
 
 def _module_at(model: nn.Module, path: str) -> nn.Module | None:
@@ -318,7 +356,7 @@ class FlatParam:
     # ----------------------------------------------------------------- views
     def _use_full_views(self) -> None:
         for s in self.slots:
-            s.param.data = self.full[s.offset : s.offset + s.numel].view(s.shape)
+            _point(s.param, self.full[s.offset : s.offset + s.numel].view(s.shape))
 
     def _placeholder(self, *, reset: bool = False) -> torch.Tensor:
         """What the parameters view at rest (SHARDED above): one element per slot, of this
@@ -338,7 +376,7 @@ class FlatParam:
     def _use_rest_views(self) -> None:
         placeholder = self._placeholder()
         for i, s in enumerate(self.slots):
-            s.param.data = placeholder[i].expand(s.shape)
+            _point(s.param, placeholder[i].expand(s.shape))
         self._rest_versions = [s.param._version for s in self.slots]
 
     def check_views(self) -> None:
@@ -357,6 +395,10 @@ class FlatParam:
             p = s.param
             if not s.numel or (p.data_ptr() == at and p.dtype == base.dtype and p.shape == s.shape):
                 continue  # still the engine's memory, as shard() left it
+            if p.device != base.device:
+                moved = moved_message(s.names[0], p.device, base.device)
+                self._use_rest_views() if rest else self._use_full_views()
+                raise ValueError(moved)
             if not rest and p.dtype == base.dtype and p.shape == s.shape:
                 # Copied in below, once every replacement is read: one may be another slot's
                 # memory (a.data, b.data = b.data, a.data).
