@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -182,6 +183,8 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                 if now is not None and now.device != s.param.device:  # model.to("meta")
                     _put_back(model, flats)
                     raise ValueError(moved_message(name, now.device, s.param.device))
+                if now is None and f.state is ShardState.SHARDED:
+                    _check_pruning(found[path], name)
                 if registered is None:
                     entries = [v for m in model.modules() for v in m._parameters.values()]
                     if call_frames.in_functional_call() or any(
@@ -197,6 +200,46 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                         "gathered where it is read, nor saved. Change the model before shard() "
                         "(tied weights stay one parameter), or shard a fresh model"
                     )
+
+
+_PRUNINGS_SEEN: weakref.WeakSet = weakref.WeakSet()
+"""``torch.nn.utils.prune`` methods (forward pre-hooks) checked by ``_check_pruning``."""
+
+
+def _check_pruning(module: nn.Module, name: str) -> None:
+    """Raise, the pruning undone, if ``torch.nn.utils.prune`` pruned parameter ``name`` of
+    ``module`` while it was at rest (stage 3): its mask ranked the NaN placeholders, an
+    arbitrary choice, which prune's own product ``weight = weight_orig * mask``, NaN
+    everywhere, tells. Each pruning is read once (inside ``summon_full_params`` it is
+    right)."""
+    attr = name.rpartition(".")[2]
+    keys = [k for k, h in module._forward_pre_hooks.items() if _prunes(h, attr)]
+    if not keys or all(module._forward_pre_hooks[k] in _PRUNINGS_SEEN for k in keys):
+        return
+    _PRUNINGS_SEEN.update(module._forward_pre_hooks[k] for k in keys)
+    product = module.__dict__.get(attr)
+    if not isinstance(product, torch.Tensor) or not product.is_floating_point():
+        return
+    if not product.numel() or not bool(product.isnan().all()):
+        return
+    for k in keys:  # (a method of a container too: every pruning of it)
+        del module._forward_pre_hooks[k]
+    del module.__dict__[attr]
+    module._buffers.pop(f"{attr}_mask", None)
+    module._parameters[attr] = module._parameters.pop(f"{attr}_orig")
+    raise ValueError(
+        f"{name} was pruned (torch.nn.utils.prune) while at rest: stage 3 keeps no values of a "
+        "parameter between uses, and the mask ranked NaN placeholders (an arbitrary choice). "
+        "The pruning was undone: prune inside `with zeroshard.summon_full_params(model):`, "
+        "or before zeroshard.shard()"
+    )
+
+
+def _prunes(hook: object, attr: str) -> bool:
+    """Whether ``hook`` is ``torch.nn.utils.prune``'s for parameter ``attr``."""
+    from torch.nn.utils import prune
+
+    return isinstance(hook, prune.BasePruningMethod) and hook._tensor_name == attr
 
 
 def _put_back(model: nn.Module, flats: list[FlatParam]) -> None:
