@@ -183,7 +183,7 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                 if now is not None and now.device != s.param.device:  # model.to("meta")
                     _put_back(model, flats)
                     raise ValueError(moved_message(name, now.device, s.param.device))
-                if now is None and f.state is ShardState.SHARDED:
+                if now is None and found[path] is not None and f.state is ShardState.SHARDED:
                     _check_pruning(found[path], name)
                 if registered is None:
                     entries = [v for m in model.modules() for v in m._parameters.values()]
