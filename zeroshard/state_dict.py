@@ -289,9 +289,20 @@ class _Save:
     names share one tensor, as torch's)."""
 
     def __init__(
-        self, root: nn.Module, prefix: str, convert: Callable, keep: bool, frame: Any
+        self,
+        root: nn.Module,
+        prefix: str,
+        convert: Callable,
+        keep: bool,
+        frame: Any,
+        *,
+        full: tuple[bool, bool] | None,
+        local: bool,
     ) -> None:
         self.root, self.prefix, self.convert, self.keep = root, prefix, convert, keep
+        self.full, self.local = full, local
+        """The kind of call (``_Hooks.full``, ``.local``): a call made inside one of its hooks
+        (a submodule's own ``state_dict()``) is a plain one."""
         self.frame, self.thread = frame, threading.current_thread()
         """The root's own frame of the call (a call that raised midway is no longer on the
         stack: dropped at the next)."""
@@ -324,9 +335,11 @@ class _Hooks:
     def __init__(self, model: nn.Module, engine: Engine) -> None:
         self.engine = engine
         self.full: tuple[bool, bool] | None = None
-        """(rank0_only, cpu_offload) while ``full_state_dict`` runs; None: sharded entries."""
+        """(rank0_only, cpu_offload) for the call ``full_state_dict`` makes; None: sharded
+        entries. Taken by that call as it begins (``_Save.full``)."""
         self.local = False
-        """Whether ``local_state_dict`` runs: ``FlatRange`` entries, nothing gathered."""
+        """Whether the call ``local_state_dict`` makes is one: ``FlatRange`` entries, nothing
+        gathered. Taken by that call as it begins (``_Save.local``)."""
         self.saves: list[_Save] = []
         self.loads: list[_Load] = []
         """The calls under way, innermost last (a hook may call a submodule's own)."""
@@ -359,21 +372,22 @@ class _Hooks:
         return run
 
     def _live(self, calls: list) -> bool:
-        """Drop the calls on top of ``calls`` that raised midway (their frames are gone; a
-        load's hooks set aside go back): whether one is left. A call of another thread under
-        way is a RuntimeError (one model's calls are one thread's at a time)."""
-        while calls and calls[-1].thread is threading.current_thread():
-            if _on_stack(calls[-1].frame):
-                return True
+        """Drop the calls on top of ``calls`` that raised midway (their frames are gone from
+        their thread's stack, or the thread ended; a load's hooks set aside go back): whether
+        one of this thread is left. A call of another thread under way is a RuntimeError (one
+        model's calls are one thread's at a time)."""
+        while calls:
+            top = calls[-1]
+            if top.thread.is_alive() and _on_stack(top.frame, top.thread):
+                if top.thread is threading.current_thread():
+                    return True
+                raise RuntimeError(
+                    f"a state dict of this model is being made or loaded by another thread "
+                    f"({top.thread.name}): one at a time (the two mixed up their entries)"
+                )
             stale = calls.pop()
             if isinstance(stale, _Load):
                 _put_back(stale)
-        if calls and calls[-1].thread.is_alive():
-            raise RuntimeError(
-                f"a state dict of this model is being made or loaded by another thread "
-                f"({calls[-1].thread.name}): one at a time (the two mixed up their entries)"
-            )
-        calls.clear()  # (of a thread that ended)
         return False
 
     def _outermost(self, module: nn.Module, method: str) -> bool:
@@ -403,22 +417,25 @@ class _Hooks:
         """The user's call begins: the checks, and how entries are made."""
         engine = self.engine
         engine.check_thread()  # (local_state_dict in a monitor thread: states mixed up)
-        if self.full is not None:  # (not the sharded ones: templates that a load fills)
+        full, local = self.full, self.local  # (this call's: the ones made inside are plain)
+        self.full, self.local = None, False
+        if full is not None:  # (not the sharded ones: templates that a load fills)
             engine.check_trusted()
         engine.adopt_writes()
         keep = True  # whether this rank returns the entries it cuts
-        if self.full is None and not self.local:
+        if full is None and not local:
             refuse_split_pieces(engine, "model.state_dict()")
-        if self.full is None:
+        if full is None:
             mesh = device_mesh(engine)
             convert = lambda t, dtype: _as_sharded(t, mesh, dtype)  # noqa: E731
         else:
-            rank0_only, cpu_offload = self.full
+            rank0_only, cpu_offload = full
             keep = not rank0_only or engine.mesh.is_first
             device = torch.device("cpu") if cpu_offload else None
             convert = lambda t, dtype: t.to(device=device, dtype=dtype, copy=True)  # noqa: E731
         self._live(self.saves)
-        self.saves.append(_Save(module, prefix, convert, keep, _own_frame(module, "state_dict")))
+        frame = _own_frame(module, "state_dict")
+        self.saves.append(_Save(module, prefix, convert, keep, frame, full=full, local=local))
 
     @torch.no_grad()
     def _fill_own(
@@ -441,11 +458,11 @@ class _Hooks:
             if id(flat) not in save.cut:
                 self._cut(save, flat)
             if save.keep:  # (the other ranks' collectives still needed this rank's shard)
-                state_dict[key] = self._unsplit(module, name, save.values[(id(flat), index)])
+                state_dict[key] = self._unsplit(save, module, name, save.values[(id(flat), index)])
         if _saves_itself(module):
             self._own_entries(module, state_dict, prefix)
 
-    def _unsplit(self, module: nn.Module, name: str, value: Any) -> Any:
+    def _unsplit(self, save: _Save, module: nn.Module, name: str, value: Any) -> Any:
         """The entry of ``module``'s parameter ``name`` as the unsplit model has it, where
         tensor parallelism split it: whole (gathered over the tp group) in ``full_state_dict``,
         placed in the whole tensor in ``local_state_dict`` (a checkpoint's). Done here, before
@@ -458,7 +475,7 @@ class _Hooks:
         split = tensor_parallel.split_of(module, name)
         if split is None:
             return value
-        if self.local:
+        if save.local:
             return value.placed(tensor_parallel.placed(split, mesh.tp_rank, mesh.tp_size))
         return tensor_parallel.whole_tensor(value, split, mesh.tp_group)
 
@@ -466,7 +483,7 @@ class _Hooks:
         """Every slot of ``flat`` cut (gathered here when partitioned, in the same order on
         every rank: the first entry of each reached), the gathered buffer freed after."""
         save.cut.add(id(flat))
-        cut = _local_range if self.local else _cutter(flat, save.convert)
+        cut = _local_range if save.local else _cutter(flat, save.convert)
         if save.keep:
             for index, s in enumerate(flat.slots):
                 if id(s.param) in save.params:
@@ -509,15 +526,15 @@ class _Hooks:
             and prefix == self.saves[-1].prefix
         ):
             save = self.saves.pop()
-            self.state_dict_post_hook(module, state_dict, prefix, save.keep)
+            self.state_dict_post_hook(module, state_dict, prefix, save)
 
     def state_dict_post_hook(
-        self, module: nn.Module, state_dict: dict, prefix: str, keep: bool
+        self, module: nn.Module, state_dict: dict, prefix: str, save: _Save
     ) -> None:
         """The user's call ends: buffers in their declared dtype, entries on the CPU."""
-        if keep:
+        if save.keep:
             _buffers_in_their_dtype(module, state_dict, prefix)
-        if self.full is not None and self.full[1] and keep:
+        if save.full is not None and save.full[1] and save.keep:
             for key, value in state_dict.items():
                 if key.startswith(prefix) and isinstance(value, torch.Tensor):
                     state_dict[key] = value.detach().cpu()
@@ -656,8 +673,12 @@ def _own_frame(module: nn.Module, method: str) -> types.FrameType | None:
     return frame
 
 
-def _on_stack(target: Any) -> bool:
-    frame = sys._getframe(1)
+def _on_stack(target: Any, thread: threading.Thread) -> bool:
+    """Whether frame ``target`` is on ``thread``'s stack (a call of it still running)."""
+    if thread is threading.current_thread():
+        frame = sys._getframe(1)
+    else:
+        frame = sys._current_frames().get(thread.ident)
     while frame is not None and frame is not target:
         frame = frame.f_back
     return frame is not None
