@@ -842,6 +842,50 @@ def test_save_pretrained_writes_the_whole_model_once(workers2, stage, precision,
     assert "save_pretrained is a collective: every rank calls it, not under `if rank" in alone
 
 
+class _AdapterModel(nn.Module):
+    """A model whose own ``save_pretrained`` runs model code, as peft's does (the keys of a
+    submodule's ``state_dict()`` for its ``modules_to_save``, a prompt encoder's forward), and
+    writes on the main process only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompt = nn.Embedding(4, 8)
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x) + self.prompt.weight.sum(0))
+
+    def save_pretrained(self, save_directory, state_dict=None, is_main_process=True):
+        keys = [f"head.{k}" for k in self.head.state_dict()]  # a collective at stage 3
+        with torch.no_grad():
+            prompt = self.prompt(torch.arange(4))  # so is this forward
+        if is_main_process:
+            torch.save(
+                {"prompt": prompt, **{k: state_dict[k] for k in keys}},
+                os.path.join(save_directory, "adapter.pt"),
+            )
+
+
+def _save_pretrained_running_model_code(stage: int, folder: str) -> dict:
+    """At stage 3 such a save hung (the writer alone in the gather); it runs on every rank now,
+    the others with ``is_main_process=False``."""
+    torch.manual_seed(0)
+    ref = _AdapterModel()
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=nn.Linear)
+    with impatient(timeout_s=20.0):
+        model.save_pretrained(folder)
+    saved = torch.load(os.path.join(folder, "adapter.pt")) if dist.get_rank() == 0 else None
+    want = {"prompt": ref.prompt.weight, "head.weight": ref.head.weight, "head.bias": ref.head.bias}
+    return {"same": saved is None or all(torch.equal(saved[k], v) for k, v in want.items())}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_save_pretrained_that_runs_model_code(workers2, stage, tmp_path):
+    for r in workers2.run(_save_pretrained_running_model_code, stage, str(tmp_path)):
+        assert r == {"same": True}, r
+
+
 # ----------------------------------------------------------- optimizer state dicts, off the path
 class _Block(nn.Module):
     def __init__(self) -> None:

@@ -96,18 +96,29 @@ def _part_refused(name: str, *args: Any, **kwargs: Any) -> None:
 def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: nn.Module) -> None:
     """The collective part: gather, the writer saves, every rank learns of its error. The
     writer is the lowest rank given ``is_main_process=True`` (rank 0 by default): one rank,
-    however many were given it (every rank, DDP code's habit, wrote the same files at once)."""
+    however many were given it (every rank, DDP code's habit, wrote the same files at once).
+
+    A ``save_pretrained`` that runs model code (peft's: a submodule's ``state_dict()`` for its
+    keys, a prompt encoder's forward), collectives at stage 3, runs on every rank at once (it
+    hung: the writer waited alone in the gather): the others with ``is_main_process=False``
+    and the state dict's entries as meta tensors of the same shapes."""
     asked = [False] * dist.get_world_size()
     dist.all_gather_object(asked, bool(kwargs.get("is_main_process", dist.get_rank() == 0)))
-    writer = dist.get_rank() == next((r for r, a in enumerate(asked) if a), None)
+    writer_rank = next((r for r, a in enumerate(asked) if a), None)
+    writer = dist.get_rank() == writer_rank
     state_dict = full_state_dict(model, rank0_only=not writer)
+    lockstep = _runs_model_code(save) and writer_rank is not None
+    if lockstep:
+        state_dict = _same_keys(state_dict, writer_rank)
+        kwargs = {**kwargs, "is_main_process": writer}
     error: str | None = None
     try:
-        if writer:
-            dtype = weights_dtype(state_dict.values())
+        if writer or lockstep:
+            dtype = weights_dtype(state_dict.values()) if writer else None
             with _writes_where_asked(model):
                 save(save_directory, state_dict=state_dict, **kwargs)  # (empties state_dict)
-            record_dtype(Path(save_directory), dtype, getattr(model, "config", None))
+            if writer:
+                record_dtype(Path(save_directory), dtype, getattr(model, "config", None))
     except Exception as exc:
         error = f"save_pretrained failed on rank {dist.get_rank()}: {exc}"
         raise
@@ -117,6 +128,31 @@ def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: n
         dist.all_gather_object(errors, error)
     if any(errors):
         raise RuntimeError(next(e for e in errors if e))
+
+
+def _runs_model_code(save: Callable) -> bool:
+    """Whether ``save`` (a model's ``save_pretrained``) may run model code and so must run on
+    every rank: any but transformers' own (which reads only the state dict given) that can be
+    told which rank writes (``is_main_process``)."""
+    module = getattr(getattr(save, "__func__", save), "__module__", "") or ""
+    return not module.startswith("transformers.") and _takes(save, "is_main_process")
+
+
+def _same_keys(state_dict: dict[str, Any], writer: int) -> dict[str, Any]:
+    """The writer's ``state_dict`` there; elsewhere its keys with meta tensors of its entries'
+    shapes and dtypes (no memory), so that code reading it runs the same on every rank."""
+    shapes = [
+        {k: (v.shape, v.dtype) if torch.is_tensor(v) else v for k, v in state_dict.items()}
+        if dist.get_rank() == writer
+        else None
+    ]
+    dist.broadcast_object_list(shapes, src=writer)
+    if dist.get_rank() == writer:
+        return state_dict
+    return {
+        k: torch.empty(v[0], dtype=v[1], device="meta") if isinstance(v, tuple) else v
+        for k, v in shapes[0].items()
+    }
 
 
 @contextlib.contextmanager
