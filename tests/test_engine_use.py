@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import io
 import math
@@ -2839,6 +2840,66 @@ def _checkpoint_around_the_model(stage: int, reentrant: bool) -> float:
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_a_checkpoint_around_the_whole_model(workers2, stage, reentrant):
     for diff in workers2.run(_checkpoint_around_the_model, stage, reentrant):
+        assert diff < 1e-6, diff
+
+
+class _SelfCheckpointed(nn.Module):
+    """A block that checkpoints itself inside its forward, re-entrantly, with a keyword tensor
+    closed over (transformers 5's GradientCheckpointingLayer; DeBERTa gives every layer its
+    ``rel_embeddings`` so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def _f(self, x, rel=None):
+        return torch.tanh(self.lin(x) + rel.sum(0))
+
+    def forward(self, x, rel=None):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(functools.partial(self._f, rel=rel), x, use_reentrant=True)
+
+
+class _WithRelative(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rel = nn.Embedding(4, 8)
+        self.blocks = nn.ModuleList(_SelfCheckpointed() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, rel=self.rel.weight)
+        return x.square().mean()
+
+
+def _keyword_into_a_reentrant_checkpoint(stage: int) -> float:
+    """Its backward failed at every stage ("backward through the graph a second time"; FSDP2
+    fails so too): the unit's inputs, keyword ones with them, went through one hook node,
+    which the checkpoint's inner backward walked through the keyword tensor and the outer one
+    again. SGD against plain torch on every rank's rows."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _WithRelative()
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_SelfCheckpointed))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(2):
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step))
+        opt.backward(model(x[4 * rank : 4 * rank + 4].requires_grad_()))
+        opt.step()
+        opt.zero_grad()
+        for r in range(world):
+            (ref(x[4 * r : 4 * r + 4].requires_grad_()) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_keyword_tensor_into_a_unit_that_checkpoints_itself_reentrantly(workers2, stage):
+    for diff in workers2.run(_keyword_into_a_reentrant_checkpoint, stage):
         assert diff < 1e-6, diff
 
 

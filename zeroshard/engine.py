@@ -49,7 +49,7 @@ from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
-from zeroshard.trees import cast_floats, tensors_reached
+from zeroshard.trees import cast_floats, tensors_in, tensors_reached
 from zeroshard.unit import Phase, TrainingState, Unit, Use
 
 if TYPE_CHECKING:
@@ -235,7 +235,16 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             # A use whose inputs need no gradient cannot report its end: the count then stays
             # above 0 and the end-of-backward callback finishes the unit.
             use = Use(self, unit)
-            (args, kwargs), hooked = on_backward(use, (args, kwargs), edits)
+            # The positional inputs alone when one needs grad: a reentrant checkpoint inside
+            # the unit (transformers' GradientCheckpointingLayer) detaches those and backprops
+            # through what it closed over (a keyword's tensor, DeBERTa's rel_embeddings), which
+            # then walked a node shared with them twice: "backward through the graph a second
+            # time" (FSDP2's too). Autograd runs the hook's node after the unit's own (created
+            # later), so it still fires once the unit's backward for this use is done.
+            if any(x.requires_grad for x in tensors_in(args)):
+                args, hooked = on_backward(use, args, edits)
+            else:
+                (args, kwargs), hooked = on_backward(use, (args, kwargs), edits)
             use.counted = hooked
             unit.pending_uses += 1  # an unhooked use stays counted until the end of backward
             ckpt = self.checkpointing is not None and entry and unit in self._checkpointed
