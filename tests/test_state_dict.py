@@ -842,48 +842,61 @@ def test_save_pretrained_writes_the_whole_model_once(workers2, stage, precision,
     assert "save_pretrained is a collective: every rank calls it, not under `if rank" in alone
 
 
-class _AdapterModel(nn.Module):
-    """A model whose own ``save_pretrained`` runs model code, as peft's does (the keys of a
-    submodule's ``state_dict()`` for its ``modules_to_save``, a prompt encoder's forward), and
-    writes on the main process only."""
+class _OwnSave(nn.Module):
+    """A model with a ``save_pretrained`` of its own that writes whatever it is given."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.prompt = nn.Embedding(4, 8)
-        self.body = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 3)
+        self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
 
-    def forward(self, x):
-        return self.head(self.body(x) + self.prompt.weight.sum(0))
-
-    def save_pretrained(self, save_directory, state_dict=None, is_main_process=True):
-        keys = [f"head.{k}" for k in self.head.state_dict()]  # a collective at stage 3
-        with torch.no_grad():
-            prompt = self.prompt(torch.arange(4))  # so is this forward
-        if is_main_process:
-            torch.save(
-                {"prompt": prompt, **{k: state_dict[k] for k in keys}},
-                os.path.join(save_directory, "adapter.pt"),
-            )
+    def save_pretrained(self, save_directory, state_dict=None, **kwargs):
+        torch.save(state_dict, os.path.join(save_directory, f"model{dist.get_rank()}.pt"))
 
 
-def _save_pretrained_running_model_code(stage: int, folder: str) -> dict:
-    """At stage 3 such a save hung (the writer alone in the gather); it runs on every rank now,
-    the others with ``is_main_process=False``."""
+def _peft_save_pretrained(stage: int, folder: str, kind: str) -> dict:
+    """peft's save_pretrained runs model code (a submodule's ``state_dict()`` for its
+    ``modules_to_save``, the prompt encoder's forward): at stage 3 it hung, the writer alone in
+    a gather. A model's own save_pretrained still runs on the writer alone."""
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    ref = _AdapterModel()
-    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=nn.Linear)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    base = LlamaForCausalLM(config)
+    if kind == "lora":
+        how = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    else:
+        how = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    model = peft.get_peft_model(base, how)
+    want = {k: v.clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+    model = zeroshard.shard(model, stage=stage, wrap=zeroshard.wrap.from_hf(base))
     with impatient(timeout_s=20.0):
-        model.save_pretrained(folder)
-    saved = torch.load(os.path.join(folder, "adapter.pt")) if dist.get_rank() == 0 else None
-    want = {"prompt": ref.prompt.weight, "head.weight": ref.head.weight, "head.bias": ref.head.bias}
-    return {"same": saved is None or all(torch.equal(saved[k], v) for k, v in want.items())}
+        model.save_pretrained(os.path.join(folder, kind))
+    own = zeroshard.shard(_OwnSave(), stage=stage, wrap=nn.Linear)
+    own.save_pretrained(folder)
+    if dist.get_rank() != 0:
+        return {"same": True, "own": os.listdir(folder)}
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(folder, kind, "adapter_model.safetensors"))
+    own_saved = torch.load(os.path.join(folder, "model0.pt"))
+    return {
+        "same": sorted(saved) == sorted(want) and all(torch.equal(saved[k], want[k]) for k in want),
+        "own": sorted(own_saved) if all(v.device.type == "cpu" for v in own_saved.values()) else [],
+    }
 
 
+@pytest.mark.parametrize("kind", ["lora", "prompt"])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_a_save_pretrained_that_runs_model_code(workers2, stage, tmp_path):
-    for r in workers2.run(_save_pretrained_running_model_code, stage, str(tmp_path)):
-        assert r == {"same": True}, r
+def test_peft_s_save_pretrained(workers2, stage, kind, tmp_path):
+    pytest.importorskip("peft")
+    out = workers2.run(_peft_save_pretrained, stage, str(tmp_path), kind)
+    assert all(o["same"] for o in out), out
+    assert out[0]["own"] == ["body.bias", "body.weight", "head.bias", "head.weight"], out
+    assert "model1.pt" not in out[1]["own"], out
 
 
 # ----------------------------------------------------------- optimizer state dicts, off the path

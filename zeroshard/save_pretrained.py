@@ -98,8 +98,8 @@ def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: n
     writer is the lowest rank given ``is_main_process=True`` (rank 0 by default): one rank,
     however many were given it (every rank, DDP code's habit, wrote the same files at once).
 
-    A ``save_pretrained`` that runs model code (peft's: a submodule's ``state_dict()`` for its
-    keys, a prompt encoder's forward), collectives at stage 3, runs on every rank at once (it
+    peft's ``save_pretrained``, which runs model code (a submodule's ``state_dict()`` for its
+    keys, a prompt encoder's forward: collectives at stage 3), runs on every rank at once (it
     hung: the writer waited alone in the gather): the others with ``is_main_process=False``
     and the state dict's entries as meta tensors of the same shapes."""
     asked = [False] * dist.get_world_size()
@@ -131,11 +131,12 @@ def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: n
 
 
 def _runs_model_code(save: Callable) -> bool:
-    """Whether ``save`` (a model's ``save_pretrained``) may run model code and so must run on
-    every rank: any but transformers' own (which reads only the state dict given) that can be
-    told which rank writes (``is_main_process``)."""
+    """Whether ``save`` (a model's ``save_pretrained``) is peft's, which runs model code and is
+    written to be called on every process (``is_main_process`` says which one writes).
+    transformers' reads only the state dict given; a model's own may write on every rank it
+    runs on, or compute on the entries, so both run on the writer alone."""
     module = getattr(getattr(save, "__func__", save), "__module__", "") or ""
-    return not module.startswith("transformers.") and _takes(save, "is_main_process")
+    return module.split(".")[0] == "peft" and _takes(save, "is_main_process")
 
 
 def _same_keys(state_dict: dict[str, Any], writer: int) -> dict[str, Any]:
