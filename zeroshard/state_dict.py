@@ -399,13 +399,15 @@ class _Hooks:
         caller = frame.f_back if frame is not None else None
         while caller is not None and _is_own(caller, module, method):
             caller = caller.f_back  # (an override of state_dict() calling super()'s)
-        if caller is None:
-            return True
-        if method == "state_dict":
-            parent = caller.f_locals.get("self") if caller.f_code.co_name == method else None
-        else:
-            parent = caller.f_locals.get("module") if caller.f_code is _TORCH_LOAD else None
-        return parent is None or parent not in self.hooked
+        while caller is not None:
+            if method == "state_dict":
+                parent = caller.f_locals.get("self") if caller.f_code.co_name == method else None
+            else:
+                parent = caller.f_locals.get("module") if caller.f_code is _TORCH_LOAD else None
+            if parent is None or parent in self.hooked or uncompiled(parent) is parent:
+                return parent is None or parent not in self.hooked
+            caller = caller.f_back  # a block compiled in place after shard(): its wrapper's level
+        return True
 
     # ------------------------------------------------------------- state_dict
     def _state_dict_pre_hook_of_each(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
