@@ -1773,22 +1773,33 @@ def test_parametrizations_prune_and_functional_call(workers2, stage):
         assert r == {"baked": True, "alone": True, **want}, r
 
 
-def _pruned_after_shard(stage: int, where: str) -> dict:
-    """``torch.nn.utils.prune`` after ``shard()``: at stage 3 at rest its mask ranked the NaN
-    placeholders (34 of 64 mask entries off torch's, no error); an error now, the pruning
-    undone (the model trains as its unpruned twin). Inside ``summon_full_params``, or at rest
-    at stages 0-2, it is torch's."""
+def _pruned_after_shard(stage: int, where: str, how: str) -> dict:
+    """``torch.nn.utils.prune`` after ``shard()``: at stage 3 at rest a ranking mask ranked the
+    NaN placeholders (34 of 64 mask entries off torch's, no error); an error now, the pruning
+    undone (the model computes as its unpruned twin; ``global_unstructured``'s over two units
+    in one error). Inside ``summon_full_params``, at rest at stages 0-2, or with a mask that
+    reads no values (``random_unstructured``), it is torch's."""
     from torch.nn.utils import prune
 
     def build():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
 
+    def apply(m):
+        torch.manual_seed(1)
+        if how == "l1":
+            prune.l1_unstructured(m[2], "weight", amount=0.5)
+        elif how == "random":
+            prune.random_unstructured(m[2], "weight", amount=0.5)
+        else:
+            pairs = [(m[0], "weight"), (m[2], "weight")]
+            prune.global_unstructured(pairs, pruning_method=prune.L1Unstructured, amount=0.5)
+
     ref, twin = build(), build()
-    prune.l1_unstructured(ref[2], "weight", amount=0.5)
+    apply(ref)
     model = zeroshard.shard(build(), stage=stage, wrap=wrap.by_class(nn.Linear))
     with zeroshard.summon_full_params(model) if where == "summon" else contextlib.nullcontext():
-        prune.l1_unstructured(model[2], "weight", amount=0.5)
+        apply(model)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     try:
         out, said = model(x), ""
@@ -1799,16 +1810,21 @@ def _pruned_after_shard(stage: int, where: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "stage,where,refused", [(3, "rest", True), (3, "summon", False), (1, "rest", False)]
+    "stage,where,how,refused",
+    [
+        (3, "rest", "l1", "2.weight was pruned (torch.nn.utils.prune) while at rest: "),
+        (3, "rest", "global", "0.weight was pruned (torch.nn.utils.prune) while at rest, and 1 "),
+        (3, "summon", "l1", ""),
+        (3, "summon", "global", ""),
+        (3, "rest", "random", ""),
+        (1, "rest", "l1", ""),
+    ],
 )
-def test_pruning_after_shard(workers2, stage, where, refused):
-    for r in workers2.run(_pruned_after_shard, stage, where):
+def test_pruning_after_shard(workers2, stage, where, how, refused):
+    for r in workers2.run(_pruned_after_shard, stage, where, how):
         assert r["same"], r
-        if refused:
-            assert r["said"].startswith("2.weight was pruned (torch.nn.utils.prune) while at rest")
-            assert "summon_full_params" in r["said"], r
-        else:
-            assert r["said"] == "", r
+        assert r["said"].startswith(refused) if refused else r["said"] == "", r
+        assert not refused or "summon_full_params" in r["said"], r
 
 
 def _stage0_grads_as_ddp(precision: str) -> dict:

@@ -169,6 +169,7 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
     under another name (a parametrization removed: the same object moved) is still its own."""
     found: dict[str, nn.Module | None] = {}
     registered: set[int] | None = None  # every parameter's id, when first needed
+    undone: list[str] = []  # prunings at rest, every one undone before one error
     for f in flats:
         for s in f.slots:
             for name in s.names:
@@ -180,11 +181,14 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                 # parameter moved elsewhere, the same object (remove_parametrizations), is fine.
                 if now is s.param or (now is not None and not isinstance(now, nn.Parameter)):
                     continue
-                if now is not None and now.device != s.param.device:  # model.to("meta")
+                moved = now is not None and now.device != s.param.device  # model.to("meta")
+                if moved and not call_frames.in_functional_call():
                     _put_back(model, flats)
                     raise ValueError(moved_message(name, now.device, s.param.device))
-                if now is None and found[path] is not None and f.state is ShardState.SHARDED:
-                    _check_pruning(found[path], name)
+                at_rest = now is None and found[path] is not None and f.state is ShardState.SHARDED
+                if at_rest and (what := _pruned_at_rest(found[path], name)) is not None:
+                    undone.append(what)
+                    continue
                 if registered is None:
                     entries = [v for m in model.modules() for v in m._parameters.values()]
                     if call_frames.in_functional_call() or any(
@@ -200,38 +204,60 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                         "gathered where it is read, nor saved. Change the model before shard() "
                         "(tied weights stay one parameter), or shard a fresh model"
                     )
+    if undone:
+        raise _pruning_refused(undone)
 
 
 _PRUNINGS_SEEN: weakref.WeakSet = weakref.WeakSet()
 """``torch.nn.utils.prune`` methods (forward pre-hooks) checked by ``_check_pruning``."""
 
 
-def _check_pruning(module: nn.Module, name: str) -> None:
-    """Raise, the pruning undone, if ``torch.nn.utils.prune`` pruned parameter ``name`` of
-    ``module`` while it was at rest (stage 3): its mask ranked the NaN placeholders, an
-    arbitrary choice, which prune's own product ``weight = weight_orig * mask``, NaN
-    everywhere, tells. Each pruning is read once (inside ``summon_full_params`` it is
-    right)."""
+def _pruned_at_rest(module: nn.Module, name: str) -> str | None:
+    """Undo a pruning by ``torch.nn.utils.prune`` of parameter ``name`` of ``module`` made
+    while it was at rest (stage 3) by a method that ranks values (L1, Ln): its mask ranked the
+    NaN placeholders, an arbitrary choice, which prune's own product ``weight = weight_orig *
+    mask``, NaN everywhere, tells. Returns what was undone (a container's earlier prunings go
+    with it: its mask is their product), or None. Masks that read no values (``random_*``,
+    ``identity``) are right at rest; ``custom_from_mask`` is what ``global_unstructured`` applies
+    its ranking with, so it is undone too. Each pruning is read once (inside
+    ``summon_full_params`` it is right)."""
     attr = name.rpartition(".")[2]
     keys = [k for k, h in module._forward_pre_hooks.items() if _prunes(h, attr)]
-    if not keys or all(module._forward_pre_hooks[k] in _PRUNINGS_SEEN for k in keys):
-        return
-    _PRUNINGS_SEEN.update(module._forward_pre_hooks[k] for k in keys)
+    hooks = [module._forward_pre_hooks[k] for k in keys]
+    if not hooks or all(h in _PRUNINGS_SEEN for h in hooks):
+        return None
+    _PRUNINGS_SEEN.update(hooks)
     product = module.__dict__.get(attr)
     if not isinstance(product, torch.Tensor) or not product.is_floating_point():
-        return
-    if not product.numel() or not bool(product.isnan().all()):
-        return
-    for k in keys:  # (a method of a container too: every pruning of it)
+        return None
+    if not product.numel() or not bool(product.isnan().all()) or not _ranks_values(hooks[-1]):
+        return None
+    for k in keys:
         del module._forward_pre_hooks[k]
     del module.__dict__[attr]
     module._buffers.pop(f"{attr}_mask", None)
     module._parameters[attr] = module._parameters.pop(f"{attr}_orig")
-    raise ValueError(
-        f"{name} was pruned (torch.nn.utils.prune) while at rest: stage 3 keeps no values of a "
-        "parameter between uses, and the mask ranked NaN placeholders (an arbitrary choice). "
-        "The pruning was undone: prune inside `with zeroshard.summon_full_params(model):`, "
-        "or before zeroshard.shard()"
+    methods = getattr(hooks[-1], "_pruning_methods", (hooks[-1],))
+    return name if len(methods) == 1 else f"{name} (and its {len(methods) - 1} earlier pruning(s))"
+
+
+def _ranks_values(method: object) -> bool:
+    """Whether the last pruning of ``method`` (a container's last) computed its mask from the
+    parameter's values."""
+    from torch.nn.utils import prune
+
+    last = getattr(method, "_pruning_methods", (method,))[-1]
+    # (custom_from_mask's CustomFromMask is what global_unstructured applies its ranking with)
+    return not isinstance(last, (prune.Identity, prune.RandomUnstructured, prune.RandomStructured))
+
+
+def _pruning_refused(undone: list[str]) -> ValueError:
+    return ValueError(
+        f"{undone[0]} was pruned (torch.nn.utils.prune) while at rest"
+        + (f", and {len(undone) - 1} more" if len(undone) > 1 else "")
+        + ": stage 3 keeps no values of a parameter between uses, and a mask ranking them "
+        "ranked NaN placeholders (an arbitrary choice). The pruning was undone: prune inside "
+        "`with zeroshard.summon_full_params(model):`, or before zeroshard.shard()"
     )
 
 
