@@ -166,7 +166,9 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
     a module replaced) is read where the engine does not gather it (stage 3: NaN placeholders
     of another unit), and is not saved. Modules are looked up by path at each call (a module
     replaced after the first forward too), once per path; a parameter the model registers
-    under another name (a parametrization removed: the same object moved) is still its own."""
+    under another name (a parametrization removed: the same object moved) is still its own.
+    Also raised, the change undone first: parameters moved to another device (``model.to``),
+    and prunings made at rest (``_pruned_at_rest``)."""
     found: dict[str, nn.Module | None] = {}
     registered: set[int] | None = None  # every parameter's id, when first needed
     undone: list[str] = []  # prunings at rest, every one undone before one error
@@ -209,7 +211,7 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
 
 
 _PRUNINGS_SEEN: weakref.WeakSet = weakref.WeakSet()
-"""``torch.nn.utils.prune`` methods (forward pre-hooks) checked by ``_check_pruning``."""
+"""``torch.nn.utils.prune`` methods (forward pre-hooks) read by ``_pruned_at_rest``."""
 
 
 def _pruned_at_rest(module: nn.Module, name: str) -> str | None:

@@ -120,8 +120,8 @@ class GradBucket:
         """Stage 0, ``shard_grad`` apart from ``full_grad``: the buffer's version counter when it
         was given the averaged gradient (``.grad`` shows it), to notice in-place edits."""
         self._shown_norm: torch.Tensor | None = None
-        """And the sum of what it showed (FP32, 1 element): kernels that write in place without
-        a version bump (GradScaler's ``_amp_foreach_non_finite_check_and_unscale_``)."""
+        """And the L1 norm of what it showed (FP32, 1 element): kernels that write in place
+        without a version bump (GradScaler's ``_amp_foreach_non_finite_check_and_unscale_``)."""
         self.handoff: Callable[[GradBucket], None] | None = None
         """Called after each reduction of a partitioned gradient, ``shard_grad`` then holding the
         reduced shard: the hand-off to a lower memory tier (``zeroshard.model_states.grad_swap``),
