@@ -5,6 +5,8 @@ with ``step_in_backward``, and compares losses and parameters bit for bit."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -535,6 +537,40 @@ def _zero_grad_without_step() -> list[str]:
 def test_zero_grad_without_step_says_the_updates_stay(workers2):
     for said in workers2.run(_zero_grad_without_step):
         assert len(said) == 1 and "already applied" in said[0] and "they stay" in said[0], said
+
+
+def _no_step_at_all(stage: int) -> float:
+    """torch's optimizer-in-backward habit, backward then zero_grad() and never step(): the
+    updates stay on every rank's replicas too (at stage 2 each rank kept only its own slice
+    updated, and the ranks trained apart: 1e-1 off torch after 3 steps). Against plain torch
+    stepping on the whole batch."""
+    import warnings
+
+    from torch import nn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap={nn.Linear})
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, step_in_backward=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4 * world, 16, generator=torch.Generator().manual_seed(step))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ("they stay": said)
+            opt.backward(model(x[4 * rank : 4 * rank + 4]).square().mean())
+            opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_updates_kept_without_step_reach_every_rank(workers2, stage):
+    for diff in workers2.run(_no_step_at_all, stage):
+        assert diff < 1e-6, diff
 
 
 def _misuse(stage: int, what: str) -> str:

@@ -518,18 +518,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         backward reaches them; with True (the default) such parameters are left alone. Also
         what a backward that raised left (``Engine.partial_gradients``)."""
         self.engine.gradients_discarded(by=self)
-        if self._backward_step is not None:
-            if self._backward_step.stepped:
-                warnings.warn(
-                    "zero_grad() after a backward whose updates step_in_backward already "
-                    f"applied to {len(self._backward_step.stepped)} unit(s), without step(): "
-                    "they stay (a plain optimizer would drop them with the gradients). Use a "
-                    "separate optimizer without step_in_backward for parameters that a "
-                    "backward reaches without being meant to update them (a GAN's "
-                    "discriminator under the generator's loss)",
-                    stacklevel=user_stacklevel(),
-                )
-            self._backward_step.reset()
+        bs = self._backward_step
+        if bs is not None and bs.stepped:
+            n = len(bs.stepped)
+            # Every rank's replicas follow the updates, as step() makes them (at stages 1-2 each
+            # rank had only its own slice updated: the ranks trained apart).
+            self._end_backward_step(bs, changed=True)
+            warnings.warn(
+                "zero_grad() after a backward whose updates step_in_backward already "
+                f"applied to {n} unit(s), without step(): "
+                "they stay (a plain optimizer would drop them with the gradients). Use a "
+                "separate optimizer without step_in_backward for parameters that a "
+                "backward reaches without being meant to update them (a GAN's "
+                "discriminator under the generator's loss)",
+                stacklevel=user_stacklevel(),
+            )
+        elif bs is not None:
+            bs.reset()
         if self._grad_swap is not None:
             self._grad_swap.zero()
         bucket_owners.reclaim(self)
