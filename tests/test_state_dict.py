@@ -842,6 +842,47 @@ def test_save_pretrained_writes_the_whole_model_once(workers2, stage, precision,
     assert "save_pretrained is a collective: every rank calls it, not under `if rank" in alone
 
 
+class _Around(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _wrapped_after_shard(stage: int) -> dict:
+    """A unit's module given a new parent after ``shard()`` (peft's ``add_adapter`` /
+    ``load_adapter`` wrap a Linear so): its entries came as DTensor shards inside
+    ``full_state_dict`` (torch's recursion through the new parent taken for a call of the
+    user's, of the plain kind; safetensors then failed), and a load into it is the model's."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=nn.Linear)
+    model[1] = _Around(model[1])
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    want = {
+        k.replace("1.", "1.inner.", 1) if k.startswith("1.") else k: v
+        for k, v in ref.state_dict().items()
+    }
+    plain = all(type(v) is torch.Tensor for v in full.values())
+    same = sorted(full) == sorted(want) and all(torch.equal(full[k], v) for k, v in want.items())
+    doubled = {k: v * 2 for k, v in want.items()}
+    model.load_state_dict(doubled)
+    again = zeroshard.full_state_dict(model, rank0_only=False)
+    return {
+        "plain": plain,
+        "same": same,
+        "loaded": all(torch.equal(again[k], v) for k, v in doubled.items()),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_module_wrapped_after_shard_keeps_the_call_s_kind(workers2, stage):
+    for r in workers2.run(_wrapped_after_shard, stage):
+        assert r == {"plain": True, "same": True, "loaded": True}, r
+
+
 class _OwnSave(nn.Module):
     """A model with a ``save_pretrained`` of its own that writes whatever it is given."""
 

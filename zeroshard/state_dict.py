@@ -404,9 +404,11 @@ class _Hooks:
                 parent = caller.f_locals.get("self") if caller.f_code.co_name == method else None
             else:
                 parent = caller.f_locals.get("module") if caller.f_code is _TORCH_LOAD else None
-            if parent is None or parent in self.hooked or uncompiled(parent) is parent:
-                return parent is None or parent not in self.hooked
-            caller = caller.f_back  # a block compiled in place after shard(): its wrapper's level
+            if parent is None or parent in self.hooked:
+                return parent is None
+            # A module put around one of the model's after shard() (a block compiled in place,
+            # peft's add_adapter / load_adapter wrapping a Linear): torch's recursion through it.
+            caller = caller.f_back
         return True
 
     # ------------------------------------------------------------- state_dict
