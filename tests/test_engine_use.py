@@ -1405,11 +1405,18 @@ def _tied_after_shard(stage: int) -> str:
     except ValueError as e:
         replaced = str(e)
     model[1] = kept
-    model[2].weight = model[0].weight
+    head, model[2].weight = model[2].weight, model[0].weight
+    try:
+        model(torch.randint(0, 32, (2, 5)))
+        return "no error"
+    except ValueError as e:
+        tied = str(e)
+    model[2].weight = head
+    del model[1].bias  # (peft's delete_adapter, merge_and_unload: said as a replacement)
     try:
         model(torch.randint(0, 32, (2, 5)))
     except ValueError as e:
-        return replaced + "\n" + str(e)
+        return "\n".join([replaced, tied, str(e)])
     return "no error"
 
 
@@ -1419,6 +1426,7 @@ def test_a_weight_tied_after_shard_is_an_error(workers2, stage):
         assert message.startswith("1.weight is not the parameter zeroshard.shard()"), message
         assert "\n2.weight is not the parameter zeroshard.shard()" in message, message
         assert "Change the model before shard()" in message, message
+        assert "\n1.bias was removed from the model after zeroshard.shard()" in message, message
 
 
 def _module_zero_grad(stage: int) -> dict:

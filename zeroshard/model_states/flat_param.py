@@ -198,6 +198,15 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                     ):
                         return  # inside functional_call: parameters stand aside for its length
                     registered = {id(v) for v in entries}
+                if id(s.param) not in registered and now is None:
+                    raise ValueError(
+                        f"{name} was removed from the model after zeroshard.shard() (del, "
+                        "peft's delete_adapter / merge_and_unload / unload): the engine holds "
+                        "it still, and the model no longer is the one sharded. Change the model "
+                        "before shard(), or shard a fresh model; to merge adapters, merge them "
+                        "inside zeroshard.summon_full_params(model) (peft's merge_adapter) and "
+                        "save with zeroshard.full_state_dict(model)"
+                    )
                 if id(s.param) not in registered:
                     raise ValueError(
                         f"{name} is not the parameter zeroshard.shard() flattened there: a "
