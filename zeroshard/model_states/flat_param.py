@@ -453,12 +453,6 @@ class FlatParam:
             elements.fill_(_unset(dtype))
         return elements
 
-    @property
-    def rest_elements(self) -> torch.Tensor | None:
-        """The placeholder elements that parameters at rest view (stage 3), once made: memory
-        of theirs, one element per parameter."""
-        return self.__dict__.get("_rest_elements")
-
     def _use_rest_views(self) -> None:
         placeholder = self._placeholder()
         for i, s in enumerate(self.slots):

@@ -361,7 +361,7 @@ def _model_state_storages(engine, optimizer) -> dict[str, int]:
 
     flats = engine.flat_params
     return {
-        "params": size(t for f in flats for t in (f.full, f.master, f.rest_elements)),
+        "params": size(t for f in flats for t in (f.full, f.master)),
         "grads": size(t for b in engine.buckets for t in (b.full_grad, b.shard_grad)),
         "optimizer_states": size(
             t for state in optimizer.state.values() for t in state.values() if hasattr(t, "shape")
