@@ -49,7 +49,7 @@ from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
 from zeroshard.stages import partition
-from zeroshard.trees import cast_floats, tensors_in, tensors_reached
+from zeroshard.trees import cast_floats, tensors_reached
 from zeroshard.unit import Phase, TrainingState, Unit, Use
 
 if TYPE_CHECKING:
@@ -241,9 +241,8 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             # then walked a node shared with them twice: "backward through the graph a second
             # time" (FSDP2's too). Autograd runs the hook's node after the unit's own (created
             # later), so it still fires once the unit's backward for this use is done.
-            if any(x.requires_grad for x in tensors_in(args)):
-                args, hooked = on_backward(use, args, edits)
-            else:
+            args, hooked = on_backward(use, args, edits)
+            if not hooked:  # (nothing changed, nothing recorded in edits)
                 (args, kwargs), hooked = on_backward(use, (args, kwargs), edits)
             use.counted = hooked
             unit.pending_uses += 1  # an unhooked use stays counted until the end of backward

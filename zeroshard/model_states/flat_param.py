@@ -241,25 +241,24 @@ def _pruned_at_rest(module: nn.Module, name: str) -> str | None:
     product = module.__dict__.get(attr)
     if not isinstance(product, torch.Tensor) or not product.is_floating_point():
         return None
-    if not product.numel() or not bool(product.isnan().all()) or not _ranks_values(hooks[-1]):
+    methods = getattr(hooks[-1], "_pruning_methods", (hooks[-1],))  # (a container's, in order)
+    if not product.numel() or not bool(product.isnan().all()) or not _ranks_values(methods[-1]):
         return None
     for k in keys:
         del module._forward_pre_hooks[k]
     del module.__dict__[attr]
     module._buffers.pop(f"{attr}_mask", None)
     module._parameters[attr] = module._parameters.pop(f"{attr}_orig")
-    methods = getattr(hooks[-1], "_pruning_methods", (hooks[-1],))
     return name if len(methods) == 1 else f"{name} (and its {len(methods) - 1} earlier pruning(s))"
 
 
 def _ranks_values(method: object) -> bool:
-    """Whether the last pruning of ``method`` (a container's last) computed its mask from the
-    parameter's values."""
+    """Whether pruning ``method`` computed its mask from the parameter's values."""
     from torch.nn.utils import prune
 
-    last = getattr(method, "_pruning_methods", (method,))[-1]
     # (custom_from_mask's CustomFromMask is what global_unstructured applies its ranking with)
-    return not isinstance(last, (prune.Identity, prune.RandomUnstructured, prune.RandomStructured))
+    free = (prune.Identity, prune.RandomUnstructured, prune.RandomStructured)
+    return not isinstance(method, free)
 
 
 def _pruning_refused(undone: list[str]) -> ValueError:
