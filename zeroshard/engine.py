@@ -42,7 +42,7 @@ from zeroshard.model_states import flat_param
 from zeroshard.model_states.agreement import reduced_again_anywhere
 from zeroshard.model_states.grads import GradBucket, pools
 from zeroshard.model_states.reduction_order import ReductionOrder
-from zeroshard.module_hooks import install
+from zeroshard.module_hooks import install, ran_before
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states import host_heap
 from zeroshard.residual_states.activations import SpanCheckpointing
@@ -248,10 +248,18 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             unit.pending_uses += 1  # an unhooked use stays counted until the end of backward
             ckpt = self.checkpointing is not None and entry and unit in self._checkpointed
             if ckpt and not recompute:
-                self.checkpointing.enter(unit.module, raw_args, raw_kwargs)
+                self.checkpointing.enter(unit.module, raw_args, raw_kwargs, ran_before(unit))
             if call is not None and not recompute:
                 call[1:3] = [(args, kwargs), {id(t): t for t in tensors_reached((args, kwargs))}]
         return args, kwargs
+
+    def _cast_root_output(self, output: Any) -> Any:
+        """The model's output in the policy's ``output_dtype`` (the root's first forward hook:
+        the user's see it cast)."""
+        out_dtype = self.mixed_precision.output_dtype
+        if out_dtype is None or in_backward() or self.root.depth > 1:
+            return output  # (a call of the root inside its own goes on with its output)
+        return cast_floats(output, out_dtype)
 
     @staticmethod
     def _side_outputs(unit: Unit) -> list[torch.Tensor]:
@@ -301,8 +309,6 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             if self._recording is not None:
                 self.forward_order, self._recording = list(self._recording), None
                 self._free_unused_prefetches()
-        if root_entry and self.mixed_precision.output_dtype is not None:
-            output = cast_floats(output, self.mixed_precision.output_dtype)
         if grad:
             reached = (output, self._side_outputs(unit)) if entry else output
             when_backward_reaches(self._when_reached(unit), reached)
@@ -414,6 +420,9 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         unit.to(TrainingState.PRE_BACKWARD)
         unit.unshard(async_op=False)
         unit.wait_unshard()
+        if self.partition.parameters and not self.summoned:
+            for f in unit.flat_params:  # written before this backward (held since its forward)
+                f.adopt_gathered_writes()
         for b in unit.buckets:
             if self._no_grads:
                 self._unbound[b] = None
@@ -451,6 +460,13 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         # Free the gathered parameters and finish the oldest reductions before a new full
         # gradient is collected: none is alive beside it at this peak of backward.
         if not self.summoned:  # (a write between the root's forward and backward: kept)
+            if self.partition.parameters:
+                written = [n for f in unit.flat_params for n in f.written_since_gather()]
+                if written:  # dropped, here and in every unit held: the masters stay as they were
+                    for u in self.units:
+                        if u is unit or any(f.written_since_gather() for f in u.flat_params):
+                            u.reshard()
+                    raise _written_in_backward(written)
             unit.reshard(adopt=True)
         if self._no_grads:
             self._held += ready
@@ -672,6 +688,19 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             yield
         finally:
             self.sync_grads = previous
+
+
+def _written_in_backward(names: list[str]) -> RuntimeError:
+    """A unit's gathered parameters were written during its backward at stage 3."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return RuntimeError(
+        f"{shown} written during the backward (an optimizer stepped in a gradient hook, as in "
+        "PyTorch's optimizer-in-backward recipe?): with parameters partitioned, a unit's "
+        "parameters in its backward are a gathered copy and its gradient this rank's own, not "
+        "yet reduced, so the write would put a different update into each rank's shard. It was "
+        "dropped. Step in the backward with zeroshard.optimizer(model, ..., "
+        "step_in_backward=True), or step after the backward"
+    )
 
 
 def _warn_no_sharded_optimizer() -> None:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from zeroshard.engine import Engine
     from zeroshard.unit import Unit
 
-__all__ = ["Lending", "eager", "install", "keep_last"]
+__all__ = ["Lending", "eager", "install", "keep_last", "ran_before"]
 
 
 def install(engine: Engine, unit: Unit) -> list[Any]:
@@ -22,16 +22,19 @@ def install(engine: Engine, unit: Unit) -> list[Any]:
     the submodules that own its parameters (``unit.owners``); their handles."""
 
     def pre(m: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if not unit.is_root:  # (the root stays gathered for its backward; its hooks see the
-            keep_last(m, last)  # output cast to output_dtype, as before)
+        keep_last(m, last)
         return engine._pre_forward(unit, args, kwargs)
 
     module = unit.module
     handles = [module.register_forward_pre_hook(eager(pre), with_kwargs=True, prepend=True)]
+    unit.pre_hook_id = handles[0].id
     if engine.checkpointing is not None and unit in engine._checkpointed:
         # Runs first, and also when the forward raised: the saved-tensor hooks must pop.
         stop = eager(lambda m, a, o: engine._stop_dropping(m))
         handles.append(module.register_forward_hook(stop, always_call=True))
+    if unit.is_root:  # stays in front: the user's hooks see the output cast to output_dtype
+        cast = eager(lambda m, args, output: engine._cast_root_output(output))
+        handles.append(module.register_forward_hook(cast))
     post = eager(lambda m, args, output: engine._post_forward(unit, output))
     last = [module.register_forward_hook(post)]
     if unit.is_root:  # runs after ``post``, and also when the forward raised
@@ -125,6 +128,21 @@ class _LendHooks:
         if self.pre_handle is not None:
             self.pre_handle.remove()
             self.pre_handle = None
+
+
+def ran_before(unit: Unit) -> tuple[int, ...]:
+    """The ids of the forward pre-hooks of ``unit``'s module that run ahead of the engine's
+    (prepended after ``shard()``): the inputs the engine's hook gets are theirs, so a
+    recomputation from those inputs skips them (they would apply twice)."""
+    hooks = unit.module._forward_pre_hooks
+    if next(iter(hooks), None) == unit.pre_hook_id:
+        return ()
+    ids = []
+    for hook_id in hooks:
+        if hook_id == unit.pre_hook_id:
+            break
+        ids.append(hook_id)
+    return tuple(ids)
 
 
 def keep_last(module: nn.Module, handles: list[Any]) -> None:

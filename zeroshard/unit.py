@@ -102,6 +102,7 @@ class Unit:
         """Counted down by a hook that runs also when the call raised an Exception
         (``Engine._leave``); from 1 when the unit is out of its forward (a Ctrl-C's leftover)."""
         self.recomputing = 0  # its recomputations running now (in a backward): not counted above
+        self.pre_hook_id: int | None = None  # the engine's forward pre-hook on the module
         self.updates = 0
         """Steps of an optimizer holding all its trainable parameters: a graph whose forward
         came before one is stale (its backward would use the new weights; torch raises there).

@@ -690,6 +690,18 @@ class FlatParam:
                 self.write_back()
             self._gathered_versions = versions
 
+    def written_since_gather(self) -> list[str]:
+        """The names of the parameters held gathered (partitioned) that were written in place
+        since the gather or the last ``adopt_gathered_writes``, by their version counters."""
+        held = self.state is ShardState.UNSHARDED and self._gather is None
+        if not held or self._gathered_versions is None or self.masters_ahead:
+            return []
+        return [
+            s.names[0]
+            for s, version in zip(self.slots, self._gathered_versions)
+            if s.param._version != version
+        ]
+
     # ----------------------------------------------------------------- per-parameter access
     def master_piece(self, index: int) -> torch.Tensor:
         """1D view of ``master`` for slot ``index``: the elements of that parameter this rank

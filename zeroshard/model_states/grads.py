@@ -223,6 +223,17 @@ class GradBucket:
         param.grad = view
         self._bound[i] = True
 
+    def _unbind_if_replaced(self, i: int) -> None:
+        """Slot ``i`` bound, but its ``.grad`` replaced since by a hook of the user's that runs
+        after ours (``p.grad = p.grad * 3``, ``= None`` in a post-accumulate hook registered
+        after ``shard()``): unbound, so that what ``.grad`` holds now is what is taken (the
+        region's value was reduced, the edit dropped, and at stage 0 the edited local gradient
+        was stepped on later as one set by hand)."""
+        if self._bound[i]:
+            grad = self.flat.slots[i].param.grad
+            if grad is None or not self._is_region(i, grad):
+                self._bound[i] = False
+
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
         """Post-accumulate hook of slot ``i``: a fresh gradient goes into the bucket."""
         if param.grad is not None:
@@ -301,6 +312,7 @@ class GradBucket:
         if self.full_grad is None or self._reduced or not any(self._bound):
             return
         for i in range(len(self.flat.slots)):
+            self._unbind_if_replaced(i)
             if not self._bound[i]:
                 self._take(i)  # no gradient reached it in this micro-step: zeros
         with torch.no_grad():
@@ -330,6 +342,7 @@ class GradBucket:
                 if self.full_grad is None or self._reduced:
                     self.bind()  # every rank reduces every bucket, used or not
                 for i, s in enumerate(self.flat.slots):
+                    self._unbind_if_replaced(i)
                     if self._bound[i]:
                         continue
                     if s.param.grad is not None:

@@ -26,6 +26,7 @@ import contextlib
 import inspect
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,8 @@ class _Call:
     versions: list[tuple[weakref.ref, int | None]]
     """Each tensor in ``rest`` and ``kwargs`` at the call (weakly) and its version: written in
     place since, the recomputation would run on other values."""
+    ran_before: tuple[int, ...] = ()
+    """The module's forward pre-hooks that had run on the arguments kept (``enter``)."""
 
     def check_unchanged(self) -> None:
         """Before the recomputation: autograd's error if a tensor of the call was written in
@@ -103,9 +106,13 @@ class SpanCheckpointing:
         """Spans opened since construction (for tests and the planner's ``nl / ci``)."""
 
     # ----------------------------------------------------------------- forward
-    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def enter(
+        self, module: nn.Module, args: tuple, kwargs: dict, ran_before: tuple[int, ...] = ()
+    ) -> None:
         """Before a unit's forward (grad enabled, not a recomputation): join or open a span and
-        start dropping what autograd saves. A unit that runs inside a checkpoint already (a
+        start dropping what autograd saves. ``args`` and ``kwargs`` are what the module's
+        forward pre-hooks ``ran_before`` (their ids) made of the call's: its recomputation
+        skips those. A unit that runs inside a checkpoint already (a
         ``torch.utils.checkpoint`` of the model's own, or a unit of an open span calling it) is
         left to it: that checkpoint drops and recomputes what the unit saves, and hooks of ours
         stacked on its own would take those tensors from its count (its recomputation would
@@ -135,6 +142,7 @@ class SpanCheckpointing:
             and all(c.module is not module for c in span.calls)
         )
         call = self._call(module, args, kwargs)
+        call.ran_before = ran_before
         if not joins:
             self.close()
             span = self._span = self._open(args, call.devices)
@@ -238,7 +246,11 @@ class SpanCheckpointing:
                     modes = [m.training for m in call.module.modules()]
                     _set_modes(call.module, call.modes)
                     try:
-                        with autocast, torch.amp.autocast("cpu", **cpu_autocast):
+                        with (
+                            autocast,
+                            torch.amp.autocast("cpu", **cpu_autocast),
+                            _without_pre_hooks(call.module, call.ran_before),
+                        ):
                             call_args = inputs if i == 0 else (_first_tensor(out), *call.rest)
                             out = call.module(*call_args, **call.kwargs)
                     finally:
@@ -255,6 +267,20 @@ class SpanCheckpointing:
             frame.save_inputs(*args)
         self.num_spans += 1
         return _Span(frame, calls)
+
+
+@contextlib.contextmanager
+def _without_pre_hooks(module: nn.Module, ids: tuple[int, ...]) -> Iterator[None]:
+    """``module``'s forward pre-hooks ``ids`` (at the front) taken out for the block, then put
+    back in front, in order."""
+    hooks = module._forward_pre_hooks
+    taken = [(i, hooks.pop(i)) for i in ids if i in hooks]
+    try:
+        yield
+    finally:
+        for hook_id, hook in reversed(taken):
+            hooks[hook_id] = hook
+            hooks.move_to_end(hook_id, last=False)
 
 
 def _set_modes(module: nn.Module, modes: list[bool]) -> None:
