@@ -539,11 +539,12 @@ def test_zero_grad_without_step_says_the_updates_stay(workers2):
         assert len(said) == 1 and "already applied" in said[0] and "they stay" in said[0], said
 
 
-def _no_step_at_all(stage: int) -> float:
+def _no_step_at_all(stage: int, how: str) -> float:
     """torch's optimizer-in-backward habit, backward then zero_grad() and never step(): the
     updates stay on every rank's replicas too (at stage 2 each rank kept only its own slice
-    updated, and the ranks trained apart: 1e-1 off torch after 3 steps). Against plain torch
-    stepping on the whole batch."""
+    updated, and the ranks trained apart: 1e-1 off torch after 3 steps; by each submodule's
+    zero_grad() too, whose next backward also raised "received gradients again"). Against
+    plain torch stepping on the whole batch."""
     import warnings
 
     from torch import nn
@@ -559,7 +560,11 @@ def _no_step_at_all(stage: int) -> float:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # ("they stay": said)
             opt.backward(model(x[4 * rank : 4 * rank + 4]).square().mean())
-            opt.zero_grad()
+            if how == "optimizer":
+                opt.zero_grad()
+            else:  # (a GAN's netD.zero_grad() habit; here covering the whole model)
+                model[0].zero_grad()
+                model[2].zero_grad()
         ref(x).square().mean().backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -568,8 +573,9 @@ def _no_step_at_all(stage: int) -> float:
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_updates_kept_without_step_reach_every_rank(workers2, stage):
-    for diff in workers2.run(_no_step_at_all, stage):
+@pytest.mark.parametrize("how", ["optimizer", "submodules"])
+def test_updates_kept_without_step_reach_every_rank(workers2, stage, how):
+    for diff in workers2.run(_no_step_at_all, stage, how):
         assert diff < 1e-6, diff
 
 

@@ -22,10 +22,12 @@ import zeroshard
 WIDTH = 512  # large enough that a refresh still in flight after step() is seen
 
 
-def _setup(stage: int, precision: str, *, policy=None, **optimizer_kw):
+def _setup(stage: int, precision: str, *, policy=None, config=None, **optimizer_kw):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(6)])
-    model = zeroshard.shard(model, stage=stage, mixed_precision=precision, wrap=policy)
+    model = zeroshard.shard(
+        model, stage=stage, mixed_precision=precision, wrap=policy, config=config
+    )
     opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2, **optimizer_kw)
     return model, opt
 
@@ -246,20 +248,53 @@ def test_data_replaced_in_its_own_dtype_is_taken_as_written(workers2, stage):
         assert worst < 1e-5, worst
 
 
-def _swapped_data(stage: int) -> bool:
+def _swapped_data(stage: int, units: str, summoned: bool) -> bool:
     """Two parameters' data swapped (``a.data, b.data = b.data, a.data``), each the other's
     memory in the engine: both must end up swapped (the second copied from the first's memory
-    after it was overwritten: both held one of them)."""
-    model, _ = _setup(stage, "fp32")
-    a, b = model[1].weight, model[2].weight
-    want_a, want_b = b.detach().clone(), a.detach().clone()
-    a.data, b.data = b.data, a.data
+    after it was overwritten: both held one of them), also when the two are in different
+    units with buffers of their own (``units="apart"``: one bucket each), read in turn."""
+    apart = units == "apart"
+    policy, config = ([nn.Linear], zeroshard.ShardConfig(bucket_bytes=1)) if apart else (None, None)
+    model, _ = _setup(stage, "fp32", policy=policy, config=config)
+    before = _masters(model)
+    with zeroshard.summon_full_params(model) if summoned else contextlib.nullcontext():
+        a, b = model[1].weight, model[2].weight
+        a.data, b.data = b.data, a.data
     full = _masters(model)
-    return torch.equal(full["1.weight"], want_a) and torch.equal(full["2.weight"], want_b)
+    return torch.equal(full["1.weight"], before["2.weight"]) and torch.equal(
+        full["2.weight"], before["1.weight"]
+    )
 
 
-def test_parameters_swapping_data_are_swapped(workers2):
-    assert workers2.run(_swapped_data, 2) == [True, True]
+@pytest.mark.parametrize(
+    "stage, units, summoned",
+    [(2, "one", False), (0, "apart", False), (2, "apart", False), (3, "apart", True)],
+)
+def test_parameters_swapping_data_are_swapped(workers2, stage, units, summoned):
+    assert workers2.run(_swapped_data, stage, units, summoned) == [True, True]
+
+
+def _replaced_inside_summon_without_writeback(stage: int, nested: bool) -> bool:
+    """Data replaced (``p.data = t``, ``p.set_(t)``) inside ``summon_full_params(writeback=
+    False)`` is undone on exit, as writes in place are (at stages 0-2, and at stage 3 inside a
+    summon that writes back, the parameter kept the new data, which the next forward took in
+    as a write)."""
+    model, _ = _setup(stage, "fp32")
+    before = _masters(model)
+    outer = zeroshard.summon_full_params(model) if nested else contextlib.nullcontext()
+    with outer, zeroshard.summon_full_params(model, writeback=False):
+        model[0].weight.data = torch.zeros(WIDTH, WIDTH)
+        with torch.no_grad():
+            model[1].bias.set_(torch.ones(WIDTH))
+    model(torch.randn(2, WIDTH))
+    after = _masters(model)
+    return all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("nested", [False, True], ids=["alone", "nested"])
+def test_data_replaced_inside_a_summon_without_writeback_is_undone(workers2, stage, nested):
+    assert workers2.run(_replaced_inside_summon_without_writeback, stage, nested) == [True, True]
 
 
 class _Momentum(nn.Module):

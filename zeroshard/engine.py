@@ -666,12 +666,9 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             flat_param.check_registered(self.model, self.flat_params)
             flats = self.flat_params
         with torch.no_grad():
-            problem = None
-            for f in flats:  # every flat's views given back before one error is raised
-                try:  # (model.half() recovers in one call, not one per unit)
-                    f.check_views()
-                except ValueError as exc:
-                    problem = problem or exc
+            # every flat's views given back before one error is raised (model.half() recovers
+            # in one call, not one per unit)
+            problem = flat_param.check_views(flats)
             if problem is not None:
                 raise problem
             for f in flats:

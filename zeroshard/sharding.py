@@ -419,7 +419,10 @@ def _zero_part(module: nn.Module, engine: Engine, own: Callable, set_to_none: bo
     the gradients the engine holds for that submodule's parameters only; they came back at the
     next step, added to the new ones."""
     params, whole = {id(p) for p in module.parameters()}, 0
-    for b in engine.buckets:
+    reached = [b for b in engine.buckets if any(id(s.param) in params for s in b.flat.slots)]
+    for opt in list(engine.optimizers):  # (step_in_backward: the updates stay, as zero_grad's)
+        opt.end_applied_step(reached)
+    for b in reached:
         slots = [i for i, s in enumerate(b.flat.slots) if id(s.param) in params]
         if len(slots) == len(b.flat.slots):  # all of it: its memory and inf/NaN flag go too
             b.zero(keep_touched=not set_to_none)

@@ -61,11 +61,10 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
         problem = None
         if keep:
             with torch.no_grad():
+                # data replaced inside (p.data = ..., a parametrization baked): taken; another
+                # dtype or shape: raised once resharded
+                problem = flat_param.check_views(engine.flat_params)
                 for f in engine.flat_params:
-                    try:  # data replaced inside (p.data = ..., a parametrization baked): taken
-                        f.check_views()
-                    except ValueError as exc:  # (another dtype or shape: raised once resharded)
-                        problem = problem or exc
                     f.write_back()
         if not engine.summoned:
             for u in engine.units:

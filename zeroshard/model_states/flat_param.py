@@ -44,7 +44,7 @@ import contextlib
 import enum
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -136,6 +136,25 @@ def discarding_writes(
         with torch.no_grad():
             for f, copy in kept:
                 f.full.copy_(copy)
+                f._use_full_views()  # data replaced inside (p.data = t, p.set_) undone too
+
+
+def check_views(flats: Collection[FlatParam]) -> ValueError | None:
+    """``FlatParam.check_views`` of every flat in ``flats``, each replacement read before any is
+    copied in: one may be another flat's memory (``a.data, b.data = b.data, a.data`` across
+    units: the first copy overwrote what the second parameter pointed at). A flat that raises
+    adopts nothing, its views restored; the first such error is returned, once the others
+    have adopted theirs."""
+    storages = {f.full.untyped_storage().data_ptr() for f in flats if f.full.numel()}
+    problem, read = None, []
+    for f in flats:
+        try:
+            read.append((f, f._replacements(storages)))
+        except ValueError as exc:
+            problem = problem or exc
+    for f, adopted in read:
+        f._copy_in(adopted)
+    return problem
 
 
 def check_requires_grad(flats: list[FlatParam]) -> None:
@@ -466,8 +485,17 @@ class FlatParam:
         first so that the model stays usable: another dtype (``model.half()``) or shape
         (``resize_token_embeddings``), or data replaced at rest (stage 3: the parameter holds
         nothing there to replace)."""
+        self._copy_in(self._replacements())
+
+    def _replacements(self, storages: set[int] | None = None) -> list[tuple[Slot, torch.Tensor]]:
+        """``check_views``' reading half: the slots whose data was replaced in the same dtype
+        and shape, each with its new data, cloned where it lies in one of ``storages`` (data
+        pointers of storages about to be written; default: ``full``'s own) or raising as
+        ``check_views`` does."""
         rest = self.state is ShardState.SHARDED
         base = self._placeholder() if rest else self.full
+        if storages is None:
+            storages = {base.untyped_storage().data_ptr()}
         adopted = []
         for i, s in enumerate(self.slots):
             at = base.data_ptr() + (i if rest else s.offset) * base.element_size()
@@ -479,10 +507,10 @@ class FlatParam:
                 self._use_rest_views() if rest else self._use_full_views()
                 raise ValueError(moved)
             if not rest and p.dtype == base.dtype and p.shape == s.shape:
-                # Copied in below, once every replacement is read: one may be another slot's
-                # memory (a.data, b.data = b.data, a.data).
-                mine = p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-                adopted.append((s, p.data.clone() if mine else p.data))
+                # Copied in once every replacement is read: one may be another slot's memory
+                # (a.data, b.data = b.data, a.data).
+                written = p.untyped_storage().data_ptr() in storages
+                adopted.append((s, p.data.clone() if written else p.data))
                 continue
             shape, dtype = p.shape, p.dtype
             self._use_rest_views() if rest else self._use_full_views()
@@ -505,6 +533,11 @@ class FlatParam:
                 "mixed_precision='bf16'), convert before sharding, or set values with "
                 "model.load_state_dict() or inside zeroshard.summon_full_params(model)"
             )
+        return adopted
+
+    def _copy_in(self, adopted: list[tuple[Slot, torch.Tensor]]) -> None:
+        """``check_views``' writing half: each replacement copied into its slot's region of
+        ``full``, which the parameter views again."""
         for s, data in adopted:
             view = self.full[s.offset : s.offset + s.numel].view(s.shape)
             view.copy_(data)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from zeroshard.model_states.agreement import agree, agreed
 from zeroshard.model_states.backward_step import BackwardStep, check_step_in_backward
 from zeroshard.model_states.flat_param import check_requires_grad
 from zeroshard.model_states.grad_swap import GradSwapper
+from zeroshard.model_states.grads import GradBucket
 from zeroshard.model_states.init import check_same_model
 from zeroshard.model_states.optimizer_args import (
     check_elementwise,
@@ -519,26 +520,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
         what a backward that raised left (``Engine.partial_gradients``)."""
         self.engine.gradients_discarded(by=self)
         bs = self._backward_step
-        if bs is not None and bs.stepped:
-            n = len(bs.stepped)
-            # Every rank's replicas follow the updates, as step() makes them (at stages 1-2 each
-            # rank had only its own slice updated: the ranks trained apart).
-            self._end_backward_step(bs, changed=True)
-            warnings.warn(
-                "zero_grad() after a backward whose updates step_in_backward already "
-                f"applied to {n} unit(s), without step(): "
-                "they stay (a plain optimizer would drop them with the gradients). Use a "
-                "separate optimizer without step_in_backward for parameters that a "
-                "backward reaches without being meant to update them (a GAN's "
-                "discriminator under the generator's loss)",
-                stacklevel=user_stacklevel(),
-            )
-        elif bs is not None:
+        if not self.end_applied_step() and bs is not None:
             bs.reset()
         if self._grad_swap is not None:
             self._grad_swap.zero()
         bucket_owners.reclaim(self)
         bucket_owners.zero_grad(self, set_to_none)
+
+    def end_applied_step(self, zeroed: Collection[GradBucket] | None = None) -> bool:
+        """A ``zero_grad`` without ``step()`` after units stepped in backward (``zeroed``: the
+        buckets a submodule's ``zero_grad`` dropped, one of them stepped; None: all): their
+        updates stay, and every rank's replicas follow them, as ``step()`` makes them (at
+        stages 1-2 each rank had only its own slice updated: the ranks trained apart). Whether
+        it ended one."""
+        bs = self._backward_step
+        if bs is None or not bs.stepped:
+            return False
+        if zeroed is not None and not any(id(b) in bs.stepped for b in zeroed):
+            return False
+        n = len(bs.stepped)
+        self._end_backward_step(bs, changed=True)
+        warnings.warn(
+            "zero_grad() after a backward whose updates step_in_backward already "
+            f"applied to {n} unit(s), without step(): "
+            "they stay (a plain optimizer would drop them with the gradients). Use a "
+            "separate optimizer without step_in_backward for parameters that a "
+            "backward reaches without being meant to update them (a GAN's "
+            "discriminator under the generator's loss)",
+            stacklevel=user_stacklevel(),
+        )
+        return True
 
     def backward_raised(self) -> None:
         """The engine's cleanup after a backward that raised: with step_in_backward, the units
