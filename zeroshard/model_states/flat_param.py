@@ -527,7 +527,8 @@ class FlatParam:
                 what = "at rest, stage 3: it holds nothing there"
             raise ValueError(
                 f"{s.names[0]}'s data was replaced after zeroshard.shard() (model.half(), "
-                f"model.to(dtype), p.data = ..., a tie_weights() that pads a head's bias; "
+                f"model.to(dtype), p.data = ..., a tie_weights() that pads a head's bias, "
+                f"torch.nn.utils.prune's remove(); "
                 f"{what}): the engine holds the parameters' "
                 "memory, given back to the parameter. Pick compute dtypes with shard(..., "
                 "mixed_precision='bf16'), convert before sharding, or set values with "
