@@ -798,3 +798,90 @@ def test_split_weights_renamed_by_a_hook_are_saved_whole(workers2, tmp_path, sta
     # the pieces were gathered by their original names after the hooks had run.
     for r in workers2.run(_renamed_split_weights, str(tmp_path / "ck"), stage):
         assert r == {"keys": True, "whole": True, "tp1": True, "tp2": True}, r
+
+
+class _Pair(nn.Module):
+    """A column-parallel Linear then a row-parallel one, ``hidden`` features between them."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, hidden), nn.Linear(hidden, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _given_plans() -> dict:
+    """Plans passed to ``parallelize`` are checked as a model's own are, before anything is
+    split; buffers of any dtype and layout are synced as ``shard()`` syncs them; GradScaler's
+    per-rank skip at stage 0 is refused."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    device_mesh, mesh = tensor_parallel.mesh_2d(2)
+    rank, out = dist.get_rank(), {}
+
+    def styles():
+        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+    def tied() -> nn.Module:
+        model = nn.Sequential(_Pair(), _Pair())
+        model[1].up.weight = model[0].up.weight
+        return model
+
+    cases = {
+        "uneven": lambda: tensor_parallel.parallelize(_Pair(15), device_mesh, styles()),
+        "missing": lambda: tensor_parallel.parallelize(
+            _Pair(), device_mesh, {**styles(), "nothere": ColwiseParallel()}
+        ),
+        "style": lambda: tensor_parallel.parallelize(_Pair(), device_mesh, {"up": "diagonal"}),
+        "tied": lambda: tensor_parallel.parallelize(
+            tied(), device_mesh, {f"{i}.{n}": s for i in "01" for n, s in styles().items()}
+        ),
+        "dp mesh": lambda: tensor_parallel.parallelize(_Pair(), mesh),
+    }
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except (ValueError, TypeError) as e:
+            out[name] = str(e)
+    # The format of a model's tp_plan, passed directly.
+    model = tensor_parallel.parallelize(_Pair(), device_mesh, {"up": "colwise", "down": "rowwise"})
+    out["strings"] = (tuple(model.up.weight.shape), tuple(model.down.weight.shape))
+    # Buffers gloo cannot broadcast as they are (uint16, float8, sparse) take rank 0's values.
+    model = _Pair()
+    model.register_buffer("codes", torch.full((4,), rank + 1, dtype=torch.uint16))
+    model.register_buffer("f8", torch.full((4,), rank + 1.0).to(torch.float8_e4m3fn))
+    model.register_buffer("adj", (torch.eye(3) * (rank + 1)).to_sparse())
+    tensor_parallel.parallelize(model, device_mesh, styles())
+    out["buffers"] = (
+        model.codes.tolist(),
+        model.f8.float().tolist(),
+        model.adj.to_dense().diagonal().tolist(),
+    )
+    # torch's GradScaler at stage 0: a split gradient overflowing on one rank would skip there
+    model = zeroshard.shard(
+        tensor_parallel.parallelize(_Pair(), device_mesh, styles()), stage=0, mesh=mesh
+    )
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    opt.backward(scaler.scale(model(torch.randn(4, 16)).square().mean()))
+    try:
+        scaler.step(opt)
+        out["grad_scaler"] = "no error"
+    except ValueError as e:
+        out["grad_scaler"] = str(e)
+    return out
+
+
+def test_plans_given_to_parallelize_are_checked_and_buffers_synced(workers2):
+    for r in workers2.run(_given_plans):
+        # it trained, then aborted the job at the state dict (an uneven piece per rank)
+        assert "splits dim 0 of its (15, 16) weight, 15, which does not divide" in r["uneven"]
+        assert "'nothere' names no module of _Pair" in r["missing"], r
+        assert "'diagonal'; give a ParallelStyle or one of colwise or rowwise" in r["style"]
+        assert "0.up.weight, which is tied to 1.up.weight" in r["tied"], r  # (untied silently)
+        assert "takes the DeviceMesh mesh_2d returns first, got a Mesh" in r["dp mesh"], r
+        assert r["strings"] == ((16, 16), (16, 16)), r  # (torch's TypeError before)
+        assert r["buffers"] == ([1] * 4, [1.0] * 4, [1.0] * 3), r  # ("Invalid scalar type")
+        assert "with tensor parallelism each rank decides its skip" in r["grad_scaler"], r

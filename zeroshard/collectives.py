@@ -567,3 +567,27 @@ def broadcast(tensor: torch.Tensor, *, src: int = 0, group: dist.ProcessGroup | 
     not the global one; model-state sync at shard time)."""
     with record_function("zeroshard::broadcast"), diagnosed("broadcast", "model states", group):
         dist.broadcast(tensor, group_src=src, group=group)
+
+
+_BROADCAST_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                     torch.int32, torch.int8, torch.uint8, torch.bool}  # fmt: skip
+"""What every backend broadcasts as it is (gloo lacks int16, the unsigned ints but uint8, and
+the float8s: "Invalid scalar type")."""
+
+
+def broadcast_any(t: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The value of ``t`` on rank 0 of ``group``, on every rank of it, whatever its dtype or
+    layout: in place where the backends take its dtype, else through its bytes; a sparse one (a
+    graph's adjacency), whose size differs between ranks, as an object (a new tensor, on
+    ``t``'s device)."""
+    if t.layout is not torch.strided:
+        box = [t.cpu() if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(box, group_src=0, group=group)
+        return box[0].to(t.device)
+    if t.dtype in _BROADCAST_DTYPES:
+        broadcast(t, src=0, group=group)
+        return t
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    broadcast(data, src=0, group=group)
+    t.copy_(data.view(t.dtype).view(t.shape))
+    return t

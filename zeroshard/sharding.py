@@ -611,28 +611,5 @@ def _move_buffers(
         if id(buf) not in moved:
             moved[id(buf)] = buf.to(device=mesh.device, dtype=dtype)
             if sync and mesh.world_size > 1:
-                moved[id(buf)] = _rank0s(moved[id(buf)], mesh)
+                moved[id(buf)] = C.broadcast_any(moved[id(buf)], group=mesh.group)
         module._buffers[name] = moved[id(buf)]
-
-
-_BROADCAST_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-                     torch.int32, torch.int8, torch.uint8, torch.bool}  # fmt: skip
-"""What every backend broadcasts as it is (gloo lacks int16, the unsigned ints but uint8, and
-the float8s: "Invalid scalar type")."""
-
-
-def _rank0s(buf: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """Rank 0's value of ``buf`` (on every rank of ``mesh.group``): in place where the
-    backends take its dtype, else through its bytes; a sparse one (a graph's adjacency), whose
-    size differs between ranks, as an object."""
-    if buf.layout is not torch.strided:
-        box = [buf.cpu() if mesh.rank == 0 else None]
-        torch.distributed.broadcast_object_list(box, group_src=0, group=mesh.group)
-        return box[0].to(mesh.device)
-    if buf.dtype in _BROADCAST_DTYPES:
-        C.broadcast(buf, src=0, group=mesh.group)
-        return buf
-    data = buf.detach().contiguous().reshape(-1).view(torch.uint8)
-    C.broadcast(data, src=0, group=mesh.group)
-    buf.copy_(data.view(buf.dtype).view(buf.shape))
-    return buf

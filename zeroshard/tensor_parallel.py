@@ -358,6 +358,12 @@ def parallelize(
             "parallelize() of a model it has split already (its split Linears hold 1/tp of "
             "their weights): call it once per model"
         )
+    if not hasattr(device_mesh, "ndim"):  # (mesh_2d's second value, the data-parallel Mesh)
+        raise TypeError(
+            f"parallelize() takes the DeviceMesh mesh_2d returns first, got a "
+            f"{type(device_mesh).__name__}: device_mesh, dp_mesh = mesh_2d(tp); "
+            "parallelize(model, device_mesh); zeroshard.shard(model, ..., mesh=dp_mesh)"
+        )
     names = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
     if device_mesh.ndim > 1 and "tp" not in names:
         raise ValueError(
@@ -372,15 +378,16 @@ def parallelize(
             "tensor parallelism needs materialized parameters: build the model on the CPU "
             "(or its device), then parallelize, then zeroshard.shard"
         )
-    plan = plan_for(model, tp, sequence_parallel=sequence_parallel) if plan is None else plan
+    if plan is None:
+        plan = plan_for(model, tp, sequence_parallel=sequence_parallel)
+    else:
+        plan = _given_plan(model, plan, tp)
+    _check_untied(model, plan)
     if tp == 1:
         return model
     group = tp_mesh.get_group()
     if sync_module_states:
-        first = dist.get_global_rank(group, 0)
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=first, group=group)
+        _sync(model, group)
     tensor_parallel_checks.rng_at_first_forward(model, group)
     tensor_parallel_checks.unsplit_inside_pairs_at_first_forward(model, plan)
     styles = {name: style for name, style in plan.items()}
@@ -391,6 +398,103 @@ def parallelize(
         model.register_forward_pre_hook(_even_sequences(tp), prepend=True, with_kwargs=True)
         setattr(model, _SEQUENCE, True)
     return model
+
+
+def _given_plan(model: nn.Module, plan: dict, tp: int) -> dict:
+    """A plan passed to ``parallelize`` checked before anything is split, as ``plan_for``'s
+    are: each key a module's name, "colwise" / "rowwise" taken as ``plan_for`` takes them, and
+    a column- or row-parallel Linear's (or Embedding's) split dimension dividing in ``tp``
+    (an uneven split trained, then aborted the job at the state dict). Other styles (inputs,
+    outputs, sequence parallelism) pass as they are."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    modules = dict(model.named_modules())
+    checked = {}
+    for name, style in plan.items():
+        module = modules.get(name)
+        if module is None:
+            raise ValueError(
+                f"tensor-parallel plan entry {name!r} names no module of "
+                f"{type(model).__name__}; fix the plan (names as in named_modules()); nothing "
+                "was split"
+            )
+        if isinstance(style, str):
+            if style not in STYLES:
+                raise ValueError(
+                    f"tensor-parallel plan entry {name!r}: {style!r}; give a ParallelStyle or "
+                    f"one of {' or '.join(STYLES)}"
+                )
+            style = _style(name, module, style, tp)
+        elif isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            _check_divides(name, module, style, tp)
+        checked[name] = style
+    return checked
+
+
+def _check_divides(name: str, module: nn.Module, style, tp: int) -> None:
+    """The dimension a column- or row-parallel style splits (Linear: output or input features;
+    Embedding: embedding dim or rows), in equal pieces per rank and fused block."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(module, (nn.Linear, nn.Embedding)) or weight is None:
+        return
+    colwise = isinstance(style, ColwiseParallel)
+    dim = (0 if colwise else 1) if isinstance(module, nn.Linear) else (1 if colwise else 0)
+    size, groups = weight.shape[dim], getattr(style, "groups", 1) if dim == 0 else 1
+    if size % (groups * tp):
+        pieces = f"{groups} fused blocks x tp={tp}" if groups > 1 else f"tp={tp}"
+        raise ValueError(
+            f"tensor-parallel plan: {name} ({type(style).__name__}) splits dim {dim} of its "
+            f"{tuple(weight.shape)} weight, {size}, which does not divide in {pieces}; use a "
+            f"tp that divides {size // groups}, or leave {name} out of the plan"
+        )
+
+
+def _check_untied(model: nn.Module, plan: dict) -> None:
+    """A parameter a planned module distributes must be no other module's too (tied weights:
+    ``parallelize_module`` makes each module's use a piece of its own, untying them silently).
+    Styles that only lay out a module's inputs or outputs leave its parameters alone."""
+    from torch.distributed.tensor import parallel
+
+    layouts = tuple(
+        getattr(parallel, name)
+        for name in ("PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput")
+        if hasattr(parallel, name)
+    )
+    uses: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        uses.setdefault(id(p), []).append(name)
+    for module_name, style in plan.items():
+        if isinstance(style, layouts):
+            continue
+        module = model.get_submodule(module_name)
+        for p in module.parameters(recurse=False):
+            names = uses.get(id(p), [])
+            if len(names) > 1:
+                raise ValueError(
+                    f"tensor parallelism would split {names[0]}, which is tied to "
+                    f"{', '.join(names[1:])} (one Parameter in several modules): the split "
+                    "gives each module a piece of its own and the tie is lost. Untie them "
+                    "before parallelize(), or leave these modules out of the plan"
+                )
+
+
+def _sync(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Every parameter and buffer of ``model`` as the first rank of ``group`` has it, whatever
+    its dtype or layout (``shard``'s buffer sync, over the tensor-parallel group)."""
+    from zeroshard import collectives as C
+
+    with torch.no_grad():
+        for p in model.parameters():
+            C.broadcast_any(p.data, group=group)
+        done: dict[int, torch.Tensor] = {}
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    if id(buf) not in done:
+                        done[id(buf)] = C.broadcast_any(buf, group=group)
+                    module._buffers[name] = done[id(buf)]
 
 
 def is_sequence_parallel(model: nn.Module) -> bool:

@@ -322,8 +322,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         """Read by ``torch.amp.GradScaler.step``: True where ``.grad`` holds no gradient
         (stages 1-3), so that it calls ``step`` (which then names the fix) instead of failing
-        in its own "No inf checks were recorded for this optimizer"."""
-        return self.engine.partition.optimizer_states
+        in its own "No inf checks were recorded for this optimizer"; and with tensor
+        parallelism, where each rank's split gradients differ and GradScaler's skip, decided
+        by each rank alone, would split the ranks (one skipped, one stepped into a collective
+        the other never joined)."""
+        engine = self.engine
+        return engine.partition.optimizer_states or engine.mesh.tp_size > 1
 
     @torch.no_grad()
     def _step(self) -> bool:
@@ -331,10 +335,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if "found_inf" in self.__dict__:  # set by torch.amp.GradScaler.step (see above)
             del self.found_inf  # (it deletes them after a step that returns)
             self.__dict__.pop("grad_scale", None)
+            why = (
+                "each rank holds only its reduced shard, and .grad is None"
+                if self.engine.partition.optimizer_states
+                else "with tensor parallelism each rank decides its skip from its own pieces "
+                "of the split gradients, and the ranks would part"
+            )
             raise ValueError(
                 "torch.amp.GradScaler cannot unscale a sharded optimizer's gradients at stage "
-                f"{self.engine.stage}: each rank holds only its reduced shard, and .grad is "
-                "None. Scale the loss with zeroshard instead: shard(..., "
+                f"{self.engine.stage}: {why}. Scale the loss with zeroshard instead: shard(..., "
                 "mixed_precision='fp16') gives the optimizer a DynamicLossScaler (or pass "
                 "loss_scaler=zeroshard.DynamicLossScaler() to zeroshard.optimizer), then "
                 "opt.backward(loss) scales, and step() unscales and skips overflowed steps"
