@@ -106,7 +106,7 @@ from zeroshard.checkpoint_info import (  # noqa: F401 (the inspection API, re-ex
     verify,
 )
 from zeroshard.engine import engine_of
-from zeroshard.state_dict import uncompiled
+from zeroshard.state_dict_layout import uncompiled
 from zeroshard.watchdog import diagnosed, every_rank_calls
 
 _WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap encoding and I/O
@@ -244,7 +244,7 @@ def _optimizer_step(optimizer) -> int:
 
 def _metadata(model, optimizer, step: int, world: int, token: str) -> dict[str, Any]:
     import zeroshard
-    from zeroshard.state_dict import tied_names
+    from zeroshard.state_dict_layout import tied_names
 
     engine = engine_of(model)
     # A run's first save names it (``token``); a load (not model_only) continues a saved run.

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from zeroshard.checkpoint_files import CheckpointError, agree, check_file, gather
 from zeroshard.flat_range import FlatRange
 from zeroshard.offload.nvme import free_bytes
-from zeroshard.state_dict import COMPILED, own_key
+from zeroshard.state_dict_layout import COMPILED, own_key
 
 SPACE_MARGIN = 1.05  # free space wanted over the estimate (DCP metadata, pickled extras)
 SPACE_PER_RANK = 2**20  # and per rank: each file's headers (a small model's may double it)

@@ -62,7 +62,7 @@ import torch
 
 from zeroshard import checkpoint, precision
 from zeroshard.save_pretrained import record_dtype, weights_dtype
-from zeroshard.state_dict import COMPILED
+from zeroshard.state_dict_layout import COMPILED
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

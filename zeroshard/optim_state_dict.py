@@ -38,13 +38,13 @@ from zeroshard.checkpoint_files import gather
 from zeroshard.flat_range import FlatRange
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.optim_state_checks import match_groups, warn_dropped
-from zeroshard.state_dict import (
-    _all_names,
-    _as_sharded,
-    _first_names,
-    _full_value,
-    _gather_flat,
+from zeroshard.state_dict_layout import (
+    all_names,
+    as_sharded,
     device_mesh,
+    first_names,
+    full_value,
+    gather_flat,
     refuse_split_pieces,
 )
 
@@ -88,7 +88,7 @@ def keyed_by_position(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> dict
     ``opt.param_groups``, as a torch optimizer's: what ``get_optimizer_state_dict`` expects
     from ``optimizer.state_dict()`` before it keys it by name again (it took the names for
     positions: the states came out keyed by integers, and no template could load them)."""
-    first = _first_names(opt.engine.model)
+    first = first_names(opt.engine.model)
     params = [p for g in opt.param_groups for p in g["params"]]
     position = {first[id(p)]: i for i, p in enumerate(params)}
     groups = [
@@ -256,7 +256,7 @@ def optimizer_state_dict(
         refuse_split_pieces(engine, "opt.state_dict()")
     model = engine.model
     mesh = device_mesh(engine)
-    first = _first_names(model)
+    first = first_names(model)
     stepped = _stepped(opt, first)  # before _init_states gives the others states
     fresh = _init_states(opt)
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
@@ -302,7 +302,7 @@ def optimizer_state_dict(
             if p.numel() or not p.requires_grad or id(p) in per_param or gi not in by_group:
                 continue
             per_param[id(p)] = {
-                k: _as_sharded(torch.zeros(p.shape, dtype=v, device=p.device), mesh, v)
+                k: as_sharded(torch.zeros(p.shape, dtype=v, device=p.device), mesh, v)
                 if kind == "elementwise"
                 else _copy_value(_unstepped_value(k, v))
                 for k, (kind, v) in by_group[gi].items()
@@ -356,11 +356,11 @@ def _gathered_entries(
         if v is not None:
             local[piece.span].copy_(v)
     partitioned = flat.partition.optimizer_states and flat.mesh.shard_size > 1
-    full = _gather_flat(flat, local) if partitioned else local
+    full = gather_flat(flat, local) if partitioned else local
 
     def entry(index: int) -> torch.Tensor:
         s = flat.slots[index]
-        return _as_sharded(full[s.offset : s.offset + s.numel].view(s.shape), mesh, dtype)
+        return as_sharded(full[s.offset : s.offset + s.numel].view(s.shape), mesh, dtype)
 
     return entry
 
@@ -394,7 +394,7 @@ def local_state_entries(opt: ShardedOptimizer) -> Callable[[str, str, torch.dtyp
     keeps none of it yet: what a load reads a state saved with other hyperparameters into
     (this rank's ``FlatRange``; None where ``opt`` does not step ``name``). No collective."""
     engine = opt.engine
-    first = _first_names(engine.model)
+    first = first_names(engine.model)
     held = {id(p) for g in opt.param_groups for p in g["params"]}
     subgroups = _subgroup_of(opt)
     where = {
@@ -441,10 +441,10 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
         )
     engine = opt.engine
     model = engine.model
-    first = _first_names(model)
-    all_names = _all_names(model)
+    first = first_names(model)
+    every_name = all_names(model)
     saved_state: dict[str, dict[str, Any]] = state_dict.get("state", {})
-    known = {n for names in all_names.values() for n in names}
+    known = {n for names in every_name.values() for n in names}
     unknown = [k for k in saved_state if k not in known]
     if unknown and all(isinstance(k, int) for k in unknown):
         raise ValueError(
@@ -483,7 +483,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
         pieces = [p for ps in sg.pieces for p in ps] if sg is not None else []
         assembled: list[dict[str, Any]] = [{} for _ in pieces]
         for i, (s, span) in enumerate(flat.pieces()):
-            names = [n for n in all_names.get(id(s.param), []) if n in saved_state]
+            names = [n for n in every_name.get(id(s.param), []) if n in saved_state]
             if not names:
                 continue
             st = saved_state[names[0]]
@@ -501,7 +501,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
                 None,
             )
             for k in sorted(st):
-                v = _full_value(st[k])  # on every rank, in the same order (a collective)
+                v = full_value(st[k])  # on every rank, in the same order (a collective)
                 if k in kinds:
                     elementwise = kinds[k][0] == "elementwise"
                 else:
@@ -572,7 +572,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
         for g in opt.param_groups
         for p in g["params"]
         if p.requires_grad
-        for n in all_names[id(p)]
+        for n in every_name[id(p)]
     }
     warn_dropped(
         [k for k, st in saved_state.items() if k not in trained and not _never_stepped(st)]

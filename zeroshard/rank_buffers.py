@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint_files import gather
-from zeroshard.state_dict import key_of
+from zeroshard.state_dict_layout import key_of
 
 
 def each_persistent_buffer(model: nn.Module) -> Iterator[tuple[str, nn.Module, torch.Tensor]]:

@@ -48,7 +48,7 @@ from zeroshard.residual_states.activations import train_without_caches
 from zeroshard.residual_states.buffers import BufferPool, TensorPool
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.stages import Partition, partition
-from zeroshard.state_dict import install_state_dict_hooks
+from zeroshard.state_dict_hooks import install_state_dict_hooks
 from zeroshard.unit import Unit
 from zeroshard.wrap import UnitSpec, WrapPolicy, as_policy, units, with_classes
 

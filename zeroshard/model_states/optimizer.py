@@ -609,7 +609,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             keyed_by_position,
             optimizer_state_dict,
         )
-        from zeroshard.state_dict import COLLECTIVE
+        from zeroshard.state_dict_layout import COLLECTIVE
 
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -626,7 +626,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load what ``state_dict`` returns (at any world size or stage, e.g. through DCP); the
         hooks of ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as torch runs them."""
         from zeroshard.optim_state_dict import load_optimizer_state_dict
-        from zeroshard.state_dict import COLLECTIVE
+        from zeroshard.state_dict_layout import COLLECTIVE
 
         state_dict = state_dict.copy()  # hooks edit this copy, not the caller's (as torch)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
