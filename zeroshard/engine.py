@@ -38,7 +38,7 @@ from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, weakly, when_backward_reaches
 from zeroshard.loss_scaling import GradScaling
 from zeroshard.mesh import Mesh
-from zeroshard.model_states import flat_param
+from zeroshard.model_states import flat_param, param_checks
 from zeroshard.model_states.agreement import reduced_again_anywhere
 from zeroshard.model_states.grads import GradBucket, pools
 from zeroshard.model_states.reduction_order import ReductionOrder
@@ -347,7 +347,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
             self._forward_raised()  # the last one was interrupted (Ctrl-C): no hook of it ran
         self._forward_call = call_frames.current(self.model)
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
-            flat_param.check_requires_grad(self.flat_params)
+            param_checks.check_requires_grad(self.flat_params)
         self.check_trusted()
         self.adopt_writes()  # (parameters replaced are an error before they count as added)
         if torch.is_grad_enabled():
@@ -377,7 +377,7 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
         if unit.state is not TrainingState.IDLE:
             return
         if torch.is_grad_enabled():
-            flat_param.check_requires_grad(unit.flat_params)
+            param_checks.check_requires_grad(unit.flat_params)
         self.check_trusted()
         self.adopt_writes(unit.flat_params)
 
@@ -663,12 +663,12 @@ class Engine(unwind.Unwinding, prefetch.Prefetching):
                     "it (zeroshard.checkpoint) before destroying the group, and shard a new "
                     "model in the new one"
                 )
-            flat_param.check_registered(self.model, self.flat_params)
+            param_checks.check_registered(self.model, self.flat_params)
             flats = self.flat_params
         with torch.no_grad():
             # every flat's views given back before one error is raised (model.half() recovers
             # in one call, not one per unit)
-            problem = flat_param.check_views(flats)
+            problem = param_checks.check_views(flats)
             if problem is not None:
                 raise problem
             for f in flats:

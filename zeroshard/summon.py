@@ -11,7 +11,7 @@ import torch
 
 from zeroshard import generation
 from zeroshard.engine import Engine, Phase
-from zeroshard.model_states import flat_param
+from zeroshard.model_states import param_checks
 
 
 @contextlib.contextmanager
@@ -50,7 +50,9 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
     raised = False
     try:
         nested = engine.summoned > 1
-        with flat_param.discarding_writes(engine.flat_params, discard=not writeback, nested=nested):
+        with param_checks.discarding_writes(
+            engine.flat_params, discard=not writeback, nested=nested
+        ):
             yield
     except BaseException:
         raised = True  # (its own error goes first; not sys.exc_info(): a caller's except block)
@@ -63,7 +65,7 @@ def summon_full_params(engine: Engine, *, writeback: bool = True) -> Iterator[No
             with torch.no_grad():
                 # data replaced inside (p.data = ..., a parametrization baked): taken; another
                 # dtype or shape: raised once resharded
-                problem = flat_param.check_views(engine.flat_params)
+                problem = param_checks.check_views(engine.flat_params)
                 for f in engine.flat_params:
                     f.write_back()
         if not engine.summoned:

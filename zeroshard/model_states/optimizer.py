@@ -44,7 +44,6 @@ from zeroshard.loss_scaling import DynamicLossScaler, LossScaler, default_scaler
 from zeroshard.model_states import backward_step, bucket_owners, clipping, streamed_step
 from zeroshard.model_states.agreement import agree, agreed
 from zeroshard.model_states.backward_step import BackwardStep, check_step_in_backward
-from zeroshard.model_states.flat_param import check_requires_grad
 from zeroshard.model_states.grad_swap import GradSwapper
 from zeroshard.model_states.grads import GradBucket
 from zeroshard.model_states.init import check_same_model
@@ -57,6 +56,7 @@ from zeroshard.model_states.optimizer_args import (
     user_stacklevel,
     with_default_impl,
 )
+from zeroshard.model_states.param_checks import check_requires_grad
 from zeroshard.model_states.state_swap import (
     StateSwapper,
 )
