@@ -100,8 +100,8 @@ class ModelDescription:
     """Their bytes as built."""
     tp_split_numel: int | None = None
     """Parameters the model's tensor-parallel plan cuts into pieces
-    (``zeroshard.tensor_parallel.split_numel``), for a built model that declares one; ``None``:
-    the blocks' Linears of a shape, else everything outside the root."""
+    (``zeroshard.tensor_parallel_plans.split_numel``), for a built model that declares one;
+    ``None``: the blocks' Linears of a shape, else everything outside the root."""
 
     def __post_init__(self) -> None:
         _positive_int("num_params", self.num_params)
@@ -276,7 +276,7 @@ def from_module(
     if num_params == 0:
         raise ValueError(f"{type(module).__name__} has no parameters; nothing to plan")
     policy, how = wrap_policy(module, wrap)
-    from zeroshard.tensor_parallel import split_numel
+    from zeroshard.tensor_parallel_plans import split_numel
     from zeroshard.wrap import units
 
     specs = units(module, policy)

@@ -133,7 +133,7 @@ class ActivationProfile:
         tensor-parallel ranks (``largest_param_numel`` cut by the model's plan)."""
         if num_mp_ranks == 1:
             return self.largest_param_numel
-        from zeroshard.tensor_parallel import split_params
+        from zeroshard.tensor_parallel_plans import split_params
 
         cut = split_params(self.module)
         largest = 0
@@ -328,7 +328,7 @@ def measure(
 
 class _TensorParallelSplit:
     """Which tensors of a forward tensor parallelism splits across ``num_mp_ranks`` ranks, so
-    that each rank holds 1/Nm of them: a colwise Linear's output (``tensor_parallel.styles``),
+    that each rank holds 1/Nm of them: a colwise Linear's output (``tensor_parallel_plans.styles``),
     everything computed from a split tensor (a dispatch mode follows every operator: the heads,
     the attention, the activation function), up to a rowwise Linear's output, which is whole.
     Tracked per storage; the split tensors are kept alive, so that a storage freed and made again
@@ -338,7 +338,7 @@ class _TensorParallelSplit:
     def __init__(self, model, num_mp_ranks: int, params: set[int]) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from zeroshard.tensor_parallel import styles
+        from zeroshard.tensor_parallel_plans import styles
 
         self.num_mp_ranks, self.params, self.handles = num_mp_ranks, params, []
         self.split: dict[int, object] = {}  # storage -> a tensor on it, kept alive

@@ -1,0 +1,338 @@
+"""Tensor-parallel plans: which Linears a model's tensor-parallel split cuts, and how.
+
+The reference GPT's (``gpt_plan``: the fused ``qkv`` by heads, the MLP column- then
+row-parallel, optionally Megatron's sequence parallelism), a Hugging Face config's
+``base_model_tp_plan`` or a ``tp_plan`` attribute (``plan_for``, by ``styles``), and plans given
+to ``parallelize`` (``given_plan``), all checked before anything is split: every name a module,
+column-parallel layers paired with row-parallel ones, splits that divide in ``tp``, no weight
+tied across a split (``check_untied``)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+__all__ = [
+    "STYLES",
+    "check_untied",
+    "given_plan",
+    "gpt_plan",
+    "plan_for",
+    "split_numel",
+    "split_params",
+    "styles",
+]
+
+
+def _fused_colwise():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class FusedColwiseParallel(ColwiseParallel):
+        """``ColwiseParallel`` for a projection whose output is ``groups`` fused blocks (q, k, v
+        of ``nn.Linear(C, 3C)``): each block is split by rows, so rank r holds rows r of every
+        block and the local output still splits into q, k, v of its own heads."""
+
+        def __init__(self, groups: int, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.groups = groups
+
+        def _partition_linear_fn(self, name, module, device_mesh):
+            tp = device_mesh.size()
+            with torch.no_grad():
+                for param in module.parameters():
+                    param.data = _interleave(param.data, self.groups, tp)
+            super()._partition_linear_fn(name, module, device_mesh)
+
+    return FusedColwiseParallel
+
+
+def _interleave(t: torch.Tensor, groups: int, tp: int) -> torch.Tensor:
+    """Rows of ``groups`` blocks, reordered so that an even split in ``tp`` gives rank r the
+    r-th piece of every block: [g, tp, n/(g tp), ...] -> [tp, g, n/(g tp), ...]."""
+    n = t.shape[0]
+    return t.reshape(groups, tp, n // (groups * tp), *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def gpt_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> dict:
+    """The tensor-parallel plan of ``zeroshard.models.gpt.GPT`` (or any model with its module
+    names: blocks of ``ln_1``, ``attn.qkv``, ``attn.proj``, ``ln_2``, ``mlp.fc``, ``mlp.proj``), for
+    ``parallelize``. A ValueError naming the fix when heads or widths do not split in ``tp``.
+
+    ``sequence_parallel`` (Megatron's sequence parallelism): between the attention and MLP
+    pairs, the residual stream is split along the sequence (dim 1) over the tensor-parallel
+    ranks, so the layer norms and residual adds run on 1/tp of the tokens and everything saved
+    for them (and each checkpointed block input) is 1/tp per rank. Each pair's first linear
+    all-gathers its input along the sequence and its second reduce-scatters its output (instead
+    of all-reducing it: the same bytes). The embeddings' sum is sliced (``embed_out``); the
+    head all-gathers the final layer norm's output."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    cfg = getattr(model, "cfg", None)
+    blocks = getattr(model, "blocks", None)
+    if cfg is None or blocks is None:
+        raise ValueError(
+            f"gpt_plan needs the reference GPT (blocks of attn.qkv/attn.proj/mlp.fc/mlp.proj), "
+            f"got {type(model).__name__}; write a plan for parallelize() yourself"
+        )
+    if cfg.n_head % tp:
+        raise ValueError(
+            f"tensor parallelism splits attention by heads: n_head={cfg.n_head} does not split "
+            f"in tp={tp}; use a tp that divides {cfg.n_head}"
+        )
+    gather = {"input_layouts": Shard(1)} if sequence_parallel else {}
+    scatter = {"output_layouts": Shard(1)} if sequence_parallel else {}
+    plan: dict = {}
+    for i in range(len(blocks)):
+        plan[f"blocks.{i}.attn.qkv"] = _fused_colwise()(3, **gather)
+        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel(**scatter)
+        plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel(**gather)
+        plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel(**scatter)
+        if sequence_parallel:
+            for norm in ("ln_1", "ln_2"):
+                plan[f"blocks.{i}.{norm}"] = SequenceParallel(use_local_output=True)
+    if sequence_parallel:
+        plan["embed_out"] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+        )
+        plan["ln_f"] = SequenceParallel(use_local_output=True)
+        plan["lm_head"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+    return plan
+
+
+STYLES = ("colwise", "rowwise")
+"""The styles of a plan by name (``plan_for``): a Linear's output features split
+(``ColwiseParallel``), or its input features (``RowwiseParallel``, the output all-reduced)."""
+
+
+def plan_for(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> dict:
+    """``model``'s tensor-parallel plan, for ``parallelize``: ``gpt_plan`` for the reference GPT;
+    else its Hugging Face config's ``base_model_tp_plan`` (transformers' Llama, Mistral, Qwen2
+    and others declare one), or the model's ``tp_plan`` attribute: module names, ``*`` standing
+    for one part (a layer number), each mapped to "colwise" or "rowwise". Each colwise Linear
+    must be followed, through element-wise work and per-head attention, by a rowwise one (the
+    pairs of Megatron's layout). A ValueError naming the fix when there is no plan, a style is
+    another, a name matches no Linear, or a split does not divide. ``sequence_parallel``: the
+    GPT's only (``gpt_plan``)."""
+    if hasattr(model, "blocks") and hasattr(model, "cfg"):
+        return gpt_plan(model, tp, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        raise ValueError(
+            f"sequence parallelism has a plan for the built-in GPT only, not "
+            f"{type(model).__name__}; drop sequence_parallel (partition_activations splits its "
+            "activation checkpoints instead)"
+        )
+    found = styles(model)
+    modules = dict(model.named_modules())
+    config = getattr(model, "config", None)
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(
+                f"tensor parallelism splits attention by heads: {field}={heads} does not split "
+                f"in tp={tp}; use a tp that divides it"
+            )
+    plan = {name: _style(name, modules[name], style, tp) for name, style in found.items()}
+    _check_pairs(plan)
+    return plan
+
+
+def styles(model: nn.Module) -> dict[str, str]:
+    """``{module name: "colwise" | "rowwise"}``: the Linears ``plan_for`` splits, for any degree
+    (nothing about ``tp`` is checked here). A ValueError naming the fix when the model declares
+    no plan, a style is another, or an entry matches no module."""
+    if hasattr(model, "blocks") and hasattr(model, "cfg"):  # the reference GPT (gpt_plan)
+        pairs = (("attn.qkv", "colwise"), ("attn.proj", "rowwise"))
+        pairs += (("mlp.fc", "colwise"), ("mlp.proj", "rowwise"))
+        return {f"blocks.{i}.{n}": s for i in range(len(model.blocks)) for n, s in pairs}
+    names, root = _declared_plan(model)
+    modules = [name for name, _ in model.named_modules()]
+    found: dict[str, str] = {}
+    for pattern, style in names.items():
+        if style not in STYLES:
+            raise ValueError(
+                f"tensor-parallel plan entry {pattern!r}: {style!r}; zeroshard splits layers "
+                f"{' or '.join(STYLES)} only: change the entry or pass --tp 1 (zeroshard plan: "
+                "--mp 1)"
+            )
+        regex = re.compile(re.escape(root + pattern).replace(r"\*", r"[^.]+"))
+        matched = {name: style for name in modules if regex.fullmatch(name)}
+        if not matched:
+            raise ValueError(
+                f"tensor-parallel plan entry {pattern!r} matches no module of "
+                f"{type(model).__name__}; fix the plan (names as in named_modules()) or pass "
+                "--tp 1 (zeroshard plan: --mp 1)"
+            )
+        found |= matched
+    return found
+
+
+def split_params(model: nn.Module) -> dict[int, str]:
+    """``{id(parameter): its module's name}`` for each parameter a tensor-parallel split cuts
+    into pieces (``styles``): the weight of every planned Linear and the bias of the colwise
+    ones (a rowwise Linear's bias is added whole, replicated). A ValueError when the model
+    declares no plan."""
+    out = {}
+    for name, style in styles(model).items():
+        module = model.get_submodule(name)
+        out[id(module.weight)] = name
+        if style == "colwise" and getattr(module, "bias", None) is not None:
+            out[id(module.bias)] = name
+    return out
+
+
+def split_numel(model: nn.Module) -> int:
+    """Elements of the parameters a tensor-parallel split cuts (``split_params``)."""
+    cut = split_params(model)
+    return sum(p.numel() for p in model.parameters() if id(p) in cut)
+
+
+def _check_pairs(plan: dict) -> None:
+    """A plan with colwise Linears has rowwise ones, and the reverse (Megatron's pairs): a
+    colwise one left alone would end the model on 1/tp of its features, a rowwise one alone
+    would sum unsplit inputs tp times. Which pairs with which is checked in the order they
+    run, at the first forward (``tensor_parallel_checks``): the module order is not it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    col = next((n for n in plan if isinstance(plan[n], ColwiseParallel)), None)
+    row = next((n for n in plan if not isinstance(plan[n], ColwiseParallel)), None)
+    if row is None:
+        raise ValueError(
+            f"tensor-parallel plan: {col} is colwise with no rowwise layer after it, so "
+            "its output would stay split (1/tp of its features); add the rowwise layer that "
+            "consumes it, or drop the entry"
+        )
+    if col is None:
+        raise ValueError(
+            f"tensor-parallel plan: {row} is rowwise with no colwise layer before it; "
+            "its input would not be split. Pair it with the colwise layer that feeds it"
+        )
+
+
+def _declared_plan(model: nn.Module) -> tuple[dict[str, str], str]:
+    """The model's declared plan and the prefix of the module it is relative to. A Hugging Face
+    model's is its config's ``base_model_tp_plan`` (the blocks; its ``tp_plan`` adds the
+    embeddings and head, which stay replicated here, as the GPT's do)."""
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if isinstance(plan, dict) and plan:
+        base = getattr(model, "base_model", model)
+        prefix = next(name for name, m in model.named_modules() if m is base)
+        return plan, f"{prefix}." if prefix else ""
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, dict) and plan:
+        return plan, ""
+    raise ValueError(
+        f"{type(model).__name__} has no tensor-parallel plan (no config.base_model_tp_plan, no "
+        "tp_plan attribute): give it a tp_plan ({'layers.*.mlp.up': 'colwise', "
+        "'layers.*.mlp.down': 'rowwise', ...}) or pass --tp 1 (zeroshard plan: --mp 1)"
+    )
+
+
+def _style(name: str, module: nn.Module, style: str, tp: int):
+    """The ``ParallelStyle`` of one Linear, its split checked."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not isinstance(module, nn.Linear):
+        raise ValueError(
+            f"tensor-parallel plan: {name} is a {type(module).__name__}, not an nn.Linear; "
+            "zeroshard splits Linear layers only: drop it from the plan or pass --tp 1 "
+            "(zeroshard plan: --mp 1)"
+        )
+    features = module.out_features if style == "colwise" else module.in_features
+    if features % tp:
+        side = "output" if style == "colwise" else "input"
+        raise ValueError(
+            f"tensor-parallel plan: {name} ({style}) has {features} {side} features, which do "
+            f"not split in tp={tp}; use a tp that divides {features}"
+        )
+    return ColwiseParallel() if style == "colwise" else RowwiseParallel()
+
+
+def given_plan(model: nn.Module, plan: dict, tp: int) -> dict:
+    """A plan passed to ``parallelize`` checked before anything is split, as ``plan_for``'s
+    are: each key a module's name, "colwise" / "rowwise" taken as ``plan_for`` takes them, and
+    a column- or row-parallel Linear's (or Embedding's) split dimension dividing in ``tp``
+    (an uneven split trained, then aborted the job at the state dict). Other styles (inputs,
+    outputs, sequence parallelism) pass as they are."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    modules = dict(model.named_modules())
+    checked = {}
+    for name, style in plan.items():
+        module = modules.get(name)
+        if module is None:
+            raise ValueError(
+                f"tensor-parallel plan entry {name!r} names no module of "
+                f"{type(model).__name__}; fix the plan (names as in named_modules()); nothing "
+                "was split"
+            )
+        if isinstance(style, str):
+            if style not in STYLES:
+                raise ValueError(
+                    f"tensor-parallel plan entry {name!r}: {style!r}; give a ParallelStyle or "
+                    f"one of {' or '.join(STYLES)}"
+                )
+            style = _style(name, module, style, tp)
+        elif isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            _check_divides(name, module, style, tp)
+        checked[name] = style
+    return checked
+
+
+def _check_divides(name: str, module: nn.Module, style, tp: int) -> None:
+    """The dimension a column- or row-parallel style splits (Linear: output or input features;
+    Embedding: embedding dim or rows), in equal pieces per rank and fused block."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(module, (nn.Linear, nn.Embedding)) or weight is None:
+        return
+    colwise = isinstance(style, ColwiseParallel)
+    dim = (0 if colwise else 1) if isinstance(module, nn.Linear) else (1 if colwise else 0)
+    size, groups = weight.shape[dim], getattr(style, "groups", 1) if dim == 0 else 1
+    if size % (groups * tp):
+        pieces = f"{groups} fused blocks x tp={tp}" if groups > 1 else f"tp={tp}"
+        raise ValueError(
+            f"tensor-parallel plan: {name} ({type(style).__name__}) splits dim {dim} of its "
+            f"{tuple(weight.shape)} weight, {size}, which does not divide in {pieces}; use a "
+            f"tp that divides {size // groups}, or leave {name} out of the plan"
+        )
+
+
+def check_untied(model: nn.Module, plan: dict) -> None:
+    """A parameter a planned module distributes must be no other module's too (tied weights:
+    ``parallelize_module`` makes each module's use a piece of its own, untying them silently).
+    Styles that only lay out a module's inputs or outputs leave its parameters alone."""
+    from torch.distributed.tensor import parallel
+
+    layouts = tuple(
+        getattr(parallel, name)
+        for name in ("PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput")
+        if hasattr(parallel, name)
+    )
+    uses: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        uses.setdefault(id(p), []).append(name)
+    for module_name, style in plan.items():
+        if isinstance(style, layouts):
+            continue
+        module = model.get_submodule(module_name)
+        for p in module.parameters(recurse=False):
+            names = uses.get(id(p), [])
+            if len(names) > 1:
+                raise ValueError(
+                    f"tensor parallelism would split {names[0]}, which is tied to "
+                    f"{', '.join(names[1:])} (one Parameter in several modules): the split "
+                    "gives each module a piece of its own and the tie is lost. Untie them "
+                    "before parallelize(), or leave these modules out of the plan"
+                )
