@@ -691,3 +691,44 @@ def _a_new_optimizer_after_the_backward(stage: int) -> dict:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_another_optimizer_cannot_step_on_gradients_applied_in_backward(workers2, stage):
     assert workers2.run(_a_new_optimizer_after_the_backward, stage) == [{"stepped": True}] * 2
+
+
+def _part_zeroed_then_step(stage: int, bucket_bytes: int | None) -> list[str]:
+    """A GAN's habit with step_in_backward: a submodule's zero_grad() between the backward and
+    step() (the step raised "step() again after the step of the same backward" when the first
+    fix ended the whole step there); said once per step (its updates stay), the ranks'
+    replicas equal."""
+    import warnings
+
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    config = None if bucket_bytes is None else zeroshard.ShardConfig(bucket_bytes=bucket_bytes)
+    model = zeroshard.shard(model, stage=stage, wrap={nn.Linear}, config=config)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, step_in_backward=True)
+    rank = dist.get_rank()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+            opt.backward(model(x).square().mean())
+            model[2].zero_grad()
+            opt.step()
+            opt.zero_grad()
+    said = [str(w.message) for w in caught if "zero_grad" in str(w.message)]
+    v = torch.cat(
+        [
+            p.detach().reshape(-1)
+            for p in zeroshard.full_state_dict(model, rank0_only=False).values()
+        ]
+    )
+    both = [torch.zeros_like(v) for _ in range(2)]
+    dist.all_gather(both, v)
+    return said + (["ranks apart"] if not torch.equal(both[0], both[1]) else [])
+
+
+@pytest.mark.parametrize("stage, bucket_bytes", [(2, None), (2, 1), (3, None)])
+def test_a_submodule_zeroed_between_backward_and_step(workers2, stage, bucket_bytes):
+    for said in workers2.run(_part_zeroed_then_step, stage, bucket_bytes):
+        assert len(said) == 2 and all("they stay" in s for s in said), said

@@ -221,3 +221,63 @@ def test_an_optimizer_stepped_in_a_gradient_hook_is_refused_at_stage_3(workers2)
         assert "step_in_backward=True" in r["error"], r
         assert r["untouched"] == 0.0, r
         assert r["after"] < TOL, r
+
+
+class _Clamped(Block):
+    """A block that clamps its own weight in place in its forward (a max-norm constraint):
+    a recomputation does it again inside the backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.weight.clamp_(-0.2, 0.2)
+        return super().forward(x)
+
+
+def _forward_writes_recomputed() -> float:
+    torch.manual_seed(0)
+    ref = nn.Sequential(_Clamped(), _Clamped(), nn.Linear(16, 1))
+    config = ShardConfig(checkpoint_every=1)
+    model = zeroshard.shard(copy.deepcopy(ref), stage=3, wrap=wrap.by_class(Block), config=config)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(2):
+        x, y = _batch(step)
+        opt.backward(((model(_mine(x)) - _mine(y)) ** 2).mean())
+        opt.step()
+        opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return _diff(model, ref)
+
+
+def test_a_forward_writing_its_weights_is_recomputed_without_error(workers2):
+    # The recomputation's write is the forward's own, not the backward's: it was taken for an
+    # optimizer stepping in a gradient hook.
+    for diff in workers2.run(_forward_writes_recomputed):
+        assert diff < TOL, diff
+
+
+def _summon_in_a_root_hook(stage: int) -> dict:
+    model, ref = _pair(stage)
+    seen = []
+
+    def hook(m: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        with zeroshard.summon_full_params(m):  # (the forward is over for the user's hooks)
+            seen.append(m.blocks[0].fc.weight.norm().item())
+
+    model.register_forward_hook(hook)
+    x, y = _batch(0)
+    with torch.no_grad():
+        model(x)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    opt.backward(((model(_mine(x)) - _mine(y)) ** 2).mean())
+    opt.step()
+    want = ref.blocks[0].fc.weight.norm().item()
+    return {"norms": max(abs(n - want) for n in seen), "calls": len(seen)}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_summon_full_params_inside_a_forward_hook_on_the_root(workers2, stage):
+    for r in workers2.run(_summon_in_a_root_hook, stage):
+        assert r["calls"] == 2 and r["norms"] < TOL, r

@@ -248,11 +248,12 @@ def test_data_replaced_in_its_own_dtype_is_taken_as_written(workers2, stage):
         assert worst < 1e-5, worst
 
 
-def _swapped_data(stage: int, units: str, summoned: bool) -> bool:
+def _swapped_data(stage: int, units: str, summoned: bool, alone: bool = False) -> bool:
     """Two parameters' data swapped (``a.data, b.data = b.data, a.data``), each the other's
     memory in the engine: both must end up swapped (the second copied from the first's memory
     after it was overwritten: both held one of them), also when the two are in different
-    units with buffers of their own (``units="apart"``: one bucket each), read in turn."""
+    units with buffers of their own (``units="apart"``: one bucket each), read in turn; also
+    when one of them is then called on its own (``alone``), which took its own unit's in."""
     apart = units == "apart"
     policy, config = ([nn.Linear], zeroshard.ShardConfig(bucket_bytes=1)) if apart else (None, None)
     model, _ = _setup(stage, "fp32", policy=policy, config=config)
@@ -260,6 +261,8 @@ def _swapped_data(stage: int, units: str, summoned: bool) -> bool:
     with zeroshard.summon_full_params(model) if summoned else contextlib.nullcontext():
         a, b = model[1].weight, model[2].weight
         a.data, b.data = b.data, a.data
+    if alone:
+        model[2](torch.randn(2, WIDTH))
     full = _masters(model)
     return torch.equal(full["1.weight"], before["2.weight"]) and torch.equal(
         full["2.weight"], before["1.weight"]
@@ -267,11 +270,18 @@ def _swapped_data(stage: int, units: str, summoned: bool) -> bool:
 
 
 @pytest.mark.parametrize(
-    "stage, units, summoned",
-    [(2, "one", False), (0, "apart", False), (2, "apart", False), (3, "apart", True)],
+    "stage, units, summoned, alone",
+    [
+        (2, "one", False, False),
+        (0, "apart", False, False),
+        (2, "apart", False, False),
+        (3, "apart", True, False),
+        (0, "apart", False, True),
+        (2, "apart", False, True),
+    ],
 )
-def test_parameters_swapping_data_are_swapped(workers2, stage, units, summoned):
-    assert workers2.run(_swapped_data, stage, units, summoned) == [True, True]
+def test_parameters_swapping_data_are_swapped(workers2, stage, units, summoned, alone):
+    assert workers2.run(_swapped_data, stage, units, summoned, alone) == [True, True]
 
 
 def _replaced_inside_summon_without_writeback(stage: int, nested: bool) -> bool:

@@ -253,13 +253,22 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
                 call[1:3] = [(args, kwargs), {id(t): t for t in tensors_reached((args, kwargs))}]
         return args, kwargs
 
-    def _cast_root_output(self, output: Any) -> Any:
-        """The model's output in the policy's ``output_dtype`` (the root's first forward hook:
-        the user's see it cast)."""
-        out_dtype = self.mixed_precision.output_dtype
-        if out_dtype is None or in_backward() or self.root.depth > 1:
+    def _end_root_forward(self, output: Any) -> Any:
+        """The root's first forward hook, in front of the user's: the forward is over for
+        them (idle units, its order recorded: ``summon_full_params`` may be entered there), and
+        they see the output in the policy's ``output_dtype``. The root's reshard and the
+        backward's hook on the output come after theirs (``_post_forward``)."""
+        root = self.root
+        if in_backward() or root.depth > 1:
             return output  # (a call of the root inside its own goes on with its output)
-        return cast_floats(output, out_dtype)
+        if root.state is TrainingState.FORWARD:
+            root.to(TrainingState.IDLE)
+        self.phase = Phase.IDLE
+        if self._recording is not None:
+            self.forward_order, self._recording = list(self._recording), None
+            self._free_unused_prefetches()
+        out_dtype = self.mixed_precision.output_dtype
+        return output if out_dtype is None else cast_floats(output, out_dtype)
 
     @staticmethod
     def _side_outputs(unit: Unit) -> list[torch.Tensor]:
@@ -475,7 +484,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         with torch.no_grad():
             # every flat's views given back before one error is raised (model.half() recovers
             # in one call, not one per unit)
-            problem = param_checks.check_views(flats)
+            problem = param_checks.check_views(flats, self.flat_params)
             if problem is not None:
                 raise problem
             for f in flats:

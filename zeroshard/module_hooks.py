@@ -32,9 +32,9 @@ def install(engine: Engine, unit: Unit) -> list[Any]:
         # Runs first, and also when the forward raised: the saved-tensor hooks must pop.
         stop = eager(lambda m, a, o: engine._stop_dropping(m))
         handles.append(module.register_forward_hook(stop, always_call=True))
-    if unit.is_root:  # stays in front: the user's hooks see the output cast to output_dtype
-        cast = eager(lambda m, args, output: engine._cast_root_output(output))
-        handles.append(module.register_forward_hook(cast))
+    if unit.is_root:  # stays in front of the user's hooks (the forward over for them)
+        end = eager(lambda m, args, output: engine._end_root_forward(output))
+        handles.append(module.register_forward_hook(end))
     post = eager(lambda m, args, output: engine._post_forward(unit, output))
     last = [module.register_forward_hook(post)]
     if unit.is_root:  # runs after ``post``, and also when the forward raised

@@ -421,7 +421,7 @@ def _zero_part(module: nn.Module, engine: Engine, own: Callable, set_to_none: bo
     params, whole = {id(p) for p in module.parameters()}, 0
     reached = [b for b in engine.buckets if any(id(s.param) in params for s in b.flat.slots)]
     for opt in list(engine.optimizers):  # (step_in_backward: the updates stay, as zero_grad's)
-        opt.end_applied_step(reached)
+        opt.drop_applied(reached)
     for b in reached:
         slots = [i for i, s in enumerate(b.flat.slots) if id(s.param) in params]
         if len(slots) == len(b.flat.slots):  # all of it: its memory and inf/NaN flag go too

@@ -142,6 +142,9 @@ class Unwinding:
         unit.depth = unit.depth if in_backward() else max(0, unit.depth - 1)
         if in_backward():
             unit.recomputing = max(0, unit.recomputing - 1)
+            if self.partition.parameters and not self.summoned:
+                for f in unit.flat_params:  # its forward's own writes, again (a clamp_ under
+                    f.adopt_gathered_writes()  # no_grad): not the backward's (``_finish_unit``)
         if unit.edits:
             undo(unit.edits.pop()[0])  # the caller's containers hold its own tensors again
         unit.lend_again()

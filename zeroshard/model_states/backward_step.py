@@ -88,6 +88,9 @@ class BackwardStep:
             index += len(b.touched)
         self.stepped: set[int] = set()
         """Buckets (ids) stepped since the last ``step()`` / ``zero_grad()``."""
+        self.dropped: set[int] = set()
+        """Of them, those a submodule's ``zero_grad()`` reached since (all of them: the
+        backward's step is over, as after the optimizer's own ``zero_grad``)."""
         self.consumed: dict[int, int] = {}
         """Per bucket (id) whose gradients a ``step()`` applied and freed: its ``zeroings`` then
         (one since: a ``zero_grad``, the optimizer's, the model's or a submodule's, followed)."""
@@ -211,6 +214,7 @@ class BackwardStep:
     def reset(self) -> None:
         self._used.clear()
         self.stepped.clear()
+        self.dropped.clear()
         self._seen.zero_()
         for handle in self._flags.values():  # an interrupted backward: complete, then forget
             handle.wait()

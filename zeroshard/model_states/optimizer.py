@@ -536,28 +536,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket_owners.reclaim(self)
         bucket_owners.zero_grad(self, set_to_none)
 
-    def end_applied_step(self, zeroed: Collection[GradBucket] | None = None) -> bool:
-        """A ``zero_grad`` without ``step()`` after units stepped in backward (``zeroed``: the
-        buckets a submodule's ``zero_grad`` dropped, one of them stepped; None: all): their
-        updates stay, and every rank's replicas follow them, as ``step()`` makes them (at
-        stages 1-2 each rank had only its own slice updated: the ranks trained apart). Whether
-        it ended one."""
+    def drop_applied(self, zeroed: Collection[GradBucket]) -> None:
+        """A submodule's ``zero_grad`` is about to drop the gradients of ``zeroed`` buckets
+        after units stepped in backward. Once such calls have reached every stepped bucket,
+        the backward's step ends, as after the optimizer's own ``zero_grad`` (before a part
+        of it, a ``step()`` may still follow: a GAN's ``netD.zero_grad()``)."""
+        bs = self._backward_step
+        if bs is None or not bs.stepped:
+            return
+        before = set(bs.dropped)
+        bs.dropped |= {id(b) for b in zeroed} & bs.stepped
+        if bs.dropped == bs.stepped:
+            self.end_applied_step()
+            for key in before:  # (zeroed by the earlier calls, after their update)
+                bs.consumed.pop(key, None)
+        elif bs.dropped != before:
+            _warn_applied("a submodule's zero_grad() after a backward whose updates "
+                          "step_in_backward already applied to its unit(s)")  # fmt: skip
+
+    def end_applied_step(self) -> bool:
+        """A ``zero_grad`` without ``step()`` after units stepped in backward: their updates
+        stay, and every rank's replicas follow them, as ``step()`` makes them (at stages 1-2
+        each rank had only its own slice updated: the ranks trained apart, and the next
+        backward raised "received gradients again"). Whether it ended one."""
         bs = self._backward_step
         if bs is None or not bs.stepped:
             return False
-        if zeroed is not None and not any(id(b) in bs.stepped for b in zeroed):
-            return False
         n = len(bs.stepped)
         self._end_backward_step(bs, changed=True)
-        warnings.warn(
-            "zero_grad() after a backward whose updates step_in_backward already "
-            f"applied to {n} unit(s), without step(): "
-            "they stay (a plain optimizer would drop them with the gradients). Use a "
-            "separate optimizer without step_in_backward for parameters that a "
-            "backward reaches without being meant to update them (a GAN's "
-            "discriminator under the generator's loss)",
-            stacklevel=user_stacklevel(),
-        )
+        _warn_applied(f"zero_grad() after a backward whose updates step_in_backward already "
+                      f"applied to {n} unit(s), without step()")  # fmt: skip
         return True
 
     def backward_raised(self) -> None:
@@ -647,3 +655,13 @@ def _torch_initializes_states() -> bool:
     from zeroshard.optim_state_dict import called_by_torch
 
     return called_by_torch("_init_optim_state", depth=5)
+
+
+def _warn_applied(what: str) -> None:
+    """The gradients a ``zero_grad`` drops were applied already, in backward (``what``)."""
+    warnings.warn(
+        f"{what}: they stay (a plain optimizer would drop them with the gradients). Use a "
+        "separate optimizer without step_in_backward for parameters that a backward reaches "
+        "without being meant to update them (a GAN's discriminator under the generator's loss)",
+        stacklevel=user_stacklevel(),
+    )

@@ -43,12 +43,16 @@ def discarding_writes(
                 f.use_full_views()  # data replaced inside (p.data = t, p.set_) undone too
 
 
-def check_views(flats: Collection[FlatParam]) -> ValueError | None:
+def check_views(
+    flats: Collection[FlatParam], everything: Collection[FlatParam] | None = None
+) -> ValueError | None:
     """``FlatParam.check_views`` of every flat in ``flats``, each replacement read before any is
     copied in: one may be another flat's memory (``a.data, b.data = b.data, a.data`` across
-    units: the first copy overwrote what the second parameter pointed at). A flat that raises
-    adopts nothing, its views restored; the first such error is returned, once the others
-    have adopted theirs."""
+    units: the first copy overwrote what the second parameter pointed at). When ``flats`` are
+    part of ``everything`` (the model's: a unit called on its own) and hold a replacement,
+    every flat is checked instead: the others' parameters may point at what it overwrites. A
+    flat that raises adopts nothing, its views restored; the first such error is returned,
+    once the others have adopted theirs."""
     storages = {f.full.untyped_storage().data_ptr() for f in flats if f.full.numel()}
     problem, read = None, []
     for f in flats:
@@ -56,6 +60,8 @@ def check_views(flats: Collection[FlatParam]) -> ValueError | None:
             read.append((f, f.read_replacements(storages)))
         except ValueError as exc:
             problem = problem or exc
+    if any(adopted for _, adopted in read) and everything and len(everything) > len(flats):
+        return check_views(everything) or problem  # (nothing copied in yet)
     for f, adopted in read:
         f.copy_in(adopted)
     return problem
