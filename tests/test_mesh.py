@@ -242,3 +242,72 @@ def test_a_timeout_that_is_not_a_number_of_seconds_is_refused(lone_process, time
     """inf was timedelta's OverflowError and "60" a TypeError comparing str with int."""
     with pytest.raises(ValueError, match="timeout_s must be a positive, finite number"):
         Mesh.from_env(device="cpu", timeout_s=timeout_s)
+
+
+GROUPS_OF_THE_USER = """
+import os, sys, torch, torch.distributed as dist, zeroshard
+from torch import nn
+dist.init_process_group("gloo")
+r = dist.get_rank()
+out = open(os.path.join(sys.argv[1], f"rank{r}.txt"), "w")
+for k in ("RANK", "WORLD_SIZE"):  # a group started as mp.spawn's scripts do: no such variables
+    os.environ.pop(k)
+mesh = zeroshard.Mesh.from_env()
+print("from_env", mesh.rank, mesh.world_size, file=out)
+model = zeroshard.shard(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1)), stage=3, mesh=mesh)
+dist.destroy_process_group()
+# a new job of the same processes, numbered the other way: the old model is not its model
+store = dist.FileStore(os.path.join(sys.argv[1], "store"), 2)
+dist.init_process_group("gloo", store=store, rank=1 - r, world_size=2)
+try:
+    model(torch.ones(2, 8))
+    print("old model ran", file=out)
+except RuntimeError as e:
+    print("old model:", str(e)[:53], file=out)
+model = zeroshard.shard(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1)), stage=3)
+opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+opt.backward(model(torch.ones(2, 8)).sum())
+opt.step()
+zeroshard.checkpoint.save(os.path.join(sys.argv[1], "ckpt"), model, opt, async_save=True).wait()
+print("async save in the new group", file=out)
+out.close()
+dist.destroy_process_group()
+"""
+
+
+def test_groups_the_user_starts_and_restarts(tmp_path):
+    """``Mesh.from_env`` in a group started without torchrun's variables took rank 0 of 1
+    (stage 0 summed the ranks' gradients; stages 1-3 failed in a collective); a model sharded
+    in a destroyed group ran on in a new one, gathering its shards in the new ranks' order;
+    an asynchronous save in the new group failed on the old group's background group."""
+    script = tmp_path / "groups.py"
+    script.write_text(GROUPS_OF_THE_USER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(free_port()), str(script), str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        lines = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
+        assert lines == [
+            f"from_env {rank} 2",
+            "old model: the process group this model was sharded over is gone",
+            "async save in the new group",
+        ], lines
+
+
+def _outside_the_mesh() -> str:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [0, 1], mesh_dim_names=("dp",))
+    try:
+        zeroshard.shard(nn.Linear(8, 8), stage=3, mesh=mesh)
+        return "sharded"
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_rank_outside_the_device_mesh_is_told_so(workers4):
+    said = workers4.run(_outside_the_mesh)
+    assert said[:2] == ["sharded", "sharded"], said  # (IndexError from inside torch before)
+    for rank in (2, 3):
+        assert said[rank].startswith(f"rank {rank} is not in this DeviceMesh (ranks [0, 1])")

@@ -819,6 +819,40 @@ def _save_pretrained(stage: int, folder: str, precision: str = "fp32") -> dict:
     }  # fmt: skip
 
 
+def _save_pretrained_per_stage(folder: str) -> dict:
+    """Two pipeline stages (data-parallel groups {0, 1} and {2, 3}), each its own model: each
+    saves within its group (a whole-job collective before: the second stage's model was not
+    written; a stage saving alone waited for the other)."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp = dm.get_local_rank("pp")
+    torch.manual_seed(pp)
+    config = transformers.GPT2Config(
+        vocab_size=50, n_positions=16, n_embd=16 * (pp + 1), n_layer=2, n_head=2
+    )
+    model = zeroshard.shard(
+        transformers.GPT2LMHeadModel(config), stage=3, wrap={GPT2Block}, mesh=dm["dp"]
+    )
+    where = os.path.join(folder, f"stage{pp}")
+    model.save_pretrained(where)
+    if pp == 1:  # the second stage alone, again
+        model.save_pretrained(os.path.join(folder, "alone"))
+    dist.barrier()
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(where)
+    masters = zeroshard.full_state_dict(model, rank0_only=False)
+    return {"exact": all(torch.equal(loaded.state_dict()[k], v) for k, v in masters.items())}
+
+
+def test_save_pretrained_of_a_model_on_a_group_of_the_job(workers4, tmp_path):
+    pytest.importorskip("transformers")
+    out = workers4.run(_save_pretrained_per_stage, str(tmp_path))
+    assert all(o["exact"] for o in out), out
+    assert sorted(os.listdir(tmp_path)) == ["alone", "stage0", "stage1"]
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_save_pretrained_writes_the_whole_model_once(workers2, stage, precision, tmp_path):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from zeroshard.checkpoint_files import CheckpointError
 from zeroshard.flat_range import FlatRange
+from zeroshard.mesh import cached_mesh
 from zeroshard.watchdog import CollectiveTimeout, diagnosed, inherit_timeout
 
 
@@ -139,7 +140,7 @@ class SaveHandle:
 
 _pending: SaveHandle | None = None  # this process's asynchronous save in flight
 _exit_hook = False  # _finish_at_exit registered (once per process)
-_BACKGROUND_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_BACKGROUND_GROUPS: dict[tuple, tuple[object, dist.ProcessGroup]] = {}
 
 
 def wait() -> Path | None:
@@ -151,12 +152,15 @@ def background_group(group) -> dist.ProcessGroup:
     """A gloo group of ``group``'s ranks for the background thread's collectives (created once:
     they must not interleave with the training thread's on the same group)."""
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    if ranks not in _BACKGROUND_GROUPS:
-        _BACKGROUND_GROUPS[ranks] = dist.new_group(
-            list(ranks), backend="gloo", use_local_synchronization=True
-        )
-        inherit_timeout(_BACKGROUND_GROUPS[ranks])  # else gloo's 30 minutes for a stuck peer
-    return _BACKGROUND_GROUPS[ranks]
+
+    def make() -> dist.ProcessGroup:
+        made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        inherit_timeout(made)  # else gloo's 30 minutes for a stuck peer
+        return made
+
+    # (per default group: after destroy_process_group and a new one, the old group was
+    # returned, "not registered", and every asynchronous save failed)
+    return cached_mesh(_BACKGROUND_GROUPS, ranks, make)
 
 
 def snapshot(tree: Any) -> Any:

@@ -32,6 +32,7 @@ from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard import backward, call_frames, model_checks, prefetch, unwind
@@ -82,6 +83,8 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         """``checkpoint_keeper``: with activation checkpointing, where span inputs are kept
         (``sharding._checkpoint_keeper``); None without it."""
         self.model, self.units, self.mesh = model, unit_list, mesh
+        self._job = weakref.ref(dist.distributed_c10d._get_default_group())
+        """The default process group the model was sharded in: its groups live and die with it."""
         self.scaling = scaling  # shared with every bucket: the loss scale, found inf/NaN
         self.stage, self.partition = stage, partition(stage)
         self.config, self.mixed_precision, self.ledger = config, mixed_precision, ledger
@@ -465,6 +468,13 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         if not self.to_reload:
             self.untrusted = None
 
+    def in_its_job(self) -> bool:
+        """Whether the default process group the model was sharded in is still the running
+        one (not destroyed, nor destroyed and replaced by a new one)."""
+        if not dist.is_initialized():
+            return False
+        return dist.distributed_c10d._get_default_group() is self._job()
+
     def adopt_writes(self, flats: Collection[flat_param.FlatParam] | None = None) -> None:
         """Copy into the masters what was written to replicated parameters that compute in a
         narrower dtype (``nn.init``, ``p.mul_`` under ``no_grad``) since the last call
@@ -472,10 +482,11 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         alone (a unit entered on its own, a bucket about to step in backward), else all, the
         model's registration checked first."""
         if flats is None:
-            if not torch.distributed.is_initialized():  # (else torch's TypeError in a mesh)
-                raise RuntimeError(
+            if not self.in_its_job():  # (else torch's TypeError in a mesh, or a new job's
+                raise RuntimeError(  # ranks gathering its shards in their order, silently)
                     "the process group this model was sharded over is gone "
-                    "(dist.destroy_process_group()); a sharded model lives in its group: save "
+                    "(dist.destroy_process_group(), then maybe a new group: its ranks are not "
+                    "the model's); a sharded model lives in its group: save "
                     "it (zeroshard.checkpoint) before destroying the group, and shard a new "
                     "model in the new one"
                 )

@@ -29,7 +29,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,9 +55,13 @@ _HYBRID_TP_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
 """3-D (replicate, shard, tp) meshes per (world size, tp, shard group size, device type)."""
 
 
-def cached_mesh(cache: dict, key: tuple, make: Callable[[], DeviceMesh]) -> DeviceMesh:
-    """``cache``'s mesh for ``key`` in this job's default process group, made by ``make`` the
-    first time (a collective: every rank makes the same calls, so the caches agree). A job that
+T = TypeVar("T")
+
+
+def cached_mesh(cache: dict, key: tuple, make: Callable[[], T]) -> T:
+    """``cache``'s mesh (or process group) for ``key`` in this job's default process group,
+    made by ``make`` the first time (a collective: every rank makes the same calls, so the
+    caches agree). A job that
     destroys its process group and starts another gets new meshes: the key holds the default
     group's id, and the entry the group itself, so that the id is not reused meanwhile."""
     default = dist.distributed_c10d._get_default_group()
@@ -261,7 +265,14 @@ class Mesh:
     def from_device_mesh(cls, device_mesh: DeviceMesh, *, device: torch.device | None = None):
         """The mesh of a ``DeviceMesh``: 1-D, plain sharding over its ranks; 2-D with dims
         ("replicate", "shard"), hybrid sharding (``init_device_mesh(device_type, (num_replicas,
-        k), mesh_dim_names=("replicate", "shard"))``, as FSDP2's HSDP takes it)."""
+        k), mesh_dim_names=("replicate", "shard"))``, as FSDP2's HSDP takes it). A ValueError
+        on a rank outside it."""
+        ranks = device_mesh.mesh.flatten().tolist()
+        if dist.is_initialized() and dist.get_rank() not in ranks:
+            raise ValueError(
+                f"rank {dist.get_rank()} is not in this DeviceMesh (ranks {ranks}): shard a "
+                "model over a mesh only on that mesh's ranks"
+            )
         if device_mesh.ndim == 1:
             group = device_mesh.get_group()
             base = cls.current()
@@ -289,7 +300,6 @@ class Mesh:
                 )
             )
         base = cls.current()
-        ranks = device_mesh.mesh.flatten().tolist()
         group = None
         if len(ranks) != dist.get_world_size():  # a part of the world: a group of its ranks
             group = dist.new_group(sorted(ranks), use_local_synchronization=True)
@@ -349,8 +359,6 @@ class Mesh:
         It makes the chosen accelerator device current (``torch.accelerator.set_device_index``)
         and leaves torch's CPU thread count alone: call ``share_cpu_threads`` for that.
         """
-        rank = _env_int("RANK", 0)
-        world_size = _env_int("WORLD_SIZE", 1)
         local_rank = _env_int("LOCAL_RANK", 0)
         local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
         where = placement(device=device, backend=backend, local_rank=local_rank)
@@ -395,18 +403,20 @@ class Mesh:
                         "output, or raise the timeout (Mesh.from_env(timeout_s=...), zeroshard "
                         "train --timeout) if it is only slow to start"
                     ) from None
-            rank, world_size = dist.get_rank(), dist.get_world_size()
             log.info(
                 "started the default process group: %s, rank %d of %d, on %s (%s)",
                 where.backend,
-                rank,
-                world_size,
+                dist.get_rank(),
+                dist.get_world_size(),
                 dev,
                 where.reason,
             )
+        # The running group's ranks (a group the caller started without torchrun's variables,
+        # mp.spawn's: RANK and WORLD_SIZE unset read 0 of 1, and gradients were summed, not
+        # averaged)
         return cls(
-            rank=rank,
-            world_size=world_size,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
             local_rank=local_rank,
             local_world_size=local_world_size,
             device=dev,

@@ -4,10 +4,11 @@ unsharded model.
 Their own would save ``model.state_dict()``, DTensors of this rank's shard, which safetensors
 cannot write ("Attempted to access the data pointer on an invalid python storage", with FSDP2
 too), and older transformers write on every rank into the same files. ``install`` (called by
-``shard``) replaces the model's ``save_pretrained`` with one that every rank of the job calls
-(a collective, as ``full_state_dict``): the FP32 masters, in each parameter's original dtype,
-are gathered to the writer's CPU memory one flat at a time, and only the writer (global rank
-0, or the lowest rank given ``is_main_process=True``) calls the original with them as
+``shard``) replaces the model's ``save_pretrained`` with one that every rank of the model's
+group calls (a collective, as ``full_state_dict``): the FP32 masters, in each parameter's
+original dtype, are gathered to the writer's CPU memory one flat at a time, and only the
+writer (the group's first rank, or its lowest given ``is_main_process=True``) calls the
+original with them as
 ``state_dict``. It returns on every rank once the files are written, and a writer's error is
 raised on every rank (none is left waiting for the next collective). A ``state_dict`` of the
 caller's own goes through unchanged, unless it holds this rank's DTensor shards (refused on
@@ -57,10 +58,13 @@ def install(model: nn.Module) -> None:
             _refuse_shards(given)
             return save(save_directory, **kwargs)  # the caller's own state dict
         kwargs.pop("state_dict", None)  # (None: transformers' default, which HF's Trainer passes)
-        every_rank_calls("save_pretrained", "the whole model", "global rank 0 writes the "
-                         "files; is_main_process=... chooses another")  # fmt: skip
-        with diagnosed("save_pretrained", "the whole model", None):
-            _save_everywhere(save, save_directory, kwargs, model)
+        from zeroshard.engine import engine_of
+
+        group = engine_of(model).mesh.group  # the model's ranks (a pipeline stage's), not all
+        every_rank_calls("save_pretrained", "the whole model", "the model's first rank writes "
+                         "the files; is_main_process=... chooses another", group)  # fmt: skip
+        with diagnosed("save_pretrained", "the whole model", group):
+            _save_everywhere(save, save_directory, kwargs, model, group)
 
     model.save_pretrained = save_pretrained
 
@@ -93,23 +97,27 @@ def _part_refused(name: str, *args: Any, **kwargs: Any) -> None:
     )
 
 
-def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: nn.Module) -> None:
-    """The collective part: gather, the writer saves, every rank learns of its error. The
-    writer is the lowest rank given ``is_main_process=True`` (rank 0 by default): one rank,
-    however many were given it (every rank, DDP code's habit, wrote the same files at once).
+def _save_everywhere(
+    save: Callable, save_directory: Any, kwargs: dict, model: nn.Module, group: Any
+) -> None:
+    """The collective part, over the model's ``group`` (None: the world): gather, the writer
+    saves, every rank learns of its error. The writer is the lowest rank of the group given
+    ``is_main_process=True`` (its first by default): one rank, however many were given it
+    (every rank, DDP code's habit, wrote the same files at once). Ranks are the group's.
 
     peft's ``save_pretrained``, which runs model code (a submodule's ``state_dict()`` for its
     keys, a prompt encoder's forward: collectives at stage 3), runs on every rank at once (it
     hung: the writer waited alone in the gather): the others with ``is_main_process=False``
     and the state dict's entries as meta tensors of the same shapes."""
-    asked = [False] * dist.get_world_size()
-    dist.all_gather_object(asked, bool(kwargs.get("is_main_process", dist.get_rank() == 0)))
+    me = dist.get_rank(group)
+    asked = [False] * dist.get_world_size(group)
+    dist.all_gather_object(asked, bool(kwargs.get("is_main_process", me == 0)), group=group)
     writer_rank = next((r for r, a in enumerate(asked) if a), None)
-    writer = dist.get_rank() == writer_rank
+    writer = me == writer_rank
     state_dict = full_state_dict(model, rank0_only=not writer)
     lockstep = _runs_model_code(save) and writer_rank is not None
     if lockstep:
-        state_dict = _same_keys(state_dict, writer_rank)
+        state_dict = _same_keys(state_dict, writer_rank, group)
         kwargs = {**kwargs, "is_main_process": writer}
     error: str | None = None
     try:
@@ -124,8 +132,8 @@ def _save_everywhere(save: Callable, save_directory: Any, kwargs: dict, model: n
         raise
     finally:
         del state_dict
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
     if any(errors):
         raise RuntimeError(next(e for e in errors if e))
 
@@ -139,16 +147,18 @@ def _runs_model_code(save: Callable) -> bool:
     return module.split(".")[0] == "peft" and _takes(save, "is_main_process")
 
 
-def _same_keys(state_dict: dict[str, Any], writer: int) -> dict[str, Any]:
-    """The writer's ``state_dict`` there; elsewhere its keys with meta tensors of its entries'
-    shapes and dtypes (no memory), so that code reading it runs the same on every rank."""
+def _same_keys(state_dict: dict[str, Any], writer: int, group: Any) -> dict[str, Any]:
+    """The writer's ``state_dict`` there (``writer``: its rank in ``group``); elsewhere its
+    keys with meta tensors of its entries' shapes and dtypes (no memory), so that code reading
+    it runs the same on every rank."""
+    mine = dist.get_rank(group) == writer
     shapes = [
         {k: (v.shape, v.dtype) if torch.is_tensor(v) else v for k, v in state_dict.items()}
-        if dist.get_rank() == writer
+        if mine
         else None
     ]
-    dist.broadcast_object_list(shapes, src=writer)
-    if dist.get_rank() == writer:
+    dist.broadcast_object_list(shapes, group_src=writer, group=group)
+    if mine:
         return state_dict
     return {
         k: torch.empty(v[0], dtype=v[1], device="meta") if isinstance(v, tuple) else v
