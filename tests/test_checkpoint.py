@@ -785,7 +785,7 @@ def _async_save(base: str) -> bool:
         go.set()
         assert handle.wait() == folder / "step-000002" and handle.done()
     # Its collectives give up on a stuck peer after the job's timeout, not gloo's 30 minutes.
-    (background,) = checkpoint_async._BACKGROUND_GROUPS.values()
+    ((_, background),) = checkpoint_async._BACKGROUND_GROUPS.values()  # (the job, the group)
     assert group_timeout_s(background) == group_timeout_s(None)
     # A second save waits for the first: both published, in order.
     first = checkpoint.save(
