@@ -316,11 +316,8 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
             output = unit.unalias(output)
         if not keep and not self.summoned:
             unit.reshard(adopt=True)
-        if root_entry:
-            self.phase, self._backward_due = Phase.IDLE, backward_due
-            if self._recording is not None:
-                self.forward_order, self._recording = list(self._recording), None
-                self._free_unused_prefetches()
+        if root_entry:  # (the phase and the order: ``_end_root_forward``, before the user's)
+            self._backward_due = backward_due
         if grad:
             reached = (output, self._side_outputs(unit)) if entry else output
             when_backward_reaches(self._when_reached(unit), reached)

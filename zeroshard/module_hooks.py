@@ -134,11 +134,8 @@ def ran_before(unit: Unit) -> tuple[int, ...]:
     """The ids of the forward pre-hooks of ``unit``'s module that run ahead of the engine's
     (prepended after ``shard()``): the inputs the engine's hook gets are theirs, so a
     recomputation from those inputs skips them (they would apply twice)."""
-    hooks = unit.module._forward_pre_hooks
-    if next(iter(hooks), None) == unit.pre_hook_id:
-        return ()
     ids = []
-    for hook_id in hooks:
+    for hook_id in unit.module._forward_pre_hooks:
         if hook_id == unit.pre_hook_id:
             break
         ids.append(hook_id)
