@@ -62,6 +62,21 @@ def _pair(stage: int, config: ShardConfig | None = None):
     return model, ref
 
 
+def _step_both(model, ref, opt, ref_opt, step: int) -> tuple[float, float]:
+    """One SGD step of the sharded model (this rank's rows) and of the reference (all rows) on
+    ``step``'s batch; the two gradients' inf-norms (the global one, torch's)."""
+    x, y = _batch(step)
+    opt.backward(((model(_mine(x)) - _mine(y)) ** 2).mean())
+    norm = opt.clip_grad_norm(float("inf"))
+    opt.step()
+    opt.zero_grad()
+    ((ref(x) - y) ** 2).mean().backward()
+    ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return norm.item(), ref_norm.item()
+
+
 def _diff(model: nn.Module, ref: nn.Module) -> float:
     full = zeroshard.full_state_dict(model, rank0_only=False)
     return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
@@ -80,13 +95,7 @@ def _replacing_post_accumulate_hook(stage: int, bucket_bytes: int | None, how: s
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(2):
-        x, y = _batch(step)
-        opt.backward(((model(_mine(x)) - _mine(y)) ** 2).mean())
-        opt.step()
-        opt.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(model, ref, opt, ref_opt, step)
     return {"diff": _diff(model, ref)}
 
 
@@ -114,17 +123,8 @@ def _prepended_pre_hook_with_checkpoints(stage: int, every: int) -> dict:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     out = {}
     for step in range(2):
-        x, y = _batch(step)
-        loss = ((model(_mine(x)) - _mine(y)) ** 2).mean()
-        opt.backward(loss)
-        norm = opt.clip_grad_norm(float("inf"))
-        opt.step()
-        opt.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
-        ref_opt.step()
-        ref_opt.zero_grad()
-        out[f"norm{step}"] = abs(norm.item() / ref_norm.item() - 1)
+        norm, ref_norm = _step_both(model, ref, opt, ref_opt, step)
+        out[f"norm{step}"] = abs(norm / ref_norm - 1)
     out["diff"] = _diff(model, ref)
     return out
 
@@ -154,12 +154,7 @@ def _root_forward_hook_reads_weights(stage: int, reshard_root: bool) -> dict:
         x, y = _batch(step)
         with torch.no_grad():  # evaluation: the root frees its weights after the forward
             out[f"eval{step}"] = (model(x) - ref(x)).abs().max().item()
-        opt.backward(((model(_mine(x)) - _mine(y)) ** 2).mean())
-        opt.step()
-        opt.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(model, ref, opt, ref_opt, step)
     out["diff"] = _diff(model, ref)
     # after the hook's forward the root is at rest again (its placeholders)
     if stage == 3:
@@ -201,14 +196,8 @@ def _optimizer_in_a_gradient_hook() -> dict:
     for handle in handles:
         handle.remove()
     opt.zero_grad()
-    for s in range(1, 3):
-        x, y = _batch(s)
-        opt.backward(((model(_mine(x)) - _mine(y)) ** 2).mean())
-        opt.step()
-        opt.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    for step in range(1, 3):
+        _step_both(model, ref, opt, ref_opt, step)
     out["after"] = _diff(model, ref)
     return out
 
@@ -241,13 +230,7 @@ def _forward_writes_recomputed() -> float:
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(2):
-        x, y = _batch(step)
-        opt.backward(((model(_mine(x)) - _mine(y)) ** 2).mean())
-        opt.step()
-        opt.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(model, ref, opt, ref_opt, step)
     return _diff(model, ref)
 
 
