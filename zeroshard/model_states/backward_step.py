@@ -36,7 +36,9 @@ so that it overlaps the reduction instead of stopping every rank at each unit.
 
 from __future__ import annotations
 
+import warnings
 import weakref
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +47,7 @@ from zeroshard import collectives as C
 from zeroshard.loss_scaling import DynamicLossScaler
 from zeroshard.model_states.agreement import agree, agreed
 from zeroshard.model_states.grads import GradBucket, Reduction
+from zeroshard.model_states.optimizer_args import user_stacklevel
 
 if TYPE_CHECKING:
     from zeroshard.model_states.optimizer import ShardedOptimizer
@@ -246,3 +249,98 @@ def _same(a: object, b: object) -> bool:
     if torch.is_tensor(a) or torch.is_tensor(b):
         return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
     return a == b
+
+
+class StepsInBackward:
+    """The ``ShardedOptimizer``'s methods that end a step taken in backward: by ``step()``
+    (``_finish_backward_step``), by a ``zero_grad`` with no ``step()`` (the optimizer's, or
+    submodules' dropping every updated unit), or by a backward that raised. Its updates stay
+    (an applied step cannot be undone), and every rank's replicas follow them."""
+
+    def _finish_backward_step(self, bs: BackwardStep, found_inf: bool, unused: set[int]) -> bool:
+        """``step`` with ``step_in_backward``: the sub-groups stepped during backward; those
+        reduced only in micro-steps (``reduce_every_micro_step``, no synchronized backward) step
+        now, then parameters are refreshed. A second step is refused (``BackwardStep.again``)."""
+        if (again := bs.again(self._buckets)) is not None:
+            self.engine.end_step()
+            raise ValueError(again)
+        problem = bs.changed(self.param_groups)
+        if not found_inf:
+            for sg in self._subgroups:
+                bucket = sg.bucket
+                if id(bucket) not in bs.stepped and (
+                    bucket.shard_grad is not None or any(bucket.touched)
+                ):
+                    self._step_subgroup(sg, unused)
+        self._end_backward_step(bs, changed=bool(bs.stepped) or not found_inf)
+        if problem:
+            raise ValueError(problem)
+        return not found_inf
+
+    def _end_backward_step(self, bs: BackwardStep, *, changed: bool) -> None:
+        """The end of a step with ``step_in_backward``, also one that raised after units had
+        stepped in backward: their updates stay, and every rank's replicas follow them (a
+        refused step left each rank with only its own slice updated at stage 2)."""
+        bs.consumed |= {id(b): b.zeroings for b in self._buckets if id(b) in bs.stepped}
+        bs.reset()
+        if changed:
+            self._changed()
+        self.engine.end_step()
+
+    def drop_applied(self, zeroed: Collection[GradBucket]) -> None:
+        """A submodule's ``zero_grad`` is about to drop the gradients of ``zeroed`` buckets
+        after units stepped in backward. Once such calls have reached every stepped bucket,
+        the backward's step ends, as after the optimizer's own ``zero_grad`` (before a part
+        of it, a ``step()`` may still follow: a GAN's ``netD.zero_grad()``)."""
+        bs = self._backward_step
+        if bs is None or not bs.stepped:
+            return
+        before = set(bs.dropped)
+        bs.dropped |= {id(b) for b in zeroed} & bs.stepped
+        if bs.dropped == bs.stepped:
+            self.end_applied_step()
+            for key in before:  # (zeroed by the earlier calls, after their update)
+                bs.consumed.pop(key, None)
+        elif bs.dropped != before:
+            _warn_applied("a submodule's zero_grad() after a backward whose updates "
+                          "step_in_backward already applied to its unit(s)")  # fmt: skip
+
+    def end_applied_step(self) -> bool:
+        """A ``zero_grad`` without ``step()`` after units stepped in backward: their updates
+        stay, and every rank's replicas follow them, as ``step()`` makes them (at stages 1-2
+        each rank had only its own slice updated: the ranks trained apart, and the next
+        backward raised "received gradients again"). Whether it ended one."""
+        bs = self._backward_step
+        if bs is None or not bs.stepped:
+            return False
+        n = len(bs.stepped)
+        self._end_backward_step(bs, changed=True)
+        _warn_applied(f"zero_grad() after a backward whose updates step_in_backward already "
+                      f"applied to {n} unit(s), without step()")  # fmt: skip
+        return True
+
+    def backward_raised(self) -> None:
+        """The engine's cleanup after a backward that raised: with step_in_backward, the units
+        it had updated keep their update (no step can be undone), said once; the next backward
+        steps every unit again."""
+        bs = self._backward_step
+        if bs is None:
+            return
+        if bs.stepped:
+            warnings.warn(
+                f"a backward that raised had already applied step_in_backward's update to "
+                f"{len(bs.stepped)} unit(s): they keep it (an applied step cannot be undone), "
+                "and the next step updates every unit",
+                stacklevel=user_stacklevel(),
+            )
+        bs.reset()
+
+
+def _warn_applied(what: str) -> None:
+    """The gradients a ``zero_grad`` drops were applied already, in backward (``what``)."""
+    warnings.warn(
+        f"{what}: they stay (a plain optimizer would drop them with the gradients). Use a "
+        "separate optimizer without step_in_backward for parameters that a backward reaches "
+        "without being meant to update them (a GAN's discriminator under the generator's loss)",
+        stacklevel=user_stacklevel(),
+    )

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -45,7 +45,6 @@ from zeroshard.model_states import backward_step, bucket_owners, clipping, strea
 from zeroshard.model_states.agreement import agree, agreed
 from zeroshard.model_states.backward_step import BackwardStep, check_step_in_backward
 from zeroshard.model_states.grad_swap import GradSwapper
-from zeroshard.model_states.grads import GradBucket
 from zeroshard.model_states.init import check_same_model
 from zeroshard.model_states.optimizer_args import (
     check_elementwise,
@@ -70,7 +69,7 @@ _NOT_A_COPY = (
 )
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
     """Steps only this rank's shard of the master weights with ``optimizer_cls``.
 
     Call ``backward(loss)``, optionally ``clip_grad_norm(max_norm)``, then ``step()`` and
@@ -428,36 +427,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for unit in self._whole_units:
             unit.updates += 1
 
-    def _finish_backward_step(self, bs: BackwardStep, found_inf: bool, unused: set[int]) -> bool:
-        """``step`` with ``step_in_backward``: the sub-groups stepped during backward; those
-        reduced only in micro-steps (``reduce_every_micro_step``, no synchronized backward) step
-        now, then parameters are refreshed. A second step is refused (``BackwardStep.again``)."""
-        if (again := bs.again(self._buckets)) is not None:
-            self.engine.end_step()
-            raise ValueError(again)
-        problem = bs.changed(self.param_groups)
-        if not found_inf:
-            for sg in self._subgroups:
-                bucket = sg.bucket
-                if id(bucket) not in bs.stepped and (
-                    bucket.shard_grad is not None or any(bucket.touched)
-                ):
-                    self._step_subgroup(sg, unused)
-        self._end_backward_step(bs, changed=bool(bs.stepped) or not found_inf)
-        if problem:
-            raise ValueError(problem)
-        return not found_inf
-
-    def _end_backward_step(self, bs: BackwardStep, *, changed: bool) -> None:
-        """The end of a step with ``step_in_backward``, also one that raised after units had
-        stepped in backward: their updates stay, and every rank's replicas follow them (a
-        refused step left each rank with only its own slice updated at stage 2)."""
-        bs.consumed |= {id(b): b.zeroings for b in self._buckets if id(b) in bs.stepped}
-        bs.reset()
-        if changed:
-            self._changed()
-        self.engine.end_step()
-
     @contextlib.contextmanager
     def states_in_memory(self) -> Iterator[None]:
         """Every sub-group's optimizer states resident in memory inside (a no-op unless they are
@@ -536,54 +505,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket_owners.reclaim(self)
         bucket_owners.zero_grad(self, set_to_none)
 
-    def drop_applied(self, zeroed: Collection[GradBucket]) -> None:
-        """A submodule's ``zero_grad`` is about to drop the gradients of ``zeroed`` buckets
-        after units stepped in backward. Once such calls have reached every stepped bucket,
-        the backward's step ends, as after the optimizer's own ``zero_grad`` (before a part
-        of it, a ``step()`` may still follow: a GAN's ``netD.zero_grad()``)."""
-        bs = self._backward_step
-        if bs is None or not bs.stepped:
-            return
-        before = set(bs.dropped)
-        bs.dropped |= {id(b) for b in zeroed} & bs.stepped
-        if bs.dropped == bs.stepped:
-            self.end_applied_step()
-            for key in before:  # (zeroed by the earlier calls, after their update)
-                bs.consumed.pop(key, None)
-        elif bs.dropped != before:
-            _warn_applied("a submodule's zero_grad() after a backward whose updates "
-                          "step_in_backward already applied to its unit(s)")  # fmt: skip
-
-    def end_applied_step(self) -> bool:
-        """A ``zero_grad`` without ``step()`` after units stepped in backward: their updates
-        stay, and every rank's replicas follow them, as ``step()`` makes them (at stages 1-2
-        each rank had only its own slice updated: the ranks trained apart, and the next
-        backward raised "received gradients again"). Whether it ended one."""
-        bs = self._backward_step
-        if bs is None or not bs.stepped:
-            return False
-        n = len(bs.stepped)
-        self._end_backward_step(bs, changed=True)
-        _warn_applied(f"zero_grad() after a backward whose updates step_in_backward already "
-                      f"applied to {n} unit(s), without step()")  # fmt: skip
-        return True
-
-    def backward_raised(self) -> None:
-        """The engine's cleanup after a backward that raised: with step_in_backward, the units
-        it had updated keep their update (no step can be undone), said once; the next backward
-        steps every unit again."""
-        bs = self._backward_step
-        if bs is None:
-            return
-        if bs.stepped:
-            warnings.warn(
-                f"a backward that raised had already applied step_in_backward's update to "
-                f"{len(bs.stepped)} unit(s): they keep it (an applied step cannot be undone), "
-                "and the next step updates every unit",
-                stacklevel=user_stacklevel(),
-            )
-        bs.reset()
-
     # ----------------------------------------------------------------- state
     @property  # type: ignore[override]
     def state(self) -> States:
@@ -655,13 +576,3 @@ def _torch_initializes_states() -> bool:
     from zeroshard.optim_state_dict import called_by_torch
 
     return called_by_torch("_init_optim_state", depth=5)
-
-
-def _warn_applied(what: str) -> None:
-    """The gradients a ``zero_grad`` drops were applied already, in backward (``what``)."""
-    warnings.warn(
-        f"{what}: they stay (a plain optimizer would drop them with the gradients). Use a "
-        "separate optimizer without step_in_backward for parameters that a backward reaches "
-        "without being meant to update them (a GAN's discriminator under the generator's loss)",
-        stacklevel=user_stacklevel(),
-    )
