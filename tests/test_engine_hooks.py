@@ -264,3 +264,25 @@ def _summon_in_a_root_hook(stage: int) -> dict:
 def test_summon_full_params_inside_a_forward_hook_on_the_root(workers2, stage):
     for r in workers2.run(_summon_in_a_root_hook, stage):
         assert r["calls"] == 2 and r["norms"] < TOL, r
+
+
+def _root_hook_raises() -> dict:
+    model, ref = _pair(3)
+
+    def hook(m: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        raise RuntimeError("a hook of the user's")
+
+    handle = model.register_forward_hook(hook)
+    with pytest.raises(RuntimeError, match="a hook of the user's"):
+        model(_batch(0)[0])
+    handle.remove()
+    held = zeroshard.engine_of(model).root.is_gathered  # (freed at once, as a forward that raised)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    _step_both(model, ref, opt, ref_opt, 1)
+    return {"held": held, "diff": _diff(model, ref)}
+
+
+def test_a_root_forward_hook_that_raises_frees_the_forward(workers2):
+    for r in workers2.run(_root_hook_raises):
+        assert not r["held"] and r["diff"] < TOL, r

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from parity_models import batch, build, loss_of, param_groups
-from torch import nn
 
 import zeroshard
 from zeroshard import checkpoint
@@ -377,35 +376,3 @@ def test_ledger_splits_counts_by_scope():
         WORLD: {"calls": 1, "numel": 3, "bytes": 12},
     }
     assert ledger.by_scope() == {}
-
-
-def _stages_sharded_apart(k: int) -> float:
-    """Two pipeline stages' data-parallel groups ({0, 1}, {2, 3}), the first hybrid-sharded in
-    groups of ``k``, the second plainly: each makes its own groups (the first waited for the
-    second in a whole-job collective until the timeout). Against single-process training."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pp, dp = dm.get_local_rank("pp"), dm.get_local_rank("dp")
-    torch.manual_seed(pp)
-    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    config = zeroshard.ShardConfig(shard_group_size=k) if pp == 0 else None
-    model = zeroshard.shard(copy.deepcopy(ref), stage=3, mesh=dm["dp"], config=config)
-    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(2):
-        g = torch.Generator().manual_seed(10 * step + pp)
-        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
-        opt.backward(((model(x[4 * dp : 4 * dp + 4]) - y[4 * dp : 4 * dp + 4]) ** 2).mean())
-        opt.step()
-        opt.zero_grad()
-        ((ref(x) - y) ** 2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    full = zeroshard.full_state_dict(model, rank0_only=False)
-    return max((full[n] - v).abs().max().item() for n, v in ref.state_dict().items())
-
-
-def test_pipeline_stages_choose_their_own_hybrid_sharding(workers4):
-    for diff in workers4.run(_stages_sharded_apart, 1):
-        assert diff < 1e-6, diff

@@ -885,3 +885,29 @@ def test_plans_given_to_parallelize_are_checked_and_buffers_synced(workers2):
         assert r["strings"] == ((16, 16), (16, 16)), r  # (torch's TypeError before)
         assert r["buffers"] == ([1] * 4, [1.0] * 4, [1.0] * 3), r  # ("Invalid scalar type")
         assert "with tensor parallelism each rank decides its skip" in r["grad_scaler"], r
+
+
+class _Saving(GPT):
+    """The reference GPT with a ``save_pretrained`` of transformers' signature that records
+    who writes."""
+
+    writes: list[int] = []
+
+    def save_pretrained(self, save_directory, state_dict=None, is_main_process=True) -> None:
+        if is_main_process:
+            _Saving.writes.append(len(state_dict))
+
+
+def _one_writer(folder: str) -> int:
+    device_mesh, mesh = tensor_parallel.mesh_2d(2)
+    torch.manual_seed(0)
+    model = tensor_parallel.parallelize(_Saving(CFG), device_mesh)
+    model = zeroshard.shard(model, stage=3, mesh=mesh)
+    _Saving.writes.clear()
+    model.save_pretrained(folder)
+    return len(_Saving.writes)
+
+
+def test_save_pretrained_of_a_tensor_parallel_model_has_one_writer(workers2, tmp_path):
+    # Its data-parallel group is one per tp rank: each group's first rank wrote the same files.
+    assert sum(workers2.run(_one_writer, str(tmp_path))) == 1

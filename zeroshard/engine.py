@@ -89,6 +89,9 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         self.stage, self.partition = stage, partition(stage)
         self.config, self.mixed_precision, self.ledger = config, mixed_precision, ledger
         self.phase, self.sync_grads = Phase.IDLE, True
+        self.ending_forward = False
+        """The root's forward is over for the user's forward hooks, which run now: one that
+        raises makes ``_forward_raised`` free what the forward held."""
         self.step_thread: threading.Thread | None = None
         """The thread whose forward ran last; while its step is open (a forward running, or
         its backward to come or running) another thread's use of the model is an error."""
@@ -266,7 +269,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
             return output  # (a call of the root inside its own goes on with its output)
         if root.state is TrainingState.FORWARD:
             root.to(TrainingState.IDLE)
-        self.phase = Phase.IDLE
+        self.phase, self.ending_forward = Phase.IDLE, True  # (until ``_post_forward``)
         if self._recording is not None:
             self.forward_order, self._recording = list(self._recording), None
             self._free_unused_prefetches()
@@ -317,7 +320,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         if not keep and not self.summoned:
             unit.reshard(adopt=True)
         if root_entry:  # (the phase and the order: ``_end_root_forward``, before the user's)
-            self._backward_due = backward_due
+            self._backward_due, self.ending_forward = backward_due, False
         if grad:
             reached = (output, self._side_outputs(unit)) if entry else output
             when_backward_reaches(self._when_reached(unit), reached)
@@ -355,6 +358,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         if self.phase is Phase.FORWARD and not running:
             self._forward_raised()  # the last one was interrupted (Ctrl-C): no hook of it ran
         self._forward_call = call_frames.current(self.model)
+        self.ending_forward = False  # (a Ctrl-C's leftover in the last one's hooks)
         if torch.is_grad_enabled():  # (a model frozen whole for inference is fine)
             param_checks.check_requires_grad(self.flat_params)
         self.check_trusted()

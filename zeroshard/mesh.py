@@ -219,38 +219,25 @@ class Mesh:
 
         if self.tp_group is not None:
             return self._with(self._hybrid_beside_tensor_parallel(k))
-        if self.group is not None:
-            return self._with(self._hybrid_within_group(k))
-        ranks = tuple(range(dist.get_world_size()))
-        layout = torch.tensor(ranks, dtype=torch.int).view(len(ranks) // k, k)
-        made = cached_mesh(
-            _HYBRID_MESHES,
-            (ranks, k, self.device.type),
-            lambda: DeviceMesh(self.device.type, layout, mesh_dim_names=HYBRID_DIMS),
-        )
-        return self._with(made)
-
-    def _hybrid_within_group(self, k: int) -> DeviceMesh:
-        """This rank's (replicate, shard) mesh over ``group``, a part of the job (a pipeline
-        stage's data-parallel ranks): its shard and replicate groups are made by their own
-        ranks alone, so that other parts of the job choose their own ``shard_group_size`` or
-        none (a DeviceMesh's groups are made over the whole world: the parts waited for each
-        other, for the collective timeout, unless every one asked the same)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
-        ranks = tuple(dist.get_process_group_ranks(self.group))
-        layout = torch.tensor(ranks, dtype=torch.int).view(len(ranks) // k, k)
-        row, col = divmod(ranks.index(self.global_rank), k)
-
-        def make() -> DeviceMesh:
-            shard = dist.new_group(layout[row].tolist(), use_local_synchronization=True)
-            replicate = dist.new_group(layout[:, col].tolist(), use_local_synchronization=True)
-            inherit_timeout(shard, replicate)
-            return DeviceMesh.from_group(
-                [replicate, shard], self.device.type, mesh=layout, mesh_dim_names=HYBRID_DIMS
+        group = self.group if self.group is not None else dist.group.WORLD
+        groups = [(tuple(dist.get_process_group_ranks(group)), k)]
+        if self.group is not None:  # a DeviceMesh makes its groups over the whole world: every
+            # rank makes every data-parallel group's mesh, in one order (else they would wait)
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, groups[0])
+            groups = sorted(set(every))
+        mine = None
+        for ranks, size in groups:
+            layout = torch.tensor(ranks, dtype=torch.int).view(len(ranks) // size, size)
+            made = cached_mesh(
+                _HYBRID_MESHES,
+                (ranks, size, self.device.type),
+                lambda layout=layout: DeviceMesh(
+                    self.device.type, layout, mesh_dim_names=HYBRID_DIMS
+                ),
             )
-
-        return cached_mesh(_HYBRID_MESHES, (ranks, k, self.device.type), make)
+            mine = made if self.global_rank in ranks else mine
+        return self._with(mine)
 
     def _hybrid_beside_tensor_parallel(self, k: int) -> DeviceMesh:
         """This rank's (replicate, shard) mesh of a 3-D (replicate, shard, tp) mesh over the

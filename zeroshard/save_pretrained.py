@@ -60,7 +60,10 @@ def install(model: nn.Module) -> None:
         kwargs.pop("state_dict", None)  # (None: transformers' default, which HF's Trainer passes)
         from zeroshard.engine import engine_of
 
-        group = engine_of(model).mesh.group  # the model's ranks (a pipeline stage's), not all
+        # The model's ranks (a pipeline stage's), not all; with tensor parallelism the whole
+        # job's (its data-parallel group is one per tp rank: each would have written)
+        mesh = engine_of(model).mesh
+        group = mesh.group if mesh.tp_size == 1 else None
         every_rank_calls("save_pretrained", "the whole model", "the model's first rank writes "
                          "the files; is_main_process=... chooses another", group)  # fmt: skip
         with diagnosed("save_pretrained", "the whole model", group):

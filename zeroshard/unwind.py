@@ -174,7 +174,9 @@ class Unwinding:
         catches the error (an out-of-memory retried with a smaller batch) gets it back. Not
         after a failed collective: freeing would wait for the gathers in flight, each another
         timeout before the error reaches the caller; the next forward cleans up then."""
-        if self.phase is not Phase.FORWARD or in_backward() or comm_failed():
+        # (ending: the root's forward was over for the user's hooks, one of which raised)
+        ending, self.ending_forward = self.ending_forward, False
+        if (self.phase is not Phase.FORWARD and not ending) or in_backward() or comm_failed():
             return
         self.phase, self._recording = Phase.IDLE, None
         self._start_clean(
