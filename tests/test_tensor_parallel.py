@@ -848,6 +848,12 @@ def _given_plans() -> dict:
     # The format of a model's tp_plan, passed directly.
     model = tensor_parallel.parallelize(_Pair(), device_mesh, {"up": "colwise", "down": "rowwise"})
     out["strings"] = (tuple(model.up.weight.shape), tuple(model.down.weight.shape))
+    # "*" for a layer number, as torch's parallelize_module takes it ("names no module" before)
+    model = nn.Sequential(_Pair(), _Pair())
+    tensor_parallel.parallelize(
+        model, device_mesh, {"*.up": ColwiseParallel(), "*.down": "rowwise"}
+    )
+    out["wildcards"] = [tuple(model[i].up.weight.shape) for i in range(2)]
     # Buffers gloo cannot broadcast as they are (uint16, float8, sparse) take rank 0's values.
     model = _Pair()
     model.register_buffer("codes", torch.full((4,), rank + 1, dtype=torch.uint16))
@@ -883,6 +889,7 @@ def test_plans_given_to_parallelize_are_checked_and_buffers_synced(workers2):
         assert "0.up.weight, which is tied to 1.up.weight" in r["tied"], r  # (untied silently)
         assert "takes the DeviceMesh mesh_2d returns first, got a Mesh" in r["dp mesh"], r
         assert r["strings"] == ((16, 16), (16, 16)), r  # (torch's TypeError before)
+        assert r["wildcards"] == [(16, 16), (16, 16)], r
         assert r["buffers"] == ([1] * 4, [1.0] * 4, [1.0] * 3), r  # ("Invalid scalar type")
         assert "with tensor parallelism each rank decides its skip" in r["grad_scaler"], r
 

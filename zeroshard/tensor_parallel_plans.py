@@ -262,30 +262,37 @@ def given_plan(model: nn.Module, plan: dict, tp: int) -> dict:
     """A plan passed to ``parallelize`` checked before anything is split, as ``plan_for``'s
     are: each key a module's name, "colwise" / "rowwise" taken as ``plan_for`` takes them, and
     a column- or row-parallel Linear's (or Embedding's) split dimension dividing in ``tp``
+    (keys with "*" stand for every module they match, as torch's ``parallelize_module`` takes
+    them)
     (an uneven split trained, then aborted the job at the state dict). Other styles (inputs,
     outputs, sequence parallelism) pass as they are."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     modules = dict(model.named_modules())
     checked = {}
-    for name, style in plan.items():
-        module = modules.get(name)
-        if module is None:
+    for key, given in plan.items():
+        # "*" stands for one part of a name (a layer number), as torch's parallelize_module
+        # and a tp_plan take it
+        regex = re.compile(re.escape(key).replace(r"\*", r"[^.]+"))
+        names = [key] if key in modules else [n for n in modules if regex.fullmatch(n)]
+        if not names:
             raise ValueError(
-                f"tensor-parallel plan entry {name!r} names no module of "
-                f"{type(model).__name__}; fix the plan (names as in named_modules()); nothing "
-                "was split"
+                f"tensor-parallel plan entry {key!r} names no module of "
+                f"{type(model).__name__}; fix the plan (names as in named_modules(), '*' for "
+                "one part of a name); nothing was split"
             )
-        if isinstance(style, str):
-            if style not in STYLES:
-                raise ValueError(
-                    f"tensor-parallel plan entry {name!r}: {style!r}; give a ParallelStyle or "
-                    f"one of {' or '.join(STYLES)}"
-                )
-            style = _style(name, module, style, tp)
-        elif isinstance(style, (ColwiseParallel, RowwiseParallel)):
-            _check_divides(name, module, style, tp)
-        checked[name] = style
+        for name in names:
+            style, module = given, modules[name]
+            if isinstance(style, str):
+                if style not in STYLES:
+                    raise ValueError(
+                        f"tensor-parallel plan entry {key!r}: {style!r}; give a ParallelStyle "
+                        f"or one of {' or '.join(STYLES)}"
+                    )
+                style = _style(name, module, style, tp)
+            elif isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                _check_divides(name, module, style, tp)
+            checked[name] = style
     return checked
 
 
