@@ -10,6 +10,7 @@ tied across a split (``check_untied``)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -165,8 +166,7 @@ def styles(model: nn.Module) -> dict[str, str]:
                 f"{' or '.join(STYLES)} only: change the entry or pass --tp 1 (zeroshard plan: "
                 "--mp 1)"
             )
-        regex = re.compile(re.escape(root + pattern).replace(r"\*", r"[^.]+"))
-        matched = {name: style for name in modules if regex.fullmatch(name)}
+        matched = dict.fromkeys(_matching(root + pattern, modules), style)
         if not matched:
             raise ValueError(
                 f"tensor-parallel plan entry {pattern!r} matches no module of "
@@ -175,6 +175,13 @@ def styles(model: nn.Module) -> dict[str, str]:
             )
         found |= matched
     return found
+
+
+def _matching(pattern: str, names: Iterable[str]) -> list[str]:
+    """The ``names`` (module names) that plan key ``pattern`` names, ``*`` standing for one part
+    of a name (a layer number)."""
+    regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+    return [name for name in names if regex.fullmatch(name)]
 
 
 def split_params(model: nn.Module) -> dict[int, str]:
@@ -271,10 +278,7 @@ def given_plan(model: nn.Module, plan: dict, tp: int) -> dict:
     modules = dict(model.named_modules())
     checked = {}
     for key, given in plan.items():
-        # "*" stands for one part of a name (a layer number), as torch's parallelize_module
-        # and a tp_plan take it
-        regex = re.compile(re.escape(key).replace(r"\*", r"[^.]+"))
-        names = [key] if key in modules else [n for n in modules if regex.fullmatch(n)]
+        names = _matching(key, modules)  # (as torch's parallelize_module and a tp_plan)
         if not names:
             raise ValueError(
                 f"tensor-parallel plan entry {key!r} names no module of "
