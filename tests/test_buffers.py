@@ -305,3 +305,36 @@ def test_collected_gradients_reuse_memory_within_a_backward(workers2, stage):
         assert r["made"] == [0] * 4 and r["held"] == [0] * 4, r
     for r in workers2.run(_grad_pool_over_steps, stage, False, False):
         assert not r["pooled"], r
+
+
+_WIDTHS = (32, 48, 64, 80, 96, 112)  # five units, no two of one size (a CNN's widening stages)
+
+
+def _distinct_sizes_pool(steps: int) -> dict:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(a, b) for a, b in zip(_WIDTHS, _WIDTHS[1:])]
+    model = zeroshard.shard(
+        torch.nn.Sequential(*layers), stage=3, wrap=zeroshard.wrap.by_class(torch.nn.Linear)
+    )
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    engine = zeroshard.engine_of(model)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    at_rest = []
+    for _ in range(steps):
+        opt.backward(model(torch.randn(4, _WIDTHS[0], generator=gen)).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+        at_rest.append(sum(pool.free_bytes for pool in engine.buffer_pools()))
+    units = [u.flat_params[0].padded_numel * 4 for u in engine.units if u.flat_params]
+    return {"at_rest": at_rest, "units": units}
+
+
+def test_units_of_distinct_sizes_are_not_all_kept_gathered(workers2):
+    # Buffers were kept per size: with no two units of one size, the pool kept a buffer for
+    # every unit, the whole model gathered between steps (stage 3 holding what stage 2 does).
+    # It keeps what the step gathered at once at most (two neighbours: computing, prefetched).
+    for r in workers2.run(_distinct_sizes_pool, 4):
+        units = r["units"]
+        assert len(units) == len(_WIDTHS) - 1, r
+        most = max(a + b for a, b in zip(units, units[1:]))
+        assert 0 < r["at_rest"][-1] <= most < sum(units), r

@@ -21,6 +21,12 @@ prefetched ones) thus allocates in its first two steps only, and an unusual mome
 memory for one window at most. ``made`` counts the buffers ever allocated: after the first steps
 of steady training it stops growing. ``keep=0`` keeps nothing: each lend allocates and each
 take-back frees (memory only while gathered, an allocation per gather).
+
+The pool never holds more bytes, lent and free together, than were lent at once in the last
+window or in this one (the most the step gathered at once): free buffers of other sizes are freed,
+oldest first, to make room, and one given back beyond it is freed. Units of one size reuse their
+buffers as above; units no two of one size (a CNN's widening stages) allocate at each gather as
+without the pool, instead of every unit staying gathered between steps.
 """
 
 from __future__ import annotations
@@ -48,6 +54,15 @@ class BufferPool:
         """Most buffers of a size lent at once since the last ``settle``."""
         self._kept: dict[tuple[torch.device, int], int] = {}
         """Free buffers of a size kept after a take-back: the last window's peak (``settle``)."""
+        self._lent_bytes = 0
+        self._free_bytes = 0
+        self._peak_bytes = 0
+        """Most bytes lent at once since the last ``settle``."""
+        self._room = 0
+        """Most bytes lent at once in the last window: the pool holds at most this many, or
+        ``_peak_bytes`` when more (``_fits``)."""
+        self._returned: dict[int, tuple[tuple[torch.device, int], torch.Tensor]] = {}
+        """The free buffers, by ``id``, oldest given back first (the order they are freed in)."""
 
     def lend(self, owner: object, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty ``storage`` ``nbytes`` of memory until ``take_back(owner, ...)``."""
@@ -57,7 +72,13 @@ class BufferPool:
             raise RuntimeError(f"lend: the storage holds {storage.nbytes()} bytes already")
         key = (storage.device, nbytes)
         free = self._free[key]
-        buffer = free.pop() if free else self._make(storage.device, nbytes)
+        self._lent_bytes += nbytes
+        self._peak_bytes = max(self._peak_bytes, self._lent_bytes)
+        if free:
+            buffer = self._unfree(key)
+        else:
+            self._make_room(0)  # other sizes' free buffers, beyond what this step holds at once
+            buffer = self._make(storage.device, nbytes)
         _swap(storage, buffer.untyped_storage())  # storage: the memory; buffer: none
         self._lent[id(owner)] = (key, buffer)
         self._lent_now[key] += 1
@@ -74,11 +95,37 @@ class BufferPool:
         key, buffer = loan
         _swap(storage, buffer.untyped_storage())
         self._lent_now[key] -= 1
-        free = self._free[key]
-        if len(free) < self._keeps(key):
-            free.append(buffer)
+        self._lent_bytes -= key[1]
+        if len(self._free[key]) < self._keeps(key) and self._make_room(key[1]):
+            self._free[key].append(buffer)
+            self._returned[id(buffer)] = (key, buffer)
+            self._free_bytes += key[1]
         else:
             buffer.untyped_storage().resize_(0)
+
+    def _unfree(self, key: tuple[torch.device, int]) -> torch.Tensor:
+        """The newest free buffer of ``key``'s size, out of the free ones."""
+        buffer = self._free[key].pop()
+        del self._returned[id(buffer)]
+        self._free_bytes -= key[1]
+        return buffer
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Free the oldest free buffers until ``nbytes`` more fit beside those lent and free in
+        what the pool may hold (module docstring); whether they fit."""
+        room = max(self._room, self._peak_bytes)
+        while self._returned and self._lent_bytes + self._free_bytes + nbytes > room:
+            key, oldest = self._returned[next(iter(self._returned))]
+            self._drop(key, oldest)
+        return self._lent_bytes + self._free_bytes + nbytes <= room
+
+    def _drop(self, key: tuple[torch.device, int], buffer: torch.Tensor) -> None:
+        """Free the free ``buffer`` of ``key``'s size."""
+        free = self._free[key]
+        del free[next(i for i, b in enumerate(free) if b is buffer)]
+        del self._returned[id(buffer)]
+        self._free_bytes -= key[1]
+        buffer.untyped_storage().resize_(0)
 
     def _keeps(self, key: tuple[torch.device, int]) -> int:
         """Free buffers of ``key``'s size to keep: none with ``keep=0`` (no pooling), else as
@@ -89,11 +136,13 @@ class BufferPool:
         """End a window of use (one step, or one inference forward): from now on keep as many
         free buffers per size as were lent at once in it (the free ones beyond that are freed
         now), and start the next window's count from the buffers lent at the moment."""
-        self._kept = dict(self._peak)
+        self._kept, self._room = dict(self._peak), self._peak_bytes
         for key, free in self._free.items():
             while len(free) > self._keeps(key):
-                free.pop().untyped_storage().resize_(0)
+                self._drop(key, free[-1])
         self._peak = defaultdict(int, self._lent_now)
+        self._peak_bytes = self._lent_bytes
+        self._make_room(0)
 
     def _make(self, device: torch.device, nbytes: int) -> torch.Tensor:
         self.made += 1
@@ -110,7 +159,7 @@ class BufferPool:
     @property
     def free_bytes(self) -> int:
         """Bytes of the free buffers the pool holds."""
-        return sum(b.untyped_storage().nbytes() for free in self._free.values() for b in free)
+        return self._free_bytes
 
 
 class TensorPool:
