@@ -123,8 +123,7 @@ def zeroshard_contender(
         engine = zeroshard.engine_of(model)
         extra = [t for f in engine.flat_params for t in (f.full, f.master)]
         extra += [t for b in engine.buckets for t in (b.full_grad, b.shard_grad)]
-        pools = {id(f.buffers): f.buffers for f in engine.flat_params}
-        extra += [t for pool in pools.values() for t in pool.tensors()]  # free ones count
+        extra += [t for pool in engine.buffer_pools() for t in pool.tensors()]  # free ones count
         # Engine tensors first, then the model (re-tags parameter storage as Parameter).
         t.track_external(*[x for x in extra if x is not None], model, opt.optimizer)
         return t

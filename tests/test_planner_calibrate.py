@@ -97,9 +97,14 @@ def _check(rows: list[dict]) -> None:
             abs(sum(meas["model_states"].values()) - meas["model_states_bytes"])
             <= 64 + flags_bytes + rest_bytes
         )
+        # Stage 3's constant buffers stay too, free between steps: as much as the step gathered
+        # at once (the root and two blocks), up to padding.
+        pooled, n = meas["constant_buffers_bytes"], row["num_ranks"]
+        num_units = PRESETS[row["case"]["preset"]].n_layer + 1
+        assert abs(pooled - p["constant_buffers_bytes"]) <= 4 * (n - 1) * num_units
+        assert (pooled > 0) == (row["case"]["stage"] == 3)
         # The ledger against dp_communication, collective by collective; zeroshard pads each
         # flat buffer to a multiple of the rank count (at most N - 1 elements per unit).
-        n, num_units = row["num_ranks"], PRESETS[row["case"]["preset"]].n_layer + 1
         assert set(meas["comm_numel"]) == set(p["comm_numel"])
         for key, want in p["comm_numel"].items():
             assert 0 <= meas["comm_numel"][key] - want <= 2 * (n - 1) * num_units, key
@@ -140,13 +145,15 @@ def test_calibration_nano_four_ranks(workers4, stage):
 @pytest.mark.parametrize(
     "stage, batch, seq, sib, moment",
     [
-        # The last block's backward: its activations, the root and two blocks gathered.
-        (3, 2, None, False, "unit backward 0"),
-        # 8 tokens, model states dominate. Stage 3: the end of a block's backward, its whole
-        # gradient (autograd's), the previous block's reduction in flight, 3 units gathered;
-        # stepping in backward, no shard exists: the peak moves one block earlier.
-        (3, 1, 8, False, "unit backward end 2"),
-        (3, 1, 8, True, "unit backward end 1"),
+        # Stage 3's constant buffers hold the root and two blocks throughout: the loss's
+        # backward, every block's activations saved, is the largest moment.
+        (3, 2, None, False, "loss backward"),
+        # 8 tokens, model states dominate. Stage 3: the end of the last backward visits (the
+        # first block), its whole gradient (autograd's), the second block's reduction in
+        # flight, the other shards reduced; stepping in backward, no shard exists: the first
+        # collect (the last block's), its gradient held twice (autograd's and the flat copy).
+        (3, 1, 8, False, "unit backward end 3"),
+        (3, 1, 8, True, "unit post-backward 0"),
         # With replicated parameters the tiny model is one gradient bucket, reduced after the
         # last unit's backward (stage 2: its full gradient and the shard written).
         (2, 1, 8, False, "bucket reduction"),
@@ -199,8 +206,13 @@ def test_calibration_hf_stage3_two_ranks(workers2, name, batch, seq):
         p, meas = row["predicted"], row["measured"]
         assert calibrate.within_tolerance(row), calibrate.render([row])
         # Each unit's parameters gathered at once, never the whole model: the root and at most
-        # 1 + prefetch units, from the built model's own unit sizes.
+        # 1 + prefetch units (the constant buffers the engine keeps), from the built model's own
+        # unit sizes.
         assert p["peak"]["gathered_units"] <= 4 * (model.root_numel + 2 * model.largest_unit_numel)
+        assert p["peak"]["gathered_units"] == p["constant_buffers_bytes"]
+        # (At most: no two units of one size, what is free is freed to make room.)
+        pad = 4 * row["num_ranks"] * (1 + len(model.block_unit_numels))
+        assert 0 < meas["constant_buffers_bytes"] <= p["constant_buffers_bytes"] + pad
         for key, want in p["comm_numel"].items():
             assert 0 <= meas["comm_numel"][key] - want <= 2 * len(model.block_unit_numels) + 2, key
         if batch * seq >= 256:

@@ -55,6 +55,7 @@ from zeroshard.unit import Phase, TrainingState, Unit, Use
 
 if TYPE_CHECKING:
     from zeroshard.model_states.param_swap import ParamSwapper
+    from zeroshard.residual_states.buffers import BufferPool
 
 _ATTR, SHARDED_PARAM = "_zeroshard_engine", "_zeroshard_sharded"
 """The sharded model's attribute; each of its parameters' (sharding a part again is refused)."""
@@ -373,13 +374,18 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
                 self._registrations = seen
                 if model_checks.added_parameters(self.model, self._known_params):
                     self._known_params = None  # (said once)
-        for pool in {id(f.buffers): f.buffers for f in self.flat_params}.values():
+        for pool in self.buffer_pools():
             pool.settle()  # the last step's use of gather buffers is the next one's
         self.phase = Phase.FORWARD
         if self.checkpointing is not None:
             self.checkpointing.close()
         self._recording = None if self.summoned else {}  # (rank 0's generate() there alone)
         self._clean_after_backward()
+
+    def buffer_pools(self) -> list[BufferPool]:
+        """The constant buffers stage 3's gathered units borrow (one pool per model; none
+        below stage 3), free ones included: memory trackers are given their ``tensors()``."""
+        return list({id(f.buffers): f.buffers for f in self.flat_params}.values())
 
     def _begin_alone(self, unit: Unit) -> None:
         """A unit entered with no root forward running (a submodule called on its own: T5's

@@ -137,6 +137,7 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
         # one gradient bucket of up to bucket_bytes, allocated at its first unit's backward and
         # reduced after its last (a unit larger than that alone in its bucket: per unit again).
         num_units_prefetch=engine.num_prefetch,
+        constant_buffers=engine.constant_buffers,
         bucket_per_unit=timeline.bucket_per_unit(model, case.stage, engine.bucket_bytes),
         bucket_bytes=engine.bucket_bytes,
         num_buckets=engine.max_inflight_reductions,
@@ -172,6 +173,7 @@ def predict(case: Case | HFCase, num_ranks: int) -> dict:
     config = engine_config(case, num_ranks)
     plan = plan_memory(model, config)
     kept = 0 if ShardConfig().reshard_root_after_forward else model.kept_gathered_numel
+    pooled = plan.device["gathered_units"] if config.constant_buffers else 0
     collectives = comm.dp_communication(
         model.num_params,
         stage=case.stage,
@@ -189,8 +191,10 @@ def predict(case: Case | HFCase, num_ranks: int) -> dict:
         comm_numel[key] = comm_numel.get(key, 0) + comm.total_numel((c,), _accumulation(case)[0])
     return {
         "model_states": {c: plan.device[c] for c in MODEL_STATES},
-        # What is alive after the step: MemTracker counts the model's buffers too.
+        # What is alive after the step: MemTracker counts the model's buffers too. (The
+        # constant buffers stage 3's gathers borrow stay too, apart.)
         "model_states_bytes": plan.model_states_at_rest_bytes() + plan.device["buffers"],
+        "constant_buffers_bytes": pooled,
         "peak_bytes": plan.peak_bytes(),
         "peak": plan.peak,
         "peak_moment": plan.peak_moment,
@@ -319,6 +323,8 @@ def measure_module(
         opt.zero_grad()
     flat = [t for f in engine.flat_params for t in (f.full, f.master)]
     flat = [t for t in flat + [b.full_grad for b in engine.buckets] if t is not None]
+    # Stage 3's constant buffers: the free ones hold memory too (``BufferPool.tensors``).
+    flat += [t for pool in engine.buffer_pools() for t in pool.tensors()]
     tracker = MemTracker()
     tracker.track_external(model, opt.optimizer, *flat)
     for p in model.parameters():  # (torch's tracker hooks every one: refused on a frozen one)
@@ -329,6 +335,7 @@ def measure_module(
         opt.step()
         after_step = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
         states = _model_state_storages(engine, opt.optimizer)
+        pooled = sum(pool.free_bytes for pool in engine.buffer_pools())  # all free by now
         opt.zero_grad()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     last = engine.ledger.steps[-1]
@@ -338,7 +345,8 @@ def measure_module(
             comm_numel[f"{op}/{label}"] = comm_numel.get(f"{op}/{label}", 0) + entry.numel
     return {
         "model_states": states,
-        "model_states_bytes": after_step,
+        "model_states_bytes": after_step - pooled,  # (residual states, apart)
+        "constant_buffers_bytes": pooled,
         "peak_bytes": peak,
         "comm_numel": comm_numel,
     }

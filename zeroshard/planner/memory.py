@@ -155,6 +155,13 @@ class MemoryConfig:
     are, as with Pa (the layer norms' working memory is 1/Nm too: not modelled)."""
     num_units_prefetch: int = 1
     """Stage 3: units gathered ahead of the one computing."""
+    constant_buffers: bool = False
+    """Stage 3, along the engine's timeline: gathered units borrow constant-size buffers that
+    stay allocated between uses, as zeroshard's engine does by default
+    (``ShardConfig.constant_buffers``, ``zeroshard.residual_states.buffers.BufferPool``): the
+    most the step gathers at once is held at every moment, lent or free (units no two of one
+    size hold less: what is free is freed to make room). False: a unit's gathered memory exists
+    only while it is gathered (FSDP2, or ``constant_buffers=False``)."""
     bucket_bytes: int = 25 * 2**20
     """Size of one gradient communication bucket (constant-size buffers)."""
     num_buckets: int = 2

@@ -103,11 +103,12 @@ def bucket_per_unit(model: ModelDescription, stage: int, bucket_bytes: int) -> b
 
 
 def as_engine_buckets(model: ModelDescription, config: MemoryConfig) -> MemoryConfig:
-    """``config`` with the engine's gradient buckets (``bucket_per_unit``) where the plan follows
-    the engine (its timeline, or no checkpoints); the papers' sum keeps the given buckets."""
+    """``config`` with the engine's gradient buckets (``bucket_per_unit``) and its default
+    constant buffers where the plan follows the engine (its timeline, or no checkpoints); the
+    papers' sum keeps the given buckets."""
     if config.engine_timeline or not config.activation_checkpointing:
         per_unit = bucket_per_unit(model, config.stage, config.bucket_bytes)
-        return replace(config, bucket_per_unit=per_unit)
+        return replace(config, bucket_per_unit=per_unit, constant_buffers=True)
     return config
 
 
@@ -591,4 +592,9 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
             # zeroshard builds Adam/AdamW fused (one in-place kernel per piece): no temporaries.
             ("optimizer step", moment(num_units + 1))
         )
+    if part.parameters and c.constant_buffers:
+        # The pool holds, lent or free, as much as the step gathers at once, at every moment.
+        held = max(m["gathered_units"] for _, m in out)
+        for _, m in out:
+            m["gathered_units"] = held
     return out
