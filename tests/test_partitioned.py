@@ -273,7 +273,7 @@ def test_pa_refuses_a_span_input_split_over_tensor_parallel_ranks(workers4):
 def _swap_traffic(folder: str) -> dict:
     """Two steps with every block's checkpoint on NVMe (no tensor parallelism): the swap
     traffic ``offload_stats`` and ``zeroshard train``'s records count per step."""
-    from zeroshard.train import DiskTraffic
+    from zeroshard.disk_traffic import DiskTraffic
 
     torch.manual_seed(0)
     model = zeroshard.shard(

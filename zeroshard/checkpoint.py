@@ -94,6 +94,7 @@ from zeroshard.checkpoint_files import (
     prune,
     publish,
     replace_problem,
+    without_zip_crc32,
 )
 from zeroshard.checkpoint_info import (  # noqa: F401 (the inspection API, re-exported)
     FORMAT_VERSION,
@@ -437,7 +438,7 @@ def _write_and_publish(
         raise
     writer = Writer(tmp, sync_files=True, thread_count=_WRITE_THREADS)
     try:
-        with _without_zip_crc32():
+        with without_zip_crc32():
             dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group)
     except CheckpointException as exc:  # raised on every rank once any rank's write failed
         if rank == 0:  # every rank's writes have ended: DCP gathered their results
@@ -475,20 +476,6 @@ def _prune(path: Path, keep: int | None, run_id: str) -> None:
             f"({exc}); delete it by hand",
             stacklevel=2,
         )
-
-
-@contextlib.contextmanager
-def _without_zip_crc32() -> Iterator[None]:
-    """``torch.save`` (DCP writes every tensor with it) skips its zip CRC-32 inside: it costs a
-    third of the serialization here, and every file gets an xxh3 checksum of its own anyway.
-    The switch is process-wide (a ``torch.save`` in another thread meanwhile skips it too: its
-    files load all the same); it is restored on exit."""
-    previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(previous)
 
 
 # --------------------------------------------------------------------- load

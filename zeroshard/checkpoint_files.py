@@ -6,16 +6,19 @@ see ``zeroshard.checkpoint`` for the folder's layout and the order in which it i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import xxhash
 
@@ -279,3 +282,17 @@ def split_suffix(name: str) -> tuple[str, str]:
         return name, ""
     first = min(i for i, _ in found)
     return name[:first], max(found)[1]
+
+
+@contextlib.contextmanager
+def without_zip_crc32() -> Iterator[None]:
+    """``torch.save`` (DCP writes every tensor with it) skips its zip CRC-32 inside: it costs a
+    third of the serialization here, and every file gets an xxh3 checksum of its own anyway.
+    The switch is process-wide (a ``torch.save`` in another thread meanwhile skips it too: its
+    files load all the same); it is restored on exit."""
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import zeroshard
 from zeroshard import checkpoint, tensor_parallel
 from zeroshard.data import BatchLoader, Corpus
+from zeroshard.disk_traffic import DiskTraffic
 from zeroshard.divergence import Diverged, DivergenceGuard
 from zeroshard.models.loading import build_model, logits_of, read_hf_config
 from zeroshard.run_log import MetricsLog, Progress, write_atomically
@@ -511,60 +512,6 @@ def _gather_ints(value: int, device: torch.device) -> list[int]:
     with diagnosed("all_gather", "the step counts", None):
         dist.all_gather(every, mine)
     return [int(t.item()) for t in every]
-
-
-class DiskTraffic:
-    """Bytes the offloaded states moved to and from the swap files (ZeRO-Infinity), summed over
-    steps since the last record and, in records, over ranks; nothing without NVMe offload."""
-
-    def __init__(self, opt) -> None:
-        self.opt = opt
-        self.offloaded = bool(opt.offload_stats())  # also clears the building's I/O
-        self.read_bytes = self.write_bytes = 0
-        self.wait_s = 0.0
-
-    def collect(self) -> None:
-        """Add the step just finished (every rank, after the optimizer step)."""
-        if not self.offloaded:
-            return
-        # Every swapper names its counters [prefix_]read_bytes, prefetch_bytes, ..._write_bytes
-        # and ..._wait_s (ShardedOptimizer.offload_stats).
-        for key, value in self.opt.offload_stats().items():
-            if key.endswith(("read_bytes", "prefetch_bytes")):
-                self.read_bytes += int(value)
-            elif key.endswith("write_bytes"):
-                self.write_bytes += int(value)
-            elif key.endswith("wait_s"):
-                self.wait_s += value
-
-    def record(self, num_steps: int, device: torch.device) -> dict:
-        """Per-step disk traffic of every rank together since the last record (a collective
-        when offloaded): ``disk_read_gb``, ``disk_write_gb`` (1e9 bytes) and this rank's
-        ``io_wait_s`` (seconds blocked on a swap per step)."""
-        if not self.offloaded:
-            return {}
-        total = torch.tensor([self.read_bytes, self.write_bytes], dtype=torch.float64)
-        total = total.to(device)
-        with diagnosed("all_reduce", "the swap traffic", None):
-            dist.all_reduce(total)
-        steps = max(num_steps, 1)
-        out = {
-            "disk_read_gb": round(total[0].item() / steps / 1e9, 3),
-            "disk_write_gb": round(total[1].item() / steps / 1e9, 3),
-            "io_wait_s": round(self.wait_s / steps, 3),
-        }
-        self.read_bytes = self.write_bytes = 0
-        self.wait_s = 0.0
-        return out
-
-    @staticmethod
-    def summary(records: list[dict]) -> dict:
-        """The last record's per-step disk traffic (all ranks), for ``summary.json``."""
-        last = next((r for r in reversed(records) if "disk_read_gb" in r), None)
-        if last is None:
-            return {}
-        return {"disk_read_gb_per_step": last["disk_read_gb"],
-                "disk_write_gb_per_step": last["disk_write_gb"]}  # fmt: skip
 
 
 def _bytes_by_label(step: dict) -> dict[str, int]:

@@ -38,6 +38,7 @@ from zeroshard.cli.agent import RESUME_NEWEST, Launch, run_agent
 from zeroshard.cli.held_signals import held
 from zeroshard.cli.main import UsageError, bad_input
 from zeroshard.cli.resume import pin_resume, resume_after_restart, say_changes
+from zeroshard.cli.run_files import put_back, run_files, trained_since
 from zeroshard.cli.train_checks import (
     check_divides,
     check_inputs,
@@ -247,7 +248,7 @@ def _launch(
     copy of their own beside it, which a later command cannot rewrite under them (every restart
     reads it again)."""
     saved = out / "config.json"
-    previous = _run_files(out)
+    previous = run_files(out)
     remove_dead_launchers_configs(out)
     if cfg.resume:
         say_changes(saved, cfg)
@@ -269,8 +270,8 @@ def _launch(
         refused = bad_input(exc) is not None
         raise
     finally:
-        if refused and not joining and not _trained_since(out, started):
-            _put_back(out, previous)  # the folder's run is still the one it held, if any
+        if refused and not joining and not trained_since(out, started):
+            put_back(out, previous)  # the folder's run is still the one it held, if any
 
 
 def _blame(out: Path, rank: int, exit_code: int) -> None:
@@ -288,63 +289,6 @@ def _blame(out: Path, rank: int, exit_code: int) -> None:
         f"saw: {summary.get('error')}"
     )
     write_atomically(path, json.dumps(summary, indent=2) + "\n")
-
-
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png")
-"""What a run writes in its folder before its first step, and at its end (not checkpoints)."""
-
-
-_EVENTS = "tensorboard"  # (--log tensorboard's folder: event files are only added to)
-
-
-def _run_files(out: Path) -> dict[str, Any]:
-    """``RUN_FILES`` in ``out`` as they are (None: absent), and the names of the TensorBoard
-    event files (None: no folder), for ``_put_back``."""
-    files: dict[str, Any] = {
-        name: (out / name).read_bytes() if (out / name).is_file() else None for name in RUN_FILES
-    }
-    events = out / _EVENTS
-    files[_EVENTS] = {p.name for p in events.iterdir()} if events.is_dir() else None
-    return files
-
-
-def _put_back(out: Path, files: dict[str, Any]) -> None:
-    """The run's files in ``out`` as they were before this command (``_run_files``): a run
-    refused before it trained a step leaves a folder that existed as it was, and one it created
-    with nothing in it but the launcher's files (removed then, ``hold_out_dir``)."""
-    events = files[_EVENTS]
-    for name in RUN_FILES:
-        content = files[name]
-        if content is not None:
-            (out / name).write_bytes(content)
-        else:
-            (out / name).unlink(missing_ok=True)
-    if (out / _EVENTS).is_dir():  # the event files this run added go
-        for path in (out / _EVENTS).iterdir():
-            if path.is_file() and (events is None or path.name not in events):
-                path.unlink(missing_ok=True)
-        if events is None:
-            with contextlib.suppress(OSError):
-                (out / _EVENTS).rmdir()
-
-
-def _trained_since(out: Path, t: float) -> bool:
-    """Whether a run trained a step in ``out`` since ``t``: by its ``summary.json`` (rank 0's,
-    written also when a run fails in training) a step past the one it started from; without one
-    written since, whether rank 0 rewrote its metrics (once the model is built and the
-    checkpoint loaded: what failed before that trained nothing). A rank that refused the first
-    step's input (a vocabulary too small for the data, a model's logits of the wrong shape)
-    trained nothing either."""
-    try:
-        if (out / "summary.json").stat().st_mtime >= t:
-            summary = json.loads((out / "summary.json").read_text())
-            return summary.get("last_step", 0) > summary.get("resumed_at_step", 0)
-    except (OSError, ValueError, AttributeError):
-        pass
-    try:
-        return (out / "metrics.jsonl").stat().st_mtime >= t
-    except OSError:
-        return False
 
 
 def _prepare(

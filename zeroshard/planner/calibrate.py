@@ -5,7 +5,8 @@ unit per ``Block`` at the case's stage, trains it a couple of steps with FP32 Ad
 on this rank (DESIGN.md "Measuring"):
 
 - model states right after ``opt.step()`` (before ``zero_grad``): MemTracker's live bytes (the
-  model's buffers with them, predicted as the plan's ``buffers``), and per
+  model's buffers with them, predicted as the plan's ``buffers``; stage 3's free constant
+  buffers apart, ``constant_buffers_bytes``, predicted as the plan's ``gathered_units``), and per
   category from the engine's own storages (parameters: ``full`` and a separate ``master``;
   gradients: ``full_grad`` and ``shard_grad``; optimizer states: the inner optimizer's state);
 - the per-rank peak over one whole step (forward, backward, step, ``zero_grad``), MemTracker;
@@ -24,8 +25,9 @@ builds the optimizer stepping in backward and predicts with ``MemoryConfig.step_
 ``HFCase`` does the same for a Hugging Face model built from a config dict (``measure_hf``),
 wrapped as ``describe.from_hf_config`` finds its units; ``measure_module`` is the shared run.
 
-``run_grid`` launches the grid through torchrun, one job per rank count, and ``render`` prints the
-Markdown table; ``zeroshard plan --measure`` and ``bench/bench_calibration.py`` call them.
+``run_grid`` launches the grid through torchrun, one job per rank count, and ``render``
+(``zeroshard.planner.calibration_table``) prints the Markdown table; ``zeroshard plan --measure``
+and ``bench/bench_calibration.py`` call them.
 """
 
 from __future__ import annotations
@@ -39,13 +41,14 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from zeroshard.planner import comm, describe, timeline
+from zeroshard.planner.calibration_table import MODEL_STATES_TOLERANCE as MODEL_STATES_TOLERANCE
+from zeroshard.planner.calibration_table import PEAK_TOLERANCE as PEAK_TOLERANCE
+from zeroshard.planner.calibration_table import error as error
+from zeroshard.planner.calibration_table import render as render
+from zeroshard.planner.calibration_table import summarize as summarize
+from zeroshard.planner.calibration_table import within_tolerance as within_tolerance
 from zeroshard.planner.memory import FP32_ADAMW as FP32_ADAMW  # (re-exported)
 from zeroshard.planner.memory import MODEL_STATES, PRECISION_BYTES, MemoryConfig, plan_memory
-
-MODEL_STATES_TOLERANCE = 0.02
-"""Relative error allowed on model states (the ZeRO formulas; padding aside they are exact)."""
-PEAK_TOLERANCE = 0.10
-"""Relative error allowed on the per-rank peak."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -394,19 +397,6 @@ def calibrate(case: Case | HFCase) -> dict:
     }
 
 
-def error(predicted: float, measured: float) -> float:
-    """(predicted - measured) / measured."""
-    return (predicted - measured) / measured if measured else float(predicted != 0)
-
-
-def within_tolerance(row: dict) -> bool:
-    p, m = row["predicted"], row["measured"]
-    return (
-        abs(error(p["model_states_bytes"], m["model_states_bytes"])) <= MODEL_STATES_TOLERANCE
-        and abs(error(p["peak_bytes"], m["peak_bytes"])) <= PEAK_TOLERANCE
-    )
-
-
 # ---- the grid through torchrun -------------------------------------------------------------------
 
 
@@ -524,77 +514,6 @@ def run_grid(
             with open(out, encoding="utf-8") as f:
                 rows.extend(json.load(f))
     return rows
-
-
-_LABELLED = {"precision": "fp32", "tp": 1, "checkpoint_every": 0, "grad_accum": 1,
-             "accumulate_unreduced": False}  # fmt: skip
-"""Settings of a case named beside its model in the table when not these defaults."""
-
-
-def summarize(rows: list[dict]) -> list[dict]:
-    """One line per configuration: the worst rank's errors (ranks are symmetric here)."""
-    by_config: dict[tuple, list[dict]] = {}
-    for r in rows:
-        case = r["case"]
-        stage = f"{case['stage']}{'s' if case.get('step_in_backward') else ''}"
-        name = case["preset"] + "".join(  # (rows differing in these alone stay apart)
-            f" {v}" if k == "precision" else f" {k}={v}"
-            for k, v in case.items()
-            if k in _LABELLED and v != _LABELLED[k]
-        )
-        key = (name, stage, r["num_ranks"], case.get("micro_batch_size", 0))
-        key += (case.get("seq_len", 0),)
-        by_config.setdefault(key, []).append(r)
-    lines = []
-    for (name, stage, n, batch, seq), group in sorted(by_config.items()):
-        worst = max(
-            group,
-            key=lambda r: abs(error(r["predicted"]["peak_bytes"], r["measured"]["peak_bytes"])),
-        )
-        p, m = worst["predicted"], worst["measured"]
-        lines.append(
-            {
-                "preset": name,
-                "stage": int(stage.rstrip("s")),
-                "step_in_backward": stage.endswith("s"),
-                "num_ranks": n,
-                "tokens": f"{batch}x{seq}",
-                "model_states": (p["model_states_bytes"], m["model_states_bytes"]),
-                "peak": (p["peak_bytes"], m["peak_bytes"]),
-                "peak_moment": p["peak_moment"],
-                "comm": (sum(p["comm_numel"].values()), sum(m["comm_numel"].values())),
-                "ok": all(within_tolerance(r) for r in group),
-            }
-        )
-    return lines
-
-
-def render(rows: list[dict]) -> str:
-    """The Markdown table: predicted / measured / error per configuration (worst rank)."""
-
-    head = (
-        "| model | batch x seq | stage | ranks | model states B predicted / measured | error "
-        "| peak B predicted / measured | error | peak at | comm elements predicted / measured "
-        "| error |\n|---|---|---|---|---|---|---|---|---|---|---|"
-    )
-    lines = [head]
-    summary = summarize(rows)
-    for s in summary:
-        (ps, ms), (pp, mp), (pc, mc) = s["model_states"], s["peak"], s["comm"]
-        stage = f"{s['stage']}" + (", step in backward" if s["step_in_backward"] else "")
-        lines.append(
-            f"| {s['preset']} | {s['tokens']} | {stage} | {s['num_ranks']} | {ps:,} / {ms:,} "
-            f"| {error(ps, ms):+.3%} | {pp:,} / {mp:,} | {error(pp, mp):+.3%} "
-            f"| {s['peak_moment']} | {pc:,} / {mc:,} | {error(pc, mc):+.3%} |"
-        )
-    ok = sum(s["ok"] for s in summary)
-    lines.append("")
-    lines.append(
-        f"{ok} of {len(summary)} configurations within tolerance (model states "
-        f"{MODEL_STATES_TOLERANCE:.0%}, peak {PEAK_TOLERANCE:.0%}, on every rank); the worst "
-        "rank shown; error = (predicted - measured) / measured."
-    )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

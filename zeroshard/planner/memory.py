@@ -38,6 +38,18 @@ from zeroshard.planner.placement import Placement as Placement
 from zeroshard.planner.placement import at_stage as at_stage
 from zeroshard.planner.placement import offload_name as offload_name
 from zeroshard.planner.placement import placement_problem as placement_problem
+from zeroshard.planner.residual_formulas import ACTIVATION_BYTES as ACTIVATION_BYTES
+from zeroshard.planner.residual_formulas import (  # (re-exported, as the placement's names)
+    LOGIT_BYTES_PER_ELEMENT as LOGIT_BYTES_PER_ELEMENT,
+)
+from zeroshard.planner.residual_formulas import (
+    activation_checkpoint_bytes as activation_checkpoint_bytes,
+)
+from zeroshard.planner.residual_formulas import activation_working_bytes as activation_working_bytes
+from zeroshard.planner.residual_formulas import logits_bytes as logits_bytes
+from zeroshard.planner.residual_formulas import (
+    model_state_working_bytes as model_state_working_bytes,
+)
 from zeroshard.planner.staging import MASTER_BYTES, offload_staging_bytes
 from zeroshard.stages import partition
 
@@ -53,15 +65,6 @@ RESIDUAL_STATES = (
     "fragmentation",
 )
 """Residual-state categories (see ``residual_states`` for what each counts)."""
-
-ACTIVATION_BYTES = 2
-"""Bytes per activation element: the papers' fp16/bf16 (``MemoryConfig.activation_bytes``)."""
-LOGIT_BYTES_PER_ELEMENT = 4 + 4 + 4
-"""Per logit at the loss's backward, all fp32 whatever the compute dtype (the reference GPT takes
-the cross-entropy of ``logits.float()``): the log-probabilities ``log_softmax`` saved, the
-gradient coming into it from the loss and the gradient it hands back. The logits themselves are
-not saved (the output matmul saves its input), so they are gone by then (measured on CPU)."""
-
 
 TIERS = tuple(Tier)
 
@@ -366,52 +369,6 @@ def model_states(
     # The FP32 masters beside working copies: every parameter's (frozen too), on its tier.
     add("optimizer_states", master, p.optimizer_states, trained=False, tier="params")
     return out
-
-
-def activation_checkpoint_bytes(
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    hidden_size: int,
-    num_layers: int,
-    num_layers_per_checkpoint: int,
-    num_mp_ranks: int = 1,
-    partitioned: bool = False,
-    activation_bytes: int = ACTIVATION_BYTES,
-) -> int:
-    """2 * bsz * seq * hd * nl / ci: one fp16 (bsz, seq, hd) input per checkpoint span, with
-    ceil(nl / ci) spans (``activation_bytes`` per element instead of fp16's 2); divided by Nm
-    when partitioned across model-parallel ranks."""
-    num_checkpoints = math.ceil(num_layers / num_layers_per_checkpoint)
-    num_bytes = activation_bytes * micro_batch_size * seq_len * hidden_size * num_checkpoints
-    return math.ceil(num_bytes / num_mp_ranks) if partitioned else num_bytes
-
-
-def activation_working_bytes(
-    *,
-    micro_batch_size: int,
-    seq_len: int,
-    hidden_size: int,
-    num_heads: int,
-    num_layers_per_checkpoint: int,
-    activation_bytes: int = ACTIVATION_BYTES,
-) -> int:
-    """AWM = bsz * seq * ci * (16 * hd + 2 * heads * seq): the activations of one checkpoint span
-    recomputed in backward (the ZeRO-Infinity paper's count, in fp16: scaled by
-    ``activation_bytes`` / 2 for other widths, e.g. twice as much in fp32)."""
-    per_token_layer = 16 * hidden_size + 2 * num_heads * seq_len
-    fp16 = micro_batch_size * seq_len * num_layers_per_checkpoint * per_token_layer
-    return fp16 * activation_bytes // ACTIVATION_BYTES
-
-
-def model_state_working_bytes(*, hidden_size: int) -> int:
-    """MSWM = 4 * hd * 4hd: fp16 parameters and gradients of the largest operator (hd x 4hd)."""
-    return 4 * hidden_size * 4 * hidden_size
-
-
-def logits_bytes(*, micro_batch_size: int, seq_len: int, vocab_size: int) -> int:
-    """bsz * seq * vocab * ``LOGIT_BYTES_PER_ELEMENT``: the logits and the loss's fp32 copies."""
-    return micro_batch_size * seq_len * vocab_size * LOGIT_BYTES_PER_ELEMENT
 
 
 def _unreduced(config: MemoryConfig) -> bool:
