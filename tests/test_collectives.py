@@ -304,3 +304,37 @@ def _mismatched() -> str:
 def test_mismatched_buffers_are_an_error_not_a_hang(workers2):
     for message in workers2.run(_mismatched):
         assert "do not match" in message, message
+
+
+def _strided_buffers_synced(stage: int) -> dict:
+    rank = dist.get_rank()
+
+    class Strided(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            gen = torch.Generator().manual_seed(100 + rank)  # values differ by rank
+            self.register_buffer("every_other", torch.randn(4, 8, generator=gen)[:, ::2])
+            self.register_buffer("narrowed", torch.randn(4, 8, generator=gen)[:, :4])
+            self.register_buffer("transposed", torch.randn(4, 6, generator=gen).t())
+            self.register_buffer("expanded", torch.randn(1, 4, generator=gen).expand(3, 4))
+            self.register_buffer("counts", torch.arange(8)[::2] + rank)  # (int: the same path)
+
+    model = zeroshard.shard(Strided(), stage=stage)
+    out = {}
+    for name, buf in model.named_buffers():
+        every = [torch.empty_like(buf.contiguous()) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, buf.contiguous())
+        out[name] = all(torch.equal(e, every[0]) for e in every)
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_strided_buffers_are_synced_whole(workers2, stage):
+    # A strided buffer was broadcast in place: gloo moved numel() elements from its first one,
+    # half of rank 0's slice landed beside it (8 of 16 elements differing on rank 1), and an
+    # expanded one (stride 0) was read and written past its memory (a large one aborted).
+    for r in workers2.run(_strided_buffers_synced, stage):
+        assert r == dict.fromkeys(
+            ("every_other", "narrowed", "transposed", "expanded", "counts"), True
+        )

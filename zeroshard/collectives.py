@@ -577,17 +577,29 @@ the float8s: "Invalid scalar type")."""
 
 def broadcast_any(t: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The value of ``t`` on rank 0 of ``group``, on every rank of it, whatever its dtype or
-    layout: in place where the backends take its dtype, else through its bytes; a sparse one (a
+    layout: in place where the backends take its dtype and it is contiguous, else through a
+    contiguous copy of its bytes (a strided view: a slice of another tensor, an ``expand``-ed
+    one, whose memory is written back, its other elements untouched); a sparse one (a
     graph's adjacency), whose size differs between ranks, as an object (a new tensor, on
     ``t``'s device)."""
     if t.layout is not torch.strided:
         box = [t.cpu() if dist.get_rank(group) == 0 else None]
         dist.broadcast_object_list(box, group_src=0, group=group)
         return box[0].to(t.device)
-    if t.dtype in _BROADCAST_DTYPES:
-        broadcast(t, src=0, group=group)
+    own = _unexpanded(t)
+    if own.dtype in _BROADCAST_DTYPES and own.is_contiguous():
+        broadcast(own, src=0, group=group)  # (the backends move numel() elements from data_ptr)
         return t
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    data = own.detach().contiguous().reshape(-1).view(torch.uint8)
     broadcast(data, src=0, group=group)
-    t.copy_(data.view(t.dtype).view(t.shape))
+    own.copy_(data.view(t.dtype).view(own.shape))
+    return t
+
+
+def _unexpanded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its broadcast dimensions (``expand``'s stride 0: one element standing for a
+    whole dimension), a view of the same memory: syncing it syncs every element of ``t``."""
+    for dim in range(t.dim()):
+        if t.stride(dim) == 0 and t.size(dim) > 1:
+            t = t.narrow(dim, 0, 1)
     return t
