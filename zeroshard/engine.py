@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard import backward, call_frames, model_checks, prefetch, unwind
+from zeroshard import backward, call_frames, model_checks, module_buffers, prefetch, unwind
 from zeroshard import collectives as C
 from zeroshard.autograd_hooks import in_backward, on_backward, when_backward_reaches
 from zeroshard.loss_scaling import GradScaling
@@ -504,6 +504,14 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
             # in one call, not one per unit)
             problem = param_checks.check_views(flats, self.flat_params)
             if problem is not None:
+                restored = module_buffers.restore_dtypes(self.model)  # (converted with them)
+                if restored:
+                    problem = ValueError(
+                        f"{problem}. Buffers converted with them were cast back to their "
+                        f"dtypes too ({', '.join(restored[:4])}"
+                        f"{', ...' if len(restored) > 4 else ''}), with the values the "
+                        "conversion rounded"
+                    )
                 raise problem
             for f in flats:
                 # Inside summon_full_params with writeback, taken now (a state dict or save

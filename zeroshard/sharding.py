@@ -25,7 +25,14 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard import collectives as C
-from zeroshard import generation, model_checks, save_pretrained, tensor_parallel, zero_grad
+from zeroshard import (
+    generation,
+    model_checks,
+    module_buffers,
+    save_pretrained,
+    tensor_parallel,
+    zero_grad,
+)
 from zeroshard.engine import _ATTR, SHARDED_PARAM, Engine, ShardConfig
 from zeroshard.loss_scaling import GradScaling
 from zeroshard.mesh import Mesh, settle_collective_threads_at_exit
@@ -327,7 +334,7 @@ def shard(
         unit.precision = policy
     materialize.leftovers(model)
     own = {id(m): pol for spec, pol in zip(specs, policies) for m in spec.module.modules()}
-    _move_buffers(model, mesh, own, mixed_precision, sync=config.sync_module_states)
+    module_buffers.move(model, mesh, own, mixed_precision, sync=config.sync_module_states)
     engine = Engine(
         model,
         unit_list,
@@ -529,44 +536,3 @@ def _flat_params(
     for key in list(open_buckets):
         close(key)
     return per_unit
-
-
-BUFFER_DTYPES = "_zeroshard_buffer_dtypes"
-"""Attribute of a module whose buffers ``buffer_dtype`` cast: {buffer name: original dtype}."""
-
-
-def _move_buffers(
-    model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecision, *, sync: bool
-) -> None:
-    """Buffers to the device, floating ones that are saved with the model (running statistics)
-    in ``buffer_dtype``; non-persistent ones are constants a module derives and computes with in
-    its own precision (RoPE's inverse frequencies: rounded to BF16 they are off by a radian at
-    position 8000) and keep their dtype. Rank 0's values on every rank with ``sync``
-    (``sync_module_states``), whatever their dtype or layout. A buffer registered in
-    several modules stays one tensor (an EMA two modules update in place), in the dtype of its
-    first registration in module order. ``own``: each
-    module's unit's policy by ``id`` (``unit_precision``'s, a BatchNorm kept FP32), else
-    ``default``."""
-    registered, dtypes = [], {}  # (module, name, buffer); id -> the dtype it is given
-    for module in model.modules():
-        mp, derived = own.get(id(module), default), module._non_persistent_buffers_set
-        for name, buf in module._buffers.items():
-            if buf is None:
-                continue
-            cast = buf.is_floating_point() and mp.buffer_dtype and name not in derived
-            dtype = mp.buffer_dtype if cast else buf.dtype
-            registered.append((module, name, buf))
-            # One tensor however many registrations, in the dtype the first one asks for (they
-            # were cast apart when another asked otherwise: unit_precision's FP32, or
-            # non-persistent there, and each update was seen by one name only).
-            dtypes.setdefault(id(buf), dtype)
-    moved: dict[int, torch.Tensor] = {}
-    for module, name, buf in registered:
-        dtype = dtypes[id(buf)]
-        if dtype != buf.dtype:  # state dicts give it back in this one (as FSDP1 does)
-            module.__dict__.setdefault(BUFFER_DTYPES, {})[name] = buf.dtype
-        if id(buf) not in moved:
-            moved[id(buf)] = buf.to(device=mesh.device, dtype=dtype)
-            if sync and mesh.world_size > 1:
-                moved[id(buf)] = C.broadcast_any(moved[id(buf)], group=mesh.group)
-        module._buffers[name] = moved[id(buf)]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from zeroshard import module_buffers
 from zeroshard.flat_range import FlatRange
 from zeroshard.model_states.flat_param import FlatParam, ShardState
 from zeroshard.state_dict_layout import (
@@ -422,6 +423,7 @@ class _Hooks:
 
     def load_post_hook(self, module: nn.Module, load: _Load, incompatible_keys: Any) -> None:
         _put_back(load)
+        module_buffers.restore_dtypes(module)  # (assign=True put the entries' dtypes there)
         if not incompatible_keys.missing_keys and module is self.engine.model:
             self.engine.loaded(module)  # the whole model: values known again
         loaded = {id(p) for p in module.parameters()}  # a graph made before is stale there
@@ -554,7 +556,7 @@ def _buffers_in_their_dtype(module: nn.Module, state_dict: dict, prefix: str) ->
     """Buffers that ``MixedPrecision.buffer_dtype`` cast (BatchNorm's statistics in BF16) as
     the model declared them (FP32), as FSDP1 gives them: a state dict loads into the model
     unsharded, or trained at another precision, as it was built; loading casts them back."""
-    from zeroshard.sharding import BUFFER_DTYPES
+    BUFFER_DTYPES = module_buffers.BUFFER_DTYPES
 
     for name, sub in module.named_modules():
         for buf_name, dtype in getattr(sub, BUFFER_DTYPES, {}).items():

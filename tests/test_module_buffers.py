@@ -1,0 +1,88 @@
+"""The model's buffers under the engine (``zeroshard.module_buffers``): dtypes kept through a
+conversion of the whole model and through loads that assign."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+
+
+def _bn_model(stage: int, precision: str | None = None) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    return zeroshard.shard(
+        model, stage=stage, wrap=zeroshard.wrap.by_class(nn.Linear), mixed_precision=precision
+    )
+
+
+def _converted_then_on(stage: int, convert: str) -> dict:
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    model, twin = _bn_model(stage), _bn_model(stage)
+    opts = [zeroshard.optimizer(m, torch.optim.SGD, lr=0.1) for m in (model, twin)]
+    for m, opt in zip((model, twin), opts):
+        opt.backward(m(x).sum())
+        opt.step()
+        opt.zero_grad()
+    getattr(model, convert)()
+    with pytest.raises(ValueError) as raised:
+        model(x)
+    out = {"said": "cast back" in str(raised.value) and "1.running_mean" in str(raised.value)}
+    losses = []
+    for m, opt in zip((model, twin), opts):  # (train mode: batch statistics, the same)
+        loss = m(x).sum()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out["losses"] = losses
+    out["dtypes"] = sorted({str(b.dtype) for b in model.buffers() if b.is_floating_point()})
+    model.eval(), twin.eval()
+    with torch.no_grad():  # running statistics as the conversion rounded them
+        out["eval_gap"] = (model(x) - twin(x)).abs().max().item()
+    return out
+
+
+@pytest.mark.parametrize("convert", ["half", "double"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_model_converted_after_shard_goes_on_with_its_buffers(workers2, stage, convert):
+    # The parameters were given the engine's memory back, the buffers were left converted: the
+    # next call raised torch's "expected scalar type Float but found Half" from BatchNorm, and
+    # load_state_dict did not mend it.
+    for r in workers2.run(_converted_then_on, stage, convert):
+        assert r["said"], r
+        assert r["dtypes"] == ["torch.float32"], r
+        assert r["losses"][0] == pytest.approx(r["losses"][1], abs=1e-6), r
+        assert r["eval_gap"] < 1e-2, r
+
+
+def _assigned(stage: int) -> dict:
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    model = _bn_model(stage, "bf16")
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    opt.backward(model(x).float().sum())
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        before = model(x).float()
+    state = zeroshard.full_state_dict(model, rank0_only=False)
+    given = str(state["1.running_mean"].dtype)
+    model.load_state_dict(state, assign=True)
+    with torch.no_grad():
+        after = model(x).float()
+    return {
+        "given": given,
+        "dtype": str(model[1].running_mean.dtype),
+        "same": torch.equal(before, after),
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_load_that_assigns_keeps_the_buffers_compute_dtype(workers2, stage):
+    # State dicts give BF16-cast buffers in their declared FP32; assign=True put those FP32
+    # tensors in the model, and BatchNorm's next call raised "expected scalar type BFloat16".
+    for r in workers2.run(_assigned, stage):
+        assert r == {"given": "torch.float32", "dtype": "torch.bfloat16", "same": True}, r

@@ -1,0 +1,77 @@
+"""The model's buffers under the engine (running statistics, position tables, masks): moved to
+the device at ``shard()``, floating ones that are saved in ``MixedPrecision.buffer_dtype``,
+rank 0's values on every rank; and cast back to that dtype when a conversion of the whole model
+(``model.half()``, ``.to(dtype)``) or a load that assigns (``load_state_dict(..., assign=True)``)
+gave them another, as the engine gives the parameters their memory back then. State dicts give
+cast buffers in their declared dtype (``zeroshard.state_dict_hooks``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from zeroshard import collectives as C
+
+if TYPE_CHECKING:
+    from zeroshard.mesh import Mesh
+    from zeroshard.precision import MixedPrecision
+
+
+BUFFER_DTYPES = "_zeroshard_buffer_dtypes"
+"""Attribute of a module whose buffers ``buffer_dtype`` cast: {buffer name: original dtype}."""
+ENGINE_DTYPES = "_zeroshard_engine_buffer_dtypes"
+"""Attribute of a module with floating buffers: {buffer name: the dtype ``move`` gave it}."""
+
+
+def move(model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecision, *, sync: bool) -> None:
+    """Buffers to the device, floating ones that are saved with the model (running statistics)
+    in ``buffer_dtype``; non-persistent ones are constants a module derives and computes with in
+    its own precision (RoPE's inverse frequencies: rounded to BF16 they are off by a radian at
+    position 8000) and keep their dtype. Rank 0's values on every rank with ``sync``
+    (``sync_module_states``), whatever their dtype or layout. A buffer registered in
+    several modules stays one tensor (an EMA two modules update in place), in the dtype of its
+    first registration in module order. ``own``: each
+    module's unit's policy by ``id`` (``unit_precision``'s, a BatchNorm kept FP32), else
+    ``default``."""
+    registered, dtypes = [], {}  # (module, name, buffer); id -> the dtype it is given
+    for module in model.modules():
+        mp, derived = own.get(id(module), default), module._non_persistent_buffers_set
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
+            cast = buf.is_floating_point() and mp.buffer_dtype and name not in derived
+            dtype = mp.buffer_dtype if cast else buf.dtype
+            registered.append((module, name, buf))
+            # One tensor however many registrations, in the dtype the first one asks for (they
+            # were cast apart when another asked otherwise: unit_precision's FP32, or
+            # non-persistent there, and each update was seen by one name only).
+            dtypes.setdefault(id(buf), dtype)
+    moved: dict[int, torch.Tensor] = {}
+    for module, name, buf in registered:
+        dtype = dtypes[id(buf)]
+        if dtype != buf.dtype:  # state dicts give it back in this one (as FSDP1 does)
+            module.__dict__.setdefault(BUFFER_DTYPES, {})[name] = buf.dtype
+        if dtype.is_floating_point:
+            module.__dict__.setdefault(ENGINE_DTYPES, {})[name] = dtype
+        if id(buf) not in moved:
+            moved[id(buf)] = buf.to(device=mesh.device, dtype=dtype)
+            if sync and mesh.world_size > 1:
+                moved[id(buf)] = C.broadcast_any(moved[id(buf)], group=mesh.group)
+        module._buffers[name] = moved[id(buf)]
+
+
+def restore_dtypes(model: nn.Module) -> list[str]:
+    """Cast back every floating buffer of ``model`` whose dtype is no longer the one ``move``
+    gave it (its values as they are now: rounded by the conversion that changed it); the names
+    of those cast back."""
+    restored = []
+    for prefix, module in model.named_modules():
+        for name, dtype in module.__dict__.get(ENGINE_DTYPES, {}).items():
+            buf = module._buffers.get(name)
+            if isinstance(buf, torch.Tensor) and buf.is_floating_point() and buf.dtype != dtype:
+                with torch.no_grad():
+                    module._buffers[name] = buf.to(dtype)
+                restored.append(f"{prefix}.{name}" if prefix else name)
+    return restored
