@@ -1494,6 +1494,39 @@ def test_the_step_of_an_optimizer_without_a_step_state(lone_process, tmp_path):
     assert checkpoint.info(tmp_path / "b").step == 4
 
 
+def _step_with_an_occasional_head(path: str) -> dict:
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.aux, self.body, self.head = (torch.nn.Linear(4, 4) for _ in range(3))
+            self.use_aux = False
+
+        def forward(self, x):
+            h = torch.tanh(self.body(x))
+            return self.head(h) + self.aux(h) if self.use_aux else self.head(h)
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(Net(), stage=3, wrap=zeroshard.wrap.by_class(torch.nn.Linear))
+    opt = zeroshard.optimizer(model, torch.optim.Adam, lr=0.01)
+    for step in range(5):
+        model.use_aux = step < 2  # Adam counts 2 steps for the auxiliary head, 5 for the rest
+        opt.backward(model(torch.randn(2, 4)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(path, model, opt)
+    fresh = zeroshard.shard(Net(), stage=3, wrap=zeroshard.wrap.by_class(torch.nn.Linear))
+    fresh_opt = zeroshard.optimizer(fresh, torch.optim.Adam, lr=0.01)
+    checkpoint.load(path, fresh, fresh_opt)
+    return {"recorded": checkpoint.info(path).step, "loaded": fresh_opt.steps_taken}
+
+
+def test_the_step_recorded_is_the_optimizer_s_not_a_lagging_parameter_s(workers2, tmp_path):
+    # The first piece's "step" was taken: a parameter out of the loss on some steps (an
+    # auxiliary head) recorded 2 of 5 steps, a resume at step 2 replaying three batches.
+    for r in workers2.run(_step_with_an_occasional_head, str(tmp_path / "ck")):
+        assert r == {"recorded": 5, "loaded": 5}, r
+
+
 def _sparse_buffer_save(path: str) -> list[str]:
     """A graph's adjacency kept as a sparse buffer: DCP cannot write it, and the save failed
     after its exchanges with "2 of 8 entries were not written ... free space or save

@@ -234,3 +234,35 @@ def test_state_dict_functions_name_what_they_take(lone_process):
     assert zeroshard.device_mesh(model) is zeroshard.device_mesh(zeroshard.engine_of(model))
     with pytest.raises(ValueError, match="not sharded"):
         zeroshard.device_mesh(nn.Linear(2, 2))
+
+
+def test_an_optimizer_given_as_a_partial_trains_as_its_class(lone_process):
+    """``functools.partial(torch.optim.AdamW, betas=...)`` (Hydra's ``_partial_``): refused as
+    not element-wise, and with ``elementwise=True``, as its advice said, an AttributeError."""
+    import functools
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=3)
+    factory = functools.partial(torch.optim.AdamW, betas=(0.5, 0.9), lr=1.0)
+    opt = zeroshard.optimizer(model, factory, lr=0.05)  # the call's lr over the partial's
+    ref_opt = torch.optim.AdamW(ref.parameters(), betas=(0.5, 0.9), lr=0.05)
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    for name, want in ref.state_dict().items():
+        assert torch.allclose(full[name], want, atol=1e-6), name
+    assert opt.param_groups[0]["betas"] == (0.5, 0.9)
+    with pytest.raises(TypeError, match="keyword settings only"):
+        zeroshard.optimizer(model, functools.partial(torch.optim.AdamW, [torch.zeros(1)]))
+
+
+def test_a_group_of_a_set_is_refused_as_torch_refuses_it(lone_process):
+    # Accepted, the group's order differed between ranks (a set's order is its tensors' ids).
+    model = zeroshard.shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), stage=1)
+    with pytest.raises(TypeError, match="ordered collections"):
+        zeroshard.optimizer(model, torch.optim.SGD, [{"params": set(model.parameters())}], lr=0.1)

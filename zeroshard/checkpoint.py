@@ -232,14 +232,17 @@ def _resident(model, optimizer) -> Iterator[None]:
 
 
 def _optimizer_step(optimizer) -> int:
-    """The (first) optimizer's step count: its state's (Adam's "step"), else the steps it took
-    (``steps_taken``: SGD keeps no count); 0 without an optimizer."""
+    """The (first) optimizer's step count: the steps it took (``steps_taken``: SGD keeps no
+    count) or its states' count (Adam's "step", a loaded torch state's), whichever is larger
+    (a parameter out of the loss on some steps counts fewer); 0 without an optimizer."""
     for opt in _optimizers(optimizer)[:1]:
-        for sub in getattr(opt, "sub_optimizers", [opt]):
-            for st in sub.state.values():
-                if "step" in st:
-                    return int(st["step"])
-        return int(getattr(opt, "steps_taken", 0))
+        counts = [
+            int(st["step"])
+            for sub in getattr(opt, "sub_optimizers", [opt])
+            for st in sub.state.values()
+            if "step" in st
+        ]
+        return max([int(getattr(opt, "steps_taken", 0)), *counts])
     return 0
 
 

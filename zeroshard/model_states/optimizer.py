@@ -32,6 +32,7 @@ give the same result as unsharded training; others (LBFGS, Adafactor, LAMB, Muon
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -69,6 +70,21 @@ _NOT_A_COPY = (
 )
 
 
+def _unwrapped(factory: Any, settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """An optimizer class given as ``functools.partial(cls, **fixed)`` (Hydra's ``_partial_``,
+    Lightning's configs): the class, with the settings the partial fixed under those given here
+    (keywords of the call override a partial's, as calling it would)."""
+    while isinstance(factory, functools.partial):
+        if factory.args:
+            raise TypeError(
+                f"{factory!r}: an optimizer factory may fix keyword settings only (zeroshard "
+                "passes the parameters first); pass functools.partial(cls, lr=..., ...)"
+            )
+        settings = {**factory.keywords, **settings}
+        factory = factory.func
+    return factory, settings
+
+
 class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
     """Steps only this rank's shard of the master weights with ``optimizer_cls``.
 
@@ -92,6 +108,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         **defaults: Any,
     ) -> None:
         self.engine: Engine = engine_of(model)
+        optimizer_cls, defaults = _unwrapped(optimizer_cls, defaults)
         check_elementwise(optimizer_cls, known=elementwise)
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(

@@ -62,6 +62,12 @@ def param_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[st
             raise ValueError(f"a param group needs a 'params' key; got keys {sorted(g)}")
         if isinstance(g["params"], torch.Tensor):  # {"params": model.head.weight}: one tensor
             g["params"] = [g["params"]]
+        if isinstance(g["params"], (set, frozenset)):  # torch's refusal: its order differs
+            raise TypeError(  # between processes, so would each rank's group
+                "optimizer parameters need to be organized in ordered collections, but the "
+                "ordering of tensors in sets will change between runs (and between ranks); "
+                "pass a list, e.g. [p for p in model.parameters() if ...]"
+            )
         g["params"] = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in g["params"]]
         _check_listed_once(model, g["params"])
     return groups
