@@ -11,6 +11,18 @@ import torch
 from torch import nn
 
 
+def strided_parameters(model: nn.Module) -> None:
+    """A sparse Parameter (COO, CSR): the flat buffers hold dense elements (it raised torch's
+    "Cannot access data pointer of Tensor that doesn't have storage" from inside ``shard``)."""
+    for name, p in model.named_parameters():
+        if p.layout is not torch.strided:
+            raise ValueError(
+                f"parameter {name} is sparse ({p.layout}): zeroshard shards dense parameters "
+                "into flat buffers; register it dense (p.to_dense()) and, if it must stay "
+                "sparse in the computation, take p.to_sparse() in forward"
+            )
+
+
 def no_shared_memory(model: nn.Module) -> None:
     """Two Parameters over the same elements (``Parameter(fc.weight.data.t())``): sharding gives
     each its own master, and they drifted apart without a word (FSDP2 refuses them too).
@@ -24,6 +36,7 @@ def no_shared_memory(model: nn.Module) -> None:
         spans.setdefault(p.untyped_storage().data_ptr(), []).append(
             (start, start + _extent(p) * p.element_size(), name, p)
         )
+    _buffers_over(model, spans)
     for group in spans.values():
         group.sort(key=lambda span: span[:2])
         for i, (start, _, name, p) in enumerate(group):
@@ -35,6 +48,25 @@ def no_shared_memory(model: nn.Module) -> None:
                         "apart; register one Parameter and derive the other from it in forward "
                         "(e.g. self.fc.weight.t())"
                     )
+
+
+def _buffers_over(model: nn.Module, spans: dict[int, list]) -> None:
+    """A buffer that views a parameter's elements (``register_buffer("w_t", fc.weight.data.t())``):
+    sharding moves the parameter into a flat buffer of its own, and the view kept the initial
+    weights while torch's followed every update (trained apart without a word)."""
+    for name, b in model.named_buffers():
+        if b.layout is not torch.strided or b.device.type == "meta" or not b.numel():
+            continue
+        start = b.data_ptr()
+        end = start + _extent(b) * b.element_size()
+        for p_start, p_end, param, p in spans.get(b.untyped_storage().data_ptr(), []):
+            if start < p_end and p_start < end and _same_elements(p, b):
+                raise ValueError(
+                    f"buffer {name} views parameter {param}'s memory: sharded, the parameter "
+                    "moves into the engine's flat buffers and the view would keep its initial "
+                    f"values while {param} trains; derive it from the parameter in forward "
+                    "(e.g. self.fc.weight.t()) instead of registering a view"
+                )
 
 
 def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -186,6 +186,7 @@ def shard(
             "ran on it): zeroshard shards plain parameters; split a model tensor-parallel with "
             "zeroshard.tensor_parallel (zeroshard train --tp N) instead"
         )
+    model_checks.strided_parameters(model)  # (before the memory check: a sparse one has none)
     model_checks.no_shared_memory(model)
     complex_ = next((n for n, p in model.named_parameters() if p.is_complex()), None)
     if complex_ is not None:
@@ -264,9 +265,11 @@ def shard(
     # as many per size as units are gathered at once (the one computing and the prefetched).
     buffers = BufferPool(keep=1 + config.num_prefetch if config.constant_buffers else 0)
     # Stages 2-3 on the CPU: collected full gradients reuse memory too, as many per size as
-    # reductions are in flight at a collection.
+    # reductions are in flight at a collection; at stage 3 first the gather buffer the unit's
+    # parameters just gave back (the same bytes in FP32), as a caching allocator would.
     pooled = config.constant_buffers and mesh.device.type == "cpu" and part.gradients
-    grad_buffers = TensorPool(keep=config.max_inflight_reductions) if pooled else None
+    spare = buffers if part.parameters and config.constant_buffers else None
+    grad_buffers = TensorPool(config.max_inflight_reductions, spare) if pooled else None
 
     policy_of_flat: dict[FlatParam, MixedPrecision] = {}
 

@@ -56,6 +56,18 @@ class Reduction(enum.Enum):
         return cls.SCATTER_AND_FREE if partition.gradients else cls.SCATTER_IN_PLACE
 
 
+def _check_dense(name: str, grad: torch.Tensor | None) -> None:
+    """A sparse gradient (``F.embedding(..., sparse=True)`` in a module's own forward, which
+    ``shard`` cannot see) is a clear error: the buckets hold dense elements (it raised torch's
+    "Cannot access data pointer" or "reshape is not implemented for sparse tensors")."""
+    if grad is not None and grad.layout is not torch.strided:
+        raise ValueError(
+            f"{name}'s gradient is sparse ({grad.layout}; F.embedding(..., sparse=True) or "
+            "torch.sparse.mm in forward): zeroshard's gradient buckets hold dense gradients; "
+            "compute it with sparse=False (dense gradients)"
+        )
+
+
 def pools(buckets: list[GradBucket]) -> list[TensorPool]:
     """The distinct pools that the buckets' collected full gradients borrow memory from (stages
     2-3 on the CPU with ``ShardConfig.constant_buffers``)."""
@@ -242,6 +254,7 @@ class GradBucket(ShownGradients):
 
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
         """Post-accumulate hook of slot ``i``: a fresh gradient goes into the bucket."""
+        _check_dense(self.flat.slots[i].names[0], param.grad)
         if param.grad is not None:
             self.touched[i] = self.reached = True
             self.arrivals += 1
@@ -259,6 +272,8 @@ class GradBucket(ShownGradients):
         which are released, plus the earlier micro-steps' ``_acc`` (which it becomes). Made in
         ``reduce_dtype`` directly, so a wider reduction needs no second, cast copy."""
         flat = self.flat
+        for s in flat.slots:  # (before any memory is taken)
+            _check_dense(s.names[0], s.param.grad)
         adding = self._acc is not None
         # Pooled only when nothing outlives the reduction: the shard is a tensor of its own.
         self._pooled = (
