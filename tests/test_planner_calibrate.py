@@ -210,9 +210,12 @@ def test_calibration_hf_stage3_two_ranks(workers2, name, batch, seq):
         # unit sizes.
         assert p["peak"]["gathered_units"] <= 4 * (model.root_numel + 2 * model.largest_unit_numel)
         assert p["peak"]["gathered_units"] == p["constant_buffers_bytes"]
-        # (At most: no two units of one size, what is free is freed to make room.)
+        # Up to one unit more: a unit's gradient borrows a free gather buffer while the next
+        # units are gathered, and the pool keeps what was in use at once (the plan counts the
+        # gradient apart). Few units (2 + 2-block T5, 2-layer BERT): that is every unit.
         pad = 4 * row["num_ranks"] * (1 + len(model.block_unit_numels))
-        assert 0 < meas["constant_buffers_bytes"] <= p["constant_buffers_bytes"] + pad
+        one_unit = 4 * max(model.largest_unit_numel, model.root_numel)
+        assert 0 < meas["constant_buffers_bytes"] <= p["constant_buffers_bytes"] + one_unit + pad
         for key, want in p["comm_numel"].items():
             assert 0 <= meas["comm_numel"][key] - want <= 2 * len(model.block_unit_numels) + 2, key
         if batch * seq >= 256:

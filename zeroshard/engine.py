@@ -374,8 +374,9 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
                 self._registrations = seen
                 if model_checks.added_parameters(self.model, self._known_params):
                     self._known_params = None  # (said once)
-        for pool in self.buffer_pools():
-            pool.settle()  # the last step's use of gather buffers is the next one's
+        if torch.is_grad_enabled():  # (an evaluation's gathers, without backward, tell little)
+            for pool in self.buffer_pools():
+                pool.settle()  # the last step's use of gather buffers is the next one's
         self.phase = Phase.FORWARD
         if self.checkpointing is not None:
             self.checkpointing.close()

@@ -96,12 +96,35 @@ class BufferPool:
         _swap(storage, buffer.untyped_storage())
         self._lent_now[key] -= 1
         self._lent_bytes -= key[1]
+        self._return(key, buffer)
+
+    def _return(self, key: tuple[torch.device, int], buffer: torch.Tensor) -> None:
+        """``buffer`` (with its memory) back among the free ones, or freed when ``keep`` of its
+        size are free already or it does not fit in what the pool may hold."""
         if len(self._free[key]) < self._keeps(key) and self._make_room(key[1]):
             self._free[key].append(buffer)
             self._returned[id(buffer)] = (key, buffer)
             self._free_bytes += key[1]
         else:
             buffer.untyped_storage().resize_(0)
+
+    def borrow(self, nbytes: int, device: torch.device) -> torch.Tensor | None:
+        """A free buffer of exactly ``nbytes`` on ``device`` as a 1D uint8 tensor with its memory,
+        until ``give_back``; None when none is free. A unit's full gradient takes the gathered
+        memory its parameters just gave back (stage 3, FP32: the same bytes), as a caching
+        allocator would, instead of new memory beside a buffer idle until the next gather.
+        Counted among the bytes lent at once, not among the buffers of its size lent."""
+        key = (torch.device(device), nbytes)
+        if not self._free[key]:
+            return None
+        self._lent_bytes += nbytes
+        self._peak_bytes = max(self._peak_bytes, self._lent_bytes)
+        return self._unfree(key)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """Return a buffer from ``borrow``."""
+        self._lent_bytes -= buffer.numel()
+        self._return((buffer.device, buffer.numel()), buffer)
 
     def _unfree(self, key: tuple[torch.device, int]) -> torch.Tensor:
         """The newest free buffer of ``key``'s size, out of the free ones."""
@@ -129,8 +152,9 @@ class BufferPool:
 
     def _keeps(self, key: tuple[torch.device, int]) -> int:
         """Free buffers of ``key``'s size to keep: none with ``keep=0`` (no pooling), else as
-        many as the last window lent at once, and at least ``keep``."""
-        return max(self.keep, self._kept.get(key, 0)) if self.keep else 0
+        many as the last window lent at once (the root's one), ``keep`` for a size it did not
+        lend or before any window ended."""
+        return self._kept.get(key, self.keep) if self.keep else 0
 
     def settle(self) -> None:
         """End a window of use (one step, or one inference forward): from now on keep as many
@@ -177,12 +201,15 @@ class TensorPool:
     backward per unit size, and none is kept between steps (where it would add to the next
     backward's early peak, before any gradient exists).
     GPUs have a caching allocator already, and a side stream's use would need recording:
-    the engine pools on the CPU only."""
+    the engine pools on the CPU only. ``spare``: stage 3's gather buffers, whose free ones of
+    the right size are borrowed before anything is allocated (``BufferPool.borrow``)."""
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, spare: BufferPool | None = None) -> None:
         if keep < 0:
             raise ValueError(f"keep must be >= 0 (free tensors kept per size), got {keep}")
         self.keep = keep
+        self.spare = spare
+        self._borrowed: dict[int, torch.Tensor] = {}  # id of a tensor taken -> spare's buffer
         self._free: dict[tuple[torch.device, torch.dtype, int], list[torch.Tensor]] = defaultdict(
             list
         )
@@ -193,8 +220,14 @@ class TensorPool:
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D tensor of ``numel`` elements, contents undefined, until ``give``."""
         free = self._free[(torch.device(device), dtype, numel)]
+        spare = None
+        if not free and self.spare is not None:
+            spare = self.spare.borrow(numel * dtype.itemsize, device)
         if free:
             tensor = free.pop()
+        elif spare is not None:
+            tensor = spare.view(dtype)
+            self._borrowed[id(tensor)] = spare
         else:
             self._free.clear()  # another size now: those kept are not what is reused
             self.made += 1
@@ -206,6 +239,10 @@ class TensorPool:
         """Take back a tensor from ``take``; the caller holds no view of it any more."""
         if self._lent.pop(id(tensor), None) is None:
             raise RuntimeError("give: this tensor did not come from this pool's take")
+        spare = self._borrowed.pop(id(tensor), None)
+        if spare is not None:
+            self.spare.give_back(spare)
+            return
         free = self._free[(tensor.device, tensor.dtype, tensor.numel())]
         if len(free) < self.keep:
             free.append(tensor)
