@@ -416,3 +416,25 @@ def test_an_evaluation_between_steps_allocates_nothing_more(workers2):
         workers2.run(_made_per_step, False), workers2.run(_made_per_step, True)
     ):
         assert evaluated[2:] == trained[2:], (trained, evaluated)
+
+
+def _inference_after_a_summon() -> dict:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(a, b) for a, b in zip(_WIDTHS, _WIDTHS[1:])]
+    model = zeroshard.shard(
+        torch.nn.Sequential(*layers), stage=3, wrap=zeroshard.wrap.by_class(torch.nn.Linear)
+    )
+    engine = zeroshard.engine_of(model)
+    with zeroshard.summon_full_params(model):  # every unit gathered at once
+        pass
+    with torch.no_grad():
+        for _ in range(3):  # inference alone: each forward still ends a window
+            model(torch.randn(2, _WIDTHS[0]))
+    units = [u.flat_params[0].padded_numel * 4 for u in engine.units if u.flat_params]
+    held = sum(pool.free_bytes for pool in engine.buffer_pools())
+    return {"held": held, "window": max(a + b for a, b in zip(units, units[1:]))}
+
+
+def test_inference_alone_lets_a_summon_s_buffers_go(workers2):
+    for r in workers2.run(_inference_after_a_summon):
+        assert r["held"] <= r["window"], r

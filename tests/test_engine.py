@@ -186,10 +186,13 @@ def _model_state_bytes(stage: int) -> tuple[int, int]:
     tracker = MemTracker()
     flat = [t for f in engine.flat_params for t in (f.full, f.master)]
     flat += [b.full_grad for b in engine.buckets]
+    flat += [t for pool in engine.buffer_pools() for t in pool.tensors()]
     tracker.track_external(model, opt, *[t for t in flat if t is not None])
     with tracker:
         step(1)
         measured = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
+    # Stage 3's free gather buffers (residual states, ZeRO-R's constant buffers) apart.
+    measured -= sum(pool.free_bytes for pool in engine.buffer_pools())
     n, psi = dist.get_world_size(), sum(f.padded_numel for f in engine.flat_params)
     part = zeroshard.STAGES[stage]
     # FP32 AdamW: 4 bytes of parameters, 4 of gradients, 8 of optimizer states (momentum and

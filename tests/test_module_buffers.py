@@ -86,3 +86,11 @@ def test_a_load_that_assigns_keeps_the_buffers_compute_dtype(workers2, stage):
     # tensors in the model, and BatchNorm's next call raised "expected scalar type BFloat16".
     for r in workers2.run(_assigned, stage):
         assert r == {"given": "torch.float32", "dtype": "torch.bfloat16", "same": True}, r
+
+
+def test_a_plain_load_leaves_buffers_changed_on_purpose(lone_process):
+    # Casting back is for loads that assign: a plain one copies into the buffers as they are.
+    model = _bn_model(3)
+    model[1].running_var = model[1].running_var.double()
+    model.load_state_dict(model.state_dict())
+    assert model[1].running_var.dtype == torch.float64

@@ -586,20 +586,14 @@ def broadcast_any(t: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.
         box = [t.cpu() if dist.get_rank(group) == 0 else None]
         dist.broadcast_object_list(box, group_src=0, group=group)
         return box[0].to(t.device)
-    own = _unexpanded(t)
+    own = t  # without expand's broadcast dimensions (stride 0): the same memory, all synced
+    for dim in range(t.dim()):
+        if own.stride(dim) == 0 and own.size(dim) > 1:
+            own = own.narrow(dim, 0, 1)
     if own.dtype in _BROADCAST_DTYPES and own.is_contiguous():
         broadcast(own, src=0, group=group)  # (the backends move numel() elements from data_ptr)
         return t
     data = own.detach().contiguous().reshape(-1).view(torch.uint8)
     broadcast(data, src=0, group=group)
     own.copy_(data.view(t.dtype).view(own.shape))
-    return t
-
-
-def _unexpanded(t: torch.Tensor) -> torch.Tensor:
-    """``t`` without its broadcast dimensions (``expand``'s stride 0: one element standing for a
-    whole dimension), a view of the same memory: syncing it syncs every element of ``t``."""
-    for dim in range(t.dim()):
-        if t.stride(dim) == 0 and t.size(dim) > 1:
-            t = t.narrow(dim, 0, 1)
     return t

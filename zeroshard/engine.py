@@ -123,6 +123,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         self.reduction_order = ReductionOrder(self.buckets, in_order=not self.partition.parameters)
         """The one order of every rank's reductions (stages 0-2; stage 3: each at once)."""
         self.summoned = 0  # depth of summon_full_params
+        self._window_trained = False  # a training forward since the pools' window began
         self.discarding = 0  # of them, how many undo writes (writeback=False): no step inside
         self.untrusted: str | None = None  # why values are not to be used (checkpoint._load)
         self.to_reload: set[int] = set()  # ids of the model and optimizers that clear it loaded
@@ -374,9 +375,13 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
                 self._registrations = seen
                 if model_checks.added_parameters(self.model, self._known_params):
                     self._known_params = None  # (said once)
-        if torch.is_grad_enabled():  # (an evaluation's gathers, without backward, tell little)
+        # The last step's use of gather buffers is the next one's: a window ends as a training
+        # forward starts (an evaluation's, without backward, would tell the pool to free what
+        # the next step needs), or any forward where none trained since (inference alone).
+        if torch.is_grad_enabled() or not self._window_trained:
             for pool in self.buffer_pools():
-                pool.settle()  # the last step's use of gather buffers is the next one's
+                pool.settle()
+        self._window_trained = torch.is_grad_enabled()
         self.phase = Phase.FORWARD
         if self.checkpointing is not None:
             self.checkpointing.close()
@@ -384,8 +389,9 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         self._clean_after_backward()
 
     def buffer_pools(self) -> list[BufferPool]:
-        """The constant buffers stage 3's gathered units borrow (one pool per model; none
-        below stage 3), free ones included: memory trackers are given their ``tensors()``."""
+        """The constant buffers stage 3's gathered units borrow (one pool per model; below
+        stage 3 a pool that keeps nothing), free ones included: memory trackers are given
+        their ``tensors()``."""
         return list({id(f.buffers): f.buffers for f in self.flat_params}.values())
 
     def _begin_alone(self, unit: Unit) -> None:

@@ -98,6 +98,8 @@ class _Load:
         self.deferred: list[tuple[dict, int, Any]] = []
         """The user's pre-hooks on ``root`` registered after ``shard()``, run before the
         engine's take there: (hooks, key, hook) to put back."""
+        self.assign = False
+        """``load_state_dict(..., assign=True)``: the entries' tensors replace the buffers."""
 
 
 class _Hooks:
@@ -357,6 +359,7 @@ class _Hooks:
             if m is not module and m in self._load_ids:
                 m._load_state_dict_pre_hooks.move_to_end(self._load_ids[m])
         load = _Load(module, prefix, _own_frame(module, "load_state_dict"))
+        load.assign = bool(local_metadata.get("assign_to_params_buffers", False))
         self.loads.append(load)
         # On this one, which runs its hooks now: those after ours run first, here, and are
         # left out of the rest of torch's loop over them (values replaced, put back at the end).
@@ -423,7 +426,8 @@ class _Hooks:
 
     def load_post_hook(self, module: nn.Module, load: _Load, incompatible_keys: Any) -> None:
         _put_back(load)
-        module_buffers.restore_dtypes(module)  # (assign=True put the entries' dtypes there)
+        if load.assign:  # the entries' tensors, in the state dict's dtypes, replaced buffers
+            module_buffers.restore_dtypes(module)
         if not incompatible_keys.missing_keys and module is self.engine.model:
             self.engine.loaded(module)  # the whole model: values known again
         loaded = {id(p) for p in module.parameters()}  # a graph made before is stale there

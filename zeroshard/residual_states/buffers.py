@@ -14,19 +14,22 @@ object throughout.
 Buffers are kept per (device, bytes): the units of one size (a transformer's blocks) share them.
 The pool grows only when every buffer of a size is lent (the first step's peak, or a
 ``summon_full_params`` holding every unit); after ``take_back`` it keeps as many free buffers per
-size as were lent at once in the last window (``settle``: the engine ends one as each forward of
-the model starts), at least ``keep``, and frees the rest. A pattern that recurs every step (a
-block used twice in a forward stays gathered between its uses, beside the computing and the
-prefetched ones) thus allocates in its first two steps only, and an unusual moment pins its
-memory for one window at most. ``made`` counts the buffers ever allocated: after the first steps
-of steady training it stops growing. ``keep=0`` keeps nothing: each lend allocates and each
-take-back frees (memory only while gathered, an allocation per gather).
+size as were lent at once in the last window (``settle``: the engine ends one as each training
+forward of the model starts), ``keep`` before the first, and frees the rest. A pattern that
+recurs every step (a block used twice in a forward stays gathered between its uses, beside the
+computing and the prefetched ones) thus allocates in its first steps only, and an unusual
+moment pins its memory for one window at most. ``made`` counts the buffers ever allocated.
+``keep=0`` keeps nothing: each lend allocates and each take-back frees (memory only while
+gathered, an allocation per gather).
 
 The pool never holds more bytes, lent and free together, than were lent at once in the last
-window or in this one (the most the step gathered at once): free buffers of other sizes are freed,
-oldest first, to make room, and one given back beyond it is freed. Units of one size reuse their
-buffers as above; units no two of one size (a CNN's widening stages) allocate at each gather as
-without the pool, instead of every unit staying gathered between steps.
+window or in this one (the most the step had in use at once): free buffers of other sizes are
+freed, oldest first, to make room, and one given back beyond it is freed. Units of one size
+reuse their buffers as above; units no two of one size (a CNN's widening stages) allocate at
+each gather as without the pool, instead of every unit staying gathered between steps. A unit's
+gradient on the CPU borrows the buffer its parameters gave back (``borrow``, through
+``TensorPool``'s ``spare``); the next gather of that size may then allocate one (at most one
+per step for a transformer's blocks, where the gradients' own tensors were one per size).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class BufferPool:
         """Most bytes lent at once since the last ``settle``."""
         self._room = 0
         """Most bytes lent at once in the last window: the pool holds at most this many, or
-        ``_peak_bytes`` when more (``_fits``)."""
+        ``_peak_bytes`` when more (``_make_room``)."""
         self._returned: dict[int, tuple[tuple[torch.device, int], torch.Tensor]] = {}
         """The free buffers, by ``id``, oldest given back first (the order they are freed in)."""
 
@@ -85,9 +88,9 @@ class BufferPool:
         self._peak[key] = max(self._peak[key], self._lent_now[key])
 
     def take_back(self, owner: object, storage: torch.UntypedStorage) -> None:
-        """Leave ``storage`` empty; its memory goes back to the pool (or is freed when ``keep``
-        buffers of its size are free already). Memory ``storage`` did not get from ``lend`` is
-        freed (``resize_(0)``)."""
+        """Leave ``storage`` empty; its memory goes back to the pool (``_return``: or is freed,
+        when as many of its size as it keeps are free already or it does not fit). Memory
+        ``storage`` did not get from ``lend`` is freed (``resize_(0)``)."""
         loan = self._lent.pop(id(owner), None)
         if loan is None:
             storage.resize_(0)
@@ -157,9 +160,10 @@ class BufferPool:
         return self._kept.get(key, self.keep) if self.keep else 0
 
     def settle(self) -> None:
-        """End a window of use (one step, or one inference forward): from now on keep as many
-        free buffers per size as were lent at once in it (the free ones beyond that are freed
-        now), and start the next window's count from the buffers lent at the moment."""
+        """End a window of use (one training step, or one inference forward): from now on keep
+        as many free buffers per size as were lent at once in it (the free ones beyond that
+        are freed now), and start the next window's count from the buffers lent at the
+        moment."""
         self._kept, self._room = dict(self._peak), self._peak_bytes
         for key, free in self._free.items():
             while len(free) > self._keeps(key):
@@ -226,6 +230,7 @@ class TensorPool:
         if free:
             tensor = free.pop()
         elif spare is not None:
+            self._free.clear()  # (as below: those kept for other sizes are not reused)
             tensor = spare.view(dtype)
             self._borrowed[id(tensor)] = spare
         else:
