@@ -90,19 +90,25 @@ def test_keys_of_a_group_that_the_class_does_not_take_are_kept(lone_process):
     for o in opts:  # a scheduler of the user's own reading its key
         for g in o.param_groups:
             g["lr"] = 0.1 * g["lr_scale"]
+    _trained_alike(model, ref, *opts)
+    saved = opts[0].state_dict()["param_groups"]
+    assert sorted((g["name"], g["lr_scale"]) for g in saved) == [("body", 1.0), ("head", 0.5)]
+    opts[0].load_state_dict(opts[0].state_dict())
+    assert [g["name"] for g in opts[0].param_groups] == ["head", "body"]
+
+
+def _trained_alike(model, ref, opt, ref_opt, steps: int = 2) -> None:
+    """Train the sharded ``model`` and its unsharded twin ``ref`` on one batch; assert they
+    end alike."""
     x = torch.randn(3, 4)
-    for m, o in zip((model, ref), opts):
-        for _ in range(2):
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(steps):
             m(x).square().sum().backward()
             o.step()
             o.zero_grad()
     full = zeroshard.full_state_dict(model, rank0_only=False)
     for name, want in ref.state_dict().items():
         assert torch.allclose(full[name], want, atol=1e-6), name
-    saved = opts[0].state_dict()["param_groups"]
-    assert sorted((g["name"], g["lr_scale"]) for g in saved) == [("body", 1.0), ("head", 0.5)]
-    opts[0].load_state_dict(opts[0].state_dict())
-    assert [g["name"] for g in opts[0].param_groups] == ["head", "body"]
 
 
 def test_torch_s_profiling_wrapper_is_not_an_override():
@@ -247,15 +253,7 @@ def test_an_optimizer_given_as_a_partial_trains_as_its_class(lone_process):
     factory = functools.partial(torch.optim.AdamW, betas=(0.5, 0.9), lr=1.0)
     opt = zeroshard.optimizer(model, factory, lr=0.05)  # the call's lr over the partial's
     ref_opt = torch.optim.AdamW(ref.parameters(), betas=(0.5, 0.9), lr=0.05)
-    x = torch.randn(3, 4)
-    for _ in range(2):
-        for m, o in ((model, opt), (ref, ref_opt)):
-            m(x).square().sum().backward()
-            o.step()
-            o.zero_grad()
-    full = zeroshard.full_state_dict(model, rank0_only=False)
-    for name, want in ref.state_dict().items():
-        assert torch.allclose(full[name], want, atol=1e-6), name
+    _trained_alike(model, ref, opt, ref_opt)
     assert opt.param_groups[0]["betas"] == (0.5, 0.9)
     with pytest.raises(TypeError, match="keyword settings only"):
         zeroshard.optimizer(model, functools.partial(torch.optim.AdamW, [torch.zeros(1)]))
