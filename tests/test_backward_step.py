@@ -732,3 +732,26 @@ def _part_zeroed_then_step(stage: int, bucket_bytes: int | None) -> list[str]:
 def test_a_submodule_zeroed_between_backward_and_step(workers2, stage, bucket_bytes):
     for said in workers2.run(_part_zeroed_then_step, stage, bucket_bytes):
         assert len(said) == 2 and all("they stay" in s for s in said), said
+
+
+def _another_optimizer_s_backward_after_the_step(stage: int) -> str:
+    torch.manual_seed(0)
+    enc = zeroshard.shard(torch.nn.Linear(4, 8), stage=stage)
+    dec = zeroshard.shard(torch.nn.Linear(8, 1), stage=stage)
+    enc_opt = zeroshard.optimizer(enc, torch.optim.Adam, lr=0.1, step_in_backward=True)
+    dec_opt = zeroshard.optimizer(dec, torch.optim.Adam, lr=0.1)
+    h = enc(torch.randn(2, 4))
+    enc_opt.backward(h.pow(2).mean(), retain_graph=True)  # the encoder steps in here
+    try:
+        dec_opt.backward(dec(h).pow(2).mean())  # ... and gets gradients again
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_another_optimizer_brings_after_the_step_are_refused(workers2, stage):
+    # They were kept for a step that had happened and dropped at zero_grad: the encoder took
+    # the auxiliary loss's step alone, 0.2 from one step on the sum, without a word.
+    for said in workers2.run(_another_optimizer_s_backward_after_the_step, stage):
+        assert "received gradients again after its update" in said, said

@@ -149,6 +149,14 @@ class BackwardStep:
                 "optimizer.zero_grad() after each step(), or drop step_in_backward to "
                 "accumulate gradients across steps"
             )
+        if id(bucket) in self.stepped:  # (also through another optimizer's backward: its
+            raise RuntimeError(  # gradients would be kept for a step that has happened)
+                f"step_in_backward: unit {bucket.flat.name!r} received gradients again after "
+                "its update in this step (a second backward before optimizer.step(), this "
+                "optimizer's or another's reaching it). Accumulate micro-batches with "
+                "optimizer.backward(loss, sync=False) and call step() after the last one, run "
+                "the other optimizer's backward first, or drop step_in_backward"
+            )
         if not engine.sync_grads or engine.backward_by not in (None, optimizer):
             # A micro-step that reduces (reduce_every_micro_step), or another optimizer's
             # backward (a GAN's generator loss reaching the discriminator: torch accumulates
@@ -157,13 +165,6 @@ class BackwardStep:
             if bucket.shard_grad is not None:
                 bucket.shard_grad = bucket.shard_grad.clone()
             return
-        if id(bucket) in self.stepped:
-            raise RuntimeError(
-                f"step_in_backward: unit {bucket.flat.name!r} received gradients again after "
-                "its update in this step (a second backward before optimizer.step()). "
-                "Accumulate micro-batches with optimizer.backward(loss, sync=False) and call "
-                "step() after the last one, or drop step_in_backward"
-            )
         self.stepped.add(id(bucket))
         # Writes since the forward adopted them (between it and this backward, or with no root
         # forward at all: submodules called on their own) reach the master before it steps,
