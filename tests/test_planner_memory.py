@@ -356,7 +356,10 @@ def _tracked_accumulation(*, unreduced: bool, step_in_backward: bool = False) ->
     x = torch.randint(0, 64, (1, 4))
     _two_micro_batches(model, opt, x)  # states exist before tracking
     tracker = MemTracker()
-    tracker.track_external(*[f.master for f in zeroshard.engine_of(model).flat_params])
+    engine = zeroshard.engine_of(model)
+    tracker.track_external(*[f.master for f in engine.flat_params])
+    # The gather buffers, free ones too (a gradient borrowing one would show it alone).
+    tracker.track_external(*[t for pool in engine.buffer_pools() for t in pool.tensors()])
     tracker.track_external(model, opt)
     with tracker:
         between = _two_micro_batches(model, opt, x, tracker)
