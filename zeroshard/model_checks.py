@@ -1,6 +1,7 @@
 """What ``shard()`` refuses in a model before it changes anything: parameters that would train
-apart from torch's (two Parameters over the same elements; an embedding with sparse gradients
-or ``max_norm``), each a ValueError naming the module and the fix; and what no forward of a
+apart from torch's (two Parameters over the same elements, a buffer viewing a parameter's, a
+sparse Parameter; an embedding with sparse gradients or ``max_norm``), each a ValueError naming
+the module and the fix; and what no forward of a
 sharded model can run under (``torch.func`` transforms)."""
 
 from __future__ import annotations

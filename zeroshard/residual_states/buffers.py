@@ -102,8 +102,9 @@ class BufferPool:
         self._return(key, buffer)
 
     def _return(self, key: tuple[torch.device, int], buffer: torch.Tensor) -> None:
-        """``buffer`` (with its memory) back among the free ones, or freed when ``keep`` of its
-        size are free already or it does not fit in what the pool may hold."""
+        """``buffer`` (with its memory) back among the free ones, or freed when as many of its
+        size as the pool keeps are free already or it does not fit in what the pool may
+        hold."""
         if len(self._free[key]) < self._keeps(key) and self._make_room(key[1]):
             self._free[key].append(buffer)
             self._returned[id(buffer)] = (key, buffer)
