@@ -94,3 +94,56 @@ def test_a_plain_load_leaves_buffers_changed_on_purpose(lone_process):
     model[1].running_var = model[1].running_var.double()
     model.load_state_dict(model.state_dict())
     assert model[1].running_var.dtype == torch.float64
+
+
+class _Rotary(nn.Module):
+    """A RoPE-like layer: FP32 frequencies kept non-persistent (mixed precision leaves them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("freq", torch.tensor([1.0, 0.5, 0.25, 1 / 3]), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x) * torch.cos(x.float() * self.freq).to(x.dtype)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_conversion_to_the_compute_dtype_is_said_and_undone(lone_process, stage):
+    # model.to(bfloat16) under bf16 mixed precision left every parameter as it was: nothing
+    # was said, and the FP32 buffers stayed rounded to BF16 for good (2.0e-3 off a twin).
+    x = torch.randn(3, 4)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(zeroshard.shard(_Rotary(), stage=stage, mixed_precision="bf16"))
+    converted, twin = models
+    converted.to(torch.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"buffers were converted .*freq \(bfloat16, was float32\)"
+    ):
+        converted(x)
+    assert converted.freq.dtype == torch.float32
+    assert not torch.equal(converted.freq, twin.freq)  # (1/3 as BF16 rounded it)
+    converted.freq.copy_(twin.freq)
+    assert torch.equal(converted(x), twin(x))
+
+
+class _Caching(nn.Module):
+    """A module that keeps a cache buffer in the dtype it last computed in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(4), persistent=False)
+
+    def forward(self, x):
+        self.cache = x.detach().double().mean(0)  # its own choice of dtype, assigned
+        return self.fc(x) + self.cache.float()
+
+
+def test_a_buffer_the_module_assigns_in_another_dtype_is_its_choice(lone_process):
+    model = zeroshard.shard(_Caching(), stage=3)
+    for _ in range(3):  # (not taken for a conversion to undo at the next call)
+        model(torch.randn(2, 4)).sum().backward()
+    assert model.cache.dtype == torch.float64

@@ -495,6 +495,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         (``FlatParam.adopt_writes``): before a forward, a step, a state dict, a save; ``flats``
         alone (a unit entered on its own, a bucket about to step in backward), else all, the
         model's registration checked first."""
+        whole = flats is None
         if flats is None:
             if not self.in_its_job():  # (else torch's TypeError in a mesh, or a new job's
                 raise RuntimeError(  # ranks gathering its shards in their order, silently)
@@ -510,15 +511,23 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
             # every flat's views given back before one error is raised (model.half() recovers
             # in one call, not one per unit)
             problem = param_checks.check_views(flats, self.flat_params)
+            # Buffers converted (model.half(), or model.to(bf16) that leaves bf16 parameters
+            # as they are: RoPE's FP32 frequencies rounded without a word), cast back too.
+            restored = module_buffers.restore_dtypes(self.model) if whole else []
+            said = f"{', '.join(restored[:4])}{', ...' if len(restored) > 4 else ''}"
+            if problem is not None and restored:
+                problem = ValueError(
+                    f"{problem}. Buffers converted with them were cast back to their dtypes "
+                    f"too ({said}), with the values the conversion rounded"
+                )
+            elif restored:
+                problem = ValueError(
+                    f"buffers were converted after zeroshard.shard() (model.to(dtype), "
+                    f"model.half(): {said}): cast back to the dtypes the engine keeps, with the "
+                    "values the conversion rounded. Pick compute dtypes with shard(..., "
+                    "mixed_precision=...) (buffer_dtype for buffers), or convert before sharding"
+                )
             if problem is not None:
-                restored = module_buffers.restore_dtypes(self.model)  # (converted with them)
-                if restored:
-                    problem = ValueError(
-                        f"{problem}. Buffers converted with them were cast back to their "
-                        f"dtypes too ({', '.join(restored[:4])}"
-                        f"{', ...' if len(restored) > 4 else ''}), with the values the "
-                        "conversion rounded"
-                    )
                 raise problem
             for f in flats:
                 # Inside summon_full_params with writeback, taken now (a state dict or save

@@ -36,6 +36,7 @@ def move(model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecision, *, sy
     module's unit's policy by ``id`` (``unit_precision``'s, a BatchNorm kept FP32), else
     ``default``."""
     registered, dtypes = [], {}  # (module, name, buffer); id -> the dtype it is given
+    where = {id(m): prefix for prefix, m in model.named_modules()}
     for module in model.modules():
         mp, derived = own.get(id(module), default), module._non_persistent_buffers_set
         for name, buf in module._buffers.items():
@@ -49,29 +50,70 @@ def move(model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecision, *, sy
             # non-persistent there, and each update was seen by one name only).
             dtypes.setdefault(id(buf), dtype)
     moved: dict[int, torch.Tensor] = {}
+    floating = []  # (qualified name, module, name, dtype): what restore_dtypes checks
     for module, name, buf in registered:
         dtype = dtypes[id(buf)]
         if dtype != buf.dtype:  # state dicts give it back in this one (as FSDP1 does)
             module.__dict__.setdefault(BUFFER_DTYPES, {})[name] = buf.dtype
         if dtype.is_floating_point:
             module.__dict__.setdefault(ENGINE_DTYPES, {})[name] = dtype
+            prefix = where.get(id(module), "")
+            floating.append((f"{prefix}.{name}" if prefix else name, module, name))
         if id(buf) not in moved:
             moved[id(buf)] = buf.to(device=mesh.device, dtype=dtype)
             if sync and mesh.world_size > 1:
                 moved[id(buf)] = C.broadcast_any(moved[id(buf)], group=mesh.group)
         module._buffers[name] = moved[id(buf)]
+    model.__dict__[_FLOATING] = floating
+    _watch_assignments()
+
+
+_FLOATING = "_zeroshard_floating_buffers"
+"""Attribute of a sharded model: its floating buffers as ``move`` left them, a list to check at
+each forward without walking the modules."""
 
 
 def restore_dtypes(model: nn.Module) -> list[str]:
     """Cast back every floating buffer of ``model`` whose dtype is no longer the one ``move``
-    gave it (its values as they are now: rounded by the conversion that changed it); the names
-    of those cast back."""
+    gave it (its values as they are now: rounded by the conversion that changed it); each one
+    cast back, as "name (now dtype, was dtype)"."""
+    entries = model.__dict__.get(_FLOATING)
+    if entries is None:  # a submodule: its own records
+        entries = [
+            (f"{prefix}.{name}" if prefix else name, module, name)
+            for prefix, module in model.named_modules()
+            for name in module.__dict__.get(ENGINE_DTYPES, {})
+        ]
     restored = []
-    for prefix, module in model.named_modules():
-        for name, dtype in module.__dict__.get(ENGINE_DTYPES, {}).items():
-            buf = module._buffers.get(name)
-            if isinstance(buf, torch.Tensor) and buf.is_floating_point() and buf.dtype != dtype:
-                with torch.no_grad():
-                    module._buffers[name] = buf.to(dtype)
-                restored.append(f"{prefix}.{name}" if prefix else name)
+    for qualified, module, name in entries:
+        buf, dtype = module._buffers.get(name), module.__dict__[ENGINE_DTYPES].get(name)
+        if isinstance(buf, torch.Tensor) and buf.is_floating_point() and buf.dtype != dtype:
+            with torch.no_grad():
+                module._buffers[name] = buf.to(dtype)
+            restored.append(f"{qualified} ({str(buf.dtype)[6:]}, was {str(dtype)[6:]})")
     return restored
+
+
+_WATCHING: list[bool] = []
+
+
+def _watch_assignments() -> None:
+    """Tell a buffer the module assigns (``self.cache = t.to(x.dtype)``, ``register_buffer``
+    again: torch's global registration hook) from one a conversion replaced (``Module._apply``
+    writes ``_buffers`` directly): an assigned dtype is the module's choice, kept from then on;
+    one in the dtype the model declared, where ``buffer_dtype`` cast it, is a state dict's entry
+    (``load_state_dict(..., assign=True)``), cast back."""
+    if _WATCHING:
+        return
+    from torch.nn.modules import module as torch_module
+
+    def assigned(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+        records = module.__dict__.get(ENGINE_DTYPES)
+        if records is None or name not in records or not isinstance(tensor, torch.Tensor):
+            return
+        declared = module.__dict__.get(BUFFER_DTYPES, {}).get(name)
+        if tensor.is_floating_point() and tensor.dtype != declared:
+            records[name] = tensor.dtype
+
+    torch_module.register_module_buffer_registration_hook(assigned)
+    _WATCHING.append(True)

@@ -75,10 +75,13 @@ def _unwrapped(factory: Any, settings: dict[str, Any]) -> tuple[Any, dict[str, A
     Lightning's configs): the class, with the settings the partial fixed under those given here
     (keywords of the call override a partial's, as calling it would)."""
     while isinstance(factory, functools.partial):
-        if factory.args:
+        if factory.args or "params" in factory.keywords:
+            name = getattr(factory.func, "__qualname__", type(factory.func).__name__)
             raise TypeError(
-                f"{factory!r}: an optimizer factory may fix keyword settings only (zeroshard "
-                "passes the parameters first); pass functools.partial(cls, lr=..., ...)"
+                f"functools.partial({name}, ...) fixes the parameters: an optimizer factory "
+                "may fix keyword settings only (zeroshard passes each rank's pieces); pass "
+                f"functools.partial({name}, lr=..., ...) and param groups to "
+                "zeroshard.optimizer(model, factory, params)"
             )
         settings = {**factory.keywords, **settings}
         factory = factory.func
