@@ -144,6 +144,9 @@ class _Caching(nn.Module):
 
 def test_a_buffer_the_module_assigns_in_another_dtype_is_its_choice(lone_process):
     model = zeroshard.shard(_Caching(), stage=3)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
     for _ in range(3):  # (not taken for a conversion to undo at the next call)
-        model(torch.randn(2, 4)).sum().backward()
+        opt.backward(model(torch.randn(2, 4)).sum())
+        opt.step()
+        opt.zero_grad()
     assert model.cache.dtype == torch.float64
