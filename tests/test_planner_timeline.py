@@ -1,6 +1,8 @@
 """The engine's timeline: the device moment by moment through a step, by hand, and per unit
 when a built model gives each unit's size."""
 
+import dataclasses
+
 import pytest
 
 from zeroshard.planner import describe as d
@@ -229,3 +231,19 @@ def test_offloaded_gradients_are_collected_and_reduced_on_the_device(stage, offl
     assert any(now["comm_buckets"] > 0 for now in on.values())
     for name, now in off.items():
         assert now["comm_buckets"] == on[name]["comm_buckets"], name
+
+
+def test_the_engine_s_constant_buffers_are_its_default_unless_said():
+    # as_engine_buckets set constant_buffers=True whatever was asked: a plan for
+    # ShardConfig(constant_buffers=False) counted buffers that run does not keep.
+    gpt = d.from_gpt("tiny")
+    base = MemoryConfig(stage=3, num_dp_ranks=2, activation_checkpointing=False)
+    assert base.constant_buffers is None
+    assert t.as_engine_buckets(gpt, base).constant_buffers is True
+    off = dataclasses.replace(base, constant_buffers=False)
+    assert t.as_engine_buckets(gpt, off).constant_buffers is False
+    pooled = m.plan_memory(gpt, t.as_engine_buckets(gpt, base))
+    unpooled = m.plan_memory(gpt, t.as_engine_buckets(gpt, off))
+    # Held throughout: the optimizer step's moment holds the gathered units too.
+    assert pooled.device["gathered_units"] == unpooled.device["gathered_units"] > 0
+    assert pooled.peak_bytes() >= unpooled.peak_bytes()

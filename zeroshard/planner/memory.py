@@ -158,13 +158,14 @@ class MemoryConfig:
     are, as with Pa (the layer norms' working memory is 1/Nm too: not modelled)."""
     num_units_prefetch: int = 1
     """Stage 3: units gathered ahead of the one computing."""
-    constant_buffers: bool = False
+    constant_buffers: bool | None = None
     """Stage 3, along the engine's timeline: gathered units borrow constant-size buffers that
     stay allocated between uses, as zeroshard's engine does by default
     (``ShardConfig.constant_buffers``, ``zeroshard.residual_states.buffers.BufferPool``): the
     most the step gathers at once is held at every moment, lent or free (units no two of one
     size hold less: what is free is freed to make room). False: a unit's gathered memory exists
-    only while it is gathered (FSDP2, or ``constant_buffers=False``)."""
+    only while it is gathered (FSDP2, or ``constant_buffers=False``). None: the engine's default
+    (True) where the plan follows the engine (``timeline.as_engine_buckets``), else False."""
     bucket_bytes: int = 25 * 2**20
     """Size of one gradient communication bucket (constant-size buffers)."""
     num_buckets: int = 2

@@ -108,7 +108,8 @@ def as_engine_buckets(model: ModelDescription, config: MemoryConfig) -> MemoryCo
     papers' sum keeps the given buckets."""
     if config.engine_timeline or not config.activation_checkpointing:
         per_unit = bucket_per_unit(model, config.stage, config.bucket_bytes)
-        return replace(config, bucket_per_unit=per_unit, constant_buffers=True)
+        pooled = config.constant_buffers is not False  # (the engine's default unless said)
+        return replace(config, bucket_per_unit=per_unit, constant_buffers=pooled)
     return config
 
 
