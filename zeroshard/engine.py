@@ -511,22 +511,8 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
             # every flat's views given back before one error is raised (model.half() recovers
             # in one call, not one per unit)
             problem = param_checks.check_views(flats, self.flat_params)
-            # Buffers converted (model.half(), or model.to(bf16) that leaves bf16 parameters
-            # as they are: RoPE's FP32 frequencies rounded without a word), cast back too.
-            restored = module_buffers.restore_dtypes(self.model) if whole else []
-            said = f"{', '.join(restored[:4])}{', ...' if len(restored) > 4 else ''}"
-            if problem is not None and restored:
-                problem = ValueError(
-                    f"{problem}. Buffers converted with them were cast back to their dtypes "
-                    f"too ({said}), with the values the conversion rounded"
-                )
-            elif restored:
-                problem = ValueError(
-                    f"buffers were converted after zeroshard.shard() (model.to(dtype), "
-                    f"model.half(): {said}): cast back to the dtypes the engine keeps, with the "
-                    "values the conversion rounded. Pick compute dtypes with shard(..., "
-                    "mixed_precision=...) (buffer_dtype for buffers), or convert before sharding"
-                )
+            if whole:  # buffers a conversion replaced, cast back and said with the rest
+                problem = module_buffers.restore_after_conversion(self.model, problem)
             if problem is not None:
                 raise problem
             for f in flats:

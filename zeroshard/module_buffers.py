@@ -94,6 +94,29 @@ def restore_dtypes(model: nn.Module) -> list[str]:
     return restored
 
 
+def restore_after_conversion(model: nn.Module, problem: Exception | None) -> Exception | None:
+    """``restore_dtypes`` of the sharded ``model`` before a forward, a step or a state dict, and
+    the error to raise: ``problem`` (its parameters' own, ``param_checks.check_views``) naming
+    the buffers cast back with them, or, where a conversion left the parameters as they were
+    (``model.to(torch.bfloat16)`` under BF16 mixed precision: RoPE's FP32 frequencies rounded
+    without a word), one of its own; None when nothing was converted."""
+    restored = restore_dtypes(model)
+    if not restored:
+        return problem
+    said = f"{', '.join(restored[:4])}{', ...' if len(restored) > 4 else ''}"
+    if problem is not None:
+        return ValueError(
+            f"{problem}. Buffers converted with them were cast back to their dtypes too "
+            f"({said}), with the values the conversion rounded"
+        )
+    return ValueError(
+        f"buffers were converted after zeroshard.shard() (model.to(dtype), model.half(): "
+        f"{said}): cast back to the dtypes the engine keeps, with the values the conversion "
+        "rounded. Pick compute dtypes with shard(..., mixed_precision=...) (buffer_dtype for "
+        "buffers), or convert before sharding"
+    )
+
+
 _WATCHING: list[bool] = []
 
 

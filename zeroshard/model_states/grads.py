@@ -36,7 +36,7 @@ import torch
 from zeroshard import collectives as C
 from zeroshard.autograd_hooks import weakly
 from zeroshard.loss_scaling import GradScaling
-from zeroshard.model_states.flat_param import FlatParam
+from zeroshard.model_states.flat_param import FlatParam, Slot
 from zeroshard.model_states.grads_shown import ShownGradients
 from zeroshard.model_states.partition import shard_range
 from zeroshard.residual_states.buffers import TensorPool
@@ -56,15 +56,16 @@ class Reduction(enum.Enum):
         return cls.SCATTER_AND_FREE if partition.gradients else cls.SCATTER_IN_PLACE
 
 
-def _check_dense(name: str, grad: torch.Tensor | None) -> None:
+def _check_dense(slot: Slot) -> None:
     """A sparse gradient (``F.embedding(..., sparse=True)`` in a module's own forward, which
     ``shard`` cannot see) is a clear error: the buckets hold dense elements (it raised torch's
     "Cannot access data pointer" or "reshape is not implemented for sparse tensors")."""
+    grad = slot.param.grad
     if grad is not None and grad.layout is not torch.strided:
         raise ValueError(
-            f"{name}'s gradient is sparse ({grad.layout}; F.embedding(..., sparse=True) or "
-            "torch.sparse.mm in forward): zeroshard's gradient buckets hold dense gradients; "
-            "compute it with sparse=False (dense gradients)"
+            f"{slot.names[0]}'s gradient is sparse ({grad.layout}; F.embedding(..., "
+            "sparse=True) or torch.sparse.mm in forward): zeroshard's gradient buckets hold "
+            "dense gradients; compute it with sparse=False (dense gradients)"
         )
 
 
@@ -254,7 +255,7 @@ class GradBucket(ShownGradients):
 
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
         """Post-accumulate hook of slot ``i``: a fresh gradient goes into the bucket."""
-        _check_dense(self.flat.slots[i].names[0], param.grad)
+        _check_dense(self.flat.slots[i])
         if param.grad is not None:
             self.touched[i] = self.reached = True
             self.arrivals += 1
@@ -273,7 +274,7 @@ class GradBucket(ShownGradients):
         ``reduce_dtype`` directly, so a wider reduction needs no second, cast copy."""
         flat = self.flat
         for s in flat.slots:  # (before any memory is taken)
-            _check_dense(s.names[0], s.param.grad)
+            _check_dense(s)
         adding = self._acc is not None
         # Pooled only when nothing outlives the reduction: the shard is a tensor of its own.
         self._pooled = (
