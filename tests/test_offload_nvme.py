@@ -129,6 +129,24 @@ def test_an_unusable_folder_fails_at_construction(tmp_path):
             TensorStore(config(where))
 
 
+@pytest.mark.parametrize("call", ["pwritev", "pwrite"])
+def test_a_full_disk_at_construction_names_the_folder_and_its_free_bytes(
+    tmp_path, monkeypatch, call
+):
+    # The probe's page (pwritev, O_DIRECT) and the lock's pid (pwrite) on a disk just filled
+    # (by the masters' store, an explorer's tmpfs): a bare OSError naming no folder.
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, call, full)
+    said = r"swap folder .*swap is not usable \(No space left on device\); \d+ bytes are free there"
+    with pytest.raises(OffloadSetupError, match=said):
+        TensorStore(config(tmp_path / "swap", direct_io=None if call == "pwritev" else False))
+    monkeypatch.undo()
+    with TensorStore(config(tmp_path / "swap")):  # nothing left held (the lock's fd closed)
+        pass
+
+
 def test_without_o_direct_it_falls_back_and_warns_once(tmp_path, monkeypatch, caplog):
     real_open = os.open
 

@@ -675,6 +675,39 @@ def test_a_disk_filled_after_the_check_stops_training(workers2, tmp_path, gradie
         assert "training stopped" in first and second == first, (first, second)
 
 
+def _disk_full_at_different_units(folder: str) -> list[str]:
+    """Stage 3, gradients on NVMe: each rank's disk fills at its own unit of the first backward
+    (rank r's (r + 1)-th gradient write is refused), then two more steps."""
+    from zeroshard.offload import nvme
+
+    model, opt = _make(3, Offload(optimizer="nvme", gradients="nvme", folder=folder))
+    rank, real, calls = dist.get_rank(), nvme.free_bytes, []
+
+    def free(path):
+        calls.append(path)
+        return 0 if len(calls) > rank else real(path)
+
+    said = []
+    with mock.patch.object(nvme, "free_bytes", side_effect=free):
+        for step in range(3):
+            try:
+                _train(model, opt, range(step, step + 1))
+            except OffloadError as exc:
+                said.append(str(exc))
+    return said
+
+
+def test_a_disk_full_at_each_ranks_own_unit_stops_every_rank_cleanly(workers2, tmp_path):
+    # Each rank raised at its own unit, mid-backward: the other waited in a reduction this one
+    # never started (a collective timeout), and the next forward's gathers paired with that
+    # backward's leftovers (gloo aborted the process: "Received data size doesn't match").
+    said = workers2.run(_disk_full_at_different_units, str(tmp_path))
+    for first, *later in said:
+        assert "could not be written (SwapSpaceError" in first, first
+        assert "training stopped" in first and later == [first, first], (first, later)
+    assert said[0][0] != said[1][0]  # (the ranks' failures are at different units)
+
+
 def _reset_between_steps(folder: str | None, how: str) -> list[torch.Tensor]:
     """Two steps, the states reset (sub-group 0 being read ahead then), two more steps."""
     from collections import defaultdict

@@ -44,6 +44,7 @@ from zeroshard.model_states import flat_param, param_checks
 from zeroshard.model_states.grads import GradBucket
 from zeroshard.model_states.reduction_order import ReductionOrder
 from zeroshard.module_hooks import install, ran_before
+from zeroshard.offload import OffloadError
 from zeroshard.precision import MixedPrecision
 from zeroshard.residual_states import host_heap
 from zeroshard.residual_states.activations import SpanCheckpointing
@@ -471,9 +472,15 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         return torch.tensor(flags, dtype=torch.float32, device=self.mesh.device)
 
     def check_trusted(self) -> None:
-        """Before a forward, a step, a save: the error of a load that failed midway, if any."""
+        """Before a forward, a step, a save: the error of a load that failed midway, or of a
+        swap of offloaded states that failed (``StopsOnFailure.failed``), if any."""
         if self.untrusted is not None:
             raise RuntimeError(self.untrusted)
+        swappers = [self.param_swap]
+        swappers += [s for o in self.optimizers for s in (o._swap, o._grad_swap)]
+        failed = next((s.failed for s in swappers if s is not None and s.failed), None)
+        if failed is not None:
+            raise OffloadError(failed)
 
     def loaded(self, part: object) -> None:
         """``part`` (the model, an optimizer) loaded a whole state: once all that a failed

@@ -55,6 +55,7 @@ class GradSwapper:
         self._mirrored: set[int] = set()  # stored, and read back in shard_grad (clipped alike)
         self.reset_stats()
         self._error: str | None = None
+        self._deferred: OffloadError | None = None  # (``_handoff``)
         ref = weakref.ref(self)  # the engine's buckets must not keep the store alive
 
         def handoff(bucket: GradBucket) -> None:
@@ -69,6 +70,12 @@ class GradSwapper:
 
         for b in buckets:
             b.handoff, b.on_zero = handoff, on_zero
+
+    @property
+    def failed(self) -> str | None:
+        """A gradient write that failed in an I/O thread, as ``StopsOnFailure.failed`` (one
+        refused before it began stops the state swapper, whose store this shares)."""
+        return None if self._error is None else f"training stopped: {self._error}"
 
     def stats(self) -> dict[str, float]:
         """Bytes of gradient shards written and read back, and the seconds the optimizer
@@ -90,12 +97,26 @@ class GradSwapper:
         g = bucket.shard_grad  # 1D FP32, this rank's reduced shard
         if g is None or g.numel() == 0:
             return
-        i = self._index[id(bucket)]
-        if i in self._stored and i not in self._mirrored:
-            g.add_(self._read(i))  # reduced again since zero_grad: onto the stored one
-        self._mirrored.discard(i)  # (a read-back copy was in shard_grad: the sum holds it)
-        self._store(i, g)
         bucket.shard_grad = None  # in the store now; ``g`` lives until written
+        i = self._index[id(bucket)]
+        try:
+            if i in self._stored and i not in self._mirrored:
+                g.add_(self._read(i))  # reduced again since zero_grad: onto the stored one
+            self._mirrored.discard(i)  # (a read-back copy was in shard_grad: the sum holds it)
+            self._store(i, g)
+        except OffloadError as e:
+            # Raised here, mid-backward, it left the reductions this rank had not started to
+            # the other ranks, waiting in them (each rank's disk fills at its own unit): the
+            # backward runs on, the gradient dropped (training has stopped), and
+            # ``raise_deferred`` raises the first failure once it is over.
+            if self._deferred is None:
+                self._deferred = e
+
+    def raise_deferred(self) -> None:
+        """After a backward: the first gradient that could not be stored in it, if any."""
+        error, self._deferred = self._deferred, None
+        if error is not None:
+            raise error
 
     def _store(self, i: int, g: torch.Tensor) -> None:
         self._norms[i], self._coefs[i] = torch._foreach_norm([g])[0], []
@@ -169,8 +190,8 @@ class GradSwapper:
             raise self._stop(what, "gradients", e) from e
         finally:
             self.wait_s += time.perf_counter() - t0
-        if self._error is not None:
-            raise OffloadError(f"training stopped: {self._error}")
+        if self.failed is not None:
+            raise OffloadError(self.failed)
         assert g is not None
         for coef in self._coefs[i]:
             g.mul_(coef)  # what clip_grad_norm's _foreach_mul_ did to resident ones

@@ -42,6 +42,11 @@ class StopsOnFailure:
     store: TensorStore
     _error: str | None
     _in_step: bool
+    failed: str | None = None
+    """The first failed swap's error (``stop``; a ``close`` is not a failure): the engine
+    refuses every later forward, step and save with it before any collective
+    (``Engine.check_trusted``), as ranks that failed at different points of a backward would
+    otherwise pair the next forward's gathers with leftovers of that backward."""
 
     def _check(self) -> None:
         if self._error is not None:
@@ -58,6 +63,7 @@ class StopsOnFailure:
             "trusted. Restart the run from the last checkpoint (a new process: this one's "
             "offloaded states are closed)"
         )
+        self.failed = self._error
         try:
             self.store.close()  # the files are useless now: delete them (waits for the rest)
         except OSError as cleanup:  # (a folder gone read-only): the swap error is the news

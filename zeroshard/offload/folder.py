@@ -112,6 +112,22 @@ def unusable_because(error: OSError) -> str:
     return error.strerror or str(error)
 
 
+def not_usable(folder: Path, error: OSError) -> OffloadSetupError:
+    """The error for a swap folder that could not be made or written: the folder, why, and the
+    fix (with the bytes free there when the disk is full)."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f"{free_bytes(folder)} bytes are free there"
+        except OSError:
+            free = "its disk is full"
+        fix = f"{free}; free disk space or pass folder= a directory on a bigger disk"
+    else:
+        fix = "pass folder= a writable directory on the disk that should hold the swap files"
+    return OffloadSetupError(
+        f"swap folder {folder} is not usable ({unusable_because(error)}); {fix}"
+    )
+
+
 def prepare_folder(folder: Path, direct_io: bool | None) -> tuple[bool, bool]:
     """Create and test the folder now, so a bad one fails at construction, not mid-step.
 
@@ -124,10 +140,7 @@ def prepare_folder(folder: Path, direct_io: bool | None) -> tuple[bool, bool]:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         os.close(fd)
     except OSError as e:
-        raise OffloadSetupError(
-            f"swap folder {folder} is not usable ({unusable_because(e)}); pass folder= a "
-            "writable directory on the disk that should hold the swap files"
-        ) from e
+        raise not_usable(folder, e) from e
     try:
         if direct_io is False:
             return created, False
@@ -140,7 +153,7 @@ def prepare_folder(folder: Path, direct_io: bool | None) -> tuple[bool, bool]:
                 os.close(fd)
         except OSError as e:
             if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                raise
+                raise not_usable(folder, e) from e  # (a full disk: the probe's one page)
             if direct_io:
                 raise OffloadSetupError(
                     f"direct_io=True but {folder} does not support O_DIRECT ({e.strerror}); "
@@ -175,8 +188,12 @@ def pid_lock(path: Path, mode: int = 0o600) -> int:
         if still_at(fd, path):
             break
         os.close(fd)  # its holder deleted it as we opened it: lock the file there now
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)  # (a page: fails on a full disk)
+    except OSError:
+        os.close(fd)
+        raise
     st = os.fstat(fd)
     _HELD[fd] = (st.st_dev, st.st_ino)
     return fd
@@ -239,6 +256,8 @@ def take_lock(folder: Path) -> int:
             if attempt == _LOCK_TRIES:
                 raise
             folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise not_usable(folder, e) from e
 
 
 _LOCK_TRIES = 100
