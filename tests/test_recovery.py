@@ -163,7 +163,9 @@ def test_a_diverged_run_is_not_restarted(tmp_path, data_dir):
     assert len(said) == 1 and "diverged at step 10" in said[0], done.stderr
 
 
-@pytest.mark.parametrize(("code", "restarts_left"), [(2, 0), (3, 0), (1, 2), (4, 2), (-9, 2)])
+@pytest.mark.parametrize(
+    ("code", "restarts_left"), [(2, 0), (3, 0), (130, 0), (143, 0), (1, 2), (4, 2), (-9, 2)]
+)
 def test_the_agent_restarts_only_what_a_restart_can_mend(code, restarts_left):
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure

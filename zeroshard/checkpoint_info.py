@@ -60,12 +60,7 @@ def read_meta(path: Path) -> dict[str, Any]:
             "while saving); load an earlier checkpoint and delete this folder"
         )
     if not path.exists():
-        aside = sorted(path.parent.glob(path.name + OLD + "*")) if path.parent.is_dir() else []
-        if aside:
-            raise FileNotFoundError(
-                f"no checkpoint at {path}, but {aside[0].name} holds the one a save was replacing "
-                f"when it stopped; rename it back to {path.name}"
-            )
+        _check_aside(path)
         raise FileNotFoundError(
             f"no checkpoint at {path}; pass a folder written by zeroshard.checkpoint.save "
             "(zeroshard checkpoint info PATH checks one)"
@@ -103,6 +98,9 @@ def read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads((path / META_FILE).read_text())
         if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
             raise ValueError("no list of files")
+        for name, want in meta["files"].items():  # (read as {"bytes": int, "xxh3_64": str})
+            if not _file_entry(want):
+                raise ValueError(f"the entry of {name} has no size and checksum")
     except ValueError as exc:  # a torn or hand-edited file (UnicodeDecodeError is one too)
         raise CheckpointError(
             f"{path / META_FILE} is damaged ({exc}); load another checkpoint"
@@ -114,6 +112,25 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"({meta.get('zeroshard_version')})"
         )
     return meta
+
+
+def _check_aside(path: Path) -> None:
+    """For a missing ``path``: a ``FileNotFoundError`` saying so when a save that stopped while
+    replacing it left it under its ``.old-`` name."""
+    aside = sorted(path.parent.glob(path.name + OLD + "*")) if path.parent.is_dir() else []
+    if aside:
+        raise FileNotFoundError(
+            f"no checkpoint at {path}, but {aside[0].name} holds the one a save was replacing "
+            f"when it stopped; rename it back to {path.name}"
+        )
+
+
+def _file_entry(want: object) -> bool:
+    """Whether ``want`` is a data file's record: ``{"bytes": int, "xxh3_64": str}``."""
+    if not isinstance(want, dict):
+        return False
+    size = want.get("bytes")
+    return type(size) is int and size >= 0 and isinstance(want.get("xxh3_64"), str)
 
 
 def verify(path: str | os.PathLike) -> str | None:
@@ -129,6 +146,8 @@ def info(path: str | os.PathLike) -> CheckpointInfo:
     Not a collective. ``FileNotFoundError`` when ``path`` does not exist."""
     path = Path(path).expanduser()
     if not path.is_dir():
+        if not path.exists():
+            _check_aside(path)
         raise FileNotFoundError(f"no checkpoint folder at {path}; pass a checkpoint folder")
     size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     try:

@@ -7,7 +7,8 @@ Two things are added around torchrun's own ``main``:
 - the agent's exit is turned into ours: a rank's bad input (2), divergence (3), collective
   timeout (4) or interrupt (130 / 143) keeps its status, and any other failure gets one line;
 - a rank that stopped on bad input or divergence ends the run, not one restart of it: the
-  restart would resume from the last checkpoint only to fail the same way;
+  restart would resume from the last checkpoint only to fail the same way; so do ranks that
+  stopped on a signal sent to one of them (a restart undid the interrupt it had announced);
 - no SIGINT or SIGTERM is lost while the agent starts. Until its ranks exist the agent has no
   handler of its own (Python's ``KeyboardInterrupt`` can be swallowed in its lazy imports) and,
   while it spawns them, a signal stops it before it has recorded which it started: they ran on,
@@ -48,9 +49,11 @@ STILL_STOPPING = (
     "zeroshard train: still stopping the ranks (each ends its step, then exits; killed after 30 s)"
 )
 """Said to a second SIGINT or SIGTERM while the ranks stop (``_holding_agent``)."""
-FINAL = (2, Diverged.exit_code)
+FINAL = (2, Diverged.exit_code, 130, 143)
 """Exit statuses that a restart would only repeat (bad input; divergence, which a resume from
-the last checkpoint replays): the run ends at once, whatever ``--max-restarts`` has left."""
+the last checkpoint replays) or undo (ranks that agreed to stop on a SIGINT or SIGTERM sent to
+one of them, and said so): the run ends at once, whatever ``--max-restarts`` has left. (A change
+of the job's nodes stops the ranks outside this path: they start again.)"""
 
 
 @dataclass(frozen=True, kw_only=True)
