@@ -166,7 +166,7 @@ def test_a_diverged_run_is_not_restarted(tmp_path, data_dir):
 @pytest.mark.parametrize(
     ("code", "restarts_left"), [(2, 0), (3, 0), (130, 0), (143, 0), (1, 2), (4, 2), (-9, 2)]
 )
-def test_the_agent_restarts_only_what_a_restart_can_mend(code, restarts_left):
+def test_the_agent_restarts_only_what_a_restart_can_mend(code, restarts_left, capsys):
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -180,6 +180,12 @@ def test_the_agent_restarts_only_what_a_restart_can_mend(code, restarts_left):
     agent = _holding_agent(Agent, [], [])()
     assert agent._monitor_workers(None).is_failed()
     assert agent._remaining_restarts == restarts_left
+    said = capsys.readouterr().err
+    if restarts_left:  # the one line saying which rank failed, before the restart's own
+        assert said.startswith(f"zeroshard train: rank 1 failed (exit code {code}); restart")
+        assert "(1 restart(s) left)" in said and said.count("\n") == 1, said
+    else:
+        assert not said
 
 
 ELASTIC = ["--max-restarts", "1", "--save-every", "2"]

@@ -36,6 +36,7 @@ import datetime
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -237,7 +238,27 @@ def _check_in(
     ``ranks`` to write theirs; rank -> what it was in, for those that did. None when the store
     itself does not answer (its host, rank 0 outside torchrun, may be the stopped rank)."""
     store = dist.distributed_c10d._get_default_store()
+    if host_gone(store):
+        return None
     return within(lambda: _ask_store(store, prefix, me, ranks, mine, grace_s), grace_s + 2.0)
+
+
+def host_gone(store: dist.Store) -> bool:
+    """Whether the process serving ``store`` (a TCPStore, maybe under PrefixStores) has ended:
+    a new connection to its port is refused. Asked before the store itself, whose client logs
+    a C++ warning with a dozen stack frames for each request to a dead server (the ranks' own
+    store under ``--max-restarts``, hosted by rank 0, killed)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return False
+    try:
+        socket.create_connection((store.host, store.port), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # (unreachable, slow: the store's own requests will tell)
+        return False
+    return False
 
 
 def within(ask: Callable[[], T], seconds: float) -> T | None:

@@ -259,10 +259,19 @@ def _holding_agent(base: type, noted: list[int], stopping: list[int]) -> type:
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
-            if result.is_failed() and any(
-                failure.exitcode in FINAL for failure in result.failures.values()
-            ):
+            if not result.is_failed():
+                return result
+            if any(failure.exitcode in FINAL for failure in result.failures.values()):
                 self._remaining_restarts = 0
+            elif self._remaining_restarts > 0:  # (torch's own report of it is silenced)
+                rank, first = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
+                print(
+                    f"zeroshard train: rank {rank} failed (exit code {first.exitcode}); "
+                    "restarting every rank from the newest checkpoint "
+                    f"({self._remaining_restarts - 1} restart(s) left). "
+                    f"{first.message or ''}".rstrip(),
+                    file=sys.stderr,
+                )
             return result
 
     return HoldingAgent
