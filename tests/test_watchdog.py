@@ -352,3 +352,29 @@ def test_a_store_whose_host_died_is_not_asked():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "None"
     assert "frame #" not in done.stderr and "sendBytes" not in done.stderr, done.stderr
+
+
+def test_a_rank_whose_process_ended_is_told_from_one_still_running(lone_process):
+    # 3 ranks, rank 2 killed: a live rank blocked in a later collective checked in after the
+    # grace and was named with the dead one ("ranks 0, 2 did not arrive"), 1 run in 5.
+    import socket
+    import subprocess
+    import sys
+
+    from zeroshard.watchdog import TimeoutReport, _ended, _message
+
+    Mesh.from_env()  # registers this process (rank 0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    store = dist.distributed_c10d._get_default_store()
+    store.set("zeroshard/process/2", f"{socket.gethostname()} {dead.pid}")
+    store.set("zeroshard/process/3", f"another-host {dead.pid}")  # (unknown: not ended)
+    assert _ended((0, 1, 2, 3)) == (2,)
+    report = TimeoutReport(
+        op="all_reduce", label="norm", unit=None, rank=1, group_ranks=(0, 1, 2), missing=(0, 2),
+        elsewhere={}, timeout_s=300.0, backend_error="Connection reset by peer", ended=(2,),
+    )  # fmt: skip
+    said = _message(report, store_answered=True)
+    assert "rank 2 ended (its process is gone: killed or crashed); rank 0 did not arrive" in said
+    assert said.endswith("rank 1 reached it. Look at rank 2 (its log); a connection closed: a "
+                         "rank ended, and the first error in its log says why"), said  # fmt: skip

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.accelerator import device_of_backend, placement, set_device
-from zeroshard.watchdog import StartTimeout, group_timeout_s, inherit_timeout
+from zeroshard.watchdog import StartTimeout, group_timeout_s, inherit_timeout, register_process
 
 if TYPE_CHECKING:  # imported when first used: DTensor costs `import zeroshard` ~0.5 s
     from torch.distributed.device_mesh import DeviceMesh
@@ -411,6 +411,7 @@ class Mesh:
                 dev,
                 where.reason,
             )
+        register_process()
         # The running group's ranks (a group the caller started without torchrun's variables,
         # mp.spawn's: RANK and WORLD_SIZE unset read 0 of 1, and gradients were summed, not
         # averaged)
@@ -428,6 +429,7 @@ class Mesh:
         starts a group and logs that it did)."""
         if not dist.is_initialized():
             return cls.from_env()
+        register_process()
         local_rank = _env_int("LOCAL_RANK", 0)
         return cls(
             rank=dist.get_rank(),

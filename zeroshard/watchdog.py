@@ -39,8 +39,10 @@ import re
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -115,6 +117,9 @@ class TimeoutReport:
     """The group's timeout in seconds (None when the backend does not say)."""
     backend_error: str
     """The backend's own message, without its source location."""
+    ended: tuple[int, ...] = ()
+    """Of ``missing``, the ranks on this host whose process has ended (``register_process``):
+    the others are alive, still computing or blocked in another collective."""
 
 
 def is_comm_failure(exc: BaseException) -> bool:
@@ -190,18 +195,74 @@ def diagnose(
             grace_s = min(grace_s, dead_peer_grace_s())
     mine = _describe(op, label, unit)
     arrived = _check_in(f"zeroshard/watchdog/{pg.group_name}/", me, ranks, mine, grace_s)
+    missing = tuple(r for r in ranks if arrived is not None and r not in arrived)
     report = TimeoutReport(
         op=op,
         label=label,
         unit=unit,
         rank=me,
         group_ranks=ranks,
-        missing=tuple(r for r in ranks if arrived is not None and r not in arrived),
+        missing=missing,
         elsewhere={r: w for r, w in (arrived or {}).items() if w != mine},
         timeout_s=timeout_s,
         backend_error=_backend_error(exc),
+        ended=_ended(missing),
     )
     return CollectiveTimeout(_message(report, store_answered=arrived is not None), report=report)
+
+
+_PROCESS_KEY = "zeroshard/process/"
+_registered: list[weakref.ref] = []  # the default group this process registered in
+
+
+def register_process() -> None:
+    """Note this rank's host and pid in the job's store, once per default group, so that a rank
+    whose collective failed tells a peer whose process ended from one still running: with 3 or
+    more ranks, a live rank blocked in a later collective checked in too late and was named with
+    the dead one ("ranks 0, 2 did not arrive")."""
+    if not dist.is_initialized():
+        return
+    group = dist.distributed_c10d._get_default_group()
+    if _registered and _registered[0]() is group:
+        return
+    with contextlib.suppress(RuntimeError):  # (no store to tell: nothing to tell apart later)
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{_PROCESS_KEY}{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()}")
+        _registered[:] = [weakref.ref(group)]
+
+
+def _ended(ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """Of ``ranks``, those registered on this host whose process no longer runs."""
+    if not ranks:
+        return ()
+    store = dist.distributed_c10d._get_default_store()
+
+    def ask() -> dict[int, str]:
+        keys = {r: f"{_PROCESS_KEY}{r}" for r in ranks}
+        return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
+
+    registered = within(ask, 2.0) or {}
+    host = socket.gethostname()
+    return tuple(r for r, at in sorted(registered.items()) if _ended_here(at, host))
+
+
+def _ended_here(registered: str, host: str) -> bool:
+    """Whether ``registered`` ("host pid") names a process of this host that has ended (or is a
+    zombie, not yet reaped by its launcher)."""
+    where, _, pid = registered.rpartition(" ")
+    if where != host or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # (another user's process: it runs)
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
 
 
 def _backend_error(exc: BaseException) -> str:
@@ -328,6 +389,19 @@ def _message(r: TimeoutReport, *, store_answered: bool) -> str:
         return (
             f"{head}; the rendezvous store did not answer either, so its host (rank 0, or "
             f"torchrun's agent) is stopped, hung or dead; look at rank 0 first{advice}"
+        )
+    if r.ended:
+        reached = [x for x in r.group_ranks if x not in r.missing]
+        alive = [x for x in r.missing if x not in r.ended]
+        also = (
+            f"; {_ranks(alive)} did not arrive either, still running (in other code, or "
+            "waiting on it)"
+            if alive
+            else ""
+        )
+        return (
+            f"{head}: {_ranks(r.ended)} ended (its process is gone: killed or crashed){also}; "
+            f"{_ranks(reached)} reached it. Look at {_ranks(r.ended)} (its log){advice}"
         )
     if r.missing:
         reached = [x for x in r.group_ranks if x not in r.missing]
