@@ -205,16 +205,15 @@ def test_calibration_hf_stage3_two_ranks(workers2, name, batch, seq):
     for row in rows:
         p, meas = row["predicted"], row["measured"]
         assert calibrate.within_tolerance(row), calibrate.render([row])
-        # Each unit's parameters gathered at once, never the whole model: the root and at most
-        # 1 + prefetch units (the constant buffers the engine keeps), from the built model's own
-        # unit sizes.
-        assert p["peak"]["gathered_units"] <= 4 * (model.root_numel + 2 * model.largest_unit_numel)
-        assert p["peak"]["gathered_units"] == p["constant_buffers_bytes"]
-        # Up to one unit more: a unit's gradient borrows a free gather buffer while the next
-        # units are gathered, and the pool keeps what was in use at once (the plan counts the
-        # gradient apart). Few units (2 + 2-block T5, 2-layer BERT): that is every unit.
-        pad = 4 * row["num_ranks"] * (1 + len(model.block_unit_numels))
+        # Each unit's parameters gathered at once, never the whole model: between steps the
+        # root and at most 1 + prefetch units (the constant buffers the engine keeps), from the
+        # built model's own unit sizes; in backward a unit more, where the gradient in flight
+        # holds the buffer its unit gave back while the next units are gathered.
+        most = 4 * (model.root_numel + 2 * model.largest_unit_numel)
+        assert p["constant_buffers_bytes"] <= most
         one_unit = 4 * max(model.largest_unit_numel, model.root_numel)
+        assert p["constant_buffers_bytes"] <= p["peak"]["gathered_units"] <= most + one_unit
+        pad = 4 * row["num_ranks"] * (1 + len(model.block_unit_numels))
         assert 0 < meas["constant_buffers_bytes"] <= p["constant_buffers_bytes"] + one_unit + pad
         for key, want in p["comm_numel"].items():
             assert 0 <= meas["comm_numel"][key] - want <= 2 * len(model.block_unit_numels) + 2, key
@@ -458,3 +457,18 @@ def test_calibration_gradient_accumulation(workers2, stage, precision, unreduced
         ), calibrate.render([row])
         assert calibrate.within_tolerance(row), calibrate.render([row])
         assert row["predicted"]["comm_numel"] == row["measured"]["comm_numel"]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_moe"])
+def test_a_gradient_in_its_units_gather_buffer_is_counted_once(workers2, name):
+    """On the CPU each unit's collected gradient takes the gather buffer its parameters just
+    gave back (the constant buffers, by default): the plan counted it twice, in the pool and
+    apart, at the post-backward moments that are the peak when model states dominate (Llama
+    +6.5%, a Mixtral +12.4%, an explorer's runs)."""
+    pytest.importorskip("transformers")
+    from test_planner_hf import HF_CONFIGS
+
+    case = calibrate.HFCase(config=HF_CONFIGS[name], stage=3, micro_batch_size=2, seq_len=16)
+    for row in workers2.run(calibrate.calibrate, case):
+        error = calibrate.error(row["predicted"]["peak_bytes"], row["measured"]["peak_bytes"])
+        assert abs(error) <= 0.03, calibrate.render([row])

@@ -204,9 +204,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--device-type",
         choices=("cuda", "cpu"),
         default="cuda",
-        help="what the devices are, for --advise (default cuda: a GPU cluster); zeroshard "
+        help="what the devices are (default cuda: a GPU cluster): for --advise, zeroshard "
         "offloads model states to CPU/NVMe only when training on the CPU, so with cuda every "
-        "offloaded placement is rejected",
+        "offloaded placement is rejected; for the engine timeline (--ci 0, --timeline), on the "
+        "CPU each unit's gradient is collected into the gather buffer its parameters freed",
     )
     h.add_argument(
         "--target-efficiency",

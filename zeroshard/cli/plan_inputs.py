@@ -119,6 +119,7 @@ def memory_config(
             num_buckets=ShardConfig().max_inflight_reductions,
             flash_attention=True,
             reduce_stages_input=False,
+            gradients_in_gather_buffers=args.device_type == "cpu",
         )
         num_layers_per_checkpoint = max(1, num_layers_per_checkpoint)
     return memory.MemoryConfig(

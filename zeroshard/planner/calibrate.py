@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from zeroshard.planner import comm, describe, timeline
 from zeroshard.planner.calibration_table import MODEL_STATES_TOLERANCE as MODEL_STATES_TOLERANCE
@@ -141,6 +141,7 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
         # reduced after its last (a unit larger than that alone in its bucket: per unit again).
         num_units_prefetch=engine.num_prefetch,
         constant_buffers=engine.constant_buffers,
+        gradients_in_gather_buffers=True,  # (the measured runs are on the CPU, where it does)
         bucket_per_unit=timeline.bucket_per_unit(model, case.stage, engine.bucket_bytes),
         bucket_bytes=engine.bucket_bytes,
         num_buckets=engine.max_inflight_reductions,
@@ -176,7 +177,10 @@ def predict(case: Case | HFCase, num_ranks: int) -> dict:
     config = engine_config(case, num_ranks)
     plan = plan_memory(model, config)
     kept = 0 if ShardConfig().reshard_root_after_forward else model.kept_gathered_numel
-    pooled = plan.device["gathered_units"] if config.constant_buffers else 0
+    # Kept between steps: the most gathered at once (the gradients' borrowed buffers are given
+    # back beyond as many per size as were lent).
+    at_rest = plan_memory(model, replace(config, gradients_in_gather_buffers=False))
+    pooled = at_rest.device["gathered_units"] if config.constant_buffers else 0
     collectives = comm.dp_communication(
         model.num_params,
         stage=case.stage,

@@ -166,6 +166,13 @@ class MemoryConfig:
     size hold less: what is free is freed to make room). False: a unit's gathered memory exists
     only while it is gathered (FSDP2, or ``constant_buffers=False``). None: the engine's default
     (True) where the plan follows the engine (``timeline.as_engine_buckets``), else False."""
+    gradients_in_gather_buffers: bool = False
+    """Stage 3 with ``constant_buffers``, on the CPU: each unit's collected flat gradient (the
+    root's too) takes the gather buffer its parameters just gave back when it has the same
+    bytes (FP32 parameters and gradients), as the engine does there (``TensorPool`` with the
+    ``BufferPool`` as its spare), and holds it until its reduction finishes: the pool then holds
+    the most gathered and collected at once. False: accelerators, where the engine collects
+    gradients into memory of their own."""
     bucket_bytes: int = 25 * 2**20
     """Size of one gradient communication bucket (constant-size buffers)."""
     num_buckets: int = 2

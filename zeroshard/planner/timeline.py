@@ -287,6 +287,10 @@ def _grad_master_bytes(model: ModelDescription, c: MemoryConfig) -> int:
     )[Tier.DEVICE]["grads"]
 
 
+_LENT = "_in_gather_buffers"
+"""A moment's collected gradients held in the gather buffers' pool (``moments``'s ``lent``)."""
+
+
 def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int]) -> list[Moment]:
     """Device bytes per category at each moment of a step that can be the peak, as zeroshard's
     engine runs a model wrapped one unit per block (the root unit owns the rest). ``states`` are
@@ -455,6 +459,18 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         bucket's, which a larger unit fills alone."""
         return backward[j] if c.bucket_per_unit else max(bucket_numel, backward[j])
 
+    pooled = part.parameters and c.constant_buffers
+    # (Stepping in backward, the reduce-scatter writes into the collected gradient's own
+    # slice, memory of its own: nothing is borrowed.)
+    borrows = pooled and c.gradients_in_gather_buffers and c.bucket_per_unit and not sib
+    borrows = borrows and bpp.grads == bpp.params  # (the same bytes as the gathered unit)
+
+    def lent(flat_grads: int) -> dict[str, int]:
+        """Collected gradients of ``flat_grads`` bytes in gather buffers at a moment, each in
+        the one its unit's parameters gave back (``MemoryConfig.gradients_in_gather_buffers``),
+        until its reduction finishes: the pool's bytes, not ``comm_buckets``."""
+        return {_LENT: flat_grads if borrows else 0}
+
     for k in range(num_units):
         in_flight = min(k, num_inflight)  # earlier units whose reductions are not finished
         reduced = 0 if single_bucket else k
@@ -462,6 +478,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         during = dict(
             gathered_units=gathered(k, 1 + c.num_units_prefetch) + recomputed(k),
             comm_buckets=full_grads(k - in_flight, in_flight),
+            **lent(full_grads(k - in_flight, in_flight)),
         )
         out.append(
             (
@@ -489,6 +506,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                         **after,
                         gathered_units=during["gathered_units"],
                         comm_buckets=during["comm_buckets"] + own_grad(backward[k]),
+                        **lent(full_grads(k - in_flight, in_flight)),
                     ),
                 )
             )
@@ -507,6 +525,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                         comm_buckets=during["comm_buckets"]
                         + own_grad(backward[k])
                         + staging(waited(k - num_inflight)),
+                        **lent(full_grads(k - in_flight, in_flight)),
                     ),
                 )
             )
@@ -519,6 +538,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     **after,
                     gathered_units=prefetched,
                     comm_buckets=full_grads(k - left, left) + 2 * own_grad(backward[k]),
+                    **lent(full_grads(k - left, left) + own_grad(backward[k])),
                 ),
             )
         )
@@ -536,6 +556,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     **end,
                     gathered_units=gathered(0, 0),
                     comm_buckets=full_grads(num_units - in_flight, in_flight) + own_grad(root),
+                    **lent(full_grads(num_units - in_flight, in_flight)),
                 ),
             )
         )
@@ -549,6 +570,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                         comm_buckets=full_grads(num_units - in_flight, in_flight)
                         + own_grad(root)
                         + staging(waited(num_units - num_inflight)),
+                        **lent(full_grads(num_units - in_flight, in_flight)),
                     ),
                 )
             )
@@ -559,6 +581,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     num_units,
                     **end,
                     comm_buckets=full_grads(num_units - left, left) + 2 * own_grad(root),
+                    **lent(full_grads(num_units - left, left) + own_grad(root)),
                 ),
             )
         )
@@ -572,6 +595,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                         num_units + 1,
                         **end,
                         comm_buckets=own_grad(root) + staging(root),
+                        **lent(own_grad(root)),
                     ),
                 )
             )
@@ -593,9 +617,18 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
             # zeroshard builds Adam/AdamW fused (one in-place kernel per piece): no temporaries.
             ("optimizer step", moment(num_units + 1))
         )
-    if part.parameters and c.constant_buffers:
-        # The pool holds, lent or free, as much as the step gathers at once, at every moment.
-        held = max(m["gathered_units"] for _, m in out)
-        for _, m in out:
-            m["gathered_units"] = held
+    # The pool holds, lent or free, as much as the step gathers at once (per size as many
+    # buffers as were lent at once stay free). With gradients in its buffers it holds up to the
+    # most lent and borrowed at once (``room``): a buffer a gradient took is replaced by a new
+    # one at the next gather, and kept, free, when the gradient gives it back.
+    held = max(m["gathered_units"] for _, m in out)
+    room = max(m["gathered_units"] + m.get(_LENT, 0) for _, m in out)
+    borrowed = False  # (since the first collect; after the step the free ones are as many as
+    for name, m in out:  # were lent at once per size again)
+        in_pool = m.pop(_LENT, 0)
+        borrowed = (borrowed or in_pool > 0) and name != "optimizer step"
+        if pooled:
+            m["gathered_units"] = min(room, m["gathered_units"] + in_pool + held * borrowed)
+            m["gathered_units"] = max(m["gathered_units"], held)
+            m["comm_buckets"] -= in_pool
     return out
