@@ -164,26 +164,35 @@ def test_a_diverged_run_is_not_restarted(tmp_path, data_dir):
 
 
 @pytest.mark.parametrize(
-    ("code", "restarts_left"), [(2, 0), (3, 0), (130, 0), (143, 0), (1, 2), (4, 2), (-9, 2)]
+    ("code", "restarts_left"),
+    [(2, 0), (3, 0), (130, 0), (143, 0), (1, 2), (4, 2), (-9, 2), ((-9, 143), 2), ((143, 2), 0)],
 )
 def test_the_agent_restarts_only_what_a_restart_can_mend(code, restarts_left, capsys):
+    """(A rank killed, the others stopped by the agent's SIGTERM with 143: restarted; every
+    rank stopped on a signal sent to one of them: not.)"""
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    codes = code if isinstance(code, tuple) else (code,)
 
     class Agent:  # torchrun's LocalElasticAgent, as far as the holding agent uses it
         _remaining_restarts = 2
 
         def _monitor_workers(self, worker_group):
-            failed = ProcessFailure(local_rank=1, pid=1, exitcode=code, error_file="")
-            return RunResult(state=WorkerState.FAILED, failures={1: failed})
+            failed = {
+                1 + r: ProcessFailure(local_rank=1 + r, pid=1 + r, exitcode=c, error_file="")
+                for r, c in enumerate(codes)
+            }
+            return RunResult(state=WorkerState.FAILED, failures=failed)
 
     agent = _holding_agent(Agent, [], [])()
     assert agent._monitor_workers(None).is_failed()
     assert agent._remaining_restarts == restarts_left
     said = capsys.readouterr().err
     if restarts_left:  # the one line saying which rank failed, before the restart's own
-        assert said.startswith(f"zeroshard train: rank 1 failed (exit code {code}); restart")
+        assert said.startswith(f"zeroshard train: rank 1 failed (exit code {codes[0]}); restart")
         assert "(1 restart(s) left)" in said and said.count("\n") == 1, said
+        assert "To enable traceback" not in said  # (torchrun's advice on exits >= 0)
     else:
         assert not said
 

@@ -98,20 +98,22 @@ def read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads((path / META_FILE).read_text())
         if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
             raise ValueError("no list of files")
-        for name, want in meta["files"].items():  # (read as {"bytes": int, "xxh3_64": str})
-            if not _file_entry(want):
-                raise ValueError(f"the entry of {name} has no size and checksum")
     except ValueError as exc:  # a torn or hand-edited file (UnicodeDecodeError is one too)
-        raise CheckpointError(
-            f"{path / META_FILE} is damaged ({exc}); load another checkpoint"
-        ) from None
+        raise _damaged(path, exc) from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path} has checkpoint format {meta.get('format_version')}, this zeroshard reads "
             f"{FORMAT_VERSION}; load it with the zeroshard version that wrote it "
             f"({meta.get('zeroshard_version')})"
         )
+    for name, want in meta["files"].items():  # (read as {"bytes": int, "xxh3_64": str})
+        if not _file_entry(want):
+            raise _damaged(path, f"the entry of {name} has no size and checksum")
     return meta
+
+
+def _damaged(path: Path, why: object) -> CheckpointError:
+    return CheckpointError(f"{path / META_FILE} is damaged ({why}); load another checkpoint")
 
 
 def _check_aside(path: Path) -> None:

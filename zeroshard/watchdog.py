@@ -390,7 +390,7 @@ def _message(r: TimeoutReport, *, store_answered: bool) -> str:
             f"{head}; the rendezvous store did not answer either, so its host (rank 0, or "
             f"torchrun's agent) is stopped, hung or dead; look at rank 0 first{advice}"
         )
-    if r.ended:
+    if r.ended:  # (no timeout would have helped)
         reached = [x for x in r.group_ranks if x not in r.missing]
         alive = [x for x in r.missing if x not in r.ended]
         also = (
@@ -400,8 +400,9 @@ def _message(r: TimeoutReport, *, store_answered: bool) -> str:
             else ""
         )
         return (
-            f"{head}: {_ranks(r.ended)} ended (its process is gone: killed or crashed){also}; "
-            f"{_ranks(reached)} reached it. Look at {_ranks(r.ended)} (its log){advice}"
+            f"{head}: {_ranks(r.ended)} ended (process gone: killed or crashed){also}; "
+            f"{_ranks(reached)} reached it. Look at {_ranks(r.ended)}: the first error in the "
+            "log says why"
         )
     if r.missing:
         reached = [x for x in r.group_ranks if x not in r.missing]

@@ -8,7 +8,7 @@ Two things are added around torchrun's own ``main``:
   timeout (4) or interrupt (130 / 143) keeps its status, and any other failure gets one line;
 - a rank that stopped on bad input or divergence ends the run, not one restart of it: the
   restart would resume from the last checkpoint only to fail the same way; so do ranks that
-  stopped on a signal sent to one of them (a restart undid the interrupt it had announced);
+  all stopped on a signal sent to one of them (a restart undid the interrupt they announced);
 - no SIGINT or SIGTERM is lost while the agent starts. Until its ranks exist the agent has no
   handler of its own (Python's ``KeyboardInterrupt`` can be swallowed in its lazy imports) and,
   while it spawns them, a signal stops it before it has recorded which it started: they ran on,
@@ -49,11 +49,24 @@ STILL_STOPPING = (
     "zeroshard train: still stopping the ranks (each ends its step, then exits; killed after 30 s)"
 )
 """Said to a second SIGINT or SIGTERM while the ranks stop (``_holding_agent``)."""
-FINAL = (2, Diverged.exit_code, 130, 143)
+FINAL = (2, Diverged.exit_code)
 """Exit statuses that a restart would only repeat (bad input; divergence, which a resume from
-the last checkpoint replays) or undo (ranks that agreed to stop on a SIGINT or SIGTERM sent to
-one of them, and said so): the run ends at once, whatever ``--max-restarts`` has left. (A change
-of the job's nodes stops the ranks outside this path: they start again.)"""
+the last checkpoint replays): the run ends at once, whatever ``--max-restarts`` has left."""
+INTERRUPTED = (130, 143)
+"""Ranks that agreed to stop on a SIGINT or SIGTERM: when every failed rank says so (one of
+them got the signal), a restart would undo the interrupt; the agent's own SIGTERM to the others
+after a rank died also ends some with 143, and those are restarted."""
+
+
+def _final(codes: list[int]) -> bool:
+    """Whether failed ranks' exit statuses end the run rather than one attempt of it."""
+    return any(c in FINAL for c in codes) or all(c in INTERRUPTED for c in codes)
+
+
+def _said(failure: Any) -> str:
+    """torchrun's message of a failed rank worth repeating (a signal's), else ''."""
+    message = failure.message or ""
+    return "" if message.startswith("To enable traceback") else message
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +168,7 @@ def run_agent(
             after = f" after {launch.max_restarts} restart(s)" if launch.max_restarts else ""
             print(
                 f"zeroshard train: rank {rank} failed (exit code {first.exitcode}){after}; the "
-                f"other ranks were stopped. {first.message or ''}".rstrip(),
+                f"other ranks were stopped. {_said(first)}".rstrip(),
                 file=sys.stderr,
             )
             if on_failure is not None:
@@ -261,15 +274,14 @@ def _holding_agent(base: type, noted: list[int], stopping: list[int]) -> type:
             result = super()._monitor_workers(worker_group)
             if not result.is_failed():
                 return result
-            if any(failure.exitcode in FINAL for failure in result.failures.values()):
+            if _final([failure.exitcode for failure in result.failures.values()]):
                 self._remaining_restarts = 0
             elif self._remaining_restarts > 0:  # (torch's own report of it is silenced)
                 rank, first = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
                 print(
                     f"zeroshard train: rank {rank} failed (exit code {first.exitcode}); "
                     "restarting every rank from the newest checkpoint "
-                    f"({self._remaining_restarts - 1} restart(s) left). "
-                    f"{first.message or ''}".rstrip(),
+                    f"({self._remaining_restarts - 1} restart(s) left). {_said(first)}".rstrip(),
                     file=sys.stderr,
                 )
             return result

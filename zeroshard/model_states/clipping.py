@@ -36,6 +36,7 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
         ) from None
     if not p > 0:
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
+    opt.engine.check_trusted()  # (a gradient dropped after a failed swap: no norm without it)
     if opt._backward_step is not None:
         raise ValueError(
             "clip_grad_norm needs every gradient before any update, but with "

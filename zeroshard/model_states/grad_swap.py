@@ -73,8 +73,9 @@ class GradSwapper:
 
     @property
     def failed(self) -> str | None:
-        """A gradient write that failed in an I/O thread, as ``StopsOnFailure.failed`` (one
-        refused before it began stops the state swapper, whose store this shares)."""
+        """A gradient write that failed in an I/O thread, worded "training stopped: ..." (what
+        ``StopsOnFailure.failed`` is for the others; a write refused before it began stops the
+        state swapper, whose store this shares)."""
         return None if self._error is None else f"training stopped: {self._error}"
 
     def stats(self) -> dict[str, float]:
@@ -97,7 +98,6 @@ class GradSwapper:
         g = bucket.shard_grad  # 1D FP32, this rank's reduced shard
         if g is None or g.numel() == 0:
             return
-        bucket.shard_grad = None  # in the store now; ``g`` lives until written
         i = self._index[id(bucket)]
         try:
             if i in self._stored and i not in self._mirrored:
@@ -111,6 +111,7 @@ class GradSwapper:
             # ``raise_deferred`` raises the first failure once it is over.
             if self._deferred is None:
                 self._deferred = e
+        bucket.shard_grad = None  # in the store now (``g`` lives until written), or dropped
 
     def raise_deferred(self) -> None:
         """After a backward: the first gradient that could not be stored in it, if any."""

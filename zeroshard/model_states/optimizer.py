@@ -265,8 +265,9 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
                 for engine in engines if not sync else ():
                     micro_step.enter_context(engine.no_sync())
                 loss.backward(**kwargs)
-            if self._grad_swap is not None:
-                self._grad_swap.raise_deferred()
+            for o in (o for engine in engines for o in engine.optimizers):
+                if o._grad_swap is not None:  # (any model's the loss reached)
+                    o._grad_swap.raise_deferred()
         finally:
             for engine, (next_scale, scaler, by) in zip(engines, outer):  # (a loss that
                 engine.scaling.next_scale, engine.backward_by = next_scale, by  # reached no

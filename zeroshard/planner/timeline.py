@@ -259,7 +259,7 @@ def _gpt_per_unit(
     per = _PerUnit(
         unit=tuple(k * layer for k in layers),
         before=(ids, *[0] * (num_units - 1)),
-        tail=head,
+        tail=head + (0 if num_units else nl * layer),  # (the model one unit: the root saves all)
         inputs=(tokens * hd * a,) * num_units,  # the residual stream, and its gradient
         largest=(math.ceil(tokens * 4 * hd * a / c.num_mp_ranks),) * num_units,  # MLP hidden
     )
