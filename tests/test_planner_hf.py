@@ -276,3 +276,27 @@ def test_the_fallback_warning_is_one_line():
         d.from_hf_config(config)
     said = [str(w.message) for w in caught if "GPT-shaped" in str(w.message)]
     assert said and all("\n" not in s for s in said), said
+
+
+def test_a_class_that_needs_another_package_says_so(monkeypatch):
+    # transformers installed, the model's class needing detectron2 / timm: the warning said
+    # "transformers is not installed", and where the config alone could not be counted the
+    # error named only a missing field.
+    def needs_timm(config, **kw):
+        raise ImportError("TimmBackbone requires the timm library but it was not found")
+
+    monkeypatch.setattr(hf, "build", needs_timm)
+    with pytest.warns(UserWarning, match="a package the model's class needs is not installed"):
+        d.from_hf_config(HF_CONFIGS["llama"])
+    no_layers = {k: v for k, v in HF_CONFIGS["llama"].items() if k != "num_hidden_layers"}
+    failed_too = r"none of num_hidden_layers.*building the model failed"
+    with pytest.raises(ValueError, match=failed_too), pytest.warns(UserWarning):
+        d.from_hf_config(no_layers)
+
+
+def test_architectures_naming_a_class_transformers_lacks_is_said():
+    # The Auto classes built LlamaForCausalLM instead, without a word (train --hf refuses it).
+    pytest.importorskip("transformers")
+    config = dict(HF_CONFIGS["llama"], architectures=["NoSuchClassForCausalLM"])
+    with pytest.raises(ValueError, match="architectures names 'NoSuchClassForCausalLM'"):
+        hf.build(config)

@@ -403,14 +403,16 @@ def from_hf_config(config, *, wrap: str | Sequence[str] | None = None) -> ModelD
     try:
         module = hf.build(config)
     except Exception as exc:  # ImportError without transformers, or anything building raised
-        why = "transformers is not installed" if isinstance(exc, ImportError) else "building"
+        why = f"{_build_problem(exc)}: {type(exc).__name__}: {' '.join(str(exc).split())}"
         warnings.warn(
-            f"{name}: counting with the GPT-shaped formula, not the built model ({why}: "
-            f"{type(exc).__name__}: {' '.join(str(exc).split())}); the count and the units are "
-            "estimates",
+            f"{name}: counting with the GPT-shaped formula, not the built model ({why}); the "
+            "count and the units are estimates",
             stacklevel=2,
         )
-        found = _hf_shape_terms(values, required=True)
+        try:
+            found = _hf_shape_terms(values, required=True)
+        except ValueError as missing:  # (the warning above is lost with the error's exit)
+            raise ValueError(f"{missing}; building the model failed too ({why})") from None
         return from_transformer(**found, name=name)
     found = _hf_shape_terms(module.config.to_dict(), required=False)
     shape = None
@@ -420,6 +422,15 @@ def from_hf_config(config, *, wrap: str | Sequence[str] | None = None) -> ModelD
             # head_dim): transformers built it, so its measured activations stand alone
             shape = TransformerShape(**found, tied_embeddings=_tied(module))
     return from_module(module, wrap=wrap, shape=shape, name=name)
+
+
+def _build_problem(exc: Exception) -> str:
+    """What kept ``hf.build`` from building the model, in words."""
+    if not isinstance(exc, ImportError):
+        return "building"
+    if (exc.name or "").split(".")[0] == "transformers":
+        return "transformers is not installed"
+    return "a package the model's class needs is not installed"
 
 
 def _tied(module) -> bool:

@@ -124,7 +124,13 @@ def build(config, *, device: str = "meta"):
                 raise ValueError(f"transformers {transformers.__version__} has no {model_type!r}")
             config = CONFIG_MAPPING[model_type].from_dict(values)
         names = list(getattr(config, "architectures", None) or [])
-        classes = [getattr(transformers, n) for n in names if hasattr(transformers, n)]
+        unknown = [n for n in names if not hasattr(transformers, n)]
+        if unknown:  # (the Auto classes instead built another model without a word)
+            raise ValueError(
+                f"the config's architectures names {unknown[0]!r}, which transformers "
+                f"{transformers.__version__} does not have; correct it or remove architectures"
+            )
+        classes = [getattr(transformers, n) for n in names]
         problems = []
         for cls in classes or [getattr(transformers, n) for n in AUTO_CLASSES]:
             make = cls.from_config if cls.__name__.startswith("Auto") else cls
