@@ -164,3 +164,38 @@ def test_a_model_returning_logits_is_measured_with_trains_loss():
     got = logits.activations.at(micro_batch_size=2, seq_len=6)
     want = loss.activations.at(micro_batch_size=2, seq_len=6)
     assert got == want and got.tail_bytes > 2 * 6 * 32 * 4  # the log-probabilities, at least
+
+
+class _TorchEncoder(torch.nn.Module):
+    """Token ids -> ``nn.TransformerEncoderLayer`` x 2 -> logits; ``model(x, y)`` is the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 64)
+        layer = dict(d_model=64, nhead=4, dim_feedforward=128, dropout=0.0, batch_first=True)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(**layer) for _ in range(2)
+        )
+        self.head = torch.nn.Linear(64, 256)
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def test_multi_head_attention_is_measured_with_the_cpus_fused_kernel():
+    # nn.MultiheadAttention calls scaled_dot_product_attention from inside another torch
+    # function, where the measuring mode was off: the math path's probabilities were counted
+    # (a wrapped nn.Transformer's peak planned +32%).
+    torch.manual_seed(0)
+    real = _TorchEncoder().train()
+    model = describe.from_module(real, wrap=("TransformerEncoderLayer",))
+    profile = model.activations
+    got = profile.at(micro_batch_size=4, seq_len=64)
+    want = _real_saved(real, profile.unit_names, 4, 64, 256, "xy")
+    assert got.unit_bytes == tuple(want.get(i, 0) for i in range(len(profile.unit_names)))
+    assert torch.nn.functional.scaled_dot_product_attention.__name__ == (
+        "scaled_dot_product_attention"  # (put back)
+    )

@@ -454,23 +454,33 @@ def _meta_grouped_mm():
 def _cpu_attention_choice():
     """On meta, ``scaled_dot_product_attention`` runs the CPU's fused kernel wherever the CPU
     would choose it for the same shapes and arguments (asked with zero-stride stand-ins, no
-    memory), instead of the math path meta always takes."""
+    memory), instead of the math path meta always takes. Also where another torch function
+    calls it (``nn.MultiheadAttention``'s ``multi_head_attention_forward``, in which the mode
+    is off: its probabilities were counted, +32% on a wrapped ``nn.Transformer``): the
+    module's own name is replaced meanwhile."""
     import torch
     from torch.overrides import TorchFunctionMode
 
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    functional = torch.nn.functional
+    sdpa = functional.scaled_dot_product_attention
+
+    def fused_or_math(*args, **kwargs):
+        out = _fused(*args, **kwargs)
+        return sdpa(*args, **kwargs) if out is None else out
 
     class Mode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func is sdpa:
-                out = _fused(*args, **kwargs)
-                if out is not None:
-                    return out
+                return fused_or_math(*args, **kwargs)
             return func(*args, **kwargs)
 
-    with Mode():
-        yield
+    functional.scaled_dot_product_attention = fused_or_math
+    try:
+        with Mode():
+            yield
+    finally:
+        functional.scaled_dot_product_attention = sdpa
 
 
 def _fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
