@@ -656,14 +656,8 @@ def _disk_full_at_the_step(folder: str, gradients: str | None) -> list[str]:
 
     stage = 1 if gradients is None else 2
     model, opt = _make(stage, Offload(optimizer="nvme", gradients=gradients, folder=folder))
-    said = []
     with mock.patch.object(nvme, "free_bytes", return_value=0):  # filled since the check
-        for step in range(2):
-            try:
-                _train(model, opt, range(step, step + 1))
-            except OffloadError as exc:
-                said.append(str(exc))
-    return said
+        return refused_steps(lambda step: _train(model, opt, range(step, step + 1)), (0, 1))
 
 
 @pytest.mark.parametrize("gradients", [None, "nvme"])
@@ -687,14 +681,8 @@ def _disk_full_at_different_units(folder: str) -> list[str]:
         calls.append(path)
         return 0 if len(calls) > rank else real(path)
 
-    said = []
     with mock.patch.object(nvme, "free_bytes", side_effect=free):
-        for step in range(3):
-            try:
-                _train(model, opt, range(step, step + 1))
-            except OffloadError as exc:
-                said.append(str(exc))
-    return said
+        return refused_steps(lambda step: _train(model, opt, range(step, step + 1)), (0, 1, 2))
 
 
 def test_a_disk_full_at_each_ranks_own_unit_stops_every_rank_cleanly(workers2, tmp_path):
