@@ -50,7 +50,7 @@ def move(model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecision, *, sy
             # non-persistent there, and each update was seen by one name only).
             dtypes.setdefault(id(buf), dtype)
     moved: dict[int, torch.Tensor] = {}
-    floating = []  # (qualified name, module, name, dtype): what restore_dtypes checks
+    floating = []  # (qualified name, module, name): what restore_dtypes checks
     for module, name, buf in registered:
         dtype = dtypes[id(buf)]
         if dtype != buf.dtype:  # state dicts give it back in this one (as FSDP1 does)

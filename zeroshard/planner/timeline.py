@@ -460,10 +460,11 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         return backward[j] if c.bucket_per_unit else max(bucket_numel, backward[j])
 
     pooled = part.parameters and c.constant_buffers
-    # (Stepping in backward, the reduce-scatter writes into the collected gradient's own
-    # slice, memory of its own: nothing is borrowed.)
-    borrows = pooled and c.gradients_in_gather_buffers and c.bucket_per_unit and not sib
-    borrows = borrows and bpp.grads == bpp.params  # (the same bytes as the gathered unit)
+    # Into a buffer of the same bytes as the gathered unit; stepping in backward, the
+    # reduce-scatter writes into the collected gradient's own slice: nothing is borrowed.
+    borrows = (
+        pooled and c.gradients_in_gather_buffers and c.bucket_per_unit and not sib
+    ) and bpp.grads == bpp.params
 
     def lent(flat_grads: int) -> dict[str, int]:
         """Collected gradients of ``flat_grads`` bytes in gather buffers at a moment, each in
@@ -628,7 +629,8 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         in_pool = m.pop(_LENT, 0)
         borrowed = (borrowed or in_pool > 0) and name != "optimizer step"
         if pooled:
-            m["gathered_units"] = min(room, m["gathered_units"] + in_pool + held * borrowed)
-            m["gathered_units"] = max(m["gathered_units"], held)
+            m["gathered_units"] = max(
+                held, min(room, m["gathered_units"] + in_pool + held * borrowed)
+            )
             m["comm_buckets"] -= in_pool
     return out
