@@ -472,3 +472,85 @@ def test_a_gradient_in_its_units_gather_buffer_is_counted_once(workers2, name):
     for row in workers2.run(calibrate.calibrate, case):
         error = calibrate.error(row["predicted"]["peak_bytes"], row["measured"]["peak_bytes"])
         assert abs(error) <= 0.03, calibrate.render([row])
+
+
+class _UnusedHeadLM(torch.nn.Module):
+    """A language model with a large second head its loss never reaches (a decoder built
+    without its encoder's input: BART's cross-attention in ``BartForCausalLM``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 32)
+        self.blocks = torch.nn.ModuleList(_TableBlock() for _ in range(2))
+        for block in self.blocks:
+            block.table = torch.zeros(1, 32)
+        self.head = torch.nn.Linear(32, 256)
+        self.other_head = torch.nn.Linear(32, 4096)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _unused_head_states(stage: int, precision: str) -> int:
+    def loss(model, gen):
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+
+    wrap = zeroshard.wrap.by_class(_TableBlock)
+    mixed = None if precision == "fp32" else precision
+    return calibrate.measure_module(
+        _UnusedHeadLM, loss, stage=stage, wrap=wrap, num_steps=2, mixed_precision=mixed
+    )["model_states_bytes"]
+
+
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (2, "bf16"), (3, "fp32")])
+def test_parameters_the_loss_never_reaches_have_no_optimizer_states(workers2, stage, precision):
+    # They get no gradient, so torch's optimizer makes no state for them: the plan charged
+    # Adam's 8 bytes for each (+38% optimizer states for a BART decoder built as a causal LM).
+    # Their FP32 masters exist all the same. The unused head lies in the root unit's second
+    # half: rank 0 holds the states of nearly every reached parameter, rank 1 few, so the plan
+    # is the busiest rank's.
+    model = describe.from_module(_UnusedHeadLM, wrap="_TableBlock")
+    assert model.stepped is not None
+    case = Case(stage=stage, precision=precision)
+    config = dataclasses.replace(calibrate.engine_config(case, 2), micro_batch_size=4)
+    predicted = m.plan_memory(model, config).model_states_bytes()
+    measured = workers2.run(_unused_head_states, stage, precision)
+    assert abs(predicted - max(measured)) <= 0.001 * max(measured), (predicted, measured)
+
+
+_BART_CAUSAL = dict(  # BART's decoder alone (BartForCausalLM): its cross-attention never runs
+    model_type="bart",
+    architectures=["BartForCausalLM"],
+    vocab_size=512,
+    d_model=64,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=128,
+    decoder_ffn_dim=128,
+    max_position_embeddings=128,
+)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_decoder_built_without_its_encoder(workers2, stage):
+    """A third of each BART decoder layer (cross-attention) gets no gradient, so no optimizer
+    state: the plan charged them (+13% model states), and at stage 1 the ranks differ (the
+    states follow where the reached parameters fall in each bucket): the plan is the busiest
+    rank's. The forward on meta failed too (transformers checks BART's padding mask of ones
+    with ``.item()``): the activations came from the reference GPT's formulas."""
+    pytest.importorskip("transformers")
+    case = calibrate.HFCase(config=_BART_CAUSAL, stage=stage, micro_batch_size=4, seq_len=64)
+    model = calibrate.describe_case(case)
+    assert model.activations is not None and model.stepped is not None
+    rows = workers2.run(calibrate.calibrate, case)
+    predicted = rows[0]["predicted"]
+    busiest = max(r["measured"]["model_states_bytes"] for r in rows)
+    assert abs(calibrate.error(predicted["model_states_bytes"], busiest)) <= 0.001, rows
+    peak = max(r["measured"]["peak_bytes"] for r in rows)
+    assert abs(calibrate.error(predicted["peak_bytes"], peak)) <= 0.01, rows

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from zeroshard.models.gpt import GPTConfig, preset
 from zeroshard.planner import hf
 from zeroshard.planner.saved import ActivationProfile, profile
+from zeroshard.planner.stepped import SteppedLayout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +87,10 @@ class ModelDescription:
     num_trainable_params: int | None = None
     """Parameters that train (``requires_grad``); only these have gradients and optimizer
     states. ``None``: every parameter (a count or a shape)."""
+    stepped: SteppedLayout | None = None
+    """A built model whose loss leaves some trainable parameters without a gradient (measured on
+    meta): which ones, in the engine's flat buffers; only the others get optimizer states.
+    ``None``: every trainable one gets them (a count, a shape, or a forward not run)."""
     activations: ActivationProfile | None = None
     """What autograd saves per unit, measured on the built model (meta device) at the batch and
     sequence length planned (``zeroshard.planner.saved``); ``None``: the reference GPT's
@@ -294,6 +299,7 @@ def from_module(
         )
         activations = None
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    reached = None if activations is None else activations.reached()
     cast = {  # persistent floating buffers, once each
         id(b): b
         for m in module.modules()
@@ -307,6 +313,7 @@ def from_module(
     return ModelDescription(
         num_params=num_params,
         num_trainable_params=trainable if trainable < num_params else None,
+        stepped=_stepped(module, specs, reached),
         shape=shape,
         largest_unit_numel=max(numels[1:], default=0) or None,
         block_unit_numels=tuple(numels[1:]),
@@ -319,6 +326,14 @@ def from_module(
         cast_buffer_numel=sum(b.numel() for b in cast),
         cast_buffer_bytes=sum(b.numel() * b.element_size() for b in cast),
     )
+
+
+def _stepped(module, specs: list, reached: frozenset[int] | None) -> SteppedLayout | None:
+    """The layout of ``module``'s units when some trainable parameter is not in ``reached``
+    (``id``s of the parameters the loss reaches; ``None``: not measured, all count as reached)."""
+    if reached is None or all(id(p) in reached for p in module.parameters() if p.requires_grad):
+        return None
+    return SteppedLayout(specs, reached)
 
 
 def _warn_nested(label: str, names: list[str], numels: list[int]) -> None:

@@ -334,13 +334,16 @@ def model_states(
     placement: Placement | None = None,
     num_params_replicated: int = 0,
     num_params_trainable: int | None = None,
+    optimizer_numel: int | None = None,
 ) -> dict[Tier, dict[str, int]]:
     """Model-state bytes per device and tier: ``bytes_per_param * Psi / Nm``, divided by Nd for the
     states the stage partitions. Psi = 7.5e9, Nd = 64 gives 120, 31.4, 16.6 and 1.88 GB.
     ``num_params_replicated`` of the Psi are not divided by Nm (tensor parallelism leaves them
     whole on every rank: ``ModelDescription.replicated_numel``). Gradients and optimizer states
     are those of the ``num_params_trainable`` (None: all; frozen parameters have neither), in
-    proportion."""
+    proportion. ``optimizer_numel``: the elements whose optimizer states this device holds, when
+    not every trainable parameter has them (``optimizer_numel``'s function); None: the
+    trainable ones' share."""
     _at_least("num_params", num_params, 1)
     _at_least("num_dp_ranks", num_dp_ranks, 1)
     _at_least("num_mp_ranks", num_mp_ranks, 1)
@@ -352,6 +355,8 @@ def model_states(
                 f"num_params_trainable={num_params_trainable} is more than num_params="
                 f"{num_params}: the trainable parameters are some of them"
             )
+    if optimizer_numel is not None:
+        _at_least("optimizer_numel", optimizer_numel, 0)
     p, placement = partition(stage), placement or Placement()
     split = dict(params=p.parameters, grads=p.gradients, optimizer_states=p.optimizer_states)
     out = {t: dict.fromkeys(MODEL_STATES, 0) for t in TIERS}
@@ -361,6 +366,9 @@ def model_states(
 
     def add(category: str, per_param: int, partitioned: bool, *, trained: bool = True,
             tier: str | None = None) -> None:  # fmt: skip
+        if trained and category == "optimizer_states" and optimizer_numel is not None:
+            out[placement.tier(category)][category] += per_param * optimizer_numel
+            return
         # bytes * ((Psi - R) / Nm + R) / Nd, in integers: ceil(a / b) = -(-a // b)
         num_bytes = per_param * elements_x_nm
         if trained:
@@ -377,6 +385,21 @@ def model_states(
     # The FP32 masters beside working copies: every parameter's (frozen too), on its tier.
     add("optimizer_states", master, p.optimizer_states, trained=False, tier="params")
     return out
+
+
+def optimizer_numel(model: ModelDescription, config: MemoryConfig) -> int | None:
+    """Elements whose optimizer states the busiest rank holds when the loss leaves some trainable
+    parameters without a gradient, so without states (``ModelDescription.stepped``); ``None``
+    when every one has them, or with tensor parallelism (whose pieces are not followed): the
+    trainable parameters' share."""
+    if model.stepped is None or config.num_mp_ranks > 1:
+        return None
+    return model.stepped.busiest_rank_numel(
+        stage=config.stage,
+        num_shard_ranks=config.num_shard_ranks,
+        bucket_bytes=config.bucket_bytes,
+        param_bytes=config.bytes_per_param.params or MASTER_BYTES,
+    )
 
 
 def _unreduced(config: MemoryConfig) -> bool:
@@ -445,6 +468,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             placement=c.placement,
             num_params_replicated=model.replicated_numel,
             num_params_trainable=model.num_trainable_params,
+            optimizer_numel=optimizer_numel(model, c),
         )
         _grads_as_trained(states, model, c)
         moments = timeline.moments(model, c, states[Tier.DEVICE])
@@ -552,6 +576,7 @@ def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdow
         placement=config.placement,
         num_params_replicated=model.replicated_numel,
         num_params_trainable=model.num_trainable_params,
+        optimizer_numel=optimizer_numel(model, config),
     )
     at_rest = states[Tier.DEVICE]["grads"]  # (the shards; step_in_backward: stepped, dropped)
     at_rest = 0 if config.step_in_backward else at_rest

@@ -65,6 +65,11 @@ class SavedActivations:
     """Elements of the root's parameters that autograd saves after the last unit (the final norm,
     the output projection, a tied embedding): their gradients exist from the head's backward
     and are held until the root unit's reduction at the end of backward."""
+    reached_params: frozenset[str]
+    """Names (``named_parameters``') of the parameters the loss's graph reaches: only these get a
+    gradient, so only these get optimizer states (``zeroshard.planner.stepped``). Fewer than the
+    trainable ones in a decoder built without its encoder's input (BART's cross-attention in
+    ``BartForCausalLM``) or with a head the loss skips."""
 
     @property
     def total_bytes(self) -> int:
@@ -127,6 +132,12 @@ class ActivationProfile:
         if isinstance(found, Exception):
             raise found
         return found
+
+    def reached(self) -> frozenset[int]:
+        """``id`` of each parameter of ``module`` the loss reaches, in the 1 x 8 token forward
+        ``profile`` checked the model with (which ones does not depend on the batch)."""
+        names = self.at(micro_batch_size=1, seq_len=8).reached_params
+        return frozenset(id(p) for name, p in self.module.named_parameters() if name in names)
 
     def largest_param(self, num_mp_ranks: int = 1) -> int:
         """Elements of the largest parameter piece a unit holds on one of ``num_mp_ranks``
@@ -323,7 +334,24 @@ def measure(
         largest_tail_tensor_bytes=tail_largest,
         chained=tuple(chained),
         tail_param_numel=sum(tail_params.values()),
+        reached_params=_reached_params(model, loss),
     )
+
+
+def _reached_params(model, loss) -> frozenset[str]:
+    """Names of ``model``'s parameters that ``loss``'s autograd graph ends in: the variables of
+    its ``AccumulateGrad`` nodes."""
+    seen, found, todo = set(), set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            found.add(id(variable))
+        todo.extend(n for n, _ in node.next_functions)
+    return frozenset(name for name, p in model.named_parameters() if id(p) in found)
 
 
 class _TensorParallelSplit:
@@ -413,17 +441,22 @@ def _same(t):
 def _unpacked_sequences():
     """transformers looks for packed sequences in the position ids (``.item()`` of a comparison:
     impossible on meta) when a model runs without a cache, as configs with ``use_cache: false``
-    do: the planner's batches hold one sequence per row, for which it finds none (None)."""
+    do: the planner's batches hold one sequence per row, for which it finds none (None), and no
+    padding."""
     masking = sys.modules.get("transformers.masking_utils")
     found = getattr(masking, "find_packed_sequence_indices", None)
-    if found is None:
+    every = getattr(masking, "fast_all", None)
+    if found is None or every is None:
         yield
         return
     masking.find_packed_sequence_indices = lambda position_ids: None
+    # A padding mask of ones (BART's decoder makes one when given none) is checked with
+    # ``.item()`` before sdpa may skip it: the planner's rows hold no padding, so it is all ones.
+    masking.fast_all = lambda tensor: True if tensor.is_meta else every(tensor)
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = found
+        masking.find_packed_sequence_indices, masking.fast_all = found, every
 
 
 @contextlib.contextmanager
