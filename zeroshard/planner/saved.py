@@ -65,6 +65,10 @@ class SavedActivations:
     """Elements of the root's parameters that autograd saves after the last unit (the final norm,
     the output projection, a tied embedding): their gradients exist from the head's backward
     and are held until the root unit's reduction at the end of backward."""
+    tied_param_numel: int = 0
+    """Of ``tail_param_numel``, the elements of parameters the graph uses more than once (a head
+    tied to the input embedding): autograd holds the head's gradient until the embedding's
+    backward adds its own, into a third tensor of that size (``timeline``'s root backward)."""
     reached_params: frozenset[str]
     """Names (``named_parameters``') of the parameters the loss's graph reaches: only these get a
     gradient, so only these get optimizer states (``zeroshard.planner.stepped``). Fewer than the
@@ -312,6 +316,8 @@ def measure(
             h.remove()
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"the forward returned {type(loss).__name__}, not a scalar loss")
+    uses = _uses(loss)  # id(parameter) -> the graph's edges into its AccumulateGrad
+    reused = {p.untyped_storage()._cdata for p in model.parameters() if uses.get(id(p), 0) > 1}
     unit_bytes, largest = [0] * num_units, [0] * num_units
     before, tail, tail_largest = [0] * num_units, 0, 0
     for w, num_bytes, _ in saved.values():
@@ -334,24 +340,28 @@ def measure(
         largest_tail_tensor_bytes=tail_largest,
         chained=tuple(chained),
         tail_param_numel=sum(tail_params.values()),
-        reached_params=_reached_params(model, loss),
+        tied_param_numel=sum(n for key, n in tail_params.items() if key in reused),
+        reached_params=frozenset(name for name, p in model.named_parameters() if id(p) in uses),
     )
 
 
-def _reached_params(model, loss) -> frozenset[str]:
-    """Names of ``model``'s parameters that ``loss``'s autograd graph ends in: the variables of
-    its ``AccumulateGrad`` nodes."""
-    seen, found, todo = set(), set(), [loss.grad_fn]
+def _uses(loss) -> dict[int, int]:
+    """``id`` of each leaf requiring grad (parameter) that ``loss``'s autograd graph ends in (the
+    variables of its ``AccumulateGrad`` nodes) -> how many edges lead to it (its uses)."""
+    seen, edges, found, todo = set(), {}, {}, [loss.grad_fn]
     while todo:
         node = todo.pop()
-        if node is None or node in seen:
+        if node is None:
+            continue
+        edges[node] = edges.get(node, 0) + 1
+        if node in seen:
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
         if variable is not None:
-            found.add(id(variable))
+            found[node] = id(variable)
         todo.extend(n for n, _ in node.next_functions)
-    return frozenset(name for name, p in model.named_parameters() if id(p) in found)
+    return {found[node]: edges[node] for node in found}
 
 
 class _TensorParallelSplit:

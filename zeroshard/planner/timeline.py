@@ -140,6 +140,9 @@ class ActivationTerms:
     parameter the head and the loss use)."""
     held_grad: int
     """Of those, what outlives the unit's backward: the head's gradients."""
+    tied_grad: int = 0
+    """The root's own backward (its embeddings), beside ``held_grad``: a weight the head shares
+    gets its second gradient there, and autograd sums the two into a third tensor."""
     checkpoints_at_loss: int = 0
     """Checkpoints on the device at the loss's backward: every span's input."""
     checkpoints_at_unit: tuple[int, ...] = ()
@@ -188,10 +191,12 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
             s.chained,
         )
         held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
+        tied = 2 * s.tied_param_numel * g
         logits = 2 * s.largest_tail_tensor_bytes
         grad_working = model.activations.largest_param(c.num_mp_ranks) * g + held
     else:
         per, logits, grad_working, held = _gpt_per_unit(model, c, num_units)
+        tied = 2 * held  # (the reference GPT's held gradient is its tied embedding's)
     ci = c.num_layers_per_checkpoint if c.activation_checkpointing else 1
     span = spans.first_units(num_units, ci, per.chained)  # the first unit of each unit's span
     ckpt = [0] * num_units  # a span's input, on the device, at its first unit
@@ -224,6 +229,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         after=per.before[0] if num_units else 0,
         grad_working=grad_working,
         held_grad=held,
+        tied_grad=tied,
         checkpoints_at_loss=sum(ckpt),
         checkpoints_at_unit=tuple(checkpoints(i) for i in fwd),
         checkpoints_total=total,
@@ -540,6 +546,24 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     gathered_units=prefetched,
                     comm_buckets=full_grads(k - left, left) + 2 * own_grad(backward[k]),
                     **lent(full_grads(k - left, left) + own_grad(backward[k])),
+                ),
+            )
+        )
+    if act.tied_grad:
+        # The root's own backward, before the end-of-backward callback: the input embedding's
+        # gradient of a weight the head shares, added to the head's (held since the loss's
+        # backward) into a new tensor. It was missing: a tied GPT-2 at stage 3 was 10.5% low.
+        in_flight = min(num_units, num_inflight)
+        out.append(
+            (
+                "root backward",
+                moment(
+                    0 if single_bucket else num_units,
+                    activation_working=act.after,
+                    model_state_working=act.held_grad + act.tied_grad,
+                    gathered_units=gathered(0, 0),
+                    comm_buckets=full_grads(num_units - in_flight, in_flight),
+                    **lent(full_grads(num_units - in_flight, in_flight)),
                 ),
             )
         )
