@@ -147,3 +147,58 @@ def test_numbers_in_another_form_are_taken_as_torch_takes_them(lone_process):
     assert norms[0] == pytest.approx(0.01, rel=1e-4) and norms[0] == norms[1] == norms[2]
     with pytest.raises(TypeError, match=r"clip_grad_norm takes numbers, got max_norm=None"):
         opt.clip_grad_norm(None)
+
+
+def _clip_then_touch(precision: str, clip: str, touch: str) -> dict:
+    """Stage 0 in mixed precision: the engine's clip, then ``.grad`` touched in place as DDP
+    users do (a norm for a log, which changes nothing; a mask on one parameter), then a step;
+    against torch's clip and the same touch on one process, the whole batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+    x, y = torch.randn(4 * world, 7), torch.randn(4 * world, 5)
+
+    def touched(model) -> None:
+        if touch == "log":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        else:
+            model[0].weight.grad[:, 0] = 0.0
+
+    ref = copy.deepcopy(base)
+    ((ref(x) - y) ** 2).mean().backward()
+    if clip == "norm":
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    else:
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 0.01)
+    shown = ref[2].weight.grad.clone()
+    touched(ref)
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+
+    model = zeroshard.shard(copy.deepcopy(base), stage=0, mixed_precision=precision)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    opt.backward(
+        ((model(x[4 * rank : 4 * rank + 4]).float() - y[4 * rank : 4 * rank + 4]) ** 2).mean()
+    )
+    opt.clip_grad_norm(0.05) if clip == "norm" else opt.clip_grad_value(0.01)
+    grad = model[2].weight.grad.float()
+    touched(model)
+    opt.step()
+    masters = zeroshard.state_dict.full_state_dict(model, rank0_only=False)  # (FP32)
+    errors = {}
+    for i in (0, 2):
+        want = ref[i].weight.detach() - base[i].weight.detach()
+        got = masters[f"{i}.weight"] - base[i].weight.detach()
+        errors[i] = ((got - want).norm() / want.norm()).item()
+    return {"errors": errors, "shown": ((grad - shown).norm() / shown.norm()).item()}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("clip, touch", [("norm", "log"), ("norm", "mask"), ("value", "log")])
+def test_a_clip_at_stage_0_is_what_grad_shows_and_what_the_step_takes(
+    workers2, precision, clip, touch
+):
+    # .grad went on showing the unclipped average: any later touch of it in place was an edit
+    # to adopt, and the step took the unclipped gradient (19.5x torch's update).
+    for r in workers2.run(_clip_then_touch, precision, clip, touch):
+        assert r["shown"] < 0.01, r  # as DDP's .grad after torch's clip (rounded to 16 bits)
+        assert max(r["errors"].values()) < 0.02, r

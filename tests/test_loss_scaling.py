@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -61,6 +62,18 @@ def test_scaler_state_round_trips_and_config_errors():
             DynamicLossScaler(**bad)
     with pytest.raises(ValueError):
         LossScaler(scale=float("inf"))
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(growth_interval=2.5), dict(growth_interval=True), dict(hysteresis=1.5),
+            dict(init_scale="1024"), dict(backoff_factor=None)],
+)  # fmt: skip
+def test_a_count_that_is_not_an_int_is_refused_as_torch_s_grad_scaler_refuses_it(bad):
+    # growth_interval=2.5 acted as 3, True as 1, hysteresis=1.5 as 2 (and was saved as 1.5).
+    name = next(iter(bad))
+    with pytest.raises(TypeError, match=name):
+        DynamicLossScaler(**bad)
+    assert DynamicLossScaler(growth_interval=np.int64(3), init_scale=np.float32(8)).scale == 8
 
 
 def test_a_scaler_of_another_kind_keeps_its_own_scale():

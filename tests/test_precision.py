@@ -1063,3 +1063,39 @@ def test_a_unit_inside_one_with_its_own_policy_gives_back_its_dtype(workers2, st
                                "2": f32}, r  # fmt: skip
         # stage 0: the root, the two blocks, their subs, their norms, each group one bucket
         assert stage == 3 or r["flats"] == 4, r
+
+
+def _float64_mixed(stage: int, model_dtype: str, policy: dict) -> float:
+    """A model in ``model_dtype`` under ``policy`` (float64 in one of its dtypes), 3 SGD steps
+    against plain torch in float64 on the whole batch: the largest parameter difference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    built = copy.deepcopy(ref).to(getattr(torch, model_dtype))
+    model = zeroshard.shard(built, stage=stage, mixed_precision=MixedPrecision(**policy))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1e-2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 3, dtype=torch.float64, generator=g)
+        mine = x[rank * 8 // world : (rank + 1) * 8 // world]
+        opt.backward(model(mine.to(built[0].weight.dtype)).double().pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    return max((full[k].double() - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "model_dtype, policy",
+    [("float64", {"reduce_dtype": "fp32"}), ("float32", {"param_dtype": torch.float64})],
+)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_float64_dtype_beside_fp32_ones(workers2, stage, model_dtype, policy):
+    # Stage 0 took the L1 norm of the gradient .grad shows in FP32, which torch refuses for a
+    # float64 one: the first backward failed ("linalg.vector_norm: the dtype of the input
+    # (Double) should be convertible without narrowing").
+    assert max(workers2.run(_float64_mixed, stage, model_dtype, policy)) < 1e-5

@@ -13,6 +13,7 @@ of the loss whose gradients are being reduced, removed in the pass that averages
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 import weakref
 from collections.abc import Callable
@@ -172,6 +173,14 @@ class DynamicLossScaler(LossScaler):
     _before_clean: tuple = field(default=(-1,), init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+        for name in ("growth_interval", "hysteresis"):  # (2.5 acted as 3, True as 1)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, as torch.amp.GradScaler's, got {value!r}")
         if not 0 < self.min_scale <= self.init_scale <= self.max_scale:
             raise ValueError(
                 "need 0 < min_scale <= init_scale <= max_scale, got "

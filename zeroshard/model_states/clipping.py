@@ -116,6 +116,7 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
         opt._grad_swap.scale(coef)  # stored ones are multiplied when read back
     elif grads:
         torch._foreach_mul_(grads, coef)
+        opt._show_shard_grads()
     return norm
 
 

@@ -76,6 +76,18 @@ class ShownGradients:
             self.shard_grad.copy_(torch.where(changed, edited, self.shard_grad))
             self._note_shown(aliased=False)
 
+    def show_shard(self) -> None:
+        """Stage 0: ``shard_grad`` changed by the engine (``opt.clip_grad_norm``,
+        ``clip_grad_value``) is what ``.grad`` shows too, as DDP's after torch's clip, and the
+        reference for ``adopt_edits`` again: ``.grad`` went on showing the unclipped values,
+        and any later touch of it in place (a ``clip_grad_norm_`` taking the norm for a log)
+        adopted them back, the clip undone."""
+        if self._shown_version is None or self.full_grad is None or self.shard_grad is None:
+            return
+        lo, hi = self.flat.range
+        self.full_grad[lo:hi].copy_(self.shard_grad)
+        self._note_shown(aliased=False)
+
     def adopt_rebinds(self, slots: list[int]) -> None:
         """``.grad`` of ``slots`` reassigned by hand. At stage 0 after a reduction, where
         ``.grad`` shows the averaged gradient as under DDP, a tensor put there
@@ -167,6 +179,7 @@ class ShownGradients:
 
 
 def _magnitude(grad: torch.Tensor) -> torch.Tensor:
-    """``grad``'s L1 norm in FP32 (a 0-dim tensor, no host sync): what tells an in-place
-    rescale of it."""
-    return torch.linalg.vector_norm(grad, 1, dtype=torch.float32)
+    """``grad``'s L1 norm in FP32, FP64 for a float64 ``grad`` (which FP32 refused: stage 0 of a
+    float64 model reducing in FP32 failed at its first backward); a 0-dim tensor, no host sync:
+    what tells an in-place rescale of it."""
+    return torch.linalg.vector_norm(grad, 1, dtype=torch.promote_types(grad.dtype, torch.float32))

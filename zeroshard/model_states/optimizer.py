@@ -294,6 +294,13 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
             )
         for g in self._shard_grads():
             g.clamp_(-clip_value, clip_value)
+        self._show_shard_grads()
+
+    def _show_shard_grads(self) -> None:
+        """Stage 0 after the engine changed the shard gradients (a clip): ``.grad`` shows them
+        (``GradBucket.show_shard``)."""
+        for b in self._buckets:
+            b.show_shard()
 
     def _agree(self) -> tuple[bool, set[int]]:
         """Whether any rank's shard gradients of this optimizer's buckets hold inf/NaN (another
