@@ -657,6 +657,26 @@ def build():
     return MyLM()
 
 
+TRAINING_FORWARDS = []  # module.training at each forward with gradients (build_in_eval)
+
+
+class RecordingLM(MyLM):
+    def forward(self, idx):
+        if torch.is_grad_enabled():
+            TRAINING_FORWARDS.append(self.training)
+        return super().forward(idx)
+
+
+def build_in_eval():  # as from_pretrained returns models
+    return RecordingLM().eval()
+
+
+def build_unreached():  # its one trainable layer is not used
+    model = MyLM().requires_grad_(False)
+    model.spare = nn.Linear(16, 16)
+    return model
+
+
 def build_nan_in_eval():
     return MyLM(nan_in_eval=True)
 
@@ -830,6 +850,42 @@ def test_own_model_factory(capsys, tmp_path, model_module, data_dir):
     flags = [*NANO, "--steps", "2", "--batch-size", "4", "--model", f"{model_module}:build"]
     code, err, _, _ = _train_in_process(capsys, tmp_path / "oov", *flags, "--data", str(ids))
     assert code == 2 and "a vocabulary of at least 1000" in err and "Traceback" not in err, err
+
+
+def test_a_loss_no_trainable_parameter_reaches_is_one_line(
+    capsys, tmp_path, model_module, data_dir
+):
+    # torch's "element 0 of tensors does not require grad" traceback from every rank, exit 1.
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1", "--batch-size", "2"]
+    flags += ["--model", f"{model_module}:build_unreached", "--wrap", "MyBlock"]
+    code, err, _, _ = _train_in_process(capsys, tmp_path / "run", *flags)
+    assert code == 2 and "Traceback" not in err, err
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "zeroshard train: error: the loss does not require grad: no parameter that trains"
+        )
+    ), err
+
+
+def test_a_model_built_in_eval_mode_trains_in_train_mode_after_a_resume(
+    capsys, tmp_path, model_module, data_dir
+):
+    # from_pretrained's models come in eval mode; the start's evaluation put them in train
+    # mode, and a resume (whose start evaluation is done) trained with dropout off.
+    import my_models
+
+    flags = [*NANO, "--data-dir", str(data_dir), "--batch-size", "2", "--save-every", "2"]
+    flags += ["--model", f"{model_module}:build_in_eval", "--wrap", "MyBlock"]
+    code, err, _, _ = _train_in_process(capsys, tmp_path / "run", *flags, "--steps", "2")
+    assert code == 0, err
+    my_models.TRAINING_FORWARDS.clear()
+    code, err, _, summary = _train_in_process(
+        capsys, tmp_path / "run", *flags, "--steps", "4", "--resume", "auto"
+    )
+    assert code == 0 and summary["resumed_at_step"] == 2, err
+    assert my_models.TRAINING_FORWARDS == [True, True], my_models.TRAINING_FORWARDS
 
 
 @pytest.mark.parametrize(

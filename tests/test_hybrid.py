@@ -376,3 +376,23 @@ def test_ledger_splits_counts_by_scope():
         WORLD: {"calls": 1, "numel": 3, "bytes": 12},
     }
     assert ledger.by_scope() == {}
+
+
+def _shard_group_size_on_half_the_ranks() -> str:
+    """Ranks 2 and 3 ask for shard groups of 2, ranks 0 and 1 for none."""
+    size = 2 if dist.get_rank() >= 2 else 0
+    try:
+        zeroshard.shard(torch.nn.Linear(8, 8), stage=3, config=ShardConfig(shard_group_size=size))
+    except ValueError as e:
+        return str(e)
+    return "sharded"
+
+
+def test_a_shard_group_size_given_on_some_ranks_only_is_the_settings_error(workers4):
+    # The shard groups were made first (a collective): ranks 0-1 timed out naming 2-3 as hung,
+    # and 2-3 waited in new_group past the job's timeout.
+    for said in workers4.run(_shard_group_size_on_half_the_ranks):
+        assert said.startswith(
+            "zeroshard.shard() was called with another ShardConfig.shard_group_size on ranks "
+            "[2, 3] than on rank 0"
+        ), said

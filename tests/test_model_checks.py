@@ -56,3 +56,32 @@ def test_a_sparse_gradient_from_forward_is_named(lone_process, stage):
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match=r"table's gradient is sparse .*sparse=False"):
         opt.backward(model(torch.tensor([1, 2, 3])))
+
+
+def _wrapped_outside(how: str, stage: int) -> str:
+    """A sharded model put inside DDP (as accelerate's ``prepare`` does) or made an FSDP2 module;
+    what its first forward (or the optimizer) says."""
+    model = zeroshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), stage=stage)
+    try:
+        if how == "fully_shard":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+            zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+        else:
+            outer = nn.parallel.DistributedDataParallel(model)
+            opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+            opt.backward(outer(torch.randn(2, 4)).sum())
+            opt.step()
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.parametrize("how, stage", [("DDP", 0), ("DDP", 2), ("fully_shard", 0)])
+def test_a_sharded_model_inside_ddp_or_fsdp2_is_refused(workers2, how, stage):
+    # Stage 0 all-reduced every gradient twice without a word; stages 1-2 failed at the step
+    # blaming a .grad "set by hand"; fully_shard's DTensors were "not part of the sharded model".
+    wrapper = "DistributedDataParallel" if how == "DDP" else "FSDP2's fully_shard"
+    for said in workers2.run(_wrapped_outside, how, stage):
+        assert said.startswith(f"this zeroshard model runs inside {wrapper}, which reduces"), said

@@ -74,6 +74,14 @@ def test_a_json_config_that_is_not_an_object(capsys, tmp_path, text):
         (["--nproc", "two"], ["--nproc 'two' is not an integer"]),
         (["--model", "no.such.module:build"], ["no.such.module", "PYTHONPATH"]),
         (["--model", "json:no_such_factory"], ["no attribute 'no_such_factory'"]),
+        # "No module named 'mymods.py'", and advice to put its folder on PYTHONPATH
+        (["--model", "mymods.py:build"], ["name the module, not its file: --model mymods:build"]),
+        # Taken without a word where it does nothing (zeroshard plan refused it)
+        (["--accumulate-unreduced", "true"], ["stage 2 or 3 and grad_accum >= 2", "stage 3"]),
+        (
+            ["--accumulate-unreduced", "true", "--stage", "1", "--grad-accum", "2"],
+            ["got stage 1, grad_accum = 2"],
+        ),
         (["--hf", "missing/config.json"], ["hf = 'missing/config.json'", "cannot read"]),
         (["--data", "missing.txt"], ["'missing.txt' does not exist (from the working directory"]),
         (["--model", "m:f", "--hf", "c.json"], ["pass one of --model and --hf"]),

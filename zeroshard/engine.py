@@ -357,6 +357,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
                 self.step_thread = me
 
     def _begin_forward(self) -> None:
+        model_checks.not_wrapped(self.model)
         running = call_frames.running(self._forward_call, self.model, besides_current=True)
         if self.phase is Phase.FORWARD and not running:
             self._forward_raised()  # the last one was interrupted (Ctrl-C): no hook of it ran

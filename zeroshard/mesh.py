@@ -262,6 +262,41 @@ class Mesh:
         return mesh[HYBRID_DIMS]
 
     @classmethod
+    def from_group(cls, group: dist.ProcessGroup, *, device: torch.device | None = None) -> Mesh:
+        """The 1-D mesh over the ranks of ``group`` (``dist.new_group(ranks)``), from this
+        process's rank and the size there; a ValueError on a rank outside it."""
+        base = cls.current()
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(
+                f"rank {dist.get_rank()} is not in this process group: shard a model over a "
+                "group only on that group's ranks"
+            )
+        whole = dist.get_world_size(group) == dist.get_world_size()
+        return replace(
+            base,
+            rank=rank,
+            world_size=dist.get_world_size(group),
+            group=None if whole else group,
+            device=device or base.device,
+        )
+
+    def check_group(self) -> None:
+        """A ValueError when ``rank`` / ``world_size`` are not this process's rank in ``group``
+        and the group's size (a ``Mesh`` made by hand): the shards were cut at one rank and
+        gathered at another, and stages 1-3 trained on mixed-up weights without a word."""
+        if not dist.is_initialized():
+            return
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if (self.rank, self.world_size) != (rank, size):
+            where = "is not in it" if rank < 0 else f"is rank {rank} of its {size}"
+            raise ValueError(
+                f"Mesh(rank={self.rank}, world_size={self.world_size}) disagrees with its "
+                f"group, where this process {where}: pass the group itself (shard(..., "
+                "mesh=group)), or zeroshard.Mesh.from_group(group)"
+            )
+
+    @classmethod
     def from_device_mesh(cls, device_mesh: DeviceMesh, *, device: torch.device | None = None):
         """The mesh of a ``DeviceMesh``: 1-D, plain sharding over its ranks; 2-D with dims
         ("replicate", "shard"), hybrid sharding (``init_device_mesh(device_type, (num_replicas,
@@ -274,16 +309,7 @@ class Mesh:
                 "model over a mesh only on that mesh's ranks"
             )
         if device_mesh.ndim == 1:
-            group = device_mesh.get_group()
-            base = cls.current()
-            whole = dist.get_world_size(group) == dist.get_world_size()
-            return replace(
-                base,
-                rank=dist.get_rank(group),
-                world_size=dist.get_world_size(group),
-                group=None if whole else group,
-                device=device or base.device,
-            )
+            return cls.from_group(device_mesh.get_group(), device=device)
         names = device_mesh.mesh_dim_names
         if device_mesh.ndim != 2 or tuple(names or ()) != HYBRID_DIMS:
             tp = tuple(names or ()) == ("dp", "tp")  # mesh_2d's first value

@@ -115,6 +115,28 @@ def trainable_embeddings(model: nn.Module) -> None:
             )
 
 
+def not_wrapped(model: nn.Module) -> None:
+    """A ValueError when the sharded ``model`` runs inside torch's DDP (``DDP(model)``, as
+    accelerate's ``prepare`` wraps models) or was made an FSDP2 module (``fully_shard``): their
+    gradient hooks reduce beside zeroshard's (stage 0 sent every gradient twice) or write
+    ``.grad`` where the sharded optimizer reads none (stages 1-2 failed at the step, blaming a
+    ``.grad`` set by hand)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    ddp = nn.parallel.DistributedDataParallel._get_active_ddp_module()
+    if ddp is not None and any(m is model for m in ddp.module.modules()):
+        wrapper = "DistributedDataParallel"
+    elif isinstance(model, FSDPModule):
+        wrapper = "FSDP2's fully_shard"
+    else:
+        return
+    raise ValueError(
+        f"this zeroshard model runs inside {wrapper}, which reduces gradients too: a sharded "
+        "model reduces its own. Call it directly (with accelerate, leave it out of "
+        "accelerator.prepare), and step it with zeroshard.optimizer"
+    )
+
+
 def no_functorch_transform() -> None:
     """A forward under ``torch.func.grad`` / ``vmap`` / ``jacrev``: the engine's hooks (an
     ``autograd.Function`` without ``setup_context``) and gathered storages (memory swapped in from

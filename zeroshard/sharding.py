@@ -224,7 +224,6 @@ def shard(
             "dim: pass mesh=dp_mesh, the data-parallel mesh from "
             "zeroshard.tensor_parallel.mesh_2d(tp)"
         )
-    mesh = _hybrid_mesh(mesh, config.shard_group_size, part)
     if offload is not None:
         offload.check(part, mesh.device)
         offload.log_host_tiers(part, mesh.device, log)
@@ -253,6 +252,9 @@ def shard(
             settings[f"{name}.{f.name}"] = repr(getattr(value, f.name))
     settings["unit_precision"] = repr(sorted((str(k), repr(v)) for k, v in overrides.items()))
     check_same_model(model, mesh, settings)
+    # After the check: making the shard groups is a collective, in which a rank given another
+    # shard_group_size (or none) waited past the job's timeout, named by the others as hung.
+    mesh = _hybrid_mesh(mesh, config.shard_group_size, part)
     ledger = C.Ledger()
     materialize = Materializer(model, mesh.device, param_init_fn)
     param_swap = None
@@ -429,13 +431,18 @@ def _checkpoint_keeper(
     )
 
 
-def _as_mesh(mesh: Mesh | DeviceMesh) -> Mesh:
-    """``mesh`` as a ``Mesh`` (a torch ``DeviceMesh`` converted)."""
+def _as_mesh(mesh: Mesh | DeviceMesh | dist.ProcessGroup) -> Mesh:
+    """``mesh`` as a ``Mesh`` (a torch ``DeviceMesh`` or process group converted); a ``Mesh``
+    made by hand is checked against its group."""
     if isinstance(mesh, Mesh):
+        mesh.check_group()
         return mesh
+    if isinstance(mesh, dist.ProcessGroup):
+        return Mesh.from_group(mesh)
     if not hasattr(mesh, "mesh_dim_names"):
         raise TypeError(
-            f"mesh must be a zeroshard Mesh or a torch DeviceMesh, got {type(mesh).__name__}"
+            "mesh must be a zeroshard Mesh, a torch DeviceMesh or a process group "
+            f"(dist.new_group(ranks)), got {type(mesh).__name__}"
         )
     return Mesh.from_device_mesh(mesh)
 

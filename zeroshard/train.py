@@ -379,6 +379,9 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
                 evaluate_at(start)
         else:
             first_val = evaluate_at(start)
+        # Training mode whatever the model came in (from_pretrained's are in eval mode): a
+        # resume, whose first evaluation was done before, kept dropout off until the next.
+        model.train()
         # Throughput is of training steps after the first: evaluations and saves move the
         # clocks on.
         t_start = t_log = time.perf_counter()

@@ -218,6 +218,13 @@ class TrainConfig:
                 f"shard_group_size = {self.shard_group_size} at stage 0: plain data parallel "
                 "shards nothing; pass --stage 1, 2 or 3, or drop --shard-group-size"
             )
+        if self.accumulate_unreduced and (self.stage < 2 or self.grad_accum < 2):
+            raise ValueError(  # (taken without a word, the summary saying it was on)
+                f"accumulate_unreduced = true needs stage 2 or 3 and grad_accum >= 2, got stage "
+                f"{self.stage}, grad_accum = {self.grad_accum}: stages 0-1 reduce once per step "
+                "anyway, and one micro-batch has nothing to accumulate; drop it, or pass "
+                "--grad-accum 2 or more at --stage 2 or 3"
+            )
         self._check_offload()
         self._check_activations()
         if self.optimizer_step == "in_backward":
@@ -400,6 +407,14 @@ def _check_field(name: str, value: Any, annotation: str, default: Any) -> None:
             raise ValueError(f"{name} = {value!r}: {name} must be {relation} {bound:g}")
     if name == "seed" and value >= 2**64:
         raise ValueError(f"seed = {value}: torch takes seeds below 2**64; pick a smaller one")
+    module_name, _, attr = value.partition(":") if name == "model" else ("", "", "")
+    if module_name.endswith(".py"):  # (the import ran the file, then said "No module named
+        # 'mymods.py'" with advice to put its folder on PYTHONPATH)
+        module_name = module_name[:-3].replace("/", ".").lstrip(".")
+        raise ValueError(
+            f"model = {value!r}: name the module, not its file: --model {module_name}:{attr} "
+            "(its folder on PYTHONPATH)"
+        )
     if name == "model" and not _FACTORY.match(value):
         raise ValueError(
             f"model = {value!r}: expected 'package.module:factory' (a callable returning an "

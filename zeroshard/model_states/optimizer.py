@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard import model_checks
 from zeroshard.engine import Engine, engine_of, live_engines
 from zeroshard.loss_scaling import DynamicLossScaler, LossScaler, default_scaler
 from zeroshard.model_states import backward_step, bucket_owners, clipping, streamed_step
@@ -111,6 +112,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         **defaults: Any,
     ) -> None:
         self.engine: Engine = engine_of(model)
+        model_checks.not_wrapped(self.engine.model)  # (fully_shard's DTensors: no param found)
         optimizer_cls, defaults = _unwrapped(optimizer_cls, defaults)
         check_elementwise(optimizer_cls, known=elementwise)
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
@@ -246,6 +248,14 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
             raise TypeError(
                 f"backward() takes the loss tensor, got {type(loss).__name__}: pass the loss "
                 "itself, not loss.item() or a list (sum several losses first)"
+            )
+        if not loss.requires_grad:  # (torch's error was "element 0 of tensors does not
+            # require grad and does not have a grad_fn", from every rank)
+            raise ValueError(
+                "the loss does not require grad: no parameter that trains reached it (its "
+                "forward ran under torch.no_grad() or inference_mode(), or every parameter it "
+                "used has requires_grad=False); compute it with gradients on, from parameters "
+                "that train"
             )
         scale = self.loss_scaler.scale_for(loss)
         if scale != 1.0:
