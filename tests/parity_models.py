@@ -269,6 +269,24 @@ def train_gpt_both(model, ref, opt, ref_opt, steps: int, per_rank: int = 2) -> d
     return {"loss": worst, "param": param}
 
 
+def train_both(model, opt, ref, ref_opt, batches, loss_fn, mine) -> tuple[float, dict]:
+    """Each batch's rows ``mine(x)`` through the sharded model, the whole ``x`` through its
+    unsharded reference, each stepped: the largest difference of the full state from the
+    reference's (in float64), and that full state."""
+    import zeroshard
+
+    for x in batches:
+        opt.backward(loss_fn(model, mine(x)))
+        opt.step()
+        opt.zero_grad()
+        loss_fn(ref, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    diffs = ((full[k].double() - v.double()).abs().max() for k, v in ref.state_dict().items())
+    return max(d.item() for d in diffs), full
+
+
 def tp_parity(model, ref, opt, ref_opt, mesh, batches, loss_fn, clip: float = 0.0):
     """Train a tensor-parallel, sharded ``model`` and its unsplit reference ``ref`` alike: each
     data-parallel rank of ``mesh`` on its rows of every tensor of each global batch (tuples in

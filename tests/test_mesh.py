@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from parity_models import train_both
 from torch import nn
 
 import zeroshard
@@ -336,16 +337,13 @@ def _mesh_of_a_group(how: str, stage: int) -> float:
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     me = dist.get_rank(group)
-    for step in range(2):
-        x = torch.randn(2 * world, 5, generator=torch.Generator().manual_seed(step))
-        opt.backward(model(x[2 * me : 2 * me + 2]).pow(2).mean())
-        opt.step()
-        opt.zero_grad()
-        ref(x).pow(2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    full = zeroshard.full_state_dict(model, rank0_only=False)
-    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    batches = [
+        torch.randn(2 * world, 5, generator=torch.Generator().manual_seed(i)) for i in (0, 1)
+    ]
+    return train_both(
+        model, opt, ref, ref_opt, batches,
+        lambda m, x: m(x).pow(2).mean(), lambda x: x[2 * me : 2 * me + 2],
+    )[0]  # fmt: skip
 
 
 @pytest.mark.parametrize("how", ["group", "from_group"])

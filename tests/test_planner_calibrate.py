@@ -368,7 +368,10 @@ class _TableLM(torch.nn.Module):
         return self.head(x)
 
 
-def _table_lm_peak(stage: int, precision: str = "fp32") -> int:
+def _measure_table_lm(build, stage: int, precision: str = "fp32") -> dict:
+    """``calibrate.measure_module`` of a ``_TableLM`` kind (``build``), wrapped per block, on
+    4 x 32 tokens."""
+
     def loss(model, gen):
         x = torch.randint(0, 256, (4, 32), generator=gen)
         return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
@@ -376,8 +379,12 @@ def _table_lm_peak(stage: int, precision: str = "fp32") -> int:
     wrap = zeroshard.wrap.by_class(_TableBlock)
     mixed = None if precision == "fp32" else precision
     return calibrate.measure_module(
-        _TableLM, loss, stage=stage, wrap=wrap, num_steps=2, mixed_precision=mixed
-    )["peak_bytes"]
+        build, loss, stage=stage, wrap=wrap, num_steps=2, mixed_precision=mixed
+    )
+
+
+def _table_lm_peak(stage: int, precision: str = "fp32") -> int:
+    return _measure_table_lm(_TableLM, stage, precision)["peak_bytes"]
 
 
 @pytest.mark.parametrize("stage, precision", [(0, "fp32"), (3, "fp32"), (3, "bf16")])
@@ -412,15 +419,7 @@ class _FrozenEmbeddingLM(_TableLM):
 
 
 def _frozen_states(stage: int) -> int:
-    def loss(model, gen):
-        x = torch.randint(0, 256, (4, 32), generator=gen)
-        return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
-
-    wrap = zeroshard.wrap.by_class(_TableBlock)
-    measured = calibrate.measure_module(
-        _FrozenEmbeddingLM, loss, stage=stage, wrap=wrap, num_steps=2
-    )
-    return measured["model_states_bytes"]
+    return _measure_table_lm(_FrozenEmbeddingLM, stage)["model_states_bytes"]
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -495,15 +494,7 @@ class _UnusedHeadLM(torch.nn.Module):
 
 
 def _unused_head_states(stage: int, precision: str) -> int:
-    def loss(model, gen):
-        x = torch.randint(0, 256, (4, 32), generator=gen)
-        return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
-
-    wrap = zeroshard.wrap.by_class(_TableBlock)
-    mixed = None if precision == "fp32" else precision
-    return calibrate.measure_module(
-        _UnusedHeadLM, loss, stage=stage, wrap=wrap, num_steps=2, mixed_precision=mixed
-    )["model_states_bytes"]
+    return _measure_table_lm(_UnusedHeadLM, stage, precision)["model_states_bytes"]
 
 
 @pytest.mark.parametrize("stage, precision", [(0, "fp32"), (2, "bf16"), (3, "fp32")])

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from parity_models import batch, build, loss_of
+from parity_models import batch, build, loss_of, train_both
 from torch import nn
 
 import zeroshard
@@ -684,7 +684,6 @@ def _float64(stage: int, folder: str | None, scale: float = 1.0) -> float:
     batch: the largest parameter difference. Its masters and gradient shards are float64 (with
     ``folder``, every model state on NVMe there; ``scale``: a static loss scale, which makes
     the divisor of the reduced gradients one without an exact FP32 inverse)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).double()
     nvme = "nvme" if folder else None
@@ -696,19 +695,23 @@ def _float64(stage: int, folder: str | None, scale: float = 1.0) -> float:
     kind = torch.optim.AdamW if scale == 1 else torch.optim.SGD
     opt = zeroshard.optimizer(model, kind, lr=1e-2, loss_scaler=zeroshard.LossScaler(scale=scale))
     ref_opt = kind(ref.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(8, 3, dtype=torch.float64, generator=g)
-        mine = x[rank * 8 // world : (rank + 1) * 8 // world]
-        opt.backward(model(mine).pow(2).mean())
-        opt.step()
-        opt.zero_grad()
-        ref(x).pow(2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    full = zeroshard.full_state_dict(model, rank0_only=False)
+    diff, full = _float64_steps(model, opt, ref, ref_opt)
     assert all(v.dtype == torch.float64 for v in full.values())
-    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return diff
+
+
+def _float64_steps(model, opt, ref, ref_opt) -> tuple[float, dict]:
+    """3 steps of float64 batches of 8 (this rank's rows cast to the model's dtype, its output
+    in float64): ``parity_models.train_both``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = next(model.parameters()).dtype
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 3, dtype=torch.float64, generator=g) for _ in range(3)]
+    return train_both(
+        model, opt, ref, ref_opt, batches,
+        lambda m, x: m(x.to(dtype if m is model else torch.float64)).double().pow(2).mean(),
+        lambda x: x[rank * 8 // world : (rank + 1) * 8 // world],
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -1068,25 +1071,13 @@ def test_a_unit_inside_one_with_its_own_policy_gives_back_its_dtype(workers2, st
 def _float64_mixed(stage: int, model_dtype: str, policy: dict) -> float:
     """A model in ``model_dtype`` under ``policy`` (float64 in one of its dtypes), 3 SGD steps
     against plain torch in float64 on the whole batch: the largest parameter difference."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).double()
     built = copy.deepcopy(ref).to(getattr(torch, model_dtype))
     model = zeroshard.shard(built, stage=stage, mixed_precision=MixedPrecision(**policy))
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1e-2)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(8, 3, dtype=torch.float64, generator=g)
-        mine = x[rank * 8 // world : (rank + 1) * 8 // world]
-        opt.backward(model(mine.to(built[0].weight.dtype)).double().pow(2).mean())
-        opt.step()
-        opt.zero_grad()
-        ref(x).pow(2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    full = zeroshard.full_state_dict(model, rank0_only=False)
-    return max((full[k].double() - v).abs().max().item() for k, v in ref.state_dict().items())
+    return _float64_steps(model, opt, ref, ref_opt)[0]
 
 
 @pytest.mark.parametrize(
