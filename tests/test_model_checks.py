@@ -3,6 +3,8 @@ hand the engine (``zeroshard.model_checks``, the gradient buckets' own check).""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -85,3 +87,29 @@ def test_a_sharded_model_inside_ddp_or_fsdp2_is_refused(workers2, how, stage):
     wrapper = "DistributedDataParallel" if how == "DDP" else "FSDP2's fully_shard"
     for said in workers2.run(_wrapped_outside, how, stage):
         assert said.startswith(f"this zeroshard model runs inside {wrapper}, which reduces"), said
+
+
+def _frozen_teacher_inside_ddp() -> float:
+    """A DDP student holding a frozen sharded teacher, called under no_grad (distillation): DDP
+    reduces nothing of it and neither does zeroshard; the student trains as DDP trains it."""
+    torch.manual_seed(0)
+    teacher = zeroshard.shard(nn.Linear(4, 4).requires_grad_(False), stage=0)
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.teacher, self.fc = teacher, nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.no_grad():
+                target = self.teacher(x)
+            return (self.fc(x) - target).pow(2).mean()
+
+    student = nn.parallel.DistributedDataParallel(Student())
+    loss = student(torch.randn(2, 4))
+    loss.backward()
+    return loss.item()
+
+
+def test_a_frozen_sharded_teacher_inside_a_ddp_student_runs(workers2):
+    assert all(math.isfinite(v) for v in workers2.run(_frozen_teacher_inside_ddp))

@@ -218,8 +218,9 @@ def test_calibration_hf_stage3_two_ranks(workers2, name, batch, seq):
         for key, want in p["comm_numel"].items():
             assert 0 <= meas["comm_numel"][key] - want <= 2 * len(model.block_unit_numels) + 2, key
         if batch * seq >= 256:
-            # Activations are most of the peak: the bound above is a bound on them.
-            assert p["peak_moment"] == "loss backward"
+            # Activations are most of the peak: the bound above is a bound on them. (T5's forward
+            # end, its logits and key cache alive unsaved, is above its loss backward.)
+            assert p["peak_moment"] == ("loss forward" if name == "t5" else "loss backward")
             assert p["peak"]["activation_working"] > p["peak_bytes"] / 2
 
 
@@ -563,3 +564,19 @@ def test_a_tied_embedding_s_gradients_at_the_root_s_backward(workers2, stage):
         error = calibrate.error(row["predicted"]["peak_bytes"], row["measured"]["peak_bytes"])
         assert abs(error) <= 0.01, calibrate.render([row])
         assert row["predicted"]["peak_moment"] == "root backward"
+
+
+@pytest.mark.parametrize("batch, seq", [(2, 16), (4, 64)])
+def test_t5_s_forward_end_and_its_unit_sizes(workers2, batch, seq):
+    """T5's peak is at its forward's end (the logits, the decoder's unscaled output and
+    transformers' key cache alive unsaved), with the constant-buffer pool holding one free buffer
+    per unit size (five sizes: an idle encoder-block buffer). The timeline had neither: 4.8% low
+    at 2 x 16, 1.4% at 4 x 64 (an explorer's measurement of every storage at the peak)."""
+    pytest.importorskip("transformers")
+    from test_planner_hf import HF_CONFIGS
+
+    case = calibrate.HFCase(config=HF_CONFIGS["t5"], stage=3, micro_batch_size=batch, seq_len=seq)
+    for row in workers2.run(calibrate.calibrate, case):
+        error = calibrate.error(row["predicted"]["peak_bytes"], row["measured"]["peak_bytes"])
+        assert abs(error) <= 0.002, calibrate.render([row])
+        assert row["predicted"]["peak_moment"] == "loss forward"

@@ -76,6 +76,10 @@ def test_a_json_config_that_is_not_an_object(capsys, tmp_path, text):
         (["--model", "json:no_such_factory"], ["no attribute 'no_such_factory'"]),
         # "No module named 'mymods.py'", and advice to put its folder on PYTHONPATH
         (["--model", "mymods.py:build"], ["name the module, not its file: --model mymods:build"]),
+        (
+            ["--model", "/home/u/proj/mymods.py:build"],
+            ["mymods:build (/home/u/proj on PYTHONPATH)"],
+        ),
         # Taken without a word where it does nothing (zeroshard plan refused it)
         (["--accumulate-unreduced", "true"], ["stage 2 or 3 and grad_accum >= 2", "stage 3"]),
         (

@@ -124,8 +124,9 @@ def not_wrapped(model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     ddp = nn.parallel.DistributedDataParallel._get_active_ddp_module()
-    if ddp is not None and any(m is model for m in ddp.module.modules()):
-        wrapper = "DistributedDataParallel"
+    inside = ddp is not None and any(m is model for m in ddp.module.modules())
+    if inside and any(p.requires_grad for p in model.parameters()):  # (a frozen teacher
+        wrapper = "DistributedDataParallel"  # inside a DDP student reduces nothing)
     elif isinstance(model, FSDPModule):
         wrapper = "FSDP2's fully_shard"
     else:

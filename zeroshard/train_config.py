@@ -17,6 +17,7 @@ import os
 import re
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any, ClassVar
 
 from zeroshard.models.gpt import PRESETS
@@ -410,10 +411,11 @@ def _check_field(name: str, value: Any, annotation: str, default: Any) -> None:
     module_name, _, attr = value.partition(":") if name == "model" else ("", "", "")
     if module_name.endswith(".py"):  # (the import ran the file, then said "No module named
         # 'mymods.py'" with advice to put its folder on PYTHONPATH)
-        module_name = module_name[:-3].replace("/", ".").lstrip(".")
+        file = Path(module_name)
+        folder = file.parent if str(file.parent) != "." else "its folder"
         raise ValueError(
-            f"model = {value!r}: name the module, not its file: --model {module_name}:{attr} "
-            "(its folder on PYTHONPATH)"
+            f"model = {value!r}: name the module, not its file: --model {file.stem}:{attr} "
+            f"({folder} on PYTHONPATH)"
         )
     if name == "model" and not _FACTORY.match(value):
         raise ValueError(

@@ -69,11 +69,17 @@ class SavedActivations:
     """Of ``tail_param_numel``, the elements of parameters the graph uses more than once (a head
     tied to the input embedding): autograd holds the head's gradient until the embedding's
     backward adds its own, into a third tensor of that size (``timeline``'s root backward)."""
-    reached_params: frozenset[str]
+    forward_peak_bytes: int | None = None
+    """The most bytes alive at once in the forward and loss, parameters and buffers apart:
+    what is saved so far and what is not (the logits, an output kept by the model's own code,
+    transformers' key cache), measured by torch's MemTracker on meta; ``None`` with tensor
+    parallelism (whose pieces it does not follow)."""
+    reached_params: frozenset[str] | None
     """Names (``named_parameters``') of the parameters the loss's graph reaches: only these get a
     gradient, so only these get optimizer states (``zeroshard.planner.stepped``). Fewer than the
     trainable ones in a decoder built without its encoder's input (BART's cross-attention in
-    ``BartForCausalLM``) or with a head the loss skips."""
+    ``BartForCausalLM``) or with a head the loss skips. ``None``: not known (a custom
+    ``autograd.Function`` in the graph), every trainable one counts."""
 
     @property
     def total_bytes(self) -> int:
@@ -137,10 +143,13 @@ class ActivationProfile:
             raise found
         return found
 
-    def reached(self) -> frozenset[int]:
+    def reached(self) -> frozenset[int] | None:
         """``id`` of each parameter of ``module`` the loss reaches, in the 1 x 8 token forward
-        ``profile`` checked the model with (which ones does not depend on the batch)."""
+        ``profile`` checked the model with (which ones does not depend on the batch); ``None``
+        when that is not known."""
         names = self.at(micro_batch_size=1, seq_len=8).reached_params
+        if names is None:
+            return None
         return frozenset(id(p) for name, p in self.module.named_parameters() if name in names)
 
     def largest_param(self, num_mp_ranks: int = 1) -> int:
@@ -301,6 +310,7 @@ def measure(
     shape = (micro_batch_size, seq_len)
     x = torch.randint(0, vocab_size, shape, device="meta")
     y = torch.randint(0, vocab_size, shape, device="meta")
+    tracking = _forward_tracker(model) if num_mp_ranks == 1 else contextlib.nullcontext()
     try:
         with (
             hf.quiet_transformers(),
@@ -309,6 +319,7 @@ def measure(
             _unpacked_sequences(),
             split,
             torch.autograd.graph.saved_tensors_hooks(pack, _same),
+            tracking as tracker,
         ):
             loss = _loss(model, call, x, y, vocab_size)
     finally:
@@ -317,7 +328,9 @@ def measure(
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"the forward returned {type(loss).__name__}, not a scalar loss")
     uses = _uses(loss)  # id(parameter) -> the graph's edges into its AccumulateGrad
-    reused = {p.untyped_storage()._cdata for p in model.parameters() if uses.get(id(p), 0) > 1}
+    reused = {
+        p.untyped_storage()._cdata for p in model.parameters() if uses and uses.get(id(p), 0) > 1
+    }
     unit_bytes, largest = [0] * num_units, [0] * num_units
     before, tail, tail_largest = [0] * num_units, 0, 0
     for w, num_bytes, _ in saved.values():
@@ -341,13 +354,48 @@ def measure(
         chained=tuple(chained),
         tail_param_numel=sum(tail_params.values()),
         tied_param_numel=sum(n for key, n in tail_params.items() if key in reused),
-        reached_params=frozenset(name for name, p in model.named_parameters() if id(p) in uses),
+        forward_peak_bytes=None if tracker is None else _peak_besides_model(tracker),
+        reached_params=(
+            None
+            if uses is None
+            else frozenset(name for name, p in model.named_parameters() if id(p) in uses)
+        ),  # fmt: skip
     )
 
 
-def _uses(loss) -> dict[int, int]:
+@contextlib.contextmanager
+def _forward_tracker(model):
+    """torch's MemTracker over ``model`` (on meta: it counts storages, not memory). Its module
+    tracker warns that "the module hierarchy tracking maybe be messed up" beside the planner's
+    own hooks: the peak, counted per storage, does not depend on it."""
+    import warnings
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking")
+        with tracker:
+            yield tracker
+
+
+def _peak_besides_model(tracker) -> int:
+    """The tracker's peak bytes on meta, the model's parameters and buffers apart."""
+    import torch
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    peak = tracker.get_tracker_snapshot("peak").get(torch.device("meta"), {})
+    return peak.get("Total", 0) - peak.get(_MemRefType.PARAM, 0) - peak.get(_MemRefType.BUFFER, 0)
+
+
+def _uses(loss) -> dict[int, int] | None:
     """``id`` of each leaf requiring grad (parameter) that ``loss``'s autograd graph ends in (the
-    variables of its ``AccumulateGrad`` nodes) -> how many edges lead to it (its uses)."""
+    variables of its ``AccumulateGrad`` nodes) -> how many edges lead to it (its uses); ``None``
+    when the graph holds a custom ``autograd.Function``, whose backward may reach parameters
+    with no edge to them (a reentrant checkpoint recomputes its block's forward)."""
+    import torch
+
     seen, edges, found, todo = set(), {}, {}, [loss.grad_fn]
     while todo:
         node = todo.pop()
@@ -356,6 +404,8 @@ def _uses(loss) -> dict[int, int]:
         edges[node] = edges.get(node, 0) + 1
         if node in seen:
             continue
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return None
         seen.add(node)
         variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
         if variable is not None:
@@ -454,19 +504,22 @@ def _unpacked_sequences():
     do: the planner's batches hold one sequence per row, for which it finds none (None), and no
     padding."""
     masking = sys.modules.get("transformers.masking_utils")
-    found = getattr(masking, "find_packed_sequence_indices", None)
-    every = getattr(masking, "fast_all", None)
-    if found is None or every is None:
-        yield
-        return
-    masking.find_packed_sequence_indices = lambda position_ids: None
     # A padding mask of ones (BART's decoder makes one when given none) is checked with
     # ``.item()`` before sdpa may skip it: the planner's rows hold no padding, so it is all ones.
-    masking.fast_all = lambda tensor: True if tensor.is_meta else every(tensor)
+    # (Each where it exists: transformers 4.56 has the first, not the second.)
+    every = getattr(masking, "fast_all", None)
+    patches = {
+        "find_packed_sequence_indices": lambda position_ids: None,
+        "fast_all": lambda tensor: True if tensor.is_meta else every(tensor),
+    }
+    saved = {name: getattr(masking, name) for name in patches if hasattr(masking, name)}
+    for name in saved:
+        setattr(masking, name, patches[name])
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices, masking.fast_all = found, every
+        for name, original in saved.items():
+            setattr(masking, name, original)
 
 
 @contextlib.contextmanager

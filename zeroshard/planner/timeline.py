@@ -22,6 +22,7 @@ bytes.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from zeroshard.offload.tiers import Tier
@@ -140,6 +141,10 @@ class ActivationTerms:
     parameter the head and the loss use)."""
     held_grad: int
     """Of those, what outlives the unit's backward: the head's gradients."""
+    at_forward: int | None = None
+    """The forward's own peak (measured on meta: ``SavedActivations.forward_peak_bytes``): what it
+    saved so far and what it holds unsaved (the logits, transformers' key cache); ``None``
+    without a measurement or with checkpoints (their forward saves span inputs only)."""
     tied_grad: int = 0
     """The root's own backward (its embeddings), beside ``held_grad``: a weight the head shares
     gets its second gradient there, and autograd sums the two into a third tensor."""
@@ -192,11 +197,13 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         )
         held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
         tied = 2 * s.tied_param_numel * g
+        at_forward = None if c.activation_checkpointing else s.forward_peak_bytes
         logits = 2 * s.largest_tail_tensor_bytes
         grad_working = model.activations.largest_param(c.num_mp_ranks) * g + held
     else:
         per, logits, grad_working, held = _gpt_per_unit(model, c, num_units)
         tied = 2 * held  # (the reference GPT's held gradient is its tied embedding's)
+        at_forward = None
     ci = c.num_layers_per_checkpoint if c.activation_checkpointing else 1
     span = spans.first_units(num_units, ci, per.chained)  # the first unit of each unit's span
     ckpt = [0] * num_units  # a span's input, on the device, at its first unit
@@ -230,6 +237,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         grad_working=grad_working,
         held_grad=held,
         tied_grad=tied,
+        at_forward=at_forward,
         checkpoints_at_loss=sum(ckpt),
         checkpoints_at_unit=tuple(checkpoints(i) for i in fwd),
         checkpoints_total=total,
@@ -436,7 +444,18 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
             now["grads"] = 0  # each shard is stepped and dropped as its reduction finishes
         return now | idle | residual
 
-    out = [
+    out = []
+    if act.at_forward is not None:
+        # The forward's own peak, at the loss or inside it: T5's is above its loss backward
+        # (its logits, its decoder's unscaled output and transformers' key cache alive unsaved).
+        out.append(
+            (
+                "loss forward",
+                moment(0, activation_working=act.at_forward,
+                       gathered_units=gathered(0, c.num_units_prefetch)),
+            )
+        )  # fmt: skip
+    out += [
         (
             "loss backward",
             moment(
@@ -648,13 +667,18 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     # one at the next gather, and kept, free, when the gradient gives it back.
     held = max(m["gathered_units"] for _, m in out)
     room = max(m["gathered_units"] + m.get(_LENT, 0) for _, m in out)
+    # Buffers of one size stand in for each other only: units of many sizes (T5's five) leave
+    # one free per size, up to ``room`` (an idle encoder-block buffer through T5's forward).
+    sizes = Counter(gathered(k, 1, with_root=False) for k in range(num_units))
+    per_size = gathered(0, 0) + sum(b * min(n, 1 + c.num_units_prefetch) for b, n in sizes.items())
+    kept = min(room, max(held, per_size))
     borrowed = False  # (since the first collect; after the step the free ones are as many as
     for name, m in out:  # were lent at once per size again)
         in_pool = m.pop(_LENT, 0)
         borrowed = (borrowed or in_pool > 0) and name != "optimizer step"
         if pooled:
             m["gathered_units"] = max(
-                held, min(room, m["gathered_units"] + in_pool + held * borrowed)
+                kept, min(room, m["gathered_units"] + in_pool + held * borrowed)
             )
             m["comm_buckets"] -= in_pool
     return out
