@@ -202,3 +202,64 @@ def test_a_clip_at_stage_0_is_what_grad_shows_and_what_the_step_takes(
     for r in workers2.run(_clip_then_touch, precision, clip, touch):
         assert r["shown"] < 0.01, r  # as DDP's .grad after torch's clip (rounded to 16 bits)
         assert max(r["errors"].values()) < 0.02, r
+
+
+def _clip_then_drop_a_layer(precision: str, backwards: int) -> float:
+    """Stage 0: torch's clip over the whole model through ``.grad``, then one layer's gradients
+    dropped (``model[0].zero_grad()``), then the step; against DDP doing the same, 3 steps: the
+    largest relative difference of the other layer's updates."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    mixed = None if precision == "fp32" else precision
+    model = zeroshard.shard(copy.deepcopy(base), stage=0, mixed_precision=mixed)
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1.0)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    gen, worst = torch.Generator().manual_seed(1), 0.0
+    for _ in range(3):
+        x = torch.randn(2, 4, generator=gen) + rank
+        for _ in range(backwards):
+            model(x).square().mean().backward()
+            ddp(x).square().mean().backward()
+        for m in (model, ddp):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+        model[0].zero_grad()
+        ddp.module[0].zero_grad()
+        before = zeroshard.full_state_dict(model, rank0_only=False)["1.weight"].clone()
+        ref_before = ddp.module[1].weight.detach().clone()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        update = zeroshard.full_state_dict(model, rank0_only=False)["1.weight"] - before
+        ref_update = ddp.module[1].weight.detach() - ref_before
+        worst = max(worst, ((update - ref_update).norm() / ref_update.norm()).item())
+    return worst
+
+
+@pytest.mark.parametrize("precision, backwards", [("bf16", 1), ("fp16", 1), ("fp32", 2)])
+def test_an_edit_through_grad_survives_another_layer_s_zero_grad(workers2, precision, backwards):
+    # The zeros became the new reference for edits, and the clip made before them was lost:
+    # the step took the unclipped gradient (800x DDP's update).
+    assert max(workers2.run(_clip_then_drop_a_layer, precision, backwards)) < 0.02
+
+
+def _clip_between_micro_steps() -> str:
+    model = zeroshard.shard(nn.Linear(4, 2), stage=0)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    opt.backward(model(torch.randn(2, 4)).sum(), sync=False)
+    said = []
+    for clip in (lambda: opt.clip_grad_norm(1e-3), lambda: opt.clip_grad_value(1e-3)):
+        try:
+            clip()
+        except ValueError as e:
+            said.append(str(e))
+    return "; ".join(said)
+
+
+def test_a_clip_between_micro_steps_is_refused(workers2):
+    # It returned a norm of 0 and clipped nothing, leaving an unclipped step behind.
+    for said in workers2.run(_clip_between_micro_steps):
+        assert said.startswith("clip_grad_norm after a backward with sync=False"), said
+        assert "; clip_grad_value after a backward with sync=False" in said, said

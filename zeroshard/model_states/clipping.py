@@ -37,6 +37,7 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
     if not p > 0:
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}")
     opt.engine.check_trusted()  # (a gradient dropped after a failed swap: no norm without it)
+    opt._check_synchronized("clip_grad_norm", "the norm would be 0, clipping none of them")
     if opt._backward_step is not None:
         raise ValueError(
             "clip_grad_norm needs every gradient before any update, but with "

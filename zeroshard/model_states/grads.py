@@ -123,6 +123,9 @@ class GradBucket(ShownGradients):
         applied this bucket's gradient and freed it: until a zero_grad, no other optimizer has
         a gradient of it to step on."""
         self._reduced = False  # reduced since zero, and the buffer kept (not yet bound again)
+        self._zeroed_version: int | None = None
+        """Stage 0 after ``zero(keep_touched=True)``: ``full_grad``'s version once zeroed, until
+        a backward binds it again (``adopt_writes_over_zeros``)."""
         self.issued = False
         """Reduced (or reducing) in the current backward: a gradient that comes after that (its
         parameter also read outside its unit, earlier in the forward, so that autograd finishes
@@ -201,7 +204,7 @@ class GradBucket(ShownGradients):
         # padding: part of every reduction (a kept buffer's may hold a NaN clip's 0 x NaN)
         self._zero_padding()
         self._reduced = False
-        self._shown_version = None
+        self._shown_version = self._zeroed_version = None
         for i, s in enumerate(flat.slots):
             if not self._bound[i] and s.param.grad is not None:
                 self._take(i)  # accumulated before the buffer existed (e.g. outside the hooks)
@@ -493,6 +496,7 @@ class GradBucket(ShownGradients):
         if self.on_zero is not None:
             self.on_zero(self, None)
         self.shard_grad = self._acc = self._shown_version = self._shown_norm = None
+        self._zeroed_version = None
         self.issued = self.late = self._unshown = self._reduced = False
         self._arrived.clear()
         self.found_inf.zero_()
@@ -513,6 +517,8 @@ class GradBucket(ShownGradients):
             self._bound[i] = False
             if keep_touched and self.touched[i] and self.reduction is Reduction.ALL_REDUCE:
                 self._zero_slot(i)  # stage 0: a zero .grad, as torch and DDP leave it
+        if keep_touched and self.reduction is Reduction.ALL_REDUCE:
+            self._zeroed_version = self.full_grad._version
 
     def zero_slots(self, slots: list[int], *, keep_touched: bool = False) -> None:
         """Zero the gradients of ``slots`` only, keeping the others' (one optimizer's
@@ -520,6 +526,11 @@ class GradBucket(ShownGradients):
         theirs). The same on every rank; the memory stays (``zero`` frees it)."""
         if self._reduce is not None:
             self.finish()  # the other slots' reduced values are wanted
+        # The other slots' edits through .grad since the reduction (a clip over the model) are
+        # what the step takes: adopted before the zeros, which become the new reference (the
+        # edits were lost: an unclipped step, 800x DDP's).
+        if self.shard_grad is not None:
+            self.adopt_edits()
         pieces = self.flat.pieces()
         for i in slots:
             if self.shard_grad is not None:

@@ -76,6 +76,20 @@ class ShownGradients:
             self.shard_grad.copy_(torch.where(changed, edited, self.shard_grad))
             self._note_shown(aliased=False)
 
+    def adopt_writes_over_zeros(self) -> None:
+        """Stage 0 after ``zero_grad(set_to_none=False)``, no backward since: ``.grad`` written
+        in place (``copy_``, ``add_``: a gradient computed by hand) is what the step takes, this
+        rank's own values, as DDP's optimizer takes them (the step took zeros). Called at the
+        step and the clip only: a backward's own writes bind the buffer again first."""
+        if self._zeroed_version is None or self.full_grad is None or self.shard_grad is not None:
+            return
+        if self.full_grad._version == self._zeroed_version:
+            return
+        lo, hi = self.flat.range
+        self.shard_grad = self.full_grad[lo:hi].to(self.flat.master_dtype)  # (alias if the same)
+        self._reduced, self._zeroed_version = True, None
+        self._note_shown(aliased=self.shard_grad.data_ptr() == self.full_grad[lo:hi].data_ptr())
+
     def show_shard(self) -> None:
         """Stage 0: ``shard_grad`` changed by the engine (``opt.clip_grad_norm``,
         ``clip_grad_value``) is what ``.grad`` shows too, as DDP's after torch's clip, and the
@@ -123,6 +137,9 @@ class ShownGradients:
             bound = self._bound[i] and self.full_grad is not None
             # (unbound and None: no rank's backward reached it, ``end_backward``: none shown)
             reduced = shown and self.shard_grad is not None and self.full_grad is not None
+            if grad is None and bound and not reduced:  # over zero_grad(set_to_none=False)'s
+                self._bound[i] = self.touched[i] = False  # zeros: out of the step, as torch's
+                continue
             if reduced and (bound or grad is not None):
                 span = self.flat.pieces()[i][1]
                 if grad is None:  # dropped: out of the step (and of a norm)

@@ -219,6 +219,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         (``GradBucket.adopt_edits``, ``adopt_rebinds``); a gradient set by hand where the step
         cannot read it is an error."""
         for b in self._buckets:
+            b.adopt_writes_over_zeros()
             b.adopt_edits()
             b.adopt_rebinds(self._slots[id(b)])
 
@@ -297,6 +298,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         shard, no communication). At stages 1-3 torch's own sees no ``.grad``."""
         if not clip_value >= 0:
             raise ValueError(f"clip_value must be a number >= 0, got {clip_value!r}")
+        self._check_synchronized("clip_grad_value", "it would clip none of them")
         if self._backward_step is not None or self._grad_swap is not None:
             raise ValueError(
                 "clip_grad_value needs the gradients in memory before the step: drop "
@@ -305,6 +307,17 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         for g in self._shard_grads():
             g.clamp_(-clip_value, clip_value)
         self._show_shard_grads()
+
+    def _check_synchronized(self, call: str, consequence: str) -> None:
+        """A ValueError for ``call`` after a backward with ``sync=False`` (the engine still
+        accumulating): the gradients wait unreduced, and ``consequence``."""
+        if self.engine.scaling.accumulating:  # else nothing is applied, without a word
+            raise ValueError(
+                f"{call} after a backward with sync=False (or inside no_sync()): its gradients "
+                f"wait unreduced and {consequence}. Run the last micro-batch's backward "
+                "synchronized (opt.backward(loss), outside no_sync()), then call it; the "
+                "accumulated gradients are kept"
+            )
 
     def _show_shard_grads(self) -> None:
         """Stage 0 after the engine changed the shard gradients (a clip): ``.grad`` shows them
@@ -401,13 +414,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
                 f"optimizer.step(): {partial}{kept}. Nothing was stepped; call opt.zero_grad() "
                 "to drop them, then run the forward and backward again"
             )
-        if self.engine.scaling.accumulating:  # else the step applies nothing, without a word
-            raise ValueError(
-                "optimizer.step() after a backward with sync=False (or inside no_sync()): its "
-                "gradients wait unreduced and the step would apply none of them. Run the last "
-                "micro-batch's backward synchronized (opt.backward(loss), outside no_sync()), "
-                "then step(); the accumulated gradients are kept"
-            )
+        self._check_synchronized("optimizer.step()", "the step would apply none of them")
         bucket_owners.reclaim(self)  # replaced by a newer optimizer, then used: its own again
         if (elsewhere := backward_step.applied_elsewhere(self)) is not None:
             raise RuntimeError(elsewhere)
