@@ -316,6 +316,9 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     unit k's backward ``min(k, K)`` earlier reductions are in flight, each holding its unit's
     full gradient and (partitioned gradients) its shard-sized output.
 
+    - ``loss forward`` (a built model measured on meta, no checkpoints): the forward's own peak,
+      what it saved so far and what it holds unsaved (the logits, an output its code keeps,
+      transformers' key cache); above the loss backward for T5.
     - ``loss backward`` (the loss's backward, before any unit's): every block's saved activations,
       the head's (the final norm's input and output), the logits at the loss; partitioned
       gradients: no full gradient yet; stage 3: the root (kept gathered after forward, or
@@ -342,6 +345,9 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
       gradient is held twice, autograd's per-parameter tensors and the new flat buffer in the
       reduce dtype they are copied into (released one by one: the buffer and all of autograd's
       at its start). Its shard-sized output comes after, when autograd's are gone.
+
+    - ``root backward`` (a head tied to the input embedding): the embedding's backward makes the
+      shared weight's second gradient beside the head's, and autograd sums them into a third.
 
     With ``bucket_per_unit`` the root is reduced the same way, last, by the end-of-backward
     callback (``root backward end``, ``root reduction wait``, ``root post-backward``: its
