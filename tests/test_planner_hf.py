@@ -273,6 +273,15 @@ def test_a_config_without_cache_is_measured(name, fast_all, recwarn, monkeypatch
     assert model.activations is not None and not any("meta device failed" in w for w in said)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_a_config_with_a_pad_token_is_measured(name, recwarn):
+    # transformers looks through the ids for padding to warn about (`in`: .item(), which meta
+    # cannot run): a GPT-2 or BERT config with a pad_token_id fell back to the GPT formulas.
+    model = d.from_hf_config(HF_CONFIGS[name] | {"pad_token_id": 0})
+    said = [str(w.message) for w in recwarn]
+    assert model.activations is not None and not any("meta device failed" in w for w in said)
+
+
 def test_the_fallback_warning_is_one_line():
     # transformers' validation error spans lines; the warning embedded it verbatim.
     pytest.importorskip("transformers")

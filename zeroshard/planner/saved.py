@@ -504,22 +504,31 @@ def _unpacked_sequences():
     do: the planner's batches hold one sequence per row, for which it finds none (None), and no
     padding."""
     masking = sys.modules.get("transformers.masking_utils")
+    modeling = sys.modules.get("transformers.modeling_utils")
     # A padding mask of ones (BART's decoder makes one when given none) is checked with
     # ``.item()`` before sdpa may skip it: the planner's rows hold no padding, so it is all ones.
-    # (Each where it exists: transformers 4.56 has the first, not the second.)
+    # A config with a pad_token_id (GPT-2's, BERT's) has its ids looked through for padding to
+    # warn about (``in``: ``.item()``); the planner's hold none. (Each where it exists:
+    # transformers 4.56 has no fast_all.)
     every = getattr(masking, "fast_all", None)
-    patches = {
-        "find_packed_sequence_indices": lambda position_ids: None,
-        "fast_all": lambda tensor: True if tensor.is_meta else every(tensor),
-    }
-    saved = {name: getattr(masking, name) for name in patches if hasattr(masking, name)}
-    for name in saved:
-        setattr(masking, name, patches[name])
+    pretrained = getattr(modeling, "PreTrainedModel", None)
+    patches = [
+        (masking, "find_packed_sequence_indices", lambda position_ids: None),
+        (masking, "fast_all", lambda tensor: True if tensor.is_meta else every(tensor)),
+        (pretrained, "warn_if_padding_and_no_attention_mask", lambda *args, **kwargs: None),
+    ]
+    found = [
+        (owner, name, getattr(owner, name), patch)
+        for owner, name, patch in patches
+        if owner is not None and hasattr(owner, name)
+    ]
+    for owner, name, _, patch in found:
+        setattr(owner, name, patch)
     try:
         yield
     finally:
-        for name, original in saved.items():
-            setattr(masking, name, original)
+        for owner, name, original, _ in found:
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager
