@@ -566,6 +566,21 @@ def test_a_tied_embedding_s_gradients_at_the_root_s_backward(workers2, stage):
         assert row["predicted"]["peak_moment"] == "root backward"
 
 
+def test_a_reduce_scatter_s_inbox_on_four_ranks(workers4):
+    """On 3 or more gloo ranks a reduce-scatter receives its later sources' messages through
+    an inbox, held while it is in flight: uncounted, the tied GPT-2 above was 1.7% low on 4
+    ranks at its root backward, where the last units' reductions are in flight (a reviewer)."""
+    pytest.importorskip("transformers")
+    from test_planner_hf import HF_CONFIGS
+
+    config = HF_CONFIGS["gpt2"] | {"vocab_size": 2048}
+    case = calibrate.HFCase(config=config, stage=3, micro_batch_size=2, seq_len=16)
+    rows = workers4.run(calibrate.calibrate, case)
+    measured = max(r["measured"]["peak_bytes"] for r in rows)
+    error = calibrate.error(rows[0]["predicted"]["peak_bytes"], measured)
+    assert abs(error) <= 0.005, calibrate.render(rows)
+
+
 @pytest.mark.parametrize("batch, seq", [(2, 16), (4, 64)])
 def test_t5_s_forward_end_and_its_unit_sizes(workers2, batch, seq):
     """T5's peak is at its forward's end (the logits, the decoder's unscaled output and

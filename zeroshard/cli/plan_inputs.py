@@ -120,6 +120,7 @@ def memory_config(
             flash_attention=True,
             reduce_stages_input=False,
             gradients_in_gather_buffers=args.device_type == "cpu",
+            point_to_point_reductions=args.device_type == "cpu",
         )
         num_layers_per_checkpoint = max(1, num_layers_per_checkpoint)
     return memory.MemoryConfig(

@@ -142,6 +142,7 @@ def engine_config(case: Case | HFCase, num_ranks: int) -> MemoryConfig:
         num_units_prefetch=engine.num_prefetch,
         constant_buffers=engine.constant_buffers,
         gradients_in_gather_buffers=True,  # (the measured runs are on the CPU, where it does)
+        point_to_point_reductions=True,  # (and on gloo)
         bucket_per_unit=timeline.bucket_per_unit(model, case.stage, engine.bucket_bytes),
         bucket_bytes=engine.bucket_bytes,
         num_buckets=engine.max_inflight_reductions,

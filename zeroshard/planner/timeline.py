@@ -411,6 +411,21 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
             return grad_bytes(numel(first, count))
         return min(c.num_buckets * c.bucket_bytes, grads_total)
 
+    point_to_point = c.point_to_point_reductions and part.gradients and c.bucket_per_unit
+
+    def in_flight_bytes(first: int, count: int) -> int:
+        """``full_grads`` and, for reduce-scatters of sends and receives (gloo) over 3 or more
+        ranks, each one's inbox: its later sources' messages arrive through one message-sized
+        buffer (at most its output shard, ``collectives.REDUCE_CHUNK_BYTES``)."""
+        inboxes = 0
+        if point_to_point and c.num_shard_ranks >= 3:
+            from zeroshard.collectives import REDUCE_CHUNK_BYTES  # (torch: only when asked)
+
+            for n in backward[max(0, first) : max(0, first + count)]:
+                shard = math.ceil(grad_bytes(n) / c.num_shard_ranks)
+                inboxes += min(shard, REDUCE_CHUNK_BYTES)
+        return full_grads(first, count) + inboxes
+
     def own_grad(n: int) -> int:
         """A unit's gradient of ``n`` parameters outside the persistent buffers: autograd's own
         tensors until the collect (partitioned gradients, one bucket per unit)."""
@@ -509,7 +524,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         prefetched = gathered(k + 1, c.num_units_prefetch, with_root=True)
         during = dict(
             gathered_units=gathered(k, 1 + c.num_units_prefetch) + recomputed(k),
-            comm_buckets=full_grads(k - in_flight, in_flight),
+            comm_buckets=in_flight_bytes(k - in_flight, in_flight),
             **lent(full_grads(k - in_flight, in_flight)),
         )
         out.append(
@@ -569,7 +584,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     reduced,
                     **after,
                     gathered_units=prefetched,
-                    comm_buckets=full_grads(k - left, left) + 2 * own_grad(backward[k]),
+                    comm_buckets=in_flight_bytes(k - left, left) + 2 * own_grad(backward[k]),
                     **lent(full_grads(k - left, left) + own_grad(backward[k])),
                 ),
             )
@@ -587,7 +602,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     activation_working=act.after,
                     model_state_working=act.held_grad + act.tied_grad,
                     gathered_units=gathered(0, 0),
-                    comm_buckets=full_grads(num_units - in_flight, in_flight),
+                    comm_buckets=in_flight_bytes(num_units - in_flight, in_flight),
                     **lent(full_grads(num_units - in_flight, in_flight)),
                 ),
             )
@@ -605,7 +620,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     num_units,
                     **end,
                     gathered_units=gathered(0, 0),
-                    comm_buckets=full_grads(num_units - in_flight, in_flight) + own_grad(root),
+                    comm_buckets=in_flight_bytes(num_units - in_flight, in_flight) + own_grad(root),
                     **lent(full_grads(num_units - in_flight, in_flight)),
                 ),
             )
@@ -617,7 +632,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     moment(
                         num_units,
                         **end,
-                        comm_buckets=full_grads(num_units - in_flight, in_flight)
+                        comm_buckets=in_flight_bytes(num_units - in_flight, in_flight)
                         + own_grad(root)
                         + staging(waited(num_units - num_inflight)),
                         **lent(full_grads(num_units - in_flight, in_flight)),
@@ -630,7 +645,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 moment(
                     num_units,
                     **end,
-                    comm_buckets=full_grads(num_units - left, left) + 2 * own_grad(root),
+                    comm_buckets=in_flight_bytes(num_units - left, left) + 2 * own_grad(root),
                     **lent(full_grads(num_units - left, left) + own_grad(root)),
                 ),
             )
