@@ -85,10 +85,8 @@ class ShownGradients:
             return
         if self.full_grad._version == self._zeroed_version:
             return
-        lo, hi = self.flat.range
-        self.shard_grad = self.full_grad[lo:hi].to(self.flat.master_dtype)  # (alias if the same)
-        self._reduced, self._zeroed_version = True, None
-        self._note_shown(aliased=self.shard_grad.data_ptr() == self.full_grad[lo:hi].data_ptr())
+        self._zeroed_version = None
+        self._take_shown()
 
     def show_shard(self) -> None:
         """Stage 0: ``shard_grad`` changed by the engine (``opt.clip_grad_norm``,
@@ -181,11 +179,17 @@ class ShownGradients:
         if self.full_grad is None:
             self.full_grad = torch.empty(flat.padded_numel, dtype=flat.param_dtype, device=device)
         self.full_grad.zero_()
-        lo, hi = flat.range
-        self.shard_grad = self.full_grad[lo:hi].to(flat.master_dtype)  # (alias when the same)
+        self._take_shown()
+        return True
+
+    def _take_shown(self) -> None:
+        """What ``.grad`` shows (``full_grad``'s range) as the step's gradient, as if reduced:
+        ``shard_grad`` from it (the same memory when the dtypes agree), noted as shown."""
+        assert self.full_grad is not None
+        lo, hi = self.flat.range
+        self.shard_grad = self.full_grad[lo:hi].to(self.flat.master_dtype)
         self._note_shown(aliased=self.shard_grad.data_ptr() == self.full_grad[lo:hi].data_ptr())
         self._reduced = True
-        return True
 
     def _by_hand(self, i: int) -> bool:
         """Whether slot ``i``'s ``.grad`` was put there by hand (not its region of the buffer,

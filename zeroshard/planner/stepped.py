@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zeroshard.model_states.partition import intersect, layout, padded_numel, shard_range
+from zeroshard.stages import partition
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,13 +36,14 @@ class SteppedLayout:
         copies), each cut into ``num_shard_ranks`` ranges from stage 1 (whole at stage 0)."""
         key = (stage, num_shard_ranks, bucket_bytes, param_bytes)
         if key not in self._cache:
-            per_rank = [0] * num_shard_ranks
-            cut = stage >= 1
-            for params in self._flats(0 if stage == 3 else bucket_bytes, param_bytes):
+            part = partition(stage)  # (as ``shard`` makes the buffers and cuts their states)
+            ranges = num_shard_ranks if part.optimizer_states else 1
+            per_rank = [0] * ranges
+            for params in self._flats(0 if part.parameters else bucket_bytes, param_bytes):
                 offsets, numel = layout([p.numel() for p in params], params[0].element_size())
                 padded = padded_numel(numel, num_shard_ranks)
-                for rank in range(num_shard_ranks if cut else 1):
-                    shard = shard_range(rank, padded, num_shard_ranks) if cut else (0, padded)
+                for rank in range(ranges):
+                    shard = shard_range(rank, padded, ranges)
                     for p, start in zip(params, offsets):
                         if id(p) in self.reached:
                             lo, hi = intersect(shard, (start, start + p.numel()))
@@ -54,11 +56,11 @@ class SteppedLayout:
         with a policy whose floating working copies have ``param_bytes`` bytes)."""
         import torch
 
+        from zeroshard.planner.saved import DTYPES
         from zeroshard.precision import MixedPrecision
         from zeroshard.sharding import _flat_params
 
-        dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(param_bytes)
-        policy = MixedPrecision(param_dtype=dtype)
+        policy = MixedPrecision(param_dtype=getattr(torch, DTYPES[param_bytes]))
         found: list[list] = []
 
         def make(params: list[tuple], dtype, policy) -> object:

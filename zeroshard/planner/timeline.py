@@ -413,19 +413,6 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
 
     point_to_point = c.point_to_point_reductions and part.gradients and c.bucket_per_unit
 
-    def in_flight_bytes(first: int, count: int) -> int:
-        """``full_grads`` and, for reduce-scatters of sends and receives (gloo) over 3 or more
-        ranks, each one's inbox: its later sources' messages arrive through one message-sized
-        buffer (at most its output shard, ``collectives.REDUCE_CHUNK_BYTES``)."""
-        inboxes = 0
-        if point_to_point and c.num_shard_ranks >= 3:
-            from zeroshard.collectives import REDUCE_CHUNK_BYTES  # (torch: only when asked)
-
-            for n in backward[max(0, first) : max(0, first + count)]:
-                shard = math.ceil(grad_bytes(n) / c.num_shard_ranks)
-                inboxes += min(shard, REDUCE_CHUNK_BYTES)
-        return full_grads(first, count) + inboxes
-
     def own_grad(n: int) -> int:
         """A unit's gradient of ``n`` parameters outside the persistent buffers: autograd's own
         tensors until the collect (partitioned gradients, one bucket per unit)."""
@@ -518,15 +505,27 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         until its reduction finishes: the pool's bytes, not ``comm_buckets``."""
         return {_LENT: flat_grads if borrows else 0}
 
+    def reducing(first: int, count: int, *, extra: int = 0, collected: int = 0) -> dict[str, int]:
+        """``comm_buckets`` with ``count`` reductions in flight from ``first`` (backward order):
+        their flat gradients and, for reduce-scatters of sends and receives (gloo) over 3 or
+        more ranks, each one's inbox (its later sources' messages arrive through one
+        message-sized buffer, at most its output shard); plus ``extra`` (autograd's own
+        gradients, a staging copy) and ``collected`` (a gradient just collected into a flat
+        buffer). The flat gradients are ``lent`` from the gather buffers where they borrow."""
+        inboxes = 0
+        if point_to_point and c.num_shard_ranks >= 3:
+            from zeroshard.collectives import REDUCE_CHUNK_BYTES  # (torch: only when asked)
+
+            for n in backward[max(0, first) : max(0, first + count)]:
+                inboxes += min(math.ceil(grad_bytes(n) / c.num_shard_ranks), REDUCE_CHUNK_BYTES)
+        flat = full_grads(first, count) + collected
+        return {"comm_buckets": flat + inboxes + extra, **lent(flat)}
+
     for k in range(num_units):
         in_flight = min(k, num_inflight)  # earlier units whose reductions are not finished
         reduced = 0 if single_bucket else k
         prefetched = gathered(k + 1, c.num_units_prefetch, with_root=True)
-        during = dict(
-            gathered_units=gathered(k, 1 + c.num_units_prefetch) + recomputed(k),
-            comm_buckets=in_flight_bytes(k - in_flight, in_flight),
-            **lent(full_grads(k - in_flight, in_flight)),
-        )
+        gathered_now = gathered(k, 1 + c.num_units_prefetch) + recomputed(k)
         out.append(
             (
                 f"unit backward {k}",
@@ -535,7 +534,8 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     activation_working=act.at_unit[k],
                     activation_checkpoints=act.checkpoints_at_unit[k],
                     model_state_working=act.grad_working,
-                    **during,
+                    gathered_units=gathered_now,
+                    **reducing(k - in_flight, in_flight),
                 ),
             )
         )
@@ -551,9 +551,8 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     moment(
                         reduced,
                         **after,
-                        gathered_units=during["gathered_units"],
-                        comm_buckets=during["comm_buckets"] + own_grad(backward[k]),
-                        **lent(full_grads(k - in_flight, in_flight)),
+                        gathered_units=gathered_now,
+                        **reducing(k - in_flight, in_flight, extra=own_grad(backward[k])),
                     ),
                 )
             )
@@ -569,10 +568,11 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                         reduced,
                         **after,
                         gathered_units=prefetched,
-                        comm_buckets=during["comm_buckets"]
-                        + own_grad(backward[k])
-                        + staging(waited(k - num_inflight)),
-                        **lent(full_grads(k - in_flight, in_flight)),
+                        **reducing(
+                            k - in_flight,
+                            in_flight,
+                            extra=own_grad(backward[k]) + staging(waited(k - num_inflight)),
+                        ),
                     ),
                 )
             )
@@ -584,8 +584,9 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     reduced,
                     **after,
                     gathered_units=prefetched,
-                    comm_buckets=in_flight_bytes(k - left, left) + 2 * own_grad(backward[k]),
-                    **lent(full_grads(k - left, left) + own_grad(backward[k])),
+                    **reducing(
+                        k - left, left, extra=own_grad(backward[k]), collected=own_grad(backward[k])
+                    ),
                 ),
             )
         )
@@ -602,8 +603,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     activation_working=act.after,
                     model_state_working=act.held_grad + act.tied_grad,
                     gathered_units=gathered(0, 0),
-                    comm_buckets=in_flight_bytes(num_units - in_flight, in_flight),
-                    **lent(full_grads(num_units - in_flight, in_flight)),
+                    **reducing(num_units - in_flight, in_flight),
                 ),
             )
         )
@@ -620,8 +620,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     num_units,
                     **end,
                     gathered_units=gathered(0, 0),
-                    comm_buckets=in_flight_bytes(num_units - in_flight, in_flight) + own_grad(root),
-                    **lent(full_grads(num_units - in_flight, in_flight)),
+                    **reducing(num_units - in_flight, in_flight, extra=own_grad(root)),
                 ),
             )
         )
@@ -632,10 +631,11 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     moment(
                         num_units,
                         **end,
-                        comm_buckets=in_flight_bytes(num_units - in_flight, in_flight)
-                        + own_grad(root)
-                        + staging(waited(num_units - num_inflight)),
-                        **lent(full_grads(num_units - in_flight, in_flight)),
+                        **reducing(
+                            num_units - in_flight,
+                            in_flight,
+                            extra=own_grad(root) + staging(waited(num_units - num_inflight)),
+                        ),
                     ),
                 )
             )
@@ -645,8 +645,9 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 moment(
                     num_units,
                     **end,
-                    comm_buckets=in_flight_bytes(num_units - left, left) + 2 * own_grad(root),
-                    **lent(full_grads(num_units - left, left) + own_grad(root)),
+                    **reducing(
+                        num_units - left, left, extra=own_grad(root), collected=own_grad(root)
+                    ),
                 ),
             )
         )
@@ -659,8 +660,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     moment(
                         num_units + 1,
                         **end,
-                        comm_buckets=own_grad(root) + staging(root),
-                        **lent(own_grad(root)),
+                        **reducing(0, 0, extra=staging(root), collected=own_grad(root)),
                     ),
                 )
             )
