@@ -148,11 +148,12 @@ def test_calibration_nano_four_ranks(workers4, stage):
         # Stage 3's constant buffers hold the root and two blocks throughout: the loss's
         # backward, every block's activations saved, is the largest moment.
         (3, 2, None, False, "loss backward"),
-        # 8 tokens, model states dominate. Stage 3: the end of the last backward visits (the
-        # first block), its whole gradient (autograd's), the second block's reduction in
-        # flight, the other shards reduced; stepping in backward, no shard exists: the first
-        # collect (the last block's), its gradient held twice (autograd's and the flat copy).
-        (3, 1, 8, False, "unit backward end 3"),
+        # 8 tokens, model states dominate. Stage 3: the end of the second block's backward,
+        # its whole gradient (autograd's), the third block's reduction in flight, the first
+        # block prefetched (the first block's own backward holds no idle buffer beside it: the
+        # pool frees it); stepping in backward, no shard exists: the first collect (the last
+        # block's), its gradient held twice (autograd's and the flat copy).
+        (3, 1, 8, False, "unit backward end 2"),
         (3, 1, 8, True, "unit post-backward 0"),
         # With replicated parameters the tiny model is one gradient bucket, reduced after the
         # last unit's backward (stage 2: its full gradient and the shard written).

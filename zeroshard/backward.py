@@ -78,6 +78,7 @@ class Backward:
         if self.partition.parameters:
             backward_order = self.forward_order[::-1]
             self._prefetch(backward_order, None if unit.is_root else unit)
+            self._free_idle_buffers(backward_order)
 
     def _post_backward(self, unit: Unit) -> None:
         """One use of ``unit`` is done with its backward; the last one finishes the unit."""

@@ -10,8 +10,11 @@ unit recomputed for a backward that comes later). Stage 3 only (partitioned para
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from itertools import islice
+
+import torch
 
 from zeroshard.unit import Phase, TrainingState, Unit
 
@@ -28,6 +31,20 @@ class Prefetching:
         for nxt in islice(self._upcoming(order[start:]), self.config.num_prefetch):
             if nxt.is_sharded:
                 nxt.unshard(async_op=True)
+
+    def _free_idle_buffers(self, backward_order: list[Unit]) -> None:
+        """In backward, after its prefetch: free the gather buffers no gather left in this
+        backward will take (each size's free ones beyond the units of that size still to be
+        gathered). The last units' backward then holds none idle; the buffers their parameters
+        and gradients give back afterwards stay for the next step's gathers."""
+        if not self.partition.parameters or self.summoned:
+            return
+        needed: Counter[tuple[torch.device, int]] = Counter()
+        for u in self._upcoming(backward_order):
+            if u.is_sharded and not u.is_gathered:
+                needed.update(f.buffer_key for f in u.flat_params if f.partition.parameters)
+        for pool in self.buffer_pools():
+            pool.trim(needed)
 
     def _upcoming(self, order: list[Unit], *, root: bool = False) -> Iterator[Unit]:
         """The units of ``order`` a gather may be needed for next: not the root (it stays

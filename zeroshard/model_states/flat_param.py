@@ -376,8 +376,7 @@ class FlatParam:
         self.check_rest_writes()
         self.check_views()  # (data replaced at rest: the gather would drop it without a word)
         # Refill the same storage object: views that autograd saved in forward see the refill.
-        nbytes = self.padded_numel * self.full.element_size()
-        self.buffers.lend(self, self.full.untyped_storage(), nbytes)
+        self.buffers.lend(self, self.full.untyped_storage(), self.buffer_key[1])
         try:
             self._gather = self._gather_from_master(async_op=True)
         except BaseException:  # a Ctrl-C in a master's read from NVMe, a failed fetch
@@ -412,6 +411,11 @@ class FlatParam:
         self._use_rest_views()
         self.buffers.take_back(self, self.full.untyped_storage())
         self.state = ShardState.SHARDED
+
+    @property
+    def buffer_key(self) -> tuple[torch.device, int]:
+        """The (device, bytes) of the pool buffer a gather of ``full`` borrows."""
+        return self.full.device, self.padded_numel * self.full.element_size()
 
     @property
     def gathering(self) -> bool:

@@ -693,13 +693,31 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     sizes = Counter(gathered(k, 1, with_root=False) for k in range(num_units))
     per_size = gathered(0, 0) + sum(b * min(n, 1 + c.num_units_prefetch) for b, n in sizes.items())
     kept = min(room, max(held, per_size))
+    unit_bytes = [gathered(k, 1, with_root=False) for k in range(num_units)]
+    window = 1 + c.num_units_prefetch
+
+    def trimmed(k: int) -> int:
+        """The most the pool holds from unit ``k``'s backward on (``BufferPool.trim`` after its
+        prefetch frees what no gather left needs): the root and, per size, the buffers lent and
+        borrowed with as many free as gathers are still to come, or as the next step keeps."""
+        back = Counter(unit_bytes[k : k + window])
+        if borrows:
+            back.update(unit_bytes[max(0, k - min(k, num_inflight)) : k])
+        upcoming = Counter(unit_bytes[k + window :])
+        per = {b: max(back[b] + upcoming[b], min(n, window)) for b, n in sizes.items()}
+        return gathered(0, 0) + sum(b * n for b, n in per.items())
+
+    starts = {f"unit backward {k}": k for k in range(num_units)}
+    cap = math.inf
     borrowed = False  # (since the first collect; after the step the free ones are as many as
     for name, m in out:  # were lent at once per size again)
         in_pool = m.pop(_LENT, 0)
         borrowed = (borrowed or in_pool > 0) and name != "optimizer step"
         if pooled:
-            m["gathered_units"] = max(
-                kept, min(room, m["gathered_units"] + in_pool + held * borrowed)
-            )
+            if name in starts:
+                cap = min(cap, trimmed(starts[name]))
+            in_use = m["gathered_units"] + in_pool
+            pool = max(kept, min(room, in_use + held * borrowed))
+            m["gathered_units"] = max(in_use, min(pool, cap))
             m["comm_buckets"] -= in_pool
     return out
