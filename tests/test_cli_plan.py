@@ -560,8 +560,13 @@ def test_measure_mistakes():
         plan.run(_parse(["--measure", "--measure-ranks", "2,3", "--mp", "2"]))
     with pytest.raises(ValueError, match="--measure takes one --ci"):
         plan.run(_parse(["--measure", "--ci", "1,2"]))
-    with pytest.raises(ValueError, match="--accumulate-unreduced needs --grad-accum 2"):
+    with pytest.raises(ValueError, match="--accumulate-unreduced needs stage 2 or 3"):
         plan.run(_parse(["--measure", "--accumulate-unreduced"]))
+    with pytest.raises(ValueError, match="--accumulate-unreduced needs stage 2 or 3"):
+        plan.run(_parse(["--measure", "--stage", "0", "--accumulate-unreduced", "--grad-accum=2"]))
+    # (each rank of the grid failed, a traceback each)
+    with pytest.raises(ValueError, match="--seq 100 exceeds the 64 positions of preset 'nano'"):
+        plan.run(_parse(["--measure", "--measure-presets", "nano", "--seq", "100"]))
     # Refused before any job (it failed inside the measured run, with its traceback).
     with pytest.raises(ValueError, match="--step-in-backward cannot be combined with fp16"):
         plan.run(_parse(["--measure", "--stage", "2", "--precision", "fp16", "--step-in-backward"]))
@@ -718,6 +723,7 @@ def test_ci_0_is_the_engine_without_checkpoints(capsys, stage):
 
 def test_accumulate_unreduced_flag(capsys):
     argv = ["--params", "1B", "--dp", "8", "--stage", "1,3", "--offload", "none"]
+    argv += ["--grad-accum", "2"]
     plain = {r["stage"]: r for r in _json(argv, capsys)["stages"]}
     unreduced = {r["stage"]: r for r in _json([*argv, "--accumulate-unreduced"], capsys)["stages"]}
     # stage 3 holds the whole local gradient between micro-batches, as stage 1 always does
@@ -756,3 +762,24 @@ def test_grad_accum_repeats_what_runs_every_micro_batch(capsys):
     every = sum(c["num_bytes"] for c in one[3]["collectives"] if c["every_micro_batch"])
     assert four[3]["bytes"] == one[3]["bytes"] + 3 * every and every > 0
     assert four[3]["seconds"] == pytest.approx(four[3]["bytes"] / 1e9)
+
+
+def test_accumulate_unreduced_only_where_train_takes_it(capsys):
+    # zeroshard train refuses it below stage 2 or with one micro-batch; plan took both without
+    # a word, and --advise ranked such candidates first (stage 1, one micro-batch) with it.
+    for argv in (["--stage", "0,1", "--grad-accum", "2"], ["--stage", "2"]):
+        with pytest.raises(ValueError, match="--accumulate-unreduced needs stage 2 or 3"):
+            plan.plan(_parse(["--preset", "nano", "--dp", "2", "--accumulate-unreduced", *argv]))
+    _run(["--preset", "nano", "--dp", "2", "--accumulate-unreduced", "--grad-accum", "2"], capsys)
+    argv = ["--preset", "nano", "--advise", "--device-type", "cpu", "--memory", "8GB"]
+    argv += ["--peak-flops", "1TFLOP/s", "--net-bandwidth", "10GB/s", "--devices", "2"]
+    argv += ["--global-batch", "8", "--batch", "1,4", "--accumulate-unreduced"]
+    feasible = _json(argv, capsys)["feasible"]
+    takes = {(c["stage"], c["num_micro_batches"]): c["accumulate_unreduced"] for c in feasible}
+    assert takes == {(s, n): s >= 2 and n > 1 for s, n in takes}, takes
+    assert any(takes.values()) and not all(takes.values())
+    plain = _json([a for a in argv if a != "--accumulate-unreduced"], capsys)["feasible"]
+    one_micro = {c["stage"]: c["device_bytes"] for c in plain if c["num_micro_batches"] == 1}
+    for c in feasible:  # with one micro-batch, planned as without it
+        if c["num_micro_batches"] == 1:
+            assert c["device_bytes"] == one_micro[c["stage"]], c

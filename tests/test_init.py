@@ -278,6 +278,38 @@ def test_a_meta_buffer_its_init_leaves_unset_is_refused(workers2):
     assert all(math.isnan(v) for v in workers2.run(_meta_buffer, False))
 
 
+def _to_empty_init(stage: int, sets_weights: bool) -> str:
+    """A meta-built model sharded with FSDP1's habit: ``param_init_fn`` calls
+    ``module.to_empty(...)`` (new, unmarked memory for every tensor), then sets the biases only,
+    or everything (``reset_parameters``)."""
+
+    def init(m: nn.Module) -> None:
+        m.to_empty(device="cpu", recurse=False)
+        if sets_weights and hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+        elif getattr(m, "bias", None) is not None:
+            nn.init.zeros_(m.bias)
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    try:
+        model = zeroshard.shard(model, stage=stage, param_init_fn=init)
+    except ValueError as exc:
+        assert "did not set it" in str(exc), exc
+        return "refused"
+    state = zeroshard.full_state_dict(model, rank0_only=False)
+    return "finite" if all(bool(v.isfinite().all()) for v in state.values()) else "garbage"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_param_init_fn_that_calls_to_empty_and_leaves_weights_is_refused(workers2, stage):
+    """``to_empty`` swaps the marked memory of a meta-built parameter for new memory: the
+    weights it then left unset were trained on (values up to 1e12) or refused on one rank only
+    (the other waited in the next collective), as memory happened to hold."""
+    assert workers2.run(_to_empty_init, stage, False) == ["refused", "refused"]
+    assert workers2.run(_to_empty_init, stage, True) == ["finite", "finite"]
+
+
 class _Gated(nn.Linear):
     """A Linear subclass with a parameter of its own that Linear's reset_parameters does not
     set, and a causal mask buffer; ``sets`` names those its own reset_parameters sets."""

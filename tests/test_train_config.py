@@ -215,6 +215,15 @@ def test_example_configs_are_valid():
              "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 256},
             ["attends both ways", '"is_decoder": true'],
         ),
+        # Encoders no list named (trained on the next token they saw, without a word)
+        *(
+            (
+                {"model_type": family, "num_hidden_layers": 1, "hidden_size": 32,
+                 "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 256},
+                ["attends both ways", f"a {family} config"],
+            )
+            for family in ("megatron-bert", "roformer", "xlm-roberta-xl")
+        ),
     ],
 )  # fmt: skip
 def test_hf_configs_transformers_refuses_or_that_see_ahead(capsys, tmp_path, config, needles):
@@ -226,6 +235,28 @@ def test_hf_configs_transformers_refuses_or_that_see_ahead(capsys, tmp_path, con
     err = _one_line_error(capsys, ["train", "--hf", str(path), "--out-dir", str(tmp_path)])
     for needle in needles:
         assert needle in err, err
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [("pad_token_id", 999, "AssertionError: Padding_idx"), ("hidden_act", "bogus", "KeyError"),
+     ("intermediate_size", -4, "negative dimension")],
+)  # fmt: skip
+def test_hf_configs_transformers_cannot_build_are_one_line(tmp_path, field, value, needle):
+    """Fields transformers' config takes and its model cannot build with: a traceback from each
+    rank and exit 1 (only its ValueErrors were said in one line)."""
+    pytest.importorskip("transformers")
+    from zeroshard.models import loading
+
+    config = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 32,
+              "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 256}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config | {field: value}))
+    with pytest.raises(ValueError, match="transformers cannot build a llama model") as info:
+        loading._build_hf(str(path), 256)
+    assert needle in str(info.value), info.value
+    path.write_text(json.dumps(config))
+    loading._build_hf(str(path), 256)  # (the config itself builds)
 
 
 def test_model_states_beyond_the_node_s_memory_are_refused(capsys, tmp_path, monkeypatch):

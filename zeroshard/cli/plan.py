@@ -282,6 +282,7 @@ def plan(args) -> dict:
     batches, cis = flags.ints("--batch", args.batch), flags.ints("--ci", args.ci or "1", low=0)
     if len(batches) > 1 or len(cis) > 1:
         raise ValueError("--batch and --ci take one value each unless --advise is given")
+    flags.check_accumulate_unreduced(args, flags.stages(args.stage, args.step_in_backward))
     config = memory_config(args, micro_batch_size=batches[0], num_layers_per_checkpoint=cis[0])
     problem = layout_problem(model, config)  # what the engine would refuse (as --advise does)
     if problem is not None:
@@ -374,6 +375,7 @@ def _advised_spans(text: str) -> tuple[int, ...]:
 
 def measure(args) -> tuple[list[dict], str]:
     """The calibration grid's rows (one per configuration and rank) and its Markdown table."""
+    from zeroshard.models.gpt import PRESETS
     from zeroshard.planner import calibrate
 
     presets = tuple(p.strip() for p in args.measure_presets.split(","))
@@ -381,6 +383,12 @@ def measure(args) -> tuple[list[dict], str]:
     for name in presets:
         if name not in known:
             raise ValueError(f"unknown --measure-presets {name!r}; choose from {', '.join(known)}")
+        limit = PRESETS[name].block_size  # (checked here: each rank of the grid failed)
+        if args.seq is not None and args.seq > limit:
+            raise ValueError(
+                f"--seq {args.seq} exceeds the {limit} positions of preset {name!r}; pass "
+                f"--seq {limit} or less"
+            )
     flags.check_positive("--measure-batch", args.measure_batch)
     if args.measure_steps < 2:
         raise ValueError("--measure-steps must be >= 2: the first step creates optimizer states")
@@ -398,8 +406,7 @@ def measure(args) -> tuple[list[dict], str]:
             "each job splits its ranks into tensor-parallel groups of --mp; pick rank counts "
             "that --mp divides"
         )
-    if args.accumulate_unreduced and args.grad_accum < 2:
-        raise ValueError("--accumulate-unreduced needs --grad-accum 2 or more")
+    flags.check_accumulate_unreduced(args, stages)
     rows = calibrate.run_grid(
         presets=presets,
         stages=tuple(f"{s}s" for s in stages) if args.step_in_backward else stages,

@@ -52,6 +52,20 @@ def check_step_in_backward(args) -> None:
         )
 
 
+def check_accumulate_unreduced(args, stages: tuple[int, ...]) -> None:
+    """``--accumulate-unreduced`` where ``zeroshard train`` takes it: stages 2-3 (partitioned
+    gradients; below, gradients are whole between micro-batches anyway) and two or more
+    micro-batches. One of the stages planned is enough: the others' rows are as without it."""
+    if not args.accumulate_unreduced:
+        return
+    if args.grad_accum < 2 or not any(s >= 2 for s in stages):
+        raise ValueError(
+            "--accumulate-unreduced needs stage 2 or 3 (partitioned gradients) and --grad-accum "
+            f"2 or more, as zeroshard train does; got --stage {','.join(map(str, stages))} and "
+            f"--grad-accum {args.grad_accum}: add those, or drop --accumulate-unreduced"
+        )
+
+
 def bytes_per_param(text: str) -> memory.BytesPerParam:
     if text in memory.BYTES_PER_PARAM_PRESETS:
         return memory.BYTES_PER_PARAM_PRESETS[text]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zeroshard import collectives as C
 from zeroshard.mesh import Mesh
@@ -106,7 +107,7 @@ class Materializer:
         for ancestor in sorted(chain.values(), key=lambda a: -depth[id(a)]):
             hidden = _stand_ins(ancestor, fresh, mine)
             try:
-                with torch.no_grad():
+                with torch.no_grad(), _EmptiesMarkedUnset():
                     self.param_init_fn(ancestor)
             finally:
                 _restore(hidden)
@@ -191,7 +192,8 @@ class Materializer:
     def _run_init(self, module: nn.Module) -> None:
         with torch.no_grad():
             if self.param_init_fn is not None:
-                self.param_init_fn(module)
+                with _EmptiesMarkedUnset():
+                    self.param_init_fn(module)
             elif callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
             else:
@@ -274,7 +276,34 @@ def _unset(b: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor's real storage before its module's init: NaN (floating), the dtype's minimum
     (integers), alternating True and False (bool), so that ``_still_unset`` sees one the init
     did not write (bool buffers kept whatever memory held: a causal mask, wrong at random)."""
-    out = torch.empty_like(b, device=device)
+    return _mark_unset(torch.empty_like(b, device=device))
+
+
+class _EmptiesMarkedUnset(TorchDispatchMode):
+    """Memory an init allocates without values (``torch.empty``, ``empty_like``: FSDP1's habit
+    of ``module.to_empty(...)`` in a ``param_init_fn``, which swaps our marked storage for new)
+    gets ``_unset``'s marks, so that a parameter the init then leaves is refused on every rank
+    alike; it held whatever memory held, trained on or refused at random, rank by rank."""
+
+    _EMPTIES = frozenset(
+        {
+            torch.ops.aten.empty.memory_format,
+            torch.ops.aten.empty_like.default,
+            torch.ops.aten.empty_strided.default,
+            torch.ops.aten.new_empty.default,
+            torch.ops.aten.new_empty_strided.default,
+        }
+    )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self._EMPTIES and isinstance(out, torch.Tensor) and out.device != META:
+            _mark_unset(out)
+        return out
+
+
+def _mark_unset(out: torch.Tensor) -> torch.Tensor:
+    """``out`` filled with ``_unset``'s marks for its dtype."""
     if out.is_floating_point() or out.is_complex():
         return out.fill_(float("nan"))
     if out.dtype == torch.bool:

@@ -198,14 +198,20 @@ def _build_hf(path: str, vocab_size: int) -> nn.Module:
 
     try:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except ValueError as exc:
-        if "Unrecognized configuration class" not in str(exc):
-            raise
+    except MemoryError:
+        raise
+    except Exception as exc:  # (a field its config takes and its model cannot: an AssertionError,
+        said = " ".join(line.strip() for line in str(exc).splitlines())  # a KeyError...)
+        if isinstance(exc, ValueError) and "Unrecognized configuration class" in said:
+            raise ValueError(
+                f"hf = {path!r}: model_type {config.model_type!r} is not a causal (decoder-only) "
+                "language model, which --hf builds (AutoModelForCausalLM; T5 and BART are "
+                "encoder-decoders); use a decoder-only config (GPT-2, Llama, Qwen2, ...) or "
+                "--model pkg.mod:factory for a model of your own"
+            ) from None
         raise ValueError(
-            f"hf = {path!r}: model_type {config.model_type!r} is not a causal (decoder-only) "
-            "language model, which --hf builds (AutoModelForCausalLM; T5 and BART are "
-            "encoder-decoders); use a decoder-only config (GPT-2, Llama, Qwen2, ...) or "
-            "--model pkg.mod:factory for a model of your own"
+            f"hf = {path!r}: transformers cannot build a {config.model_type} model from this "
+            f"config ({type(exc).__name__}: {said or 'no message'}); fix the field it names"
         ) from None
     named = list(getattr(config, "architectures", None) or [])
     base = type(getattr(model, "base_model", model)).__name__  # ("LlamaModel": its backbone)
@@ -233,7 +239,23 @@ def _check_heads(path: str, config: dict) -> None:
 
 
 _ENCODERS = ("bert", "roberta", "xlm-roberta", "electra", "camembert", "ernie", "rembert")
-"""Encoder families whose causal-LM class attends both ways unless ``is_decoder`` is set."""
+"""Encoder families whose causal-LM class attends both ways unless ``is_decoder`` is set (where
+its source cannot be read; ``_attends_both_ways`` reads it)."""
+
+
+def _attends_both_ways(config: Any) -> bool:
+    """Whether the causal-LM class transformers builds for ``config`` is an encoder's that
+    attends both ways without ``is_decoder``: its constructor consults the flag (BERT's family
+    warns "add is_decoder=True" there, Reformer asserts it; BART's decoder sets it itself)."""
+    if getattr(config, "is_decoder", False):
+        return False
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        source = inspect.getsource(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__init__)
+    except (ImportError, KeyError, OSError, TypeError):
+        return config.model_type in _ENCODERS
+    return "is_decoder" in source and "is_decoder = True" not in source
 
 
 def hf_config(path: str) -> Any:
@@ -249,7 +271,7 @@ def hf_config(path: str) -> Any:
     except Exception as exc:  # transformers' validators raise classes of their own
         said = " ".join(line.strip() for line in str(exc).splitlines()) or type(exc).__name__
         raise ValueError(f"hf = {path!r}: transformers refuses this config: {said}") from None
-    if config.model_type in _ENCODERS and not getattr(config, "is_decoder", False):
+    if _attends_both_ways(config):
         raise ValueError(
             f"hf = {path!r}: a {config.model_type} config builds an encoder that attends both "
             "ways, so next-token training would let each position see the token it predicts; "

@@ -176,6 +176,9 @@ class Candidate:
     """The device's peak, as ``zeroshard plan`` reports it (the engine's timeline where the
     workload follows it), plus the CPU tier where the CPU is the device; None when the memory
     was not planned."""
+    accumulate_unreduced: bool = False
+    """Micro-batches accumulated unreduced (the workload asks it, and the engine takes it here:
+    partitioned gradients, two or more micro-batches)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,7 +327,9 @@ def layout_problem(model: ModelDescription, config: MemoryConfig) -> str | None:
 
 def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
     def candidate(memory=None, num_micro=0, times=None, problem=None) -> Candidate:
+        unreduced = workload.memory.accumulate_unreduced and partition(stage).gradients
         return Candidate(
+            accumulate_unreduced=unreduced and num_micro > 1,
             device_bytes=None if memory is None else _device_need(memory, cluster),
             stage=stage,
             offload=offload,
@@ -368,6 +373,11 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
         seq_len=workload.seq_len,
         num_layers_per_checkpoint=ci,
         grad_accum=num_micro,
+        # Where the engine takes it (zeroshard train refuses it elsewhere): partitioned
+        # gradients, two or more micro-batches.
+        accumulate_unreduced=(
+            workload.memory.accumulate_unreduced and partition(stage).gradients and num_micro > 1
+        ),
     )
     memory = plan_memory(model, as_engine_buckets(model, config))
     need, have = _device_need(memory, cluster), cluster.device_memory_bytes

@@ -197,8 +197,11 @@ def predict(case: Case | HFCase, num_ranks: int) -> dict:
     for c in collectives:
         key = f"{c.op}/{c.label}"
         comm_numel[key] = comm_numel.get(key, 0) + comm.total_numel((c,), _accumulation(case)[0])
+    at_rest_states = {c: plan.device[c] for c in MODEL_STATES}
+    if plan.grads_at_rest is not None:  # (as measured: after the step)
+        at_rest_states["grads"] = plan.grads_at_rest
     return {
-        "model_states": {c: plan.device[c] for c in MODEL_STATES},
+        "model_states": at_rest_states,
         # What is alive after the step: MemTracker counts the model's buffers too. (The
         # constant buffers stage 3's gathers borrow stay too, apart.)
         "model_states_bytes": plan.model_states_at_rest_bytes() + plan.device["buffers"],
@@ -308,7 +311,12 @@ def measure_module(
     if tp > 1:
         device_mesh, mesh = tensor_parallel.mesh_2d(tp)
         tensor_parallel.parallelize(model, device_mesh)
-    config = zeroshard.ShardConfig(checkpoint_every=checkpoint_every)
+    # As ``zeroshard train`` runs accumulation: each micro-batch's backward reduces at stages
+    # 2-3 unless ``accumulate_unreduced``; only the last is synchronized (stepping in backward
+    # refuses a synchronized one before it).
+    config = zeroshard.ShardConfig(
+        checkpoint_every=checkpoint_every, reduce_every_micro_step=not accumulate_unreduced
+    )
     model = zeroshard.shard(
         model, stage=stage, wrap=wrap, mesh=mesh, config=config, mixed_precision=mixed_precision
     )
@@ -320,8 +328,7 @@ def measure_module(
         # Inside a function: the batch and the loss are gone before model states are measured.
         for i in range(grad_accum):
             last = i == grad_accum - 1
-            sync = last or (engine.partition.gradients and not accumulate_unreduced)
-            opt.backward(loss(model, gen) / grad_accum, sync=sync)
+            opt.backward(loss(model, gen) / grad_accum, sync=last)
             if tracker is not None and not last:  # (it refuses a module's second forward)
                 tracker.reset_mod_stats()
 

@@ -296,7 +296,8 @@ class MemoryBreakdown:
     grads_at_rest: int | None = None
     """Device gradient bytes after the step where they differ from ``device["grads"]`` (stages
     2-3 accumulating unreduced hold the whole local gradient between micro-batches, and only
-    the shards once the last one is reduced)."""
+    the shards once the last one is reduced; stepping in backward, the shards held between
+    micro-batches are stepped and dropped: none)."""
 
     def on(self, tier: Tier | str) -> dict[str, int]:
         return getattr(self, Tier(tier).value)
@@ -602,5 +603,5 @@ def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdow
         notes=residual.notes,
         peak=peak,
         peak_moment=residual.peak_moment,
-        grads_at_rest=at_rest if _unreduced(config) else None,
+        grads_at_rest=at_rest if _unreduced(config) or config.step_in_backward else None,
     )

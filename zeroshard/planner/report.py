@@ -257,6 +257,8 @@ def advice_report(model: ModelDescription, cluster: Cluster, workload: Workload)
             "ci": c.num_layers_per_checkpoint,
             "micro_batch_size": c.micro_batch_size,
             "num_micro_batches": c.num_micro_batches,
+            # (where the engine takes it: zeroshard train --accumulate-unreduced true)
+            "accumulate_unreduced": c.accumulate_unreduced,
             "device_bytes": c.device_bytes,
             "memory": None if c.memory is None else c.memory.to_dict(),
             "step_seconds": c.step_seconds,
@@ -472,7 +474,7 @@ def render_advice(out: dict, unit: str = "GB", top: int = 10) -> str:
                 c["offload"],
                 str(c["ci"]),
                 str(c["micro_batch_size"]),
-                str(c["num_micro_batches"]),
+                f"{c['num_micro_batches']}{' unreduced' if c['accumulate_unreduced'] else ''}",
                 _size(c["device_bytes"], unit),
                 f"{c['step_seconds']:.3g} s",
                 f"{t['compute']:.3g} s",
