@@ -783,3 +783,28 @@ def test_accumulate_unreduced_only_where_train_takes_it(capsys):
     for c in feasible:  # with one micro-batch, planned as without it
         if c["num_micro_batches"] == 1:
             assert c["device_bytes"] == one_micro[c["stage"]], c
+
+
+def test_advise_flags_without_advise_are_refused():
+    # --devices 64 planned for Nd = 1 without a word (132 GB per device against 2.12 GB).
+    argv = ["--params", "7.5B", "--devices", "64", "--global-batch", "3", "--top", "0"]
+    with pytest.raises(ValueError, match="--devices, --global-batch, --top are for --advise"):
+        plan.plan(_parse(argv))
+    with pytest.raises(ValueError, match="--nvme-bandwidth is for --advise"):
+        plan.plan(_parse(["--params", "1B", "--nvme-bandwidth", "1GB/s"]))
+
+
+def test_a_stage_given_twice_is_planned_once(capsys):
+    rows = _json(["--params", "1B", "--dp", "8", "--stage", "1,3,1"], capsys)["stages"]
+    assert [r["stage"] for r in rows] == [1, 3]
+
+
+def frozen_gpt():
+    """A factory for --module whose every parameter is frozen."""
+    return GPT(PRESETS["nano"]).requires_grad_(False)
+
+
+def test_a_module_with_nothing_to_train_is_refused():
+    # (planned with exit 0, where zeroshard train --model refuses the same factory)
+    with pytest.raises(ValueError, match="no parameter is trainable"):
+        plan.plan(_parse(["--module", "test_cli_plan:frozen_gpt"]))

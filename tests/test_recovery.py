@@ -217,6 +217,8 @@ ELASTIC = ["--max-restarts", "1", "--save-every", "2"]
             ["divide across 4 ranks", "multiple of 4"],
         ),
         (["--rdzv-conf", "last_call_timeout=5"], ["--rdzv-conf", "drop --rdzv-conf"]),
+        # (taken without a word: a single node runs its own rendezvous)
+        (["--rdzv-endpoint", "localhost:29555"], ["only a multi-node job", "pass --nnodes"]),
         (
             ["--nnodes", "1:2", *ELASTIC, "--rdzv-endpoint", "h:1", "--rdzv-conf", "last_call=5"],
             ["unknown setting 'last_call'", "last_call_timeout"],

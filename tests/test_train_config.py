@@ -285,3 +285,11 @@ def test_paths_in_a_config_file_expand_the_home_folder():
     assert cfg.out_dir == str(Path.home() / "runs" / "a")
     assert cfg.offload_folder == str(Path.home() / "swap")
     assert TrainConfig(out_dir="runs/~a").out_dir == "runs/~a"  # only a leading ~
+
+
+def test_fp32_modules_at_fp32_are_refused():
+    """Taken without a word (everything computes in FP32): its help says bf16/fp16 only."""
+    with pytest.raises(ValueError, match="fp32_modules = 'LayerNorm' with precision = 'fp32'"):
+        TrainConfig(fp32_modules="LayerNorm", precision="fp32")
+    TrainConfig(fp32_modules="LayerNorm", precision="bf16")
+    TrainConfig(fp32_modules="LayerNorm", precision="auto")

@@ -226,6 +226,12 @@ class TrainConfig:
                 "anyway, and one micro-batch has nothing to accumulate; drop it, or pass "
                 "--grad-accum 2 or more at --stage 2 or 3"
             )
+        if self.fp32_modules and self.precision == "fp32":
+            raise ValueError(  # (taken without a word: everything computes in FP32 anyway)
+                f"fp32_modules = {self.fp32_modules!r} with precision = 'fp32': it keeps those "
+                "modules in FP32 under bf16 or fp16; pass --precision bf16 (or auto), or drop "
+                "--fp32-modules"
+            )
         self._check_offload()
         self._check_activations()
         if self.optimizer_step == "in_backward":

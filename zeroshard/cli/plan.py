@@ -251,6 +251,26 @@ MEASURE_FLAGS = {"measure", "measure_presets", "measure_ranks", "measure_batch",
 would ignore the rest."""
 
 
+ADVISE_FLAGS = {"devices", "global_batch", "top", "nvme_bandwidth"}
+"""What only ``--advise`` reads (its cluster and workload)."""
+
+
+def _check_advise_flags(args) -> None:
+    """A plan without ``--advise`` would ignore the advisor's flags (``--devices 64`` planned
+    for Nd = 1 without a word: 132 GB per device instead of 2.12)."""
+    given = [
+        flag
+        for dest, (flag, default) in args._flags.items()
+        if dest in ADVISE_FLAGS and getattr(args, dest, default) != default
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --advise, and a plan "
+            "without it would ignore them; add --advise, or drop them (--dp and --mp set the "
+            "ranks of a plan)"
+        )
+
+
 def _check_measure_flags(args) -> None:
     ignored = [
         flag
@@ -274,6 +294,7 @@ def _gpt_presets() -> list[str]:
 
 def plan(args) -> dict:
     """Everything ``zeroshard plan`` prints, as the JSON-ready dict (``planner.report``)."""
+    _check_advise_flags(args)
     fit_to_model(args)
     model = describe_model(args)
     check_counts(args)

@@ -107,7 +107,7 @@ def stages(text: str | None, step_in_backward: bool = False) -> tuple[int, ...]:
             f"--step-in-backward needs partitioned gradients (stage 2 or 3), but --stage has "
             f"{','.join(map(str, low))}; pass --stage 2,3 or drop --step-in-backward"
         )
-    return stages
+    return tuple(dict.fromkeys(stages))  # (--stage 1,1 planned, and printed, a row twice)
 
 
 def opt(parse, args, dest: str):

@@ -58,7 +58,14 @@ def describe_model(args) -> planner.ModelDescription:
         )
     if args.hf:
         return planner.from_hf_config(args.hf, wrap=wrap)
-    return planner.from_module(_import_factory(args.module), wrap=wrap)
+    model = planner.from_module(_import_factory(args.module), wrap=wrap)
+    if model.num_trainable_params == 0:  # (planned with exit 0; zeroshard train refuses it)
+        raise ValueError(
+            f"--module {args.module}: no parameter is trainable (every one has "
+            "requires_grad=False, or it has none): there is nothing to train; leave some "
+            "parameters trainable"
+        )
+    return model
 
 
 def _import_factory(spec: str):

@@ -342,6 +342,11 @@ def _launch_plan(args: argparse.Namespace, cfg: TrainConfig, nproc: int, port: i
             f"--nnodes {max_nodes}"
         )
     endpoint = args.rdzv_endpoint
+    if endpoint is not None and max_nodes == 1:
+        raise UsageError(  # (taken without a word: one node runs its own rendezvous)
+            f"--rdzv-endpoint {endpoint}: only a multi-node job meets there; pass --nnodes N "
+            "(or MIN:MAX) with it, or drop --rdzv-endpoint"
+        )
     if max_nodes > 1 and not endpoint:
         raise UsageError(
             f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT: one node's address and a "
