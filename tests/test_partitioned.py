@@ -205,9 +205,9 @@ def _span_inputs_alive() -> list[bool]:
     checkpointing = zeroshard.engine_of(model).checkpointing
     enter = checkpointing.enter
 
-    def spy(module, args, kwargs, *rest):
+    def spy(module, args, kwargs, *rest, **more):
         inputs.append(weakref.ref(args[0]))
-        enter(module, args, kwargs, *rest)
+        enter(module, args, kwargs, *rest, **more)
 
     checkpointing.enter = spy
     x = torch.randint(0, CFG.vocab_size, (PER_RANK, SEQ))

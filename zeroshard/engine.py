@@ -257,7 +257,9 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
             unit.pending_uses += 1  # an unhooked use stays counted until the end of backward
             ckpt = self.checkpointing is not None and entry and unit in self._checkpointed
             if ckpt and not recompute:
-                self.checkpointing.enter(unit.module, raw_args, raw_kwargs, ran_before(unit))
+                self.checkpointing.enter(
+                    unit.module, raw_args, raw_kwargs, ran_before(unit), given=(args, kwargs)
+                )
             if call is not None and not recompute:
                 call[1:3] = [(args, kwargs), {id(t): t for t in tensors_reached((args, kwargs))}]
         return args, kwargs

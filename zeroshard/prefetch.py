@@ -39,12 +39,18 @@ class Prefetching:
         and gradients give back afterwards stay for the next step's gathers."""
         if not self.partition.parameters or self.summoned:
             return
-        needed: Counter[tuple[torch.device, int]] = Counter()
-        for u in self._upcoming(backward_order):
-            if u.is_sharded and not u.is_gathered:
-                needed.update(f.buffer_key for f in u.flat_params if f.partition.parameters)
         for pool in self.buffer_pools():
-            pool.trim(needed)
+            idle = pool.idle()
+            if not idle:  # (mostly: then no walk over the units left, once per unit)
+                continue
+            upcoming: Counter[tuple[torch.device, int]] = Counter()
+            for u in self._upcoming(backward_order):
+                if u.is_sharded and not u.is_gathered:
+                    keys = (f.buffer_key for f in u.flat_params if f.partition.parameters)
+                    upcoming.update(k for k in keys if k in idle)
+                    if all(upcoming[k] >= n for k, n in idle.items()):
+                        break  # every idle buffer has a gather to come
+            pool.trim(upcoming)
 
     def _upcoming(self, order: list[Unit], *, root: bool = False) -> Iterator[Unit]:
         """The units of ``order`` a gather may be needed for next: not the root (it stays

@@ -266,8 +266,8 @@ def _check_advise_flags(args) -> None:
     if given:
         raise ValueError(
             f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --advise, and a plan "
-            "without it would ignore them; add --advise, or drop them (--dp and --mp set the "
-            "ranks of a plan)"
+            f"without it would ignore {'it' if len(given) == 1 else 'them'}; add --advise, or "
+            "drop them (--dp and --mp set the ranks of a plan)"
         )
 
 
@@ -404,7 +404,7 @@ def measure(args) -> tuple[list[dict], str]:
     for name in presets:
         if name not in known:
             raise ValueError(f"unknown --measure-presets {name!r}; choose from {', '.join(known)}")
-        limit = PRESETS[name].block_size  # (checked here: each rank of the grid failed)
+        limit = PRESETS[name].block_size  # (before launch: else every rank of the grid fails)
         if args.seq is not None and args.seq > limit:
             raise ValueError(
                 f"--seq {args.seq} exceeds the {limit} positions of preset {name!r}; pass "

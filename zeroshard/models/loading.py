@@ -198,10 +198,11 @@ def _build_hf(path: str, vocab_size: int) -> nn.Module:
 
     try:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except MemoryError:
-        raise
-    except Exception as exc:  # (a field its config takes and its model cannot: an AssertionError,
-        said = " ".join(line.strip() for line in str(exc).splitlines())  # a KeyError...)
+    except (AssertionError, KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
+        # (a field its config takes and its model cannot build with; not memory running out)
+        said = " ".join(line.strip() for line in str(exc).splitlines())
+        if isinstance(exc, RuntimeError) and "alloc" in said:
+            raise
         if isinstance(exc, ValueError) and "Unrecognized configuration class" in said:
             raise ValueError(
                 f"hf = {path!r}: model_type {config.model_type!r} is not a causal (decoder-only) "
@@ -253,7 +254,7 @@ def _attends_both_ways(config: Any) -> bool:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
         source = inspect.getsource(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__init__)
-    except (ImportError, KeyError, OSError, TypeError):
+    except (ImportError, KeyError, OSError, TypeError, RuntimeError):  # (its import failed)
         return config.model_type in _ENCODERS
     return "is_decoder" in source and "is_decoder = True" not in source
 

@@ -326,10 +326,15 @@ def layout_problem(model: ModelDescription, config: MemoryConfig) -> str | None:
 
 
 def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
+    def unreduced(num_micro: int) -> bool:
+        """Where the engine takes ``accumulate_unreduced`` (zeroshard train refuses it
+        elsewhere): partitioned gradients, two or more micro-batches."""
+        asked = workload.memory.accumulate_unreduced
+        return asked and partition(stage).gradients and num_micro > 1
+
     def candidate(memory=None, num_micro=0, times=None, problem=None) -> Candidate:
-        unreduced = workload.memory.accumulate_unreduced and partition(stage).gradients
         return Candidate(
-            accumulate_unreduced=unreduced and num_micro > 1,
+            accumulate_unreduced=unreduced(num_micro),
             device_bytes=None if memory is None else _device_need(memory, cluster),
             stage=stage,
             offload=offload,
@@ -373,11 +378,7 @@ def _try(model, cluster, workload, stage, offload, ci, mb, num_dp) -> Candidate:
         seq_len=workload.seq_len,
         num_layers_per_checkpoint=ci,
         grad_accum=num_micro,
-        # Where the engine takes it (zeroshard train refuses it elsewhere): partitioned
-        # gradients, two or more micro-batches.
-        accumulate_unreduced=(
-            workload.memory.accumulate_unreduced and partition(stage).gradients and num_micro > 1
-        ),
+        accumulate_unreduced=unreduced(num_micro),
     )
     memory = plan_memory(model, as_engine_buckets(model, config))
     need, have = _device_need(memory, cluster), cluster.device_memory_bytes

@@ -702,7 +702,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         borrowed with as many free as gathers are still to come, or as the next step keeps."""
         back = Counter(unit_bytes[k : k + window])
         if borrows:
-            back.update(unit_bytes[max(0, k - min(k, num_inflight)) : k])
+            back.update(unit_bytes[max(0, k - num_inflight) : k])
         upcoming = Counter(unit_bytes[k + window :])
         per = {b: max(back[b] + upcoming[b], min(n, window)) for b, n in sizes.items()}
         return gathered(0, 0) + sum(b * n for b, n in per.items())

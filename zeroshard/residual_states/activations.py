@@ -38,6 +38,35 @@ from zeroshard.residual_states.partitioned import CheckpointKeeper, check_versio
 from zeroshard.trees import tensors_in
 
 
+def _checkpointing_layer(module: nn.Module) -> bool:
+    """transformers' ``GradientCheckpointingLayer`` with its checkpointing on, training: its
+    forward checkpoints itself (known before its first forward, unlike ``_own``)."""
+    return (
+        module.training
+        and getattr(module, "gradient_checkpointing", False) is True
+        and any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+    )
+
+
+def _from_reentrant_checkpoint(out: torch.Tensor | None) -> bool:
+    """Whether ``out`` is the output of ``torch.utils.checkpoint(..., use_reentrant=True)``."""
+    grad_fn = out.grad_fn if out is not None else None
+    return type(grad_fn).__name__ == "CheckpointFunctionBackward"
+
+
+def _storage(t: torch.Tensor) -> tuple:
+    """What tells a tensor saved for backward apart from others: its memory and layout (an
+    input seen through a hook's alias is the input)."""
+    try:
+        return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+    except RuntimeError:  # (no storage to point at: sparse, nested)
+        return (id(t),)
+
+
+def _storages(tree: Any) -> set[tuple]:
+    return {_storage(t) for t in tensors_in(tree)}
+
+
 def _first_tensor(tree: Any) -> torch.Tensor | None:
     tensors = tensors_in(tree)
     return tensors[0] if tensors else None
@@ -89,6 +118,8 @@ class _Span:
     """``last_output._version`` when the unit returned it: written in place since, it is not
     what the unit returned, and the chain breaks (a recomputation would skip the write)."""
     hooks: Any = None  # the saved-tensor hooks while a unit of the span computes
+    saved: list[bool] = field(default_factory=list)
+    """For each tensor the computing unit saved: whether it is one of that unit's inputs."""
 
 
 class SpanCheckpointing:
@@ -101,13 +132,25 @@ class SpanCheckpointing:
         self.keeper = keeper
         """Keeps each span's inputs: whole, partitioned (Pa) or offloaded, and counts them."""
         self._span: _Span | None = None
+        self._own: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        """Units whose forward saved nothing but their inputs in a span (``note_output``): their
+        forward checkpoints itself (a reentrant ``torch.utils.checkpoint`` inside it, as
+        transformers' ``GradientCheckpointingLayer`` runs one), so that a span's recomputation
+        would replay it only for its inputs, before its own replays it again."""
+        self._watched: tuple[nn.Module, Any, list[bool]] | None = None
+        """Such a unit computing outside any span, and what it saved (``_watch``)."""
         self._warned_keyword = False
         self.num_spans = 0
         """Spans opened since construction (for tests and the planner's ``nl / ci``)."""
 
     # ----------------------------------------------------------------- forward
     def enter(
-        self, module: nn.Module, args: tuple, kwargs: dict, ran_before: tuple[int, ...] = ()
+        self,
+        module: nn.Module,
+        args: tuple,
+        kwargs: dict,
+        ran_before: tuple[int, ...] = (),
+        given: Any = None,
     ) -> None:
         """Before a unit's forward (grad enabled, not a recomputation): join or open a span and
         start dropping what autograd saves. ``args`` and ``kwargs`` are what the module's
@@ -116,12 +159,18 @@ class SpanCheckpointing:
         ``torch.utils.checkpoint`` of the model's own, or a unit of an open span calling it) is
         left to it: that checkpoint drops and recomputes what the unit saves, and hooks of ours
         stacked on its own would take those tensors from its count (its recomputation would
-        then find them out of order)."""
+        then find them out of order). So is a unit whose forward checkpoints itself
+        (``_own``); ``given`` is what its forward gets (cast, hooked), beside ``args``."""
         outer = self._checkpoint_running()
         span = self._span
         if outer == "theirs" and (span is None or span.hooks is None):
             self.close()  # code not ours ran between units: the chain breaks here
         if outer:  # (inside a span's unit, torch's hooks on top of ours: left as they are)
+            return
+        inputs = _storages((args, kwargs, given))
+        if module in self._own or _checkpointing_layer(module):
+            self.close()
+            self._watch(module, inputs)
             return
         first = args[0] if args else None
         keyword = first is None and any(map(torch.is_tensor, kwargs.values()))
@@ -152,11 +201,52 @@ class SpanCheckpointing:
         assert span is not None
         span.calls.append(call)
         span.hooks = ckpt._checkpoint_hook(span.frame)
+        saved: list[bool] = []
+        span.saved, pack = saved, span.hooks.pack_hook
+
+        def pack_hook(x: torch.Tensor) -> Any:  # (not closing over the span: it would outlive
+            saved.append(_storage(x) in inputs)  # its close, and keep its last output alive)
+            return pack(x)
+
+        span.hooks.pack_hook = pack_hook
         span.hooks.__enter__()
+
+    def _watch(self, module: nn.Module, inputs: set) -> None:
+        """Save ``module``'s tensors as autograd does (its version checked at unpack), noting
+        whether any is not one of its ``inputs``: its forward no longer checkpoints itself
+        (``gradient_checkpointing_disable()``), and its next forward joins a span again."""
+        saved: list[bool] = []
+
+        def pack(x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+            saved.append(_storage(x) in inputs)
+            return x, version_of(x)
+
+        def unpack(packed: tuple[torch.Tensor, int | None]) -> torch.Tensor:
+            x, version = packed
+            now = version_of(x)
+            if version is not None and now is not None and now != version:
+                raise RuntimeError(  # (autograd's own check, which hooks leave to them)
+                    "one of the variables needed for gradient computation has been modified "
+                    f"by an inplace operation: a tensor {type(module).__name__} saved "
+                    f"({x.dtype}, shape {tuple(x.shape)}) is at version {now}; expected "
+                    f"version {version} instead"
+                )
+            return x
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        hooks.__enter__()
+        self._watched = (module, hooks, saved)
 
     def exit(self, module: nn.Module | None = None) -> None:
         """After a unit's forward (also when it raised): stop dropping saved tensors, if
         ``module`` is the unit that started (None: whichever did)."""
+        watched = self._watched
+        if watched is not None and module in (None, watched[0]):
+            self._watched = None
+            watched[1].__exit__(None, None, None)
+            if not all(watched[2]):
+                self._own.discard(watched[0])
+            return
         span = self._span
         if module is not None and not self._started(module):
             return
@@ -170,9 +260,16 @@ class SpanCheckpointing:
         """The unit's output as the model receives it: the next unit continues the chain if its
         first input is this tensor (only for a unit that joined the span, not one left to an
         outer checkpoint)."""
-        if self._span is not None and self._started(module):
-            out = self._span.last_output = _first_tensor(output)
-            self._span.last_version = out._version if out is not None else 0
+        span = self._span
+        if span is not None and self._started(module):
+            out = span.last_output = _first_tensor(output)
+            span.last_version = out._version if out is not None else 0
+            # Left to itself from its next forward: a unit whose forward checkpoints itself.
+            # In a span of several, only one that returns a re-entrant checkpoint's output (a
+            # unit saving its input alone, x * x, is cheap to replay, and saves memory there).
+            mine = span.saved and all(span.saved)
+            if mine and (self.every == 1 or _from_reentrant_checkpoint(out)):
+                self._own.add(module)
 
     def _checkpoint_running(self) -> str | None:
         """Whose checkpoint's saved-tensor hooks are on top now: "ours" (a unit of the open

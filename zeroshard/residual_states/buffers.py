@@ -22,6 +22,10 @@ moment pins its memory for one window at most. ``made`` counts the buffers ever 
 ``keep=0`` keeps nothing: each lend allocates and each take-back frees (memory only while
 gathered, an allocation per gather).
 
+In backward, after each unit's prefetch, the free buffers that no gather left in that backward
+will take are freed (``trim``), as far as those lent and borrowed then come back to make up the
+next window's count: one kept idle through the last units' backward sat in its peak.
+
 The pool never holds more bytes, lent and free together, than were lent at once in the last
 window or in this one (the most the step had in use at once): free buffers of other sizes are
 freed, oldest first, to make room, and one given back beyond it is freed. Units of one size
@@ -54,6 +58,7 @@ class BufferPool:
         self.made_bytes = 0
         self._lent_now: dict[tuple[torch.device, int], int] = defaultdict(int)
         self._borrowed: dict[tuple[torch.device, int], int] = defaultdict(int)
+        """Buffers of a size ``borrow``ed now (a gradient in a gather buffer)."""
         self._peak: dict[tuple[torch.device, int], int] = defaultdict(int)
         """Most buffers of a size lent at once since the last ``settle``."""
         self._kept: dict[tuple[torch.device, int], int] = {}
@@ -124,8 +129,9 @@ class BufferPool:
             return None
         self._lent_bytes += nbytes
         self._peak_bytes = max(self._peak_bytes, self._lent_bytes)
-        self._borrowed[key] += 1
-        return self._unfree(key)
+        buffer = self._unfree(key)
+        self._borrowed[(buffer.device, nbytes)] += 1  # (as ``give_back`` keys it)
+        return buffer
 
     def give_back(self, buffer: torch.Tensor) -> None:
         """Return a buffer from ``borrow``."""
@@ -165,9 +171,18 @@ class BufferPool:
         kept idle meanwhile sits in whatever peak comes first (the last unit's backward at
         stage 3: a block buffer, 27 MiB of the ``100m`` preset's peak)."""
         for key, free in self._free.items():
-            back = self._lent_now[key] + self._borrowed[key]
-            while len(free) > max(upcoming.get(key, 0), self._keeps(key) - back):
+            while len(free) > max(upcoming.get(key, 0), self._next_needs(key)):
                 self._drop(key, free[0])
+
+    def idle(self) -> dict[tuple[torch.device, int], int]:
+        """The free buffers per (device, bytes) where more are free than the next window needs
+        beside those lent and borrowed now: what ``trim`` may free (the lends to come aside)."""
+        return {k: len(f) for k, f in self._free.items() if len(f) > self._next_needs(k)}
+
+    def _next_needs(self, key: tuple[torch.device, int]) -> int:
+        """Free buffers of ``key``'s size the next window needs beyond those lent and borrowed
+        now, which come back by then."""
+        return self._keeps(key) - self._lent_now[key] - self._borrowed[key]
 
     def _keeps(self, key: tuple[torch.device, int]) -> int:
         """Free buffers of ``key``'s size to keep: none with ``keep=0`` (no pooling), else as
