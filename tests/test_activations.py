@@ -317,9 +317,10 @@ def test_a_unit_checkpointing_itself_is_left_to_its_checkpoint(workers2, stage, 
         assert r["diff"] < 1e-6, r
 
 
-def _hf_checkpointing_layers(reentrant: bool) -> list[int]:
+def _hf_checkpointing_layers(reentrant: bool, offload: bool = False) -> list:
     """Runs of each Llama layer's MLP per step, with transformers' gradient checkpointing and
-    checkpoint_every=1, from the first step."""
+    checkpoint_every=1, from the first step (and, with ``offload``, the keeper's peak bytes on
+    the device and the CPU)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -338,16 +339,23 @@ def _hf_checkpointing_layers(reentrant: bool) -> list[int]:
         stage=3,
         wrap=zeroshard.wrap.by_class(LlamaDecoderLayer),
         config=ShardConfig(checkpoint_every=1),
+        offload=zeroshard.Offload(activations="cpu") if offload else None,
     )
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
-    return runs
+    if not offload:
+        return runs
+    peak = zeroshard.engine_of(model).checkpointing.keeper.bytes.peak
+    return [runs, peak["device"], peak["cpu"]]
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_transformers_checkpointing_layers_are_left_to_theirs(workers2, reentrant):
     pytest.importorskip("transformers")
     assert workers2.run(_hf_checkpointing_layers, reentrant) == [[2, 2], [2, 2]]
+    # Their inputs still go where the activations are placed (they stayed on the device)
+    for runs, device, cpu in workers2.run(_hf_checkpointing_layers, reentrant, True):
+        assert runs == [2, 2] and device == 0 and cpu > 0, (runs, device, cpu)
 
 
 def _t5_in_eval_mode(every: int) -> float:

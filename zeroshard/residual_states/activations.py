@@ -212,28 +212,19 @@ class SpanCheckpointing:
         span.hooks.__enter__()
 
     def _watch(self, module: nn.Module, inputs: set) -> None:
-        """Save ``module``'s tensors as autograd does (its version checked at unpack), noting
-        whether any is not one of its ``inputs``: its forward no longer checkpoints itself
+        """Save ``module``'s tensors through the keeper (its inputs, as a span's: offloaded or
+        1/Nm per rank as configured, whole ones version-checked at unpack), noting whether any
+        is not one of its ``inputs``: its forward no longer checkpoints itself
         (``gradient_checkpointing_disable()``), and its next forward joins a span again."""
         saved: list[bool] = []
+        keeper = self.keeper.hooks()
+        pack = keeper.pack_hook
 
-        def pack(x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        def pack_hook(x: torch.Tensor) -> Any:
             saved.append(_storage(x) in inputs)
-            return x, version_of(x)
+            return pack(x)
 
-        def unpack(packed: tuple[torch.Tensor, int | None]) -> torch.Tensor:
-            x, version = packed
-            now = version_of(x)
-            if version is not None and now is not None and now != version:
-                raise RuntimeError(  # (autograd's own check, which hooks leave to them)
-                    "one of the variables needed for gradient computation has been modified "
-                    f"by an inplace operation: a tensor {type(module).__name__} saved "
-                    f"({x.dtype}, shape {tuple(x.shape)}) is at version {now}; expected "
-                    f"version {version} instead"
-                )
-            return x
-
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack_hook, keeper.unpack_hook)
         hooks.__enter__()
         self._watched = (module, hooks, saved)
 
