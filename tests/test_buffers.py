@@ -213,8 +213,8 @@ class _Reusing(torch.nn.Module):
 
 
 def _idle_in_each_backward(num_blocks: int) -> dict:
-    """Free bytes the pool holds as each block's backward runs (third step), and buffers made
-    per step."""
+    """Free bytes the pool holds as each block's backward runs (the last of 4 steps), and
+    buffers made per step."""
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=num_blocks, n_embd=64, n_head=4, block_size=16, vocab_size=128)
     model = zeroshard.shard(GPT(cfg), stage=3, wrap=zeroshard.wrap.by_class(Block))
