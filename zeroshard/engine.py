@@ -108,6 +108,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         # Every FlatParam and bucket once, in unit order (units may share them at stages 0-2).
         self.flat_params = list(dict.fromkeys(f for u in unit_list for f in u.flat_params))
         self.buckets = list(dict.fromkeys(b for u in unit_list for b in u.buckets))
+        self._pools = list({id(f.buffers): f.buffers for f in self.flat_params}.values())
         # The parameters shard() flattened (ids): one added later trains apart per rank (said
         # once, ``model_checks.added_parameters``; None once said).
         self._known_params: set[int] | None = {
@@ -395,8 +396,8 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
     def buffer_pools(self) -> list[BufferPool]:
         """The constant buffers stage 3's gathered units borrow (one pool per model; below
         stage 3 a pool that keeps nothing), free ones included: memory trackers are given
-        their ``tensors()``."""
-        return list({id(f.buffers): f.buffers for f in self.flat_params}.values())
+        their ``tensors()``. (Read at every unit's backward: made once, with the units.)"""
+        return list(self._pools)
 
     def _begin_alone(self, unit: Unit) -> None:
         """A unit entered with no root forward running (a submodule called on its own: T5's

@@ -255,14 +255,20 @@ ADVISE_FLAGS = {"devices", "global_batch", "top", "nvme_bandwidth"}
 """What only ``--advise`` reads (its cluster and workload)."""
 
 
+def _given(args, dests, *, among: bool) -> list[str]:
+    """The flags given (not at their defaults) whose destination is in ``dests`` (``among``)
+    or is not (``not among``)."""
+    return [
+        flag
+        for dest, (flag, default) in args._flags.items()
+        if (dest in dests) == among and getattr(args, dest, default) != default
+    ]
+
+
 def _check_advise_flags(args) -> None:
     """A plan without ``--advise`` would ignore the advisor's flags (``--devices 64`` planned
     for Nd = 1 without a word: 132 GB per device instead of 2.12)."""
-    given = [
-        flag
-        for dest, (flag, default) in args._flags.items()
-        if dest in ADVISE_FLAGS and getattr(args, dest, default) != default
-    ]
+    given = _given(args, ADVISE_FLAGS, among=True)
     if given:
         raise ValueError(
             f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --advise, and a plan "
@@ -272,11 +278,7 @@ def _check_advise_flags(args) -> None:
 
 
 def _check_measure_flags(args) -> None:
-    ignored = [
-        flag
-        for dest, (flag, default) in args._flags.items()
-        if dest not in MEASURE_FLAGS and getattr(args, dest, default) != default
-    ]
+    ignored = _given(args, MEASURE_FLAGS, among=False)
     if ignored:
         raise ValueError(
             f"--measure runs its own grid (--measure-presets, --measure-ranks, --measure-batch, "

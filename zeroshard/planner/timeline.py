@@ -690,11 +690,10 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     room = max(m["gathered_units"] + m.get(_LENT, 0) for _, m in out)
     # Buffers of one size stand in for each other only: units of many sizes (T5's five) leave
     # one free per size, up to ``room`` (an idle encoder-block buffer through T5's forward).
-    sizes = Counter(gathered(k, 1, with_root=False) for k in range(num_units))
-    per_size = gathered(0, 0) + sum(b * min(n, 1 + c.num_units_prefetch) for b, n in sizes.items())
-    kept = min(room, max(held, per_size))
     unit_bytes = [gathered(k, 1, with_root=False) for k in range(num_units)]
-    window = 1 + c.num_units_prefetch
+    sizes, window = Counter(unit_bytes), 1 + c.num_units_prefetch
+    per_size = gathered(0, 0) + sum(b * min(n, window) for b, n in sizes.items())
+    kept = min(room, max(held, per_size))
 
     def trimmed(k: int) -> int:
         """The most the pool holds from unit ``k``'s backward on (``BufferPool.trim`` after its

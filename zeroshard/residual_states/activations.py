@@ -67,6 +67,30 @@ def _storages(tree: Any) -> set[tuple]:
     return {_storage(t) for t in tensors_in(tree)}
 
 
+class _Saves:
+    """What a unit saved for backward while it computed: whether anything, and whether its
+    ``inputs`` (``_storages``) alone. Held by a pack hook, it holds no tensor (a hook closing
+    over the span kept its last output alive: saved tensors hold their pack hook)."""
+
+    def __init__(self, inputs: set[tuple]) -> None:
+        self.inputs, self.any, self.only_inputs = inputs, False, True
+
+    def recording(self, pack: Any) -> Any:
+        """``pack`` (a saved-tensor pack hook) noting each tensor it packs."""
+
+        def pack_hook(x: torch.Tensor) -> Any:
+            self.any = True
+            if self.only_inputs and _storage(x) not in self.inputs:
+                self.only_inputs = False  # (no more looks: it is decided)
+            return pack(x)
+
+        return pack_hook
+
+    @property
+    def inputs_alone(self) -> bool:
+        return self.any and self.only_inputs
+
+
 def _first_tensor(tree: Any) -> torch.Tensor | None:
     tensors = tensors_in(tree)
     return tensors[0] if tensors else None
@@ -118,8 +142,8 @@ class _Span:
     """``last_output._version`` when the unit returned it: written in place since, it is not
     what the unit returned, and the chain breaks (a recomputation would skip the write)."""
     hooks: Any = None  # the saved-tensor hooks while a unit of the span computes
-    saved: list[bool] = field(default_factory=list)
-    """For each tensor the computing unit saved: whether it is one of that unit's inputs."""
+    saved: _Saves | None = None
+    """What the computing unit saved."""
 
 
 class SpanCheckpointing:
@@ -137,7 +161,7 @@ class SpanCheckpointing:
         forward checkpoints itself (a reentrant ``torch.utils.checkpoint`` inside it, as
         transformers' ``GradientCheckpointingLayer`` runs one), so that a span's recomputation
         would replay it only for its inputs, before its own replays it again."""
-        self._watched: tuple[nn.Module, Any, list[bool]] | None = None
+        self._watched: tuple[nn.Module, Any, _Saves] | None = None
         """Such a unit computing outside any span, and what it saved (``_watch``)."""
         self._warned_keyword = False
         self.num_spans = 0
@@ -201,14 +225,8 @@ class SpanCheckpointing:
         assert span is not None
         span.calls.append(call)
         span.hooks = ckpt._checkpoint_hook(span.frame)
-        saved: list[bool] = []
-        span.saved, pack = saved, span.hooks.pack_hook
-
-        def pack_hook(x: torch.Tensor) -> Any:  # (not closing over the span: it would outlive
-            saved.append(_storage(x) in inputs)  # its close, and keep its last output alive)
-            return pack(x)
-
-        span.hooks.pack_hook = pack_hook
+        span.saved = _Saves(inputs)
+        span.hooks.pack_hook = span.saved.recording(span.hooks.pack_hook)
         span.hooks.__enter__()
 
     def _watch(self, module: nn.Module, inputs: set) -> None:
@@ -216,17 +234,12 @@ class SpanCheckpointing:
         1/Nm per rank as configured, whole ones version-checked at unpack), noting whether any
         is not one of its ``inputs``: its forward no longer checkpoints itself
         (``gradient_checkpointing_disable()``), and its next forward joins a span again."""
-        saved: list[bool] = []
-        keeper = self.keeper.hooks()
-        pack = keeper.pack_hook
-
-        def pack_hook(x: torch.Tensor) -> Any:
-            saved.append(_storage(x) in inputs)
-            return pack(x)
-
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack_hook, keeper.unpack_hook)
+        saves, keeper = _Saves(inputs), self.keeper.hooks()
+        hooks = torch.autograd.graph.saved_tensors_hooks(
+            saves.recording(keeper.pack_hook), keeper.unpack_hook
+        )
         hooks.__enter__()
-        self._watched = (module, hooks, saved)
+        self._watched = (module, hooks, saves)
 
     def exit(self, module: nn.Module | None = None) -> None:
         """After a unit's forward (also when it raised): stop dropping saved tensors, if
@@ -235,7 +248,7 @@ class SpanCheckpointing:
         if watched is not None and module in (None, watched[0]):
             self._watched = None
             watched[1].__exit__(None, None, None)
-            if not all(watched[2]):
+            if not watched[2].only_inputs:
                 self._own.discard(watched[0])
             return
         span = self._span
@@ -258,7 +271,7 @@ class SpanCheckpointing:
             # Left to itself from its next forward: a unit whose forward checkpoints itself.
             # In a span of several, only one that returns a re-entrant checkpoint's output (a
             # unit saving its input alone, x * x, is cheap to replay, and saves memory there).
-            mine = span.saved and all(span.saved)
+            mine = span.saved is not None and span.saved.inputs_alone
             if mine and (self.every == 1 or _from_reentrant_checkpoint(out)):
                 self._own.add(module)
 
