@@ -3,6 +3,8 @@ conversion of the whole model and through loads that assign."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -150,3 +152,60 @@ def test_a_buffer_the_module_assigns_in_another_dtype_is_its_choice(lone_process
         opt.step()
         opt.zero_grad()
     assert model.cache.dtype == torch.float64
+
+
+class _Ema(nn.Module):
+    """Keeps an FP32 running mean of its inputs by assignment (a VQ-VAE codebook's EMA), its
+    buffer saved with the model (so ``buffer_dtype`` casts it at shard time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        if self.training:
+            self.ema = 0.9 * self.ema.float() + 0.1 * x.detach().float().mean(0)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_buffer_the_module_assigns_in_its_declared_dtype_is_its_choice(lone_process, stage):
+    # Under bf16 (buffer_dtype BF16) an FP32 EMA the forward assigns was taken for a state
+    # dict's entry, cast back at the step, which raised "buffers were converted" every time.
+    torch.manual_seed(0)
+    model = zeroshard.shard(_Ema(), stage=stage, mixed_precision="bf16")
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ema = torch.zeros(4)  # the same statistic, kept by hand
+    for step in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        opt.backward(model(x).float().sum())
+        opt.step()
+        opt.zero_grad()
+        ema = 0.9 * ema + 0.1 * x.bfloat16().float().mean(0)  # (the root's inputs are cast)
+    assert model.ema.dtype == torch.float32
+    torch.testing.assert_close(model.ema, ema, rtol=0, atol=1e-6)
+    assert model.state_dict()["ema"].dtype == torch.float32
+
+
+class _SharedNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm_a = nn.BatchNorm1d(4)
+        self.norm_b = self.norm_a  # one module under two names
+
+    def forward(self, x):
+        return self.norm_b(self.norm_a(self.fc(x)))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_module_under_two_names_gives_its_buffers_in_their_dtype_under_both(lone_process, stage):
+    # State dicts gave the BF16-cast statistics back in FP32 under the first name only.
+    torch.manual_seed(0)
+    plain = _SharedNorm()
+    model = zeroshard.shard(copy.deepcopy(plain), stage=stage, mixed_precision="bf16")
+    want = {k: v.dtype for k, v in plain.state_dict().items()}
+    assert {k: v.dtype for k, v in model.state_dict().items()} == want
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    assert {k: v.dtype for k, v in full.items()} == want

@@ -1090,3 +1090,41 @@ def test_a_float64_dtype_beside_fp32_ones(workers2, stage, model_dtype, policy):
     # float64 one: the first backward failed ("linalg.vector_norm: the dtype of the input
     # (Double) should be convertible without narrowing").
     assert max(workers2.run(_float64_mixed, stage, model_dtype, policy)) < 1e-5
+
+
+class _Head(nn.Linear):
+    pass
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 4), _Head(4, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x).float())
+
+
+def test_a_unit_asking_for_tf32_turns_it_on(tf32_device, lone_process):
+    # TF32 changes FP32 matmuls only: a head kept in TF32 under a BF16 model holds it (it was
+    # left off without a word)
+    model = zeroshard.shard(
+        _TwoLinears(),
+        wrap=zeroshard.wrap.by_class(nn.Linear),
+        mixed_precision="bf16",
+        unit_precision={_Head: "tf32"},
+    )
+    assert _tf32_state() == _tf32_on()
+    del model
+    gc.collect()
+    assert _tf32_state() == tf32_device
+
+
+def test_a_unit_asking_for_tf32_beside_fp32_ones_is_refused(tf32_device, lone_process):
+    # one switch for the process: the FP32 body would run its matmuls in TF32 too
+    with pytest.raises(ValueError, match=r"unit_precision\[_Head\] asks for TF32.*"
+                       r"mixed_precision computes in FP32 without it"):  # fmt: skip
+        zeroshard.shard(
+            _TwoLinears(), wrap=zeroshard.wrap.by_class(nn.Linear), unit_precision={_Head: "tf32"}
+        )
+    assert _tf32_state() == tf32_device

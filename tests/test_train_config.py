@@ -291,5 +291,8 @@ def test_fp32_modules_at_fp32_are_refused():
     """Taken without a word (everything computes in FP32): its help says bf16/fp16 only."""
     with pytest.raises(ValueError, match="fp32_modules = 'LayerNorm' with precision = 'fp32'"):
         TrainConfig(fp32_modules="LayerNorm", precision="fp32")
+    # TF32 is one switch for the process: those modules would run in TF32 too
+    with pytest.raises(ValueError, match="precision = 'tf32'.*one switch for the whole process"):
+        TrainConfig(fp32_modules="LayerNorm", precision="tf32")
     TrainConfig(fp32_modules="LayerNorm", precision="bf16")
     TrainConfig(fp32_modules="LayerNorm", precision="auto")

@@ -7,6 +7,7 @@ cast buffers in their declared dtype (``zeroshard.state_dict_hooks``)."""
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -123,9 +124,10 @@ _WATCHING: list[bool] = []
 def _watch_assignments() -> None:
     """Tell a buffer the module assigns (``self.cache = t.to(x.dtype)``, ``register_buffer``
     again: torch's global registration hook) from one a conversion replaced (``Module._apply``
-    writes ``_buffers`` directly): an assigned dtype is the module's choice, kept from then on;
-    one in the dtype the model declared, where ``buffer_dtype`` cast it, is a state dict's entry
-    (``load_state_dict(..., assign=True)``), cast back."""
+    writes ``_buffers`` directly): an assigned dtype is the module's choice, kept from then on
+    (an FP32 statistic a module keeps itself under a BF16 ``buffer_dtype``: FSDP2 keeps it
+    too); one in the dtype the model declared, where ``buffer_dtype`` cast it, assigned by a
+    load (``load_state_dict(..., assign=True)``), is the state dict's entry, cast back."""
     if _WATCHING:
         return
     from torch.nn.modules import module as torch_module
@@ -135,8 +137,20 @@ def _watch_assignments() -> None:
         if records is None or name not in records or not isinstance(tensor, torch.Tensor):
             return
         declared = module.__dict__.get(BUFFER_DTYPES, {}).get(name)
-        if tensor.is_floating_point() and tensor.dtype != declared:
+        if tensor.is_floating_point() and (tensor.dtype != declared or not _loading()):
             records[name] = tensor.dtype
 
     torch_module.register_module_buffer_registration_hook(assigned)
     _WATCHING.append(True)
+
+
+_LOAD_CODE = nn.Module._load_from_state_dict.__code__
+
+
+def _loading() -> bool:
+    """Whether torch's ``_load_from_state_dict`` is running in this thread (a load that
+    assigns its entries)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _LOAD_CODE:
+        frame = frame.f_back
+    return frame is not None

@@ -375,6 +375,38 @@ def _own_dtype(module: nn.Module) -> torch.dtype | None:
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
+def tf32_policy(
+    default: MixedPrecision,
+    overrides: Mapping[type | str, MixedPrecision],
+    model: nn.Module | None = None,
+) -> MixedPrecision:
+    """The policy whose ``allow_tf32`` the model holds (``hold_tf32``): ``default``, or a
+    ``unit_precision`` one that asks for TF32. TF32 is one switch for the whole process, and
+    it changes FP32 matmuls only: a unit asking for it under a BF16 model turns it on for the
+    FP32 units, which is refused where another policy computes in FP32 without it."""
+    asked = [("mixed_precision", default)] + [
+        (f"unit_precision[{getattr(key, '__name__', key)}]", policy)
+        for key, policy in overrides.items()
+    ]
+    on = [(name, policy) for name, policy in asked if policy.allow_tf32]
+    if not on:
+        return default
+    own = default.param_dtype or _dtype_outside(model, overrides) or _F32
+    off = [
+        name
+        for name, policy in asked
+        if not policy.allow_tf32
+        and (policy.param_dtype or (own if policy is default else _F32)) == _F32
+    ]
+    if off:
+        raise ValueError(
+            f"{on[0][0]} asks for TF32, a switch torch holds for the whole process, while "
+            f"{off[0]} computes in FP32 without it: its matmuls would run in TF32 too. Give "
+            "every FP32 part the same: 'tf32' for all of them (mixed_precision='tf32'), or none"
+        )
+    return on[0][1]
+
+
 def _dtype_outside(model: nn.Module | None, overrides: Mapping[type | str, Any]) -> Any:
     """The dtype of ``model``'s first floating-point parameter outside the modules that
     ``overrides`` match (None if none): what the rest of the model computes in."""

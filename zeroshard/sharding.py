@@ -48,6 +48,7 @@ from zeroshard.precision import (
     hold_tf32,
     outputs_to_parents,
     policy_of,
+    tf32_policy,
     unit_overrides,
     unit_policy,
 )
@@ -229,6 +230,7 @@ def shard(
         offload.log_host_tiers(part, mesh.device, log)
     mixed_precision = policy_of(mixed_precision, mesh.device)
     overrides = unit_overrides(unit_precision, mesh.device, mixed_precision, model)
+    tf32 = tf32_policy(mixed_precision, overrides, model)
     wrap = with_classes(wrap, tuple(overrides), "unit_precision")
     specs = units(model, wrap)
     policies = [unit_policy(s.module, mixed_precision, overrides) for s in specs]
@@ -370,7 +372,7 @@ def shard(
         generation.mark(model)
     # Last, once nothing can fail: TF32 stays on while this model lives (process-global torch
     # state, restored by the last release; see hold_tf32).
-    release_tf32 = hold_tf32(mixed_precision, mesh.device)
+    release_tf32 = hold_tf32(tf32, mesh.device)
     if release_tf32 is not None:
         weakref.finalize(model, release_tf32)
     settle_collective_threads_at_exit()

@@ -562,7 +562,7 @@ def _buffers_in_their_dtype(module: nn.Module, state_dict: dict, prefix: str) ->
     unsharded, or trained at another precision, as it was built; loading casts them back."""
     BUFFER_DTYPES = module_buffers.BUFFER_DTYPES
 
-    for name, sub in module.named_modules():
+    for name, sub in module.named_modules(remove_duplicate=False):  # under each of its names
         for buf_name, dtype in getattr(sub, BUFFER_DTYPES, {}).items():
             key = key_of(f"{prefix}{name}.{buf_name}" if name else prefix + buf_name)
             value = state_dict.get(key)

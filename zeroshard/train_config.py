@@ -226,11 +226,14 @@ class TrainConfig:
                 "anyway, and one micro-batch has nothing to accumulate; drop it, or pass "
                 "--grad-accum 2 or more at --stage 2 or 3"
             )
-        if self.fp32_modules and self.precision == "fp32":
-            raise ValueError(  # (taken without a word: everything computes in FP32 anyway)
-                f"fp32_modules = {self.fp32_modules!r} with precision = 'fp32': it keeps those "
-                "modules in FP32 under bf16 or fp16; pass --precision bf16 (or auto), or drop "
-                "--fp32-modules"
+        if self.fp32_modules and self.precision in ("fp32", "tf32"):
+            # fp32: taken without a word (everything computes in FP32 anyway); tf32: one switch
+            # for the process, those modules' matmuls would run in TF32 too
+            raise ValueError(
+                f"fp32_modules = {self.fp32_modules!r} with precision = {self.precision!r}: it "
+                "keeps those modules in FP32 under bf16 or fp16"
+                + (", and TF32 is one switch for the whole process" * (self.precision == "tf32"))
+                + "; pass --precision bf16 (or auto), or drop --fp32-modules"
             )
         self._check_offload()
         self._check_activations()
