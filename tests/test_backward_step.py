@@ -755,3 +755,38 @@ def test_gradients_another_optimizer_brings_after_the_step_are_refused(workers2,
     # the auxiliary loss's step alone, 0.2 from one step on the sum, without a word.
     for said in workers2.run(_another_optimizer_s_backward_after_the_step, stage):
         assert "received gradients again after its update" in said, said
+
+
+def _plain_backward_through_a_stepped_discriminator(stage: int) -> str:
+    """A GAN's loop with plain ``loss.backward()``: the generator's loss reaches the
+    discriminator, whose optimizer stepped in the backward before and has no zero_grad since."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    wrap = zeroshard.wrap.by_class(nn.Linear)
+    gen = zeroshard.shard(gen, stage=stage, wrap=wrap)
+    disc = zeroshard.shard(disc, stage=stage, wrap=wrap)
+    opt_g = zeroshard.optimizer(gen, torch.optim.SGD, lr=0.1)
+    opt_d = zeroshard.optimizer(disc, torch.optim.SGD, lr=0.1, step_in_backward=True)
+    z = torch.randn(2, 4)
+    opt_d.zero_grad()
+    disc(gen(z).detach()).mean().backward()
+    opt_d.step()
+    opt_g.zero_grad()
+    try:
+        (-disc(gen(z)).mean()).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_plain_backward_of_another_loss_after_the_step_names_the_optimizer_s_backward(
+    workers2, stage
+):
+    # The error said only "call zero_grad() after each step()": done, the generator's plain
+    # backward stepped the discriminator on the generator's loss without a word.
+    for said in workers2.run(_plain_backward_through_a_stepped_discriminator, stage):
+        assert "after optimizer.step() without zero_grad()" in said, said
+        assert "run it through that one instead, opt_g.backward(loss)" in said, said

@@ -27,7 +27,8 @@ What changes for the caller (each refused with a clear error where it would be w
   backward that reaches none of a unit's (``torch.autograd.grad`` of the inputs) is no update.
 - Only the optimizer whose ``backward()`` runs (or any, for a plain ``loss.backward()``) steps
   in it: another's gradients accumulate, as torch's ``.grad`` do, until its ``step()`` or
-  ``zero_grad()`` (a GAN's generator loss reaches the discriminator's parameters too).
+  ``zero_grad()`` (a GAN's generator loss reaches the discriminator's parameters too: run it
+  through the generator's optimizer, or a plain backward steps the discriminator on it).
 
 Both rest on one small all-reduce (MAX) per bucket of [inf/NaN seen so far, a flag per
 parameter reached], started with the bucket's reduce-scatter and waited for when it finishes,
@@ -142,12 +143,20 @@ class BackwardStep:
             return
         consumed = self.consumed.get(id(bucket)) == bucket.zeroings  # (its shard is gone)
         if consumed and engine.backward_by in (None, optimizer):
+            plain = engine.backward_by is None
             raise RuntimeError(
                 f"step_in_backward: a backward after optimizer.step() without zero_grad() "
                 f"(unit {bucket.flat.name!r}): torch would add these gradients to the last "
                 "step's, which step_in_backward applied during that backward and freed. Call "
                 "optimizer.zero_grad() after each step(), or drop step_in_backward to "
                 "accumulate gradients across steps"
+                + (
+                    ". If this loss is another optimizer's (a GAN's generator loss through the "
+                    "discriminator), run it through that one instead, opt_g.backward(loss): a "
+                    "plain loss.backward() steps every step_in_backward optimizer whose "
+                    "parameters it reaches, so a zero_grad() here would step this one on it"
+                )
+                * plain
             )
         if id(bucket) in self.stepped:  # (also through another optimizer's backward: its
             raise RuntimeError(  # gradients would be kept for a step that has happened)
