@@ -1418,3 +1418,21 @@ def _inner_calls_are_plain(kind: str) -> dict:
 def test_a_call_inside_a_hook_is_a_plain_one(workers2, kind):
     for r in workers2.run(_inner_calls_are_plain, kind):
         assert r == {"dtensor": True, "finite": True, "outer": True}, r
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_load_that_assigns_an_integer_tensor_to_a_trained_parameter_is_refused(
+    lone_process, stage
+):
+    # torch refuses it (an int64 tensor cannot require grad); it was cast into the master.
+    torch.manual_seed(0)
+    plain = nn.Linear(3, 2)
+    entries = {"weight": torch.ones(2, 3, dtype=torch.int64), "bias": torch.zeros(2)}
+    with pytest.raises(RuntimeError, match="Only Tensors of floating point"):
+        copy.deepcopy(plain).load_state_dict(entries, assign=True)
+    model = zeroshard.shard(copy.deepcopy(plain), stage=stage)
+    with pytest.raises(RuntimeError, match='"weight": a torch.int64 tensor cannot be a param'):
+        model.load_state_dict(entries, assign=True)
+    model.load_state_dict(entries)  # copied, cast, as torch does
+    with zeroshard.summon_full_params(model, writeback=False):
+        assert torch.equal(model.weight, torch.ones(2, 3))

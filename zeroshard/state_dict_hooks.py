@@ -408,6 +408,13 @@ class _Hooks:
                 )
             elif value.shape != shape:  # a DTensor's shape is global
                 error_msgs.append(_size_mismatch(key, value.shape, shape, self.engine.mesh.tp_size))
+            elif load.assign and p.requires_grad and not _can_require_grad(value):
+                error_msgs.append(  # (torch's assign makes it the parameter, and fails)
+                    f'While assigning the parameter named "{key}": a {value.dtype} tensor cannot '
+                    "be a parameter that requires grad (only floating point and complex ones "
+                    "can); give it in the parameter's dtype, or load with assign=False (which "
+                    "copies, casting)"
+                )
             elif is_dtensor(value) or not _same_memory(value, p):
                 with diagnosed("all_gather", COLLECTIVE, None):  # a DTensor's full_tensor()
                     _write_slot(flat, index, full_value(value))
@@ -479,6 +486,10 @@ def _skipped(*args: Any) -> None:
 
 def _saves_itself(module: nn.Module) -> bool:
     return type(module)._save_to_state_dict is not nn.Module._save_to_state_dict
+
+
+def _can_require_grad(value: torch.Tensor) -> bool:
+    return value.is_floating_point() or value.is_complex()
 
 
 def _same_memory(value: torch.Tensor, p: torch.Tensor) -> bool:
