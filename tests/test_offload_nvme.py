@@ -129,6 +129,37 @@ def test_an_unusable_folder_fails_at_construction(tmp_path):
             TensorStore(config(where))
 
 
+def test_a_dangling_link_as_the_folder_is_named_as_such(tmp_path):
+    # "it, or a folder above it, is a file": mkdir's FileExistsError for a link to nowhere
+    link = tmp_path / "swap"
+    link.symlink_to(tmp_path / "not-made-yet" / "swap")
+    for where in (link, link / "rank0"):
+        with pytest.raises(OffloadSetupError, match=r"swap is a symbolic link to .*not-made-yet"):
+            TensorStore(config(where))
+
+
+def test_a_crashed_run_s_files_on_a_read_only_disk_are_a_setup_error(tmp_path, monkeypatch):
+    # The LOCK of a crashed run's folder opened for writing on a disk remounted read-only
+    # (ext4's errors=remount-ro): a bare OSError on every rank.
+    from zeroshard.offload import folder as folder_mod
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    (swap / folder_mod.LOCK_NAME).write_text("1")
+    (swap / "w-0123456789ab.swp").write_bytes(b"x")
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if flags & (os.O_RDWR | os.O_WRONLY):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", read_only)
+    said = r"swap folder .*swap is not usable \(holds a crashed run's swap files, not discarded: "
+    with pytest.raises(OffloadSetupError, match=said + r"Read-only file system\); pass folder="):
+        folder_mod.clear_crashed(swap)
+
+
 @pytest.mark.parametrize("call", ["pwritev", "pwrite"])
 def test_a_full_disk_at_construction_names_the_folder_and_its_free_bytes(
     tmp_path, monkeypatch, call

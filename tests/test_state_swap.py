@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -752,3 +753,36 @@ def _interrupted_step(stage: int, folder: str) -> dict:
 def test_a_step_interrupted_partway_with_states_on_nvme_goes_on(workers2, tmp_path, stage):
     for r in workers2.run(_interrupted_step, stage, str(tmp_path / "swap")):
         assert r["middle"] > 0 and r["losses_equal"] and r["param_diff"] == 0, r
+
+
+def _files_after_collection(stage: int, folder: str, params: bool) -> list[str]:
+    """This rank's swap files right after ``del model, opt; gc.collect()``, the reads ahead of
+    the next step (issued as the last step ended) slowed down so that they are in flight."""
+    from zeroshard.offload.nvme import NvmeBackend
+
+    where = dict(optimizer="nvme", gradients="nvme" if stage >= 2 else None, folder=folder)
+    model, opt = _make(stage, Offload(**where, parameters="nvme" if params else None))
+    _train(model, opt, range(1))
+    pread = NvmeBackend._pread
+
+    def slow(self, *args):
+        time.sleep(0.05)
+        return pread(self, *args)
+
+    with mock.patch.object(NvmeBackend, "_pread", slow):
+        _train(model, opt, range(1, 2))
+        del model, opt
+        gc.collect()
+        rank = torch.distributed.get_rank()
+        return sorted(str(p) for p in Path(folder).glob(f"rank{rank:05d}*/*"))
+
+
+@pytest.mark.parametrize("stage,params", [(1, False), (2, False), (3, True)])
+def test_swap_files_are_gone_once_the_model_and_optimizer_are_collected(
+    workers2, tmp_path, stage, params
+):
+    # The reads ahead of the next step kept the store alive until they finished, on an I/O
+    # thread, which then deleted the files: a test listing them right after gc saw them
+    # (the flaky CI failure of test_offloaded_training_equals_no_offload_bit_for_bit).
+    for left in workers2.run(_files_after_collection, stage, str(tmp_path), params):
+        assert left == [], left

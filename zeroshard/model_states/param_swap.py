@@ -86,7 +86,7 @@ class ParamSwapper(StopsOnFailure):
     def __init__(self, offload: Offload, mesh: Mesh, num_prefetch: int, need_bytes: int) -> None:
         """``need_bytes``: this rank's swap files of every master (``sharding._master_bytes``),
         checked against the folder's free space (a collective) before the first is written."""
-        self.store = open_store(offload.param_store_config(mesh.global_rank), mesh)
+        self.store = open_store(offload.param_store_config(mesh.global_rank), mesh, self)
         try:
             check_space(self.store, need_bytes, mesh)
         except BaseException:

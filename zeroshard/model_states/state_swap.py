@@ -212,7 +212,7 @@ class StateSwapper(StopsOnFailure):
             for p in pieces
         )
         need_bytes = state_bytes + grad_bytes
-        self.store = open_store(config, mesh)  # an unusable folder fails here, naming it
+        self.store = open_store(config, mesh, self)  # an unusable folder fails here, naming it
         try:
             check_space(self.store, need_bytes, mesh)
         except BaseException:

@@ -108,13 +108,16 @@ def unusable_because(error: OSError) -> str:
     standing where the folder (or a folder above it) should be, which it words as "File
     exists" or "Not a directory"."""
     if isinstance(error, (FileExistsError, NotADirectoryError)):
+        link = Path(error.filename) if error.filename else None
+        if link is not None and link.is_symlink() and not link.exists():
+            return f"{link} is a symbolic link to {os.readlink(link)}, which does not exist"
         return "it, or a folder above it, is a file"
     return error.strerror or str(error)
 
 
-def not_usable(folder: Path, error: OSError) -> OffloadSetupError:
-    """The error for a swap folder that could not be made or written: the folder, why, and the
-    fix (with the bytes free there when the disk is full)."""
+def not_usable(folder: Path, error: OSError, what: str = "") -> OffloadSetupError:
+    """The error for a swap folder that could not be made or written: the folder, why (after
+    ``what``), and the fix (with the bytes free there when the disk is full)."""
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
             free = f"{free_bytes(folder)} bytes are free there"
@@ -124,7 +127,7 @@ def not_usable(folder: Path, error: OSError) -> OffloadSetupError:
     else:
         fix = "pass folder= a writable directory on the disk that should hold the swap files"
     return OffloadSetupError(
-        f"swap folder {folder} is not usable ({unusable_because(error)}); {fix}"
+        f"swap folder {folder} is not usable ({what}{unusable_because(error)}); {fix}"
     )
 
 
@@ -329,7 +332,12 @@ def clear_crashed(folder: Path) -> None:
     never from them."""
     collect_if_held_here(folder)
     if holds_swap_files(folder) or (folder / LOCK_NAME).exists():  # (its lock alone: emptied)
-        discard_folder(folder)  # refused while a live store holds it
+        try:
+            discard_folder(folder)  # refused while a live store holds it
+        except OffloadError:
+            raise
+        except OSError as e:  # (a folder gone read-only since that run: a bare OSError)
+            raise not_usable(folder, e, "holds a crashed run's swap files, not discarded: ") from e
         logger.warning("discarded the swap files a crashed run left in %s", folder)
 
 

@@ -135,6 +135,9 @@ def _close_at_exit(backend: Any, executors: list[ThreadPoolExecutor | None], pid
         logger.warning("cleaning up an unclosed offload store failed: %s", exc)
 
 
+IO_THREAD_PREFIX = "zeroshard-io"
+"""The names of a store's I/O threads begin so."""
+
 _outside_inference = torch.inference_mode(False)
 """Store operations run outside inference mode: the views and buffers they make in the caller's
 thread are written by the I/O workers, outside it, which torch refuses for a view or tensor made
@@ -414,7 +417,7 @@ class TensorStore:
         with self._lock:
             if self._executors[0] is None:
                 self._executors[0] = ThreadPoolExecutor(
-                    self.config.num_io_threads, thread_name_prefix="zeroshard-io"
+                    self.config.num_io_threads, thread_name_prefix=IO_THREAD_PREFIX
                 )
             return self._executors[0]
 
