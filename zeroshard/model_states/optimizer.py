@@ -169,6 +169,8 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
                 "are read back at the step; drop step_in_backward or use parameters=None"
             )
         self._backward_step: BackwardStep | None = None
+        self._stepped_now = 0  # sub-groups the running step has updated
+        self._partway = False  # the last step raised after updating some sub-groups, not all
         if step_in_backward:
             check_step_in_backward(self)
         self._buckets = bucket_owners.claim(self, step_in_backward)  # the same on every rank
@@ -340,11 +342,44 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
             if self._buckets
             else torch.zeros(1, dtype=torch.float32, device=engine.mesh.device)
         )
+        partway = torch.tensor([float(self._partway)], device=engine.mesh.device)
         flags = agree(
-            found_inf, engine.slots_touched(), engine.mesh, engine.ledger, async_op=False
+            found_inf,
+            torch.cat([partway, engine.slots_touched()]),
+            engine.mesh,
+            engine.ledger,
+            async_op=False,
         ).wait()
-        seen, touched = agreed(flags, engine.forget_order)  # a host sync: decided on the host
+        seen, (partway_anywhere, *touched) = agreed(flags, engine.forget_order)  # (a host sync)
+        self._partway = False
+        if partway_anywhere and self._replicated():
+            self._refuse_replicas_apart()
         return self.loss_scaler.checks and seen, {i for i, used in enumerate(touched) if not used}
+
+    def _replicated(self) -> bool:
+        """Whether several ranks each hold the same masters and optimizer states (stage 0, or
+        the replica groups of hybrid sharding): a step some of them applied only partway
+        leaves them apart."""
+        mesh = self.engine.mesh
+        return mesh.hybrid is not None or (
+            not self.engine.partition.optimizer_states and mesh.world_size > 1
+        )
+
+    def _refuse_replicas_apart(self) -> None:
+        """On every rank alike: the last step raised partway on some rank (after updating some
+        of its sub-groups), so replicas of the masters and optimizer states differ; nothing more
+        is trained or saved on them until a whole state is loaded (``Engine.check_trusted``)."""
+        engine = self.engine
+        engine.untrusted = (
+            "the last optimizer.step() raised partway on some rank (an out-of-memory, a Ctrl-C) "
+            "after updating part of its shard: at stage 0, or in hybrid sharding's replica "
+            "groups, each rank keeps its own copy of the masters and optimizer states, and the "
+            "copies now differ (they would train apart without a word). Nothing was stepped; "
+            "load a checkpoint (zeroshard.checkpoint.load, or model.load_state_dict and each "
+            "optimizer's load_state_dict) to train on"
+        )
+        engine.to_reload |= {id(engine.model), *(id(o) for o in engine.optimizers)}
+        raise RuntimeError(engine.untrusted)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One optimizer step on this rank's shard, sub-group by sub-group; the engine then
@@ -445,6 +480,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
             self.engine.end_step()
             taken = False
         else:
+            self._stepped_now = 0
             try:
                 if self._swap is None:
                     streamed_step.step_in_memory(self, unused)
@@ -455,17 +491,30 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
                 # stepped keep their update, as a torch optimizer's parameters do, and every
                 # rank's replicas follow them (at stages 1-2 a rank's own slice is its master:
                 # the ranks' parameters differed, and the next step moved them to the masters).
-                if not collective_failed(exc):
-                    self._changed()
+                # Where masters are replicated the next step's agreement refuses the run.
+                if collective_failed(exc):
+                    self.engine.forget_refreshes()
+                    raise
+                self._partway = 0 < self._stepped_now < len(self._subgroups)
+                self._finish_step()
                 raise
-            self._changed()
-            self.engine.end_step()
+            self._finish_step()
             taken = True
         self.steps_taken += taken
         said = self.loss_scaler.skip_warning()  # once the step is complete (warnings may raise)
         if said:
             warnings.warn(said, stacklevel=user_stacklevel())
         return taken
+
+    def _finish_step(self) -> None:
+        """Refresh the parameters the step changed and close the ledger's step, also when the
+        refresh is interrupted: a rank whose step raised closes it as the others do, or its
+        digest of the units' order differed from theirs at the next step (a false
+        ``OrderMismatch`` on every rank)."""
+        try:
+            self._changed()
+        finally:
+            self.engine.end_step()
 
     def _changed(self) -> None:
         """A step changed this optimizer's parameters: refresh them; the units whose trainable
@@ -533,6 +582,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
                 else:
                     piece.tensor.grad = g[piece.span]
         step_inner(sg.optimizer)
+        self._stepped_now += 1
         sg.bucket.flat.masters_ahead = True  # until the engine's refresh
         for pieces in sg.pieces:
             for piece in pieces:
