@@ -679,6 +679,14 @@ def test_sequences_and_heads_are_checked_against_the_model(capsys, tmp_path):
     }))  # fmt: skip
     assert main.main(["plan", "--hf", str(config), "--mp", "4"]) == 2
     assert "2 key/value heads" in capsys.readouterr().err
+    # Whisper's decoder positions (it was planned at 1024 tokens, and train failed in the ranks)
+    config.write_text(json.dumps({
+        "model_type": "whisper", "vocab_size": 256, "d_model": 64, "encoder_layers": 1,
+        "decoder_layers": 1, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "max_target_positions": 64,
+    }))  # fmt: skip
+    assert main.main(["plan", "--hf", str(config), "--seq", "128"]) == 2
+    assert "--seq 128 exceeds the 64 positions" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])

@@ -1010,7 +1010,15 @@ def test_hf_config(capsys, tmp_path, data_dir, monkeypatch):
     [
         ({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
           "num_key_value_heads": 3, "intermediate_size": 64, "num_hidden_layers": 1},
-         "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+         "num_attention_heads = 4 is not a multiple of num_key_value_heads = 3"),
+        # Falcon's new decoder architecture groups by num_kv_heads (it failed in each rank)
+        ({"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 3,
+          "new_decoder_architecture": True, "num_hidden_layers": 1},
+         "num_attention_heads = 4 is not a multiple of num_kv_heads = 3"),
+        # (said as a wrap class that matches nothing)
+        ({"model_type": "bart", "d_model": 32, "encoder_layers": 1, "decoder_layers": 0,
+          "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 64,
+          "decoder_ffn_dim": 64}, "decoder_layers = 0; it counts something"),
         ({"model_type": "llama", "hidden_size": 30, "num_attention_heads": 4,
           "intermediate_size": 64, "num_hidden_layers": 1},
          "hidden size (30) is not a multiple of the number of attention heads (4)"),
@@ -1023,7 +1031,7 @@ def test_hf_config(capsys, tmp_path, data_dir, monkeypatch):
          "its architectures name GPT2ForSequenceClassification, but --hf trains the causal "
          "language model GPT2LMHeadModel"),
     ],
-    ids=["kv-heads", "width", "encoder-decoder", "classifier"],
+    ids=["kv-heads", "falcon-kv-heads", "no-layers", "width", "encoder-decoder", "classifier"],
 )  # fmt: skip
 def test_hf_configs_it_cannot_train_are_one_line(capsys, tmp_path, data_dir, config, said):
     """Configs transformers builds but that fail in the first forward, or that are not causal

@@ -240,7 +240,7 @@ def test_hf_configs_transformers_refuses_or_that_see_ahead(capsys, tmp_path, con
 @pytest.mark.parametrize(
     ("field", "value", "needle"),
     [("pad_token_id", 999, "AssertionError: Padding_idx"), ("hidden_act", "bogus", "KeyError"),
-     ("intermediate_size", -4, "negative dimension")],
+     ("head_dim", -4, "negative dimension")],  # (intermediate_size: the size check)
 )  # fmt: skip
 def test_hf_configs_transformers_cannot_build_are_one_line(tmp_path, field, value, needle):
     """Fields transformers' config takes and its model cannot build with: a traceback from each

@@ -35,7 +35,23 @@ from torch import nn
 from zeroshard.models.gpt import GPT, preset
 
 # Config keys under which Hugging Face configs give the longest sequence (tokens).
-_HF_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_seq_len")
+_HF_CONTEXT_KEYS = (
+    "max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_seq_len",
+    "max_target_positions",  # (Whisper's decoder, which a causal LM trains)
+)  # fmt: skip
+
+
+def kv_heads(config: Any) -> tuple[str, int] | None:
+    """The config's key/value head count for grouped-query attention, as (field, value):
+    ``num_key_value_heads``, or Falcon's ``num_kv_heads`` where its new decoder architecture
+    uses it; None when the config has none."""
+    value = config.get("num_key_value_heads")
+    if isinstance(value, int):
+        return "num_key_value_heads", value
+    value = config.get("num_kv_heads")
+    if isinstance(value, int) and config.get("new_decoder_architecture"):
+        return "num_kv_heads", value
+    return None
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,7 +208,9 @@ def _build_hf(path: str, vocab_size: int) -> nn.Module:
             f"hf = {path!r}: vocab_size {config['vocab_size']} is smaller than the data's "
             f"{vocab_size}; raise vocab_size in the config or pass a matching --tokenizer"
         )
-    _check_heads(path, config)
+    from zeroshard.planner.hf import check_sizes  # (the planner builds on this module)
+
+    check_sizes(config, f"hf = {path!r}")  # (before transformers: its model fails later)
     config = hf_config(path)  # (first: it says when transformers is missing)
     from transformers import AutoModelForCausalLM
 
@@ -225,18 +243,6 @@ def _build_hf(path: str, vocab_size: int) -> nn.Module:
             "train a model of your own with --model pkg.mod:factory"
         )
     return model
-
-
-def _check_heads(path: str, config: dict) -> None:
-    """Key/value heads that do not divide the attention heads: transformers builds such a model
-    and fails in its first forward, deep in a rank; said here, before any work."""
-    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
-    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads >= 1 and heads % kv_heads:
-        raise ValueError(
-            f"hf = {path!r}: num_attention_heads {heads} is not a multiple of "
-            f"num_key_value_heads {kv_heads} (each key/value head serves a whole group of query "
-            "heads); use a divisor of num_attention_heads"
-        )
 
 
 _ENCODERS = ("bert", "roberta", "xlm-roberta", "electra", "camembert", "ernie", "rembert")

@@ -12,6 +12,8 @@ import json
 import os
 from collections.abc import Mapping
 
+from zeroshard.models.loading import kv_heads
+
 # Model heads tried in order when the config names no ``architectures``: a causal LM is what
 # ``zeroshard train --hf`` trains; encoder-decoders (T5) and encoders (BERT) have their own.
 AUTO_CLASSES = (
@@ -34,7 +36,7 @@ def load_config(path: str) -> dict:
             raise ValueError(f"{file} is not a JSON config: {exc}") from None
         if not isinstance(found, dict):
             raise ValueError(f"{file} holds a JSON {type(found).__name__}, not a config object")
-        _check_sizes(found, file)
+        check_sizes(found, file)
         return found
     try:
         from transformers import AutoConfig
@@ -56,26 +58,29 @@ SIZE_KEYS = (
     "n_layer", "num_hidden_layers", "num_layers", "vocab_size", "n_embd", "hidden_size",
     "d_model", "n_head", "num_attention_heads", "num_heads", "n_positions",
     "max_position_embeddings", "intermediate_size", "d_ff", "n_inner", "num_key_value_heads",
+    "num_kv_heads", "encoder_layers", "decoder_layers", "ffn_dim", "encoder_ffn_dim",
+    "decoder_ffn_dim", "num_local_experts", "max_target_positions",
 )  # fmt: skip
 """Config fields that count something (layers, tokens, features, heads): positive when set."""
 
 
-def _check_sizes(config: dict, file: str) -> None:
+def check_sizes(config: dict, file: str) -> None:
     """A size field of 0 or less, or given as text, is named with its value (it was planned as
     given, or failed later on a symptom: a wrap class matching nothing for 0 layers, "invalid
-    literal for int()" naming no field); so are grouped-query heads that do not group."""
+    literal for int()" naming no field); so are grouped-query heads that do not group.
+    ``file``: how the messages name the config (``zeroshard train`` checks it too)."""
     for key in SIZE_KEYS:
         value = config.get(key)
         if isinstance(value, str):
             raise ValueError(f"{file}: {key} = {value!r}; it counts something: write a number")
         if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
             raise ValueError(f"{file}: {key} = {value}; it counts something: set it to 1 or more")
-    heads, groups = config.get("num_attention_heads"), config.get("num_key_value_heads")
-    if isinstance(heads, int) and isinstance(groups, int) and heads % groups:
+    heads, (key, groups) = config.get("num_attention_heads"), kv_heads(config) or ("", 0)
+    if isinstance(heads, int) and groups >= 1 and heads % groups:
         raise ValueError(
-            f"{file}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = "
-            f"{groups}; grouped-query attention shares each key/value head among a whole number "
-            "of query heads: use a divisor of num_attention_heads"
+            f"{file}: num_attention_heads = {heads} is not a multiple of {key} = {groups}; "
+            "grouped-query attention shares each key/value head among a whole number of query "
+            "heads: use a divisor of num_attention_heads"
         )
 
 
