@@ -209,3 +209,35 @@ def test_a_module_under_two_names_gives_its_buffers_in_their_dtype_under_both(lo
     assert {k: v.dtype for k, v in model.state_dict().items()} == want
     full = zeroshard.full_state_dict(model, rank0_only=False)
     assert {k: v.dtype for k, v in full.items()} == want
+
+
+class _Resizing(nn.Module):
+    """Registers its buffer anew from the state dict's entry as it loads (to take another
+    shape), before torch's copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("stat", torch.ones(4))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "stat" in state_dict:
+            self.register_buffer("stat", state_dict[prefix + "stat"].clone())
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(self, x):
+        return self.fc(x) * self.stat
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_buffer_a_module_registers_anew_as_it_loads_keeps_the_compute_dtype(
+    lone_process, stage
+):
+    # The FP32 entry it registered was taken for the module's choice (the output went FP32),
+    # or, before, for a conversion ("buffers were converted" at the next forward).
+    model = zeroshard.shard(nn.Sequential(_Resizing()), stage=stage, mixed_precision="bf16")
+    state = model.state_dict()
+    assert state["0.stat"].dtype == torch.float32
+    model.load_state_dict(state)
+    assert model[0].stat.dtype == torch.bfloat16
+    assert model(torch.randn(2, 4)).dtype == torch.bfloat16

@@ -326,6 +326,48 @@ def test_a_forked_child_leaves_the_parent_s_files(tmp_path):
     store.close()
 
 
+def test_a_child_forked_while_a_read_is_in_flight_exits(tmp_path):
+    """``close_with``'s finalizer ran in a forked child's exit too and waited for the parent's
+    read in flight, which no thread of the child runs: the child never exited."""
+    code = textwrap.dedent(
+        f"""
+        import os, sys, time, torch
+        from zeroshard.offload import OffloadConfig, TensorStore, Tier
+        from zeroshard.offload.nvme import NvmeBackend
+        class Swapper:  # the owner a swapper is
+            pass
+        owner = Swapper()
+        store = TensorStore(OffloadConfig(tier=Tier.NVME, folder={str(tmp_path / "swap")!r}))
+        store.close_with(owner)
+        store.swap_out("a", torch.ones(10)).wait()
+        pread = NvmeBackend._pread
+        def slow(self, *args):
+            time.sleep(1.0)
+            return pread(self, *args)
+        NvmeBackend._pread = slow
+        handle = store.swap_in("a")  # in flight during the fork
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal exit: atexit and finalizers run in the child
+        for _ in range(100):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, 9)
+            print("the child hung")
+            sys.exit(1)
+        assert torch.equal(handle.wait(), torch.ones(10))
+        print("exited")
+        """
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, timeout=60, capture_output=True, text=True
+    )
+    assert done.stdout.strip() == "exited", (done.stdout, done.stderr[-2000:])
+
+
 def test_a_folder_under_the_home_folder(tmp_path, monkeypatch):
     """``~`` as Offload(folder=) and checkpoints take it (the swap files went to a literal "~"
     folder under the working directory)."""

@@ -441,7 +441,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         pending = [
             (f, early.pop(f) if f in early else f.refresh_full(async_op=True)) for f in changed
         ]
-        pending += early.items()  # (none: a step refreshes early only flats it changed)
+        pending += early.items()  # (none expected: issued, they must be waited for all the same)
         interrupted: BaseException | None = None
         while pending:
             f, handle = pending[0]

@@ -144,12 +144,13 @@ def _watch_assignments() -> None:
     _WATCHING.append(True)
 
 
-_LOAD_CODE = nn.Module._load_from_state_dict.__code__
+_LOAD_CODE = nn.Module.load_state_dict.__code__
 
 
 def _loading() -> bool:
-    """Whether torch's ``_load_from_state_dict`` is running in this thread (a load that
-    assigns its entries)."""
+    """Whether ``load_state_dict`` is running in this thread (its entries assigned by torch's
+    ``assign=True`` or by a module's own ``_load_from_state_dict``, which re-registers a
+    buffer to take another shape)."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code is not _LOAD_CODE:
         frame = frame.f_back

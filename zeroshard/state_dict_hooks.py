@@ -433,8 +433,9 @@ class _Hooks:
 
     def load_post_hook(self, module: nn.Module, load: _Load, incompatible_keys: Any) -> None:
         _put_back(load)
-        if load.assign:  # the entries' tensors, in the state dict's dtypes, replaced buffers
-            module_buffers.restore_dtypes(module)
+        # Entries assigned (assign=True, or a module's own _load_from_state_dict registering
+        # one anew) in the state dict's dtypes replaced buffers: back to the engine's.
+        module_buffers.restore_dtypes(module)
         if not incompatible_keys.missing_keys and module is self.engine.model:
             self.engine.loaded(module)  # the whole model: values known again
         loaded = {id(p) for p in module.parameters()}  # a graph made before is stale there

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +16,6 @@ import torch.distributed as dist
 from zeroshard.offload import OffloadError, OffloadSetupError, TensorStore
 from zeroshard.offload.folder import clear_crashed
 from zeroshard.offload.placement import discard_absent_ranks
-from zeroshard.offload.store import IO_THREAD_PREFIX
 
 if TYPE_CHECKING:
     from zeroshard.mesh import Mesh
@@ -101,19 +98,5 @@ def open_store(config: Any, mesh: Mesh, owner: object) -> TensorStore:
     if mesh.local_rank == 0:  # once per node, now that every rank of the job holds its folder
         world = dist.get_world_size() if dist.is_initialized() else 1
         discard_absent_ranks(Path(config.folder).parent, world)
-    weakref.finalize(owner, _close_unused, store)
+    store.close_with(owner)
     return store
-
-
-def _close_unused(store: TensorStore) -> None:
-    """Close the store of a swapper that was collected (``del model, opt``), waiting for its
-    reads ahead (the next step's states, read when a step ends): the store's own finalizer
-    waits until nothing refers to it, and those reads do until they finish, on an I/O thread
-    (the files outlived ``gc.collect()`` by up to 0.3 s). Not on one of its own I/O threads,
-    which the close would wait for: the store's finalizer does it then."""
-    if store.closed or threading.current_thread().name.startswith(IO_THREAD_PREFIX):
-        return
-    try:
-        store.close()
-    except Exception as exc:  # (a finalizer has nobody to raise to)
-        log.warning("could not delete the swap files of a collected store: %s", exc)

@@ -334,8 +334,6 @@ def clear_crashed(folder: Path) -> None:
     if holds_swap_files(folder) or (folder / LOCK_NAME).exists():  # (its lock alone: emptied)
         try:
             discard_folder(folder)  # refused while a live store holds it
-        except OffloadError:
-            raise
         except OSError as e:  # (a folder gone read-only since that run: a bare OSError)
             raise not_usable(folder, e, "holds a crashed run's swap files, not discarded: ") from e
         logger.warning("discarded the swap files a crashed run left in %s", folder)
