@@ -230,9 +230,7 @@ class _Resizing(nn.Module):
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_buffer_a_module_registers_anew_as_it_loads_keeps_the_compute_dtype(
-    lone_process, stage
-):
+def test_a_buffer_a_module_registers_anew_as_it_loads_keeps_the_compute_dtype(lone_process, stage):
     # The FP32 entry it registered was taken for the module's choice (the output went FP32),
     # or, before, for a conversion ("buffers were converted" at the next forward).
     model = zeroshard.shard(nn.Sequential(_Resizing()), stage=stage, mixed_precision="bf16")

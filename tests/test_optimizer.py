@@ -1176,10 +1176,11 @@ def test_the_refresh_of_a_unit_overlaps_the_step_of_the_next(workers2, stage, sp
     assert refreshes[0] == refreshes[1], refreshes
 
 
-def _a_step_raising_partway_on_rank_0(stage: int) -> dict:
-    """Three steps; the second raises on rank 0 only, after its first sub-group, and the loop
-    goes on (the error caught). Returns each step's result, whether a forward is refused after
-    it, and a digest of every rank's parameters."""
+def _a_step_raising_partway(stage: int, ranks: tuple[int, ...], at: int, reload: bool) -> dict:
+    """Three steps; the second raises on ``ranks`` at their sub-group ``at`` (0: before any),
+    and the loop goes on (the error caught; with ``reload``, the state from before it loaded
+    at once). Returns each step's result, whether a forward is refused after them, and whether
+    every rank holds the same parameters once a state from before is loaded."""
     from unittest import mock
 
     from zeroshard.model_states import optimizer
@@ -1190,7 +1191,7 @@ def _a_step_raising_partway_on_rank_0(stage: int) -> dict:
 
     def failing(self, sg, unused):
         calls.append(sg)
-        if dist.get_rank() == 0 and len(calls) == 2:
+        if dist.get_rank() in ranks and len(calls) == at + 1:
             raise RuntimeError("out of memory (simulated)")
         return step_subgroup(self, sg, unused)
 
@@ -1206,6 +1207,9 @@ def _a_step_raising_partway_on_rank_0(stage: int) -> dict:
                 said.append(opt.step())
         except RuntimeError as exc:
             said.append(str(exc))
+        if reload and step == 1:  # (every rank: a collective)
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
         opt.zero_grad()
     try:
         model(x[mine])
@@ -1227,17 +1231,33 @@ def _a_step_raising_partway_on_rank_0(stage: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_a_step_raising_partway_on_one_rank(workers2, stage):
+OOM = "out of memory (simulated)"
+APART = "the last optimizer.step() raised partway on some rank"
+
+
+@pytest.mark.parametrize(
+    "stage, ranks, at, reload, apart",
+    [
+        (1, (0,), 1, False, False),
+        (2, (0,), 1, False, False),
+        (0, (0,), 1, False, True),
+        (0, (0,), 0, False, True),  # before its first sub-group, the other rank stepped all
+        (0, (0, 1), 1, False, False),  # every copy stopped at the same one: they agree
+        (0, (0,), 1, True, False),  # a state loaded at once: the copies agree again
+    ],
+    ids=["stage1", "stage2", "stage0", "stage0-at-first", "stage0-both-alike", "stage0-reload"],
+)
+def test_a_step_raising_partway(workers2, stage, ranks, at, reload, apart):
     # Stages 1-2: the next step ran into a false OrderMismatch on every rank (the failing rank
     # never closed its ledger's step). Stage 0: each rank keeps its own masters, and the ranks
-    # trained apart without a word (7e-3 after three steps): refused until a state is loaded.
-    for rank, r in enumerate(workers2.run(_a_step_raising_partway_on_rank_0, stage)):
+    # trained apart without a word (7e-3 after three steps): refused until a state is loaded,
+    # where the copies differ only.
+    results = workers2.run(_a_step_raising_partway, stage, ranks, at, reload)
+    for rank, r in enumerate(results):
         first, second, third = r["said"]
         assert first is True and r["after_load"] is True and r["same"], r
-        assert second == ("out of memory (simulated)" if rank == 0 else True), r
-        if stage == 0:
-            assert third.startswith("the last optimizer.step() raised partway on some rank"), r
-            assert r["refused"] == third, r
+        assert second == (OOM if rank in ranks else True), r
+        if apart:
+            assert third.startswith(APART) and r["refused"] == third, r
         else:
             assert third is True and r["refused"] == "", r

@@ -1122,9 +1122,38 @@ def test_a_unit_asking_for_tf32_turns_it_on(tf32_device, lone_process):
 
 def test_a_unit_asking_for_tf32_beside_fp32_ones_is_refused(tf32_device, lone_process):
     # one switch for the process: the FP32 body would run its matmuls in TF32 too
-    with pytest.raises(ValueError, match=r"unit_precision\[_Head\] asks for TF32.*"
-                       r"mixed_precision computes in FP32 without it"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"unit head asks for TF32.*"
+                       r"unit body computes matmuls in FP32 without it"):  # fmt: skip
         zeroshard.shard(
             _TwoLinears(), wrap=zeroshard.wrap.by_class(nn.Linear), unit_precision={_Head: "tf32"}
         )
+    assert _tf32_state() == tf32_device
+
+
+class _NormedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.norm, self.head = nn.Linear(4, 4), nn.LayerNorm(4), _Head(4, 2)
+
+    def forward(self, x):
+        return self.head(self.norm(self.body(x)).float())
+
+
+@pytest.mark.parametrize("case", ["all-tf32", "bf16-model", "fp32-norm"])
+def test_tf32_units_beside_no_fp32_matmul_are_taken(tf32_device, lone_process, case):
+    # TF32 changes FP32 matmuls only: refused only beside a unit computing them in FP32
+    model, kw = _NormedHead(), {}
+    if case == "all-tf32":  # every parameter in a unit asking for it (nothing left at the root)
+        kw = dict(unit_precision={nn.Linear: "tf32", nn.LayerNorm: "tf32"})
+    elif case == "bf16-model":  # the body computes in its own BF16 (param_dtype None)
+        model = model.to(torch.bfloat16)
+        kw = dict(unit_precision={_Head: "tf32", nn.LayerNorm: zeroshard.MixedPrecision()})
+    else:  # a norm kept in FP32 under a BF16 model: no matmul
+        kw = dict(mixed_precision="bf16", unit_precision={_Head: "tf32", nn.LayerNorm: "fp32"})
+    wrap = zeroshard.wrap.by_class(nn.Linear, nn.LayerNorm)
+    model = zeroshard.shard(model, wrap=wrap, **kw)
+    assert _tf32_state() == _tf32_on()
+    model(torch.randn(2, 4, dtype=torch.bfloat16 if case == "bf16-model" else torch.float32))
+    del model
+    gc.collect()
     assert _tf32_state() == tf32_device

@@ -376,35 +376,31 @@ def _own_dtype(module: nn.Module) -> torch.dtype | None:
 
 
 def tf32_policy(
-    default: MixedPrecision,
-    overrides: Mapping[type | str, MixedPrecision],
-    model: nn.Module | None = None,
-) -> MixedPrecision:
-    """The policy whose ``allow_tf32`` the model holds (``hold_tf32``): ``default``, or a
-    ``unit_precision`` one that asks for TF32. TF32 is one switch for the whole process, and
-    it changes FP32 matmuls only: a unit asking for it under a BF16 model turns it on for the
-    FP32 units, which is refused where another policy computes in FP32 without it."""
-    asked = [("mixed_precision", default)] + [
-        (f"unit_precision[{getattr(key, '__name__', key)}]", policy)
-        for key, policy in overrides.items()
-    ]
-    on = [(name, policy) for name, policy in asked if policy.allow_tf32]
-    if not on:
-        return default
-    own = default.param_dtype or _dtype_outside(model, overrides) or _F32
-    off = [
-        name
-        for name, policy in asked
-        if not policy.allow_tf32
-        and (policy.param_dtype or (own if policy is default else _F32)) == _F32
-    ]
-    if off:
-        raise ValueError(
-            f"{on[0][0]} asks for TF32, a switch torch holds for the whole process, while "
-            f"{off[0]} computes in FP32 without it: its matmuls would run in TF32 too. Give "
-            "every FP32 part the same: 'tf32' for all of them (mixed_precision='tf32'), or none"
+    units: list[tuple[str, list[torch.Tensor]]], policies: list[MixedPrecision]
+) -> MixedPrecision | None:
+    """The policy whose ``allow_tf32`` the model holds (``hold_tf32``): the first unit's that
+    asks for TF32 (``units``: each unit's name and own parameters, beside its policy), None
+    when none does. TF32 is one switch for the whole process and changes FP32 matmuls only (a
+    head kept in TF32 under a BF16 model): refused where another unit computes matmuls in FP32
+    without it (parameters of two dimensions or more, FP32 in its policy), which would run in
+    TF32 too; norms and biases are not matmuls."""
+    asking = next((i for i, policy in enumerate(policies) if policy.allow_tf32), None)
+    if asking is None:
+        return None
+    for (name, params), policy in zip(units, policies):
+        fp32_matmuls = not policy.allow_tf32 and any(
+            p.dim() >= 2 and (policy.param_dtype or p.dtype) == _F32
+            for p in params
+            if p.is_floating_point()
         )
-    return on[0][1]
+        if fp32_matmuls:
+            raise ValueError(
+                f"unit {units[asking][0] or '<root>'} asks for TF32, a switch torch holds for the "
+                f"whole process, while unit {name or '<root>'} computes matmuls in FP32 without "
+                "it: they would run in TF32 too. Give every FP32 part the same: 'tf32' for all "
+                "of them (mixed_precision='tf32'), or none"
+            )
+    return policies[asking]
 
 
 def _dtype_outside(model: nn.Module | None, overrides: Mapping[type | str, Any]) -> Any:

@@ -230,7 +230,6 @@ def shard(
         offload.log_host_tiers(part, mesh.device, log)
     mixed_precision = policy_of(mixed_precision, mesh.device)
     overrides = unit_overrides(unit_precision, mesh.device, mixed_precision, model)
-    tf32 = tf32_policy(mixed_precision, overrides, model)
     wrap = with_classes(wrap, tuple(overrides), "unit_precision")
     specs = units(model, wrap)
     policies = [unit_policy(s.module, mixed_precision, overrides) for s in specs]
@@ -238,6 +237,7 @@ def shard(
         [s.name for s in specs], [s.module for s in specs], policies, mixed_precision,
         unit_precision, overrides, mesh.device,
     )  # fmt: skip
+    tf32 = tf32_policy([(s.name, [p for _, p, _ in s.params]) for s in specs], policies)
     placed = "none"
     if offload is not None:  # the tiers, not the folder (each node may have its own)
         placed = ", ".join(
@@ -372,7 +372,7 @@ def shard(
         generation.mark(model)
     # Last, once nothing can fail: TF32 stays on while this model lives (process-global torch
     # state, restored by the last release; see hold_tf32).
-    release_tf32 = hold_tf32(tf32, mesh.device)
+    release_tf32 = hold_tf32(tf32 or mixed_precision, mesh.device)
     if release_tf32 is not None:
         weakref.finalize(model, release_tf32)
     settle_collective_threads_at_exit()

@@ -170,7 +170,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
             )
         self._backward_step: BackwardStep | None = None
         self._stepped_now = 0  # sub-groups the running step has updated
-        self._partway = False  # the last step raised after updating some sub-groups, not all
+        self._applied: int | None = None  # how many, where the last step raised (else all)
         if step_in_backward:
             check_step_in_backward(self)
         self._buckets = bucket_owners.claim(self, step_in_backward)  # the same on every rank
@@ -342,39 +342,51 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
             if self._buckets
             else torch.zeros(1, dtype=torch.float32, device=engine.mesh.device)
         )
-        partway = torch.tensor([float(self._partway)], device=engine.mesh.device)
+        applied = self._applied_one_hot()
         flags = agree(
             found_inf,
-            torch.cat([partway, engine.slots_touched()]),
+            torch.cat([applied, engine.slots_touched()]),
             engine.mesh,
             engine.ledger,
             async_op=False,
         ).wait()
-        seen, (partway_anywhere, *touched) = agreed(flags, engine.forget_order)  # (a host sync)
-        self._partway = False
-        if partway_anywhere and self._replicated():
+        seen, reached = agreed(flags, engine.forget_order)  # (a host sync)
+        self._applied = None
+        width = len(self._buckets) + 1
+        copies, touched = reached[: applied.numel()], reached[applied.numel() :]
+        if any(sum(copies[i : i + width]) > 1 for i in range(0, len(copies), width)):
             self._refuse_replicas_apart()
         return self.loss_scaler.checks and seen, {i for i, used in enumerate(touched) if not used}
 
-    def _replicated(self) -> bool:
-        """Whether several ranks each hold the same masters and optimizer states (stage 0, or
-        the replica groups of hybrid sharding): a step some of them applied only partway
-        leaves them apart."""
-        mesh = self.engine.mesh
-        return mesh.hybrid is not None or (
-            not self.engine.partition.optimizer_states and mesh.world_size > 1
-        )
+    def _applied_one_hot(self) -> torch.Tensor:
+        """How many sub-groups this rank's last step applied (all, unless it raised), one-hot
+        in its slot of a vector of one slot per set of copies: the ranks of a slot each hold a
+        copy of the same masters and optimizer states (stage 0: every data-parallel rank; hybrid
+        sharding: a shard's replicas; tensor-parallel ranks apart). Two counts in one slot after
+        the agreement's MAX: the copies differ. Empty where no rank holds another's copy."""
+        mesh, width = self.engine.mesh, len(self._buckets) + 1  # (>= any rank's sub-groups)
+        if not self.engine.partition.optimizer_states and mesh.world_size > 1:
+            per, mine = 1, 0
+        elif mesh.hybrid is not None:
+            per, mine = mesh.shard_size, mesh.shard_rank
+        else:
+            return torch.zeros(0, device=mesh.device)
+        out = torch.zeros(per * mesh.tp_size * width, device=mesh.device)
+        count = len(self._subgroups) if self._applied is None else self._applied
+        out[(mesh.tp_rank * per + mine) * width + count] = 1
+        return out
 
     def _refuse_replicas_apart(self) -> None:
-        """On every rank alike: the last step raised partway on some rank (after updating some
-        of its sub-groups), so replicas of the masters and optimizer states differ; nothing more
+        """On every rank alike: the last step raised on some rank after another copy of the same
+        masters and optimizer states had applied more of it, so the copies differ; nothing more
         is trained or saved on them until a whole state is loaded (``Engine.check_trusted``)."""
         engine = self.engine
         engine.untrusted = (
             "the last optimizer.step() raised partway on some rank (an out-of-memory, a Ctrl-C) "
-            "after updating part of its shard: at stage 0, or in hybrid sharding's replica "
-            "groups, each rank keeps its own copy of the masters and optimizer states, and the "
-            "copies now differ (they would train apart without a word). Nothing was stepped; "
+            "while another rank holding a copy of the same shard applied more of it: at stage "
+            "0, or in hybrid sharding's replica groups, each rank keeps its own copy of the "
+            "masters and optimizer states, and the copies now differ (they would train apart "
+            "without a word). Nothing was stepped; "
             "load a checkpoint (zeroshard.checkpoint.load, or model.load_state_dict and each "
             "optimizer's load_state_dict) to train on"
         )
@@ -495,7 +507,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
                 if collective_failed(exc):
                     self.engine.forget_refreshes()
                     raise
-                self._partway = 0 < self._stepped_now < len(self._subgroups)
+                self._applied = self._stepped_now
                 self._finish_step()
                 raise
             self._finish_step()
@@ -662,6 +674,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         # updates of them fail. torch's optimizer loads them as normal tensors there too.)
         with diagnosed("all_gather", COLLECTIVE, None), torch.inference_mode(False):
             load_optimizer_state_dict(self, state_dict)
+        self._applied = None  # (the same states on every copy again)
         self.engine.loaded(self)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
