@@ -1116,66 +1116,6 @@ def test_a_bad_optimizer_state_entry_is_refused_on_every_rank(workers2, bad_entr
         assert said.endswith("nothing was loaded") and lr == 1e-3, (said, lr)
 
 
-def _refresh_order(stage: int, split: bool) -> dict:
-    """What the step does in order: each sub-group's step and each flat's refresh start.
-    ``split``: two optimizers over the model's parameters cut mid-unit, so that a rank's
-    slice of a unit may hold none of one optimizer's parameters (its sub-groups differ from
-    the other rank's)."""
-    from zeroshard.model_states import flat_param, optimizer
-
-    model, ref = _pair(stage, config=zeroshard.ShardConfig(bucket_bytes=0))  # a flat per unit
-    params = list(model.parameters())
-    groups = [params[:3], params[3:]] if split else [params]
-    opts = [zeroshard.optimizer(model, torch.optim.AdamW, g, lr=1e-2) for g in groups]
-    names = {f: i for i, f in enumerate(zeroshard.engine_of(model).flat_params)}
-    events: list[str] = []
-    step_subgroup = optimizer.ShardedOptimizer._step_subgroup
-    refresh_full = flat_param.FlatParam.refresh_full
-
-    def logged_step(self, sg, unused):
-        events.append(f"step {names[sg.bucket.flat]}")
-        return step_subgroup(self, sg, unused)
-
-    def logged_refresh(self, **kw):
-        events.append(f"refresh {names[self]}")
-        return refresh_full(self, **kw)
-
-    optimizer.ShardedOptimizer._step_subgroup = logged_step
-    flat_param.FlatParam.refresh_full = logged_refresh
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    try:
-        for step in range(3):
-            x, y, mine = _batch(step)
-            (model(x[mine]) - y[mine]).square().mean().backward()
-            (ref(x) - y).square().mean().backward()
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-            ref_opt.step()
-            ref_opt.zero_grad()
-    finally:
-        optimizer.ShardedOptimizer._step_subgroup = step_subgroup
-        flat_param.FlatParam.refresh_full = refresh_full
-    return {"events": events[-len(events) // 3 :], "diff": _diff(model, ref)}
-
-
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("stage", [1, 2])
-def test_the_refresh_of_a_unit_overlaps_the_step_of_the_next(workers2, stage, split):
-    # Replicated parameters are all-gathered from the masters as soon as their sub-group has
-    # stepped, while the next one steps, in one order on every rank (a rank with no sub-group
-    # for a unit refreshes it when the units before it are done).
-    results = workers2.run(_refresh_order, stage, split)
-    for r in results:
-        assert r["diff"] < 1e-6, r
-        events = r["events"]
-        steps = [e for e in events if e.startswith("step")]
-        first_refresh = next(i for i, e in enumerate(events) if e.startswith("refresh"))
-        assert first_refresh < events.index(steps[-1]), events
-    refreshes = [[e for e in r["events"] if e.startswith("refresh")] for r in results]
-    assert refreshes[0] == refreshes[1], refreshes
-
-
 def _a_step_raising_partway(stage: int, ranks: tuple[int, ...], at: int, reload: bool) -> dict:
     """Three steps; the second raises on ``ranks`` at their sub-group ``at`` (0: before any),
     and the loop goes on (the error caught; with ``reload``, the state from before it loaded

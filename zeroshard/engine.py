@@ -125,7 +125,6 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         self.reduction_order = ReductionOrder(self.buckets, in_order=not self.partition.parameters)
         """The one order of every rank's reductions (stages 0-2; stage 3: each at once)."""
         self.summoned = 0  # depth of summon_full_params
-        self._refreshing: dict[flat_param.FlatParam, C.Handle | None] = {}  # refresh_early's
         self._window_trained = False  # a training forward since the pools' window began
         self.discarding = 0  # of them, how many undo writes (writeback=False): no step inside
         self.untrusted: str | None = None  # why values are not to be used (checkpoint._load)
@@ -437,11 +436,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
                 self._read_masters_ahead(self.forward_order, root=True)  # the next forward's
         changed = self.flat_params if flats is None else [f for f in self.flat_params if f in flats]
         self._drop_stale_gathers(changed)
-        early, self._refreshing = self._refreshing, {}
-        pending = [
-            (f, early.pop(f) if f in early else f.refresh_full(async_op=True)) for f in changed
-        ]
-        pending += early.items()  # (none expected: issued, they must be waited for all the same)
+        pending = list(zip(changed, [f.refresh_full(async_op=True) for f in changed]))
         interrupted: BaseException | None = None
         while pending:
             f, handle = pending[0]
@@ -460,22 +455,6 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
             pending.pop(0)
         if interrupted is not None:
             raise interrupted
-
-    def refresh_early(self, flat: flat_param.FlatParam) -> None:
-        """Start refreshing replicated ``flat`` from its masters as soon as the step has
-        updated them, so that its all-gather (stages 1-2) overlaps the step of the next
-        sub-groups; ``params_changed`` waits for it. Not with masters on NVMe (their writes
-        come first) nor for partitioned parameters (gathered at their next use)."""
-        if (
-            self.param_swap is None
-            and not flat.partition.parameters
-            and flat not in self._refreshing
-        ):
-            self._refreshing[flat] = flat.refresh_full(async_op=True)
-
-    def forget_refreshes(self) -> None:
-        """A failed collective broke the group: early refreshes are not waited for."""
-        self._refreshing = {}
 
     def _drop_stale_gathers(self, changed: list[flat_param.FlatParam]) -> None:
         """Partitioned units still gathered from masters that have just changed, and used by no

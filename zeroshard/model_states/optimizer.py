@@ -505,7 +505,6 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
                 # the ranks' parameters differed, and the next step moved them to the masters).
                 # Where masters are replicated the next step's agreement refuses the run.
                 if collective_failed(exc):
-                    self.engine.forget_refreshes()
                     raise
                 self._applied = self._stepped_now
                 self._finish_step()

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     import torch
 
     from zeroshard.model_states.optimizer import ShardedOptimizer
-    from zeroshard.model_states.subgroups import SubGroup
 
 log = logging.getLogger(__name__)
 
@@ -72,36 +71,13 @@ def swappers(
     return swap, grads
 
 
-class _RefreshEarly:
-    """Start refreshing each replicated FlatParam's parameters from its masters as soon as this
-    rank has stepped it (``Engine.refresh_early``), so that the all-gather of one overlaps the
-    step of the next, in one order on every rank: the optimizer's flats in the engine's order.
-    The ranks' sub-groups differ (a rank whose slice holds none of a flat's parameters of this
-    optimizer has no sub-group for it), so a flat is refreshed once every flat before it is."""
-
-    def __init__(self, opt: ShardedOptimizer) -> None:
-        self.engine = opt.engine
-        mine = {b.flat for b in opt._buckets}  # the same on every rank
-        self.order = [f for f in self.engine.flat_params if f in mine]
-        self.waiting = {sg.bucket.flat for sg in opt._subgroups}
-        self.next = 0
-
-    def stepped(self, sg: SubGroup) -> None:
-        self.waiting.discard(sg.bucket.flat)
-        while self.next < len(self.order) and self.order[self.next] not in self.waiting:
-            self.engine.refresh_early(self.order[self.next])
-            self.next += 1
-
-
 def step_in_memory(opt: ShardedOptimizer, unused: set[int]) -> None:
     """Every sub-group in turn; with offloaded masters (``param_swap``) sub-group
     ``i + 1``'s is read while ``i`` steps, and each is written back after its step."""
     masters, subgroups = opt.engine.param_swap, opt._subgroups
     if masters is None:
-        refresh = _RefreshEarly(opt)
         for sg in subgroups:
             opt._step_subgroup(sg, unused)
-            refresh.stepped(sg)
         return
     masters.begin_step()
     try:
@@ -121,7 +97,6 @@ def step_swapped(opt: ShardedOptimizer, swap: StateSwapper, unused: set[int]) ->
     ``i - 1`` is written."""
     swap.begin_step()
     grads, subgroups = opt._grad_swap, opt._subgroups
-    refresh = _RefreshEarly(opt)
     masters = opt.engine.param_swap
     if masters is not None:
         masters.begin_step()
@@ -136,7 +111,6 @@ def step_swapped(opt: ShardedOptimizer, swap: StateSwapper, unused: set[int]) ->
                     grads.prefetch(subgroups[i + 1].bucket)
                 grads.restore(sg.bucket)
             opt._step_subgroup(sg, unused)
-            refresh.stepped(sg)
             if grads is not None:
                 grads.consume(sg.bucket)
             swap.after(i)
