@@ -605,3 +605,19 @@ def test_t5_s_forward_end_and_its_unit_sizes(workers2, batch, seq):
         error = calibrate.error(row["predicted"]["peak_bytes"], row["measured"]["peak_bytes"])
         assert abs(error) <= 0.002, calibrate.render([row])
         assert row["predicted"]["peak_moment"] == "loss forward"
+
+
+def test_calibration_stage_2_with_blocks_sharing_several_buckets(workers2):
+    """Blocks of 12 MB, two to a 25 MiB bucket, four of them: planned -11% (one bucket alive,
+    where the engine held every bucket: the root's shared one bound through the whole
+    backward). The root has a bucket of its own now, and the plan counts the reduction in
+    flight beside the bucket filling."""
+    pytest.importorskip("transformers")
+    config = dict(
+        model_type="qwen2", num_hidden_layers=4, hidden_size=512, intermediate_size=1536,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+        max_position_embeddings=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    case = calibrate.HFCase(config=config, stage=2, micro_batch_size=2, seq_len=32)
+    for row in workers2.run(calibrate.calibrate, case):
+        assert calibrate.within_tolerance(row), calibrate.render([row])

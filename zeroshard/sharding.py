@@ -515,6 +515,12 @@ def _flat_params(
     per_unit: list[list[FlatParam]] = [[] for _ in specs]
     module_names = {id(m): n for n, m in specs[0].module.named_modules(remove_duplicate=False)}
     open_buckets: dict[tuple, tuple[list, list[int], MixedPrecision]] = {}
+    totals: dict[tuple, int] = {}  # bytes of each group over every unit
+    for spec, policy in zip(specs, policies):
+        for key, members in _groups(spec).items():
+            numel = sum(p.numel() for _, p, _ in members)
+            k = (*key, id(policy))
+            totals[k] = totals.get(k, 0) + numel * _dtypes(policy, key[1])[0].itemsize
 
     def close(key: tuple) -> None:
         params, owners, policy = open_buckets.pop(key)
@@ -544,6 +550,13 @@ def _flat_params(
             bucket[1].append(i)
         if not bucket_bytes:  # one FlatParam per unit and group: made now
             for key in list(open_buckets):
+                close(key)
+        elif not spec.name:
+            # The root's own where a group fills more than a bucket: its head's gradient comes
+            # first in backward and its embedding's last, so a bucket shared with the first
+            # units was bound through the whole backward beside every other (at stage 2 all
+            # of the unreduced gradient at once, 3 buckets of 3 alive).
+            for key in [k for k in groups if totals[k] > bucket_bytes]:
                 close(key)
     for key in list(open_buckets):
         close(key)

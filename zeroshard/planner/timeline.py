@@ -402,14 +402,15 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         """Unreduced flat gradients alive (partitioned gradients only): with
         ``bucket_per_unit`` those of ``count`` units from ``first`` (each collected from
         autograd's gradients at its reduction, so none exists before); else the buckets,
-        allocated at their first unit's backward."""
+        allocated at their first unit's backward: the K reductions in flight and the one
+        filling beside them."""
         if not part.gradients:  # (offloaded gradients too: the engine collects a unit's on
             return 0  # the device and reduces it there; only the reduced shard moves)
         if accumulating and not c.bucket_per_unit:  # the buckets are the local gradient,
             return 0  # counted in ``grads``
         if c.bucket_per_unit:
             return grad_bytes(numel(first, count))
-        return min(c.num_buckets * c.bucket_bytes, grads_total)
+        return min((c.num_buckets + 1) * c.bucket_bytes, grads_total)
 
     point_to_point = c.point_to_point_reductions and part.gradients and c.bucket_per_unit
 
