@@ -11,6 +11,7 @@ and it still runs while a call of that module is on the caller's stack.
 from __future__ import annotations
 
 import sys
+import types
 
 from torch import nn
 
@@ -56,10 +57,12 @@ def in_functional_call() -> bool:
     parameters of another model too (an EMA copy's, MAML's fast weights), in place of theirs."""
     from torch.nn.utils import stateless
 
-    code = stateless._functional_call.__code__
+    return on_stack(stateless._functional_call.__code__)
+
+
+def on_stack(code: types.CodeType) -> bool:
+    """Whether a call of the function whose code is ``code`` runs on this thread's stack."""
     frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return True
+    while frame is not None and frame.f_code is not code:
         frame = frame.f_back
-    return False
+    return frame is not None

@@ -7,13 +7,13 @@ cast buffers in their declared dtype (``zeroshard.state_dict_hooks``)."""
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from zeroshard import collectives as C
+from zeroshard.call_frames import on_stack
 
 if TYPE_CHECKING:
     from zeroshard.mesh import Mesh
@@ -144,14 +144,8 @@ def _watch_assignments() -> None:
     _WATCHING.append(True)
 
 
-_LOAD_CODE = nn.Module.load_state_dict.__code__
-
-
 def _loading() -> bool:
     """Whether ``load_state_dict`` is running in this thread (its entries assigned by torch's
     ``assign=True`` or by a module's own ``_load_from_state_dict``, which re-registers a
     buffer to take another shape)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not _LOAD_CODE:
-        frame = frame.f_back
-    return frame is not None
+    return on_stack(nn.Module.load_state_dict.__code__)

@@ -408,7 +408,11 @@ class _Hooks:
                 )
             elif value.shape != shape:  # a DTensor's shape is global
                 error_msgs.append(_size_mismatch(key, value.shape, shape, self.engine.mesh.tp_size))
-            elif load.assign and p.requires_grad and not _can_require_grad(value):
+            elif (
+                load.assign
+                and p.requires_grad
+                and not (value.is_floating_point() or value.is_complex())
+            ):
                 error_msgs.append(  # (torch's assign makes it the parameter, and fails)
                     f'While assigning the parameter named "{key}": a {value.dtype} tensor cannot '
                     "be a parameter that requires grad (only floating point and complex ones "
@@ -487,10 +491,6 @@ def _skipped(*args: Any) -> None:
 
 def _saves_itself(module: nn.Module) -> bool:
     return type(module)._save_to_state_dict is not nn.Module._save_to_state_dict
-
-
-def _can_require_grad(value: torch.Tensor) -> bool:
-    return value.is_floating_point() or value.is_complex()
 
 
 def _same_memory(value: torch.Tensor, p: torch.Tensor) -> bool:

@@ -232,7 +232,11 @@ class TrainConfig:
             raise ValueError(
                 f"fp32_modules = {self.fp32_modules!r} with precision = {self.precision!r}: it "
                 "keeps those modules in FP32 under bf16 or fp16"
-                + (", and TF32 is one switch for the whole process" * (self.precision == "tf32"))
+                + (
+                    ", and TF32 is one switch for the whole process"
+                    if self.precision == "tf32"
+                    else ""
+                )
                 + "; pass --precision bf16 (or auto), or drop --fp32-modules"
             )
         self._check_offload()

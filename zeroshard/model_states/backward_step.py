@@ -143,20 +143,18 @@ class BackwardStep:
             return
         consumed = self.consumed.get(id(bucket)) == bucket.zeroings  # (its shard is gone)
         if consumed and engine.backward_by in (None, optimizer):
-            plain = engine.backward_by is None
+            other = (
+                ". If this loss is another optimizer's (a GAN's generator loss through the "
+                "discriminator), run it through that one instead, opt_g.backward(loss): a plain "
+                "loss.backward() steps every step_in_backward optimizer whose parameters it "
+                "reaches, so a zero_grad() here would step this one on it"
+            )
             raise RuntimeError(
                 f"step_in_backward: a backward after optimizer.step() without zero_grad() "
                 f"(unit {bucket.flat.name!r}): torch would add these gradients to the last "
                 "step's, which step_in_backward applied during that backward and freed. Call "
                 "optimizer.zero_grad() after each step(), or drop step_in_backward to "
-                "accumulate gradients across steps"
-                + (
-                    ". If this loss is another optimizer's (a GAN's generator loss through the "
-                    "discriminator), run it through that one instead, opt_g.backward(loss): a "
-                    "plain loss.backward() steps every step_in_backward optimizer whose "
-                    "parameters it reaches, so a zero_grad() here would step this one on it"
-                )
-                * plain
+                "accumulate gradients across steps" + (other if engine.backward_by is None else "")
             )
         if id(bucket) in self.stepped:  # (also through another optimizer's backward: its
             raise RuntimeError(  # gradients would be kept for a step that has happened)
