@@ -26,7 +26,7 @@ import copy
 import sys
 from dataclasses import dataclass, field
 
-from zeroshard.planner import hf
+from zeroshard.planner import backward_peak, hf
 
 DTYPES = {1: "bfloat16", 2: "bfloat16", 4: "float32", 8: "float64"}
 """The dtype the model runs in per ``activation_bytes`` (no float8 compute on meta: 1 runs in
@@ -57,6 +57,13 @@ class SavedActivations:
     largest_tail_tensor_bytes: int
     """The root's largest storage saved after the last unit (the loss's log-probabilities in a
     language model): the loss's backward holds two gradients of that size."""
+    unit_backward_bytes: tuple[int, ...] = ()
+    """Per unit, in forward order: at the peak of its backward, the bytes alive beyond the
+    activations saved up to it and by it (the gradients flowing through it and those its
+    operators make, while their inputs are still saved), followed on meta
+    (``zeroshard.planner.backward_peak``); a unit the backward does not cross counts its input's
+    and its largest saved storage's sizes. Empty: not followed (tensor parallelism, or a
+    backward that fails on meta)."""
     chained: tuple[bool, ...] = ()
     """Per unit, in forward order: whether its first positional input is the previous unit's
     first output, unchanged (a span of activation checkpointing goes on across it; T5's
@@ -271,6 +278,8 @@ def measure(
 
     chained = [False] * num_units
     last_output: list = [None, 0]  # the previous unit's first output, and its version
+    follow = num_mp_ranks == 1  # (tensor parallelism's pieces are not followed in backward)
+    owners, saves = backward_peak.Owners(), backward_peak.SaveCounts()
 
     def enter(i: int, args, kwargs) -> None:
         stack.append(where[0])
@@ -278,6 +287,8 @@ def measure(
             out, version = last_output
             chained[i] = args[0] is out and out is not None and out._version == version
         where[0] = i
+        if follow:
+            owners.now(i)
         tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
         first = next(tensors, None)
         if first is not None and not inputs[i]:
@@ -289,6 +300,8 @@ def measure(
             where[0] = -2 - i  # the root, after unit i
             first = tensors_in(output)
             last_output[:] = [first[0], first[0]._version] if first else [None, 0]
+        if follow:
+            owners.now(where[0])
 
     handles = []
     for i, unit in enumerate(units):
@@ -303,14 +316,22 @@ def measure(
         if key in params:
             if where[0] == -1 - num_units:  # the root, after the last unit
                 tail_params[key] = storage.nbytes() // t.element_size()
-        elif key not in saved and key not in buffers:
-            saved[key] = (where[0], split.nbytes(t, storage.nbytes()), t)
+        elif key not in buffers:
+            if key not in saved:
+                saved[key] = (where[0], split.nbytes(t, storage.nbytes()), t)
+            saves.saved(key, storage.nbytes())
+        return t
+
+    def unpack(t):
+        saves.unpacked(_key(t))
         return t
 
     shape = (micro_batch_size, seq_len)
     x = torch.randint(0, vocab_size, shape, device="meta")
     y = torch.randint(0, vocab_size, shape, device="meta")
     tracking = _forward_tracker(model) if num_mp_ranks == 1 else contextlib.nullcontext()
+    if follow:
+        owners.now(-1)
     try:
         with (
             hf.quiet_transformers(),
@@ -318,7 +339,7 @@ def measure(
             _meta_grouped_mm(),
             _unpacked_sequences(),
             split,
-            torch.autograd.graph.saved_tensors_hooks(pack, _same),
+            torch.autograd.graph.saved_tensors_hooks(pack, unpack),
             tracking as tracker,
         ):
             loss = _loss(model, call, x, y, vocab_size)
@@ -342,6 +363,9 @@ def measure(
         else:
             tail += num_bytes
             tail_largest = max(tail_largest, num_bytes)
+    working = _unit_backward_bytes(
+        loss if follow else None, saves, owners, unit_bytes, before, inputs, largest
+    )
     return SavedActivations(
         micro_batch_size=micro_batch_size,
         seq_len=seq_len,
@@ -351,6 +375,7 @@ def measure(
         unit_input_bytes=tuple(inputs),
         largest_unit_tensor_bytes=tuple(largest),
         largest_tail_tensor_bytes=tail_largest,
+        unit_backward_bytes=working,
         chained=tuple(chained),
         tail_param_numel=sum(tail_params.values()),
         tied_param_numel=sum(n for key, n in tail_params.items() if key in reused),
@@ -361,6 +386,25 @@ def measure(
             else frozenset(name for name, p in model.named_parameters() if id(p) in uses)
         ),  # fmt: skip
     )
+
+
+def _unit_backward_bytes(
+    loss, saves, owners, unit_bytes: list, before: list, inputs: list, largest: list
+) -> tuple[int, ...]:
+    """``SavedActivations.unit_backward_bytes``: ``loss``'s backward followed on meta (``None``
+    or a backward that fails there: empty)."""
+    if loss is None:
+        return ()
+    try:
+        with hf.quiet_transformers(), _cpu_attention_choice(), _meta_grouped_mm():
+            found = backward_peak.peaks(loss, saves, owners)
+    except Exception:  # an operator without a meta backward: the sizes' estimate stands
+        return ()
+    working, through = [], 0
+    for i, (own, root) in enumerate(zip(unit_bytes, before)):
+        through += own + root  # saved up to and by unit i, alive as its backward starts
+        working.append(max(0, found[i] - through) if i in found else inputs[i] + largest[i])
+    return tuple(working)
 
 
 @contextlib.contextmanager
@@ -491,10 +535,6 @@ def _loss(model, call: str, x, y, vocab_size: int):
 
         return next_token_loss(model, x, y, vocab_size)
     return model(x, y)
-
-
-def _same(t):
-    return t
 
 
 @contextlib.contextmanager

@@ -168,6 +168,13 @@ class _PerUnit:
     inputs: tuple[int, ...]
     largest: tuple[int, ...]
     chained: tuple[bool, ...] = ()
+    working: tuple[int, ...] = ()
+    """Each unit's backward working bytes beyond what is saved up to it (measured:
+    ``SavedActivations.unit_backward_bytes``); empty: its input's gradient and one of its
+    largest saved tensor's size."""
+
+    def backward_working(self, i: int) -> int:
+        return self.working[i] if self.working else self.inputs[i] + self.largest[i]
 
 
 def activation_terms(model: ModelDescription, config: MemoryConfig) -> ActivationTerms:
@@ -194,6 +201,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
             s.unit_input_bytes,
             s.largest_unit_tensor_bytes,
             s.chained,
+            s.unit_backward_bytes,
         )
         held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
         tied = 2 * s.tied_param_numel * g
@@ -231,7 +239,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
     return ActivationTerms(
         at_loss=saved_all,
         logits=logits,
-        at_unit=tuple(kept(i) + per.unit[i] + per.inputs[i] + per.largest[i] for i in fwd),
+        at_unit=tuple(kept(i) + per.unit[i] + per.backward_working(i) for i in fwd),
         at_post=tuple(kept(i) + per.inputs[i] for i in fwd),
         after=per.before[0] if num_units else 0,
         grad_working=grad_working,
