@@ -132,6 +132,9 @@ class GradBucket(ShownGradients):
         it last) is reduced again at the end of the backward (``came_late``), as DDP's buckets
         wait for every parameter's gradient."""
         self.late = False  # such a gradient reached a post-accumulate hook (``as_views``)
+        self._parked: dict[int, torch.Tensor] = {}
+        """Slots whose ``.grad`` is a zero tensor of its own from this backward's reduction to
+        its end (``_park``), by slot."""
         self._unshown = False  # a slot was left unbound at this backward's reduction
         self._shown_version: int | None = None
         """Stage 0, ``shard_grad`` apart from ``full_grad``: the buffer's version counter when it
@@ -369,6 +372,8 @@ class GradBucket(ShownGradients):
                 for i, s in enumerate(self.flat.slots):
                     self._unbind_if_replaced(i)
                     if self._bound[i]:
+                        if i not in self._arrived:
+                            self._park(i)
                         continue
                     if s.param.grad is not None:
                         self._take(i)
@@ -452,6 +457,31 @@ class GradBucket(ShownGradients):
                 # 2-3 alike); stage 0's all-reduce leaves the averaged whole gradient there.
                 self._unbind()
 
+    def _park(self, i: int) -> None:
+        """Slot ``i`` is bound from before this backward (an earlier micro-step's gradient, or a
+        zero kept by ``zero_grad(set_to_none=False)``) and has none of this backward's yet: its
+        parameter may also be read before its unit, so that autograd finishes its gradient after
+        the reduction and would add it in place into the region being reduced (a race with the
+        collective, and a sum reduced twice). Until the backward ends, ``.grad`` is a zero tensor
+        of its own instead: a late gradient lands there and is reduced again (``came_late``);
+        otherwise ``end_backward`` binds the region again."""
+        self.flat.slots[i].param.grad = self._parked[i] = torch.zeros_like(self._view(i))
+        self._bound[i] = False
+
+    def _unpark(self) -> None:
+        """Slots parked in this backward that no late gradient reached show what they would
+        have shown bound: the region (stage 0: the averaged gradient), else no ``.grad``."""
+        parked, self._parked = self._parked, {}
+        shows = self.reduction is Reduction.ALL_REDUCE and self._reduced
+        for i, placeholder in parked.items():
+            param = self.flat.slots[i].param
+            if param.grad is not placeholder:
+                continue  # a late gradient came: taken and reduced again, or replaced by hand
+            if shows and self.full_grad is not None:
+                param.grad, self._bound[i] = self._view(i), True
+            else:
+                param.grad = None
+
     def came_late(self) -> bool:
         """Whether a gradient came after this backward's reduction: in a hook (``as_views``),
         or in autograd's own ``.grad`` (which ``_collect`` had emptied)."""
@@ -467,6 +497,7 @@ class GradBucket(ShownGradients):
         applies it.)"""
         self.issued = self.late = False
         self._arrived.clear()
+        self._unpark()
         unshown, self._unshown = self._unshown, False  # (no walk of the slots otherwise)
         if unshown and self.reduction is Reduction.ALL_REDUCE and self._reduced:  # (persistent)
             slots = [i for i, s in enumerate(self.flat.slots)
@@ -499,6 +530,7 @@ class GradBucket(ShownGradients):
         self._zeroed_version = None
         self.issued = self.late = self._unshown = self._reduced = False
         self._arrived.clear()
+        self._parked.clear()
         self.found_inf.zero_()
         self.zeroed.clear()
         self._dropped.clear()
@@ -547,6 +579,8 @@ class GradBucket(ShownGradients):
             self._note_shown(aliased=False)  # these zeros are not a user's edit
         self._dropped.update(slots)
         self._arrived.difference_update(slots)
+        for i in slots:
+            self._parked.pop(i, None)
         self.zeroings += 1
         if len(self._dropped) == len(self.flat.slots):
             self.found_inf.zero_()
