@@ -567,12 +567,15 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
         raise ValueError(f"{problem}: nothing was loaded")
     for optimizer, packed in loads:
         optimizer.load_state_dict(packed)
+    # (the states of parameters another optimizer of the model trains are its own: a
+    # checkpoint of two optimizers gives each the states of both)
     trained = {
         n
-        for g in opt.param_groups
+        for o in {opt, *engine.optimizers}
+        for g in o.param_groups
         for p in g["params"]
         if p.requires_grad
-        for n in every_name[id(p)]
+        for n in every_name.get(id(p), ())
     }
     warn_dropped(
         [k for k, st in saved_state.items() if k not in trained and not _never_stepped(st)]
