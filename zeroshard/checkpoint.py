@@ -107,7 +107,7 @@ from zeroshard.checkpoint_info import (  # noqa: F401 (the inspection API, re-ex
     verify,
 )
 from zeroshard.engine import engine_of
-from zeroshard.state_dict_layout import uncompiled
+from zeroshard.state_dict_layout import tied_names, uncompiled
 from zeroshard.watchdog import diagnosed, every_rank_calls
 
 _WRITE_THREADS = 4  # DCP writer threads (a data file each) per rank: overlap encoding and I/O
@@ -248,7 +248,6 @@ def _optimizer_step(optimizer) -> int:
 
 def _metadata(model, optimizer, step: int, world: int, token: str) -> dict[str, Any]:
     import zeroshard
-    from zeroshard.state_dict_layout import tied_names
 
     engine = engine_of(model)
     # A run's first save names it (``token``); a load (not model_only) continues a saved run.
@@ -577,6 +576,7 @@ def _read(path: Path, model, optimizer, checksums: bool, group, model_only: bool
         prefix = checks.compiled_prefix(reader, state)  # read under the names it was saved
         state["model"] = {prefix + k: v for k, v in state["model"].items()}
         checks.names(path, reader, state, {prefix + k for k in _resizable_buffers(model)})
+        checks.ties(path, meta.get("tied"), tied_names(model))
         try:
             read(state, reader, LoadPlanner(), group)
             model.load_state_dict({k.removeprefix(prefix): v for k, v in state["model"].items()})

@@ -237,6 +237,30 @@ def names(path: Path, reader, template: dict[str, Any], resizable: set[str] = fr
         raise CheckpointError(f"checkpoint {path} is of another model ({'; '.join(parts)}); {fix}")
 
 
+def ties(path: Path, saved: dict[str, str] | None, model_ties: dict[str, str]) -> None:
+    """Refuse a model that ties parameters (one tensor under two names, ``tied_names``) which
+    the checkpoint saved as two tensors (``saved``: its ``{alias: source}``; ``None`` in a
+    checkpoint older than the record): each rank's reader would write pieces of both saved
+    tensors into the one the model holds, a mix that changes with the layout."""
+    if saved is None:
+        return
+
+    def root(name: str) -> str:
+        name = name.replace(COMPILED, "")
+        return saved.get(name, name)
+
+    apart = [(a, s) for a, s in model_ties.items() if root(a) != root(s)]
+    if apart:
+        alias, source = apart[0]
+        more = f" (and {len(apart) - 1} more pair(s))" if len(apart) > 1 else ""
+        raise CheckpointError(
+            f"checkpoint {path} holds {source!r} and {alias!r} as two tensors (saved from a model "
+            f"that did not tie them), and this model ties them (one parameter){more}: loading "
+            "both into one would mix them. Build the model untied, as it was saved, to load it "
+            "(then tie it to the weight you choose), or tie the model that saves"
+        )
+
+
 def rank_state(path: Path, meta: dict[str, Any], rank: int, checksums: bool, group) -> dict:
     """The rank file ``rank`` reads (``rank-<r>.pt`` of rank ``rank % saved world size``),
     checked against its recorded size and checksum before ``torch.load`` sees it: a damaged one
