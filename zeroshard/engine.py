@@ -177,9 +177,15 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
     def _pre_lend(self, unit: Unit, owner: nn.Module, args: tuple, kwargs: dict):
         self._after_interrupted_forward()
         self._after_raised_backward()
-        recomputing = unit.recomputing and in_backward()
-        if unit.lender is not None or unit.state is not TrainingState.IDLE or recomputing:
+        backward = in_backward()
+        # After its backward, in the same backward: a custom Function's backward that
+        # recomputes a layer part by part, each part's own backward in between (reversible
+        # layers: Reformer, RevNet) lends the unit again, as a recomputation.
+        done = unit.state is TrainingState.POST_BACKWARD and backward
+        if unit.lender is not None or (unit.state is not TrainingState.IDLE and not done):
             return None  # inside the unit's own forward, recomputation or backward
+        if unit.recomputing and backward:
+            return None
         unit.lender, unit.lent_gathered = owner, not unit.is_sharded
         return self._pre_forward(unit, args, kwargs, entry=False)
 
