@@ -505,6 +505,55 @@ def test_hugging_face_t5_with_activation_checkpointing(workers2, stage):
     _check(workers2.run(_t5_generate, stage, None, checkpoint_every=1))
 
 
+def _wav2vec2_layerdrop() -> dict:
+    """Wav2Vec2 for CTC with LayerDrop at 0.5, each rank drawing its own drops, at stage 3:
+    every layer runs on every rank (the encoder is marked as FSDP's), so it trains as the
+    unsharded model without LayerDrop on the whole batch."""
+    import transformers
+
+    config = transformers.Wav2Vec2Config(
+        vocab_size=8, hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
+        intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, layerdrop=0.5,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+        final_dropout=0.0, mask_time_prob=0.0, ctc_loss_reduction="mean", pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.Wav2Vec2ForCTC(config).train()
+    model = zeroshard.shard(copy.deepcopy(ref), stage=3, wrap=wrap.by_class("Wav2Vec2EncoderLayer"))
+    ref.config.layerdrop = 0.0
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for _ in range(3):
+        audio, labels = (
+            torch.randn(2 * world, 400, generator=gen),
+            torch.randint(1, 8, (2 * world, 5), generator=gen),
+        )
+        ref_opt.zero_grad()
+        want = ref(audio, labels=labels).loss
+        want.backward()
+        ref_opt.step()
+        torch.manual_seed(100 + rank)  # this rank's own LayerDrop draws
+        loss = model(audio.chunk(world)[rank], labels=labels.chunk(world)[rank]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        worst = max(worst, abs(_mean_over_ranks(loss.detach()) - want.item()))
+    return {"loss": worst, "params": _param_diff(model, ref)}
+
+
+def test_hugging_face_layerdrop_at_stage_3(workers2):
+    """transformers' speech encoders (wav2vec2, HuBERT, WavLM, SpeechT5...) skip layers at random
+    per rank unless marked as FSDP's or ZeRO-3's: the ranks ran different units, an
+    ``OrderMismatch`` at step 0 (with 12 layers and the default 0.1, gloo's "Received data size
+    doesn't match"), where FSDP2 trains."""
+    pytest.importorskip("transformers")
+    _check(workers2.run(_wav2vec2_layerdrop))
+
+
 # ----------------------------------------------------------------------------- 6: torch.compile
 def _compiled(how: str, steps: int = 3, **config) -> dict:
     """Stage 3 with compiled code (Inductor), against the eager reference (``config``: the
@@ -732,6 +781,88 @@ def test_a_gradient_finished_after_its_unit_s_reduction(workers2, stage, micro_s
     collective: one block's bias off by up to 0.12 (0.28 its largest gradient) in 5 of 8 runs of
     an explorer's, and 8 of 8 off by 1e-3 after 3 steps with the kept zeros."""
     _check(workers2.run(_penalty_first, stage, micro_steps, set_to_none))
+
+
+class _RevBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.g = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y1 = x1 + self.f(x2)
+        return y1, x2 + self.g(y1)
+
+
+class _Reversible(torch.autograd.Function):
+    """Runs the blocks without saving anything; backward recomputes each block's ``g`` and then
+    its ``f`` from the outputs, each with a backward of its own (RevNet, Reformer)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, blocks: nn.ModuleList) -> torch.Tensor:
+        x1, x2 = x.chunk(2, -1)
+        for block in blocks:
+            x1, x2 = block(x1, x2)
+        ctx.blocks = blocks
+        ctx.save_for_backward(x1, x2)
+        return torch.cat([x1, x2], -1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        y1, y2 = ctx.saved_tensors
+        g1, g2 = grad.chunk(2, -1)
+        for block in reversed(ctx.blocks):
+            with torch.enable_grad():
+                y1 = y1.detach().requires_grad_()
+                g_out = block.g(y1)
+                g_out.backward(g2)
+            x2 = y2 - g_out.detach()
+            g1 = g1 + y1.grad
+            with torch.enable_grad():
+                x2 = x2.detach().requires_grad_()
+                f_out = block.f(x2)
+                f_out.backward(g1)
+            y1, y2 = y1.detach() - f_out.detach(), x2.detach()
+            g2 = g2 + x2.grad
+        return torch.cat([g1, g2], -1), None
+
+
+class _RevNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.blocks = nn.ModuleList(_RevBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(_Reversible.apply(self.inp(x), self.blocks))
+
+
+def _reversible(stage: int) -> dict:
+    torch.manual_seed(0)
+    ref = _RevNet()
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_RevBlock))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    taken = []
+    for step in range(3):
+        x = torch.randn(4 * world, 4, generator=torch.Generator().manual_seed(step))
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        opt.backward(model(x.chunk(world)[rank]).square().mean())
+        taken.append(float(opt.step() is not False))
+        opt.zero_grad()
+    return {"params": _param_diff(model, ref), "skipped": 3 - sum(taken)}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_reversible_layers_recomputed_part_by_part_in_backward(workers2, stage):
+    """A custom Function's backward calls a unit's submodules one after the other, each with a
+    backward of its own: at stage 3 the first call gathered the unit, whose own backward then
+    ended, and the second read the placeholders (every step skipped as NaN: HF's Reformer, with
+    the ``by_class('ReformerLayer')`` wrap that ``wrap.from_hf`` suggests, never trained)."""
+    _check(workers2.run(_reversible, stage))
 
 
 # ----------------------------------------------------------------------------- stage 3 memory

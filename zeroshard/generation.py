@@ -12,6 +12,12 @@ generates alone.
 Some models' own ``generate`` (Whisper's, SeamlessM4T's) declares ``synced_gpus=False`` and passes
 it on, so transformers never looks at the mark: at stage 3 a rank that stopped first left the
 others waiting in a gather. Their ``generate`` is wrapped to default ``synced_gpus`` to the mark.
+
+The speech encoders' LayerDrop (wav2vec2, HuBERT, WavLM, SpeechT5...: ``config.layerdrop``, 0.1 by
+default) skips layers at random per rank in training, unless their encoder is marked: then every
+layer runs on every rank, as under FSDP and ZeRO-3. Unmarked, the ranks ran different units at
+stage 3 (an ``OrderMismatch``, or gloo's "Received data size doesn't match"). Those encoders are
+marked too (their ``forward`` asks for it).
 """
 
 from __future__ import annotations
@@ -27,14 +33,29 @@ MARK = "_is_fsdp_managed_module"
 
 
 def mark(model: nn.Module) -> None:
-    """Mark ``model`` (stage 3) for transformers' ``generate()``: see the module docstring."""
+    """Mark ``model`` (stage 3) for transformers' ``generate()`` and LayerDrop: see the module
+    docstring."""
     for module in model.modules():
+        if _asks_for_the_mark(type(module)):
+            setattr(module, MARK, True)
         generate = getattr(module, "generate", None)
         if not callable(generate):
             continue
         setattr(module, MARK, True)
         if _synced_off_by_default(generate):
             module.generate = _synced_as_marked(module, generate)
+
+
+@functools.cache
+def _asks_for_the_mark(cls: type) -> bool:
+    """Whether transformers' ``cls.forward`` asks for the mark (``is_fsdp_managed_module``):
+    the encoders that skip layers at random in training (LayerDrop) run them all under it."""
+    if not cls.__module__.startswith("transformers."):
+        return False
+    try:
+        return "is_fsdp_managed_module" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def _synced_off_by_default(generate: Callable) -> bool:
