@@ -69,9 +69,13 @@ def agreed(
             "the ranks ran the wrapped units in different orders since the last step, so each "
             "collective paired one unit's shards on one rank with another unit's on another "
             f"(the gradients are of mixed-up parameters, and the step is refused; {kept}). "
-            "Call the same units in the same order on every rank (branch on values all ranks "
-            "share, or keep rank-dependent paths inside one unit), and restart from the last "
-            "checkpoint: ranks that issued different numbers of collectives are out of step"
+            "Causes: a unit called on some ranks only or a different number of times; and, with "
+            "sharded parameters (stage 3), a unit whose output reaches the loss on some ranks "
+            "only, or that runs under torch.no_grad() on some ranks only, so that its backward "
+            "runs there alone. Call the same units in the same order on every rank (branch on "
+            "values all ranks share; an output a rank does not use can join its loss times 0), "
+            "and restart from the last checkpoint: ranks that issued different numbers of "
+            "collectives are out of step"
         )
     return values[0] > 0, [v > 0 for v in values[3:]]
 
