@@ -1024,6 +1024,11 @@ def test_hf_config(capsys, tmp_path, data_dir, monkeypatch):
          "hidden size (30) is not a multiple of the number of attention heads (4)"),
         ({"model_type": "t5", "d_model": 32, "num_heads": 2, "d_kv": 16, "d_ff": 64,
           "num_layers": 1}, "model_type 't5' is not a causal (decoder-only) language model"),
+        # (it said "T5 and BART are encoder-decoders" of a vision model)
+        ({"model_type": "vit", "hidden_size": 32, "num_attention_heads": 2,
+          "intermediate_size": 64, "num_hidden_layers": 1},
+         "model_type 'vit' is not a causal (decoder-only) language model, which --hf builds "
+         "(AutoModelForCausalLM has no class for it"),
         # trained as GPT2LMHeadModel, its checkpoints' config named a classifier
         ({"model_type": "gpt2", "n_embd": 32, "n_head": 2, "n_layer": 1, "n_positions": 64,
           "bos_token_id": 0, "eos_token_id": 0,
@@ -1031,7 +1036,8 @@ def test_hf_config(capsys, tmp_path, data_dir, monkeypatch):
          "its architectures name GPT2ForSequenceClassification, but --hf trains the causal "
          "language model GPT2LMHeadModel"),
     ],
-    ids=["kv-heads", "falcon-kv-heads", "no-layers", "width", "encoder-decoder", "classifier"],
+    ids=["kv-heads", "falcon-kv-heads", "no-layers", "width", "encoder-decoder", "vision",
+         "classifier"],
 )  # fmt: skip
 def test_hf_configs_it_cannot_train_are_one_line(capsys, tmp_path, data_dir, config, said):
     """Configs transformers builds but that fail in the first forward, or that are not causal

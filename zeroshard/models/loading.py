@@ -224,8 +224,9 @@ def _build_hf(path: str, vocab_size: int) -> nn.Module:
         if isinstance(exc, ValueError) and "Unrecognized configuration class" in said:
             raise ValueError(
                 f"hf = {path!r}: model_type {config.model_type!r} is not a causal (decoder-only) "
-                "language model, which --hf builds (AutoModelForCausalLM; T5 and BART are "
-                "encoder-decoders); use a decoder-only config (GPT-2, Llama, Qwen2, ...) or "
+                "language model, which --hf builds (AutoModelForCausalLM has no class for it, as "
+                "for encoder-decoders such as T5, encoders such as BERT, vision and speech "
+                "models); use a decoder-only config (GPT-2, Llama, Qwen2, ...) or "
                 "--model pkg.mod:factory for a model of your own"
             ) from None
         raise ValueError(
