@@ -199,3 +199,26 @@ def test_multi_head_attention_is_measured_with_the_cpus_fused_kernel():
     assert torch.nn.functional.scaled_dot_product_attention.__name__ == (
         "scaled_dot_product_attention"  # (put back)
     )
+
+
+def test_a_forward_that_fails_gives_the_model_s_own_error():
+    """Whisper fed token ids fails in its encoder; torch's MemTracker (the forward's peak), as
+    the forward unwound, put "cannot register a hook on a tensor that doesn't require gradient"
+    in place of that error in the plan's note, for each way of calling it."""
+    transformers = pytest.importorskip("transformers")
+    from zeroshard.planner import saved
+
+    config = transformers.WhisperConfig(
+        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=64,
+        num_mel_bins=8, max_source_positions=16, max_target_positions=16, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.WhisperForConditionalGeneration(config)
+    units = ("model.encoder.layers.0", "model.decoder.layers.0")
+    with pytest.raises(ValueError) as info:
+        saved.profile(model, units)
+    said = str(info.value)
+    assert "cannot register a hook" not in said, said
+    assert "hf: the forward at 1 x 8 tokens failed on meta (AttributeError" in said, said

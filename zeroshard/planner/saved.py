@@ -343,6 +343,11 @@ def measure(
             tracking as tracker,
         ):
             loss = _loss(model, call, x, y, vocab_size)
+    except Exception:
+        own = _own_error(model, call, x, y, vocab_size)
+        if own is not None:
+            raise own from None
+        raise
     finally:
         for h in handles + split.handles:
             h.remove()
@@ -388,6 +393,19 @@ def measure(
     )
 
 
+def _own_error(model, call: str, x, y, vocab_size: int) -> Exception | None:
+    """What the forward raises without the measurement's hooks and tracker (``None``: nothing):
+    the model's own error. (A hook of torch's MemTracker, run as a failed forward unwinds, put
+    "cannot register a hook on a tensor that doesn't require gradient" in place of Whisper's own
+    error, fed token ids instead of audio features.)"""
+    try:
+        with hf.quiet_transformers(), _cpu_attention_choice(), _meta_grouped_mm():
+            _loss(model, call, x, y, vocab_size)
+    except Exception as exc:
+        return exc
+    return None
+
+
 def _unit_backward_bytes(
     loss, saves, owners, unit_bytes: list, before: list, inputs: list, largest: list
 ) -> tuple[int, ...]:
@@ -420,6 +438,8 @@ def _forward_tracker(model):
     tracker.track_external(model)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The module hierarchy tracking")
+        # (a forward that raises: its own error is the one said, ``_own_error``)
+        warnings.filterwarnings("ignore", message="global module forward hook with")
         with tracker:
             yield tracker
 
