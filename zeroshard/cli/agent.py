@@ -148,6 +148,7 @@ def run_agent(
         for name in ("multiprocessing.api", "agent.server.api"):
             logging.getLogger(f"torch.distributed.elastic.{name}").setLevel(logging.CRITICAL)
         stopping: list[int] = []
+        _quiet_timer_teardown()
         try:
             with _agent_env(launch, noted, stopping):
                 torchrun(_holding_argv(launch.torchrun_argv(config)))
@@ -182,6 +183,37 @@ def run_agent(
                 return 128 + stopping[0]
             raise
     return 0
+
+
+def _quiet_timer_teardown() -> None:
+    """Keep torch's rendezvous keep-alive timer quiet when it is collected on its own thread as
+    a signal stops the agent: its finalizer's ``thread.join()`` raises "cannot join current
+    thread", which Python prints as "Exception ignored in: <finalize object ...>" with a
+    traceback after the job's one line (harmless: the thread is ending anyway). Every other
+    unraisable exception goes to the hook there was."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_zeroshard", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _timer_joining_itself(unraisable):
+            previous(unraisable)
+
+    hook._zeroshard = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def _timer_joining_itself(unraisable: Any) -> bool:
+    exc = unraisable.exc_value
+    if not isinstance(exc, RuntimeError) or str(exc) != "cannot join current thread":
+        return False
+    tb = unraisable.exc_traceback
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "_stop_thread" and "rendezvous" in code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _holding_argv(argv: list[str]) -> list[str]:
