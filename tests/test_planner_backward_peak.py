@@ -57,3 +57,31 @@ def test_a_residual_mlp_s_backward(act, ffn_gradients):
     tokens, fp32 = BATCH * SEQ, 4
     residual_gradient = tokens * HIDDEN * fp32  # the block's output gradient, to both branches
     assert _working(act) == ffn_gradients * tokens * FFN * fp32 + residual_gradient
+
+
+class Sliced(nn.Module):
+    """One projection sliced in two and summed (a fused projection's halves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(HIDDEN, 2 * FFN), nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return x + self.fc2(h[..., :FFN] + h[..., FFN:])
+
+
+def test_two_gradients_into_one_input_exist_together():
+    """Each slice's backward makes a gradient of the whole projection's width; the second one
+    exists beside the first until autograd sums them. fc2 saved the sum (released at its
+    backward), fc1 its input: beyond them, the block's output gradient, the sum's, and two of
+    the projection's width. The second was left out (a fused qkv sliced in three, GPT-NeoX's,
+    was planned 21% low)."""
+    net = Net(nn.GELU())
+    net.block = Sliced()
+    found = saved.measure(
+        net, ("block",), vocab_size=VOCAB, call="xy", micro_batch_size=BATCH, seq_len=SEQ
+    )
+    tokens, fp32 = BATCH * SEQ, 4
+    want = tokens * (HIDDEN + FFN + 2 * 2 * FFN) * fp32 - tokens * FFN * fp32
+    assert found.unit_backward_bytes[0] == want

@@ -128,13 +128,18 @@ def peaks(loss, saves: SaveCounts, owners: Owners) -> dict[int, int]:
     def after(node: Node):
         def hook(grad_inputs, _grad_outputs) -> None:
             nonlocal alive
-            for g, (into, slot) in zip(grad_inputs, node.next_functions):
-                if g is not None and into is not None and weights.get(into) != g.numel():
-                    # A second gradient into one input is summed into the first's buffer.
-                    pending.setdefault(into, {}).setdefault(slot, _storage(g))
+            made = [
+                (into, slot, _storage(g))
+                for g, (into, slot) in zip(grad_inputs, node.next_functions)
+                if g is not None and into is not None and weights.get(into) != g.numel()
+            ]
             live = dict(consumed)
             for slots in pending.values():
                 live.update(slots.values())
+            live.update(made for _, _, made in made)  # (beside a buffer it is summed into)
+            for into, slot, storage in made:
+                # A second gradient into one input is summed into the first's buffer.
+                pending.setdefault(into, {}).setdefault(slot, storage)
             owner = owners.of(node)
             if owner is not None:
                 found[owner] = max(found.get(owner, 0), alive + sum(live.values()))
