@@ -416,7 +416,16 @@ def _unit_backward_bytes(
     try:
         with hf.quiet_transformers(), _cpu_attention_choice(), _meta_grouped_mm():
             found = backward_peak.peaks(loss, saves, owners)
-    except Exception:  # an operator without a meta backward: the sizes' estimate stands
+    except Exception as exc:  # an operator without a meta backward: the sizes' estimate stands
+        import warnings
+
+        first = (str(exc).splitlines() or [""])[0][:160]
+        warnings.warn(
+            f"the backward could not be followed on meta ({type(exc).__name__}: {first}): each "
+            "unit's backward working set is taken as its input's gradient and one of its "
+            "largest saved tensor's size",
+            stacklevel=2,
+        )
         return ()
     working, through = [], 0
     for i, (own, root) in enumerate(zip(unit_bytes, before)):
@@ -595,20 +604,26 @@ def _unpacked_sequences():
 def _meta_grouped_mm():
     """``torch._grouped_mm`` (Hugging Face's mixture-of-experts layers: Qwen2-MoE, Mixtral) on
     meta: its meta kernel takes BF16 only, where the CPU's takes FP32 too. Below autograd, so
-    that autograd still saves the input and weights, an FP32 call returns an empty output of
-    its shape (a 2-D input by 3-D expert weights, grouped by ``offs``: rows x out features)."""
+    that autograd still saves the input and weights, another dtype's call returns an empty
+    output of the shape the BF16 kernel gives (a 2-D input by 3-D expert weights in forward;
+    2-D by 2-D, grouped over the inner dimension, for the weights' gradient in backward)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     grouped = torch.ops.aten._grouped_mm.default
 
+    def bf16(a):
+        return a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func is grouped and args[0].is_meta and args[0].dim() == 2 and args[1].dim() == 3:
-                a, b = args[:2]
+            a = args[0]
+            if func is grouped and a.is_meta and a.dtype != torch.bfloat16:
+                others = {k: v for k, v in kwargs.items() if k != "out_dtype"}
+                shape = func(*map(bf16, args), **others).shape
                 dtype = kwargs.get("out_dtype") or a.dtype
-                return torch.empty(a.shape[0], b.shape[-1], dtype=dtype, device="meta")
+                return torch.empty(shape, dtype=dtype, device="meta")
             return func(*args, **kwargs)
 
     with Mode():
