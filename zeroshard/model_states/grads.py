@@ -132,9 +132,12 @@ class GradBucket(ShownGradients):
         it last) is reduced again at the end of the backward (``came_late``), as DDP's buckets
         wait for every parameter's gradient."""
         self.late = False  # such a gradient reached a post-accumulate hook (``as_views``)
-        self._parked: dict[int, torch.Tensor] = {}
-        """Slots whose ``.grad`` is a zero tensor of its own from this backward's reduction to
-        its end (``_park``), by slot."""
+        self._watching: list = []
+        """Handles of the tensor hooks (``_before_grad``) on the parameters of slots bound as
+        this backward's reduction started, removed as the backward ends."""
+        self._parked: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        """Slots whose ``.grad`` is a tensor of its own from this backward's reduction to its end
+        (``_park``): that tensor, and the value it started from, already reduced (None: zeros)."""
         self._unshown = False  # a slot was left unbound at this backward's reduction
         self._shown_version: int | None = None
         """Stage 0, ``shard_grad`` apart from ``full_grad``: the buffer's version counter when it
@@ -245,6 +248,9 @@ class GradBucket(ShownGradients):
             # p.grad = f(p.grad)): either way the current .grad is the whole gradient.
             view.copy_(grad)
             self.touched[i] = self.reached = True
+            parked = self._parked.pop(i, None)
+            if parked is not None and parked[1] is not None:
+                view.sub_(parked[1])  # (the value it started from was reduced already)
         param.grad = view
         self._bound[i] = True
 
@@ -258,6 +264,20 @@ class GradBucket(ShownGradients):
             grad = self.flat.slots[i].param.grad
             if grad is None or not self._is_region(i, grad):
                 self._bound[i] = False
+
+    def _before_grad(self, i: int, grad: torch.Tensor) -> None:
+        """Tensor hook of slot ``i``'s parameter from its bucket's reduction to the backward's
+        end (``_watching``), before autograd adds ``grad`` to ``.grad``: a second gradient in
+        one backward for a slot bound to the region being reduced (its unit's own one came
+        through an inner backward, a reentrant checkpoint's, and this one after it) lands in a
+        zero tensor of its own (``_park``), not in place in that region."""
+        if self.issued and self._bound[i]:
+            self._park(i, keep=False)
+
+    def _unwatch(self) -> None:
+        watching, self._watching = self._watching, []
+        for handle in watching:
+            handle.remove()
 
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
         """Post-accumulate hook of slot ``i``: a fresh gradient goes into the bucket."""
@@ -371,15 +391,17 @@ class GradBucket(ShownGradients):
                     self.bind()  # every rank reduces every bucket, used or not
                 for i, s in enumerate(self.flat.slots):
                     self._unbind_if_replaced(i)
-                    if self._bound[i]:
-                        if i not in self._arrived:
-                            self._park(i)
-                        continue
-                    if s.param.grad is not None:
+                    if not self._bound[i]:
+                        if s.param.grad is None:  # none reached it yet: zeros, and .grad left
+                            self._view(i).zero_()  # unbound: one coming later is its own
+                            self._unshown = True
+                            continue
                         self._take(i)
-                    else:  # no gradient reached it yet: zeros, and .grad left unbound, so that
-                        self._view(i).zero_()  # one coming later is a tensor of its own
-                        self._unshown = True
+                    if i not in self._arrived:  # (from before this backward: may come late)
+                        self._park(i, keep=True)
+                    else:
+                        hook = weakly(self._before_grad, i)
+                        self._watching.append(s.param.register_hook(hook))
             assert self.full_grad is not None
             self.issued = True
             flat, mesh = self.flat, self.flat.mesh
@@ -457,15 +479,21 @@ class GradBucket(ShownGradients):
                 # 2-3 alike); stage 0's all-reduce leaves the averaged whole gradient there.
                 self._unbind()
 
-    def _park(self, i: int) -> None:
-        """Slot ``i`` is bound from before this backward (an earlier micro-step's gradient, or a
-        zero kept by ``zero_grad(set_to_none=False)``) and has none of this backward's yet: its
-        parameter may also be read before its unit, so that autograd finishes its gradient after
-        the reduction and would add it in place into the region being reduced (a race with the
-        collective, and a sum reduced twice). Until the backward ends, ``.grad`` is a zero tensor
-        of its own instead: a late gradient lands there and is reduced again (``came_late``);
-        otherwise ``end_backward`` binds the region again."""
-        self.flat.slots[i].param.grad = self._parked[i] = torch.zeros_like(self._view(i))
+    def _park(self, i: int, *, keep: bool) -> None:
+        """Slot ``i`` is bound to a region being reduced, and a gradient may still come in this
+        backward (its parameter also read before its unit, so that autograd finishes it after
+        the reduction): autograd would add it in place into the region, during the collective
+        (a race, and a sum reduced twice). Until the backward ends, ``.grad`` is a tensor of its
+        own instead: a late gradient lands there and is reduced again (``came_late``, ``_take``
+        minus what was reduced already); otherwise ``end_backward`` binds the region again.
+        ``keep``: it starts from the region's value, as ``.grad`` showed it (an earlier
+        micro-step's gradient, or a zero kept by ``zero_grad(set_to_none=False)``), which a
+        post-accumulate hook then sees summed with the late one, as under DDP; read before the
+        collective starts. Else from zeros (the region is being reduced already)."""
+        base = self._view(i).clone() if keep else None
+        placeholder = base.clone() if base is not None else torch.zeros_like(self._view(i))
+        self.flat.slots[i].param.grad = placeholder
+        self._parked[i] = (placeholder, base)
         self._bound[i] = False
 
     def _unpark(self) -> None:
@@ -473,7 +501,7 @@ class GradBucket(ShownGradients):
         have shown bound: the region (stage 0: the averaged gradient), else no ``.grad``."""
         parked, self._parked = self._parked, {}
         shows = self.reduction is Reduction.ALL_REDUCE and self._reduced
-        for i, placeholder in parked.items():
+        for i, (placeholder, _) in parked.items():
             param = self.flat.slots[i].param
             if param.grad is not placeholder:
                 continue  # a late gradient came: taken and reduced again, or replaced by hand
@@ -497,6 +525,7 @@ class GradBucket(ShownGradients):
         applies it.)"""
         self.issued = self.late = False
         self._arrived.clear()
+        self._unwatch()
         self._unpark()
         unshown, self._unshown = self._unshown, False  # (no walk of the slots otherwise)
         if unshown and self.reduction is Reduction.ALL_REDUCE and self._reduced:  # (persistent)
@@ -531,6 +560,7 @@ class GradBucket(ShownGradients):
         self.issued = self.late = self._unshown = self._reduced = False
         self._arrived.clear()
         self._parked.clear()
+        self._unwatch()
         self.found_inf.zero_()
         self.zeroed.clear()
         self._dropped.clear()
