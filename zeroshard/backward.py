@@ -45,6 +45,9 @@ class Backward:
     def _pre_backward(self, unit: Unit, made_at: int, graph: bool) -> None:
         if graph and made_at != unit.updates:  # (a graph retained across a step or load)
             raise autograd_hooks.stale_graph(unit.name)
+        if self.phase is Phase.FORWARD:
+            self._backward_in_forward(unit)
+            return
         if self.phase is not Phase.BACKWARD:  # the backward's first unit: once per backward
             autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self.summoned)
             self._no_grads = not _makes_grads(self.flat_params)
@@ -80,8 +83,26 @@ class Backward:
             self._prefetch(backward_order, None if unit.is_root else unit)
             self._free_idle_buffers(backward_order)
 
+    def _backward_in_forward(self, unit: Unit) -> None:
+        """A backward inside the model's forward (``torch.autograd.grad`` of an output with
+        respect to an input as the forward runs: forces from an energy, a gradient penalty
+        computed in the forward) reached ``unit``: not the step's backward, which comes later
+        and runs through it too (``create_graph=True``). With the parameters whole (stages 0-2)
+        it needs nothing of the engine; sharded ones are freed after their unit's forward, and
+        the graph of its derivative keeps reading them."""
+        if self.partition.parameters and not self.summoned and not unit.is_root:
+            raise RuntimeError(
+                f"a backward inside the model's forward (torch.autograd.grad as the forward "
+                f"runs, e.g. forces from an energy) reached unit {unit.name!r}, whose "
+                "parameters are sharded (stage 3) and freed after its forward, while the graph "
+                "of that derivative keeps reading them: train such a model at stage 2 or below "
+                "(parameters whole; gradients and optimizer states still sharded)"
+            )
+
     def _post_backward(self, unit: Unit) -> None:
         """One use of ``unit`` is done with its backward; the last one finishes the unit."""
+        if self.phase is Phase.FORWARD:
+            return  # a backward inside the forward (``_backward_in_forward``)
         unit.pending_uses -= 1
         if unit.pending_uses <= 0:
             self._finish_unit(unit)
