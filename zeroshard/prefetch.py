@@ -76,6 +76,11 @@ class Prefetching:
         whose backward runs (not idle) and the next ``num_prefetch`` that backward reaches."""
         if not self.partition.parameters or self.summoned or unit.is_root:
             return False
+        if unit.state is TrainingState.POST_BACKWARD and unit.is_gathered:
+            # Lent again after its backward (a hook calling one of its layers): without grad
+            # no backward of it comes to free it; with grad, its backward follows (reversible
+            # layers) and finishes it, as the end of the backward does at the latest.
+            return not torch.is_grad_enabled()
         if unit.state is not TrainingState.IDLE or not unit.is_gathered:
             return False
         # The unit whose backward runs is reached (a span's last, non-reentrant); with none
