@@ -757,6 +757,52 @@ def test_gradients_another_optimizer_brings_after_the_step_are_refused(workers2,
         assert "received gradients again after its update" in said, said
 
 
+def _penalty_before_the_blocks() -> str:
+    """One backward a step, a block's bias also read by a penalty before the blocks run (so
+    its gradient comes after the block's update), stepped in the backward at stage 2."""
+    from torch import nn
+
+    class Mlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + self.fc2(torch.tanh(self.fc1(h)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.blocks = nn.Linear(4, 4), nn.ModuleList(Mlp() for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            penalty = self.blocks[0].fc2.bias.sum()
+            x = self.inp(x)
+            for block in self.blocks:
+                x = block(x)
+            return x.square().mean() + penalty
+
+    torch.manual_seed(0)
+    config = zeroshard.ShardConfig(bucket_bytes=0)
+    model = zeroshard.shard(Net(), stage=2, wrap=zeroshard.wrap.by_class(Mlp), config=config)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, step_in_backward=True)
+    try:
+        for _ in range(2):
+            opt.backward(model(torch.randn(2, 4)))
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_gradient_after_the_update_in_one_backward_is_named(workers2):
+    # It blamed "a second backward before optimizer.step()", of which there was none.
+    for said in workers2.run(_penalty_before_the_blocks):
+        assert "received gradients again after its update" in said, said
+        assert "also read outside the unit, earlier in the forward" in said, said
+
+
 def _plain_backward_through_a_stepped_discriminator(stage: int) -> str:
     """A GAN's loop with plain ``loss.backward()``: the generator's loss reaches the
     discriminator, whose optimizer stepped in the backward before and has no zero_grad since."""

@@ -159,10 +159,14 @@ class BackwardStep:
         if id(bucket) in self.stepped:  # (also through another optimizer's backward: its
             raise RuntimeError(  # gradients would be kept for a step that has happened)
                 f"step_in_backward: unit {bucket.flat.name!r} received gradients again after "
-                "its update in this step (a second backward before optimizer.step(), this "
-                "optimizer's or another's reaching it). Accumulate micro-batches with "
-                "optimizer.backward(loss, sync=False) and call step() after the last one, run "
-                "the other optimizer's backward first, or drop step_in_backward"
+                "its update in this step: a second backward before optimizer.step() (this "
+                "optimizer's or another's reaching it), or, in one backward, a gradient that "
+                "came after the update (one of its parameters also read outside the unit, "
+                "earlier in the forward; or a layer of it called again in the backward, as "
+                "reversible layers do). Accumulate micro-batches with optimizer.backward(loss, "
+                "sync=False) and call step() after the last one, run the other optimizer's "
+                "backward first, read its parameters inside the unit only, or drop "
+                "step_in_backward"
             )
         if not engine.sync_grads or engine.backward_by not in (None, optimizer):
             # A micro-step that reduces (reduce_every_micro_step), or another optimizer's
