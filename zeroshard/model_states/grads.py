@@ -270,8 +270,16 @@ class GradBucket(ShownGradients):
         end (``_watching``), before autograd adds ``grad`` to ``.grad``: a second gradient in
         one backward for a slot bound to the region being reduced (its unit's own one came
         through an inner backward, a reentrant checkpoint's, and this one after it) lands in a
-        zero tensor of its own (``_park``), not in place in that region."""
-        if self.issued and self._bound[i]:
+        zero tensor of its own (``_park``), not in place in that region. A parked slot's
+        ``.grad`` is its starting value itself until then: it gets a copy to add into."""
+        parked = self._parked.get(i)
+        if parked is not None:
+            placeholder, base = parked
+            param = self.flat.slots[i].param
+            if base is not None and placeholder is base and param.grad is base:
+                param.grad = placeholder = base.clone()
+                self._parked[i] = (placeholder, base)
+        elif self.issued and self._bound[i]:
             self._park(i, keep=False)
 
     def _unwatch(self) -> None:
@@ -399,9 +407,7 @@ class GradBucket(ShownGradients):
                         self._take(i)
                     if i not in self._arrived:  # (from before this backward: may come late)
                         self._park(i, keep=True)
-                    else:
-                        hook = weakly(self._before_grad, i)
-                        self._watching.append(s.param.register_hook(hook))
+                    self._watching.append(s.param.register_hook(weakly(self._before_grad, i)))
             assert self.full_grad is not None
             self.issued = True
             flat, mesh = self.flat, self.flat.mesh
@@ -485,13 +491,15 @@ class GradBucket(ShownGradients):
         the reduction): autograd would add it in place into the region, during the collective
         (a race, and a sum reduced twice). Until the backward ends, ``.grad`` is a tensor of its
         own instead: a late gradient lands there and is reduced again (``came_late``, ``_take``
-        minus what was reduced already); otherwise ``end_backward`` binds the region again.
-        ``keep``: it starts from the region's value, as ``.grad`` showed it (an earlier
-        micro-step's gradient, or a zero kept by ``zero_grad(set_to_none=False)``), which a
-        post-accumulate hook then sees summed with the late one, as under DDP; read before the
-        collective starts. Else from zeros (the region is being reduced already)."""
+        minus what was reduced already); otherwise ``end_backward`` shows what it would have
+        shown bound (``_unpark``). ``keep``: it starts from the region's value, as ``.grad``
+        showed it (an earlier micro-step's gradient, or a zero kept by
+        ``zero_grad(set_to_none=False)``), which a post-accumulate hook then sees summed with
+        the late one, as under DDP: one copy, read before the collective starts, which ``.grad``
+        shows until a late gradient comes (``_before_grad`` copies it then). Else from zeros
+        (the region is being reduced already)."""
         base = self._view(i).clone() if keep else None
-        placeholder = base.clone() if base is not None else torch.zeros_like(self._view(i))
+        placeholder = base if base is not None else torch.zeros_like(self._view(i))
         self.flat.slots[i].param.grad = placeholder
         self._parked[i] = (placeholder, base)
         self._bound[i] = False
@@ -518,7 +526,8 @@ class GradBucket(ShownGradients):
         return any(s.param.grad is not None for s in self.flat.slots)
 
     def end_backward(self) -> None:
-        """The backward is over (late gradients reduced): at stage 0, ``.grad`` of parameters
+        """The backward is over (late gradients reduced): the tensor hooks of ``_watching``
+        removed, parked slots shown again (``_unpark``); at stage 0, ``.grad`` of parameters
         no gradient reached on this rank show the averaged gradient too, as under DDP; those
         that no rank's reached (all zeros in FP32) keep ``None``, as under torch and DDP. (One
         another rank reached with an average of exactly zero shows None too; the step still
