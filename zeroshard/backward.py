@@ -228,7 +228,12 @@ class Backward:
         between steps), every unit idle, the backward's pending sets emptied."""
         for pool in pools(self.buckets):
             pool.release()
+        sharded = self.partition.parameters and not self.summoned
         for unit in self.units:
+            if sharded and not unit.is_root and unit.is_gathered:
+                # Lent again after its own backward, with grad, by a hook (create_graph=True
+                # runs hooks with grad) whose output no backward took: held for nothing.
+                unit.reshard()
             unit.to(TrainingState.IDLE)
             unit.recomputing = 0  # (a Ctrl-C inside one runs no hook of its end)
             unit.lend_again()

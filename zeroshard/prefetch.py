@@ -79,7 +79,8 @@ class Prefetching:
         if unit.state is TrainingState.POST_BACKWARD and unit.is_gathered:
             # Lent again after its backward (a hook calling one of its layers): without grad
             # no backward of it comes to free it; with grad, its backward follows (reversible
-            # layers) and finishes it, as the end of the backward does at the latest.
+            # layers) and finishes it, as the end of the backward does at the latest
+            # (``_units_to_idle``).
             return not torch.is_grad_enabled()
         if unit.state is not TrainingState.IDLE or not unit.is_gathered:
             return False
