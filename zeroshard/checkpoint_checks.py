@@ -244,9 +244,10 @@ def ties(path: Path, saved: dict[str, str] | None, model_ties: dict[str, str]) -
     tensors into the one the model holds, a mix that changes with the layout."""
     if saved is None:
         return
+    # (recorded with torch.compile's prefix by the builds that saved under it)
+    saved = {k.replace(COMPILED, ""): v.replace(COMPILED, "") for k, v in saved.items()}
 
     def root(name: str) -> str:
-        name = name.replace(COMPILED, "")
         return saved.get(name, name)
 
     apart = [(a, s) for a, s in model_ties.items() if root(a) != root(s)]
