@@ -1303,6 +1303,15 @@ def test_a_model_that_ties_what_the_checkpoint_saved_apart_is_refused(workers2, 
         assert r["tied into untied"] == "loaded", r
 
 
+def test_ties_recorded_under_torch_compile_s_prefix_are_the_model_s():
+    """Builds that saved a compiled model under its prefix recorded its ties so: the model,
+    tied as saved, was refused as if the checkpoint had held two tensors."""
+    saved = {"_orig_mod.lm_head.weight": "_orig_mod.wte.weight"}
+    checkpoint_checks.ties(Path("ckpt"), saved, {"lm_head.weight": "wte.weight"})
+    with pytest.raises(checkpoint.CheckpointError, match="as two tensors"):
+        checkpoint_checks.ties(Path("ckpt"), {}, {"lm_head.weight": "wte.weight"})
+
+
 def _rank0_alone(base: str) -> str:
     """``if rank == 0: checkpoint.save(...)``, the DDP habit: a one-line error naming it, not
     a wait for the collective timeout; every rank's save after it works."""

@@ -875,17 +875,17 @@ def test_a_derivative_taken_inside_the_forward(workers2, stage):
             assert r["params"] < TOL, r
 
 
-def _logged_in_a_hook() -> list[str]:
+def _logged_in_a_hook(create_graph: bool) -> list[str]:
     """Stage 3: a hook on the embedding's output (it fires after every block's backward) runs
-    one block's layer without grad, for a log; the units gathered once each backward ends."""
+    one block's layer for a log, in the grad mode the backward gives hooks (on with
+    ``create_graph=True``); the units gathered once each backward ends."""
     torch.manual_seed(0)
     model = zeroshard.shard(_PenaltyFirst(), stage=3, wrap=wrap.by_class(_Mlp))
     engine = zeroshard.engine_of(model)
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
 
     def log(grad: torch.Tensor) -> None:
-        with torch.no_grad():
-            model.blocks[1].fc1(grad.detach()).norm().item()
+        model.blocks[1].fc1(grad.detach()).norm().item()
 
     def hook_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         out.register_hook(log)
@@ -894,16 +894,20 @@ def _logged_in_a_hook() -> list[str]:
     gathered = []
     for step in range(2):
         x = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(step))
-        opt.backward(model(x, x))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (create_graph's warning at stage 3)
+            model(x, x).backward(create_graph=create_graph)
         gathered += [u.name for u in engine.units if u.is_gathered and not u.is_root]
         opt.step()
         opt.zero_grad()
     return gathered
 
 
-def test_a_layer_called_without_grad_after_its_unit_s_backward_is_freed(workers2):
-    """It stayed gathered until the next step (a unit's parameters held for nothing)."""
-    for gathered in workers2.run(_logged_in_a_hook):
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_a_layer_called_after_its_unit_s_backward_is_freed(workers2, create_graph):
+    """Gathered again by the call, it stayed gathered until the next step (a unit's parameters
+    held through the optimizer's step for nothing)."""
+    for gathered in workers2.run(_logged_in_a_hook, create_graph):
         assert gathered == [], gathered
 
 

@@ -136,7 +136,7 @@ def peaks(loss, saves: SaveCounts, owners: Owners) -> dict[int, int]:
             live = dict(consumed)
             for slots in pending.values():
                 live.update(slots.values())
-            live.update(made for _, _, made in made)  # (beside a buffer it is summed into)
+            live.update(storage for _, _, storage in made)  # (beside a buffer summed into)
             for into, slot, storage in made:
                 # A second gradient into one input is summed into the first's buffer.
                 pending.setdefault(into, {}).setdefault(slot, storage)

@@ -332,6 +332,7 @@ def measure(
     tracking = _forward_tracker(model) if num_mp_ranks == 1 else contextlib.nullcontext()
     if follow:
         owners.now(-1)
+    failed = None
     try:
         with (
             hf.quiet_transformers(),
@@ -343,14 +344,14 @@ def measure(
             tracking as tracker,
         ):
             loss = _loss(model, call, x, y, vocab_size)
-    except Exception:
-        own = _own_error(model, call, x, y, vocab_size)
-        if own is not None:
-            raise own from None
-        raise
+    except Exception as exc:
+        failed = exc
     finally:
         for h in handles + split.handles:
             h.remove()
+    if failed is not None:
+        own = _own_error(model, call, x, y, vocab_size)
+        raise (own or failed) from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"the forward returned {type(loss).__name__}, not a scalar loss")
     uses = _uses(loss)  # id(parameter) -> the graph's edges into its AccumulateGrad
