@@ -12,12 +12,13 @@ backward's pending sets).
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Collection
 
 import torch
 
-from zeroshard import autograd_hooks
+from zeroshard import autograd_hooks, call_frames
 from zeroshard.autograd_hooks import weakly
 from zeroshard.model_states import flat_param
 from zeroshard.model_states.agreement import reduced_again_anywhere
@@ -45,7 +46,7 @@ class Backward:
     def _pre_backward(self, unit: Unit, made_at: int, graph: bool) -> None:
         if graph and made_at != unit.updates:  # (a graph retained across a step or load)
             raise autograd_hooks.stale_graph(unit.name)
-        if self.phase is Phase.FORWARD:
+        if self._inside_forward():
             self._backward_in_forward(unit)
             return
         if self.phase is not Phase.BACKWARD:  # the backward's first unit: once per backward
@@ -83,6 +84,18 @@ class Backward:
             self._prefetch(backward_order, None if unit.is_root else unit)
             self._free_idle_buffers(backward_order)
 
+    def _inside_forward(self) -> bool:
+        """Whether the root's forward runs (on the stack of the thread that runs it: on an
+        accelerator the backward's hooks run on a thread of autograd's), not one a Ctrl-C
+        interrupted (its phase left FORWARD)."""
+        if self.phase is not Phase.FORWARD:
+            return False
+        owner = self.step_thread
+        thread = (
+            owner.ident if owner is not None and owner is not threading.current_thread() else None
+        )
+        return call_frames.running(self._forward_call, self.model, thread=thread)
+
     def _backward_in_forward(self, unit: Unit) -> None:
         """A backward inside the model's forward (``torch.autograd.grad`` of an output with
         respect to an input as the forward runs: forces from an energy, a gradient penalty
@@ -101,7 +114,7 @@ class Backward:
 
     def _post_backward(self, unit: Unit) -> None:
         """One use of ``unit`` is done with its backward; the last one finishes the unit."""
-        if self.phase is Phase.FORWARD:
+        if self._inside_forward():
             return  # a backward inside the forward (``_backward_in_forward``)
         unit.pending_uses -= 1
         if unit.pending_uses <= 0:

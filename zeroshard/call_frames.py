@@ -29,7 +29,13 @@ def current(module: nn.Module) -> int | None:
     return None
 
 
-def running(call: int | None, module: nn.Module, *, besides_current: bool = False) -> bool:
+def running(
+    call: int | None,
+    module: nn.Module,
+    *,
+    besides_current: bool = False,
+    thread: int | None = None,
+) -> bool:
     """Whether the call of ``module`` that ``current`` recorded as ``call`` may still run: a
     call of ``module`` (a ``Module._call_impl`` frame of it) is on this thread's stack, not
     counting the innermost one with ``besides_current`` (asked from inside a new call). An
@@ -41,7 +47,7 @@ def running(call: int | None, module: nn.Module, *, besides_current: bool = Fals
     if call is None:
         return True
     needed = 2 if besides_current else 1  # (stops at it: the root's call is a few frames up)
-    frame = sys._getframe(1)
+    frame = sys._getframe(1) if thread is None else sys._current_frames().get(thread)
     while frame is not None:
         if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is module:
             needed -= 1
