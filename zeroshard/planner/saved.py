@@ -250,11 +250,13 @@ def measure(
     seq_len: int,
     activation_bytes: int = 4,
     num_mp_ranks: int = 1,
+    track: bool = True,
 ) -> SavedActivations:
     """Run one forward and loss of ``module`` (a copy, on meta, in the dtype of
     ``activation_bytes``) on ``micro_batch_size x seq_len`` random token ids, and sort what
     autograd saves by unit (module docstring); with ``num_mp_ranks`` > 1, what tensor
-    parallelism splits counts 1/Nm (``_TensorParallelSplit``)."""
+    parallelism splits counts 1/Nm (``_TensorParallelSplit``). ``track``: the forward's own
+    peak measured by torch's MemTracker (``forward_peak_bytes``), where it can be."""
     import torch
 
     from zeroshard.trees import tensors_in
@@ -329,7 +331,8 @@ def measure(
     shape = (micro_batch_size, seq_len)
     x = torch.randint(0, vocab_size, shape, device="meta")
     y = torch.randint(0, vocab_size, shape, device="meta")
-    tracking = _forward_tracker(model) if num_mp_ranks == 1 else contextlib.nullcontext()
+    tracked = track and num_mp_ranks == 1
+    tracking = _forward_tracker(model) if tracked else contextlib.nullcontext()
     if follow:
         owners.now(-1)
     failed = None
@@ -351,6 +354,13 @@ def measure(
             h.remove()
     if failed is not None:
         own = _own_error(model, call, x, y, vocab_size)
+        if own is None and tracked:  # MemTracker's own failure (a model nothing of which
+            # trains: its hooks on outputs that need no gradient raise); measured without it
+            kwargs = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, track=False)
+            return measure(
+                module, unit_names, vocab_size=vocab_size, call=call,
+                activation_bytes=activation_bytes, num_mp_ranks=num_mp_ranks, **kwargs,
+            )  # fmt: skip
         raise (own or failed) from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"the forward returned {type(loss).__name__}, not a scalar loss")
