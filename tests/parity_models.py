@@ -21,6 +21,18 @@ class Cell(nn.Module):
         return torch.tanh(self.lin(x))
 
 
+class ResidualMlp(nn.Module):
+    """``x + fc2(tanh(fc1(x)))``, ``width`` -> ``hidden`` -> ``width``: the blocks of the tests
+    whose parameters are also read outside them (penalties, forces)."""
+
+    def __init__(self, width: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc2(torch.tanh(self.fc1(h)))
+
+
 class FrozenMLP(nn.Module):
     """Three linear layers; the first frozen, and the second's bias frozen."""
 

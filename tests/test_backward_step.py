@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from parity_models import batch, build, loss_of, param_groups
+from parity_models import ResidualMlp, batch, build, loss_of, param_groups
 
 import zeroshard
 
@@ -762,18 +762,11 @@ def _penalty_before_the_blocks() -> str:
     its gradient comes after the block's update), stepped in the backward at stage 2."""
     from torch import nn
 
-    class Mlp(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
-
-        def forward(self, h: torch.Tensor) -> torch.Tensor:
-            return h + self.fc2(torch.tanh(self.fc1(h)))
-
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.inp, self.blocks = nn.Linear(4, 4), nn.ModuleList(Mlp() for _ in range(2))
+            self.inp = nn.Linear(4, 4)
+            self.blocks = nn.ModuleList(ResidualMlp(4, 8) for _ in range(2))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             penalty = self.blocks[0].fc2.bias.sum()
@@ -783,8 +776,8 @@ def _penalty_before_the_blocks() -> str:
             return x.square().mean() + penalty
 
     torch.manual_seed(0)
-    config = zeroshard.ShardConfig(bucket_bytes=0)
-    model = zeroshard.shard(Net(), stage=2, wrap=zeroshard.wrap.by_class(Mlp), config=config)
+    policy, config = zeroshard.wrap.by_class(ResidualMlp), zeroshard.ShardConfig(bucket_bytes=0)
+    model = zeroshard.shard(Net(), stage=2, wrap=policy, config=config)
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, step_in_backward=True)
     try:
         for _ in range(2):

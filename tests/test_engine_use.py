@@ -29,6 +29,7 @@ from parity_models import (
     BlockTwiceGPT,
     Cell,
     CheckpointedGPT,
+    ResidualMlp,
     SkippingGPT,
     batch,
     build,
@@ -719,15 +720,6 @@ def test_a_block_left_out_is_updated_by_adamw_as_torch_does(workers2, stage, set
     _check(workers2.run(_changing_path, stage, None, "adamw", 1, set_to_none))
 
 
-class _Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.fc2(torch.tanh(self.fc1(h)))
-
-
 class _PenaltyFirst(nn.Module):
     """The root's forward reads two blocks' parameters before the blocks run (a penalty), so
     that autograd finishes their gradients after those blocks' own backward; ``reentrant``:
@@ -736,7 +728,7 @@ class _PenaltyFirst(nn.Module):
     def __init__(self, reentrant: bool = False) -> None:
         super().__init__()
         self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
-        self.blocks = nn.ModuleList(_Mlp() for _ in range(2))
+        self.blocks = nn.ModuleList(ResidualMlp() for _ in range(2))
         self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -760,7 +752,7 @@ def _penalty_first(
     torch.manual_seed(0)
     ref = _PenaltyFirst(reentrant)
     model = zeroshard.shard(
-        copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_Mlp), config=_config(0)
+        copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(ResidualMlp), config=_config(0)
     )
     if hook:
 
@@ -826,7 +818,7 @@ class _Energy(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Mlp() for _ in range(2))
+        self.blocks = nn.ModuleList(ResidualMlp() for _ in range(2))
         self.out = nn.Linear(8, 1)
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
@@ -841,7 +833,7 @@ class _Energy(nn.Module):
 def _forces(stage: int) -> dict:
     torch.manual_seed(0)
     ref = _Energy()
-    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(_Mlp))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=wrap.by_class(ResidualMlp))
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -880,7 +872,7 @@ def _logged_in_a_hook(create_graph: bool) -> list[str]:
     one block's layer for a log, in the grad mode the backward gives hooks (on with
     ``create_graph=True``); the units gathered once each backward ends."""
     torch.manual_seed(0)
-    model = zeroshard.shard(_PenaltyFirst(), stage=3, wrap=wrap.by_class(_Mlp))
+    model = zeroshard.shard(_PenaltyFirst(), stage=3, wrap=wrap.by_class(ResidualMlp))
     engine = zeroshard.engine_of(model)
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
 

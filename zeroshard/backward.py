@@ -91,9 +91,8 @@ class Backward:
         if self.phase is not Phase.FORWARD:
             return False
         owner = self.step_thread
-        thread = (
-            owner.ident if owner is not None and owner is not threading.current_thread() else None
-        )
+        elsewhere = owner is not None and owner is not threading.current_thread()
+        thread = owner.ident if elsewhere else None
         return call_frames.running(self._forward_call, self.model, thread=thread)
 
     def _backward_in_forward(self, unit: Unit) -> None:

@@ -37,7 +37,8 @@ def running(
     thread: int | None = None,
 ) -> bool:
     """Whether the call of ``module`` that ``current`` recorded as ``call`` may still run: a
-    call of ``module`` (a ``Module._call_impl`` frame of it) is on this thread's stack, not
+    call of ``module`` (a ``Module._call_impl`` frame of it) is on this thread's stack (or on
+    ``thread``'s, by its ident: the one running a forward, asked from autograd's), not
     counting the innermost one with ``besides_current`` (asked from inside a new call). An
     unknown call (None: none that ``current`` could see, as under ``torch.compile``) counts as
     running: nothing is undone on a guess. Matched by the module, not by the frame's id: a

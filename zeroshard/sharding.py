@@ -515,9 +515,10 @@ def _flat_params(
     per_unit: list[list[FlatParam]] = [[] for _ in specs]
     module_names = {id(m): n for n, m in specs[0].module.named_modules(remove_duplicate=False)}
     open_buckets: dict[tuple, tuple[list, list[int], MixedPrecision]] = {}
+    unit_groups = [_groups(spec) for spec in specs]
     totals: dict[tuple, int] = {}  # bytes of each group over every unit
-    for spec, policy in zip(specs, policies):
-        for key, members in _groups(spec).items():
+    for found, policy in zip(unit_groups, policies):
+        for key, members in found.items():
             numel = sum(p.numel() for _, p, _ in members)
             k = (*key, id(policy))
             totals[k] = totals.get(k, 0) + numel * _dtypes(policy, key[1])[0].itemsize
@@ -528,13 +529,13 @@ def _flat_params(
         for i in owners:
             per_unit[i].append(flat)
 
-    for i, (spec, policy) in enumerate(zip(specs, policies)):
+    for i, (spec, found, policy) in enumerate(zip(specs, unit_groups, policies)):
         groups = {
             (*key, id(policy)): [
                 (p, [name] + [f"{module_names[id(m)]}.{a}".lstrip(".") for m, a in regs[1:]])
                 for regs, p, name in members
             ]
-            for key, members in _groups(spec).items()
+            for key, members in found.items()
         }
         for key, params in groups.items():  # full buckets made first (sizes known on meta)
             elem_bytes = _dtypes(policy, key[1])[0].itemsize

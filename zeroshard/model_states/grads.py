@@ -135,9 +135,9 @@ class GradBucket(ShownGradients):
         self._watching: list = []
         """Handles of the tensor hooks (``_before_grad``) on the parameters of slots bound as
         this backward's reduction started, removed as the backward ends."""
-        self._parked: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._parked: dict[int, torch.Tensor | None] = {}
         """Slots whose ``.grad`` is a tensor of its own from this backward's reduction to its end
-        (``_park``): that tensor, and the value it started from, already reduced (None: zeros)."""
+        (``_park``), and the value it started from, already reduced (None: zeros)."""
         self._unshown = False  # a slot was left unbound at this backward's reduction
         self._shown_version: int | None = None
         """Stage 0, ``shard_grad`` apart from ``full_grad``: the buffer's version counter when it
@@ -248,9 +248,9 @@ class GradBucket(ShownGradients):
             # p.grad = f(p.grad)): either way the current .grad is the whole gradient.
             view.copy_(grad)
             self.touched[i] = self.reached = True
-            parked = self._parked.pop(i, None)
-            if parked is not None and parked[1] is not None:
-                view.sub_(parked[1])  # (the value it started from was reduced already)
+            base = self._parked.pop(i, None)
+            if base is not None:
+                view.sub_(base)  # (the value it started from was reduced already)
         param.grad = view
         self._bound[i] = True
 
@@ -272,13 +272,10 @@ class GradBucket(ShownGradients):
         through an inner backward, a reentrant checkpoint's, and this one after it) lands in a
         zero tensor of its own (``_park``), not in place in that region. A parked slot's
         ``.grad`` is its starting value itself until then: it gets a copy to add into."""
-        parked = self._parked.get(i)
-        if parked is not None:
-            placeholder, base = parked
-            param = self.flat.slots[i].param
-            if base is not None and placeholder is base and param.grad is base:
-                param.grad = placeholder = base.clone()
-                self._parked[i] = (placeholder, base)
+        if i in self._parked:
+            base, param = self._parked[i], self.flat.slots[i].param
+            if base is not None and param.grad is base:
+                param.grad = base.clone()  # (``base`` stays what ``_take`` subtracts)
         elif self.issued and self._bound[i]:
             self._park(i, keep=False)
 
@@ -499,19 +496,19 @@ class GradBucket(ShownGradients):
         shows until a late gradient comes (``_before_grad`` copies it then). Else from zeros
         (the region is being reduced already)."""
         base = self._view(i).clone() if keep else None
-        placeholder = base if base is not None else torch.zeros_like(self._view(i))
-        self.flat.slots[i].param.grad = placeholder
-        self._parked[i] = (placeholder, base)
+        self.flat.slots[i].param.grad = base if keep else torch.zeros_like(self._view(i))
+        self._parked[i] = base
         self._bound[i] = False
 
     def _unpark(self) -> None:
-        """Slots parked in this backward that no late gradient reached show what they would
-        have shown bound: the region (stage 0: the averaged gradient), else no ``.grad``."""
+        """Slots parked in this backward that no late gradient reached (``.grad`` still their
+        starting value; one parked from zeros was parked by a late gradient) show what they
+        would have shown bound: the region (stage 0: the averaged gradient), else no ``.grad``."""
         parked, self._parked = self._parked, {}
         shows = self.reduction is Reduction.ALL_REDUCE and self._reduced
-        for i, (placeholder, _) in parked.items():
+        for i, base in parked.items():
             param = self.flat.slots[i].param
-            if param.grad is not placeholder:
+            if base is None or param.grad is not base:
                 continue  # a late gradient came: taken and reduced again, or replaced by hand
             if shows and self.full_grad is not None:
                 param.grad, self._bound[i] = self._view(i), True

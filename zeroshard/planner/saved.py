@@ -338,9 +338,7 @@ def measure(
     failed = None
     try:
         with (
-            hf.quiet_transformers(),
-            _cpu_attention_choice(),
-            _meta_grouped_mm(),
+            _on_meta(),
             _unpacked_sequences(),
             split,
             torch.autograd.graph.saved_tensors_hooks(pack, unpack),
@@ -356,11 +354,17 @@ def measure(
         own = _own_error(model, call, x, y, vocab_size)
         if own is None and tracked:  # MemTracker's own failure (a model nothing of which
             # trains: its hooks on outputs that need no gradient raise); measured without it
-            kwargs = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, track=False)
             return measure(
-                module, unit_names, vocab_size=vocab_size, call=call,
-                activation_bytes=activation_bytes, num_mp_ranks=num_mp_ranks, **kwargs,
-            )  # fmt: skip
+                module,
+                unit_names,
+                vocab_size=vocab_size,
+                call=call,
+                micro_batch_size=micro_batch_size,
+                seq_len=seq_len,
+                activation_bytes=activation_bytes,
+                num_mp_ranks=num_mp_ranks,
+                track=False,
+            )
         raise (own or failed) from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"the forward returned {type(loss).__name__}, not a scalar loss")
@@ -410,7 +414,7 @@ def _own_error(model, call: str, x, y, vocab_size: int) -> Exception | None:
     "cannot register a hook on a tensor that doesn't require gradient" in place of Whisper's own
     error, fed token ids instead of audio features.)"""
     try:
-        with hf.quiet_transformers(), _cpu_attention_choice(), _meta_grouped_mm():
+        with _on_meta():
             _loss(model, call, x, y, vocab_size)
     except Exception as exc:
         return exc
@@ -425,7 +429,7 @@ def _unit_backward_bytes(
     if loss is None:
         return ()
     try:
-        with hf.quiet_transformers(), _cpu_attention_choice(), _meta_grouped_mm():
+        with _on_meta():
             found = backward_peak.peaks(loss, saves, owners)
     except Exception as exc:  # an operator without a meta backward: the sizes' estimate stands
         import warnings
@@ -443,6 +447,14 @@ def _unit_backward_bytes(
         through += own + root  # saved up to and by unit i, alive as its backward starts
         working.append(max(0, found[i] - through) if i in found else inputs[i] + largest[i])
     return tuple(working)
+
+
+@contextlib.contextmanager
+def _on_meta():
+    """What any run of the model on meta needs: transformers quiet, the CPU's attention kernel,
+    grouped matmuls of any dtype (``measure`` adds its hooks and the packed-sequence check)."""
+    with hf.quiet_transformers(), _cpu_attention_choice(), _meta_grouped_mm():
+        yield
 
 
 @contextlib.contextmanager
