@@ -1,5 +1,5 @@
 """Each unit's backward working bytes, found by running the measured forward's backward on meta
-and following what autograd keeps alive, node by node.
+and following what autograd keeps alive, operator by operator.
 
 A unit's backward holds, beside the activations saved up to it, the gradients flowing through it
 and those its operators make. How many exist at once depends on its operators: GELU's backward
@@ -9,15 +9,16 @@ gradients of its width at once. So the unit's peak is followed rather than assum
 
 - a saved storage lives until the last node that saved it has run (``SaveCounts``: saves
   counted in the forward, unpacks in the backward);
-- a gradient lives from the node that makes it until the node it flows into has run (a second one
-  into the same input is summed into the first's buffer); a parameter's gradient (into its
-  ``AccumulateGrad``, or a transpose, view or cast before it) is a model state, counted by the
-  timeline apart;
+- what the backward makes (a gradient, or a temporary inside one node: a custom Function's
+  products, an in-place operator's ``CopySlices`` copies) lives as long as autograd holds it,
+  seen by a dispatch mode as each storage is made and freed (``_Made``); a parameter's gradient
+  (into its ``AccumulateGrad``, or a transpose, view or cast before it) is a model state,
+  counted by the timeline apart;
 - a node belongs to the unit whose forward created it (autograd's sequence numbers, noted as
-  units are entered and left, ``Owners``); the engine runs nodes in decreasing sequence order.
+  units are entered and left, ``Owners``).
 
-The peak of a unit is taken as each of its nodes ends, before what it consumed is freed. All sizes
-are bytes; nothing is allocated (meta tensors).
+The peak of a unit is taken as each of its nodes' operators ends. All sizes are bytes; nothing
+is allocated (meta tensors).
 """
 
 from __future__ import annotations
@@ -77,11 +78,6 @@ class SaveCounts:
                 self.done.append(key)
 
 
-def _storage(t) -> tuple[int, int]:
-    s = t.untyped_storage()
-    return s._cdata, s.nbytes()
-
-
 def _into_parameters(nodes: list) -> dict:
     """The nodes that pass a gradient on to one parameter alone (its ``AccumulateGrad``, or a
     chain of one-input nodes before it: a weight's transpose, view or cast) -> that parameter's
@@ -100,12 +96,80 @@ def _into_parameters(nodes: list) -> dict:
     return found
 
 
+class _Made:
+    """The storages the backward creates (on meta), while they are alive: a dispatch mode that
+    notes each operator's new output storages (not aliases of its inputs: views and in-place
+    results) and drops them as they are freed. Each operator that ends while a node runs is a
+    moment (``on_moment``), so that the temporaries inside one node (an in-place ReLU's
+    ``CopySlices`` clone, a custom Function's intermediate products) count as much as the
+    gradients between nodes.
+
+    What the engine runs between nodes is no moment: where it sums a second gradient into an
+    input's first it adds in place on a device (the first held by it alone), not on meta; a
+    parameter's ``AccumulateGrad`` makes a model state."""
+
+    def __init__(self, on_moment) -> None:
+        self.alive: dict[int, int] = {}  # serial -> bytes
+        self.total = 0
+        """Bytes of ``alive``."""
+        self.nodes_running = 0
+        self._serials = None  # storage -> serial (weak)
+        self._next = 0
+        self._on_moment = on_moment
+
+    def serial(self, t) -> int | None:
+        """The serial of ``t``'s storage if the backward made it."""
+        return self._serials.get(t.untyped_storage()) if self._serials is not None else None
+
+    def forget(self, serial: int) -> None:
+        """No longer count ``serial`` (a model state, counted apart)."""
+        self.total -= self.alive.pop(serial, 0)
+
+    def mode(self):
+        import weakref
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self._serials = WeakIdKeyDictionary()
+        made = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = {
+                    t.untyped_storage()._cdata
+                    for t in tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor)
+                }
+                new = []
+                for t in tree_leaves(out):
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    storage = t.untyped_storage()
+                    if storage._cdata in inputs or storage in made._serials:
+                        continue
+                    made._serials[storage] = serial = made._next
+                    made._next += 1
+                    made.alive[serial] = storage.nbytes()
+                    made.total += storage.nbytes()
+                    weakref.finalize(storage, made.forget, serial)
+                    new.append(serial)
+                if made.nodes_running:
+                    made._on_moment(new)
+                return out
+
+        return Mode()
+
+
 def peaks(loss, saves: SaveCounts, owners: Owners) -> dict[int, int]:
     """Run ``loss``'s backward (on meta) and give, per owner (``Owners``), the most bytes of saved
-    activations and gradients alive at the end of any of its nodes. ``saves`` must be the
-    counts of the forward's saved-tensor hooks, whose unpack hook calls ``saves.unpacked``."""
-    from torch.autograd.graph import Node
-
+    activations and of what the backward made (gradients, temporaries inside a node) alive at
+    once while one of its nodes ran. ``saves`` must be the counts of the forward's saved-tensor
+    hooks, whose unpack hook calls ``saves.unpacked``. Parameters' gradients are model states,
+    counted by the timeline: left out."""
     nodes, todo, seen = [], [loss.grad_fn], set()
     while todo:
         node = todo.pop()
@@ -117,45 +181,59 @@ def peaks(loss, saves: SaveCounts, owners: Owners) -> dict[int, int]:
     weights = _into_parameters(nodes)
 
     alive = sum(saves.nbytes.values())
-    pending: dict = {}  # node -> {input: (storage, bytes)}: the gradients flowing into it
-    consumed: dict[int, int] = {}  # storage -> bytes: the running node's incoming gradients
     found: dict[int, int] = {}
+    # The node running: the sizes of what it made, and per moment, the bytes alive and which of
+    # its own storages were (a parameter's gradient among them is known as it ends).
+    sizes: dict[int, int] = {}
+    moments: list[tuple[int, tuple[int, ...]]] = []
 
-    def before(grad_outputs) -> None:
-        consumed.clear()
-        consumed.update(_storage(g) for g in grad_outputs if g is not None)
+    def moment(new: list[int]) -> None:
+        sizes.update((s, made.alive[s]) for s in new)
+        moments.append((made.total, tuple(s for s in sizes if s in made.alive)))
 
-    def after(node: Node):
+    made = _Made(moment)
+
+    def before(_grad_outputs) -> None:
+        sizes.clear()
+        moments.clear()
+        made.nodes_running += 1
+
+    def after(node):
         def hook(grad_inputs, _grad_outputs) -> None:
             nonlocal alive
-            made = [
-                (into, slot, _storage(g))
-                for g, (into, slot) in zip(grad_inputs, node.next_functions)
-                if g is not None and into is not None and weights.get(into) != g.numel()
-            ]
-            live = dict(consumed)
-            for slots in pending.values():
-                live.update(slots.values())
-            live.update(storage for _, _, storage in made)  # (beside a buffer summed into)
-            for into, slot, storage in made:
-                # A second gradient into one input is summed into the first's buffer.
-                pending.setdefault(into, {}).setdefault(slot, storage)
+            states = set()
+            for g, (into, _) in zip(grad_inputs, node.next_functions):
+                if g is not None and into is not None and weights.get(into) == g.numel():
+                    states.add(made.serial(g))
+            moment([])
             owner = owners.of(node)
             if owner is not None:
-                found[owner] = max(found.get(owner, 0), alive + sum(live.values()))
-            pending.pop(node, None)  # (summed into one buffer, or consumed as they are)
+                for total, own in moments:
+                    held = alive + total - sum(sizes[s] for s in own if s in states)
+                    found[owner] = max(found.get(owner, 0), held)
+            for serial in states - {None}:
+                made.forget(serial)
+            made.nodes_running -= 1
             alive -= sum(saves.nbytes[k] for k in saves.done)
             saves.done.clear()
 
         return hook
 
+    def accumulated(param) -> None:  # (a copy AccumulateGrad made, not the gradient it got)
+        serial = made.serial(param.grad)
+        if serial is not None:
+            made.forget(serial)
+
     handles = []
     for node in nodes:
-        if not hasattr(node, "variable"):  # (not an AccumulateGrad)
+        if hasattr(node, "variable"):
+            handles.append(node.variable.register_post_accumulate_grad_hook(accumulated))
+        else:
             handles.append(node.register_prehook(before))
             handles.append(node.register_hook(after(node)))
     try:
-        loss.backward()
+        with made.mode():
+            loss.backward()
     finally:
         for h in handles:
             h.remove()
