@@ -1436,3 +1436,29 @@ def test_a_load_that_assigns_an_integer_tensor_to_a_trained_parameter_is_refused
     model.load_state_dict(entries)  # copied, cast, as torch does
     with zeroshard.summon_full_params(model, writeback=False):
         assert torch.equal(model.weight, torch.ones(2, 3))
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.scale = nn.Linear(3, 2), nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_scalar_parameter_loads_a_one_element_vector_as_torch_does(lone_process, stage, assign):
+    # torch takes a 1-D value's first element for a 0-dim parameter (scalars saved as 1-D by
+    # torch 0.3); it was refused as a size mismatch.
+    torch.manual_seed(0)
+    plain = _Scaled()
+    entries = {**plain.state_dict(), "scale": torch.tensor([3.0])}
+    want = copy.deepcopy(plain)
+    assert not want.load_state_dict(entries, assign=assign).missing_keys
+    model = zeroshard.shard(copy.deepcopy(plain), stage=stage)
+    model.load_state_dict(entries, assign=assign)
+    with zeroshard.summon_full_params(model, writeback=False):
+        assert model.scale.shape == want.scale.shape == ()
+        assert model.scale.item() == want.scale.item() == 3.0

@@ -398,6 +398,8 @@ class _Hooks:
             load.consumed.add(key_of(key))
             flat, index = self.slot_of[id(p)]
             shape = flat.slots[index].shape
+            if isinstance(value, torch.Tensor) and len(shape) == 0 and value.dim() == 1:
+                value = value[0]  # (as torch: a scalar saved 1-D by torch 0.3)
             if isinstance(value, FlatRange):
                 load.ranges_loaded = True
                 _read_range(flat, index, value, key, error_msgs)
