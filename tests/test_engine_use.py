@@ -3341,6 +3341,20 @@ def test_a_module_added_after_shard_is_said_to_train_apart_per_rank(workers2, st
         assert "'adapter.weight'" in said[0], said
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_zero_element_parameter_is_not_said_to_be_added_after_shard(lone_process, stage):
+    # Held before shard(), left plain (nothing to shard): it was said to be "added after
+    # zeroshard.shard()" at the first forward, at every stage.
+    net = nn.Sequential(nn.Linear(4, 4))
+    net.register_parameter("empty", nn.Parameter(torch.zeros(0, 4)))
+    model = zeroshard.shard(net, stage=stage)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.backward(model(torch.randn(2, 4)).sum())
+        opt.step()
+
+
 def _backward_after_the_model_is_freed(stage: int) -> str:
     """A loss kept while its model and optimizer are deleted (a notebook cell rebuilding
     them), then backpropagated."""

@@ -178,7 +178,10 @@ def added_parameters(model: nn.Module, known: set[int]) -> bool:
     added = [
         name
         for name, p in model.named_parameters()
-        if isinstance(p, nn.Parameter) and p.requires_grad and id(p) not in known
+        if isinstance(p, nn.Parameter)
+        and p.requires_grad
+        and p.numel() > 0  # (shard() leaves zero-element ones plain: nothing to diverge)
+        and id(p) not in known
     ]
     if not added:
         return False
