@@ -89,6 +89,28 @@ def _check_init_fn(param_init_fn: Any) -> None:
         pass
 
 
+def _out_of_inference_mode(model: nn.Module) -> None:
+    """Parameters and buffers made under ``torch.inference_mode()`` (a model built or loaded
+    there) become plain tensors of the same values: inference tensors have no version counter,
+    so they could be neither flattened nor trained (FSDP2 shards them too). New parameter objects
+    (nothing could have trained the old ones); one tied to another stays so."""
+    new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (old, its replacement)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_inference():
+                    continue
+                if id(t) not in new:
+                    plain = t.clone()
+                    if isinstance(t, nn.Parameter):
+                        plain = nn.Parameter(plain, requires_grad=t.requires_grad)
+                    new[id(t)] = (t, plain)
+                table[name] = new[id(t)][1]
+
+
+# (What it makes under inference mode, buffers and masters, could never train: inference tensors
+# have no version counter and cannot be saved for backward.)
+@torch.inference_mode(False)
 def shard(
     model: nn.Module,
     *,
@@ -187,6 +209,7 @@ def shard(
             "ran on it): zeroshard shards plain parameters; split a model tensor-parallel with "
             "zeroshard.tensor_parallel (zeroshard train --tp N) instead"
         )
+    _out_of_inference_mode(model)
     model_checks.strided_parameters(model)  # (before the memory check: a sparse one has none)
     model_checks.no_shared_memory(model)
     complex_ = next((n for n, p in model.named_parameters() if p.is_complex()), None)
