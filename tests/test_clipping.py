@@ -263,3 +263,35 @@ def test_a_clip_between_micro_steps_is_refused(workers2):
     for said in workers2.run(_clip_between_micro_steps):
         assert said.startswith("clip_grad_norm after a backward with sync=False"), said
         assert "; clip_grad_value after a backward with sync=False" in said, said
+
+
+def _norm_on_rank_0_alone(stage: int) -> str:
+    """DDP's habit, ``if rank == 0: clip_grad_norm(inf)`` to log the norm: a one-line error
+    naming the call on that rank; every rank's clip after it works."""
+    torch.manual_seed(0)
+    model = zeroshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), stage=stage)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    opt.backward(model(torch.randn(2, 4)).sum())
+    said = ""
+    if dist.get_rank() == 0:
+        from zeroshard.testing import impatient
+        from zeroshard.watchdog import CollectiveTimeout
+
+        with impatient(), pytest.raises(CollectiveTimeout) as info:
+            opt.clip_grad_norm(float("inf"))
+        said = str(info.value)
+    dist.barrier()
+    opt.clip_grad_norm(1.0)
+    opt.step()
+    return said
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_norm_taken_on_one_rank_alone_is_named(workers2, stage):
+    # The norm is summed over the ranks' shards: rank 0's all-reduce met the others' next
+    # collective and gloo aborted ("Received data size doesn't match expected size").
+    said = workers2.run(_norm_on_rank_0_alone, stage)[0]
+    assert said.startswith("clip_grad_norm of the gradients' norm timed out after 2 s on rank 0"), (
+        said
+    )
+    assert "(clip_grad_norm is a collective: every rank calls it, not under `if rank == 0:`" in said

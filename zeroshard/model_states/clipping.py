@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard import collectives as C
+from zeroshard.watchdog import every_rank_calls
 
 if TYPE_CHECKING:
     from zeroshard.model_states.optimizer import ShardedOptimizer
@@ -86,7 +87,16 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
         # group below) and the same gradient of replicated ones (to be counted once).
         total -= _tp_replicated_power(opt, p, dtype) * (1 - 1 / mesh.tp_size)
     op = dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM
-    if opt.engine.partition.optimizer_states and mesh.shard_size > 1:
+    sharded = opt.engine.partition.optimizer_states and mesh.shard_size > 1
+    if sharded or mesh.tp_size > 1:  # (DDP's clip is local: a norm logged on rank 0 alone)
+        every_rank_calls(
+            "clip_grad_norm",
+            "the gradients' norm",
+            "each rank holds a shard of the gradients; take the norm on every rank and log it "
+            "on one",
+            mesh.group if mesh.tp_size == 1 else None,
+        )
+    if sharded:
         # The shard group's ranks hold disjoint shards that together make every gradient;
         # with hybrid sharding the other groups hold the same ones: summing over them too
         # would count each element once per replica.
