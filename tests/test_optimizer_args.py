@@ -53,6 +53,20 @@ def test_settings_torch_refuses_are_named(lone_process):
     assert opt.step()
 
 
+@pytest.mark.parametrize("elementwise", [False, True])
+def test_an_optimizer_given_by_its_name_is_named(lone_process, elementwise):
+    """``"AdamW"``: refused as "not a known element-wise optimizer ... pass elementwise=True",
+    and with it, a bare AttributeError ("'str' object has no attribute '__module__'")."""
+    model = zeroshard.shard(nn.Linear(4, 2), stage=1)
+    with pytest.raises(
+        TypeError, match=r"not 'AdamW': zeroshard.optimizer\(model, torch.optim.AdamW"
+    ):
+        zeroshard.optimizer(model, "AdamW", elementwise=elementwise, lr=1e-3)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)  # the model is still usable
+    model(torch.randn(3, 4)).sum().backward()
+    assert opt.step()
+
+
 def test_parameters_given_as_torch_optim_refuses_them_are_named(lone_process):
     """As torch.optim: a bare tensor, an empty list, a group without "params" (a bare tensor
     was reported as a parameter of another model; the others passed, or raised KeyError)."""

@@ -97,6 +97,16 @@ def check_elementwise(optimizer_cls: type, *, known: bool = False) -> None:
             f"settings, not a {type(optimizer_cls).__name__} built already: "
             "zeroshard.optimizer(model, torch.optim.AdamW, lr=...)"
         )
+    if not callable(optimizer_cls):
+        named = (
+            getattr(torch.optim, optimizer_cls, None) if isinstance(optimizer_cls, str) else None
+        )
+        hint = f"torch.optim.{optimizer_cls}" if named is not None else "torch.optim.AdamW"
+        raise TypeError(
+            f"zeroshard.optimizer takes the optimizer class (or a function that builds one from "
+            f"parameters and settings), not {optimizer_cls!r}: zeroshard.optimizer(model, "
+            f"{hint}, lr=...)"
+        )
     name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
     overrides = _overridden_step(optimizer_cls)
     if overrides and not known:
