@@ -1201,3 +1201,38 @@ def test_a_step_raising_partway(workers2, stage, ranks, at, reload, apart):
             assert third.startswith(APART) and r["refused"] == third, r
         else:
             assert third is True and r["refused"] == "", r
+
+
+@pytest.mark.parametrize("stage, step_in_backward", [(0, False), (1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("edit", ["take out", "move", "reverse", "delete"])
+def test_param_groups_changed_by_hand_are_refused(lone_process, stage, step_in_backward, edit):
+    # Torch reads each group's "params" at every step; the sub-groups were built once, and a
+    # piece looked up its settings by index: a parameter taken out of its group (or moved to a
+    # group with lr 0) kept training at its old lr, reversed groups swapped their lrs, and a
+    # deleted group raised a bare IndexError; all silently but the last.
+    torch.manual_seed(0)
+    model = zeroshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), stage=stage)
+    groups = [
+        {"params": [model[0].weight, model[0].bias], "lr": 0.1},
+        {"params": [model[1].weight, model[1].bias], "lr": 0.2},
+    ]
+    opt = zeroshard.optimizer(
+        model, torch.optim.SGD, groups, lr=0.1, step_in_backward=step_in_backward
+    )
+    opt.backward(model(torch.randn(3, 4)).sum())
+    opt.step()
+    opt.zero_grad()
+    opt.param_groups[1]["lr"] = 0.05  # (settings change in place, as a scheduler's)
+    if edit == "take out":
+        opt.param_groups[1]["params"].pop(0)
+    elif edit == "move":
+        opt.param_groups[0]["params"].append(opt.param_groups[1]["params"].pop(0))
+    elif edit == "reverse":
+        opt.param_groups.reverse()
+    else:
+        del opt.param_groups[1]
+    with pytest.raises(ValueError, match=r"opt.param_groups were changed by hand"):
+        opt.backward(model(torch.randn(3, 4)).sum())
+        opt.step()
+    with pytest.raises(ValueError, match=r"opt.param_groups were changed by hand"):
+        opt.state_dict()

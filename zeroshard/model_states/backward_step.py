@@ -188,6 +188,8 @@ class BackwardStep:
         if sg is not None and not (seen and optimizer.loss_scaler.checks):
             first = self._first_slot[id(bucket)]
             unused = {first + i for i, used in enumerate(touched) if not used}
+            if not self._used:  # (the step's first sub-group)
+                optimizer.check_groups()
             for i in sg.groups:
                 if i not in self._used:  # (per unit per step: copied once per group)
                     self._used[i] = _hyperparameters(optimizer.param_groups[i])

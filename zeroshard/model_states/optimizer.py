@@ -156,6 +156,8 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         self.optimizer_cls = optimizer_cls
         self.state = States(self._subgroups)
         self._groups_fixed = True
+        self._built_groups = self._group_ids()
+        """Each group's parameters (ids, in order) as the sub-groups were built from them."""
         self._swap: StateSwapper | None = None
         """With ``Offload(optimizer="nvme")``: the sub-groups' states in swap files, streamed
         around each step (``zeroshard.model_states.state_swap``)."""
@@ -213,6 +215,22 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
                 "to zeroshard.optimizer(model, cls, groups)"
             )
         super().add_param_group(param_group)
+
+    def _group_ids(self) -> list[tuple[int, ...]]:
+        return [tuple(map(id, g["params"])) for g in self.param_groups]
+
+    def check_groups(self) -> None:
+        """The param groups hold the parameters they were built with (settings may change, as
+        a scheduler changes them): each sub-group's torch optimizer steps its pieces with the
+        settings of the group at the index it was built from."""
+        if self._group_ids() != self._built_groups:
+            raise ValueError(
+                "opt.param_groups were changed by hand (a group's 'params' edited, or groups "
+                "removed or reordered): a sharded optimizer's groups are fixed at construction, "
+                "each rank's pieces stepped with the settings of the group they were built in. "
+                "Change settings in place (g['lr'] = ...); to move a parameter, freeze it or "
+                "give it lr 0 in its group, or build a new zeroshard.optimizer with the groups"
+            )
 
     # ----------------------------------------------------------------- the step
     def _adopt_grad_edits(self) -> None:
@@ -431,6 +449,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
     @torch.no_grad()
     def _step(self) -> bool:
         self.engine.check_trusted()
+        self.check_groups()
         if "found_inf" in self.__dict__:  # set by torch.amp.GradScaler.step (see above)
             del self.found_inf  # (it deletes them after a step that returns)
             self.__dict__.pop("grad_scale", None)
@@ -650,6 +669,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
 
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        self.check_groups()
         with diagnosed("all_gather", COLLECTIVE, None):  # (as load_state_dict's)
             state_dict = optimizer_state_dict(self)
         if called_by_torch("_get_optim_state_dict", depth=1):  # it keys them by name again
