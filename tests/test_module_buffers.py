@@ -60,6 +60,42 @@ def test_a_model_converted_after_shard_goes_on_with_its_buffers(workers2, stage,
         assert r["eval_gap"] < 1e-2, r
 
 
+def _moved_to_meta_then_filled(stage: int) -> dict:
+    """``model.to("meta")`` after training a step: said, the buffers named (their values are
+    gone); every call says so until they are loaded again, then training goes on as a twin's."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    model, twin = _bn_model(stage), _bn_model(stage)
+    opts = [zeroshard.optimizer(m, torch.optim.SGD, lr=0.1) for m in (model, twin)]
+    for m, opt in zip((model, twin), opts):
+        opt.backward(m(x).sum())
+        opt.step()
+        opt.zero_grad()
+    saved = {n: b.clone() for n, b in model.named_buffers()}
+    model.to("meta")
+    said = []
+    for _ in range(2):
+        with pytest.raises(ValueError) as raised:
+            model(x)
+        said.append(str(raised.value))
+    model.load_state_dict(saved, strict=False, assign=True)
+    model.eval(), twin.eval()
+    with torch.no_grad():
+        gap = (model(x) - twin(x)).abs().max().item()
+    return {"said": said, "gap": gap}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_buffers_moved_to_meta_are_named_until_filled_again(workers2, stage):
+    # The parameters were given back, the buffers were left on meta: every later call raised
+    # torch's "Tensor on device meta is not on the expected device cpu!" from BatchNorm.
+    for r in workers2.run(_moved_to_meta_then_filled, stage):
+        first, then = r["said"]
+        assert "weight was moved to meta after zeroshard.shard()" in first, first
+        assert "buffers moved to meta have no values left (1.running_mean, " in first, first
+        assert then.startswith("after model.to('meta') following zeroshard.shard(): buffers"), then
+        assert r["gap"] == 0.0, r
+
+
 def _assigned(stage: int) -> dict:
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
     model = _bn_model(stage, "bf16")

@@ -376,6 +376,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
             param_checks.check_requires_grad(self.flat_params)
         self.check_trusted()
         self.adopt_writes()  # (parameters replaced are an error before they count as added)
+        module_buffers.check_filled(self.model)  # (a load fills them: not before one)
         if torch.is_grad_enabled():
             seen = model_checks.registrations()  # (a walk only after a registration)
             if (

@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterator
 import torch
 from torch import nn
 
-from zeroshard import call_frames
+from zeroshard import call_frames, module_buffers
 from zeroshard.model_states.flat_param import FlatParam, ShardState, moved_message
 
 __all__ = ["check_registered", "check_requires_grad", "check_views", "discarding_writes"]
@@ -115,7 +115,11 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                 moved = now is not None and now.device != s.param.device  # model.to("meta")
                 if moved and not call_frames.in_functional_call():
                     _put_back(model, flats)
-                    raise ValueError(moved_message(name, now.device, s.param.device))
+                    said = moved_message(name, now.device, s.param.device)
+                    lost = module_buffers.put_back(model, s.param.device)
+                    raise ValueError(
+                        f"{said}; {module_buffers.lost_message(lost)}" if lost else said
+                    )
                 at_rest = now is None and found[path] is not None and f.state is ShardState.SHARDED
                 if at_rest and (what := _pruned_at_rest(found[path], name)) is not None:
                     undone.append(what)
