@@ -49,6 +49,8 @@ class Backward:
         if self._inside_forward():
             self._backward_in_forward(unit)
             return
+        if self.phase is Phase.FORWARD:  # a forward interrupted since the loss's (a Ctrl-C
+            self._forward_over()  # runs no hook): over, as its next forward would find it
         if self.phase is not Phase.BACKWARD:  # the backward's first unit: once per backward
             autograd_hooks.warn_graph_of_backward(self.partition.parameters and not self.summoned)
             self._no_grads = not _makes_grads(self.flat_params)

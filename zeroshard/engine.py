@@ -210,6 +210,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         elif entry and not recompute:
             self._after_interrupted_forward()  # (a Ctrl-C'd forward, then a block on its own)
             if self.phase is not Phase.FORWARD:
+                self._after_interrupted_call(unit)
                 self._begin_alone(unit)
         edits, call = None, None
         if entry:  # the inputs' containers edited in place: undone by ``_leave``

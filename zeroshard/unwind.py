@@ -47,6 +47,18 @@ class Unwinding:
         if not call_frames.running(self._forward_call, self.model):
             self._forward_raised()
 
+    def _after_interrupted_call(self, unit: Unit) -> None:
+        """``unit`` entered on its own still in FORWARD with no call of it running: its last
+        call, on its own too, was interrupted (a Ctrl-C runs no hook of torch's), and this is
+        not a nested call. Over: the unit idle, freed (a loop that never calls the root, two
+        nets sharded in one container, stayed broken: the next backward found it in forward)."""
+        if unit.state is not TrainingState.FORWARD:
+            return
+        if call_frames.running(id(unit), unit.module, besides_current=True):
+            return  # (a call of it inside its own: recursion)
+        unit.depth = 0
+        self._call_raised(unit)
+
     def arrivals(self) -> int:
         """Gradients of autograd's that the buckets have taken in, ever (a counter)."""
         return sum(b.arrivals for b in self.buckets)
@@ -178,6 +190,11 @@ class Unwinding:
         ending, self.ending_forward = self.ending_forward, False
         if (self.phase is not Phase.FORWARD and not ending) or in_backward() or comm_failed():
             return
+        self._forward_over()
+
+    def _forward_over(self) -> None:
+        """The root's forward is over without its ``post`` hook (it raised, or a Ctrl-C ran none
+        of its hooks): what it held freed, every unit idle."""
         self.phase, self._recording = Phase.IDLE, None
         self._start_clean(
             [u for u in self.units if u.state is not TrainingState.IDLE or u.is_gathered]

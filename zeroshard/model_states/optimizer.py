@@ -299,6 +299,11 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
             for o in (o for engine in engines for o in engine.optimizers):
                 if o._grad_swap is not None:  # (any model's the loss reached)
                     o._grad_swap.raise_deferred()
+        except BaseException as exc:
+            if not collective_failed(exc):  # (freeing would wait for the gathers in flight)
+                for engine in engines:  # over now: a backward of a retained graph next is a
+                    engine._after_raised_backward()  # new one, whose end is the step's
+            raise
         finally:
             for engine, (next_scale, scaler, by) in zip(engines, outer):  # (a loss that
                 engine.scaling.next_scale, engine.backward_by = next_scale, by  # reached no
