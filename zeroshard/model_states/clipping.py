@@ -88,7 +88,9 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
         total -= _tp_replicated_power(opt, p, dtype) * (1 - 1 / mesh.tp_size)
     op = dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM
     sharded = opt.engine.partition.optimizer_states and mesh.shard_size > 1
-    if sharded or mesh.tp_size > 1:  # (DDP's clip is local: a norm logged on rank 0 alone)
+    # DDP's clip is local: a norm logged on rank 0 alone, from the first step on, is named here;
+    # the first call only (a store's round trips every step would load it at scale).
+    if (sharded or mesh.tp_size > 1) and not opt.__dict__.get("_norm_checked"):
         every_rank_calls(
             "clip_grad_norm",
             "the gradients' norm",
@@ -96,6 +98,7 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
             "on one",
             mesh.group if mesh.tp_size == 1 else None,
         )
+        opt._norm_checked = True  # (a call refused checks again)
     if sharded:
         # The shard group's ranks hold disjoint shards that together make every gradient;
         # with hybrid sharding the other groups hold the same ones: summing over them too
