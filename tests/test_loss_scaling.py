@@ -122,6 +122,43 @@ def test_the_scale_applied_to_an_fp16_loss_stays_within_fp16():
     assert LossScaler(scale=2.0**16).scale_for(full) == 2.0**16
 
 
+@pytest.mark.parametrize("kind", [LossScaler, DynamicLossScaler])
+def test_a_streak_of_skipped_steps_goes_on_after_a_load(kind):
+    """Saved inside a streak and loaded into a fresh scaler, the streak went on from 0: no
+    warning at the 10th skip in a row, and the error at the minimum scale said 7 where the
+    uninterrupted run said 11."""
+
+    def said(scaler, outcomes):
+        out = []
+        for found_inf in outcomes:
+            scaler.update(found_inf)
+            out.append(scaler.skip_warning())
+        return out
+
+    outcomes = [False] + [True] * 11
+    whole = kind()
+    want = said(whole, outcomes)
+    first = kind()
+    got = said(first, outcomes[:6])
+    resumed = kind()
+    resumed.load_state_dict(first.state_dict())
+    got += said(resumed, outcomes[6:])
+    assert got == want and resumed.state_dict() == whole.state_dict()
+    assert resumed.num_skipped_in_a_row == 11
+
+
+def test_a_scaler_of_lower_hysteresis_lowers_at_once_after_a_load():
+    # The saved hysteresis_left (2) was taken as it was: the first overflow after the resume
+    # did not lower the scale of a scaler made with hysteresis=1.
+    saved = DynamicLossScaler(init_scale=1024.0, hysteresis=2)
+    saved.update(False)
+    resumed, fresh = (DynamicLossScaler(init_scale=1024.0, hysteresis=1) for _ in range(2))
+    resumed.load_state_dict(saved.state_dict())
+    resumed.update(True)
+    fresh.update(True)
+    assert resumed.scale == fresh.scale == 512.0
+
+
 def test_a_static_scale_warns_when_skipped_steps_repeat():
     """fp32/bf16 skip inf/NaN steps with nothing to lower: a run that skipped every step (a
     stage-3 loss reading parameters at rest) trained nothing without a word. ``step()`` warns

@@ -120,13 +120,20 @@ class LossScaler:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": type(self).__name__, "scale": self.scale, "num_skipped": self.num_skipped}
+        return {
+            "kind": type(self).__name__,
+            "scale": self.scale,
+            "num_skipped": self.num_skipped,
+            "num_skipped_in_a_row": self.num_skipped_in_a_row,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state``; its scale only from a scaler of the same kind (a BF16 run's 1.0
         would leave an FP16 run at the minimum scale, an FP16 run's scale would stay on in
-        FP32 for good)."""
+        FP32 for good). A streak of skipped steps goes on (its warnings, and the error at the
+        minimum scale, count it as the uninterrupted run does)."""
         self.num_skipped = int(state.get("num_skipped", 0))
+        self.num_skipped_in_a_row = int(state.get("num_skipped_in_a_row", 0))
         if self.same_kind(state):
             self.scale = float(state["scale"])
 
@@ -272,7 +279,9 @@ class DynamicLossScaler(LossScaler):
             return
         # torch.amp.GradScaler's state: its clean steps and settings, as its load_state_dict does.
         self._clean_steps = int(state.get("clean_steps", state.get("_growth_tracker", 0)))
-        self._hysteresis_left = int(state.get("hysteresis_left", self.hysteresis))
+        # (at most this scaler's own: one of hysteresis 1 lowers at once, whatever it loads)
+        left = int(state.get("hysteresis_left", self.hysteresis))
+        self._hysteresis_left = min(left, self.hysteresis)
         for name in ("growth_factor", "backoff_factor", "growth_interval"):
             if "_growth_tracker" in state and name in state:
                 setattr(self, name, type(getattr(self, name))(state[name]))
