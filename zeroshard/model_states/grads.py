@@ -142,6 +142,9 @@ class GradBucket(ShownGradients):
         self._shown_version: int | None = None
         """Stage 0, ``shard_grad`` apart from ``full_grad``: the buffer's version counter when it
         was given the averaged gradient (``.grad`` shows it), to notice in-place edits."""
+        self._found_version: int | None = None
+        """Stage 0: the buffer's version counter when ``found_inf`` was last decided from what
+        ``.grad`` shows (in FP32 ``.grad`` is the step's own memory: an edit changes it there)."""
         self._shown_norm: torch.Tensor | None = None
         """And the L1 norm of what it showed (FP32, 1 element): kernels that write in place
         without a version bump (GradScaler's ``_amp_foreach_non_finite_check_and_unscale_``)."""
@@ -210,7 +213,7 @@ class GradBucket(ShownGradients):
         # padding: part of every reduction (a kept buffer's may hold a NaN clip's 0 x NaN)
         self._zero_padding()
         self._reduced = False
-        self._shown_version = self._zeroed_version = None
+        self._shown_version = self._zeroed_version = self._found_version = None
         for i, s in enumerate(flat.slots):
             if not self._bound[i] and s.param.grad is not None:
                 self._take(i)  # accumulated before the buffer existed (e.g. outside the hooks)
@@ -562,6 +565,7 @@ class GradBucket(ShownGradients):
         if self.on_zero is not None:
             self.on_zero(self, None)
         self.shard_grad = self._acc = self._shown_version = self._shown_norm = None
+        self._found_version = None
         self._zeroed_version = None
         self.issued = self.late = self._unshown = self._reduced = False
         self._arrived.clear()

@@ -38,6 +38,7 @@ class ShownGradients:
         lo, hi = self.flat.range
         self._shown_version = None if aliased else self.full_grad._version
         self._shown_norm = None if aliased else _magnitude(self.full_grad[lo:hi])
+        self._found_version = self.full_grad._version
 
     def _edited(self) -> bool:
         """Whether ``.grad`` changed since ``_note_shown``: its version, or else its L1 norm
@@ -62,7 +63,11 @@ class ShownGradients:
         were the gradient; a mask writing zeros where FP16 showed zeros is taken with the rest
         of its parameter. (One whose every value showed as zero cannot tell a zeroing from no
         edit: drop it with ``p.grad = None``.)"""
-        if self._shown_version is None or self.full_grad is None or self.shard_grad is None:
+        if self.full_grad is None or self.shard_grad is None:
+            return
+        if self._shown_version is None:  # (FP32: edited in place in the step's own memory)
+            if self._found_version is not None and self.full_grad._version != self._found_version:
+                self._found_inf_again()
             return
         if self._edited():
             lo, hi = self.flat.range
@@ -75,6 +80,7 @@ class ShownGradients:
                     changed[span] = True
             self.shard_grad.copy_(torch.where(changed, edited, self.shard_grad))
             self._note_shown(aliased=False)
+            self._found_inf_again()
 
     def adopt_writes_over_zeros(self) -> None:
         """Stage 0 after ``zero_grad(set_to_none=False)``, no backward since: ``.grad`` written
@@ -164,6 +170,18 @@ class ShownGradients:
                 )
         if changed and self._shown_version is not None and self.full_grad is not None:
             self._note_shown(aliased=False)  # adopted: not an edit to copy again
+        if changed and self.shard_grad is not None:
+            self._found_inf_again()
+
+    def _found_inf_again(self) -> None:
+        """Stage 0, the step's gradient edited through ``.grad``: whether it holds inf/NaN is
+        decided from it as edited, not as reduced (a NaN put to zero by hand, ``nan_to_num_``,
+        or its parameter's ``.grad`` set to None, is stepped on, as DDP's optimizer steps; the
+        step was skipped). The ranks still agree at the step (``ShardedOptimizer._agree``)."""
+        bad = ~self.shard_grad.isfinite().all()
+        self.found_inf.copy_(bad.to(self.found_inf.dtype).reshape(self.found_inf.shape))
+        if self.full_grad is not None:
+            self._found_version = self.full_grad._version
 
     def _reduced_zeros(self, slots: list[int]) -> bool:
         """Stage 0 with nothing reduced since the gradients were dropped, and a ``.grad`` of
