@@ -1236,3 +1236,20 @@ def test_param_groups_changed_by_hand_are_refused(lone_process, stage, step_in_b
         opt.step()
     with pytest.raises(ValueError, match=r"opt.param_groups were changed by hand"):
         opt.state_dict()
+
+
+def test_torch_s_grad_scaler_over_fp16_gradients_at_stage_0_names_the_fix(lone_process):
+    # .grad holds FP16 copies there: GradScaler's own "Attempting to unscale FP16 gradients."
+    # (stages 1-3 named zeroshard's loss scaler already).
+    torch.manual_seed(0)
+    model = zeroshard.shard(nn.Linear(4, 2), stage=0, mixed_precision="fp16")
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(torch.randn(3, 4)).float().square().mean()).backward()
+    with pytest.raises(
+        ValueError, match=r"GradScaler cannot unscale .* at stage 0: .grad holds FP16"
+    ) as info:
+        scaler.step(opt)
+    assert "shard(..., mixed_precision='fp16') gives the optimizer a DynamicLossScaler" in str(
+        info.value
+    )

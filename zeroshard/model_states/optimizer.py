@@ -447,9 +447,11 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         in its own "No inf checks were recorded for this optimizer"; and with tensor
         parallelism, where each rank's split gradients differ and GradScaler's skip, decided
         by each rank alone, would split the ranks (one skipped, one stepped into a collective
-        the other never joined)."""
+        the other never joined); and at stage 0 where ``.grad`` holds FP16 copies, which
+        GradScaler refuses to unscale ("Attempting to unscale FP16 gradients")."""
         engine = self.engine
-        return engine.partition.optimizer_states or engine.mesh.tp_size > 1
+        fp16 = any(b.flat.param_dtype == torch.float16 for b in self._buckets)
+        return engine.partition.optimizer_states or engine.mesh.tp_size > 1 or fp16
 
     @torch.no_grad()
     def _step(self) -> bool:
@@ -463,6 +465,8 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
                 if self.engine.partition.optimizer_states
                 else "with tensor parallelism each rank decides its skip from its own pieces "
                 "of the split gradients, and the ranks would part"
+                if self.engine.mesh.tp_size > 1
+                else ".grad holds FP16 copies of the gradients, which it refuses to unscale"
             )
             raise ValueError(
                 "torch.amp.GradScaler cannot unscale a sharded optimizer's gradients at stage "
