@@ -18,6 +18,8 @@ import zeroshard
 from zeroshard import checkpoint
 from zeroshard.collectives import REPLICATE, SHARD, WORLD, Ledger
 from zeroshard.engine import ShardConfig
+from zeroshard.mesh import HYBRID_DIMS
+from zeroshard.testing import Workers
 
 PER_RANK_BATCH = 2
 K = 2  # ranks per shard group
@@ -396,3 +398,89 @@ def test_a_shard_group_size_given_on_some_ranks_only_is_the_settings_error(worke
             "zeroshard.shard() was called with another ShardConfig.shard_group_size on ranks "
             "[2, 3] than on rank 0"
         ), said
+
+
+def _a_device_mesh_on_some_ranks_only() -> str:
+    """Every rank builds the same 2 x 2 (replicate, shard) mesh; rank 3 does not pass it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    try:
+        zeroshard.shard(torch.nn.Linear(8, 8), stage=3, mesh=None if dist.get_rank() == 3 else dm)
+    except ValueError as e:
+        return str(e)
+    return "sharded"
+
+
+def test_a_device_mesh_given_on_some_ranks_only_is_the_settings_error(workers4):
+    # Hybrid on ranks 0-2, plain on rank 3: shard() returned, and the first step waited for the
+    # collective timeout, each rank blaming another.
+    for said in workers4.run(_a_device_mesh_on_some_ranks_only):
+        assert said.startswith(
+            "zeroshard.shard() was called with another mesh's shard group size on ranks [3] than "
+            "on rank 0"
+        ), said
+
+
+def _stages_of_two_sizes() -> float:
+    """Two data-parallel jobs in one world, ranks [0, 1, 2] and [3] (pipeline stages of other
+    widths), each its own model in shard groups of one rank, as the README asks of sub-meshes;
+    then a collective of the whole world. Against plain torch on each job's batch."""
+    jobs = [[0, 1, 2], [3]]
+    groups = [dist.new_group(ranks) for ranks in jobs]
+    job = 0 if dist.get_rank() < 3 else 1
+    ranks = jobs[job]
+    torch.manual_seed(job)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = zeroshard.shard(
+        copy.deepcopy(ref), stage=3, mesh=groups[job], config=ShardConfig(shard_group_size=1)
+    )
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(2 * len(ranks), 8, generator=torch.Generator().manual_seed(job))
+    mine = x[2 * ranks.index(dist.get_rank()) :][:2]
+    for _ in range(2):
+        opt.backward(model(mine).square().mean())
+        opt.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    dist.barrier()
+    with zeroshard.summon_full_params(model):
+        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_stages_of_two_sizes_in_shard_groups_of_one_size():
+    # The stage whose ranks are one shard group returned at once, skipping the collective of
+    # the whole world in which the other stage's ranks waited (gloo's raw "Timed out waiting").
+    # Ranks of their own: after a DeviceMesh that leaves rank 3 out, torch's new_group with
+    # use_local_synchronization ([2, 3]) waits for ever, and the shared pool's later tests
+    # would.
+    with Workers(4) as workers:
+        for diff in workers.run(_stages_of_two_sizes):
+            assert diff < 1e-6, diff
+
+
+def _groups_after_models_on_a_two_d_sub_mesh() -> list[int]:
+    """Three models sharded in turn (and dropped) on the (replicate, shard) sub-mesh of a 3-D
+    (pp, replicate, shard) mesh: the process groups there are, after each."""
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", *HYBRID_DIMS))
+    counts = []
+    for _ in range(3):
+        model = zeroshard.shard(torch.nn.Linear(8, 8), stage=3, mesh=dm[HYBRID_DIMS])
+        del model
+        gc.collect()
+        counts.append(len(dist.distributed_c10d._world.pg_map))
+    return counts
+
+
+def test_models_on_a_sub_mesh_share_its_group(workers4):
+    # Each shard() made a process group of the sub-mesh's ranks, never freed: one group and
+    # five sockets per model.
+    for counts in workers4.run(_groups_after_models_on_a_two_d_sub_mesh):
+        assert counts[0] == counts[1] == counts[2], counts

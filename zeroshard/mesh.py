@@ -35,7 +35,13 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.accelerator import device_of_backend, placement, set_device
-from zeroshard.watchdog import StartTimeout, group_timeout_s, inherit_timeout, register_process
+from zeroshard.watchdog import (
+    StartTimeout,
+    diagnosed,
+    group_timeout_s,
+    inherit_timeout,
+    register_process,
+)
 
 if TYPE_CHECKING:  # imported when first used: DTensor costs `import zeroshard` ~0.5 s
     from torch.distributed.device_mesh import DeviceMesh
@@ -53,6 +59,8 @@ _HYBRID_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
 sharded alike share process groups instead of creating new ones each time (``cached_mesh``)."""
 _HYBRID_TP_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
 """3-D (replicate, shard, tp) meshes per (world size, tp, shard group size, device type)."""
+_SUB_GROUPS: dict[tuple, tuple[object, dist.ProcessGroup]] = {}
+"""The process group of a DeviceMesh's ranks where they are part of the world, per rank set."""
 
 
 T = TypeVar("T")
@@ -206,28 +214,31 @@ class Mesh:
                 f"shard_group_size={k} does not divide the world size {n}; use a divisor of "
                 f"{n} ({divisors})"
             )
-        if self.hybrid is not None:
-            if self.hybrid.shard_size == k:
-                return self
+        if self.hybrid is not None and self.hybrid.shard_size != k:
             raise ValueError(
                 f"the mesh has shard groups of {self.hybrid.shard_size} ranks already, "
                 f"shard_group_size asks for {k}; pass one of the two"
             )
-        if k == n:
-            return self
         from torch.distributed.device_mesh import DeviceMesh
 
-        if self.tp_group is not None:
+        if self.tp_group is not None and self.hybrid is None and k != n:
             return self._with(self._hybrid_beside_tensor_parallel(k))
         group = self.group if self.group is not None else dist.group.WORLD
-        groups = [(tuple(dist.get_process_group_ranks(group)), k)]
-        if self.group is not None:  # a DeviceMesh makes its groups over the whole world: every
-            # rank makes every data-parallel group's mesh, in one order (else they would wait)
+        # None: nothing to make for this rank's data-parallel group (the whole group shards)
+        wanted = None if self.hybrid is not None or k == n else k
+        groups = [(tuple(dist.get_process_group_ranks(group)), wanted)]
+        if self.group is not None and self.tp_group is None:
+            # A DeviceMesh makes its groups over the whole world: every rank makes every
+            # data-parallel group's mesh, in one order; every stage that asks joins, also one
+            # with nothing to make (it skipped the collective the others waited in).
             every: list = [None] * dist.get_world_size()
-            dist.all_gather_object(every, groups[0])
-            groups = sorted(set(every))
+            with diagnosed("all_gather_object", "the hybrid shard groups", None):
+                dist.all_gather_object(every, groups[0])
+            groups = sorted(set(every), key=repr)
         mine = None
-        for ranks, size in groups:
+        for ranks, size in groups:  # (every rank makes them all, also one that wants none)
+            if size is None:
+                continue
             layout = torch.tensor(ranks, dtype=torch.int).view(len(ranks) // size, size)
             made = cached_mesh(
                 _HYBRID_MESHES,
@@ -237,7 +248,7 @@ class Mesh:
                 ),
             )
             mine = made if self.global_rank in ranks else mine
-        return self._with(mine)
+        return self if wanted is None else self._with(mine)
 
     def _hybrid_beside_tensor_parallel(self, k: int) -> DeviceMesh:
         """This rank's (replicate, shard) mesh of a 3-D (replicate, shard, tp) mesh over the
@@ -327,8 +338,12 @@ class Mesh:
             )
         base = cls.current()
         group = None
-        if len(ranks) != dist.get_world_size():  # a part of the world: a group of its ranks
-            group = dist.new_group(sorted(ranks), use_local_synchronization=True)
+        if len(ranks) != dist.get_world_size():  # a part of the world: a group of its ranks,
+            group = cached_mesh(  # once (one per shard() leaked a group and its sockets)
+                _SUB_GROUPS,
+                tuple(sorted(ranks)),
+                lambda: dist.new_group(sorted(ranks), use_local_synchronization=True),
+            )
             inherit_timeout(group)
         base = replace(
             base,

@@ -276,6 +276,8 @@ def shard(
         for f in dataclasses.fields(value):  # one entry each: the error names the field
             settings[f"{name}.{f.name}"] = repr(getattr(value, f.name))
     settings["unit_precision"] = repr(sorted((str(k), repr(v)) for k, v in overrides.items()))
+    # (a 2-D DeviceMesh given on some ranks only: hybrid there, plain on the others)
+    settings["mesh's shard group size"] = repr(mesh.hybrid.shard_size if mesh.hybrid else None)
     check_same_model(model, mesh, settings)
     # After the check: making the shard groups is a collective, in which a rank given another
     # shard_group_size (or none) waited past the job's timeout, named by the others as hung.
