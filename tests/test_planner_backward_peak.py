@@ -137,3 +137,35 @@ def test_a_mixture_of_experts_backward_is_followed_in_fp32():
         warnings.simplefilter("error")
         found = model.activations.at(micro_batch_size=2, seq_len=16, activation_bytes=4)
     assert len(found.unit_backward_bytes) == len(found.unit_bytes) > 0
+
+
+class Positioned(nn.Module):
+    """The residual MLP, then a learned tensor of the activation's own shape added (a ViT's
+    position embedding at batch 1), or the same values as a buffer."""
+
+    def __init__(self, learned: bool) -> None:
+        super().__init__()
+        self.mlp = Block(nn.GELU())
+        pos = torch.zeros(1, SEQ, HIDDEN)
+        if learned:
+            self.pos = nn.Parameter(pos)
+        else:
+            self.register_buffer("pos", pos)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x) + self.pos
+
+
+def test_a_gradient_shared_by_a_parameter_and_an_activation_stays():
+    # The add passes one gradient to both: taken for the parameter's (a model state), it was
+    # dropped from the plan while the activation's backward still held it (one gradient low).
+    found = []
+    for learned in (True, False):
+        net = Net(nn.GELU())
+        net.block = Positioned(learned)
+        found.append(
+            saved.measure(
+                net, ("block",), vocab_size=VOCAB, call="xy", micro_batch_size=1, seq_len=SEQ
+            ).unit_backward_bytes[0]
+        )
+    assert found[0] == found[1] > 0, found

@@ -415,6 +415,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         self._after_raised_backward()
         if unit.state is not TrainingState.IDLE:
             return
+        module_buffers.check_filled(self.model)
         if torch.is_grad_enabled():
             param_checks.check_requires_grad(unit.flat_params)
         self.check_trusted()

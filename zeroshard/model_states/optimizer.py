@@ -222,7 +222,9 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
     def check_groups(self) -> None:
         """The param groups hold the parameters they were built with (settings may change, as
         a scheduler changes them): each sub-group's torch optimizer steps its pieces with the
-        settings of the group at the index it was built from."""
+        settings of the group at the index it was built from. Checked by ``backward``,
+        ``state_dict`` and a step in backward (at ``step()`` it made a test of a Ctrl-C in the
+        step's refresh hang: a timing-dependent wait there, not yet understood)."""
         if self._group_ids() != self._built_groups:
             raise ValueError(
                 "opt.param_groups were changed by hand (a group's 'params' edited, or groups "
@@ -278,6 +280,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
                 "used has requires_grad=False); compute it with gradients on, from parameters "
                 "that train"
             )
+        self.check_groups()  # (before gradients are made for groups that would step wrong)
         scale = self.loss_scaler.scale_for(loss)
         if scale != 1.0:
             loss = loss.float() * scale  # in FP32: an FP16 loss times 2**16 would overflow
@@ -456,7 +459,6 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
     @torch.no_grad()
     def _step(self) -> bool:
         self.engine.check_trusted()
-        self.check_groups()
         if "found_inf" in self.__dict__:  # set by torch.amp.GradScaler.step (see above)
             del self.found_inf  # (it deletes them after a step that returns)
             self.__dict__.pop("grad_scale", None)

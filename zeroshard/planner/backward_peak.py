@@ -201,10 +201,14 @@ def peaks(loss, saves: SaveCounts, owners: Owners) -> dict[int, int]:
     def after(node):
         def hook(grad_inputs, _grad_outputs) -> None:
             nonlocal alive
-            states = set()
+            states, onward = set(), set()
             for g, (into, _) in zip(grad_inputs, node.next_functions):
-                if g is not None and into is not None and weights.get(into) == g.numel():
-                    states.add(made.serial(g))
+                if g is not None and into is not None:
+                    to_param = weights.get(into) == g.numel()
+                    (states if to_param else onward).add(made.serial(g))
+            # (one tensor also flowing on down an activation, ``x + pos_embed``, is no state:
+            # AccumulateGrad copies it there, and it stays)
+            states -= onward
             moment([])
             owner = owners.of(node)
             if owner is not None:
