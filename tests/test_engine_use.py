@@ -3524,7 +3524,13 @@ def _twins(stage: int, build) -> tuple:
     return ref, torch.optim.SGD(ref.parameters(), lr=0.1), model, opt
 
 
-def _gap(model: nn.Module, ref: nn.Module) -> float:
+def _step_both(twins: tuple, loss: torch.Tensor, ref_loss: torch.Tensor) -> float:
+    """Backward and step of each of ``_twins``' pair; how far apart their parameters are."""
+    ref, ref_opt, model, opt = twins
+    opt.backward(loss)
+    assert opt.step()
+    ref_loss.backward()
+    ref_opt.step()
     with torch.no_grad(), zeroshard.summon_full_params(model, writeback=False):
         return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
 
@@ -3544,7 +3550,8 @@ def _raising(when: dict, exc: type):
 def _backward_of_a_loss_from_before_a_ctrl_c(stage: int, where: int) -> float:
     """A loss, then a forward interrupted (a Ctrl-C in a forward hook, caught), then the
     loss's backward and a step: as torch's."""
-    ref, ref_opt, model, opt = _twins(stage, _stack)
+    twins = _twins(stage, _stack)
+    ref, _, model, _ = twins
     when = {"now": False}
     for m in (model, ref):
         m[where].register_forward_hook(_raising(when, KeyboardInterrupt))
@@ -3556,11 +3563,7 @@ def _backward_of_a_loss_from_before_a_ctrl_c(stage: int, where: int) -> float:
         with contextlib.suppress(KeyboardInterrupt):
             m(inputs)
     when["now"] = False
-    opt.backward(loss)
-    assert opt.step()
-    ref_loss.backward()
-    ref_opt.step()
-    return _gap(model, ref)
+    return _step_both(twins, loss, ref_loss)
 
 
 @pytest.mark.parametrize("where", [1, 2])  # (a block; the root's own head)
@@ -3579,7 +3582,8 @@ def _two_nets() -> nn.Module:
 def _a_unit_alone_after_a_ctrl_c_in_its_own_call(stage: int) -> float:
     """Two nets sharded in one container (a GAN's, teacher and student): the root is never
     called. A Ctrl-C inside a block of one, called on its own; then a fresh step."""
-    ref, ref_opt, model, opt = _twins(stage, _two_nets)
+    twins = _twins(stage, _two_nets)
+    ref, _, model, _ = twins
     when = {"now": True}
     for m in (model, ref):
         m["a"][1].register_forward_hook(_raising(when, KeyboardInterrupt))
@@ -3589,11 +3593,8 @@ def _a_unit_alone_after_a_ctrl_c_in_its_own_call(stage: int) -> float:
         with contextlib.suppress(KeyboardInterrupt):
             m["a"][0](m["a"][1](inputs))
     when["now"] = False
-    opt.backward(model["b"](model["a"](x.chunk(world)[rank]).expand(-1, 8)).square().mean())
-    assert opt.step()
-    ref["b"](ref["a"](x).expand(-1, 8)).square().mean().backward()
-    ref_opt.step()
-    return _gap(model, ref)
+    loss = model["b"](model["a"](x.chunk(world)[rank]).expand(-1, 8)).square().mean()
+    return _step_both(twins, loss, ref["b"](ref["a"](x).expand(-1, 8)).square().mean())
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -3607,7 +3608,8 @@ def test_a_unit_alone_after_a_ctrl_c_in_its_own_call(workers2, stage):
 def _backward_again_after_one_that_raised(stage: int) -> float:
     """``opt.backward(loss, retain_graph=True)`` raising midway (a check in a tensor hook), then
     the same loss's backward again, which finishes, and a step on both gradients: as torch's."""
-    ref, ref_opt, model, opt = _twins(stage, _stack)
+    twins = _twins(stage, _stack)
+    ref, _, model, opt = twins
     when = {"now": True}
 
     def check(module, args, output):
@@ -3626,11 +3628,7 @@ def _backward_again_after_one_that_raised(stage: int) -> float:
     with pytest.raises(ValueError):
         ref_loss.backward(retain_graph=True)
     when["now"] = False
-    opt.backward(loss)
-    assert opt.step()
-    ref_loss.backward()
-    ref_opt.step()
-    return _gap(model, ref)
+    return _step_both(twins, loss, ref_loss)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
