@@ -380,14 +380,18 @@ def test_ledger_splits_counts_by_scope():
     assert ledger.by_scope() == {}
 
 
-def _shard_group_size_on_half_the_ranks() -> str:
-    """Ranks 2 and 3 ask for shard groups of 2, ranks 0 and 1 for none."""
-    size = 2 if dist.get_rank() >= 2 else 0
+def _refusal(**kwargs) -> str:
+    """What ``shard()`` of a Linear at stage 3 with ``kwargs`` raises (or "sharded")."""
     try:
-        zeroshard.shard(torch.nn.Linear(8, 8), stage=3, config=ShardConfig(shard_group_size=size))
+        zeroshard.shard(torch.nn.Linear(8, 8), stage=3, **kwargs)
     except ValueError as e:
         return str(e)
     return "sharded"
+
+
+def _shard_group_size_on_half_the_ranks() -> str:
+    """Ranks 2 and 3 ask for shard groups of 2, ranks 0 and 1 for none."""
+    return _refusal(config=ShardConfig(shard_group_size=2 if dist.get_rank() >= 2 else 0))
 
 
 def test_a_shard_group_size_given_on_some_ranks_only_is_the_settings_error(workers4):
@@ -405,11 +409,7 @@ def _a_device_mesh_on_some_ranks_only() -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
     dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    try:
-        zeroshard.shard(torch.nn.Linear(8, 8), stage=3, mesh=None if dist.get_rank() == 3 else dm)
-    except ValueError as e:
-        return str(e)
-    return "sharded"
+    return _refusal(mesh=None if dist.get_rank() == 3 else dm)
 
 
 def test_a_device_mesh_given_on_some_ranks_only_is_the_settings_error(workers4):

@@ -20,14 +20,21 @@ def _bn_model(stage: int, precision: str | None = None) -> nn.Module:
     )
 
 
-def _converted_then_on(stage: int, convert: str) -> dict:
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+def _trained_twins(stage: int, x: torch.Tensor) -> tuple:
+    """Two sharded BatchNorm models, alike, each trained one SGD step on ``x``; their
+    optimizers."""
     model, twin = _bn_model(stage), _bn_model(stage)
     opts = [zeroshard.optimizer(m, torch.optim.SGD, lr=0.1) for m in (model, twin)]
     for m, opt in zip((model, twin), opts):
         opt.backward(m(x).sum())
         opt.step()
         opt.zero_grad()
+    return model, twin, opts
+
+
+def _converted_then_on(stage: int, convert: str) -> dict:
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    model, twin, opts = _trained_twins(stage, x)
     getattr(model, convert)()
     with pytest.raises(ValueError) as raised:
         model(x)
@@ -64,12 +71,7 @@ def _moved_to_meta_then_filled(stage: int) -> dict:
     """``model.to("meta")`` after training a step: said, the buffers named (their values are
     gone); every call says so until they are loaded again, then training goes on as a twin's."""
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
-    model, twin = _bn_model(stage), _bn_model(stage)
-    opts = [zeroshard.optimizer(m, torch.optim.SGD, lr=0.1) for m in (model, twin)]
-    for m, opt in zip((model, twin), opts):
-        opt.backward(m(x).sum())
-        opt.step()
-        opt.zero_grad()
+    model, twin, opts = _trained_twins(stage, x)
     saved = {n: b.clone() for n, b in model.named_buffers()}
     model.to("meta")
     said = []

@@ -90,7 +90,7 @@ def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.
     sharded = opt.engine.partition.optimizer_states and mesh.shard_size > 1
     # DDP's clip is local: a norm logged on rank 0 alone, from the first step on, is named here;
     # the first call only (a store's round trips every step would load it at scale).
-    if (sharded or mesh.tp_size > 1) and not opt.__dict__.get("_norm_checked"):
+    if (sharded or mesh.tp_size > 1) and not opt._norm_checked:
         every_rank_calls(
             "clip_grad_norm",
             "the gradients' norm",

@@ -158,6 +158,8 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         self._groups_fixed = True
         self._built_groups = self._group_ids()
         """Each group's parameters (ids, in order) as the sub-groups were built from them."""
+        self._norm_checked = False
+        """Whether a ``clip_grad_norm`` found every rank calling it (its first: ``clipping``)."""
         self._swap: StateSwapper | None = None
         """With ``Offload(optimizer="nvme")``: the sub-groups' states in swap files, streamed
         around each step (``zeroshard.model_states.state_swap``)."""
