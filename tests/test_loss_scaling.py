@@ -57,7 +57,14 @@ def test_scaler_state_round_trips_and_config_errors():
     t = DynamicLossScaler(growth_interval=5)
     t.load_state_dict(s.state_dict())
     assert t.state_dict() == s.state_dict()
-    for bad in (dict(min_scale=0.0), dict(growth_factor=1.0), dict(growth_interval=0)):
+    inf = float("inf")  # (accepted: every gradient inf, every step skipped)
+    for bad in (
+        dict(min_scale=0.0),
+        dict(growth_factor=1.0),
+        dict(growth_interval=0),
+        dict(init_scale=inf, min_scale=inf, max_scale=inf),
+        dict(max_scale=inf),
+    ):
         with pytest.raises(ValueError):
             DynamicLossScaler(**bad)
     with pytest.raises(ValueError):

@@ -188,9 +188,11 @@ class DynamicLossScaler(LossScaler):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{name} must be an int, as torch.amp.GradScaler's, got {value!r}")
-        if not 0 < self.min_scale <= self.init_scale <= self.max_scale:
+        # (an infinite scale makes every gradient inf: each step skipped, then the error at a
+        # minimum scale that is infinite too; LossScaler(scale=inf) is refused likewise)
+        if not 0 < self.min_scale <= self.init_scale <= self.max_scale < math.inf:
             raise ValueError(
-                "need 0 < min_scale <= init_scale <= max_scale, got "
+                "need 0 < min_scale <= init_scale <= max_scale < inf, got "
                 f"{self.min_scale}, {self.init_scale}, {self.max_scale}"
             )
         if self.growth_factor <= 1 or not 0 < self.backoff_factor < 1:
