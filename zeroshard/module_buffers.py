@@ -124,10 +124,11 @@ LOST = "_zeroshard_lost_buffers"
 
 def put_back(model: nn.Module, device: torch.device) -> list[str]:
     """Buffers a move of the whole model (``model.to(...)``, refused for its parameters) put on
-    another device, moved back to the engine's ``device`` with their values; those it put on
-    meta have none left: their names, which every later call names until they are filled
-    again (``check_filled``)."""
-    lost = []
+    another device, moved back to the engine's ``device`` with their values (one registered in
+    several modules stays one tensor, as ``move`` keeps it); those it put on meta have none
+    left: their names, which every later forward names until they are filled again
+    (``check_filled``)."""
+    lost, moved = [], {}  # id of a buffer -> its tensor on ``device``
     for module_name, module in model.named_modules():
         for name, buf in module._buffers.items():
             if not isinstance(buf, torch.Tensor) or buf.device == device:
@@ -136,13 +137,14 @@ def put_back(model: nn.Module, device: torch.device) -> list[str]:
                 lost.append(f"{module_name}.{name}" if module_name else name)
             else:
                 with torch.no_grad():
-                    module._buffers[name] = buf.to(device)
+                    module._buffers[name] = moved.setdefault(id(buf), buf.to(device))
     if lost:
         model.__dict__[LOST] = lost
     return lost
 
 
 def lost_message(lost: list[str]) -> str:
+    """What to do about the buffers ``lost`` (names) on meta."""
     said = f"{', '.join(lost[:4])}{', ...' if len(lost) > 4 else ''}"
     return (
         f"buffers moved to meta have no values left ({said}): fill them again "
@@ -156,22 +158,13 @@ def check_filled(model: nn.Module) -> None:
     lost = model.__dict__.get(LOST)
     if not lost:
         return
-    still = [name for name in lost if _buffer_at(model, name) is not None]
+    on_meta = {name for name, b in model.named_buffers(remove_duplicate=False) if b.is_meta}
+    still = [name for name in lost if name in on_meta]
     if still:
         raise ValueError(
             f"after model.to('meta') following zeroshard.shard(): {lost_message(still)}"
         )
     del model.__dict__[LOST]
-
-
-def _buffer_at(model: nn.Module, name: str) -> torch.Tensor | None:
-    """The buffer ``name`` if it is still on meta."""
-    path, _, attr = name.rpartition(".")
-    try:
-        buf = model.get_submodule(path)._buffers.get(attr)
-    except AttributeError:
-        return None
-    return buf if isinstance(buf, torch.Tensor) and buf.is_meta else None
 
 
 _WATCHING: list[bool] = []
