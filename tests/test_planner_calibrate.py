@@ -585,6 +585,21 @@ def test_a_decoder_built_without_its_encoder(workers2, stage):
     assert abs(calibrate.error(predicted["peak_bytes"], peak)) <= 0.01, rows
 
 
+@pytest.mark.parametrize("ci", [1, 2])
+def test_units_inside_units_in_checkpoint_spans(workers2, ci):
+    """MBart's decoder alone: its attention units run inside its layer units, its
+    cross-attention never. The engine recomputes them with their layer; the plan opened a span
+    at each, so a layer joined the span of the cross-attention before it: -30% at ci 2."""
+    pytest.importorskip("transformers")
+    config = dict(_BART_CAUSAL, model_type="mbart", architectures=["MBartForCausalLM"])
+    case = calibrate.HFCase(
+        config=config, stage=3, micro_batch_size=8, seq_len=64, checkpoint_every=ci
+    )
+    assert any(calibrate.describe_case(case).activations.at(micro_batch_size=1, seq_len=8).inner)
+    for row in workers2.run(calibrate.calibrate, case):
+        assert calibrate.within_tolerance(row), calibrate.render([row])
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_tied_embedding_s_gradients_at_the_root_s_backward(workers2, stage):
     """A head tied to the input embedding: autograd holds the head's gradient until the

@@ -17,3 +17,19 @@ def test_a_recomputation_frees_the_span_s_units_but_the_prefetched_ones():
     first = tuple(spans.first_units(4, 2))
     assert [list(spans.recompute_freed(first, i, 1)) for i in range(4)] == [[], [], [], []]
     assert list(spans.recompute_freed(first, 3, 0)) == [2]
+
+
+def test_a_unit_inside_another_or_never_run_takes_no_place_in_a_span():
+    """MBart's attention units run inside its layer units, and its decoder built alone never
+    runs the cross-attention unit: the engine recomputes both with their layer. The plan opened
+    a span at each (a layer joined the span of the unit before it: the peak 30% low at ci 2)."""
+    inner = (False, True, True, False, True, True)  # layer, self-attention, cross-attention, ...
+    assert spans.first_units(6, 2, (), inner) == [0, 0, 0, 0, 0, 0]
+    assert spans.first_units(6, 1, (), inner) == [0, 0, 0, 3, 3, 3]
+    assert spans.first_units(6, 1, (False, False, False, True, False, False), inner)[3] == 3
+    nine = inner + inner[:3]
+    first = tuple(spans.first_units(9, 3, (), nine))
+    assert first == (0,) * 9
+    # Only the layers count for what a recomputation frees: the last one and one prefetched stay.
+    assert spans.recompute_freed(first, 8, 1, nine) == (0,)
+    assert spans.recompute_freed(first, 7, 1, nine) == ()  # not the span's last

@@ -237,9 +237,12 @@ def gathered_again(model, config) -> int:
         return 0  # (a parameter count alone: no units to gather)
     numels = timeline.unit_numels(model)
     measured = saved.at_config(model, config)
-    chained = measured.chained if measured is not None else ()
-    first = tuple(spans.first_units(len(numels), config.num_layers_per_checkpoint, chained))
+    chained, inner = (measured.chained, measured.inner) if measured is not None else ((), ())
+    ci = config.num_layers_per_checkpoint
+    first = tuple(spans.first_units(len(numels), ci, chained, inner))
     prefetch = config.num_units_prefetch
     return sum(
-        numels[j] for i in range(len(numels)) for j in spans.recompute_freed(first, i, prefetch)
+        numels[j]
+        for i in range(len(numels))
+        for j in spans.recompute_freed(first, i, prefetch, inner)
     )

@@ -68,6 +68,14 @@ class SavedActivations:
     """Per unit, in forward order: whether its first positional input is the previous unit's
     first output, unchanged (a span of activation checkpointing goes on across it; T5's
     decoder, fed other tensors, starts one). Empty: every unit chained."""
+    inner: tuple[bool, ...] = ()
+    """Per unit, in forward order: whether it ran only inside another unit's forward (an
+    attention unit in a block unit), or not at all (BART's cross-attention in a decoder built
+    alone). Such a unit is recomputed with the unit around it and opens no span of its own.
+    Empty: none."""
+    ran: tuple[bool, ...] = ()
+    """Per unit, in forward order: whether its forward ran (one that did not is never gathered
+    and makes no gradient). Empty: all."""
     tail_param_numel: int
     """Elements of the root's parameters that autograd saves after the last unit (the final norm,
     the output projection, a tied embedding): their gradients exist from the head's backward
@@ -240,6 +248,19 @@ def profile(module, unit_names: tuple[str, ...]) -> ActivationProfile | None:
     raise ValueError("no way of calling the model with token ids worked: " + "; ".join(problems))
 
 
+def _next_units(inner: list[bool]) -> dict[int, int | None]:
+    """For the root's code after unit ``j`` (-1: before any), the next unit called from the root
+    (the one whose ``before_unit_bytes`` its saves join), ``None`` after the last one (the head:
+    ``tail_bytes``). Units run inside another or never (``inner``) are passed over."""
+    out: dict[int, int | None] = {}
+    upcoming = None
+    for j in range(len(inner) - 1, -2, -1):
+        out[j] = upcoming
+        if j >= 0 and not inner[j]:
+            upcoming = j
+    return out
+
+
 def measure(
     module,
     unit_names: tuple[str, ...],
@@ -274,11 +295,13 @@ def measure(
     where, stack = [-1], []
     inputs = [0] * num_units
     saved: dict[int, tuple[int, int, object]] = {}  # storage -> (where, bytes, tensor kept alive)
-    tail_params: dict[int, int] = {}  # parameter storage -> elements, saved after the last unit
+    root_params: dict[int, tuple[int, int]] = {}  # parameter storage -> (where, elements)
 
     split = _TensorParallelSplit(model, num_mp_ranks, params)
 
     chained = [False] * num_units
+    inner = [True] * num_units  # (until the unit is called from the root)
+    ran = [False] * num_units
     last_output: list = [None, 0]  # the previous unit's first output, and its version
     follow = num_mp_ranks == 1  # (tensor parallelism's pieces are not followed in backward)
     owners, saves = backward_peak.Owners(), backward_peak.SaveCounts()
@@ -288,6 +311,9 @@ def measure(
         if where[0] < 0 and args:  # (as the engine joins a span: ``activations.enter``)
             out, version = last_output
             chained[i] = args[0] is out and out is not None and out._version == version
+        if where[0] < 0:
+            inner[i] = False
+        ran[i] = True
         where[0] = i
         if follow:
             owners.now(i)
@@ -316,8 +342,8 @@ def measure(
         storage = t.untyped_storage()
         key = storage._cdata  # the StorageImpl: distinct per storage, on meta too
         if key in params:
-            if where[0] == -1 - num_units:  # the root, after the last unit
-                tail_params[key] = storage.nbytes() // t.element_size()
+            if where[0] < 0:  # (those saved after the last unit are the head's: ``_tail``)
+                root_params.setdefault(key, (where[0], storage.nbytes() // t.element_size()))
         elif key not in buffers:
             if key not in saved:
                 saved[key] = (where[0], split.nbytes(t, storage.nbytes()), t)
@@ -374,15 +400,17 @@ def measure(
     }
     unit_bytes, largest = [0] * num_units, [0] * num_units
     before, tail, tail_largest = [0] * num_units, 0, 0
+    next_unit = _next_units(inner)
     for w, num_bytes, _ in saved.values():
         if w >= 0:
             unit_bytes[w] += num_bytes
             largest[w] = max(largest[w], num_bytes)
-        elif -2 - w < num_units - 1:  # the root before the first unit (-1), or between two
-            before[-1 - w] += num_bytes
+        elif next_unit[-2 - w] is not None:  # the root before the first unit, or between two
+            before[next_unit[-2 - w]] += num_bytes
         else:
             tail += num_bytes
             tail_largest = max(tail_largest, num_bytes)
+    tail_params = {k: n for k, (w, n) in root_params.items() if next_unit[-2 - w] is None}
     working = _unit_backward_bytes(
         loss if follow else None, saves, owners, unit_bytes, before, inputs, largest
     )
@@ -397,6 +425,8 @@ def measure(
         largest_tail_tensor_bytes=tail_largest,
         unit_backward_bytes=working,
         chained=tuple(chained),
+        inner=tuple(inner),
+        ran=tuple(ran),
         tail_param_numel=sum(tail_params.values()),
         tied_param_numel=sum(n for key, n in tail_params.items() if key in reused),
         forward_peak_bytes=None if tracker is None else _peak_besides_model(tracker),

@@ -6,21 +6,34 @@ the planner's timeline (memory) and its communication volume."""
 from __future__ import annotations
 
 
-def recompute_freed(first: tuple[int, ...], i: int, num_prefetch: int) -> range:
+def recompute_freed(
+    first: tuple[int, ...], i: int, num_prefetch: int, inner: tuple[bool, ...] = ()
+) -> tuple[int, ...]:
     """Forward indices of the units that unit ``i``'s backward recomputes and frees until their
-    own backward, at stage 3 (``first``: ``first_units``; empty unless ``i`` ends a span longer than
-    ``1 + num_prefetch``): gathered one at a time, and each gathered again later."""
+    own backward, at stage 3 (``first``: ``first_units``; none unless ``i`` ends a span of more
+    than ``1 + num_prefetch`` units that count, ``inner`` as there): gathered one at a time, and
+    each gathered again later."""
     if not first or (i + 1 < len(first) and first[i + 1] == first[i]):
-        return range(0)
-    return range(first[i], max(first[i], i - num_prefetch))
+        return ()
+    members = [j for j in range(first[i], i + 1) if not (inner and inner[j])]
+    return tuple(members[: max(0, len(members) - 1 - num_prefetch)])
 
 
-def first_units(num_units: int, ci: int, chained: tuple[bool, ...] = ()) -> list[int]:
+def first_units(
+    num_units: int, ci: int, chained: tuple[bool, ...] = (), inner: tuple[bool, ...] = ()
+) -> list[int]:
     """The first unit of each unit's span (forward order), as the engine forms them: up to
     ``ci`` consecutive units while each one's input is the previous one's output (``chained``,
-    measured; empty: all)."""
+    measured; empty: all). A unit that runs inside another unit, or not at all (``inner``), is
+    recomputed with the unit before it and counts for nothing: it neither opens a span nor takes
+    a place in one."""
     first: list[int] = []
+    members = 0  # the units of the open span that count towards ci
     for i in range(num_units):
-        joins = i > 0 and (not chained or chained[i]) and i - first[-1] < ci
+        if first and inner and inner[i]:
+            first.append(first[-1])
+            continue
+        joins = bool(first) and (not chained or chained[i]) and members < ci
+        members = members + 1 if joins else 1
         first.append(first[-1] if joins else i)
     return first

@@ -156,6 +156,11 @@ class ActivationTerms:
     """Every span's input, wherever kept (the CPU with ``offload_activations``)."""
     span_first: tuple[int, ...] = ()
     """With checkpoints: per unit in forward order, the first unit of its span."""
+    span_inner: tuple[bool, ...] = ()
+    """Per unit in forward order, whether it runs inside another unit or not at all (it takes
+    no place in a span: ``spans.first_units``); empty: none."""
+    unit_ran: tuple[bool, ...] = ()
+    """Per unit in forward order, whether its forward ran (measured); empty: all did."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,8 @@ class _PerUnit:
     """Each unit's backward working bytes beyond what is saved up to it (measured:
     ``SavedActivations.unit_backward_bytes``); empty: its input's gradient and one of its
     largest saved tensor's size."""
+    inner: tuple[bool, ...] = ()
+    """Units run inside another unit, or not at all (``SavedActivations.inner``)."""
 
     def backward_working(self, i: int) -> int:
         return self.working[i] if self.working else self.inputs[i] + self.largest[i]
@@ -202,6 +209,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
             s.largest_unit_tensor_bytes,
             s.chained,
             s.unit_backward_bytes,
+            s.inner,
         )
         held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
         tied = 2 * s.tied_param_numel * g
@@ -213,7 +221,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         tied = 2 * held  # (the reference GPT's held gradient is its tied embedding's)
         at_forward = None
     ci = c.num_layers_per_checkpoint if c.activation_checkpointing else 1
-    span = spans.first_units(num_units, ci, per.chained)  # the first unit of each unit's span
+    span = spans.first_units(num_units, ci, per.chained, per.inner)  # each unit's span's first
     ckpt = [0] * num_units  # a span's input, on the device, at its first unit
     total = 0
     for i in sorted(set(span)) if c.activation_checkpointing else ():
@@ -250,6 +258,8 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         checkpoints_at_unit=tuple(checkpoints(i) for i in fwd),
         checkpoints_total=total,
         span_first=tuple(span) if c.activation_checkpointing else (),
+        span_inner=per.inner,
+        unit_ran=s.ran if s is not None else (),
     )
 
 
@@ -383,9 +393,13 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     c, bpp = config, config.bytes_per_param
     part = partition(c.stage)
     mp = c.num_mp_ranks
-    backward = unit_numels(model)[::-1]  # non-root units in the order backward visits them
-    num_units, root = len(backward), model.root_numel or 0
     act = activation_terms(model, c)
+    # Non-root units in the order backward visits them; one whose forward did not run is never
+    # gathered and makes no gradient.
+    numels = unit_numels(model)
+    backward = [n if not act.unit_ran or act.unit_ran[i] else 0 for i, n in enumerate(numels)]
+    backward.reverse()
+    num_units, root = len(backward), model.root_numel or 0
     on_device = {m: c.placement.tier(m) is Tier.DEVICE for m in MODEL_STATES}
     grads_total = trained_bytes(
         bpp.grads * model.mp_numel(mp), model.num_params, model.num_trainable_params
@@ -440,7 +454,8 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         ones, where unit ``k`` (backward order) ends a span (``spans.recompute_freed``)."""
         if not part.parameters:
             return 0
-        freed = spans.recompute_freed(act.span_first, num_units - 1 - k, c.num_units_prefetch)
+        i, prefetch = num_units - 1 - k, c.num_units_prefetch
+        freed = spans.recompute_freed(act.span_first, i, prefetch, act.span_inner)
         return math.ceil(bpp.params * max((backward[-1 - j] for j in freed), default=0) / mp)
 
     def moment(num_reduced: int, **residual: int) -> dict[str, int]:
