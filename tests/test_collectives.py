@@ -293,6 +293,32 @@ def test_a_collective_that_failed_in_the_backend_is_not_waited_again():
             assert r["left"] == 0, r
 
 
+def test_a_handle_the_garbage_collector_frees_inside_the_lock_does_not_block():
+    """A Ctrl-C in ``step()``'s refresh left its last handle in a reference cycle (the
+    interrupted frame's exception holds the frame); a collection that freed it while the same
+    thread held ``_IN_FLIGHT_LOCK`` (an allocation in ``_wait_orphans``) ran the handle's
+    finalizer, which took that lock again: the rank blocked for good, its peers timing out in
+    the next collective (a test of the Ctrl-C hung in file order). The finalizer takes no lock;
+    the exchange is finished by the next one's start, as any orphan."""
+    exchange = C._Exchange([], [])
+    handle = C.Handle(exchange, torch.zeros(1))
+    handle.cycle = handle  # (only the cyclic collector frees it)
+    del handle
+    done = threading.Event()
+
+    def collect_holding_the_lock() -> None:
+        with C._IN_FLIGHT_LOCK:
+            gc.collect()
+        done.set()
+
+    try:
+        threading.Thread(target=collect_holding_the_lock, daemon=True).start()
+        assert done.wait(10), "the handle's finalizer blocked on the lock its thread held"
+        assert exchange.orphaned
+    finally:
+        C._IN_FLIGHT.discard(exchange)
+
+
 def _mismatched() -> str:
     try:
         C.all_gather(torch.empty(7), torch.ones(2), group=None, ledger=C.Ledger())

@@ -1236,6 +1236,10 @@ def test_param_groups_changed_by_hand_are_refused(lone_process, stage, step_in_b
         opt.step()
     with pytest.raises(ValueError, match=r"opt.param_groups were changed by hand"):
         opt.state_dict()
+    if not step_in_backward:  # torch's own loss.backward(), then step(): refused there too
+        model(torch.randn(3, 4)).sum().backward()
+        with pytest.raises(ValueError, match=r"opt.param_groups were changed by hand"):
+            opt.step()
 
 
 def test_torch_s_grad_scaler_over_fp16_gradients_at_stage_0_names_the_fix(lone_process):

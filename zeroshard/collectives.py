@@ -218,10 +218,13 @@ class Handle:
 
 
 def _orphan(exchange: _Exchange) -> None:
-    """A handle died: its exchange, if still unwaited, is finished at the next one's start."""
-    with _IN_FLIGHT_LOCK:
-        if exchange in _IN_FLIGHT:
-            exchange.orphaned = True
+    """A handle died: its exchange, if still unwaited, is finished at the next one's start
+    (``_wait_orphans`` takes only those still in flight). A weakref finalizer, so it takes no
+    lock: the garbage collector may run it on a thread that holds ``_IN_FLIGHT_LOCK`` (an
+    allocation inside ``_wait_orphans``, after a Ctrl-C left a handle in a reference cycle),
+    and taking it there blocked that rank for good, its peers timing out in the next
+    collective."""
+    exchange.orphaned = True
 
 
 def _alone(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bool:

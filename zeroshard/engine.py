@@ -463,7 +463,8 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
                 continue  # (a handle's wait taken up again: waits are idempotent)
             pending.pop(0)
         if interrupted is not None:
-            raise interrupted
+            f = handle = None  # (the raised exception's traceback holds this frame: no cycle
+            raise interrupted  # keeps the last handle for the garbage collector)
 
     def _drop_stale_gathers(self, changed: list[flat_param.FlatParam]) -> None:
         """Partitioned units still gathered from masters that have just changed, and used by no

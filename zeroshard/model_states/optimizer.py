@@ -225,8 +225,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         """The param groups hold the parameters they were built with (settings may change, as
         a scheduler changes them): each sub-group's torch optimizer steps its pieces with the
         settings of the group at the index it was built from. Checked by ``backward``,
-        ``state_dict`` and a step in backward (at ``step()`` it made a test of a Ctrl-C in the
-        step's refresh hang: a timing-dependent wait there, not yet understood)."""
+        ``step()``, ``state_dict`` and a step in backward."""
         if self._group_ids() != self._built_groups:
             raise ValueError(
                 "opt.param_groups were changed by hand (a group's 'params' edited, or groups "
@@ -438,6 +437,7 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
                 for p in g["params"]:
                     p.grad = None
             return None
+        self.check_groups()
         if closure is None:
             return self._step()
         with torch.enable_grad():
