@@ -185,6 +185,38 @@ def test_offloaded_checkpoints_are_read_back_one_ahead_of_their_use():
     assert keeper.store.names() == []  # released from the store
 
 
+def test_checkpoints_the_garbage_collector_frees_inside_the_store_s_lock():
+    """An offloaded checkpoint's release is a finalizer (its graph dropped unused: an
+    interrupted step's, held in a reference cycle by its exception); the garbage collector may
+    run it on a thread inside one of the store's locked blocks (an allocation there), where a
+    plain lock blocked that thread for good."""
+    import gc
+    import threading
+
+    keeper = CheckpointKeeper(device=torch.device("cpu"), ledger=C.Ledger(), offload="cpu")
+    x = torch.randn(4, 3, requires_grad=True)
+    with keeper.hooks():
+        y = x.sin().sin()
+
+    class Frame:  # (the interrupted frame: freed by the cyclic collector only)
+        pass
+
+    frame = Frame()
+    frame.cycle, frame.graph = frame, y
+    del frame, y
+    store, done = keeper.store, threading.Event()
+
+    def collect_inside_the_store() -> None:
+        with store._lock:
+            gc.collect()
+        done.set()
+
+    threading.Thread(target=collect_inside_the_store, daemon=True).start()
+    assert done.wait(10), "a checkpoint's release blocked on the store's lock its thread held"
+    store.synchronize()
+    assert store.names() == [] and keeper.bytes.held["cpu"] == 0
+
+
 def _span_inputs_alive() -> list[bool]:
     """After a forward with Pa, whether each block's whole input is still alive (it must not
     be: only this rank's piece is kept)."""

@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import logging
 import warnings
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -124,6 +125,36 @@ def test_shard_turns_tf32_off_again_when_its_last_model_is_freed(tf32_device, lo
     assert _tf32_state() == _tf32_on()  # b still asks for it
     del b
     gc.collect()
+    assert _tf32_state() == tf32_device
+
+
+def test_a_model_the_garbage_collector_frees_while_another_is_sharded(tf32_device):
+    """A model's TF32 release is a finalizer: the garbage collector may run it inside
+    ``hold_tf32``'s lock (an allocation there while an earlier model is cyclic garbage, as when
+    a notebook cell shards a model again), where a plain lock blocked the thread for good."""
+    import threading
+
+    policy = resolve("tf32", "cpu")
+
+    class Model:  # (a sharded model: freed by the cyclic collector only)
+        pass
+
+    old = Model()
+    old.cycle = old
+    weakref.finalize(old, hold_tf32(policy, torch.device("cpu")))
+    del old
+    done, new = threading.Event(), []
+
+    def shard_again() -> None:
+        with zeroshard.precision._TF32_LOCK:  # (inside hold_tf32: a collection there)
+            gc.collect()
+        new.append(hold_tf32(policy, torch.device("cpu")))
+        done.set()
+
+    threading.Thread(target=shard_again, daemon=True).start()
+    assert done.wait(10), "the old model's release blocked on the lock its thread held"
+    assert _tf32_state() == _tf32_on()  # the new model holds it
+    new[0]()
     assert _tf32_state() == tf32_device
 
 

@@ -457,7 +457,10 @@ def _tf32_switches() -> list[tuple[Any, str, Any]]:
     return [(matmul, "allow_tf32", True), (conv, "allow_tf32", True)]
 
 
-_TF32_LOCK = threading.Lock()
+_TF32_LOCK = threading.RLock()
+"""Re-entrant: a model's release is a finalizer, which the garbage collector may run on a thread
+that holds the lock (an allocation inside ``hold_tf32`` while an earlier model is cyclic
+garbage, a notebook cell sharding a model again); a plain lock blocked that thread for good."""
 _tf32_holders = 0  # sharded models alive that asked for TF32
 _tf32_saved: list[Any] | None = None  # the switches as they were before the first holder
 
@@ -483,12 +486,12 @@ def hold_tf32(policy: MixedPrecision, device: torch.device) -> Callable[[], None
         )
         return None
     with _TF32_LOCK:
-        if _tf32_holders == 0:
+        _tf32_holders += 1  # (first: a release run in here by the garbage collector is another's)
+        if _tf32_holders == 1:
             switches = _tf32_switches()
             _tf32_saved = [getattr(obj, attr) for obj, attr, _ in switches]
             for obj, attr, on in switches:
                 setattr(obj, attr, on)
-        _tf32_holders += 1
     released = threading.Event()
 
     def release() -> None:

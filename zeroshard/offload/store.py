@@ -194,7 +194,11 @@ class TensorStore:
         self._metas: dict[str, TensorMeta] = {}
         if _resume:
             self._metas = {n: self._backend.entry(n).meta for n in self._backend.names()}
-        self._lock = threading.Lock()  # guards _tails and _pending (worker callbacks touch them)
+        # Guards _tails and _pending (worker callbacks touch them). Re-entrant: ``release`` runs
+        # in finalizers (an activation checkpoint's, ``partitioned``), which the garbage
+        # collector may run on a thread inside one of these blocks (an allocation there while an
+        # interrupted step's graph is cyclic garbage); a plain lock blocked it for good.
+        self._lock = threading.RLock()
         self._tails: dict[str, SwapHandle] = {}  # the last operation issued per name
         self._pending: set[SwapHandle] = set()
         self._executors: list[ThreadPoolExecutor | None] = [None]  # created on first use
