@@ -130,11 +130,13 @@ class ActivationProfile:
         seq_len: int,
         activation_bytes: int = 4,
         num_mp_ranks: int = 1,
+        checkpointing: bool = False,
     ) -> SavedActivations:
         """The saved activations of one forward and loss at ``micro_batch_size x seq_len`` tokens
         with ``activation_bytes`` per float element, per rank of ``num_mp_ranks`` tensor-parallel
-        ranks (measured once, then remembered)."""
-        key = (micro_batch_size, seq_len, activation_bytes, num_mp_ranks)
+        ranks (measured once, then remembered); with ``checkpointing``, as the engine runs it
+        under activation checkpointing (Hugging Face models without their key/value cache)."""
+        key = (micro_batch_size, seq_len, activation_bytes, num_mp_ranks, checkpointing)
         if key not in self._cache:
             try:
                 self._cache[key] = measure(
@@ -146,6 +148,7 @@ class ActivationProfile:
                     seq_len=seq_len,
                     activation_bytes=activation_bytes,
                     num_mp_ranks=num_mp_ranks,
+                    checkpointing=checkpointing,
                 )
             except Exception as exc:  # the model's own error (a sequence it does not take)
                 first = (str(exc).splitlines() or [""])[0][:200]
@@ -194,6 +197,7 @@ def at_config(model, config) -> SavedActivations | None:
             seq_len=config.seq_len,
             activation_bytes=config.activation_bytes,
             num_mp_ranks=config.num_mp_ranks,
+            checkpointing=config.activation_checkpointing,
         )
     except ValueError:
         return None
@@ -209,6 +213,7 @@ def problem(model, config) -> str | None:
             seq_len=config.seq_len,
             activation_bytes=config.activation_bytes,
             num_mp_ranks=config.num_mp_ranks,
+            checkpointing=config.activation_checkpointing,
         )
     except ValueError as exc:  # remembered by the profile: the forward does not run again
         return str(exc)
@@ -272,14 +277,19 @@ def measure(
     activation_bytes: int = 4,
     num_mp_ranks: int = 1,
     track: bool = True,
+    checkpointing: bool = False,
 ) -> SavedActivations:
     """Run one forward and loss of ``module`` (a copy, on meta, in the dtype of
     ``activation_bytes``) on ``micro_batch_size x seq_len`` random token ids, and sort what
     autograd saves by unit (module docstring); with ``num_mp_ranks`` > 1, what tensor
     parallelism splits counts 1/Nm (``_TensorParallelSplit``). ``track``: the forward's own
-    peak measured by torch's MemTracker (``forward_peak_bytes``), where it can be."""
+    peak measured by torch's MemTracker (``forward_peak_bytes``), where it can be.
+    ``checkpointing``: as the engine runs under activation checkpointing, Hugging Face models
+    without their key/value cache (``train_without_caches``: GPT-NeoX's value then stays a
+    view of its fused projection, which the attention saves whole)."""
     import torch
 
+    from zeroshard.residual_states.activations import train_without_caches
     from zeroshard.trees import tensors_in
 
     model = copy.deepcopy(module).to(device="meta", dtype=getattr(torch, DTYPES[activation_bytes]))
@@ -331,7 +341,7 @@ def measure(
         if follow:
             owners.now(where[0])
 
-    handles = []
+    handles = train_without_caches(model) if checkpointing else []
     for i, unit in enumerate(units):
         handles.append(
             unit.register_forward_pre_hook(lambda m, a, kw, i=i: enter(i, a, kw), with_kwargs=True)
@@ -390,6 +400,7 @@ def measure(
                 activation_bytes=activation_bytes,
                 num_mp_ranks=num_mp_ranks,
                 track=False,
+                checkpointing=checkpointing,
             )
         raise (own or failed) from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
