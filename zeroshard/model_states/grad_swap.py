@@ -8,8 +8,8 @@ shard of sub-group ``i + 1`` ahead while ``i`` steps, and drops the copy read af
 sub-group's step. The file stays the gradient until ``zero_grad``, as torch keeps ``.grad``: a
 second step, a norm after the step or another backward read it again.
 
-Clipping needs every shard's norm: each is taken at the hand-off (the same per-tensor kernel as
-``clip_grad_norm``'s ``torch._foreach_norm``, so the global norm has the same bits), and each
+Clipping needs every shard's norm: each is taken at the hand-off (``clipping.powers``, as
+``clip_grad_norm`` takes those in memory, so the global norm has the same bits), and each
 clipping factor is kept per stored shard and applied, in order, whenever it is read back (the
 same element-wise multiplies); a norm asked for after a clip reads the shard back to take it.
 A reduction onto a stored shard (another backward before ``zero_grad``) reads it back, clipped
@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from zeroshard.model_states import clipping
 from zeroshard.model_states.grads import GradBucket
 from zeroshard.model_states.swappers import stopping_on_refusal
 from zeroshard.offload import OffloadError, SwapHandle, TensorStore
@@ -50,7 +51,7 @@ class GradSwapper:
         self._writing: dict[int, tuple[SwapHandle, torch.Tensor]] = {}  # keeps the source alive
         self._reading: dict[int, SwapHandle] = {}
         self._stored: set[int] = set()  # buckets whose gradient since zero_grad is in the store
-        self._norms: dict[int, torch.Tensor] = {}  # 0-dim FP32 2-norm of each stored file
+        self._powers: dict[int, torch.Tensor] = {}  # 0-dim FP64 sum of squares of each file
         self._coefs: dict[int, list[torch.Tensor]] = {}  # clip factors since stored, in order
         self._mirrored: set[int] = set()  # stored, and read back in shard_grad (clipped alike)
         self.reset_stats()
@@ -120,7 +121,7 @@ class GradSwapper:
             raise error
 
     def _store(self, i: int, g: torch.Tensor) -> None:
-        self._norms[i], self._coefs[i] = torch._foreach_norm([g])[0], []
+        self._powers[i], self._coefs[i] = clipping.powers([g], 2.0)[0], []
         what = f"the gradient {self._name(i)} could not be written"
         with stopping_on_refusal(self._stop, what, "gradients"):
             handle = self._timed(self.store.swap_out(self._name(i), g))
@@ -159,7 +160,7 @@ class GradSwapper:
             self._buckets[i].shard_grad = None
         for kept in (self._stored, self._mirrored):
             kept.discard(i)
-        self._norms.pop(i, None)
+        self._powers.pop(i, None)
         self._coefs.pop(i, None)
 
     def _written(self, i: int, handle: SwapHandle) -> None:
@@ -219,19 +220,19 @@ class GradSwapper:
             bucket.shard_grad = None
             self._mirrored.discard(i)
 
-    def norms(self) -> list[torch.Tensor]:
-        """Per bucket with a gradient, in engine order: the 0-dim 2-norm of its shard as it
-        stands (taken at the hand-off for stored ones not clipped since; else of the shard in
-        memory, read back first if need be)."""
+    def powers(self) -> torch.Tensor:
+        """1-D FP64, per bucket with a gradient, in engine order: the sum of squares of its
+        shard as it stands (``clipping.powers``; taken at the hand-off for stored ones not
+        clipped since; else of the shard in memory, read back first if need be)."""
         out = []
         for i, b in enumerate(self._buckets):
             if i in self._stored and not self._coefs[i]:
-                out.append(self._norms[i])
+                out.append(self._powers[i])
                 continue
             self.restore(b)
             if b.shard_grad is not None:
-                out.append(torch._foreach_norm([b.shard_grad])[0])
-        return out
+                out.append(clipping.powers([b.shard_grad], 2.0)[0])
+        return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
 
     def scale(self, coef: torch.Tensor) -> None:
         """Clip: multiply the shards in memory now, stored ones whenever read back."""
