@@ -549,3 +549,19 @@ def test_the_root_has_a_bucket_of_its_own_where_the_model_fills_several(workers2
         root, *blocks = r["sizes"]
         assert root < min(blocks) and len(blocks) == r["blocks"] // 2, r
         assert r["alive"] <= 2 * max(blocks) + root, r  # a reduction in flight, one filling
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_settings_a_stage_never_reads_are_named(lone_process, stage):
+    # (accepted without a word, where hybrid sharding at stage 0 says it is ignored)
+    import warnings
+
+    from torch import nn
+
+    config = ShardConfig(num_prefetch=2, reduce_every_micro_step=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zeroshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), stage=stage, config=config)
+    said = " ".join(str(w.message) for w in caught if "ignored at stage" in str(w.message))
+    assert ("num_prefetch=2" in said) == (stage < 3), said
+    assert ("reduce_every_micro_step" in said) == (stage < 2), said

@@ -282,6 +282,7 @@ def shard(
     # After the check: making the shard groups is a collective, in which a rank given another
     # shard_group_size (or none) waited past the job's timeout, named by the others as hung.
     mesh = _hybrid_mesh(mesh, config.shard_group_size, part)
+    _warn_unused_settings(config, stage, part)
     ledger = C.Ledger()
     materialize = Materializer(model, mesh.device, param_init_fn)
     param_swap = None
@@ -487,6 +488,18 @@ def _hybrid_mesh(mesh: Mesh, shard_group_size: int, part: Partition) -> Mesh:
         )
         mesh = mesh.without_hybrid()
     return mesh
+
+
+def _warn_unused_settings(config: ShardConfig, stage: int, part: Partition) -> None:
+    """A warning for each setting of ``config`` that this stage never reads (asked for, it
+    did nothing, silently), as for hybrid sharding at stage 0."""
+    unused = []
+    if config.num_prefetch != ShardConfig.num_prefetch and not part.parameters:
+        unused.append(f"num_prefetch={config.num_prefetch} (stage 3 gathers ahead)")
+    if config.reduce_every_micro_step and not part.gradients:
+        unused.append("reduce_every_micro_step=True (stages 2-3 reduce into gradient shards)")
+    if unused:
+        warnings.warn(f"ShardConfig {'; '.join(unused)}: ignored at stage {stage}", stacklevel=3)
 
 
 def _dtypes(policy: MixedPrecision, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:

@@ -293,7 +293,7 @@ def train(cfg: TrainConfig) -> dict:
                 checkpoint_every=cfg.checkpoint_every,
                 partition_activations=cfg.partition_activations,
                 shard_group_size=cfg.shard_group_size,
-                reduce_every_micro_step=not cfg.accumulate_unreduced,
+                reduce_every_micro_step=cfg.stage >= 2 and not cfg.accumulate_unreduced,
             ),
             param_init_fn=built.param_init_fn, offload=cfg.offload(), mesh=mesh,
         )  # fmt: skip

@@ -315,7 +315,8 @@ def measure_module(
     # 2-3 unless ``accumulate_unreduced``; only the last is synchronized (stepping in backward
     # refuses a synchronized one before it).
     config = zeroshard.ShardConfig(
-        checkpoint_every=checkpoint_every, reduce_every_micro_step=not accumulate_unreduced
+        checkpoint_every=checkpoint_every,
+        reduce_every_micro_step=stage >= 2 and not accumulate_unreduced,
     )
     model = zeroshard.shard(
         model, stage=stage, wrap=wrap, mesh=mesh, config=config, mixed_precision=mixed_precision
