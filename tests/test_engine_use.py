@@ -1294,6 +1294,39 @@ def test_training_goes_on_after_a_signal_raised_as_a_wait_returned(workers2, sta
     _check(workers2.run(_signal_as_a_wait_returned, stage, nth))
 
 
+def _signal_as_a_gather_s_buffer_was_lent(stage: int) -> dict:
+    """A Ctrl-C landing as the constant-buffer pool's ``lend`` returned for a unit's gather
+    (the loan made, before the code that gives it back on an interrupt): every later gather of
+    the unit was refused ("this owner holds a buffer already"), the model unusable for good.
+    Training goes on as the reference's, which skipped the interrupted forward."""
+    from unittest import mock
+
+    from zeroshard.residual_states.buffers import BufferPool
+
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, None)
+    _train_both(model, ref, opt, ref_opt, kind, range(0, 1))
+    real, calls = BufferPool.lend, []
+
+    def lend(pool, owner, storage, nbytes):
+        real(pool, owner, storage, nbytes)
+        calls.append(owner)
+        if len(calls) == 2:  # (a block's gather: the root's came first)
+            raise KeyboardInterrupt
+
+    x, y = _global_batch(kind, 1)
+    with mock.patch.object(BufferPool, "lend", lend), contextlib.suppress(KeyboardInterrupt):
+        _loss(kind, model, _rows(x), _rows(y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.zero_grad()
+    diff = _train_both(model, ref, opt, ref_opt, kind, range(2, 4))
+    return {"loss": diff, "param": _param_diff(model, ref), "hit": float(len(calls) < 2)}
+
+
+def test_training_goes_on_after_a_signal_as_a_gather_s_buffer_was_lent(workers2):
+    _check(workers2.run(_signal_as_a_gather_s_buffer_was_lent, 3))
+
+
 def _signal_in_the_step_s_refresh(stage: int) -> dict:
     """A Ctrl-C raised as a wait of ``step()``'s refresh of the replicated parameters returned:
     the other refreshes were dropped, and the ranks' replicas differed (4.3e-3 at stage 1)

@@ -375,12 +375,14 @@ class FlatParam:
             return
         self.check_rest_writes()
         self.check_views()  # (data replaced at rest: the gather would drop it without a word)
-        # Refill the same storage object: views that autograd saved in forward see the refill.
-        self.buffers.lend(self, self.full.untyped_storage(), self.buffer_key[1])
         try:
+            # Refill the same storage object: views autograd saved in forward see the refill.
+            self.buffers.lend(self, self.full.untyped_storage(), self.buffer_key[1])
             self._gather = self._gather_from_master(async_op=True)
-        except BaseException:  # a Ctrl-C in a master's read from NVMe, a failed fetch
-            self.buffers.take_back(self, self.full.untyped_storage())
+        except BaseException:  # a Ctrl-C in a master's read from NVMe (or as the loan was
+            # made: every later gather of the unit was refused), a failed fetch
+            if self.buffers.holds(self):
+                self.buffers.take_back(self, self.full.untyped_storage())
             raise
         if not async_op:
             # Waited here, not inside the gather: a wait that raises (a Ctrl-C, a late peer)

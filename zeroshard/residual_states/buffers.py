@@ -93,6 +93,10 @@ class BufferPool:
         self._lent_now[key] += 1
         self._peak[key] = max(self._peak[key], self._lent_now[key])
 
+    def holds(self, owner: object) -> bool:
+        """Whether ``owner`` holds a buffer lent by ``lend``."""
+        return id(owner) in self._lent
+
     def take_back(self, owner: object, storage: torch.UntypedStorage) -> None:
         """Leave ``storage`` empty; its memory goes back to the pool (``_return``: or is freed,
         when as many of its size as it keeps are free already or it does not fit). Memory
