@@ -1672,3 +1672,41 @@ def test_a_state_dict_hook_computing_on_entries_is_named(workers2, tmp_path):
     for said in workers2.run(_hook_computing_on_entries, str(tmp_path)):
         assert said.startswith("a state_dict hook of this model computes on its entries"), said
         assert "rename or drop keys only" in said
+
+
+def _thread_error() -> None:
+    raise ValueError("a data-loading thread failed")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_leaves_other_threads_errors_to_their_hook(lone_process, tmp_path, async_save):
+    # The save collects its writer threads' errors through threading.excepthook: it collected
+    # every thread's while it wrote (an async save's whole duration), and the user's hook, a
+    # data-loading or logging thread's error, saw nothing (an explorer).
+    import threading
+
+    from torch import nn
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    seen: list[BaseException] = []
+    real = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        other = threading.Thread(target=_thread_error)  # (another thread of the process)
+        other.start()
+        other.join()
+        return real(self, plan, planner)
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), stage=3)
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    opt.backward(model(torch.ones(2, 4)).sum())
+    opt.step()
+    with (
+        mock.patch.object(threading, "excepthook", lambda args: seen.append(args.exc_value)),
+        mock.patch.object(FileSystemWriter, "write_data", write_data),
+    ):
+        handle = checkpoint.save(tmp_path / "ckpt", model, opt, async_save=async_save)
+        if async_save:
+            handle.wait()
+    assert [type(e) for e in seen] == [ValueError], seen

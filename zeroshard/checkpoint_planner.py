@@ -29,6 +29,10 @@ class SavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
+_WRITER = "_write_files_from_queue"
+"""The target of DCP's writer threads (``FileSystemWriter._write_data``), in their names."""
+
+
 class Writer(FileSystemWriter):
     """DCP's file-system writer, raising when a data file was not written whole: its writer
     threads drop their exceptions (to ``threading.excepthook``), so a file that one of them
@@ -37,12 +41,23 @@ class Writer(FileSystemWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         failed: list[BaseException] = []
-        hook = threading.excepthook
-        threading.excepthook = lambda args: failed.append(args.exc_value)
+        previous = threading.excepthook
+
+        def hook(args: Any) -> None:
+            # Only DCP's writer threads' (named after their target): every other thread's
+            # exception goes on to the hook there was (an async save, on a thread of its own,
+            # swallowed those of the whole process while it wrote).
+            if args.thread is not None and _WRITER in args.thread.name:
+                failed.append(args.exc_value)
+            else:
+                previous(args)
+
+        threading.excepthook = hook
         try:
             future = super().write_data(plan, planner)
         finally:
-            threading.excepthook = hook
+            if threading.excepthook is hook:  # (not one set meanwhile by other code)
+                threading.excepthook = previous
         written = {result.index for result in future.value()}
         missing = [item.index.fqn for item in plan.items if item.index not in written]
         if missing:
