@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -386,3 +387,65 @@ def test_prefetch_of_one_name_is_a_type_error(tmp_path):
     with pytest.raises(TypeError, match="a list of names"):
         s.prefetch("layer")
     s.close()
+
+
+def _collect_in(handle, *, after_set: bool) -> None:
+    """Run the garbage collector where ``_finish`` may allocate: holding the handle's lock, or
+    right after its event is set."""
+    if not after_set:
+        with handle._lock:
+            gc.collect()
+        return
+    event, real = handle._event, handle._event.set
+
+    class Setting:
+        def set(self) -> None:
+            real()
+            gc.collect()
+
+        def __getattr__(self, name):
+            return getattr(event, name)
+
+    handle._event = Setting()
+
+
+@pytest.mark.parametrize("after_set", [False, True])
+def test_a_callback_a_finalizer_adds_inside_the_handle_s_lock_runs(after_set):
+    """An activation checkpoint's release, chained onto the swap that wrote it, runs in a
+    finalizer: the garbage collector may run it on an I/O thread inside the handle's locked
+    block (``_finish``'s allocations), where a plain lock blocked the thread for good (an
+    explorer); added as the handle finishes, the callback must run, not be dropped."""
+    from zeroshard.offload import SwapHandle
+
+    handle, ran = SwapHandle("swap_out", "x"), []
+
+    class Packed:  # (in a reference cycle: freed by the collector only)
+        pass
+
+    packed = Packed()
+    packed.cycle = packed
+    weakref.finalize(packed, handle.add_done_callback, lambda h: ran.append(h.name))
+    del packed
+    done = threading.Event()
+
+    def io_thread() -> None:
+        _collect_in(handle, after_set=after_set)
+        handle.start(0)  # (finishes at once)
+        done.set()
+
+    threading.Thread(target=io_thread, daemon=True).start()
+    assert done.wait(10), "the finalizer blocked on the lock its thread held"
+    assert ran == ["x"]
+
+
+def test_a_raising_done_callback_leaves_the_others_to_run(caplog):
+    # The store chains the next operation on a name as a done-callback of the last one: a
+    # user's callback that raised before it stopped it, and everything after on that name hung.
+    from zeroshard.offload import SwapHandle
+
+    handle, ran = SwapHandle("swap_out", "w"), []
+    handle.add_done_callback(lambda h: 1 / 0)
+    handle.add_done_callback(lambda h: ran.append(h.name))
+    handle.start(0)
+    assert ran == ["w"] and handle.done()
+    assert "ZeroDivisionError" in caplog.text

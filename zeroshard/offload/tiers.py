@@ -8,11 +8,14 @@ the vocabulary shared by the store and its back-ends; it allocates nothing and s
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "OffloadError",
@@ -121,7 +124,10 @@ class SwapHandle:
         self.kind = kind  # "swap_out", "swap_in", "prefetch", "release": for messages only
         self.name = name
         self._result = result
-        self._lock = threading.Lock()
+        # Re-entrant: a release chained onto this handle runs in a finalizer (an activation
+        # checkpoint's), which the garbage collector may run on a thread holding this lock (an
+        # allocation in ``_finish`` on an I/O thread); a plain lock blocked that thread for good.
+        self._lock = threading.RLock()
         self._event = threading.Event()
         self._num_pending: int | None = None  # set by start(); None means not started yet
         self._error: BaseException | None = None
@@ -180,10 +186,14 @@ class SwapHandle:
             except BaseException as e:  # a failing cleanup must still wake the waiters
                 self._error = self._error or e
         with self._lock:
+            self._event.set()  # (first: a callback added in here from now on runs at once)
             callbacks, self._callbacks = self._callbacks, []
-            self._event.set()
         for fn in callbacks:
-            fn(self)
+            try:
+                fn(self)
+            except Exception:  # (one that raised stopped the rest: the store's own start of
+                # the next operation on the name among them, which then never ran)
+                _log.exception("a done-callback of %r raised", self)
 
     # -- consumer side ---------------------------------------------------------------------------
     def done(self) -> bool:
