@@ -449,3 +449,26 @@ def test_a_raising_done_callback_leaves_the_others_to_run(caplog):
     handle.start(0)
     assert ran == ["w"] and handle.done()
     assert "ZeroDivisionError" in caplog.text
+
+
+def test_a_signal_as_an_operation_is_chained_still_starts_it(tmp_path, monkeypatch):
+    # A Ctrl-C between a handle's registration as the name's last operation and its start
+    # left it pending for good: every later operation on the name, and close(), hung (an
+    # explorer). It lands once the operation has started.
+    import signal
+
+    with TensorStore(OffloadConfig(tier=Tier.NVME, folder=tmp_path, block_bytes=BLOCK)) as store:
+        store.swap_out("w", torch.zeros(4)).wait(timeout=10)
+        real, calls = TensorStore._executor, []
+
+        def executor(self):
+            calls.append(1)
+            if len(calls) == 1:
+                signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
+            return real(self)
+
+        monkeypatch.setattr(TensorStore, "_executor", executor)
+        with pytest.raises(KeyboardInterrupt):
+            store.swap_out("w", torch.ones(4))
+        assert calls, "the operation never asked for a worker"
+        assert torch.equal(store.swap_in("w").wait(timeout=10), torch.ones(4))

@@ -50,6 +50,7 @@ from zeroshard.offload import (
     SwapHandle,
 )
 from zeroshard.offload.folder import padded_bytes
+from zeroshard.signals import deferred
 
 if TYPE_CHECKING:
     from zeroshard.mesh import Mesh
@@ -494,13 +495,15 @@ class StateSwapper(StopsOnFailure):
             raise self.stop(f"optimizer states {s.name!r} could not be {what}", "states", e) from e
         finally:
             self.wait_s += time.perf_counter() - t0
-        if s.where is Where.READING and point:
-            assert s.slot is not None
-            self._point(i, s.slot)
-        elif s.where is Where.WRITING:
-            self._writing.remove(i)
-        s.handle = None
-        s.where = Where.IN_SLOT
+        with deferred():  # (a Ctrl-C between these left it WRITING, out of ``_writing``:
+            # every later step failed on removing it again)
+            if s.where is Where.READING and point:
+                assert s.slot is not None
+                self._point(i, s.slot)
+            elif s.where is Where.WRITING:
+                self._writing.remove(i)
+            s.handle = None
+            s.where = Where.IN_SLOT
 
     def _retire(self, i: int) -> None:
         """Sub-group ``i``'s write is done: drop its resident states and free its slot."""

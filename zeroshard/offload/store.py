@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from zeroshard.accelerator import pin_host_memory
+from zeroshard.signals import deferred
 
 from .cpu import MemoryBackend, flat_bytes, ready_event
 from .folder import ALIGN_BYTES, discard_folder
@@ -497,13 +498,15 @@ class TensorStore:
                 if self._tails.get(name) is handle:
                     del self._tails[name]
 
-        with self._lock:
-            previous = self._tails.get(name)
-            self._tails[name] = handle
-            self._pending.add(handle)
-        handle.add_done_callback(forget)
-        if previous is None:
-            submit_run()
-        else:
-            previous.add_done_callback(submit_run)  # runs at once if it is already done
+        with deferred():  # (a Ctrl-C between the handle's registration and its start left
+            # it pending for good: every later operation on the name, and close(), hung)
+            with self._lock:
+                previous = self._tails.get(name)
+                self._tails[name] = handle
+                self._pending.add(handle)
+            handle.add_done_callback(forget)
+            if previous is None:
+                submit_run()
+            else:
+                previous.add_done_callback(submit_run)  # runs at once if it is already done
         return handle
