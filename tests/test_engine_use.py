@@ -3738,6 +3738,41 @@ def test_a_second_thread_is_refused_during_a_step(workers2, stage):
         assert r["between"] == "ran" and r["diff"] < 1e-6, r
 
 
+def test_a_second_thread_entering_as_a_forward_begins_is_refused(lone_process):
+    # The step's own thread passed its check without the lock and set its phase a few
+    # statements later: a thread entering in between saw no step open, took the model, and
+    # both forwards ran at once (the evaluation's output NaN, the training thread refused; an
+    # explorer). Paused there, the second thread is refused and the first trains on.
+    import threading
+    from unittest import mock
+
+    from zeroshard import model_checks
+
+    torch.manual_seed(0)
+    model = zeroshard.shard(
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)),
+        stage=3,
+        wrap=wrap.by_class(nn.Linear),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    x = torch.randn(4, 8)
+    opt.backward(model(x).sum())  # (the main thread's model from here)
+    opt.step()
+    said: list[str] = []
+    real = model_checks.not_wrapped  # (the first check of the forward's beginning)
+
+    def not_wrapped(m) -> None:
+        if threading.current_thread() is threading.main_thread() and not said:
+            said.append(_in_another_thread(lambda: model(x)))  # (meanwhile, another thread)
+        real(m)
+
+    with mock.patch.object(model_checks, "not_wrapped", not_wrapped):
+        loss = model(x).sum()
+    opt.backward(loss)
+    opt.step()
+    assert said and "in the middle of a step of another thread" in said[0], said
+
+
 def _by_hand_over_kept_zeros(precision: str, how: str) -> float:
     """Stage 0, one ordinary step, ``zero_grad(set_to_none=False)``, then with no backward a
     gradient written into ``.grad`` in place (``how="write"``) or the bias's ``.grad`` set to

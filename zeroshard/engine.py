@@ -95,6 +95,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         """The root's forward is over for the user's forward hooks, which run now: one that
         raises makes ``_forward_raised`` free what the forward held."""
         self.step_thread: threading.Thread | None = None
+        self._claiming: threading.Thread | None = None  # its forward begun, its phase not yet
         """The thread whose forward ran last; while its step is open (a forward running, or
         its backward to come or running) another thread's use of the model is an error."""
         self._backward_due = False  # the last root forward's outputs require grad
@@ -205,13 +206,16 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         raw_args, raw_kwargs = args, kwargs
         if entry and not recompute:
             self.check_thread(claim=True)
-        if root_entry and not recompute:
-            self._begin_forward()
-        elif entry and not recompute:
-            self._after_interrupted_forward()  # (a Ctrl-C'd forward, then a block on its own)
-            if self.phase is not Phase.FORWARD:
-                self._after_interrupted_call(unit)
-                self._begin_alone(unit)
+            try:
+                if root_entry:
+                    self._begin_forward()
+                else:
+                    self._after_interrupted_forward()  # (a Ctrl-C'd forward, then a block alone)
+                    if self.phase is not Phase.FORWARD:
+                        self._after_interrupted_call(unit)
+                        self._begin_alone(unit)
+            finally:
+                self._claiming = None  # (the phase says from here whether a step is open)
         edits, call = None, None
         if entry:  # the inputs' containers edited in place: undone by ``_leave``
             if not recompute and unit.state is not TrainingState.FORWARD:
@@ -350,12 +354,15 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         which failed inside, or trained on mixed-up weights). ``claim``: a forward of this thread
         begins. A backward is not checked: autograd runs it in threads of its own."""
         me = threading.current_thread()
-        if self.step_thread is me:
+        if self.step_thread is me and (self.phase is not Phase.IDLE or not claim):
             return  # (every unit's entry asks: no lock for the thread of the step)
         with _THREADS:
             owner = self.step_thread  # (a thread that ended holds no step open)
             other = owner is not None and owner is not me and owner.is_alive()
-            if other and (self.phase is not Phase.IDLE or self._backward_due):
+            # (a forward claimed, its phase not set yet: another thread let in there ran
+            # beside it, on weights the first one moved)
+            busy = self.phase is not Phase.IDLE or self._backward_due or self._claiming is owner
+            if other and busy:
                 raise RuntimeError(
                     f"the sharded model is in the middle of a step of another thread "
                     f"({owner.name}: a forward running, or the backward of its forward "
@@ -364,7 +371,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
                     "a forward whose backward never comes runs under torch.no_grad()"
                 )
             if claim:
-                self.step_thread = me
+                self.step_thread = self._claiming = me
 
     def _begin_forward(self) -> None:
         model_checks.not_wrapped(self.model)
