@@ -76,6 +76,9 @@ class SavedActivations:
     ran: tuple[bool, ...] = ()
     """Per unit, in forward order: whether its forward ran (one that did not is never gathered
     and makes no gradient). Empty: all."""
+    called: tuple[int, ...] = ()
+    """The units called from the root, in the order of their first calls (the forward order
+    the engine records); the plan takes the units' registration order for it."""
     tail_param_numel: int
     """Elements of the root's parameters that autograd saves after the last unit (the final norm,
     the output projection, a tied embedding): their gradients exist from the head's backward
@@ -312,6 +315,7 @@ def measure(
     chained = [False] * num_units
     inner = [True] * num_units  # (until the unit is called from the root)
     ran = [False] * num_units
+    called: list[int] = []
     last_output: list = [None, 0]  # the previous unit's first output, and its version
     follow = num_mp_ranks == 1  # (tensor parallelism's pieces are not followed in backward)
     owners, saves = backward_peak.Owners(), backward_peak.SaveCounts()
@@ -323,6 +327,8 @@ def measure(
             chained[i] = args[0] is out and out is not None and out._version == version
         if where[0] < 0:
             inner[i] = False
+            if i not in called:
+                called.append(i)
         ran[i] = True
         where[0] = i
         if follow:
@@ -438,6 +444,7 @@ def measure(
         chained=tuple(chained),
         inner=tuple(inner),
         ran=tuple(ran),
+        called=tuple(called),
         tail_param_numel=sum(tail_params.values()),
         tied_param_numel=sum(n for key, n in tail_params.items() if key in reused),
         forward_peak_bytes=None if tracker is None else _peak_besides_model(tracker),
