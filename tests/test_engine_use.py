@@ -1327,6 +1327,42 @@ def test_training_goes_on_after_a_signal_as_a_gather_s_buffer_was_lent(workers2)
     _check(workers2.run(_signal_as_a_gather_s_buffer_was_lent, 3))
 
 
+def _signal_as_units_go_idle(stage: int) -> dict:
+    """A Ctrl-C landing as the end of a backward set its units back to idle, one unit done and
+    the others not: the next step refused a gradient "set by hand" and was lost (an
+    explorer). It lands once the backward's end is done; after ``zero_grad()`` training goes
+    on as the reference's, which skipped that batch."""
+    import signal
+    from unittest import mock
+
+    from zeroshard.unit import Unit
+
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, None)
+    _train_both(model, ref, opt, ref_opt, kind, range(0, 1))
+    real, calls = Unit.lend_again, []
+
+    last = len(zeroshard.engine_of(model).units)
+
+    def lend_again(unit):
+        real(unit)
+        calls.append(unit)
+        if len(calls) == last:  # (the last unit set idle, the backward's sets not emptied)
+            signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
+
+    x, y = _global_batch(kind, 1)
+    loss = _loss(kind, model, _rows(x), _rows(y))
+    with mock.patch.object(Unit, "lend_again", lend_again), contextlib.suppress(KeyboardInterrupt):
+        opt.backward(loss)
+    opt.zero_grad()
+    diff = _train_both(model, ref, opt, ref_opt, kind, range(2, 4))
+    return {"loss": diff, "param": _param_diff(model, ref), "hit": float(not calls)}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_training_goes_on_after_a_signal_as_units_go_idle(workers2, stage):
+    _check(workers2.run(_signal_as_units_go_idle, stage))
+
+
 def _signal_in_the_step_s_refresh(stage: int) -> dict:
     """A Ctrl-C raised as a wait of ``step()``'s refresh of the replicated parameters returned:
     the other refreshes were dropped, and the ranks' replicas differed (4.3e-3 at stage 1)

@@ -23,6 +23,7 @@ from zeroshard.autograd_hooks import weakly
 from zeroshard.model_states import flat_param
 from zeroshard.model_states.agreement import reduced_again_anywhere
 from zeroshard.model_states.grads import GradBucket, pools
+from zeroshard.signals import deferred
 from zeroshard.unit import Phase, TrainingState, Unit
 
 
@@ -208,15 +209,17 @@ class Backward:
                 b.reduce()
                 b.finish()
             b.end_backward()
-        self._units_to_idle()
-        self.reduction_order.end_backward(self.mesh)
-        self.scaling.accumulating = not self._reduce_now
-        self._arrivals_at, self._partial = None, False
+        with deferred():  # (a Ctrl-C in here left units half idle: the next step refused a
+            # gradient "set by hand" and was lost)
+            self._units_to_idle()
+            self.reduction_order.end_backward(self.mesh)
+            self.scaling.accumulating = not self._reduce_now
+            self._arrivals_at, self._partial = None, False
+            self.phase, self._backward_due = Phase.IDLE, False
         unowned = self.partition.optimizer_states and not self.optimizers
         # (not for an input-only autograd.grad: no parameter's gradient was made)
         if self._reduce_now and unowned and any(any(b.touched) for b in self.buckets):
             _warn_no_sharded_optimizer()
-        self.phase, self._backward_due = Phase.IDLE, False
 
     def _grads_came(self) -> bool:
         """Whether a gradient reached a parameter during this backward, in a graph task of its
@@ -232,10 +235,11 @@ class Backward:
     def _end_without_grads(self) -> None:
         """The end of a backward that made no parameter's gradient: units back to idle, no
         collective, the gradients and the reduction order as they were before it."""
-        self._units_to_idle()
-        self._no_grads = False
-        self._arrivals_at = None
-        self.phase, self._backward_due = Phase.IDLE, False
+        with deferred():
+            self._units_to_idle()
+            self._no_grads = False
+            self._arrivals_at = None
+            self.phase, self._backward_due = Phase.IDLE, False
 
     def _units_to_idle(self) -> None:
         """At a backward's end: gather buffers released (kept through one backward, not
