@@ -788,6 +788,19 @@ def test_swap_files_are_gone_once_the_model_and_optimizer_are_collected(
         assert left == [], left
 
 
+def _small_offloaded(offload: Offload, cls) -> tuple:
+    """A 2-Linear model at stage 3 with ``offload``, its optimizer (lr 1e-2) and a batch."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = zeroshard.shard(
+        model, stage=3, wrap=zeroshard.wrap.by_class(nn.Linear), offload=offload
+    )
+    opt = zeroshard.optimizer(model, cls, lr=1e-2)
+    return model, opt, torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+
+
 def test_a_signal_in_a_written_sub_group_s_bookkeeping_leaves_the_step_usable(
     lone_process, tmp_path
 ):
@@ -797,8 +810,6 @@ def test_a_signal_in_a_written_sub_group_s_bookkeeping_leaves_the_step_usable(
     import signal
     from collections import deque
 
-    from torch import nn
-
     class Interrupting(deque):
         def remove(self, value) -> None:
             super().remove(value)
@@ -807,16 +818,8 @@ def test_a_signal_in_a_written_sub_group_s_bookkeeping_leaves_the_step_usable(
                 signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
 
     def run(interrupt: bool) -> list[float]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
-        model = zeroshard.shard(
-            model,
-            stage=3,
-            wrap=zeroshard.wrap.by_class(nn.Linear),
-            offload=Offload(optimizer="nvme", folder=tmp_path / str(interrupt)),
-        )
-        opt = zeroshard.optimizer(model, torch.optim.Adam, lr=1e-2)
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+        offload = Offload(optimizer="nvme", folder=tmp_path / str(interrupt))
+        model, opt, x = _small_offloaded(offload, torch.optim.Adam)
         losses = []
         for step in range(4):
             if step == 1:
@@ -850,23 +853,13 @@ def test_a_signal_as_a_master_is_marked_resident_leaves_it_read(lone_process, tm
     # once the read is issued; the interrupted forward is dropped, training goes on.
     import signal
 
-    from torch import nn
-
     from zeroshard.model_states.param_swap import ParamSwapper
 
     real = ParamSwapper._grow
 
     def run(interrupt: bool) -> list[float]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
-        model = zeroshard.shard(
-            model,
-            stage=3,
-            wrap=zeroshard.wrap.by_class(nn.Linear),
-            offload=Offload(parameters="nvme", folder=tmp_path / str(interrupt)),
-        )
-        opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1e-2)
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+        offload = Offload(parameters="nvme", folder=tmp_path / str(interrupt))
+        model, opt, x = _small_offloaded(offload, torch.optim.SGD)
         losses, armed = [], [interrupt]
 
         def grow(swapper, nbytes):
