@@ -623,6 +623,44 @@ def test_a_unit_that_never_runs_takes_no_prefetched_unit_s_place(workers2):
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
 
 
+def _bert_classifier():
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=256, max_position_embeddings=64, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForSequenceClassification(config)
+
+
+def _bert_classifier_peak() -> int:
+    def loss(model, gen):
+        x = torch.randint(0, 1000, (8, 64), generator=gen)
+        return model(input_ids=x, labels=torch.randint(0, 3, (8,), generator=gen)).loss
+
+    wrap = zeroshard.wrap.by_class("BertLayer")
+    return calibrate.measure_module(_bert_classifier, loss, stage=3, wrap=wrap, num_steps=2)[
+        "peak_bytes"
+    ]
+
+
+def test_a_sequence_classifier_s_activations_are_measured(workers2):
+    # Its head takes one label per sequence: the planner's probe gave it a language model's
+    # labels, every way of calling it failed, and the plan counted no activations with
+    # --module (0.33x the measured peak) or a GPT's logits over the vocabulary with --hf
+    # (1.40x; an explorer). Its logits' cross-entropy now stands in for its loss.
+    pytest.importorskip("transformers")
+    model = describe.from_module(_bert_classifier, wrap="BertLayer")
+    assert model.activations is not None and model.activations.call == "hf_logits"
+    config = dataclasses.replace(
+        calibrate.engine_config(Case(stage=3), 2), micro_batch_size=8, seq_len=64
+    )
+    predicted = m.plan_memory(model, config).peak_bytes()
+    measured = max(workers2.run(_bert_classifier_peak))
+    assert abs(predicted - measured) <= calibrate.PEAK_TOLERANCE * measured, (predicted, measured)
+
+
 _BART_CAUSAL = dict(  # BART's decoder alone (BartForCausalLM): its cross-attention never runs
     model_type="bart",
     architectures=["BartForCausalLM"],

@@ -118,9 +118,11 @@ class ActivationProfile:
     vocab_size: int
     """Token ids are drawn below this."""
     call: str
-    """How a batch goes in: ``"hf"`` (``model(input_ids=x, labels=y).loss``), ``"xy"``
-    (``model(x, y)`` returns the loss) or ``"logits"`` (``model(x)`` returns the logits, as
-    ``zeroshard train --model`` asks; the loss is ``zeroshard.train.next_token_loss``'s)."""
+    """How a batch goes in: ``"hf"`` (``model(input_ids=x, labels=y).loss``), ``"hf_logits"``
+    (``model(input_ids=x).logits``, the loss a cross-entropy over them: a head that does not
+    take token labels, a sequence classifier's), ``"xy"`` (``model(x, y)`` returns the loss) or
+    ``"logits"`` (``model(x)`` returns the logits, as ``zeroshard train --model`` asks; the
+    loss is ``zeroshard.train.next_token_loss``'s)."""
     largest_param_numel: int
     """Elements of the largest parameter a unit owns: its gradient is the largest one backward
     holds before it joins the unit's flat gradient."""
@@ -237,7 +239,8 @@ def profile(module, unit_names: tuple[str, ...]) -> ActivationProfile | None:
     vocab_size = embeddings[0].num_embeddings
     units = [module.get_submodule(n) for n in unit_names]
     largest = max((p.numel() for u in units for p in u.parameters()), default=0)
-    calls = ("hf", "xy", "logits") if hasattr(module, "config") else ("xy", "logits", "hf")
+    hf = ("hf", "hf_logits")
+    calls = (*hf, "xy", "logits") if hasattr(module, "config") else ("xy", "logits", *hf)
     problems = []
     for call in calls:
         found = ActivationProfile(
@@ -630,11 +633,25 @@ def _loss(model, call: str, x, y, vocab_size: int):
     """The loss of ``model`` on token ids ``x`` against ``y``, called the ``call`` way."""
     if call == "hf":
         return model(input_ids=x, labels=y).loss
+    if call == "hf_logits":
+        return _logits_loss(model(input_ids=x).logits, x, y)
     if call == "logits":
         from zeroshard.train import next_token_loss
 
         return next_token_loss(model, x, y, vocab_size)
     return model(x, y)
+
+
+def _logits_loss(logits, x, y):
+    """A cross-entropy over a head's ``logits`` against targets drawn from ``y``: per token for
+    (batch, seq, classes) logits, per sequence for (batch, classes) ones (a classifier's)."""
+    import torch.nn.functional as F
+
+    if logits.dim() == 3 and logits.shape[:2] == x.shape:
+        return F.cross_entropy(logits.flatten(0, 1).float(), (y % logits.size(-1)).flatten())
+    if logits.dim() == 2 and logits.size(0) == x.size(0):
+        return F.cross_entropy(logits.float(), y[:, 0] % logits.size(-1))
+    raise ValueError(f"logits of shape {tuple(logits.shape)} for token ids {tuple(x.shape)}")
 
 
 @contextlib.contextmanager
