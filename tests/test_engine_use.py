@@ -1294,27 +1294,32 @@ def test_training_goes_on_after_a_signal_raised_as_a_wait_returned(workers2, sta
     _check(workers2.run(_signal_as_a_wait_returned, stage, nth))
 
 
-def _signal_as_a_gather_s_buffer_was_lent(stage: int) -> dict:
+def _signal_as_a_gather_s_buffer_was_lent(stage: int, at: str) -> dict:
     """A Ctrl-C landing as the constant-buffer pool's ``lend`` returned for a unit's gather
-    (the loan made, before the code that gives it back on an interrupt): every later gather of
-    the unit was refused ("this owner holds a buffer already"), the model unusable for good.
-    Training goes on as the reference's, which skipped the interrupted forward."""
+    (``at="lend"``: the loan made, before the code that gives it back on an interrupt), or
+    inside it once the memory was given, before the loan was noted (``"swap"``, a reviewer):
+    every later gather of the unit was refused ("this owner holds a buffer already", "the
+    storage holds ... bytes already"), the model unusable for good. Training goes on as the
+    reference's, which skipped the interrupted forward."""
+    import signal
     from unittest import mock
 
-    from zeroshard.residual_states.buffers import BufferPool
+    from zeroshard.residual_states import buffers
 
     model, ref, opt, ref_opt, kind = _pair("gpt", stage, None)
     _train_both(model, ref, opt, ref_opt, kind, range(0, 1))
-    real, calls = BufferPool.lend, []
+    target = (buffers.BufferPool, "lend") if at == "lend" else (buffers, "_swap")
+    real, calls = getattr(*target), []
 
-    def lend(pool, owner, storage, nbytes):
-        real(pool, owner, storage, nbytes)
-        calls.append(owner)
+    def interrupting(*args):
+        out = real(*args)
+        calls.append(1)
         if len(calls) == 2:  # (a block's gather: the root's came first)
-            raise KeyboardInterrupt
+            signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
+        return out
 
     x, y = _global_batch(kind, 1)
-    with mock.patch.object(BufferPool, "lend", lend), contextlib.suppress(KeyboardInterrupt):
+    with mock.patch.object(*target, interrupting), contextlib.suppress(KeyboardInterrupt):
         _loss(kind, model, _rows(x), _rows(y))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -1323,8 +1328,9 @@ def _signal_as_a_gather_s_buffer_was_lent(stage: int) -> dict:
     return {"loss": diff, "param": _param_diff(model, ref), "hit": float(len(calls) < 2)}
 
 
-def test_training_goes_on_after_a_signal_as_a_gather_s_buffer_was_lent(workers2):
-    _check(workers2.run(_signal_as_a_gather_s_buffer_was_lent, 3))
+@pytest.mark.parametrize("at", ["lend", "swap"])
+def test_training_goes_on_after_a_signal_as_a_gather_s_buffer_was_lent(workers2, at):
+    _check(workers2.run(_signal_as_a_gather_s_buffer_was_lent, 3, at))
 
 
 def _signal_as_units_go_idle(stage: int) -> dict:

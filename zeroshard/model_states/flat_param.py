@@ -383,6 +383,8 @@ class FlatParam:
             # made: every later gather of the unit was refused), a failed fetch
             if self.buffers.holds(self):
                 self.buffers.take_back(self, self.full.untyped_storage())
+            else:  # (inside ``lend``, its memory given before the loan was noted: freed)
+                self.full.untyped_storage().resize_(0)
             raise
         if not async_op:
             # Waited here, not inside the gather: a wait that raises (a Ctrl-C, a late peer)

@@ -51,7 +51,6 @@ import torch
 from zeroshard.model_states.swap_space import check_space
 from zeroshard.model_states.swappers import StopsOnFailure, open_store, stopping_on_refusal
 from zeroshard.offload import SwapHandle
-from zeroshard.signals import deferred
 
 if TYPE_CHECKING:
     from zeroshard.mesh import Mesh
@@ -290,22 +289,27 @@ class ParamSwapper(StopsOnFailure):
     def _start_read(self, m: _Master) -> None:
         if m.resident:
             return  # in memory, or being read
-        with deferred():  # (a Ctrl-C before the read was issued left the master resident,
-            # unread: the next forward computed with uninitialized memory)
-            m.tensor.untyped_storage().resize_(m.nbytes)  # the same storage: views stay valid
-            m.resident = True
-            self._grow(m.nbytes)
-            self.read_bytes += m.nbytes
-            m.reading = self.store.swap_in(m.name, into=m.tensor)
+        m.tensor.untyped_storage().resize_(m.nbytes)  # the same storage: views stay valid
+        # Issued before it counts as resident: a Ctrl-C between the two left a resident master
+        # never read (the next forward computed with uninitialized memory); now one that is
+        # read and not resident, read again at the next use.
+        m.reading = self.store.swap_in(m.name, into=m.tensor)
+        m.resident = True
+        self._grow(m.nbytes)
+        self.read_bytes += m.nbytes
 
     def _write(self, m: _Master) -> None:
         assert m.resident and m.reading is None and m.writing is None
         self.write_bytes += m.nbytes
         what = f"parameter master {m.name!r} could not be written"
-        with deferred():  # (the write issued and noted together: a step was lost between)
+        try:
             with stopping_on_refusal(self.stop, what, "parameters"):
                 m.writing = self.store.swap_out(m.name, m.tensor)
             self._writing.append(m)
+        except BaseException:  # a Ctrl-C between the write and its note lost the next step
+            if m.writing is not None and m not in self._writing:
+                self._writing.append(m)
+            raise
 
     def _wait(self, m: _Master) -> None:
         """Finish ``m``'s read or write in flight; a failure stops training (module docstring)."""

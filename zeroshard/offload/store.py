@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from zeroshard.accelerator import pin_host_memory
-from zeroshard.signals import deferred
 
 from .cpu import MemoryBackend, flat_bytes, ready_event
 from .folder import ALIGN_BYTES, discard_folder
@@ -472,7 +471,11 @@ class TensorStore:
         a job to open the file followed by a job queued behind every other operation's opening.
         """
 
+        once = threading.Lock()  # (a Ctrl-C's clean-up below may submit it twice: run once)
+
         def run() -> None:
+            if not once.acquire(blocking=False):
+                return
             try:
                 parts = start()
             except BaseException as e:  # start raises only before handle.start()
@@ -498,15 +501,27 @@ class TensorStore:
                 if self._tails.get(name) is handle:
                     del self._tails[name]
 
-        with deferred():  # (a Ctrl-C between the handle's registration and its start left
-            # it pending for good: every later operation on the name, and close(), hung)
+        previous = None
+        try:
             with self._lock:
                 previous = self._tails.get(name)
                 self._tails[name] = handle
                 self._pending.add(handle)
-            handle.add_done_callback(forget)
-            if previous is None:
-                submit_run()
-            else:
-                previous.add_done_callback(submit_run)  # runs at once if it is already done
+            self._start_after(handle, previous, forget, submit_run)
+        except BaseException:
+            # A Ctrl-C between the handle's registration and its start left it pending for
+            # good (every later operation on the name, and close(), hung): started all the
+            # same (again if it was: ``run`` runs once, ``forget`` is idempotent).
+            if handle in self._pending:
+                self._start_after(handle, previous, forget, submit_run)
+            raise
         return handle
+
+    @staticmethod
+    def _start_after(handle: SwapHandle, previous: SwapHandle | None, forget, submit_run) -> None:
+        """Forget ``handle`` when done; start it now, or when ``previous`` is done."""
+        handle.add_done_callback(forget)
+        if previous is None:
+            submit_run()
+        else:
+            previous.add_done_callback(submit_run)  # runs at once if it is already done
