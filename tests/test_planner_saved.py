@@ -9,7 +9,7 @@ import torch
 from test_planner_hf import HF_CONFIGS
 
 from zeroshard.models.gpt import GPT, PRESETS
-from zeroshard.planner import describe, memory, timeline
+from zeroshard.planner import describe, memory, saved, timeline
 
 
 def _real_saved(model, unit_names, batch: int, seq: int, vocab: int, call: str) -> dict:
@@ -222,3 +222,38 @@ def test_a_forward_that_fails_gives_the_model_s_own_error():
     said = str(info.value)
     assert "cannot register a hook" not in said, said
     assert "hf: the forward at 1 x 8 tokens failed on meta (AttributeError" in said, said
+
+
+def test_a_mask_that_needs_a_gradient_takes_the_math_path_on_meta_as_on_the_cpu():
+    # T5's position bias is trained: the CPU takes the math path for it (the fused kernel has
+    # no gradient for a mask), and on meta the plan ran the fused one and failed (a reviewer).
+    import torch.nn.functional as F
+
+    q = torch.randn(1, 4, 8, 16, requires_grad=True)
+    k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 4, 8, 16)
+    bias = torch.randn(1, 4, 8, 8, requires_grad=True)
+    assert torch._fused_sdp_choice(q, k, v, bias, 0.0, False) == 0  # (the math path)
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, device="meta", requires_grad=t.requires_grad)
+
+    with saved._cpu_attention_choice():
+        out = F.scaled_dot_product_attention(meta(q), meta(k), meta(v), attn_mask=meta(bias))
+    assert out.shape == q.shape and out.requires_grad
+
+
+def test_a_question_answering_head_is_measured():
+    # Its start and end logits stand in for its loss (every way of calling it failed: no
+    # activations counted, a reviewer).
+    transformers = pytest.importorskip("transformers")
+
+    def build():
+        config = transformers.BertConfig(
+            vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=32,
+        )  # fmt: skip
+        return transformers.BertForQuestionAnswering(config)
+
+    model = describe.from_module(build)
+    assert model.activations is not None and model.activations.call == "hf_logits"
+    assert model.activations.at(micro_batch_size=2, seq_len=16).total_bytes > 0

@@ -120,7 +120,8 @@ class ActivationProfile:
     call: str
     """How a batch goes in: ``"hf"`` (``model(input_ids=x, labels=y).loss``), ``"hf_logits"``
     (``model(input_ids=x).logits``, the loss a cross-entropy over them: a head that does not
-    take token labels, a sequence classifier's), ``"xy"`` (``model(x, y)`` returns the loss) or
+    take token labels, a sequence classifier's; a question-answering head's start and end
+    logits), ``"xy"`` (``model(x, y)`` returns the loss) or
     ``"logits"`` (``model(x)`` returns the logits, as ``zeroshard train --model`` asks; the
     loss is ``zeroshard.train.next_token_loss``'s)."""
     largest_param_numel: int
@@ -634,7 +635,10 @@ def _loss(model, call: str, x, y, vocab_size: int):
     if call == "hf":
         return model(input_ids=x, labels=y).loss
     if call == "hf_logits":
-        return _logits_loss(model(input_ids=x).logits, x, y)
+        out = model(input_ids=x)
+        if getattr(out, "logits", None) is None and hasattr(out, "start_logits"):
+            return _logits_loss(out.start_logits, x, y) + _logits_loss(out.end_logits, x, y)
+        return _logits_loss(out.logits, x, y)
     if call == "logits":
         from zeroshard.train import next_token_loss
 
@@ -765,7 +769,10 @@ def _fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, 
         if t.dim() == 0:
             return torch.empty((), dtype=t.dtype)
         strides = (0,) * (t.dim() - 1) + (1,)
-        return torch.empty(t.shape[-1], dtype=t.dtype).as_strided(t.shape, strides)
+        out = torch.empty(t.shape[-1], dtype=t.dtype).as_strided(t.shape, strides)
+        # (the choice looks at requires_grad: the CPU takes the math path for a mask that
+        # needs a gradient, T5's position bias, where the fused kernel has no backward for it)
+        return out.requires_grad_(t.requires_grad and t.is_floating_point())
 
     cpu = [stand_in(t) for t in (q, k, v, attn_mask)]
     choice = torch._fused_sdp_choice(*cpu, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
