@@ -1369,6 +1369,78 @@ def test_training_goes_on_after_a_signal_as_units_go_idle(workers2, stage):
     _check(workers2.run(_signal_as_units_go_idle, stage))
 
 
+def _signal_as_grad_mode_went_off(stage: int) -> dict:
+    """A Ctrl-C landing as the forward's check of written parameters turned grad mode off for
+    its ``torch.no_grad()`` block, before the block began: its ``__exit__`` never ran, autograd
+    stayed off for the whole process, every later step refused its loss (an explorer)."""
+    import signal
+    import sys
+    from unittest import mock
+
+    model, ref, opt, ref_opt, kind = _pair("gpt", stage, None)
+    _train_both(model, ref, opt, ref_opt, kind, range(0, 1))
+    real, hit = torch._C._set_grad_enabled, []
+
+    def set_grad_enabled(mode: bool) -> None:
+        real(mode)
+        names = {sys._getframe(i).f_code.co_name for i in range(1, 5)}
+        if not mode and not hit and "adopt_writes" in names:
+            hit.append(1)
+            signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
+
+    x, y = _global_batch(kind, 1)
+    patch = mock.patch.object(torch._C, "_set_grad_enabled", set_grad_enabled)
+    with patch, contextlib.suppress(KeyboardInterrupt):
+        _loss(kind, model, _rows(x), _rows(y))
+    grad_on = torch.is_grad_enabled()
+    torch.set_grad_enabled(True)  # (for the comparison below, whatever happened)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.zero_grad()
+    diff = _train_both(model, ref, opt, ref_opt, kind, range(2, 4))
+    return {"loss": diff, "param": _param_diff(model, ref), "hit": float(not hit),
+            "grad_off": float(not grad_on)}  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_grad_mode_survives_a_signal_in_the_forward_s_checks(workers2, stage):
+    _check(workers2.run(_signal_as_grad_mode_went_off, stage))
+
+
+def _signal_as_a_gradient_went_back_to_its_pool() -> dict:
+    """Stage 3: a Ctrl-C landing in a backward as a unit's full gradient went back to its pool,
+    before the bucket forgot it: every later ``zero_grad()`` gave it back again and was refused
+    ("did not come from this pool's take"; an explorer)."""
+    import signal
+    from unittest import mock
+
+    from zeroshard.residual_states.buffers import TensorPool
+
+    model, ref, opt, ref_opt, kind = _pair("gpt", 3, None)
+    _train_both(model, ref, opt, ref_opt, kind, range(0, 1))
+    real, calls = TensorPool.give, []
+
+    def give(pool, tensor):
+        real(pool, tensor)
+        calls.append(1)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)  # (Python's handler: a KeyboardInterrupt)
+
+    x, y = _global_batch(kind, 1)
+    loss = _loss(kind, model, _rows(x), _rows(y))
+    with mock.patch.object(TensorPool, "give", give), contextlib.suppress(KeyboardInterrupt):
+        loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.zero_grad()
+    diff = _train_both(model, ref, opt, ref_opt, kind, range(2, 4))
+    return {"loss": diff, "param": _param_diff(model, ref), "hit": float(not calls)}
+
+
+def test_zero_grad_goes_on_after_a_signal_as_a_gradient_went_back(workers2):
+    _check(workers2.run(_signal_as_a_gradient_went_back_to_its_pool))
+
+
 def _signal_in_the_step_s_refresh(stage: int) -> dict:
     """A Ctrl-C raised as a wait of ``step()``'s refresh of the replicated parameters returned:
     the other refreshes were dropped, and the ranks' replicas differed (4.3e-3 at stage 1)

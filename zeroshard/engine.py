@@ -50,6 +50,7 @@ from zeroshard.residual_states import host_heap
 from zeroshard.residual_states.activations import SpanCheckpointing
 from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.shard_config import ShardConfig
+from zeroshard.signals import grad_off
 from zeroshard.stages import partition
 from zeroshard.trees import cast_floats, tensors_reached
 from zeroshard.unit import Phase, TrainingState, Unit, Use
@@ -535,7 +536,7 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
                 )
             param_checks.check_registered(self.model, self.flat_params)
             flats = self.flat_params
-        with torch.no_grad():
+        with grad_off():
             # every flat's views given back before one error is raised (model.half() recovers
             # in one call, not one per unit)
             problem = param_checks.check_views(flats, self.flat_params)

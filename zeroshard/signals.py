@@ -113,6 +113,21 @@ def deferred() -> Iterator[None]:
             raise raised
 
 
+@contextlib.contextmanager
+def grad_off() -> Iterator[None]:
+    """``torch.no_grad()`` that a Ctrl-C cannot leave in force: Python may run a signal
+    handler right after ``no_grad().__enter__`` has turned grad mode off and before the block
+    begins, where its ``__exit__`` never runs: autograd stayed off for the whole process
+    (every later step refused its loss). Here the mode is restored by the ``finally`` that the
+    switch runs inside."""
+    before = torch.is_grad_enabled()
+    try:
+        torch._C._set_grad_enabled(False)
+        yield
+    finally:
+        torch._C._set_grad_enabled(before)
+
+
 _FIRST = 256
 """Above every signal number: ``agreed`` takes the largest of ``_FIRST - signum``."""
 

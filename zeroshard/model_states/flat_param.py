@@ -53,6 +53,7 @@ from zeroshard.mesh import Mesh
 from zeroshard.model_states.partition import intersect, layout, padded_numel, shard_range
 from zeroshard.precision import MASTER_DTYPE
 from zeroshard.residual_states.buffers import BufferPool
+from zeroshard.signals import grad_off
 from zeroshard.stages import Partition
 from zeroshard.streams import on_side_stream
 
@@ -520,11 +521,11 @@ class FlatParam:
         held = self.state is ShardState.UNSHARDED and self._gather is None
         if not held or self._gathered_versions is None or self.masters_ahead:
             return
-        with torch.no_grad():
+        with grad_off():
             self.check_views()  # ``p.data = t`` in its forward (MoCo's momentum encoder)
         versions = [s.param._version for s in self.slots]
         if versions != self._gathered_versions:
-            with torch.no_grad():
+            with grad_off():
                 self.write_back()
             self._gathered_versions = versions
 

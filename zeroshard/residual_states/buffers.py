@@ -116,9 +116,12 @@ class BufferPool:
         size as the pool keeps are free already or it does not fit in what the pool may
         hold."""
         if len(self._free[key]) < self._keeps(key) and self._make_room(key[1]):
-            self._free[key].append(buffer)
-            self._returned[id(buffer)] = (key, buffer)
+            # (the list last: a Ctrl-C lands after a call returns, and between the two it left
+            # a free buffer the pool did not know, its next use a KeyError)
+            returned = id(buffer)
+            self._returned[returned] = (key, buffer)
             self._free_bytes += key[1]
+            self._free[key].append(buffer)
         else:
             buffer.untyped_storage().resize_(0)
 
@@ -146,9 +149,11 @@ class BufferPool:
 
     def _unfree(self, key: tuple[torch.device, int]) -> torch.Tensor:
         """The newest free buffer of ``key``'s size, out of the free ones."""
-        buffer = self._free[key].pop()
-        del self._returned[id(buffer)]
-        self._free_bytes -= key[1]
+        free = self._free[key]
+        buffer, returned = free[-1], id(free[-1])
+        del self._returned[returned]  # (no call between these: a Ctrl-C lands whole around
+        self._free_bytes -= key[1]  # them, where a buffer out of the list but still known
+        free.pop()  # broke every later step)
         return buffer
 
     def _make_room(self, nbytes: int) -> bool:
@@ -163,8 +168,9 @@ class BufferPool:
     def _drop(self, key: tuple[torch.device, int], buffer: torch.Tensor) -> None:
         """Free the free ``buffer`` of ``key``'s size."""
         free = self._free[key]
-        del free[next(i for i, b in enumerate(free) if b is buffer)]
-        del self._returned[id(buffer)]
+        at, returned = next(i for i, b in enumerate(free) if b is buffer), id(buffer)
+        del free[at]  # (no call between the two)
+        del self._returned[returned]
         self._free_bytes -= key[1]
         buffer.untyped_storage().resize_(0)
 
