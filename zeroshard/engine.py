@@ -96,9 +96,9 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
         """The root's forward is over for the user's forward hooks, which run now: one that
         raises makes ``_forward_raised`` free what the forward held."""
         self.step_thread: threading.Thread | None = None
-        self._claiming: threading.Thread | None = None  # its forward begun, its phase not yet
         """The thread whose forward ran last; while its step is open (a forward running, or
         its backward to come or running) another thread's use of the model is an error."""
+        self._claiming: threading.Thread | None = None  # its forward begun, its phase not yet
         self._backward_due = False  # the last root forward's outputs require grad
         self._forward_call: int | None = None  # the root's running call (call_frames.current)
         self._arrivals_at: int | None = None  # gradients made before the running backward began
