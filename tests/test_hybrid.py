@@ -394,16 +394,6 @@ def _shard_group_size_on_half_the_ranks() -> str:
     return _refusal(config=ShardConfig(shard_group_size=2 if dist.get_rank() >= 2 else 0))
 
 
-def test_a_shard_group_size_given_on_some_ranks_only_is_the_settings_error(workers4):
-    # The shard groups were made first (a collective): ranks 0-1 timed out naming 2-3 as hung,
-    # and 2-3 waited in new_group past the job's timeout.
-    for said in workers4.run(_shard_group_size_on_half_the_ranks):
-        assert said.startswith(
-            "zeroshard.shard() was called with another ShardConfig.shard_group_size on ranks "
-            "[2, 3] than on rank 0"
-        ), said
-
-
 def _a_device_mesh_on_some_ranks_only() -> str:
     """Every rank builds the same 2 x 2 (replicate, shard) mesh; rank 3 does not pass it."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -412,14 +402,23 @@ def _a_device_mesh_on_some_ranks_only() -> str:
     return _refusal(mesh=None if dist.get_rank() == 3 else dm)
 
 
-def test_a_device_mesh_given_on_some_ranks_only_is_the_settings_error(workers4):
-    # Hybrid on ranks 0-2, plain on rank 3: shard() returned, and the first step waited for the
-    # collective timeout, each rank blaming another.
-    for said in workers4.run(_a_device_mesh_on_some_ranks_only):
-        assert said.startswith(
-            "zeroshard.shard() was called with another mesh's shard group size on ranks [3] than "
-            "on rank 0"
-        ), said
+@pytest.mark.parametrize(
+    "asked, setting, ranks",
+    [
+        # The shard groups were made first (a collective): ranks 0-1 timed out naming 2-3 as
+        # hung, and 2-3 waited in new_group past the job's timeout.
+        (_shard_group_size_on_half_the_ranks, "ShardConfig.shard_group_size", "[2, 3]"),
+        # Hybrid on ranks 0-2, plain on rank 3: shard() returned, and the first step waited for
+        # the collective timeout, each rank blaming another.
+        (_a_device_mesh_on_some_ranks_only, "mesh's shard group size", "[3]"),
+    ],
+)
+def test_shard_groups_asked_on_some_ranks_only_are_the_settings_error(
+    workers4, asked, setting, ranks
+):
+    want = f"zeroshard.shard() was called with another {setting} on ranks {ranks} than on rank 0"
+    for said in workers4.run(asked):
+        assert said.startswith(want), said
 
 
 def _stages_of_two_sizes() -> float:

@@ -573,29 +573,11 @@ def test_parameters_the_loss_never_reaches_have_no_optimizer_states(workers2, st
     assert abs(predicted - max(measured)) <= 0.001 * max(measured), (predicted, measured)
 
 
-class _SkipBlock(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(128, 512), torch.nn.Linear(512, 128)
-
-    def forward(self, x):
-        return x + self.b(torch.relu(self.a(x)))
-
-
-class _SkippingLM(torch.nn.Module):
+def _skipping_lm() -> torch.nn.Module:
     """Four blocks, the second never called: its units' neighbours are prefetched past it."""
+    from test_planner_describe import OrderedLM
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(256, 128)
-        self.blocks = torch.nn.ModuleList(_SkipBlock() for _ in range(4))
-        self.head = torch.nn.Linear(128, 256)
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        for i in (0, 2, 3):
-            x = self.blocks[i](x)
-        return self.head(x)
+    return OrderedLM((0, 2, 3), width=128)
 
 
 def _skipping_lm_peak() -> int:
@@ -603,8 +585,8 @@ def _skipping_lm_peak() -> int:
         x = torch.randint(0, 256, (1, 8), generator=gen)
         return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
 
-    wrap = zeroshard.wrap.by_class(_SkipBlock)
-    return calibrate.measure_module(_SkippingLM, loss, stage=3, wrap=wrap, num_steps=2)[
+    wrap = zeroshard.wrap.by_class("OrderBlock")
+    return calibrate.measure_module(_skipping_lm, loss, stage=3, wrap=wrap, num_steps=2)[
         "peak_bytes"
     ]
 
@@ -613,7 +595,7 @@ def test_a_unit_that_never_runs_takes_no_prefetched_unit_s_place(workers2):
     # The engine prefetches along the forward it recorded, without the unit that never runs:
     # the plan left it in the window (its size 0), one gathered unit short: 5.5% low (a
     # reviewer); before, it counted the unit as gathered, 3.9% high.
-    model = describe.from_module(_SkippingLM, wrap="_SkipBlock")
+    model = describe.from_module(_skipping_lm, wrap="OrderBlock")
     assert model.activations.at(micro_batch_size=1, seq_len=8).ran == (True, False, True, True)
     config = dataclasses.replace(
         calibrate.engine_config(Case(stage=3), 2), micro_batch_size=1, seq_len=8

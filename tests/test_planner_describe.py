@@ -217,22 +217,25 @@ def test_parameters_behind_a_custom_function_count_as_reached(reentrant):
         assert model.stepped is not None and len(model.stepped.reached) == 7  # not `spare`
 
 
-class _OrderBlock(torch.nn.Module):
-    def __init__(self) -> None:
+class OrderBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.f = torch.nn.Linear(16, 16)
+        self.a, self.b = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
 
     def forward(self, x):
-        return x + self.f(x)
+        return x + self.b(torch.relu(self.a(x)))
 
 
-class _OrderedLM(torch.nn.Module):
-    def __init__(self, order: tuple[int, ...]) -> None:
+class OrderedLM(torch.nn.Module):
+    """Blocks called in ``order`` (some twice, skipped or out of their registration order),
+    as many as the largest index asks for, on a vocabulary of 256."""
+
+    def __init__(self, order: tuple[int, ...], width: int = 16) -> None:
         super().__init__()
         self.order = order
-        self.emb = torch.nn.Embedding(64, 16)
-        self.blocks = torch.nn.ModuleList(_OrderBlock() for _ in range(3))
-        self.head = torch.nn.Linear(16, 64)
+        self.emb = torch.nn.Embedding(256, width)
+        self.blocks = torch.nn.ModuleList(OrderBlock(width) for _ in range(max(order) + 1))
+        self.head = torch.nn.Linear(width, 256)
 
     def forward(self, x):
         h = self.emb(x)
@@ -249,7 +252,7 @@ def test_units_run_out_of_their_registration_order_are_named(order):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        d.from_module(lambda: _OrderedLM(order), wrap="_OrderBlock")
+        d.from_module(lambda: OrderedLM(order), wrap="OrderBlock")
     said = [str(w.message) for w in caught if "another order" in str(w.message)]
     assert bool(said) == (order == (2, 1, 0)), said
     assert not said or "blocks.2 runs before" in said[0]

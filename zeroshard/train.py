@@ -45,6 +45,7 @@ from zeroshard.models.loading import build_model, logits_of, read_hf_config
 from zeroshard.run_log import MetricsLog, Progress, write_atomically
 from zeroshard.schedule import lr_at as schedule_lr_at
 from zeroshard.signals import StopOnSignal, Stopped
+from zeroshard.stages import partition
 from zeroshard.tokens import BYTE_VOCAB_SIZE, TokenData, load_tokens
 from zeroshard.train_config import TrainConfig
 from zeroshard.watchdog import diagnosed
@@ -293,7 +294,9 @@ def train(cfg: TrainConfig) -> dict:
                 checkpoint_every=cfg.checkpoint_every,
                 partition_activations=cfg.partition_activations,
                 shard_group_size=cfg.shard_group_size,
-                reduce_every_micro_step=cfg.stage >= 2 and not cfg.accumulate_unreduced,
+                reduce_every_micro_step=(
+                    partition(cfg.stage).gradients and not cfg.accumulate_unreduced
+                ),
             ),
             param_init_fn=built.param_init_fn, offload=cfg.offload(), mesh=mesh,
         )  # fmt: skip

@@ -31,22 +31,13 @@ their p-th powers summed in FP64, at the cost of one norm over the whole tensor.
 def powers(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
     """1-D FP64, one per tensor: the sum of the p-th powers of its elements (``inf``: their
     largest magnitude, NaN if one is), from the norms of its pieces of ``NORM_CHUNK``."""
-    pieces = [t.reshape(-1).split(NORM_CHUNK) for t in tensors]
-    flat = [c for chunks in pieces for c in chunks]
-    if not flat:
-        return torch.zeros(len(tensors), dtype=torch.float64)
-    norms = torch.stack(torch._foreach_norm(flat, p)).to(torch.float64)
-    out, start = [], 0
-    for chunks in pieces:
-        mine = norms[start : start + len(chunks)]
-        start += len(chunks)
-        if not len(chunks):
-            out.append(norms.new_zeros(()))
-        elif math.isinf(p):
-            out.append(torch.where(mine.isnan().any(), mine.new_tensor(math.nan), mine.max()))
-        else:
-            out.append(mine.pow(p).sum())
-    return torch.stack(out)
+    pieces = [t.reshape(-1).split(NORM_CHUNK) for t in tensors]  # (an empty one: one piece)
+    if not pieces:
+        return torch.zeros(0, dtype=torch.float64)
+    norms = torch.stack(torch._foreach_norm([c for chunks in pieces for c in chunks], p))
+    norms = norms.to(torch.float64)
+    per_tensor = (norms if math.isinf(p) else norms.pow(p)).split([len(c) for c in pieces])
+    return torch.stack([n.max() if math.isinf(p) else n.sum() for n in per_tensor])
 
 
 def clip_grad_norm(opt: ShardedOptimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

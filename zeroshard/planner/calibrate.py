@@ -49,6 +49,7 @@ from zeroshard.planner.calibration_table import summarize as summarize
 from zeroshard.planner.calibration_table import within_tolerance as within_tolerance
 from zeroshard.planner.memory import FP32_ADAMW as FP32_ADAMW  # (re-exported)
 from zeroshard.planner.memory import MODEL_STATES, PRECISION_BYTES, MemoryConfig, plan_memory
+from zeroshard.stages import partition
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -316,7 +317,7 @@ def measure_module(
     # refuses a synchronized one before it).
     config = zeroshard.ShardConfig(
         checkpoint_every=checkpoint_every,
-        reduce_every_micro_step=stage >= 2 and not accumulate_unreduced,
+        reduce_every_micro_step=partition(stage).gradients and not accumulate_unreduced,
     )
     model = zeroshard.shard(
         model, stage=stage, wrap=wrap, mesh=mesh, config=config, mixed_precision=mixed_precision

@@ -68,11 +68,6 @@ class SavedActivations:
     """Per unit, in forward order: whether its first positional input is the previous unit's
     first output, unchanged (a span of activation checkpointing goes on across it; T5's
     decoder, fed other tensors, starts one). Empty: every unit chained."""
-    inner: tuple[bool, ...] = ()
-    """Per unit, in forward order: whether it ran only inside another unit's forward (an
-    attention unit in a block unit), or not at all (BART's cross-attention in a decoder built
-    alone). Such a unit is recomputed with the unit around it and opens no span of its own.
-    Empty: none."""
     ran: tuple[bool, ...] = ()
     """Per unit, in forward order: whether its forward ran (one that did not is never gathered
     and makes no gradient). Empty: all."""
@@ -98,6 +93,14 @@ class SavedActivations:
     trainable ones in a decoder built without its encoder's input (BART's cross-attention in
     ``BartForCausalLM``) or with a head the loss skips. ``None``: not known (a custom
     ``autograd.Function`` in the graph), every trainable one counts."""
+
+    @property
+    def inner(self) -> tuple[bool, ...]:
+        """Per unit, in forward order: whether it ran only inside another unit's forward (an
+        attention unit in a block unit), or not at all (BART's cross-attention in a decoder
+        built alone): not ``called``. Such a unit is recomputed with the unit around it and
+        opens no span of its own."""
+        return _not_called(self.called, len(self.unit_bytes))
 
     @property
     def total_bytes(self) -> int:
@@ -260,7 +263,12 @@ def profile(module, unit_names: tuple[str, ...]) -> ActivationProfile | None:
     raise ValueError("no way of calling the model with token ids worked: " + "; ".join(problems))
 
 
-def _next_units(inner: list[bool]) -> dict[int, int | None]:
+def _not_called(called, num_units: int) -> tuple[bool, ...]:
+    """Per unit, whether it is not among ``called`` (the units called from the root)."""
+    return tuple(i not in called for i in range(num_units))
+
+
+def _next_units(inner: tuple[bool, ...]) -> dict[int, int | None]:
     """For the root's code after unit ``j`` (-1: before any), the next unit called from the root
     (the one whose ``before_unit_bytes`` its saves join), ``None`` after the last one (the head:
     ``tail_bytes``). Units run inside another or never (``inner``) are passed over."""
@@ -317,7 +325,6 @@ def measure(
     split = _TensorParallelSplit(model, num_mp_ranks, params)
 
     chained = [False] * num_units
-    inner = [True] * num_units  # (until the unit is called from the root)
     ran = [False] * num_units
     called: list[int] = []
     last_output: list = [None, 0]  # the previous unit's first output, and its version
@@ -329,10 +336,8 @@ def measure(
         if where[0] < 0 and args:  # (as the engine joins a span: ``activations.enter``)
             out, version = last_output
             chained[i] = args[0] is out and out is not None and out._version == version
-        if where[0] < 0:
-            inner[i] = False
-            if i not in called:
-                called.append(i)
+        if where[0] < 0 and i not in called:
+            called.append(i)
         ran[i] = True
         where[0] = i
         if follow:
@@ -421,7 +426,7 @@ def measure(
     }
     unit_bytes, largest = [0] * num_units, [0] * num_units
     before, tail, tail_largest = [0] * num_units, 0, 0
-    next_unit = _next_units(inner)
+    next_unit = _next_units(_not_called(called, num_units))
     for w, num_bytes, _ in saved.values():
         if w >= 0:
             unit_bytes[w] += num_bytes
@@ -446,7 +451,6 @@ def measure(
         largest_tail_tensor_bytes=tail_largest,
         unit_backward_bytes=working,
         chained=tuple(chained),
-        inner=tuple(inner),
         ran=tuple(ran),
         called=tuple(called),
         tail_param_numel=sum(tail_params.values()),

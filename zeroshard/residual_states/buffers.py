@@ -118,8 +118,7 @@ class BufferPool:
         if len(self._free[key]) < self._keeps(key) and self._make_room(key[1]):
             # (the list last: a Ctrl-C lands after a call returns, and between the two it left
             # a free buffer the pool did not know, its next use a KeyError)
-            returned = id(buffer)
-            self._returned[returned] = (key, buffer)
+            self._returned[id(buffer)] = (key, buffer)
             self._free_bytes += key[1]
             self._free[key].append(buffer)
         else:
@@ -150,10 +149,10 @@ class BufferPool:
     def _unfree(self, key: tuple[torch.device, int]) -> torch.Tensor:
         """The newest free buffer of ``key``'s size, out of the free ones."""
         free = self._free[key]
-        buffer, returned = free[-1], id(free[-1])
-        del self._returned[returned]  # (no call between these: a Ctrl-C lands whole around
-        self._free_bytes -= key[1]  # them, where a buffer out of the list but still known
-        free.pop()  # broke every later step)
+        buffer = free[-1]
+        del self._returned[id(buffer)]  # (the list last, as in ``_return``: a buffer out of it
+        self._free_bytes -= key[1]  # but still known broke every later step)
+        free.pop()
         return buffer
 
     def _make_room(self, nbytes: int) -> bool:
