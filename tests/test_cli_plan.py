@@ -41,6 +41,26 @@ def tiny_hf_gpt2():
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**values))
 
 
+def pixels():
+    """A linear classifier of 3 x 4 x 4 images, for --module --input-shape."""
+    from test_planner_describe import _Pixels
+
+    return _Pixels()
+
+
+def test_a_model_without_token_ids_is_planned_on_its_input_shape(capsys):
+    argv = ["--module", "test_cli_plan:pixels", "--stage", "3", "--batch", "2"]
+    blind = _json(argv, capsys)
+    assert not blind["model"]["activations_measured"] and blind["model"]["inputs"] is None
+    seen = _json([*argv, "--input-shape", "3x4x4"], capsys)
+    assert seen["model"]["activations_measured"] and seen["model"]["inputs"] == "3x4x4"
+    assert seen["stages"][0]["device_bytes"] > blind["stages"][0]["device_bytes"]
+    assert "inputs 3x4x4" in _run([*argv, "--input-shape", "3x4x4"], capsys)
+    # a model that takes its images by keyword
+    wrong = _json([*argv, "--input-shape", "images=3x4x4"], capsys)
+    assert not wrong["model"]["activations_measured"]
+
+
 def _rows(text):
     """The table's data rows, split on runs of two or more spaces."""
     lines = text.splitlines()
@@ -364,6 +384,9 @@ def test_advise(capsys):
         (["--module", "no_such_module:f"], "--module"),
         (["--params", "1B", "--wrap", "Block"], "--wrap names the units"),
         (["--preset", "nano", "--wrap", "Block"], "--wrap names the units"),
+        (["--preset", "nano", "--input-shape", "3x8x8"], "--input-shape gives the inputs"),
+        (["--module", "test_cli_plan:pixels", "--input-shape", "3x0"], "one sample's shape"),
+        (["--module", "test_cli_plan:pixels", "--input-shape", "1x=3"], "NAME=3x224x224"),
         (["--params", "1B", "--bandwidth", "70GB", "--peak-flops", "70T"], "70GB/s"),
         (
             ["--params", "1B", "--dp", "8", "--shard-group-size", "3"],

@@ -263,3 +263,49 @@ def test_units_are_planned_in_the_order_the_forward_calls_them(order, planned):
     assert model.activations.unit_names == tuple(f"blocks.{i}" for i in planned)
     called = model.activations.at(micro_batch_size=1, seq_len=8).called
     assert list(called) == sorted(called)
+
+
+class _Pixels(torch.nn.Module):
+    """A linear classifier of 3 x 4 x 4 images: no token ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(48, 10)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+
+def test_a_model_without_token_ids_is_measured_on_the_inputs_given():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        blind = d.from_module(_Pixels)
+    assert blind.activations is None
+    assert any("takes no token ids" in str(w.message) for w in caught), caught
+    model = d.from_module(_Pixels, inputs=d.Inputs(((3, 4, 4),)))
+    saved = model.activations.at(micro_batch_size=2, seq_len=8)
+    # the images (the linear layer's input, a view of them), the loss's log-probabilities,
+    # and nll_loss's targets (int64) and total weight (one float)
+    assert saved.total_bytes == 2 * 48 * 4 + 2 * 10 * 4 + 2 * 8 + 4
+    assert str(model.activations.inputs) == "3x4x4"
+
+
+@pytest.mark.parametrize("shape", [(), (3, 0), (3.5,)])
+def test_inputs_need_whole_positive_sizes(shape):
+    with pytest.raises(ValueError, match="positive whole sizes|at least one"):
+        d.Inputs((shape,) if shape else ())
+
+
+def test_a_transformers_vision_model_s_pixels_come_from_its_config():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        image_size=16, patch_size=8, num_channels=1,
+    )  # fmt: skip
+    model = d.from_module(lambda: transformers.ViTForImageClassification(config))
+    assert str(model.activations.inputs) == "pixel_values=1x16x16"
+    from zeroshard.planner.saved import hf_inputs
+
+    assert hf_inputs(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1))) is None

@@ -62,6 +62,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="with --module or --hf: the module classes the engine wraps as units (default: the "
         "model's _no_split_modules, else its repeated block, with a warning)",
     )
+    m.add_argument(
+        "--input-shape",
+        action="append",
+        metavar="SHAPE",
+        help="with --module or --hf, for a model that takes no token ids (images, audio): one "
+        "sample's input, e.g. 3x224x224, or NAME=3x224x224 for a keyword argument; repeat it "
+        "for several inputs. Its activations are then measured (a transformers vision model's "
+        "pixels are found in its config)",
+    )
     m.add_argument("--layers", "--nl", type=int, help="transformer blocks (nl)")
     m.add_argument("--hidden", "--hd", type=int, help="hidden size (hd)")
     m.add_argument("--heads", type=int, help="attention heads (must divide hd)")

@@ -21,8 +21,12 @@ def describe_model(args) -> planner.ModelDescription:
         sources.append("shape")
     if len(sources) > 1:
         raise ValueError(f"describe the model once; got {' and '.join(sources)}")
-    if args.wrap is not None and sources not in (["hf"], ["module"]):
-        raise ValueError("--wrap names the units of a --module or --hf model; drop it")
+    for given, what in (
+        (args.wrap is not None, "--wrap names the units"),
+        (args.input_shape, "--input-shape gives the inputs"),
+    ):
+        if given and sources not in (["hf"], ["module"]):
+            raise ValueError(f"{what} of a --module or --hf model; drop it")
     num_params = flags.opt(units.parse_count, args, "params") if args.params else None
     if not sources:
         if num_params is None:
@@ -56,9 +60,10 @@ def describe_model(args) -> planner.ModelDescription:
         raise ValueError(
             f"--wrap {args.wrap!r} names no class; pass class names, e.g. --wrap Block"
         )
+    inputs = _inputs(args.input_shape)
     if args.hf:
-        return planner.from_hf_config(args.hf, wrap=wrap)
-    model = planner.from_module(_import_factory(args.module), wrap=wrap)
+        return planner.from_hf_config(args.hf, wrap=wrap, inputs=inputs)
+    model = planner.from_module(_import_factory(args.module), wrap=wrap, inputs=inputs)
     if model.num_trainable_params == 0:  # (planned with exit 0; zeroshard train refuses it)
         raise ValueError(
             f"--module {args.module}: no parameter is trainable (every one has "
@@ -66,6 +71,30 @@ def describe_model(args) -> planner.ModelDescription:
             "parameters trainable"
         )
     return model
+
+
+def _inputs(specs: list[str] | None) -> planner.Inputs | None:
+    """``--input-shape`` values (``3x224x224``, or ``NAME=3x224x224`` for a keyword argument),
+    as ``Inputs``."""
+    if not specs:
+        return None
+    shapes, keywords = [], []
+    for spec in specs:
+        name, _, size = spec.rpartition("=")
+        try:
+            shape = tuple(int(d) for d in size.lower().split("x"))
+        except ValueError:
+            shape = ()
+        if not shape or min(shape) < 1 or (name and not name.isidentifier()):
+            raise ValueError(
+                f"--input-shape {spec!r}: give one sample's shape as sizes joined by x, e.g. "
+                "3x224x224, or NAME=3x224x224 for a keyword argument (pixel_values=3x224x224)"
+            )
+        if name:
+            keywords.append((name, shape))
+        else:
+            shapes.append(shape)
+    return planner.Inputs(tuple(shapes), tuple(keywords))
 
 
 def _import_factory(spec: str):

@@ -54,6 +54,7 @@ from zeroshard.planner.memory import (
     model_states,
     plan_memory,
 )
+from zeroshard.planner.saved import Inputs
 from zeroshard.planner.timeline import saved_activation_bytes_per_layer
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "Candidate",
     "Cluster",
     "Collective",
+    "Inputs",
     "Intensity",
     "MemoryBreakdown",
     "MemoryConfig",

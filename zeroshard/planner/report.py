@@ -25,10 +25,16 @@ def model_report(model: ModelDescription) -> dict:
         "shape": None if model.shape is None else vars(model.shape),
         "wrap_policy": model.wrap_policy,
         "activations_measured": model.activations is not None,
+        "inputs": _inputs(getattr(model.activations, "inputs", None)),
         "root_unit_numel": model.root_numel,
         "largest_unit_numel": model.block_unit_numel,
         "num_units": None if model.block_unit_numels is None else 1 + len(model.block_unit_numels),
     }
+
+
+def _inputs(inputs) -> str | None:
+    """One sample's inputs (``Inputs``, ``3x224x224``), for a model that takes no token ids."""
+    return None if inputs is None else str(inputs)
 
 
 def plan_report(
@@ -414,9 +420,11 @@ def render_plan(out: dict, unit: str = "GB") -> str:
                 ("activation working", "measured: a span + the root", terms[1][2]),
             ]
         terms = [t for t in terms if t[2] in out]
+        inputs = out["model"].get("inputs")
+        sample = f"inputs {inputs}" if inputs else f"seq = {out['seq_len']}"
         lines += [
             "",
-            f"residual states (bsz = {out['micro_batch_size']}, seq = {out['seq_len']}, "
+            f"residual states (bsz = {out['micro_batch_size']}, {sample}, "
             f"ci = {out['num_layers_per_checkpoint']}):",
         ]
         lines += [

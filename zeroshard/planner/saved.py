@@ -108,6 +108,57 @@ class SavedActivations:
         return sum(self.unit_bytes) + sum(self.before_unit_bytes) + self.tail_bytes
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """The floating inputs of a model that takes no token ids (an image classifier's pixels, an
+    audio model's features): each one sample's shape, the micro-batch's size put in front. Made
+    on meta in the activation dtype planned."""
+
+    shapes: tuple[tuple[int, ...], ...] = ()
+    """Per positional argument, one sample's shape (``(3, 224, 224)`` for an image)."""
+    keywords: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Keyword arguments, by name (a transformers model's ``pixel_values``)."""
+
+    def __post_init__(self) -> None:
+        shapes = [*self.shapes, *(shape for _, shape in self.keywords)]
+        if not shapes:
+            raise ValueError("Inputs needs at least one input's shape")
+        for shape in shapes:
+            if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
+                raise ValueError(
+                    f"an input's shape must be positive whole sizes, e.g. (3, 224, 224), got "
+                    f"{shape!r}"
+                )
+
+    def make(self, micro_batch_size: int, dtype) -> tuple[tuple, dict]:
+        """Positional and keyword arguments of ``micro_batch_size`` samples, on meta."""
+        import torch
+
+        def one(shape):
+            return torch.empty((micro_batch_size, *shape), dtype=dtype, device="meta")
+
+        return tuple(map(one, self.shapes)), {name: one(shape) for name, shape in self.keywords}
+
+    def __str__(self) -> str:
+        def size(shape):
+            return "x".join(map(str, shape))
+
+        return ", ".join([*map(size, self.shapes), *(f"{k}={size(v)}" for k, v in self.keywords)])
+
+
+def hf_inputs(module) -> Inputs | None:
+    """A transformers vision model's pixels (its ``main_input_name`` is ``pixel_values``), shaped
+    by its config's ``num_channels`` and ``image_size``; ``None`` for any other model."""
+    config = getattr(module, "config", None)
+    if getattr(module, "main_input_name", None) != "pixel_values" or config is None:
+        return None
+    config = getattr(config, "vision_config", None) or config
+    size = getattr(config, "image_size", 224)
+    height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
+    channels = getattr(config, "num_channels", 3)
+    return Inputs(keywords=(("pixel_values", (channels, height, width)),))
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class ActivationProfile:
     """Measures a built model's saved activations on demand (``at``), once per batch, sequence
@@ -121,7 +172,9 @@ class ActivationProfile:
     vocab_size: int
     """Token ids are drawn below this."""
     call: str
-    """How a batch goes in: ``"hf"`` (``model(input_ids=x, labels=y).loss``), ``"hf_logits"``
+    """How a batch goes in: ``"inputs"`` (``model(*args, **kwargs)`` on what ``inputs`` makes,
+    the loss ``_output_loss``'s: a model that takes no token ids), ``"hf"``
+    (``model(input_ids=x, labels=y).loss``), ``"hf_logits"``
     (``model(input_ids=x).logits``, the loss a cross-entropy over them: a head that does not
     take token labels, a sequence classifier's; a question-answering head's start and end
     logits), ``"xy"`` (``model(x, y)`` returns the loss) or
@@ -130,6 +183,8 @@ class ActivationProfile:
     largest_param_numel: int
     """Elements of the largest parameter a unit owns: its gradient is the largest one backward
     holds before it joins the unit's flat gradient."""
+    inputs: Inputs | None = None
+    """With ``call="inputs"``: makes a micro-batch (``Inputs``)."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     def at(
@@ -158,12 +213,17 @@ class ActivationProfile:
                     activation_bytes=activation_bytes,
                     num_mp_ranks=num_mp_ranks,
                     checkpointing=checkpointing,
+                    example=self.inputs,
                 )
             except Exception as exc:  # the model's own error (a sequence it does not take)
                 first = (str(exc).splitlines() or [""])[0][:200]
+                batch = (
+                    f"{micro_batch_size} samples of {self.inputs}"
+                    if self.inputs is not None
+                    else f"{micro_batch_size} x {seq_len} tokens"
+                )
                 self._cache[key] = ValueError(
-                    f"the forward at {micro_batch_size} x {seq_len} tokens failed on meta "
-                    f"({type(exc).__name__}: {first})"
+                    f"the forward at {batch} failed on meta ({type(exc).__name__}: {first})"
                 )
         found = self._cache[key]
         if isinstance(found, Exception):
@@ -229,30 +289,37 @@ def problem(model, config) -> str | None:
     return None
 
 
-def profile(module, unit_names: tuple[str, ...]) -> ActivationProfile | None:
-    """An ``ActivationProfile`` for ``module`` when a batch of token ids can be fed to it (a
+def profile(
+    module, unit_names: tuple[str, ...], inputs: Inputs | None = None
+) -> ActivationProfile | None:
+    """An ``ActivationProfile`` for ``module`` fed ``inputs`` (or a transformers vision model
+    its pixels, ``hf_inputs``), else when a batch of token ids can be fed to it (a
     transformers model, ``model(x, y)`` returning a loss, or ``model(x)`` returning logits, as
-    ``zeroshard train --model`` wants), checked by a 1 x 8 token forward
-    on meta; ``None`` when the model takes no token ids (no ``nn.Embedding``). Raises what the
-    forward raised (``ValueError``) when no way of calling it works."""
+    ``zeroshard train --model`` wants), checked by a forward of 1 sample (of 8 tokens) on meta;
+    ``None`` when the model takes no token ids (no ``nn.Embedding``) and no inputs are known.
+    Raises what the forward raised (``ValueError``) when no way of calling it works."""
     from torch import nn
 
-    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
-    if not embeddings:
-        return None
-    vocab_size = embeddings[0].num_embeddings
+    inputs = inputs or hf_inputs(module)
+    vocab_size = 0
+    if inputs is None:
+        embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+        if not embeddings:
+            return None
+        vocab_size = embeddings[0].num_embeddings
     units = [module.get_submodule(n) for n in unit_names]
     largest = max((p.numel() for u in units for p in u.parameters()), default=0)
     hf = ("hf", "hf_logits")
     calls = (*hf, "xy", "logits") if hasattr(module, "config") else ("xy", "logits", *hf)
     problems = []
-    for call in calls:
+    for call in ("inputs",) if inputs is not None else calls:
         found = ActivationProfile(
             module=module,
             unit_names=unit_names,
             vocab_size=vocab_size,
             call=call,
             largest_param_numel=largest,
+            inputs=inputs,
         )
         try:
             found.at(micro_batch_size=1, seq_len=8)
@@ -260,6 +327,8 @@ def profile(module, unit_names: tuple[str, ...]) -> ActivationProfile | None:
             problems.append(f"{call}: {exc}")
             continue
         return found
+    if inputs is not None:
+        raise ValueError(problems[0].removeprefix("inputs: "))
     raise ValueError("no way of calling the model with token ids worked: " + "; ".join(problems))
 
 
@@ -293,9 +362,11 @@ def measure(
     num_mp_ranks: int = 1,
     track: bool = True,
     checkpointing: bool = False,
+    example: Inputs | None = None,
 ) -> SavedActivations:
     """Run one forward and loss of ``module`` (a copy, on meta, in the dtype of
-    ``activation_bytes``) on ``micro_batch_size x seq_len`` random token ids, and sort what
+    ``activation_bytes``) on ``micro_batch_size x seq_len`` random token ids (with
+    ``call="inputs"``: ``micro_batch_size`` samples ``example`` makes), and sort what
     autograd saves by unit (module docstring); with ``num_mp_ranks`` > 1, what tensor
     parallelism splits counts 1/Nm (``_TensorParallelSplit``). ``track``: the forward's own
     peak measured by torch's MemTracker (``forward_peak_bytes``), where it can be.
@@ -307,7 +378,8 @@ def measure(
     from zeroshard.residual_states.activations import train_without_caches
     from zeroshard.trees import tensors_in
 
-    model = copy.deepcopy(module).to(device="meta", dtype=getattr(torch, DTYPES[activation_bytes]))
+    dtype = getattr(torch, DTYPES[activation_bytes])
+    model = copy.deepcopy(module).to(device="meta", dtype=dtype)
     model.train()
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     # Buffers are counted as such, not where a unit saves them (or a view of them: GPT-Neo's
@@ -379,9 +451,12 @@ def measure(
         saves.unpacked(_key(t))
         return t
 
-    shape = (micro_batch_size, seq_len)
-    x = torch.randint(0, vocab_size, shape, device="meta")
-    y = torch.randint(0, vocab_size, shape, device="meta")
+    if call == "inputs":
+        x, y = example.make(micro_batch_size, dtype), None
+    else:
+        shape = (micro_batch_size, seq_len)
+        x = torch.randint(0, vocab_size, shape, device="meta")
+        y = torch.randint(0, vocab_size, shape, device="meta")
     tracked = track and num_mp_ranks == 1
     tracking = _forward_tracker(model) if tracked else contextlib.nullcontext()
     if follow:
@@ -416,6 +491,7 @@ def measure(
                 num_mp_ranks=num_mp_ranks,
                 track=False,
                 checkpointing=checkpointing,
+                example=example,
             )
         raise (own or failed) from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -635,7 +711,11 @@ def _tensors(tree) -> list:
 
 
 def _loss(model, call: str, x, y, vocab_size: int):
-    """The loss of ``model`` on token ids ``x`` against ``y``, called the ``call`` way."""
+    """The loss of ``model`` on token ids ``x`` against ``y``, called the ``call`` way (with
+    ``"inputs"``, ``x`` is the positional and keyword arguments, ``y`` unused)."""
+    if call == "inputs":
+        args, kwargs = x
+        return _output_loss(model(*args, **kwargs))
     if call == "hf":
         return model(input_ids=x, labels=y).loss
     if call == "hf_logits":
@@ -648,6 +728,27 @@ def _loss(model, call: str, x, y, vocab_size: int):
 
         return next_token_loss(model, x, y, vocab_size)
     return model(x, y)
+
+
+def _output_loss(out):
+    """A loss over the output of a model fed ``Inputs``: a cross-entropy over the last dimension
+    of its logits (a transformers output's ``logits``, or a 2-D output: a classifier's), else
+    the mean square of its first floating tensor (an image's, a regression's). Either saves one
+    FP32 tensor of the output's size, as a user's loss would."""
+    import torch
+    import torch.nn.functional as F
+
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        found = [t for t in _tensors(out) if t.is_floating_point()]
+        if not found:
+            raise ValueError(f"the model returned {type(out).__name__}, with no floating tensor")
+        logits = found[0]
+        if logits.dim() != 2:
+            return logits.float().square().mean()
+    flat = logits.float().reshape(-1, logits.size(-1))
+    target = torch.zeros(flat.size(0), dtype=torch.long, device=flat.device)
+    return F.cross_entropy(flat, target)
 
 
 def _logits_loss(logits, x, y):
