@@ -177,7 +177,8 @@ class ActivationProfile:
     (``model(input_ids=x, labels=y).loss``), ``"hf_logits"``
     (``model(input_ids=x).logits``, the loss a cross-entropy over them: a head that does not
     take token labels, a sequence classifier's; a question-answering head's start and end
-    logits), ``"xy"`` (``model(x, y)`` returns the loss) or
+    logits; a multiple-choice head's, each row one choice; a backbone's hidden states without
+    a head, ``_output_loss``'s), ``"xy"`` (``model(x, y)`` returns the loss) or
     ``"logits"`` (``model(x)`` returns the logits, as ``zeroshard train --model`` asks; the
     loss is ``zeroshard.train.next_token_loss``'s)."""
     largest_param_numel: int
@@ -719,9 +720,14 @@ def _loss(model, call: str, x, y, vocab_size: int):
     if call == "hf":
         return model(input_ids=x, labels=y).loss
     if call == "hf_logits":
-        out = model(input_ids=x)
+        # A multiple-choice head takes (batch, choices, seq) ids: each row one choice, so the
+        # micro-batch counts sequences (questions x choices).
+        choices = type(model).__name__.endswith("ForMultipleChoice")
+        out = model(input_ids=x[:, None] if choices else x)
         if getattr(out, "logits", None) is None and hasattr(out, "start_logits"):
             return _logits_loss(out.start_logits, x, y) + _logits_loss(out.end_logits, x, y)
+        if getattr(out, "logits", None) is None:  # a backbone (BertModel, T5EncoderModel)
+            return _output_loss(out)
         return _logits_loss(out.logits, x, y)
     if call == "logits":
         from zeroshard.train import next_token_loss
@@ -731,10 +737,11 @@ def _loss(model, call: str, x, y, vocab_size: int):
 
 
 def _output_loss(out):
-    """A loss over the output of a model fed ``Inputs``: a cross-entropy over the last dimension
-    of its logits (a transformers output's ``logits``, or a 2-D output: a classifier's), else
-    the mean square of its first floating tensor (an image's, a regression's). Either saves one
-    FP32 tensor of the output's size, as a user's loss would."""
+    """A loss over the output of a model fed ``Inputs`` (or of a transformers backbone, without
+    a head): a cross-entropy over the last dimension of its logits (a transformers output's
+    ``logits``, or a 2-D output: a classifier's), else the mean square of its first floating
+    tensor (an image's, a backbone's hidden states). Either saves one FP32 tensor of the
+    output's size, as a user's loss or head would."""
     import torch
     import torch.nn.functional as F
 
