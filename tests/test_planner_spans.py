@@ -33,3 +33,17 @@ def test_a_unit_inside_another_or_never_run_takes_no_place_in_a_span():
     # Only the layers count for what a recomputation frees: the last one and one prefetched stay.
     assert spans.recompute_freed(first, 8, 1, nine) == (0,)
     assert spans.recompute_freed(first, 7, 1, nine) == ()  # not the span's last
+
+
+def test_a_unit_called_again_opens_a_span_per_call():
+    # The engine never puts a module twice in one span: ALBERT's one shared layer, called 6
+    # times, checkpoints 6 inputs and recomputes one call at a time, at any ci.
+    assert spans.first_units(1, 2, calls=(6,)) == [0]
+    assert spans.span_starts([0], (6,)) == [6]
+    # two shared layers, 3 calls each, ci 2: [0] [0] [0 1] [1] [1]
+    first = spans.first_units(2, 2, calls=(3, 3))
+    assert first == [0, 0] and spans.span_starts(first, (3, 3)) == [3, 2]
+    # blocks 0 1 1 2 3, ci 2: [0 1] [1 2] [3]
+    first = spans.first_units(4, 2, calls=(1, 2, 1, 1))
+    assert first == [0, 0, 1, 3] and spans.span_starts(first, (1, 2, 1, 1)) == [1, 1, 0, 1]
+    assert spans.first_units(4, 2) == [0, 0, 2, 2]  # (called once each)

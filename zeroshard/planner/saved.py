@@ -71,6 +71,10 @@ class SavedActivations:
     ran: tuple[bool, ...] = ()
     """Per unit, in forward order: whether its forward ran (one that did not is never gathered
     and makes no gradient). Empty: all."""
+    calls: tuple[int, ...] = ()
+    """Per unit, in forward order: how many times the root called it (ALBERT's one layer shared
+    by every position: its ``unit_bytes`` are every call's, its ``unit_input_bytes`` one
+    call's). Empty: once each."""
     called: tuple[int, ...] = ()
     """The units called from the root, in the order of their first calls (the forward order
     the engine records); the plan takes the units' registration order for it."""
@@ -398,6 +402,7 @@ def measure(
     split = _TensorParallelSplit(model, num_mp_ranks, params)
 
     chained = [False] * num_units
+    calls = [0] * num_units
     ran = [False] * num_units
     called: list[int] = []
     last_output: list = [None, 0]  # the previous unit's first output, and its version
@@ -409,8 +414,10 @@ def measure(
         if where[0] < 0 and args:  # (as the engine joins a span: ``activations.enter``)
             out, version = last_output
             chained[i] = args[0] is out and out is not None and out._version == version
-        if where[0] < 0 and i not in called:
-            called.append(i)
+        if where[0] < 0:
+            calls[i] += 1
+            if i not in called:
+                called.append(i)
         ran[i] = True
         where[0] = i
         if follow:
@@ -528,6 +535,7 @@ def measure(
         largest_tail_tensor_bytes=tail_largest,
         unit_backward_bytes=working,
         chained=tuple(chained),
+        calls=tuple(calls),
         ran=tuple(ran),
         called=tuple(called),
         tail_param_numel=sum(tail_params.values()),

@@ -179,6 +179,13 @@ class _PerUnit:
     largest saved tensor's size."""
     inner: tuple[bool, ...] = ()
     """Units run inside another unit, or not at all (``SavedActivations.inner``)."""
+    calls: tuple[int, ...] = ()
+    """How many times the root called each unit (``SavedActivations.calls``); empty: once."""
+
+    def recomputed(self, i: int) -> int:
+        """What one recomputation of unit ``i`` saves: one call's share of ``unit[i]`` (a unit
+        called n times is n spans, recomputed one by one)."""
+        return self.unit[i] // max(1, self.calls[i]) if self.calls else self.unit[i]
 
     def backward_working(self, i: int) -> int:
         return self.working[i] if self.working else self.inputs[i] + self.largest[i]
@@ -210,6 +217,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
             s.chained,
             s.unit_backward_bytes,
             s.inner,
+            s.calls,
         )
         held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
         tied = 2 * s.tied_param_numel * g
@@ -221,25 +229,38 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         tied = 2 * held  # (the reference GPT's held gradient is its tied embedding's)
         at_forward = None
     ci = c.num_layers_per_checkpoint if c.activation_checkpointing else 1
-    span = spans.first_units(num_units, ci, per.chained, per.inner)  # each unit's span's first
-    ckpt = [0] * num_units  # a span's input, on the device, at its first unit
-    total = 0
-    for i in sorted(set(span)) if c.activation_checkpointing else ():
-        piece = math.ceil(per.inputs[i] / c.num_mp_ranks) if c.splits_checkpoints else per.inputs[i]
-        total += piece
-        ckpt[i] = 0 if c.offload_activations else piece
+    span = spans.first_units(num_units, ci, per.chained, per.inner, per.calls)  # each's first
+    checkpointing = c.activation_checkpointing
+    starts = spans.span_starts(span, per.calls) if checkpointing else [0] * num_units
+    piece, total = [0] * num_units, 0  # piece: one span input a unit opens, on the device
+    for i in range(num_units):
+        whole = math.ceil(per.inputs[i] / c.num_mp_ranks) if c.splits_checkpoints else per.inputs[i]
+        total += starts[i] * whole
+        piece[i] = 0 if c.offload_activations else whole
+    ckpt = [n * p for n, p in zip(starts, piece)]  # the span inputs each unit's calls open
+    own = [per.recomputed(i) if checkpointing else per.unit[i] for i in range(num_units)]
+    calls = [max(1, n) for n in per.calls] if per.calls else [1] * num_units
 
-    def kept(i: int) -> int:
-        """Saved before unit ``i``'s own activations: earlier units' (with checkpoints, those
-        of its span, recomputed) and the root's before unit ``i`` (inclusive)."""
-        first = span[i] if c.activation_checkpointing else 0
-        return sum(per.unit[first:i]) + sum(per.before[: i + 1])
+    def moment(i: int) -> tuple[int, int]:
+        """Activations saved before unit ``i``'s own (earlier units' of its span, recomputed,
+        and the root's before it, inclusive) and checkpoints on the device (the spans opened
+        before its span, and its own piece when split: the whole one is the first unit's input)
+        while its span is recomputed. A unit called again: at its first call's span or its last
+        call's (alone; the earlier calls' inputs still kept), whichever holds more."""
+        root = sum(per.before[: i + 1])
+        if not checkpointing:
+            return sum(own[:i]) + root, 0
+        mine = piece[span[i]] if c.splits_checkpoints else 0
+        f = span[i]  # (joined a unit called again: its last call's span, after its others)
+        opened = sum(ckpt[:f]) + ((starts[f] - 1) * piece[f] if f != i else 0)
+        first_call = (sum(own[f:i]) + root, opened + mine)
+        if calls[i] == 1:
+            return first_call
+        split = piece[i] if c.splits_checkpoints else 0
+        last_call = (root, sum(ckpt[:i]) + (starts[i] - 1) * piece[i] + split)
+        return max(first_call, last_call, key=sum)
 
-    def checkpoints(i: int) -> int:
-        """Checkpoints on the device while unit ``i``'s span is recomputed: the earlier spans',
-        and its own piece when split (the whole one being the first unit's input)."""
-        return sum(ckpt[: span[i]]) + (ckpt[span[i]] if c.splits_checkpoints else 0)
-
+    moments = [moment(i) for i in range(num_units)]
     fwd = range(num_units - 1, -1, -1)  # the forward index of each unit in backward order
     saved_all = sum(per.before) + per.tail
     if not c.activation_checkpointing:
@@ -247,15 +268,15 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
     return ActivationTerms(
         at_loss=saved_all,
         logits=logits,
-        at_unit=tuple(kept(i) + per.unit[i] + per.backward_working(i) for i in fwd),
-        at_post=tuple(kept(i) + per.inputs[i] for i in fwd),
+        at_unit=tuple(moments[i][0] + own[i] + per.backward_working(i) for i in fwd),
+        at_post=tuple(moments[i][0] + per.inputs[i] for i in fwd),
         after=per.before[0] if num_units else 0,
         grad_working=grad_working,
         held_grad=held,
         tied_grad=tied,
         at_forward=at_forward,
         checkpoints_at_loss=sum(ckpt),
-        checkpoints_at_unit=tuple(checkpoints(i) for i in fwd),
+        checkpoints_at_unit=tuple(moments[i][1] for i in fwd),
         checkpoints_total=total,
         span_first=tuple(span) if c.activation_checkpointing else (),
         span_inner=per.inner,
