@@ -77,7 +77,7 @@ class SavedActivations:
     call's). Empty: once each."""
     called: tuple[int, ...] = ()
     """The units called from the root, in the order of their first calls (the forward order
-    the engine records); the plan takes the units' registration order for it."""
+    the engine records; ``describe.from_module`` orders the units by it)."""
     tail_param_numel: int
     """Elements of the root's parameters that autograd saves after the last unit (the final norm,
     the output projection, a tied embedding): their gradients exist from the head's backward
@@ -152,7 +152,8 @@ class Inputs:
 
 def hf_inputs(module) -> Inputs | None:
     """A transformers vision model's pixels (its ``main_input_name`` is ``pixel_values``), shaped
-    by its config's ``num_channels`` and ``image_size``; ``None`` for any other model."""
+    by its config's (or its ``vision_config``'s) ``num_channels`` and ``image_size`` (3 and 224
+    where it gives none: ResNet's); ``None`` for any other model."""
     config = getattr(module, "config", None)
     if getattr(module, "main_input_name", None) != "pixel_values" or config is None:
         return None
