@@ -278,12 +278,16 @@ def _read_by_their_parent(modules: dict[str, nn.Module]) -> set[str]:
     """Submodules whose parent reads their parameters without calling them, so that a unit of
     their own would never be entered: ``nn.MultiheadAttention.out_proj`` (a ``Linear``, matched
     by ``by_class(nn.Linear)``; at stage 3 its weight stayed a NaN placeholder, the outputs
-    were NaN and every step was skipped). They stay in their parent's unit."""
-    return {
-        f"{name}.out_proj" if name else "out_proj"
-        for name, module in modules.items()
-        if isinstance(module, nn.MultiheadAttention)
-    }
+    were NaN and every step was skipped), and every module inside a peft adapter layer
+    (``BaseTunerLayer``: LoRA's ``base_layer``, ``lora_A``, ``lora_B``, whose weights DoRA
+    reads, as OFT and BOFT read their base layer's). They stay in their parent's unit."""
+    inside = set()
+    for name, module in modules.items():
+        if isinstance(module, nn.MultiheadAttention):
+            inside.add(f"{name}.out_proj" if name else "out_proj")
+        elif any(c.__name__ == "BaseTunerLayer" for c in type(module).__mro__):
+            inside |= {n for n in modules if n.startswith(f"{name}.")}
+    return inside
 
 
 def _common_prefix(paths: Iterable[list[int]]) -> list[int]:
