@@ -1850,6 +1850,7 @@ def test_requires_grad_changed_after_shard_is_an_error_not_ignored(workers2, sta
         assert want in r["forward"] and want in r["optimizer"], r
         assert "set requires_grad before shard()" in r["forward"], r
         assert "set_requires_grad(netD, False) around the generator's step" in r["forward"], r
+        assert "disable_adapter()" in r["forward"] and "torch.no_grad()" in r["forward"], r
         assert r["inference"] == (2, 5, 32), r
 
 
@@ -1877,8 +1878,20 @@ def _tied_after_shard(stage: int) -> str:
     del model[1].bias  # (peft's delete_adapter, merge_and_unload: said as a replacement)
     try:
         model(torch.randint(0, 32, (2, 5)))
+        return "no error"
     except ValueError as e:
-        return "\n".join([replaced, tied, str(e)])
+        removed = str(e)
+    # A head tied before shard() replaced after: the weight stays registered under the
+    # embedding's name, and the new head trained untied, with a warning only (an explorer).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32, bias=False))
+    model[1].weight = model[0].weight
+    model = zeroshard.shard(model, stage=stage, wrap=wrap.by_class(nn.Linear))
+    model[1] = nn.Linear(16, 32, bias=False)
+    try:
+        model(torch.randint(0, 32, (2, 5)))
+    except ValueError as e:
+        return "\n".join([replaced, tied, removed, str(e)])
     return "no error"
 
 
@@ -1889,6 +1902,8 @@ def test_a_weight_tied_after_shard_is_an_error(workers2, stage):
         assert "\n2.weight is not the parameter zeroshard.shard()" in message, message
         assert "Change the model before shard()" in message, message
         assert "\n1.bias was removed from the model after zeroshard.shard()" in message, message
+        assert message.endswith("or shard a fresh model"), message
+        assert message.splitlines()[-1].startswith("1.weight is not the parameter"), message
 
 
 def _module_zero_grad(stage: int) -> dict:

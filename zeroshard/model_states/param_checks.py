@@ -84,8 +84,11 @@ def check_requires_grad(flats: list[FlatParam]) -> None:
             f"requires_grad changed after zeroshard.shard(): {names}{more}; which parameters "
             "train is fixed when the model is sharded: set requires_grad before shard() (to "
             "unfreeze progressively, shard a fresh model with the new setting, e.g. from a "
-            "checkpoint). A GAN's set_requires_grad(netD, False) around the generator's step "
-            "is not needed: drop it, and call each optimizer's zero_grad() before its backward"
+            "checkpoint). A forward that needs no gradient for them (a reference model's "
+            "log-probabilities under peft's disable_adapter(), a GAN's set_requires_grad(netD, "
+            "False) around the generator's step) needs no change: run it under "
+            "torch.no_grad(), or drop the change and call each optimizer's zero_grad() before "
+            "its backward"
         )
 
 
@@ -140,7 +143,9 @@ def check_registered(model: nn.Module, flats: list[FlatParam]) -> None:
                         "inside zeroshard.summon_full_params(model) (peft's merge_adapter) and "
                         "save with zeroshard.full_state_dict(model)"
                     )
-                if id(s.param) not in registered:
+                # (a tied weight replaced under one of its names stays registered under the
+                # other: only its own name tells, GPT-2's new head beside its embedding)
+                if id(s.param) not in registered or now is not None:
                     raise ValueError(
                         f"{name} is not the parameter zeroshard.shard() flattened there: a "
                         "weight tied or replaced after shard() (model.head.weight = "
