@@ -387,6 +387,10 @@ def test_advise(capsys):
         (["--preset", "nano", "--input-shape", "3x8x8"], "--input-shape gives the inputs"),
         (["--module", "test_cli_plan:pixels", "--input-shape", "3x0"], "one sample's shape"),
         (["--module", "test_cli_plan:pixels", "--input-shape", "1x=3"], "NAME=3x224x224"),
+        (
+            ["--module", "test_cli_plan:pixels", "--input-shape", "x=3", "--input-shape", "x=4"],
+            "gives x twice",
+        ),
         (["--params", "1B", "--bandwidth", "70GB", "--peak-flops", "70T"], "70GB/s"),
         (
             ["--params", "1B", "--dp", "8", "--shard-group-size", "3"],

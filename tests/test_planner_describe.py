@@ -292,10 +292,20 @@ def test_a_model_without_token_ids_is_measured_on_the_inputs_given():
     assert str(model.activations.inputs) == "3x4x4"
 
 
-@pytest.mark.parametrize("shape", [(), (3, 0), (3.5,)])
+@pytest.mark.parametrize("shape", [(), (3, 0), (3.5,), (True,)])
 def test_inputs_need_whole_positive_sizes(shape):
     with pytest.raises(ValueError, match="positive whole sizes|at least one"):
         d.Inputs((shape,) if shape else ())
+
+
+def test_inputs_take_one_shape_alone_and_keywords_once():
+    # (3, 224, 224) alone, the likeliest way to write one input, was a TypeError; a keyword
+    # given twice was taken silently, the last one winning (a reviewer)
+    assert d.Inputs((3, 224, 224)) == d.Inputs(((3, 224, 224),))
+    assert str(d.Inputs(keywords={"input_values": 16000})) == "input_values=16000"
+    for keywords in [(("x", (1,)), ("x", (2,))), (("pixel values", (1,)),), ((1, 2),)]:
+        with pytest.raises(ValueError, match="distinct names"):
+            d.Inputs(keywords=keywords)
 
 
 def test_a_transformers_vision_model_s_pixels_come_from_its_config():

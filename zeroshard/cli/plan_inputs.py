@@ -90,6 +90,8 @@ def _inputs(specs: list[str] | None) -> planner.Inputs | None:
                 f"--input-shape {spec!r}: give one sample's shape as sizes joined by x, e.g. "
                 "3x224x224, or NAME=3x224x224 for a keyword argument (pixel_values=3x224x224)"
             )
+        if name in dict(keywords):
+            raise ValueError(f"--input-shape gives {name} twice; give each input once")
         if name:
             keywords.append((name, shape))
         else:

@@ -124,15 +124,23 @@ class Inputs:
     """Keyword arguments, by name (a transformers model's ``pixel_values``)."""
 
     def __post_init__(self) -> None:
-        shapes = [*self.shapes, *(shape for _, shape in self.keywords)]
-        if not shapes:
+        shapes = tuple(self.shapes)
+        if shapes and all(isinstance(d, int) for d in shapes):  # one input: Inputs((3, 224, 224))
+            shapes = (shapes,)
+        keywords = self.keywords.items() if isinstance(self.keywords, dict) else self.keywords
+        keywords = tuple(keywords)
+        names = [k[0] if isinstance(k, tuple) and len(k) == 2 else k for k in keywords]
+        if any(not (isinstance(n, str) and n.isidentifier()) for n in names) or len(
+            set(names)
+        ) < len(names):
+            raise ValueError(
+                "Inputs' keywords are (name, shape) pairs with distinct names, e.g. "
+                f"(('pixel_values', (3, 224, 224)),), got {self.keywords!r}"
+            )
+        object.__setattr__(self, "shapes", tuple(map(_shape, shapes)))
+        object.__setattr__(self, "keywords", tuple((k, _shape(v)) for k, v in keywords))
+        if not self.shapes and not self.keywords:
             raise ValueError("Inputs needs at least one input's shape")
-        for shape in shapes:
-            if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
-                raise ValueError(
-                    f"an input's shape must be positive whole sizes, e.g. (3, 224, 224), got "
-                    f"{shape!r}"
-                )
 
     def make(self, micro_batch_size: int, dtype) -> tuple[tuple, dict]:
         """Positional and keyword arguments of ``micro_batch_size`` samples, on meta."""
@@ -148,6 +156,20 @@ class Inputs:
             return "x".join(map(str, shape))
 
         return ", ".join([*map(size, self.shapes), *(f"{k}={size(v)}" for k, v in self.keywords)])
+
+
+def _shape(value) -> tuple[int, ...]:
+    """One sample's shape: positive whole sizes (a single size for a 1-D input)."""
+    shape = (value,) if isinstance(value, int) else value
+    if (
+        not isinstance(shape, (tuple, list))
+        or not shape
+        or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape)
+    ):
+        raise ValueError(
+            f"an input's shape must be positive whole sizes, e.g. (3, 224, 224), got {value!r}"
+        )
+    return tuple(shape)
 
 
 def hf_inputs(module) -> Inputs | None:
