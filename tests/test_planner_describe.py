@@ -228,14 +228,14 @@ class OrderBlock(torch.nn.Module):
 
 class OrderedLM(torch.nn.Module):
     """Blocks called in ``order`` (some twice, skipped or out of their registration order),
-    as many as the largest index asks for, on a vocabulary of 256."""
+    as many as the largest index asks for, on a vocabulary of ``vocab``."""
 
-    def __init__(self, order: tuple[int, ...], width: int = 16) -> None:
+    def __init__(self, order: tuple[int, ...], width: int = 16, vocab: int = 256) -> None:
         super().__init__()
         self.order = order
-        self.emb = torch.nn.Embedding(256, width)
+        self.emb = torch.nn.Embedding(vocab, width)
         self.blocks = torch.nn.ModuleList(OrderBlock(width) for _ in range(max(order) + 1))
-        self.head = torch.nn.Linear(width, 256)
+        self.head = torch.nn.Linear(width, vocab)
 
     def forward(self, x):
         h = self.emb(x)

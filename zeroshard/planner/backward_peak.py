@@ -164,12 +164,13 @@ class _Made:
         return Mode()
 
 
-def peaks(loss, saves: SaveCounts, owners: Owners) -> dict[int, int]:
+def peaks(loss, saves: SaveCounts, owners: Owners) -> tuple[dict[int, int], dict[int, int]]:
     """Run ``loss``'s backward (on meta) and give, per owner (``Owners``), the most bytes of saved
     activations and of what the backward made (gradients, temporaries inside a node) alive at
-    once while one of its nodes ran. ``saves`` must be the counts of the forward's saved-tensor
-    hooks, whose unpack hook calls ``saves.unpacked``. Parameters' gradients are model states,
-    counted by the timeline: left out."""
+    once while one of its nodes ran, and the most of what the backward made alone. ``saves``
+    must be the counts of the forward's saved-tensor hooks, whose unpack hook calls
+    ``saves.unpacked``. Parameters' gradients are model states, counted by the timeline: left
+    out."""
     nodes, todo, seen = [], [loss.grad_fn], set()
     while todo:
         node = todo.pop()
@@ -182,6 +183,7 @@ def peaks(loss, saves: SaveCounts, owners: Owners) -> dict[int, int]:
 
     alive = sum(saves.nbytes.values())
     found: dict[int, int] = {}
+    made_most: dict[int, int] = {}
     # The node running: the sizes of what it made, and per moment, the bytes alive and which of
     # its own storages were (a parameter's gradient among them is known as it ends).
     sizes: dict[int, int] = {}
@@ -213,8 +215,9 @@ def peaks(loss, saves: SaveCounts, owners: Owners) -> dict[int, int]:
             owner = owners.of(node)
             if owner is not None:
                 for total, own in moments:
-                    held = alive + total - sum(sizes[s] for s in own if s in states)
-                    found[owner] = max(found.get(owner, 0), held)
+                    made_now = total - sum(sizes[s] for s in own if s in states)
+                    found[owner] = max(found.get(owner, 0), alive + made_now)
+                    made_most[owner] = max(made_most.get(owner, 0), made_now)
             for serial in states - {None}:
                 made.forget(serial)
             made.nodes_running -= 1
@@ -241,4 +244,4 @@ def peaks(loss, saves: SaveCounts, owners: Owners) -> dict[int, int]:
     finally:
         for h in handles:
             h.remove()
-    return found
+    return found, made_most

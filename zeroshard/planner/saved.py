@@ -365,19 +365,6 @@ def _not_called(called, num_units: int) -> tuple[bool, ...]:
     return tuple(i not in called for i in range(num_units))
 
 
-def _next_units(inner: tuple[bool, ...]) -> dict[int, int | None]:
-    """For the root's code after unit ``j`` (-1: before any), the next unit called from the root
-    (the one whose ``before_unit_bytes`` its saves join), ``None`` after the last one (the head:
-    ``tail_bytes``). Units run inside another or never (``inner``) are passed over."""
-    out: dict[int, int | None] = {}
-    upcoming = None
-    for j in range(len(inner) - 1, -2, -1):
-        out[j] = upcoming
-        if j >= 0 and not inner[j]:
-            upcoming = j
-    return out
-
-
 def measure(
     module,
     unit_names: tuple[str, ...],
@@ -419,13 +406,15 @@ def measure(
     # returns the charge to its parent).
     where, stack = [-1], []
     inputs = [0] * num_units
-    saved: dict[int, tuple[int, int, object]] = {}  # storage -> (where, bytes, tensor kept alive)
-    root_params: dict[int, tuple[int, int]] = {}  # parameter storage -> (where, elements)
+    # storage -> (where, bytes, the tensor kept alive, the root's calls before it)
+    saved: dict[int, tuple[int, int, object, int]] = {}
+    root_params: dict[int, tuple[int, int]] = {}  # parameter storage -> (calls before, elements)
 
     split = _TensorParallelSplit(model, num_mp_ranks, params)
 
     chained = [False] * num_units
     calls = [0] * num_units
+    sequence: list[int] = []  # the units the root calls, call by call
     ran = [False] * num_units
     called: list[int] = []
     last_output: list = [None, 0]  # the previous unit's first output, and its version
@@ -439,6 +428,7 @@ def measure(
             chained[i] = args[0] is out and out is not None and out._version == version
         if where[0] < 0:
             calls[i] += 1
+            sequence.append(i)
             if i not in called:
                 called.append(i)
         ran[i] = True
@@ -471,10 +461,10 @@ def measure(
         key = storage._cdata  # the StorageImpl: distinct per storage, on meta too
         if key in params:
             if where[0] < 0:  # (those saved after the last unit are the head's: ``_tail``)
-                root_params.setdefault(key, (where[0], storage.nbytes() // t.element_size()))
+                root_params.setdefault(key, (len(sequence), storage.nbytes() // t.element_size()))
         elif key not in buffers:
             if key not in saved:
-                saved[key] = (where[0], split.nbytes(t, storage.nbytes()), t)
+                saved[key] = (where[0], split.nbytes(t, storage.nbytes()), t, len(sequence))
             saves.saved(key, storage.nbytes())
         return t
 
@@ -533,19 +523,24 @@ def measure(
     }
     unit_bytes, largest = [0] * num_units, [0] * num_units
     before, tail, tail_largest = [0] * num_units, 0, 0
-    next_unit = _next_units(_not_called(called, num_units))
-    for w, num_bytes, _ in saved.values():
+
+    def next_call(k: int) -> int | None:
+        """The unit the root calls after its first ``k`` calls; ``None`` after its last (the
+        head, wherever its unit is registered: a forward may end on its first unit)."""
+        return sequence[k] if k < len(sequence) else None
+
+    for w, num_bytes, _, k in saved.values():
         if w >= 0:
             unit_bytes[w] += num_bytes
             largest[w] = max(largest[w], num_bytes)
-        elif next_unit[-2 - w] is not None:  # the root before the first unit, or between two
-            before[next_unit[-2 - w]] += num_bytes
+        elif next_call(k) is not None:  # the root before the first unit, or between two
+            before[next_call(k)] += num_bytes
         else:
             tail += num_bytes
             tail_largest = max(tail_largest, num_bytes)
-    tail_params = {k: n for k, (w, n) in root_params.items() if next_unit[-2 - w] is None}
+    tail_params = {key: n for key, (k, n) in root_params.items() if next_call(k) is None}
     working = _unit_backward_bytes(
-        loss if follow else None, saves, owners, unit_bytes, before, inputs, largest
+        loss if follow else None, saves, owners, unit_bytes, before, inputs, largest, calls
     )
     return SavedActivations(
         micro_batch_size=micro_batch_size,
@@ -586,15 +581,18 @@ def _own_error(model, call: str, x, y, vocab_size: int) -> Exception | None:
 
 
 def _unit_backward_bytes(
-    loss, saves, owners, unit_bytes: list, before: list, inputs: list, largest: list
+    loss, saves, owners, unit_bytes: list, before: list, inputs: list, largest: list, calls: list
 ) -> tuple[int, ...]:
     """``SavedActivations.unit_backward_bytes``: ``loss``'s backward followed on meta (``None``
-    or a backward that fails there: empty)."""
+    or a backward that fails there: empty). A unit called more than once counts at most what
+    its backward made alone: units whose calls take turns (ALBERT's two layers) have other
+    units' saves alive at their peak, which the plan's order does not count up to them (their
+    working set was 5 calls of the other layer, 3x the measured peak under checkpointing)."""
     if loss is None:
         return ()
     try:
         with _on_meta():
-            found = backward_peak.peaks(loss, saves, owners)
+            found, made = backward_peak.peaks(loss, saves, owners)
     except Exception as exc:  # an operator without a meta backward: the sizes' estimate stands
         import warnings
 
@@ -609,7 +607,13 @@ def _unit_backward_bytes(
     working, through = [], 0
     for i, (own, root) in enumerate(zip(unit_bytes, before)):
         through += own + root  # saved up to and by unit i, alive as its backward starts
-        working.append(max(0, found[i] - through) if i in found else inputs[i] + largest[i])
+        if i not in found:
+            working.append(inputs[i] + largest[i])
+        else:
+            again = calls[i] > 1  # (its calls may take turns with other units')
+            working.append(
+                max(0, min(found[i] - through, made[i]) if again else found[i] - through)
+            )
     return tuple(working)
 
 
