@@ -983,3 +983,50 @@ def test_a_unit_called_several_times_is_checkpointed_per_call(workers2, groups, 
     predicted = m.plan_memory(model, config).peak_bytes()
     measured = max(workers2.run(_albert_peak, groups, checkpoint_every))
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+
+
+def _albert_gathers(checkpoint_every: int) -> int:
+    def loss(model, gen):
+        x = torch.randint(0, 512, (8, 64), generator=gen)
+        return model(input_ids=x, labels=x).loss
+
+    wrap = zeroshard.wrap.by_class("AlbertLayer")
+    build = functools.partial(_albert, 1)
+    out = calibrate.measure_module(
+        build, loss, stage=3, wrap=wrap, num_steps=2, checkpoint_every=checkpoint_every
+    )
+    return out["comm_numel"]["all_gather/params"]
+
+
+@pytest.mark.parametrize("checkpoint_every", [0, 3])
+def test_a_unit_called_several_times_is_gathered_for_each_call_s_backward(
+    workers2, checkpoint_every
+):
+    # ALBERT's shared layer, called 6 times, is gathered anew for each call's backward: the
+    # plan counted one backward gather per unit, a third of the engine's all-gathers (a
+    # reviewer).
+    pytest.importorskip("transformers")
+    from zeroshard.planner import comm
+
+    model = describe.from_module(functools.partial(_albert, 1), wrap="AlbertLayer")
+    config = dataclasses.replace(
+        calibrate.engine_config(Case(stage=3, checkpoint_every=checkpoint_every), 2),
+        micro_batch_size=8,
+        seq_len=64,
+    )
+    config = timeline.as_engine_buckets(model, config)
+    collectives = comm.dp_communication(
+        model.num_params,
+        stage=3,
+        num_params_replicated=model.replicated_numel,
+        param_dtype_bytes=4,
+        reduce_dtype_bytes=4,
+        num_params_kept_gathered=model.kept_gathered_numel,
+        num_params_gathered_again=comm.gathered_again(model, config),
+    )
+    planned = sum(
+        comm.total_numel((c,), 1)
+        for c in collectives
+        if (c.op, c.label) == ("all_gather", "params")
+    )
+    assert planned == max(workers2.run(_albert_gathers, checkpoint_every))

@@ -225,23 +225,29 @@ def comm_seconds(num_bytes: float, bandwidth_bytes_per_s: float) -> float:
 
 
 def gathered_again(model, config) -> int:
-    """Stage 3 with activation checkpoints: the parameters of the units each step's backward
-    recomputes, frees and gathers again (``spans.recompute_freed``), for
-    ``dp_communication``; 0 otherwise. ``model``: a ``ModelDescription``, ``config``: a
-    ``MemoryConfig``."""
+    """Stage 3: the parameters each step's backward gathers once more than once per unit, for
+    ``dp_communication``: a unit called n times (ALBERT's shared layers) n - 1 times more, one
+    gather per call's backward; with activation checkpoints, the units a recomputation
+    gathers and frees before their own backward (``spans.recompute_freed``); 0 at stages 0-2.
+    ``model``: a ``ModelDescription``, ``config``: a ``MemoryConfig``."""
     from zeroshard.planner import saved, spans, timeline
 
-    if not (partition(config.stage).parameters and config.activation_checkpointing):
+    if not partition(config.stage).parameters:
         return 0
     if model.block_unit_numels is None and model.shape is None:
         return 0  # (a parameter count alone: no units to gather)
     numels = timeline.unit_numels(model)
     measured = saved.at_config(model, config)
-    chained, inner = (measured.chained, measured.inner) if measured is not None else ((), ())
+    chained, inner, calls = (
+        (measured.chained, measured.inner, measured.calls) if measured is not None else ((), (), ())
+    )
+    again = sum((n - 1) * numels[i] for i, n in enumerate(calls) if n > 1)
+    if not config.activation_checkpointing:
+        return again
     ci = config.num_layers_per_checkpoint
-    first = tuple(spans.first_units(len(numels), ci, chained, inner))
+    first = tuple(spans.first_units(len(numels), ci, chained, inner, calls))
     prefetch = config.num_units_prefetch
-    return sum(
+    return again + sum(
         numels[j]
         for i in range(len(numels))
         for j in spans.recompute_freed(first, i, prefetch, inner)
