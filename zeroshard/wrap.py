@@ -286,7 +286,7 @@ def _read_by_their_parent(modules: dict[str, nn.Module]) -> set[str]:
         if isinstance(module, nn.MultiheadAttention):
             inside.add(f"{name}.out_proj" if name else "out_proj")
         elif any(c.__name__ == "BaseTunerLayer" for c in type(module).__mro__):
-            inside |= {n for n in modules if n.startswith(f"{name}.")}
+            inside |= {n for n in modules if n != name and n.startswith(f"{name}." if name else "")}
     return inside
 
 

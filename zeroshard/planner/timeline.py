@@ -250,8 +250,8 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         root = sum(per.before[: i + 1])
         if not checkpointing:
             return sum(own[:i]) + root, 0
-        mine = piece[span[i]] if c.splits_checkpoints else 0
         f = span[i]  # (joined a unit called again: its last call's span, after its others)
+        mine = piece[f] if c.splits_checkpoints else 0
         opened = sum(ckpt[:f]) + ((starts[f] - 1) * piece[f] if f != i else 0)
         first_call = (sum(own[f:i]) + root, opened + mine)
         if calls[i] == 1:
