@@ -568,7 +568,7 @@ def _measured_checkpoints(
     if c.placement.params is not Tier.DEVICE:
         largest = model.activations.largest_param(c.num_mp_ranks)
         out[Tier.DEVICE]["model_state_working"] = (bpp.params + bpp.grads) * largest
-    out[Tier.DEVICE]["logits"] = 2 * s.largest_tail_tensor_bytes
+    out[Tier.DEVICE]["logits"] = s.loss_gradient_bytes
 
 
 def plan_memory(model: ModelDescription, config: MemoryConfig) -> MemoryBreakdown:

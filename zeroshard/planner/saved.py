@@ -57,6 +57,10 @@ class SavedActivations:
     largest_tail_tensor_bytes: int
     """The root's largest storage saved after the last unit (the loss's log-probabilities in a
     language model): the loss's backward holds two gradients of that size."""
+    loss_input_bytes: int | None = None
+    """FP32 bytes of the output the loss stand-in of a model fed ``Inputs`` is taken over
+    (``_output_loss``): its two gradients, where the largest storage after the last unit may be
+    another (a UNet's last convolution's input). ``None``: that largest storage."""
     unit_backward_bytes: tuple[int, ...] = ()
     """Per unit, in forward order: at the peak of its backward, the bytes alive beyond the
     activations saved up to it and by it (the gradients flowing through it and those its
@@ -105,6 +109,14 @@ class SavedActivations:
         built alone): not ``called``. Such a unit is recomputed with the unit around it and
         opens no span of its own."""
         return _not_called(self.called, len(self.unit_bytes))
+
+    @property
+    def loss_gradient_bytes(self) -> int:
+        """The loss's backward: two gradients of the log-probabilities, or of the output a
+        model fed ``Inputs`` takes its loss over."""
+        if self.loss_input_bytes is not None:
+            return 2 * self.loss_input_bytes
+        return 2 * self.largest_tail_tensor_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -478,6 +490,7 @@ def measure(
         shape = (micro_batch_size, seq_len)
         x = torch.randint(0, vocab_size, shape, device="meta")
         y = torch.randint(0, vocab_size, shape, device="meta")
+    seen: list[int] = []  # the loss stand-in's input, elements (``_output_loss``)
     tracked = track and num_mp_ranks == 1
     tracking = _forward_tracker(model) if tracked else contextlib.nullcontext()
     if follow:
@@ -491,7 +504,7 @@ def measure(
             torch.autograd.graph.saved_tensors_hooks(pack, unpack),
             tracking as tracker,
         ):
-            loss = _loss(model, call, x, y, vocab_size)
+            loss = _loss(model, call, x, y, vocab_size, seen)
     except Exception as exc:
         failed = exc
     finally:
@@ -551,6 +564,7 @@ def measure(
         unit_input_bytes=tuple(inputs),
         largest_unit_tensor_bytes=tuple(largest),
         largest_tail_tensor_bytes=tail_largest,
+        loss_input_bytes=4 * seen[0] if seen else None,
         unit_backward_bytes=working,
         chained=tuple(chained),
         calls=tuple(calls),
@@ -746,12 +760,13 @@ def _tensors(tree) -> list:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _loss(model, call: str, x, y, vocab_size: int):
+def _loss(model, call: str, x, y, vocab_size: int, seen: list | None = None):
     """The loss of ``model`` on token ids ``x`` against ``y``, called the ``call`` way (with
-    ``"inputs"``, ``x`` is the positional and keyword arguments, ``y`` unused)."""
+    ``"inputs"``, ``x`` is the positional and keyword arguments, ``y`` unused; ``seen`` gets
+    the elements of the output the loss is taken over)."""
     if call == "inputs":
         args, kwargs = x
-        return _output_loss(model(*args, **kwargs))
+        return _output_loss(model(*args, **kwargs), seen)
     if call == "hf":
         return model(input_ids=x, labels=y).loss
     if call == "hf_logits":
@@ -762,7 +777,7 @@ def _loss(model, call: str, x, y, vocab_size: int):
         if getattr(out, "logits", None) is None and hasattr(out, "start_logits"):
             return _logits_loss(out.start_logits, x, y) + _logits_loss(out.end_logits, x, y)
         if getattr(out, "logits", None) is None:  # a backbone (BertModel, T5EncoderModel)
-            return _output_loss(out)
+            return _output_loss(out, seen)
         return _logits_loss(out.logits, x, y)
     if call == "logits":
         from zeroshard.train import next_token_loss
@@ -771,7 +786,7 @@ def _loss(model, call: str, x, y, vocab_size: int):
     return model(x, y)
 
 
-def _output_loss(out):
+def _output_loss(out, seen: list | None = None):
     """A loss over the output of a model fed ``Inputs`` (or of a transformers backbone, without
     a head): a cross-entropy over the last dimension of its logits (a transformers output's
     ``logits``, or a 2-D output: a classifier's), else the mean square of its first floating
@@ -786,8 +801,10 @@ def _output_loss(out):
         if not found:
             raise ValueError(f"the model returned {type(out).__name__}, with no floating tensor")
         logits = found[0]
-        if logits.dim() != 2:
-            return logits.float().square().mean()
+    if seen is not None:
+        seen.append(logits.numel())
+    if logits.dim() != 2 and getattr(out, "logits", None) is None:
+        return logits.float().square().mean()
     flat = logits.float().reshape(-1, logits.size(-1))
     target = torch.zeros(flat.size(0), dtype=torch.long, device=flat.device)
     return F.cross_entropy(flat, target)

@@ -222,7 +222,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
         tied = 2 * s.tied_param_numel * g
         at_forward = None if c.activation_checkpointing else s.forward_peak_bytes
-        logits = 2 * s.largest_tail_tensor_bytes
+        logits = s.loss_gradient_bytes
         grad_working = model.activations.largest_param(c.num_mp_ranks) * g + held
     else:
         per, logits, grad_working, held = _gpt_per_unit(model, c, num_units)
