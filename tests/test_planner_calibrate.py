@@ -976,16 +976,21 @@ def _albert(groups: int):
     return transformers.AlbertForMaskedLM(config)
 
 
-def _albert_peak(groups: int, checkpoint_every: int) -> int:
-    def loss(model, gen):
-        x = torch.randint(0, 512, (8, 64), generator=gen)
-        return model(input_ids=x, labels=x).loss
+def _albert_loss(model, gen):
+    x = torch.randint(0, 512, (8, 64), generator=gen)
+    return model(input_ids=x, labels=x).loss
 
+
+def _albert_measured(groups: int, checkpoint_every: int) -> dict:
     build = functools.partial(_albert, groups)
     wrap = zeroshard.wrap.by_class("AlbertLayer")
     return calibrate.measure_module(
-        build, loss, stage=3, wrap=wrap, num_steps=2, checkpoint_every=checkpoint_every
-    )["peak_bytes"]
+        build, _albert_loss, stage=3, wrap=wrap, num_steps=2, checkpoint_every=checkpoint_every
+    )
+
+
+def _albert_peak(groups: int, checkpoint_every: int) -> int:
+    return _albert_measured(groups, checkpoint_every)["peak_bytes"]
 
 
 @pytest.mark.parametrize("groups, checkpoint_every", [(1, 1), (2, 2)])
@@ -1006,16 +1011,7 @@ def test_a_unit_called_several_times_is_checkpointed_per_call(workers2, groups, 
 
 
 def _albert_gathers(checkpoint_every: int) -> int:
-    def loss(model, gen):
-        x = torch.randint(0, 512, (8, 64), generator=gen)
-        return model(input_ids=x, labels=x).loss
-
-    wrap = zeroshard.wrap.by_class("AlbertLayer")
-    build = functools.partial(_albert, 1)
-    out = calibrate.measure_module(
-        build, loss, stage=3, wrap=wrap, num_steps=2, checkpoint_every=checkpoint_every
-    )
-    return out["comm_numel"]["all_gather/params"]
+    return _albert_measured(1, checkpoint_every)["comm_numel"]["all_gather/params"]
 
 
 @pytest.mark.parametrize("checkpoint_every", [0, 3])
