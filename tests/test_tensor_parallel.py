@@ -3,6 +3,7 @@ how the layers are split, what is refused."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -845,6 +846,16 @@ def _given_plans() -> dict:
             out[name] = "no error"
         except (ValueError, TypeError) as e:
             out[name] = str(e)
+    # One module under two names (a block shared by two parents) is split once for both: it
+    # was refused as a tied weight whose tie would be lost (an explorer)
+    torch.manual_seed(0)
+    pair = _Pair()
+    shared = nn.Sequential(pair, pair)
+    plain = copy.deepcopy(shared)
+    tensor_parallel.parallelize(shared, device_mesh, {"0.up": "colwise", "0.down": "rowwise"})
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out["shared"] = (shared(x) - plain(x)).abs().max().item()
     # The format of a model's tp_plan, passed directly.
     model = tensor_parallel.parallelize(_Pair(), device_mesh, {"up": "colwise", "down": "rowwise"})
     out["strings"] = (tuple(model.up.weight.shape), tuple(model.down.weight.shape))
@@ -887,6 +898,7 @@ def test_plans_given_to_parallelize_are_checked_and_buffers_synced(workers2):
         assert "'nothere' names no module of _Pair" in r["missing"], r
         assert "'diagonal'; give a ParallelStyle or one of colwise or rowwise" in r["style"]
         assert "0.up.weight, which is tied to 1.up.weight" in r["tied"], r  # (untied silently)
+        assert r["shared"] < 1e-6, r
         assert "takes the DeviceMesh mesh_2d returns first, got a Mesh" in r["dp mesh"], r
         assert r["strings"] == ((16, 16), (16, 16)), r  # (torch's TypeError before)
         assert r["wildcards"] == [(16, 16), (16, 16)], r

@@ -323,7 +323,9 @@ def _check_divides(name: str, module: nn.Module, style, tp: int) -> None:
 def check_untied(model: nn.Module, plan: dict) -> None:
     """A parameter a planned module distributes must be no other module's too (tied weights:
     ``parallelize_module`` makes each module's use a piece of its own, untying them silently).
-    Styles that only lay out a module's inputs or outputs leave its parameters alone."""
+    One module reached under several names (a block shared by two parents) is split once for
+    all of them: not a tie. Styles that only lay out a module's inputs or outputs leave its
+    parameters alone."""
     from torch.distributed.tensor import parallel
 
     layouts = tuple(
@@ -332,15 +334,18 @@ def check_untied(model: nn.Module, plan: dict) -> None:
         if hasattr(parallel, name)
     )
     uses: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        uses.setdefault(id(p), []).append(name)
+    holders: dict[int, set[int]] = {}  # id(parameter) -> ids of the modules holding it
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module.named_parameters(recurse=False):
+            uses.setdefault(id(p), []).append(f"{module_name}.{attr}" if module_name else attr)
+            holders.setdefault(id(p), set()).add(id(module))
     for module_name, style in plan.items():
         if isinstance(style, layouts):
             continue
         module = model.get_submodule(module_name)
         for p in module.parameters(recurse=False):
             names = uses.get(id(p), [])
-            if len(names) > 1:
+            if len(holders.get(id(p), ())) > 1:
                 raise ValueError(
                     f"tensor parallelism would split {names[0]}, which is tied to "
                     f"{', '.join(names[1:])} (one Parameter in several modules): the split "
