@@ -318,4 +318,10 @@ def test_a_transformers_vision_model_s_pixels_come_from_its_config():
     assert str(model.activations.inputs) == "pixel_values=1x16x16"
     from zeroshard.planner.saved import hf_inputs
 
+    # a config without image_size (ResNet's): 224 x 224, said (it was assumed without a word)
+    resnet = transformers.ResNetForImageClassification(
+        transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1])
+    )
+    with pytest.warns(UserWarning, match="no image_size: planned for 224 x 224"):
+        assert str(hf_inputs(resnet)) == "pixel_values=3x224x224"
     assert hf_inputs(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1))) is None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from zeroshard.models.gpt import GPTConfig, preset
 from zeroshard.planner import hf
-from zeroshard.planner.saved import ActivationProfile, Inputs, profile
+from zeroshard.planner.saved import ActivationProfile, Inputs, hf_inputs, profile
 from zeroshard.planner.stepped import SteppedLayout
 
 
@@ -291,6 +291,7 @@ def from_module(
     numels = [sum(p.numel() for _, p, _ in spec.params) for spec in specs]
     label = name or type(module).__name__
     _warn_nested(label, [s.name for s in specs[1:]], numels[1:])
+    inputs = inputs or hf_inputs(module)  # (once: it may warn)
     try:
         activations = profile(module, tuple(s.name for s in specs[1:]), inputs)
     except ValueError as exc:  # what the model's forward raised, on every way of calling it

@@ -192,7 +192,17 @@ def hf_inputs(module) -> Inputs | None:
     if getattr(module, "main_input_name", None) != "pixel_values" or config is None:
         return None
     config = getattr(config, "vision_config", None) or config
-    size = getattr(config, "image_size", 224)
+    size = getattr(config, "image_size", None)
+    if size is None:  # (ResNet's config gives none)
+        import warnings
+
+        size = 224
+        warnings.warn(
+            f"{type(module).__name__}'s config gives no image_size: planned for 224 x 224 "
+            "images; give the size trained at, e.g. --input-shape pixel_values=3x384x384 "
+            "(inputs=Inputs(keywords={'pixel_values': (3, 384, 384)}))",
+            stacklevel=3,
+        )
     height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
     channels = getattr(config, "num_channels", 3)
     return Inputs(keywords=(("pixel_values", (channels, height, width)),))
