@@ -551,10 +551,12 @@ class GradBucket(ShownGradients):
     def _free_full(self) -> None:
         if self.as_views:  # otherwise .grad are autograd's own, released at collection already
             self._unbind()
+        # Forgotten before it is given back: a Ctrl-C in ``give`` left it given back and still
+        # held, given again at every zero_grad(), each refused.
         pooled, full = self._pooled, self.full_grad
-        self._pooled, self.full_grad = False, None  # (first: a Ctrl-C in ``give`` left it
-        if pooled and full is not None:  # given back and still held, given again at every
-            self.pool.give(full)  # zero_grad(), each refused)
+        self._pooled, self.full_grad = False, None
+        if pooled and full is not None:
+            self.pool.give(full)
 
     def zero(self, *, keep_touched: bool = False) -> None:
         """Drop the reduced shard and the local gradient (keeping a persistent buffer), and a

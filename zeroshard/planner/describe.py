@@ -294,6 +294,8 @@ def from_module(
     inputs = inputs or hf_inputs(module)  # (once: it may warn)
     try:
         activations = profile(module, tuple(s.name for s in specs[1:]), inputs)
+        if activations is None:
+            _warn_no_inputs(label)
     except ValueError as exc:  # what the model's forward raised, on every way of calling it
         warnings.warn(
             f"{label}: a forward on the meta device failed ({type(exc).__name__}: {exc}); "
@@ -302,9 +304,6 @@ def from_module(
             stacklevel=2,
         )
         activations = None
-    else:
-        if activations is None:
-            _warn_no_inputs(label)
     order = _call_order(activations, len(specs) - 1)
     if order is not None:  # the engine's forward (gathers, spans) follows the calls
         activations = profile(module, tuple(specs[1 + i].name for i in order), inputs)

@@ -139,12 +139,11 @@ class Inputs:
         shapes = tuple(self.shapes)
         if shapes and all(isinstance(d, int) for d in shapes):  # one input: Inputs((3, 224, 224))
             shapes = (shapes,)
-        keywords = self.keywords.items() if isinstance(self.keywords, dict) else self.keywords
-        keywords = tuple(keywords)
-        names = [k[0] if isinstance(k, tuple) and len(k) == 2 else k for k in keywords]
-        if any(not (isinstance(n, str) and n.isidentifier()) for n in names) or len(
-            set(names)
-        ) < len(names):
+        given = self.keywords
+        keywords = tuple(given.items() if isinstance(given, dict) else given)
+        names = [k[0] if isinstance(k, tuple) and len(k) == 2 else None for k in keywords]
+        named = all(isinstance(n, str) and n.isidentifier() for n in names)
+        if not named or len(set(names)) < len(names):
             raise ValueError(
                 "Inputs' keywords are (name, shape) pairs with distinct names, e.g. "
                 f"(('pixel_values', (3, 224, 224)),), got {self.keywords!r}"
@@ -342,15 +341,14 @@ def problem(model, config) -> str | None:
 def profile(
     module, unit_names: tuple[str, ...], inputs: Inputs | None = None
 ) -> ActivationProfile | None:
-    """An ``ActivationProfile`` for ``module`` fed ``inputs`` (or a transformers vision model
-    its pixels, ``hf_inputs``), else when a batch of token ids can be fed to it (a
+    """An ``ActivationProfile`` for ``module`` fed ``inputs`` (``describe.from_module`` finds a
+    transformers vision model's, ``hf_inputs``), else when a batch of token ids can be fed to it (a
     transformers model, ``model(x, y)`` returning a loss, or ``model(x)`` returning logits, as
     ``zeroshard train --model`` wants), checked by a forward of 1 sample (of 8 tokens) on meta;
     ``None`` when the model takes no token ids (no ``nn.Embedding``) and no inputs are known.
     Raises what the forward raised (``ValueError``) when no way of calling it works."""
     from torch import nn
 
-    inputs = inputs or hf_inputs(module)
     vocab_size = 0
     if inputs is None:
         embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
@@ -435,10 +433,8 @@ def measure(
     split = _TensorParallelSplit(model, num_mp_ranks, params)
 
     chained = [False] * num_units
-    calls = [0] * num_units
     sequence: list[int] = []  # the units the root calls, call by call
     ran = [False] * num_units
-    called: list[int] = []
     last_output: list = [None, 0]  # the previous unit's first output, and its version
     follow = num_mp_ranks == 1  # (tensor parallelism's pieces are not followed in backward)
     owners, saves = backward_peak.Owners(), backward_peak.SaveCounts()
@@ -449,10 +445,7 @@ def measure(
             out, version = last_output
             chained[i] = args[0] is out and out is not None and out._version == version
         if where[0] < 0:
-            calls[i] += 1
             sequence.append(i)
-            if i not in called:
-                called.append(i)
         ran[i] = True
         where[0] = i
         if follow:
@@ -562,6 +555,7 @@ def measure(
             tail += num_bytes
             tail_largest = max(tail_largest, num_bytes)
     tail_params = {key: n for key, (k, n) in root_params.items() if next_call(k) is None}
+    calls = [sequence.count(i) for i in range(num_units)]
     working = _unit_backward_bytes(
         loss if follow else None, saves, owners, unit_bytes, before, inputs, largest, calls
     )
@@ -579,7 +573,7 @@ def measure(
         chained=tuple(chained),
         calls=tuple(calls),
         ran=tuple(ran),
-        called=tuple(called),
+        called=tuple(dict.fromkeys(sequence)),
         tail_param_numel=sum(tail_params.values()),
         tied_param_numel=sum(n for key, n in tail_params.items() if key in reused),
         forward_peak_bytes=None if tracker is None else _peak_besides_model(tracker),
@@ -633,11 +627,11 @@ def _unit_backward_bytes(
         through += own + root  # saved up to and by unit i, alive as its backward starts
         if i not in found:
             working.append(inputs[i] + largest[i])
-        else:
-            again = calls[i] > 1  # (its calls may take turns with other units')
-            working.append(
-                max(0, min(found[i] - through, made[i]) if again else found[i] - through)
-            )
+            continue
+        beyond = found[i] - through
+        if calls[i] > 1:  # (its calls may take turns with other units')
+            beyond = min(beyond, made[i])
+        working.append(max(0, beyond))
     return tuple(working)
 
 
@@ -806,6 +800,7 @@ def _output_loss(out, seen: list | None = None):
     import torch.nn.functional as F
 
     logits = getattr(out, "logits", None)
+    square = logits is None  # (an output other than logits, unless it is 2-D)
     if logits is None:
         found = [t for t in _tensors(out) if t.is_floating_point()]
         if not found:
@@ -813,7 +808,7 @@ def _output_loss(out, seen: list | None = None):
         logits = found[0]
     if seen is not None:
         seen.append(logits.numel())
-    if logits.dim() != 2 and getattr(out, "logits", None) is None:
+    if square and logits.dim() != 2:
         return logits.float().square().mean()
     flat = logits.float().reshape(-1, logits.size(-1))
     target = torch.zeros(flat.size(0), dtype=torch.long, device=flat.device)

@@ -182,11 +182,6 @@ class _PerUnit:
     calls: tuple[int, ...] = ()
     """How many times the root called each unit (``SavedActivations.calls``); empty: once."""
 
-    def recomputed(self, i: int) -> int:
-        """What one recomputation of unit ``i`` saves: one call's share of ``unit[i]`` (a unit
-        called n times is n spans, recomputed one by one)."""
-        return self.unit[i] // max(1, self.calls[i]) if self.calls else self.unit[i]
-
     def backward_working(self, i: int) -> int:
         return self.working[i] if self.working else self.inputs[i] + self.largest[i]
 
@@ -228,9 +223,9 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         per, logits, grad_working, held = _gpt_per_unit(model, c, num_units)
         tied = 2 * held  # (the reference GPT's held gradient is its tied embedding's)
         at_forward = None
-    ci = c.num_layers_per_checkpoint if c.activation_checkpointing else 1
-    span = spans.first_units(num_units, ci, per.chained, per.inner, per.calls)  # each's first
     checkpointing = c.activation_checkpointing
+    ci = c.num_layers_per_checkpoint if checkpointing else 1
+    span = spans.first_units(num_units, ci, per.chained, per.inner, per.calls)  # each's first
     starts = spans.span_starts(span, per.calls) if checkpointing else [0] * num_units
     piece, total = [0] * num_units, 0  # piece: one span input a unit opens, on the device
     for i in range(num_units):
@@ -238,8 +233,9 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         total += starts[i] * whole
         piece[i] = 0 if c.offload_activations else whole
     ckpt = [n * p for n, p in zip(starts, piece)]  # the span inputs each unit's calls open
-    own = [per.recomputed(i) if checkpointing else per.unit[i] for i in range(num_units)]
     calls = [max(1, n) for n in per.calls] if per.calls else [1] * num_units
+    # What a unit's recomputation saves: one call's share (a unit called n times is n spans)
+    own = [u // n if checkpointing else u for u, n in zip(per.unit, calls)]
 
     def moment(i: int) -> tuple[int, int]:
         """Activations saved before unit ``i``'s own (earlier units' of its span, recomputed,
