@@ -12,6 +12,7 @@ Pure functions of numbers returning breakdowns in bytes by category (DESIGN.md Â
 - ``comm``: data-parallel communication per step, per collective, inside and across shard
   groups (hybrid sharding);
 - ``bandwidth``: ZeRO-Infinity's arithmetic intensity, efficiency and required bandwidth;
+- ``flops``: a built model's FLOPs per micro-batch, counted on the meta device;
 - ``advise``: feasible configurations ranked by estimated step time, and why the rest fail;
 - ``units``: "80GB" / "80GiB" / "70GB/s" / "70TFLOP/s" / "7.5B" parsing for the CLI edge;
 - ``calibrate``: the one module that runs torch: trains a GPT preset for real on the current

@@ -3,8 +3,9 @@ checkpoint span and micro-batch size, keep those that fit, rank them by estimate
 say why the others do not fit.
 
 Step time is the sum, without overlap (the same assumption as §8's efficiency), of
-- compute: 8 * Psi * bsz * seq / Nm FLOPs per micro-batch (2 * 4 * 12 * bsz * seq * nl * hd^2 for
-  a transformer) at the device's peak;
+- compute: the FLOPs of a micro-batch / Nm at the device's peak: counted on the built model
+  (``flops``: forward, backward, and the units' recomputation under activation checkpointing),
+  else 8 * Psi * bsz * seq (2 * 4 * 12 * bsz * seq * nl * hd^2 for a transformer shape);
 - data-parallel collectives (``comm.dp_communication``) at the network bandwidth, every
   micro-batch where gradients are sharded or parameters gathered, else once per step; with hybrid
   sharding (``MemoryConfig.shard_group_size``) those inside a shard group at that bandwidth and
@@ -27,7 +28,6 @@ import math
 import warnings
 from dataclasses import dataclass, field, replace
 
-from zeroshard.planner.bandwidth import flops_per_iteration, flops_per_iteration_params
 from zeroshard.planner.comm import (
     REPLICATE,
     SHARD,
@@ -36,6 +36,7 @@ from zeroshard.planner.comm import (
     scope_seconds,
 )
 from zeroshard.planner.describe import ModelDescription
+from zeroshard.planner.flops import of_config
 from zeroshard.planner.memory import (
     OFFLOADS,
     MemoryBreakdown,
@@ -415,16 +416,8 @@ def _cpu_is_device(cluster: Cluster) -> bool:
 
 def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
     """Seconds per optimizer step for compute, collectives and offload (see the module doc)."""
-    mb, seq, num_mp = config.micro_batch_size, config.seq_len, config.num_mp_ranks
-    if model.shape is not None:
-        s = model.shape
-        flops = flops_per_iteration(
-            micro_batch_size=mb, seq_len=seq, num_layers=s.num_layers, hidden_size=s.hidden_size
-        )
-    else:
-        flops = flops_per_iteration_params(
-            num_params=model.num_params, micro_batch_size=mb, seq_len=seq
-        )
+    num_mp = config.num_mp_ranks
+    flops, _ = of_config(model, config)
     compute = num_micro * flops / num_mp / cluster.peak_flops
 
     k = config.shard_group_size

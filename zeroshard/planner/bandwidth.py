@@ -77,11 +77,12 @@ class Intensity:
     """Arithmetic intensity (FLOPs per byte moved) of each stream, for one configuration."""
 
     params_grads: float
-    """seq * bsz."""
+    """seq * bsz (the model's FLOPs / 8 Psi where they were counted)."""
     optimizer_states: float
-    """seq * bsz / 4."""
+    """seq * bsz / 4 (FLOPs / 32 Psi)."""
     activation_checkpoints: float | None
-    """24 * hd * ci; None without a transformer shape."""
+    """24 * hd * ci (FLOPs / twice the measured checkpoints); None without a transformer shape
+    or measured checkpoints."""
 
     def as_dict(self) -> dict[str, float | None]:
         return {c: getattr(self, c) for c in CATEGORIES}
@@ -111,8 +112,16 @@ def intensity(
     seq_len: int,
     shape: TransformerShape | None = None,
     num_layers_per_checkpoint: int = 1,
+    counted_flops: int | None = None,
+    num_params: int | None = None,
+    checkpoint_bytes: int | None = None,
 ) -> Intensity:
-    """The three intensities; the activation one needs the transformer ``shape``."""
+    """The three intensities; the activation one needs the transformer ``shape``. With
+    ``counted_flops`` (one iteration's FLOPs counted on the built model, ``flops.of_config``) and
+    ``num_params`` (Psi), the paper's bytes per stream divide the model's own FLOPs instead of
+    the GPT's: flops / (8 Psi) and flops / (32 Psi); and with ``checkpoint_bytes`` (the
+    checkpoints of one micro-batch, measured, each written once and read once),
+    flops / (2 * checkpoint_bytes)."""
     _positive("micro_batch_size", micro_batch_size)
     _positive("seq_len", seq_len)
     _positive("num_layers_per_checkpoint", num_layers_per_checkpoint)
@@ -121,6 +130,15 @@ def intensity(
         act = ait_activation_checkpoints(
             hidden_size=shape.hidden_size,
             num_layers_per_checkpoint=min(num_layers_per_checkpoint, shape.num_layers),
+        )
+    if counted_flops is not None:
+        _positive("num_params", num_params)
+        if checkpoint_bytes:
+            act = counted_flops / (2 * checkpoint_bytes)
+        return Intensity(
+            params_grads=counted_flops / (8 * num_params),
+            optimizer_states=counted_flops / (32 * num_params),
+            activation_checkpoints=act,
         )
     return Intensity(
         params_grads=ait_params_grads(micro_batch_size=micro_batch_size, seq_len=seq_len),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from zeroshard.planner import bandwidth, comm, memory, saved, timeline, units
+from zeroshard.planner import bandwidth, comm, flops, memory, saved, timeline, units
 from zeroshard.planner.advise import Candidate, Cluster, Workload, advise
 from zeroshard.planner.describe import ModelDescription
 from zeroshard.planner.memory import OFFLOADS, MemoryConfig, Tier
@@ -30,6 +30,17 @@ def model_report(model: ModelDescription) -> dict:
         "largest_unit_numel": model.block_unit_numel,
         "num_units": None if model.block_unit_numels is None else 1 + len(model.block_unit_numels),
     }
+
+
+def _flops_report(total: int, counted) -> dict:
+    """FLOPs of one micro-batch in the report: ``counted`` on the built model (a
+    ``flops.Flops``: forward, backward, recomputed under activation checkpointing), else the
+    paper's 8 * Psi * bsz * seq."""
+    out = {"per_iteration": total, "counted": counted is not None}
+    if counted is not None:
+        out.update(forward=counted.forward, backward=counted.backward)
+        out["recomputed"] = total - counted.forward - counted.backward
+    return out
 
 
 def _inputs(inputs) -> str | None:
@@ -118,18 +129,26 @@ def plan_report(
         out["model_state_working_bytes"] = memory.model_state_working_bytes(
             hidden_size=shape.hidden_size
         )
-    if base.activation_checkpointing and saved.at_config(model, base) is not None:
+    measured = base.activation_checkpointing and saved.at_config(model, base) is not None
+    if measured:
         # Measured on the built model (zeroshard.planner.saved), not the GPT-shaped formulas.
         allowance = memory.plan_memory(model, replace(base, activation_checkpointing=True))
         out["activation_checkpoint_bytes"] = sum(
             allowance.on(t)["activation_checkpoints"] for t in Tier
         )
         out["activation_working_bytes"] = allowance.device["activation_working"]
+    total, counted = flops.of_config(model, base)
+    out["flops"] = _flops_report(total, counted)
+    # (a rank's checkpoints, against its 1/Nm of the FLOPs)
+    checkpoints = out["activation_checkpoint_bytes"] * base.num_mp_ranks if measured else None
     ait = bandwidth.intensity(
         micro_batch_size=base.micro_batch_size,
         seq_len=base.seq_len,
         shape=shape if base.activation_checkpointing else None,
         num_layers_per_checkpoint=base.num_layers_per_checkpoint,
+        counted_flops=None if counted is None else total,
+        num_params=model.num_params,
+        checkpoint_bytes=checkpoints,
     )
     out["intensity"] = ait.as_dict()
     if bw is not None and peak is not None:
@@ -435,7 +454,7 @@ def render_plan(out: dict, unit: str = "GB") -> str:
         "optimizer_states": "optimizer states",
         "activation_checkpoints": "activation checkpoints",
     }
-    lines += ["", "arithmetic intensity (FLOPs per byte moved, ZeRO-Infinity):"]
+    lines += ["", "arithmetic intensity (FLOPs per byte moved, ZeRO-Infinity):", _flops_line(out)]
     eff, need = out.get("efficiency"), out.get("required_bandwidth_bytes_per_s")
     for key, name in names.items():
         a = out["intensity"][key]
@@ -449,6 +468,19 @@ def render_plan(out: dict, unit: str = "GB") -> str:
             text += f"   needs {units.format_rate(need[key])} for {target}"
         lines.append(text.rstrip())
     return "\n".join(lines)
+
+
+def _flops_line(out: dict) -> str:
+    """How many FLOPs a micro-batch computes, and where the count comes from."""
+    f = out["flops"]
+    if not f["counted"]:
+        return (
+            f"  {'FLOPs per micro-batch':<24}{f['per_iteration']:.4g} (the paper's 8*Psi*bsz*seq)"
+        )
+    parts = f"forward {f['forward']:.4g} + backward {f['backward']:.4g}"
+    if f["recomputed"]:
+        parts += f" + recomputed {f['recomputed']:.4g}"
+    return f"  {'FLOPs per micro-batch':<24}{f['per_iteration']:.4g} counted: {parts}"
 
 
 def render_advice(out: dict, unit: str = "GB", top: int = 10) -> str:

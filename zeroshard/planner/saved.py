@@ -279,6 +279,31 @@ class ActivationProfile:
             raise found
         return found
 
+    def flops(self, *, micro_batch_size: int, seq_len: int, checkpointing: bool = False):
+        """The ``flops.Flops`` of one micro-batch of ``micro_batch_size`` samples (of ``seq_len``
+        tokens), counted once, then remembered; raises ``ValueError`` where the forward or
+        backward fails on meta."""
+        key = ("flops", micro_batch_size, seq_len, checkpointing)
+        if key not in self._cache:
+            from zeroshard.planner import flops
+
+            try:
+                self._cache[key] = flops.count(
+                    self,
+                    micro_batch_size=micro_batch_size,
+                    seq_len=seq_len,
+                    checkpointing=checkpointing,
+                )
+            except Exception as exc:  # the model's own error, as ``at`` says it
+                first = (str(exc).splitlines() or [""])[0][:200]
+                self._cache[key] = ValueError(
+                    f"counting FLOPs failed on meta ({type(exc).__name__}: {first})"
+                )
+        found = self._cache[key]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
     def reached(self) -> frozenset[int] | None:
         """``id`` of each parameter of ``module`` the loss reaches, in the 1 x 8 token forward
         ``profile`` checked the model with (which ones does not depend on the batch); ``None``
@@ -487,12 +512,7 @@ def measure(
         saves.unpacked(_key(t))
         return t
 
-    if call == "inputs":
-        x, y = example.make(micro_batch_size, dtype), None
-    else:
-        shape = (micro_batch_size, seq_len)
-        x = torch.randint(0, vocab_size, shape, device="meta")
-        y = torch.randint(0, vocab_size, shape, device="meta")
+    x, y = batch(call, example, vocab_size, micro_batch_size, seq_len, dtype)
     seen: list[int] = []  # the loss stand-in's input, elements (``_output_loss``)
     tracked = track and num_mp_ranks == 1
     tracking = _forward_tracker(model) if tracked else contextlib.nullcontext()
@@ -501,13 +521,12 @@ def measure(
     failed = None
     try:
         with (
-            _on_meta(),
-            _unpacked_sequences(),
+            on_meta(),
             split,
             torch.autograd.graph.saved_tensors_hooks(pack, unpack),
             tracking as tracker,
         ):
-            loss = _loss(model, call, x, y, vocab_size, seen)
+            loss = loss_of(model, call, x, y, vocab_size, seen)
     except Exception as exc:
         failed = exc
     finally:
@@ -592,7 +611,7 @@ def _own_error(model, call: str, x, y, vocab_size: int) -> Exception | None:
     error, fed token ids instead of audio features.)"""
     try:
         with _on_meta():
-            _loss(model, call, x, y, vocab_size)
+            loss_of(model, call, x, y, vocab_size)
     except Exception as exc:
         return exc
     return None
@@ -633,6 +652,29 @@ def _unit_backward_bytes(
             beyond = min(beyond, made[i])
         working.append(max(0, beyond))
     return tuple(working)
+
+
+def batch(
+    call: str, example: Inputs | None, vocab_size: int, micro_batch_size: int, seq_len: int, dtype
+):
+    """What ``loss_of`` feeds a model called the ``call`` way: ``micro_batch_size`` samples
+    ``example`` makes (``"inputs"``; no targets), else token ids and targets below
+    ``vocab_size``, ``micro_batch_size x seq_len``; on meta."""
+    import torch
+
+    if call == "inputs":
+        return example.make(micro_batch_size, dtype), None
+    shape = (micro_batch_size, seq_len)
+    x = torch.randint(0, vocab_size, shape, device="meta")
+    return x, torch.randint(0, vocab_size, shape, device="meta")
+
+
+@contextlib.contextmanager
+def on_meta():
+    """A forward and backward of the planner's batches on meta (``_on_meta``, and no packed
+    sequences looked for)."""
+    with _on_meta(), _unpacked_sequences():
+        yield
 
 
 @contextlib.contextmanager
@@ -764,7 +806,7 @@ def _tensors(tree) -> list:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _loss(model, call: str, x, y, vocab_size: int, seen: list | None = None):
+def loss_of(model, call: str, x, y, vocab_size: int, seen: list | None = None):
     """The loss of ``model`` on token ids ``x`` against ``y``, called the ``call`` way (with
     ``"inputs"``, ``x`` is the positional and keyword arguments, ``y`` unused; ``seen`` gets
     the elements of the output the loss is taken over)."""
