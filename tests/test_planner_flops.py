@@ -71,9 +71,10 @@ def test_counted_on_meta_as_a_real_cpu_run_counts_a_gpt():
     assert torch_mode.get_total_flops() < sum(real)
 
 
-def test_counted_on_meta_as_a_real_cpu_run_counts_a_transformers_model():
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_counted_on_meta_as_a_real_cpu_run_counts_a_transformers_model(family):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
+    shape = dict(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=96,
@@ -81,11 +82,20 @@ def test_counted_on_meta_as_a_real_cpu_run_counts_a_transformers_model():
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    make = lambda: transformers.LlamaForCausalLM(config)  # noqa: E731
+    if family == "llama":
+        make = lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))  # noqa: E731
+    else:
+        config = transformers.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2)
+        make = lambda: transformers.MixtralForCausalLM(config)  # noqa: E731
     counted = d.from_module(make).activations.flops(micro_batch_size=2, seq_len=16)
     ids = torch.randint(0, 128, (2, 16))
     real = _real_count(make(), lambda m: m(input_ids=ids, labels=ids).loss)
     assert (counted.forward, counted.backward) == real
+    if family == "mixtral":  # the experts' grouped matmuls (torch counts them as 0)
+        with flops.counter() as mode:
+            make()(input_ids=ids)
+        grouped = mode.get_flop_counts()["Global"][torch.ops.aten._grouped_mm]
+        assert grouped == 2 * (2 * 16) * 2 * (3 * 64 * 96) * 2  # tokens, top 2, 3 matmuls, layers
 
 
 def test_the_advisor_computes_the_counted_flops():

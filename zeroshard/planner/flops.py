@@ -41,7 +41,7 @@ def counter():
     """torch's ``FlopCounterMode``, silent, that also counts the CPU's fused attention kernels
     (``_scaled_dot_product_flash_attention_for_cpu`` and its backward: torch 2.13 counts them as
     0, and the planner's forward on meta takes them wherever the CPU would) as its other
-    attention kernels: q @ k^T and p @ v in full (no causal discount)."""
+    attention kernels: q @ k^T and p @ v in full (no causal discount); and grouped matmuls."""
     import torch
     from torch.utils import flop_counter
 
@@ -57,8 +57,22 @@ def counter():
         custom_mapping={
             aten._scaled_dot_product_flash_attention_for_cpu: forward,
             aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+            aten._grouped_mm: _grouped_mm_flops,
         },
     )
+
+
+def _grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
+    """``torch._grouped_mm`` (mixture-of-experts layers: each token's rows by its expert's
+    weights), which torch 2.13 does not count: 2 FLOPs per multiply-add of each output element
+    over the contracted dimension; two 2-D operands are grouped over that dimension (the
+    experts' weight gradients), so each of its elements works for one group."""
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    numel = 1
+    for size in out_shape:
+        numel *= size
+    return 2 * numel * a[-1]
 
 
 def count(profile, *, micro_batch_size: int, seq_len: int, checkpointing: bool) -> Flops:
