@@ -24,10 +24,11 @@ class DiskTraffic:
         """Add the step just finished (every rank, after the optimizer step)."""
         if not self.offloaded:
             return
-        # Every swapper names its counters [prefix_]read_bytes, prefetch_bytes, ..._write_bytes
-        # and ..._wait_s (ShardedOptimizer.offload_stats).
+        # Every swapper names its counters [prefix_]read_bytes, ..._write_bytes and ..._wait_s
+        # (ShardedOptimizer.offload_stats). A record read ahead (the states' prefetch_bytes) is
+        # counted in read_bytes by the swap that takes it out of the store's pool: not again.
         for key, value in self.opt.offload_stats().items():
-            if key.endswith(("read_bytes", "prefetch_bytes")):
+            if key.endswith("read_bytes"):
                 self.read_bytes += int(value)
             elif key.endswith("write_bytes"):
                 self.write_bytes += int(value)
