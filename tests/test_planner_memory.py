@@ -255,6 +255,33 @@ def test_offload_staging_by_hand():
     assert staging("nvme-everything", m.ZERO) == (3 * 8 + 4 * 4 + 2 * 4) * 500 + 2 * pool
 
 
+def test_offload_staging_of_stages_0_2_is_per_flat_buffer():
+    """Below stage 3 a sub-group is one of the engine's flat buffers (consecutive units up to
+    bucket_bytes), not one unit; fewer sub-groups than slots hold fewer slots (the small preset
+    at stage 2 was planned at 0.48x the engine's one slot with the default bucket, explorer)."""
+    model = d.ModelDescription(
+        num_params=1000, root_unit_numel=100, block_unit_numels=(300, 300, 300)
+    )
+    fp32 = m.BytesPerParam(params=4, grads=4, optimizer_states=8)
+    pool = st.STAGING_POOL_BYTES
+
+    def staging(stage: int, bucket_elements: int) -> int:
+        c = MemoryConfig(
+            stage=stage,
+            num_dp_ranks=2,
+            bytes_per_param=fp32,
+            placement=OFFLOADS["nvme-optimizer"],
+            bucket_bytes=4 * bucket_elements,
+        )
+        return m.plan_memory(model, c).cpu["offload_staging"]
+
+    assert staging(2, 1000) == 1 * 8 * 500 + pool  # everything in one buffer: one slot
+    # The model fills more than a buffer: the root alone, then two blocks (600), then one.
+    assert staging(2, 700) == 3 * 8 * 300 + pool
+    assert staging(2, 300) == 3 * 8 * 150 + pool  # the root, then a block each: 4 sub-groups
+    assert staging(3, 1000) == 3 * 8 * 150 + pool  # a sub-group per unit at stage 3
+
+
 def test_masters_read_ahead_outside_the_step_fit_the_step_s_count():
     from zeroshard.offload import Offload
 

@@ -46,23 +46,56 @@ def offload_staging_bytes(model: ModelDescription, config: MemoryConfig) -> int:
       shards;
     * one staging pool per store (optimizer states and gradients share one, masters have theirs).
 
+    At stages 0-2 a sub-group is the engine's flat buffer of consecutive units up to
+    ``bucket_bytes`` (``sub_group_numels``), not one unit; fewer sub-groups than slots hold
+    fewer slots.
+
     0 without NVMe placements, or when the largest unit is unknown."""
     p, bpp = config.placement, config.bytes_per_param
-    unit = model.unit_numel
-    if unit is None or Tier.NVME not in (p.params, p.grads, p.optimizer_states):
+    groups = sub_group_numels(model, config)
+    unit = model.unit_numel if groups is None else max(groups, default=0)
+    if not unit or Tier.NVME not in (p.params, p.grads, p.optimizer_states):
         return 0
+
+    def held(slots: int) -> int:  # (fewer sub-groups than slots take fewer slots)
+        return slots if groups is None else min(slots, len(groups))
+
     part = partition(config.stage)
     ways = config.num_mp_ranks * (config.num_shard_ranks if part.optimizer_states else 1)
     shard = math.ceil(unit / ways)
     total, stores = 0, 0
     if p.optimizer_states is Tier.NVME:
         master_in_k = MASTER_BYTES if bpp.params < MASTER_BYTES else 0
-        total += STATE_SLOTS * (bpp.optimizer_states - master_in_k) * shard
+        total += held(STATE_SLOTS) * (bpp.optimizer_states - master_in_k) * shard
         stores += 1
     if p.params is Tier.NVME:
-        total += MASTERS_AT_STEP * MASTER_BYTES * shard
+        total += held(MASTERS_AT_STEP) * MASTER_BYTES * shard
         stores += 1
     if p.grads is Tier.NVME:
-        total += GRAD_SHARDS_AT_STEP * MASTER_BYTES * shard
+        total += held(GRAD_SHARDS_AT_STEP) * MASTER_BYTES * shard
         stores += p.optimizer_states is not Tier.NVME
     return total + stores * STAGING_POOL_BYTES
+
+
+def sub_group_numels(model: ModelDescription, config: MemoryConfig) -> list[int] | None:
+    """Elements of each optimizer sub-group, whole (before sharding): one per unit, the root's
+    first, where parameters are partitioned (a FlatParam per unit); else the flat buffers
+    ``zeroshard.sharding`` fills with consecutive units (the root first) up to
+    ``config.bytes_per_param.params x numel <= bucket_bytes``, the root alone when the whole
+    model is larger than one. ``None`` when the units are unknown (the largest alone, or none)."""
+    from zeroshard.planner.timeline import unit_numels
+
+    if model.block_unit_numels is None and model.shape is None:
+        return None
+    root, units = model.root_numel or 0, unit_numels(model)
+    if partition(config.stage).parameters:
+        return [n for n in (root, *units) if n]
+    room = config.bucket_bytes // max(config.bytes_per_param.params, 1)
+    groups = [root] if root + sum(units) > room else []
+    held = 0 if groups else root
+    for numel in units:
+        if held and held + numel > room:
+            groups.append(held)
+            held = 0
+        held += numel
+    return [n for n in (*groups, held) if n]
