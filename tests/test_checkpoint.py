@@ -665,6 +665,42 @@ def _damage(path: Path, name: str, how: str) -> None:
     dist.barrier()
 
 
+def _loads_that_differ(base: str, stage: int) -> dict:
+    """Ranks given different checkpoints, or asked to load them differently."""
+    model = _model(stage, "fp32")
+    opt = _opt(model, "fp32")
+    paths = []
+    for n in (1, 2):
+        _train(model, opt, range(n - 1, n))
+        paths.append(Path(base) / f"step-{n}")
+        checkpoint.save(paths[-1], model, opt)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rank = dist.get_rank()
+    errors = []
+    for mine in (
+        lambda: checkpoint.load(paths[rank % 2], model, opt),  # each its own latest()
+        lambda: checkpoint.load(paths[0], model, opt if rank else None, model_only=not rank),
+    ):
+        with pytest.raises(checkpoint.CheckpointError) as caught:
+            mine()
+        errors.append(str(caught.value))
+    unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    checkpoint.load(paths[0], model, opt)  # (the group is not stuck afterwards)
+    return {"errors": errors, "unchanged": unchanged}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ranks_load_one_checkpoint_one_way(workers2, tmp_path, stage):
+    """Each rank loading its own path trained on a mix of two checkpoints at stages 1-3 (and
+    on replicas apart at stage 0), without a word (explorer)."""
+    for r in workers2.run(_loads_that_differ, str(tmp_path), stage):
+        paths, counts = r["errors"]
+        assert "the ranks passed different paths to zeroshard.checkpoint.load" in paths, r
+        assert "step-1 on rank 0, " in paths and "step-2 on another" in paths, r
+        assert "different numbers of optimizers" in counts, r
+        assert r["unchanged"], r
+
+
 def _edges(base: str) -> bool:
     """What a user's own folder, values and damaged metadata meet: refused in one line."""
     model = _model(3, "fp32")

@@ -509,7 +509,28 @@ def load(
     path = Path(path).expanduser().absolute()
     every_rank_calls("load", f"checkpoint {path.name}", _EACH_RANK, group)
     with diagnosed("load", f"checkpoint {path.name}", group), torch.inference_mode(False):
+        _same_load(path, len(_optimizers(optimizer)), model_only, checksums=verify, group=group)
         return _load(path, model, optimizer, verify, group, model_only)
+
+
+def _same_load(
+    path: Path, num_optimizers: int, model_only: bool, *, checksums: bool, group
+) -> None:
+    """Every rank loads the same checkpoint the same way (one exchange, so every rank raises
+    alike): ranks given different paths (each its own ``latest()`` while a save or a prune ran,
+    file systems not shared) each read their own, and trained on a mix of two checkpoints; with
+    ``model_only`` or an optimizer on some ranks only, the exchanges that follow crossed (a
+    ``TypeError`` on one rank, another's data in the other's message)."""
+    said = gather((str(path), num_optimizers, model_only, checksums), group)
+    for i, what in enumerate(("paths", "numbers of optimizers", "model_only", "verify")):
+        values = [entry[i] for entry in said]
+        if len(set(values)) > 1:
+            other = next(v for v in values if v != values[0])
+            raise CheckpointError(
+                f"the ranks passed different {what} to zeroshard.checkpoint.load ({values[0]} "
+                f"on rank 0, {other} on another): every rank loads the same checkpoint, the "
+                "same way (one path for all, found once: e.g. rank 0's latest() broadcast)"
+            )
 
 
 def _load(path: Path, model, optimizer, checksums: bool, group, model_only: bool) -> dict:
