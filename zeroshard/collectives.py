@@ -264,23 +264,35 @@ def _point_to_point(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bo
 
 
 _TAGS: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count] = weakref.WeakKeyDictionary()
-_TAG_BASE, _TAG_SPAN, _MAX_CHUNKS = 1 << 24, 1 << 20, 1 << 10
+_TAG_BASE, _TAG_SPAN, _KINDS, _MAX_CHUNKS = 1 << 24, 1 << 14, 1 << 6, 1 << 10
 """Tags of the point-to-point collectives: a block of ``_MAX_CHUNKS`` per collective (one per
 message of a reduce-scatter's slice), counted per group from ``_TAG_BASE`` (above the small
-tags a user's own sends take), wrapping after ``_TAG_SPAN`` collectives."""
+tags a user's own sends take), wrapping after ``_TAG_SPAN`` collectives, and one of ``_KINDS``
+blocks per count by what the collective is (``_kind``)."""
 
 REDUCE_CHUNK_BYTES = 4 << 20
 """A reduce-scatter sends each slice in messages of at most this many bytes (more when a slice
 would need over ``_MAX_CHUNKS``): its receive buffer is one message, not a shard."""
 
 
-def _next_tag(group: dist.ProcessGroup | None) -> int:
+def _next_tag(group: dist.ProcessGroup | None, what: str) -> int:
     """The first tag of the next point-to-point collective on ``group``: the same on every rank,
     since the ranks of a group issue its collectives in one order (as gloo's own collectives
     need). Tags of their own keep two collectives in flight apart whatever order their receives
-    are posted in."""
+    are posted in. ``what`` the collective is (its operation, label and unit) picks one of
+    ``_KINDS`` tags for its count (``_kind``): ranks that issue different collectives at one
+    count (a rank with a batch fewer evaluating while the other is in its backward) then wait
+    for each other's messages until ``CollectiveTimeout``, where the same tag paired one rank's
+    gather of a unit with another's of another unit of the same size, and the first computed
+    with those weights without a word (explorer)."""
     counter = _TAGS.setdefault(group if group is not None else dist.group.WORLD, itertools.count())
-    return _TAG_BASE + (next(counter) % _TAG_SPAN) * _MAX_CHUNKS
+    return _TAG_BASE + ((next(counter) % _TAG_SPAN) * _KINDS + _kind(what)) * _MAX_CHUNKS
+
+
+def _kind(what: str) -> int:
+    """``what`` as one of ``_KINDS`` numbers, the same in every process (``hash`` of a string
+    differs between processes)."""
+    return zlib.crc32(what.encode()) % _KINDS
 
 
 def _chunks(n: int, element_size: int) -> list[tuple[int, int]]:
@@ -427,11 +439,12 @@ def _peers(group: dist.ProcessGroup | None) -> tuple[int, list[int], list[int]]:
 
 
 def _gather_exchange(
-    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, what: str
 ) -> _Exchange:
-    """All-gather by sends and receives straight into ``output``: no temporary, no arithmetic."""
+    """All-gather by sends and receives straight into ``output``: no temporary, no arithmetic.
+    ``what``: the collective's name for its tag (``_next_tag``)."""
     rank, targets, sources = _peers(group)
-    n, tag = shard.numel(), _next_tag(group)
+    n, tag = shard.numel(), _next_tag(group, what)
     own = output[rank * n : (rank + 1) * n]
     if not _same_memory(own, shard):
         own.copy_(shard)
@@ -443,12 +456,13 @@ def _gather_exchange(
 
 
 def _reduce_exchange(
-    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None
+    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None, what: str
 ) -> _ReduceExchange:
     """Reduce-scatter by sending every other rank its slice of ``full`` and summing the slices
-    received with this rank's own into ``output`` (which may be that slice itself)."""
+    received with this rank's own into ``output`` (which may be that slice itself). ``what``:
+    the collective's name for its tag (``_next_tag``)."""
     rank, targets, sources = _peers(group)
-    n, tag = full.numel() // dist.get_world_size(group), _next_tag(group)
+    n, tag = full.numel() // dist.get_world_size(group), _next_tag(group, what)
     sends = [
         dist.isend(full[d * n + lo : d * n + hi], group_dst=d, group=group, tag=tag + c)
         for d in targets
@@ -509,7 +523,8 @@ def all_gather(
         if _alone(group, output):
             work = _copy(output, shard)
         elif _point_to_point(group, output):
-            start = functools.partial(_gather_exchange, output, shard, group)
+            what = f"all_gather {label} {unit}"
+            start = functools.partial(_gather_exchange, output, shard, group, what)
             work = _exchanged(shard, output, group, start, async_op)
         else:
             work = _all_gather_flat(output, shard, group=group, async_op=async_op)
@@ -536,7 +551,8 @@ def reduce_scatter(
         if _alone(group, full):
             work = _copy(output, full)
         elif _point_to_point(group, full):
-            start = functools.partial(_reduce_exchange, output, full, group)
+            what = f"reduce_scatter {label} {unit}"
+            start = functools.partial(_reduce_exchange, output, full, group, what)
             work = _exchanged(output, full, group, start, async_op)
         else:
             work = _reduce_scatter_flat(output, full, group=group, async_op=async_op)
