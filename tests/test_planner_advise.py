@@ -73,8 +73,30 @@ def test_offload_traffic_by_hand():
     shard = 10**9 // 4  # elements per rank
     # The gradient shard goes to the CPU tier: on a CPU device that is its own memory, so
     # nothing moves there.
-    nvme = 3 * 2 * shard + 2 * 12 * shard  # params read 3 times; optimizer read + written
+    # Parameters read in forward, backward and for the step, and written back after it (they
+    # were read 3 times, not written: the advisor's NVMe traffic was 0.79-0.86x the engine's,
+    # explorer); the optimizer states read and written.
+    nvme = 4 * 2 * shard + 2 * 12 * shard
     assert c.time_seconds["offload"] == pytest.approx(nvme / 1e9)
+
+
+def test_offloaded_gradients_with_accumulation_by_hand():
+    """Gradient shards on NVMe go down at each reduction and are read back (by the next
+    reduction adding to them, or the step): every micro-batch at stage 3, once when
+    accumulated unreduced at stage 2."""
+    shard = 10**9 // 4
+    for stage, reductions in ((3, 4), (2, 1)):
+        w = _workload(
+            global_batch_size=16,
+            stages=(stage,),
+            offloads=("nvme-states",),
+            memory=MemoryConfig(stage=0, accumulate_unreduced=stage == 2),
+        )
+        (c,) = advise(MODEL, _cluster(), w).feasible
+        # + the optimizer states read and written, and the updated parameters back
+        nvme = 2 * reductions * 2 * shard + 2 * 12 * shard + 2 * shard
+        assert c.num_micro_batches == 4
+        assert c.time_seconds["offload"] == pytest.approx(nvme / 1e9), stage
 
 
 def test_on_a_cpu_device_the_cpu_tier_is_device_memory():
@@ -352,7 +374,7 @@ def test_no_offloaded_candidate_on_accelerators():
 
 def test_streamed_parameters_of_mixed_precision_are_the_fp32_masters():
     # The engine's BF16 keeps no 2-byte parameter at rest at stage 3: what streams from the
-    # CPU or NVMe is the FP32 master shard, three times a step (it was counted as free).
+    # CPU or NVMe is the FP32 master shard, up in forward and backward (it was counted as free).
     import sys
 
     from zeroshard.planner import describe
@@ -373,8 +395,8 @@ def test_streamed_parameters_of_mixed_precision_are_the_fp32_masters():
         )  # fmt: skip
         plan = plan_memory(model, cfg)
         offload[bpp] = module._step_times(model, cluster, cfg, plan, 1)["offload"]
-    # 4 bytes instead of 2 for each of the three parameter reads and the gradient's write
-    more = (3 * (4 - 2) + (4 - 2)) * model.num_params / 8 / 1e10
+    # 4 bytes instead of 2 for each of the two parameter transfers and the gradient's
+    more = (2 * (4 - 2) + (4 - 2)) * model.num_params / 8 / 1e10
     assert offload[ENGINE_MIXED] == pytest.approx(offload[ZERO] + more, rel=1e-3)
 
 

@@ -12,11 +12,12 @@ Step time is the sum, without overlap (the same assumption as §8's efficiency),
   the all-reduce across groups at the inter-node bandwidth (``inter_group``), added: the engine
   runs it after each reduce-scatter, not overlapped;
 - offload traffic at the CPU or NVMe bandwidth, from the per-device bytes the memory breakdown
-  puts on that tier: streamed parameters are read three times (forward, backward, recomputation)
-  and their gradients written once per micro-batch; offloaded gradients go down every micro-batch
-  and updated parameters come back once per step; optimizer states on NVMe are read and written
-  once per step (a CPU optimizer step is not timed); CPU activation checkpoints are written and
-  read once per micro-batch.
+  puts on that tier: streamed FP32 masters go up in each micro-batch's forward and backward and,
+  from NVMe, are read for the step and written back after it; offloaded gradient shards go down
+  once per reduction (every micro-batch, or once when accumulated unreduced), and from NVMe are
+  read back too; updated parameters come back once per step; optimizer states on NVMe are read
+  and written once per step (a CPU optimizer step is not timed); CPU activation checkpoints are
+  written and read once per micro-batch.
 
 Only configurations zeroshard's engine accepts are feasible (``engine_problem``): the others are
 rejected with the engine's own reason and fix.
@@ -462,9 +463,17 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
             streamed = math.ceil(
                 MASTER_BYTES * model.num_params / (num_mp * config.num_shard_ranks)
             )
-        traffic[p.params] += num_micro * 3 * streamed
+        # Up to the device in each micro-batch's forward and backward (a recomputation finds the
+        # unit gathered); on NVMe also read for the step and written back after it (on the CPU
+        # tier the CPU steps them where they are).
+        at_step = 2 if p.params is Tier.NVME else 0
+        traffic[p.params] += (2 * num_micro + at_step) * streamed
     if p.grads is not Tier.DEVICE:
-        traffic[p.grads] += num_micro * memory.on(p.grads)["grads"]
+        reductions = 1 if config.accumulate_unreduced else num_micro
+        # Each reduction's shard goes down; on NVMe it is read back too (by the next reduction
+        # adding to it, or by the step).
+        trips = 2 if p.grads is Tier.NVME else 1
+        traffic[p.grads] += trips * reductions * memory.on(p.grads)["grads"]
         if p.params is Tier.DEVICE:
             traffic[p.grads] += shard_params_bytes  # updated parameters come back
     if p.optimizer_states is Tier.NVME:
