@@ -400,9 +400,10 @@ def _message(r: TimeoutReport, *, store_answered: bool) -> str:
             else ""
         )
         return (
-            f"{head}: {_ranks(r.ended)} ended (process gone: killed or crashed){also}; "
-            f"{_ranks(reached)} reached it. Look at {_ranks(r.ended)}: the first error in the "
-            "log says why"
+            f"{head}: {_ranks(r.ended)} ended (process gone: killed or crashed, or its "
+            f"program finished early, e.g. with a batch fewer){also}; {_ranks(reached)} reached "
+            f"it. Look at {_ranks(r.ended)}: the first error in the log says why, or its loop "
+            "ran fewer steps (give every rank the same number of batches: drop_last)"
         )
     if r.missing:
         reached = [x for x in r.group_ranks if x not in r.missing]
