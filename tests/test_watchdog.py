@@ -386,3 +386,30 @@ def test_a_rank_whose_process_ended_is_told_from_one_still_running(lone_process)
     timed_out = dataclasses.replace(report, backend_error="Timed out", ended=(0, 2))
     said = _message(timed_out, store_answered=True)  # (no timeout would have helped)
     assert "ranks 0, 2 ended" in said and "timeout" not in said.split("on rank 1")[1], said
+
+
+def _caught_then_carried_on() -> list[str]:
+    """Rank 0 catches the timeout of a whole-model call that rank 1 skipped, and goes on to a
+    collective that rank 1 skips too: its second failure says it came after the first."""
+    from zeroshard.watchdog import every_rank_calls
+
+    if dist.get_rank() == 1:
+        return []
+    said = []
+    try:
+        every_rank_calls("save", "checkpoint ck", "every rank saves")
+    except CollectiveTimeout as exc:
+        said.append(str(exc))
+    caught = _caught(_gather, "blocks.0")
+    return said + ([] if caught == "completed" else [caught[1]])
+
+
+def test_a_failure_after_a_caught_one_names_the_first():
+    """After a caught timeout the next failure was diagnosed on its own (explorer: "every rank
+    of the group reached it ... raise the timeout", though the ranks were out of step)."""
+    with Workers(2, timeout_s=60, collective_timeout_s=TIMEOUT_S) as workers:
+        said, _ = workers.run(_caught_then_carried_on)
+    assert len(said) == 2 and "save of checkpoint ck timed out" in said[0], said
+    assert "(after an earlier failure on this group on this rank: save of checkpoint" in said[1]
+    assert "restart, from a checkpoint, rather than catch the error" in said[1]
+    assert "after an earlier" not in said[0]

@@ -208,7 +208,28 @@ def diagnose(
         backend_error=_backend_error(exc),
         ended=_ended(missing),
     )
-    return CollectiveTimeout(_message(report, store_answered=arrived is not None), report=report)
+    return CollectiveTimeout(
+        _after_earlier(pg, _message(report, store_answered=arrived is not None)), report=report
+    )
+
+
+_FAILED: weakref.WeakKeyDictionary[dist.ProcessGroup, str] = weakref.WeakKeyDictionary()
+"""The first ``CollectiveTimeout`` message of each group in this process."""
+
+
+def _after_earlier(pg: dist.ProcessGroup, message: str) -> str:
+    """``message``, noted as ``pg``'s first failure, or with that earlier one added: a failure
+    after a caught one is diagnosed among ranks out of step or a broken group, and its own
+    diagnosis may name no one or blame the timeout (explorer)."""
+    earlier = _FAILED.get(pg)
+    if earlier is None:
+        _FAILED[pg] = message
+        return message
+    return (
+        f"{message} (after an earlier failure on this group on this rank: {earlier[:200]}; the "
+        "ranks are out of step since, or the group broken: restart, from a checkpoint, rather "
+        "than catch the error and carry on)"
+    )
 
 
 _PROCESS_KEY = "zeroshard/process/"
@@ -472,8 +493,8 @@ def every_rank_calls(
                 op=op, label=label, unit=None, rank=me, group_ranks=ranks, missing=missing,
                 elsewhere={}, timeout_s=timeout_s, backend_error="timed out",
             )  # fmt: skip
-            message = _message(report, store_answered=True)
-            raise CollectiveTimeout(f"{message} ({said})", report=report)
+            message = _after_earlier(pg, f"{_message(report, store_answered=True)} ({said})")
+            raise CollectiveTimeout(message, report=report)
     _calls[name] = _calls.get(name, 0) + 1
 
 
