@@ -257,3 +257,24 @@ def test_a_question_answering_head_is_measured():
     model = describe.from_module(build)
     assert model.activations is not None and model.activations.call == "hf_logits"
     assert model.activations.at(micro_batch_size=2, seq_len=16).total_bytes > 0
+
+
+def test_the_forward_peak_tracker_agrees_with_torch_s_memtracker():
+    """The planner's tracker keeps the process's peak only (torch's updates every module's
+    peak at every operator: planning 500 small blocks took 43 s, now 21 s): the same peak."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from zeroshard.planner.saved import _global_peak_tracker
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+        x = torch.randn(8, 32, requires_grad=True)
+    peaks = []
+    for tracker in (MemTracker(), _global_peak_tracker()):
+        model.zero_grad(set_to_none=True)
+        tracker.track_external(model)
+        with tracker:
+            model(x).square().sum().backward()
+        peaks.append(tracker.get_tracker_snapshot("peak"))
+    assert peaks[0] == peaks[1] and peaks[0][torch.device("meta")]["Total"] > 0, peaks

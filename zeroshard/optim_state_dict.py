@@ -26,7 +26,9 @@ into, in place.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import math
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -482,6 +484,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
         # Per piece of the sub-group (torch's parameter order): key -> state being assembled.
         pieces = [p for ps in sg.pieces for p in ps] if sg is not None else []
         assembled: list[dict[str, Any]] = [{} for _ in pieces]
+        spans = sorted((p.span.start, p.span.stop, j) for j, p in enumerate(pieces))
         for i, (s, span) in enumerate(flat.pieces()):
             names = [n for n in every_name.get(id(s.param), []) if n in saved_state]
             if not names:
@@ -490,16 +493,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
             if _never_stepped(st):
                 continue
             kinds = layout[bi].get(group_of.get(id(s.param), -1), {})
-            owner = next(
-                (
-                    j
-                    for j, piece in enumerate(pieces)
-                    if span.stop > span.start
-                    and piece.span.start <= span.start
-                    and span.stop <= piece.span.stop
-                ),
-                None,
-            )
+            owner = _owner(span, spans)
             for k in sorted(st):
                 v = full_value(st[k])  # on every rank, in the same order (a collective)
                 if k in kinds:
@@ -580,3 +574,15 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
     warn_dropped(
         [k for k, st in saved_state.items() if k not in trained and not _never_stepped(st)]
     )
+
+
+def _owner(span: range, spans: list[tuple[int, int, int]]) -> int | None:
+    """The piece holding all of ``span`` (a range of the flat buffer) among the sub-group's
+    pieces, ``spans`` sorted (start, stop, index); ``None`` when none does or ``span`` is empty.
+    The pieces do not overlap, so only the last one starting at or before ``span`` can: a
+    bisection, where a scan per parameter was quadratic (1.3 s for 3,000 parameters in one
+    unit, 5.2 s for 6,000, explorer)."""
+    if span.stop <= span.start:
+        return None
+    k = bisect.bisect_right(spans, (span.start, math.inf, math.inf)) - 1
+    return spans[k][2] if k >= 0 and span.stop <= spans[k][1] else None
