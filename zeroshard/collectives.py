@@ -264,11 +264,12 @@ def _point_to_point(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> bo
 
 
 _TAGS: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count] = weakref.WeakKeyDictionary()
-_TAG_BASE, _TAG_SPAN, _KINDS, _MAX_CHUNKS = 1 << 24, 1 << 14, 1 << 6, 1 << 10
+_TAG_BASE, _TAG_SPAN, _MAX_CHUNKS = 1 << 24, 1 << 19, 1 << 10
+_KINDS = ("all_gather", "reduce_scatter")
 """Tags of the point-to-point collectives: a block of ``_MAX_CHUNKS`` per collective (one per
 message of a reduce-scatter's slice), counted per group from ``_TAG_BASE`` (above the small
-tags a user's own sends take), wrapping after ``_TAG_SPAN`` collectives, and one of ``_KINDS``
-blocks per count by what the collective is (``_kind``)."""
+tags a user's own sends take), wrapping after ``_TAG_SPAN`` collectives, one block per count
+for each of ``_KINDS`` (the tags stay below 2**31)."""
 
 REDUCE_CHUNK_BYTES = 4 << 20
 """A reduce-scatter sends each slice in messages of at most this many bytes (more when a slice
@@ -279,20 +280,18 @@ def _next_tag(group: dist.ProcessGroup | None, what: str) -> int:
     """The first tag of the next point-to-point collective on ``group``: the same on every rank,
     since the ranks of a group issue its collectives in one order (as gloo's own collectives
     need). Tags of their own keep two collectives in flight apart whatever order their receives
-    are posted in. ``what`` the collective is (its operation, label and unit) picks one of
-    ``_KINDS`` tags for its count (``_kind``): ranks that issue different collectives at one
-    count (a rank with a batch fewer evaluating while the other is in its backward) then wait
-    for each other's messages until ``CollectiveTimeout``, where the same tag paired one rank's
-    gather of a unit with another's of another unit of the same size, and the first computed
-    with those weights without a word (explorer)."""
+    are posted in. ``what`` the collective is (one of ``_KINDS``) picks one tag of its count:
+    ranks that issue a gather and a reduce-scatter at one count (a rank with a batch fewer
+    evaluating while the other is in its backward) then wait for each other's messages until
+    ``CollectiveTimeout``, where the same tag paired one rank's gather with the other's
+    reduce-scatter of the same size, and the first computed with gradients as weights without
+    a word (explorer). Gathers of different units of one size still pair: the step's agreement
+    compares the order of the units' collectives and refuses the step
+    (``agreement.OrderMismatch``), after which training goes on (a unit in the tag made that a
+    timeout)."""
     counter = _TAGS.setdefault(group if group is not None else dist.group.WORLD, itertools.count())
-    return _TAG_BASE + ((next(counter) % _TAG_SPAN) * _KINDS + _kind(what)) * _MAX_CHUNKS
-
-
-def _kind(what: str) -> int:
-    """``what`` as one of ``_KINDS`` numbers, the same in every process (``hash`` of a string
-    differs between processes)."""
-    return zlib.crc32(what.encode()) % _KINDS
+    kind = _KINDS.index(what)
+    return _TAG_BASE + ((next(counter) % _TAG_SPAN) * len(_KINDS) + kind) * _MAX_CHUNKS
 
 
 def _chunks(n: int, element_size: int) -> list[tuple[int, int]]:
@@ -442,7 +441,7 @@ def _gather_exchange(
     output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, what: str
 ) -> _Exchange:
     """All-gather by sends and receives straight into ``output``: no temporary, no arithmetic.
-    ``what``: the collective's name for its tag (``_next_tag``)."""
+    ``what``: the collective's operation, for its tag (``_next_tag``)."""
     rank, targets, sources = _peers(group)
     n, tag = shard.numel(), _next_tag(group, what)
     own = output[rank * n : (rank + 1) * n]
@@ -460,7 +459,7 @@ def _reduce_exchange(
 ) -> _ReduceExchange:
     """Reduce-scatter by sending every other rank its slice of ``full`` and summing the slices
     received with this rank's own into ``output`` (which may be that slice itself). ``what``:
-    the collective's name for its tag (``_next_tag``)."""
+    the collective's operation, for its tag (``_next_tag``)."""
     rank, targets, sources = _peers(group)
     n, tag = full.numel() // dist.get_world_size(group), _next_tag(group, what)
     sends = [
@@ -523,7 +522,7 @@ def all_gather(
         if _alone(group, output):
             work = _copy(output, shard)
         elif _point_to_point(group, output):
-            what = f"all_gather {label} {unit}"
+            what = "all_gather"
             start = functools.partial(_gather_exchange, output, shard, group, what)
             work = _exchanged(shard, output, group, start, async_op)
         else:
@@ -551,7 +550,7 @@ def reduce_scatter(
         if _alone(group, full):
             work = _copy(output, full)
         elif _point_to_point(group, full):
-            what = f"reduce_scatter {label} {unit}"
+            what = "reduce_scatter"
             start = functools.partial(_reduce_exchange, output, full, group, what)
             work = _exchanged(output, full, group, start, async_op)
         else:
