@@ -250,55 +250,55 @@ class ActivationProfile:
         ranks (measured once, then remembered); with ``checkpointing``, as the engine runs it
         under activation checkpointing (Hugging Face models without their key/value cache)."""
         key = (micro_batch_size, seq_len, activation_bytes, num_mp_ranks, checkpointing)
-        if key not in self._cache:
-            try:
-                self._cache[key] = measure(
-                    self.module,
-                    self.unit_names,
-                    vocab_size=self.vocab_size,
-                    call=self.call,
-                    micro_batch_size=micro_batch_size,
-                    seq_len=seq_len,
-                    activation_bytes=activation_bytes,
-                    num_mp_ranks=num_mp_ranks,
-                    checkpointing=checkpointing,
-                    example=self.inputs,
-                )
-            except Exception as exc:  # the model's own error (a sequence it does not take)
-                first = (str(exc).splitlines() or [""])[0][:200]
-                batch = (
-                    f"{micro_batch_size} samples of {self.inputs}"
-                    if self.inputs is not None
-                    else f"{micro_batch_size} x {seq_len} tokens"
-                )
-                self._cache[key] = ValueError(
-                    f"the forward at {batch} failed on meta ({type(exc).__name__}: {first})"
-                )
-        found = self._cache[key]
-        if isinstance(found, Exception):
-            raise found
-        return found
+        batch = (
+            f"{micro_batch_size} samples of {self.inputs}"
+            if self.inputs is not None
+            else f"{micro_batch_size} x {seq_len} tokens"
+        )
+        return self._remembered(
+            key,
+            lambda: measure(
+                self.module,
+                self.unit_names,
+                vocab_size=self.vocab_size,
+                call=self.call,
+                micro_batch_size=micro_batch_size,
+                seq_len=seq_len,
+                activation_bytes=activation_bytes,
+                num_mp_ranks=num_mp_ranks,
+                checkpointing=checkpointing,
+                example=self.inputs,
+            ),
+            f"the forward at {batch} failed on meta",
+        )
 
     def flops(self, *, micro_batch_size: int, seq_len: int, checkpointing: bool = False):
         """The ``flops.Flops`` of one micro-batch of ``micro_batch_size`` samples (of ``seq_len``
         tokens), counted once, then remembered; raises ``ValueError`` where the forward or
         backward fails on meta."""
-        key = ("flops", micro_batch_size, seq_len, checkpointing)
-        if key not in self._cache:
-            from zeroshard.planner import flops
+        from zeroshard.planner import flops
 
+        return self._remembered(
+            ("flops", micro_batch_size, seq_len, checkpointing),
+            lambda: flops.count(
+                self,
+                micro_batch_size=micro_batch_size,
+                seq_len=seq_len,
+                checkpointing=checkpointing,
+            ),
+            "counting FLOPs failed on meta",
+        )
+
+    def _remembered(self, key: tuple, compute, failed: str):
+        """``compute()`` once per ``key``, then its result again; what it raised (the model's
+        own error: a sequence it does not take) is remembered as a ``ValueError`` that begins
+        with ``failed``, and raised each time."""
+        if key not in self._cache:
             try:
-                self._cache[key] = flops.count(
-                    self,
-                    micro_batch_size=micro_batch_size,
-                    seq_len=seq_len,
-                    checkpointing=checkpointing,
-                )
-            except Exception as exc:  # the model's own error, as ``at`` says it
+                self._cache[key] = compute()
+            except Exception as exc:
                 first = (str(exc).splitlines() or [""])[0][:200]
-                self._cache[key] = ValueError(
-                    f"counting FLOPs failed on meta ({type(exc).__name__}: {first})"
-                )
+                self._cache[key] = ValueError(f"{failed} ({type(exc).__name__}: {first})")
         found = self._cache[key]
         if isinstance(found, Exception):
             raise found
