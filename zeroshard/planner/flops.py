@@ -16,6 +16,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -69,10 +70,7 @@ def _grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
     experts' weight gradients), so each of its elements works for one group."""
     if len(a) == 2 and len(b) == 2:
         return 2 * a[0] * a[1] * b[1]
-    numel = 1
-    for size in out_shape:
-        numel *= size
-    return 2 * numel * a[-1]
+    return 2 * math.prod(out_shape) * a[-1]
 
 
 def count(profile, *, micro_batch_size: int, seq_len: int, checkpointing: bool) -> Flops:
