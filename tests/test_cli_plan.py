@@ -547,6 +547,7 @@ def test_through_main(capsys, monkeypatch):
         (["--params", "7.5B", "--memory", "-80GB"], "memory size must be positive"),
         (["--params", "7.5B", "--memory", "1e400"], "memory size must be finite"),
         (["--params", "7.5B", "--unit", "2GB"], "unit '2GB' is not a unit of bytes"),
+        (["--params", "7.5B", "--param-prefetch", "-1"], "--param-prefetch must be >= 0"),
     ]:
         assert main.main(["plan", *argv, "--dp", "64"]) == 2
         err = capsys.readouterr().err.strip().splitlines()

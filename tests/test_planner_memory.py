@@ -253,6 +253,20 @@ def test_offload_staging_by_hand():
     assert staging("nvme-everything") == (3 * 8 + 4 * 4 + 2 * 4) * 500 + 2 * pool
     # Mixed precision: K = 12 holds the FP32 master, streamed on its own: 8 bytes per slot.
     assert staging("nvme-everything", m.ZERO) == (3 * 8 + 4 * 4 + 2 * 4) * 500 + 2 * pool
+    # A deeper read-ahead holds num_units_prefetch + param_prefetch masters outside the step
+    # (it was four whatever they said: 0.65-0.80x the engine's at 6 or 4, explorer).
+    for prefetch, param_prefetch, masters in ((1, 1, 4), (4, 1, 5), (1, 6, 7)):
+        c = MemoryConfig(
+            stage=3,
+            num_dp_ranks=2,
+            bytes_per_param=fp32,
+            placement=OFFLOADS["nvme-all"],
+            num_units_prefetch=prefetch,
+            param_prefetch=param_prefetch,
+        )
+        assert m.plan_memory(model, c).cpu["offload_staging"] == (
+            3 * 8 * 500 + masters * 4 * 500 + 2 * pool
+        )
 
 
 def test_offload_staging_of_stages_0_2_is_per_flat_buffer():

@@ -154,6 +154,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     t.add_argument("--prefetch", type=int, default=1, help="stage 3: units gathered ahead")
     t.add_argument(
+        "--param-prefetch",
+        type=int,
+        default=1,
+        help="stage 3 with parameters on NVMe: units whose masters are read beyond the gathers "
+        "ahead (Offload(param_prefetch))",
+    )
+    t.add_argument(
         "--timeline",
         action="store_true",
         help="with --ci 1 or more, count the device along zeroshard's engine timeline (spans "
@@ -309,8 +316,9 @@ def plan(args) -> dict:
     fit_to_model(args)
     model = describe_model(args)
     check_counts(args)
-    if args.prefetch < 0:
-        raise ValueError(f"--prefetch must be >= 0, got {args.prefetch}")
+    for flag in ("prefetch", "param_prefetch"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     batches, cis = flags.ints("--batch", args.batch), flags.ints("--ci", args.ci or "1", low=0)
     if len(batches) > 1 or len(cis) > 1:
         raise ValueError("--batch and --ci take one value each unless --advise is given")

@@ -176,6 +176,7 @@ def memory_config(
         offload_activations=args.offload_activations,
         activation_bytes=per_activation,
         num_units_prefetch=args.prefetch,
+        param_prefetch=args.param_prefetch,
         bucket_bytes=flags.opt(units.parse_bytes, args, "bucket"),
         step_in_backward=args.step_in_backward,
         grad_accum=args.grad_accum,

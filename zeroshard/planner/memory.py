@@ -158,6 +158,10 @@ class MemoryConfig:
     are, as with Pa (the layer norms' working memory is 1/Nm too: not modelled)."""
     num_units_prefetch: int = 1
     """Stage 3: units gathered ahead of the one computing."""
+    param_prefetch: int = 1
+    """Stage 3 with parameters on NVMe: units whose masters are read beyond the gathers ahead
+    (``Offload(param_prefetch)``): ``num_units_prefetch + param_prefetch`` masters in memory
+    outside the step (``staging``)."""
     constant_buffers: bool | None = None
     """Stage 3, along the engine's timeline: gathered units borrow constant-size buffers that
     stay allocated between uses, as zeroshard's engine does by default
@@ -228,7 +232,7 @@ class MemoryConfig:
         ones = ("num_dp_ranks", "num_mp_ranks", "micro_batch_size", "seq_len", "grad_accum")
         for name in (*ones, "num_layers_per_checkpoint"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("num_units_prefetch", "bucket_bytes", "num_buckets"):
+        for name in ("num_units_prefetch", "param_prefetch", "bucket_bytes", "num_buckets"):
             _at_least(name, getattr(self, name), 0)
         if self.shard_group_size is not None:
             num_shard_groups(self.num_dp_ranks, self.shard_group_size)  # ValueError with the fix

@@ -30,7 +30,8 @@ slot's room until they are packed (``zeroshard.model_states.state_swap``)."""
 MASTERS_AT_STEP = 2 + MAX_WRITES
 """NVMe-placed masters in memory at once during the step: the sub-group stepping, the next one
 read ahead, and those written back (``param_swap.MAX_WRITES``); outside the step, the
-``num_units_prefetch + 1`` masters read ahead of their gathers stay below it."""
+``num_units_prefetch + param_prefetch`` read ahead of their gathers (``param_swap``'s window),
+more with a deeper read-ahead."""
 GRAD_SHARDS_AT_STEP = 2
 """NVMe-placed FP32 gradient shards in memory during the step: the one used, the next read."""
 
@@ -42,8 +43,8 @@ def offload_staging_bytes(model: ModelDescription, config: MemoryConfig) -> int:
 
     * ``STATE_SLOTS x K' x u`` of optimizer states: K' is K less the FP32 master when K
       includes it (masters are streamed on their own);
-    * ``MASTERS_AT_STEP x 4 x u`` of masters and ``GRAD_SHARDS_AT_STEP x 4 x u`` of gradient
-      shards;
+    * ``MASTERS_AT_STEP x 4 x u`` of masters (the read-ahead window's when larger) and
+      ``GRAD_SHARDS_AT_STEP x 4 x u`` of gradient shards;
     * one staging pool per store (optimizer states and gradients share one, masters have theirs).
 
     At stages 0-2 a sub-group is the engine's flat buffer of consecutive units up to
@@ -69,7 +70,8 @@ def offload_staging_bytes(model: ModelDescription, config: MemoryConfig) -> int:
         total += held(STATE_SLOTS) * (bpp.optimizer_states - master_in_k) * shard
         stores += 1
     if p.params is Tier.NVME:
-        total += held(MASTERS_AT_STEP) * MASTER_BYTES * shard
+        window = config.num_units_prefetch + config.param_prefetch
+        total += held(max(MASTERS_AT_STEP, window)) * MASTER_BYTES * shard
         stores += 1
     if p.grads is Tier.NVME:
         total += held(GRAD_SHARDS_AT_STEP) * MASTER_BYTES * shard
