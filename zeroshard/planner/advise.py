@@ -415,6 +415,12 @@ def _cpu_is_device(cluster: Cluster) -> bool:
     return cluster.device_type == "cpu"
 
 
+READ_BACK = {Tier.CPU: 0, Tier.NVME: 1}
+"""Per offload tier, whether a state placed there is read back into memory to be used and
+written again after the step: the CPU steps states where they are; from NVMe they come into
+host memory and go back (ZeRO-Infinity), as the engine's swappers do."""
+
+
 def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
     """Seconds per optimizer step for compute, collectives and offload (see the module doc)."""
     num_mp = config.num_mp_ranks
@@ -464,20 +470,20 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
                 MASTER_BYTES * model.num_params / (num_mp * config.num_shard_ranks)
             )
         # Up to the device in each micro-batch's forward and backward (a recomputation finds the
-        # unit gathered); on NVMe also read for the step and written back after it (on the CPU
-        # tier the CPU steps them where they are).
-        at_step = 2 if p.params is Tier.NVME else 0
+        # unit gathered), and through the step where it reads them back (``READ_BACK``).
+        at_step = 2 * READ_BACK[p.params]
         traffic[p.params] += (2 * num_micro + at_step) * streamed
     if p.grads is not Tier.DEVICE:
         reductions = 1 if config.accumulate_unreduced else num_micro
-        # Each reduction's shard goes down; on NVMe it is read back too (by the next reduction
-        # adding to it, or by the step).
-        trips = 2 if p.grads is Tier.NVME else 1
+        # Each reduction's shard goes down, and is read back where it does not stay in reach
+        # (by the next reduction adding to it, or by the step).
+        trips = 1 + READ_BACK[p.grads]
         traffic[p.grads] += trips * reductions * memory.on(p.grads)["grads"]
         if p.params is Tier.DEVICE:
             traffic[p.grads] += shard_params_bytes  # updated parameters come back
-    if p.optimizer_states is Tier.NVME:
-        traffic[Tier.NVME] += 2 * memory.nvme["optimizer_states"]
+    if p.optimizer_states is not Tier.DEVICE:
+        states = memory.on(p.optimizer_states)["optimizer_states"]
+        traffic[p.optimizer_states] += 2 * READ_BACK[p.optimizer_states] * states
     traffic[Tier.CPU] += num_micro * 2 * memory.cpu["activation_checkpoints"]
     if _cpu_is_device(cluster):
         traffic[Tier.CPU] = 0.0  # nothing is copied

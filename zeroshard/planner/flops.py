@@ -90,17 +90,19 @@ def count(profile, *, micro_batch_size: int, seq_len: int, checkpointing: bool) 
         profile.call, profile.inputs, profile.vocab_size, micro_batch_size, seq_len, torch.float32
     )
     mode = counter()
-    depth, inside = [0], [0, 0]  # open calls of units; FLOPs inside them, and at the last entry
+    depth = inside = entered = 0  # open unit calls; FLOPs inside units; the count at the entry
 
     def enter(*_) -> None:
-        if depth[0] == 0:
-            inside[1] = mode.get_total_flops()
-        depth[0] += 1
+        nonlocal depth, entered
+        if depth == 0:  # (a unit nested in another is counted with it)
+            entered = mode.get_total_flops()
+        depth += 1
 
     def leave(*_) -> None:
-        depth[0] -= 1
-        if depth[0] == 0:
-            inside[0] += mode.get_total_flops() - inside[1]
+        nonlocal depth, inside
+        depth -= 1
+        if depth == 0:
+            inside += mode.get_total_flops() - entered
 
     handles = train_without_caches(model) if checkpointing else []
     for name in profile.unit_names:
@@ -114,7 +116,7 @@ def count(profile, *, micro_batch_size: int, seq_len: int, checkpointing: bool) 
                 h.remove()
         forward = mode.get_total_flops()
         loss.backward()
-    return Flops(forward=forward, backward=mode.get_total_flops() - forward, recomputed=inside[0])
+    return Flops(forward=forward, backward=mode.get_total_flops() - forward, recomputed=inside)
 
 
 def of_config(model, config) -> tuple[int, Flops | None]:

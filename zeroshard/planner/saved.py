@@ -21,6 +21,7 @@ All sizes are bytes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import sys
@@ -574,7 +575,8 @@ def measure(
             tail += num_bytes
             tail_largest = max(tail_largest, num_bytes)
     tail_params = {key: n for key, (k, n) in root_params.items() if next_call(k) is None}
-    calls = [sequence.count(i) for i in range(num_units)]
+    counted = collections.Counter(sequence)  # (a count per unit was units x calls)
+    calls = [counted[i] for i in range(num_units)]
     working = _unit_backward_bytes(
         loss if follow else None, saves, owners, unit_bytes, before, inputs, largest, calls
     )
