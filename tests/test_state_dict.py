@@ -1217,25 +1217,25 @@ def _own_save(stage: int) -> dict:
     """At stage 3 such a module saved the NaN placeholder, and every unit stayed gathered until
     the end of the call (its entry never cut); refused there now, naming summon_full_params,
     inside which it saves its values; other units are freed as they are passed."""
-    import zeroshard.state_dict_layout as S
+    import zeroshard.state_dict_gather as S
 
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4)) for _ in range(6)], _Kernel(4, 4))
     want = net[-1].weight.detach().t().clone()
     model = zeroshard.shard(net, stage=stage, wrap=zeroshard.wrap.by_class(nn.Sequential))
     live, most = set(), 0
-    gather = S.gather_flat
+    gather = S._all_gather
 
-    def counted(flat, local):
+    def counted(*args):
         nonlocal most
-        out = gather(flat, local)
+        out = gather(*args)
         live.add(id(out))
         most = max(most, len(live))
         weakref.finalize(out, live.discard, id(out))
         return out
 
     said = ""
-    with mock.patch.object(S, "gather_flat", counted):
+    with mock.patch.object(S, "_all_gather", counted):
         try:
             zeroshard.full_state_dict(model, rank0_only=False)
         except ValueError as exc:

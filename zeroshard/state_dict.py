@@ -23,16 +23,19 @@ replicas (the same fqn and offsets: DCP's save planner keeps one of each).
     0 elements  parameters stay plain, unsharded parameters in the engine; their entry is a
                 DTensor of their (empty) shape, as FSDP2's.
 
-How it is made, one ``FlatParam`` at a time (never more than one flat buffer whole): the flat's
-master shards are all-gathered into a temporary FP32 buffer (stage >= 1; at stage 0 the master is
-already whole, and FP32 replicated buffers are read in place), each parameter's row chunk is cut
-out and cloned, the buffer is freed. At stage >= 1 this is a collective: every rank must call
-``state_dict()`` (unlike FSDP2, whose shards are row-aligned already).
+How it is made, a few ``FlatParam``s at a time (consecutive flats whose whole buffers fit in
+``ShardConfig.bucket_bytes``, or one larger flat; ``zeroshard.state_dict_gather``): their
+master shards are all-gathered in one collective into a temporary FP32 buffer (stage >= 1; at
+stage 0 the master is already whole, and FP32 replicated buffers are read in place), each
+parameter's row chunk is cut out and cloned, the buffer is freed. At stage >= 1 this is a
+collective: every rank must call ``state_dict()`` (unlike FSDP2, whose shards are row-aligned
+already).
 
 ``model.load_state_dict(sd)`` accepts that format (DTensors on any mesh, e.g. filled in by
 ``dcp.load``) or plain full tensors (an unsharded model's ``state_dict()``, a ``torch.load``-ed
-file), for every stage and precision, ``strict`` as usual. Each parameter's value (a DTensor is
-gathered with ``full_tensor()``: one parameter at a time) is written into this rank's FP32 master
+file), for every stage and precision, ``strict`` as usual. Each parameter's value (DTensor row
+chunks are made whole by all-gathers of several entries, up to ``bucket_bytes`` of them, taken
+in the order the load reaches them) is written into this rank's FP32 master
 range and into the compute copy where one is held (replicated stages, or a stage-3 unit gathered
 right now), so the next forward and the next optimizer step both continue from it. Sharded
 parameters are consumed by a pre-hook of the module called and taken off ``missing_keys`` by its
@@ -102,7 +105,7 @@ def full_state_dict(
     model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True
 ) -> dict[str, torch.Tensor]:
     """The whole model as plain, full tensors (FP32 masters in each parameter's original dtype;
-    every name, buffers included), gathered one FlatParam at a time.
+    every name, buffers included), gathered a few FlatParams (``bucket_bytes``) at a time.
 
     A collective at stage >= 1: every rank calls it. With ``rank0_only`` the other ranks get
     ``{}``; with ``cpu_offload`` the tensors are copied to the CPU as they are cut. A

@@ -1,7 +1,7 @@
 """The state-dict hooks on every module of a sharded model (``install_state_dict_hooks``,
 called by ``zeroshard.shard``): its ``state_dict()`` and ``load_state_dict()``, and each
 submodule's own, give and take entries in the format ``zeroshard.state_dict`` describes. Each
-module fills its own parameters' entries at its turn (one flat gathered at a time) and consumes
+module fills its own parameters' entries at its turn (flats gathered a batch at a time) and consumes
 them on load; a hook acts for the call made, not for torch's recursion into submodules (read
 from the call stack), and for one call per thread."""
 
@@ -20,13 +20,12 @@ from torch import nn
 from zeroshard import module_buffers
 from zeroshard.flat_range import FlatRange
 from zeroshard.model_states.flat_param import FlatParam, ShardState
+from zeroshard.state_dict_gather import Wholes, flat_batch, flat_sources
 from zeroshard.state_dict_layout import (
     COLLECTIVE,
     all_names,
     as_sharded,
-    cutter,
     device_mesh,
-    full_value,
     is_dtensor,
     key_of,
     refuse_split_pieces,
@@ -56,8 +55,8 @@ class _Save:
     """One ``state_dict()`` of the model under way: how its entries are made, and the values
     cut so far. Each module fills its own parameters' entries at its turn, so that hooks of
     submodules see and edit real values; a flat is gathered once, at the first entry of it that
-    is reached, and every slot of it is cut then (one flat gathered at a time, as before; tied
-    names share one tensor, as torch's)."""
+    is reached (with the flats after it that one gather takes along), and every slot of it is
+    cut then (tied names share one tensor, as torch's)."""
 
     def __init__(
         self,
@@ -100,6 +99,8 @@ class _Load:
         engine's take there: (hooks, key, hook) to put back."""
         self.assign = False
         """``load_state_dict(..., assign=True)``: the entries' tensors replace the buffers."""
+        self.wholes: Wholes | None = None
+        """The parameters' DTensor entries made whole, gathered ahead in batches."""
 
 
 class _Hooks:
@@ -257,14 +258,31 @@ class _Hooks:
         return tensor_parallel.whole_tensor(value, split, mesh.tp_group)
 
     def _cut(self, save: _Save, flat: FlatParam) -> None:
-        """Every slot of ``flat`` cut (gathered here when partitioned, in the same order on
-        every rank: the first entry of each reached), the gathered buffer freed after."""
-        save.cut.add(id(flat))
-        cut = _local_range if save.local else cutter(flat, save.convert)
-        if save.keep:
-            for index, s in enumerate(flat.slots):
-                if id(s.param) in save.params:
-                    save.values[(id(flat), index)] = cut(flat, index)
+        """Every slot of ``flat`` cut, and of the flats after it that one gather takes along
+        (``flat_batch``: in engine order, within ``bucket_bytes``; the same on every rank, as is
+        the first entry of each reached), the gathered buffers freed after."""
+        if save.local:
+            batch, sources = [flat], [None]
+        else:
+            flats = self.engine.flat_params
+            take = lambda f: id(f) not in save.cut and self._saved(save, f)  # noqa: E731
+            batch = flat_batch(flats, flats.index(flat), self.engine.config.bucket_bytes, take)
+            sources = flat_sources(batch)
+        for f, source in zip(batch, sources):
+            save.cut.add(id(f))
+            for index, s in enumerate(f.slots) if save.keep else ():
+                if id(s.param) not in save.params:
+                    continue
+                if source is None:
+                    value = _local_range(f, index)
+                else:
+                    piece = source[s.offset : s.offset + s.numel].view(s.shape)
+                    value = save.convert(piece, f.orig_dtype)
+                save.values[(id(f), index)] = value
+
+    @staticmethod
+    def _saved(save: _Save, flat: FlatParam) -> bool:
+        return any(id(s.param) in save.params for s in flat.slots)
 
     def _own_entries(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
         """Entries a module's own ``_save_to_state_dict`` made of its parameters under keys of
@@ -375,11 +393,17 @@ class _Hooks:
         # tensors, in the same order on every rank (gathering DTensors is a collective).
         names = all_names(module)
         params = {prefix + n for i in self.slot_of if i in names for n in names[i]}
+        cap = engine.config.bucket_bytes
+        others = [k for k in state_dict if k.startswith(prefix) and k not in params]
+        wholes = Wholes(others, state_dict.get, cap)
         with diagnosed("all_gather", COLLECTIVE, None):
-            for key in list(state_dict):
-                value = state_dict[key]
-                if key.startswith(prefix) and key not in params and is_dtensor(value):
-                    state_dict[key] = value.full_tensor()
+            for key in others:
+                if is_dtensor(state_dict[key]):
+                    state_dict[key] = wholes.whole(key, state_dict[key])
+        # The parameters' entries, gathered ahead in the order torch's recursion reaches them.
+        # (checkpoint_wrapper's hook puts its level back into the keys as its module loads)
+        lookup = lambda k: state_dict.get(k, state_dict.get(key_of(k)))  # noqa: E731
+        load.wholes = Wholes(self._param_keys(module, prefix), lookup, cap)
 
     @torch.no_grad()
     def _take_own(
@@ -423,7 +447,21 @@ class _Hooks:
                 )
             elif is_dtensor(value) or not _same_memory(value, p):
                 with diagnosed("all_gather", COLLECTIVE, None):  # a DTensor's full_tensor()
-                    _write_slot(flat, index, full_value(value))
+                    _write_slot(flat, index, load.wholes.whole(key, value))
+
+    def _param_keys(self, module: nn.Module, prefix: str) -> list[str]:
+        """The keys of the sharded parameters' entries under ``module``, in the order torch's
+        ``load`` reaches them (each module, then its children, depth first; a module
+        registered twice is loaded twice)."""
+        keys = []
+        for name, m in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
+            head = f"{name}." if name else ""
+            keys += [
+                head + n
+                for n, p in m._parameters.items()
+                if p is not None and id(p) in self.slot_of
+            ]
+        return keys
 
     def _load_post_hook_of_each(self, module: nn.Module, incompatible_keys: Any) -> None:
         """First on each module: the keys taken are not missing, for the hooks of the user's

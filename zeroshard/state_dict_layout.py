@@ -1,24 +1,19 @@
 """How the entries of sharded state dicts are laid out and named, for the model's
 (``zeroshard.state_dict``) and the optimizer's (``zeroshard.optim_state_dict``): FSDP2's
-DTensor row chunks on the data-parallel mesh (``device_mesh``, ``as_sharded``), whole values
-(``full_value``), a flat buffer's slots cut from it whole, one flat gathered at a time
-(``cutter``), and the names parameters go under (tied ones, torch's ``checkpoint_wrapper`` and
-``torch.compile`` levels)."""
+DTensor row chunks on the data-parallel mesh (``device_mesh``, ``as_sharded``), and the names
+parameters go under (tied ones, torch's ``checkpoint_wrapper`` and ``torch.compile`` levels).
+The collectives that fill them are ``zeroshard.state_dict_gather``'s."""
 
 from __future__ import annotations
 
 import math
 import re
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from zeroshard import collectives as C
-from zeroshard.model_states.flat_param import FlatParam
 
 if TYPE_CHECKING:  # DTensor is imported when first used: it costs `import zeroshard` ~0.5 s
     from torch.distributed.device_mesh import DeviceMesh
@@ -60,7 +55,7 @@ def device_mesh(engine: Engine | nn.Module) -> DeviceMesh:
     return mesh
 
 
-def _row_chunk(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
+def row_chunk(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
     """Rows ``[lo, hi)`` of ``torch.chunk(t, world_size, dim=0)[rank]`` (empty past the last)."""
     size = math.ceil(num_rows / world_size)
     lo = min(rank * size, num_rows)
@@ -75,33 +70,41 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+_SPECS_ATTR = "_zeroshard_specs"
+
+
+def _spec(mesh: DeviceMesh, shape: torch.Size, dtype: torch.dtype) -> Any:
+    """The ``DTensorSpec`` of a row-chunked entry of ``shape`` and ``dtype`` on ``mesh`` (made
+    once per mesh, shape and dtype, as FSDP2 keeps one per parameter), with this rank's place
+    in the mesh's last dimension and its size: ``DTensor.from_local`` made a spec and ran an
+    autograd function per entry, 0.2-0.4 ms, most of a small unit's state dict."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    specs = mesh.__dict__.setdefault(_SPECS_ATTR, {})
+    spec = specs.get((shape, dtype))
+    if spec is None:
+        shard_dim = mesh.ndim - 1  # the last: "shard" of a hybrid mesh
+        placements = (Replicate(),) * shard_dim + (Shard(0),)
+        meta = TensorMeta(shape, _contiguous_stride(shape), dtype)
+        where = (mesh.get_local_rank(shard_dim), mesh.size(shard_dim))
+        spec = specs[(shape, dtype)] = (DTensorSpec(mesh, placements, tensor_meta=meta), where)
+    return spec
+
+
 def as_sharded(full: torch.Tensor, mesh: DeviceMesh, dtype: torch.dtype) -> torch.Tensor:
     """This rank's row chunk of ``full`` (a copy in ``dtype``) as a DTensor of ``full``'s shape,
     ``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on the 2-D hybrid one (the chunk
     of this rank's place in its shard group); a 0-dim ``full`` comes back as a plain copy (FSDP2
     has no scalar shards)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
 
     if full.ndim == 0:
         return full.to(dtype, copy=True)
-    shard_dim = mesh.ndim - 1  # the last: "shard" of a hybrid mesh
-    lo, hi = _row_chunk(full.shape[0], mesh.get_local_rank(shard_dim), mesh.size(shard_dim))
+    spec, (rank, world) = _spec(mesh, full.shape, dtype)
+    lo, hi = row_chunk(full.shape[0], rank, world)
     local = full[lo:hi].to(dtype, copy=True).contiguous()
-    return DTensor.from_local(
-        local,
-        mesh,
-        [Replicate()] * shard_dim + [Shard(0)],
-        run_check=False,
-        shape=full.shape,
-        stride=_contiguous_stride(full.shape),
-    )
-
-
-def full_value(value: Any) -> torch.Tensor:
-    """A state dict value as one whole tensor (a DTensor is gathered: a collective)."""
-    if is_dtensor(value):
-        return value.full_tensor()
-    return value.detach() if isinstance(value, torch.Tensor) else value
+    return DTensor(local, spec, requires_grad=False)  # (as FSDP2's _from_local_no_grad)
 
 
 def is_dtensor(value: Any) -> bool:
@@ -163,45 +166,6 @@ def refuse_split_pieces(engine: Engine, what: str) -> None:
             "model, loadable at any tp), or take plain whole tensors with "
             "zeroshard.full_state_dict(model)"
         )
-
-
-def _flat_source(flat: FlatParam) -> torch.Tensor:
-    """1D padded_numel: the whole flat buffer at master precision (for frozen buffers held only
-    as ``full``, in their own dtype). A new buffer gathered from every rank's master when the
-    masters are partitioned (a collective); otherwise a tensor the flat already holds."""
-    if flat.master is None or flat.master_aliases_full:
-        return flat.full  # replicated and current
-    if not flat.partition.optimizer_states:
-        return flat.master  # the whole buffer (range is everything)
-    return gather_flat(flat, flat.master.to(flat.mesh.device))
-
-
-def gather_flat(flat: FlatParam, local: torch.Tensor) -> torch.Tensor:
-    """1D padded_numel, every rank: every shard-group rank's ``local`` (1D, its optimizer range
-    of ``flat``, any dtype) gathered into a new buffer. A collective (inside the shard group:
-    the other groups hold the same ranges), kept out of the engine's ledger."""
-    out = torch.empty(flat.padded_numel, dtype=local.dtype, device=flat.mesh.device)
-    C.all_gather(
-        out,
-        local,
-        group=flat.mesh.shard_group,
-        ledger=C.Ledger(),
-        label=COLLECTIVE,
-        async_op=False,
-    ).wait()
-    return out
-
-
-def cutter(flat: FlatParam, convert: Callable) -> Callable[[FlatParam, int], torch.Tensor]:
-    """Slot ``index`` of ``flat`` as ``convert(view, orig_dtype)``, cut from the whole flat
-    buffer (``_flat_source``: gathered here, a collective, when the masters are partitioned)."""
-    source = _flat_source(flat)
-
-    def cut(flat: FlatParam, index: int) -> torch.Tensor:
-        s = flat.slots[index]
-        return convert(source[s.offset : s.offset + s.numel].view(s.shape), flat.orig_dtype)
-
-    return cut
 
 
 # --------------------------------------------------------------------- compiled models
