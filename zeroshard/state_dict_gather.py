@@ -92,15 +92,16 @@ def flat_sources(
 def flat_batch(
     flats: Sequence[FlatParam], start: int, cap: int, take: Callable[[FlatParam], bool]
 ) -> list[FlatParam]:
-    """``flats[start]`` and the ``gathered`` ones after it that ``take`` accepts, of its shard
-    group and master dtype, while their whole buffers stay within ``cap`` bytes: what one
-    ``flat_sources`` gathers. ``flats[start]`` alone where it is not gathered."""
+    """``flats[start]`` and the ``gathered`` ones after it (then those before it) that ``take``
+    accepts, of its shard group and master dtype, while their whole buffers stay within ``cap``
+    bytes: what one ``flat_sources`` gathers. ``flats[start]`` alone where it is not
+    gathered."""
     first = flats[start]
     if not gathered(first):
         return [first]
     key = (first.mesh.shard_group, first.master_view.dtype)
     batch, total = [first], first.padded_numel * first.master_view.element_size()
-    for f in flats[start + 1 :]:
+    for f in [*flats[start + 1 :], *flats[:start]]:  # (the root's flat first, reached last)
         if not gathered(f) or not take(f) or (f.mesh.shard_group, f.master_view.dtype) != key:
             continue
         total += f.padded_numel * f.master_view.element_size()
@@ -184,25 +185,28 @@ class Wholes:
             return full_value(value)
         hit = self.ready.pop(key, None)
         if hit is None and key in self.position:
-            self._gather_from(self.position[key])
+            self._gather_from(self.position[key], value)
             hit = self.ready.pop(key, None)
         if hit is not None and hit[0] is value:
             return hit[1]
         return full_value(value)
 
-    def _gather_from(self, start: int) -> None:
+    def _gather_from(self, start: int, first: Any) -> None:
+        """Gather ``first`` (the entry of ``order[start]``, which the caller may have taken out
+        of the dict already) and the entries after it that share its signature, within
+        ``cap``."""
         self.ready.clear()  # (entries skipped are not asked for again)
-        first = self.lookup(self.order[start])
         signature = _signature(first)
         if signature is None:
             return
-        keys, values, total = [], [], 0
-        for key in self.order[start:]:
+        keys, values = [self.order[start]], [first]
+        total = first.numel() * first.element_size()
+        for key in self.order[start + 1 :]:
             value = self.lookup(key)
             if not is_dtensor(value):
                 continue
             total += value.numel() * value.element_size()
-            if _signature(value) != signature or (values and total > self.cap):
+            if _signature(value) != signature or total > self.cap:
                 break
             keys.append(key)
             values.append(value)
