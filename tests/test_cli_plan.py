@@ -162,6 +162,7 @@ def test_offload_rows_and_efficiency(capsys):
         (3, "cpu-optimizer"),
         (3, "nvme-optimizer"),
         (3, "nvme-states"),
+        (3, "nvme-params"),  # Offload(parameters="nvme") alone: it had no row
         (3, "cpu-all"),
         (3, "nvme-all"),
         (3, "nvme-everything"),
@@ -851,3 +852,12 @@ def test_a_module_with_nothing_to_train_is_refused():
             plan.plan(_parse(["--module", "test_cli_plan:frozen_gpt"]))
     said = [str(w.message) for w in caught]
     assert not [m for m in said if "forward on the meta device failed" in m], said
+
+
+def test_activation_checkpoints_go_where_the_flag_says(capsys):
+    argv = ["--preset", "nano", "--stage", "3", "--dp", "2", "--ci", "1"]
+    for flags, tier in (([], "device"), (["--offload-activations"], "cpu"),
+                        (["--offload-activations", "nvme"], "nvme")):  # fmt: skip
+        (row,) = _json([*argv, *flags], capsys)["stages"]
+        held = {t: row["memory"][t]["activation_checkpoints"] for t in ("device", "cpu", "nvme")}
+        assert held[tier] > 0 and sum(held.values()) == held[tier], (flags, held)

@@ -71,7 +71,7 @@ def test_checkpoints_anywhere_train_like_a_single_process(workers4, tmp_path, ca
         assert r["held"] == {"device": 0, "cpu": 0, "nvme": 0}, r  # all freed after backward
 
 
-def _planned(partition: bool, offload: bool) -> dict:
+def _planned(partition: bool, offload: bool | str) -> dict:
     """What ``zeroshard plan`` predicts for this configuration (fp32 activations), per tier."""
     config = MemoryConfig(
         stage=3,
@@ -86,13 +86,10 @@ def _planned(partition: bool, offload: bool) -> dict:
         activation_bytes=4,
     )
     memory = plan_memory(from_gpt(CFG), config)
-    return {
-        "device": memory.device["activation_checkpoints"],
-        "cpu": memory.cpu["activation_checkpoints"],
-    }
+    return {tier: memory.on(tier)["activation_checkpoints"] for tier in ("device", "cpu", "nvme")}
 
 
-def test_checkpoint_bytes_per_rank_are_split_by_tp_and_leave_the_device(workers4):
+def test_checkpoint_bytes_per_rank_are_split_by_tp_and_leave_the_device(workers4, tmp_path):
     plain = workers4.run(_run, 3, False, None, None)[0]["peak"]
     pa = workers4.run(_run, 3, True, None, None)[0]["peak"]
     pa_cpu = workers4.run(_run, 3, True, "cpu", None)[0]["peak"]
@@ -104,8 +101,14 @@ def test_checkpoint_bytes_per_rank_are_split_by_tp_and_leave_the_device(workers4
         planned = _planned(partition, offload)["device"]
         assert abs(measured["device"] - planned) <= 0.1 * planned, (measured, planned)
     planned = _planned(True, True)
-    assert planned["device"] == 0
+    assert planned["device"] == planned["nvme"] == 0
     assert abs(pa_cpu["cpu"] - planned["cpu"]) <= 0.1 * planned["cpu"], (pa_cpu, planned)
+    # On NVMe: the same bytes, in the swap files (planned there, not in CPU memory).
+    pa_nvme = workers4.run(_run, 3, True, "nvme", str(tmp_path))[0]["peak"]
+    assert pa_nvme["device"] == pa_nvme["cpu"] == 0 and pa_nvme["nvme"] == pa["device"]
+    planned = _planned(True, "nvme")
+    assert planned["device"] == planned["cpu"] == 0
+    assert abs(pa_nvme["nvme"] - planned["nvme"]) <= 0.1 * planned["nvme"], (pa_nvme, planned)
 
 
 def test_pa_adds_one_all_gather_per_checkpoint_per_recomputation(workers4):

@@ -412,3 +412,20 @@ def test_streamed_parameters_of_mixed_precision_are_the_fp32_masters():
 def test_a_workload_s_choices_are_checked(kw, error, match):
     with pytest.raises(error, match=match):
         _workload(**kw)
+
+
+def test_activation_checkpoints_on_nvme_cost_disk_time():
+    """Each micro-batch writes its checkpoints in forward and reads them back in backward:
+    on NVMe that is disk time (it was counted as CPU copies, free on a CPU device)."""
+    model = d.from_gpt("nano")
+    times = {}
+    for where in ("cpu", "nvme"):
+        memory = MemoryConfig(stage=0, offload_activations=where)
+        w = _workload(global_batch_size=8, stages=(3,), offloads=("none",), memory=memory)
+        (c,) = advise(model, _cluster(), w).feasible
+        times[where] = c.time_seconds["offload"], c.num_micro_batches
+        checkpoints = c.memory.on(where)["activation_checkpoints"]
+        assert checkpoints > 0
+    assert times["cpu"][0] == 0.0  # a CPU device copies nothing
+    seconds, num_micro = times["nvme"]
+    assert seconds == pytest.approx(num_micro * 2 * checkpoints / 1e9)

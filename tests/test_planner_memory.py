@@ -351,6 +351,47 @@ def test_offload_staging_matches_the_engine_s_buffers(workers2, tmp_path):
         assert 0 < r["masters_outside_step"] <= st.MASTERS_AT_STEP * 4 * shard, r
 
 
+def _params_on_nvme(folder: str) -> dict:
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from zeroshard.offload import Offload
+
+    stats = _two_steps_offloaded(3, Offload(parameters="nvme", folder=folder), 2, 32)
+    stats = stats.offload_stats()
+    files = Path(folder).glob(f"rank{dist.get_rank():05d}-params/**/*")
+    return {
+        "file_bytes": sum(f.stat().st_size for f in files if f.is_file()),
+        "masters_outside_step": stats["param_max_resident_bytes"],
+    }
+
+
+def test_parameters_alone_on_nvme_as_the_engine_keeps_them(workers2, tmp_path):
+    """``--offload nvme-params`` (``Offload(parameters="nvme")`` alone: the plan had no name
+    for it): the masters' files per rank, the optimizer states left on the device, the masters
+    read ahead in host memory."""
+    from zeroshard.models.gpt import preset
+
+    model = d.from_gpt(preset("tiny"))
+    fp32 = m.BytesPerParam(params=4, grads=4, optimizer_states=8)
+
+    def plan(offload: str) -> m.MemoryBreakdown:
+        c = MemoryConfig(stage=3, num_dp_ranks=2, placement=OFFLOADS[offload], bytes_per_param=fp32)
+        return m.plan_memory(model, c)
+
+    alone, none = plan("nvme-params"), plan("none")
+    assert alone.device["params"] == 0 and alone.nvme["params"] == none.device["params"]
+    assert alone.device["optimizer_states"] == none.device["optimizer_states"]
+    assert alone.nvme["optimizer_states"] == alone.cpu["optimizer_states"] == 0
+    shard = math.ceil(model.unit_numel / 2)
+    assert alone.cpu["offload_staging"] == st.MASTERS_AT_STEP * 4 * shard + st.STAGING_POOL_BYTES
+    for r in workers2.run(_params_on_nvme, str(tmp_path)):
+        # (files hold whole 4 KiB blocks, and each FlatParam aligns its parameters)
+        assert alone.nvme["params"] <= r["file_bytes"] <= alone.nvme["params"] * 1.1, r
+        assert 0 < r["masters_outside_step"] <= st.MASTERS_AT_STEP * 4 * shard, r
+
+
 def test_accumulating_unreduced_holds_the_whole_gradient():
     gpt = d.from_gpt("100m")
     fp32 = m.BytesPerParam(params=4, grads=4, optimizer_states=8)
@@ -501,3 +542,30 @@ def test_optimizer_states_on_nvme_at_stages_0_and_1_as_planned(workers2, tmp_pat
     planned = m.plan_memory(d.from_gpt(preset("tiny")), config).nvme["optimizer_states"]
     for measured in workers2.run(_nvme_bytes_measured, str(tmp_path), stage):
         assert abs(measured - planned) <= 0.1 * planned, (measured, planned)
+
+
+def test_activation_checkpoints_on_nvme_are_planned_there():
+    """``offload_activations="nvme"`` (the engine's ``Offload(activations="nvme")``): the
+    checkpoints in the nvme column, not the cpu one (where every offload went), and the
+    activations' own store's staging pool in host memory."""
+    model = d.from_gpt("nano")
+    pool = st.STAGING_POOL_BYTES
+
+    def plan(where, placement="none"):
+        c = MemoryConfig(
+            stage=3, num_dp_ranks=2, offload_activations=where, placement=OFFLOADS[placement]
+        )
+        return m.plan_memory(model, c)
+
+    kept = plan(False).device["activation_checkpoints"]
+    assert kept > 0
+    cpu, nvme = plan("cpu"), plan("nvme")
+    assert plan(True).cpu == cpu.cpu  # True is "cpu"
+    assert cpu.cpu["activation_checkpoints"] == nvme.nvme["activation_checkpoints"] == kept
+    assert cpu.device["activation_checkpoints"] == nvme.device["activation_checkpoints"] == 0
+    assert nvme.cpu["activation_checkpoints"] == cpu.nvme["activation_checkpoints"] == 0
+    assert (cpu.cpu["offload_staging"], nvme.cpu["offload_staging"]) == (0, pool)
+    both = plan("nvme", "nvme-all").cpu["offload_staging"]
+    assert both == plan("cpu", "nvme-all").cpu["offload_staging"] + pool
+    with pytest.raises(ValueError, match="'cpu' or 'nvme', got 'disk'"):
+        MemoryConfig(stage=3, offload_activations="disk")

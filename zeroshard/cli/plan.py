@@ -141,8 +141,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--offload-activations",
-        action="store_true",
-        help="keep activation checkpoints in CPU memory (Pa+cpu)",
+        nargs="?",
+        const="cpu",
+        default=False,
+        choices=("cpu", "nvme"),
+        help="keep activation checkpoints off the device: cpu (the default when given: Pa+cpu) "
+        "or nvme (swap files, as zeroshard train --offload-activations nvme)",
     )
     t.add_argument(
         "--activation-bytes",

@@ -484,7 +484,8 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
     if p.optimizer_states is not Tier.DEVICE:
         states = memory.on(p.optimizer_states)["optimizer_states"]
         traffic[p.optimizer_states] += 2 * READ_BACK[p.optimizer_states] * states
-    traffic[Tier.CPU] += num_micro * 2 * memory.cpu["activation_checkpoints"]
+    for tier in (Tier.CPU, Tier.NVME):  # checkpoints go down in forward, come back in backward
+        traffic[tier] += num_micro * 2 * memory.on(tier)["activation_checkpoints"]
     if _cpu_is_device(cluster):
         traffic[Tier.CPU] = 0.0  # nothing is copied
     offload = sum(b / bandwidth[t] for t, b in traffic.items() if b)

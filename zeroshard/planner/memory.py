@@ -151,8 +151,10 @@ class MemoryConfig:
     """ci: blocks between activation checkpoints (ci = nl is close to no checkpointing)."""
     partition_activations: bool = False
     """Split checkpoints 1/Nm across model-parallel ranks (ZeRO-R's Pa)."""
-    offload_activations: bool = False
-    """Keep checkpoints in CPU memory (Pa+cpu)."""
+    offload_activations: bool | str = False
+    """Where checkpoints are kept off the device: "cpu" (or True: ZeRO-R's Pa+cpu) or "nvme"
+    (``Offload(activations="nvme")``: swap files, written in forward and read back ahead of
+    each recomputation); False keeps them on the device (``activations_tier``)."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism: checkpointed block inputs are 1/Nm per rank as they
     are, as with Pa (the layer norms' working memory is 1/Nm too: not modelled)."""
@@ -242,6 +244,11 @@ class MemoryConfig:
             raise ValueError(
                 f"fragmentation_fraction must be in [0, 1), got {self.fragmentation_fraction}"
             )
+        if self.offload_activations not in (False, True, "cpu", "nvme"):
+            raise ValueError(
+                f"offload_activations must be False, True, 'cpu' or 'nvme', got "
+                f"{self.offload_activations!r}"
+            )
         problem = placement_problem(self.stage, self.placement)
         if problem:
             raise ValueError(f"{offload_name(self.placement)} at stage {self.stage}: {problem}")
@@ -258,6 +265,13 @@ class MemoryConfig:
                     f"{offload_name(self.placement)}: {problem}; keep them in memory or drop "
                     "step_in_backward"
                 )
+
+    @property
+    def activations_tier(self) -> Tier:
+        """Where activation checkpoints are kept (``offload_activations``)."""
+        if not self.offload_activations:
+            return Tier.DEVICE
+        return Tier.NVME if self.offload_activations == "nvme" else Tier.CPU
 
     @property
     def splits_checkpoints(self) -> bool:
@@ -489,7 +503,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             notes.append("no checkpoints: partitioned or offloaded activations not modelled")
         elif c.offload_activations:
             total = timeline.activation_terms(model, c).checkpoints_total
-            out[Tier.CPU]["activation_checkpoints"] = total
+            out[c.activations_tier]["activation_checkpoints"] = total
         return MemoryBreakdown(
             device=out[Tier.DEVICE],
             cpu=out[Tier.CPU],
@@ -502,8 +516,7 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
         _measured_checkpoints(model, c, out)
     elif shape is not None:
         ci = min(c.num_layers_per_checkpoint, shape.num_layers)
-        tier = Tier.CPU if c.offload_activations else Tier.DEVICE
-        out[tier]["activation_checkpoints"] = activation_checkpoint_bytes(
+        out[c.activations_tier]["activation_checkpoints"] = activation_checkpoint_bytes(
             micro_batch_size=c.micro_batch_size,
             seq_len=c.seq_len,
             hidden_size=shape.hidden_size,
@@ -565,7 +578,7 @@ def _measured_checkpoints(
     checkpoints = sum(s.unit_input_bytes[i] for i in starts)
     if c.splits_checkpoints:
         checkpoints = math.ceil(checkpoints / c.num_mp_ranks)
-    out[Tier.CPU if c.offload_activations else Tier.DEVICE]["activation_checkpoints"] = checkpoints
+    out[c.activations_tier]["activation_checkpoints"] = checkpoints
     span = max((sum(s.unit_bytes[i : i + ci]) for i in starts), default=0)
     root = sum(s.before_unit_bytes) + s.tail_bytes
     out[Tier.DEVICE]["activation_working"] = span + root

@@ -37,6 +37,8 @@ OFFLOADS: dict[str, Placement] = {
     "nvme-optimizer": Placement(grads=Tier.CPU, optimizer_states=Tier.NVME),
     # Offload(optimizer="nvme", gradients="nvme"): stages 2-3, parameters on the device
     "nvme-states": Placement(grads=Tier.NVME, optimizer_states=Tier.NVME),
+    # Offload(parameters="nvme") alone: stage 3's masters streamed, states on the device
+    "nvme-params": Placement(params=Tier.NVME),
     "cpu-all": Placement(params=Tier.CPU, grads=Tier.CPU, optimizer_states=Tier.CPU),
     "nvme-all": Placement(params=Tier.NVME, grads=Tier.CPU, optimizer_states=Tier.NVME),
     # zeroshard's Offload(parameters="nvme", gradients="nvme", optimizer="nvme")
@@ -62,6 +64,11 @@ def placement_problem(
         return (
             "step_in_backward: states or gradients on NVMe are streamed in step order, not "
             "during backward (the engine refuses it)"
+        )
+    if step_in_backward and placement.params is Tier.NVME:
+        return (
+            "step_in_backward: masters on NVMe are read back for the step, not during backward "
+            "(the engine refuses it)"
         )
     if placement.params is not Tier.DEVICE and not part.parameters:
         return "parameters are streamed from CPU/NVMe per unit only when partitioned (stage 3)"

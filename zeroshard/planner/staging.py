@@ -45,18 +45,20 @@ def offload_staging_bytes(model: ModelDescription, config: MemoryConfig) -> int:
       includes it (masters are streamed on their own);
     * ``MASTERS_AT_STEP x 4 x u`` of masters (the read-ahead window's when larger) and
       ``GRAD_SHARDS_AT_STEP x 4 x u`` of gradient shards;
-    * one staging pool per store (optimizer states and gradients share one, masters have theirs).
+    * one staging pool per store (optimizer states and gradients share one, masters have theirs,
+      and activation checkpoints on NVMe theirs).
 
     At stages 0-2 a sub-group is the engine's flat buffer of consecutive units up to
     ``bucket_bytes`` (``sub_group_numels``), not one unit; fewer sub-groups than slots hold
     fewer slots.
 
-    0 without NVMe placements, or when the largest unit is unknown."""
+    0 without NVMe placements; only the activations' pool when the largest unit is unknown."""
+    activations = STAGING_POOL_BYTES if config.activations_tier is Tier.NVME else 0
     p, bpp = config.placement, config.bytes_per_param
     groups = sub_group_numels(model, config)
     unit = model.unit_numel if groups is None else max(groups, default=0)
     if not unit or Tier.NVME not in (p.params, p.grads, p.optimizer_states):
-        return 0
+        return activations
 
     def held(slots: int) -> int:  # (fewer sub-groups than slots take fewer slots)
         return slots if groups is None else min(slots, len(groups))
@@ -76,7 +78,7 @@ def offload_staging_bytes(model: ModelDescription, config: MemoryConfig) -> int:
     if p.grads is Tier.NVME:
         total += held(GRAD_SHARDS_AT_STEP) * MASTER_BYTES * shard
         stores += p.optimizer_states is not Tier.NVME
-    return total + stores * STAGING_POOL_BYTES
+    return total + stores * STAGING_POOL_BYTES + activations
 
 
 def sub_group_numels(model: ModelDescription, config: MemoryConfig) -> list[int] | None:
