@@ -829,3 +829,30 @@ def test_a_plain_backward_of_another_loss_after_the_step_names_the_optimizer_s_b
     for said in workers2.run(_plain_backward_through_a_stepped_discriminator, stage):
         assert "after optimizer.step() without zero_grad()" in said, said
         assert "run it through that one instead, opt_g.backward(loss)" in said, said
+
+
+def _inside_summon(stage: int) -> dict:
+    """Forward and backward inside ``summon_full_params`` (writeback=True: what the README
+    gives for a gradient penalty at stage 3), with and without ``step_in_backward``. At stage 3
+    the summon's exit wrote the units' values from before their update back over it: nothing
+    trained, step() said True."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for sib in (False, True):
+        model, opt = _make("gpt", stage, sib)
+        for step in range(3):
+            x, y = batch("gpt", step, PER_RANK_BATCH * world)
+            mine = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
+            with zeroshard.summon_full_params(model):
+                opt.backward(loss_of("gpt", model, x[mine], y[mine]))
+            assert opt.step()
+            opt.zero_grad()
+        with zeroshard.summon_full_params(model, writeback=False):
+            out[sib] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_backward_inside_summon_full_params_keeps_its_update(workers2, stage):
+    for r in workers2.run(_inside_summon, stage):
+        assert all(torch.equal(a, b) for a, b in zip(r[False], r[True]))

@@ -216,10 +216,33 @@ class Backward:
             self.scaling.accumulating = not self._reduce_now
             self._arrivals_at, self._partial = None, False
             self.phase, self._backward_due = Phase.IDLE, False
+        if self.summoned:
+            self._regather_stepped()
         unowned = self.partition.optimizer_states and not self.optimizers
         # (not for an input-only autograd.grad: no parameter's gradient was made)
         if self._reduce_now and unowned and any(any(b.touched) for b in self.buckets):
             _warn_no_sharded_optimizer()
+
+    def _regather_stepped(self) -> None:
+        """Inside ``summon_full_params``, the units that stepped in this backward
+        (``step_in_backward``) are held gathered with their values from before the update:
+        refilled from the new masters, as ``step()`` refills them. Else the summon's exit took
+        every element differing from its master for a write and put the old values back over
+        the update (nothing trained, without a word). Which buckets stepped is the same on every
+        rank (the refill is a collective)."""
+        stepped = set()
+        for opt in self.optimizers:
+            bs = opt._backward_step
+            stepped |= bs.stepped if bs is not None else set()
+        stale = [
+            b.flat
+            for b in self.buckets
+            if id(b) in stepped
+            and b.flat.partition.parameters
+            and b.flat.state is flat_param.ShardState.UNSHARDED
+        ]
+        if stale:
+            self.params_changed(stale)
 
     def _grads_came(self) -> bool:
         """Whether a gradient reached a parameter during this backward, in a graph task of its
