@@ -8,7 +8,10 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from parity_models import batch, train_gpt_both
+from torch import nn
 
 import zeroshard
 from zeroshard import collectives as C
@@ -593,3 +596,78 @@ def test_a_reentrant_recomputation_gathers_no_more_than_another(workers2):
     # gathered again at once: one more gather per span than a non-reentrant checkpoint.
     reentrant, other = (workers2.run(_gathered_in_backward, r)[0] for r in (True, False))
     assert reentrant == other, (reentrant, other)
+
+
+class _Target(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class _Hyper(nn.Module):
+    """A hypernetwork: its units run on weights it generates (``functional_call``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.z = nn.Parameter(torch.randn(4))
+        self.gen = nn.Linear(4, 64)
+        self.t1, self.t2, self.t3 = _Target(), _Target(), _Target()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.func import functional_call
+
+        w = self.gen(self.z).view(8, 8) * 0.3
+        h = functional_call(self.t1, {"fc.weight": w}, (x,))
+        h = functional_call(self.t2, {"fc.weight": w.t()}, (h,))
+        return self.head(self.t3(h))  # (t3 on its own weights: checkpointed as before)
+
+
+def _functional_calls(stage: int, every: int) -> dict:
+    """SGD steps of the hypernetwork, and fast-weights gradients of a whole-model
+    ``functional_call`` (MAML's inner loop), against the unsharded model's: a span's replay in
+    backward ran the units on their own weights (1.6 relative off, every stage)."""
+    from torch.func import functional_call
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _Hyper()
+    model = zeroshard.shard(
+        copy.deepcopy(ref),
+        stage=stage,
+        wrap=zeroshard.wrap.by_class(_Target),
+        config=zeroshard.ShardConfig(checkpoint_every=every),
+    )
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)
+        mine = slice(4 * rank, 4 * (rank + 1))
+        opt.backward(F.mse_loss(model(x[mine]), y[mine]))
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    params = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    # Fast weights: every parameter of the model replaced by a tensor of the caller's.
+    fast = {n: (p.detach() * 1.1).requires_grad_() for n, p in ref.named_parameters()}
+    x = torch.randn(4, 8, generator=g)
+    grads = []
+    for m in (model, ref):  # (t1's and t2's own weights are unused: their generated ones are)
+        loss = functional_call(m, fast, (x,)).square().sum()
+        grads.append(torch.autograd.grad(loss, list(fast.values()), allow_unused=True))
+    assert [a is None for a in grads[0]] == [b is None for b in grads[1]]
+    fast_grads = max((a - b).abs().max().item() for a, b in zip(*grads) if a is not None)
+    return {"params": params, "fast_grads": fast_grads}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_units_under_functional_call_are_not_replayed_on_their_own_weights(workers2, stage):
+    for r in workers2.run(_functional_calls, stage, 1):
+        assert r["params"] < 1e-6 and r["fast_grads"] < 1e-6, r

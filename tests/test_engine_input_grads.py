@@ -319,3 +319,42 @@ def test_a_refused_step_keeps_the_updates_made_in_backward_on_every_rank(workers
     for r in workers2.run(_refused_after_stepping_in_backward):
         assert r["said"] and "ran through none of its units" in r["said"], r
         assert r["apart"] == 0.0, r
+
+
+def _forward_mode(stage: int) -> dict:
+    """A Jacobian-vector product by forward-mode AD (dual tensors) with grad enabled, between
+    training steps: torch refused it (the engine's identity Function had no jvp)."""
+    import torch.autograd.forward_ad as fwAD
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = _net()
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, wrap=LINEARS)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def jvp(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(m(fwAD.make_dual(x, torch.ones_like(x)))).tangent.clone()
+
+    gap = 0.0
+    for step in range(2):
+        x = _batch(step, 99)[0]
+        gap = max(gap, (jvp(model, x) - jvp(ref, x)).abs().max().item())
+        batches = [_batch(step, r) for r in range(world)]
+        x, y = batches[rank]
+        opt.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        xs, ys = (torch.cat(t) for t in zip(*batches))
+        nn.functional.mse_loss(ref(xs), ys).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    params = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return {"tangents": gap, "params": params}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_forward_mode_ad_through_a_sharded_model(workers2, stage):
+    for r in workers2.run(_forward_mode, stage):
+        assert r["tangents"] < 1e-6 and r["params"] < 1e-6, r

@@ -30,6 +30,12 @@ class BackwardHook(torch.autograd.Function):
         ctx.hook()
         return (None, *grads)
 
+    @staticmethod
+    def jvp(ctx, _hook_tangent, *tangents):  # type: ignore[override]
+        # Forward-mode AD (dual tensors) through a unit: the identity's tangents pass through
+        # (without it torch refused every dual forward of a sharded model with grad enabled).
+        return tuple(t if t is None else t.view_as(t) for t in tangents)  # (views, as forward's)
+
 
 def weakly(method: Callable[..., Any], *args: Any, gone: str | None = None) -> Callable[..., Any]:
     """``method(*args, *more)`` (a bound method; ``more``: what the hook is called with) as a

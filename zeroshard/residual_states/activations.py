@@ -14,7 +14,9 @@ The mechanism is PyTorch's non-reentrant checkpoint (``torch.utils.checkpoint``)
 frame per span, its saved-tensor hooks entered around each unit's forward only, so that code the
 model runs between units (not replayed) saves its tensors normally. A chain that breaks (a unit
 fed something else, or its input written in place since the previous unit returned it, a
-unit used twice) closes the span; the next unit opens a new one. Units
+unit used twice) closes the span; the next unit opens a new one. A unit called under torch's
+``functional_call`` (tensors of the caller's standing in for its parameters) is not
+checkpointed: its replay would use the module's own parameters. Units
 nested inside another unit are not checkpointed on their own (the outer one covers them), nor
 are units that run inside a checkpoint already (the model's own ``torch.utils.checkpoint``, or
 a unit of the open span calling them): that checkpoint recomputes them.
@@ -34,6 +36,7 @@ import torch
 import torch.utils.checkpoint as ckpt
 from torch import nn
 
+from zeroshard import call_frames
 from zeroshard.residual_states.partitioned import CheckpointKeeper, check_version, version_of
 from zeroshard.trees import tensors_in
 
@@ -185,6 +188,12 @@ class SpanCheckpointing:
         stacked on its own would take those tensors from its count (its recomputation would
         then find them out of order). So is a unit whose forward checkpoints itself
         (``_own``); ``given`` is what its forward gets (cast, hooked), beside ``args``."""
+        if call_frames.in_functional_call():
+            # Its tensors stand in for the module's own for this call only (MAML's fast weights,
+            # a hypernetwork's generated ones): a replay in backward would compute with the
+            # module's own. Saved as without checkpointing; the chain breaks here.
+            self.close()
+            return
         outer = self._checkpoint_running()
         span = self._span
         if outer == "theirs" and (span is None or span.hooks is None):
