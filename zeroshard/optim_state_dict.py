@@ -310,13 +310,13 @@ def optimizer_state_dict(
     buckets = engine.buckets
     keys_of = [_elementwise_keys(entry) for entry in layout]
     per_param: dict[int, dict[str, Any]] = {}
+    # Consecutive buckets share one gather per key (``bucket_bytes`` of whole states).
+    cap = 0 if local else engine.config.bucket_bytes
+    make = _local_entries if local else _gathered_entries
     start = 0
     while start < len(buckets):
-        # Consecutive buckets share one gather per key (``bucket_bytes`` of whole states).
-        cap = 0 if local else engine.config.bucket_bytes
         batch = range(start, _batch_end(buckets, keys_of, start, cap))
         for (k, dtype), indices in _by_key(batch, keys_of).items():
-            make = _local_entries if local else _gathered_entries
             entries = make(buckets, indices, k, dtype, subgroups, mesh)
             for bi in indices:
                 for i, s in enumerate(buckets[bi].flat.slots):
