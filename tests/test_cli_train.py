@@ -1924,3 +1924,19 @@ def test_hf_weights_beside_the_config_are_said_to_be_unread(tmp_path):
     said = [str(w.message) for w in caught if "is not read" in str(w.message)]
     assert len(said) == 1 and "model.safetensors is not read" in said[0], said
     assert "from_pretrained(folder)" in said[0]
+
+
+def test_launching_from_a_rank_s_environment_is_refused(tmp_path):
+    """RANK and MASTER_ADDR left in the shell made `--nproc 2` a rank of a job that does not
+    exist (it waited out the timeout, then a traceback), or with RANK=0 WORLD_SIZE=1 a run on
+    one rank without a word."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    argv = ["train", "--nproc", "2", "--preset", "nano", "--steps", "1", "--out-dir", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "zeroshard.cli.main", *argv],
+        capture_output=True, text=True, timeout=120, env={**env, "MASTER_PORT": "29999"},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "already one rank of a job launched elsewhere (RANK=0" in done.stderr, done.stderr
+    assert "unset RANK and MASTER_ADDR" in done.stderr and not (tmp_path / "metrics.jsonl").exists()

@@ -196,6 +196,23 @@ def test_a_rank_that_never_joins_is_a_start_timeout(lone_process, monkeypatch):
     assert "zeroshard train --timeout" in message and info.value.exit_code == 4
 
 
+def test_a_rank_whose_rank_0_never_answers_is_a_start_timeout(lone_process, monkeypatch):
+    """Rank 1 of a job whose rank 0 never comes up (a store nobody serves: RANK and MASTER_ADDR
+    left over in the shell): one line, as above (it was torch's DistNetworkError traceback)."""
+    from zeroshard.watchdog import StartTimeout
+
+    port = free_port()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "1"}
+    env.update(WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(StartTimeout) as info:
+        Mesh.from_env(device="cpu", timeout_s=1.0)
+    message = str(info.value)
+    assert message.startswith("rank 1 could not start the process group (") and "\n" not in message
+    assert f"rank 0's store at 127.0.0.1:{port} never answered" in message, message
+
+
 def test_threads_per_rank_divide_the_cores():
     assert cpu_threads_per_rank(2, cores=16) == 8
     assert cpu_threads_per_rank(3, cores=16) == 5

@@ -436,13 +436,18 @@ class Mesh:
                         timeout=timeout,
                         device_id=dev if where.is_accelerator else None,
                     )
-                except dist.DistStoreError as exc:  # a wait for the other ranks timed out
+                except (dist.DistStoreError, dist.DistNetworkError) as exc:
+                    # A wait for the other ranks timed out, or rank 0's store never answered
+                    # (its host and port: MASTER_ADDR, MASTER_PORT).
+                    where_to = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '?')}"
                     raise StartTimeout(
                         f"rank {os.environ.get('RANK', '?')} could not start the process group "
                         f"({str(exc).strip().splitlines()[0]}): another rank did not join it "
-                        "within the timeout (stopped, hung or dead while starting); look at its "
-                        "output, or raise the timeout (Mesh.from_env(timeout_s=...), zeroshard "
-                        "train --timeout) if it is only slow to start"
+                        f"within the timeout, or rank 0's store at {where_to} never answered "
+                        "(stopped, hung or dead while starting; RANK and MASTER_ADDR left over "
+                        "in the environment); look at its output, or raise the timeout "
+                        "(Mesh.from_env(timeout_s=...), zeroshard train --timeout) if it is "
+                        "only slow to start"
                     ) from None
             log.info(
                 "started the default process group: %s, rank %d of %d, on %s (%s)",

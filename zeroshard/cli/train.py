@@ -222,12 +222,30 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**values)
 
 
+def _check_not_launching(args: argparse.Namespace) -> None:
+    """A rank of a job launched elsewhere (``RANK`` and ``MASTER_ADDR`` set, without
+    torchrun's run id) asked to launch ranks itself: leftovers of another job in the shell
+    made ``--nproc 2`` a rank of a job that does not exist (it waited out the timeout, then a
+    traceback), or with ``RANK=0 WORLD_SIZE=1`` trained on one rank without a word."""
+    launching = [f for f in ("nproc", "nnodes") if getattr(args, f, None) is not None]
+    if launching and "TORCHELASTIC_RUN_ID" not in os.environ:
+        env = ", ".join(f"{k}={os.environ[k]}" for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+                        if k in os.environ)  # fmt: skip
+        raise UsageError(
+            f"--{launching[0]} asks zeroshard train to launch the ranks, but the environment "
+            f"says this process is already one rank of a job launched elsewhere ({env}): "
+            "unset RANK and MASTER_ADDR (left over from another job?), or launch each rank "
+            f"yourself without --{launching[0]}"
+        )
+
+
 _MODEL_SOURCES = {"model", "hf", "preset"}
 """``TrainConfig`` fields that each name the model to train (the preset is used without)."""
 
 
 def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
+        _check_not_launching(args)
         return _run_rank(args)
     with contextlib.ExitStack() as job:
         # The checks below read the data (seconds): a signal meanwhile ends the command with a
