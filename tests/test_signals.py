@@ -50,6 +50,38 @@ def test_the_signal_is_noted_and_handlers_restored():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_hangup_stops_as_sigterm_does_unless_nohup_ignores_it():
+    """SIGHUP (the terminal closed) ended a rank at once, with no save and no word; under
+    ``nohup`` (ignored as the rank starts) it stays ignored."""
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        with StopOnSignal(torch.device("cpu"), grace_s=60) as stopper:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.05)
+            assert stopper.signum == signal.SIGHUP
+        assert Stopped(signal.SIGHUP, 3, None).exit_code == 129
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with StopOnSignal(torch.device("cpu"), grace_s=60) as stopper:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.05)
+            assert stopper.signum == 0 and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def test_the_agent_leaves_an_ignored_hangup_ignored():
+    from zeroshard.cli import agent
+
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        assert agent._agent_signals() == "SIGHUP,SIGQUIT"
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup
+        assert agent._agent_signals() == "SIGQUIT"
+        assert 129 in agent.INTERRUPTED and agent._final([129, 143])  # no restart undoes it
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 def test_stopped_says_where_it_saved():
     assert str(Stopped(signal.SIGINT, 7, None)) == (
         "interrupted at step 7 by SIGINT; no checkpoint saved (--save-every N keeps progress)"

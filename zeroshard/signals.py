@@ -43,7 +43,8 @@ class Stopped(Exception):
 
     @property
     def exit_code(self) -> int:
-        """The shell's status for a process ended by the signal: 130 (SIGINT), 143 (SIGTERM)."""
+        """The shell's status for a process ended by the signal: 130 (SIGINT), 143 (SIGTERM),
+        129 (SIGHUP)."""
         return 128 + self.signum
 
 
@@ -144,7 +145,9 @@ class StopOnSignal:
     (SIGKILL, an OOM kill) sends nothing: a rank whose agent is gone (reparented) acts as if it
     got SIGTERM, rather than train on unsupervised (``cause`` says so)."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    """SIGHUP too (the terminal closed; a SLURM or nohup-less hangup): it ended the ranks at
+    once, with no save and no word. One ignored as the ranks start (``nohup``) stays ignored."""
     GRACE_S = 4.0
     """Deadline when nothing is to be saved: every rank gone within 5 s of a signal."""
     GRACE_SAVING_S = 30.0
@@ -163,6 +166,8 @@ class StopOnSignal:
 
     def __enter__(self) -> StopOnSignal:
         for sig in self.SIGNALS:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # (nohup's)
             self._old[sig] = signal.signal(sig, self._note)
         return self
 

@@ -43,7 +43,7 @@ left as a restart, and a node that joined late may have pinned a checkpoint prun
 HELD = (signal.SIGINT, signal.SIGTERM)
 """Held until the ranks are started; torchrun's agent handles only the others as it starts them."""
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"
-RANKS_SAID_WHY = (2, Diverged.exit_code, CollectiveTimeout.exit_code, 130, 143)
+RANKS_SAID_WHY = (2, Diverged.exit_code, CollectiveTimeout.exit_code, 129, 130, 143)
 """Exit statuses of ranks that printed their own line (bad input, divergence, timeout, signal)."""
 STILL_STOPPING = (
     "zeroshard train: still stopping the ranks (each ends its step, then exits; killed after 30 s)"
@@ -52,7 +52,7 @@ STILL_STOPPING = (
 FINAL = (2, Diverged.exit_code)
 """Exit statuses that a restart would only repeat (bad input; divergence, which a resume from
 the last checkpoint replays): the run ends at once, whatever ``--max-restarts`` has left."""
-INTERRUPTED = (130, 143)
+INTERRUPTED = (129, 130, 143)
 """Ranks that agreed to stop on a SIGINT or SIGTERM: when every failed rank says so (one of
 them got the signal), a restart would undo the interrupt; the agent's own SIGTERM to the others
 after a rank died also ends some with 143, and those are restarted."""
@@ -223,7 +223,18 @@ def _holding_argv(argv: list[str]) -> list[str]:
     from torch.distributed.run import get_args_parser
 
     flags = {s for action in get_args_parser()._actions for s in action.option_strings}
-    return ["--signals-to-handle", AGENT_SIGNALS, *argv] if "--signals-to-handle" in flags else argv
+    if "--signals-to-handle" not in flags:
+        return argv
+    return ["--signals-to-handle", _agent_signals(), *argv]
+
+
+def _agent_signals() -> str:
+    """``AGENT_SIGNALS`` less those ignored as the command starts: under ``nohup`` the agent's
+    handler replaced SIGHUP's ignore, and its ranks, no longer ignoring it either, died at
+    the hangup nohup was there to survive."""
+    names = AGENT_SIGNALS.split(",")
+    kept = [n for n in names if signal.getsignal(getattr(signal, n)) != signal.SIG_IGN]
+    return ",".join(kept) or "SIGQUIT"
 
 
 @contextmanager
