@@ -103,9 +103,12 @@ def test_output_folder_cannot_be_created(capsys, tmp_path):
     _expect_usage_error(capsys, ["train", "--out-dir", str(blocker / "run")], "--out-dir")
 
 
-def test_port_in_use(capsys, tmp_path):
+# 127.0.0.2: another address of this host (the check bound 127.0.0.1 alone, torchrun's store
+# binds every address)
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2"])
+def test_port_in_use(capsys, tmp_path, host):
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         s.listen()
         port = s.getsockname()[1]
         argv = ["train", "--nproc", "2", "--port", str(port), "--out-dir", str(tmp_path)]

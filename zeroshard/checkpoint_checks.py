@@ -46,7 +46,8 @@ def space(parent: Path, local_bytes: int, group) -> None:
         if free < need:
             error = (
                 f"not enough free space for a checkpoint in {parent}: about {need:,} bytes needed, "
-                f"{free:,} free ({need - free:,} bytes short); free space, lower keep, or save "
+                f"{free:,} free ({need - free:,} bytes short); free space (the older checkpoints "
+                "that keep= holds are removed only after a new one is complete), or save "
                 "elsewhere"
             )
     agree(error, group)

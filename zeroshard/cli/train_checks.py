@@ -336,7 +336,9 @@ def check_port(port: int, *, bind: bool) -> None:
         return
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            # Every address, as torchrun's store binds it (one on 127.0.0.1 alone passed while
+            # the port was taken on the host's own address: the store's traceback followed).
+            s.bind(("", port))
         except OSError:
             raise UsageError(
                 f"port {port} is already in use; pass another --port (or 0 for a free one)"
