@@ -1943,3 +1943,38 @@ def test_launching_from_a_rank_s_environment_is_refused(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "already one rank of a job launched elsewhere (RANK=0" in done.stderr, done.stderr
     assert "unset RANK and MASTER_ADDR" in done.stderr and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_rank_of_your_own_torchrun_holds_the_out_dir(tmp_path, monkeypatch):
+    """Two jobs of your own `torchrun -m zeroshard.cli.main train` into one folder interleaved
+    their metrics and replaced each other's checkpoints: its local rank 0 holds the folder now,
+    as zeroshard train's launcher does (whose ranks, marked, leave it to the launcher)."""
+    from zeroshard.cli import agent
+    from zeroshard.cli import train as train_cli
+    from zeroshard.cli.train_checks import hold_out_dir
+
+    env = {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(agent.LAUNCHER_PID, raising=False)
+    monkeypatch.setattr(train_cli, "_HELD", [])
+    train_cli._hold_for_own_torchrun(tmp_path)
+    try:
+        assert len(train_cli._HELD) == 1
+        with (
+            pytest.raises(
+                UsageError, match=rf"in use by another zeroshard train \(pid {os.getpid()}"
+            ),
+            hold_out_dir(str(tmp_path), lock=True),
+        ):
+            pass
+    finally:
+        os.close(train_cli._HELD.pop())
+    for name, value in ((agent.LAUNCHER_PID, "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "4")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)  # launched by zeroshard train, another local rank, two nodes
+            train_cli._hold_for_own_torchrun(tmp_path)
+            assert train_cli._HELD == [], name
+    launch = agent.Launch(nproc=2, port=0)
+    with agent._agent_env(launch, [], []):
+        assert os.environ[agent.LAUNCHER_PID] == str(os.getpid())

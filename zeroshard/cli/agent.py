@@ -36,6 +36,9 @@ from zeroshard.watchdog import CollectiveTimeout
 
 SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """torchrun's switch that gives each restart of the ranks a store of its own."""
+LAUNCHER_PID = "ZEROSHARD_LAUNCHER_PID"
+"""Set for the ranks ``zeroshard train`` starts: its pid, the command that holds the output
+folder (ranks of the user's own torchrun hold it themselves)."""
 RESUME_NEWEST = "ZEROSHARD_RESUME_NEWEST"
 """Set ("1") for the ranks of a job that may start more than once: every start resumes from the
 newest checkpoint of the job's folder (torchrun does not count a start after nodes joined or
@@ -242,7 +245,7 @@ def _agent_env(launch: Launch, noted: list[int], stopping: list[int]) -> Iterato
     """torchrun's settings and agent class for this job, put back after."""
     import torch.distributed.launcher.api as launcher
 
-    env = {}
+    env = {LAUNCHER_PID: str(os.getpid())}
     if "OMP_NUM_THREADS" not in os.environ:
         # torchrun would set 1 and print a banner saying so; the ranks' share of the cores is
         # what Mesh.share_cpu_threads gives them anyway.

@@ -34,7 +34,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from zeroshard.cli.agent import RESUME_NEWEST, Launch, run_agent
+from zeroshard.cli.agent import LAUNCHER_PID, RESUME_NEWEST, Launch, run_agent
 from zeroshard.cli.held_signals import held
 from zeroshard.cli.main import UsageError, bad_input
 from zeroshard.cli.resume import pin_resume, resume_after_restart, say_changes
@@ -44,6 +44,7 @@ from zeroshard.cli.train_checks import (
     check_inputs,
     check_port,
     hold_out_dir,
+    lock_out_dir,
     make_out_dir,
     remove_dead_launchers_configs,
     run_config_path,
@@ -429,7 +430,9 @@ def _run_rank(args: argparse.Namespace) -> int:
             cfg, line = resume_after_restart(cfg, restart)
             if line and _rank() == 0:
                 print(line, flush=True)
-        return _train_here(cfg, make_out_dir(cfg.out_dir))
+        out = make_out_dir(cfg.out_dir)
+        _hold_for_own_torchrun(out)
+        return _train_here(cfg, out)
     except Exception as exc:
         line = bad_input(exc)  # bad input, or a disk full: a restart would only repeat it
         if line is None:
@@ -439,6 +442,22 @@ def _run_rank(args: argparse.Namespace) -> int:
         if first:
             print(f"zeroshard train: error: {line}", file=sys.stderr, flush=True)
         return 2
+
+
+def _hold_for_own_torchrun(out: Path) -> None:
+    """Local rank 0 of a single-node job launched by the user's own torchrun holds the output
+    folder for its life, as ``zeroshard train``'s launcher does for its ranks (two such jobs
+    into one folder interleaved their metrics and replaced each other's checkpoints). The
+    kernel lets go of the lock when the process ends (a restarted rank takes it again)."""
+    if LAUNCHER_PID in os.environ or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    if os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
+        return  # several nodes share the folder (as the launcher leaves it unlocked)
+    _HELD.append(lock_out_dir(out))
+
+
+_HELD: list[int] = []
+"""The output folder's lock held by this rank (``_hold_for_own_torchrun``), until exit."""
 
 
 def _first_to_say(line: str, wait_s: float = 3.0) -> bool:

@@ -272,7 +272,7 @@ def hold_out_dir(path: str, *, lock: bool) -> Iterator[Path]:
             with contextlib.suppress(OSError):
                 folder.rmdir()
         raise
-    fd = _lock(out) if lock else None
+    fd = lock_out_dir(out) if lock else None
     try:
         yield out
     finally:
@@ -302,7 +302,7 @@ def _make_folders(out: Path) -> list[Path]:
     return created[::-1]
 
 
-def _lock(out: Path) -> int:
+def lock_out_dir(out: Path) -> int:
     try:
         return pid_lock(out / LOCK_NAME, 0o644)
     except LockHeld as held:
