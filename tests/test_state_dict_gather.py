@@ -186,3 +186,53 @@ def test_a_small_bucket_bounds_each_gather(workers2):
             assert 2 < len(sizes) < 4 * UNITS, (what, sizes)
             # (a load's gather pads each rank's row chunks to the longest rank's)
             assert max(sizes) <= 2 * max(cap, r["largest"]), (what, sizes)
+
+
+def _edited_in_place(stage: int) -> bool:
+    """A submodule's load pre-hook that edits its entry in place (a checkpoint upgrade's
+    ``mul_``): the entry had been gathered ahead, before the hook ran, and the value from
+    before the edit was loaded (torch and FSDP2 load the edited one)."""
+    net = _net()
+    ref = copy.deepcopy(net)
+    model = zeroshard.shard(net, stage=stage, wrap=zeroshard.wrap.by_class(Pair))
+
+    def upgrade(module, state_dict, prefix, *args):
+        state_dict[prefix + "weight"].mul_(2)
+
+    for m in (model, ref):
+        m.blocks[5].fc.register_load_state_dict_pre_hook(upgrade)
+    ref.load_state_dict(copy.deepcopy(ref.state_dict()))
+    model.load_state_dict(model.state_dict())
+    back = model.state_dict()
+    return all(torch.equal(_full(back[k]), v) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_entry_edited_in_place_by_a_hook_is_loaded_edited(workers2, stage):
+    assert workers2.run(_edited_in_place, stage) == [True, True]
+
+
+def _split_unevenly() -> str:
+    """A DTensor entry whose rows are not torch.chunk's split on one rank only (5 rows as 3 +
+    1): that rank raised, the other waited in the gather for good."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from zeroshard.state_dict_layout import device_mesh
+
+    model = zeroshard.shard(_net(), stage=3, wrap=zeroshard.wrap.by_class(Pair))
+    sd = model.state_dict()
+    rows = 3 if dist.get_rank() == 0 else 2  # (torch.chunk: 2 and 1)
+    local = torch.zeros(rows, 6)
+    sd["scale"] = DTensor.from_local(
+        local, device_mesh(model), [Shard(0)], run_check=False, shape=(3, 6), stride=(6, 1)
+    )
+    try:
+        model.load_state_dict(sd)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_an_entry_split_unevenly_is_an_error_on_every_rank(workers2):
+    for said in workers2.run(_split_unevenly):
+        assert "does not hold its rank's row chunk" in said, said

@@ -40,7 +40,7 @@ from zeroshard.checkpoint_files import gather
 from zeroshard.flat_range import FlatRange
 from zeroshard.model_states.flat_param import FlatParam, Slot
 from zeroshard.optim_state_checks import match_groups, warn_dropped
-from zeroshard.state_dict_gather import Wholes, flat_sources
+from zeroshard.state_dict_gather import Wholes, batch_cap, flat_sources
 from zeroshard.state_dict_layout import (
     all_names,
     as_sharded,
@@ -311,7 +311,7 @@ def optimizer_state_dict(
     keys_of = [_elementwise_keys(entry) for entry in layout]
     per_param: dict[int, dict[str, Any]] = {}
     # Consecutive buckets share one gather per key (``bucket_bytes`` of whole states).
-    cap = 0 if local else engine.config.bucket_bytes
+    cap = 0 if local else batch_cap(engine)
     make = _local_entries if local else _gathered_entries
     start = 0
     while start < len(buckets):
@@ -599,7 +599,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
         for _, _, _, names, st in _saved_slots(bucket.flat, saved_state, every_name)
         for k in sorted(st)
     ]
-    wholes = Wholes(order, lambda nk: saved_state[nk[0]][nk[1]], engine.config.bucket_bytes)
+    wholes = Wholes(order, lambda nk: saved_state[nk[0]][nk[1]], batch_cap(engine))
     for bi, bucket in enumerate(engine.buckets):
         flat: FlatParam = bucket.flat
         sg = subgroups.get(id(bucket))

@@ -22,7 +22,27 @@ from zeroshard import collectives as C
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.state_dict_layout import COLLECTIVE, is_dtensor, row_chunk
 
-__all__ = ["Wholes", "flat_batch", "flat_sources", "full_value", "partitioned"]
+__all__ = [
+    "BATCH_BYTES",
+    "Wholes",
+    "batch_cap",
+    "flat_batch",
+    "flat_sources",
+    "full_value",
+    "partitioned",
+]
+
+BATCH_BYTES = 4 * 2**20
+"""The most one batch gathers (whole tensors at the gathered dtype), below ``bucket_bytes``:
+batching saves the collectives of small flats and entries; past a few MiB a collective costs
+little beside its bytes, and a batch holds about twice its size while it is cut (8 units of
+4 MB held 40 MB more at a 25 MiB cap than one at a time, and were no faster: an explorer)."""
+
+
+def batch_cap(engine: Any) -> int:
+    """Bytes one batch of ``engine``'s state dicts may gather: ``BATCH_BYTES`` or its
+    ``bucket_bytes`` if smaller (0: one flat or entry at a time)."""
+    return min(engine.config.bucket_bytes, BATCH_BYTES)
 
 
 def full_value(value: Any) -> torch.Tensor:
@@ -141,22 +161,26 @@ def _gather_rows(values: Sequence[Any]) -> list[torch.Tensor]:
         sizes.append(
             [(hi - lo) * row for lo, hi in (row_chunk(v.shape[0], r, world) for r in range(world))]
         )
-    for v, counts in zip(values, sizes):
-        if v.to_local().numel() != counts[rank]:
-            raise ValueError(
-                f"a DTensor entry of shape {tuple(v.shape)} holds {v.to_local().numel()} "
-                f"elements on this rank, not its row chunk's {counts[rank]} (torch.chunk's "
-                "split over the mesh): load a state dict of row chunks, as state_dict() or "
-                "dcp.load gives it"
-            )
+    # A rank whose piece is not its row chunk says so in the gather's last element, so that
+    # every rank raises (a rank raising alone left the others waiting in the gather).
+    bad = next((v for v, c in zip(values, sizes) if v.to_local().numel() != c[rank]), None)
     longest = max(sum(c[r] for c in sizes) for r in range(world))
-    packed = torch.zeros(longest, dtype=values[0].dtype, device=values[0].to_local().device)
+    packed = torch.zeros(longest + 1, dtype=values[0].dtype, device=values[0].to_local().device)
     at = 0
-    for v, counts in zip(values, sizes):
+    for v, counts in zip(values, sizes) if bad is None else ():
         packed[at : at + counts[rank]].copy_(v.to_local().reshape(-1))
         at += counts[rank]
+    packed[-1] = bad is not None
     rows = _all_gather(packed, mesh.get_group(dim), world)
     del packed
+    if bool(rows[:, -1].any()):
+        said = "" if bad is None else f" (here one of shape {tuple(bad.shape)} holds "
+        said += "" if bad is None else f"{bad.to_local().numel()} elements)"
+        raise ValueError(
+            "a DTensor entry does not hold its rank's row chunk (torch.chunk's split over the "
+            f"mesh) on every rank{said}: load a state dict of row chunks, as state_dict() or "
+            "dcp.load gives it"
+        )
     out, offsets = [], [0] * world
     for v, counts in zip(values, sizes):
         pieces = [rows[r, offsets[r] : offsets[r] + counts[r]] for r in range(world)]
@@ -165,19 +189,32 @@ def _gather_rows(values: Sequence[Any]) -> list[torch.Tensor]:
     return out
 
 
+def _version(value: Any) -> tuple[int, int] | None:
+    """The version counters of a DTensor and of its local tensor: a hook of the user's that
+    edits an entry in place bumps one of them (a checkpoint upgrade's ``mul_`` on the DTensor
+    bumps the DTensor's alone). None for inference tensors, which keep none (made under
+    ``torch.inference_mode``: an edit there is not seen)."""
+    try:
+        return value._version, value._local_tensor._version
+    except RuntimeError:
+        return None
+
+
 class Wholes:
     """Whole tensors of a load's entries, taken in a known ``order`` of keys: the DTensors
     among them are gathered ahead, a batch at a time, the batch starting at the key asked for
     and running on through ``order`` while the entries share a ``_signature`` and their whole
     tensors stay within ``cap`` bytes. ``lookup(key)`` reads an entry as it is when the batch
-    is made (hooks of the user's may have renamed or replaced entries: an entry asked for
-    that is not the one gathered, or a key not in ``order``, is gathered alone). Every rank
+    is made (hooks of the user's may have renamed, replaced or edited entries in place since:
+    an entry asked for that is not the one gathered, or was written since, or a key not in
+    ``order``, is gathered alone). Every rank
     asks for the same keys in the same order (a collective)."""
 
     def __init__(self, order: Sequence[Any], lookup: Callable[[Any], Any], cap: int) -> None:
         self.order, self.lookup, self.cap = list(order), lookup, cap
         self.position = {key: i for i, key in enumerate(self.order)}
-        self.ready: dict[Any, tuple[Any, torch.Tensor]] = {}
+        self.ready: dict[Any, tuple[Any, tuple[int, int] | None, torch.Tensor]] = {}
+        """key -> (the entry gathered, its local tensor's version then, the whole tensor)"""
 
     def whole(self, key: Any, value: Any) -> Any:
         """``full_value(value)``, ``value`` being ``key``'s entry."""
@@ -187,9 +224,9 @@ class Wholes:
         if hit is None and key in self.position:
             self._gather_from(self.position[key], value)
             hit = self.ready.pop(key, None)
-        if hit is not None and hit[0] is value:
-            return hit[1]
-        return full_value(value)
+        if hit is not None and hit[0] is value and _version(value) == hit[1]:
+            return hit[2]
+        return full_value(value)  # (renamed, replaced or written in place since the gather)
 
     def _gather_from(self, start: int, first: Any) -> None:
         """Gather ``first`` (the entry of ``order[start]``, which the caller may have taken out
@@ -211,4 +248,4 @@ class Wholes:
             keys.append(key)
             values.append(value)
         for key, value, whole in zip(keys, values, _gather_rows(values)):
-            self.ready[key] = (value, whole)
+            self.ready[key] = (value, _version(value), whole)

@@ -20,7 +20,7 @@ from torch import nn
 from zeroshard import module_buffers
 from zeroshard.flat_range import FlatRange
 from zeroshard.model_states.flat_param import FlatParam, ShardState
-from zeroshard.state_dict_gather import Wholes, flat_batch, flat_sources
+from zeroshard.state_dict_gather import Wholes, batch_cap, flat_batch, flat_sources
 from zeroshard.state_dict_layout import (
     COLLECTIVE,
     all_names,
@@ -266,7 +266,7 @@ class _Hooks:
         else:
             flats = self.engine.flat_params
             take = lambda f: id(f) not in save.cut and self._saved(save, f)  # noqa: E731
-            batch = flat_batch(flats, flats.index(flat), self.engine.config.bucket_bytes, take)
+            batch = flat_batch(flats, flats.index(flat), batch_cap(self.engine), take)
             sources = flat_sources(batch)
         for f, source in zip(batch, sources):
             save.cut.add(id(f))
@@ -393,7 +393,7 @@ class _Hooks:
         # tensors, in the same order on every rank (gathering DTensors is a collective).
         names = all_names(module)
         params = {prefix + n for i in self.slot_of if i in names for n in names[i]}
-        cap = engine.config.bucket_bytes
+        cap = batch_cap(engine)
         others = [k for k in state_dict if k.startswith(prefix) and k not in params]
         wholes = Wholes(others, state_dict.get, cap)
         with diagnosed("all_gather", COLLECTIVE, None):
