@@ -35,6 +35,17 @@ AGENT = textwrap.dedent(
 
     if sys.argv[1] == "set-up":
         registry.get_rendezvous_handler = signalled(registry.get_rendezvous_handler, signal.SIGINT)
+    elif sys.argv[1] == "rendezvous":  # while the nodes meet, one of them slow to come
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+        real_rendezvous = SimpleElasticAgent._rendezvous
+
+        def slow(self, group):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(120)
+            return real_rendezvous(self, group)
+
+        SimpleElasticAgent._rendezvous = slow
     elif sys.argv[1] == "spawn":  # once the first rank is spawned, before the agent knows of it
         api.SubprocessHandler.__init__ = signalled(api.SubprocessHandler.__init__, signal.SIGTERM)
     else:  # once they train, inside torch's code, whose `finally` replaces the SignalException
@@ -73,6 +84,24 @@ def test_a_signal_while_the_agent_starts_stops_every_rank(tmp_path, moment, code
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == code, err[-3000:]
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
+def test_a_signal_while_the_nodes_meet_stops_at_once(tmp_path):
+    """Held until the ranks started, a signal waited for the rendezvous's own timeout (600 s)
+    while a node never came; no rank exists then: it acts at once, in one line."""
+    flags = ["--nproc", "2", "--preset", "nano", "--seq-len", "16", "--steps", "3"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AGENT, "rendezvous", "train", *flags, "--out-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=60)  # (the rendezvous sleeps 120 s first)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err[-3000:]
+    assert err.strip().endswith("interrupted by SIGTERM before the ranks started"), err[-3000:]
 
 
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")

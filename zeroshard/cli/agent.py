@@ -156,6 +156,10 @@ def run_agent(
             with _agent_env(launch, noted, stopping):
                 torchrun(_holding_argv(launch.torchrun_argv(config)))
         except SignalException as exc:  # forwarded to the ranks, which stopped and reported
+            if noted and not stopping:  # (before any rank: while the nodes met, or as they
+                name = signal.Signals(int(exc.sigval)).name  # were about to start)
+                print(f"zeroshard train: interrupted by {name} before the ranks started",
+                      file=sys.stderr)  # fmt: skip
             return 128 + int(exc.sigval)
         except RendezvousError as exc:  # e.g. the node hosting it ended the job, or left
             print(
@@ -302,7 +306,23 @@ def _holding_agent(base: type, noted: list[int], stopping: list[int]) -> type:
                 os.kill(pid, signum)
         _terminate_process_handler(signum, frame)
 
+    def stop_now(signum: int, frame: Any) -> None:
+        noted.append(signum)  # (also seen at the start, should this be swallowed)
+        sigval = signal.Signals(signum)
+        raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
     class HoldingAgent(base):  # type: ignore[misc, valid-type]
+        def _rendezvous(self, worker_group: Any) -> None:
+            # No rank exists while the nodes meet: a signal acts at once (held, it waited for
+            # the rendezvous's own timeout, 600 s by default, while nodes never came).
+            before = {sig: signal.signal(sig, stop_now) for sig in HELD}
+            try:
+                stop_if_noted()
+                return super()._rendezvous(worker_group)
+            finally:
+                for sig, old in before.items():
+                    signal.signal(sig, old)
+
         def _start_workers(self, worker_group: Any) -> dict[int, Any]:
             stop_if_noted()
             pids = super()._start_workers(worker_group)
