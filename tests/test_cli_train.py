@@ -1978,3 +1978,18 @@ def test_a_rank_of_your_own_torchrun_holds_the_out_dir(tmp_path, monkeypatch):
     launch = agent.Launch(nproc=2, port=0)
     with agent._agent_env(launch, [], []):
         assert os.environ[agent.LAUNCHER_PID] == str(os.getpid())
+
+
+def test_a_reader_that_leaves_does_not_end_the_run(tmp_path, data_dir):
+    """`zeroshard train ... | head -1`, or a `tee` killed at logout: the next progress line
+    raised BrokenPipeError and the run failed (status "failed"); its output is progress."""
+    argv = ["train", *NANO, "--steps", "3", "--batch-size", "2"]
+    argv += ["--data-dir", str(data_dir), "--out-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zeroshard.cli.main", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    proc.stdout.close()  # the reader is gone before the first line
+    assert proc.wait(timeout=240) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "done" and summary["steps"] == 3, summary

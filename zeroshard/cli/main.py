@@ -22,6 +22,7 @@ if __name__ == "__main__":
             signal.signal(_sig, lambda signum, _: _EARLY.append(signum))
 
 import argparse
+import contextlib
 import errno
 import gc
 import importlib
@@ -29,6 +30,7 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from zeroshard.cli.held_signals import held
@@ -121,6 +123,49 @@ def _say_warnings_as(command: str) -> None:
         return default(message, category, filename, lineno, line)
 
     warnings.formatwarning = formatwarning
+
+
+class _GoesQuiet:
+    """A text stream that drops what it is given once its reader is gone (EPIPE: a pipe into
+    ``head``, a ``tee`` killed at logout; EIO: a closed terminal), its file then pointed at
+    ``/dev/null`` for writes made past it (C++ warnings, the flush at exit)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self.gone = stream, False
+
+    def _guarded(self, call: Callable[[], Any], default: Any) -> Any:
+        if self.gone:
+            return default
+        try:
+            return call()
+        except OSError as exc:
+            if not isinstance(exc, BrokenPipeError) and exc.errno != errno.EIO:
+                raise
+            self.gone = True
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+            return default
+
+    def write(self, text: str) -> int:
+        return self._guarded(lambda: self._stream.write(text), len(text))
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush, None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def unread_output_goes_quiet() -> Iterator[None]:
+    """For a training run: its output is progress, whose reader leaving must not end the run
+    (a BrokenPipeError failed it at the next line, status "failed"; an explorer)."""
+    before = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _GoesQuiet(sys.stdout), _GoesQuiet(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = before
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 
 from zeroshard.cli.agent import LAUNCHER_PID, RESUME_NEWEST, Launch, run_agent
 from zeroshard.cli.held_signals import held
-from zeroshard.cli.main import UsageError, bad_input
+from zeroshard.cli.main import UsageError, bad_input, unread_output_goes_quiet
 from zeroshard.cli.resume import pin_resume, resume_after_restart, say_changes
 from zeroshard.cli.run_files import put_back, run_files, trained_since
 from zeroshard.cli.train_checks import (
@@ -245,6 +245,11 @@ _MODEL_SOURCES = {"model", "hf", "preset"}
 
 
 def run(args: argparse.Namespace) -> int:
+    with unread_output_goes_quiet():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         _check_not_launching(args)
         return _run_rank(args)
