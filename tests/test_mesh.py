@@ -179,37 +179,36 @@ def test_from_env_leaves_the_thread_count_alone_and_logs_the_group(lone_process,
         torch.set_num_threads(before)
 
 
-def test_a_rank_that_never_joins_is_a_start_timeout(lone_process, monkeypatch):
-    """Rank 1 never starts: rank 0 says so in one line after the timeout (it was torch's
-    DistStoreError traceback: "wait timeout after 1000ms, keys: /default_pg/0//cpu//0/1")."""
+def _start_alone(monkeypatch, rank: int) -> tuple[int, str]:
+    """Rank ``rank`` of a 2-rank job started with no other rank: (the port, the StartTimeout's
+    one line)."""
     from zeroshard.watchdog import StartTimeout
 
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0"}
+    port = free_port()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
     env.update(WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(StartTimeout) as info:
         Mesh.from_env(device="cpu", timeout_s=1.0)
     message = str(info.value)
-    assert message.startswith("rank 0 could not start the process group (") and "\n" not in message
+    assert message.startswith(f"rank {rank} could not start the process group (")
+    assert "\n" not in message and "zeroshard train --timeout" in message, message
+    assert info.value.exit_code == 4
+    return port, message
+
+
+def test_a_rank_that_never_joins_is_a_start_timeout(lone_process, monkeypatch):
+    """Rank 1 never starts: rank 0 says so in one line after the timeout (it was torch's
+    DistStoreError traceback: "wait timeout after 1000ms, keys: /default_pg/0//cpu//0/1")."""
+    _, message = _start_alone(monkeypatch, 0)
     assert "another rank did not join it within the timeout" in message, message
-    assert "zeroshard train --timeout" in message and info.value.exit_code == 4
 
 
 def test_a_rank_whose_rank_0_never_answers_is_a_start_timeout(lone_process, monkeypatch):
     """Rank 1 of a job whose rank 0 never comes up (a store nobody serves: RANK and MASTER_ADDR
     left over in the shell): one line, as above (it was torch's DistNetworkError traceback)."""
-    from zeroshard.watchdog import StartTimeout
-
-    port = free_port()
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "1"}
-    env.update(WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(StartTimeout) as info:
-        Mesh.from_env(device="cpu", timeout_s=1.0)
-    message = str(info.value)
-    assert message.startswith("rank 1 could not start the process group (") and "\n" not in message
+    port, message = _start_alone(monkeypatch, 1)
     assert f"rank 0's store at 127.0.0.1:{port} never answered" in message, message
 
 

@@ -312,7 +312,7 @@ def _holding_agent(base: type, noted: list[int], stopping: list[int]) -> type:
         raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
     class HoldingAgent(base):  # type: ignore[misc, valid-type]
-        def _rendezvous(self, worker_group: Any) -> None:
+        def _rendezvous(self, worker_group: Any) -> Any:
             # No rank exists while the nodes meet: a signal acts at once (held, it waited for
             # the rendezvous's own timeout, 600 s by default, while nodes never came).
             before = {sig: signal.signal(sig, stop_now) for sig in HELD}
