@@ -160,6 +160,21 @@ def test_a_crashed_run_s_files_on_a_read_only_disk_are_a_setup_error(tmp_path, m
         folder_mod.clear_crashed(swap)
 
 
+def test_swap_files_without_a_lock_are_refused_in_one_line(tmp_path):
+    """A live run's folder whose LOCK a /tmp cleaner deleted: the next run was refused with a
+    bare OffloadError, "holds no store", a traceback and exit 1 (an explorer); it is bad input
+    naming the two causes and the fix, and the files are left alone."""
+    from zeroshard.offload import folder as folder_mod
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    (swap / "w-0123456789ab.swp").write_bytes(b"x")
+    said = r"swap folder .*swap holds swap files but no LOCK or index.json: a run using it whose"
+    with pytest.raises(OffloadSetupError, match=said):
+        folder_mod.clear_crashed(swap)
+    assert (swap / "w-0123456789ab.swp").exists()
+
+
 @pytest.mark.parametrize("call", ["pwritev", "pwrite"])
 def test_a_full_disk_at_construction_names_the_folder_and_its_free_bytes(
     tmp_path, monkeypatch, call

@@ -347,6 +347,13 @@ def holds_swap_files(folder: Path) -> bool:
 def discard_folder(folder: Path) -> None:
     """Delete what a store left in `folder` (a crashed run), refusing if a live store holds it."""
     if not (folder / LOCK_NAME).exists() and not (folder / INDEX_NAME).exists():
+        if holds_swap_files(folder):  # (whose is unknown: never deleted)
+            raise OffloadSetupError(
+                f"swap folder {folder} holds swap files but no {LOCK_NAME} or {INDEX_NAME}: "
+                f"a run using it whose {LOCK_NAME} was deleted (a /tmp cleaner), or one that "
+                "crashed before it wrote its index; delete the folder if no run uses it, or "
+                "pass folder= another directory"
+            )
         raise OffloadError(f"{folder} holds no store (no {LOCK_NAME} or {INDEX_NAME})")
     collect_if_held_here(folder)
     if not folder.is_dir() or not ((folder / LOCK_NAME).exists() or holds_swap_files(folder)):
