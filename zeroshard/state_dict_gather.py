@@ -22,15 +22,7 @@ from zeroshard import collectives as C
 from zeroshard.model_states.flat_param import FlatParam
 from zeroshard.state_dict_layout import COLLECTIVE, is_dtensor, row_chunk
 
-__all__ = [
-    "BATCH_BYTES",
-    "Wholes",
-    "batch_cap",
-    "flat_batch",
-    "flat_sources",
-    "full_value",
-    "partitioned",
-]
+__all__ = ["Wholes", "batch_cap", "flat_batch", "flat_sources"]
 
 BATCH_BYTES = 4 * 2**20
 """The most one batch gathers (whole tensors at the gathered dtype), below ``bucket_bytes``:
@@ -207,14 +199,14 @@ class Wholes:
     tensors stay within ``cap`` bytes. ``lookup(key)`` reads an entry as it is when the batch
     is made (hooks of the user's may have renamed, replaced or edited entries in place since:
     an entry asked for that is not the one gathered, or was written since, or a key not in
-    ``order``, is gathered alone). Every rank
-    asks for the same keys in the same order (a collective)."""
+    ``order``, is gathered alone). Every rank asks for the same keys in the same order (a
+    collective)."""
 
     def __init__(self, order: Sequence[Any], lookup: Callable[[Any], Any], cap: int) -> None:
         self.order, self.lookup, self.cap = list(order), lookup, cap
         self.position = {key: i for i, key in enumerate(self.order)}
         self.ready: dict[Any, tuple[Any, tuple[int, int] | None, torch.Tensor]] = {}
-        """key -> (the entry gathered, its local tensor's version then, the whole tensor)"""
+        """key -> (the entry gathered, its ``_version`` then, the whole tensor)"""
 
     def whole(self, key: Any, value: Any) -> Any:
         """``full_value(value)``, ``value`` being ``key``'s entry."""

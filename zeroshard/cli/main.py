@@ -125,6 +125,12 @@ def _say_warnings_as(command: str) -> None:
     warnings.formatwarning = formatwarning
 
 
+def _to_devnull(stream: Any) -> None:
+    """Point ``stream``'s file at ``/dev/null``: its reader is gone, and what is still written
+    (buffered text, the flush at exit) must not raise."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
 class _GoesQuiet:
     """A text stream that drops what it is given once its reader is gone (EPIPE: a pipe into
     ``head``, a ``tee`` killed at logout; EIO: a closed terminal), its file then pointed at
@@ -143,7 +149,7 @@ class _GoesQuiet:
                 raise
             self.gone = True
             with contextlib.suppress(OSError, ValueError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+                _to_devnull(self._stream)
             return default
 
     def write(self, text: str) -> int:
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zeroshard {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `zeroshard plan | head -1`: the reader left, as for any tool
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        _to_devnull(sys.stdout)  # no error at exit
         return 141
     except Exception as exc:
         line = bad_input(exc)
