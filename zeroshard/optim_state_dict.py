@@ -40,7 +40,13 @@ from zeroshard.checkpoint_files import gather
 from zeroshard.flat_range import FlatRange
 from zeroshard.model_states.flat_param import FlatParam, Slot
 from zeroshard.optim_state_checks import match_groups, warn_dropped
-from zeroshard.state_dict_gather import Wholes, batch_cap, flat_sources
+from zeroshard.state_dict_gather import (
+    Wholes,
+    batch_cap,
+    flat_sources,
+    holds_its_row_chunk,
+    not_row_chunk,
+)
 from zeroshard.state_dict_layout import (
     all_names,
     as_sharded,
@@ -587,11 +593,30 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
     layout, _ = _state_layout(opt)
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     subgroups = _subgroup_of(opt)
-    # Checked whole before anything is loaded, and agreed: the rank whose piece holds a bad
-    # entry raised alone, and the others waited in the next gather.
-    problem: str | None = None
-    loads = []
     saved_keys = {k for st in saved_state.values() if not _never_stepped(st) for k in st}
+    # Checked whole, from shapes alone, before anything is loaded (the states are then written
+    # in place), and agreed: the rank whose piece holds a bad entry raised alone, and the
+    # others waited in the next gather.
+    problem = None
+    for bi, bucket in enumerate(engine.buckets):
+        sg = subgroups.get(id(bucket))
+        pieces = [p for ps in sg.pieces for p in ps] if sg is not None else []
+        spans = sorted((p.span.start, p.span.stop, j) for j, p in enumerate(pieces))
+        for _, s, span, names, st in _saved_slots(bucket.flat, saved_state, every_name):
+            kinds = layout[bi].get(group_of.get(id(s.param), -1), {})
+            owner = _owner(span, spans)
+            problem = problem or _entry_problem(names[0], s, st, kinds, saved_keys, owner, sg)
+    mesh = engine.mesh
+    if mesh.world_size * mesh.tp_size > 1:
+        group = None if mesh.tp_size > 1 else mesh.group
+        problem = next((p for p in gather(problem, group) if p), None)
+    if problem is not None:
+        for g, before in zip(opt.param_groups, groups_before):
+            g.clear()  # (without the saved groups' keys it lacked: initial_lr)
+            g.update(before)
+        for o in fresh:  # (a fresh optimizer stays fresh: Adam's template says step 1)
+            o.state.clear()
+        raise ValueError(f"{problem}: nothing was loaded")
     # Entries made whole in the order taken below, gathered ahead in batches (a collective).
     order = [
         (names[0], k)
@@ -612,50 +637,21 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
             owner = _owner(span, spans)
             for k in sorted(st):
                 v = wholes.whole((names[0], k), st[k])  # every rank, in one order (a collective)
-                if k in kinds:
-                    elementwise = kinds[k][0] == "elementwise"
-                else:
-                    elementwise = torch.is_tensor(v) and v.ndim >= 1 and v.shape == s.shape
-                if owner is None or problem is not None:
+                if owner is None:
                     continue
                 piece = pieces[owner]
                 if isinstance(v, FlatRange):  # read in place (checkpoint.load): the state itself
                     assembled[owner][k] = v.data
-                    continue
-                if elementwise:
-                    if v.numel() != s.numel:
-                        problem = (
-                            f"optimizer state {k!r} of {names[0]} has shape {tuple(v.shape)}, "
-                            f"the parameter {tuple(s.shape)}"
-                        )
-                        continue
+                elif _elementwise(k, v, s, kinds):
                     buf = assembled[owner].get(k)
                     if buf is None:
-                        buf = torch.zeros(
-                            piece.tensor.numel(), dtype=v.dtype, device=flat.mesh.device
-                        )
+                        buf = _state_buffer(sg.optimizer, piece.tensor, k, v)
                         assembled[owner][k] = buf
                     a, b = flat.piece_range(i)
                     lo = span.start - piece.span.start
                     buf[lo : lo + (b - a)].copy_(v.reshape(-1)[a:b])
                 else:
                     assembled[owner].setdefault(k, _copy_value(v))
-            # A state that the others have and this one lacks (a toggled option, such as
-            # amsgrad, drops a key from all of them): else the step of this rank alone fails.
-            lacking = sorted((set(kinds) & saved_keys) - set(st))
-            if owner is not None and problem is None and kinds and not set(kinds) & set(st):
-                problem = (
-                    f"optimizer state of {names[0]} holds {', '.join(map(repr, sorted(st)))}, "
-                    f"none of what the running {type(sg.optimizer).__name__} keeps "
-                    f"({', '.join(map(repr, sorted(kinds)))}): a state dict of another "
-                    "optimizer class; load one of the same class (or start its states fresh)"
-                )
-            if owner is not None and problem is None and lacking:
-                problem = (
-                    f"optimizer state of {names[0]} lacks {', '.join(map(repr, lacking))} (it "
-                    f"has {', '.join(map(repr, sorted(st)))}; the running optimizer keeps "
-                    f"{', '.join(map(repr, sorted(kinds)))})"
-                )
         if sg is None:
             continue
         packed = sg.optimizer.state_dict()
@@ -663,20 +659,7 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
         for tg, gi in zip(groups, sg.groups):
             tg.update({k: v for k, v in opt.param_groups[gi].items() if k != "params"})
         packed["state"] = {j: st for j, st in enumerate(assembled) if st}
-        loads.append((sg.optimizer, packed))
-    mesh = engine.mesh
-    if mesh.world_size * mesh.tp_size > 1:
-        group = None if mesh.tp_size > 1 else mesh.group
-        problem = next((p for p in gather(problem, group) if p), None)
-    if problem is not None:
-        for g, before in zip(opt.param_groups, groups_before):
-            g.clear()  # (without the saved groups' keys it lacked: initial_lr)
-            g.update(before)
-        for o in fresh:  # (a fresh optimizer stays fresh: Adam's template says step 1)
-            o.state.clear()
-        raise ValueError(f"{problem}: nothing was loaded")
-    for optimizer, packed in loads:
-        optimizer.load_state_dict(packed)
+        sg.optimizer.load_state_dict(packed)
     # (the states of parameters another optimizer of the model trains are its own: a
     # checkpoint of two optimizers gives each the states of both)
     trained = {
@@ -690,6 +673,81 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
     warn_dropped(
         [k for k, st in saved_state.items() if k not in trained and not _never_stepped(st)]
     )
+
+
+def _elementwise(key: str, value: Any, slot: Slot, kinds: dict[str, Any]) -> bool:
+    """Whether saved state ``key`` of ``slot`` (``value``: the entry, or its whole tensor) is
+    element-wise: as the running optimizer keeps it (``kinds``, ``_state_layout``'s), else by
+    its shape."""
+    if key in kinds:
+        return kinds[key][0] == "elementwise"
+    return torch.is_tensor(value) and value.ndim >= 1 and value.shape == slot.shape
+
+
+def _entry_problem(
+    name: str,
+    slot: Slot,
+    state: dict[str, Any],
+    kinds: dict[str, Any],
+    saved_keys: set[str],
+    owner: int | None,
+    sg: SubGroup | None,
+) -> str | None:
+    """What stops the saved ``state`` of parameter ``name`` (``slot``) from being loaded on
+    this rank, from shapes alone (no collective), or None. ``kinds``: the running optimizer's
+    keys (``_state_layout``'s); ``saved_keys``: every key the saved states hold; ``owner``:
+    this rank's piece of the slot, if any."""
+    for k, v in sorted(state.items()):
+        if not holds_its_row_chunk(v):  # (its gather would fail on every rank, mid-load)
+            return not_row_chunk(v)
+        if owner is None or isinstance(v, FlatRange) or not _elementwise(k, v, slot, kinds):
+            continue
+        if v.numel() != slot.numel:
+            return (
+                f"optimizer state {k!r} of {name} has shape {tuple(v.shape)}, the parameter "
+                f"{tuple(slot.shape)}"
+            )
+    if owner is None or not kinds:
+        return None
+    assert sg is not None
+    if not set(kinds) & set(state):
+        return (
+            f"optimizer state of {name} holds {', '.join(map(repr, sorted(state)))}, none of "
+            f"what the running {type(sg.optimizer).__name__} keeps "
+            f"({', '.join(map(repr, sorted(kinds)))}): a state dict of another optimizer "
+            "class; load one of the same class (or start its states fresh)"
+        )
+    # A state that the others have and this one lacks (a toggled option, such as amsgrad,
+    # drops a key from all of them): else the step of this rank alone fails.
+    lacking = sorted((set(kinds) & saved_keys) - set(state))
+    if lacking:
+        return (
+            f"optimizer state of {name} lacks {', '.join(map(repr, lacking))} (it has "
+            f"{', '.join(map(repr, sorted(state)))}; the running optimizer keeps "
+            f"{', '.join(map(repr, sorted(kinds)))})"
+        )
+    return None
+
+
+def _state_buffer(
+    optimizer: torch.optim.Optimizer, piece: torch.Tensor, key: str, like: torch.Tensor
+) -> torch.Tensor:
+    """1D zeros to assemble element-wise state ``key`` of ``piece`` in: the state the optimizer
+    holds already where it has the dtype and device torch's load would give it (the piece's),
+    else a new tensor of ``like``'s dtype (torch's load casts it). In place, a load holds no
+    second copy of the rank's optimizer states (FSDP2's holds none either)."""
+    held = optimizer.state.get(piece, {}).get(key)  # (NVMe-offloaded states: read in first)
+    if (
+        torch.is_tensor(held)
+        and held.numel() == piece.numel()
+        and held.dtype == piece.dtype
+        and held.device == piece.device
+        and held.is_contiguous()
+        and not held.is_inference()
+        and held.untyped_storage().data_ptr() != like.untyped_storage().data_ptr()
+    ):
+        return held.view(-1).zero_()
+    return torch.zeros(piece.numel(), dtype=like.dtype, device=piece.device)
 
 
 def _saved_slots(

@@ -140,6 +140,37 @@ def _signature(value: Any) -> tuple | None:
     return (id(value.device_mesh), tuple(value.placements), value.dtype, value.device.type)
 
 
+def _chunk_sizes(value: Any) -> list[int]:
+    """Elements of each rank's row chunk of ``value`` (a DTensor of a batched ``_signature``)
+    over the mesh's last dimension, by rank there."""
+    world = value.device_mesh.size(value.device_mesh.ndim - 1)
+    row = math.prod(value.shape[1:])
+    return [
+        (hi - lo) * row for lo, hi in (row_chunk(value.shape[0], r, world) for r in range(world))
+    ]
+
+
+def holds_its_row_chunk(value: Any) -> bool:
+    """Whether ``value`` is no batched DTensor, or one whose local tensor holds this rank's row
+    chunk (what ``_gather_rows`` needs). No collective."""
+    if _signature(value) is None:
+        return True
+    mesh = value.device_mesh
+    return value.to_local().numel() == _chunk_sizes(value)[mesh.get_local_rank(mesh.ndim - 1)]
+
+
+def not_row_chunk(bad: Any) -> str:
+    """The error for a DTensor entry that is not its rank's row chunk (``bad``: this rank's,
+    or None where another rank holds it)."""
+    said = "" if bad is None else f" (here one of shape {tuple(bad.shape)} holds "
+    said += "" if bad is None else f"{bad.to_local().numel()} elements)"
+    return (
+        "a DTensor entry does not hold its rank's row chunk (torch.chunk's split over the "
+        f"mesh) on every rank{said}: load a state dict of row chunks, as state_dict() or "
+        "dcp.load gives it"
+    )
+
+
 def _gather_rows(values: Sequence[Any]) -> list[torch.Tensor]:
     """The whole tensors of ``values`` (DTensors of one ``_signature``) from one all-gather
     over the mesh's last dimension: every rank packs its row chunks side by side, padded to the
@@ -147,12 +178,7 @@ def _gather_rows(values: Sequence[Any]) -> list[torch.Tensor]:
     mesh = values[0].device_mesh
     dim = mesh.ndim - 1
     world, rank = mesh.size(dim), mesh.get_local_rank(dim)
-    sizes = []  # per value, per rank: elements of its chunk
-    for v in values:
-        row = math.prod(v.shape[1:])
-        sizes.append(
-            [(hi - lo) * row for lo, hi in (row_chunk(v.shape[0], r, world) for r in range(world))]
-        )
+    sizes = [_chunk_sizes(v) for v in values]  # per value, per rank: elements of its chunk
     # A rank whose piece is not its row chunk says so in the gather's last element, so that
     # every rank raises (a rank raising alone left the others waiting in the gather).
     bad = next((v for v, c in zip(values, sizes) if v.to_local().numel() != c[rank]), None)
@@ -166,13 +192,7 @@ def _gather_rows(values: Sequence[Any]) -> list[torch.Tensor]:
     rows = _all_gather(packed, mesh.get_group(dim), world)
     del packed
     if bool(rows[:, -1].any()):
-        said = "" if bad is None else f" (here one of shape {tuple(bad.shape)} holds "
-        said += "" if bad is None else f"{bad.to_local().numel()} elements)"
-        raise ValueError(
-            "a DTensor entry does not hold its rank's row chunk (torch.chunk's split over the "
-            f"mesh) on every rank{said}: load a state dict of row chunks, as state_dict() or "
-            "dcp.load gives it"
-        )
+        raise ValueError(not_row_chunk(bad))
     out, offsets = [], [0] * world
     for v, counts in zip(values, sizes):
         pieces = [rows[r, offsets[r] : offsets[r] + counts[r]] for r in range(world)]
