@@ -28,3 +28,62 @@ def test_trim_returns_memory_here():
         pytest.skip("this C library has no malloc_trim (not glibc)")
     assert host_heap.trim() is True
     assert host_heap.resident_bytes() > 0
+
+
+def _host(root, cgroup: str, files: dict[str, str], available_kib: int = 8 * 2**20) -> str:
+    """A fake file system under ``root``: /proc/meminfo (8 GiB available by default), this
+    process's /proc/self/cgroup, and cgroup files (path -> content)."""
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/meminfo").write_text(f"MemTotal: 1 kB\nMemAvailable: {available_kib} kB\n")
+    (root / "proc/self/cgroup").write_text(cgroup)
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return str(root)
+
+
+GIB = 2**30
+
+
+def test_a_cgroup_limit_below_the_host_s_memory_is_what_is_available(tmp_path):
+    # The host had 8 GiB available; the job's cgroup (a container, a SLURM job) allowed 2 GiB,
+    # and a launch check passed on the host's figure before the kernel killed a rank.
+    v2 = "sys/fs/cgroup/job/step"
+    root = _host(
+        tmp_path / "v2",
+        "0::/job/step\n",
+        {
+            f"{v2}/memory.max": f"{4 * GIB}\n",
+            f"{v2}/memory.current": f"{GIB}\n",
+            f"{v2}/memory.stat": f"anon 1\ninactive_file {GIB // 2}\n",  # reclaimable cache
+            "sys/fs/cgroup/job/memory.max": f"{2 * GIB}\n",  # the parent's limit binds
+            "sys/fs/cgroup/job/memory.current": f"{GIB}\n",
+        },
+    )
+    assert host_heap.memory_available_bytes(root) == GIB
+    v1 = "sys/fs/cgroup/memory"
+    root = _host(
+        tmp_path / "v1",
+        "5:cpu,cpuacct:/\n4:memory:/slurm/job1\n0::/\n",
+        {
+            f"{v1}/slurm/job1/memory.limit_in_bytes": f"{3 * GIB}\n",
+            f"{v1}/slurm/job1/memory.usage_in_bytes": f"{2 * GIB}\n",
+            f"{v1}/slurm/job1/memory.stat": f"total_inactive_file {GIB}\n",
+            f"{v1}/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit"
+            f"{v1}/memory.usage_in_bytes": f"{5 * GIB}\n",
+        },
+    )
+    assert host_heap.memory_available_bytes(root) == 2 * GIB
+
+
+def test_without_a_cgroup_limit_the_host_s_memory_is_available(tmp_path):
+    # No limit ("max"), a namespace whose own cgroup is the mount's root, no cgroup files.
+    files = {"sys/fs/cgroup/memory.max": "max\n", "sys/fs/cgroup/memory.current": "5\n"}
+    root = _host(tmp_path / "a", "0::/not/here\n", files)
+    assert host_heap.memory_available_bytes(root) == 8 * GIB
+    root = _host(tmp_path / "b", "0::/\n", {}, available_kib=1024)
+    assert host_heap.memory_available_bytes(root) == 2**20
+    limited = {"sys/fs/cgroup/memory.max": f"{GIB}\n", "sys/fs/cgroup/memory.current": "0\n"}
+    root = _host(tmp_path / "c", "0::/not/here\n", limited)  # the mount's root is its cgroup
+    assert host_heap.memory_available_bytes(root) == GIB
+    assert host_heap.memory_available_bytes(str(tmp_path / "nothing")) is None

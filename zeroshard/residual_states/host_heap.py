@@ -56,17 +56,79 @@ def resident_bytes() -> int | None:
         return None
 
 
-def memory_available_bytes() -> int | None:
-    """Memory the kernel can hand out without swapping (Linux's ``MemAvailable``), bytes; None
-    where ``/proc/meminfo`` does not say."""
+def memory_available_bytes(root: str = "/") -> int | None:
+    """Memory this process can still be given without swapping or being killed, bytes: the
+    least of Linux's ``MemAvailable`` and the headroom of its memory cgroup (a container's, a
+    SLURM job's: MemAvailable is the host's, and a cgroup's limit kills the process well below
+    it). None where neither says. ``root``: the file system's root (tests)."""
+    found = [b for b in (_meminfo_available(root), _cgroup_headroom(root)) if b is not None]
+    return min(found) if found else None
+
+
+def _meminfo_available(root: str) -> int | None:
     try:
-        with open("/proc/meminfo") as f:
+        with open(os.path.join(root, "proc/meminfo")) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+_UNLIMITED = 1 << 60
+"""cgroup v1 writes "no limit" as a number near 2**63."""
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _stat(text: str | None, key: str) -> int:
+    """Field ``key`` of a cgroup's ``memory.stat`` (0 where absent)."""
+    for line in (text or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def _cgroup_headroom(root: str) -> int | None:
+    """Limit minus working set (usage less the inactive page cache the kernel reclaims first,
+    as Kubernetes counts it) of this process's memory cgroup and of each cgroup above it, the
+    least; None where no limit is set or the files are not there. cgroup v2
+    (``memory.max``, ``memory.current``) and v1 (``memory.limit_in_bytes``,
+    ``memory.usage_in_bytes``)."""
+    table = _read(os.path.join(root, "proc/self/cgroup")) or ""
+    headrooms = []
+    for line in table.splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: one hierarchy
+            base = os.path.join(root, "sys/fs/cgroup")
+            files = ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1: the memory controller's own
+            base = os.path.join(root, "sys/fs/cgroup/memory")
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        base = os.path.normpath(base)
+        here = os.path.normpath(os.path.join(base, path.strip().lstrip("/")))
+        if not here.startswith(base) or not os.path.isdir(here):
+            here = base  # a namespace's: its own cgroup is mounted as the base
+        while True:
+            limit, usage = _read(os.path.join(here, files[0])), _read(os.path.join(here, files[1]))
+            if limit and usage and limit.strip().isdigit() and int(limit) < _UNLIMITED:
+                inactive = _stat(_read(os.path.join(here, "memory.stat")), files[2])
+                working = max(int(usage) - inactive, 0)
+                headrooms.append(max(int(limit) - working, 0))
+            if len(here) <= len(base) or not here.startswith(base):  # (the mount's root)
+                break
+            here = os.path.dirname(here)
+    return min(headrooms) if headrooms else None
 
 
 class HeapKeeper:
