@@ -1257,3 +1257,37 @@ def test_torch_s_grad_scaler_over_fp16_gradients_at_stage_0_names_the_fix(lone_p
     assert "shard(..., mixed_precision='fp16') gives the optimizer a DynamicLossScaler" in str(
         info.value
     )
+
+
+def _settings_apart(stage: int) -> dict:
+    """A learning rate a rank set alone (ReduceLROnPlateau stepped on the rank's own metric):
+    each rank had stepped its own shard with its own rate, without a word."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+    model = zeroshard.shard(model, stage=stage, wrap=zeroshard.wrap.by_class(nn.Linear))
+    opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+    out = {}
+    for step in range(3):
+        model(torch.randn(2, 4)).square().mean().backward()
+        before = copy.deepcopy(zeroshard.full_state_dict(model, rank0_only=False))
+        try:
+            opt.step()
+        except ValueError as exc:
+            out["said"], out["at"] = str(exc), step
+            after = zeroshard.full_state_dict(model, rank0_only=False)
+            out["untouched"] = all(torch.equal(v, after[k]) for k, v in before.items())
+            break
+        opt.zero_grad()
+        scheduler.step(-step if dist.get_rank() == 0 else step)  # rank 1's worsens
+    opt.param_groups[0]["lr"] = 1e-3  # alike again: the step goes on
+    out["stepped"] = opt.step()
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_settings_that_differ_between_ranks_are_refused_at_the_step(workers2, stage):
+    for r in workers2.run(_settings_apart, stage):
+        assert r["at"] == 2 and r["untouched"] and r["stepped"], r
+        assert "param group 0's 'lr' is 0.01 on rank 0, 0.001 on rank 1" in r["said"], r
+        assert r["said"].endswith("Nothing was stepped"), r

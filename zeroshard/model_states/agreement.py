@@ -6,7 +6,9 @@ rank."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,3 +94,61 @@ def reduced_again_anywhere(flags: list[bool], mesh: Mesh) -> list[bool]:
     with diagnosed("all_reduce", "gradients after their reduction", group):
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     return [f > 0 for f in agreed.tolist()]
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings that read the same on every rank that set them alike: numbers,
+    strings, None and tuples of them (not ``params``; not tensors, whose value is on the
+    device; not objects, whose ``repr`` holds an address)."""
+    out = {}
+    for k, v in group.items():
+        if k in ("params", "param_names"):
+            continue
+        if isinstance(v, _PLAIN) or (
+            isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v)
+        ):
+            out[k] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def settings_digests(param_groups: Sequence[dict[str, Any]], device: torch.device) -> torch.Tensor:
+    """``(2 * len(param_groups),)`` FP32: per group ``[d, -d]``, ``d`` a 24-bit digest of its
+    plain settings (exact in FP32), for ``agree``'s MAX: ranks whose settings differ (a
+    scheduler stepped on a rank's own metric) get ``max(d) != -max(-d)``."""
+    digests = []
+    for g in param_groups:
+        d = float(zlib.crc32(repr(sorted(_plain_settings(g).items())).encode()) & 0xFFFFFF)
+        digests += [d, -d]
+    return torch.tensor(digests, dtype=torch.float32, device=device)
+
+
+def settings_apart(
+    param_groups: Sequence[dict[str, Any]], reduced: list[float], group: Any
+) -> str | None:
+    """The error when ``reduced`` (``settings_digests`` after ``agree``) says the ranks' param
+    groups differ, naming each setting and its value per rank (an object all-gather, on every
+    rank alike: they all see the same ``reduced``); None when they agree."""
+    apart = [i for i in range(len(param_groups)) if reduced[2 * i] != -reduced[2 * i + 1]]
+    if not apart:
+        return None
+    mine = [_plain_settings(param_groups[i]) for i in apart]
+    every: list[Any] = [None] * dist.get_world_size(group)
+    with diagnosed("all_gather_object", "the param groups' settings", group):
+        dist.all_gather_object(every, mine, group=group)
+    said = []
+    for j, gi in enumerate(apart):
+        for k in sorted({k for settings in every for k in settings[j]}):
+            values = [settings[j].get(k, "(unset)") for settings in every]
+            if len(set(map(repr, values))) > 1:
+                per_rank = ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))
+                said.append(f"param group {gi}'s {k!r} is {per_rank}")
+    return (
+        "optimizer.step(): the ranks' optimizer settings differ ("
+        + ("; ".join(said) or "param groups " + ", ".join(map(str, apart)))
+        + "): each rank would step its own shard with its own settings, and the model mix "
+        "them. Set them alike on every rank: a scheduler stepped with a rank's own metric "
+        "(ReduceLROnPlateau) takes the metric all-reduced first. Nothing was stepped"
+    )

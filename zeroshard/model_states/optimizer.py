@@ -44,7 +44,7 @@ from zeroshard import model_checks
 from zeroshard.engine import Engine, engine_of, live_engines
 from zeroshard.loss_scaling import DynamicLossScaler, LossScaler, default_scaler
 from zeroshard.model_states import backward_step, bucket_owners, clipping, streamed_step
-from zeroshard.model_states.agreement import agree, agreed
+from zeroshard.model_states.agreement import agree, agreed, settings_apart, settings_digests
 from zeroshard.model_states.backward_step import BackwardStep, check_step_in_backward
 from zeroshard.model_states.grad_swap import GradSwapper
 from zeroshard.model_states.init import check_same_model
@@ -370,9 +370,10 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
             else torch.zeros(1, dtype=torch.float32, device=engine.mesh.device)
         )
         applied = self._applied_one_hot()
+        settings = settings_digests(self.param_groups, engine.mesh.device)
         flags = agree(
             found_inf,
-            torch.cat([applied, engine.slots_touched()]),
+            torch.cat([applied, engine.slots_touched(), settings]),
             engine.mesh,
             engine.ledger,
             async_op=False,
@@ -380,7 +381,16 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         seen, reached = agreed(flags, engine.forget_order)  # (a host sync)
         self._applied = None
         width = len(self._buckets) + 1
-        copies, touched = reached[: applied.numel()], reached[applied.numel() :]
+        touched_end = len(reached) - settings.numel()
+        copies, touched = reached[: applied.numel()], reached[applied.numel() : touched_end]
+        mesh = engine.mesh
+        apart = settings_apart(
+            self.param_groups,
+            flags[flags.numel() - settings.numel() :].tolist(),
+            None if mesh.tp_size > 1 else mesh.group,  # (as ``agree``'s)
+        )
+        if apart is not None:
+            raise ValueError(apart)
         if any(sum(copies[i : i + width]) > 1 for i in range(0, len(copies), width)):
             self._refuse_replicas_apart()
         return self.loss_scaler.checks and seen, {i for i, used in enumerate(touched) if not used}
@@ -501,12 +511,12 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
             self.engine.adopt_writes()  # (stepping in backward, the forward adopted them)
         try:
             self._adopt_grad_edits()  # before the agreement: a .grad set to None is no gradient
+            found_inf, unused = self._agree()  # (ValueError: the ranks' settings differ)
         except ValueError:
             bs = self._backward_step
             if bs is not None:  # units stepped in backward: their updates stay
                 self._end_backward_step(bs, changed=bool(bs.stepped))
             raise
-        found_inf, unused = self._agree()
         # The scale in these gradients: another optimizer's when its backward took the loss
         # through this model too (one loss through two models sharded apart); that scaler
         # lowers its scale for the overflow, this one keeps its own.
