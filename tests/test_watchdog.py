@@ -176,6 +176,7 @@ def test_ranks_in_different_collectives_say_so():
         _assert_one_line(message)
         assert message.startswith(mine) and theirs in message, message
         assert "different collectives" in message and "did not arrive" not in message, message
+        assert "under `if rank == 0:`" in message and "summon_full_params" in message, message
         assert seconds < DEADLINE_S, seconds
 
 
@@ -381,7 +382,9 @@ def test_a_rank_whose_process_ended_is_told_from_one_still_running(lone_process)
     assert "e.g. with a batch fewer); rank 0 did not arrive" in said
     assert said.endswith(
         "rank 1 reached it. Look at rank 2: the first error in the log says why, or its loop ran "
-        "fewer steps (give every rank the same number of batches: drop_last)"
+        "fewer steps (give every rank the same number of batches: drop_last), or the others "
+        "ran a forward alone (an evaluation under `if rank == 0:`: run it on every rank, or "
+        "inside zeroshard.summon_full_params(model) there)"
     )
     timed_out = dataclasses.replace(report, backend_error="Timed out", ended=(0, 2))
     said = _message(timed_out, store_answered=True)  # (no timeout would have helped)

@@ -424,7 +424,9 @@ def _message(r: TimeoutReport, *, store_answered: bool) -> str:
             f"{head}: {_ranks(r.ended)} ended (process gone: killed or crashed, or its "
             f"program finished early, e.g. with a batch fewer){also}; {_ranks(reached)} reached "
             f"it. Look at {_ranks(r.ended)}: the first error in the log says why, or its loop "
-            "ran fewer steps (give every rank the same number of batches: drop_last)"
+            "ran fewer steps (give every rank the same number of batches: drop_last), or the "
+            "others ran a forward alone (an evaluation under `if rank == 0:`: run it on every "
+            "rank, or inside zeroshard.summon_full_params(model) there)"
         )
     if r.missing:
         reached = [x for x in r.group_ranks if x not in r.missing]
@@ -437,7 +439,9 @@ def _message(r: TimeoutReport, *, store_answered: bool) -> str:
         where = "; ".join(f"rank {x} was in {w}" for x, w in sorted(r.elsewhere.items()))
         return (
             f"{head}: {where}. The ranks issued different collectives (one skipped or added "
-            "one, e.g. in a branch taken on some ranks only); compare the ranks' code paths"
+            "one, e.g. in a branch taken on some ranks only: an evaluation or generate() under "
+            "`if rank == 0:` gathers a sharded model's units alone; run it on every rank, or "
+            "inside zeroshard.summon_full_params(model) there); compare the ranks' code paths"
         )
     return (
         f"{head}, yet every rank of the group ({', '.join(map(str, r.group_ranks))}) reached "
