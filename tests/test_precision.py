@@ -919,6 +919,44 @@ def test_a_buffer_shared_by_two_modules_stays_one(workers2, stage, policy, secon
         assert r == {"same": True, "equal": True}, r
 
 
+class _ViewedStat(nn.Module):
+    """``part`` registered as a view of ``whole``, which the forward updates in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("whole", torch.zeros(8))
+        self.register_buffer("part", self.whole[2:6])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.whole.add_(torch.arange(8.0, dtype=self.whole.dtype))
+        return self.fc(x) + self.part.to(x.dtype)
+
+
+def _viewed_buffer(stage: int) -> dict:
+    """A buffer that views another stays its view when cast to ``buffer_dtype``: cast apart,
+    ``part`` stayed 0 while ``whole`` moved, and the state dict saved it so."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(_ViewedStat(), nn.Linear(4, 2))
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, mixed_precision="bf16")
+    for _ in range(3):
+        ref(torch.randn(2, 4))
+        model(torch.randn(2, 4))
+    full = zeroshard.full_state_dict(model, rank0_only=False)
+    return {
+        "view": model[0].part.untyped_storage().data_ptr()
+        == model[0].whole.untyped_storage().data_ptr(),
+        "saved": all(torch.equal(full[f"0.{k}"], ref[0].get_buffer(k)) for k in ("whole", "part")),
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_buffer_viewing_another_stays_its_view_when_cast(workers2, stage):
+    for r in workers2.run(_viewed_buffer, stage):
+        assert r == {"view": True, "saved": True}, r
+
+
 def test_fp16_where_the_device_cannot_names_bf16(monkeypatch):
     monkeypatch.setattr("zeroshard.precision.supports", lambda dtype, device: False)
     monkeypatch.setattr("zeroshard.precision.bf16_support", lambda device: (False, "mocked"))

@@ -51,6 +51,7 @@ def move(model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecision, *, sy
             # non-persistent there, and each update was seen by one name only).
             dtypes.setdefault(id(buf), dtype)
     moved: dict[int, torch.Tensor] = {}
+    wholes = _converted_wholes(registered, dtypes, mesh, sync=sync)
     floating = []  # (qualified name, module, name): what restore_dtypes checks
     for module, name, buf in registered:
         dtype = dtypes[id(buf)]
@@ -60,13 +61,53 @@ def move(model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecision, *, sy
             module.__dict__.setdefault(ENGINE_DTYPES, {})[name] = dtype
             prefix = where.get(id(module), "")
             floating.append((f"{prefix}.{name}" if prefix else name, module, name))
-        if id(buf) not in moved:
+        if id(buf) in moved:
+            pass
+        elif _storage(buf) in wholes:  # a view of a storage other buffers view: it stays one
+            whole = wholes[_storage(buf)]
+            moved[id(buf)] = whole.as_strided(buf.shape, buf.stride(), buf.storage_offset())
+        else:
             moved[id(buf)] = buf.to(device=mesh.device, dtype=dtype)
             if sync and mesh.world_size > 1:
                 moved[id(buf)] = C.broadcast_any(moved[id(buf)], group=mesh.group)
         module._buffers[name] = moved[id(buf)]
     model.__dict__[_FLOATING] = floating
     _watch_assignments()
+
+
+def _storage(buf: torch.Tensor) -> int:
+    return buf.untyped_storage().data_ptr()
+
+
+@torch.no_grad()
+def _converted_wholes(
+    registered: list[tuple[nn.Module, str, torch.Tensor]],
+    dtypes: dict[int, torch.dtype],
+    mesh: Mesh,
+    *,
+    sync: bool,
+) -> dict[int, torch.Tensor]:
+    """Storage -> the whole storage moved and cast (and broadcast with ``sync``), for buffers
+    that view one storage with other buffers (``part = whole[:4]``), all of one dtype and
+    asked for one: each is made a view of it again, so an update of one reaches the others,
+    as in torch (cast apart under a BF16 ``buffer_dtype``, ``part`` stopped following
+    ``whole`` without a word). Meta and empty storages are left out (they share no memory)."""
+    by_storage: dict[int, dict[int, torch.Tensor]] = {}
+    for _, _, buf in registered:
+        if buf.device.type != "meta" and buf.untyped_storage().nbytes():
+            by_storage.setdefault(_storage(buf), {})[id(buf)] = buf
+    wholes = {}
+    for key, bufs in by_storage.items():
+        first = next(iter(bufs.values()))
+        if len(bufs) < 2 or len({(b.dtype, dtypes[id(b)]) for b in bufs.values()}) > 1:
+            continue  # one tensor (however many names), or views in several dtypes: apart
+        whole = torch.empty(0, dtype=first.dtype, device=first.device)
+        whole.set_(first.untyped_storage())
+        whole = whole.to(device=mesh.device, dtype=dtypes[id(first)], copy=True)
+        if sync and mesh.world_size > 1:
+            whole = C.broadcast_any(whole, group=mesh.group)
+        wholes[key] = whole
+    return wholes
 
 
 _FLOATING = "_zeroshard_floating_buffers"
