@@ -1291,3 +1291,27 @@ def test_settings_that_differ_between_ranks_are_refused_at_the_step(workers2, st
         assert r["at"] == 2 and r["untouched"] and r["stepped"], r
         assert "param group 0's 'lr' is 0.01 on rank 0, 0.001 on rank 1" in r["said"], r
         assert r["said"].endswith("Nothing was stepped"), r
+
+
+def _frozen_with_a_grad(stage: int) -> dict:
+    """A frozen parameter in the optimizer's groups, its .grad set by hand: torch's SGD steps
+    it; the sharded optimizer stepped the others and ignored it, saying True."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    model[0].weight.requires_grad_(False)
+    model = zeroshard.shard(model, stage=stage, wrap=zeroshard.wrap.by_class(nn.Linear))
+    opt = zeroshard.optimizer(model, torch.optim.SGD, list(model.parameters()), lr=0.1)
+    opt.backward(model(torch.ones(2, 4)).sum())
+    model[0].weight.grad = torch.ones(3, 4)
+    with pytest.raises(ValueError) as info:
+        opt.step()
+    opt.zero_grad()  # drops it: the next steps go on
+    opt.backward(model(torch.ones(2, 4)).sum())
+    return {"said": str(info.value), "dropped": model[0].weight.grad is None, "step": opt.step()}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_grad_set_on_a_frozen_parameter_is_refused(workers2, stage):
+    for r in workers2.run(_frozen_with_a_grad, stage):
+        assert r["said"].startswith("0.weight does not train (requires_grad=False"), r
+        assert r["dropped"] and r["step"], r

@@ -129,6 +129,9 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         check_requires_grad(self.engine.flat_params)  # else a parameter would not be found
         user_groups = param_groups(model, params)
         self._param_ids = {id(p) for g in user_groups for p in g["params"]}
+        self._frozen = [p for g in user_groups for p in g["params"] if not p.requires_grad]
+        """Its parameters that do not train (requires_grad=False at ``shard()``): no sub-group
+        steps them, so a ``.grad`` set on one by hand is refused (``_refuse_frozen_grads``)."""
         self._whole_units = [  # units whose every trainable parameter it holds: Unit.updates
             u for u in self.engine.units if u.param_ids and u.param_ids <= self._param_ids
         ]
@@ -241,10 +244,26 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         stage 0's in-place edits and reassignments are what the step takes
         (``GradBucket.adopt_edits``, ``adopt_rebinds``); a gradient set by hand where the step
         cannot read it is an error."""
+        self._refuse_frozen_grads()
         for b in self._buckets:
             b.adopt_writes_over_zeros()
             b.adopt_edits()
             b.adopt_rebinds(self._slots[id(b)])
+
+    def _refuse_frozen_grads(self) -> None:
+        """A ``.grad`` set by hand on a frozen parameter of this optimizer is an error: torch's
+        optimizer steps it, this one keeps no shard of it to step (it was ignored)."""
+        held = next((p for p in self._frozen if p.grad is not None), None)
+        if held is None:
+            return
+        name = next((n for n, q in self.engine.model.named_parameters() if q is held), "?")
+        raise ValueError(
+            f"{name} does not train (requires_grad=False at zeroshard.shard()), yet its .grad "
+            "was set: a torch optimizer would step it, but the sharded optimizer steps only "
+            "the parameters that train, from the gradients their backward reduced over the "
+            "ranks. To train it, set requires_grad=True before shard(); else set its .grad "
+            "back to None (opt.zero_grad() does)"
+        )
 
     def _shard_grads(self) -> list[torch.Tensor]:
         """This rank's reduced FP32 gradients of this optimizer's parameters (1D: the whole
@@ -654,6 +673,8 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
             self._grad_swap.zero()
         bucket_owners.reclaim(self)
         bucket_owners.zero_grad(self, set_to_none)
+        for p in self._frozen:  # (no step reads them: a zero one would still be refused)
+            p.grad = None
 
     # ----------------------------------------------------------------- state
     @property  # type: ignore[override]
