@@ -355,7 +355,7 @@ def test_data_replaced_at_rest_before_its_gather_is_an_error(workers2):
     """Units at rest when their data is replaced (their values are NaN placeholders there): the
     gather overwrote the replacement without a word."""
     for said in workers2.run(_momentum_in_forward, 3, nn.Linear):
-        assert isinstance(said, str) and "at rest, stage 3" in said, said
+        assert isinstance(said, str) and "while its unit was at rest (stage 3" in said, said
         assert "summon_full_params" in said
 
 
@@ -648,3 +648,44 @@ def test_a_gather_whose_wait_raised_keeps_its_memory_until_waited(workers2):
     first, second = workers2.run(_gather_interrupted, 3)
     assert first["kept"] == first["nbytes"] > 0, first["kept"]
     assert torch.equal(first["f"], second["f"]) and torch.equal(first["g"], second["g"])
+
+
+class _Symmetric(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + x.T) / 2
+
+
+def _replaced_at_rest() -> dict:
+    """Stage 3, data replaced at rest: FSDP2's meta-init recipe (``to_empty``, then an init)
+    and a parametrization removed outside ``summon_full_params``; the errors named neither
+    (they spoke of dtypes), and the parametrization's left the module on its raw original."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    parametrize.register_parametrization(model[1], "weight", _Symmetric())
+    model = zeroshard.shard(model, stage=3, wrap=zeroshard.wrap.by_class(nn.Linear))
+    x = torch.randn(2, 4)
+    before = model(x)
+    said = {}
+    model.to_empty(device="cpu")
+    try:
+        model(x)
+    except ValueError as exc:
+        said["to_empty"] = str(exc)
+    said["undone"] = torch.equal(model(x), before)
+    parametrize.remove_parametrizations(model[1], "weight", leave_parametrized=True)
+    try:
+        model(x)
+    except ValueError as exc:
+        said["removed"] = str(exc)
+    return said
+
+
+def test_data_replaced_at_rest_names_what_replaces_it(workers2):
+    for r in workers2.run(_replaced_at_rest):
+        assert r["to_empty"].startswith("0.weight's data was replaced after zeroshard.shard() "), r
+        assert "model.to_empty()" in r["to_empty"] and "param_init_fn" in r["to_empty"], r
+        assert r["undone"], r
+        assert r["removed"].startswith("1.parametrizations.weight.original's data was"), r
+        assert "1 now holds the un-parametrized original" in r["removed"], r

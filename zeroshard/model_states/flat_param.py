@@ -91,6 +91,31 @@ def _unset(dtype: torch.dtype) -> float | int | bool:
     return False if dtype == torch.bool else torch.iinfo(dtype).min
 
 
+def _replaced_at_rest(name: str) -> str:
+    """The error for parameter ``name``'s data replaced at rest (stage 3, its unit not
+    gathered: it held a NaN placeholder, so whatever was computed from it is lost)."""
+    said = (
+        f"{name}'s data was replaced after zeroshard.shard() while its unit was at rest (stage "
+        "3: it holds a NaN placeholder there), e.g. by model.to_empty() (FSDP2's meta-init "
+        "recipe: here shard() itself materializes a model built on meta, a unit at a time; "
+        "pass shard(..., param_init_fn=...) or give modules reset_parameters()), p.data = "
+        "..., torch.nn.utils.prune's remove(), or a parametrization removed "
+        "(torch.nn.utils.parametrize.remove_parametrizations computes the weight from the "
+        "placeholder)"
+    )
+    if ".parametrizations." in name:
+        said += (
+            f". {name.split('.parametrizations.')[0] or 'the module'} now holds the "
+            "un-parametrized original in its place: register the parametrization again (or "
+            "load a state dict), and remove parametrizations inside "
+            "zeroshard.summon_full_params(model), where they are whole"
+        )
+    return (
+        f"{said}. The replacement was undone (the parameter holds its values from before it); "
+        "set values with model.load_state_dict() or inside zeroshard.summon_full_params(model)"
+    )
+
+
 def _written(elements: torch.Tensor) -> list[int]:
     """Indices of the placeholder ``elements`` that no longer hold ``_unset`` (one host read)."""
     if elements.dtype.is_floating_point or elements.dtype.is_complex:
@@ -319,18 +344,17 @@ class FlatParam:
                     "memory in their shapes at shard(); change the model before sharding it "
                     "(the parameter was given its memory back)"
                 )
-            what = f"it is {dtype}, the engine's {base.dtype}"
-            if dtype == base.dtype:
-                what = "at rest, stage 3: it holds nothing there"
-            raise ValueError(
-                f"{s.names[0]}'s data was replaced after zeroshard.shard() (model.half(), "
-                f"model.to(dtype), p.data = ..., a tie_weights() that pads a head's bias, "
-                f"torch.nn.utils.prune's remove(); "
-                f"{what}): the engine holds the parameters' "
-                "memory, given back to the parameter. Pick compute dtypes with shard(..., "
-                "mixed_precision='bf16'), convert before sharding, or set values with "
-                "model.load_state_dict() or inside zeroshard.summon_full_params(model)"
-            )
+            if dtype != base.dtype:
+                raise ValueError(
+                    f"{s.names[0]}'s data was replaced after zeroshard.shard() (model.half(), "
+                    f"model.to(dtype), p.data = ..., a tie_weights() that pads a head's bias, "
+                    f"torch.nn.utils.prune's remove(); it is {dtype}, the engine's "
+                    f"{base.dtype}): the engine holds the parameters' memory, given back to the "
+                    "parameter. Pick compute dtypes with shard(..., mixed_precision='bf16'), "
+                    "convert before sharding, or set values with model.load_state_dict() or "
+                    "inside zeroshard.summon_full_params(model)"
+                )
+            raise ValueError(_replaced_at_rest(s.names[0]))
         return adopted
 
     def copy_in(self, adopted: list[tuple[Slot, torch.Tensor]]) -> None:
