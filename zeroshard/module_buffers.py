@@ -63,8 +63,8 @@ def move(model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecision, *, sy
             floating.append((f"{prefix}.{name}" if prefix else name, module, name))
         if id(buf) in moved:
             pass
-        elif _storage(buf) in wholes:  # a view of a storage other buffers view: it stays one
-            whole = wholes[_storage(buf)]
+        elif (key := _storage(buf)) in wholes:  # a storage other buffers view: it stays one
+            whole = wholes[key]
             moved[id(buf)] = whole.as_strided(buf.shape, buf.stride(), buf.storage_offset())
         else:
             moved[id(buf)] = buf.to(device=mesh.device, dtype=dtype)
@@ -75,7 +75,12 @@ def move(model: nn.Module, mesh: Mesh, own: dict, default: MixedPrecision, *, sy
     _watch_assignments()
 
 
-def _storage(buf: torch.Tensor) -> int:
+def _storage(buf: torch.Tensor) -> int | None:
+    """The data pointer of ``buf``'s storage; None where it has none to share: meta, empty,
+    sparse tensors and subclasses."""
+    plain = type(buf) in (torch.Tensor, nn.Parameter) and buf.layout is torch.strided
+    if not plain or buf.device.type == "meta" or not buf.untyped_storage().nbytes():
+        return None
     return buf.untyped_storage().data_ptr()
 
 
@@ -91,11 +96,12 @@ def _converted_wholes(
     that view one storage with other buffers (``part = whole[:4]``), all of one dtype and
     asked for one: each is made a view of it again, so an update of one reaches the others,
     as in torch (cast apart under a BF16 ``buffer_dtype``, ``part`` stopped following
-    ``whole`` without a word). Meta and empty storages are left out (they share no memory)."""
+    ``whole`` without a word). Buffers without a storage to share are left out (``_storage``)."""
     by_storage: dict[int, dict[int, torch.Tensor]] = {}
     for _, _, buf in registered:
-        if buf.device.type != "meta" and buf.untyped_storage().nbytes():
-            by_storage.setdefault(_storage(buf), {})[id(buf)] = buf
+        key = _storage(buf)
+        if key is not None:
+            by_storage.setdefault(key, {})[id(buf)] = buf
     wholes = {}
     for key, bufs in by_storage.items():
         first = next(iter(bufs.values()))
