@@ -148,7 +148,7 @@ def settings_apart(
     return (
         "optimizer.step(): the ranks' optimizer settings differ ("
         + ("; ".join(said) or "param groups " + ", ".join(map(str, apart)))
-        + "): each rank would step its own shard with its own settings, and the model mix "
+        + "): each rank would step its own shard with its own settings, and the model would mix "
         "them. Set them alike on every rank: a scheduler stepped with a rank's own metric "
         "(ReduceLROnPlateau) takes the metric all-reduced first. Nothing was stepped"
     )
