@@ -99,7 +99,9 @@ def _replaced_at_rest(name: str) -> str:
         "3: it holds a NaN placeholder there), e.g. by model.to_empty() (FSDP2's meta-init "
         "recipe: here shard() itself materializes a model built on meta, a unit at a time; "
         "pass shard(..., param_init_fn=...) or give modules reset_parameters()), p.data = "
-        "..., torch.nn.utils.prune's remove(), or a parametrization removed "
+        "..., model.to(memory_format=torch.channels_last) (parameters stay contiguous in the "
+        "engine's memory: give the inputs that format, convolutions follow them), "
+        "torch.nn.utils.prune's remove(), or a parametrization removed "
         "(torch.nn.utils.parametrize.remove_parametrizations computes the weight from the "
         "placeholder)"
     )
