@@ -920,41 +920,50 @@ def test_a_buffer_shared_by_two_modules_stays_one(workers2, stage, policy, secon
 
 
 class _ViewedStat(nn.Module):
-    """``part`` registered as a view of ``whole``, which the forward updates in place."""
+    """``part`` registered as a view of ``whole``, which the forward updates in place, and
+    ``head`` a non-persistent view of it; ``alias`` a plain attribute holding ``whole``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 4)
         self.register_buffer("whole", torch.zeros(8))
         self.register_buffer("part", self.whole[2:6])
+        self.register_buffer("head", self.whole[:2], persistent=False)
+        self.alias = self.whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             self.whole.add_(torch.arange(8.0, dtype=self.whole.dtype))
-        return self.fc(x) + self.part.to(x.dtype)
+        return self.fc(x) + self.part.to(x.dtype).sum() + self.head.to(x.dtype).sum()
 
 
-def _viewed_buffer(stage: int) -> dict:
-    """A buffer that views another stays its view when cast to ``buffer_dtype``: cast apart,
-    ``part`` stayed 0 while ``whole`` moved, and the state dict saved it so."""
+def _viewed_buffer(stage: int, policy: str) -> dict:
+    """Buffers that view one storage stay views of it when cast to ``buffer_dtype`` (cast
+    apart, ``part`` stayed 0 while ``whole`` moved, and the state dict saved it so; a
+    non-persistent view among them split them all), and are left as they are when no cast is
+    asked for (they were copied: a reference the module kept stopped seeing them)."""
     torch.manual_seed(0)
     ref = nn.Sequential(_ViewedStat(), nn.Linear(4, 2))
-    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, mixed_precision="bf16")
+    model = zeroshard.shard(copy.deepcopy(ref), stage=stage, mixed_precision=policy)
     for _ in range(3):
         ref(torch.randn(2, 4))
         model(torch.randn(2, 4))
     full = zeroshard.full_state_dict(model, rank0_only=False)
+    stat = model[0]
     return {
-        "view": model[0].part.untyped_storage().data_ptr()
-        == model[0].whole.untyped_storage().data_ptr(),
+        "views": {stat.part.untyped_storage().data_ptr(), stat.head.untyped_storage().data_ptr()}
+        == {stat.whole.untyped_storage().data_ptr()},
         "saved": all(torch.equal(full[f"0.{k}"], ref[0].get_buffer(k)) for k in ("whole", "part")),
+        "alias kept": stat.alias is stat.whole,
     }
 
 
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_buffer_viewing_another_stays_its_view_when_cast(workers2, stage):
-    for r in workers2.run(_viewed_buffer, stage):
-        assert r == {"view": True, "saved": True}, r
+def test_buffers_viewing_one_storage_stay_its_views(workers2, stage, policy):
+    for r in workers2.run(_viewed_buffer, stage, policy):
+        assert r["views"] and r["saved"], r
+        assert r["alias kept"] == (policy == "fp32"), r  # (a cast makes a new tensor)
 
 
 def test_fp16_where_the_device_cannot_names_bf16(monkeypatch):

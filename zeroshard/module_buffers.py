@@ -93,10 +93,14 @@ def _converted_wholes(
     sync: bool,
 ) -> dict[int, torch.Tensor]:
     """Storage -> the whole storage moved and cast (and broadcast with ``sync``), for buffers
-    that view one storage with other buffers (``part = whole[:4]``), all of one dtype and
-    asked for one: each is made a view of it again, so an update of one reaches the others,
-    as in torch (cast apart under a BF16 ``buffer_dtype``, ``part`` stopped following
-    ``whole`` without a word). Buffers without a storage to share are left out (``_storage``)."""
+    that view one storage with other buffers (``part = whole[:4]``) and must change dtype or
+    device: each is made a view of it again, so an update of one reaches the others, as in
+    torch (cast apart under a BF16 ``buffer_dtype``, ``part`` stopped following ``whole``
+    without a word). Such views all take the dtype the first of them asks for (``dtypes`` is
+    updated), as a buffer registered several times does: a non-persistent view among cast ones
+    split them all. Views of one storage in several dtypes (``.view(dtype)``), and buffers
+    without a storage to share (``_storage``), are left out; so are views that stay as they
+    are (``.to`` keeps them, and any other reference to their storage)."""
     by_storage: dict[int, dict[int, torch.Tensor]] = {}
     for _, _, buf in registered:
         key = _storage(buf)
@@ -104,12 +108,17 @@ def _converted_wholes(
             by_storage.setdefault(key, {})[id(buf)] = buf
     wholes = {}
     for key, bufs in by_storage.items():
-        first = next(iter(bufs.values()))
-        if len(bufs) < 2 or len({(b.dtype, dtypes[id(b)]) for b in bufs.values()}) > 1:
+        first = next(iter(bufs.values()))  # (the first registered, in module order)
+        if len(bufs) < 2 or len({b.dtype for b in bufs.values()}) > 1:
             continue  # one tensor (however many names), or views in several dtypes: apart
+        target = dtypes[id(first)]
+        for b in bufs.values():
+            dtypes[id(b)] = target
+        if target == first.dtype and first.device == mesh.device:
+            continue
         whole = torch.empty(0, dtype=first.dtype, device=first.device)
         whole.set_(first.untyped_storage())
-        whole = whole.to(device=mesh.device, dtype=dtypes[id(first)], copy=True)
+        whole = whole.to(device=mesh.device, dtype=target)
         if sync and mesh.world_size > 1:
             whole = C.broadcast_any(whole, group=mesh.group)
         wholes[key] = whole
