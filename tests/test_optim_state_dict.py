@@ -93,7 +93,14 @@ def _loaded_in_place(stage: int) -> dict:
     )
     with pytest.raises(ValueError) as info:
         opt.load_state_dict(bad)
-    out["said"] = str(info.value)
+    out["said"] = [str(info.value)]
+    # Entries no copy can take, on the rank holding the piece alone (it raised there, its
+    # state zeroed, the other rank loaded), refused on every rank too.
+    for entry in (torch.empty(8, device="meta"), 0.5):
+        bad["state"]["3.bias"]["exp_avg_sq"] = entry
+        with pytest.raises(ValueError) as info:
+            opt.load_state_dict(bad)
+        out["said"].append(str(info.value))
     out["untouched"] = all(torch.equal(a, b) for (_, a), (_, b) in zip(_states(opt), before))
     return out
 
@@ -102,5 +109,8 @@ def _loaded_in_place(stage: int) -> dict:
 def test_a_load_writes_the_states_in_place_or_none_of_them(workers2, stage):
     for r in workers2.run(_loaded_in_place, stage):
         assert r["in place"] and r["loaded"] and r["untouched"], r
-        assert "does not hold its rank's row chunk" in r["said"], r["said"]
-        assert r["said"].endswith("nothing was loaded"), r["said"]
+        split, meta, number = r["said"]
+        assert "does not hold its rank's row chunk" in split, split
+        assert "'exp_avg_sq' of 3.bias is a tensor on the meta device" in meta, meta
+        assert "'exp_avg_sq' of 3.bias is float, not values" in number, number
+        assert all(said.endswith("nothing was loaded") for said in r["said"]), r["said"]

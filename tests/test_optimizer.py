@@ -1315,3 +1315,31 @@ def test_a_grad_set_on_a_frozen_parameter_is_refused(workers2, stage):
     for r in workers2.run(_frozen_with_a_grad, stage):
         assert r["said"].startswith("0.weight does not train (requires_grad=False"), r
         assert r["dropped"] and r["step"], r
+
+
+def _tensor_lr_apart() -> list[str]:
+    """A tensor learning rate (fused / capturable optimizers) or a numpy one that one rank
+    changed alone: the settings check read plain Python numbers only, and let them through."""
+    import numpy as np
+
+    said = []
+    for lr in (torch.tensor(0.01), np.float32(0.01)):
+        torch.manual_seed(0)
+        model = zeroshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), stage=3)
+        opt = zeroshard.optimizer(model, torch.optim.AdamW, lr=lr)
+        model(torch.randn(2, 4)).square().mean().backward()
+        assert opt.step()
+        model(torch.randn(2, 4)).square().mean().backward()
+        if dist.get_rank() == 1:
+            g = opt.param_groups[0]
+            g["lr"] = g["lr"].fill_(0.02) if torch.is_tensor(lr) else np.float32(0.02)
+        with pytest.raises(ValueError) as info:
+            opt.step()
+        said.append(str(info.value))
+    return said
+
+
+def test_tensor_and_numpy_settings_that_differ_between_ranks_are_refused(workers2):
+    for tensor, numpy in workers2.run(_tensor_lr_apart):
+        assert "param group 0's 'lr' is 0.0099999" in tensor and "on rank 1" in tensor, tensor
+        assert "'lr' is np.float32(0.01) on rank 0, np.float32(0.02) on rank 1" in numpy, numpy

@@ -702,6 +702,9 @@ def _entry_problem(
             return not_row_chunk(v)
         if owner is None or isinstance(v, FlatRange) or not _elementwise(k, v, slot, kinds):
             continue
+        if not torch.is_tensor(v) or v.is_meta:  # (its copy would fail on this rank alone)
+            what = "a tensor on the meta device" if torch.is_tensor(v) else type(v).__name__
+            return f"optimizer state {k!r} of {name} is {what}, not values of the parameter's shape"
         if v.numel() != slot.numel:
             return (
                 f"optimizer state {k!r} of {name} has shape {tuple(v.shape)}, the parameter "

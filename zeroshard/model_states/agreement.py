@@ -6,6 +6,7 @@ rank."""
 
 from __future__ import annotations
 
+import numbers
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -96,33 +97,54 @@ def reduced_again_anywhere(flags: list[bool], mesh: Mesh) -> list[bool]:
     return [f > 0 for f in agreed.tolist()]
 
 
-_PLAIN = (bool, int, float, str, type(None))
+def _plain(v: Any) -> bool:
+    return isinstance(v, (numbers.Number, str, type(None))) and not torch.is_tensor(v)
 
 
 def _plain_settings(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's settings that read the same on every rank that set them alike: numbers,
-    strings, None and tuples of them (not ``params``; not tensors, whose value is on the
-    device; not objects, whose ``repr`` holds an address)."""
+    """A param group's settings that read the same on every rank that set them alike: numbers
+    (numpy's too), strings, None and tuples of them (not ``params``; not tensors, whose value
+    is on the device: ``_tensor_settings``; not objects, whose ``repr`` holds an address)."""
     out = {}
     for k, v in group.items():
         if k in ("params", "param_names"):
             continue
-        if isinstance(v, _PLAIN) or (
-            isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v)
-        ):
+        if _plain(v) or (isinstance(v, (tuple, list)) and all(_plain(x) for x in v)):
             out[k] = tuple(v) if isinstance(v, list) else v
     return out
 
 
+def _tensor_settings(group: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """A param group's tensor settings (a tensor ``lr`` for fused or capturable optimizers),
+    by key."""
+    return sorted((k, v) for k, v in group.items() if torch.is_tensor(v) and k != "params")
+
+
 def settings_digests(param_groups: Sequence[dict[str, Any]], device: torch.device) -> torch.Tensor:
-    """``(2 * len(param_groups),)`` FP32: per group ``[d, -d]``, ``d`` a 24-bit digest of its
-    plain settings (exact in FP32), for ``agree``'s MAX: ranks whose settings differ (a
-    scheduler stepped on a rank's own metric) get ``max(d) != -max(-d)``."""
+    """``(4 * len(param_groups),)`` FP32, for ``agree``'s MAX: per group ``[d, -d, t, -t]``,
+    ``d`` a 24-bit digest of its plain settings (exact in FP32), ``t`` a weighted sum of its
+    tensor settings' values, read on the device (no host sync). Ranks whose settings differ
+    (a scheduler stepped on a rank's own metric) get ``max(x) != -max(-x)`` for one of them."""
     digests = []
     for g in param_groups:
         d = float(zlib.crc32(repr(sorted(_plain_settings(g).items())).encode()) & 0xFFFFFF)
-        digests += [d, -d]
-    return torch.tensor(digests, dtype=torch.float32, device=device)
+        tensors = [
+            (i + 1) * v.detach().to(device=device, dtype=torch.float32).sum()
+            for i, (_, v) in enumerate(_tensor_settings(g))
+        ]
+        t = torch.stack(tensors).sum() if tensors else torch.zeros((), device=device)
+        digests.append(
+            torch.stack([torch.tensor(d, device=device), torch.tensor(-d, device=device), t, -t])
+        )
+    if not digests:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    return torch.cat(digests)
+
+
+def _shown_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """What an error shows of a group's settings: the plain ones and the tensors' values."""
+    tensors = {k: v.detach().cpu().tolist() for k, v in _tensor_settings(group) if v.numel() <= 8}
+    return {**_plain_settings(group), **tensors}
 
 
 def settings_apart(
@@ -131,10 +153,14 @@ def settings_apart(
     """The error when ``reduced`` (``settings_digests`` after ``agree``) says the ranks' param
     groups differ, naming each setting and its value per rank (an object all-gather, on every
     rank alike: they all see the same ``reduced``); None when they agree."""
-    apart = [i for i in range(len(param_groups)) if reduced[2 * i] != -reduced[2 * i + 1]]
+    apart = [
+        i
+        for i in range(len(param_groups))
+        if reduced[4 * i] != -reduced[4 * i + 1] or reduced[4 * i + 2] != -reduced[4 * i + 3]
+    ]
     if not apart:
         return None
-    mine = [_plain_settings(param_groups[i]) for i in apart]
+    mine = [_shown_settings(param_groups[i]) for i in apart]
     every: list[Any] = [None] * dist.get_world_size(group)
     with diagnosed("all_gather_object", "the param groups' settings", group):
         dist.all_gather_object(every, mine, group=group)
