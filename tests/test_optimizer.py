@@ -1294,15 +1294,17 @@ def test_settings_that_differ_between_ranks_are_refused_at_the_step(workers2, st
 
 
 def _frozen_with_a_grad(stage: int) -> dict:
-    """A frozen parameter in the optimizer's groups, its .grad set by hand: torch's SGD steps
-    it; the sharded optimizer stepped the others and ignored it, saying True."""
+    """A frozen parameter in the optimizer's groups, its .grad set by hand on rank 0: torch's
+    SGD steps it; the sharded optimizer stepped the others and ignored it, saying True (then
+    refused it on rank 0 alone, rank 1 waiting in the step's agreement)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     model[0].weight.requires_grad_(False)
     model = zeroshard.shard(model, stage=stage, wrap=zeroshard.wrap.by_class(nn.Linear))
     opt = zeroshard.optimizer(model, torch.optim.SGD, list(model.parameters()), lr=0.1)
     opt.backward(model(torch.ones(2, 4)).sum())
-    model[0].weight.grad = torch.ones(3, 4)
+    if dist.get_rank() == 0:
+        model[0].weight.grad = torch.ones(3, 4)
     with pytest.raises(ValueError) as info:
         opt.step()
     opt.zero_grad()  # drops it: the next steps go on
@@ -1314,6 +1316,7 @@ def _frozen_with_a_grad(stage: int) -> dict:
 def test_a_grad_set_on_a_frozen_parameter_is_refused(workers2, stage):
     for r in workers2.run(_frozen_with_a_grad, stage):
         assert r["said"].startswith("0.weight does not train (requires_grad=False"), r
+        assert "was set (on rank 0)" in r["said"] and r["said"].endswith("Nothing was stepped")
         assert r["dropped"] and r["step"], r
 
 

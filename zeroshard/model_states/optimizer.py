@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard import model_checks
@@ -244,25 +245,29 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         stage 0's in-place edits and reassignments are what the step takes
         (``GradBucket.adopt_edits``, ``adopt_rebinds``); a gradient set by hand where the step
         cannot read it is an error."""
-        self._refuse_frozen_grads()
         for b in self._buckets:
             b.adopt_writes_over_zeros()
             b.adopt_edits()
             b.adopt_rebinds(self._slots[id(b)])
 
-    def _refuse_frozen_grads(self) -> None:
-        """A ``.grad`` set by hand on a frozen parameter of this optimizer is an error: torch's
-        optimizer steps it, this one keeps no shard of it to step (it was ignored)."""
+    def _frozen_grad(self) -> str | None:
+        """The name of a frozen parameter of this optimizer whose ``.grad`` was set (by hand,
+        or left from before ``shard()``), or None: torch's optimizer steps it, this one keeps
+        no shard of it to step (it was ignored). Refused in the step's agreement, on every
+        rank (a rank refusing alone left the others waiting in it)."""
         held = next((p for p in self._frozen if p.grad is not None), None)
         if held is None:
-            return
-        name = next((n for n, q in self.engine.model.named_parameters() if q is held), "?")
-        raise ValueError(
+            return None
+        return next((n for n, q in self.engine.model.named_parameters() if q is held), "?")
+
+    @staticmethod
+    def _frozen_grad_error(name: str, rank: int) -> str:
+        return (
             f"{name} does not train (requires_grad=False at zeroshard.shard()), yet its .grad "
-            "was set: a torch optimizer would step it, but the sharded optimizer steps only "
-            "the parameters that train, from the gradients their backward reduced over the "
-            "ranks. To train it, set requires_grad=True before shard(); else set its .grad "
-            "back to None (opt.zero_grad() does)"
+            f"was set (on rank {rank}): a torch optimizer would step it, but the sharded "
+            "optimizer steps only the parameters that train, from the gradients their backward "
+            "reduced over the ranks. To train it, set requires_grad=True before shard(); else "
+            "set its .grad back to None (opt.zero_grad() does). Nothing was stepped"
         )
 
     def _shard_grads(self) -> list[torch.Tensor]:
@@ -390,6 +395,8 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         )
         applied = self._applied_one_hot()
         settings = settings_digests(self.param_groups, engine.mesh.device)
+        frozen = self._frozen_grad()
+        settings = torch.cat([settings, settings.new_tensor([float(frozen is not None)])])
         flags = agree(
             found_inf,
             torch.cat([applied, engine.slots_touched(), settings]),
@@ -403,13 +410,19 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         touched_end = len(reached) - settings.numel()
         copies, touched = reached[: applied.numel()], reached[applied.numel() : touched_end]
         mesh = engine.mesh
-        apart = settings_apart(
-            self.param_groups,
-            flags[flags.numel() - settings.numel() :].tolist(),
-            None if mesh.tp_size > 1 else mesh.group,  # (as ``agree``'s)
-        )
+        group = None if mesh.tp_size > 1 else mesh.group  # (as ``agree``'s)
+        *reduced, frozen_anywhere = flags[flags.numel() - settings.numel() :].tolist()
+        apart = settings_apart(self.param_groups, reduced, group)
         if apart is not None:
             raise ValueError(apart)
+        if frozen_anywhere:
+            names: list[str | None] = [frozen]
+            if mesh.world_size * mesh.tp_size > 1:
+                names = [None] * dist.get_world_size(group)
+                with diagnosed("all_gather_object", "the names of frozen parameters", group):
+                    dist.all_gather_object(names, frozen, group=group)
+            rank, name = next((r, n) for r, n in enumerate(names) if n is not None)
+            raise ValueError(self._frozen_grad_error(name, rank))
         if any(sum(copies[i : i + width]) > 1 for i in range(0, len(copies), width)):
             self._refuse_replicas_apart()
         return self.loss_scaler.checks and seen, {i for i, used in enumerate(touched) if not used}
