@@ -87,3 +87,27 @@ def test_without_a_cgroup_limit_the_host_s_memory_is_available(tmp_path):
     root = _host(tmp_path / "c", "0::/not/here\n", limited)  # the mount's root is its cgroup
     assert host_heap.memory_available_bytes(root) == GIB
     assert host_heap.memory_available_bytes(str(tmp_path / "nothing")) is None
+
+
+def test_cgroups_are_found_where_mountinfo_says(tmp_path):
+    # v1's memory controller mounted with cpu's (/sys/fs/cgroup/cpu,memory) was not looked for;
+    # a v2 mount that shows a subtree (a container's) gives paths below its own root.
+    mountinfo = (
+        "30 25 0:26 / /sys/fs/cgroup/cpu,memory rw,nosuid shared:9 - cgroup cgroup rw,cpu,memory\n"
+    )
+    v1 = "sys/fs/cgroup/cpu,memory/job"
+    files = {
+        "proc/self/mountinfo": mountinfo,
+        f"{v1}/memory.limit_in_bytes": f"{GIB}\n",
+        f"{v1}/memory.usage_in_bytes": f"{GIB // 4}\n",
+    }
+    root = _host(tmp_path / "v1", "4:cpu,memory:/job\n", files)
+    assert host_heap.memory_available_bytes(root) == 3 * GIB // 4
+    mountinfo = "40 30 0:30 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+    files = {
+        "proc/self/mountinfo": mountinfo,
+        "sys/fs/cgroup/ctr/memory.max": f"{2 * GIB}\n",
+        "sys/fs/cgroup/ctr/memory.current": f"{GIB}\n",
+    }
+    root = _host(tmp_path / "v2", "0::/kubepods/pod1/ctr\n", files)
+    assert host_heap.memory_available_bytes(root) == GIB

@@ -97,26 +97,54 @@ def _stat(text: str | None, key: str) -> int:
     return 0
 
 
+def _cgroup_mounts(root: str) -> dict[str, tuple[str, str]]:
+    """Where the cgroup hierarchies are mounted, from ``/proc/self/mountinfo``: ``"v2"`` (the
+    unified one) and ``"memory"`` (v1's memory controller, alone or mounted with others, e.g.
+    at ``/sys/fs/cgroup/cpu,memory``), each as (mount point, the cgroup path the mount shows
+    at its root); the usual places where mountinfo does not say."""
+    found = {"v2": ("/sys/fs/cgroup", "/"), "memory": ("/sys/fs/cgroup/memory", "/")}
+    seen: dict[str, tuple[str, str]] = {}
+    for line in (_read(os.path.join(root, "proc/self/mountinfo")) or "").splitlines():
+        fields = line.split()
+        if "-" not in fields or len(fields) < 5:
+            continue
+        tail = fields[fields.index("-") + 1 :]
+        if len(tail) >= 3 and tail[0] == "cgroup2":
+            seen.setdefault("v2", (fields[4], fields[3]))
+        elif len(tail) >= 3 and tail[0] == "cgroup" and "memory" in tail[2].split(","):
+            seen.setdefault("memory", (fields[4], fields[3]))
+    if "memory" not in seen:  # (no mountinfo: a directory named for the controllers)
+        top = os.path.join(root, "sys/fs/cgroup")
+        names = sorted(os.listdir(top)) if os.path.isdir(top) else []
+        named = [n for n in names if "memory" in n.split(",") and os.path.isdir(f"{top}/{n}")]
+        if named:
+            seen["memory"] = (f"/sys/fs/cgroup/{named[0]}", "/")
+    return {**found, **seen}
+
+
 def _cgroup_headroom(root: str) -> int | None:
     """Limit minus working set (usage less the inactive page cache the kernel reclaims first,
     as Kubernetes counts it) of this process's memory cgroup and of each cgroup above it, the
     least; None where no limit is set or the files are not there. cgroup v2
     (``memory.max``, ``memory.current``) and v1 (``memory.limit_in_bytes``,
-    ``memory.usage_in_bytes``)."""
+    ``memory.usage_in_bytes``), wherever their hierarchies are mounted."""
     table = _read(os.path.join(root, "proc/self/cgroup")) or ""
+    mounts = _cgroup_mounts(root)
     headrooms = []
     for line in table.splitlines():
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if controllers == "":  # v2: one hierarchy
-            base = os.path.join(root, "sys/fs/cgroup")
-            files = ("memory.max", "memory.current", "inactive_file")
+            (point, shown), files = mounts["v2"], ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):  # v1: the memory controller's own
-            base = os.path.join(root, "sys/fs/cgroup/memory")
+            (point, shown) = mounts["memory"]
             files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
         else:
             continue
-        base = os.path.normpath(base)
-        here = os.path.normpath(os.path.join(base, path.strip().lstrip("/")))
+        path = path.strip()
+        if shown != "/" and (path + "/").startswith(shown.rstrip("/") + "/"):
+            path = path[len(shown.rstrip("/")) :]  # (the mount shows a subtree)
+        base = os.path.normpath(os.path.join(root, point.lstrip("/")))
+        here = os.path.normpath(os.path.join(base, path.lstrip("/")))
         if not here.startswith(base) or not os.path.isdir(here):
             here = base  # a namespace's: its own cgroup is mounted as the base
         while True:
