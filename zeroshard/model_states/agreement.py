@@ -125,20 +125,22 @@ def settings_digests(param_groups: Sequence[dict[str, Any]], device: torch.devic
     ``d`` a 24-bit digest of its plain settings (exact in FP32), ``t`` a weighted sum of its
     tensor settings' values, read on the device (no host sync). Ranks whose settings differ
     (a scheduler stepped on a rank's own metric) get ``max(x) != -max(-x)`` for one of them."""
-    digests = []
+    plain, tensors = [], []
     for g in param_groups:
-        d = float(zlib.crc32(repr(sorted(_plain_settings(g).items())).encode()) & 0xFFFFFF)
-        tensors = [
+        plain.append(
+            float(zlib.crc32(repr(sorted(_plain_settings(g).items())).encode()) & 0xFFFFFF)
+        )
+        weighted = [
             (i + 1) * v.detach().to(device=device, dtype=torch.float32).sum()
             for i, (_, v) in enumerate(_tensor_settings(g))
         ]
-        t = torch.stack(tensors).sum() if tensors else torch.zeros((), device=device)
-        digests.append(
-            torch.stack([torch.tensor(d, device=device), torch.tensor(-d, device=device), t, -t])
-        )
-    if not digests:
-        return torch.zeros(0, dtype=torch.float32, device=device)
-    return torch.cat(digests)
+        tensors.append(torch.stack(weighted).sum() if weighted else None)
+    d = torch.tensor(plain, dtype=torch.float32, device=device)
+    t = torch.zeros_like(d)
+    for i, x in enumerate(tensors):
+        if x is not None:
+            t[i] = x
+    return torch.stack([d, -d, t, -t], dim=1).reshape(-1)
 
 
 def _shown_settings(group: dict[str, Any]) -> dict[str, Any]:
