@@ -184,7 +184,7 @@ def _stepped(opt: ShardedOptimizer, first: dict[int, str]) -> dict[str, dict[str
 def _slot_pieces(flat: FlatParam, sg: SubGroup | None) -> list[Piece | None]:
     """This rank's piece of each slot of ``flat`` (by index; one piece per parameter), or None
     where it holds none of it."""
-    by_start = {p.span.start: p for ps in sg.pieces for p in ps} if sg is not None else {}
+    by_start = {p.span.start: p for p in _pieces(sg)}
     out: list[Piece | None] = []
     for i, (_, span) in enumerate(flat.pieces()):
         start, stop = flat.piece_range(i)
@@ -455,7 +455,7 @@ def _state_range(
     flat = bucket.flat
     assert flat.master_view is not None
     local = torch.zeros(flat.master_view.numel(), dtype=dtype, device=flat.mesh.device)
-    for piece in (p for ps in sg.pieces for p in ps) if sg is not None else ():
+    for piece in _pieces(sg):
         v = sg.optimizer.state.get(piece.tensor, {}).get(key)
         if v is not None:
             local[piece.span].copy_(v)
@@ -594,18 +594,21 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     subgroups = _subgroup_of(opt)
     saved_keys = {k for st in saved_state.values() if not _never_stepped(st) for k in st}
+    plan = [
+        (
+            bucket,
+            subgroups.get(id(bucket)),
+            _slot_loads(bucket, layout[bi], group_of, subgroups, saved_state, every_name),
+        )
+        for bi, bucket in enumerate(engine.buckets)
+    ]
     # Checked whole, from shapes alone, before anything is loaded (the states are then written
     # in place), and agreed: the rank whose piece holds a bad entry raised alone, and the
     # others waited in the next gather.
     problem = None
-    for bi, bucket in enumerate(engine.buckets):
-        sg = subgroups.get(id(bucket))
-        pieces = [p for ps in sg.pieces for p in ps] if sg is not None else []
-        spans = sorted((p.span.start, p.span.stop, j) for j, p in enumerate(pieces))
-        for _, s, span, names, st in _saved_slots(bucket.flat, saved_state, every_name):
-            kinds = layout[bi].get(group_of.get(id(s.param), -1), {})
-            owner = _owner(span, spans)
-            problem = problem or _entry_problem(names[0], s, st, kinds, saved_keys, owner, sg)
+    for _, sg, slots in plan:
+        for sl in slots:
+            problem = problem or _entry_problem(sl, saved_keys, sg)
     mesh = engine.mesh
     if mesh.world_size * mesh.tp_size > 1:
         group = None if mesh.tp_size > 1 else mesh.group
@@ -618,40 +621,30 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
             o.state.clear()
         raise ValueError(f"{problem}: nothing was loaded")
     # Entries made whole in the order taken below, gathered ahead in batches (a collective).
-    order = [
-        (names[0], k)
-        for bucket in engine.buckets
-        for _, _, _, names, st in _saved_slots(bucket.flat, saved_state, every_name)
-        for k in sorted(st)
-    ]
+    order = [(sl.names[0], k) for _, _, slots in plan for sl in slots for k in sorted(sl.state)]
     wholes = Wholes(order, lambda nk: saved_state[nk[0]][nk[1]], batch_cap(engine))
-    for bi, bucket in enumerate(engine.buckets):
+    for bucket, sg, slots in plan:
         flat: FlatParam = bucket.flat
-        sg = subgroups.get(id(bucket))
         # Per piece of the sub-group (torch's parameter order): key -> state being assembled.
-        pieces = [p for ps in sg.pieces for p in ps] if sg is not None else []
+        pieces = _pieces(sg)
         assembled: list[dict[str, Any]] = [{} for _ in pieces]
-        spans = sorted((p.span.start, p.span.stop, j) for j, p in enumerate(pieces))
-        for i, s, span, names, st in _saved_slots(flat, saved_state, every_name):
-            kinds = layout[bi].get(group_of.get(id(s.param), -1), {})
-            owner = _owner(span, spans)
-            for k in sorted(st):
-                v = wholes.whole((names[0], k), st[k])  # every rank, in one order (a collective)
-                if owner is None:
+        for sl in slots:
+            for k in sorted(sl.state):
+                v = wholes.whole((sl.names[0], k), sl.state[k])  # every rank alike: a collective
+                if sl.owner is None:
                     continue
-                piece = pieces[owner]
+                piece, into = pieces[sl.owner], assembled[sl.owner]
                 if isinstance(v, FlatRange):  # read in place (checkpoint.load): the state itself
-                    assembled[owner][k] = v.data
-                elif _elementwise(k, v, s, kinds):
-                    buf = assembled[owner].get(k)
+                    into[k] = v.data
+                elif _elementwise(k, v, sl.slot, sl.kinds):
+                    buf = into.get(k)
                     if buf is None:
-                        buf = _state_buffer(sg.optimizer, piece.tensor, k, v)
-                        assembled[owner][k] = buf
-                    a, b = flat.piece_range(i)
-                    lo = span.start - piece.span.start
+                        buf = into[k] = _state_buffer(sg.optimizer, piece.tensor, k, v)
+                    a, b = flat.piece_range(sl.index)
+                    lo = sl.span.start - piece.span.start
                     buf[lo : lo + (b - a)].copy_(v.reshape(-1)[a:b])
                 else:
-                    assembled[owner].setdefault(k, _copy_value(v))
+                    into.setdefault(k, _copy_value(v))
         if sg is None:
             continue
         packed = sg.optimizer.state_dict()
@@ -675,6 +668,50 @@ def load_optimizer_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any])
     )
 
 
+class _SlotLoad(NamedTuple):
+    """A slot of a bucket whose saved state a load takes (``_saved_slots``), with what the
+    running optimizer keeps for it (``kinds``, ``_state_layout``'s) and this rank's piece of
+    it among the sub-group's (``owner``, an index of ``_pieces``; None where it holds none)."""
+
+    index: int
+    slot: Slot
+    span: range
+    names: list[str]
+    state: dict[str, Any]
+    kinds: dict[str, Any]
+    owner: int | None
+
+
+def _pieces(sg: SubGroup | None) -> list[Piece]:
+    """The sub-group's pieces, in torch's parameter order (none without a sub-group)."""
+    return [p for ps in sg.pieces for p in ps] if sg is not None else []
+
+
+def _slot_loads(
+    bucket: GradBucket,
+    kinds_by_group: dict[int, dict[str, Any]],
+    group_of: dict[int, int],
+    subgroups: dict[int, SubGroup],
+    saved_state: dict[str, dict[str, Any]],
+    every_name: dict[int, list[str]],
+) -> list[_SlotLoad]:
+    """The ``_SlotLoad`` of each slot of ``bucket`` whose saved state a load takes."""
+    pieces = _pieces(subgroups.get(id(bucket)))
+    spans = sorted((p.span.start, p.span.stop, j) for j, p in enumerate(pieces))
+    return [
+        _SlotLoad(
+            i,
+            s,
+            span,
+            names,
+            st,
+            kinds_by_group.get(group_of.get(id(s.param), -1), {}),
+            _owner(span, spans),
+        )  # fmt: skip
+        for i, s, span, names, st in _saved_slots(bucket.flat, saved_state, every_name)
+    ]
+
+
 def _elementwise(key: str, value: Any, slot: Slot, kinds: dict[str, Any]) -> bool:
     """Whether saved state ``key`` of ``slot`` (``value``: the entry, or its whole tensor) is
     element-wise: as the running optimizer keeps it (``kinds``, ``_state_layout``'s), else by
@@ -684,19 +721,10 @@ def _elementwise(key: str, value: Any, slot: Slot, kinds: dict[str, Any]) -> boo
     return torch.is_tensor(value) and value.ndim >= 1 and value.shape == slot.shape
 
 
-def _entry_problem(
-    name: str,
-    slot: Slot,
-    state: dict[str, Any],
-    kinds: dict[str, Any],
-    saved_keys: set[str],
-    owner: int | None,
-    sg: SubGroup | None,
-) -> str | None:
-    """What stops the saved ``state`` of parameter ``name`` (``slot``) from being loaded on
-    this rank, from shapes alone (no collective), or None. ``kinds``: the running optimizer's
-    keys (``_state_layout``'s); ``saved_keys``: every key the saved states hold; ``owner``:
-    this rank's piece of the slot, if any."""
+def _entry_problem(load: _SlotLoad, saved_keys: set[str], sg: SubGroup | None) -> str | None:
+    """What stops ``load``'s saved state from being loaded on this rank, from shapes alone (no
+    collective), or None. ``saved_keys``: every key the saved states hold."""
+    name, slot, state, kinds, owner = load.names[0], load.slot, load.state, load.kinds, load.owner
     for k, v in sorted(state.items()):
         if not holds_its_row_chunk(v):  # (its gather would fail on every rank, mid-load)
             return not_row_chunk(v)
