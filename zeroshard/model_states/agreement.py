@@ -6,7 +6,6 @@ rank."""
 
 from __future__ import annotations
 
-import numbers
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +15,7 @@ import torch.distributed as dist
 
 from zeroshard import collectives as C
 from zeroshard.mesh import Mesh
+from zeroshard.model_states.optimizer_args import rank_neutral
 from zeroshard.watchdog import diagnosed
 
 
@@ -97,21 +97,21 @@ def reduced_again_anywhere(flags: list[bool], mesh: Mesh) -> list[bool]:
     return [f > 0 for f in agreed.tolist()]
 
 
-def _plain(v: Any) -> bool:
-    return isinstance(v, (numbers.Number, str, type(None))) and not torch.is_tensor(v)
+def _compared_settings(group: dict[str, Any]) -> dict[str, str]:
+    """A param group's settings as ranks compare them at construction (``rank_neutral``: the
+    ``repr`` without memory addresses), but for ``params`` and values holding tensors, whose
+    ``repr`` would read the device (``_tensor_settings``)."""
+    return {
+        k: rank_neutral(v)
+        for k, v in group.items()
+        if k not in ("params", "param_names") and not _holds_tensor(v)
+    }
 
 
-def _plain_settings(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's settings that read the same on every rank that set them alike: numbers
-    (numpy's too), strings, None and tuples of them (not ``params``; not tensors, whose value
-    is on the device: ``_tensor_settings``; not objects, whose ``repr`` holds an address)."""
-    out = {}
-    for k, v in group.items():
-        if k in ("params", "param_names"):
-            continue
-        if _plain(v) or (isinstance(v, (tuple, list)) and all(_plain(x) for x in v)):
-            out[k] = tuple(v) if isinstance(v, list) else v
-    return out
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_holds_tensor(v) for v in value)
+    return torch.is_tensor(value)
 
 
 def _tensor_settings(group: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -122,13 +122,14 @@ def _tensor_settings(group: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
 
 def settings_digests(param_groups: Sequence[dict[str, Any]], device: torch.device) -> torch.Tensor:
     """``(4 * len(param_groups),)`` FP32, for ``agree``'s MAX: per group ``[d, -d, t, -t]``,
-    ``d`` a 24-bit digest of its plain settings (exact in FP32), ``t`` a weighted sum of its
-    tensor settings' values, read on the device (no host sync). Ranks whose settings differ
-    (a scheduler stepped on a rank's own metric) get ``max(x) != -max(-x)`` for one of them."""
+    ``d`` a 24-bit digest of its other settings (``_compared_settings``; exact in FP32), ``t``
+    a weighted sum of its tensor settings' values, read on the device (no host sync). Ranks
+    whose settings differ (a scheduler stepped on a rank's own metric) get ``max(x) !=
+    -max(-x)`` for one of them."""
     plain, tensors = [], []
     for g in param_groups:
         plain.append(
-            float(zlib.crc32(repr(sorted(_plain_settings(g).items())).encode()) & 0xFFFFFF)
+            float(zlib.crc32(repr(sorted(_compared_settings(g).items())).encode()) & 0xFFFFFF)
         )
         weighted = [
             (i + 1) * v.detach().to(device=device, dtype=torch.float32).sum()
@@ -144,9 +145,11 @@ def settings_digests(param_groups: Sequence[dict[str, Any]], device: torch.devic
 
 
 def _shown_settings(group: dict[str, Any]) -> dict[str, Any]:
-    """What an error shows of a group's settings: the plain ones and the tensors' values."""
-    tensors = {k: v.detach().cpu().tolist() for k, v in _tensor_settings(group) if v.numel() <= 8}
-    return {**_plain_settings(group), **tensors}
+    """What an error shows of a group's settings: the compared ones and the tensors' values."""
+    tensors = {
+        k: str(v.detach().cpu().tolist()) for k, v in _tensor_settings(group) if v.numel() <= 8
+    }
+    return {**_compared_settings(group), **tensors}
 
 
 def settings_apart(
@@ -170,8 +173,8 @@ def settings_apart(
     for j, gi in enumerate(apart):
         for k in sorted({k for settings in every for k in settings[j]}):
             values = [settings[j].get(k, "(unset)") for settings in every]
-            if len(set(map(repr, values))) > 1:
-                per_rank = ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))
+            if len(set(values)) > 1:
+                per_rank = ", ".join(f"{v} on rank {r}" for r, v in enumerate(values))
                 said.append(f"param group {gi}'s {k!r} is {per_rank}")
     return (
         "optimizer.step(): the ranks' optimizer settings differ ("
