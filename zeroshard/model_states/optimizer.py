@@ -260,8 +260,15 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
             return None
         return next((n for n, q in self.engine.model.named_parameters() if q is held), "?")
 
-    @staticmethod
-    def _frozen_grad_error(name: str, rank: int) -> str:
+    def _frozen_grad_error(self, mine: str | None, group: Any) -> str:
+        """The error for a frozen parameter's ``.grad`` that some rank holds (``mine``: this
+        rank's ``_frozen_grad``): its name and rank, gathered (every rank calls it)."""
+        names = [mine]
+        if self.engine.mesh.world_size * self.engine.mesh.tp_size > 1:
+            names = [None] * dist.get_world_size(group)
+            with diagnosed("all_gather_object", "the names of frozen parameters", group):
+                dist.all_gather_object(names, mine, group=group)
+        rank, name = next((r, n) for r, n in enumerate(names) if n is not None)
         return (
             f"{name} does not train (requires_grad=False at zeroshard.shard()), yet its .grad "
             f"was set (on rank {rank}): a torch optimizer would step it, but the sharded "
@@ -384,9 +391,12 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         backward reached since ``zero_grad``: one small all-reduce (MAX) of both, so every rank
         skips or steps together (a shard's overflow is seen only by its owner) and leaves the
         same parameters without a gradient (as unsharded training and DDP do: an optimizer
-        skips them instead of decaying them)."""
-        # 1D FP32, this rank: found_inf, then one flag per trainable parameter; made at the step,
-        # after backward's peak, and dropped with it.
+        skips them instead of decaying them). The same all-reduce refuses, on every rank,
+        param-group settings that differ between ranks and a ``.grad`` on a frozen parameter
+        (``_frozen_grad``)."""
+        # 1D FP32, this rank: found_inf, then one flag per trainable parameter, then the
+        # settings' digests and the frozen-gradient flag; made at the step, after backward's
+        # peak, and dropped with it.
         engine = self.engine
         found_inf = (
             torch.stack([b.found_inf for b in self._buckets]).amax(0)
@@ -394,12 +404,12 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
             else torch.zeros(1, dtype=torch.float32, device=engine.mesh.device)
         )
         applied = self._applied_one_hot()
-        settings = settings_digests(self.param_groups, engine.mesh.device)
+        digests = settings_digests(self.param_groups, engine.mesh.device)
         frozen = self._frozen_grad()
-        settings = torch.cat([settings, settings.new_tensor([float(frozen is not None)])])
+        checks = torch.cat([digests, digests.new_tensor([float(frozen is not None)])])
         flags = agree(
             found_inf,
-            torch.cat([applied, engine.slots_touched(), settings]),
+            torch.cat([applied, engine.slots_touched(), checks]),
             engine.mesh,
             engine.ledger,
             async_op=False,
@@ -407,22 +417,16 @@ class ShardedOptimizer(backward_step.StepsInBackward, torch.optim.Optimizer):
         seen, reached = agreed(flags, engine.forget_order)  # (a host sync)
         self._applied = None
         width = len(self._buckets) + 1
-        touched_end = len(reached) - settings.numel()
+        touched_end = len(reached) - checks.numel()
         copies, touched = reached[: applied.numel()], reached[applied.numel() : touched_end]
+        *reduced, frozen_anywhere = flags[flags.numel() - checks.numel() :].tolist()
         mesh = engine.mesh
         group = None if mesh.tp_size > 1 else mesh.group  # (as ``agree``'s)
-        *reduced, frozen_anywhere = flags[flags.numel() - settings.numel() :].tolist()
         apart = settings_apart(self.param_groups, reduced, group)
         if apart is not None:
             raise ValueError(apart)
         if frozen_anywhere:
-            names: list[str | None] = [frozen]
-            if mesh.world_size * mesh.tp_size > 1:
-                names = [None] * dist.get_world_size(group)
-                with diagnosed("all_gather_object", "the names of frozen parameters", group):
-                    dist.all_gather_object(names, frozen, group=group)
-            rank, name = next((r, n) for r, n in enumerate(names) if n is not None)
-            raise ValueError(self._frozen_grad_error(name, rank))
+            raise ValueError(self._frozen_grad_error(frozen, group))
         if any(sum(copies[i : i + width]) > 1 for i in range(0, len(copies), width)):
             self._refuse_replicas_apart()
         return self.loss_scaler.checks and seen, {i for i, used in enumerate(touched) if not used}
