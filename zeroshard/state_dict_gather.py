@@ -181,7 +181,7 @@ def _gather_rows(values: Sequence[Any]) -> list[torch.Tensor]:
     sizes = [_chunk_sizes(v) for v in values]  # per value, per rank: elements of its chunk
     # A rank whose piece is not its row chunk says so in the gather's last element, so that
     # every rank raises (a rank raising alone left the others waiting in the gather).
-    bad = next((v for v, c in zip(values, sizes) if v.to_local().numel() != c[rank]), None)
+    bad = next((v for v in values if not holds_its_row_chunk(v)), None)
     longest = max(sum(c[r] for c in sizes) for r in range(world))
     packed = torch.zeros(longest + 1, dtype=values[0].dtype, device=values[0].to_local().device)
     at = 0
