@@ -893,51 +893,74 @@ if sys.argv[2] == "destroy":
 """
 
 
-def _exit_while_saving(folder, ending: str, write: str, status: int = 0):
+_ENDINGS = [(ending, write) for ending in ("exit", "destroy") for write in ("writes", "fails")]
+
+
+@pytest.fixture(scope="module")
+def exits_while_saving(tmp_path_factory) -> dict:
+    """(ending, write) -> (folder, exit status, stderr) of ``_EXITS_WHILE_SAVING`` run in its own
+    folder, the four runs at once (each is mostly a process starting on one core)."""
     import subprocess
     import sys
 
     from zeroshard.testing import free_port
 
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    ran = subprocess.run(
-        [sys.executable, "-c", _EXITS_WHILE_SAVING, str(folder), ending, write],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
-    assert ran.returncode == status, ran.stderr[-3000:]
-    said = [line for line in ran.stderr.splitlines() if line.startswith("zeroshard:")]
-    return said, ran.stderr[-3000:]
+    runs = {}
+    for ending, write in _ENDINGS:
+        folder = tmp_path_factory.mktemp(f"{ending}-{write}")
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _EXITS_WHILE_SAVING, str(folder), ending, write],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        runs[ending, write] = folder, proc
+    ended = {}
+    try:
+        for key, (folder, proc) in runs.items():
+            err = proc.communicate(timeout=120)[1]
+            ended[key] = folder, proc.returncode, err
+    finally:
+        for _, proc in runs.values():
+            proc.kill()
+    return ended
+
+
+def _said(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("zeroshard:")]
 
 
 @pytest.mark.parametrize("ending", ["exit", "destroy"])
-def test_an_asynchronous_save_in_flight_at_exit_is_finished(tmp_path, ending):
+def test_an_asynchronous_save_in_flight_at_exit_is_finished(exits_while_saving, ending):
     """As torch.distributed.checkpoint's async_save: the process exits once it is written (it
     was lost, with a warning per save made, and gloo aborted the process under it); also when
     the script ends with ``dist.destroy_process_group()``, which took the save's group from
     under it (the checkpoint lost, the script exiting 0)."""
-    said, err = _exit_while_saving(tmp_path, ending, "writes")
+    folder, status, err = exits_while_saving[ending, "writes"]
+    assert status == 0, err[-3000:]
+    said = _said(err)
     before = "exiting" if ending == "exit" else "destroying the process group"
-    want = f"zeroshard: finishing the asynchronous save of {tmp_path / 'step-2'} before {before}"
-    assert len(said) == 1 and said[0].startswith(want), err
+    want = f"zeroshard: finishing the asynchronous save of {folder / 'step-2'} before {before}"
+    assert len(said) == 1 and said[0].startswith(want), err[-3000:]
     for step in (1, 2):
-        assert checkpoint.info(tmp_path / f"step-{step}").complete
+        assert checkpoint.info(folder / f"step-{step}").complete
 
 
 @pytest.mark.parametrize("ending", ["exit", "destroy"])
-def test_an_asynchronous_save_that_failed_unwaited_is_said_at_exit(tmp_path, ending):
+def test_an_asynchronous_save_that_failed_unwaited_is_said_at_exit(exits_while_saving, ending):
     """A save that failed in the background before the exit, and that no one waited for,
     was lost without a word (only one still running at exit was reported). Ending with
     ``dist.destroy_process_group()``, the script raises it there and exits 1 (it exited 0: a
     scheduler took the run whose checkpoint was lost as a success); at a plain exit the status
     stays the script's (forcing it would skip the interpreter's shutdown)."""
-    status = 1 if ending == "destroy" else 0
-    said, err = _exit_while_saving(tmp_path, ending, "fails", status=status)
-    want = f"zeroshard: the asynchronous save of {tmp_path / 'step-1'} failed: "
+    folder, status, err = exits_while_saving[ending, "fails"]
+    assert status == (1 if ending == "destroy" else 0), err[-3000:]
+    said = _said(err)
+    want = f"zeroshard: the asynchronous save of {folder / 'step-1'} failed: "
     assert len(said) == 1 and said[0].startswith(want) and "No space left" in said[0], err
     if ending == "destroy":
         assert "CheckpointError: the asynchronous save of" in err.splitlines()[-1], err
-    assert checkpoint.latest(tmp_path) is None
+    assert checkpoint.latest(folder) is None
 
 
 def test_async_save_snapshots_then_writes_in_the_background(workers2, tmp_path):
@@ -1367,7 +1390,7 @@ def _rank0_alone(base: str) -> str:
 
 def test_a_save_on_rank_0_alone_is_named(workers2, tmp_path):
     said = workers2.run(_rank0_alone, str(tmp_path))[0]
-    assert said.startswith("save of checkpoint alone timed out after 2 s on rank 0: rank 1 did "
+    assert said.startswith("save of checkpoint alone timed out after 0.5 s on rank 0: rank 1 did "
                            "not arrive"), said  # fmt: skip
     assert "(save is a collective: every rank calls it, not under `if rank == 0:`" in said
     assert not (tmp_path / "alone").exists()

@@ -711,7 +711,7 @@ class SlowLM(MyLM):
         import time
 
         slow = self.training and self.forwards >= 2  # (the first evaluates, the next trains)
-        time.sleep(10.0 if slow else 0.0)  # a step that takes a while to end
+        time.sleep(4.0 if slow else 0.0)  # a step that outlasts the two signals
         return super().forward(idx)
 
 
@@ -1167,6 +1167,8 @@ def test_a_damaged_checkpoint_is_said_when_resuming(capsys, tmp_path, data_dir, 
     assert code == 0, err
     assert f"--resume auto: passing over {newest.parent}, which is damaged" in out, out
     assert "resuming from" in out and "step-000002 (step 2)" in out, out
+    if damage != "cut short":
+        return  # (the checksum part below is the same for both)
     newest = tmp_path / "ckpt" / "step-000006" / "rank-00000.pt"
     raw = bytearray(newest.read_bytes())  # flipped in its middle
     raw[len(raw) // 2] ^= 0xFF
@@ -1333,8 +1335,7 @@ ENDINGS = [  # (name, flags, exit status); --steps 100000 runs until the signal
     ("diverged fp16", ["--lr", "1e9", "--warmup-steps", "0", "--precision", "fp16"], 3),
     ("Ctrl-C", ["--steps", "100000"], 130),
     ("SIGTERM", ["--steps", "100000", "--save-every", "1000"], 143),
-    ("bad input in a rank", ["--model", "my_models:build_bad", "--wrap", "MyBlock"], 2),
-    (  # each start of the ranks has a store of its own, none before the process group
+    (  # not restarted; each start of the ranks has a store of its own, none before the group
         "bad input in a rank, restarts",
         ["--model", "my_models:build_bad", "--max-restarts", "1", "--save-every", "4"],
         2,

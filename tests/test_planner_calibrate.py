@@ -198,13 +198,13 @@ def test_render_names_every_configuration():
     }
 
 
-@pytest.mark.parametrize("batch, seq", [(2, 16), (4, 64), (8, 64)])
+@pytest.mark.parametrize("batch, seq", [(2, 16), (8, 64)])
 @pytest.mark.parametrize("name", ["gpt2", "t5", "llama", "bert"])
 def test_calibration_hf_stage3_two_ranks(workers2, name, batch, seq):
     """Hugging Face families wrapped by their _no_split_modules, stage 3 on 2 gloo ranks: the
     peak the planner predicts from the built model (its units, and what autograd saves in each,
     measured on meta) against MemTracker's, per rank. 2 x 16 tokens: the units' parameters and
-    gradients dominate; 4 x 64 and 8 x 64: activations do (dropout masks, eager attention
+    gradients dominate; 8 x 64: activations do (dropout masks, eager attention
     probabilities, T5's cross-attention and relative position bias, each family's own MLP)."""
     pytest.importorskip("transformers")
     from test_planner_hf import HF_CONFIGS

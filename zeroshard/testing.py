@@ -62,7 +62,7 @@ def process_context() -> Any:
 
 
 @contextlib.contextmanager
-def impatient(arrival_s: float = 1.0, timeout_s: float = 2.0) -> Any:
+def impatient(arrival_s: float = 0.25, timeout_s: float = 0.5) -> Any:
     """Whole-model calls (``zeroshard.watchdog.every_rank_calls``) warn after ``arrival_s``
     and give up after ``timeout_s`` instead of the group's collective timeout."""
     from unittest import mock
