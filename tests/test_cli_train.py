@@ -115,6 +115,42 @@ def test_port_in_use(capsys, tmp_path, host):
         _expect_usage_error(capsys, argv, str(port), "--port")
 
 
+def _open_file_limits(monkeypatch, soft: int, hard: int) -> list[tuple[int, int]]:
+    """This process's open-file limits seen as (soft, hard); the limits set, recorded."""
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (soft, hard))
+    set_to: list[tuple[int, int]] = []
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: set_to.append(limits))
+    return set_to
+
+
+def test_an_open_file_limit_too_low_for_the_ranks_is_named(capsys, tmp_path, monkeypatch):
+    # torch's store then refused the ranks' connections: each retried for 300 s, deaf to
+    # Ctrl-C, then a C++ traceback.
+    set_to = _open_file_limits(monkeypatch, 24, 24)
+    argv = ["train", "--nproc", "4", "--out-dir", str(tmp_path / "run")]
+    _expect_usage_error(capsys, argv, "open-file limit (ulimit -n) is 24", "ulimit -n 272")
+    assert set_to == [] and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "soft, hard, raised",
+    [(24, 1 << 20, 264), (24, 100, 100), (1024, 1 << 20, None), (24, -1, 264)],
+)
+def test_the_soft_open_file_limit_is_raised_for_the_ranks(monkeypatch, soft, hard, raised):
+    """Raised within the hard limit (-1: none) towards what a job of 2 ranks may hold, as the
+    ranks inherit it; left as it is when it is enough (a real run: the "stage 1" ending)."""
+    import resource
+
+    from zeroshard.cli.train_checks import raise_open_file_limit
+
+    hard = resource.RLIM_INFINITY if hard == -1 else hard
+    set_to = _open_file_limits(monkeypatch, soft, hard)
+    raise_open_file_limit(2)
+    assert set_to == ([] if raised is None else [(raised, hard)])
+
+
 def test_unknown_config_key(capsys, tmp_path):
     config = tmp_path / "c.toml"
     config.write_text('preset = "nano"\nlearning_rate = 0.1\n')
@@ -1313,7 +1349,7 @@ TWO_RANKS = ["--nproc", "2", "--batch-size", "4", *NANO]
 NORMAL = ["--steps", "8", "--seq-len", "32", "--eval-every", "4", "--eval-batches", "2"]
 NORMAL += ["--log-every", "2"]
 ENDINGS = [  # (name, flags, exit status); --steps 100000 runs until the signal
-    ("stage 1", [*NORMAL, "--stage", "1"], 0),
+    ("stage 1, ulimit -Sn 24", [*NORMAL, "--stage", "1"], 0),  # (the soft limit, raised)
     (
         "stage 2, grad-accum 2 unreduced, bf16",
         [
@@ -1353,6 +1389,18 @@ def _folder(name: str) -> str:
     return name.replace(" ", "-").replace(",", "")
 
 
+def _soft_open_file_limit(soft: int):
+    """A ``preexec_fn``: the child's soft open-file limit ``soft``, as ``ulimit -Sn``."""
+
+    def limit() -> None:
+        import resource
+
+        nofile = resource.RLIMIT_NOFILE
+        resource.setrlimit(nofile, (soft, resource.getrlimit(nofile)[1]))
+
+    return limit
+
+
 def _end_two_ranks(
     tmp_path, data_dir, name: str, flags: list[str], code: int
 ) -> tuple[str, str, float]:
@@ -1366,7 +1414,7 @@ def _end_two_ranks(
     env.pop("OMP_NUM_THREADS", None)  # unset, torchrun prints a banner unless we set it
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env=env,
+        env=env, preexec_fn=_soft_open_file_limit(24) if "ulimit -Sn 24" in name else None,
     )  # fmt: skip
     waited = 0.0
     try:

@@ -46,6 +46,7 @@ from zeroshard.cli.train_checks import (
     hold_out_dir,
     lock_out_dir,
     make_out_dir,
+    raise_open_file_limit,
     remove_dead_launchers_configs,
     run_config_path,
 )
@@ -333,6 +334,7 @@ def _prepare(
     for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
         check_divides(cfg, world)
     check_inputs(cfg, launch.worlds()[0], local_ranks=launch.nproc)
+    raise_open_file_limit(launch.worlds()[-1])
     cfg, joining = pin_resume(cfg, launch)
     return launch, cfg, out, joining
 

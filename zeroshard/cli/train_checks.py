@@ -343,3 +343,36 @@ def check_port(port: int, *, bind: bool) -> None:
             raise UsageError(
                 f"port {port} is already in use; pass another --port (or 0 for a free one)"
             ) from None
+
+
+def open_files_needed(world: int) -> tuple[int, int]:
+    """(least, wanted) files and sockets for a process of a ``world``-rank job: the launcher
+    that hosts the job's store keeps a socket per rank and agent (at most 28 open at 2 ranks,
+    30 at 4, measured on CLI runs here; a limit of 24 failed, 30 ran), a rank one per peer in
+    each process group; ``wanted`` leaves room for checkpoint and offload files in flight."""
+    return 26 + 2 * world, 256 + 4 * world
+
+
+def raise_open_file_limit(world: int) -> None:
+    """This process's soft open-file limit (``ulimit -n``), which the ranks inherit, raised
+    towards what a ``world``-rank job wants where the hard limit allows: below its least,
+    torch's store could not accept a rank's connection and every rank retried for its 300 s
+    connect timeout, deaf to Ctrl-C, before a C++ traceback. A UsageError naming ``ulimit -n``
+    where even the hard limit is below the least."""
+    try:
+        import resource
+    except ImportError:  # (no such limits here)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    least, wanted = open_files_needed(world)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    if hard != resource.RLIM_INFINITY and hard < least:
+        raise UsageError(
+            f"the open-file limit (ulimit -n) is {soft}, at most {hard} for this shell: a run of "
+            f"{world} rank(s) needs at least {least} files and sockets per process; raise it "
+            f"(`ulimit -n {wanted}`; the hard limit, `ulimit -Hn`, is set by the administrator "
+            "or /etc/security/limits.conf)"
+        )
+    cap = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (cap, hard))
