@@ -163,6 +163,7 @@ class StopOnSignal:
         self._old: dict[int, Any] = {}
         self._deadline: threading.Timer | None = None
         self.cause = ""
+        self.training = False  # set once the caller's steps begin: a late stop's words
 
     def __enter__(self) -> StopOnSignal:
         for sig in self.SIGNALS:
@@ -192,13 +193,18 @@ class StopOnSignal:
     def _give_up(self) -> None:
         if self.announce:
             name = signal.Signals(self.signum).name
-            print(
-                f"interrupted by {name}: the ranks did not reach a step boundary together within "
+            why = (
+                "the ranks did not reach a step boundary together within "
                 f"{self.grace_s:g} s (a rank failed, or a step is that slow); stopped without "
-                "saving",
-                file=sys.stderr,
-                flush=True,
+                "saving"
+                if self.training
+                else f"still setting up after {self.grace_s:g} s, before training started; "
+                "nothing saved"
             )
+            print(f"interrupted by {name}: {why}", file=sys.stderr, flush=True)
+        store = sys.modules.get("zeroshard.offload.store")
+        if store is not None:  # (its swap files: no finalizer runs past os._exit)
+            store.discard_unclosed()
         os._exit(128 + self.signum)  # no teardown: a peer may be gone, and nothing to save
 
     def agreed(self) -> int:

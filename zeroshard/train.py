@@ -358,6 +358,8 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
         num_consecutive_skipped=skipped[1], num_taken=start - skipped[0],
     )  # fmt: skip
     disk = DiskTraffic(opt)
+    if stopper is not None:
+        stopper.training = True
 
     def evaluate_at(step: int) -> float | None:
         val = evaluate(model, val_batches, device, num_chunks=cfg.grad_accum, vocab_size=vocab,

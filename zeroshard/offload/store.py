@@ -135,6 +135,19 @@ def _close_at_exit(backend: Any, executors: list[ThreadPoolExecutor | None], pid
         logger.warning("cleaning up an unclosed offload store failed: %s", exc)
 
 
+_stores: weakref.WeakSet[TensorStore] = weakref.WeakSet()
+"""The stores of this process (``discard_unclosed``); a collected one has run its finalizer."""
+
+
+def discard_unclosed() -> None:
+    """Delete the swap files of every store this process has not closed, for an exit that runs
+    no finalizer (``os._exit``, as a rank that cannot agree to stop in time leaves): a signal
+    while a run set up its NVMe masters left gigabytes of them behind. Operations in flight on
+    other threads may fail meanwhile: the caller is about to end the process."""
+    for store in list(_stores):
+        store._finalizer()  # (once: a closed store's is detached, and does nothing)
+
+
 def _close_unused(store: TensorStore, pid: int) -> None:
     """``close_with``'s finalizer. Not in a child made by ``os.fork`` (its parent's store: it
     would wait for reads no thread of the child runs), nor on one of the store's own I/O
@@ -206,6 +219,7 @@ class TensorStore:
         self._finalizer = weakref.finalize(
             self, _close_at_exit, self._backend, self._executors, os.getpid()
         )
+        _stores.add(self)
 
     @classmethod
     def reopen(cls, folder: str | os.PathLike, config: OffloadConfig | None = None) -> TensorStore:
