@@ -706,6 +706,11 @@ def test_unit_precision_mistakes_are_named(lone_process):
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="unit_precision: wrap policy by_class.LayerNorm"):
         zeroshard.shard(model, mixed_precision="bf16", unit_precision={nn.LayerNorm: "fp32"})
+    # A misspelt name beside a class that matches, with the same policy: it was ignored.
+    with pytest.raises(ValueError, match=r"unit_precision: wrap policy by_class\(Lineer\)"):
+        zeroshard.shard(
+            model, mixed_precision="bf16", unit_precision={nn.Linear: "fp32", "Lineer": "fp32"}
+        )
     with pytest.raises(TypeError, match="unit_precision keys are module classes"):
         zeroshard.shard(nn.Linear(2, 2), unit_precision={3: "fp32"})
     with pytest.raises(TypeError, match=r"unit_precision\[<class .*LayerNorm'>\]: mixed_prec"):

@@ -193,14 +193,15 @@ def as_policy(wrap: object) -> WrapPolicy | None:
 
 def with_classes(policy: WrapPolicy | None, classes: tuple, why: str) -> WrapPolicy | None:
     """``policy``'s units and every submodule of ``classes`` (types or names) besides; ``why``
-    (what asked for them) names the fix when those match nothing."""
+    (what asked for them) names the fix when one of them matches nothing (a misspelt name
+    beside a class that matched was ignored)."""
     if not classes:
         return policy
-    extra = by_class(*classes)
+    each = [by_class(cls) for cls in classes]
 
     def both(model: nn.Module) -> list[str]:
         try:
-            more = set(extra(model))
+            more = {name for extra in each for name in extra(model)}
         except ValueError as exc:
             raise ValueError(f"{why}: {exc}") from None
         names = _names(policy, model) | more if policy is not None else more
