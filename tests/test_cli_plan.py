@@ -359,7 +359,7 @@ def test_advise(capsys):
         (
             ["--params", "1B", "--advise", "--memory", "8GB", "--global-batch", "8"]
             + ["--peak-flops", "1T", "--net-bandwidth", "1GB/s", "--grad-accum", "4"],
-            "would ignore --grad-accum 4; drop it",
+            "would ignore --grad-accum 4; drop --grad-accum .--global-batch sets the batch.",
         ),
         (
             ["--params", "1B", "--advise", "--memory", "8GB", "--global-batch", "8"]

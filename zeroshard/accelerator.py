@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 DEFAULT_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "xpu": "xccl"}
 """The collective backend each device type gets unless ``backend=`` says otherwise."""
 
+_PLUGIN = {"npu": " and torch_npu (`import torch_npu` before zeroshard)"}
+"""The device types that a plug-in package registers, beside torch's own build."""
 NO_BACKEND: dict[str, str] = {
     "mps": (
         "Apple MPS has no torch.distributed backend (gloo moves CPU tensors only, nccl/hccl/xccl "
@@ -181,7 +183,7 @@ def placement(
             raise ValueError(
                 f"device={str(device)!r} asked for, but torch finds "
                 f"{'a ' + found + ' accelerator' if found else 'no accelerator'}: install the "
-                f"{kind} build of torch (and its plug-in, e.g. `import torch_npu`), or pass "
+                f"{kind} build of torch{_PLUGIN.get(kind, '')}, or pass "
                 f"device={found or 'cpu'!r}"
             )
     if kind == "cpu":

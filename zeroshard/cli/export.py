@@ -10,8 +10,8 @@ those ``--tie ALIAS=SOURCE`` names (repeatable; then no others), else those the 
 recorded as one parameter and those the ``--config`` (a folder with a ``config.json``, or the
 file) declares through ``tie_word_embeddings`` and its architecture's tied weights;
 ``--config`` is copied to OUT too, so OUT loads with ``from_pretrained``. Without ``--config``
-(and ``--tie``), a checkpoint of a ``zeroshard train --hf CONFIG`` run uses CONFIG,
-as that run's ``config.json`` records it, and says so.
+(and ``--tie``), a checkpoint of a ``zeroshard train --hf CONFIG`` run uses the copy of
+CONFIG it keeps (the config as that run built it, not a file edited since), and says so.
 """
 
 from __future__ import annotations

@@ -363,8 +363,8 @@ def advice(args) -> dict:
     if args.grad_accum != 1:
         raise ValueError(
             f"--advise derives the accumulation steps from --global-batch / (Nd x micro-batch) "
-            f"for each candidate and would ignore --grad-accum {args.grad_accum}; drop it, or "
-            "set --global-batch"
+            f"for each candidate and would ignore --grad-accum {args.grad_accum}; drop "
+            "--grad-accum (--global-batch sets the batch)"
         )
     if args.devices and args.dp != 1 and args.dp * args.mp != args.devices:
         raise ValueError(
