@@ -17,7 +17,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from test_cli_train import _cmdline, _descendants, _expect_usage_error, _running
+from test_cli_train import _cmdline, _descendants, _expect_usage_error
 
 from zeroshard import checkpoint
 from zeroshard.cli.agent import Launch, _holding_agent
@@ -281,8 +281,8 @@ def test_a_node_joins_a_running_job_then_leaves_and_the_job_goes_on(tmp_path, da
     Node A trains alone; node B, started after A's step 2 with the same command, is not
     refused for the job's own checkpoints: A's agent starts its ranks anew with B's (not a
     restart to torchrun: no restart count) and both resume from the newest checkpoint. Once
-    they saved one together, node B's launcher is killed: its rank leaves, node A restarts and
-    finishes alone from the newest checkpoint (saved at world size 2, loaded at 1). With c10d's
+    they saved one together, node B (agent and rank) is killed: node A restarts and finishes
+    alone from the newest checkpoint (saved at world size 2, loaded at 1). With c10d's
     defaults the leave takes about 50 s (15 s before the node gone is noticed, then a 30 s last
     call for more nodes); ``RDZV_CONF`` shortens both."""
     out, port = tmp_path / "run", free_port()
@@ -320,17 +320,13 @@ def test_a_node_joins_a_running_job_then_leaves_and_the_job_goes_on(tmp_path, da
         wait_for(lambda: together() is not None)
         first = together()  # a step after a save: the next save is one step later
         wait_for(lambda: _newest_step(out / "ckpt") > first)
-        # Node B's launcher (its agent) killed: its rank, in a session of its own, sees the
-        # agent gone at its next step and leaves the job (it stopped the whole job, unrestarted)
-        b_ranks = [p for p in _descendants(node_b.pid) if "zeroshard.cli.main" in _cmdline(p)]
-        os.kill(node_b.pid, signal.SIGKILL)
+        for pid in [node_b.pid, *_descendants(node_b.pid)]:  # the whole node: agent and rank
+            os.kill(pid, signal.SIGKILL)
         log_a = node_a.communicate(timeout=BOUND_S)[0]
     finally:
         _kill_left(node_a, node_b)
     log_b = (tmp_path / "b.log").read_text()
     assert node_a.returncode == 0, log_a[-3000:]
-    assert b_ranks and not any(_running(pid) for pid in b_ranks), b_ranks
-    assert "this node's torchrun agent" in log_b and "leave the job" in log_b, log_b[-3000:]
     assert f"joining the job running at 127.0.0.1:{port}" in log_b, log_b[-3000:]
     joined = [line for line in log_a.splitlines() if line.startswith("the job's nodes changed")]
     restarts = [line for line in log_a.splitlines() if line.startswith("restart ")]

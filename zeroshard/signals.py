@@ -60,41 +60,6 @@ def agent_gone() -> bool:
     return _agent_gone
 
 
-def _other_nodes_restart() -> bool:
-    """Whether this rank's job spans several nodes whose agents restart their ranks when one
-    fails (restarts left: ``--max-restarts``): torchrun's variables say so."""
-    env = os.environ
-    nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
-    left = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
-        env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    )
-    return nodes > 1 and left > 0
-
-
-def _discard_swap_files() -> None:
-    """Before an ``os._exit``, past which no finalizer runs: the swap files of this process's
-    offload stores (if it made any)."""
-    store = sys.modules.get("zeroshard.offload.store")
-    if store is not None:
-        store.discard_unclosed()
-
-
-def _leave_the_job() -> None:
-    """This node's agent is gone (killed with the node's launcher) in an elastic job: its ranks
-    leave at once, as if the node had gone, so that the other nodes' agents restart theirs
-    without it from the newest checkpoint. Stopping every rank as on SIGTERM ended the whole
-    job, unrestarted (exit 143 on every node), when one node's launcher was killed."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(
-            f"zeroshard train: this node's torchrun agent (pid {AGENT_PID}) is gone: its ranks "
-            "leave the job, and the other nodes restart theirs from the newest checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
-    _discard_swap_files()
-    os._exit(1)  # no teardown: the other nodes' ranks see the connections close
-
-
 _ASYNC = (signal.SIGINT, signal.SIGTERM)
 """The signals that stop a training run (Ctrl-C, a scheduler's), whose Python handlers raise
 or note a stop: ``deferred``'s. (Swapping a handler puts Python's own C handler back in place:
@@ -237,15 +202,15 @@ class StopOnSignal:
                 "nothing saved"
             )
             print(f"interrupted by {name}: {why}", file=sys.stderr, flush=True)
-        _discard_swap_files()
+        store = sys.modules.get("zeroshard.offload.store")
+        if store is not None:  # (its swap files: no finalizer runs past os._exit)
+            store.discard_unclosed()
         os._exit(128 + self.signum)  # no teardown: a peer may be gone, and nothing to save
 
     def agreed(self) -> int:
         """The signal number any rank got (the smallest), or 0. Once they agree, the deadline
         is off: the caller saves and stops in an orderly way."""
         if not self.signum and AGENT_PID is not None and os.getppid() != AGENT_PID:
-            if _other_nodes_restart():
-                _leave_the_job()
             self.cause = f"the loss of torchrun's agent (pid {AGENT_PID})"
             self._note(signal.SIGTERM, None)
         # The smallest signal number any rank got: Ctrl-C reaches every rank as SIGINT and the
