@@ -18,8 +18,10 @@ from zeroshard.offload import OffloadConfig, Tier, TensorStore
 from zeroshard.signals import StopOnSignal
 store = TensorStore(OffloadConfig(tier=Tier.NVME, folder=sys.argv[1]))
 store.swap_out("master", torch.ones(1 << 16)).wait()
-with StopOnSignal(torch.device("cpu"), grace_s=0.5) as stopper:
-    stopper.training = sys.argv[2] == "training"
+StopOnSignal.GRACE_S = 0.5  # the deadline before training: the run's own (30 s) is not waited
+training = sys.argv[2] == "training"
+with StopOnSignal(torch.device("cpu"), grace_s=0.5 if training else 30) as stopper:
+    stopper.training = training
     print("ready", flush=True)
     time.sleep(30)  # stuck: never reaches agreed()
 print("not reached", flush=True)
@@ -28,8 +30,9 @@ print("not reached", flush=True)
 
 def test_a_rank_that_cannot_agree_exits_after_the_grace(tmp_path):
     """Stuck in a step, or still setting up (building the model, writing its NVMe masters),
-    the rank exits anyway, saying which; the swap files of its stores go with it (no finalizer
-    runs past ``os._exit``: a signal while a run wrote its masters left gigabytes of them)."""
+    the rank exits anyway, saying which, and before training without waiting out a deadline
+    meant for a save; the swap files of its stores go with it (no finalizer runs past
+    ``os._exit``: a signal while a run wrote its masters left gigabytes of them)."""
     procs = {
         when: subprocess.Popen(
             [sys.executable, "-c", STUCK, str(tmp_path / when), when],

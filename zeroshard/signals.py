@@ -163,7 +163,8 @@ class StopOnSignal:
         self._old: dict[int, Any] = {}
         self._deadline: threading.Timer | None = None
         self.cause = ""
-        self.training = False  # set once the caller's steps begin: a late stop's words
+        self.training = False  # set once the caller's steps begin: a late stop's deadline
+        self._grace_s = grace_s
 
     def __enter__(self) -> StopOnSignal:
         for sig in self.SIGNALS:
@@ -181,7 +182,10 @@ class StopOnSignal:
         if self.signum:
             return
         self.signum = signum
-        self._deadline = threading.Timer(self.grace_s, self._give_up)
+        # Before the first step nothing can be saved: the short deadline, whatever the run's
+        # (a set-up slower than it waited out GRACE_SAVING_S under --save-every).
+        self._grace_s = self.grace_s if self.training else min(self.grace_s, self.GRACE_S)
+        self._deadline = threading.Timer(self._grace_s, self._give_up)
         self._deadline.daemon = True
         self._deadline.start()
 
@@ -195,10 +199,10 @@ class StopOnSignal:
             name = signal.Signals(self.signum).name
             why = (
                 "the ranks did not reach a step boundary together within "
-                f"{self.grace_s:g} s (a rank failed, or a step is that slow); stopped without "
+                f"{self._grace_s:g} s (a rank failed, or a step is that slow); stopped without "
                 "saving"
                 if self.training
-                else f"still setting up after {self.grace_s:g} s, before training started; "
+                else f"still setting up after {self._grace_s:g} s, before training started; "
                 "nothing saved"
             )
             print(f"interrupted by {name}: {why}", file=sys.stderr, flush=True)
