@@ -125,13 +125,16 @@ def _open_file_limits(monkeypatch, soft: int, hard: int) -> list[tuple[int, int]
     return set_to
 
 
-def test_an_open_file_limit_too_low_for_the_ranks_is_named(capsys, tmp_path, monkeypatch):
+def test_an_open_file_limit_too_low_for_the_ranks_is_named(capsys, tmp_path, monkeypatch, data_dir):
     # torch's store then refused the ranks' connections: each retried for 300 s, deaf to
     # Ctrl-C, then a C++ traceback.
     set_to = _open_file_limits(monkeypatch, 24, 24)
     argv = ["train", "--nproc", "4", "--out-dir", str(tmp_path / "run")]
     _expect_usage_error(capsys, argv, "open-file limit (ulimit -n) is 24", "ulimit -n 272")
     assert set_to == [] and not (tmp_path / "run").exists()
+    # One process training alone (no torchrun store, no peers) ran at 16 here: not refused.
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1", "--batch-size", "2"]
+    assert main(["train", *flags, "--out-dir", str(tmp_path / "one")]) == 0, capsys.readouterr()
 
 
 @pytest.mark.parametrize(
@@ -1371,6 +1374,7 @@ ENDINGS = [  # (name, flags, exit status); --steps 100000 runs until the signal
     ("diverged fp16", ["--lr", "1e9", "--warmup-steps", "0", "--precision", "fp16"], 3),
     ("Ctrl-C", ["--steps", "100000"], 130),
     ("SIGTERM", ["--steps", "100000", "--save-every", "1000"], 143),
+    ("bad input in a rank", ["--model", "my_models:build_bad", "--wrap", "MyBlock"], 2),
     (  # not restarted; each start of the ranks has a store of its own, none before the group
         "bad input in a rank, restarts",
         ["--model", "my_models:build_bad", "--max-restarts", "1", "--save-every", "4"],

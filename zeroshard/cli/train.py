@@ -334,7 +334,8 @@ def _prepare(
     for world in launch.worlds()[1:]:  # the batch divides at every world size the job may have
         check_divides(cfg, world)
     check_inputs(cfg, launch.worlds()[0], local_ranks=launch.nproc)
-    raise_open_file_limit(launch.worlds()[-1])
+    if launch.elastic:  # (one process trains alone without a store or peers to connect)
+        raise_open_file_limit(launch.worlds()[-1])
     cfg, joining = pin_resume(cfg, launch)
     return launch, cfg, out, joining
 
