@@ -127,6 +127,7 @@ def settings_digests(param_groups: Sequence[dict[str, Any]], device: torch.devic
     whose settings differ (a scheduler stepped on a rank's own metric) get ``max(x) !=
     -max(-x)`` for one of them."""
     plain, tensors = [], []
+    zero = torch.zeros((), dtype=torch.float32, device=device)
     for g in param_groups:
         plain.append(
             float(zlib.crc32(repr(sorted(_compared_settings(g).items())).encode()) & 0xFFFFFF)
@@ -135,12 +136,9 @@ def settings_digests(param_groups: Sequence[dict[str, Any]], device: torch.devic
             (i + 1) * v.detach().to(device=device, dtype=torch.float32).sum()
             for i, (_, v) in enumerate(_tensor_settings(g))
         ]
-        tensors.append(torch.stack(weighted).sum() if weighted else None)
+        tensors.append(torch.stack(weighted).sum() if weighted else zero)
     d = torch.tensor(plain, dtype=torch.float32, device=device)
-    t = torch.zeros_like(d)
-    for i, x in enumerate(tensors):
-        if x is not None:
-            t[i] = x
+    t = torch.stack(tensors) if tensors else torch.zeros_like(d)
     return torch.stack([d, -d, t, -t], dim=1).reshape(-1)
 
 
