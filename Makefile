@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/zeroshard train --nproc 2 --config examples/demo.toml
 
+# Two tests at a time (pytest-xdist; a module's tests stay on one worker, in order): most tests keep
+# one core busy. Those marked `alone` (signals, bounds in seconds, 1 s timeouts) run after, by
+# themselves.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests --durations=15
+	$(BIN)/python -m pytest -q tests -n 2 --dist loadfile -m "not alone" --durations=10
+	$(BIN)/python -m pytest -q tests -m alone --durations=5
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

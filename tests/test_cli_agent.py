@@ -11,6 +11,10 @@ import textwrap
 
 import pytest
 
+# Wall-clock bounds and short timeouts: run by `make test` after the parallel tests, with the
+# machine to itself (pyproject.toml's "alone" marker).
+pytestmark = pytest.mark.alone
+
 # Signals that reach torchrun's agent while it starts the ranks, at the two moments where they
 # were lost: during its set-up, where its lazy imports can swallow a KeyboardInterrupt (4 runs in
 # 40 here trained to the end and exited 0), simulated by a rendezvous-handler lookup that

@@ -263,6 +263,7 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.alone  # (a signal sent at a moment; a bound in seconds)
 def test_a_signal_during_the_command_s_first_imports_is_one_line(tmp_path):
     """A Ctrl-C as ``python -m zeroshard.cli.main`` imports its first modules (torchrun's
     agent forwards it to ranks just started): exit 130 with one line (a KeyboardInterrupt
@@ -291,6 +292,7 @@ def test_a_signal_during_the_command_s_first_imports_is_one_line(tmp_path):
 @pytest.mark.parametrize(
     "delay_s, signum", [(0.0, signal.SIGINT), (0.4, signal.SIGINT), (0.4, signal.SIGTERM)]
 )
+@pytest.mark.alone  # (a signal sent at a moment; a bound in seconds)
 def test_a_signal_while_starting_is_one_line(tmp_path, delay_s, signum):
     """SIGINT or SIGTERM while the command imports torch (``delay_s`` after torch's library is
     mapped: a fixed wall-clock delay from the start could fall, on a loaded machine, in the
@@ -309,6 +311,7 @@ def test_a_signal_while_starting_is_one_line(tmp_path, delay_s, signum):
     assert "interrupted" in out.strip().splitlines()[-1], out
 
 
+@pytest.mark.alone  # (a signal sent at a moment; a bound in seconds)
 def test_a_signal_while_the_ranks_start_is_one_line(tmp_path):
     """SIGINT to the launcher once its ranks import torch: exit 130 and rank 0's one line (it
     exited silently: the ranks left the report to the launcher, which had none to give)."""
@@ -532,6 +535,7 @@ def test_checkpoint_info_of_an_incomplete_save(capsys, tmp_path):
     assert "is not a zeroshard checkpoint" in out and "bytes" not in out, out
 
 
+@pytest.mark.alone  # (a signal sent at a moment; a bound in seconds)
 def test_a_killed_launcher_s_ranks_save_the_step_and_stop(tmp_path, capsys, data_dir):
     """SIGKILL of the launcher leaves the ranks without their agent, which they notice at the
     next step and take as a SIGTERM (SIGINT and SIGTERM: the runs of every ending below)."""
@@ -1284,6 +1288,7 @@ def test_a_full_disk_while_logging_is_one_line_and_exit_2(capsys, tmp_path, data
 
 
 @pytest.mark.parametrize("during", [False, True])
+@pytest.mark.alone  # (a signal sent at a moment; a bound in seconds)
 def test_a_signal_at_the_last_step_ends_the_run_as_done(
     capsys, tmp_path, data_dir, monkeypatch, during
 ):
@@ -1434,6 +1439,7 @@ def _end_two_ranks(
 
 
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
+@pytest.mark.alone  # (a signal sent at a moment; a bound in seconds)
 def test_a_second_ctrl_c_while_the_ranks_stop_leaves_no_rank_running(
     tmp_path, data_dir, model_module
 ):
@@ -1476,6 +1482,7 @@ def test_a_second_ctrl_c_while_the_ranks_stop_leaves_no_rank_running(
 
 
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
+@pytest.mark.alone  # (a signal sent at a moment; a bound in seconds)
 def test_ctrl_c_during_an_evaluation_stops_it(tmp_path, data_dir, model_module):
     # The evaluation (here 100 s) ran to its end before the stop was agreed; past the ranks' 4 s
     # deadline they exited "did not reach a step boundary ... stopped without saving".
@@ -1552,6 +1559,7 @@ def test_an_error_every_rank_meets_is_reported_by_one(workers2, lone_process):
 
 
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
+@pytest.mark.alone  # (a signal sent at a moment; a bound in seconds)
 def test_every_way_a_two_rank_run_ends(tmp_path, data_dir, model_module):
     """Every way a 2-rank run ends (twelve runs): the right status, one line saying why, never
     gloo's "terminate called without an active exception", no carriage returns off a

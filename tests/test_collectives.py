@@ -385,6 +385,7 @@ def _in_different_collectives() -> str:
     return f"completed with {out.tolist()}"
 
 
+@pytest.mark.alone  # (a 1 s collective timeout that the first collectives must meet)
 def test_a_gather_and_a_reduce_scatter_of_one_size_time_out():
     """Point-to-point collectives were told apart by a count alone: a gather took a
     reduce-scatter's messages of the same size, and the rank computed with gradients as weights

@@ -15,7 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from zeroshard.testing import free_port
+
+# Wall-clock bounds and short timeouts: run by `make test` after the parallel tests, with the
+# machine to itself (pyproject.toml's "alone" marker).
+pytestmark = pytest.mark.alone
 
 # Tiny on purpose: the test is about launching, rendezvous and rank placement, not training.
 TRAIN = ["--preset", "nano", "--steps", "3", "--batch-size", "4", "--seq-len", "16"]

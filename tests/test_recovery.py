@@ -25,6 +25,10 @@ from zeroshard.cli.resume import resume_after_restart
 from zeroshard.cli.train import load_config
 from zeroshard.testing import free_port
 
+# Wall-clock bounds and short timeouts: run by `make test` after the parallel tests, with the
+# machine to itself (pyproject.toml's "alone" marker).
+pytestmark = pytest.mark.alone
+
 # Tiny on purpose (about 0.1 s a step on 2 shared cores): long enough to be killed mid-run.
 STEPS = 30
 RUN = ["--nproc", "2", "--preset", "nano", "--batch-size", "2", "--seq-len", "16"]

@@ -8,9 +8,14 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from zeroshard.signals import StopOnSignal, Stopped
+
+# Wall-clock bounds and short timeouts: run by `make test` after the parallel tests, with the
+# machine to itself (pyproject.toml's "alone" marker).
+pytestmark = pytest.mark.alone
 
 STUCK = """
 import sys, time, torch

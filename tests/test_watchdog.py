@@ -35,6 +35,10 @@ from zeroshard.watchdog import (
     is_comm_failure,
 )
 
+# Wall-clock bounds and short timeouts: run by `make test` after the parallel tests, with the
+# machine to itself (pyproject.toml's "alone" marker).
+pytestmark = pytest.mark.alone
+
 TIMEOUT_S = 1.0
 # The timeout, then up to the timeout again for the other ranks to check in (grace), plus slack
 # for a loaded 2-core machine.
