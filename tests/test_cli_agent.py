@@ -129,25 +129,41 @@ def test_a_signal_whose_exception_torch_replaces_still_stops_every_rank(tmp_path
     assert re.search(said, out, re.M), out
 
 
-def test_a_failed_rendezvous_is_one_line(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize(
+    "error, conf, said",
+    [
+        ("RendezvousConnectionError", (), "failed: RendezvousConnectionError: The connection to "
+         "the C10d store has failed.; the job ended on another node"),
+        # torch raises these two without a message ("RendezvousTimeoutError: ;")
+        ("RendezvousTimeoutError", (("join_timeout", 30),), "timed out: fewer than the 2 "
+         "node(s) that --nnodes asks for joined within its join timeout (30 s); start the other"),
+        ("RendezvousTimeoutError", (), "join timeout (600 s)"),
+        ("RendezvousClosedError", (), "was closed: the job ended on another node"),
+    ],
+)  # fmt: skip
+def test_a_failed_rendezvous_is_one_line(monkeypatch, capsys, tmp_path, error, conf, said):
     """The node hosting the rendezvous ended the job or left: the other nodes' agents said so
-    with torch's traceback (RendezvousConnectionError, about 40 lines)."""
+    with torch's traceback (RendezvousConnectionError, about 40 lines). Nodes that never came
+    were "failed: RendezvousTimeoutError: ;"."""
     import torch.distributed.run as torchrun
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous import api
 
     from zeroshard.cli.agent import Launch, run_agent
 
-    def store_gone(argv):
-        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+    def fails(argv):
+        if error == "RendezvousConnectionError":
+            raise api.RendezvousConnectionError("The connection to the C10d store has failed.")
+        raise getattr(api, error)
 
-    monkeypatch.setattr(torchrun, "main", store_gone)
-    launch = Launch(nproc=1, port=0, max_restarts=1, max_nodes=2, rdzv_endpoint="h:29500")
+    monkeypatch.setattr(torchrun, "main", fails)
+    launch = Launch(
+        nproc=1, port=0, max_restarts=1, min_nodes=2, max_nodes=2, rdzv_endpoint="h:29500",
+        rdzv_conf=conf,
+    )  # fmt: skip
     assert run_agent(launch, tmp_path / "config.json") == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert err.startswith("zeroshard train: the rendezvous at h:29500 failed: ") and (
-        "RendezvousConnectionError: The connection to the C10d store has failed." in err
-    ), err
+    assert err.startswith("zeroshard train: the rendezvous at h:29500 ") and said in err, err
 
 
 _TIMER = """

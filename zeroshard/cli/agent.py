@@ -162,12 +162,7 @@ def run_agent(
                       file=sys.stderr)  # fmt: skip
             return 128 + int(exc.sigval)
         except RendezvousError as exc:  # e.g. the node hosting it ended the job, or left
-            print(
-                f"zeroshard train: the rendezvous at {launch.rdzv_endpoint} failed: "
-                f"{type(exc).__name__}: {exc}; the job ended on another node (its output says "
-                "why), or the node hosting the rendezvous left",
-                file=sys.stderr,
-            )
+            print(f"zeroshard train: {_rendezvous_failed(launch, exc)}", file=sys.stderr)
             return 1
         except ChildFailedError as exc:
             rank, first = exc.get_first_failure()
@@ -190,6 +185,35 @@ def run_agent(
                 return 128 + stopping[0]
             raise
     return 0
+
+
+JOIN_TIMEOUT_S = 600
+"""torchrun's c10d rendezvous join timeout when ``--rdzv-conf join_timeout`` does not set it."""
+
+
+def _rendezvous_failed(launch: Launch, exc: Exception) -> str:
+    """Why the rendezvous failed, in one line: torch raises its timeout and closed errors
+    without a message ("RendezvousTimeoutError: ;")."""
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousTimeoutError,
+    )
+
+    at = f"the rendezvous at {launch.rdzv_endpoint}"
+    if isinstance(exc, RendezvousTimeoutError) and not str(exc):
+        join_s = dict(launch.rdzv_conf).get("join_timeout", JOIN_TIMEOUT_S)
+        return (
+            f"{at} timed out: fewer than the {launch.min_nodes} node(s) that --nnodes asks "
+            f"for joined within its join timeout ({join_s} s); start the other nodes with the "
+            "same --nnodes and --rdzv-endpoint, or give them longer with --rdzv-conf "
+            "join_timeout=SECONDS"
+        )
+    if isinstance(exc, RendezvousClosedError) and not str(exc):
+        return f"{at} was closed: the job ended on another node (its output says why)"
+    return (
+        f"{at} failed: {type(exc).__name__}: {exc}; the job ended on another node (its output "
+        "says why), or the node hosting the rendezvous left"
+    )
 
 
 def _quiet_timer_teardown() -> None:
