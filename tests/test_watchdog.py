@@ -393,6 +393,18 @@ def test_a_rank_whose_process_ended_is_told_from_one_still_running(lone_process)
     timed_out = dataclasses.replace(report, backend_error="Timed out", ended=(0, 2))
     said = _message(timed_out, store_answered=True)  # (no timeout would have helped)
     assert "ranks 0, 2 ended" in said and "timeout" not in said.split("on rank 1")[1], said
+    # In zeroshard train's loop every rank runs the same steps: an early end is a kill or crash
+    # (a survivor under --max-restarts printed the drop_last advice before the restart line).
+    from zeroshard.watchdog import same_steps_everywhere
+
+    with same_steps_everywhere():
+        said = _message(report, store_answered=True)
+    assert said.endswith(
+        "rank 2 ended (process gone: killed or crashed); rank 0 did not arrive either, still "
+        "running (in other code, or waiting on it); rank 1 reached it. Look at rank 2: the first "
+        "error in the log says why"
+    ), said
+    assert "drop_last" in _message(report, store_answered=True)  # (outside it again)
 
 
 def _caught_then_carried_on() -> list[str]:

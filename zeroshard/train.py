@@ -48,7 +48,7 @@ from zeroshard.signals import StopOnSignal, Stopped
 from zeroshard.stages import partition
 from zeroshard.tokens import BYTE_VOCAB_SIZE, TokenData, load_tokens
 from zeroshard.train_config import TrainConfig
-from zeroshard.watchdog import diagnosed
+from zeroshard.watchdog import diagnosed, same_steps_everywhere
 
 __all__ = ["Diverged", "Stopped", "TrainConfig", "lr_at", "train"]
 
@@ -334,8 +334,9 @@ def train(cfg: TrainConfig) -> dict:
             "vocab_size": data.vocab_size, "data_fingerprint": fingerprint,
         }  # fmt: skip
         try:
-            return _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped,
-                        summary=summary, device=device)  # fmt: skip
+            with same_steps_everywhere():  # (a rank that ended early was killed or crashed)
+                return _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped,
+                            summary=summary, device=device)  # fmt: skip
         finally:
             log.close()
 

@@ -383,6 +383,22 @@ def _ask_store(
         store.set_timeout(previous)
 
 
+_own_loop = threading.local()
+
+
+@contextlib.contextmanager
+def same_steps_everywhere() -> Iterator[None]:
+    """For a loop whose every rank runs the same steps and evaluations (``zeroshard.train``'s):
+    a rank that ended early in it was killed or crashed, and the advice about uneven loops
+    (``drop_last``, an evaluation on rank 0 alone) is left out of the message."""
+    before = getattr(_own_loop, "on", False)
+    _own_loop.on = True
+    try:
+        yield
+    finally:
+        _own_loop.on = before
+
+
 def _ranks(ranks: tuple[int, ...] | list[int]) -> str:
     listed = ", ".join(str(r) for r in ranks)
     return f"rank {listed}" if len(ranks) == 1 else f"ranks {listed}"
@@ -420,6 +436,12 @@ def _message(r: TimeoutReport, *, store_answered: bool) -> str:
             if alive
             else ""
         )
+        if getattr(_own_loop, "on", False):
+            return (
+                f"{head}: {_ranks(r.ended)} ended (process gone: killed or crashed){also}; "
+                f"{_ranks(reached)} reached it. Look at {_ranks(r.ended)}: the first error in "
+                "the log says why"
+            )
         return (
             f"{head}: {_ranks(r.ended)} ended (process gone: killed or crashed, or its "
             f"program finished early, e.g. with a batch fewer){also}; {_ranks(reached)} reached "
