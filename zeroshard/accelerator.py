@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 DEFAULT_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "xpu": "xccl"}
 """The collective backend each device type gets unless ``backend=`` says otherwise."""
 
-_PLUGIN = {"npu": " and torch_npu (`import torch_npu` before zeroshard)"}
-"""The device types that a plug-in package registers, beside torch's own build."""
+_PLUGIN = {"npu": "torch_npu matching this torch (`import torch_npu` before zeroshard)"}
+"""The device types that a plug-in package registers on a stock torch, and what to install."""
 NO_BACKEND: dict[str, str] = {
     "mps": (
         "Apple MPS has no torch.distributed backend (gloo moves CPU tensors only, nccl/hccl/xccl "
@@ -182,8 +182,8 @@ def placement(
         if kind != "cpu" and kind != found:
             raise ValueError(
                 f"device={str(device)!r} asked for, but torch finds "
-                f"{'a ' + found + ' accelerator' if found else 'no accelerator'}: install the "
-                f"{kind} build of torch{_PLUGIN.get(kind, '')}, or pass "
+                f"{'a ' + found + ' accelerator' if found else 'no accelerator'}: install "
+                f"{_PLUGIN.get(kind, f'the {kind} build of torch')}, or pass "
                 f"device={found or 'cpu'!r}"
             )
     if kind == "cpu":
