@@ -702,6 +702,87 @@ def test_modules_with_a_policy_of_their_own_recompute_alike(workers2, stage):
         assert worst == 0.0, worst
 
 
+class _Parameterless(nn.Module):
+    """A GELU, a LayerNorm without affine parameters (OLMo, DiT) and a BatchNorm without them,
+    between Linears: modules with no parameters of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.act, self.norm = nn.GELU(), nn.LayerNorm(8, elementwise_affine=False)
+        self.bn = nn.BatchNorm1d(8, affine=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.bn(self.norm(self.act(self.fc1(x)))))
+
+
+def _parameterless_in_fp32(stage: int) -> dict:
+    """``unit_precision`` FP32 for the parameterless modules of a BF16 model, against FSDP2 with
+    those modules ``fully_shard``-ed in an FP32 policy: each computed in BF16 before (a unit
+    without parameters was dropped, its policy with it), the BatchNorm's statistics too.
+    SGD at lr 0.5: any difference in rounding grows."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    ref = _Parameterless()
+    fp32 = {nn.GELU: "fp32", nn.LayerNorm: "fp32", nn.BatchNorm1d: "fp32"}
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = zeroshard.shard(
+        copy.deepcopy(ref), stage=stage, mixed_precision=bf16, unit_precision=fp32
+    )
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
+    for m in (ref.act, ref.norm, ref.bn):
+        fully_shard(m, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=torch.bfloat16))
+    fully_shard(ref, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    seen: dict = {}
+    for name in ("act", "norm", "bn"):
+        hook = lambda mod, args, out, name=name: seen.update({name: args[0].dtype})
+        getattr(model, name).register_forward_hook(hook)
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    losses: tuple[list[float], list[float]] = ([], [])
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g)
+        for m, o, out in ((model, opt, losses[0]), (ref, ref_opt, losses[1])):
+            loss = m(x).float().square().mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+    mine = zeroshard.full_state_dict(model, rank0_only=False)
+    theirs = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+              for k, v in ref.state_dict().items()}  # fmt: skip
+    same = all(mine[k].dtype == v.dtype and torch.equal(mine[k], v) for k, v in theirs.items())
+    return {"inputs": seen, "losses": losses[0] == losses[1], "same": same}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_module_without_parameters_computes_in_its_own_policy_as_under_fsdp2(workers2, stage):
+    fp32 = torch.float32
+    for r in workers2.run(_parameterless_in_fp32, stage):
+        assert r == {"inputs": {"act": fp32, "norm": fp32, "bn": fp32}, "losses": True,
+                     "same": True}, r  # fmt: skip
+
+
+def test_a_policy_that_cannot_be_a_unit_s_own_is_refused(lone_process):
+    """A module whose parameters an enclosing unit holds cannot compute in a policy of its own:
+    a tied embedding (gathered with the head, in the model's policy) and the out_proj that
+    MultiheadAttention reads. Their policy was dropped without a word (BF16 where FP32 was
+    asked); a tied Linear with a bias of its own failed in forward on mixed dtypes."""
+    from zeroshard.models.gpt import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=32, block_size=8))
+    with pytest.raises(ValueError, match="unit_precision cannot give these modules a policy") as e:
+        zeroshard.shard(gpt, mixed_precision="bf16", unit_precision={nn.Embedding: "fp32"})
+    said = str(e.value)
+    assert "wte (Embedding): its weight is shared with a module outside it (tied)" in said, said
+    assert "wpe" not in said and "untie the parameters" in said, said
+    attn = nn.Sequential(nn.MultiheadAttention(8, 2), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"0.out_proj \(NonDynamicallyQuantizableLinear\) is "
+                                         "read by its parent 0, which computes it"):  # fmt: skip
+        zeroshard.shard(attn, mixed_precision="bf16", unit_precision={nn.Linear: "fp32"})
+
+
 def test_unit_precision_mistakes_are_named(lone_process):
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="unit_precision: wrap policy by_class.LayerNorm"):

@@ -58,7 +58,7 @@ from zeroshard.residual_states.partitioned import CheckpointKeeper
 from zeroshard.stages import Partition, partition
 from zeroshard.state_dict_hooks import install_state_dict_hooks
 from zeroshard.unit import Unit
-from zeroshard.wrap import UnitSpec, WrapPolicy, as_policy, units, with_classes
+from zeroshard.wrap import UnitSpec, WrapPolicy, as_policy, units, with_classes, without_a_unit
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -254,7 +254,14 @@ def shard(
     mixed_precision = policy_of(mixed_precision, mesh.device)
     overrides = unit_overrides(unit_precision, mesh.device, mixed_precision, model)
     wrap = with_classes(wrap, tuple(overrides), "unit_precision")
-    specs = units(model, wrap)
+    own_policy = lambda m: unit_policy(m, mixed_precision, overrides) is not mixed_precision
+    specs = units(model, wrap, keep=own_policy)
+    if overrides and (unplaced := without_a_unit(model, specs, own_policy)):
+        raise ValueError(
+            f"unit_precision cannot give these modules a policy of their own: "
+            f"{'; '.join(unplaced)}. Put the policy on a module around every use (the parent's "
+            "class), untie the parameters, or leave the class out of unit_precision"
+        )
     policies = [unit_policy(s.module, mixed_precision, overrides) for s in specs]
     policies = outputs_to_parents(
         [s.name for s in specs], [s.module for s in specs], policies, mixed_precision,

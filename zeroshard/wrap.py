@@ -230,8 +230,14 @@ def _names(policy: WrapPolicy, model: nn.Module) -> set[str]:
     return set(names)
 
 
-def units(model: nn.Module, policy: WrapPolicy | None) -> list[UnitSpec]:
-    """The root unit first, then the policy's units in module (pre-)order, with their params."""
+def units(
+    model: nn.Module,
+    policy: WrapPolicy | None,
+    keep: Callable[[nn.Module], bool] | None = None,
+) -> list[UnitSpec]:
+    """The root unit first, then the policy's units in module (pre-)order, with their params.
+    A unit left without parameters is dropped, unless ``keep(module)`` (a policy of its own to
+    compute in: ``unit_precision`` on a GELU or a norm without affine parameters)."""
     wanted = _names(policy, model) if policy is not None else set()
     modules = dict(model.named_modules(remove_duplicate=False))
     missing = wanted - modules.keys()
@@ -271,8 +277,50 @@ def units(model: nn.Module, policy: WrapPolicy | None) -> list[UnitSpec]:
         paths = [unit_path(module_names[id(m)]) for m, _ in regs]
         owner = _common_prefix(paths)[-1]
         specs[owner].params.append((regs, p, names[0]))
-    # A unit left with no parameters (all shared upward) would only add hook overhead.
-    return [s for i, s in enumerate(specs) if i == 0 or s.params]
+    # A unit left with no parameters (none, or all shared upward) would only add hook overhead,
+    # unless it has a policy of its own: its inputs are cast to it (FSDP2 does so too).
+    return [
+        s
+        for i, s in enumerate(specs)
+        if i == 0 or s.params or (keep is not None and keep(s.module) and not _has_params(s))
+    ]
+
+
+def without_a_unit(
+    model: nn.Module, specs: list[UnitSpec], wanted: Callable[[nn.Module], bool]
+) -> list[str]:
+    """Why each module that ``wanted`` picks is no unit of its own (empty: each is one): its
+    parent reads its parameters (``_read_by_their_parent``), or they are shared with a module
+    outside it (tied), so an enclosing unit holds them, gathered in that unit's policy."""
+    placed = {id(s.module) for s in specs}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    read = _read_by_their_parent(modules)
+    owner = {
+        id(p): f"unit {s.name}" if s.name else "the root unit"
+        for s in specs
+        for _, p, _ in s.params
+    }
+    said = []
+    for name, module in model.named_modules():
+        if id(module) in placed or not wanted(module):
+            continue
+        what = f"{name} ({type(module).__name__})"
+        if name in read:
+            parent = name.rpartition(".")[0] or "the root"
+            said.append(f"{what} is read by its parent {parent}, which computes it")
+            continue
+        param_name, param = next(module.named_parameters())
+        said.append(
+            f"{what}: its {param_name} is shared with a module outside it (tied), so "
+            f"{owner[id(param)]} holds it, in its own policy"
+        )
+    return said
+
+
+def _has_params(spec: UnitSpec) -> bool:
+    """Whether the unit's module holds parameters (owned by an enclosing unit when the unit
+    itself has none: tied to, or read by, a module outside it)."""
+    return next(spec.module.parameters(), None) is not None
 
 
 def _read_by_their_parent(modules: dict[str, nn.Module]) -> set[str]:
