@@ -123,6 +123,16 @@ class MixedPrecision:
                 "in communication; use reduce_dtype=None (same as param_dtype) or wider",
                 stacklevel=3,
             )
+        elif p == torch.bfloat16 and r == torch.float16:
+            # (the same width: FP16's range, not its precision, is what is lost)
+            warnings.warn(
+                "reduce_dtype=torch.float16 under param_dtype=torch.bfloat16: FP16 has a far "
+                "narrower range than BF16 (largest 65504; below 6e-8 a gradient is zero), and "
+                "the default loss scale follows the parameters (none for BF16), so small "
+                "gradients flush to zero in communication; reduce in FP32 or BF16, or pass "
+                "loss_scaler=zeroshard.DynamicLossScaler() to zeroshard.optimizer",
+                stacklevel=3,
+            )
 
     def resolved(self, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
         """``(param_dtype, reduce_dtype)`` with defaults filled in from the model's dtype."""
