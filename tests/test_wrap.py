@@ -57,6 +57,16 @@ def test_shared_parameter_across_units_goes_to_common_ancestor():
     assert names["0.a"] == ["0.a.bias"] and names["0.b"] == ["0.b.bias"]
 
 
+def test_a_wrapped_module_whose_parameters_are_all_tied_outside_it_is_said():
+    """``by_class(nn.Embedding)`` on a GPT whose input embedding is its head's weight: wte
+    makes no unit (the root holds the tied weight), which was silent, while a class that
+    matches nothing is an error."""
+    with pytest.warns(UserWarning, match=r"wrap: wte make\(s\) no unit: every parameter there is "
+                                         "shared with a module outside \\(tied\\)"):  # fmt: skip
+        specs = wrap.units(GPT(PRESETS["nano"]), wrap.by_class(nn.Embedding))
+    assert [s.name for s in specs] == ["", "wpe"]
+
+
 def test_by_size_wraps_bottom_up_and_skips_containers():
     model = GPT(PRESETS["nano"])
     # Each MLP holds 8,352 elements; what is left of a block (4,352) stays below the threshold,

@@ -279,6 +279,18 @@ def units(
         specs[owner].params.append((regs, p, names[0]))
     # A unit left with no parameters (none, or all shared upward) would only add hook overhead,
     # unless it has a policy of its own: its inputs are cast to it (FSDP2 does so too).
+    tied = [
+        s.name
+        for s in specs[1:]
+        if not s.params and _has_params(s) and not (keep is not None and keep(s.module))
+    ]  # (those ``keep`` picks: its caller refuses them, naming why)
+    if tied:  # (asked for, and silently not made: a class that matched nothing is an error)
+        warnings.warn(
+            f"wrap: {', '.join(tied)} make(s) no unit: every parameter there is shared with a "
+            "module outside (tied), so the unit around both holds it; wrap a module around "
+            "every use, or untie",
+            stacklevel=3,
+        )
     return [
         s
         for i, s in enumerate(specs)
