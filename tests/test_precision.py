@@ -787,6 +787,23 @@ def test_a_policy_that_cannot_be_a_unit_s_own_is_refused(lone_process):
     with pytest.raises(ValueError, match=r"0.out_proj \(NonDynamicallyQuantizableLinear\) is "
                                          "read by its parent 0, which computes it"):  # fmt: skip
         zeroshard.shard(attn, mixed_precision="bf16", unit_precision={nn.Linear: "fp32"})
+    tied_head = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))  # (a bias of its own)
+    tied_head[1].weight = tied_head[0].weight
+    said = r"1 \(Linear\): its weight is shared with a module outside it \(tied\), so the root"
+    with pytest.raises(ValueError, match=said):
+        zeroshard.shard(tied_head, mixed_precision="bf16", unit_precision={nn.Linear: "fp32"})
+
+    # A module all of whose parameters are in units inside it takes its policy (it casts).
+    class Inner(nn.Sequential):
+        pass
+
+    mlp = nn.Sequential(nn.Linear(8, 8), Inner(nn.Linear(8, 8), nn.GELU()))
+    model = zeroshard.shard(
+        mlp, mixed_precision="bf16", wrap=zeroshard.wrap.by_class(nn.Linear),
+        unit_precision={Inner: "fp32"},
+    )  # fmt: skip
+    assert [u.name for u in zeroshard.engine_of(model).units] == ["", "0", "1", "1.0"]
+    assert model(torch.randn(2, 8)).dtype == torch.bfloat16  # (given back in the model's dtype)
 
 
 def test_unit_precision_mistakes_are_named(lone_process):

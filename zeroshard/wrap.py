@@ -279,10 +279,11 @@ def units(
         specs[owner].params.append((regs, p, names[0]))
     # A unit left with no parameters (none, or all shared upward) would only add hook overhead,
     # unless it has a policy of its own: its inputs are cast to it (FSDP2 does so too).
+    owner = _owners(specs)
     tied = [
         s.name
         for s in specs[1:]
-        if not s.params and _has_params(s) and not (keep is not None and keep(s.module))
+        if not s.params and _held_outside(s, owner) and not (keep is not None and keep(s.module))
     ]  # (those ``keep`` picks: its caller refuses them, naming why)
     if tied:  # (asked for, and silently not made: a class that matched nothing is an error)
         warnings.warn(
@@ -294,45 +295,57 @@ def units(
     return [
         s
         for i, s in enumerate(specs)
-        if i == 0 or s.params or (keep is not None and keep(s.module) and not _has_params(s))
+        if i == 0
+        or s.params
+        or (keep is not None and keep(s.module) and not _held_outside(s, owner))
+    ]
+
+
+def _owners(specs: list[UnitSpec]) -> dict[int, str]:
+    """The name of the unit holding each parameter, by ``id``."""
+    return {id(p): s.name for s in specs for _, p, _ in s.params}
+
+
+def _held_outside(spec: UnitSpec, owner: dict[int, str]) -> list[tuple[str, str]]:
+    """``(parameter name, unit)`` of the unit's module parameters that a unit outside it holds:
+    shared with (tied to) a module outside, so the enclosing unit took them."""
+    mine = spec.name
+    return [
+        (name, owner[id(p)])
+        for name, p in spec.module.named_parameters()
+        if mine and owner[id(p)] != mine and not owner[id(p)].startswith(f"{mine}.")
     ]
 
 
 def without_a_unit(
     model: nn.Module, specs: list[UnitSpec], wanted: Callable[[nn.Module], bool]
 ) -> list[str]:
-    """Why each module that ``wanted`` picks is no unit of its own (empty: each is one): its
-    parent reads its parameters (``_read_by_their_parent``), or they are shared with a module
-    outside it (tied), so an enclosing unit holds them, gathered in that unit's policy."""
-    placed = {id(s.module) for s in specs}
-    modules = dict(model.named_modules(remove_duplicate=False))
-    read = _read_by_their_parent(modules)
-    owner = {
-        id(p): f"unit {s.name}" if s.name else "the root unit"
-        for s in specs
-        for _, p, _ in s.params
-    }
+    """Why each module that ``wanted`` picks cannot compute in a policy of its own (empty: each
+    can): its parent reads its parameters (``_read_by_their_parent``), or some are shared with
+    a module outside it (tied), so an enclosing unit holds them, gathered in that unit's
+    policy (no unit of its own, or one whose other parameters and inputs are in its policy:
+    "mat1 and mat2 must have the same dtype")."""
+    units_by_module = {id(s.module): s for s in specs}
+    read = _read_by_their_parent(dict(model.named_modules(remove_duplicate=False)))
+    owner = _owners(specs)
     said = []
     for name, module in model.named_modules():
-        if id(module) in placed or not wanted(module):
+        if not name or not wanted(module):
             continue
         what = f"{name} ({type(module).__name__})"
-        if name in read:
+        if name in read and id(module) not in units_by_module:
             parent = name.rpartition(".")[0] or "the root"
             said.append(f"{what} is read by its parent {parent}, which computes it")
             continue
-        param_name, param = next(module.named_parameters())
-        said.append(
-            f"{what}: its {param_name} is shared with a module outside it (tied), so "
-            f"{owner[id(param)]} holds it, in its own policy"
-        )
+        outside = _held_outside(units_by_module.get(id(module), UnitSpec(name, module)), owner)
+        if outside:
+            param, unit = outside[0]
+            held = f"unit {unit}" if unit else "the root unit"
+            said.append(
+                f"{what}: its {param} is shared with a module outside it (tied), so {held} "
+                "holds it, in its own policy"
+            )
     return said
-
-
-def _has_params(spec: UnitSpec) -> bool:
-    """Whether the unit's module holds parameters (owned by an enclosing unit when the unit
-    itself has none: tied to, or read by, a module outside it)."""
-    return next(spec.module.parameters(), None) is not None
 
 
 def _read_by_their_parent(modules: dict[str, nn.Module]) -> set[str]:
