@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from parity_models import FrozenMLP, OddLayer, OddModel
@@ -65,6 +67,9 @@ def test_a_wrapped_module_whose_parameters_are_all_tied_outside_it_is_said():
                                          "shared with a module outside \\(tied\\)"):  # fmt: skip
         specs = wrap.units(GPT(PRESETS["nano"]), wrap.by_class(nn.Embedding))
     assert [s.name for s in specs] == ["", "wpe"]
+    with warnings.catch_warnings():  # (by_size picks it by its count: nothing the user named)
+        warnings.simplefilter("error")
+        wrap.units(GPT(PRESETS["nano"]), wrap.by_size(1000))
 
 
 def test_by_size_wraps_bottom_up_and_skips_containers():

@@ -97,6 +97,7 @@ def by_size(min_num_params: int) -> WrapPolicy:
             _warn_one_unit(model, f"by_size({min_num_params:,})")
         return chosen
 
+    policy.by_size = True  # type: ignore[attr-defined]  (a tied module it picks: said by no one)
     return policy
 
 
@@ -207,6 +208,7 @@ def with_classes(policy: WrapPolicy | None, classes: tuple, why: str) -> WrapPol
         names = _names(policy, model) | more if policy is not None else more
         return [n for n, _ in model.named_modules() if n in names]
 
+    both.by_size = getattr(policy, "by_size", False)  # type: ignore[attr-defined]
     return both
 
 
@@ -285,7 +287,8 @@ def units(
         for s in specs[1:]
         if not s.params and _held_outside(s, owner) and not (keep is not None and keep(s.module))
     ]  # (those ``keep`` picks: its caller refuses them, naming why)
-    if tied:  # (asked for, and silently not made: a class that matched nothing is an error)
+    if tied and not getattr(policy, "by_size", False):  # (named, and silently not made: a
+        # class that matched nothing is an error; by_size picks such a module by its count)
         warnings.warn(
             f"wrap: {', '.join(tied)} make(s) no unit: every parameter there is shared with a "
             "module outside (tied), so the unit around both holds it; wrap a module around "

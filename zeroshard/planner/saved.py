@@ -125,11 +125,17 @@ class SavedActivations:
         return sum(self.unit_bytes) + sum(self.before_unit_bytes) + self.tail_bytes
 
 
+INTEGER_INPUTS = ("_ids", "_mask", "labels")
+"""Endings of the keyword inputs made as integers (transformers' names: an encoder-decoder's
+``decoder_input_ids`` beside its ``input_features``, masks, labels); the others are floating."""
+
+
 @dataclass(frozen=True)
 class Inputs:
-    """The floating inputs of a model that takes no token ids (an image classifier's pixels, an
-    audio model's features): each one sample's shape, the micro-batch's size put in front. Made
-    on meta in the activation dtype planned."""
+    """The inputs of a model that takes no token ids alone (an image classifier's pixels, an
+    audio model's features, with the decoder's ids of an encoder-decoder): each one sample's
+    shape, the micro-batch's size put in front. Made on meta: in the activation dtype planned,
+    keyword inputs named as integers by transformers (``INTEGER_INPUTS``) as int64."""
 
     shapes: tuple[tuple[int, ...], ...] = ()
     """Per positional argument, one sample's shape (``(3, 224, 224)`` for an image)."""
@@ -158,10 +164,13 @@ class Inputs:
         """Positional and keyword arguments of ``micro_batch_size`` samples, on meta."""
         import torch
 
-        def one(shape):
-            return torch.empty((micro_batch_size, *shape), dtype=dtype, device="meta")
+        def one(shape, kind=dtype):
+            return torch.empty((micro_batch_size, *shape), dtype=kind, device="meta")
 
-        return tuple(map(one, self.shapes)), {name: one(shape) for name, shape in self.keywords}
+        def named(name, shape):
+            return one(shape, torch.int64 if name.endswith(INTEGER_INPUTS) else dtype)
+
+        return tuple(map(one, self.shapes)), {k: named(k, shape) for k, shape in self.keywords}
 
     def __str__(self) -> str:
         def size(shape):
