@@ -747,7 +747,12 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     # one free per size, up to ``room`` (an idle encoder-block buffer through T5's forward).
     unit_bytes = [gathered(k, 1, with_root=False) for k in range(num_units)]
     sizes, window = Counter(unit_bytes), 1 + c.num_units_prefetch
-    per_size = gathered(0, 0) + sum(b * min(n, window) for b, n in sizes.items())
+    # Per size, the most lent at once: of ``window`` consecutive units, those of that size (a
+    # uniform stack: the window; blocks of two sizes by turns, one each: a buffer more per
+    # size was planned, +10% for a MoE stack with experts every other layer).
+    windows = [Counter(unit_bytes[i : i + window]) for i in range(max(1, num_units - window + 1))]
+    at_once = {b: max(w[b] for w in windows) for b in sizes}
+    per_size = gathered(0, 0) + sum(b * n for b, n in at_once.items())
     kept = min(room, max(held, per_size))
 
     def trimmed(k: int) -> int:
@@ -758,7 +763,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         if borrows:
             back.update(unit_bytes[max(0, k - num_inflight) : k])
         upcoming = Counter(unit_bytes[k + window :])
-        per = {b: max(back[b] + upcoming[b], min(n, window)) for b, n in sizes.items()}
+        per = {b: max(back[b] + upcoming[b], at_once[b]) for b in sizes}
         return gathered(0, 0) + sum(b * n for b, n in per.items())
 
     starts = {f"unit backward {k}": k for k in range(num_units)}
