@@ -63,8 +63,8 @@ def test_a_wrapped_module_whose_parameters_are_all_tied_outside_it_is_said():
     """``by_class(nn.Embedding)`` on a GPT whose input embedding is its head's weight: wte
     makes no unit (the root holds the tied weight), which was silent, while a class that
     matches nothing is an error."""
-    with pytest.warns(UserWarning, match=r"wrap: wte make\(s\) no unit: every parameter there is "
-                                         "shared with a module outside \\(tied\\)"):  # fmt: skip
+    with pytest.warns(UserWarning, match=r"wrap: wte make\(s\) no unit: its parameters are "
+                                         "shared with a module outside it \\(tied\\)"):  # fmt: skip
         specs = wrap.units(GPT(PRESETS["nano"]), wrap.by_class(nn.Embedding))
     assert [s.name for s in specs] == ["", "wpe"]
     with warnings.catch_warnings():  # (by_size picks it by its count: nothing the user named)

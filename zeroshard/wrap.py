@@ -290,9 +290,9 @@ def units(
     if tied and not getattr(policy, "by_size", False):  # (named, and silently not made: a
         # class that matched nothing is an error; by_size picks such a module by its count)
         warnings.warn(
-            f"wrap: {', '.join(tied)} make(s) no unit: every parameter there is shared with a "
-            "module outside (tied), so the unit around both holds it; wrap a module around "
-            "every use, or untie",
+            f"wrap: {', '.join(tied)} make(s) no unit: its parameters are shared with a module "
+            "outside it (tied), so the unit around both holds them (or units inside it hold "
+            "the rest); wrap a module around every use, or untie",
             stacklevel=3,
         )
     return [
