@@ -313,7 +313,7 @@ def test_keyword_inputs_named_as_ids_masks_or_labels_are_integers():
     activation dtype, the ids failed in the embedding ("Expected tensor for argument #1
     'indices' to have one of the following scalar types: Long, Int"), and the plan fell back to
     the GPT formulas (-15% at stage 3; an explorer)."""
-    inputs = d.Inputs((4,), keywords={"decoder_input_ids": 8, "attention_mask": 8, "labels": 8})
+    inputs = d.Inputs((4,), keywords={"decoder_input_ids": 8, "start_positions": 1, "labels": 8})
     args, kwargs = inputs.make(2, torch.bfloat16)
     assert args[0].dtype == torch.bfloat16 and args[0].shape == (2, 4)
     assert {k: v.dtype for k, v in kwargs.items()} == dict.fromkeys(kwargs, torch.int64)

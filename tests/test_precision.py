@@ -709,40 +709,42 @@ def test_modules_with_a_policy_of_their_own_recompute_alike(workers2, stage):
 
 
 class _Parameterless(nn.Module):
-    """A GELU, a LayerNorm without affine parameters (OLMo, DiT) and a BatchNorm without them,
-    between Linears: modules with no parameters of their own."""
+    """An in-place ReLU, a GELU, a LayerNorm without affine parameters (OLMo, DiT) and a
+    BatchNorm without them, between Linears: modules with no parameters of their own."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 2)
-        self.act, self.norm = nn.GELU(), nn.LayerNorm(8, elementwise_affine=False)
+        self.relu, self.act = nn.ReLU(inplace=True), nn.GELU()
+        self.norm = nn.LayerNorm(8, elementwise_affine=False)
         self.bn = nn.BatchNorm1d(8, affine=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.bn(self.norm(self.act(self.fc1(x)))))
+        return self.fc2(self.bn(self.norm(self.act(self.relu(self.fc1(x) * 2)))))
 
 
 def _parameterless_in_fp32(stage: int) -> dict:
     """``unit_precision`` FP32 for the parameterless modules of a BF16 model, against FSDP2 with
     those modules ``fully_shard``-ed in an FP32 policy: each computed in BF16 before (a unit
-    without parameters was dropped, its policy with it), the BatchNorm's statistics too.
+    without parameters was dropped, its policy with it), the BatchNorm's statistics too; an
+    in-place ReLU given a unit was refused a view of its input (the backward's hook).
     SGD at lr 0.5: any difference in rounding grows."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     ref = _Parameterless()
-    fp32 = {nn.GELU: "fp32", nn.LayerNorm: "fp32", nn.BatchNorm1d: "fp32"}
+    fp32 = {nn.ReLU: "fp32", nn.GELU: "fp32", nn.LayerNorm: "fp32", nn.BatchNorm1d: "fp32"}
     bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = zeroshard.shard(
         copy.deepcopy(ref), stage=stage, mixed_precision=bf16, unit_precision=fp32
     )
     opt = zeroshard.optimizer(model, torch.optim.SGD, lr=0.5)
-    for m in (ref.act, ref.norm, ref.bn):
+    for m in (ref.relu, ref.act, ref.norm, ref.bn):
         fully_shard(m, mp_policy=MixedPrecisionPolicy(torch.float32, output_dtype=torch.bfloat16))
     fully_shard(ref, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     seen: dict = {}
-    for name in ("act", "norm", "bn"):
+    for name in ("relu", "act", "norm", "bn"):
         hook = lambda mod, args, out, name=name: seen.update({name: args[0].dtype})
         getattr(model, name).register_forward_hook(hook)
     g = torch.Generator().manual_seed(1 + dist.get_rank())
@@ -766,8 +768,8 @@ def _parameterless_in_fp32(stage: int) -> dict:
 def test_a_module_without_parameters_computes_in_its_own_policy_as_under_fsdp2(workers2, stage):
     fp32 = torch.float32
     for r in workers2.run(_parameterless_in_fp32, stage):
-        assert r == {"inputs": {"act": fp32, "norm": fp32, "bn": fp32}, "losses": True,
-                     "same": True}, r  # fmt: skip
+        want = {"relu": fp32, "act": fp32, "norm": fp32, "bn": fp32}
+        assert r == {"inputs": want, "losses": True, "same": True}, r
 
 
 def test_a_policy_that_cannot_be_a_unit_s_own_is_refused(lone_process):
@@ -784,8 +786,8 @@ def test_a_policy_that_cannot_be_a_unit_s_own_is_refused(lone_process):
     assert "wte (Embedding): its weight is shared with a module outside it (tied)" in said, said
     assert "wpe" not in said and "untie the parameters" in said, said
     attn = nn.Sequential(nn.MultiheadAttention(8, 2), nn.Linear(8, 8))
-    with pytest.raises(ValueError, match=r"0.out_proj \(NonDynamicallyQuantizableLinear\) is "
-                                         "read by its parent 0, which computes it"):  # fmt: skip
+    said = r"0.out_proj \(NonDynamicallyQuantizableLinear\) is computed by 0 \(MultiheadAtt"
+    with pytest.raises(ValueError, match=said + r"ention\), which reads its weights: key the"):
         zeroshard.shard(attn, mixed_precision="bf16", unit_precision={nn.Linear: "fp32"})
     tied_head = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))  # (a bias of its own)
     tied_head[1].weight = tied_head[0].weight

@@ -263,8 +263,13 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
             # then walked a node shared with them twice: "backward through the graph a second
             # time" (FSDP2's too). Autograd runs the hook's node after the unit's own (created
             # later), so it still fires once the unit's backward for this use is done.
-            args, hooked = on_backward(use, args, edits)
-            if not hooked:  # (nothing changed, nothing recorded in edits)
+            hooked = False
+            # A unit without parameters (unit_precision's GELU) only casts: its backward has
+            # nothing to reduce, and a view of its input refused an in-place one (ReLU(inplace=
+            # True): "Output 0 of BackwardHook is a view and is being modified inplace").
+            if unit.flat_params or unit.is_root:
+                args, hooked = on_backward(use, args, edits)
+            if not hooked and (unit.flat_params or unit.is_root):  # (nothing changed or noted)
                 (args, kwargs), hooked = on_backward(use, (args, kwargs), edits)
             use.counted = hooked
             unit.pending_uses += 1  # an unhooked use stays counted until the end of backward

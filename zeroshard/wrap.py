@@ -329,7 +329,8 @@ def without_a_unit(
     policy (no unit of its own, or one whose other parameters and inputs are in its policy:
     "mat1 and mat2 must have the same dtype")."""
     units_by_module = {id(s.module): s for s in specs}
-    read = _read_by_their_parent(dict(model.named_modules(remove_duplicate=False)))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    read = _read_by_their_parent(modules)
     owner = _owners(specs)
     said = []
     for name, module in model.named_modules():
@@ -337,8 +338,12 @@ def without_a_unit(
             continue
         what = f"{name} ({type(module).__name__})"
         if name in read and id(module) not in units_by_module:
-            parent = name.rpartition(".")[0] or "the root"
-            said.append(f"{what} is read by its parent {parent}, which computes it")
+            parent = _reader(name, read)
+            cls = type(modules[parent])
+            said.append(
+                f"{what} is computed by {parent or 'the root'} ({cls.__name__}), which reads "
+                f"its weights: key the policy by that class ({cls.__module__}.{cls.__qualname__})"
+            )
             continue
         outside = _held_outside(units_by_module.get(id(module), UnitSpec(name, module)), owner)
         if outside:
@@ -349,6 +354,15 @@ def without_a_unit(
                 "holds it, in its own policy"
             )
     return said
+
+
+def _reader(name: str, read: set[str]) -> str:
+    """The outermost module around ``name`` that ``_read_by_their_parent`` left it inside (a
+    MultiheadAttention, a peft adapter layer): the nearest enclosing name not itself read."""
+    parent = name
+    while parent in read:
+        parent = parent.rpartition(".")[0]
+    return parent
 
 
 def _read_by_their_parent(modules: dict[str, nn.Module]) -> set[str]:

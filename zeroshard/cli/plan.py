@@ -69,8 +69,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="with --module or --hf, for a model that takes no token ids (images, audio): one "
         "sample's input, e.g. 3x224x224, or NAME=3x224x224 for a keyword argument; repeat it "
         "for several inputs. Its activations are then measured (a transformers vision model's "
-        "pixels are found in its config). Keywords ending in _ids or _mask, and labels, are "
-        "integers: an encoder-decoder's input_features=80x3000 decoder_input_ids=448",
+        "pixels are found in its config). Keywords ending in _ids or _positions, and "
+        "labels, are integers: an encoder-decoder's input_features=80x3000 "
+        "decoder_input_ids=448",
     )
     m.add_argument("--layers", "--nl", type=int, help="transformer blocks (nl)")
     m.add_argument("--hidden", "--hd", type=int, help="hidden size (hd)")

@@ -125,9 +125,11 @@ class SavedActivations:
         return sum(self.unit_bytes) + sum(self.before_unit_bytes) + self.tail_bytes
 
 
-INTEGER_INPUTS = ("_ids", "_mask", "labels")
+INTEGER_INPUTS = ("_ids", "labels", "_positions")
 """Endings of the keyword inputs made as integers (transformers' names: an encoder-decoder's
-``decoder_input_ids`` beside its ``input_features``, masks, labels); the others are floating."""
+``decoder_input_ids`` beside its ``input_features``, labels, a question-answering head's
+``start_positions``); the others are floating. (Masks are left out: transformers reads their
+values, which meta tensors have not.)"""
 
 
 @dataclass(frozen=True)
