@@ -269,8 +269,8 @@ class Engine(backward.Backward, unwind.Unwinding, prefetch.Prefetching):
             # True): "Output 0 of BackwardHook is a view and is being modified inplace").
             if unit.flat_params or unit.is_root:
                 args, hooked = on_backward(use, args, edits)
-            if not hooked and (unit.flat_params or unit.is_root):  # (nothing changed or noted)
-                (args, kwargs), hooked = on_backward(use, (args, kwargs), edits)
+                if not hooked:  # (nothing changed, nothing recorded in edits)
+                    (args, kwargs), hooked = on_backward(use, (args, kwargs), edits)
             use.counted = hooked
             unit.pending_uses += 1  # an unhooked use stays counted until the end of backward
             ckpt = self.checkpointing is not None and entry and unit in self._checkpointed
