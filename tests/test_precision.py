@@ -83,6 +83,23 @@ def test_reduce_narrower_than_param_warns():
         MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)
 
 
+def test_a_reduce_dtype_that_loses_the_model_s_own_gradients_warns_at_shard(lone_process):
+    """``param_dtype`` None computes in the model's dtype: a BF16 model reduced in FP16 (or an
+    FP32 one in BF16) lost gradients as the declared pair does, without the warning."""
+    cases = [
+        (torch.bfloat16, torch.float16, "FP16 has a far narrower range"),
+        (torch.float32, torch.bfloat16, "narrower than param_dtype=torch.float32"),
+    ]
+    for model_dtype, reduce, said in cases:
+        policy = MixedPrecision(reduce_dtype=reduce)  # (no warning: the model is not known yet)
+        with pytest.warns(UserWarning, match=said):
+            zeroshard.shard(nn.Linear(4, 4).to(model_dtype), mixed_precision=policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        policy = MixedPrecision(reduce_dtype="fp32")
+        zeroshard.shard(nn.Linear(4, 4).bfloat16(), mixed_precision=policy)
+
+
 def test_tf32_on_cpu_warns_that_it_has_no_effect():
     before = _tf32_state()
     with pytest.warns(UserWarning, match="TF32 has no effect"):

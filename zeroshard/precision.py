@@ -116,28 +116,37 @@ class MixedPrecision:
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
             object.__setattr__(self, name, dtype_of(getattr(self, name), what=name))
-        p, r = self.param_dtype, self.reduce_dtype
-        if p is not None and r is not None and r.itemsize < p.itemsize:
-            warnings.warn(
-                f"reduce_dtype={r} is narrower than param_dtype={p}: gradients lose precision "
-                "in communication; use reduce_dtype=None (same as param_dtype) or wider",
-                stacklevel=3,
-            )
-        elif p == torch.bfloat16 and r == torch.float16:
-            # (the same width: FP16's range, not its precision, is what is lost)
-            warnings.warn(
-                "reduce_dtype=torch.float16 under param_dtype=torch.bfloat16: FP16 has a far "
-                "narrower range than BF16 (largest 65504; below 6e-8 a gradient is zero), and "
-                "the default loss scale follows the parameters (none for BF16), so small "
-                "gradients flush to zero in communication; reduce in FP32 or BF16, or pass "
-                "loss_scaler=zeroshard.DynamicLossScaler() to zeroshard.optimizer",
-                stacklevel=3,
-            )
+        warn_reduce(self.param_dtype, self.reduce_dtype, stacklevel=4)
 
     def resolved(self, model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
         """``(param_dtype, reduce_dtype)`` with defaults filled in from the model's dtype."""
         param = self.param_dtype or model_dtype
         return param, self.reduce_dtype or param
+
+
+def warn_reduce(
+    param: torch.dtype | None, reduce: torch.dtype | None, *, stacklevel: int = 2
+) -> None:
+    """Warn when gradients computed in ``param`` are reduced in a ``reduce`` that loses them:
+    narrower, or FP16 under BF16 (as wide, a far narrower range). Checked on the declared
+    dtypes, and again by ``shard`` on the model's own dtype where ``param_dtype`` is None."""
+    p, r = param, reduce
+    if p is not None and r is not None and r.itemsize < p.itemsize:
+        warnings.warn(
+            f"reduce_dtype={r} is narrower than param_dtype={p}: gradients lose precision "
+            "in communication; use reduce_dtype=None (same as param_dtype) or wider",
+            stacklevel=stacklevel,
+        )
+    elif p == torch.bfloat16 and r == torch.float16:
+        # (the same width: FP16's range, not its precision, is what is lost)
+        warnings.warn(
+            "reduce_dtype=torch.float16 under param_dtype=torch.bfloat16: FP16 has a far "
+            "narrower range than BF16 (largest 65504; below 6e-8 a gradient is zero), and "
+            "the default loss scale follows the parameters (none for BF16), so small "
+            "gradients flush to zero in communication; reduce in FP32 or BF16, or pass "
+            "loss_scaler=zeroshard.DynamicLossScaler() to zeroshard.optimizer",
+            stacklevel=stacklevel,
+        )
 
 
 FP32 = MixedPrecision()

@@ -51,6 +51,7 @@ from zeroshard.precision import (
     tf32_policy,
     unit_overrides,
     unit_policy,
+    warn_reduce,
 )
 from zeroshard.residual_states.activations import train_without_caches
 from zeroshard.residual_states.buffers import BufferPool, TensorPool
@@ -252,6 +253,9 @@ def shard(
         offload.check(part, mesh.device)
         offload.log_host_tiers(part, mesh.device, log)
     mixed_precision = policy_of(mixed_precision, mesh.device)
+    if mixed_precision.param_dtype is None:  # (the declared pair was checked as it was made)
+        own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        warn_reduce(own, mixed_precision.reduce_dtype, stacklevel=3)
     overrides = unit_overrides(unit_precision, mesh.device, mixed_precision, model)
     wrap = with_classes(wrap, tuple(overrides), "unit_precision")
     own_policy = lambda m: unit_policy(m, mixed_precision, overrides) is not mixed_precision
