@@ -363,7 +363,7 @@ def outputs_to_parents(
     def computes_in(i: int) -> torch.dtype | None:
         if policies[i] is default:
             return model_dtype
-        return policies[i].param_dtype or _own_dtype(modules[i])
+        return policies[i].param_dtype or own_dtype(modules[i])
 
     out, made = list(policies), {}
     for i in range(1, len(names)):
@@ -390,7 +390,7 @@ def _inside(name: str, outer: str) -> bool:
     return outer == "" or name.startswith(outer + ".")
 
 
-def _own_dtype(module: nn.Module) -> torch.dtype | None:
+def own_dtype(module: nn.Module) -> torch.dtype | None:
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 

@@ -47,6 +47,7 @@ from zeroshard.precision import (
     MixedPrecision,
     hold_tf32,
     outputs_to_parents,
+    own_dtype,
     policy_of,
     tf32_policy,
     unit_overrides,
@@ -254,8 +255,7 @@ def shard(
         offload.log_host_tiers(part, mesh.device, log)
     mixed_precision = policy_of(mixed_precision, mesh.device)
     if mixed_precision.param_dtype is None:  # (the declared pair was checked as it was made)
-        own = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-        warn_reduce(own, mixed_precision.reduce_dtype, stacklevel=3)
+        warn_reduce(*mixed_precision.resolved(own_dtype(model)), stacklevel=3)
     overrides = unit_overrides(unit_precision, mesh.device, mixed_precision, model)
     wrap = with_classes(wrap, tuple(overrides), "unit_precision")
     own_policy = lambda m: unit_policy(m, mixed_precision, overrides) is not mixed_precision

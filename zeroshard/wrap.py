@@ -282,11 +282,13 @@ def units(
     # A unit left with no parameters (none, or all shared upward) would only add hook overhead,
     # unless it has a policy of its own: its inputs are cast to it (FSDP2 does so too).
     owner = _owners(specs)
-    tied = [
-        s.name
-        for s in specs[1:]
-        if not s.params and _held_outside(s, owner) and not (keep is not None and keep(s.module))
-    ]  # (those ``keep`` picks: its caller refuses them, naming why)
+    kept, tied = specs[:1], []
+    for s in specs[1:]:
+        wanted_alone = keep is not None and keep(s.module)
+        if s.params or (wanted_alone and not _held_outside(s, owner)):
+            kept.append(s)
+        elif not wanted_alone and _held_outside(s, owner):
+            tied.append(s.name)  # (those ``keep`` picks: its caller refuses them, naming why)
     if tied and not getattr(policy, "by_size", False):  # (named, and silently not made: a
         # class that matched nothing is an error; by_size picks such a module by its count)
         warnings.warn(
@@ -295,13 +297,7 @@ def units(
             "the rest); wrap a module around every use, or untie",
             stacklevel=3,
         )
-    return [
-        s
-        for i, s in enumerate(specs)
-        if i == 0
-        or s.params
-        or (keep is not None and keep(s.module) and not _held_outside(s, owner))
-    ]
+    return kept
 
 
 def _owners(specs: list[UnitSpec]) -> dict[int, str]:
