@@ -1921,6 +1921,14 @@ def test_fp32_modules_keep_the_named_classes_in_fp32(capsys, tmp_path, data_dir)
     code, err, _, _ = _train_in_process(capsys, tmp_path / "bad", *flags, "--fp32-modules", "Norm")
     assert code == 2 and "fp32_modules = 'Norm': nano has no Norm module" in err, err
     assert "LayerNorm" in err
+    # The tied embedding computes in the head's unit: refused in the command line's words
+    # (shard's own advice, "unit_precision" and untying, is not the user's to follow here).
+    code, err, _, _ = _train_in_process(
+        capsys, tmp_path / "tied", *flags, "--fp32-modules", "Embedding"
+    )
+    said = "fp32_modules = 'Embedding': wte (Embedding): its weight is shared with a module outside"
+    assert code == 2 and said in err, err
+    assert "leave its class out of --fp32-modules" in err and "unit_precision" not in err, err
 
 
 def _compare_configs(steps_per_rank: list[int], out_dirs: list[str]) -> str:

@@ -304,6 +304,21 @@ def policy_of(value: Any, device: torch.device) -> MixedPrecision:
     return value
 
 
+class UnitPrecisionError(ValueError):
+    """``shard(unit_precision=...)`` names modules that cannot compute in a policy of their own
+    (tied, or read by their parent); ``reasons`` says why, one line per module, without advice
+    (the command line gives its own)."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        self.reasons = reasons
+        super().__init__(
+            f"unit_precision cannot give these modules a policy of their own: "
+            f"{'; '.join(reasons)}. Key the policy by the class of a module around every use "
+            "(for a module its parent computes, the parent's class), untie the parameters, or "
+            "leave the class out of unit_precision"
+        )
+
+
 def unit_overrides(
     given: Mapping[type | str, MixedPrecision | str] | None,
     device: torch.device,

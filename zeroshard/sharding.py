@@ -45,6 +45,7 @@ from zeroshard.offload.folder import padded_bytes
 from zeroshard.offload.placement import Offload
 from zeroshard.precision import (
     MixedPrecision,
+    UnitPrecisionError,
     hold_tf32,
     outputs_to_parents,
     own_dtype,
@@ -261,11 +262,7 @@ def shard(
     own_policy = lambda m: unit_policy(m, mixed_precision, overrides) is not mixed_precision
     specs = units(model, wrap, keep=own_policy)
     if overrides and (unplaced := without_a_unit(model, specs, own_policy)):
-        raise ValueError(
-            f"unit_precision cannot give these modules a policy of their own: "
-            f"{'; '.join(unplaced)}. Put the policy on a module around every use (the parent's "
-            "class), untie the parameters, or leave the class out of unit_precision"
-        )
+        raise UnitPrecisionError(unplaced)
     policies = [unit_policy(s.module, mixed_precision, overrides) for s in specs]
     policies = outputs_to_parents(
         [s.name for s in specs], [s.module for s in specs], policies, mixed_precision,

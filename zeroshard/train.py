@@ -42,6 +42,7 @@ from zeroshard.data import BatchLoader, Corpus
 from zeroshard.disk_traffic import DiskTraffic
 from zeroshard.divergence import Diverged, DivergenceGuard
 from zeroshard.models.loading import build_model, logits_of, read_hf_config
+from zeroshard.precision import UnitPrecisionError
 from zeroshard.run_log import MetricsLog, Progress, write_atomically
 from zeroshard.schedule import lr_at as schedule_lr_at
 from zeroshard.signals import StopOnSignal, Stopped
@@ -287,19 +288,27 @@ def train(cfg: TrainConfig) -> dict:
                 f"fp32_modules = {cfg.fp32_modules!r}: {built.name} has no {missing} module; "
                 f"its classes: {', '.join(classes)}"
             )
-        model = zeroshard.shard(
-            built.module, stage=cfg.stage, wrap=wrap, mixed_precision=policy,
-            unit_precision=fp32 or None,
-            config=zeroshard.ShardConfig(
-                checkpoint_every=cfg.checkpoint_every,
-                partition_activations=cfg.partition_activations,
-                shard_group_size=cfg.shard_group_size,
-                reduce_every_micro_step=(
-                    partition(cfg.stage).gradients and not cfg.accumulate_unreduced
+        try:
+            model = zeroshard.shard(
+                built.module, stage=cfg.stage, wrap=wrap, mixed_precision=policy,
+                unit_precision=fp32 or None,
+                config=zeroshard.ShardConfig(
+                    checkpoint_every=cfg.checkpoint_every,
+                    partition_activations=cfg.partition_activations,
+                    shard_group_size=cfg.shard_group_size,
+                    reduce_every_micro_step=(
+                        partition(cfg.stage).gradients and not cfg.accumulate_unreduced
+                    ),
                 ),
-            ),
-            param_init_fn=built.param_init_fn, offload=cfg.offload(), mesh=mesh,
-        )  # fmt: skip
+                param_init_fn=built.param_init_fn, offload=cfg.offload(), mesh=mesh,
+            )  # fmt: skip
+        except UnitPrecisionError as exc:  # (its advice is for shard's callers)
+            raise ValueError(
+                f"fp32_modules = {cfg.fp32_modules!r}: {'; '.join(exc.reasons)}. Such a module "
+                "computes in the precision of the module that holds its weights: leave its "
+                "class out of --fp32-modules, or name the class of its parent that reads them "
+                "(tied weights are held by the whole model: --precision fp32)"
+            ) from None
         decay = [p for p in model.parameters() if p.ndim >= 2]
         no_decay = [p for p in model.parameters() if p.ndim < 2]
         groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -337,8 +337,8 @@ def without_a_unit(
             parent = _reader(name, read)
             cls = type(modules[parent])
             said.append(
-                f"{what} is computed by {parent or 'the root'} ({cls.__name__}), which reads "
-                f"its weights: key the policy by that class ({cls.__module__}.{cls.__qualname__})"
+                f"{what} is computed by {parent or 'the root'} ({cls.__module__}."
+                f"{cls.__qualname__}), which reads its weights"
             )
             continue
         outside = _held_outside(units_by_module.get(id(module), UnitSpec(name, module)), owner)
