@@ -68,6 +68,26 @@ def _check_metrics_and_plot(out, stage: int, precision: str) -> None:
     assert summary["precision"] == precision and summary["skipped_steps"] == 0
 
 
+def test_the_loss_plot_leaves_the_user_s_matplotlib_as_it_was(tmp_path):
+    """``train()`` called in a notebook: its plot switched the notebook's backend to Agg."""
+    import matplotlib
+
+    from zeroshard.train import plot
+
+    records = [
+        {"kind": "train", "step": 1, "loss": 5.0},
+        {"kind": "eval", "step": 1, "val_loss": 4.0},
+    ]
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # (a backend of the user's that is not Agg)
+    try:
+        plot(records, tmp_path / "loss.png")
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """One corpus cache for the module's runs (building it reads 32 MiB)."""

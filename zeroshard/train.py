@@ -166,14 +166,14 @@ def evaluate(
 
 
 def plot(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot's: train() called from a notebook left its backend
+    # switched to Agg (``matplotlib.use``) and a figure in pyplot's registry.
+    from matplotlib.figure import Figure
 
     train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
     val = [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     ax.plot(*zip(*train), label="train") if train else None
     ax.plot(*zip(*val), marker="o", label="validation") if val else None
     ax.set_xlabel("step")
@@ -182,7 +182,6 @@ def plot(records: list[dict], path: Path) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 _PER_NODE = {"out_dir", "data_dir", "data", "hf", "resume", "offload_folder", "log",
