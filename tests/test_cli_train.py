@@ -1015,6 +1015,53 @@ def test_no_split_modules_given_as_one_string(capsys, tmp_path, model_module, da
     assert code == 0 and summary["num_units"] == 4, err
 
 
+def test_a_mixture_of_experts_trains_with_its_router_loss(capsys, tmp_path):
+    """Mixtral with ``output_router_logits``: transformers adds ``router_aux_loss_coef`` x its
+    routers' load-balancing loss to the loss it computes from labels; the command computes the
+    loss from the logits and left it out (an explorer: curves identical with and without it).
+    Step 1's gradient norm is that of cross-entropy + 0.5 x aux on the same model and batch,
+    computed here; the logged loss is the cross-entropy."""
+    pytest.importorskip("transformers")
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    from zeroshard.data import BatchLoader
+    from zeroshard.tokens import load_tokens
+
+    config = {
+        "model_type": "mixtral", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.5, "output_router_logits": True,
+    }  # fmt: skip
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(config))
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 256, 4000, dtype=np.int64))
+    flags = ["--hf", str(tmp_path / "moe" / "config.json"), "--data", str(ids), "--steps", "1"]
+    flags += ["--batch-size", "4", "--seq-len", "16", "--eval-batches", "1", "--log-every", "1"]
+    code, err, records, _ = _train_in_process(capsys, tmp_path / "run", *flags)
+    assert code == 0, err
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    loader = BatchLoader.from_global_batch(
+        load_tokens(str(ids)).train, global_batch_size=4, seq_len=16, seed=cfg["seed"]
+    )
+    x, y = loader.batch(0)
+    torch.manual_seed(cfg["seed"])
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**config), dtype=torch.float32
+    ).train()
+    out = model(x)
+    loss = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    (loss + 0.5 * out.aux_loss).backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    (step,) = _train_records(records)
+    assert step["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert step["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
+
+
 def test_hf_config(capsys, tmp_path, data_dir, monkeypatch):
     pytest.importorskip("transformers")
     config = tmp_path / "llcfg" / "config.json"

@@ -123,8 +123,17 @@ def rank_memory_bytes(device: torch.device) -> int:
 
 def next_token_loss(model, x_BT: torch.Tensor, y_BT: torch.Tensor, vocab_size: int):
     """Mean cross-entropy (nats per token, FP32) of the model's logits against ``y_BT``."""
+    return next_token_losses(model, x_BT, y_BT, vocab_size)[0]
+
+
+def next_token_losses(
+    model, x_BT: torch.Tensor, y_BT: torch.Tensor, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``next_token_loss``, and what the model adds to it in training (``auxiliary_loss``: a
+    mixture of experts' router loss), or None."""
     try:
-        logits_BTV = logits_of(model(x_BT), x_BT)
+        output = model(x_BT)
+        logits_BTV = logits_of(output, x_BT)
     except IndexError as exc:
         if "index out of range in self" not in str(exc):  # not an embedding's: a bug, shown
             raise
@@ -141,7 +150,22 @@ def next_token_loss(model, x_BT: torch.Tensor, y_BT: torch.Tensor, vocab_size: i
             f"the model's logits have {logits_BTV.size(-1)} entries per token but the data has "
             f"{vocab_size} token ids; give the model a vocabulary of at least {vocab_size}"
         )
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())
+    loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())
+    return loss, auxiliary_loss(model, output)
+
+
+def auxiliary_loss(model, output) -> torch.Tensor | None:
+    """What a Hugging Face mixture of experts (Mixtral, Qwen2-MoE, OLMoE, ...) adds to its loss
+    when it is given labels: ``router_aux_loss_coef`` times its routers' load-balancing loss
+    (the output's ``aux_loss``, made when the config sets ``output_router_logits``). The loss
+    here is computed from the logits, without labels: the model's forward left it out."""
+    aux = getattr(output, "aux_loss", None)
+    if not isinstance(aux, torch.Tensor):
+        return None
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if coef is None:
+        coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    return None if coef is None else coef * aux.float()
 
 
 def evaluate(
@@ -488,11 +512,12 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
 def _forward_backward(model, opt, x_BT, y_BT, num_micro: int, device, vocab_size: int):
     """Forward and backward of this rank's batch as ``num_micro`` equal micro-batches; gradients
     are reduced once, by the last backward (the others run under ``no_sync``). Returns the mean
-    loss (a detached scalar)."""
+    cross-entropy (a detached scalar); what backward takes adds the model's auxiliary loss."""
     total = torch.zeros((), device=device)
     for i, (x, y) in enumerate(zip(x_BT.chunk(num_micro), y_BT.chunk(num_micro))):
-        loss = next_token_loss(model, x.to(device), y.to(device), vocab_size)
-        opt.backward(loss / num_micro, sync=i == num_micro - 1)
+        loss, aux = next_token_losses(model, x.to(device), y.to(device), vocab_size)
+        objective = loss if aux is None else loss + aux
+        opt.backward(objective / num_micro, sync=i == num_micro - 1)
         total += loss.detach()
     return total / num_micro
 
