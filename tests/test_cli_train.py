@@ -825,6 +825,28 @@ def build_needing_a_mask():
     return MaskedLM()
 
 
+def _tiny_hf(model_type, cls, **more):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, d_model=32, d_ff=64, d_kv=16, num_layers=1, num_heads=2, **more
+    )
+    return getattr(transformers, cls)(config)
+
+
+def build_t5():  # an encoder-decoder: its decoder needs ids of its own
+    return _tiny_hf("t5", "T5ForConditionalGeneration")
+
+
+def build_bert_mlm():  # attends both ways
+    return _tiny_hf("bert", "BertForMaskedLM")
+
+
+def build_bert_decoder():
+    return _tiny_hf("bert", "BertLMHeadModel", is_decoder=True)
+
+
 def build_vocab_second():  # (B, V, T), as F.cross_entropy takes them
     return ReshapedLM(lambda logits: logits.transpose(1, 2))
 
@@ -952,6 +974,32 @@ def test_a_model_built_in_eval_mode_trains_in_train_mode_after_a_resume(
     )
     assert code == 0 and summary["resumed_at_step"] == 2, err
     assert my_models.TRAINING_FORWARDS == [True, True], my_models.TRAINING_FORWARDS
+
+
+@pytest.mark.parametrize(
+    "factory, said",
+    [
+        ("build_t5", "T5ForConditionalGeneration is an encoder-decoder (its config's is_encoder"),
+        ("build_bert_mlm", "BertForMaskedLM is a bert encoder that attends both ways, so next"),
+    ],
+)
+def test_hugging_face_models_next_token_training_does_not_fit(
+    capsys, tmp_path, model_module, data_dir, factory, said
+):
+    """What ``--hf`` refuses, through ``--model``: T5 failed in its first forward with its
+    decoder's message ("You must specify exactly one of input_ids or inputs_embeds"), BERT's
+    masked LM trained without a word on positions that see the token they predict (an
+    explorer). A BERT built as a causal decoder trains."""
+    pytest.importorskip("transformers")
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1", "--batch-size", "2"]
+    code, err, _, _ = _train_in_process(
+        capsys, tmp_path / "run", *flags, "--model", f"{model_module}:{factory}"
+    )
+    assert code == 2 and said in err and "Traceback" not in err, err
+    code, err, _, _ = _train_in_process(
+        capsys, tmp_path / "ok", *flags, "--model", f"{model_module}:build_bert_decoder"
+    )
+    assert code == 0, err
 
 
 @pytest.mark.parametrize(

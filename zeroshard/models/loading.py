@@ -176,7 +176,27 @@ def build_model(
 
 def _check_forward(module: nn.Module, spec: str) -> None:
     """The module's forward can be called as training calls it, ``module(idx_BT)`` (a forward
-    needing more failed in the first step, a traceback from every rank)."""
+    needing more failed in the first step, a traceback from every rank), and a Hugging Face
+    model it is one that next-token training means something for: not an encoder-decoder
+    (its forward takes the ids alone, and its decoder failed for want of its own: "You must
+    specify exactly one of input_ids or inputs_embeds"), not an encoder that attends both
+    ways (trained without a word, each position seeing the token it predicts; ``--hf``
+    refuses both)."""
+    config = getattr(module, "config", None)
+    name = type(module).__name__
+    if getattr(config, "is_encoder_decoder", False) is True:
+        raise ValueError(
+            f"model = {spec!r}: {name} is an encoder-decoder (its config's is_encoder_decoder), "
+            "whose decoder needs token ids of its own; training calls the model with one tensor "
+            "of token ids (B, T): return a wrapper module whose forward takes them and returns "
+            "logits (B, T, V), or train a decoder-only model"
+        )
+    if type(config).__module__.startswith("transformers.") and _attends_both_ways(config):
+        raise ValueError(
+            f"model = {spec!r}: {name} is a {config.model_type} encoder that attends both ways, "
+            "so next-token training would let each position see the token it predicts; build "
+            "it with is_decoder=True in its config (a causal decoder), or train a decoder model"
+        )
     try:
         inspect.signature(module.forward).bind(None)
     except TypeError as exc:
