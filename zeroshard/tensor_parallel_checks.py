@@ -58,6 +58,7 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
     from torch.overrides import TorchFunctionMode
 
     inside: list[str] = []  # the colwise Linear whose split output is in flight
+    entered: list[bool] = []  # the mode below is entered (``enter`` ran, ``leave`` not yet)
     handles: list[Any] = []
     split = tuple(f"{name}." for name in plan)
     unsplit = {  # the Parameter objects stay the module's through sharding
@@ -105,9 +106,14 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
     def enter(*_: Any) -> None:
         inside.clear()
         mode.__enter__()
+        entered.append(True)
 
     def leave(module: nn.Module, args: tuple, output: Any) -> None:
-        mode.__exit__(None, None, None)  # (always called: a refusal leaves the mode too)
+        # Always called: a refusal leaves the mode too; a pre-hook before ``enter`` that
+        # raised (sequence parallelism's length check) never entered it.
+        if entered:
+            entered.clear()
+            mode.__exit__(None, None, None)
 
     def done(*_: Any) -> None:
         if inside:  # (the hooks stay: a caught refusal refuses the next forward too)
