@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import pytest
 from zeroshard.cli.main import UsageError, main
 from zeroshard.cli.train import load_config
 from zeroshard.cli.train_checks import hold_out_dir
-from zeroshard.train import lr_at
+from zeroshard.train import auxiliary_loss, lr_at
 
 
 def _wait_for_first_step(proc: subprocess.Popen, out) -> None:
@@ -847,6 +848,25 @@ def build_bert_decoder():
     return _tiny_hf("bert", "BertLMHeadModel", is_decoder=True)
 
 
+def build_distilbert_mlm():  # a masked LM without a causal-LM class of its family
+    return _tiny_hf("distilbert", "DistilBertForMaskedLM", dim=32, hidden_dim=64, n_layers=1,
+                    n_heads=2)
+
+
+class T5Ids(nn.Module):  # the user's own module around T5: ids in, logits out
+    def __init__(self):
+        super().__init__()
+        self.t5 = _tiny_hf("t5", "T5ForConditionalGeneration")
+        self.config = self.t5.config  # (as Hugging Face-minded wrappers do)
+
+    def forward(self, idx):
+        return self.t5(input_ids=idx, decoder_input_ids=idx).logits
+
+
+def build_t5_wrapper():
+    return T5Ids()
+
+
 def build_vocab_second():  # (B, V, T), as F.cross_entropy takes them
     return ReshapedLM(lambda logits: logits.transpose(1, 2))
 
@@ -980,7 +1000,8 @@ def test_a_model_built_in_eval_mode_trains_in_train_mode_after_a_resume(
     "factory, said",
     [
         ("build_t5", "T5ForConditionalGeneration is an encoder-decoder (its config's is_encoder"),
-        ("build_bert_mlm", "BertForMaskedLM is a bert encoder that attends both ways, so next"),
+        ("build_bert_mlm", "BertForMaskedLM is a masked language model, whose encoder attends"),
+        ("build_distilbert_mlm", "DistilBertForMaskedLM is a masked language model, whose"),
     ],
 )
 def test_hugging_face_models_next_token_training_does_not_fit(
@@ -989,17 +1010,20 @@ def test_hugging_face_models_next_token_training_does_not_fit(
     """What ``--hf`` refuses, through ``--model``: T5 failed in its first forward with its
     decoder's message ("You must specify exactly one of input_ids or inputs_embeds"), BERT's
     masked LM trained without a word on positions that see the token they predict (an
-    explorer). A BERT built as a causal decoder trains."""
+    explorer), and so did DistilBERT's, whose family has no causal LM (another). A BERT built
+    as a causal decoder trains, and so does the user's own module around T5 that takes the ids
+    (it vouches for itself: it was refused for the config it shows)."""
     pytest.importorskip("transformers")
     flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1", "--batch-size", "2"]
     code, err, _, _ = _train_in_process(
         capsys, tmp_path / "run", *flags, "--model", f"{model_module}:{factory}"
     )
     assert code == 2 and said in err and "Traceback" not in err, err
-    code, err, _, _ = _train_in_process(
-        capsys, tmp_path / "ok", *flags, "--model", f"{model_module}:build_bert_decoder"
-    )
-    assert code == 0, err
+    for fits in ("build_bert_decoder", "build_t5_wrapper"):
+        code, err, _, _ = _train_in_process(
+            capsys, tmp_path / fits, *flags, "--model", f"{model_module}:{fits}"
+        )
+        assert code == 0, err
 
 
 @pytest.mark.parametrize(
@@ -1063,12 +1087,30 @@ def test_no_split_modules_given_as_one_string(capsys, tmp_path, model_module, da
     assert code == 0 and summary["num_units"] == 4, err
 
 
-def test_a_mixture_of_experts_trains_with_its_router_loss(capsys, tmp_path):
-    """Mixtral with ``output_router_logits``: transformers adds ``router_aux_loss_coef`` x its
-    routers' load-balancing loss to the loss it computes from labels; the command computes the
-    loss from the logits and left it out (an explorer: curves identical with and without it).
-    Step 1's gradient norm is that of cross-entropy + 0.5 x aux on the same model and batch,
-    computed here; the logged loss is the cross-entropy."""
+_MOES = {
+    "mixtral": {
+        "model_type": "mixtral", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.5, "output_router_logits": True,
+    },
+    "jetmoe": {  # (its weight is named aux_loss_coef)
+        "model_type": "jetmoe", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "kv_channels": 16,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "aux_loss_coef": 0.5,
+        "output_router_logits": True,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(_MOES))
+def test_a_mixture_of_experts_trains_with_its_router_loss(capsys, tmp_path, family):
+    """Mixtral (JetMoE) with ``output_router_logits``: transformers adds
+    ``router_aux_loss_coef`` (``aux_loss_coef``) x its routers' load-balancing loss to the loss
+    it computes from labels; the command computes the loss from the logits and left it out
+    (explorers: curves identical with and without it). Step 1's gradient norm is that of
+    cross-entropy + 0.5 x aux on the same model and batch, computed here; the logged loss is
+    the cross-entropy. An aux_loss without a weight of a known name is refused."""
     pytest.importorskip("transformers")
     import numpy as np
     import torch
@@ -1078,12 +1120,7 @@ def test_a_mixture_of_experts_trains_with_its_router_loss(capsys, tmp_path):
     from zeroshard.data import BatchLoader
     from zeroshard.tokens import load_tokens
 
-    config = {
-        "model_type": "mixtral", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "router_aux_loss_coef": 0.5, "output_router_logits": True,
-    }  # fmt: skip
+    config = _MOES[family]
     (tmp_path / "moe").mkdir()
     (tmp_path / "moe" / "config.json").write_text(json.dumps(config))
     ids = tmp_path / "ids.npy"
@@ -1108,6 +1145,10 @@ def test_a_mixture_of_experts_trains_with_its_router_loss(capsys, tmp_path):
     (step,) = _train_records(records)
     assert step["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert step["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
+    # A model of one's own whose output has an aux_loss, and no weight for it (transformers'
+    # configs always have theirs).
+    with pytest.raises(ValueError, match="has an aux_loss .* but neither it nor its config"):
+        auxiliary_loss(torch.nn.Linear(1, 1), types.SimpleNamespace(aux_loss=torch.ones(())))
 
 
 def test_hf_config(capsys, tmp_path, data_dir, monkeypatch):

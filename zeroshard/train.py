@@ -154,18 +154,33 @@ def next_token_losses(
     return loss, auxiliary_loss(model, output)
 
 
+AUX_LOSS_COEFS = ("router_aux_loss_coef", "aux_loss_coef")
+"""The names transformers' mixtures of experts give the weight of their router loss (JetMoE's
+is the second), on the model or its config (a multimodal one's text config)."""
+
+
 def auxiliary_loss(model, output) -> torch.Tensor | None:
-    """What a Hugging Face mixture of experts (Mixtral, Qwen2-MoE, OLMoE, ...) adds to its loss
-    when it is given labels: ``router_aux_loss_coef`` times its routers' load-balancing loss
-    (the output's ``aux_loss``, made when the config sets ``output_router_logits``). The loss
-    here is computed from the logits, without labels: the model's forward left it out."""
+    """What a Hugging Face mixture of experts (Mixtral, Qwen2-MoE, OLMoE, JetMoE, ...) adds to
+    its loss when it is given labels: its ``AUX_LOSS_COEFS`` weight times its routers'
+    load-balancing loss (the output's ``aux_loss``, made when the config sets
+    ``output_router_logits``). The loss here is computed from the logits, without labels: the
+    model's forward left it out. An ``aux_loss`` without a weight of a known name is a
+    ValueError (left out, it trained without a word)."""
     aux = getattr(output, "aux_loss", None)
     if not isinstance(aux, torch.Tensor):
         return None
-    coef = getattr(model, "router_aux_loss_coef", None)
-    if coef is None:
-        coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
-    return None if coef is None else coef * aux.float()
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    for holder in (model, config, text):
+        for name in AUX_LOSS_COEFS:
+            coef = getattr(holder, name, None)
+            if isinstance(coef, (int, float)):
+                return coef * aux.float()
+    raise ValueError(
+        f"the model's output has an aux_loss (a router's load-balancing loss) but neither it nor "
+        f"its config has a weight for it ({' or '.join(AUX_LOSS_COEFS)}), so training cannot add "
+        "it as transformers would; set one, or turn the loss off (output_router_logits: false)"
+    )
 
 
 def evaluate(

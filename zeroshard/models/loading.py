@@ -177,26 +177,8 @@ def build_model(
 def _check_forward(module: nn.Module, spec: str) -> None:
     """The module's forward can be called as training calls it, ``module(idx_BT)`` (a forward
     needing more failed in the first step, a traceback from every rank), and a Hugging Face
-    model it is one that next-token training means something for: not an encoder-decoder
-    (its forward takes the ids alone, and its decoder failed for want of its own: "You must
-    specify exactly one of input_ids or inputs_embeds"), not an encoder that attends both
-    ways (trained without a word, each position seeing the token it predicts; ``--hf``
-    refuses both)."""
-    config = getattr(module, "config", None)
-    name = type(module).__name__
-    if getattr(config, "is_encoder_decoder", False) is True:
-        raise ValueError(
-            f"model = {spec!r}: {name} is an encoder-decoder (its config's is_encoder_decoder), "
-            "whose decoder needs token ids of its own; training calls the model with one tensor "
-            "of token ids (B, T): return a wrapper module whose forward takes them and returns "
-            "logits (B, T, V), or train a decoder-only model"
-        )
-    if type(config).__module__.startswith("transformers.") and _attends_both_ways(config):
-        raise ValueError(
-            f"model = {spec!r}: {name} is a {config.model_type} encoder that attends both ways, "
-            "so next-token training would let each position see the token it predicts; build "
-            "it with is_decoder=True in its config (a causal decoder), or train a decoder model"
-        )
+    model it is one that next-token training means something for (``_hf_fits``)."""
+    _hf_fits(module, spec)
     try:
         inspect.signature(module.forward).bind(None)
     except TypeError as exc:
@@ -207,6 +189,44 @@ def _check_forward(module: nn.Module, spec: str) -> None:
         ) from None
     except ValueError:  # no signature to read: calling it will tell
         pass
+
+
+def _hf_fits(module: nn.Module, spec: str) -> None:
+    """A ValueError when ``module`` is a transformers model (or a peft adapter around one) that
+    next-token training does not fit, as ``--hf`` refuses them: an encoder-decoder (called with
+    the ids alone, its decoder failed for want of its own: "You must specify exactly one of
+    input_ids or inputs_embeds"), a masked LM or an encoder built without ``is_decoder`` (each
+    position sees the token it predicts: trained without a word). A module of the user's
+    around one, which takes the ids and returns logits, is the user's to vouch for."""
+    get_base = getattr(module, "get_base_model", None)  # (peft's PeftModel)
+    hf = get_base() if callable(get_base) else module
+    if not type(hf).__module__.startswith("transformers."):
+        return
+    config, name = getattr(hf, "config", None), type(hf).__name__
+    if getattr(config, "is_encoder_decoder", False) is True:
+        raise ValueError(
+            f"model = {spec!r}: {name} is an encoder-decoder (its config's is_encoder_decoder), "
+            "whose decoder needs token ids of its own; training calls the model with one tensor "
+            "of token ids (B, T): return a wrapper module whose forward takes them and returns "
+            "logits (B, T, V), or train a decoder-only model"
+        )
+    try:
+        from transformers.models.auto import modeling_auto as auto
+    except ImportError:  # (a transformers model, and transformers does not import: it will say)
+        return
+    causal = set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if name in set(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()) - causal:
+        raise ValueError(
+            f"model = {spec!r}: {name} is a masked language model, whose encoder attends both "
+            "ways, so next-token training would let each position see the token it predicts; "
+            "train a causal (decoder) model"
+        )
+    if config is not None and _attends_both_ways(config):
+        raise ValueError(
+            f"model = {spec!r}: {name} is a {config.model_type} encoder that attends both ways, "
+            "so next-token training would let each position see the token it predicts; build "
+            "it with is_decoder=True in its config (a causal decoder), or train a decoder model"
+        )
 
 
 def check_wrap_names(module: nn.Module, names: tuple[str, ...]) -> None:
