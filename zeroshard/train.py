@@ -216,7 +216,7 @@ def plot(records: list[dict], path: Path) -> None:
     ax.plot(*zip(*train), label="train") if train else None
     ax.plot(*zip(*val), marker="o", label="validation") if val else None
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
+    ax.set_ylabel("loss (nats/token)")  # (a byte is a token of the built-in corpus)
     if train or val:  # (a run that failed before its first record has nothing to name)
         ax.legend()
     fig.tight_layout()
