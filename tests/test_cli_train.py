@@ -332,6 +332,31 @@ def test_a_signal_while_starting_is_one_line(tmp_path, delay_s, signum):
     assert "interrupted" in out.strip().splitlines()[-1], out
 
 
+@pytest.mark.alone  # (a signal sent at a moment)
+def test_a_one_process_run_that_gives_up_in_set_up_lets_go_of_its_folder(tmp_path, model_module):
+    """``--nproc 1``: a signal while the model is built, which outlasts the deadline
+    (``StopOnSignal.GRACE_S``): the process ends at once (``os._exit``, no ``finally``), and
+    left the folder it created holding its lock file and config.json, as if a run were there.
+    It is gone now, as after any run that trained nothing."""
+    out, marker = tmp_path / "new" / "run", tmp_path / "sleeping"
+    argv = [sys.executable, "-m", "zeroshard.cli.main", "train", "--nproc", "1", "--model"]
+    proc = subprocess.Popen(
+        [*argv, f"{model_module}:build_sleeping", "--steps", "2", "--out-dir", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "ZS_SLEEPING": str(marker)},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        said, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "still setting up after" in said, said
+    assert not (tmp_path / "new").exists(), sorted(p.name for p in out.iterdir())
+
+
 @pytest.mark.alone  # (a signal sent at a moment; a bound in seconds)
 def test_a_signal_while_the_ranks_start_is_one_line(tmp_path):
     """SIGINT to the launcher once its ranks import torch: exit 130 and rank 0's one line (it
@@ -796,6 +821,14 @@ class SlowEvalLM(MyLM):
 
 def build_slow_eval():
     return SlowEvalLM()
+
+
+def build_sleeping():  # set-up longer than a signal's deadline
+    import os
+    import time
+
+    open(os.environ["ZS_SLEEPING"], "w").close()
+    time.sleep(60)
 
 
 def build_sized(width):

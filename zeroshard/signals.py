@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,23 @@ _FIRST = 256
 """Above every signal number: ``agreed`` takes the largest of ``_FIRST - signum``."""
 
 
+_BEFORE_GIVING_UP: list[Callable[[], None]] = []
+"""What a process must still do when ``StopOnSignal`` gives up (``os._exit``: no ``finally``
+runs), newest first (``before_giving_up``)."""
+
+
+@contextlib.contextmanager
+def before_giving_up(fn: Callable[[], None]) -> Iterator[None]:
+    """Run ``fn`` (from the deadline's thread, its errors ignored) if a signal's deadline ends
+    the process inside the block: the command line's one-process run lets go of its output
+    folder (its lock file, a folder it created and left unused), as its own exit would."""
+    _BEFORE_GIVING_UP.append(fn)
+    try:
+        yield
+    finally:
+        _BEFORE_GIVING_UP.remove(fn)
+
+
 class StopOnSignal:
     """SIGINT/SIGTERM handlers that only note the signal; ``agreed()`` (a collective, one
     2-element all-reduce) says on every rank whether any rank got one, and why.
@@ -206,6 +223,9 @@ class StopOnSignal:
                 "nothing saved"
             )
             print(f"interrupted by {name}: {why}", file=sys.stderr, flush=True)
+        for fn in reversed(_BEFORE_GIVING_UP):
+            with contextlib.suppress(Exception):
+                fn()
         store = sys.modules.get("zeroshard.offload.store")
         if store is not None:  # (its swap files: no finalizer runs past os._exit)
             store.discard_unclosed()

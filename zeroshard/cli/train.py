@@ -54,7 +54,7 @@ from zeroshard.divergence import Diverged
 from zeroshard.mesh import launched_by_torchrun, tear_down
 from zeroshard.models.gpt import PRESETS
 from zeroshard.run_log import write_atomically
-from zeroshard.signals import Stopped
+from zeroshard.signals import Stopped, before_giving_up
 from zeroshard.train import TrainConfig, save_config, train
 from zeroshard.train_config import field_docs
 from zeroshard.watchdog import CollectiveTimeout, StartTimeout
@@ -282,8 +282,9 @@ def _launch(
     started = time.time()
     refused = False  # bad input (exit 2) before any training: the folder's run is unchanged
     try:
-        if not launch.elastic:
-            code = _train_here(cfg, out)
+        if not launch.elastic:  # (a signal's deadline ends this process without unwinding)
+            with before_giving_up(job.close):
+                code = _train_here(cfg, out)
         else:
             private = run_config_path(out, os.getpid())
             job.callback(private.unlink, missing_ok=True)
