@@ -284,10 +284,13 @@ def units(
     owner = _owners(specs)
     kept, tied = specs[:1], []
     for s in specs[1:]:
-        wanted_alone = keep is not None and keep(s.module)
-        if s.params or (wanted_alone and not _held_outside(s, owner)):
+        if s.params:
             kept.append(s)
-        elif not wanted_alone and _held_outside(s, owner):
+            continue
+        wanted_alone, outside = keep is not None and keep(s.module), _held_outside(s, owner)
+        if wanted_alone and not outside:
+            kept.append(s)
+        elif outside and not wanted_alone:
             tied.append(s.name)  # (those ``keep`` picks: its caller refuses them, naming why)
     if tied and not getattr(policy, "by_size", False):  # (named, and silently not made: a
         # class that matched nothing is an error; by_size picks such a module by its count)

@@ -191,6 +191,10 @@ def _check_forward(module: nn.Module, spec: str) -> None:
         pass
 
 
+_SEES_ITS_TARGET = "so next-token training would let each position see the token it predicts"
+"""Why a model that attends both ways is refused (``--hf`` and ``--model`` alike)."""
+
+
 def _hf_fits(module: nn.Module, spec: str) -> None:
     """A ValueError when ``module`` is a transformers model (or a peft adapter around one) that
     next-token training does not fit, as ``--hf`` refuses them: an encoder-decoder (called with
@@ -218,14 +222,13 @@ def _hf_fits(module: nn.Module, spec: str) -> None:
     if name in set(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()) - causal:
         raise ValueError(
             f"model = {spec!r}: {name} is a masked language model, whose encoder attends both "
-            "ways, so next-token training would let each position see the token it predicts; "
-            "train a causal (decoder) model"
+            f"ways, {_SEES_ITS_TARGET}; train a causal (decoder) model"
         )
     if config is not None and _attends_both_ways(config):
         raise ValueError(
             f"model = {spec!r}: {name} is a {config.model_type} encoder that attends both ways, "
-            "so next-token training would let each position see the token it predicts; build "
-            "it with is_decoder=True in its config (a causal decoder), or train a decoder model"
+            f"{_SEES_ITS_TARGET}; build it with is_decoder=True in its config (a causal "
+            "decoder), or train a decoder model"
         )
 
 
@@ -322,8 +325,8 @@ def hf_config(path: str) -> Any:
     if _attends_both_ways(config):
         raise ValueError(
             f"hf = {path!r}: a {config.model_type} config builds an encoder that attends both "
-            "ways, so next-token training would let each position see the token it predicts; "
-            'set "is_decoder": true in the config (a causal decoder), or train a decoder model'
+            f'ways, {_SEES_ITS_TARGET}; set "is_decoder": true in the config (a causal '
+            "decoder), or train a decoder model"
         )
     return config
 
