@@ -283,6 +283,28 @@ OPT = dict(
 )  # fmt: skip
 
 
+BLOOM = dict(model_type="bloom", n_layer=2, hidden_size=64, n_head=16, vocab_size=256)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_forward_under_checkpoints_holds_what_a_unit_returns(workers2, precision):
+    """BLOOM's blocks return their attention probabilities (batch x heads x T x T), which its
+    model's loop holds until the next block returns. Saved anyway without checkpoints; with a
+    checkpoint per block they are no saved tensor, yet alive through the next block's forward,
+    whose own scores are made beside them: the peak is in the forward. The plan took the
+    forward's peak as the checkpoints' and put the peak in the backward: -25.6% in FP32 at
+    2 x 256 tokens (-14% in BF16 at 2 x 512)."""
+    pytest.importorskip("transformers")
+    case = calibrate.HFCase(
+        config=BLOOM, stage=3, micro_batch_size=2, seq_len=256, checkpoint_every=1,
+        precision=precision,
+    )  # fmt: skip
+    for row in workers2.run(calibrate.calibrate, case):
+        p, meas = row["predicted"], row["measured"]
+        assert p["peak_moment"] == "loss forward", calibrate.render([row])
+        assert abs(calibrate.error(p["peak_bytes"], meas["peak_bytes"])) <= 0.01, row
+
+
 @pytest.mark.parametrize("name", ["opt", "llama", "gpt2"])
 def test_a_unit_s_backward_working_set_is_followed(workers2, name):
     """A checkpoint per unit, stage 3, 32 x 64 tokens: the peak is inside the last unit's

@@ -34,6 +34,26 @@ DTYPES = {1: "bfloat16", 2: "bfloat16", 4: "float32", 8: "float64"}
 bf16, an over-estimate)."""
 
 
+@dataclass(frozen=True)
+class CheckpointedForward:
+    """The most bytes alive at once in a forward and loss whose units save nothing (as under
+    activation checkpointing, where a span's checkpoint keeps only its input), parameters and
+    buffers apart, per phase of the root's forward. The checkpoints themselves are not held: a
+    unit's input counts only while the model's own code holds it (the span's first unit, as it
+    runs). What a unit returns beside its output and the model's code keeps until the next unit
+    returns (BLOOM's blocks return their attention probabilities, alive through the next block's
+    forward, 25% of the peak at 2 x 512 tokens and 16 heads) counts, as the unit transients do."""
+
+    before: int
+    """In the root before its first unit call (embeddings)."""
+    in_unit: tuple[int, ...]
+    """Per unit in forward order, while it runs called from the root (any of its calls);
+    0: never so called."""
+    after_unit: tuple[int, ...]
+    """Per unit in forward order, in the root after it returns and before the next unit call
+    (after the last: the head and the loss); 0: never so called."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SavedActivations:
     """What one forward and loss of a micro-batch leave for backward, per unit, in bytes."""
@@ -92,6 +112,10 @@ class SavedActivations:
     tied to the input embedding): autograd holds the head's gradient until the embedding's
     backward adds its own, into a third tensor of that size (``timeline``'s root backward)."""
     forward_peak_bytes: int | None = None
+    checkpointed_forward: CheckpointedForward | None = None
+    """The forward and loss as they run under activation checkpointing (every unit's saves
+    dropped): the most bytes alive at once per phase; ``None`` when not measured (no
+    checkpointing planned, or tensor parallelism)."""
     """The most bytes alive at once in the forward and loss, parameters and buffers apart:
     what is saved so far and what is not (the logits, an output kept by the model's own code,
     transformers' key cache), measured by torch's MemTracker on meta; ``None`` with tensor
@@ -568,6 +592,11 @@ def measure(
     reused = {
         p.untyped_storage()._cdata for p in model.parameters() if uses and uses.get(id(p), 0) > 1
     }
+    forward = (
+        _checkpointed_forward(model, units, call, x, y, vocab_size)
+        if checkpointing and tracked
+        else None
+    )
     unit_bytes, largest = [0] * num_units, [0] * num_units
     before, tail, tail_largest = [0] * num_units, 0, 0
 
@@ -609,11 +638,77 @@ def measure(
         tail_param_numel=sum(tail_params.values()),
         tied_param_numel=sum(n for key, n in tail_params.items() if key in reused),
         forward_peak_bytes=None if tracker is None else _peak_besides_model(tracker),
+        checkpointed_forward=forward,
         reached_params=(
             None
             if uses is None
             else frozenset(name for name, p in model.named_parameters() if id(p) in uses)
         ),  # fmt: skip
+    )
+
+
+def _checkpointed_forward(
+    model, units, call: str, x, y, vocab_size: int
+) -> CheckpointedForward | None:
+    """Run ``model``'s forward and loss again (on meta, ``x``, ``y``) with every save made inside
+    ``units`` dropped, as their checkpoints drop them, and follow the bytes alive operator by
+    operator (``backward_peak._Made``: each new storage until it is freed); see
+    ``CheckpointedForward``. ``None``, with a warning, where that forward fails."""
+    import torch
+
+    num_units = len(units)
+    phase, depth = ["before"], [0]
+    most: dict[object, int] = {}
+
+    def enter(i: int) -> None:
+        if depth[0] == 0:
+            phase[0] = ("in", i)
+        depth[0] += 1
+
+    def leave(i: int) -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            phase[0] = ("after", i)
+
+    def moment(_new) -> None:
+        most[phase[0]] = max(most.get(phase[0], 0), made.total)
+
+    from zeroshard.residual_states.activations import train_without_caches
+
+    made = backward_peak._Made(moment)
+    made.nodes_running = 1  # (every operator's end is a moment)
+    handles = train_without_caches(model)
+    for i, unit in enumerate(units):
+        handles.append(unit.register_forward_pre_hook(lambda m, a, i=i: enter(i)))
+        handles.append(unit.register_forward_hook(lambda m, a, o, i=i: leave(i)))
+
+    def pack(t):
+        return t if depth[0] == 0 else None  # (no backward runs: nothing is unpacked)
+
+    try:
+        with (
+            on_meta(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            made.mode(),
+        ):
+            loss_of(model, call, x, y, vocab_size)
+    except Exception as exc:  # (the same forward ran once already: not expected)
+        import warnings
+
+        first = (str(exc).splitlines() or [""])[0][:160]
+        warnings.warn(
+            f"the forward under checkpoints could not be followed on meta ({type(exc).__name__}: "
+            f"{first}): its peak is taken as the checkpoints' and the loss's",
+            stacklevel=2,
+        )
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    return CheckpointedForward(
+        before=most.get("before", 0),
+        in_unit=tuple(most.get(("in", i), 0) for i in range(num_units)),
+        after_unit=tuple(most.get(("after", i), 0) for i in range(num_units)),
     )
 
 

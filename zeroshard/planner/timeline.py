@@ -144,10 +144,13 @@ class ActivationTerms:
     at_forward: int | None = None
     """The forward's own peak (measured on meta: ``SavedActivations.forward_peak_bytes``): what it
     saved so far and what it holds unsaved (the logits, transformers' key cache); ``None``
-    without a measurement or with checkpoints (their forward saves span inputs only)."""
+    without a measurement. With checkpoints, measured with every unit's saves dropped
+    (``saved.CheckpointedForward``), the checkpoints apart (``checkpoints_at_forward``)."""
     tied_grad: int = 0
     """The root's own backward (its embeddings), beside ``held_grad``: a weight the head shares
     gets its second gradient there, and autograd sums the two into a third tensor."""
+    checkpoints_at_forward: int = 0
+    """Checkpoints on the device at ``at_forward``'s moment, beside it (with checkpoints)."""
     checkpoints_at_loss: int = 0
     """Checkpoints on the device at the loss's backward: every span's input."""
     checkpoints_at_unit: tuple[int, ...] = ()
@@ -217,12 +220,13 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
         tied = 2 * s.tied_param_numel * g
         at_forward = None if c.activation_checkpointing else s.forward_peak_bytes
+        checkpointed_forward = s.checkpointed_forward if c.activation_checkpointing else None
         logits = s.loss_gradient_bytes
         grad_working = model.activations.largest_param(c.num_mp_ranks) * g + held
     else:
         per, logits, grad_working, held = _gpt_per_unit(model, c, num_units)
         tied = 2 * held  # (the reference GPT's held gradient is its tied embedding's)
-        at_forward = None
+        at_forward, checkpointed_forward = None, None
     checkpointing = c.activation_checkpointing
     ci = c.num_layers_per_checkpoint if checkpointing else 1
     span = spans.first_units(num_units, ci, per.chained, per.inner, per.calls)  # each's first
@@ -257,6 +261,11 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         return max(first_call, last_call, key=sum)
 
     moments = [moment(i) for i in range(num_units)]
+    at_forward_checkpoints = 0
+    if checkpointed_forward is not None:
+        at_forward, at_forward_checkpoints = _checkpointed_forward_peak(
+            checkpointed_forward, ckpt, piece, span, starts
+        )
     fwd = range(num_units - 1, -1, -1)  # the forward index of each unit in backward order
     saved_all = sum(per.before) + per.tail
     if not c.activation_checkpointing:
@@ -271,6 +280,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         held_grad=held,
         tied_grad=tied,
         at_forward=at_forward,
+        checkpoints_at_forward=at_forward_checkpoints,
         checkpoints_at_loss=sum(ckpt),
         checkpoints_at_unit=tuple(moments[i][1] for i in fwd),
         checkpoints_total=total,
@@ -278,6 +288,30 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         span_inner=per.inner,
         unit_ran=s.ran if s is not None else (),
     )
+
+
+def _checkpointed_forward_peak(
+    forward: saved.CheckpointedForward,
+    ckpt: list[int],
+    piece: list[int],
+    span: list[int],
+    starts: list[int],
+) -> tuple[int, int]:
+    """The forward's peak under checkpointing: (bytes alive that the model's code makes and
+    holds, checkpoints on the device beside them), at the phase where their sum is largest.
+    While unit ``i`` runs, the spans opened before its span's are kept, and its span's own input
+    too where ``i`` does not open it (where it does, the model's code still holds that input,
+    counted in the forward's bytes); in the root after unit ``i``, every span opened so far.
+    ``ckpt``, ``piece``, ``span``, ``starts``: per unit in forward order, as
+    ``activation_terms`` computes them."""
+    best = (forward.before, 0)
+    for i, (inside, after) in enumerate(zip(forward.in_unit, forward.after_unit)):
+        if not inside:  # (never called from the root)
+            continue
+        f = span[i]
+        held = sum(ckpt[:f]) + (starts[f] - (f == i)) * piece[f]
+        best = max(best, (inside, held), (after, sum(ckpt[: i + 1])), key=sum)
+    return best
 
 
 def _gpt_per_unit(
@@ -515,6 +549,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
             (
                 "loss forward",
                 moment(0, activation_working=act.at_forward,
+                       activation_checkpoints=act.checkpoints_at_forward,
                        gathered_units=gathered(0, c.num_units_prefetch)),
             )
         )  # fmt: skip
