@@ -112,14 +112,14 @@ class SavedActivations:
     tied to the input embedding): autograd holds the head's gradient until the embedding's
     backward adds its own, into a third tensor of that size (``timeline``'s root backward)."""
     forward_peak_bytes: int | None = None
-    checkpointed_forward: CheckpointedForward | None = None
-    """The forward and loss as they run under activation checkpointing (every unit's saves
-    dropped): the most bytes alive at once per phase; ``None`` when not measured (no
-    checkpointing planned, or tensor parallelism)."""
     """The most bytes alive at once in the forward and loss, parameters and buffers apart:
     what is saved so far and what is not (the logits, an output kept by the model's own code,
     transformers' key cache), measured by torch's MemTracker on meta; ``None`` with tensor
     parallelism (whose pieces it does not follow)."""
+    checkpointed_forward: CheckpointedForward | None = None
+    """The forward and loss as they run under activation checkpointing (every unit's saves
+    dropped): the most bytes alive at once per phase; ``None`` when not measured (no
+    checkpointing planned, or tensor parallelism)."""
     reached_params: frozenset[str] | None
     """Names (``named_parameters``') of the parameters the loss's graph reaches: only these get a
     gradient, so only these get optimizer states (``zeroshard.planner.stepped``). Fewer than the
@@ -656,6 +656,8 @@ def _checkpointed_forward(
     ``CheckpointedForward``. ``None``, with a warning, where that forward fails."""
     import torch
 
+    from zeroshard.residual_states.activations import train_without_caches
+
     num_units = len(units)
     phase, depth = ["before"], [0]
     most: dict[object, int] = {}
@@ -672,8 +674,6 @@ def _checkpointed_forward(
 
     def moment(_new) -> None:
         most[phase[0]] = max(most.get(phase[0], 0), made.total)
-
-    from zeroshard.residual_states.activations import train_without_caches
 
     made = backward_peak._Made(moment)
     made.nodes_running = 1  # (every operator's end is a moment)
