@@ -436,7 +436,7 @@ def render_plan(out: dict, unit: str = "GB") -> str:
         if out["model"]["activations_measured"]:
             terms[:2] = [
                 ("activation checkpoints", "measured: span inputs", terms[0][2]),
-                ("activation working", "measured: a span + the root", terms[1][2]),
+                ("activation working", "measured: a span or the forward", terms[1][2]),
             ]
         terms = [t for t in terms if t[2] in out]
         inputs = out["model"].get("inputs")
