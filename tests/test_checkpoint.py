@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from parity_models import batch, build, loss_of, param_groups
 
 import zeroshard
@@ -609,16 +610,26 @@ def _bad_input(base: str) -> bool:
     with pytest.raises(checkpoint.CheckpointError, match=r"incomplete save"):
         checkpoint.load(good + ".tmp-1234", model, opt)
     assert not checkpoint.info(good).problem
-    # A corrupted data file: named.
+    # A corrupted data file: named, with the tensor whose stored piece the byte is in (by the
+    # chunks' checksums, DCP's chunk of it named as the model names it), by load and by verify.
     dist.barrier()
+    data = Path(good) / "__1_0.distcp"
+    storage = dcp.FileSystemReader(good).read_metadata().storage_data
+    chunk = max(
+        (v for v in storage.values() if v.relative_path == data.name), key=lambda v: v.length
+    )
+    hit = [k.fqn for k, v in storage.items() if v == chunk]
     if rank == 0:
-        data = Path(good) / "__1_0.distcp"
         raw = bytearray(data.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
+        raw[chunk.offset + chunk.length // 2] ^= 0xFF
         data.write_bytes(bytes(raw))
     dist.barrier()
-    with pytest.raises(checkpoint.CheckpointError, match=r"__1_0\.distcp is corrupted"):
+    damaged = (
+        rf"__1_0\.distcp is corrupted \(its xxh3_64 .*; damaged: tensors? '{re.escape(hit[0])}'"
+    )
+    with pytest.raises(checkpoint.CheckpointError, match=damaged):
         checkpoint.load(good, model, opt)
+    assert re.search(damaged, checkpoint.verify(good)), checkpoint.verify(good)
     # Its other files' bytes reached the tensors before the damage was found: the model says
     # so at its next use (it trained on a mix of two states before).
     # So do its exports (full_state_dict, save_pretrained) and summon_full_params: they gave
@@ -872,6 +883,7 @@ def _rerun():
 _EXITS_WHILE_SAVING = """
 import sys, time, torch, zeroshard
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from zeroshard import checkpoint
 write = checkpoint._write_and_publish
 def slow(*args):

@@ -5,6 +5,7 @@ file: each a CheckpointError naming the file); which rank verifies which file.""
 
 from __future__ import annotations
 
+import re
 import types
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from zeroshard import checkpoint_reader
-from zeroshard.checkpoint_files import CheckpointError, data_files, hash_file
+from zeroshard.checkpoint_files import CheckpointError, data_files, file_record
 from zeroshard.checkpoint_planner import LoadPlanner
 from zeroshard.checkpoint_reader import Reader, read
 from zeroshard.flat_range import FlatRange
@@ -35,9 +36,8 @@ def _saved(path: Path) -> tuple[dict, dict]:
         "e": torch.empty(0, 5),
         "n": {"step": 3, "name": "x"},  # bytes entries
     }
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=2))
-    files = {n: {"bytes": (path / n).stat().st_size, "xxh3_64": hash_file(path / n)}
-             for n in data_files(path)}  # fmt: skip
+    saved = dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=2))
+    files = {n: file_record(path, n, saved.storage_data) for n in data_files(path)}
     return state, files
 
 
@@ -85,28 +85,43 @@ def test_reads_ranges_and_converts_dtypes(tmp_path):
     assert torch.equal(got["h"], state["h"].double())
 
 
-def _damage(path: Path, how: str, at: int) -> None:
+def _damage(path: Path, how: str, at: int, length: int) -> None:
+    """Damage the chunk at ``at`` (``length`` bytes) of the file at ``path``."""
     raw = bytearray(path.read_bytes())
     if how == "flip":
-        raw[len(raw) // 2] ^= 0x01
+        raw[at + length // 2] ^= 0x01
     elif how == "header":  # a global's name in the chunk's pickle: it no longer parses
         raw[raw.index(b"_rebuild_tensor_v2", at)] ^= 0x01
     elif how == "short":
-        del raw[len(raw) // 2 :]
+        del raw[at + length // 2 :]
     path.write_bytes(bytes(raw))
 
 
 @pytest.mark.parametrize("how", ["flip", "header", "short"])
 def test_a_damaged_file_is_named(tmp_path, how):
+    """With the tensors the damage reaches: the chunk's own (a flipped byte: by the chunks'
+    checksums), and every one stored past the cut of a file cut short."""
     state, files = _saved(tmp_path / "c")
-    info = next(
-        v for k, v in Reader(tmp_path / "c").read_metadata().storage_data.items() if k.fqn == "w"
-    )
+    storage = Reader(tmp_path / "c").read_metadata().storage_data
+    info = next(v for k, v in storage.items() if k.fqn == "w")
     victim = info.relative_path
-    _damage(tmp_path / "c" / victim, how, info.offset)
+    _damage(tmp_path / "c" / victim, how, info.offset, info.length)
+    cut = [  # (a file cut short: w and the ones after it in that file)
+        k.fqn
+        for k, v in sorted(storage.items(), key=lambda kv: kv[1].offset)
+        if v.relative_path == victim and v.offset >= info.offset
+    ]
+    more = f" and {len(cut) - 3} more" if len(cut) > 3 else ""
+    named = (
+        "tensor 'w'"
+        if how != "short" or len(cut) == 1
+        else re.escape("tensors " + ", ".join(repr(n) for n in cut[:3]) + more)
+    )
     # The fix, named: a run refuses to resume from an earlier one while this one lies beside it.
     fix = f"move c out of {tmp_path} \\(e.g. to c-damaged\\), then use the one before"
-    with pytest.raises(CheckpointError, match=rf"{victim} is corrupted .*; use another .*{fix}"):
+    with pytest.raises(
+        CheckpointError, match=rf"{victim} is corrupted .*; damaged: {named}\); use another .*{fix}"
+    ):
         read(_fresh(state), Reader(tmp_path / "c", files), DefaultLoadPlanner(), None)
     if how == "short":  # unverified: the short read itself is caught
         with pytest.raises(CheckpointError, match=rf"{victim} is corrupted"):

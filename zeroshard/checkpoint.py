@@ -441,7 +441,9 @@ def _write_and_publish(
     writer = Writer(tmp, sync_files=True, thread_count=_WRITE_THREADS)
     try:
         with without_zip_crc32():
-            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group)
+            saved = dcp.save(
+                state, storage_writer=writer, planner=SavePlanner(), process_group=group
+            )  # (its Metadata, on every rank)
     except CheckpointException as exc:  # raised on every rank once any rank's write failed
         if rank == 0:  # every rank's writes have ended: DCP gathered their results
             shutil.rmtree(tmp, ignore_errors=True)
@@ -450,7 +452,7 @@ def _write_and_publish(
             "published (the previous checkpoints are intact); free space or save elsewhere"
         ) from None
     gather(None, group)  # barrier: every rank's files are written
-    files = hash_share(tmp, data_files(tmp), group)
+    files = hash_share(tmp, data_files(tmp), group, saved.storage_data)
     error = None
     if rank == 0:
         try:

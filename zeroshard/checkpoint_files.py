@@ -86,25 +86,86 @@ def fsync_dir(path: Path) -> None:
 
 
 def hash_file(path: Path) -> str:
-    h = xxhash.xxh3_64()
+    return hash_with_chunks(path, [])[0]
+
+
+def hash_with_chunks(path: Path, bounds: list[tuple[int, int]]) -> tuple[str, list[str]]:
+    """The xxh3_64 of the file at ``path`` and of each of its byte ranges ``bounds`` ((offset,
+    length), sorted, not overlapping), in one pass over the file."""
+    whole = xxhash.xxh3_64()
+    parts = [xxhash.xxh3_64() for _ in bounds]
+    pos, first = 0, 0
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            h.update(chunk)
-    return h.hexdigest()
+        while block := f.read(_CHUNK_BYTES):
+            whole.update(block)
+            end = pos + len(block)
+            while first < len(bounds) and sum(bounds[first]) <= pos:
+                first += 1  # (ranges wholly before this block are done)
+            for (offset, length), h in zip(bounds[first:], parts[first:]):
+                if offset >= end:
+                    break
+                lo, hi = max(offset, pos), min(offset + length, end)
+                if lo < hi:
+                    h.update(memoryview(block)[lo - pos : hi - pos])
+            pos = end
+    return whole.hexdigest(), [h.hexdigest() for h in parts]
+
+
+def chunk_bounds(storage_data: dict, name: str) -> list[tuple[int, int, tuple[str, ...]]]:
+    """The chunks DCP stored in data file ``name``: (offset, length, the names of the tensors
+    whose pieces they hold), by offset (``storage_data``: a DCP ``Metadata``'s)."""
+    chunks: dict[tuple[int, int], list[str]] = {}
+    for index, info in storage_data.items():
+        if info.relative_path == name:
+            chunks.setdefault((info.offset, info.length), []).append(index.fqn)
+    return [(o, n, tuple(dict.fromkeys(fqns))) for (o, n), fqns in sorted(chunks.items())]
+
+
+def damaged_tensors(
+    folder: Path, name: str, want: dict[str, Any], storage_data: dict, size: int | None = None
+) -> list[str]:
+    """The tensors whose stored pieces in data file ``name`` are damaged: those past the end of
+    a file cut short at ``size`` bytes; else those whose chunks' checksums differ from the ones
+    recorded at save (``want["chunks"]``; none recorded: not known, empty)."""
+    chunks = chunk_bounds(storage_data, name)
+    if size is not None:
+        return [fqn for o, n, fqns in chunks if o + n > size for fqn in fqns]
+    recorded = want.get("chunks")
+    if not isinstance(recorded, list) or len(recorded) != len(chunks):
+        return []
+    try:
+        _, now = hash_with_chunks(folder / name, [(o, n) for o, n, _ in chunks])
+    except OSError:
+        return []
+    return [fqn for (_, _, fqns), a, b in zip(chunks, now, recorded) if a != b for fqn in fqns]
 
 
 def data_files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != META_FILE)
 
 
-def hash_share(folder: Path, names: list[str], group) -> dict[str, dict[str, Any]]:
-    """``{name: {"bytes", "xxh3_64"}}`` of ``names``: each rank hashes every world_size-th file
-    (each was fsynced by its writer: DCP with ``sync_files``, ``_write_bytes``), the results
-    are gathered on every rank."""
+def file_record(folder: Path, name: str, storage_data: dict) -> dict[str, Any]:
+    """``zeroshard.json``'s record of file ``name``: ``{"bytes", "xxh3_64"}``, and ``"chunks"``,
+    the xxh3_64 of each chunk by offset, where ``storage_data`` (DCP's
+    ``Metadata.storage_data``) places chunks in it."""
+    bounds = [(o, n) for o, n, _ in chunk_bounds(storage_data, name)]
+    whole, chunks = hash_with_chunks(folder / name, bounds)
+    out = {"bytes": (folder / name).stat().st_size, "xxh3_64": whole}
+    return out | {"chunks": chunks} if chunks else out
+
+
+def hash_share(
+    folder: Path, names: list[str], group, storage_data: dict | None = None
+) -> dict[str, dict[str, Any]]:
+    """``{name: {"bytes", "xxh3_64"}}`` of ``names``, plus ``"chunks"`` for the data files
+    ``storage_data`` (DCP's ``Metadata.storage_data``) places chunks in: each chunk's xxh3_64
+    by offset, so that a damaged file names the tensors it reaches (``damaged_tensors``). Each
+    rank hashes every world_size-th file (each was fsynced by its writer: DCP with
+    ``sync_files``, ``_write_bytes``), the results are gathered on every rank."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
 
     def entry(name: str) -> dict[str, Any]:
-        return {"bytes": (folder / name).stat().st_size, "xxh3_64": hash_file(folder / name)}
+        return file_record(folder, name, storage_data or {})
 
     share = names[rank::world]
     with ThreadPoolExecutor(max_workers=max(1, min(_HASH_THREADS, len(share)))) as pool:
@@ -129,27 +190,42 @@ def missing(folder: Path, name: str) -> str:
     return f"checkpoint {folder} lacks its file {name}; it is damaged: {_use_another(folder)}"
 
 
-def corrupted(folder: Path, name: str, size: int | None = None, want: int | None = None) -> str:
+def corrupted(
+    folder: Path,
+    name: str,
+    size: int | None = None,
+    want: int | None = None,
+    tensors: list[str] = (),
+) -> str:
     """The error for a file whose checksum is not the one recorded at save, or whose ``size``
-    (bytes) is not ``want`` (the recorded size, or at least the end of a tensor it holds)."""
+    (bytes) is not ``want`` (the recorded size, or at least the end of a tensor it holds);
+    ``tensors``: those the damage reaches (``damaged_tensors``), named."""
     why = (
         "its xxh3_64 checksum differs from the one recorded at save"
         if size is None
         else f"it is {size:,} bytes, {want:,} expected: cut short or appended to"
     )
+    if tensors:
+        more = f" and {len(tensors) - 3} more" if len(tensors) > 3 else ""
+        named = ", ".join(repr(t) for t in tensors[:3])
+        why += f"; damaged: {'tensor' if len(tensors) == 1 else 'tensors'} {named}{more}"
     return f"checkpoint file {folder / name} is corrupted ({why}); {_use_another(folder)}"
 
 
-def check_file(folder: Path, name: str, want: dict[str, Any]) -> str | None:
-    """Why the file ``name`` of ``folder`` is not as recorded at save (None when it is)."""
-    path = folder / name
+def check_file(
+    folder: Path, name: str, want: dict[str, Any], storage_data: dict | None = None
+) -> str | None:
+    """Why the file ``name`` of ``folder`` is not as recorded at save (None when it is); with
+    ``storage_data`` (DCP's ``Metadata.storage_data``), naming the tensors a damage reaches."""
+    path, storage_data = folder / name, storage_data or {}
     if not path.is_file():
         return missing(folder, name)
     size = path.stat().st_size
     if size != want["bytes"]:
-        return corrupted(folder, name, size, want["bytes"])
+        cut = damaged_tensors(folder, name, want, storage_data, size)
+        return corrupted(folder, name, size, want["bytes"], cut)
     if hash_file(path) != want["xxh3_64"]:
-        return corrupted(folder, name)
+        return corrupted(folder, name, tensors=damaged_tensors(folder, name, want, storage_data))
     return None
 
 

@@ -140,7 +140,21 @@ def verify(path: str | os.PathLike) -> str | None:
     file missing, resized or with another checksum), or None when every one matches."""
     folder = Path(path).expanduser()
     files = read_meta(folder)["files"]
-    return next((p for n in sorted(files) if (p := check_file(folder, n, files[n]))), None)
+    storage_data = _storage_data(folder, files)
+    return next(
+        (p for n in sorted(files) if (p := check_file(folder, n, files[n], storage_data))), None
+    )
+
+
+def _storage_data(folder: Path, files: dict) -> dict:
+    """Where DCP placed each tensor's chunks (its ``.metadata``, read once its own checksum is
+    verified); empty when that file is damaged or missing (``verify`` says so)."""
+    from zeroshard.checkpoint_reader import Reader
+
+    try:
+        return Reader(folder, files).read_metadata().storage_data
+    except (CheckpointError, OSError):
+        return {}
 
 
 def info(path: str | os.PathLike) -> CheckpointInfo:

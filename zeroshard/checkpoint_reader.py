@@ -46,6 +46,7 @@ from zeroshard.checkpoint_files import (
     CheckpointError,
     check_file,
     corrupted,
+    damaged_tensors,
     hash_file,
     missing,
 )
@@ -148,7 +149,8 @@ class Reader(FileSystemReader):
             except FileNotFoundError:
                 raise CheckpointError(missing(folder, name)) from None
             if size != want["bytes"]:
-                raise CheckpointError(corrupted(folder, name, size=size, want=want["bytes"]))
+                cut = damaged_tensors(folder, name, want, self.storage_data, size)
+                raise CheckpointError(corrupted(folder, name, size, want["bytes"], cut))
         names = sorted(set(per_file) | set(verify), key=lambda n: -self._size_of(folder, n))
         lock = threading.Lock()
         metadata = self.read_metadata()
@@ -215,15 +217,23 @@ class _File:
                     raise
                 except Exception:  # a damaged chunk that does not parse: say so when it is
                     if self.verify and hash_file(self.path) != self._want["xxh3_64"]:
-                        raise CheckpointError(corrupted(self.folder, self.name)) from None
+                        raise CheckpointError(self._corrupted()) from None
                     raise
                 pos = max(pos, offset + info.length)
             if self.hasher is not None:
                 self._skip(fd, pos, size)
                 if self.hasher.hexdigest() != self._want["xxh3_64"]:
-                    raise CheckpointError(corrupted(self.folder, self.name))
+                    raise CheckpointError(self._corrupted())
         finally:
             os.close(fd)
+
+    def _corrupted(self, size: int | None = None, want: int | None = None) -> str:
+        """``corrupted``'s error for this file, naming the tensors the damage reaches: past
+        ``size`` bytes, where the file is cut short there; else by the chunks' checksums."""
+        tensors = damaged_tensors(
+            self.folder, self.name, self._want, self.reader.storage_data, size
+        )
+        return corrupted(self.folder, self.name, size, want, tensors)
 
     def _read(self, fd: int, view: memoryview, offset: int) -> None:
         """Fill ``view`` with the file's bytes from ``offset`` (in ``_CHUNK_BYTES`` reads),
@@ -234,7 +244,7 @@ class _File:
             got = os.preadv(fd, [part], offset + pos)
             if got <= 0:
                 size = os.fstat(fd).st_size
-                raise CheckpointError(corrupted(self.folder, self.name, size, offset + total))
+                raise CheckpointError(self._corrupted(size, offset + total))
             if self.hasher is not None:
                 self.hasher.update(part[:got])
             pos += got
