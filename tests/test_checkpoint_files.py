@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 from unittest import mock
 
 import pytest
+import xxhash
 
 from zeroshard import checkpoint
 from zeroshard.checkpoint_files import (
@@ -20,6 +22,7 @@ from zeroshard.checkpoint_files import (
     OLD,
     TMP,
     CheckpointError,
+    hash_with_chunks,
     prune,
     publish,
     replace_problem,
@@ -181,3 +184,25 @@ def test_a_folder_of_other_files_is_not_called_an_incomplete_checkpoint(tmp_path
     (tmp_path / "rank-00000.pt").write_bytes(b"x")  # a save that stopped before its metadata
     with pytest.raises(CheckpointError, match=r"is incomplete \(no zeroshard.json"):
         read_meta(tmp_path)
+
+
+@pytest.mark.parametrize("read_bytes", [1000, 2**20, 64 * 2**20])
+def test_chunk_checksums_in_one_pass_equal_each_chunk_s_own(tmp_path, monkeypatch, read_bytes):
+    """The file's checksum and each chunk's (gaps between them, empty ones, chunks spanning
+    several reads or inside one) from a single pass, whatever the read size."""
+    from zeroshard import checkpoint_files
+
+    monkeypatch.setattr(checkpoint_files, "_CHUNK_BYTES", read_bytes)
+    rng = random.Random(0)
+    data = rng.randbytes(3 * 2**20 + 12_345)
+    (tmp_path / "f").write_bytes(data)
+    bounds, pos = [], 0
+    while True:
+        gap, n = rng.randint(0, 5000), rng.choice([0, 7, rng.randint(1, 300_000)])
+        if pos + gap + n > len(data):
+            break
+        bounds.append((pos + gap, n))
+        pos += gap + n
+    whole, parts = hash_with_chunks(tmp_path / "f", bounds)
+    assert whole == xxhash.xxh3_64(data).hexdigest()
+    assert parts == [xxhash.xxh3_64(data[o : o + n]).hexdigest() for o, n in bounds]

@@ -101,12 +101,13 @@ def hash_with_chunks(path: Path, bounds: list[tuple[int, int]]) -> tuple[str, li
             end = pos + len(block)
             while first < len(bounds) and sum(bounds[first]) <= pos:
                 first += 1  # (ranges wholly before this block are done)
-            for (offset, length), h in zip(bounds[first:], parts[first:]):
-                if offset >= end:
-                    break
+            j = first
+            while j < len(bounds) and bounds[j][0] < end:
+                offset, length = bounds[j]
                 lo, hi = max(offset, pos), min(offset + length, end)
                 if lo < hi:
-                    h.update(memoryview(block)[lo - pos : hi - pos])
+                    parts[j].update(memoryview(block)[lo - pos : hi - pos])
+                j += 1
             pos = end
     return whole.hexdigest(), [h.hexdigest() for h in parts]
 
