@@ -338,7 +338,11 @@ def test_a_folder_lock_names_its_holder(tmp_path):
     try:
         # a ValueError: bad input, which the command line reports in one line (exit 2)
         pid = os.getpid()
-        held = f"in use by a live store \\(pid {pid}, this process: another model .* del loss"
+        held = (
+            f"in use by a live store \\(pid {pid}, this process: another model .* \\(a teacher "
+            "and a student\\) each need a folder of their own: Offload\\(folder=...\\) apart; .* "
+            "del loss"
+        )
         with pytest.raises(OffloadSetupError, match=held):
             take_lock(tmp_path)
     finally:

@@ -253,7 +253,8 @@ def take_lock(folder: Path) -> int:
         except LockHeld as held:
             raise OffloadSetupError(
                 f"{folder} is in use by a live store ({_holder(held.pid)}); give each store, "
-                "e.g. each rank or each run, its own folder (--offload-folder)"
+                "e.g. each rank, run or model, its own folder (Offload(folder=...); "
+                "--offload-folder on the command line)"
             ) from None
         except FileNotFoundError:
             if attempt == _LOCK_TRIES:
@@ -309,9 +310,10 @@ def _holder(pid: str) -> str:
             )
         return f"pid {pid}"
     return (
-        f"pid {pid}, this process: another model or optimizer of it that is still referenced, "
-        "by a name or by a tensor it computed (the last loss's graph holds the model: del "
-        "loss, model, opt)"
+        f"pid {pid}, this process: another model or optimizer of it that is still referenced. "
+        "Two models meant to live together (a teacher and a student) each need a folder of "
+        "their own: Offload(folder=...) apart; one meant to be gone is still held by a name or "
+        "by a tensor it computed (the last loss's graph holds the model: del loss, model, opt)"
     )
 
 
@@ -369,8 +371,9 @@ def discard_folder(folder: Path) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise OffloadSetupError(
-                f"{folder} is in use by a live store ({_holder(_pid_in(fd))}); give each run its "
-                "own folder (--offload-folder), or stop that one"
+                f"{folder} is in use by a live store ({_holder(_pid_in(fd))}); give each run or "
+                "model its own folder (Offload(folder=...); --offload-folder on the command "
+                "line), or stop that one"
             ) from None
         for path in swap_files(folder):
             path.unlink(missing_ok=True)
