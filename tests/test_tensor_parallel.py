@@ -427,6 +427,21 @@ def _llama():
     return LlamaForCausalLM(cfg)
 
 
+def _neox():
+    """GPT-NeoX, whose declared plan splits its input embedding too (``embedding_rowwise``):
+    that entry was refused; embeddings stay replicated. (Without attention biases: the key's
+    has a gradient of 0 up to rounding, which Adam's first steps turn into moves of about lr
+    that differ with the split sums' rounding.)"""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=32, attention_bias=False,
+    )  # fmt: skip
+    assert "embed_in" in cfg.base_model_tp_plan, cfg.base_model_tp_plan
+    return GPTNeoXForCausalLM(cfg)
+
+
 def _loss(model, ids) -> torch.Tensor:
     if isinstance(model, _Own):
         logits = model(ids[:, :-1])
@@ -437,13 +452,11 @@ def _loss(model, ids) -> torch.Tensor:
 def _plan_parity(kind: str) -> dict:
     """Three AdamW steps of a model split by its own plan (tp=2 x dp=2, stage 3) against one
     process training it whole."""
-    build, block = {"own": (_Own, _Block), "gated": (_OwnGated, _GatedBlock)}.get(
-        kind, (_llama, None)
-    )
+    build, block = _PLANNED[kind]
     torch.manual_seed(0)
     ref, model = build(), build()
     model.load_state_dict(ref.state_dict())
-    block = block or type(model.model.layers[0])
+    block = block or type(model.base_model.layers[0])
     device_mesh, mesh = tensor_parallel.mesh_2d(2)
     tensor_parallel.parallelize(model, device_mesh)
     split = sorted(n for n, s in tensor_parallel.splits(model).items() if s.dim is not None)
@@ -461,11 +474,19 @@ def _plan_parity(kind: str) -> dict:
     return {"loss": worst, "param": param, "split": split, "local": local}
 
 
-@pytest.mark.parametrize("kind", ["own", "llama", "gated"])
+_PLANNED = {
+    "own": (_Own, _Block),
+    "gated": (_OwnGated, _GatedBlock),
+    "llama": (_llama, None),
+    "neox": (_neox, None),
+}
+
+
+@pytest.mark.parametrize("kind", list(_PLANNED))
 def test_models_with_a_plan_of_their_own_match_single_process_training(workers4, kind):
     # "gated": a colwise w3 registered after its rowwise partner w2 was refused ("colwise with
     # no rowwise layer after it") by a check of the module order, not the order they run in.
-    if kind == "llama":
+    if kind in ("llama", "neox"):
         pytest.importorskip("transformers")
     for r in workers4.run(_plan_parity, kind):
         assert r["loss"] < 1e-5 and r["param"] < 1e-5, r
@@ -474,9 +495,11 @@ def test_models_with_a_plan_of_their_own_match_single_process_training(workers4,
     # The planner counts what a rank holds from the same plan: the split Linears 1/2 (not a
     # colwise bias's partner), everything else whole (the planned MLP only, for "own").
     own = kind == "own"
-    planned = describe.from_module(_Own if own else _llama, wrap="_Block" if own else None)
+    planned = describe.from_module(_PLANNED[kind][0], wrap="_Block" if own else None)
     assert planned.mp_numel(2) == r["local"], (planned.mp_numel(2), r["local"])
-    if kind == "own":
+    if kind == "neox":  # the four Linears of each layer and the MLP's colwise bias, no embedding
+        assert len(r["split"]) == 2 * 5 and all(".layers." in n for n in r["split"]), r
+    elif kind == "own":
         assert r["split"] == [
             f"blocks.{i}.{n}.{p}"
             for i in (0, 1)

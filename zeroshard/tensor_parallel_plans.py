@@ -160,6 +160,8 @@ def styles(model: nn.Module) -> dict[str, str]:
     modules = [name for name, _ in model.named_modules()]
     found: dict[str, str] = {}
     for pattern, style in names.items():
+        if style.startswith("embedding"):  # (GPT-NeoX's, GPT-J's embedding_rowwise)
+            continue  # the embeddings stay replicated, as the GPT's do
         if style not in STYLES:
             raise ValueError(
                 f"tensor-parallel plan entry {pattern!r}: {style!r}; zeroshard splits layers "
@@ -228,8 +230,9 @@ def _check_pairs(plan: dict) -> None:
 
 def _declared_plan(model: nn.Module) -> tuple[dict[str, str], str]:
     """The model's declared plan and the prefix of the module it is relative to. A Hugging Face
-    model's is its config's ``base_model_tp_plan`` (the blocks; its ``tp_plan`` adds the
-    embeddings and head, which stay replicated here, as the GPT's do)."""
+    model's is its config's ``base_model_tp_plan`` (the blocks, and in some families the input
+    embedding, ``embedding_rowwise``; its ``tp_plan`` adds the head: embeddings and head stay
+    replicated here, as the GPT's do, ``styles``)."""
     plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
     if isinstance(plan, dict) and plan:
         base = getattr(model, "base_model", model)
