@@ -52,6 +52,12 @@ class CheckpointedForward:
     after_unit: tuple[int, ...]
     """Per unit in forward order, in the root after it returns and before the next unit call
     (after the last: the head and the loss); 0: never so called."""
+    in_unit_kept: tuple[frozenset[int], ...] = ()
+    """Per unit in forward order: the units whose input (what a checkpoint keeps) was among
+    ``in_unit``'s bytes, held by the model's own code (a list of every layer's output, as
+    ``output_hidden_states`` keeps): a checkpoint of one of them adds no storage there."""
+    after_unit_kept: tuple[frozenset[int], ...] = ()
+    """The same for ``after_unit``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -661,10 +667,17 @@ def _checkpointed_forward(
     num_units = len(units)
     phase, depth = ["before"], [0]
     most: dict[object, int] = {}
+    inputs: dict[int, int] = {}  # unit -> its first tensor input's storage (its last root call's)
+    kept: dict[object, frozenset[int]] = {}
 
-    def enter(i: int) -> None:
+    def enter(i: int, args: tuple, kwargs: dict) -> None:
         if depth[0] == 0:
             phase[0] = ("in", i)
+            tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            first = next(tensors, None)
+            serial = made.serial(first) if first is not None else None
+            if serial is not None:
+                inputs[i] = serial
         depth[0] += 1
 
     def leave(i: int) -> None:
@@ -673,13 +686,17 @@ def _checkpointed_forward(
             phase[0] = ("after", i)
 
     def moment(_new) -> None:
-        most[phase[0]] = max(most.get(phase[0], 0), made.total)
+        if made.total > most.get(phase[0], -1):
+            most[phase[0]] = made.total
+            kept[phase[0]] = frozenset(i for i, s in inputs.items() if s in made.alive)
 
     made = backward_peak._Made(moment)
     made.nodes_running = 1  # (every operator's end is a moment)
     handles = train_without_caches(model)
     for i, unit in enumerate(units):
-        handles.append(unit.register_forward_pre_hook(lambda m, a, i=i: enter(i)))
+        handles.append(
+            unit.register_forward_pre_hook(lambda m, a, kw, i=i: enter(i, a, kw), with_kwargs=True)
+        )
         handles.append(unit.register_forward_hook(lambda m, a, o, i=i: leave(i)))
 
     def pack(t):
@@ -709,6 +726,8 @@ def _checkpointed_forward(
         before=most.get("before", 0),
         in_unit=tuple(most.get(("in", i), 0) for i in range(num_units)),
         after_unit=tuple(most.get(("after", i), 0) for i in range(num_units)),
+        in_unit_kept=tuple(kept.get(("in", i), frozenset()) for i in range(num_units)),
+        after_unit_kept=tuple(kept.get(("after", i), frozenset()) for i in range(num_units)),
     )
 
 

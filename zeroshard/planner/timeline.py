@@ -301,16 +301,27 @@ def _checkpointed_forward_peak(
     holds, checkpoints on the device beside them), at the phase where their sum is largest.
     While unit ``i`` runs, the spans opened before its span's are kept, and its span's own input
     too where ``i`` does not open it (where it does, the model's code still holds that input,
-    counted in the forward's bytes); in the root after unit ``i``, every span opened so far.
+    counted in the forward's bytes); in the root after unit ``i``, every span opened so far. A
+    span input the model's code still holds is counted in the forward's bytes alone.
     ``ckpt``, ``piece``, ``span``, ``starts``: per unit in forward order, as
     ``activation_terms`` computes them."""
+    none = frozenset()
+    in_kept = forward.in_unit_kept or (none,) * len(forward.in_unit)
+    after_kept = forward.after_unit_kept or (none,) * len(forward.after_unit)
+
+    def opened(upto: int, kept: frozenset[int]) -> int:
+        """The spans units before ``upto`` opened, but the input the model's code still holds
+        (counted in the forward's bytes: the checkpoint is the same storage)."""
+        return sum(ckpt[u] - (piece[u] if u in kept and starts[u] else 0) for u in range(upto))
+
     best = (forward.before, 0)
     for i, (inside, after) in enumerate(zip(forward.in_unit, forward.after_unit)):
         if not inside:  # (never called from the root)
             continue
         f = span[i]
-        held = sum(ckpt[:f]) + (starts[f] - (f == i)) * piece[f]
-        best = max(best, (inside, held), (after, sum(ckpt[: i + 1])), key=sum)
+        own = (starts[f] - (f == i) - (f != i and f in in_kept[i])) * piece[f]
+        held = opened(f, in_kept[i]) + max(0, own)
+        best = max(best, (inside, held), (after, opened(i + 1, after_kept[i])), key=sum)
     return best
 
 
