@@ -559,6 +559,11 @@ def _gpt2():
             "matches no module of _Own; fix the plan .* or pass --tp 1",
         ),
         (lambda: _own_with({"embed": "colwise"}), 2, "embed is a Embedding, not an nn.Linear"),
+        (  # (DiffLlama's, LFM2's declared plans: None was "colwise with no rowwise layer")
+            lambda: _own_with({"embed": "embedding_rowwise"}),
+            2,
+            r"_Own's tensor-parallel plan splits only its embeddings \(embed\), which stay",
+        ),
         (_Own, 3, r"blocks.0.up \(colwise\) has 64 output features, which do not split in tp=3"),
         (lambda: nn.Sequential(nn.Linear(4, 4)), 2, "Sequential has no tensor-parallel plan"),
         (_gpt2, 2, "GPT2LMHeadModel has no tensor-parallel plan"),

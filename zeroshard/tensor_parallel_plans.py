@@ -159,8 +159,16 @@ def styles(model: nn.Module) -> dict[str, str]:
     names, root = _declared_plan(model)
     modules = [name for name, _ in model.named_modules()]
     found: dict[str, str] = {}
+    embeddings = [p for p, style in names.items() if style.startswith("embedding")]
+    if embeddings and len(embeddings) == len(names):
+        raise ValueError(
+            f"{type(model).__name__}'s tensor-parallel plan splits only its embeddings "
+            f"({', '.join(embeddings)}), which stay replicated here: nothing to split; pass "
+            "tensor_parallel.parallelize a plan of its Linear layers ({'layers.*.mlp.up': "
+            "'colwise', 'layers.*.mlp.down': 'rowwise', ...}) or --tp 1 (zeroshard plan: --mp 1)"
+        )
     for pattern, style in names.items():
-        if style.startswith("embedding"):  # (GPT-NeoX's, GPT-J's embedding_rowwise)
+        if pattern in embeddings:  # (GPT-NeoX's, GPT-J's embedding_rowwise)
             continue  # the embeddings stay replicated, as the GPT's do
         if style not in STYLES:
             raise ValueError(
