@@ -341,7 +341,7 @@ def test_a_folder_lock_names_its_holder(tmp_path):
         held = (
             f"in use by a live store \\(pid {pid}, this process: another model .* \\(a teacher "
             "and a student\\) each need a folder of their own: Offload\\(folder=...\\) apart; .* "
-            "del loss"
+            "del loss, model, opt\\)$"  # (and no other process's fix after it)
         )
         with pytest.raises(OffloadSetupError, match=held):
             take_lock(tmp_path)

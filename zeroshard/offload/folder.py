@@ -252,9 +252,12 @@ def take_lock(folder: Path) -> int:
             return pid_lock(folder / LOCK_NAME)
         except LockHeld as held:
             raise OffloadSetupError(
-                f"{folder} is in use by a live store ({_holder(held.pid)}); give each store, "
-                "e.g. each rank, run or model, its own folder (Offload(folder=...); "
-                "--offload-folder on the command line)"
+                _in_use(
+                    folder,
+                    held.pid,
+                    "give each store, e.g. each rank or run, its own folder "
+                    "(Offload(folder=...); --offload-folder on the command line)",
+                )
             ) from None
         except FileNotFoundError:
             if attempt == _LOCK_TRIES:
@@ -300,21 +303,25 @@ def _held_here(folder: Path) -> bool:
         os.close(fd)
 
 
-def _holder(pid: str) -> str:
-    """Who holds a folder's lock, for an error: another process, or this one."""
-    if pid != str(os.getpid()):
-        if pid.isdigit() and not _alive(int(pid)):
-            return (
-                f"pid {pid}, which has exited: a process it started holds the lock until it "
-                "exits (one forked with a copy of it); stop that one or wait for it"
-            )
-        return f"pid {pid}"
-    return (
-        f"pid {pid}, this process: another model or optimizer of it that is still referenced. "
-        "Two models meant to live together (a teacher and a student) each need a folder of "
-        "their own: Offload(folder=...) apart; one meant to be gone is still held by a name or "
-        "by a tensor it computed (the last loss's graph holds the model: del loss, model, opt)"
-    )
+def _in_use(folder: Path, pid: str, fix: str) -> str:
+    """The error for ``folder`` locked by the store of process ``pid``: another process's
+    (``fix`` says what to do), or one of this process's own."""
+    if pid == str(os.getpid()):
+        return (
+            f"{folder} is in use by a live store (pid {pid}, this process: another model or "
+            "optimizer of it that is still referenced). Two models meant to live together (a "
+            "teacher and a student) each need a folder of their own: Offload(folder=...) apart; "
+            "one meant to be gone is still held by a name or by a tensor it computed (the last "
+            "loss's graph holds the model: del loss, model, opt)"
+        )
+    if pid.isdigit() and not _alive(int(pid)):
+        who = (
+            f"pid {pid}, which has exited: a process it started holds the lock until it exits "
+            "(one forked with a copy of it); stop that one or wait for it"
+        )
+    else:
+        who = f"pid {pid}"
+    return f"{folder} is in use by a live store ({who}); {fix}"
 
 
 def _alive(pid: int) -> bool:
@@ -371,9 +378,12 @@ def discard_folder(folder: Path) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise OffloadSetupError(
-                f"{folder} is in use by a live store ({_holder(_pid_in(fd))}); give each run or "
-                "model its own folder (Offload(folder=...); --offload-folder on the command "
-                "line), or stop that one"
+                _in_use(
+                    folder,
+                    _pid_in(fd),
+                    "give each run its own folder (Offload(folder=...); "
+                    "--offload-folder on the command line), or stop that one",
+                )
             ) from None
         for path in swap_files(folder):
             path.unlink(missing_ok=True)
