@@ -564,6 +564,22 @@ def test_resume_from_a_missing_path(capsys, tmp_path):
     _expect_usage_error(capsys, argv, "nope", "checkpoint folder")
 
 
+def test_checkpoint_info_verify_of_a_damaged_checkpoint(capsys, tmp_path):
+    """Every file there, one not as saved: "damaged", not "incomplete" (what a save that did
+    not finish is)."""
+    from zeroshard.checkpoint_info import FORMAT_VERSION, META_FILE
+
+    (tmp_path / "rank-00000.pt").write_bytes(b"12345")
+    files = {"rank-00000.pt": {"bytes": 5, "xxh3_64": "0"}}
+    (tmp_path / META_FILE).write_text(
+        json.dumps({"format_version": FORMAT_VERSION, "files": files})
+    )
+    assert main(["checkpoint", "info", str(tmp_path), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"{tmp_path}: damaged: checkpoint file {tmp_path / 'rank-00000.pt'} is "
+                          "corrupted (its xxh3_64"), out  # fmt: skip
+
+
 def test_checkpoint_info_of_an_incomplete_save(capsys, tmp_path):
     folder = tmp_path / "step-000010.tmp-1a2b"
     folder.mkdir()

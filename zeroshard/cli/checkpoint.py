@@ -40,18 +40,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except (CheckpointError, OSError):
         pass  # (what info tells: incomplete or damaged)
-    found = checkpoint.info(args.path)
+    found, state = checkpoint.info(args.path), "incomplete"
     if found.complete and args.verify:
         problem = checkpoint.verify(args.path)
         if problem:
             found = dataclasses.replace(found, complete=False, problem=problem)
+            state = "damaged"  # (every file there, one not as saved)
     if args.json:
         print(json.dumps(dataclasses.asdict(found), indent=2))
         return 0 if found.complete else 1
     if not found.complete:
-        problem = found.problem or "incomplete"
+        problem = found.problem or state
         if not problem.startswith(found.path):  # read_meta's problems name the folder already
-            problem = f"{found.path}: incomplete: {problem}"
+            problem = f"{found.path}: {state}: {problem}"
         # (none: not a checkpoint at all, e.g. a run's folder of them; "0 bytes" read as empty)
         print(
             f"{problem} ({found.size_bytes:,} bytes in its files)" if found.size_bytes else problem
