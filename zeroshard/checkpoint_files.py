@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -196,7 +196,7 @@ def corrupted(
     name: str,
     size: int | None = None,
     want: int | None = None,
-    tensors: list[str] = (),
+    tensors: Sequence[str] = (),
 ) -> str:
     """The error for a file whose checksum is not the one recorded at save, or whose ``size``
     (bytes) is not ``want`` (the recorded size, or at least the end of a tensor it holds);
