@@ -109,7 +109,8 @@ class _Call:
 
     module: nn.Module
     rest: tuple
-    """Positional args after the first (the first is the span's input or the previous output)."""
+    """Positional args after the first (the first is the span's input or the previous output);
+    none for a span's first call, whose frame saves them all."""
     kwargs: dict
     cpu_rng: torch.Tensor
     devices: list[int]
@@ -229,8 +230,10 @@ class SpanCheckpointing:
             self.close()
             span = self._span = self._open(args, call.devices)
             # positional ones are the frame's saved inputs (copies with Pa/offload; checked
-            # at their unpack when kept whole)
+            # at their unpack when kept whole), which its recomputation takes: not kept here
+            # too (offloaded, a bias given beside the input stayed on the device as well)
             call.versions = [(weakref.ref(t), version_of(t)) for t in tensors_in(kwargs)]
+            call.rest = ()
         assert span is not None
         span.calls.append(call)
         span.hooks = ckpt._checkpoint_hook(span.frame)
