@@ -60,6 +60,21 @@ class CheckpointedForward:
     """The same for ``after_unit``."""
 
 
+@dataclass(frozen=True)
+class ExtraInput:
+    """A tensor a unit is given beside its first input (a mask, a position bias, an encoder's
+    output): under activation checkpointing the engine keeps it for the recomputation, so it
+    lives until the backward of the span of the first unit given it (one storage, however many
+    units it is given to)."""
+
+    nbytes: int
+    """Its storage's bytes."""
+    given: tuple[tuple[int, bool], ...]
+    """(unit in forward order, positional) for each unit called from the root with it: a span's
+    first call saves its positional arguments as the span's inputs (copies, on the CPU, with
+    ``offload_activations``); keyword ones, and the later calls' of a span, stay as they are."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SavedActivations:
     """What one forward and loss of a micro-batch leave for backward, per unit, in bytes."""
@@ -122,6 +137,9 @@ class SavedActivations:
     what is saved so far and what is not (the logits, an output kept by the model's own code,
     transformers' key cache), measured by torch's MemTracker on meta; ``None`` with tensor
     parallelism (whose pieces it does not follow)."""
+    extra_inputs: tuple[ExtraInput, ...] = ()
+    """What the units called from the root are given beside their first input (``ExtraInput``),
+    model states, span inputs and what the root saves apart (counted as those)."""
     checkpointed_forward: CheckpointedForward | None = None
     """The forward and loss as they run under activation checkpointing (every unit's saves
     dropped): the most bytes alive at once per phase; ``None`` when not measured (no
@@ -500,6 +518,8 @@ def measure(
     split = _TensorParallelSplit(model, num_mp_ranks, params)
 
     chained = [False] * num_units
+    firsts: set[int] = set()  # storages of the units' first inputs
+    extras: dict[int, tuple[int, dict[int, bool]]] = {}  # storage -> (bytes, {unit: positional})
     sequence: list[int] = []  # the units the root calls, call by call
     ran = [False] * num_units
     last_output: list = [None, 0]  # the previous unit's first output, and its version
@@ -521,6 +541,15 @@ def measure(
         first = next(tensors, None)
         if first is not None and not inputs[i]:
             inputs[i] = split.nbytes(first, first.numel() * first.element_size())
+        if where[0] == i and stack[-1] < 0:  # called from the root
+            if first is not None:
+                firsts.add(_key(first))
+            rest = [(t, True) for t in tensors_in(args)] + [(t, False) for t in tensors_in(kwargs)]
+            for t, positional in rest:
+                if t is not first:
+                    key = _key(t)
+                    size = split.nbytes(t, t.untyped_storage().nbytes())
+                    extras.setdefault(key, (size, {}))[1].setdefault(i, positional)
 
     def leave(i: int, output) -> None:
         where[0] = stack.pop()
@@ -598,6 +627,12 @@ def measure(
     reused = {
         p.untyped_storage()._cdata for p in model.parameters() if uses and uses.get(id(p), 0) > 1
     }
+    root_saved = {key for key, (w, *_) in saved.items() if w < 0}
+    extra_inputs = tuple(
+        ExtraInput(size, tuple(given.items()))
+        for key, (size, given) in extras.items()
+        if key not in params | buffers | firsts | root_saved and size
+    )
     forward = (
         _checkpointed_forward(model, units, call, x, y, vocab_size)
         if checkpointing and tracked
@@ -645,6 +680,7 @@ def measure(
         tied_param_numel=sum(n for key, n in tail_params.items() if key in reused),
         forward_peak_bytes=None if tracker is None else _peak_besides_model(tracker),
         checkpointed_forward=forward,
+        extra_inputs=extra_inputs,
         reached_params=(
             None
             if uses is None

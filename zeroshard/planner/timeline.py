@@ -261,6 +261,24 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         return max(first_call, last_call, key=sum)
 
     moments = [moment(i) for i in range(num_units)]
+    extras = s.extra_inputs if s is not None and checkpointing else ()
+
+    def given_beside(i: int | None) -> int:
+        """The extra inputs (``saved.ExtraInput``) the engine still keeps on the device at unit
+        ``i``'s backward (forward index; None: the loss's): those given to a unit of a span
+        not passed yet, but a span's first call's positional ones, saved as the span's inputs,
+        where those are offloaded."""
+        total = 0
+        for extra in extras:
+            spans_kept = [
+                span[u]
+                for u, positional in extra.given
+                if not (positional and span[u] == u and c.offload_activations)
+            ]
+            if spans_kept and (i is None or min(spans_kept) <= i):
+                total += extra.nbytes
+        return total
+
     at_forward_checkpoints = 0
     if checkpointed_forward is not None:
         at_forward, at_forward_checkpoints = _checkpointed_forward_peak(
@@ -281,8 +299,8 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         tied_grad=tied,
         at_forward=at_forward,
         checkpoints_at_forward=at_forward_checkpoints,
-        checkpoints_at_loss=sum(ckpt),
-        checkpoints_at_unit=tuple(moments[i][1] for i in fwd),
+        checkpoints_at_loss=sum(ckpt) + given_beside(None),
+        checkpoints_at_unit=tuple(moments[i][1] + given_beside(i) for i in fwd),
         checkpoints_total=total,
         span_first=tuple(span) if c.activation_checkpointing else (),
         span_inner=per.inner,
