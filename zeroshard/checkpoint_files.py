@@ -156,7 +156,7 @@ def file_record(folder: Path, name: str, storage_data: dict) -> dict[str, Any]:
 
 
 def hash_share(
-    folder: Path, names: list[str], group, storage_data: dict | None = None
+    folder: Path, names: list[str], group, storage_data: dict
 ) -> dict[str, dict[str, Any]]:
     """``{name: {"bytes", "xxh3_64"}}`` of ``names``, plus ``"chunks"`` for the data files
     ``storage_data`` (DCP's ``Metadata.storage_data``) places chunks in: each chunk's xxh3_64
@@ -166,7 +166,7 @@ def hash_share(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
 
     def entry(name: str) -> dict[str, Any]:
-        return file_record(folder, name, storage_data or {})
+        return file_record(folder, name, storage_data)
 
     share = names[rank::world]
     with ThreadPoolExecutor(max_workers=max(1, min(_HASH_THREADS, len(share)))) as pool:

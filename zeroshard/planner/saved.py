@@ -52,11 +52,11 @@ class CheckpointedForward:
     after_unit: tuple[int, ...]
     """Per unit in forward order, in the root after it returns and before the next unit call
     (after the last: the head and the loss); 0: never so called."""
-    in_unit_kept: tuple[frozenset[int], ...] = ()
+    in_unit_kept: tuple[frozenset[int], ...]
     """Per unit in forward order: the units whose input (what a checkpoint keeps) was among
     ``in_unit``'s bytes, held by the model's own code (a list of every layer's output, as
     ``output_hidden_states`` keeps): a checkpoint of one of them adds no storage there."""
-    after_unit_kept: tuple[frozenset[int], ...] = ()
+    after_unit_kept: tuple[frozenset[int], ...]
     """The same for ``after_unit``."""
 
 
@@ -518,8 +518,11 @@ def measure(
     split = _TensorParallelSplit(model, num_mp_ranks, params)
 
     chained = [False] * num_units
-    firsts: set[int] = set()  # storages of the units' first inputs
-    extras: dict[int, tuple[int, dict[int, bool]]] = {}  # storage -> (bytes, {unit: positional})
+    # Storages of the units' first inputs, and of what they are given beside: (bytes, {unit:
+    # positional}); by ``ident`` (not kept alive: that would change the forward's peak).
+    firsts: set[tuple[int, int]] = set()
+    extras: dict[tuple[int, int], tuple[int, dict[int, bool]]] = {}
+    ident = _StorageIdents()
     sequence: list[int] = []  # the units the root calls, call by call
     ran = [False] * num_units
     last_output: list = [None, 0]  # the previous unit's first output, and its version
@@ -537,19 +540,17 @@ def measure(
         where[0] = i
         if follow:
             owners.now(i)
-        tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-        first = next(tensors, None)
+        first = _first_input(args, kwargs)
         if first is not None and not inputs[i]:
             inputs[i] = split.nbytes(first, first.numel() * first.element_size())
         if where[0] == i and stack[-1] < 0:  # called from the root
             if first is not None:
-                firsts.add(_key(first))
+                firsts.add(ident(first))
             rest = [(t, True) for t in tensors_in(args)] + [(t, False) for t in tensors_in(kwargs)]
             for t, positional in rest:
                 if t is not first:
-                    key = _key(t)
                     size = split.nbytes(t, t.untyped_storage().nbytes())
-                    extras.setdefault(key, (size, {}))[1].setdefault(i, positional)
+                    extras.setdefault(ident(t), (size, {}))[1].setdefault(i, positional)
 
     def leave(i: int, output) -> None:
         where[0] = stack.pop()
@@ -627,11 +628,13 @@ def measure(
     reused = {
         p.untyped_storage()._cdata for p in model.parameters() if uses and uses.get(id(p), 0) > 1
     }
-    root_saved = {key for key, (w, *_) in saved.items() if w < 0}
+    counted = params | buffers | {key for key, (w, *_) in saved.items() if w < 0}  # (alive)
     extra_inputs = tuple(
         ExtraInput(size, tuple(given.items()))
-        for key, (size, given) in extras.items()
-        if key not in params | buffers | firsts | root_saved and size
+        for (key, generation), (size, given) in extras.items()
+        if (key, generation) not in firsts
+        and not (key in counted and ident.alive(key, generation))
+        and size
     )
     forward = (
         _checkpointed_forward(model, units, call, x, y, vocab_size)
@@ -709,8 +712,7 @@ def _checkpointed_forward(
     def enter(i: int, args: tuple, kwargs: dict) -> None:
         if depth[0] == 0:
             phase[0] = ("in", i)
-            tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-            first = next(tensors, None)
+            first = _first_input(args, kwargs)
             serial = made.serial(first) if first is not None else None
             if serial is not None:
                 inputs[i] = serial
@@ -970,6 +972,41 @@ class _TensorParallelSplit:
     def _unmark(self, module, args, output) -> None:
         for t in _tensors(output):
             self.split.pop(_key(t), None)
+
+
+class _StorageIdents:
+    """Names for storages that a later one at the same address does not take: (the
+    ``StorageImpl``'s address, how many storages there were freed before it)."""
+
+    def __init__(self) -> None:
+        self._freed: dict[int, int] = {}
+        self._watched: set[int] = set()
+
+    def __call__(self, t) -> tuple[int, int]:
+        import weakref
+
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self._watched:
+            self._watched.add(key)
+            weakref.finalize(storage, self._free, key)
+        return key, self._freed.get(key, 0)
+
+    def _free(self, key: int) -> None:
+        self._freed[key] = self._freed.get(key, 0) + 1
+        self._watched.discard(key)
+
+    def alive(self, key: int, generation: int) -> bool:
+        """Whether the storage named (``key``, ``generation``) is the one at ``key`` now."""
+        return self._freed.get(key, 0) == generation
+
+
+def _first_input(args: tuple, kwargs: dict):
+    """A unit call's first tensor argument (positional, else keyword): the one a checkpoint of
+    its span keeps; None without one."""
+    import torch
+
+    return next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
 
 
 def _key(t) -> int:

@@ -231,11 +231,19 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
     ci = c.num_layers_per_checkpoint if checkpointing else 1
     span = spans.first_units(num_units, ci, per.chained, per.inner, per.calls)  # each's first
     starts = spans.span_starts(span, per.calls) if checkpointing else [0] * num_units
+
+    def kept(nbytes: int) -> int:
+        """What a span's frame keeps of an input of ``nbytes``: 1/Nm when split (Pa) ..."""
+        return math.ceil(nbytes / c.num_mp_ranks) if c.splits_checkpoints else nbytes
+
+    def on_device(nbytes: int) -> int:
+        """... and of that, on the device: nothing where offloaded."""
+        return 0 if c.offload_activations else kept(nbytes)
+
     piece, total = [0] * num_units, 0  # piece: one span input a unit opens, on the device
     for i in range(num_units):
-        whole = math.ceil(per.inputs[i] / c.num_mp_ranks) if c.splits_checkpoints else per.inputs[i]
-        total += starts[i] * whole
-        piece[i] = 0 if c.offload_activations else whole
+        total += starts[i] * kept(per.inputs[i])
+        piece[i] = on_device(per.inputs[i])
     ckpt = [n * p for n, p in zip(starts, piece)]  # the span inputs each unit's calls open
     calls = [max(1, n) for n in per.calls] if per.calls else [1] * num_units
     # What a unit's recomputation saves: one call's share (a unit called n times is n spans)
@@ -261,23 +269,23 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         return max(first_call, last_call, key=sum)
 
     moments = [moment(i) for i in range(num_units)]
-    extras = s.extra_inputs if s is not None and checkpointing else ()
+    # The extra inputs (``saved.ExtraInput``) the engine keeps on the device: (the first unit
+    # of the first span given one, whose backward frees it; bytes). A span's first call's
+    # positional ones are the frame's saved inputs, kept as its input is (``on_device``).
+    given: list[tuple[int, int]] = []
+    for extra in s.extra_inputs if s is not None and checkpointing else ():
+        holders = [
+            (span[u], on_device(extra.nbytes) if positional and span[u] == u else extra.nbytes)
+            for u, positional in extra.given
+        ]
+        holders = [(f, n) for f, n in holders if n]
+        if holders:
+            given.append((min(f for f, _ in holders), max(n for _, n in holders)))
 
     def given_beside(i: int | None) -> int:
-        """The extra inputs (``saved.ExtraInput``) the engine still keeps on the device at unit
-        ``i``'s backward (forward index; None: the loss's): those given to a unit of a span
-        not passed yet, but a span's first call's positional ones, saved as the span's inputs,
-        where those are offloaded."""
-        total = 0
-        for extra in extras:
-            spans_kept = [
-                span[u]
-                for u, positional in extra.given
-                if not (positional and span[u] == u and c.offload_activations)
-            ]
-            if spans_kept and (i is None or min(spans_kept) <= i):
-                total += extra.nbytes
-        return total
+        """Extra inputs kept on the device at unit ``i``'s backward (forward index; None: the
+        loss's): those of spans not passed yet."""
+        return sum(n for f, n in given if i is None or f <= i)
 
     at_forward_checkpoints = 0
     if checkpointed_forward is not None:
@@ -323,9 +331,7 @@ def _checkpointed_forward_peak(
     span input the model's code still holds is counted in the forward's bytes alone.
     ``ckpt``, ``piece``, ``span``, ``starts``: per unit in forward order, as
     ``activation_terms`` computes them."""
-    none = frozenset()
-    in_kept = forward.in_unit_kept or (none,) * len(forward.in_unit)
-    after_kept = forward.after_unit_kept or (none,) * len(forward.after_unit)
+    in_kept, after_kept = forward.in_unit_kept, forward.after_unit_kept
 
     def opened(upto: int, kept: frozenset[int]) -> int:
         """The spans units before ``upto`` opened, but the input the model's code still holds
