@@ -66,7 +66,13 @@ def run(args: argparse.Namespace) -> int:
         f"  step {found.step}, world size {found.world_size}{tp}, stage {found.stage}, "
         f"param dtype {found.param_dtype} (reduce {found.reduce_dtype})"
         f"{optimizers}\n"
-        f"  {found.num_params:,} parameters, {found.size_bytes / 2**20:.1f} MiB on disk "
+        f"  {_count(found.num_params)} parameters, {found.size_bytes / 2**20:.1f} MiB on disk "
         f"({found.size_bytes:,} bytes), zeroshard {found.zeroshard_version}"
     )
     return 0
+
+
+def _count(n: int | None) -> str:
+    """``n`` with thousands separators; "an unknown number of" where the metadata lacks it
+    (a zeroshard.json written by hand or by another tool)."""
+    return "an unknown number of" if n is None else f"{n:,}"
