@@ -53,9 +53,9 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
     tensor-parallel ranks, so their replicas drift apart without an error. Every torch call of
     the first forward is looked at (a ``TorchFunctionMode``): one taking such a parameter while
     a pair is open is refused, naming it. The hooks are gone after a forward that passed."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torch.overrides import TorchFunctionMode
+
+    from zeroshard.tensor_parallel_plans import closes_split, opens_split
 
     inside: list[str] = []  # the colwise Linear whose split output is in flight
     entered: list[bool] = []  # the mode below is entered (``enter`` ran, ``leave`` not yet)
@@ -128,9 +128,9 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
     handles.append(model.register_forward_pre_hook(enter))
     for name, module in model.named_modules():
         style = plan.get(name)
-        if isinstance(style, ColwiseParallel) and isinstance(style.output_layouts[0], Shard):
+        if opens_split(style):
             handles.append(module.register_forward_hook(opened(name)))
-        elif isinstance(style, RowwiseParallel):
+        elif closes_split(style):  # (not one slicing a whole input: rowwise_split_input)
             handles.append(module.register_forward_pre_hook(fed(name)))
             handles.append(module.register_forward_hook(closed))
     handles.append(model.register_forward_hook(leave, always_call=True))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,8 +19,10 @@ from torch import nn
 __all__ = [
     "STYLES",
     "check_untied",
+    "closes_split",
     "given_plan",
     "gpt_plan",
+    "opens_split",
     "plan_for",
     "split_numel",
     "split_params",
@@ -111,20 +114,24 @@ def gpt_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> d
     return plan
 
 
-STYLES = ("colwise", "rowwise")
-"""The styles of a plan by name (``plan_for``): a Linear's output features split
-(``ColwiseParallel``), or its input features (``RowwiseParallel``, the output all-reduced)."""
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
+"""The styles of a plan by name (``plan_for``), as transformers names them: a Linear's output
+features split (``ColwiseParallel``), or its input features (``RowwiseParallel``, the output
+all-reduced); ``colwise_gather_output`` all-gathers the split output so that what follows sees
+every feature (a fused projection sliced by ``chunk``, a norm over whole q and k: Phi-3's,
+OLMo2's, GLM-4's layers), and ``rowwise_split_input`` takes such a whole input and uses this
+rank's slice of it. Those two need no partner."""
 
 
 def plan_for(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> dict:
     """``model``'s tensor-parallel plan, for ``parallelize``: ``gpt_plan`` for the reference GPT;
     else its Hugging Face config's ``base_model_tp_plan`` (transformers' Llama, Mistral, Qwen2
     and others declare one), or the model's ``tp_plan`` attribute: module names, ``*`` standing
-    for one part (a layer number), each mapped to "colwise" or "rowwise". Each colwise Linear
-    must be followed, through element-wise work and per-head attention, by a rowwise one (the
-    pairs of Megatron's layout). A ValueError naming the fix when there is no plan, a style is
-    another, a name matches no Linear, or a split does not divide. ``sequence_parallel``: the
-    GPT's only (``gpt_plan``)."""
+    for one part (a layer number), each mapped to one of ``STYLES``. Each colwise Linear must
+    be followed, through element-wise work and per-head attention, by a rowwise one (the pairs
+    of Megatron's layout); ``colwise_gather_output`` and ``rowwise_split_input`` need none.
+    A ValueError naming the fix when there is no plan, a style is another, a name matches no
+    Linear, or a split does not divide. ``sequence_parallel``: the GPT's only (``gpt_plan``)."""
     if hasattr(model, "blocks") and hasattr(model, "cfg"):
         return gpt_plan(model, tp, sequence_parallel=sequence_parallel)
     if sequence_parallel:
@@ -149,7 +156,7 @@ def plan_for(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> d
 
 
 def styles(model: nn.Module) -> dict[str, str]:
-    """``{module name: "colwise" | "rowwise"}``: the Linears ``plan_for`` splits, for any degree
+    """``{module name: one of STYLES}``: the Linears ``plan_for`` splits, for any degree
     (nothing about ``tp`` is checked here). A ValueError naming the fix when the model declares
     no plan, a style is another, or an entry matches no module."""
     if hasattr(model, "blocks") and hasattr(model, "cfg"):  # the reference GPT (gpt_plan)
@@ -173,7 +180,7 @@ def styles(model: nn.Module) -> dict[str, str]:
         if style not in STYLES:
             raise ValueError(
                 f"tensor-parallel plan entry {pattern!r}: {style!r}; zeroshard splits layers "
-                f"{' or '.join(STYLES)} only: change the entry or pass --tp 1 (zeroshard plan: "
+                f"{', '.join(STYLES)} only: change the entry or pass --tp 1 (zeroshard plan: "
                 "--mp 1)"
             )
         matched = dict.fromkeys(_matching(root + pattern, modules), style)
@@ -203,7 +210,7 @@ def split_params(model: nn.Module) -> dict[int, str]:
     for name, style in styles(model).items():
         module = model.get_submodule(name)
         out[id(module.weight)] = name
-        if style == "colwise" and getattr(module, "bias", None) is not None:
+        if style.startswith("colwise") and getattr(module, "bias", None) is not None:
             out[id(module.bias)] = name
     return out
 
@@ -219,10 +226,10 @@ def _check_pairs(plan: dict) -> None:
     colwise one left alone would end the model on 1/tp of its features, a rowwise one alone
     would sum unsplit inputs tp times. Which pairs with which is checked in the order they
     run, at the first forward (``tensor_parallel_checks``): the module order is not it."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    col = next((n for n in plan if isinstance(plan[n], ColwiseParallel)), None)
-    row = next((n for n in plan if not isinstance(plan[n], ColwiseParallel)), None)
+    col = next((n for n in plan if opens_split(plan[n])), None)
+    row = next((n for n in plan if closes_split(plan[n])), None)
+    if col is None and row is None:
+        return  # (only gathered outputs and slices of whole inputs: no pair to make)
     if row is None:
         raise ValueError(
             f"tensor-parallel plan: {col} is colwise with no rowwise layer after it, so "
@@ -234,6 +241,24 @@ def _check_pairs(plan: dict) -> None:
             f"tensor-parallel plan: {row} is rowwise with no colwise layer before it; "
             "its input would not be split. Pair it with the colwise layer that feeds it"
         )
+
+
+def opens_split(style: Any) -> bool:
+    """Whether ``style`` is a colwise one whose output stays split (1/tp of the features) until
+    a rowwise partner sums it."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return isinstance(style, ColwiseParallel) and isinstance(style.output_layouts[0], Shard)
+
+
+def closes_split(style: Any) -> bool:
+    """Whether ``style`` is a rowwise one that takes a split input (a colwise partner's
+    output), not a whole one it slices itself (``rowwise_split_input``)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    return isinstance(style, RowwiseParallel) and isinstance(style.input_layouts[0], Shard)
 
 
 def _declared_plan(model: nn.Module) -> tuple[dict[str, str], str]:
@@ -258,6 +283,7 @@ def _declared_plan(model: nn.Module) -> tuple[dict[str, str], str]:
 
 def _style(name: str, module: nn.Module, style: str, tp: int):
     """The ``ParallelStyle`` of one Linear, its split checked."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if not isinstance(module, nn.Linear):
@@ -266,14 +292,19 @@ def _style(name: str, module: nn.Module, style: str, tp: int):
             "zeroshard splits Linear layers only: drop it from the plan or pass --tp 1 "
             "(zeroshard plan: --mp 1)"
         )
-    features = module.out_features if style == "colwise" else module.in_features
+    colwise = style.startswith("colwise")
+    features = module.out_features if colwise else module.in_features
     if features % tp:
-        side = "output" if style == "colwise" else "input"
+        side = "output" if colwise else "input"
         raise ValueError(
             f"tensor-parallel plan: {name} ({style}) has {features} {side} features, which do "
             f"not split in tp={tp}; use a tp that divides {features}"
         )
-    return ColwiseParallel() if style == "colwise" else RowwiseParallel()
+    if style == "colwise_gather_output":
+        return ColwiseParallel(output_layouts=Replicate())
+    if style == "rowwise_split_input":
+        return RowwiseParallel(input_layouts=Replicate())
+    return ColwiseParallel() if colwise else RowwiseParallel()
 
 
 def given_plan(model: nn.Module, plan: dict, tp: int) -> dict:
@@ -302,7 +333,7 @@ def given_plan(model: nn.Module, plan: dict, tp: int) -> dict:
                 if style not in STYLES:
                     raise ValueError(
                         f"tensor-parallel plan entry {key!r}: {style!r}; give a ParallelStyle "
-                        f"or one of {' or '.join(STYLES)}"
+                        f"or one of {', '.join(STYLES)}"
                     )
                 style = _style(name, module, style, tp)
             elif isinstance(style, (ColwiseParallel, RowwiseParallel)):

@@ -937,8 +937,11 @@ class _TensorParallelSplit:
         if num_mp_ranks == 1:
             return
         for name, style in styles(model).items():
+            module = model.get_submodule(name)
             hook = self._mark if style == "colwise" else self._unmark
-            self.handles.append(model.get_submodule(name).register_forward_hook(hook))
+            self.handles.append(module.register_forward_hook(hook))
+            if style == "rowwise_split_input":
+                self.handles.append(module.register_forward_pre_hook(self._slice))
         tracker = self
 
         class Spread(TorchDispatchMode):
@@ -972,6 +975,16 @@ class _TensorParallelSplit:
     def _unmark(self, module, args, output) -> None:
         for t in _tensors(output):
             self.split.pop(_key(t), None)
+
+    def _slice(self, module, args):
+        """A ``rowwise_split_input`` Linear takes its rank's slice of a whole input as a copy
+        of its own (DTensor's contiguous shard), which is what it saves: the copy made here,
+        1/Nm; the whole input stays counted only where something else keeps it."""
+        if not args or not hasattr(args[0], "clone"):
+            return None
+        piece = args[0].clone()
+        self.split[_key(piece)] = piece
+        return (piece, *args[1:])
 
 
 class _StorageIdents:
