@@ -611,6 +611,21 @@ def test_plans_that_cannot_split_a_model_say_why(build, tp, message):
         tensor_parallel.plan_for(build(), tp)
 
 
+def test_a_config_s_plan_splits_the_modules_this_variant_builds():
+    """A config's plan names the modules of every variant of its family (Doge's MoE router,
+    Qwen3-Next's full-attention layers): entries this model lacks are passed over, as
+    transformers does (they were refused); one that matches nothing at all is refused. A plan
+    of one's own (``tp_plan``) stays strict: a name that matches nothing is a typo."""
+    pytest.importorskip("transformers")
+    model = _llama()
+    declared = dict(model.config.base_model_tp_plan)
+    model.config.base_model_tp_plan = declared | {"layers.*.mlp.router": "grouped_gemm"}
+    assert tensor_parallel.plan_for(model, 2).keys() == tensor_parallel.plan_for(_llama(), 2).keys()
+    model.config.base_model_tp_plan = {"layers.*.mlp.router": "colwise"}
+    with pytest.raises(ValueError, match=r"plan matches none of its modules \(layers.\*.mlp.rou"):
+        tensor_parallel.plan_for(model, 2)
+
+
 def test_sequence_parallelism_is_the_gpt_s_only():
     with pytest.raises(
         ValueError, match="sequence parallelism has a plan for the built-in GPT only"

@@ -163,7 +163,7 @@ def styles(model: nn.Module) -> dict[str, str]:
         pairs = (("attn.qkv", "colwise"), ("attn.proj", "rowwise"))
         pairs += (("mlp.fc", "colwise"), ("mlp.proj", "rowwise"))
         return {f"blocks.{i}.{n}": s for i in range(len(model.blocks)) for n, s in pairs}
-    names, root = _declared_plan(model)
+    names, root, from_config = _declared_plan(model)
     modules = [name for name, _ in model.named_modules()]
     found: dict[str, str] = {}
     embeddings = [p for p, style in names.items() if style.startswith("embedding")]
@@ -174,23 +174,36 @@ def styles(model: nn.Module) -> dict[str, str]:
             "tensor_parallel.parallelize a plan of its Linear layers ({'layers.*.mlp.up': "
             "'colwise', 'layers.*.mlp.down': 'rowwise', ...}) or --tp 1 (zeroshard plan: --mp 1)"
         )
+    unmatched = []
     for pattern, style in names.items():
         if pattern in embeddings:  # (GPT-NeoX's, GPT-J's embedding_rowwise)
             continue  # the embeddings stay replicated, as the GPT's do
-        if style not in STYLES:
-            raise ValueError(
-                f"tensor-parallel plan entry {pattern!r}: {style!r}; zeroshard splits layers "
-                f"{', '.join(STYLES)} only: change the entry or pass --tp 1 (zeroshard plan: "
-                "--mp 1)"
-            )
         matched = dict.fromkeys(_matching(root + pattern, modules), style)
+        if not matched and from_config:
+            # A config's plan names the modules of every variant of its family (Doge's MoE
+            # router, Qwen3-Next's full-attention layers): those this config builds are split,
+            # as transformers does.
+            unmatched.append(pattern)
+            continue
         if not matched:
             raise ValueError(
                 f"tensor-parallel plan entry {pattern!r} matches no module of "
                 f"{type(model).__name__}; fix the plan (names as in named_modules()) or pass "
                 "--tp 1 (zeroshard plan: --mp 1)"
             )
+        if style not in STYLES:
+            raise ValueError(
+                f"tensor-parallel plan entry {pattern!r}: {style!r}; zeroshard splits layers "
+                f"{', '.join(STYLES)} only: change the entry or pass --tp 1 (zeroshard plan: "
+                "--mp 1)"
+            )
         found |= matched
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__}'s tensor-parallel plan matches none of its modules "
+            f"({', '.join(unmatched)}); pass tensor_parallel.parallelize a plan of its Linear "
+            "layers, or --tp 1 (zeroshard plan: --mp 1)"
+        )
     return found
 
 
@@ -261,19 +274,19 @@ def closes_split(style: Any) -> bool:
     return isinstance(style, RowwiseParallel) and isinstance(style.input_layouts[0], Shard)
 
 
-def _declared_plan(model: nn.Module) -> tuple[dict[str, str], str]:
-    """The model's declared plan and the prefix of the module it is relative to. A Hugging Face
-    model's is its config's ``base_model_tp_plan`` (the blocks, and in some families the input
-    embedding, ``embedding_rowwise``; its ``tp_plan`` adds the head: embeddings and head stay
-    replicated here, as the GPT's do, ``styles``)."""
+def _declared_plan(model: nn.Module) -> tuple[dict[str, str], str, bool]:
+    """The model's declared plan, the prefix of the module it is relative to, and whether it is
+    a Hugging Face config's: its ``base_model_tp_plan`` (the blocks, and in some families the
+    input embedding, ``embedding_rowwise``; its ``tp_plan`` adds the head: embeddings and head
+    stay replicated here, as the GPT's do, ``styles``)."""
     plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
     if isinstance(plan, dict) and plan:
         base = getattr(model, "base_model", model)
         prefix = next(name for name, m in model.named_modules() if m is base)
-        return plan, f"{prefix}." if prefix else ""
+        return plan, f"{prefix}." if prefix else "", True
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, dict) and plan:
-        return plan, ""
+        return plan, "", False
     raise ValueError(
         f"{type(model).__name__} has no tensor-parallel plan (no config.base_model_tp_plan, no "
         "tp_plan attribute): give it a tp_plan ({'layers.*.mlp.up': 'colwise', "
