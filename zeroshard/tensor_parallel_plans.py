@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "GRAD_SUM",
     "STYLES",
     "check_untied",
     "closes_split",
@@ -50,6 +51,35 @@ def _fused_colwise():
             super()._partition_linear_fn(name, module, device_mesh)
 
     return FusedColwiseParallel
+
+
+def _grad_sum():
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class ReplicatedGradSum(ParallelStyle):
+        """``GRAD_SUM``: the module's parameters stay whole; the gradient autograd brings each
+        of them in a backward (before it is accumulated, so that micro-batches accumulate sums,
+        not sums of sums) is summed over the tensor-parallel ranks, each of which saw its own
+        heads. A tensor hook, not a module's, so that recomputed checkpoints and a parameter
+        used twice are summed once per backward."""
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            group = device_mesh.get_group()
+            for p in module.parameters(recurse=False):
+                p.register_hook(lambda grad, group=group: _summed(grad, group))
+            return module
+
+    return ReplicatedGradSum
+
+
+def _summed(grad: torch.Tensor, group) -> torch.Tensor:
+    """``grad`` summed over ``group``, in a tensor of its own (autograd may hand one that
+    another node holds)."""
+    import torch.distributed as dist
+
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def _interleave(t: torch.Tensor, groups: int, tp: int) -> torch.Tensor:
@@ -114,13 +144,18 @@ def gpt_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> d
     return plan
 
 
-STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
+GRAD_SUM = "replicated_with_grad_allreduce"
+"""A module left whole on every tensor-parallel rank whose gradient is summed over them: a
+norm applied to each head of q and k between a colwise Linear and its rowwise partner (Qwen3's,
+Gemma3's ``q_norm`` / ``k_norm``) sees this rank's heads only, so its gradient is a part."""
+
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", GRAD_SUM)
 """The styles of a plan by name (``plan_for``), as transformers names them: a Linear's output
 features split (``ColwiseParallel``), or its input features (``RowwiseParallel``, the output
 all-reduced); ``colwise_gather_output`` all-gathers the split output so that what follows sees
 every feature (a fused projection sliced by ``chunk``, a norm over whole q and k: Phi-3's,
 OLMo2's, GLM-4's layers), and ``rowwise_split_input`` takes such a whole input and uses this
-rank's slice of it. Those two need no partner."""
+rank's slice of it. Those two need no partner. ``GRAD_SUM``: any module, split nowhere."""
 
 
 def plan_for(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> dict:
@@ -221,6 +256,8 @@ def split_params(model: nn.Module) -> dict[int, str]:
     declares no plan."""
     out = {}
     for name, style in styles(model).items():
+        if style == GRAD_SUM:
+            continue  # (whole on every rank)
         module = model.get_submodule(name)
         out[id(module.weight)] = name
         if style.startswith("colwise") and getattr(module, "bias", None) is not None:
@@ -295,10 +332,13 @@ def _declared_plan(model: nn.Module) -> tuple[dict[str, str], str, bool]:
 
 
 def _style(name: str, module: nn.Module, style: str, tp: int):
-    """The ``ParallelStyle`` of one Linear, its split checked."""
+    """The ``ParallelStyle`` of one Linear, its split checked (of any module for
+    ``GRAD_SUM``)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    if style == GRAD_SUM:
+        return _grad_sum()()
     if not isinstance(module, nn.Linear):
         raise ValueError(
             f"tensor-parallel plan: {name} is a {type(module).__name__}, not an nn.Linear; "

@@ -929,7 +929,7 @@ class _TensorParallelSplit:
     def __init__(self, model, num_mp_ranks: int, params: set[int]) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from zeroshard.tensor_parallel_plans import styles
+        from zeroshard.tensor_parallel_plans import GRAD_SUM, styles
 
         self.num_mp_ranks, self.params, self.handles = num_mp_ranks, params, []
         self.split: dict[int, object] = {}  # storage -> a tensor on it, kept alive
@@ -937,6 +937,8 @@ class _TensorParallelSplit:
         if num_mp_ranks == 1:
             return
         for name, style in styles(model).items():
+            if style == GRAD_SUM:
+                continue  # (splits nothing: a per-head norm's output is as split as its input)
             module = model.get_submodule(name)
             hook = self._mark if style == "colwise" else self._unmark
             self.handles.append(module.register_forward_hook(hook))
