@@ -61,15 +61,29 @@ def _grad_sum():
         of them in a backward (before it is accumulated, so that micro-batches accumulate sums,
         not sums of sums) is summed over the tensor-parallel ranks, each of which saw its own
         heads. A tensor hook, not a module's, so that recomputed checkpoints and a parameter
-        used twice are summed once per backward."""
+        used twice are summed once per backward; put on at each forward onto the parameters
+        that take a gradient then and have none yet (one frozen when split may be unfrozen
+        later: a hook cannot be put on a tensor without gradients)."""
 
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
             group = device_mesh.get_group()
-            for p in module.parameters(recurse=False):
-                p.register_hook(lambda grad, group=group: _summed(grad, group))
+
+            def hook_params(mod: nn.Module, args: tuple) -> None:
+                if not torch.is_grad_enabled():
+                    return
+                for p in mod.parameters(recurse=False):
+                    if p.requires_grad and not getattr(p, _SUMMED, False):
+                        p.register_hook(lambda grad: _summed(grad, group))
+                        setattr(p, _SUMMED, True)
+
+            module.register_forward_pre_hook(hook_params)
             return module
 
     return ReplicatedGradSum
+
+
+_SUMMED = "_zeroshard_grad_summed"
+"""Attribute of a parameter whose gradients a ``GRAD_SUM`` hook sums."""
 
 
 def _summed(grad: torch.Tensor, group) -> torch.Tensor:
