@@ -246,8 +246,31 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         piece[i] = on_device(per.inputs[i])
     ckpt = [n * p for n, p in zip(starts, piece)]  # the span inputs each unit's calls open
     calls = [max(1, n) for n in per.calls] if per.calls else [1] * num_units
-    # What a unit's recomputation saves: one call's share (a unit called n times is n spans)
-    own = [u // n if checkpointing else u for u, n in zip(per.unit, calls)]
+    # The extra inputs (``saved.ExtraInput``) the engine keeps on the device: (the first unit
+    # of the first span given one, whose backward frees it; bytes). A span's first call's
+    # positional ones are the frame's saved inputs, kept as its input is (``on_device``).
+    given: list[tuple[int, int]] = []
+    kept_too = [0] * num_units  # per unit: of its saves, bytes of extra inputs kept anyway
+    for extra in s.extra_inputs if s is not None and checkpointing else ():
+        holders = [
+            (span[u], on_device(extra.nbytes) if positional and span[u] == u else extra.nbytes)
+            for u, positional in extra.given
+        ]
+        holders = [(f, n) for f, n in holders if n]
+        if holders:
+            given.append((min(f for f, _ in holders), max(n for _, n in holders)))
+        # The unit that saves it (an attention's mask) saves the kept storage itself again
+        # when recomputed: no second one beside it. Not where its recomputation gets a copy
+        # (a span's first call's positional ones, split with Pa or offloaded: the frame's).
+        saver = extra.saved_by
+        if saver is None or not holders or given[-1][0] > saver:
+            continue
+        copied = dict(extra.given).get(saver, False) and span[saver] == saver
+        if not copied or on_device(extra.nbytes) == extra.nbytes:
+            kept_too[saver] += extra.nbytes
+    # What a unit's recomputation saves: one call's share (a unit called n times is n spans),
+    # less the extra inputs the engine keeps anyway
+    own = [max(0, u - k) // n if checkpointing else u for u, k, n in zip(per.unit, kept_too, calls)]
 
     def moment(i: int) -> tuple[int, int]:
         """Activations saved before unit ``i``'s own (earlier units' of its span, recomputed,
@@ -269,18 +292,6 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         return max(first_call, last_call, key=sum)
 
     moments = [moment(i) for i in range(num_units)]
-    # The extra inputs (``saved.ExtraInput``) the engine keeps on the device: (the first unit
-    # of the first span given one, whose backward frees it; bytes). A span's first call's
-    # positional ones are the frame's saved inputs, kept as its input is (``on_device``).
-    given: list[tuple[int, int]] = []
-    for extra in s.extra_inputs if s is not None and checkpointing else ():
-        holders = [
-            (span[u], on_device(extra.nbytes) if positional and span[u] == u else extra.nbytes)
-            for u, positional in extra.given
-        ]
-        holders = [(f, n) for f, n in holders if n]
-        if holders:
-            given.append((min(f for f, _ in holders), max(n for _, n in holders)))
 
     def given_beside(i: int | None) -> int:
         """Extra inputs kept on the device at unit ``i``'s backward (forward index; None: the
