@@ -191,6 +191,41 @@ def _train_between(between: str, stage: int, every: int, eval_before: bool = Fal
     return _gap_from_torch(_Between(between), stage, wrap, every, eval_before)
 
 
+class _SelfAttention(torch.nn.Module):
+    """Two ``nn.MultiheadAttention`` units chained, each given one tensor as query, key and
+    value (by position or by keyword): it projects them in one matmul when they are one
+    tensor, three otherwise."""
+
+    def __init__(self, keyword: bool) -> None:
+        super().__init__()
+        self.keyword = keyword
+        self.inp, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)
+        self.attn = torch.nn.ModuleList(
+            torch.nn.MultiheadAttention(16, 2, batch_first=True) for _ in range(2)
+        )
+
+    def forward(self, x):
+        h = self.inp(x.view(2, 2, 16))
+        for attn in self.attn:
+            h = attn(h, key=h, value=h)[0] if self.keyword else attn(h, h, h)[0]
+        return self.head(h).square().mean()
+
+
+def _self_attention(stage: int, every: int, keyword: bool) -> float:
+    torch.manual_seed(0)
+    wrap = zeroshard.wrap.by_class(torch.nn.MultiheadAttention)
+    return _gap_from_torch(_SelfAttention(keyword), stage, wrap, every)
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+@pytest.mark.parametrize("stage, every", [(0, 1), (3, 1), (3, 2)])
+def test_one_tensor_given_in_several_arguments_is_replayed_as_one(workers2, stage, every, keyword):
+    # The recomputation gave each position its own copy of the span's saved input (and a chained
+    # unit the recomputed output first, the forward's tensor after): attn(h, h, h) replayed with
+    # three projections, and backward failed ("Recomputed values ... have different metadata").
+    assert max(workers2.run(_self_attention, stage, every, keyword)) < 1e-6
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_span_is_recomputed_in_the_mode_of_its_forward(workers2, stage):
     # model.eval() between the forward and the backward (an evaluation hook): the dropout of the

@@ -126,6 +126,26 @@ class _Call:
     place since, the recomputation would run on other values."""
     ran_before: tuple[int, ...] = ()
     """The module's forward pre-hooks that had run on the arguments kept (``enter``)."""
+    aliases: dict[tuple[str, Any], int] = field(default_factory=dict)
+    """``("rest", i)`` / ``("kw", name)`` -> the position of the positional argument that entry
+    was the very tensor of (``attn(h, h, h)``, ``attn(h, key=h, value=h)``): its replay gives
+    it that argument as recomputed, not the forward's object or a copy of its own (identity
+    decides code paths: ``nn.MultiheadAttention`` projects q, k, v in one matmul when they are
+    one tensor, and saved other tensors than the forward's replayed with three)."""
+
+    def arguments(self, positional: tuple) -> tuple[tuple, dict]:
+        """The call's positional and keyword arguments for its replay, the first ones
+        ``positional`` (the span's inputs from its frame, or the previous output and ``rest``),
+        its aliases made the same tensors again."""
+        if not self.aliases:
+            return positional, self.kwargs
+        args, kwargs = list(positional), dict(self.kwargs)
+        for (where, key), j in self.aliases.items():
+            if where == "rest":
+                args[1 + key] = args[j]
+            else:
+                kwargs[key] = args[j]
+        return tuple(args), kwargs
 
     def check_unchanged(self) -> None:
         """Before the recomputation: autograd's error if a tensor of the call was written in
@@ -224,7 +244,7 @@ class SpanCheckpointing:
             and first._version == span.last_version
             and all(c.module is not module for c in span.calls)
         )
-        call = self._call(module, args, kwargs)
+        call = self._call(module, args, kwargs, given)
         call.ran_before = ran_before
         if not joins:
             self.close()
@@ -313,16 +333,23 @@ class SpanCheckpointing:
             self._span = None
 
     # ----------------------------------------------------------------- recomputation
-    def _call(self, module: nn.Module, args: tuple, kwargs: dict) -> _Call:
+    def _call(self, module: nn.Module, args: tuple, kwargs: dict, given: Any = None) -> _Call:
         """``module``'s call as it starts: its arguments (the first is not kept: the frame
-        keeps the span's input, a chained unit gets the previous output) and its RNG and
-        autocast state."""
+        keeps the span's input, a chained unit gets the previous output), which of them were
+        one tensor when its forward got them (``given``: after the engine's casts and backward
+        hook, which the replay does not run again: the hook passes the positional tensors
+        alone, each once), and its RNG and autocast state."""
         device_type = self.device.type
         device_module = getattr(torch, device_type, None)
         devices: list[int] = []
         states: list[torch.Tensor] = []
         if device_type != "cpu" and getattr(device_module, "_initialized", False):
             devices, states = ckpt.get_device_states(*args)
+        seen_args, seen_kwargs = args, kwargs
+        if isinstance(given, tuple) and len(given) == 2:
+            g_args, g_kwargs = given
+            if len(g_args) == len(args) and g_kwargs.keys() == kwargs.keys():
+                seen_args, seen_kwargs = g_args, g_kwargs
         return _Call(
             module,
             args[1:],
@@ -333,6 +360,7 @@ class SpanCheckpointing:
             ckpt._get_autocast_kwargs(device_type=device_type),
             [m.training for m in module.modules()],
             [(weakref.ref(t), version_of(t)) for t in tensors_in((args[1:], kwargs))],
+            aliases=_aliases(seen_args, seen_kwargs),
         )
 
     def _open(self, args: tuple, devices: list[int]) -> _Span:
@@ -340,8 +368,13 @@ class SpanCheckpointing:
         forked on ``devices``, the span's first call's)."""
         calls: list[_Call] = []
         device_type = self.device.type
+        # One tensor given in several positions is saved once (once offloaded or split), and
+        # replayed as one tensor (``_Call.aliases``).
+        distinct: list[Any] = []
+        order = [_index(distinct, a) for a in args]
 
-        def recompute(*inputs: Any) -> None:
+        def recompute(*saved: Any) -> None:
+            inputs = tuple(saved[j] for j in order)
             for call in calls:
                 call.check_unchanged()
             with torch.random.fork_rng(devices=devices, device_type=device_type):
@@ -364,8 +397,9 @@ class SpanCheckpointing:
                             torch.amp.autocast("cpu", **cpu_autocast),
                             _without_pre_hooks(call.module, call.ran_before),
                         ):
-                            call_args = inputs if i == 0 else (_first_tensor(out), *call.rest)
-                            out = call.module(*call_args, **call.kwargs)
+                            given = inputs if i == 0 else (_first_tensor(out), *call.rest)
+                            call_args, call_kwargs = call.arguments(given)
+                            out = call.module(*call_args, **call_kwargs)
                     finally:
                         _set_modes(call.module, modes)
 
@@ -377,9 +411,40 @@ class SpanCheckpointing:
             ckpt._allowed_determinism_checks_to_fns[ckpt._DEFAULT_DETERMINISM_MODE],
         )
         with self.keeper.hooks():
-            frame.save_inputs(*args)
+            frame.save_inputs(*distinct)
         self.num_spans += 1
         return _Span(frame, calls)
+
+
+def _aliases(args: tuple, kwargs: dict) -> dict[tuple[str, Any], int]:
+    """``_Call.aliases`` of a call given ``args`` and ``kwargs``: each later positional tensor
+    and each keyword one that is a positional one already, and that one's position."""
+    first: dict[int, int] = {}  # id of a positional tensor -> its first position
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            first.setdefault(id(a), i)
+    aliases: dict[tuple[str, Any], int] = {
+        ("rest", i - 1): first[id(a)]
+        for i, a in enumerate(args)
+        if isinstance(a, torch.Tensor) and first[id(a)] < i
+    }
+    aliases |= {
+        ("kw", k): first[id(v)]
+        for k, v in kwargs.items()
+        if isinstance(v, torch.Tensor) and id(v) in first
+    }
+    return aliases
+
+
+def _index(distinct: list[Any], arg: Any) -> int:
+    """``arg``'s position in ``distinct``, appended if it is not there (a tensor: that very
+    object; anything else: always appended)."""
+    if isinstance(arg, torch.Tensor):
+        for j, d in enumerate(distinct):
+            if d is arg:
+                return j
+    distinct.append(arg)
+    return len(distinct) - 1
 
 
 @contextlib.contextmanager
