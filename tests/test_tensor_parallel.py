@@ -3,8 +3,10 @@ how the layers are split, what is refused."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -831,6 +833,37 @@ def test_an_unsplit_parameter_inside_a_pair_is_refused(workers2, kind):
             assert "pass --tp 1" in first and second == first, (first, second)
             if kind == "temperature":
                 assert first.startswith("tensor-parallel plan: blocks.0.norm.weight "), first
+
+
+def _phi_with_its_norms_summed() -> dict:
+    """Phi with ``qk_layernorm``, its plan given the entry the refusal names for each norm."""
+    said = _unsplit_inside_a_pair("phi")[0]
+    entry = re.search(r"add (\{.*?\}) to the plan", said)
+    assert entry is not None, said
+    torch.manual_seed(0)
+    ref = _phi_with_qk_layernorm()
+    model = copy.deepcopy(ref)
+    for key, style in ast.literal_eval(entry.group(1)).items():
+        for norm in ("q_layernorm", "k_layernorm"):
+            model.config.base_model_tp_plan[key.replace("q_layernorm", norm)] = style
+    device_mesh, mesh = tensor_parallel.mesh_2d(2)
+    tensor_parallel.parallelize(model, device_mesh)
+    model = zeroshard.shard(model, stage=3, mesh=mesh)
+    opt = zeroshard.optimizer(model, torch.optim.SGD, lr=1e-2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
+    gens = (torch.Generator().manual_seed(step) for step in range(3))
+    batches = ((torch.randint(0, 64, (4, 12), generator=g),) for g in gens)
+    worst, param = tp_parity(model, ref, opt, ref_opt, mesh, batches, _loss)
+    return {"said": said, "loss": worst, "param": param}
+
+
+def test_a_per_head_norm_refused_inside_a_pair_trains_once_declared_as_the_refusal_says(workers2):
+    # The refusal said "zeroshard cannot split it"; a norm of each head, whose gradient each
+    # rank has a part of, trains once its module is replicated_with_grad_allreduce.
+    pytest.importorskip("transformers")
+    for r in workers2.run(_phi_with_its_norms_summed):
+        assert "{'layers.*.self_attn.q_layernorm': 'replicated_with_grad_allreduce'}" in r["said"]
+        assert r["loss"] < 1e-5 and r["param"] < 1e-6, r
 
 
 def _whole_weights_into_pieces() -> str:

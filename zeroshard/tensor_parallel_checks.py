@@ -55,7 +55,7 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
     a pair is open is refused, naming it. The hooks are gone after a forward that passed."""
     from torch.overrides import TorchFunctionMode
 
-    from zeroshard.tensor_parallel_plans import closes_split, opens_split
+    from zeroshard.tensor_parallel_plans import GRAD_SUM, closes_split, opens_split, plan_key
 
     inside: list[str] = []  # the colwise Linear whose split output is in flight
     entered: list[bool] = []  # the mode below is entered (``enter`` ran, ``leave`` not yet)
@@ -72,13 +72,18 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
             if inside and getattr(func, "__name__", None) not in ("__get__", "__set__"):
                 for t in tensors_in((args, kwargs or {})):
                     if id(t) in unsplit:
+                        name = unsplit[id(t)]
+                        key = plan_key(model, name.rpartition(".")[0])
                         raise ValueError(
-                            f"tensor-parallel plan: {unsplit[id(t)]} is not split by the plan, "
-                            f"and is used after the colwise {inside[0]}, before its rowwise "
-                            "partner, on this rank's heads or features only (a per-head norm "
-                            "of q and k, a learned temperature?): each rank would train it on "
-                            "a part of its gradient. zeroshard cannot split it: pass --tp 1 (or "
-                            "turn that option of the model off)"
+                            f"tensor-parallel plan: {name} is not split by the plan, and is "
+                            f"used after the colwise {inside[0]}, before its rowwise partner, "
+                            "on this rank's heads or features only (a per-head norm of q and "
+                            "k, a learned temperature?): each rank would train it on a part "
+                            "of its gradient. If it acts on each head alone (a norm over a "
+                            "head's features, a scalar), add "
+                            f"{{{key!r}: {GRAD_SUM!r}}} to the plan (its gradient is then "
+                            "summed over the ranks, as Qwen3's q_norm declares); else pass "
+                            "--tp 1 (or turn that option of the model off)"
                         )
             return func(*args, **(kwargs or {}))
 

@@ -25,6 +25,7 @@ __all__ = [
     "gpt_plan",
     "opens_split",
     "plan_for",
+    "plan_key",
     "split_numel",
     "split_params",
     "styles",
@@ -323,6 +324,17 @@ def closes_split(style: Any) -> bool:
     from torch.distributed.tensor.parallel import RowwiseParallel
 
     return isinstance(style, RowwiseParallel) and isinstance(style.input_layouts[0], Shard)
+
+
+def plan_key(model: nn.Module, module_name: str) -> str:
+    """The key naming ``module_name`` and its like in every layer in ``model``'s declared plan:
+    layer numbers as ``*``, relative to the base model for a config's plan."""
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    base = getattr(model, "base_model", model) if isinstance(plan, dict) and plan else model
+    prefix = next((name for name, m in model.named_modules() if m is base), "")
+    if prefix and module_name.startswith(prefix + "."):
+        module_name = module_name[len(prefix) + 1 :]
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", module_name)
 
 
 def _declared_plan(model: nn.Module) -> tuple[dict[str, str], str, bool]:
