@@ -38,7 +38,7 @@ from torch import nn
 
 from zeroshard import call_frames
 from zeroshard.residual_states.partitioned import CheckpointKeeper, check_version, version_of
-from zeroshard.trees import tensors_in
+from zeroshard.trees import map_tensors, tensors_in
 
 
 def _checkpointing_layer(module: nn.Module) -> bool:
@@ -110,7 +110,8 @@ class _Call:
     module: nn.Module
     rest: tuple
     """Positional args after the first (the first is the span's input or the previous output);
-    none for a span's first call, whose frame saves them all."""
+    none for a span's first call, whose frame saves them all. Here and in ``kwargs``, a tensor
+    that was one of the positional ones is a stand-in (``aliases``)."""
     kwargs: dict
     cpu_rng: torch.Tensor
     devices: list[int]
@@ -126,26 +127,35 @@ class _Call:
     place since, the recomputation would run on other values."""
     ran_before: tuple[int, ...] = ()
     """The module's forward pre-hooks that had run on the arguments kept (``enter``)."""
-    aliases: dict[tuple[str, Any], int] = field(default_factory=dict)
-    """``("rest", i)`` / ``("kw", name)`` -> the position of the positional argument that entry
-    was the very tensor of (``attn(h, h, h)``, ``attn(h, key=h, value=h)``): its replay gives
-    it that argument as recomputed, not the forward's object or a copy of its own (identity
-    decides code paths: ``nn.MultiheadAttention`` projects q, k, v in one matmul when they are
-    one tensor, and saved other tensors than the forward's replayed with three)."""
+    aliases: dict[int, tuple[int, bool, torch.Tensor]] = field(default_factory=dict)
+    """Stand-ins in ``rest`` and ``kwargs`` (empty tensors, by id) for tensors that were one of
+    the call's positional arguments (``attn(h, h, h)``, ``u(h, [h, h])``, ``attn(h, key=h)``):
+    (its position, whether the forward got that very tensor or another one on its memory). The
+    replay gives them that argument as recomputed: identity decides code paths
+    (``nn.MultiheadAttention`` projects q, k, v in one matmul when they are one tensor, and
+    saved other tensors than the forward's when replayed with three), and the forward's
+    tensors are not kept (a chained unit's are activations the span does not keep)."""
 
     def arguments(self, positional: tuple) -> tuple[tuple, dict]:
         """The call's positional and keyword arguments for its replay, the first ones
         ``positional`` (the span's inputs from its frame, or the previous output and ``rest``),
-        its aliases made the same tensors again."""
+        the stand-ins replaced."""
         if not self.aliases:
             return positional, self.kwargs
-        args, kwargs = list(positional), dict(self.kwargs)
-        for (where, key), j in self.aliases.items():
-            if where == "rest":
-                args[1 + key] = args[j]
-            else:
-                kwargs[key] = args[j]
-        return tuple(args), kwargs
+
+        views: dict[int, torch.Tensor] = {}  # one other tensor per position (key is value)
+
+        def fill(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in self.aliases:
+                return t
+            j, same, _ = self.aliases[id(t)]
+            if same:
+                return positional[j]
+            if j not in views:
+                views[j] = positional[j].view_as(positional[j])
+            return views[j]
+
+        return map_tensors(fill, positional), map_tensors(fill, self.kwargs)
 
     def check_unchanged(self) -> None:
         """Before the recomputation: autograd's error if a tensor of the call was written in
@@ -248,10 +258,12 @@ class SpanCheckpointing:
         call.ran_before = ran_before
         if not joins:
             self.close()
-            span = self._span = self._open(args, call.devices)
             # positional ones are the frame's saved inputs (copies with Pa/offload; checked
             # at their unpack when kept whole), which its recomputation takes: not kept here
-            # too (offloaded, a bias given beside the input stayed on the device as well)
+            # too (offloaded, a bias given beside the input stayed on the device as well);
+            # containers among them as ``_Call.rest`` holds them (stand-ins for its tensors)
+            saved = (a if isinstance(a, torch.Tensor) else r for a, r in zip(args[1:], call.rest))
+            span = self._span = self._open((*args[:1], *saved), call.devices)
             call.versions = [(weakref.ref(t), version_of(t)) for t in tensors_in(kwargs)]
             call.rest = ()
         assert span is not None
@@ -337,30 +349,26 @@ class SpanCheckpointing:
         """``module``'s call as it starts: its arguments (the first is not kept: the frame
         keeps the span's input, a chained unit gets the previous output), which of them were
         one tensor when its forward got them (``given``: after the engine's casts and backward
-        hook, which the replay does not run again: the hook passes the positional tensors
-        alone, each once), and its RNG and autocast state."""
+        hook; the replay runs the casts again, not the hook, which passes the positional
+        tensors alone, each once: ``_stand_ins``), and its RNG and autocast state."""
         device_type = self.device.type
         device_module = getattr(torch, device_type, None)
         devices: list[int] = []
         states: list[torch.Tensor] = []
         if device_type != "cpu" and getattr(device_module, "_initialized", False):
             devices, states = ckpt.get_device_states(*args)
-        seen_args, seen_kwargs = args, kwargs
-        if isinstance(given, tuple) and len(given) == 2:
-            g_args, g_kwargs = given
-            if len(g_args) == len(args) and g_kwargs.keys() == kwargs.keys():
-                seen_args, seen_kwargs = g_args, g_kwargs
+        rest, kept_kwargs, aliases = _stand_ins(args, kwargs, given)
         return _Call(
             module,
-            args[1:],
-            kwargs,
+            rest,
+            kept_kwargs,
             torch.get_rng_state(),
             devices,
             states,
             ckpt._get_autocast_kwargs(device_type=device_type),
             [m.training for m in module.modules()],
             [(weakref.ref(t), version_of(t)) for t in tensors_in((args[1:], kwargs))],
-            aliases=_aliases(seen_args, seen_kwargs),
+            aliases=aliases,
         )
 
     def _open(self, args: tuple, devices: list[int]) -> _Span:
@@ -416,24 +424,59 @@ class SpanCheckpointing:
         return _Span(frame, calls)
 
 
-def _aliases(args: tuple, kwargs: dict) -> dict[tuple[str, Any], int]:
-    """``_Call.aliases`` of a call given ``args`` and ``kwargs``: each later positional tensor
-    and each keyword one that is a positional one already, and that one's position."""
+def _stand_ins(args: tuple, kwargs: dict, given: Any) -> tuple[tuple, dict, dict]:
+    """``args[1:]`` and ``kwargs`` of a call with the tensors that are one of its positional
+    arguments replaced by stand-ins (``_Call.aliases``, returned third). Positional arguments,
+    nested ones too, are one tensor as given (the engine's backward hook passes each of them
+    once); a keyword one is the positional tensor itself, or another on its memory, as the
+    forward got it (``given``: the call's arguments after the engine's hook, which passes the
+    positional ones alone when one needs grad: ``attn(h, key=h)`` got a hooked query and the
+    original key)."""
+    g_args, g_kwargs = given if _like(given, args, kwargs) else (args, kwargs)
     first: dict[int, int] = {}  # id of a positional tensor -> its first position
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             first.setdefault(id(a), i)
-    aliases: dict[tuple[str, Any], int] = {
-        ("rest", i - 1): first[id(a)]
+    # A list or dict among the arguments holds what the hook made of its tensors (changed in
+    # place, the caller's own object: ``trees.map_tensors``'s edits, undone after the forward)
+    given_first = {id(g): i for i, g in reversed(list(enumerate(g_args))) if torch.is_tensor(g)}
+    aliases: dict[int, tuple[int, bool, torch.Tensor]] = {}
+
+    def stand_in(j: int, same: bool) -> torch.Tensor:
+        placeholder = torch.empty(0)
+        aliases[id(placeholder)] = (j, same, placeholder)  # (kept: its id stays its own)
+        return placeholder
+
+    def nested(t: torch.Tensor) -> torch.Tensor:
+        j = first.get(id(t), given_first.get(id(t)))
+        return t if j is None else stand_in(j, True)
+
+    rest = tuple(
+        (stand_in(first[id(a)], True) if first[id(a)] < i else a)
+        if isinstance(a, torch.Tensor)
+        else map_tensors(nested, a)
         for i, a in enumerate(args)
-        if isinstance(a, torch.Tensor) and first[id(a)] < i
-    }
-    aliases |= {
-        ("kw", k): first[id(v)]
-        for k, v in kwargs.items()
-        if isinstance(v, torch.Tensor) and id(v) in first
-    }
-    return aliases
+        if i > 0
+    )
+    keyword: dict[int, tuple[int, bool]] = {}
+    for r, g in zip(tensors_in(kwargs), tensors_in(g_kwargs), strict=False):
+        j = first.get(id(r), given_first.get(id(r)))
+        if j is not None:
+            keyword[id(r)] = (j, g is g_args[j])
+    kept = map_tensors(lambda t: stand_in(*keyword[id(t)]) if id(t) in keyword else t, kwargs)
+    return rest, kept, aliases
+
+
+def _like(given: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``given`` is (args, kwargs) of the call's shape (the engine's, after its casts
+    and hook)."""
+    return (
+        isinstance(given, tuple)
+        and len(given) == 2
+        and len(given[0]) == len(args)
+        and given[1].keys() == kwargs.keys()
+        and len(tensors_in(given[1])) == len(tensors_in(kwargs))
+    )
 
 
 def _index(distinct: list[Any], arg: Any) -> int:

@@ -65,10 +65,13 @@ class _Packed:
     """One saved checkpoint: this rank's piece (on the device, or in the store under ``name``)."""
 
     __slots__ = ("shape", "dtype", "device", "numel", "whole", "piece", "tier", "name", "fetch")
-    __slots__ += ("version", "__weakref__")
+    __slots__ += ("version", "stride", "__weakref__")
 
     def __init__(self, t: torch.Tensor, *, whole: bool) -> None:
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        # A view of another layout (a transposed one: batch_first attention's output) comes
+        # back in it: kernels, and so what the recomputation saves, follow the strides.
+        self.stride = None if t.is_contiguous() else t.stride()
         self.whole = whole  # kept as it is, on the device
         self.numel = t.numel()
         self.piece: torch.Tensor | None = None  # 1D ceil(numel / Nm) (whole: the tensor itself)
@@ -232,7 +235,7 @@ class CheckpointKeeper:
         self._prefetch_before(packed)
         piece = self._read(packed)
         if self.parts == 1:
-            return piece.view(packed.shape)
+            return _laid_out(piece, packed)
         full = torch.empty(piece.numel() * self.parts, dtype=packed.dtype, device=packed.device)
         C.all_gather(
             full,
@@ -243,7 +246,7 @@ class CheckpointKeeper:
             scope=C.TENSOR,
             async_op=False,
         )
-        return full[: packed.numel].view(packed.shape)
+        return _laid_out(full[: packed.numel], packed)
 
     def _read(self, packed: _Packed) -> torch.Tensor:
         """This rank's piece on the device: the kept one, or the store's (waiting for a read
@@ -279,6 +282,16 @@ class CheckpointKeeper:
     def close(self) -> None:
         if self._store is not None:
             self._store.close()
+
+
+def _laid_out(values: torch.Tensor, packed: _Packed) -> torch.Tensor:
+    """``values`` (1D, the checkpoint's elements in row-major order) in its shape and, where
+    it was not contiguous, its strides (a copy)."""
+    whole = values[: packed.numel].view(packed.shape)
+    if packed.stride is None:
+        return whole
+    out = torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype, device=packed.device)
+    return out.copy_(whole)
 
 
 def _nbytes(t: torch.Tensor) -> int:
