@@ -377,6 +377,11 @@ def test_calibration_more_families(workers2, name, stage):
         assert calibrate.within_tolerance(row), calibrate.render([row])
 
 
+OLMOE = dict(
+    model_type="olmoe", num_hidden_layers=2, hidden_size=64, intermediate_size=64,
+    num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+    pad_token_id=0, num_experts=16, num_experts_per_tok=2,
+)  # fmt: skip
 PHI3 = dict(
     model_type="phi3", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
     num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
@@ -399,8 +404,11 @@ PHI3 = dict(
         # Linear saves its slice of them, a copy 1/Nm (rowwise_split_input): +4.6% when that
         # input was counted whole, as saved (OLMo2, gathered q/k/v: -1.5%, the copy missed).
         calibrate.HFCase(config=PHI3, stage=3, micro_batch_size=4, seq_len=64, tp=2),
+        # OLMoE's experts stay whole (its plan splits the attention): each unit was planned
+        # gathered 1/Nm, as if all split: -9.9%.
+        calibrate.HFCase(config=OLMOE, stage=3, micro_batch_size=2, seq_len=16, tp=2),
     ],
-    ids=["gpt-s3", "gpt-s0", "llama-s3", "llama-s2", "phi3-s3"],
+    ids=["gpt-s3", "gpt-s0", "llama-s3", "llama-s2", "phi3-s3", "olmoe-s3"],
 )
 def test_calibration_tensor_parallel(workers2, case):
     """Two gloo ranks as one tensor-parallel pair: model states and the per-rank peak against

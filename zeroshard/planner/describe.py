@@ -107,6 +107,10 @@ class ModelDescription:
     """Parameters the model's tensor-parallel plan cuts into pieces
     (``zeroshard.tensor_parallel_plans.split_numel``), for a built model that declares one;
     ``None``: the blocks' Linears of a shape, else everything outside the root."""
+    unit_split_numels: tuple[int, ...] | None = None
+    """Of ``tp_split_numel``, each unit's: the root's, then ``block_unit_numels``' order (a
+    unit of experts the plan leaves whole, an MoE layer's, is gathered almost whole at
+    every tensor-parallel degree)."""
 
     def __post_init__(self) -> None:
         _positive_int("num_params", self.num_params)
@@ -164,6 +168,18 @@ class ModelDescription:
         if self.shape is None:
             return None
         return max(0, self.num_params - self.shape.num_layers * self.shape.block_numel)
+
+    def unit_rank_numels(self, num_mp_ranks: int) -> tuple[int, list[int]] | None:
+        """(root, [each other unit]) parameters one tensor-parallel rank holds: a unit's split
+        ones 1/Nm, the rest whole; ``None`` where the units' splits are not known."""
+        if self.unit_split_numels is None or self.block_unit_numels is None:
+            return None
+        whole = (self.root_unit_numel or 0, *self.block_unit_numels)
+        held = [
+            n - cut + math.ceil(cut / num_mp_ranks)
+            for n, cut in zip(whole, self.unit_split_numels, strict=True)
+        ]
+        return held[0], held[1:]
 
     @property
     def replicated_numel(self) -> int:
@@ -284,7 +300,7 @@ def from_module(
     if num_params == 0:
         raise ValueError(f"{type(module).__name__} has no parameters; nothing to plan")
     policy, how = wrap_policy(module, wrap)
-    from zeroshard.tensor_parallel_plans import split_numel
+    from zeroshard.tensor_parallel_plans import split_params
     from zeroshard.wrap import units
 
     specs = units(module, policy)
@@ -304,10 +320,19 @@ def from_module(
             stacklevel=2,
         )
         activations = None
+    try:
+        cut = split_params(module)
+    except ValueError:  # no plan: zeroshard plan refuses --mp > 1 for it
+        cut = None
+    splits = None
+    if cut is not None:
+        splits = [sum(p.numel() for _, p, _ in spec.params if id(p) in cut) for spec in specs]
     order = _call_order(activations, len(specs) - 1)
     if order is not None:  # the engine's forward (gathers, spans) follows the calls
         activations = profile(module, tuple(specs[1 + i].name for i in order), inputs)
         numels = numels[:1] + [numels[1 + i] for i in order]
+        if splits is not None:
+            splits = splits[:1] + [splits[1 + i] for i in order]
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     reached = None if activations is None else activations.reached()
     cast = {  # persistent floating buffers, once each
@@ -316,10 +341,7 @@ def from_module(
         for n, b in m._buffers.items()
         if b is not None and b.is_floating_point() and n not in m._non_persistent_buffers_set
     }.values()
-    try:
-        tp_split = split_numel(module)
-    except ValueError:  # no plan: zeroshard plan refuses --mp > 1 for it
-        tp_split = None
+    tp_split = None if cut is None else sum(p.numel() for p in module.parameters() if id(p) in cut)
     return ModelDescription(
         num_params=num_params,
         num_trainable_params=trainable if trainable < num_params else None,
@@ -332,6 +354,7 @@ def from_module(
         name=label,
         activations=activations,
         tp_split_numel=tp_split,
+        unit_split_numels=None if splits is None else tuple(splits),
         buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
         cast_buffer_numel=sum(b.numel() for b in cast),
         cast_buffer_bytes=sum(b.numel() * b.element_size() for b in cast),

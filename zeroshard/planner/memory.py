@@ -550,9 +550,15 @@ def residual_states(model: ModelDescription, config: MemoryConfig) -> MemoryBrea
             notes.append("largest unit unknown: stage-3 gathered units not counted")
         else:
             # The computing unit and the prefetched ones, gathered in full; plus the computing
-            # unit's unsharded gradients before they are reduce-scattered.
+            # unit's unsharded gradients before they are reduce-scattered. With tensor
+            # parallelism, what a rank holds of the largest unit where the units' splits are
+            # known (experts the plan leaves whole are whole), else 1/Nm of it.
+            held = model.unit_rank_numels(c.num_mp_ranks) if c.num_mp_ranks > 1 else None
+            ways = c.num_mp_ranks
+            if held is not None:
+                unit, ways = max(held[0], *held[1]), 1
             gathered = (1 + c.num_units_prefetch) * unit * bpp.params + unit * bpp.grads
-            out[Tier.DEVICE]["gathered_units"] = math.ceil(gathered / c.num_mp_ranks)
+            out[Tier.DEVICE]["gathered_units"] = math.ceil(gathered / ways)
     grads_bytes = trained_bytes(  # the buckets hold the trainable parameters' slots only
         bpp.grads * model.mp_numel(c.num_mp_ranks), model.num_params, model.num_trainable_params
     )

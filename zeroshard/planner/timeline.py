@@ -495,7 +495,12 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     # gathered and makes no gradient.
     numels = unit_numels(model)
     ran = act.unit_ran or (True,) * len(numels)
-    backward = [n if ran[i] else 0 for i, n in enumerate(numels)][::-1]
+    whole = [n if ran[i] else 0 for i, n in enumerate(numels)][::-1]
+    # Bytes below divide a unit's parameters by Nm: where each unit's split is known, a unit
+    # counts Nm x what a tensor-parallel rank holds of it (its split parameters 1/Nm, the rest
+    # whole: an MoE layer's experts the plan leaves whole were planned 1/Nm, 11% low at tp 2).
+    held = model.unit_rank_numels(mp) if mp > 1 else None
+    backward = whole if held is None else [h * mp if r else 0 for h, r in zip(held[1], ran)][::-1]
     runs = ran[::-1]
     num_units, root = len(backward), model.root_numel or 0
     on_device = {m: c.placement.tier(m) is Tier.DEVICE for m in MODEL_STATES}
@@ -511,9 +516,9 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     late = on_device["grads"] and (accumulating or not part.gradients)
     late_grads = _grad_master_bytes(model, c) if late else 0
 
-    def numel(first: int, count: int) -> int:
+    def numel(first: int, count: int, units: list[int] = backward) -> int:
         """Parameters of ``count`` units from the ``first`` in backward order (clipped)."""
-        return sum(backward[max(0, first) : max(0, first + count)])
+        return sum(units[max(0, first) : max(0, first + count)])
 
     def ahead(first: int, count: int) -> int:
         """``numel``, units that never run passed over: the engine gathers and prefetches along
@@ -575,7 +580,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         residual categories given."""
         now = dict(states)
         idle = dict.fromkeys(RESIDUAL_STATES, 0) | {"buffers": buffer_bytes(model, bpp)}
-        reduced = model.num_params if num_reduced > num_units else numel(0, num_reduced)
+        reduced = model.num_params if num_reduced > num_units else numel(0, num_reduced, whole)
         if c.grad_accum > 1 and part.gradients and not late_grads:  # the last micro-batch's:
             return now | idle | residual  # the earlier ones' gradients all held
         if part.gradients and not accumulating:  # shards appear as units are reduced
