@@ -795,13 +795,17 @@ def _phi_with_qk_layernorm():
     return PhiForCausalLM(cfg)
 
 
-def _unsplit_inside_a_pair(kind: str) -> str:
+def _unsplit_inside_a_pair(kind: str, summed: bool = False) -> str:
+    """What two training forwards of a model with a norm ``kind`` say (``summed``: its module
+    declared ``replicated_with_grad_allreduce``)."""
     torch.manual_seed(0)
     if kind == "phi":
         model = _phi_with_qk_layernorm()
     else:
         model = _Own()
         model.blocks = nn.ModuleList(_NormedBlock(16, kind) for _ in range(2))
+        if summed:
+            model.tp_plan = _Own.tp_plan | {"blocks.*.norm": "replicated_with_grad_allreduce"}
     device_mesh, mesh = tensor_parallel.mesh_2d(2)
     tensor_parallel.parallelize(model, device_mesh)
     model = zeroshard.shard(model, stage=3, mesh=mesh)
@@ -833,6 +837,18 @@ def test_an_unsplit_parameter_inside_a_pair_is_refused(workers2, kind):
             assert "pass --tp 1" in first and second == first, (first, second)
             if kind == "temperature":
                 assert first.startswith("tensor-parallel plan: blocks.0.norm.weight "), first
+
+
+def test_a_module_declared_to_sum_its_gradient_used_on_whole_tensors_is_refused(workers2):
+    # A norm after the pair (on the whole output) declared replicated_with_grad_allreduce: its
+    # gradient, whole on every rank, was summed over them, tp times it (0.058 off one process
+    # after 3 steps, no error). Inside the pair (a temperature), it trains.
+    for first, second in workers2.run(_unsplit_inside_a_pair, "after", True):
+        said = "blocks.0.norm.weight's module is replicated_with_grad_allreduce, and it is used "
+        assert said + "outside a colwise / rowwise pair" in first, first
+        assert second == first
+    for said in workers2.run(_unsplit_inside_a_pair, "temperature", True):
+        assert said == ["trained", "trained"], said
 
 
 def _phi_with_its_norms_summed() -> dict:

@@ -55,7 +55,13 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
     a pair is open is refused, naming it. The hooks are gone after a forward that passed."""
     from torch.overrides import TorchFunctionMode
 
-    from zeroshard.tensor_parallel_plans import GRAD_SUM, closes_split, opens_split, plan_key
+    from zeroshard.tensor_parallel_plans import (
+        GRAD_SUM,
+        closes_split,
+        opens_split,
+        plan_key,
+        sums_gradient,
+    )
 
     inside: list[str] = []  # the colwise Linear whose split output is in flight
     entered: list[bool] = []  # the mode below is entered (``enter`` ran, ``leave`` not yet)
@@ -64,12 +70,36 @@ def unsplit_inside_pairs_at_first_forward(model: nn.Module, plan: dict) -> None:
     unsplit = {  # the Parameter objects stay the module's through sharding
         id(p): name for name, p in model.named_parameters() if not name.startswith(split)
     }
+    summed = {  # GRAD_SUM's: a part of their gradient per rank inside a pair, never outside
+        id(p): f"{name}.{pname}" if name else pname
+        for name, style in plan.items()
+        if sums_gradient(style)
+        for pname, p in model.get_submodule(name).named_parameters(recurse=False)
+    }
 
     class Uses(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             # (attribute reads and writes, ``p.data = ...``, ``p._version``, are the engine's
             # gathers and checks of the units it enters or prefetches: no computation)
-            if inside and getattr(func, "__name__", None) not in ("__get__", "__set__"):
+            computes = getattr(func, "__name__", None) not in ("__get__", "__set__")
+            outside = computes and not inside and summed
+            if outside and any(id(t) in summed for t in tensors_in((args, kwargs or {}))):
+                out = func(*args, **(kwargs or {}))
+                # (a computation autograd records: the engine's gathers read and copy the
+                # parameters too, without a graph)
+                if any(t.grad_fn is not None for t in tensors_in(out)):
+                    name = next(
+                        summed[id(t)] for t in tensors_in((args, kwargs or {})) if id(t) in summed
+                    )
+                    raise ValueError(
+                        f"tensor-parallel plan: {name}'s module is {GRAD_SUM}, and it is used "
+                        "outside a colwise / rowwise pair, on whole tensors: every rank has its "
+                        "whole gradient, and the sum over the ranks would be tp times it. "
+                        "Declare only modules used between a colwise Linear and its rowwise "
+                        "partner so (a norm of each head of q and k), and drop this entry"
+                    )
+                return out
+            if inside and computes:
                 for t in tensors_in((args, kwargs or {})):
                     if id(t) in unsplit:
                         name = unsplit[id(t)]

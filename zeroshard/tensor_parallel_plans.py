@@ -9,6 +9,7 @@ tied across a split (``check_untied``)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "split_numel",
     "split_params",
     "styles",
+    "sums_gradient",
 ]
 
 
@@ -54,6 +56,12 @@ def _fused_colwise():
     return FusedColwiseParallel
 
 
+def sums_gradient(style: Any) -> bool:
+    """Whether ``style`` is ``GRAD_SUM``'s."""
+    return isinstance(style, _grad_sum())
+
+
+@functools.cache
 def _grad_sum():
     from torch.distributed.tensor.parallel.style import ParallelStyle
 
