@@ -581,17 +581,20 @@ def test_checkpoint_info_verify_of_a_damaged_checkpoint(capsys, tmp_path):
 
 
 def test_checkpoint_info_of_metadata_without_a_parameter_count(capsys, tmp_path):
-    """A zeroshard.json made by hand (or by another tool) with its files but no parameter
-    count: described, not a TypeError out of the count's formatting."""
+    """A zeroshard.json made by hand (or by another tool) with its files, fields missing, null,
+    of another type, or named as info's own: described, "unknown" where it says nothing usable
+    (TypeErrors out of the formatting, the comparison of a null degree, info's arguments)."""
     from zeroshard.checkpoint_info import FORMAT_VERSION, META_FILE
 
     (tmp_path / "rank-00000.pt").write_bytes(b"12345")
     files = {"rank-00000.pt": {"bytes": 5, "xxh3_64": "0"}}
-    meta = {"format_version": FORMAT_VERSION, "files": files, "step": 3}
+    meta = {"format_version": FORMAT_VERSION, "files": files, "step": 3, "world_size": "2"}
+    meta |= {"tensor_parallel": None, "size_bytes": 9, "complete": False}
     (tmp_path / META_FILE).write_text(json.dumps(meta))
     assert main(["checkpoint", "info", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"{tmp_path}: complete" in out and "an unknown number of parameters" in out, out
+    assert "step 3, world size unknown, stage unknown" in out, out
 
 
 def test_checkpoint_info_of_an_incomplete_save(capsys, tmp_path):

@@ -176,11 +176,23 @@ def info(path: str | os.PathLike) -> CheckpointInfo:
         if not file.is_file() or file.stat().st_size != want["bytes"]:
             problem = f"file {name} is missing or has the wrong size"
             break
-    fields = {f.name for f in dataclasses.fields(CheckpointInfo)}
+    # What the metadata says of the save, each of its type (a zeroshard.json made by hand or
+    # another tool may lack one, give null or a string): the rest unknown, None.
+    said = {
+        k: v
+        for k, v in meta.items()
+        if k in _SAID and isinstance(v, _SAID[k]) and not isinstance(v, bool)
+    }
     return CheckpointInfo(
-        **{k: v for k, v in meta.items() if k in fields},
-        path=str(path), complete=problem is None, problem=problem, size_bytes=size,
-    )  # fmt: skip
+        **said, path=str(path), complete=problem is None, problem=problem, size_bytes=size
+    )
+
+
+_SAID = {
+    "step": int, "world_size": int, "tensor_parallel": int, "stage": int, "param_dtype": str,
+    "reduce_dtype": str, "num_params": int, "zeroshard_version": str, "optimizers": list,
+}  # fmt: skip
+"""The fields of ``CheckpointInfo`` that ``zeroshard.json`` gives, and their types."""
 
 
 def step_path(folder: str | os.PathLike, step: int) -> Path:

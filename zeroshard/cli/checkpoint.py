@@ -61,18 +61,24 @@ def run(args: argparse.Namespace) -> int:
     tp = f" (tensor-parallel {found.tensor_parallel})" if found.tensor_parallel > 1 else ""
     classes = [name.rsplit(".", 1)[-1] for name in found.optimizers or []]
     optimizers = f", optimizer {', '.join(classes)}" if classes else ""
+    k = _known
     print(
         f"{found.path}: complete\n"
-        f"  step {found.step}, world size {found.world_size}{tp}, stage {found.stage}, "
-        f"param dtype {found.param_dtype} (reduce {found.reduce_dtype})"
+        f"  step {k(found.step)}, world size {k(found.world_size)}{tp}, stage {k(found.stage)}, "
+        f"param dtype {k(found.param_dtype)} (reduce {k(found.reduce_dtype)})"
         f"{optimizers}\n"
         f"  {_count(found.num_params)} parameters, {found.size_bytes / 2**20:.1f} MiB on disk "
-        f"({found.size_bytes:,} bytes), zeroshard {found.zeroshard_version}"
+        f"({found.size_bytes:,} bytes), zeroshard {k(found.zeroshard_version)}"
     )
     return 0
 
 
+def _known(value: object) -> str:
+    """``value``, or "unknown" where the metadata lacks it (a zeroshard.json written by hand
+    or by another tool)."""
+    return "unknown" if value is None else str(value)
+
+
 def _count(n: int | None) -> str:
-    """``n`` with thousands separators; "an unknown number of" where the metadata lacks it
-    (a zeroshard.json written by hand or by another tool)."""
+    """``n`` with thousands separators; "an unknown number of" where the metadata lacks it."""
     return "an unknown number of" if n is None else f"{n:,}"
