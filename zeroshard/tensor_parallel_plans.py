@@ -27,7 +27,6 @@ __all__ = [
     "opens_split",
     "plan_for",
     "plan_key",
-    "split_numel",
     "split_params",
     "styles",
     "sums_gradient",
@@ -286,12 +285,6 @@ def split_params(model: nn.Module) -> dict[int, str]:
         if style.startswith("colwise") and getattr(module, "bias", None) is not None:
             out[id(module.bias)] = name
     return out
-
-
-def split_numel(model: nn.Module) -> int:
-    """Elements of the parameters a tensor-parallel split cuts (``split_params``)."""
-    cut = split_params(model)
-    return sum(p.numel() for p in model.parameters() if id(p) in cut)
 
 
 def _check_pairs(plan: dict) -> None:

@@ -105,7 +105,7 @@ class ModelDescription:
     """Their bytes as built."""
     tp_split_numel: int | None = None
     """Parameters the model's tensor-parallel plan cuts into pieces
-    (``zeroshard.tensor_parallel_plans.split_numel``), for a built model that declares one;
+    (``zeroshard.tensor_parallel_plans.split_params``), for a built model that declares one;
     ``None``: the blocks' Linears of a shape, else everything outside the root."""
     unit_split_numels: tuple[int, ...] | None = None
     """Of ``tp_split_numel``, each unit's: the root's, then ``block_unit_numels``' order (a
