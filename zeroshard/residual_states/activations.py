@@ -432,14 +432,17 @@ def _stand_ins(args: tuple, kwargs: dict, given: Any) -> tuple[tuple, dict, dict
     forward got it (``given``: the call's arguments after the engine's hook, which passes the
     positional ones alone when one needs grad: ``attn(h, key=h)`` got a hooked query and the
     original key)."""
-    g_args, g_kwargs = given if _like(given, args, kwargs) else (args, kwargs)
-    first: dict[int, int] = {}  # id of a positional tensor -> its first position
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            first.setdefault(id(a), i)
+    raw_kw = tensors_in(kwargs)
+    g_args, seen_kw = args, raw_kw
+    like = isinstance(given, tuple) and len(given) == 2 and len(given[0]) == len(args)
+    if like and given[1].keys() == kwargs.keys():  # (the engine's casts and hook keep shapes)
+        given_kw = tensors_in(given[1])
+        if len(given_kw) == len(raw_kw):
+            g_args, seen_kw = given[0], given_kw
+    first = _first_positions(args)
     # A list or dict among the arguments holds what the hook made of its tensors (changed in
     # place, the caller's own object: ``trees.map_tensors``'s edits, undone after the forward)
-    given_first = {id(g): i for i, g in reversed(list(enumerate(g_args))) if torch.is_tensor(g)}
+    given_first = _first_positions(g_args)
     aliases: dict[int, tuple[int, bool, torch.Tensor]] = {}
 
     def stand_in(j: int, same: bool) -> torch.Tensor:
@@ -459,7 +462,7 @@ def _stand_ins(args: tuple, kwargs: dict, given: Any) -> tuple[tuple, dict, dict
         if i > 0
     )
     keyword: dict[int, tuple[int, bool]] = {}
-    for r, g in zip(tensors_in(kwargs), tensors_in(g_kwargs), strict=False):
+    for r, g in zip(raw_kw, seen_kw, strict=True):
         j = first.get(id(r), given_first.get(id(r)))
         if j is not None:
             keyword[id(r)] = (j, g is g_args[j])
@@ -467,16 +470,13 @@ def _stand_ins(args: tuple, kwargs: dict, given: Any) -> tuple[tuple, dict, dict
     return rest, kept, aliases
 
 
-def _like(given: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether ``given`` is (args, kwargs) of the call's shape (the engine's, after its casts
-    and hook)."""
-    return (
-        isinstance(given, tuple)
-        and len(given) == 2
-        and len(given[0]) == len(args)
-        and given[1].keys() == kwargs.keys()
-        and len(tensors_in(given[1])) == len(tensors_in(kwargs))
-    )
+def _first_positions(args: tuple) -> dict[int, int]:
+    """``{id(tensor): its first position}`` of the tensors among ``args`` (top level)."""
+    first: dict[int, int] = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            first.setdefault(id(a), i)
+    return first
 
 
 def _index(distinct: list[Any], arg: Any) -> int:
