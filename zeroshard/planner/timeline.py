@@ -501,6 +501,12 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     # whole: an MoE layer's experts the plan leaves whole were planned 1/Nm, 11% low at tp 2).
     held = model.unit_rank_numels(mp) if mp > 1 else None
     backward = whole if held is None else [h * mp if r else 0 for h, r in zip(held[1], ran)][::-1]
+    # The share of a rank's gradients reduced once some units are: what it holds of each unit
+    # over what it holds in all (its replicated parameters whole, the split ones 1/Nm); the
+    # whole model's shares put the unit's gradient shards in too early with tensor parallelism
+    # (Llama at tp 2, 4 x 64 tokens, checkpoint_every=1: 26% of a unit's gradient too much).
+    rank_whole = None if held is None else [h if r else 0 for h, r in zip(held[1], ran)][::-1]
+    rank_total = None if held is None else held[0] + sum(held[1])
     runs = ran[::-1]
     num_units, root = len(backward), model.root_numel or 0
     on_device = {m: c.placement.tier(m) is Tier.DEVICE for m in MODEL_STATES}
@@ -580,13 +586,18 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         residual categories given."""
         now = dict(states)
         idle = dict.fromkeys(RESIDUAL_STATES, 0) | {"buffers": buffer_bytes(model, bpp)}
-        reduced = model.num_params if num_reduced > num_units else numel(0, num_reduced, whole)
+        if num_reduced > num_units:
+            fraction = 1.0
+        elif rank_whole is not None:  # (of what this tensor-parallel rank holds)
+            fraction = min(1.0, numel(0, num_reduced, rank_whole) / max(1, rank_total))
+        else:
+            fraction = min(1.0, numel(0, num_reduced, whole) / model.num_params)
         if c.grad_accum > 1 and part.gradients and not late_grads:  # the last micro-batch's:
             return now | idle | residual  # the earlier ones' gradients all held
         if part.gradients and not accumulating:  # shards appear as units are reduced
-            now["grads"] = math.ceil(states["grads"] * min(1.0, reduced / model.num_params))
+            now["grads"] = math.ceil(states["grads"] * fraction)
         elif late_grads:
-            late = late_grads - math.ceil(late_grads * min(1.0, reduced / model.num_params))
+            late = late_grads - math.ceil(late_grads * fraction)
             now["grads"] = states["grads"] - late
         if sib:
             now["grads"] = 0  # each shard is stepped and dropped as its reduction finishes
