@@ -435,6 +435,25 @@ GEMMA3 = dict(
 )  # fmt: skip
 
 
+@pytest.mark.parametrize("name, stage", [("llama", 1), ("qwen2_moe", 0), ("llama", 2)])
+def test_gradients_copied_into_persistent_buckets_are_not_held(workers2, name, stage):
+    """Stages 0-2 with a checkpoint per unit, 4 x 64 tokens: the peak is in the last unit's
+    backward. Its weights' gradients go into the persistent buckets as autograd makes them, and
+    the head's is in the root's bucket since the loss's backward: none is held beside the
+    unit's working set, as they are at stage 3 until each unit's reduction (both were: Llama
+    +3.3%, Qwen2-MoE +3.8%)."""
+    pytest.importorskip("transformers")
+    from test_planner_hf import HF_CONFIGS
+
+    case = calibrate.HFCase(
+        config=HF_CONFIGS[name], stage=stage, micro_batch_size=4, seq_len=64, checkpoint_every=1
+    )
+    for row in workers2.run(calibrate.calibrate, case):
+        p, meas = row["predicted"], row["measured"]
+        assert p["peak_moment"].startswith("unit backward"), calibrate.render([row])
+        assert abs(calibrate.error(p["peak_bytes"], meas["peak_bytes"])) <= 0.005, row
+
+
 @pytest.mark.parametrize("name, within", [("llama", 0.005), ("gemma3", 0.025)])
 def test_a_tensor_parallel_unit_s_backward_working_set_is_followed(workers2, name, within):
     """tp 2, a checkpoint per unit, stage 3, 4 x 64 tokens: the peak is inside a recomputed

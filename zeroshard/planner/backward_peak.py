@@ -164,13 +164,17 @@ class _Made:
         return Mode()
 
 
-def peaks(loss, saves: SaveCounts, owners: Owners) -> tuple[dict[int, int], dict[int, int]]:
+def peaks(
+    loss, saves: SaveCounts, owners: Owners
+) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
     """Run ``loss``'s backward (on meta) and give, per owner (``Owners``), the most bytes of saved
     activations and of what the backward made (gradients, temporaries inside a node) alive at
     once while one of its nodes ran, and the most of what the backward made alone. ``saves``
     must be the counts of the forward's saved-tensor hooks, whose unpack hook calls
     ``saves.unpacked``. Parameters' gradients are model states, counted by the timeline: left
-    out."""
+    out of those two; the third is the first with them in while the node making them runs
+    (where each is copied into a persistent bucket as soon as it is accumulated, it lives no
+    longer)."""
     nodes, todo, seen = [], [loss.grad_fn], set()
     while todo:
         node = todo.pop()
@@ -184,6 +188,7 @@ def peaks(loss, saves: SaveCounts, owners: Owners) -> tuple[dict[int, int], dict
     alive = sum(saves.nbytes.values())
     found: dict[int, int] = {}
     made_most: dict[int, int] = {}
+    with_grads: dict[int, int] = {}
     # The node running: the sizes of what it made, and per moment, the bytes alive and which of
     # its own storages were (a parameter's gradient among them is known as it ends).
     sizes: dict[int, int] = {}
@@ -218,6 +223,7 @@ def peaks(loss, saves: SaveCounts, owners: Owners) -> tuple[dict[int, int], dict
                     made_now = total - sum(sizes[s] for s in own if s in states)
                     found[owner] = max(found.get(owner, 0), alive + made_now)
                     made_most[owner] = max(made_most.get(owner, 0), made_now)
+                    with_grads[owner] = max(with_grads.get(owner, 0), alive + total)
             for serial in states - {None}:
                 made.forget(serial)
             made.nodes_running -= 1
@@ -244,4 +250,4 @@ def peaks(loss, saves: SaveCounts, owners: Owners) -> tuple[dict[int, int], dict
     finally:
         for h in handles:
             h.remove()
-    return found, made_most
+    return found, made_most, with_grads

@@ -116,6 +116,12 @@ class SavedActivations:
     and its largest saved storage's sizes. With tensor parallelism, followed on a copy of the
     model holding one rank's pieces (``_split_unit_backward_bytes``). Empty: not followed (a
     backward that fails on meta)."""
+    unit_backward_copied_bytes: tuple[int, ...] = ()
+    """The same, with each parameter's gradient alive while the operator making it runs, as
+    where the engine copies it into a persistent gradient bucket as soon as autograd has it
+    (stages 0-1, and stage 2's buckets shared by units): a weight's gradient made beside the
+    gradients flowing through may be the unit's peak (the other units' are in the buckets,
+    counted as model states). Empty: not followed."""
     chained: tuple[bool, ...] = ()
     """Per unit, in forward order: whether its first positional input is the previous unit's
     first output, unchanged (a span of activation checkpointing goes on across it; T5's
@@ -683,11 +689,11 @@ def measure(
     tail_params = {key: n for key, (k, n) in root_params.items() if next_call(k) is None}
     counted = collections.Counter(sequence)  # (a count per unit was units x calls)
     calls = [counted[i] for i in range(num_units)]
-    working = _unit_backward_bytes(
+    working, copied = _unit_backward_bytes(
         loss if follow else None, saves, owners, unit_bytes, before, inputs, largest, calls
     )
     if not follow:  # (the pieces one rank holds, followed on a model split as the ranks hold it)
-        working = _split_unit_backward_bytes(
+        working, copied = _split_unit_backward_bytes(
             module,
             unit_names,
             vocab_size=vocab_size,
@@ -710,6 +716,7 @@ def measure(
         largest_tail_tensor_bytes=tail_largest,
         loss_input_bytes=4 * seen[0] if seen else None,
         unit_backward_bytes=working,
+        unit_backward_copied_bytes=copied,
         chained=tuple(chained),
         calls=tuple(calls),
         ran=tuple(ran),
@@ -729,8 +736,9 @@ def measure(
 
 def _split_unit_backward_bytes(
     module, unit_names: tuple[str, ...], *, num_mp_ranks: int, **kwargs
-) -> tuple[int, ...]:
-    """``SavedActivations.unit_backward_bytes`` with tensor parallelism: each unit's backward
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``SavedActivations.unit_backward_bytes`` (and ``unit_backward_copied_bytes``) with
+    tensor parallelism: each unit's backward
     followed on meta (``measure`` of one rank) on a copy of ``module`` whose planned Linears
     hold one rank's piece (``_split_locally``), so that its operators make and hold what one
     rank's do: the gradients of the split tensors 1/Nm, those of the whole ones (the residual
@@ -751,10 +759,10 @@ def _split_unit_backward_bytes(
             warnings.simplefilter("ignore")
             found = measure(local, unit_names, num_mp_ranks=1, track=False, **kwargs)
     except Exception:
-        return ()
+        return (), ()
     if len(found.unit_backward_bytes) != len(unit_names):
-        return ()
-    return found.unit_backward_bytes
+        return (), ()
+    return found.unit_backward_bytes, found.unit_backward_copied_bytes
 
 
 def _split_locally(model, num_mp_ranks: int) -> None:
@@ -896,17 +904,18 @@ def _own_error(model, call: str, x, y, vocab_size: int) -> Exception | None:
 
 def _unit_backward_bytes(
     loss, saves, owners, unit_bytes: list, before: list, inputs: list, largest: list, calls: list
-) -> tuple[int, ...]:
-    """``SavedActivations.unit_backward_bytes``: ``loss``'s backward followed on meta (``None``
-    or a backward that fails there: empty). A unit called more than once counts at most what
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``SavedActivations.unit_backward_bytes`` and ``unit_backward_copied_bytes``: ``loss``'s
+    backward followed on meta (``None`` or a backward that fails there: empty). A unit called
+    more than once counts at most what
     its backward made alone: units whose calls take turns (ALBERT's two layers) have other
     units' saves alive at their peak, which the plan's order does not count up to them (their
     working set was 5 calls of the other layer, 3x the measured peak under checkpointing)."""
     if loss is None:
-        return ()
+        return (), ()
     try:
         with _on_meta():
-            found, made = backward_peak.peaks(loss, saves, owners)
+            found, made, with_grads = backward_peak.peaks(loss, saves, owners)
     except Exception as exc:  # an operator without a meta backward: the sizes' estimate stands
         import warnings
 
@@ -917,18 +926,20 @@ def _unit_backward_bytes(
             "largest saved tensor's size",
             stacklevel=2,
         )
-        return ()
-    working, through = [], 0
+        return (), ()
+    working, copied, through = [], [], 0
     for i, (own, root) in enumerate(zip(unit_bytes, before)):
         through += own + root  # saved up to and by unit i, alive as its backward starts
         if i not in found:
             working.append(inputs[i] + largest[i])
+            copied.append(working[-1])
             continue
         beyond = found[i] - through
         if calls[i] > 1:  # (its calls may take turns with other units')
             beyond = min(beyond, made[i])
         working.append(max(0, beyond))
-    return tuple(working)
+        copied.append(working[-1] + with_grads[i] - found[i])
+    return tuple(working), tuple(copied)
 
 
 def batch(

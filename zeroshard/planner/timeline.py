@@ -141,6 +141,15 @@ class ActivationTerms:
     parameter the head and the loss use)."""
     held_grad: int
     """Of those, what outlives the unit's backward: the head's gradients."""
+    tied_held: int = 0
+    """Of ``held_grad``, what autograd holds wherever gradients go: the head's gradient of a
+    weight the embedding shares, kept until the embedding's adds to it (the others are copied
+    into a persistent gradient bucket as soon as they are made, where there is one)."""
+    at_unit_copied: tuple[int, ...] = ()
+    """``at_unit`` with each parameter's gradient alive while the operator making it runs, where
+    it is copied into a persistent bucket at once (``SavedActivations.
+    unit_backward_copied_bytes``; the largest one's is in ``grad_working`` otherwise); empty:
+    not followed."""
     at_forward: int | None = None
     """The forward's own peak (measured on meta: ``SavedActivations.forward_peak_bytes``): what it
     saved so far and what it holds unsaved (the logits, transformers' key cache); ``None``
@@ -184,9 +193,13 @@ class _PerUnit:
     """Units run inside another unit, or not at all (``SavedActivations.inner``)."""
     calls: tuple[int, ...] = ()
     """How many times the root called each unit (``SavedActivations.calls``); empty: once."""
+    copied: tuple[int, ...] = ()
+    """``working`` with parameters' gradients in as they are made
+    (``SavedActivations.unit_backward_copied_bytes``); empty: not followed."""
 
-    def backward_working(self, i: int) -> int:
-        return self.working[i] if self.working else self.inputs[i] + self.largest[i]
+    def backward_working(self, i: int, *, copied: bool = False) -> int:
+        working = self.copied if copied and self.copied else self.working
+        return working[i] if working else self.inputs[i] + self.largest[i]
 
 
 def activation_terms(model: ModelDescription, config: MemoryConfig) -> ActivationTerms:
@@ -216,6 +229,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
             s.unit_backward_bytes,
             s.inner,
             s.calls,
+            s.unit_backward_copied_bytes,
         )
         held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
         tied = 2 * s.tied_param_numel * g
@@ -311,10 +325,16 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         at_loss=saved_all,
         logits=logits,
         at_unit=tuple(moments[i][0] + own[i] + per.backward_working(i) for i in fwd),
+        at_unit_copied=tuple(
+            moments[i][0] + own[i] + per.backward_working(i, copied=True) for i in fwd
+        )
+        if per.copied
+        else (),
         at_post=tuple(moments[i][0] + per.inputs[i] for i in fwd),
         after=per.before[0] if num_units else 0,
         grad_working=grad_working,
         held_grad=held,
+        tied_held=tied // 2,
         tied_grad=tied,
         at_forward=at_forward,
         checkpoints_at_forward=at_forward_checkpoints,
@@ -633,6 +653,18 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     # single bucket the whole gradient is reduced once, after the last unit's backward.
     bucket_numel = min(model.num_params, c.bucket_bytes // max(1, bpp.params))
     single_bucket = not c.bucket_per_unit and bucket_numel == model.num_params
+    # Gradients that go into persistent buckets as autograd makes them (stages 0-1, stage 2's
+    # buckets shared by units) live only while the operator making them runs, and the head's
+    # are in the root's bucket: autograd holds a tied head's alone (until the embedding's adds
+    # to it). At stage 2 the root has a bucket of its own once the model fills more than one,
+    # and its gradients are autograd's until its reduction, as at stage 3. (Counted as held,
+    # with a weight's beside every unit's peak, they put Llama 3.3% over its peak at --ci 1.)
+    units_copied = not (part.gradients and c.bucket_per_unit)
+    held = act.tied_held if not part.gradients or single_bucket else act.held_grad
+    if units_copied and act.at_unit_copied:  # (followed: each weight's where it is made)
+        at_unit, unit_grads = act.at_unit_copied, held
+    else:  # (the largest weight's gradient beside every unit's peak)
+        at_unit, unit_grads = act.at_unit, act.grad_working - act.held_grad + held
     stages_input = c.reduce_stages_input and part.optimizer_states  # a reduce-scatter's input
 
     def staging(n: int) -> int:
@@ -683,9 +715,9 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 f"unit backward {k}",
                 moment(
                     reduced,
-                    activation_working=act.at_unit[k],
+                    activation_working=at_unit[k],
                     activation_checkpoints=act.checkpoints_at_unit[k],
-                    model_state_working=act.grad_working,
+                    model_state_working=unit_grads,
                     gathered_units=gathered_now,
                     **reducing(k - in_flight, in_flight),
                 ),
@@ -694,7 +726,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         after = dict(
             activation_working=act.at_post[k],
             activation_checkpoints=act.checkpoints_at_unit[k],
-            model_state_working=act.held_grad,
+            model_state_working=held,
         )
         if own_grad(backward[k]):
             out.append(
@@ -753,7 +785,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 moment(
                     0 if single_bucket else num_units,
                     activation_working=act.after,
-                    model_state_working=act.held_grad + act.tied_grad,
+                    model_state_working=held + act.tied_grad,
                     gathered_units=gathered(0, 0),
                     **reducing(num_units - in_flight, in_flight),
                 ),
