@@ -247,8 +247,9 @@ def test_units_of_two_sizes_by_turns_keep_one_buffer_per_size_at_stage_3(workers
     """Experts every other layer: units of two sizes by turns, so the engine's pool lends one
     buffer of each size at a time (of 1 + prefetch consecutive units, one of each); the plan
     kept 1 + prefetch per size, a large unit's buffer more than the engine: +8.3% here (stage
-    0, which gathers nothing, +1.6%: the experts' working set), +10.2% on an explorer's larger
-    config. Stage 3 now adds under 3 points to stage 0's error (+4.4%)."""
+    0, which gathers nothing, +1.6% then: a weight's gradient and the head's counted as held
+    beside the experts' working set, none of them held at stages 0-2), +10.2% on an explorer's
+    larger config; now +4.4% (stage 0: 0.0%)."""
     pytest.importorskip("transformers")
     errors = {}
     for stage in (0, 3):
@@ -259,7 +260,7 @@ def test_units_of_two_sizes_by_turns_keep_one_buffer_per_size_at_stage_3(workers
         assert calibrate.within_tolerance(row), calibrate.render([row])
         p, meas = row["predicted"], row["measured"]
         errors[stage] = (p["peak_bytes"] - meas["peak_bytes"]) / meas["peak_bytes"]
-    assert 0 <= errors[3] - errors[0] < 0.03, errors
+    assert abs(errors[0]) < 0.005 and 0 <= errors[3] < 0.06, errors
 
 
 @pytest.mark.parametrize("ci", [2, 4])
