@@ -508,6 +508,16 @@ def measure(
     import torch
 
     from zeroshard.residual_states.activations import train_without_caches
+
+    again = dict(  # (the measurement's arguments, for another run of it)
+        vocab_size=vocab_size,
+        call=call,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        activation_bytes=activation_bytes,
+        checkpointing=checkpointing,
+        example=example,
+    )
     from zeroshard.trees import tensors_in
 
     dtype = getattr(torch, DTYPES[activation_bytes])
@@ -628,19 +638,7 @@ def measure(
         own = _own_error(model, call, x, y, vocab_size)
         if own is None and tracked:  # MemTracker's own failure (a model nothing of which
             # trains: its hooks on outputs that need no gradient raise); measured without it
-            return measure(
-                module,
-                unit_names,
-                vocab_size=vocab_size,
-                call=call,
-                micro_batch_size=micro_batch_size,
-                seq_len=seq_len,
-                activation_bytes=activation_bytes,
-                num_mp_ranks=num_mp_ranks,
-                track=False,
-                checkpointing=checkpointing,
-                example=example,
-            )
+            return measure(module, unit_names, num_mp_ranks=num_mp_ranks, track=False, **again)
         raise (own or failed) from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"the forward returned {type(loss).__name__}, not a scalar loss")
@@ -694,16 +692,7 @@ def measure(
     )
     if not follow:  # (the pieces one rank holds, followed on a model split as the ranks hold it)
         working, copied = _split_unit_backward_bytes(
-            module,
-            unit_names,
-            vocab_size=vocab_size,
-            call=call,
-            micro_batch_size=micro_batch_size,
-            seq_len=seq_len,
-            activation_bytes=activation_bytes,
-            num_mp_ranks=num_mp_ranks,
-            checkpointing=checkpointing,
-            example=example,
+            module, unit_names, num_mp_ranks=num_mp_ranks, **again
         )
     return SavedActivations(
         micro_batch_size=micro_batch_size,
