@@ -52,6 +52,19 @@ AGENT = textwrap.dedent(
         SimpleElasticAgent._rendezvous = slow
     elif sys.argv[1] == "spawn":  # once the first rank is spawned, before the agent knows of it
         api.SubprocessHandler.__init__ = signalled(api.SubprocessHandler.__init__, signal.SIGTERM)
+    elif sys.argv[1] == "finished":  # the ranks done, before the agent acts on it
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        real = LocalElasticAgent._monitor_workers
+
+        def monitor(self, group):
+            result = real(self, group)
+            if result.state.name == "SUCCEEDED":
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            return result
+
+        LocalElasticAgent._monitor_workers = monitor
     else:  # once they train, inside torch's code, whose `finally` replaces the SignalException
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -127,6 +140,26 @@ def test_a_signal_whose_exception_torch_replaces_still_stops_every_rank(tmp_path
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
     said = r"^interrupted at step \d+ by SIGINT; (nothing trained in this run yet: )?no checkpoint"
     assert re.search(said, out, re.M), out
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
+def test_a_signal_once_the_ranks_finished_the_run_exits_0(tmp_path):
+    """A signal on the last step: the ranks end the run as done and exit 0, but torchrun's
+    agent raises its SignalException all the same; the job exited 143 (130 for a Ctrl-C), and
+    a scheduler requeueing on it resumed a finished run (explorer226)."""
+    flags = ["--nproc", "2", "--preset", "nano", "--seq-len", "16", "--batch-size", "4"]
+    flags += ["--steps", "2", "--out-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AGENT, "finished", "train", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert re.search(r"^done: nano", out, re.M), out
 
 
 @pytest.mark.parametrize(

@@ -151,15 +151,18 @@ def run_agent(
         for name in ("multiprocessing.api", "agent.server.api"):
             logging.getLogger(f"torch.distributed.elastic.{name}").setLevel(logging.CRITICAL)
         stopping: list[int] = []
+        ended: list[int | None] = []  # the ranks' exit codes once the agent stopped them
         _quiet_timer_teardown()
         try:
-            with _agent_env(launch, noted, stopping):
+            with _agent_env(launch, noted, stopping, ended):
                 torchrun(_holding_argv(launch.torchrun_argv(config)))
         except SignalException as exc:  # forwarded to the ranks, which stopped and reported
             if noted and not stopping:  # (before any rank: while the nodes met, or as they
                 name = signal.Signals(int(exc.sigval)).name  # were about to start)
                 print(f"zeroshard train: interrupted by {name} before the ranks started",
                       file=sys.stderr)  # fmt: skip
+            if ended and all(code == 0 for code in ended):
+                return 0  # on the last step: the ranks ended the run as done, and said so
             return 128 + int(exc.sigval)
         except RendezvousError as exc:  # e.g. the node hosting it ended the job, or left
             print(f"zeroshard train: {_rendezvous_failed(launch, exc)}", file=sys.stderr)
@@ -269,7 +272,9 @@ def _agent_signals() -> str:
 
 
 @contextmanager
-def _agent_env(launch: Launch, noted: list[int], stopping: list[int]) -> Iterator[None]:
+def _agent_env(
+    launch: Launch, noted: list[int], stopping: list[int], ended: list[int | None]
+) -> Iterator[None]:
     """torchrun's settings and agent class for this job, put back after."""
     import torch.distributed.launcher.api as launcher
 
@@ -287,7 +292,7 @@ def _agent_env(launch: Launch, noted: list[int], stopping: list[int]) -> Iterato
         env[RESUME_NEWEST] = "1"
     before = {name: os.environ.get(name) for name in env}
     agent = launcher.LocalElasticAgent
-    launcher.LocalElasticAgent = _holding_agent(agent, noted, stopping)
+    launcher.LocalElasticAgent = _holding_agent(agent, noted, stopping, ended)
     os.environ.update(env)
     try:
         yield
@@ -300,12 +305,15 @@ def _agent_env(launch: Launch, noted: list[int], stopping: list[int]) -> Iterato
                 os.environ[name] = value
 
 
-def _holding_agent(base: type, noted: list[int], stopping: list[int]) -> type:
+def _holding_agent(
+    base: type, noted: list[int], stopping: list[int], ended: list[int | None]
+) -> type:
     """``base`` (torchrun's LocalElasticAgent), which installs its own handler for ``HELD``
     only once its ranks are started (``--signals-to-handle`` leaves them out of its start),
     and then acts on a signal ``noted`` meanwhile (none is started when it came earlier); it
     restarts no rank that failed with a ``FINAL`` status. A signal that came once they were
-    started is sent to them at once and put in ``stopping``."""
+    started is sent to them at once and put in ``stopping``; the ranks' exit codes once it
+    stopped them are put in ``ended`` (0 for each: they had finished the run)."""
     workers: list[int] = []  # the ranks' pids
     from torch.distributed.elastic.multiprocessing.api import (
         SignalException,
@@ -359,6 +367,17 @@ def _holding_agent(base: type, noted: list[int], stopping: list[int]) -> type:
         def _stop_workers(self, *args: Any, **kwargs: Any) -> None:
             workers.clear()  # (stopped: their pids may be another process's)
             super()._stop_workers(*args, **kwargs)
+
+        def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+            # On a signal torchrun raises its SignalException whatever the ranks did with it:
+            # one on the last step, they end the run as done and exit 0 (it exited 130 / 143,
+            # and a scheduler requeueing on 143 resumed a finished run).
+            context = self._pcontext
+            try:
+                super()._shutdown(*args, **kwargs)
+            finally:
+                handlers = getattr(context, "subprocess_handlers", None) or {}
+                ended[:] = [h.proc.poll() for h in handlers.values()]
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
