@@ -1116,6 +1116,31 @@ def test_a_factory_s_mistakes_are_one_line(
 
 
 @pytest.mark.parametrize(
+    "source, said",
+    [
+        ("import torch\nraise RuntimeError('boom')\n", "raised RuntimeError: boom ({}, line 2)"),
+        ("def build(:\n    pass\n", "raised SyntaxError: invalid syntax ({}, line 1)"),
+    ],
+)
+def test_a_model_module_that_raises_as_it_is_imported_is_one_line(
+    capsys, tmp_path, data_dir, monkeypatch, source, said
+):
+    # Anything but an ImportError was the launcher's traceback and exit 1 (explorer226).
+    folder = tmp_path / "pkg"
+    folder.mkdir()
+    (folder / "raising.py").write_text(source)
+    monkeypatch.syspath_prepend(str(folder))
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "1", "--batch-size", "2"]
+    code, err, _, _ = _train_in_process(capsys, tmp_path / "run", *flags, "--model", "raising:b")
+    assert code == 2 and "Traceback" not in err, err
+    said = "model = 'raising:b': importing raising " + said.format(folder / "raising.py")
+    assert err.strip().splitlines() == [
+        f"zeroshard train: error: {said}; fix the module (`python -c 'import raising'` shows "
+        "the whole traceback)"
+    ], err
+
+
+@pytest.mark.parametrize(
     "factory, shape",
     [("build_vocab_second", "(2, 256, 16)"), ("build_one_short", "(2, 15, 256)")],
 )
@@ -1826,7 +1851,8 @@ def test_every_way_a_two_rank_run_ends(tmp_path, data_dir, model_module):
             print(f"\n{name}: {waited:.1f} s from the signal to the exit")
             assert waited < 5, f"{name}: {waited:.1f} s from the signal to the exit"
         elif code == 2:
-            assert ours == ["zeroshard train: error: my factory: width must be even"], stderr
+            said = "model = 'my_models:build_bad': my factory: width must be even"
+            assert ours == [f"zeroshard train: error: {said}"], stderr
         elif code == -9:  # the agent names the dead rank; the survivor (if it said anything
             # before it was stopped) names it too, and suggests no timeout: none would help
             assert ours[-1].startswith("zeroshard train: rank 0 failed (exit code -9); the other")

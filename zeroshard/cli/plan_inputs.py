@@ -5,10 +5,9 @@ length, tensor-parallel heads and plan) that ``zeroshard train`` makes too."""
 
 from __future__ import annotations
 
-import importlib
-
 from zeroshard import planner
 from zeroshard.cli import plan_flags as flags
+from zeroshard.models.loading import import_factory
 from zeroshard.planner import memory, units
 
 # ---- reading the arguments -----------------------------------------------------------------
@@ -103,10 +102,7 @@ def _import_factory(spec: str):
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--module takes PKG.MOD:FACTORY, got {spec!r}")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"--module {spec!r}: {exc}; check the module path and name") from None
+    return import_factory(spec, named=f"--module {spec!r}")
 
 
 # ---- the plan ------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,27 +68,34 @@ class BuiltModel:
     """For a model on the meta device: initializes one module's own parameters."""
 
 
-def import_factory(spec: str) -> Callable[[], nn.Module]:
-    """The callable named by ``"package.module:attr"``; a ValueError with the fix otherwise."""
+def import_factory(spec: str, *, named: str | None = None) -> Callable[[], nn.Module]:
+    """The callable named by ``"package.module:attr"``; a ValueError with the fix otherwise,
+    beginning with ``named`` (default ``model = 'spec'``, the setting that gave it)."""
+    said = named or f"model = {spec!r}"
     module_name, _, attr = spec.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(
-            f"model = {spec!r}: cannot import {module_name} ({exc}); put its folder on "
-            "PYTHONPATH or pip install its package"
+            f"{said}: cannot import {module_name} ({exc}); put its folder on PYTHONPATH or pip "
+            "install its package"
+        ) from None
+    except Exception as exc:  # its own code raised: a bug there (it was a launcher's traceback)
+        raise ValueError(
+            f"{said}: importing {module_name} raised {_where(exc)}; fix the module (`python -c "
+            f"'import {module_name}'` shows the whole traceback)"
         ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"model = {spec!r}: {module_name} has no attribute {attr!r}")
+            raise ValueError(f"{said}: {module_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"model = {spec!r}: {attr} is a {type(obj).__name__}, not a callable")
+        raise ValueError(f"{said}: {attr} is a {type(obj).__name__}, not a callable")
     try:
         inspect.signature(obj).bind()
     except TypeError as exc:
         raise ValueError(
-            f"model = {spec!r}: the factory is called with no arguments, and {attr} needs some "
+            f"{said}: the factory is called with no arguments, and {attr} needs some "
             f"({exc}); give them defaults, or name a wrapper that passes them"
         ) from None
     except ValueError:  # no signature to read (a builtin): calling it will tell
@@ -95,11 +103,24 @@ def import_factory(spec: str) -> Callable[[], nn.Module]:
     return obj
 
 
+def _where(exc: Exception) -> str:
+    """``exc`` in one line, with the file and line that raised it."""
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
+    frames = traceback.extract_tb(exc.__traceback__)
+    at = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{at}"
+
+
 def _call_factory(spec: str) -> Any:
     """``factory()``; a factory that exits (``sys.exit``) is said so instead of passing its
-    status for ours (3 would read as divergence)."""
+    status for ours (3 would read as divergence), and the bad input it refuses with a
+    ValueError is said as the setting's (it was the factory's message alone)."""
+    factory = import_factory(spec)
     try:
-        return import_factory(spec)()
+        return factory()
+    except ValueError as exc:
+        raise ValueError(f"model = {spec!r}: {exc}") from exc
     except SystemExit as exc:
         raise ValueError(
             f"model = {spec!r}: the factory exited (sys.exit({exc.code!r})) instead of "
