@@ -612,6 +612,13 @@ def test_checkpoint_info_of_an_incomplete_save(capsys, tmp_path):
     assert main(["checkpoint", "info", str(tmp_path / "notes")]) == 2
     out = capsys.readouterr().out
     assert "is not a zeroshard checkpoint" in out and "bytes" not in out, out
+    # With --json, JSON for those too, on stdout (a plain line there, and the missing folder's
+    # error on stderr: explorer226)
+    for path, said in ((tmp_path / "notes", "is not a zeroshard"), (tmp_path / "none", "no ")):
+        assert main(["checkpoint", "info", str(path), "--json"]) == 2
+        found = json.loads(capsys.readouterr().out)
+        assert found["path"] == str(path) and found["complete"] is False, found
+        assert found["problem"].startswith(f"{path} {said}" if "not" in said else said), found
 
 
 @pytest.mark.alone  # (a signal sent at a moment; a bound in seconds)

@@ -36,11 +36,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         checkpoint.read_meta(args.path)
     except NotACheckpoint as exc:  # (a run's folder, an export: the wrong path, exit 2)
-        print(exc)
-        return 2
+        return _not_one(args, str(exc))
     except (CheckpointError, OSError):
         pass  # (what info tells: incomplete or damaged)
-    found, state = checkpoint.info(args.path), "incomplete"
+    try:
+        found, state = checkpoint.info(args.path), "incomplete"
+    except FileNotFoundError as exc:
+        if not args.json:
+            raise  # (the command's error line)
+        return _not_one(args, str(exc))
     if found.complete and args.verify:
         problem = checkpoint.verify(args.path)
         if problem:
@@ -71,6 +75,16 @@ def run(args: argparse.Namespace) -> int:
         f"({found.size_bytes:,} bytes), zeroshard {k(found.zeroshard_version)}"
     )
     return 0
+
+
+def _not_one(args: argparse.Namespace, problem: str) -> int:
+    """``args.path`` is no checkpoint at all (exit 2): said in a line, or with ``--json`` in
+    the fields a script reads (it was that line there too, no JSON)."""
+    if args.json:
+        print(json.dumps({"path": str(args.path), "complete": False, "problem": problem}))
+    else:
+        print(problem)
+    return 2
 
 
 def _known(value: object) -> str:
