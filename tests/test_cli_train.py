@@ -1580,6 +1580,31 @@ def test_a_signal_at_the_last_step_ends_the_run_as_done(
     assert said == (" (at step 0: a signal cut the last one short)" if during else ""), said
 
 
+def test_a_signal_during_a_save_stops_at_that_save(capsys, tmp_path, data_dir, monkeypatch):
+    """The stop is asked before each step's save; a signal that came during the save was seen
+    after the next step, which was trained and saved again (explorer226): it is asked again
+    once the save is done, which then serves the stop."""
+    import signal as signals
+
+    from zeroshard.signals import StopOnSignal
+
+    calls = []
+
+    def during_the_second_save(self):
+        import sys
+
+        if sys._getframe(1).f_code.co_name == "_run":
+            calls.append(1)  # after step 1, after step 2 (due to save), after step 2's save
+        return signals.SIGINT if len(calls) >= 3 else 0
+
+    monkeypatch.setattr(StopOnSignal, "agreed", during_the_second_save)
+    flags = [*NANO, "--data-dir", str(data_dir), "--steps", "6", "--batch-size", "2"]
+    code, err, _, summary = _train_in_process(capsys, tmp_path, *flags, "--save-every", "2")
+    assert code == 130 and summary["status"] == "interrupted", err
+    assert summary["last_step"] == 2, summary
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000002"]
+
+
 def test_non_finite_validation_loss_is_divergence(capsys, tmp_path, model_module, data_dir):
     flags = [*NANO, "--data-dir", str(data_dir), "--steps", "5", "--batch-size", "2"]
     flags += ["--model", f"{model_module}:build_nan_in_eval", "--wrap", "MyBlock"]

@@ -483,6 +483,10 @@ def _run(cfg, model, opt, loader, val_batches, log, stopper, start, skipped, *,
                          "settings": json.dumps(asdict(cfg)), "hf_config": hf_config,
                          "data": summary["data_fingerprint"]}  # fmt: skip
                 checkpoint.save(where, model, opt, state, keep=cfg.keep)
+                if not signum and stopper is not None:
+                    # A signal during the save: this save is the stop's (it trained one more
+                    # step and saved again, inside the ranks' grace period).
+                    signum = stopper.agreed()
             paused = time.perf_counter() - paused
             t_start, t_log = t_start + paused, t_log + paused
             if step == start + 1 and cfg.steps > step:  # the first step allocates and warms
