@@ -508,6 +508,7 @@ def measure(
     import torch
 
     from zeroshard.residual_states.activations import train_without_caches
+    from zeroshard.trees import tensors_in
 
     again = dict(  # (the measurement's arguments, for another run of it)
         vocab_size=vocab_size,
@@ -518,7 +519,6 @@ def measure(
         checkpointing=checkpointing,
         example=example,
     )
-    from zeroshard.trees import tensors_in
 
     dtype = getattr(torch, DTYPES[activation_bytes])
     model = copy.deepcopy(module).to(device="meta", dtype=dtype)
@@ -727,11 +727,11 @@ def _split_unit_backward_bytes(
     module, unit_names: tuple[str, ...], *, num_mp_ranks: int, **kwargs
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``SavedActivations.unit_backward_bytes`` (and ``unit_backward_copied_bytes``) with
-    tensor parallelism: each unit's backward
-    followed on meta (``measure`` of one rank) on a copy of ``module`` whose planned Linears
-    hold one rank's piece (``_split_locally``), so that its operators make and hold what one
-    rank's do: the gradients of the split tensors 1/Nm, those of the whole ones (the residual
-    stream, the norms' inputs and outputs, a gathered output) whole. Empty where that copy's
+    tensor parallelism: each unit's backward followed on meta (``measure`` of one rank) on a
+    copy of ``module`` whose planned Linears hold one rank's piece (``_split_locally``), so that
+    its operators make and hold what one rank's do: the gradients of the split tensors 1/Nm,
+    those of the whole ones (the residual stream, the norms' inputs and outputs, a gathered
+    output) whole. Empty where that copy's
     forward or backward fails on meta (each unit's input's and largest saved tensor's sizes
     then stand in). (Before: always that stand-in, which missed the whole gradients a unit's
     backward holds beside its input's: Gemma3's sandwich norms, OLMo2's gathered q and k;
@@ -896,10 +896,10 @@ def _unit_backward_bytes(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``SavedActivations.unit_backward_bytes`` and ``unit_backward_copied_bytes``: ``loss``'s
     backward followed on meta (``None`` or a backward that fails there: empty). A unit called
-    more than once counts at most what
-    its backward made alone: units whose calls take turns (ALBERT's two layers) have other
-    units' saves alive at their peak, which the plan's order does not count up to them (their
-    working set was 5 calls of the other layer, 3x the measured peak under checkpointing)."""
+    more than once counts at most what its backward made alone: units whose calls take turns
+    (ALBERT's two layers) have other units' saves alive at their peak, which the plan's order
+    does not count up to them (their working set was 5 calls of the other layer, 3x the
+    measured peak under checkpointing)."""
     if loss is None:
         return (), ()
     try:

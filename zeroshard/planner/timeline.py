@@ -660,11 +660,11 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     # and its gradients are autograd's until its reduction, as at stage 3. (Counted as held,
     # with a weight's beside every unit's peak, they put Llama 3.3% over its peak at --ci 1.)
     units_copied = not (part.gradients and c.bucket_per_unit)
-    held = act.tied_held if not part.gradients or single_bucket else act.held_grad
+    head_grads = act.tied_held if not part.gradients or single_bucket else act.held_grad
     if units_copied and act.at_unit_copied:  # (followed: each weight's where it is made)
-        at_unit, unit_grads = act.at_unit_copied, held
+        at_unit, unit_grads = act.at_unit_copied, head_grads
     else:  # (the largest weight's gradient beside every unit's peak)
-        at_unit, unit_grads = act.at_unit, act.grad_working - act.held_grad + held
+        at_unit, unit_grads = act.at_unit, act.grad_working - act.held_grad + head_grads
     stages_input = c.reduce_stages_input and part.optimizer_states  # a reduce-scatter's input
 
     def staging(n: int) -> int:
@@ -726,7 +726,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         after = dict(
             activation_working=act.at_post[k],
             activation_checkpoints=act.checkpoints_at_unit[k],
-            model_state_working=held,
+            model_state_working=head_grads,
         )
         if own_grad(backward[k]):
             out.append(
@@ -785,7 +785,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 moment(
                     0 if single_bucket else num_units,
                     activation_working=act.after,
-                    model_state_working=held + act.tied_grad,
+                    model_state_working=head_grads + act.tied_grad,
                     gathered_units=gathered(0, 0),
                     **reducing(num_units - in_flight, in_flight),
                 ),
