@@ -165,8 +165,8 @@ class _Made:
 
 
 def peaks(
-    loss, saves: SaveCounts, owners: Owners
-) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    loss, saves: SaveCounts, owners: Owners, param_owners: dict[int, int] | None = None
+) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, int]]:
     """Run ``loss``'s backward (on meta) and give, per owner (``Owners``), the most bytes of saved
     activations and of what the backward made (gradients, temporaries inside a node) alive at
     once while one of its nodes ran, and the most of what the backward made alone. ``saves``
@@ -174,7 +174,12 @@ def peaks(
     ``saves.unpacked``. Parameters' gradients are model states, counted by the timeline: left
     out of those two; the third is the first with them in while the node making them runs
     (where each is copied into a persistent bucket as soon as it is accumulated, it lives no
-    longer)."""
+    longer). The fourth is the first with the owner's own parameters' gradients
+    (``param_owners``: ``id`` of a parameter -> the unit holding it) kept from the moment each
+    is made, as autograd holds them where the engine collects a unit's gradient only at its
+    post-backward (partitioned gradients, a bucket per unit): those made so far at each moment,
+    where the largest one beside every moment counted a mixture of experts' stacked weights,
+    whose gradients are made after its peak."""
     nodes, todo, seen = [], [loss.grad_fn], set()
     while todo:
         node = todo.pop()
@@ -189,6 +194,11 @@ def peaks(
     found: dict[int, int] = {}
     made_most: dict[int, int] = {}
     with_grads: dict[int, int] = {}
+    holding: dict[int, int] = {}
+    param_owners = param_owners or {}
+    held: dict[int, int] = {}  # per owner: bytes of its parameters' gradients accumulated
+    holders: set[int] = set()  # (``id`` of the parameters those are of)
+    running: list = [None]  # the owner of the node running (or that ran last)
     # The node running: the sizes of what it made, and per moment, the bytes alive and which of
     # its own storages were (a parameter's gradient among them is known as it ends).
     sizes: dict[int, int] = {}
@@ -200,10 +210,14 @@ def peaks(
 
     made = _Made(moment)
 
-    def before(_grad_outputs) -> None:
-        sizes.clear()
-        moments.clear()
-        made.nodes_running += 1
+    def before(node):
+        def hook(_grad_outputs) -> None:
+            sizes.clear()
+            moments.clear()
+            made.nodes_running += 1
+            running[0] = owners.of(node)
+
+        return hook
 
     def after(node):
         def hook(grad_inputs, _grad_outputs) -> None:
@@ -224,6 +238,8 @@ def peaks(
                     found[owner] = max(found.get(owner, 0), alive + made_now)
                     made_most[owner] = max(made_most.get(owner, 0), made_now)
                     with_grads[owner] = max(with_grads.get(owner, 0), alive + total)
+                    now = alive + total + held.get(owner, 0)
+                    holding[owner] = max(holding.get(owner, 0), now)
             for serial in states - {None}:
                 made.forget(serial)
             made.nodes_running -= 1
@@ -236,13 +252,17 @@ def peaks(
         serial = made.serial(param.grad)
         if serial is not None:
             made.forget(serial)
+        owner = param_owners.get(id(param))
+        if owner is not None and owner == running[0] and id(param) not in holders:
+            holders.add(id(param))  # (a second gradient is added into the first)
+            held[owner] = held.get(owner, 0) + param.grad.untyped_storage().nbytes()
 
     handles = []
     for node in nodes:
         if hasattr(node, "variable"):
             handles.append(node.variable.register_post_accumulate_grad_hook(accumulated))
         else:
-            handles.append(node.register_prehook(before))
+            handles.append(node.register_prehook(before(node)))
             handles.append(node.register_hook(after(node)))
     try:
         with made.mode():
@@ -250,4 +270,4 @@ def peaks(
     finally:
         for h in handles:
             h.remove()
-    return found, made_most, with_grads
+    return found, made_most, with_grads, holding

@@ -122,6 +122,13 @@ class SavedActivations:
     (stages 0-1, and stage 2's buckets shared by units): a weight's gradient made beside the
     gradients flowing through may be the unit's peak (the other units' are in the buckets,
     counted as model states). Empty: not followed."""
+    unit_backward_held_bytes: tuple[int, ...] = ()
+    """The same, with each of the unit's own parameters' gradients alive from the operator making
+    it on, as autograd holds them where the engine collects a unit's gradient at its
+    post-backward (a bucket per unit: stage 3, and stage 2 once the model fills more than one
+    bucket): those made up to each moment, not the largest one beside every moment (a mixture
+    of experts' stacked weights' gradients, made after its peak, put OLMoE 5.5% over its peak
+    with a checkpoint per block). Empty: not followed."""
     chained: tuple[bool, ...] = ()
     """Per unit, in forward order: whether its first positional input is the previous unit's
     first output, unchanged (a span of activation checkpointing goes on across it; T5's
@@ -687,11 +694,16 @@ def measure(
     tail_params = {key: n for key, (k, n) in root_params.items() if next_call(k) is None}
     counted = collections.Counter(sequence)  # (a count per unit was units x calls)
     calls = [counted[i] for i in range(num_units)]
-    working, copied = _unit_backward_bytes(
-        loss if follow else None, saves, owners, unit_bytes, before, inputs, largest, calls
-    )
+    # Each unit's own parameters (not those of a unit inside it): whose gradients it holds.
+    param_owners = {
+        id(p): i for i, u in enumerate(units) for p in u.parameters() if id(p) not in inside[i]
+    }
+    working, copied, held = _unit_backward_bytes(
+        loss if follow else None, saves, owners, unit_bytes, before, inputs, largest, calls,
+        param_owners,
+    )  # fmt: skip
     if not follow:  # (the pieces one rank holds, followed on a model split as the ranks hold it)
-        working, copied = _split_unit_backward_bytes(
+        working, copied, held = _split_unit_backward_bytes(
             module, unit_names, num_mp_ranks=num_mp_ranks, **again
         )
     return SavedActivations(
@@ -706,6 +718,7 @@ def measure(
         loss_input_bytes=4 * seen[0] if seen else None,
         unit_backward_bytes=working,
         unit_backward_copied_bytes=copied,
+        unit_backward_held_bytes=held,
         chained=tuple(chained),
         calls=tuple(calls),
         ran=tuple(ran),
@@ -725,13 +738,13 @@ def measure(
 
 def _split_unit_backward_bytes(
     module, unit_names: tuple[str, ...], *, num_mp_ranks: int, **kwargs
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``SavedActivations.unit_backward_bytes`` (and ``unit_backward_copied_bytes``) with
-    tensor parallelism: each unit's backward followed on meta (``measure`` of one rank) on a
-    copy of ``module`` whose planned Linears hold one rank's piece (``_split_locally``), so that
-    its operators make and hold what one rank's do: the gradients of the split tensors 1/Nm,
-    those of the whole ones (the residual stream, the norms' inputs and outputs, a gathered
-    output) whole. Empty where that copy's
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``SavedActivations.unit_backward_bytes`` (``unit_backward_copied_bytes``,
+    ``unit_backward_held_bytes``) with tensor parallelism: each unit's backward followed on meta
+    (``measure`` of one rank) on a copy of ``module`` whose planned Linears hold one rank's
+    piece (``_split_locally``), so that its operators make and hold what one rank's do: the
+    gradients of the split tensors 1/Nm, those of the whole ones (the residual stream, the
+    norms' inputs and outputs, a gathered output) whole. Empty where that copy's
     forward or backward fails on meta (each unit's input's and largest saved tensor's sizes
     then stand in). (Before: always that stand-in, which missed the whole gradients a unit's
     backward holds beside its input's: Gemma3's sandwich norms, OLMo2's gathered q and k;
@@ -748,10 +761,14 @@ def _split_unit_backward_bytes(
             warnings.simplefilter("ignore")
             found = measure(local, unit_names, num_mp_ranks=1, track=False, **kwargs)
     except Exception:
-        return (), ()
+        return (), (), ()
     if len(found.unit_backward_bytes) != len(unit_names):
-        return (), ()
-    return found.unit_backward_bytes, found.unit_backward_copied_bytes
+        return (), (), ()
+    return (
+        found.unit_backward_bytes,
+        found.unit_backward_copied_bytes,
+        found.unit_backward_held_bytes,
+    )
 
 
 def _split_locally(model, num_mp_ranks: int) -> None:
@@ -892,19 +909,30 @@ def _own_error(model, call: str, x, y, vocab_size: int) -> Exception | None:
 
 
 def _unit_backward_bytes(
-    loss, saves, owners, unit_bytes: list, before: list, inputs: list, largest: list, calls: list
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``SavedActivations.unit_backward_bytes`` and ``unit_backward_copied_bytes``: ``loss``'s
-    backward followed on meta (``None`` or a backward that fails there: empty). A unit called
-    more than once counts at most what its backward made alone: units whose calls take turns
-    (ALBERT's two layers) have other units' saves alive at their peak, which the plan's order
-    does not count up to them (their working set was 5 calls of the other layer, 3x the
-    measured peak under checkpointing)."""
+    loss,
+    saves,
+    owners,
+    unit_bytes: list,
+    before: list,
+    inputs: list,
+    largest: list,
+    calls: list,
+    param_owners: dict[int, int] | None = None,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``SavedActivations.unit_backward_bytes``, ``unit_backward_copied_bytes`` and
+    ``unit_backward_held_bytes`` (``param_owners``: ``id`` of each unit's own parameter -> the
+    unit): ``loss``'s backward followed on meta (``None`` or a backward that fails there:
+    empty). A unit called more than once counts at most what its backward made alone: units
+    whose calls take turns (ALBERT's two layers) have other units' saves alive at their peak,
+    which the plan's order does not count up to them (their working set was 5 calls of the
+    other layer, 3x the measured peak under checkpointing)."""
     if loss is None:
-        return (), ()
+        return (), (), ()
     try:
         with _on_meta():
-            found, made, with_grads = backward_peak.peaks(loss, saves, owners)
+            found, made, with_grads, holding = backward_peak.peaks(
+                loss, saves, owners, param_owners
+            )
     except Exception as exc:  # an operator without a meta backward: the sizes' estimate stands
         import warnings
 
@@ -915,20 +943,22 @@ def _unit_backward_bytes(
             "largest saved tensor's size",
             stacklevel=2,
         )
-        return (), ()
-    working, copied, through = [], [], 0
+        return (), (), ()
+    working, copied, held, through = [], [], [], 0
     for i, (own, root) in enumerate(zip(unit_bytes, before)):
         through += own + root  # saved up to and by unit i, alive as its backward starts
         if i not in found:
             working.append(inputs[i] + largest[i])
             copied.append(working[-1])
+            held.append(working[-1])
             continue
         beyond = found[i] - through
         if calls[i] > 1:  # (its calls may take turns with other units')
             beyond = min(beyond, made[i])
         working.append(max(0, beyond))
         copied.append(working[-1] + with_grads[i] - found[i])
-    return tuple(working), tuple(copied)
+        held.append(working[-1] + holding[i] - found[i])
+    return tuple(working), tuple(copied), tuple(held)
 
 
 def batch(

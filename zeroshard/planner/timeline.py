@@ -150,6 +150,11 @@ class ActivationTerms:
     it is copied into a persistent bucket at once (``SavedActivations.
     unit_backward_copied_bytes``; the largest one's is in ``grad_working`` otherwise); empty:
     not followed."""
+    at_unit_held: tuple[int, ...] = ()
+    """``at_unit`` with the unit's own parameters' gradients made up to each moment of its
+    backward, where autograd holds them until the unit's post-backward (a bucket per unit:
+    ``SavedActivations.unit_backward_held_bytes``); empty: not followed (the largest one's is
+    in ``grad_working``)."""
     at_forward: int | None = None
     """The forward's own peak (measured on meta: ``SavedActivations.forward_peak_bytes``): what it
     saved so far and what it holds unsaved (the logits, transformers' key cache); ``None``
@@ -196,9 +201,16 @@ class _PerUnit:
     copied: tuple[int, ...] = ()
     """``working`` with parameters' gradients in as they are made
     (``SavedActivations.unit_backward_copied_bytes``); empty: not followed."""
+    held: tuple[int, ...] = ()
+    """``working`` with the unit's own parameters' gradients kept from their making on
+    (``SavedActivations.unit_backward_held_bytes``); empty: not followed."""
 
-    def backward_working(self, i: int, *, copied: bool = False) -> int:
-        working = self.copied if copied and self.copied else self.working
+    def backward_working(self, i: int, *, copied: bool = False, held: bool = False) -> int:
+        working = self.working
+        if copied and self.copied:
+            working = self.copied
+        elif held and self.held:
+            working = self.held
         return working[i] if working else self.inputs[i] + self.largest[i]
 
 
@@ -230,6 +242,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
             s.inner,
             s.calls,
             s.unit_backward_copied_bytes,
+            s.unit_backward_held_bytes,
         )
         held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
         tied = 2 * s.tied_param_numel * g
@@ -329,6 +342,9 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
             moments[i][0] + own[i] + per.backward_working(i, copied=True) for i in fwd
         )
         if per.copied
+        else (),
+        at_unit_held=tuple(moments[i][0] + own[i] + per.backward_working(i, held=True) for i in fwd)
+        if per.held
         else (),
         at_post=tuple(moments[i][0] + per.inputs[i] for i in fwd),
         after=per.before[0] if num_units else 0,
@@ -663,6 +679,10 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     head_grads = act.tied_held if not part.gradients or single_bucket else act.held_grad
     if units_copied and act.at_unit_copied:  # (followed: each weight's where it is made)
         at_unit, unit_grads = act.at_unit_copied, head_grads
+    elif not units_copied and act.at_unit_held and not accumulating:
+        # (followed: those made so far, held; accumulating unreduced, the last micro-batch's
+        # may be added into the earlier ones', counted in ``grads``)
+        at_unit, unit_grads = act.at_unit_held, head_grads
     else:  # (the largest weight's gradient beside every unit's peak)
         at_unit, unit_grads = act.at_unit, act.grad_working - act.held_grad + head_grads
     stages_input = c.reduce_stages_input and part.optimizer_states  # a reduce-scatter's input
