@@ -86,21 +86,28 @@ AGENT = textwrap.dedent(
 )
 
 
+def _agent(moment: str, flags: list[str], *, timeout: int = 90, env=None) -> tuple[int, str, str]:
+    """``zeroshard train FLAGS`` under ``AGENT``'s ``moment``: (exit status, stdout, stderr),
+    once every rank is gone (the pipes close then, orphans included); killed at ``timeout``."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AGENT, moment, "train", *flags], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out, err
+
+
 @pytest.mark.parametrize("moment,code", [("set-up", 130), ("spawn", 143)])
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
 def test_a_signal_while_the_agent_starts_stops_every_rank(tmp_path, moment, code):
     flags = ["--nproc", "2", "--preset", "nano", "--seq-len", "16", "--batch-size", "4"]
     flags += ["--steps", "100000", "--out-dir", str(tmp_path / "run")]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", AGENT, moment, "train", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:  # the pipes close once every rank is gone, orphans included
-        out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == code, err[-3000:]
+    returncode, _, err = _agent(moment, flags)
+    assert returncode == code, err[-3000:]
 
 
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
@@ -108,16 +115,9 @@ def test_a_signal_while_the_nodes_meet_stops_at_once(tmp_path):
     """Held until the ranks started, a signal waited for the rendezvous's own timeout (600 s)
     while a node never came; no rank exists then: it acts at once, in one line."""
     flags = ["--nproc", "2", "--preset", "nano", "--seq-len", "16", "--steps", "3"]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", AGENT, "rendezvous", "train", *flags, "--out-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=60)  # (the rendezvous sleeps 120 s first)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 143, err[-3000:]
+    flags += ["--out-dir", str(tmp_path)]
+    returncode, _, err = _agent("rendezvous", flags, timeout=60)  # (it sleeps 120 s first)
+    assert returncode == 143, err[-3000:]
     assert err.strip().endswith("interrupted by SIGTERM before the ranks started"), err[-3000:]
 
 
@@ -128,16 +128,8 @@ def test_a_signal_whose_exception_torch_replaces_still_stops_every_rank(tmp_path
     flags = ["--nproc", "2", "--preset", "nano", "--seq-len", "16", "--batch-size", "4"]
     flags += ["--steps", "100000", "--out-dir", str(tmp_path / "run")]
     env = {**os.environ, "METRICS": str(tmp_path / "run" / "metrics.jsonl")}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", AGENT, "monitor", "train", *flags], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    returncode, out, err = _agent("monitor", flags, env=env)
+    assert returncode == 130 and "Traceback" not in err, err[-3000:]
     said = r"^interrupted at step \d+ by SIGINT; (nothing trained in this run yet: )?no checkpoint"
     assert re.search(said, out, re.M), out
 
@@ -149,16 +141,8 @@ def test_a_signal_once_the_ranks_finished_the_run_exits_0(tmp_path):
     a scheduler requeueing on it resumed a finished run (explorer226)."""
     flags = ["--nproc", "2", "--preset", "nano", "--seq-len", "16", "--batch-size", "4"]
     flags += ["--steps", "2", "--out-dir", str(tmp_path / "run")]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", AGENT, "finished", "train", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, err[-3000:]
+    returncode, out, err = _agent("finished", flags)
+    assert returncode == 0, err[-3000:]
     assert re.search(r"^done: nano", out, re.M), out
 
 

@@ -2315,7 +2315,7 @@ def test_a_rank_of_your_own_torchrun_holds_the_out_dir(tmp_path, monkeypatch):
             train_cli._hold_for_own_torchrun(tmp_path)
             assert train_cli._HELD == [], name
     launch = agent.Launch(nproc=2, port=0)
-    with agent._agent_env(launch, [], []):
+    with agent._agent_env(launch, [], [], []):
         assert os.environ[agent.LAUNCHER_PID] == str(os.getpid())
 
 

@@ -304,6 +304,16 @@ def test_the_forward_under_checkpoints_holds_what_a_unit_returns(workers2):
         assert abs(calibrate.error(p["peak_bytes"], meas["peak_bytes"])) <= 0.01, row
 
 
+def _peak_in_a_unit_s_backward(workers2, config: dict, within: float, **case) -> None:
+    """``config`` calibrated with a checkpoint per unit (``HFCase`` fields in ``case``): on
+    every rank the plan's peak is in a unit's backward, within ``within`` of the measured one."""
+    case = calibrate.HFCase(config=config, checkpoint_every=1, **case)
+    for row in workers2.run(calibrate.calibrate, case):
+        p, meas = row["predicted"], row["measured"]
+        assert p["peak_moment"].startswith("unit backward"), calibrate.render([row])
+        assert abs(calibrate.error(p["peak_bytes"], meas["peak_bytes"])) <= within, row
+
+
 @pytest.mark.parametrize("name", ["opt", "llama", "gpt2"])
 def test_a_unit_s_backward_working_set_is_followed(workers2, name):
     """A checkpoint per unit, stage 3, 32 x 64 tokens: the peak is inside the last unit's
@@ -316,13 +326,7 @@ def test_a_unit_s_backward_working_set_is_followed(workers2, name):
     from test_planner_hf import HF_CONFIGS
 
     config = OPT | {"dropout": 0.0} if name == "opt" else HF_CONFIGS[name]
-    case = calibrate.HFCase(
-        config=config, stage=3, micro_batch_size=32, seq_len=64, checkpoint_every=1
-    )
-    for row in workers2.run(calibrate.calibrate, case):
-        p, meas = row["predicted"], row["measured"]
-        assert p["peak_moment"].startswith("unit backward"), calibrate.render([row])
-        assert abs(calibrate.error(p["peak_bytes"], meas["peak_bytes"])) <= 0.01, row
+    _peak_in_a_unit_s_backward(workers2, config, 0.01, stage=3, micro_batch_size=32, seq_len=64)
 
 
 GPT_NEOX = dict(
@@ -438,13 +442,7 @@ def test_a_unit_s_own_gradients_are_counted_as_they_are_made(workers2):
     2 x 32, those made before a later moment are more than the largest one: -1.6%. Now the
     gradients made up to each moment, followed on meta."""
     pytest.importorskip("transformers")
-    case = calibrate.HFCase(
-        config=OLMOE, stage=3, micro_batch_size=2, seq_len=32, checkpoint_every=1
-    )
-    for row in workers2.run(calibrate.calibrate, case):
-        p, meas = row["predicted"], row["measured"]
-        assert p["peak_moment"].startswith("unit backward"), calibrate.render([row])
-        assert abs(calibrate.error(p["peak_bytes"], meas["peak_bytes"])) <= 0.005, row
+    _peak_in_a_unit_s_backward(workers2, OLMOE, 0.005, stage=3, micro_batch_size=2, seq_len=32)
 
 
 GEMMA3 = dict(
@@ -465,13 +463,9 @@ def test_gradients_copied_into_persistent_buckets_are_not_held(workers2, name, s
     pytest.importorskip("transformers")
     from test_planner_hf import HF_CONFIGS
 
-    case = calibrate.HFCase(
-        config=HF_CONFIGS[name], stage=stage, micro_batch_size=4, seq_len=64, checkpoint_every=1
+    _peak_in_a_unit_s_backward(
+        workers2, HF_CONFIGS[name], 0.005, stage=stage, micro_batch_size=4, seq_len=64
     )
-    for row in workers2.run(calibrate.calibrate, case):
-        p, meas = row["predicted"], row["measured"]
-        assert p["peak_moment"].startswith("unit backward"), calibrate.render([row])
-        assert abs(calibrate.error(p["peak_bytes"], meas["peak_bytes"])) <= 0.005, row
 
 
 @pytest.mark.parametrize("name, within", [("llama", 0.005), ("gemma3", 0.025)])
@@ -488,13 +482,9 @@ def test_a_tensor_parallel_unit_s_backward_working_set_is_followed(workers2, nam
     from test_planner_hf import HF_CONFIGS
 
     config = GEMMA3 if name == "gemma3" else HF_CONFIGS[name]
-    case = calibrate.HFCase(
-        config=config, stage=3, micro_batch_size=4, seq_len=64, tp=2, checkpoint_every=1
+    _peak_in_a_unit_s_backward(
+        workers2, config, within, stage=3, micro_batch_size=4, seq_len=64, tp=2
     )
-    for row in workers2.run(calibrate.calibrate, case):
-        p, meas = row["predicted"], row["measured"]
-        assert p["peak_moment"].startswith("unit backward"), calibrate.render([row])
-        assert abs(calibrate.error(p["peak_bytes"], meas["peak_bytes"])) <= within, row
 
 
 def test_calibration_one_rank_reduces_without_a_staging_copy(workers1):
