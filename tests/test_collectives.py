@@ -142,13 +142,43 @@ def _grown_by(fn) -> int:
     return peak[0] - (before or 0)
 
 
+def _allocated_by(fn) -> int:
+    """The most bytes of tensors that ``fn()`` allocated in this thread alive at once (torch's
+    allocations, seen as they are made and freed: the process's resident size, sampled, missed
+    a buffer alive for a few ms on a busy machine)."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    alive, peak = {}, [0]
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}  # fmt: skip
+            for t in tree_leaves(out):
+                storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+                if storage is None or storage.data_ptr() in inputs or id(storage) in alive:
+                    continue
+                alive[id(storage)] = storage.nbytes()
+                weakref.finalize(storage, alive.pop, id(storage), None)
+            peak[0] = max(peak[0], sum(alive.values()))
+            return out
+
+    with Allocations():
+        fn()
+    return peak[0]
+
+
 def _reduce_128_mib_in_place() -> dict:
     """Reduce-scatter 128 MiB of ones into the input's own slice."""
     world, rank = dist.get_world_size(), dist.get_rank()
     full = torch.ones((128 << 20) // 4)
     n = full.numel() // world
     own = full[rank * n : (rank + 1) * n]
-    grown = _grown_by(
+    grown = _allocated_by(
         lambda: C.reduce_scatter(own, full, group=None, ledger=C.Ledger(), async_op=False)
     )
     return {"exact": bool((own == world).all()), "grown": grown}
@@ -157,9 +187,9 @@ def _reduce_128_mib_in_place() -> dict:
 def test_an_in_place_reduction_receives_through_one_message_sized_buffer(workers2):
     for r in workers2.run(_reduce_128_mib_in_place):
         assert r["exact"], r
-        assert r["grown"] < C.REDUCE_CHUNK_BYTES + (8 << 20), r  # a shard would be 64 MiB
+        assert r["grown"] <= C.REDUCE_CHUNK_BYTES + (1 << 20), r  # a shard would be 64 MiB
     for r in workers2.run(_in_messages_of, 1 << 40, _reduce_128_mib_in_place):
-        assert r["exact"] and r["grown"] > 48 << 20, r  # one message: a shard-sized buffer
+        assert r["exact"] and r["grown"] >= 64 << 20, r  # one message: a shard-sized buffer
 
 
 def test_a_large_gather_needs_no_temporary(workers2):
