@@ -19,6 +19,7 @@ from zeroshard.planner.comm import (
     by_scope,
     dp_communication,
     num_shard_groups,
+    scope_ranks,
     scope_seconds,
     total_bytes,
     total_numel,
@@ -97,6 +98,27 @@ def test_seconds_per_scope_add():
     # the parameters' all-gather (2 GB) runs once.
     s = scope_seconds(collectives, intra_bandwidth_bytes_per_s=200e9, num_micro_batches=4)
     assert s == {SHARD: pytest.approx((4 * 2 + 2) / 200), REPLICATE: pytest.approx(4 * 0.5 / 200)}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_group_of_one_rank_moves_nothing(stage):
+    """Shard groups of one rank: the reduce-scatter and the gathers inside them are copies
+    (counted by the papers' volume, as the ledger counts them), timed 0 s; stages 1-3 cost the
+    inter-group all-reduce alone, as stage 0 does (they were timed 2-2.5x stage 0: explorer228)."""
+    collectives = dp_communication(10**9, stage=stage, num_dp_ranks=8, shard_group_size=1)
+    s = scope_seconds(
+        collectives, intra_bandwidth_bytes_per_s=25e9, group_ranks=scope_ranks(stage, 8, 1)
+    )
+    assert s == {SHARD: 0.0, REPLICATE: pytest.approx(4e9 / 25e9)}
+    assert scope_ranks(0, 8, 1) == {SHARD: 8, REPLICATE: 1}  # (stage 0 ignores the groups)
+    assert scope_ranks(stage, 8, None) == {SHARD: 8, REPLICATE: 1}
+    out = plan_report(
+        from_gpt("nano"), MemoryConfig(stage=stage, num_dp_ranks=8, shard_group_size=1),
+        stages=(stage,), offloads=("none",), net_bandwidth_bytes_per_s=25e9,
+    )  # fmt: skip
+    c = out["stages"][0]["communication"]
+    assert c["intra_group"]["seconds"] == 0.0 and c["inter_group"]["seconds"] > 0, c
+    assert any("groups of one rank" in note for note in c["notes"]), c["notes"]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

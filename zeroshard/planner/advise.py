@@ -34,6 +34,7 @@ from zeroshard.planner.comm import (
     SHARD,
     dp_communication,
     gathered_again,
+    scope_ranks,
     scope_seconds,
 )
 from zeroshard.planner.describe import ModelDescription
@@ -450,9 +451,8 @@ def _step_times(model, cluster, config, memory, num_micro) -> dict[str, float]:
         intra_bandwidth_bytes_per_s=net,
         inter_bandwidth_bytes_per_s=inter,
         num_micro_batches=num_micro,
+        group_ranks=scope_ranks(config.stage, config.num_dp_ranks, k),
     )
-    if config.num_dp_ranks == 1:
-        seconds = dict.fromkeys(seconds, 0.0)
 
     bandwidth = {
         Tier.CPU: cluster.cpu_bandwidth_bytes_per_s,

@@ -201,20 +201,31 @@ def scope_seconds(
     intra_bandwidth_bytes_per_s: float,
     inter_bandwidth_bytes_per_s: float | None = None,
     num_micro_batches: int | None = None,
+    group_ranks: dict[str, int] | None = None,
 ) -> dict[str, float]:
     """Seconds per scope, without overlap: ``shard`` collectives at the intra-group (in-node)
     bandwidth, ``replicate`` ones at the inter-group (inter-node) bandwidth (default: the
     intra-group one). The engine runs the inter-group all-reduce after each reduce-scatter,
     not overlapped with compute, so the two add. With ``num_micro_batches`` a step of that
-    many micro-batches: the collectives that run every micro-batch repeat."""
+    many micro-batches: the collectives that run every micro-batch repeat. ``group_ranks``
+    (``scope_ranks``): a scope whose groups hold one rank moves nothing, 0 s (its volume is
+    the papers' count all the same, as the engine's ledger counts it)."""
     inter = inter_bandwidth_bytes_per_s or intra_bandwidth_bytes_per_s
+    alone = {scope for scope, n in (group_ranks or {}).items() if n == 1}
     out = {}
     for scope, bw in ((SHARD, intra_bandwidth_bytes_per_s), (REPLICATE, inter)):
         num_bytes = sum(
             c.num_bytes * _repeats(c, num_micro_batches) for c in collectives if c.scope == scope
         )
-        out[scope] = comm_seconds(num_bytes, bw)
+        out[scope] = 0.0 if scope in alone else comm_seconds(num_bytes, bw)
     return out
+
+
+def scope_ranks(stage: int, num_dp_ranks: int, shard_group_size: int | None) -> dict[str, int]:
+    """Ranks in each scope's groups: ``shard`` the shard group (every data-parallel rank
+    without hybrid sharding, and at stage 0, which ignores it), ``replicate`` the groups' count."""
+    k = num_dp_ranks if shard_group_size is None or stage == 0 else shard_group_size
+    return {SHARD: k, REPLICATE: num_dp_ranks // k}
 
 
 def comm_seconds(num_bytes: float, bandwidth_bytes_per_s: float) -> float:

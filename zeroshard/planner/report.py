@@ -208,6 +208,11 @@ def _communication(model, config, net_bw, inter_bw) -> dict:
             "spans every rank (timed at the inter-node bandwidth)"
         )
         net_bw = inter_bw or net_bw
+    if k == 1 and config.stage > 0:
+        notes.append(
+            "shard groups of one rank: the intra-group column is the papers' count (as the "
+            "engine's ledger keeps it), but nothing crosses there: timed as 0 s"
+        )
     seconds = None
     if net_bw is not None:
         seconds = comm.scope_seconds(
@@ -215,6 +220,7 @@ def _communication(model, config, net_bw, inter_bw) -> dict:
             intra_bandwidth_bytes_per_s=net_bw,
             inter_bandwidth_bytes_per_s=inter_bw,
             num_micro_batches=micro,
+            group_ranks=comm.scope_ranks(config.stage, nd, k),
         )
     out = {  # per optimizer step: what runs every micro-batch repeats (it was counted once)
         "numel": comm.total_numel(collectives, micro),
