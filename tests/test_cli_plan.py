@@ -428,7 +428,7 @@ def test_advise(capsys):
             r"\(1, 2, 4, 8\)",
         ),
         (["--params", "1B", "--dp", "8", "--shard-group-size", "16"], "16 is larger than the 8"),
-        (["--params", "1B", "--dp", "8", "--shard-group-size", "0"], "must be at least 1"),
+        (["--params", "1B", "--dp", "8", "--shard-group-size", "-1"], r"must be 0 \(every rank\)"),
         (
             ["--params", "1B", "--step-in-backward", "--stage", "0,1,2,3"],
             "--step-in-backward needs partitioned gradients \\(stage 2 or 3\\), but --stage has "

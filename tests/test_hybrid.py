@@ -353,6 +353,13 @@ def _bad_inputs() -> list[str]:
     with pytest.warns(UserWarning, match="ignored at stage 0"):
         model = zeroshard.shard(Linear(2, 2), stage=0, config=ShardConfig(shard_group_size=2))
     assert zeroshard.engine_of(model).mesh.hybrid is None
+    # Beside tensor parallelism the groups split the data-parallel ranks, not the world (the
+    # error named "the world size 2": explorer228)
+    from zeroshard.tensor_parallel import mesh_2d
+
+    _, dp = mesh_2d(2)
+    with pytest.raises(ValueError, match="larger than the 2 data-parallel ranks; use a divisor"):
+        zeroshard.shard(Linear(2, 2), stage=3, mesh=dp, config=ShardConfig(shard_group_size=4))
     return messages
 
 

@@ -204,15 +204,16 @@ class Mesh:
         divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"shard_group_size must be a positive int, got {k!r}")
+        # (a sub-mesh's, beside tensor parallelism: its data-parallel ranks, not the world's)
+        size = f"world size {n}" if n == dist.get_world_size() else f"{n} data-parallel ranks"
         if k > n:
             raise ValueError(
-                f"shard_group_size={k} is larger than the world size {n}; use a divisor of "
-                f"{n} ({divisors})"
+                f"shard_group_size={k} is larger than the {size}; use a divisor of {n} ({divisors})"
             )
         if n % k:
             raise ValueError(
-                f"shard_group_size={k} does not divide the world size {n}; use a divisor of "
-                f"{n} ({divisors})"
+                f"shard_group_size={k} does not divide the {size}; use a divisor of {n} "
+                f"({divisors})"
             )
         if self.hybrid is not None and self.hybrid.shard_size != k:
             raise ValueError(

@@ -88,7 +88,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         type=int,
         metavar="K",
         help="hybrid sharding: shard stages 1-3 inside groups of K ranks (a node), replicate "
-        "across groups; must divide the data-parallel ranks (default: all of them, no hybrid)",
+        "across groups; must divide the data-parallel ranks (default, or 0: all of them, no "
+        "hybrid)",
     )
     t.add_argument(
         "--stage", default=None, help="stages to show, e.g. 3 or 2,3 (default 0,1,2,3; 2,3 with "

@@ -111,14 +111,18 @@ def _import_factory(spec: str):
 def _shard_group_size(args, num_dp: int) -> int | None:
     """--shard-group-size checked against the data-parallel ranks (None: no hybrid sharding)."""
     k = args.shard_group_size
-    if k is None or k == num_dp:
+    if k is None or k == num_dp or k == 0:  # (0: every rank, as train's --shard-group-size 0)
         if args.inter_node_bandwidth is not None:
             raise ValueError(
                 "--inter-node-bandwidth prices the all-reduce across shard groups; add "
                 f"--shard-group-size K with K < {num_dp} dividing {num_dp}, or drop it"
             )
         return None
-    flags.check_positive("--shard-group-size", k)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(
+            f"--shard-group-size must be 0 (every rank) or a divisor of the {num_dp} "
+            f"data-parallel ranks, got {k!r}"
+        )
     if k > num_dp or num_dp % k:
         why = "is larger than" if k > num_dp else "does not divide"
         divisors = ", ".join(str(d) for d in range(1, num_dp + 1) if num_dp % d == 0)
