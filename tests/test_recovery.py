@@ -190,7 +190,7 @@ def test_the_agent_restarts_only_what_a_restart_can_mend(code, restarts_left, ca
             }
             return RunResult(state=WorkerState.FAILED, failures=failed)
 
-    agent = _holding_agent(Agent, [], [])()
+    agent = _holding_agent(Agent, [], [], [])()
     assert agent._monitor_workers(None).is_failed()
     assert agent._remaining_restarts == restarts_left
     said = capsys.readouterr().err
