@@ -205,12 +205,10 @@ class _PerUnit:
     """``working`` with the unit's own parameters' gradients kept from their making on
     (``SavedActivations.unit_backward_held_bytes``); empty: not followed."""
 
-    def backward_working(self, i: int, *, copied: bool = False, held: bool = False) -> int:
-        working = self.working
-        if copied and self.copied:
-            working = self.copied
-        elif held and self.held:
-            working = self.held
+    def backward_working(self, i: int, working: tuple[int, ...] | None = None) -> int:
+        """Unit ``i``'s: ``working`` (default ``self.working``; ``copied``, ``held``), or where
+        it is empty its input's and largest saved tensor's sizes."""
+        working = self.working if working is None else working
         return working[i] if working else self.inputs[i] + self.largest[i]
 
 
@@ -334,18 +332,19 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
     saved_all = sum(per.before) + per.tail
     if not c.activation_checkpointing:
         saved_all += sum(per.unit)
+
+    def at_unit(working: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """At each unit's backward (backward order), with ``working`` (empty: not followed)."""
+        if working == ():
+            return ()
+        return tuple(moments[i][0] + own[i] + per.backward_working(i, working) for i in fwd)
+
     return ActivationTerms(
         at_loss=saved_all,
         logits=logits,
-        at_unit=tuple(moments[i][0] + own[i] + per.backward_working(i) for i in fwd),
-        at_unit_copied=tuple(
-            moments[i][0] + own[i] + per.backward_working(i, copied=True) for i in fwd
-        )
-        if per.copied
-        else (),
-        at_unit_held=tuple(moments[i][0] + own[i] + per.backward_working(i, held=True) for i in fwd)
-        if per.held
-        else (),
+        at_unit=at_unit(),
+        at_unit_copied=at_unit(per.copied),
+        at_unit_held=at_unit(per.held),
         at_post=tuple(moments[i][0] + per.inputs[i] for i in fwd),
         after=per.before[0] if num_units else 0,
         grad_working=grad_working,
@@ -592,14 +591,15 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
             return grad_bytes(numel(first, count))
         return min((c.num_buckets + 1) * c.bucket_bytes, grads_total)
 
-    point_to_point = c.point_to_point_reductions and part.gradients and c.bucket_per_unit
+    # Partitioned gradients with a bucket per unit: autograd holds each unit's gradients until
+    # the unit's collect; otherwise they are copied into persistent buckets as they are made.
+    held_until_collect = part.gradients and c.bucket_per_unit
+    point_to_point = c.point_to_point_reductions and held_until_collect
 
     def own_grad(n: int) -> int:
         """A unit's gradient of ``n`` parameters outside the persistent buffers: autograd's own
-        tensors until the collect (partitioned gradients, one bucket per unit)."""
-        if not (part.gradients and c.bucket_per_unit):
-            return 0
-        return grad_bytes(n)
+        tensors until the collect (``held_until_collect``)."""
+        return grad_bytes(n) if held_until_collect else 0
 
     def gathered(first: int, count: int, *, with_root: bool = True) -> int:
         """Stage 3: the root and ``count`` units from ``first`` (backward order) gathered."""
@@ -675,11 +675,10 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     # to it). At stage 2 the root has a bucket of its own once the model fills more than one,
     # and its gradients are autograd's until its reduction, as at stage 3. (Counted as held,
     # with a weight's beside every unit's peak, they put Llama 3.3% over its peak at --ci 1.)
-    units_copied = not (part.gradients and c.bucket_per_unit)
     head_grads = act.tied_held if not part.gradients or single_bucket else act.held_grad
-    if units_copied and act.at_unit_copied:  # (followed: each weight's where it is made)
+    if not held_until_collect and act.at_unit_copied:  # (followed: each weight's as made)
         at_unit, unit_grads = act.at_unit_copied, head_grads
-    elif not units_copied and act.at_unit_held and not accumulating:
+    elif held_until_collect and act.at_unit_held and not accumulating:
         # (followed: those made so far, held; accumulating unreduced, the last micro-batch's
         # may be added into the earlier ones', counted in ``grads``)
         at_unit, unit_grads = act.at_unit_held, head_grads
