@@ -129,6 +129,13 @@ class SavedActivations:
     bucket): those made up to each moment, not the largest one beside every moment (a mixture
     of experts' stacked weights' gradients, made after its peak, put OLMoE 5.5% over its peak
     with a checkpoint per block). Empty: not followed."""
+    saves_input: tuple[bool, ...] = ()
+    """Per unit, in forward order: whether it (or a unit inside it) saves the storage of its own
+    first input, so that its ``unit_bytes`` count that input. Under activation checkpointing the
+    span's frame keeps its input through the span's recomputation and backward whatever the
+    unit saves: where the first unit saves it, the two are one storage; where it saves
+    something else (a norm that computes in FP32 saves its upcast copy of a BF16 input: Llama,
+    OLMoE), the input is alive beside the unit's saves. Empty: every unit saves its input."""
     chained: tuple[bool, ...] = ()
     """Per unit, in forward order: whether its first positional input is the previous unit's
     first output, unchanged (a span of activation checkpointing goes on across it; T5's
@@ -547,6 +554,10 @@ def measure(
     split = _TensorParallelSplit(model, num_mp_ranks, params)
 
     chained = [False] * num_units
+    # Per unit: the storage of its running call's first input, and whether the unit (or one
+    # inside it) saved it (``SavedActivations.saves_input``).
+    input_keys: list[int | None] = [None] * num_units
+    saves_input = [False] * num_units
     # Storages of the units' first inputs, and of what they are given beside: (bytes, {unit:
     # positional}); by ``ident`` (not kept alive: that would change the forward's peak).
     firsts: set[tuple[int, int]] = set()
@@ -574,6 +585,7 @@ def measure(
         first = _first_input(args, kwargs)
         if first is not None and not inputs[i]:
             inputs[i] = split.nbytes(first, first.numel() * first.element_size())
+        input_keys[i] = None if first is None else first.untyped_storage()._cdata
         if where[0] == i and stack[-1] < 0:  # called from the root
             if first is not None:
                 firsts.add(ident(first))
@@ -585,6 +597,7 @@ def measure(
         return _hooked_as_the_engine(args, kwargs) if own_params[i] else None
 
     def leave(i: int, output) -> None:
+        input_keys[i] = None
         where[0] = stack.pop()
         if where[0] < 0:
             where[0] = -2 - i  # the root, after unit i
@@ -615,6 +628,9 @@ def measure(
             if key not in saved:
                 saved[key] = (where[0], split.nbytes(t, storage.nbytes()), t, len(sequence))
             saves.saved(key, storage.nbytes())
+            for u in (*stack, where[0]):  # the units running (a unit inside another's too)
+                if u >= 0 and input_keys[u] == key:
+                    saves_input[u] = True
         return t
 
     def unpack(t):
@@ -720,6 +736,7 @@ def measure(
         unit_backward_copied_bytes=copied,
         unit_backward_held_bytes=held,
         chained=tuple(chained),
+        saves_input=tuple(saves_input),
         calls=tuple(calls),
         ran=tuple(ran),
         called=tuple(dict.fromkeys(sequence)),

@@ -204,6 +204,9 @@ class _PerUnit:
     held: tuple[int, ...] = ()
     """``working`` with the unit's own parameters' gradients kept from their making on
     (``SavedActivations.unit_backward_held_bytes``); empty: not followed."""
+    saves_input: tuple[bool, ...] = ()
+    """Whether each unit saves its own first input (``SavedActivations.saves_input``); empty:
+    all do."""
 
     def backward_working(self, i: int, working: tuple[int, ...] | None = None) -> int:
         """Unit ``i``'s: ``working`` (default ``self.working``; ``copied``, ``held``), or where
@@ -241,6 +244,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
             s.calls,
             s.unit_backward_copied_bytes,
             s.unit_backward_held_bytes,
+            s.saves_input,
         )
         held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
         tied = 2 * s.tied_param_numel * g
@@ -318,6 +322,17 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
 
     moments = [moment(i) for i in range(num_units)]
 
+    def unsaved_input(i: int) -> int:
+        """A span's input its first unit does not save (a norm computing in FP32 saves its
+        upcast copy of a BF16 input), kept whole on the device by the span's frame beside the
+        recomputed saves, from the span's recomputation to its first unit's backward (freed
+        by its post-backward). Counted in that unit's saves where it saves it, and split or
+        offloaded as ``piece`` where that is kept so."""
+        if not checkpointing or not per.saves_input or c.splits_checkpoints:
+            return 0
+        f = span[i]
+        return 0 if per.saves_input[f] else piece[f]
+
     def given_beside(i: int | None) -> int:
         """Extra inputs kept on the device at unit ``i``'s backward (forward index; None: the
         loss's): those of spans not passed yet."""
@@ -337,7 +352,10 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         """At each unit's backward (backward order), with ``working`` (empty: not followed)."""
         if working == ():
             return ()
-        return tuple(moments[i][0] + own[i] + per.backward_working(i, working) for i in fwd)
+        return tuple(
+            moments[i][0] + own[i] + per.backward_working(i, working) + unsaved_input(i)
+            for i in fwd
+        )
 
     return ActivationTerms(
         at_loss=saved_all,
@@ -345,7 +363,9 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         at_unit=at_unit(),
         at_unit_copied=at_unit(per.copied),
         at_unit_held=at_unit(per.held),
-        at_post=tuple(moments[i][0] + per.inputs[i] for i in fwd),
+        at_post=tuple(
+            moments[i][0] + per.inputs[i] + (unsaved_input(i) if span[i] != i else 0) for i in fwd
+        ),
         after=per.before[0] if num_units else 0,
         grad_working=grad_working,
         held_grad=held,
@@ -516,9 +536,13 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
     gradient's own slice: no shard exists at any moment (``grads`` 0) and there is no
     ``optimizer step`` moment. With ``grad_accum`` > 1 the moments are the last micro-batch's,
     with every gradient the earlier ones left (``memory._grads_as_trained``: the shards, or the
-    whole local gradient when accumulated unreduced). (A reduce dtype narrower than FP32 would
-    add one transient FP32 shard at each finish: not counted; the planner's configurations
-    reduce in the gradient's dtype.)
+    whole local gradient when accumulated unreduced). A reduction in flight holds its
+    shard-sized output in the reduce dtype (the gradients', ``bpp.grads``); where that is
+    narrower than the shard the optimizer reads (mixed precision's FP32 ``bpp.grad_master``),
+    the shard is made from it as the reduction finishes, beside it and the full gradient:
+    ``unit reduction finish k`` (the oldest reduction's, before unit k's collect), ``root
+    reduction finish`` (the last unit's, before the root's collect) and ``root reduction
+    finish end`` (the root's own); with a single bucket, ``bucket reduction`` holds both.
 
     Not counted: the optimizer's step counters (4 bytes per piece) and the scalar loss.
     """
@@ -616,22 +640,40 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         freed = spans.recompute_freed(act.span_first, i, prefetch, act.span_inner)
         return math.ceil(bpp.params * max((backward[-1 - j] for j in freed), default=0) / mp)
 
-    def moment(num_reduced: int, **residual: int) -> dict[str, int]:
+    # A reduce-scatter in flight writes its shard-sized output in the reduce dtype (the
+    # gradients', ``bpp.grads``); the shard the optimizer reads (FP32 with mixed precision,
+    # ``bpp.grad_master``) is made from it when the reduction finishes. Narrower, the outputs
+    # in flight count that much less than finished shards (BF16: half; counted as FP32 shards,
+    # a MoE at stage 3 was planned 2-4% over).
+    shard_bpe = bpp.grad_master or bpp.grads
+    narrow = bpp.grads / shard_bpe if part.gradients and 0 < bpp.grads != shard_bpe else 1.0
+
+    def share(first: int, count: int) -> float:
+        """The share of this rank's gradients held by ``count`` units from ``first`` (backward
+        order)."""
+        if rank_whole is not None:  # (of what this tensor-parallel rank holds)
+            return numel(first, count, rank_whole) / max(1, rank_total)
+        return numel(first, count, whole) / model.num_params
+
+    def moment(num_reduced: int, flying: int = 0, **residual: int) -> dict[str, int]:
         """Model states once ``num_reduced`` units' reductions have started (their shard-sized
-        outputs exist; all of them and the root's when ``num_reduced > num_units``), with the
-        residual categories given."""
+        outputs exist; all of them and the root's when ``num_reduced > num_units``), the last
+        ``flying`` of them still in flight (their outputs in the reduce dtype; the root's
+        alone when ``num_reduced > num_units``), with the residual categories given."""
         now = dict(states)
         idle = dict.fromkeys(RESIDUAL_STATES, 0) | {"buffers": buffer_bytes(model, bpp)}
         if num_reduced > num_units:
             fraction = 1.0
-        elif rank_whole is not None:  # (of what this tensor-parallel rank holds)
-            fraction = min(1.0, numel(0, num_reduced, rank_whole) / max(1, rank_total))
+            in_flight = (1.0 - share(0, num_units)) if flying else 0.0  # (the root's)
         else:
-            fraction = min(1.0, numel(0, num_reduced, whole) / model.num_params)
+            fraction = min(1.0, share(0, num_reduced))
+            in_flight = share(num_reduced - flying, flying) if flying else 0.0
         if c.grad_accum > 1 and part.gradients and not late_grads:  # the last micro-batch's:
             return now | idle | residual  # the earlier ones' gradients all held
         if part.gradients and not accumulating:  # shards appear as units are reduced
             now["grads"] = math.ceil(states["grads"] * fraction)
+            if in_flight and narrow != 1.0:
+                now["grads"] -= math.floor(states["grads"] * in_flight * (1.0 - narrow))
         elif late_grads:
             late = late_grads - math.ceil(late_grads * fraction)
             now["grads"] = states["grads"] - late
@@ -724,6 +766,22 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
         flat = full_grads(first, count) + collected
         return {"comm_buckets": flat + inboxes + extra, **lent(flat)}
 
+    def fly(count: int) -> int:
+        """Reductions in flight, as ``moment`` counts them: a unit's each with a bucket per
+        unit (shared buckets reduce several units at once, counted as started)."""
+        return count if c.bucket_per_unit else 0
+
+    # A reduction finishing in a narrower reduce dtype makes its FP32 shard from its output
+    # while both (and its full gradient) are alive: a moment of its own, where the output
+    # alone was counted (OLMoE at stage 2, BF16: 1.9% low at the bucket's reduction).
+    finishes = part.gradients and narrow != 1.0 and not accumulating and not sib
+    finishes = finishes and c.grad_accum == 1
+
+    def finishing(m: dict[str, int], shard: float) -> dict[str, int]:
+        """``m`` with the FP32 shard of the reduction finishing (``shard``: its share of this
+        rank's gradients) beside its output."""
+        return m | {"grads": m["grads"] + math.ceil(states["grads"] * shard)}
+
     for k in range(num_units):
         in_flight = min(k, num_inflight)  # earlier units whose reductions are not finished
         reduced = 0 if single_bucket else k
@@ -734,6 +792,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 f"unit backward {k}",
                 moment(
                     reduced,
+                    fly(in_flight),
                     activation_working=at_unit[k],
                     activation_checkpoints=act.checkpoints_at_unit[k],
                     model_state_working=unit_grads,
@@ -753,6 +812,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     f"unit backward end {k}",
                     moment(
                         reduced,
+                        fly(in_flight),
                         **after,
                         gathered_units=gathered_now,
                         **reducing(k - in_flight, in_flight, extra=own_grad(backward[k])),
@@ -769,6 +829,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     f"unit reduction wait {k}",
                     moment(
                         reduced,
+                        fly(in_flight),
                         **after,
                         gathered_units=prefetched,
                         **reducing(
@@ -779,12 +840,30 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     ),
                 )
             )
+        if finishes and c.bucket_per_unit and k >= num_inflight:
+            # (then the oldest reduction finishes, the others still in flight)
+            out.append(
+                (
+                    f"unit reduction finish {k}",
+                    finishing(
+                        moment(
+                            reduced,
+                            fly(in_flight),
+                            **after,
+                            gathered_units=prefetched,
+                            **reducing(k - in_flight, in_flight, extra=own_grad(backward[k])),
+                        ),
+                        share(k - num_inflight, 1),
+                    ),
+                )
+            )
         left = min(k, num_inflight - 1)  # still in flight at the collect
         out.append(
             (
                 f"unit post-backward {k}",
                 moment(
                     reduced,
+                    fly(left),
                     **after,
                     gathered_units=prefetched,
                     **reducing(
@@ -803,6 +882,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 "root backward",
                 moment(
                     0 if single_bucket else num_units,
+                    fly(in_flight),
                     activation_working=act.after,
                     model_state_working=head_grads + act.tied_grad,
                     gathered_units=gathered(0, 0),
@@ -821,6 +901,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 "root backward end",
                 moment(
                     num_units,
+                    fly(in_flight),
                     **end,
                     gathered_units=gathered(0, 0),
                     **reducing(num_units - in_flight, in_flight, extra=own_grad(root)),
@@ -833,6 +914,7 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     "root reduction wait",
                     moment(
                         num_units,
+                        fly(in_flight),
                         **end,
                         **reducing(
                             num_units - in_flight,
@@ -842,11 +924,27 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     ),
                 )
             )
+        if finishes and num_units >= num_inflight:
+            out.append(
+                (
+                    "root reduction finish",
+                    finishing(
+                        moment(
+                            num_units,
+                            fly(in_flight),
+                            **end,
+                            **reducing(num_units - in_flight, in_flight, extra=own_grad(root)),
+                        ),
+                        share(num_units - num_inflight, 1),
+                    ),
+                )
+            )
         out.append(
             (
                 "root post-backward",
                 moment(
                     num_units,
+                    fly(left),
                     **end,
                     **reducing(
                         num_units - left, left, extra=own_grad(root), collected=own_grad(root)
@@ -862,8 +960,25 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                     "end of backward",
                     moment(
                         num_units + 1,
+                        1,  # (the root's)
                         **end,
                         **reducing(0, 0, extra=staging(root), collected=own_grad(root)),
+                    ),
+                )
+            )
+        if finishes:
+            # The root's own reduction finishing last (every unit's shard made).
+            out.append(
+                (
+                    "root reduction finish end",
+                    finishing(
+                        moment(
+                            num_units + 1,
+                            1,
+                            **end,
+                            **reducing(0, 0, collected=own_grad(root)),
+                        ),
+                        1.0 - share(0, num_units),
                     ),
                 )
             )
@@ -876,7 +991,10 @@ def moments(model: ModelDescription, config: MemoryConfig, states: dict[str, int
                 moment(
                     num_units + 1,
                     activation_working=act.after,
-                    comm_buckets=full_grads(0, 0) + staging(bucket_numel),
+                    # (and where the reduce dtype is narrower, the output beside the shard)
+                    comm_buckets=full_grads(0, 0)
+                    + staging(bucket_numel)
+                    + (math.ceil(states["grads"] * narrow) if finishes else 0),
                 ),
             )
         )
