@@ -402,12 +402,17 @@ def calibrate(case: Case | HFCase) -> dict:
     row = asdict(case) | {"seq_len": _seq_len(case)}
     if isinstance(case, HFCase):
         row["preset"] = str(case.config.get("model_type", "HF model"))  # the table's model column
+    measured = measure_hf(case) if isinstance(case, HFCase) else measure(case)
+    # The plan depends on the case and the number of ranks alone: one rank makes it (its meta
+    # forward and backward cost seconds) and gives it to the others.
+    predicted = [predict(case, num_ranks) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(predicted, src=0)
     return {
         "case": row,
         "num_ranks": num_ranks,
         "rank": dist.get_rank(),
-        "measured": measure_hf(case) if isinstance(case, HFCase) else measure(case),
-        "predicted": predict(case, num_ranks),
+        "measured": measured,
+        "predicted": predicted[0],
     }
 
 
