@@ -175,6 +175,20 @@ def unread_output_goes_quiet() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command (``argv`` None: ``sys.argv``'s, in a process of its own), or a caller's
+    ``main([...])``."""
+    if argv is not None:
+        return _main(argv)
+    try:
+        return _main(None)
+    finally:
+        # The interpreter's last garbage collections walk every object torch made (0.3-0.7 s,
+        # on every rank at every exit); frozen, they skip them. Nothing is left to collect by
+        # now: ``zeroshard train`` frees its process groups itself (``mesh.tear_down``).
+        gc.freeze()
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parse(argv)
     if isinstance(args, int):
         # Under torchrun (the launcher signalled, or a peer failed, as the ranks start) rank 0
@@ -203,9 +217,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # The interpreter's last garbage collections walk every object torch made (0.3-0.7 s, on
-    # every rank at every exit); frozen, they skip them. Nothing is left to collect by now:
-    # ``zeroshard train`` frees its process groups itself (``zeroshard.mesh.tear_down``).
-    gc.freeze()
-    sys.exit(code)
+    sys.exit(main())
