@@ -5,8 +5,13 @@ from __future__ import annotations
 import gc
 import os
 
-import pytest
-import torch.distributed as dist
+# Two pytest-xdist workers share the cores: torch's OpenMP threads that spin while they wait
+# held them from the other worker's (a one-rank run of 8 steps in a test process took 1-8 s
+# beside a busy process, 1.2 s with waiting threads asleep). Read as torch loads, so first.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from zeroshard.testing import Workers
 

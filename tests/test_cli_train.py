@@ -1654,7 +1654,12 @@ ENDINGS = [  # (name, flags, exit status); --steps 100000 runs until the signal
     ),  # fmt: skip
     ("stage 3", [*NORMAL, "--stage", "3"], 0),
     ("stage 3, grad-accum 2", [*NORMAL, "--stage", "3", "--grad-accum", "2"], 0),
-    ("diverged", ["--lr", "1e9", "--warmup-steps", "0", "--steps", "100"], 3),
+    (  # not restarted: a restart would resume from the last save and diverge again there
+        "diverged, restarts",
+        ["--lr", "1e9", "--warmup-steps", "0", "--steps", "100", "--max-restarts", "2"]
+        + ["--save-every", "2"],
+        3,
+    ),
     ("diverged fp16", ["--lr", "1e9", "--warmup-steps", "0", "--precision", "fp16"], 3),
     ("Ctrl-C", ["--steps", "100000"], 130),
     ("SIGTERM", ["--steps", "100000", "--save-every", "1000"], 143),
@@ -1864,6 +1869,7 @@ def test_every_way_a_two_rank_run_ends(tmp_path, data_dir, model_module):
             _check_metrics_and_plot(tmp_path / _folder(name), stage, precision)
         elif code == 3:
             assert len(ours) == 1 and "diverged at step" in ours[0], stderr[-3000:]
+            assert not [line for line in stdout.splitlines() if line.startswith("restart ")]
         elif code in (130, 143):
             lines = [line for line in stdout.splitlines() if line.startswith("interrupted at")]
             sig = "SIGINT" if code == 130 else "SIGTERM"

@@ -154,20 +154,6 @@ def test_a_restart_resumes_from_the_newest_checkpoint_or_says_why_not(tmp_path):
     )
 
 
-def test_a_diverged_run_is_not_restarted(tmp_path, data_dir):
-    """A restart would resume from the last checkpoint and diverge again at the same step: the
-    run ends at the first divergence, with its one line (it was restarted ``--max-restarts``
-    times, each time to the same end)."""
-    flags = [*RUN, "--max-restarts", "2", "--lr", "1e9", "--warmup-steps", "0"]
-    cmd = [sys.executable, "-m", "zeroshard.cli.main", "train", *flags]
-    cmd += ["--out-dir", str(tmp_path), "--data-dir", str(data_dir)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=BOUND_S)
-    assert done.returncode == 3, done.stderr[-3000:]
-    assert not [line for line in done.stdout.splitlines() if line.startswith("restart ")]
-    said = [line for line in done.stderr.splitlines() if line.startswith("zeroshard train:")]
-    assert len(said) == 1 and "diverged at step 10" in said[0], done.stderr
-
-
 @pytest.mark.parametrize(
     ("code", "restarts_left"),
     [(2, 0), (3, 0), (130, 0), (143, 0), (1, 2), (4, 2), (-9, 2), ((-9, 143), 2), ((143, 2), 0)],
