@@ -405,8 +405,15 @@ def calibrate(case: Case | HFCase) -> dict:
     measured = measure_hf(case) if isinstance(case, HFCase) else measure(case)
     # The plan depends on the case and the number of ranks alone: one rank makes it (its meta
     # forward and backward cost seconds) and gives it to the others.
-    predicted = [predict(case, num_ranks) if dist.get_rank() == 0 else None]
+    predicted: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            predicted[0] = predict(case, num_ranks)
+        except Exception as exc:  # raised on every rank, none left waiting for the plan
+            predicted[0] = exc
     dist.broadcast_object_list(predicted, src=0)
+    if isinstance(predicted[0], Exception):
+        raise predicted[0]
     return {
         "case": row,
         "num_ranks": num_ranks,
