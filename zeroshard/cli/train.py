@@ -192,17 +192,20 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> TrainConfig:
     """Fields from ``path`` (TOML or JSON), then non-None ``overrides`` (flag strings) on top."""
     values: dict[str, Any] = {}
     if path is not None:
-        if not path.is_file():
+        if not path.exists():
             raise UsageError(f"config file {path} does not exist")
+        if path.is_dir():
+            raise UsageError(f"config file {path} is a folder; give the TOML or JSON file in it")
+        text = path.read_text()  # once: a pipe (/dev/stdin, a shell's <(...)) reads as a file
         try:
             if path.suffix == ".json":
-                values = json.loads(path.read_text())
+                values = json.loads(text)
             else:
                 try:
                     import tomllib
                 except ModuleNotFoundError:  # Python 3.10
                     import tomli as tomllib
-                values = tomllib.loads(path.read_text())
+                values = tomllib.loads(text)
         except ValueError as exc:  # JSONDecodeError and TOMLDecodeError are ValueErrors
             raise UsageError(f"config file {path} cannot be parsed: {exc}") from None
         if not isinstance(values, dict):
