@@ -183,6 +183,29 @@ def test_unknown_config_key(capsys, tmp_path):
     )
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="a named pipe")
+def test_a_config_from_a_pipe_is_read(capsys, tmp_path):
+    """``--config /dev/stdin`` (or a shell's ``<(...)``) is a pipe, no regular file: it was said
+    not to exist. A folder given as the file is said to be one."""
+    import threading
+
+    from zeroshard.cli.train import load_config
+
+    pipe = tmp_path / "config.pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(
+        target=pipe.write_text, args=('preset = "nano"\nseq_len = 16\nsteps = 3\n',)
+    )
+    writer.start()
+    try:
+        cfg = load_config(pipe, {"lr": "0.01"})
+    finally:
+        writer.join(timeout=10)
+    assert (cfg.preset, cfg.steps, cfg.lr) == ("nano", 3, 0.01)
+    argv = ["train", "--config", str(tmp_path), "--out-dir", str(tmp_path / "run")]
+    _expect_usage_error(capsys, argv, f"config file {tmp_path} is a folder")
+
+
 def test_unknown_precision(capsys, tmp_path):
     argv = ["train", "--precision", "fp8", "--out-dir", str(tmp_path)]
     _expect_usage_error(capsys, argv, "fp8", "bf16")
