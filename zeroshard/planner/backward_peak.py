@@ -66,12 +66,17 @@ class SaveCounts:
         self.left: dict[int, int] = {}
         self.done: list[int] = []
         """Storages whose last save was unpacked by the node now running."""
+        self.on_unpack = None
+        """Called at each unpack (``peaks``: what the backward holds as a unit's first node
+        unpacks, the moment a checkpoint's recomputation starts)."""
 
     def saved(self, key: int, nbytes: int) -> None:
         self.nbytes[key] = nbytes
         self.left[key] = self.left.get(key, 0) + 1
 
     def unpacked(self, key: int) -> None:
+        if self.on_unpack is not None:
+            self.on_unpack()
         if key in self.left:
             self.left[key] -= 1
             if self.left[key] == 0:
@@ -116,6 +121,9 @@ class _Made:
         self._serials = None  # storage -> serial (weak)
         self._next = 0
         self._on_moment = on_moment
+        self._mark = 0
+        self.since = 0
+        """Bytes of ``alive`` made since the last ``mark``."""
 
     def serial(self, t) -> int | None:
         """The serial of ``t``'s storage if the backward made it."""
@@ -123,7 +131,23 @@ class _Made:
 
     def forget(self, serial: int) -> None:
         """No longer count ``serial`` (a model state, counted apart)."""
-        self.total -= self.alive.pop(serial, 0)
+        nbytes = self.alive.pop(serial, 0)
+        self.total -= nbytes
+        if serial >= self._mark:
+            self.since -= nbytes
+
+    def mark(self) -> None:
+        """From now on, ``since`` counts what is made (alive) from here."""
+        self._mark, self.since = self._next, 0
+
+    def made_between(self, start: int, end: int) -> list:
+        """The storages alive whose serials are in [``start``, ``end``)."""
+        alive = self.alive
+        return [st for st, n in self._serials.items() if start <= n < end and n in alive]
+
+    @property
+    def next_serial(self) -> int:
+        return self._next
 
     def mode(self):
         import weakref
@@ -155,6 +179,7 @@ class _Made:
                     made._next += 1
                     made.alive[serial] = storage.nbytes()
                     made.total += storage.nbytes()
+                    made.since += storage.nbytes()
                     weakref.finalize(storage, made.forget, serial)
                     new.append(serial)
                 if made.nodes_running:
@@ -165,7 +190,11 @@ class _Made:
 
 
 def peaks(
-    loss, saves: SaveCounts, owners: Owners, param_owners: dict[int, int] | None = None
+    loss,
+    saves: SaveCounts,
+    owners: Owners,
+    param_owners: dict[int, int] | None = None,
+    first_unpacked: dict[int, int] | None = None,
 ) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, int]]:
     """Run ``loss``'s backward (on meta) and give, per owner (``Owners``), the most bytes of saved
     activations and of what the backward made (gradients, temporaries inside a node) alive at
@@ -179,7 +208,9 @@ def peaks(
     is made, as autograd holds them where the engine collects a unit's gradient only at its
     post-backward (partitioned gradients, a bucket per unit): those made so far at each moment,
     where the largest one beside every moment counted a mixture of experts' stacked weights,
-    whose gradients are made after its peak."""
+    whose gradients are made after its peak. ``first_unpacked`` (filled if given): per owner,
+    the bytes the backward made and holds (the gradients flowing in, parameters' apart) as its
+    first node unpacks a saved tensor, where a checkpoint's recomputation of its span runs."""
     nodes, todo, seen = [], [loss.grad_fn], set()
     while todo:
         node = todo.pop()
@@ -257,7 +288,13 @@ def peaks(
             holders.add(id(param))  # (a second gradient is added into the first)
             held[owner] = held.get(owner, 0) + param.grad.untyped_storage().nbytes()
 
+    def unpacking() -> None:
+        owner = running[0]
+        if first_unpacked is not None and made.nodes_running and owner is not None:
+            first_unpacked.setdefault(owner, made.total)
+
     handles = []
+    saves.on_unpack = unpacking
     for node in nodes:
         if hasattr(node, "variable"):
             handles.append(node.variable.register_post_accumulate_grad_hook(accumulated))
@@ -268,6 +305,7 @@ def peaks(
         with made.mode():
             loss.backward()
     finally:
+        saves.on_unpack = None
         for h in handles:
             h.remove()
     return found, made_most, with_grads, holding

@@ -61,6 +61,32 @@ class CheckpointedForward:
 
 
 @dataclass(frozen=True)
+class Recomputation:
+    """A unit's forward run again inside backward (activation checkpointing recomputes a span's
+    units when backward reaches its last one), per unit in forward order, in bytes: what each
+    unit's forward makes and holds beside the activations saved before it, and what the backward
+    holds as it starts. Followed on meta in the measured forward (saves kept, as a
+    recomputation keeps them) and backward, operator by operator (``backward_peak._Made``). A
+    recomputation's own temporaries (a norm's FP32 copies in BF16, attention scores a model's
+    code holds, an MLP's input to its activation) can top the unit's backward working set: not
+    followed, BLOOM at ``--ci 2`` (4 x 64 tokens, FP32) was planned 5.7% under."""
+
+    made: tuple[int, ...]
+    """The most bytes alive at once that the unit's forward made (its saves so far, its
+    temporaries, its outputs; its input apart), any call of it."""
+    made_saving: tuple[int, ...]
+    """The same up to its last save: a recomputation stops there (torch's early stop), the
+    span's last unit's."""
+    passed: tuple[int, ...]
+    """What the unit called before it from the root made and no one saved, alive as this one is
+    called (its input, unless the previous unit saved it; outputs it returned beside it, T5's
+    position bias): alive through its recomputation after that unit's."""
+    gradients: tuple[int, ...]
+    """What the backward made and holds (the gradients flowing into the unit) as its first node
+    unpacks a saved tensor: the moment its span's recomputation runs."""
+
+
+@dataclass(frozen=True)
 class ExtraInput:
     """A tensor a unit is given beside its first input (a mask, a position bias, an encoder's
     output): under activation checkpointing the engine keeps it for the recomputation, so it
@@ -129,13 +155,6 @@ class SavedActivations:
     bucket): those made up to each moment, not the largest one beside every moment (a mixture
     of experts' stacked weights' gradients, made after its peak, put OLMoE 5.5% over its peak
     with a checkpoint per block). Empty: not followed."""
-    saves_input: tuple[bool, ...] = ()
-    """Per unit, in forward order: whether it (or a unit inside it) saves the storage of its own
-    first input, so that its ``unit_bytes`` count that input. Under activation checkpointing the
-    span's frame keeps its input through the span's recomputation and backward whatever the
-    unit saves: where the first unit saves it, the two are one storage; where it saves
-    something else (a norm that computes in FP32 saves its upcast copy of a BF16 input: Llama,
-    OLMoE), the input is alive beside the unit's saves. Empty: every unit saves its input."""
     chained: tuple[bool, ...] = ()
     """Per unit, in forward order: whether its first positional input is the previous unit's
     first output, unchanged (a span of activation checkpointing goes on across it; T5's
@@ -170,6 +189,15 @@ class SavedActivations:
     """The forward and loss as they run under activation checkpointing (every unit's saves
     dropped): the most bytes alive at once per phase; ``None`` when not measured (no
     checkpointing planned, or tensor parallelism)."""
+    recomputation: Recomputation | None = None
+    """What each unit's recomputation inside backward holds beside its saves (``Recomputation``);
+    ``None``: not followed (a backward that fails on meta)."""
+    input_saved: tuple[bool, ...] = ()
+    """Per unit, in forward order: whether its first input's storage (what a checkpoint of a
+    span it opens keeps) is among what it saves, or what the root saves. Not where a norm in
+    BF16 saves its FP32 copy alone (Llama's): the checkpoint is then a storage of its own in
+    the span's backward (BF16 Llama at ``--ci 2``, 4 x 64 tokens, was planned 0.9% under).
+    Empty: all are."""
     reached_params: frozenset[str] | None
     """Names (``named_parameters``') of the parameters the loss's graph reaches: only these get a
     gradient, so only these get optimizer states (``zeroshard.planner.stepped``). Fewer than the
@@ -554,13 +582,10 @@ def measure(
     split = _TensorParallelSplit(model, num_mp_ranks, params)
 
     chained = [False] * num_units
-    # Per unit: the storage of its running call's first input, and whether the unit (or one
-    # inside it) saved it (``SavedActivations.saves_input``).
-    input_keys: list[int | None] = [None] * num_units
-    saves_input = [False] * num_units
     # Storages of the units' first inputs, and of what they are given beside: (bytes, {unit:
     # positional}); by ``ident`` (not kept alive: that would change the forward's peak).
     firsts: set[tuple[int, int]] = set()
+    first_inputs: dict[int, tuple[int, int]] = {}  # unit -> its first call's first input
     extras: dict[tuple[int, int], tuple[int, dict[int, bool]]] = {}
     ident = _StorageIdents()
     sequence: list[int] = []  # the units the root calls, call by call
@@ -570,6 +595,21 @@ def measure(
     # ``_split_unit_backward_bytes``, not here)
     follow = num_mp_ranks == 1
     owners, saves = backward_peak.Owners(), backward_peak.SaveCounts()
+    # Each unit's forward as its recomputation runs it (``Recomputation``), followed per unit
+    # called from the root: the most bytes made since its call alive at once (``made``), the
+    # same up to each save (``upto``, read at its last), the previous call's serials.
+    fwd_made, fwd_upto, fwd_passed = [0] * num_units, [0] * num_units, [0] * num_units
+    running_unit: list = [None, 0]  # the unit called from the root running, its most so far
+    last_call = [0, 0]  # the serials the previous call from the root made: [start, end)
+
+    def forward_moment(_new) -> None:
+        i = running_unit[0]
+        if i is not None:
+            running_unit[1] = max(running_unit[1], followed.since)
+            fwd_made[i] = max(fwd_made[i], running_unit[1])
+
+    followed = backward_peak._Made(forward_moment)
+    followed.nodes_running = 1  # (every operator's end is a moment)
 
     def enter(i: int, args, kwargs):
         stack.append(where[0])
@@ -585,10 +625,18 @@ def measure(
         first = _first_input(args, kwargs)
         if first is not None and not inputs[i]:
             inputs[i] = split.nbytes(first, first.numel() * first.element_size())
-        input_keys[i] = None if first is None else first.untyped_storage()._cdata
         if where[0] == i and stack[-1] < 0:  # called from the root
+            if followed._serials is not None:  # (what the previous call left unsaved)
+                start, end = last_call
+                left = followed.made_between(start, end)
+                passed = sum(st.nbytes() for st in left if st._cdata not in saved)
+                fwd_passed[i] = max(fwd_passed[i], passed)
+                last_call[0] = followed.next_serial
+                followed.mark()
+                running_unit[:] = [i, 0]
             if first is not None:
                 firsts.add(ident(first))
+                first_inputs.setdefault(i, ident(first))
             rest = [(t, True) for t in tensors_in(args)] + [(t, False) for t in tensors_in(kwargs)]
             for t, positional in rest:
                 if t is not first:
@@ -597,8 +645,10 @@ def measure(
         return _hooked_as_the_engine(args, kwargs) if own_params[i] else None
 
     def leave(i: int, output) -> None:
-        input_keys[i] = None
         where[0] = stack.pop()
+        if where[0] < 0 and running_unit[0] == i:
+            last_call[1] = followed.next_serial if followed._serials is not None else 0
+            running_unit[:] = [None, 0]
         if where[0] < 0:
             where[0] = -2 - i  # the root, after unit i
             first = tensors_in(output)
@@ -628,9 +678,9 @@ def measure(
             if key not in saved:
                 saved[key] = (where[0], split.nbytes(t, storage.nbytes()), t, len(sequence))
             saves.saved(key, storage.nbytes())
-            for u in (*stack, where[0]):  # the units running (a unit inside another's too)
-                if u >= 0 and input_keys[u] == key:
-                    saves_input[u] = True
+        if running_unit[0] is not None:  # (every save counts toward torch's early stop)
+            now = max(running_unit[1], followed.since)
+            fwd_upto[running_unit[0]] = max(fwd_upto[running_unit[0]], now)
         return t
 
     def unpack(t):
@@ -650,6 +700,7 @@ def measure(
             split,
             torch.autograd.graph.saved_tensors_hooks(pack, unpack),
             tracking as tracker,
+            followed.mode() if follow else contextlib.nullcontext(),
         ):
             loss = loss_of(model, call, x, y, vocab_size, seen)
     except Exception as exc:
@@ -666,9 +717,8 @@ def measure(
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"the forward returned {type(loss).__name__}, not a scalar loss")
     uses = _uses(loss)  # id(parameter) -> the graph's edges into its AccumulateGrad
-    reused = {
-        p.untyped_storage()._cdata for p in model.parameters() if uses and uses.get(id(p), 0) > 1
-    }
+    edges = uses if uses is not None else _uses(loss, partial=True)
+    reused = {p.untyped_storage()._cdata for p in model.parameters() if edges.get(id(p), 0) > 1}
     counted = params | buffers | {key for key, (w, *_) in saved.items() if w < 0}  # (alive)
 
     def saver(key: int, generation: int) -> int | None:
@@ -714,14 +764,33 @@ def measure(
     param_owners = {
         id(p): i for i, u in enumerate(units) for p in u.parameters() if id(p) not in inside[i]
     }
+    first_unpacked: dict[int, int] = {}
     working, copied, held = _unit_backward_bytes(
         loss if follow else None, saves, owners, unit_bytes, before, inputs, largest, calls,
-        param_owners,
+        param_owners, first_unpacked,
     )  # fmt: skip
+    recomputation = None
+    if working:
+        recomputation = Recomputation(
+            made=tuple(fwd_made),
+            made_saving=tuple(fwd_upto),
+            passed=tuple(fwd_passed),
+            gradients=tuple(first_unpacked.get(i, 0) for i in range(num_units)),
+        )
     if not follow:  # (the pieces one rank holds, followed on a model split as the ranks hold it)
-        working, copied, held = _split_unit_backward_bytes(
+        working, copied, held, recomputation = _split_unit_backward_bytes(
             module, unit_names, num_mp_ranks=num_mp_ranks, **again
         )
+
+    def input_saved(i: int) -> bool:
+        """Whether unit ``i``'s first input is among its own saves or the root's."""
+        if i not in first_inputs:
+            return True  # (no tensor input, or never called from the root: nothing kept)
+        key, generation = first_inputs[i]
+        if key not in saved or not ident.alive(key, generation):
+            return False
+        return saved[key][0] in (i, *range(-num_units - 1, 0))
+
     return SavedActivations(
         micro_batch_size=micro_batch_size,
         seq_len=seq_len,
@@ -736,7 +805,6 @@ def measure(
         unit_backward_copied_bytes=copied,
         unit_backward_held_bytes=held,
         chained=tuple(chained),
-        saves_input=tuple(saves_input),
         calls=tuple(calls),
         ran=tuple(ran),
         called=tuple(dict.fromkeys(sequence)),
@@ -744,6 +812,8 @@ def measure(
         tied_param_numel=sum(n for key, n in tail_params.items() if key in reused),
         forward_peak_bytes=None if tracker is None else _peak_besides_model(tracker),
         checkpointed_forward=forward,
+        recomputation=recomputation,
+        input_saved=tuple(input_saved(i) for i in range(num_units)),
         extra_inputs=extra_inputs,
         reached_params=(
             None
@@ -755,7 +825,7 @@ def measure(
 
 def _split_unit_backward_bytes(
     module, unit_names: tuple[str, ...], *, num_mp_ranks: int, **kwargs
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], Recomputation | None]:
     """``SavedActivations.unit_backward_bytes`` (``unit_backward_copied_bytes``,
     ``unit_backward_held_bytes``) with tensor parallelism: each unit's backward followed on meta
     (``measure`` of one rank) on a copy of ``module`` whose planned Linears hold one rank's
@@ -778,13 +848,14 @@ def _split_unit_backward_bytes(
             warnings.simplefilter("ignore")
             found = measure(local, unit_names, num_mp_ranks=1, track=False, **kwargs)
     except Exception:
-        return (), (), ()
+        return (), (), (), None
     if len(found.unit_backward_bytes) != len(unit_names):
-        return (), (), ()
+        return (), (), (), None
     return (
         found.unit_backward_bytes,
         found.unit_backward_copied_bytes,
         found.unit_backward_held_bytes,
+        found.recomputation,
     )
 
 
@@ -935,6 +1006,7 @@ def _unit_backward_bytes(
     largest: list,
     calls: list,
     param_owners: dict[int, int] | None = None,
+    first_unpacked: dict[int, int] | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """``SavedActivations.unit_backward_bytes``, ``unit_backward_copied_bytes`` and
     ``unit_backward_held_bytes`` (``param_owners``: ``id`` of each unit's own parameter -> the
@@ -948,7 +1020,7 @@ def _unit_backward_bytes(
     try:
         with _on_meta():
             found, made, with_grads, holding = backward_peak.peaks(
-                loss, saves, owners, param_owners
+                loss, saves, owners, param_owners, first_unpacked
             )
     except Exception as exc:  # an operator without a meta backward: the sizes' estimate stands
         import warnings
@@ -1059,11 +1131,14 @@ def _engine_hook(node) -> bool:
     return getattr(node, "_forward_cls", None) is BackwardHook
 
 
-def _uses(loss) -> dict[int, int] | None:
+def _uses(loss, partial: bool = False) -> dict[int, int] | None:
     """``id`` of each leaf requiring grad (parameter) that ``loss``'s autograd graph ends in (the
     variables of its ``AccumulateGrad`` nodes) -> how many edges lead to it (its uses); ``None``
     when the graph holds a custom ``autograd.Function``, whose backward may reach parameters
-    with no edge to them (a reentrant checkpoint recomputes its block's forward)."""
+    with no edge to them (a reentrant checkpoint recomputes its block's forward). ``partial``:
+    the edges there are all the same (fewer than the uses, never more: BLOOM's GeLU
+    ``Function`` hid its head's use of the tied embedding, whose gradient autograd holds until
+    the embedding's backward adds to it)."""
     import torch
 
     seen, edges, found, todo = set(), {}, {}, [loss.grad_fn]
@@ -1074,7 +1149,8 @@ def _uses(loss) -> dict[int, int] | None:
         edges[node] = edges.get(node, 0) + 1
         if node in seen:
             continue
-        if isinstance(node, torch.autograd.function.BackwardCFunction) and not _engine_hook(node):
+        custom = isinstance(node, torch.autograd.function.BackwardCFunction)
+        if custom and not partial and not _engine_hook(node):
             return None
         seen.add(node)
         variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf

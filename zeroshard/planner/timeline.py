@@ -204,9 +204,6 @@ class _PerUnit:
     held: tuple[int, ...] = ()
     """``working`` with the unit's own parameters' gradients kept from their making on
     (``SavedActivations.unit_backward_held_bytes``); empty: not followed."""
-    saves_input: tuple[bool, ...] = ()
-    """Whether each unit saves its own first input (``SavedActivations.saves_input``); empty:
-    all do."""
 
     def backward_working(self, i: int, working: tuple[int, ...] | None = None) -> int:
         """Unit ``i``'s: ``working`` (default ``self.working``; ``copied``, ``held``), or where
@@ -244,7 +241,6 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
             s.calls,
             s.unit_backward_copied_bytes,
             s.unit_backward_held_bytes,
-            s.saves_input,
         )
         held = s.tail_param_numel * g  # the head's gradients, until the root's reduction
         tied = 2 * s.tied_param_numel * g
@@ -301,6 +297,11 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
     # less the extra inputs the engine keeps anyway
     own = [max(0, u - k) // n if checkpointing else u for u, k, n in zip(per.unit, kept_too, calls)]
 
+    # Per unit: whether its input is among its saves (or the root's): a span it opens keeps its
+    # input whole on the device as one of its recomputation's saves; else that storage is held
+    # by the span's frame alone, a checkpoint beside them until its backward is done.
+    input_saved = (s.input_saved if s is not None else ()) or (True,) * num_units
+
     def moment(i: int) -> tuple[int, int]:
         """Activations saved before unit ``i``'s own (earlier units' of its span, recomputed,
         and the root's before it, inclusive) and checkpoints on the device (the spans opened
@@ -311,7 +312,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         if not checkpointing:
             return sum(own[:i]) + root, 0
         f = span[i]  # (joined a unit called again: its last call's span, after its others)
-        mine = piece[f] if c.splits_checkpoints else 0
+        mine = piece[f] if c.splits_checkpoints or not input_saved[f] else 0
         opened = sum(ckpt[:f]) + ((starts[f] - 1) * piece[f] if f != i else 0)
         first_call = (sum(own[f:i]) + root, opened + mine)
         if calls[i] == 1:
@@ -321,17 +322,38 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         return max(first_call, last_call, key=sum)
 
     moments = [moment(i) for i in range(num_units)]
+    recomputation = s.recomputation if s is not None and checkpointing else None
 
-    def unsaved_input(i: int) -> int:
-        """A span's input its first unit does not save (a norm computing in FP32 saves its
-        upcast copy of a BF16 input), kept whole on the device by the span's frame beside the
-        recomputed saves, from the span's recomputation to its first unit's backward (freed
-        by its post-backward). Counted in that unit's saves where it saves it, and split or
-        offloaded as ``piece`` where that is kept so."""
-        if not checkpointing or not per.saves_input or c.splits_checkpoints:
+    def recomputing(i: int) -> int:
+        """Activations at unit ``i``'s backward while it recomputes its span (``i`` the span's
+        last unit that counts; else 0): the root's saves before it, the gradients flowing into
+        it, and at each unit ``j`` of the span run again, the saves of the units before it, its
+        input (the span's, or what the unit before it made and left unsaved) and what its own
+        forward makes and holds (up to its last save for ``i``: the recomputation stops there).
+        A span holding a unit called several times: not followed (0)."""
+        if recomputation is None:
             return 0
         f = span[i]
-        return 0 if per.saves_input[f] else piece[f]
+        members = [
+            u for u in range(f, num_units) if span[u] == f and not (per.inner and per.inner[u])
+        ]
+        if not members or members[-1] != i or any(calls[u] > 1 for u in members):
+            return 0
+        r = recomputation
+        root = sum(per.before[: i + 1])
+        most = 0
+        # The span's input as the recomputation holds it (a checkpoint already where its first
+        # unit saves it not and it is kept whole on the device); through the whole
+        # recomputation where its first unit saves it not (a copy gathered or read back).
+        kept_apart = not input_saved[f] and not c.splits_checkpoints and piece[f]
+        span_input = 0 if kept_apart else per.inputs[f]
+        for j in members:
+            base = span_input if j == f else r.passed[j] + (0 if input_saved[f] else span_input)
+            now = r.made_saving[j] if j == i else r.made[j]
+            most = max(most, sum(own[f:j]) + base + now)
+        return root + most + r.gradients[i]
+
+    recomputed_at = [recomputing(i) for i in range(num_units)]
 
     def given_beside(i: int | None) -> int:
         """Extra inputs kept on the device at unit ``i``'s backward (forward index; None: the
@@ -353,7 +375,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         if working == ():
             return ()
         return tuple(
-            moments[i][0] + own[i] + per.backward_working(i, working) + unsaved_input(i)
+            max(moments[i][0] + own[i] + per.backward_working(i, working), recomputed_at[i])
             for i in fwd
         )
 
@@ -363,9 +385,7 @@ def activation_terms(model: ModelDescription, config: MemoryConfig) -> Activatio
         at_unit=at_unit(),
         at_unit_copied=at_unit(per.copied),
         at_unit_held=at_unit(per.held),
-        at_post=tuple(
-            moments[i][0] + per.inputs[i] + (unsaved_input(i) if span[i] != i else 0) for i in fwd
-        ),
+        at_post=tuple(moments[i][0] + per.inputs[i] for i in fwd),
         after=per.before[0] if num_units else 0,
         grad_working=grad_working,
         held_grad=held,
