@@ -484,6 +484,21 @@ def test_resume_continues_the_same_curve(tmp_path, capsys, data_dir):
     assert "(reduce float32), optimizer AdamW" in out, out
 
 
+def test_a_run_replacing_an_earlier_run_s_records_says_so(capsys, tmp_path, data_dir):
+    """An earlier run that saved no checkpoint has nothing to continue, so a new run into its
+    folder is not refused: it replaced that run's metrics and summary without a word."""
+    flags = ["--data-dir", str(data_dir), *NANO, "--steps", "1", "--batch-size", "2"]
+    code, err, _, _ = _train_in_process(capsys, tmp_path, *flags)
+    assert code == 0, err
+    assert main(["train", *flags, "--out-dir", str(tmp_path)]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert said == [
+        f"note: --out-dir {tmp_path} holds an earlier run's metrics.jsonl and summary.json "
+        "(status done at step 1) and no checkpoint: this run replaces them (pass another "
+        "--out-dir to keep them)"
+    ], said
+
+
 def test_a_finished_run_s_folder_is_resumed_or_left_alone(capsys, tmp_path, data_dir):
     flags = ["--data-dir", str(data_dir), *NANO, "--steps", "2", "--batch-size", "2"]
     flags += ["--save-every", "2"]

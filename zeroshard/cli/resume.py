@@ -120,6 +120,23 @@ _SCHEDULE = ("lr", "steps", "warmup_steps", "lr_schedule")
 """The settings ``lr_at`` reads."""
 
 
+def _say_replaced(out: Path) -> None:
+    """One line where a run that does not resume replaces the records of an earlier one that
+    saved no checkpoint (nothing to refuse for: no run to continue), naming how it ended."""
+    found = [name for name in ("metrics.jsonl", "summary.json") if (out / name).is_file()]
+    if not found:
+        return
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+        ended = f" (status {summary['status']} at step {summary['last_step']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        ended = ""
+    print(
+        f"note: --out-dir {out} holds an earlier run's {' and '.join(found)}{ended} and no "
+        "checkpoint: this run replaces them (pass another --out-dir to keep them)"
+    )
+
+
 def pin_resume(cfg: TrainConfig, launch: Launch) -> tuple[TrainConfig, bool]:
     """``--resume``: the checkpoint it names (``auto``: the newest), checked and printed. A run
     that does not resume must not start into a folder holding an earlier run's checkpoints:
@@ -145,6 +162,7 @@ def pin_resume(cfg: TrainConfig, launch: Launch) -> tuple[TrainConfig, bool]:
                 f"{earlier.name}); pass --resume auto to continue it, or another --out-dir (or "
                 f"delete {earlier.parent}) to start afresh"
             )
+        _say_replaced(Path(cfg.out_dir))
         return cfg, False
     if cfg.resume == "auto":  # a newer one that is damaged is not passed over without a word
         for other in checkpoint.passed_over(path.parent):
