@@ -68,8 +68,8 @@ class Recomputation:
     holds as it starts. Followed on meta in the measured forward (saves kept, as a
     recomputation keeps them) and backward, operator by operator (``backward_peak._Made``). A
     recomputation's own temporaries (a norm's FP32 copies in BF16, attention scores a model's
-    code holds, an MLP's input to its activation) can top the unit's backward working set: not
-    followed, BLOOM at ``--ci 2`` (4 x 64 tokens, FP32) was planned 5.7% under."""
+    code holds, an MLP's input to its activation) can top the unit's backward working set
+    (unfollowed, BLOOM at ``--ci 2``, 4 x 64 tokens, FP32, was planned 5.7% under)."""
 
     made: tuple[int, ...]
     """The most bytes alive at once that the unit's forward made (its saves so far, its
