@@ -689,8 +689,8 @@ def test_frozen_parameters_are_measured_and_planned(workers2, stage):
     config = dataclasses.replace(calibrate.engine_config(Case(stage=stage), 2), micro_batch_size=4)
     predicted = m.plan_memory(model, config).model_states_bytes()
     # What the plan leaves out (the optimizer's step counters, a few scalars: ``timeline``'s
-    # "Not counted") is about 300 B of these 347 KB at stage 3: 0.1% left 40 B for a scalar
-    # the step frees a moment later, and failed now and then in a busy test run.
+    # "Not counted") is about 300 B of these 347 KB at stage 3: 0.1% left 40 B of margin, and
+    # failed now and then in a busy test run (by how much, not recorded).
     for measured in workers2.run(_frozen_states, stage):
         assert abs(predicted - measured) <= 0.002 * measured, (predicted, measured)
 
