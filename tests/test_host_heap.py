@@ -7,20 +7,44 @@ import pytest
 from zeroshard.residual_states import host_heap
 
 
-def test_trims_only_when_the_process_outgrows_its_working_size(monkeypatch):
-    sizes = iter([100] * 3 + [102, 104, 103, 106])  # after the warm-up steps
-    trims = []
-    monkeypatch.setattr(host_heap, "resident_bytes", lambda: next(sizes))
-    monkeypatch.setattr(host_heap, "trim", lambda: trims.append(True) or True)
+def _keeper_over(monkeypatch, steps: list[tuple[int, int]]) -> tuple[host_heap.HeapKeeper, list]:
+    """A keeper after the warm-up and ``steps``: each (resident bytes at its end, what a trim
+    brings them down to); the trims' resident sizes before them."""
+    rss = [100]
+    trims: list[int] = []
+    monkeypatch.setattr(host_heap, "resident_bytes", lambda: rss[0])
+
+    def trim() -> bool:
+        trims.append(rss[0])
+        rss[0] = floor[0]
+        return True
+
+    floor = [100]
+    monkeypatch.setattr(host_heap, "trim", trim)
     keeper = host_heap.HeapKeeper(slack=0.03)
     for _ in range(host_heap.WARMUP_STEPS - 1):
         keeper.after_step()  # warming up: no size read, no trim
     assert keeper.working_bytes is None and not trims
     keeper.after_step()  # step 10: the working size
     assert keeper.working_bytes == 100
-    for _ in range(6):
+    for rss[0], floor[0] in steps:
         keeper.after_step()
-    assert keeper.trims == 2 and len(trims) == 2  # at 104 and 106, not at 102 or 103
+    return keeper, trims
+
+
+def test_trims_only_when_the_process_outgrows_its_working_size(monkeypatch):
+    steps = [(102, 100), (104, 100), (103, 100), (106, 100)]
+    keeper, trims = _keeper_over(monkeypatch, steps)
+    assert keeper.trims == 2 and trims == [104, 106]  # not at 102 or 103
+    assert keeper.working_bytes == 100
+
+
+def test_memory_a_trim_cannot_return_becomes_the_working_size(monkeypatch):
+    """A process that grew for good (a checkpoint library loaded at the first save) trimmed
+    after every step from then on, returning nothing."""
+    steps = [(110, 108)] + [(108, 108)] * 5 + [(110, 108), (112, 108)]
+    keeper, trims = _keeper_over(monkeypatch, steps)
+    assert trims == [110, 112] and keeper.working_bytes == 108  # 112 > 108 * 1.03
 
 
 def test_trim_returns_memory_here():

@@ -783,13 +783,15 @@ def measure(
         )
 
     def input_saved(i: int) -> bool:
-        """Whether unit ``i``'s first input is among its own saves or the root's."""
+        """Whether unit ``i``'s first input is among its own saves (a unit inside it's too:
+        BertAttention's q/k/v Linears save BertLayer's input) or the root's."""
         if i not in first_inputs:
             return True  # (no tensor input, or never called from the root: nothing kept)
         key, generation = first_inputs[i]
         if key not in saved or not ident.alive(key, generation):
             return False
-        return saved[key][0] in (i, *range(-num_units - 1, 0))
+        saver = saved[key][0]
+        return saver < 0 or saver == i or _contains(units[i], units[saver])
 
     return SavedActivations(
         micro_batch_size=micro_batch_size,
