@@ -191,7 +191,7 @@ def test_a_config_from_a_pipe_is_read(capsys, tmp_path):
 
     from zeroshard.cli.train import load_config
 
-    pipe = tmp_path / "config.pipe"
+    pipe = tmp_path / "config"  # (no suffix, as /dev/stdin)
     os.mkfifo(pipe)
     writer = threading.Thread(
         target=pipe.write_text, args=('preset = "nano"\nseq_len = 16\nsteps = 3\n',)
@@ -202,6 +202,15 @@ def test_a_config_from_a_pipe_is_read(capsys, tmp_path):
     finally:
         writer.join(timeout=10)
     assert (cfg.preset, cfg.steps, cfg.lr) == ("nano", 3, 0.01)
+    # A pipe of JSON (no suffix to go by): it was read as TOML ("Invalid statement").
+    writer = threading.Thread(
+        target=pipe.write_text, args=('{"preset": "nano", "seq_len": 16, "steps": 4}',)
+    )
+    writer.start()
+    try:
+        assert load_config(pipe, {}).steps == 4
+    finally:
+        writer.join(timeout=10)
     argv = ["train", "--config", str(tmp_path), "--out-dir", str(tmp_path / "run")]
     _expect_usage_error(capsys, argv, f"config file {tmp_path} is a folder")
 
@@ -497,6 +506,17 @@ def test_a_run_replacing_an_earlier_run_s_records_says_so(capsys, tmp_path, data
         "(status done at step 1) and no checkpoint: this run replaces them (pass another "
         "--out-dir to keep them)"
     ], said
+    # A node joining a running elastic job before its first save: those are the job's own.
+    from zeroshard.cli import agent
+    from zeroshard.cli.resume import pin_resume
+    from zeroshard.cli.train import load_config
+
+    with socket.create_server(("127.0.0.1", 0)) as job:  # (the running job's rendezvous)
+        endpoint = f"127.0.0.1:{job.getsockname()[1]}"
+        launch = agent.Launch(nproc=1, port=0, max_nodes=2, rdzv_endpoint=endpoint)
+        cfg = load_config(None, {"out_dir": str(tmp_path), "preset": "nano", "seq_len": "16"})
+        assert pin_resume(cfg, launch) == (cfg, False)
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_a_finished_run_s_folder_is_resumed_or_left_alone(capsys, tmp_path, data_dir):

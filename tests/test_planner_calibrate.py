@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from zeroshard.models.gpt import GPT, PRESETS
 from zeroshard.planner import calibrate, describe, timeline
 from zeroshard.planner import memory as m
 from zeroshard.planner.calibrate import MODEL_STATES_TOLERANCE, Case
+from zeroshard.testing import WorkerError
 
 
 def _saved_bytes(cfg, batch: int) -> dict[str, int]:
@@ -473,6 +475,39 @@ def _saved_at_config(case):
     from zeroshard.planner import saved
 
     return saved.at_config(calibrate.describe_case(case), calibrate.engine_config(case, 2))
+
+
+class _Unpicklable(Exception):
+    """An error that cannot cross to the other ranks as it is (it holds a lock)."""
+
+    def __init__(self) -> None:
+        super().__init__("no plan for this case")
+        self.lock = threading.Lock()
+
+
+def _plan_fails(case) -> dict:
+    def fail(*args):
+        raise _Unpicklable()
+
+    calibrate.predict, before = fail, calibrate.predict
+    try:
+        return calibrate.calibrate(case)
+    finally:
+        calibrate.predict = before
+
+
+def test_a_plan_that_fails_on_rank_0_is_raised_on_every_rank(workers2):
+    """Rank 0 makes the plan for all: its error (one that does not pickle, too) is raised
+    there and said on the others, none left waiting in the broadcast."""
+    with pytest.raises(WorkerError, match="no plan for this case"):
+        workers2.run(_plan_fails, Case(preset="nano", stage=3, micro_batch_size=2, seq_len=16))
+    assert workers2.run(_rank_of) == [0, 1]  # (the pool goes on)
+
+
+def _rank_of() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 def test_a_span_input_its_unit_does_not_save_is_counted():

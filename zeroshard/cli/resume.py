@@ -162,7 +162,8 @@ def pin_resume(cfg: TrainConfig, launch: Launch) -> tuple[TrainConfig, bool]:
                 f"{earlier.name}); pass --resume auto to continue it, or another --out-dir (or "
                 f"delete {earlier.parent}) to start afresh"
             )
-        _say_replaced(Path(cfg.out_dir))
+        if not launch.joins_running_job():  # (else they are the running job's)
+            _say_replaced(Path(cfg.out_dir))
         return cfg, False
     if cfg.resume == "auto":  # a newer one that is damaged is not passed over without a word
         for other in checkpoint.passed_over(path.parent):

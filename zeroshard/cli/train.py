@@ -198,7 +198,8 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> TrainConfig:
             raise UsageError(f"config file {path} is a folder; give the TOML or JSON file in it")
         text = path.read_text()  # once: a pipe (/dev/stdin, a shell's <(...)) reads as a file
         try:
-            if path.suffix == ".json":
+            # (a pipe has no suffix to go by: JSON starts with a brace, no TOML document does)
+            if path.suffix == ".json" or (path.suffix != ".toml" and text.lstrip()[:1] == "{"):
                 values = json.loads(text)
             else:
                 try:

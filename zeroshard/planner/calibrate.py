@@ -406,14 +406,18 @@ def calibrate(case: Case | HFCase) -> dict:
     # The plan depends on the case and the number of ranks alone: one rank makes it (its meta
     # forward and backward cost seconds) and gives it to the others.
     predicted: list = [None]
+    failed = None
     if dist.get_rank() == 0:
         try:
             predicted[0] = predict(case, num_ranks)
-        except Exception as exc:  # raised on every rank, none left waiting for the plan
-            predicted[0] = exc
+        except Exception as exc:  # raised on every rank, none left waiting for the plan (as
+            failed = exc  # text: an exception may not pickle)
+            predicted[0] = f"rank 0 could not plan the case: {type(exc).__name__}: {exc}"
     dist.broadcast_object_list(predicted, src=0)
-    if isinstance(predicted[0], Exception):
-        raise predicted[0]
+    if failed is not None:
+        raise failed
+    if isinstance(predicted[0], str):
+        raise RuntimeError(predicted[0])
     return {
         "case": row,
         "num_ranks": num_ranks,
