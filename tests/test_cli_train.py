@@ -193,24 +193,20 @@ def test_a_config_from_a_pipe_is_read(capsys, tmp_path):
 
     pipe = tmp_path / "config"  # (no suffix, as /dev/stdin)
     os.mkfifo(pipe)
-    writer = threading.Thread(
-        target=pipe.write_text, args=('preset = "nano"\nseq_len = 16\nsteps = 3\n',)
-    )
-    writer.start()
-    try:
-        cfg = load_config(pipe, {"lr": "0.01"})
-    finally:
-        writer.join(timeout=10)
+
+    def through_the_pipe(text: str, overrides: dict):
+        writer = threading.Thread(target=pipe.write_text, args=(text,))
+        writer.start()
+        try:
+            return load_config(pipe, overrides)
+        finally:
+            writer.join(timeout=10)
+
+    cfg = through_the_pipe('preset = "nano"\nseq_len = 16\nsteps = 3\n', {"lr": "0.01"})
     assert (cfg.preset, cfg.steps, cfg.lr) == ("nano", 3, 0.01)
     # A pipe of JSON (no suffix to go by): it was read as TOML ("Invalid statement").
-    writer = threading.Thread(
-        target=pipe.write_text, args=('{"preset": "nano", "seq_len": 16, "steps": 4}',)
-    )
-    writer.start()
-    try:
-        assert load_config(pipe, {}).steps == 4
-    finally:
-        writer.join(timeout=10)
+    cfg = through_the_pipe('{"preset": "nano", "seq_len": 16, "steps": 4}', {})
+    assert cfg.steps == 4
     argv = ["train", "--config", str(tmp_path), "--out-dir", str(tmp_path / "run")]
     _expect_usage_error(capsys, argv, f"config file {tmp_path} is a folder")
 

@@ -319,23 +319,20 @@ def test_a_span_s_recomputation_is_followed(workers2, name, precision):
     from test_planner_hf import HF_CONFIGS
 
     config = BLOOM if name == "bloom" else HF_CONFIGS[name]
-    case = calibrate.HFCase(
-        config=config, stage=0, micro_batch_size=4, seq_len=64, precision=precision,
+    _peak_at(
+        workers2, config, 0.001, stage=0, micro_batch_size=4, seq_len=64, precision=precision,
         checkpoint_every=2,
     )  # fmt: skip
-    for row in workers2.run(calibrate.calibrate, case):
-        p, meas = row["predicted"], row["measured"]
-        assert p["peak_moment"].startswith("unit backward"), calibrate.render([row])
-        assert abs(calibrate.error(p["peak_bytes"], meas["peak_bytes"])) <= 0.001, row
 
 
-def _peak_in_a_unit_s_backward(workers2, config: dict, within: float, **case) -> None:
-    """``config`` calibrated with a checkpoint per unit (``HFCase`` fields in ``case``): on
-    every rank the plan's peak is in a unit's backward, within ``within`` of the measured one."""
-    case = calibrate.HFCase(config=config, checkpoint_every=1, **case)
+def _peak_at(workers2, config: dict, within: float, moment: str = "unit backward", **case) -> None:
+    """``config`` calibrated (``HFCase`` fields in ``case``; a checkpoint per unit unless it
+    says): on every rank the plan's peak is at ``moment`` (a prefix), within ``within`` of the
+    measured one."""
+    case = calibrate.HFCase(config=config, **{"checkpoint_every": 1, **case})
     for row in workers2.run(calibrate.calibrate, case):
         p, meas = row["predicted"], row["measured"]
-        assert p["peak_moment"].startswith("unit backward"), calibrate.render([row])
+        assert p["peak_moment"].startswith(moment), calibrate.render([row])
         assert abs(calibrate.error(p["peak_bytes"], meas["peak_bytes"])) <= within, row
 
 
@@ -351,7 +348,7 @@ def test_a_unit_s_backward_working_set_is_followed(workers2, name):
     from test_planner_hf import HF_CONFIGS
 
     config = OPT | {"dropout": 0.0} if name == "opt" else HF_CONFIGS[name]
-    _peak_in_a_unit_s_backward(workers2, config, 0.01, stage=3, micro_batch_size=32, seq_len=64)
+    _peak_at(workers2, config, 0.01, stage=3, micro_batch_size=32, seq_len=64)
 
 
 GPT_NEOX = dict(
@@ -467,7 +464,7 @@ def test_a_unit_s_own_gradients_are_counted_as_they_are_made(workers2):
     2 x 32, those made before a later moment are more than the largest one: -1.6%. Now the
     gradients made up to each moment, followed on meta."""
     pytest.importorskip("transformers")
-    _peak_in_a_unit_s_backward(workers2, OLMOE, 0.005, stage=3, micro_batch_size=2, seq_len=32)
+    _peak_at(workers2, OLMOE, 0.005, stage=3, micro_batch_size=2, seq_len=32)
 
 
 def _saved_at_config(case):
@@ -556,14 +553,10 @@ def test_bf16_reductions_are_counted_in_the_reduce_dtype(workers2, batch, seq, c
     pytest.importorskip("transformers")
     from test_planner_hf import HF_CONFIGS
 
-    case = calibrate.HFCase(
-        config=HF_CONFIGS["qwen2_moe"], stage=3, micro_batch_size=batch, seq_len=seq,
-        precision="bf16", checkpoint_every=ci,
+    _peak_at(
+        workers2, HF_CONFIGS["qwen2_moe"], 0.002, moment, stage=3, micro_batch_size=batch,
+        seq_len=seq, precision="bf16", checkpoint_every=ci,
     )  # fmt: skip
-    for row in workers2.run(calibrate.calibrate, case):
-        p, meas = row["predicted"], row["measured"]
-        assert p["peak_moment"].startswith(moment), calibrate.render([row])
-        assert abs(calibrate.error(p["peak_bytes"], meas["peak_bytes"])) <= 0.002, row
 
 
 GEMMA3 = dict(
@@ -584,9 +577,7 @@ def test_gradients_copied_into_persistent_buckets_are_not_held(workers2, name, s
     pytest.importorskip("transformers")
     from test_planner_hf import HF_CONFIGS
 
-    _peak_in_a_unit_s_backward(
-        workers2, HF_CONFIGS[name], 0.005, stage=stage, micro_batch_size=4, seq_len=64
-    )
+    _peak_at(workers2, HF_CONFIGS[name], 0.005, stage=stage, micro_batch_size=4, seq_len=64)
 
 
 @pytest.mark.parametrize("name, within", [("llama", 0.005), ("gemma3", 0.025)])
@@ -603,9 +594,7 @@ def test_a_tensor_parallel_unit_s_backward_working_set_is_followed(workers2, nam
     from test_planner_hf import HF_CONFIGS
 
     config = GEMMA3 if name == "gemma3" else HF_CONFIGS[name]
-    _peak_in_a_unit_s_backward(
-        workers2, config, within, stage=3, micro_batch_size=4, seq_len=64, tp=2
-    )
+    _peak_at(workers2, config, within, stage=3, micro_batch_size=4, seq_len=64, tp=2)
 
 
 def test_calibration_one_rank_reduces_without_a_staging_copy(workers1):

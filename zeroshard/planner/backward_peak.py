@@ -147,7 +147,13 @@ class _Made:
 
     @property
     def next_serial(self) -> int:
+        """The serial the next storage made will take."""
         return self._next
+
+    @property
+    def following(self) -> bool:
+        """Whether ``mode`` has started numbering what is made."""
+        return self._serials is not None
 
     def mode(self):
         import weakref

@@ -626,7 +626,7 @@ def measure(
         if first is not None and not inputs[i]:
             inputs[i] = split.nbytes(first, first.numel() * first.element_size())
         if where[0] == i and stack[-1] < 0:  # called from the root
-            if followed._serials is not None:  # (what the previous call left unsaved)
+            if followed.following:  # (what the previous call left unsaved)
                 start, end = last_call
                 left = followed.made_between(start, end)
                 passed = sum(st.nbytes() for st in left if st._cdata not in saved)
@@ -635,8 +635,9 @@ def measure(
                 followed.mark()
                 running_unit[:] = [i, 0]
             if first is not None:
-                firsts.add(ident(first))
-                first_inputs.setdefault(i, ident(first))
+                key = ident(first)
+                firsts.add(key)
+                first_inputs.setdefault(i, key)
             rest = [(t, True) for t in tensors_in(args)] + [(t, False) for t in tensors_in(kwargs)]
             for t, positional in rest:
                 if t is not first:
@@ -647,7 +648,7 @@ def measure(
     def leave(i: int, output) -> None:
         where[0] = stack.pop()
         if where[0] < 0 and running_unit[0] == i:
-            last_call[1] = followed.next_serial if followed._serials is not None else 0
+            last_call[1] = followed.next_serial if followed.following else 0
             running_unit[:] = [None, 0]
         if where[0] < 0:
             where[0] = -2 - i  # the root, after unit i
